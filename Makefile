@@ -1,0 +1,25 @@
+# Quick start: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the CPU build these machines serve from a local wheel; it is installed
+# first so that resolving tba's own dependencies never pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: pyproject.toml $(wildcard setup.py native/*.c native/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m tba demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info tba/*.so

@@ -1,0 +1,1 @@
+"""tba: offload PyTorch activations to NVMe files and prefetch them for backward."""

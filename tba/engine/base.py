@@ -1,0 +1,74 @@
+"""The engine interface: asynchronous reads and writes of raw memory ranges at file offsets.
+
+An engine moves bytes between memory and an open file descriptor and knows nothing about
+tensors. The runtime hands it requests ``(op, fd, address, nbytes, offset)`` and gets back one
+:class:`concurrent.futures.Future` per request. A future resolves to ``nbytes`` when every byte
+was transferred, or fails with an :class:`OSError` carrying the right ``errno`` (``ENOSPC`` for a
+full disk, ``EIO`` through :class:`tba.errors.ShortTransferError` for a read that ends early).
+Engines resubmit short transfers and ``EAGAIN`` themselves; callers never see partial success.
+
+Alignment is the caller's job: when the file was opened with ``O_DIRECT``, the runtime passes
+addresses, lengths and offsets that are multiples of :data:`tba.engine.base.ALIGN_BYTES`.
+
+Completion callbacks (``Future.add_done_callback``) run on an engine thread; they must be short
+and must not submit new work that waits on the same engine.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from concurrent.futures import Future
+from typing import ClassVar, NamedTuple, Sequence
+
+ALIGN_BYTES = 4096
+"""Alignment of addresses, lengths and file offsets for O_DIRECT I/O (bytes)."""
+
+
+class Op(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+class Request(NamedTuple):
+    """One transfer between ``[address, address + nbytes)`` and ``[offset, offset + nbytes)`` of ``fd``."""
+
+    op: Op
+    fd: int
+    address: int
+    nbytes: int
+    offset: int
+
+
+class Engine(abc.ABC):
+    """Asynchronous block I/O on raw memory. Subclasses implement :meth:`submit_many` and :meth:`close`."""
+
+    name: ClassVar[str] = "abstract"
+
+    @abc.abstractmethod
+    def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        """Queue ``requests`` and return one future per request, in order.
+
+        The memory of each request must stay valid until its future is done.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for queued requests to finish, then release the engine's threads and kernel objects.
+
+        Idempotent. Submitting after ``close`` raises ``RuntimeError``.
+        """
+
+    def submit_write(self, fd: int, address: int, nbytes: int, offset: int) -> Future:
+        """Queue one write of ``nbytes`` from ``address`` to ``fd`` at ``offset``."""
+        return self.submit_many([Request(Op.WRITE, fd, address, nbytes, offset)])[0]
+
+    def submit_read(self, fd: int, address: int, nbytes: int, offset: int) -> Future:
+        """Queue one read of ``nbytes`` from ``fd`` at ``offset`` into ``address``."""
+        return self.submit_many([Request(Op.READ, fd, address, nbytes, offset)])[0]
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,39 @@
+"""Exceptions raised by tba.
+
+Every error names what went wrong and, where there is one, the fix. Reads that fail are never
+papered over: a saved tensor that cannot be read back raises :class:`TbaReadError` rather than
+returning zeros or stale bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class TbaError(RuntimeError):
+    """Base class of all tba errors."""
+
+
+class TbaConfigError(TbaError, ValueError):
+    """Bad arguments or an unusable environment, raised before any forward work."""
+
+
+class TbaReadError(TbaError):
+    """A saved tensor could not be read back from its file."""
+
+
+class ShortTransferError(OSError):
+    """A read or write moved fewer bytes than asked for and could not be completed.
+
+    Engines raise it for a read that hits end of file early; it is an ``OSError`` with
+    ``errno.EIO`` so callers can treat it like any other I/O failure.
+    """
+
+    def __init__(self, op: str, done_bytes: int, want_bytes: int, offset: int) -> None:
+        super().__init__(
+            errno.EIO,
+            f"short {op}: {done_bytes} of {want_bytes} bytes at file offset {offset}",
+        )
+        self.done_bytes = done_bytes
+        self.want_bytes = want_bytes
+        self.offset = offset
