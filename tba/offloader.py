@@ -38,7 +38,7 @@ from tba.engine.base import ALIGN_BYTES
 from tba.entry import SavedView, State, StorageEntry
 from tba.errors import TbaConfigError, TbaError, TbaReadError
 from tba.layers import LayerTracker, resolve_layers, state_storage_keys
-from tba.memory import aligned_empty
+from tba.memory import aligned_empty, storage_view
 from tba.prefetch import DEFAULT_PREFETCH_BUDGET_BYTES, DEFAULT_PREFETCH_DEPTH_LAYERS, PrefetchWindow
 from tba.spill import SpillFile
 from tba.stats import BusyClock, OffloadStats
@@ -166,21 +166,21 @@ class Offloader:
         """
         with self._lock:
             engine, self.engine = self.engine, None
-            if self._state == "idle":
+            if self._state != "discarded":
                 self._state = "closed"
         if engine is not None and engine is not self.backend:
             engine.close()
         if self.spill is not None:
             self.spill.close()
+        with self._lock:
+            for entry in self._by_storage.values():
+                self._release(entry)
+            self._by_storage.clear()
 
     def _discard(self) -> None:
         """Forward failed: drop every saved byte now; later unpacks raise."""
         self._state = "discarded"
         self.close()
-        with self._lock:
-            for entry in self._by_storage.values():
-                self._release(entry)
-            self._by_storage.clear()
 
     # ----------------------------------------------------------------- pack
     def keep_reason(self, tensor: torch.Tensor) -> str | None:
@@ -311,11 +311,11 @@ class Offloader:
                 f"{entry.describe()} was discarded because the offload context exited with an "
                 "exception; run forward again"
             )
+        if self._state == "closed":
+            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward")
         with self._lock:
             data = entry.data
             if data is None and entry.read_done is None:
-                if self.engine is None:
-                    raise TbaError(f"cannot read back {entry.describe()}: the offloader was closed before backward")
                 self._start_read(entry)
             done = entry.read_done
         self._prefetch(entry)
@@ -348,7 +348,7 @@ class Offloader:
             if error is not None:
                 done.set_exception(error)
                 return
-            entry.data = buffer[entry.phase_bytes : entry.phase_bytes + entry.nbytes]
+            entry.data = storage_view(buffer, entry.phase_bytes, entry.nbytes)
             self._resident(entry.nbytes)
             self._stats.bytes_read += entry.nbytes
             done.set_result(entry.data)
