@@ -35,12 +35,15 @@ def test_mlp_dtypes(spill_dir, backend, dtype):
     assert offloader.stats.storages_written > 0
 
 
-def test_gpt_block_with_dropout(spill_dir, backend):
+@pytest.mark.parametrize("flush", [True, False], ids=["written-first", "racing-writes"])
+def test_gpt_block_with_dropout(spill_dir, backend, flush):
     config = PRESETS["tiny"]
     model = make_gpt(config)
     tokens, targets = make_batch(config)
-    offloader = assert_exact(model, lambda m: m(tokens, targets), spill_dir, backend, layers=model)
-    assert offloader.stats.storages_written > 10
+    offloader = assert_exact(model, lambda m: m(tokens, targets), spill_dir, backend, layers=model, flush=flush)
+    assert offloader.stats.tensors_offloaded > 10
+    if flush:
+        assert offloader.stats.storages_written > 10 and offloader.stats.bytes_read > 0
 
 
 def test_cnn(spill_dir, backend):

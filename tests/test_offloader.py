@@ -12,6 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tba
 from tba.errors import TbaError
+from tba.memory import aligned_empty, storage_view
 from utils import FaultyEngine
 
 
@@ -73,15 +74,18 @@ def test_dedup_writes_a_storage_once_and_rebuilds_every_view(spill_dir):
 
 
 def test_allocator_address_reuse_is_a_new_storage(spill_dir):
+    """A new storage at a freed storage's address must not be mistaken for it."""
+    pool = aligned_empty(1 << 16)
     with offloader(spill_dir) as off:
-        a = torch.randn(1 << 14)
-        address, want_a = a.data_ptr(), a.clone()
+        a = storage_view(pool, 0, 1 << 16)
+        a.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8))
+        want_a = a.clone()
         packed_a = off.pack(a)
         off.flush()
         del a
-        gc.collect()
-        b = torch.randn(1 << 14)
-        assert b.data_ptr() == address, "the allocator did not reuse the address; the test proves nothing"
+        b = storage_view(pool, 0, 1 << 16)
+        b.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8))
+        assert b.data_ptr() == pool.data_ptr()
         packed_b = off.pack(b)
         off.flush()
         assert off.stats.storages_written == 2
@@ -177,13 +181,17 @@ def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
     fds = open_fds()
     off = offloader(spill_dir)
     sizes = []
-    for _ in range(3):
+    steps = 6
+    for _ in range(steps):
         with off:
             loss = model(x).sum()
+        off.flush()
         loss.backward()
         sizes.append(off.spill.size_bytes)
-    assert sizes[0] > 0 and sizes[0] == sizes[1] == sizes[2]
-    assert off.stats.tensors_offloaded == 3 * 3
+    # Without reuse the file would grow by sizes[0] every step; a read still in flight when the
+    # next step allocates can shift a hole, so allow some slack but no growth per step.
+    assert sizes[0] > 0 and max(sizes) <= 1.5 * sizes[0], sizes
+    assert off.stats.tensors_offloaded == 3 * steps
     assert open_fds() == fds + 1
     off.close()
     assert open_fds() == fds

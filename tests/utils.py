@@ -16,8 +16,12 @@ from tba.errors import ShortTransferError
 
 
 def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], offloader=None, *,
-             backward_passes: int = 1, seed: int = 1234):
-    """One forward (inside ``offloader`` when given) and backward; returns (loss, grads by name)."""
+             backward_passes: int = 1, seed: int = 1234, flush: bool = True):
+    """One forward (inside ``offloader`` when given) and backward; returns (loss, grads by name).
+
+    With ``flush`` every write completes before backward, so backward reads from the file whatever
+    the disk's speed; without it backward races the writes, as in training.
+    """
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     if offloader is None:
@@ -25,6 +29,8 @@ def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], off
     else:
         with offloader:
             loss = forward(model)
+        if flush:
+            offloader.flush()
     for index in range(backward_passes):
         loss.backward(retain_graph=index + 1 < backward_passes)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -32,12 +38,13 @@ def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], off
 
 
 def assert_exact(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], directory: str,
-                 backend: str | Engine = "threads", *, backward_passes: int = 1, **options) -> tba.Offloader:
+                 backend: str | Engine = "threads", *, backward_passes: int = 1, flush: bool = True,
+                 **options) -> tba.Offloader:
     """Gradients and loss with tba are torch.equal to those without; returns the offloader."""
     ref_loss, ref_grads = run_step(model, forward, backward_passes=backward_passes)
     options.setdefault("min_offload_bytes", 0)
     offloader = tba.offload_activations(directory, backend=backend, **options)
-    loss, grads = run_step(model, forward, offloader, backward_passes=backward_passes)
+    loss, grads = run_step(model, forward, offloader, backward_passes=backward_passes, flush=flush)
     assert torch.equal(ref_loss, loss), (ref_loss, loss)
     assert ref_grads.keys() == grads.keys()
     assert ref_grads, "the model produced no gradients"
