@@ -314,10 +314,9 @@ class Offloader:
         if self._state == "closed":
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward")
         with self._lock:
-            data = entry.data
-            if data is None and entry.read_done is None:
-                self._start_read(entry)
-            done = entry.read_done
+            data, done = entry.data, entry.read_done
+            if data is None and done is None:
+                done = self._start_read(entry)
         self._prefetch(entry)
         if data is None:
             data = self._wait_read(entry, done)
@@ -329,10 +328,12 @@ class Offloader:
             self._note_unpacked(entry)
         return tensor
 
-    def _start_read(self, entry: StorageEntry) -> None:
+    def _start_read(self, entry: StorageEntry) -> Future:
+        """Queue the reads of ``entry``; the returned future resolves to its bytes (``entry.data``)."""
         buffer = aligned_empty(entry.extent_bytes)
-        entry.read_done = Future()
+        done = entry.read_done = Future()
         self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
+        return done
 
     def _on_read_block(self, entry: StorageEntry, future: Future, *, buffer: torch.Tensor) -> None:
         self._read_clock.stop()

@@ -87,6 +87,11 @@ def probe_direct_io(directory: str) -> str | None:
 
 
 def _prepare_directory(directory: str) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise TbaConfigError(
+            f"offload directory {directory} exists but is not a directory; pass directory= "
+            "(or set TBA_DIR) to a directory"
+        )
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
@@ -94,8 +99,6 @@ def _prepare_directory(directory: str) -> None:
             f"cannot create the offload directory {directory}: {err.strerror}; pass "
             "directory= (or set TBA_DIR) to a writable directory on a fast local disk"
         ) from err
-    if not os.path.isdir(directory):
-        raise TbaConfigError(f"offload directory {directory} exists but is not a directory")
 
 
 class SpillFile:
