@@ -38,7 +38,7 @@ from tba.engine.base import ALIGN_BYTES
 from tba.entry import SavedView, State, StorageEntry
 from tba.errors import TbaConfigError, TbaError, TbaReadError
 from tba.layers import LayerTracker, resolve_layers, state_storage_keys
-from tba.memory import aligned_empty, storage_view
+from tba.pool import BufferPool
 from tba.prefetch import DEFAULT_PREFETCH_BUDGET_BYTES, DEFAULT_PREFETCH_DEPTH_LAYERS, PrefetchWindow
 from tba.spill import SpillFile
 from tba.stats import BusyClock, OffloadStats
@@ -103,6 +103,7 @@ class Offloader:
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
         self._window = PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes)
+        self._pool = BufferPool(prefetch_budget_bytes)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._lock = threading.RLock()
         self._writes_done = threading.Condition(self._lock)
@@ -176,6 +177,7 @@ class Offloader:
             for entry in self._by_storage.values():
                 self._release(entry)
             self._by_storage.clear()
+            self._pool.clear()
 
     def _discard(self) -> None:
         """Forward failed: drop every saved byte now; later unpacks raise."""
@@ -330,7 +332,7 @@ class Offloader:
 
     def _start_read(self, entry: StorageEntry) -> Future:
         """Queue the reads of ``entry``; the returned future resolves to its bytes (``entry.data``)."""
-        buffer = aligned_empty(entry.extent_bytes)
+        buffer = self._pool.take(entry.extent_bytes)
         done = entry.read_done = Future()
         self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
         return done
@@ -349,7 +351,7 @@ class Offloader:
             if error is not None:
                 done.set_exception(error)
                 return
-            entry.data = storage_view(buffer, entry.phase_bytes, entry.nbytes)
+            entry.data = self._pool.lease(buffer, entry.phase_bytes, entry.nbytes)
             self._resident(entry.nbytes)
             self._stats.bytes_read += entry.nbytes
             done.set_result(entry.data)
@@ -404,6 +406,8 @@ class Offloader:
             if entry.io_pending == 0:
                 self._free_extent(entry)
             self._live_entries -= 1
+            if self._live_entries == 0:
+                self._pool.clear()
             finished = self._live_entries == 0 and self._state == "exited"
         if finished:
             self.close()

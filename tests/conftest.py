@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -35,5 +36,13 @@ def spill_dir(tmp_path) -> str:
 
 @pytest.fixture
 def open_fds():
-    """The number of open file descriptors, as a function, to compare before and after."""
-    return lambda: len(os.listdir("/proc/self/fd"))
+    """The number of open file descriptors, as a function, to compare before and after.
+
+    Collects garbage first, so descriptors of objects left by earlier tests do not move the count.
+    """
+
+    def count() -> int:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    return count

@@ -48,6 +48,7 @@ def main(directory: str, out: str) -> None:
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 
