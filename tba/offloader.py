@@ -46,7 +46,7 @@ from tba.stats import BusyClock, OffloadStats
 logger = logging.getLogger("tba")
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
-DEFAULT_BLOCK_SIZE_BYTES = 1 << 20
+DEFAULT_BLOCK_SIZE_BYTES = 4 << 20
 DEFAULT_QUEUE_DEPTH = 32
 
 # Note: [Dedup by storage identity]
@@ -440,7 +440,7 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
             used to tag storages for prefetch, and their parameters and buffers are never written.
         prefetch_depth_layers: Layers below the current one read ahead in backward. Default 1.
         prefetch_budget_bytes: Bound on bytes read ahead or held for backward. Default 512 MiB.
-        block_size_bytes: Size of one I/O request, a multiple of 4096. Default 1 MiB.
+        block_size_bytes: Size of one I/O request, a multiple of 4096. Default 4 MiB.
         queue_depth: Requests in flight at once. Default 32.
         direct_io: True requires O_DIRECT, False disables it, None (default) uses it when the file
             system supports it and warns once otherwise.

@@ -17,7 +17,9 @@ from utils import FaultyEngine
 
 
 def offloader(directory: str, backend="threads", **options) -> tba.Offloader:
+    """An offloader that writes everything, in small blocks so that one storage spans many requests."""
     options.setdefault("min_offload_bytes", 0)
+    options.setdefault("block_size_bytes", 8192)
     return tba.Offloader(directory, backend=backend, **options)
 
 

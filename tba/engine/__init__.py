@@ -16,6 +16,9 @@ from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
+MAX_THREADS = 8
+"""More threads than this only add context switches: each one waits in the kernel for its request."""
+
 BACKENDS = ("auto", "io_uring", "threads")
 """Names accepted by ``backend=``. An :class:`Engine` instance is accepted too."""
 
@@ -70,7 +73,7 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = 32) -> Eng
     Args:
         backend: ``"auto"``, ``"io_uring"``, ``"threads"`` or an engine instance.
         queue_depth: Requests in flight at once (ring entries, or threads for ``"threads"``,
-            capped at 16 threads). Default 32.
+            capped at :data:`MAX_THREADS`). Default 32.
     """
     if isinstance(backend, Engine):
         return backend
@@ -81,7 +84,7 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = 32) -> Eng
         from tba.engine.io_uring import IoUringEngine
 
         return IoUringEngine(queue_depth=queue_depth)
-    return ThreadEngine(workers=min(queue_depth, 16))
+    return ThreadEngine(workers=min(queue_depth, MAX_THREADS))
 
 
 __all__ = [
