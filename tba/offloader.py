@@ -100,6 +100,10 @@ class Offloader:
         self.reusable = reusable
         self.layers = resolve_layers(layers)
         self._stats = OffloadStats()
+        self.keep_layers: set[int] = set()
+        """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
+        self.layer_saved_bytes: dict[int | None, int] = {}
+        """Bytes of distinct storages saved per layer index (None: outside any layer), summed over steps."""
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
         self._window = PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes)
@@ -205,6 +209,8 @@ class Offloader:
             return "small"
         if storage.data_ptr() % 64:
             return "storage not 64-byte aligned"
+        if self._tracker.current in self.keep_layers:
+            return "layer kept by policy"
         return None
 
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -240,6 +246,7 @@ class Offloader:
         )
         self._next_seq += 1
         self._live_entries += 1
+        self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
         self._by_storage[storage._cdata] = entry
         self._window.add(entry)
         self._resident(entry.nbytes)

@@ -214,3 +214,30 @@ def test_entering_twice_at_once_raises(spill_dir):
         with pytest.raises(TbaError, match="cannot be entered"):
             off.__enter__()
     off.close()
+
+
+def test_keep_layers_and_saved_bytes_per_layer(spill_dir):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(3))
+    x = torch.randn(32, 64)
+
+    def step(off):
+        with off:
+            h = x
+            for layer in layers:
+                h = layer(h)
+            loss = h.sum()
+        off.flush()
+        loss.backward()
+
+    full = offloader(spill_dir, layers=list(layers))
+    step(full)
+    assert set(full.layer_saved_bytes) == {0, 1, 2}
+    partial = offloader(spill_dir, layers=list(layers))
+    partial.keep_layers = {1}
+    step(partial)
+    assert set(partial.layer_saved_bytes) == {0, 2}
+    assert partial.layer_saved_bytes[0] == full.layer_saved_bytes[0]
+    assert partial.stats.tensors_kept > full.stats.tensors_kept
+    full.close()
+    partial.close()
