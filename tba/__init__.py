@@ -14,22 +14,33 @@ from tba.engine import BACKENDS, Engine, ThreadEngine, available_backends, make_
 from tba.errors import ShortTransferError, TbaConfigError, TbaError, TbaReadError
 from tba.layers import find_layers
 from tba.offloader import Offloader, offload_activations
+from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Plan, Policy, Profile, RecomputeAll, estimate, plan
 from tba.stats import OffloadStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adaptive",
     "BACKENDS",
     "Engine",
+    "KeepAll",
+    "LayerProfile",
+    "OffloadAll",
     "OffloadStats",
     "Offloader",
+    "Plan",
+    "Policy",
+    "Profile",
+    "RecomputeAll",
     "ShortTransferError",
     "TbaConfigError",
     "TbaError",
     "TbaReadError",
     "ThreadEngine",
     "available_backends",
+    "estimate",
     "find_layers",
     "make_engine",
     "offload_activations",
+    "plan",
 ]

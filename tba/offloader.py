@@ -38,6 +38,7 @@ from tba.engine.base import ALIGN_BYTES
 from tba.entry import SavedView, State, StorageEntry
 from tba.errors import TbaConfigError, TbaError, TbaReadError
 from tba.layers import LayerTracker, resolve_layers, state_storage_keys
+from tba.policy.runtime import DEFAULT_PROFILE_STEPS, shared_runner
 from tba.pool import BufferPool
 from tba.prefetch import DEFAULT_PREFETCH_BUDGET_BYTES, DEFAULT_PREFETCH_DEPTH_LAYERS, PrefetchWindow
 from tba.spill import SpillFile
@@ -82,6 +83,10 @@ class Offloader:
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         direct_io: bool | None = None,
         reusable: bool = True,
+        policy: Any = "offload",
+        memory_budget_bytes: int | None = None,
+        overhead_bound: float | None = None,
+        profile_steps: int = DEFAULT_PROFILE_STEPS,
     ) -> None:
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
@@ -106,6 +111,10 @@ class Offloader:
         """Bytes of distinct storages saved per layer index (None: outside any layer), summed over steps."""
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
+        self.prefetch_depth_layers = prefetch_depth_layers
+        self.prefetch_budget_bytes = prefetch_budget_bytes
+        self.policy_runner = shared_runner(self.layers, policy, shared=not reusable, memory_budget_bytes=memory_budget_bytes,
+                                           overhead_bound=overhead_bound, profile_steps=profile_steps)
         self._window = PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes)
         self._pool = BufferPool(prefetch_budget_bytes)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -121,6 +130,16 @@ class Offloader:
         self._state = "idle"
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
+
+    @property
+    def plan(self) -> Any:
+        """The :class:`tba.Plan` in force (None while profiling, or without a placement policy)."""
+        return self.policy_runner.plan
+
+    def set_prefetch_budget(self, nbytes: int) -> None:
+        """Bound on bytes read ahead or held for backward from now on (a plan's window)."""
+        self._window.budget_bytes = nbytes
+        self._pool.capacity_bytes = nbytes
 
     @property
     def stats(self) -> OffloadStats:
@@ -141,6 +160,7 @@ class Offloader:
                 self.spill.close()
                 raise
         self._window.reset_cursor()
+        self.policy_runner.enter(self)
         self._tracker.attach()
         self._hooks.__enter__()
         self._state = "active"
@@ -149,6 +169,7 @@ class Offloader:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
         self._tracker.detach()
+        self.policy_runner.exit(self, failed=exc_type is not None)
         if exc_type is not None:
             self._discard()
             return
@@ -451,6 +472,14 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
         queue_depth: Requests in flight at once. Default 32.
         direct_io: True requires O_DIRECT, False disables it, None (default) uses it when the file
             system supports it and warns once otherwise.
+        policy: ``"offload"`` (default: every layer), ``"keep"`` (nothing goes to disk),
+            ``"adaptive"`` (profile the first ``profile_steps`` steps offloading everything, then
+            keep / offload / recompute each layer by :func:`tba.plan`), or a :class:`tba.Plan`
+            to pin. ``"keep"``, ``"adaptive"`` and plans need ``layers``.
+        memory_budget_bytes: Adaptive goal: at most this many activation bytes, fastest first.
+        overhead_bound: Adaptive goal: least memory within ``(1 + overhead_bound)`` x keep-all
+            step time. Give exactly one goal with ``policy="adaptive"``.
+        profile_steps: Steps profiled before the adaptive plan applies. Default 2.
 
     The returned offloader is one-shot: it closes its file once backward has released every
     saved tensor. To reuse one file across steps, build :class:`Offloader` once and enter it

@@ -1,0 +1,180 @@
+"""Applying a policy to an :class:`~tba.offloader.Offloader`, step by step.
+
+A :class:`PolicyRunner` is called by the offloader when it is entered (``enter``) and exited
+(``exit``). For ``policy="adaptive"`` the first ``profile_steps`` steps run offload-all while a
+:class:`~tba.policy.profile.LayerTimer` times every layer; at the next ``enter`` (backward of the
+last profiled step has run by then) the runner builds a :class:`~tba.policy.profile.Profile`:
+
+* ``f_i``, ``b_i``: the minimum over the profiled steps (noise from other work only adds time);
+* ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last profiled step; the last
+  layer's count includes what runs after it (the head and loss), since tba tags storages with the
+  last layer entered;
+* ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the profiled
+  steps; the largest storage is read from the offloader's live entries at the end of forward.
+
+It then calls :func:`~tba.policy.plan.plan`, logs the plan, and from then on applies it every step:
+kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
+checkpoint (:class:`~tba.recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
+the original forward for backward, so the wrapper can go at exit), and the prefetch window becomes
+the plan's. Saved tensors of recomputed layers never reach tba; their inputs are held by checkpoint.
+
+``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared
+through the first layer module (an attribute ``_tba_policy_runners``, keyed by the goal), so it
+lives exactly as long as the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from tba.errors import TbaConfigError
+from tba.policy.model import KEEP, OFFLOAD, RECOMPUTE
+from tba.policy.plan import Adaptive, Plan, Policy
+from tba.policy.profile import LayerProfile, LayerTimer, Profile
+from tba.recompute import RecomputeLayers
+
+logger = logging.getLogger("tba")
+
+POLICIES = ("offload", "keep", "adaptive")
+DEFAULT_PROFILE_STEPS = 2
+SHARED_ATTRIBUTE = "_tba_policy_runners"
+
+
+class PolicyRunner:
+    """Profiles, plans and applies a placement across the steps of one model.
+
+    Args:
+        layers: The offloader's layers.
+        policy: ``"offload"``, ``"keep"``, ``"adaptive"``, a :class:`Plan` to pin, or a
+            :class:`Policy` to run on the profile.
+        memory_budget_bytes / overhead_bound: The adaptive goal (exactly one).
+        profile_steps: Steps profiled before planning. Default 2.
+    """
+
+    def __init__(self, layers: list[nn.Module], policy: str | Plan | Policy = "offload", *,
+                 memory_budget_bytes: int | None = None, overhead_bound: float | None = None,
+                 profile_steps: int = DEFAULT_PROFILE_STEPS) -> None:
+        self.layers = layers
+        self.policy: Policy | None = None
+        self.plan: Plan | None = None
+        self.profile: Profile | None = None
+        if isinstance(policy, Plan):
+            self.plan = policy
+        elif isinstance(policy, Policy):
+            self.policy = policy
+        elif policy == "adaptive":
+            try:
+                self.policy = Adaptive(memory_budget_bytes=memory_budget_bytes, overhead_bound=overhead_bound)
+            except ValueError as err:
+                raise TbaConfigError(f"policy='adaptive': {err}") from None
+        elif policy not in POLICIES:
+            raise TbaConfigError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)} or a tba.Plan")
+        elif memory_budget_bytes is not None or overhead_bound is not None:
+            raise TbaConfigError(f"memory_budget_bytes and overhead_bound need policy='adaptive', not {policy!r}")
+        self.name = policy if isinstance(policy, str) else type(policy).__name__
+        if (self.policy is not None or self.plan is not None) and not layers:
+            raise TbaConfigError(f"policy {self.name} needs the model's layers: pass layers=model or a list of blocks")
+        if self.plan is not None and len(self.plan.decisions) != len(layers):
+            raise TbaConfigError(f"the plan has {len(self.plan.decisions)} layers but the model has {len(layers)}")
+        if profile_steps < 1:
+            raise TbaConfigError(f"profile_steps must be >= 1, got {profile_steps}")
+        self.profile_steps = profile_steps
+        self._timer = LayerTimer(layers)
+        self._samples: list[dict[str, Any]] = []
+        self._pending: dict[str, Any] | None = None
+        self._recompute: RecomputeLayers | None = None
+
+    @property
+    def profiling(self) -> bool:
+        return self.policy is not None and self.plan is None
+
+    def enter(self, offloader: Any) -> None:
+        """Set up the coming step on ``offloader`` (called by ``Offloader.__enter__``)."""
+        self._collect()
+        if self.profiling and len(self._samples) >= self.profile_steps:
+            self.profile = self._build_profile(offloader)
+            self.plan = self.policy.plan(self.profile)
+            logger.info("tba: %s", self.plan)
+        if self.name == "keep":
+            offloader.keep_layers = {None, *range(len(self.layers))}
+        elif self.plan is not None:
+            offloader.keep_layers = set(self.plan.layers(KEEP))
+            offloader.set_prefetch_budget(self.plan.window_bytes)
+            recomputed = [self.layers[i] for i in self.plan.layers(RECOMPUTE)]
+            self._recompute = RecomputeLayers(recomputed) if recomputed else None
+        elif self.profiling:
+            offloader.keep_layers = set()
+            self._timer.reset()
+            self._timer.attach()
+            stats = offloader.stats
+            self._pending = {"offloader": offloader, "saved": dict(offloader.layer_saved_bytes),
+                             "written": stats.bytes_written, "write_s": stats.write_busy_s,
+                             "read": stats.bytes_read, "read_s": stats.read_busy_s}
+
+    def exit(self, offloader: Any, failed: bool) -> None:
+        """Undo per-step changes (called by ``Offloader.__exit__``, after the hooks are removed)."""
+        if self._recompute is not None:
+            self._recompute.remove()
+            self._recompute = None
+        if self._pending is not None:
+            self._timer.detach()
+            if failed:
+                self._pending = None
+            else:
+                self._pending["forward_s"] = list(self._timer.forward_s)
+                self._pending["input_bytes"] = list(self._timer.input_bytes)
+                self._pending["max_storage"] = max((e.nbytes for e in offloader._by_storage.values()), default=0)
+
+    def _collect(self) -> None:
+        """Finish the pending profiled step: its backward has run by now."""
+        pending, self._pending = self._pending, None
+        if pending is None or "forward_s" not in pending:
+            return
+        offloader = pending.pop("offloader")
+        stats = offloader.stats
+        saved = offloader.layer_saved_bytes
+        pending["saved_bytes"] = [saved.get(i, 0) - pending["saved"].get(i, 0) for i in range(len(self.layers))]
+        pending["backward_s"] = self._timer.backward_s()
+        pending["written"] = stats.bytes_written - pending["written"]
+        pending["write_s"] = stats.write_busy_s - pending["write_s"]
+        pending["read"] = stats.bytes_read - pending["read"]
+        pending["read_s"] = stats.read_busy_s - pending["read_s"]
+        self._samples.append(pending)
+
+    def _build_profile(self, offloader: Any) -> Profile:
+        samples = self._samples
+        layers = []
+        for i in range(len(self.layers)):
+            forward = [s["forward_s"][i] for s in samples if s["forward_s"][i] is not None]
+            backward = [s["backward_s"][i] for s in samples if s["backward_s"][i] is not None]
+            layers.append(LayerProfile(
+                forward_s=min(forward, default=0.0),
+                saved_bytes=samples[-1]["saved_bytes"][i],
+                input_bytes=samples[-1]["input_bytes"][i],
+                backward_s=min(backward) if backward else None,
+                backward_measured=bool(backward),
+            ))
+        written, write_s = sum(s["written"] for s in samples), sum(s["write_s"] for s in samples)
+        read, read_s = sum(s["read"] for s in samples), sum(s["read_s"] for s in samples)
+        return Profile(
+            layers=tuple(layers),
+            write_bytes_per_s=written / write_s if written and write_s else float("inf"),
+            read_bytes_per_s=read / read_s if read and read_s else float("inf"),
+            max_storage_bytes=max(s["max_storage"] for s in samples),
+            prefetch_depth_layers=offloader.prefetch_depth_layers,
+            max_window_bytes=max(offloader.prefetch_budget_bytes, 1),
+        )
+
+
+def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, **goal: Any) -> PolicyRunner:
+    """A runner; with ``shared``, the one for ``layers`` and this goal that successive one-shot offloaders share."""
+    if not shared or not layers or not isinstance(policy, str) or policy != "adaptive":
+        return PolicyRunner(layers, policy, **goal)
+    key = (len(layers), *sorted(goal.items()))
+    runners = layers[0].__dict__.setdefault(SHARED_ATTRIBUTE, {})
+    if key not in runners:
+        runners[key] = PolicyRunner(layers, policy, **goal)
+    return runners[key]
