@@ -16,7 +16,7 @@ next ``r`` (their I/O could not hide and their memory is still over budget), kee
 ``P`` is chosen too: with a memory budget, the largest window (at most the offloader's prefetch
 budget, at least two of the largest storage) that fits; with an overhead bound, the smallest window
 that meets the bound (binary search on MiB; predicted time never grows with ``P``), ties going to
-fewer recomputed layers, then more offloaded ones. When no placement reaches
+the faster placement, then the one moving fewer bytes. When no placement reaches
 the goal, the plan with the least memory (memory goal) or the least time (overhead goal) is
 returned with ``fits=False``, and a warning is logged. Among equally fast placements within a
 memory budget the one moving the fewest bytes wins (I/O competes for memory bandwidth and CPU,
@@ -258,7 +258,7 @@ class Adaptive(Policy):
                 continue
             window = self._smallest_window(profile, decisions, bound, low, high)
             cost = estimate(profile, decisions, window)
-            key = (cost.memory_bytes, round(cost.step_s, 9), decisions.count(RECOMPUTE), -decisions.count(OFFLOAD))
+            key = (cost.memory_bytes, round(cost.step_s, 9), _io_bytes(profile, decisions), decisions.count(RECOMPUTE))
             if best is None or key < best[0]:
                 best = (key, decisions, window)
         if best is not None:

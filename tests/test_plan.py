@@ -1,0 +1,132 @@
+"""The planner and its cost model on synthetic profiles, with exact expected plans.
+
+Units: sizes in MiB, bandwidths in MiB/s, so that every number below can be checked by hand
+against the model in ``tba/policy/model.py``. Four layers, f = 1 s, b = 2 s, s = 100 MiB, x = 10 MiB,
+largest storage 10 MiB (so the smallest window is 20 MiB); keep-all takes 12 s and 400 MiB.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import tba
+from tba.policy.model import estimate
+from tba.policy.plan import Adaptive, KeepAll, OffloadAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
+
+MIB = 1 << 20
+
+
+def profile(write_mib_s: float, read_mib_s: float, layers: int = 4) -> tba.Profile:
+    layer = tba.LayerProfile(forward_s=1.0, saved_bytes=100 * MIB, input_bytes=10 * MIB, backward_s=2.0,
+                             backward_measured=True)
+    return tba.Profile((layer,) * layers, write_mib_s * MIB, read_mib_s * MIB, max_storage_bytes=10 * MIB)
+
+
+FAST = profile(1000, 1000)  # a layer's 100 MiB write takes 0.1 s, far less than its 1 s forward
+SLOW = profile(50, 100)  # writes take 2 s per layer: only the first two finish within forward
+
+
+def test_cost_model_keep_offload_recompute():
+    keep = estimate(FAST, ["keep"] * 4)
+    assert (keep.step_s, keep.keep_step_s, keep.memory_bytes) == (12.0, 12.0, 400 * MIB)
+    offload = estimate(FAST, ["offload"] * 4)
+    assert (offload.step_s, offload.memory_bytes, offload.backlog_bytes) == (12.0, 200 * MIB, 0)
+    assert offload.hidden_writes == (True,) * 4
+    recompute = estimate(FAST, ["recompute"] * 4)
+    assert recompute.step_s == 16.0
+    assert recompute.memory_bytes == 3 * 10 * MIB + 110 * MIB  # inputs below + the rebuilt top layer
+
+
+def test_cost_model_slow_disk_backlog_and_small_window():
+    cost = estimate(SLOW, ["offload"] * 4)
+    assert cost.hidden_writes == (True, True, False, False)
+    assert cost.backlog_bytes == 200 * MIB
+    assert cost.memory_bytes == 200 * MIB
+    small = estimate(FAST, ["offload"] * 4, 50 * MIB)
+    assert small.memory_bytes == 50 * MIB
+    assert small.step_s == pytest.approx(12.1)  # 4 layers x (100 - 50) MiB / 1000 MiB/s / 2 exposed
+    assert small.read_stall_s == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("budget_mib, code, window_mib, step_s, memory_mib", [
+    (500, "KKKK", 512, 12.0, 400),
+    (250, "OOKK", 512, 12.0, 200),  # OOOK and OOOO fit too, equally fast, but move more bytes
+    (150, "OOOK", 150, 12.0, 150),  # window shrunk to fit; reads still hide
+    (50, "OOOO", 50, 12.1, 50),  # recompute cannot fit: its rebuilt layer alone is 110 MiB
+])
+def test_memory_budget_fast_disk(budget_mib, code, window_mib, step_s, memory_mib):
+    result = plan(FAST, memory_budget_bytes=budget_mib * MIB)
+    assert (result.code, result.window_bytes, result.fits) == (code, window_mib * MIB, True)
+    assert result.predicted_step_s == pytest.approx(step_s)
+    assert result.predicted_memory_bytes == memory_mib * MIB
+
+
+@pytest.mark.parametrize("budget_mib, code, window_mib, step_s, memory_mib", [
+    (250, "OOKK", 512, 12.0, 200),  # the TBA placement: layer 2's write would not finish in forward
+    (150, "OORK", 150, 13.0, 150),  # layer 2 cannot hide its I/O and is over budget: recompute it
+])
+def test_memory_budget_slow_disk(budget_mib, code, window_mib, step_s, memory_mib):
+    result = plan(SLOW, memory_budget_bytes=budget_mib * MIB)
+    assert (result.code, result.window_bytes, result.fits) == (code, window_mib * MIB, True)
+    assert result.predicted_step_s == pytest.approx(step_s)
+    assert result.predicted_memory_bytes == memory_mib * MIB
+
+
+def test_unreachable_budget_returns_least_memory_and_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        result = plan(SLOW, memory_budget_bytes=60 * MIB)
+    assert (result.code, result.window_bytes, result.fits) == ("OORK", 20 * MIB, False)  # OOOR: 110 MiB, slower
+    assert result.predicted_memory_bytes == 110 * MIB
+    assert "no placement fits" in caplog.text
+    assert plan(FAST, memory_budget_bytes=10 * MIB).code == "OOOO"
+
+
+@pytest.mark.parametrize("bound, code, window_mib, memory_mib", [
+    (0.0, "OOKK", 100, 200),  # a window under 100 MiB would expose read time
+    (0.101, "OORK", 79, 110),  # 13 s + (100 - P) / 100 s of exposed reads <= 12 x 1.101 s
+])
+def test_overhead_bound_slow_disk(bound, code, window_mib, memory_mib):
+    result = plan(SLOW, overhead_bound=bound)
+    assert (result.code, result.window_bytes, result.fits) == (code, window_mib * MIB, True)
+    assert result.predicted_memory_bytes == memory_mib * MIB
+    assert result.predicted_step_s <= 12.0 * (1 + bound) + 1e-9
+
+
+def test_policy_classes():
+    assert KeepAll().plan(FAST).code == "KKKK"
+    assert OffloadAll().plan(FAST).code == "OOOO"
+    assert RecomputeAll().plan(FAST).code == "RRRR"
+    assert Adaptive(memory_budget_bytes=250 * MIB).plan(FAST) == plan(FAST, memory_budget_bytes=250 * MIB)
+    assert min_window_bytes(FAST) == 20 * MIB
+    assert len(shapes(4)) == 15 and shapes(4)[0] == ("keep",) * 4
+
+
+def test_plan_json_round_trip_and_printing(tmp_path):
+    result = plan(SLOW, memory_budget_bytes=150 * MIB)
+    assert Plan.from_json(result.to_json()) == result
+    path = tmp_path / "plan.json"
+    result.save(str(path))
+    assert Plan.load(str(path)) == result
+    text = str(result)
+    assert "plan OORK" in text and "recompute layers 2" in text and "offload   layers 0-1" in text
+    assert tba.Profile.from_json(SLOW.to_json()) == SLOW
+
+
+def test_bad_goals_and_plans():
+    with pytest.raises(ValueError, match="exactly one goal"):
+        plan(FAST)
+    with pytest.raises(ValueError, match="exactly one goal"):
+        plan(FAST, memory_budget_bytes=1, overhead_bound=0.1)
+    with pytest.raises(ValueError, match="memory_budget_bytes must be >= 0"):
+        plan(FAST, memory_budget_bytes=-1)
+    with pytest.raises(ValueError, match="unknown decision"):
+        Plan(("keep", "swap"), 0)
+    with pytest.raises(ValueError, match="cannot drive a model with 4 layers"):
+        estimate(FAST, ["keep"] * 3)
+
+
+def test_backward_estimated_when_not_measured():
+    layer = tba.LayerProfile(forward_s=0.5, saved_bytes=1)
+    assert (layer.backward_s, layer.backward_measured) == (1.0, False)
