@@ -1,0 +1,168 @@
+"""Placement policies applied to a real model: exact gradients under every plan, and the runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tba
+from tba.models import GPTConfig, make_batch, make_gpt
+from tba.policy.runtime import SHARED_ATTRIBUTE
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
+STEPS = 4
+
+
+@pytest.fixture
+def model():
+    return make_gpt(CONFIG, seed=3)
+
+
+def train(model, make_offloader=None, steps: int = STEPS):
+    """Per step: loss and gradients. ``make_offloader()`` is called once per step (None: keep-all)."""
+    tokens, targets = make_batch(CONFIG, seed=4)
+    out = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        offloader = make_offloader() if make_offloader else None
+        if offloader is None:
+            loss = model(tokens, targets)
+        else:
+            with offloader:
+                loss = model(tokens, targets)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def assert_same(reference, result):
+    assert len(reference) == len(result)
+    for (ref_loss, ref_grads), (loss, grads) in zip(reference, result):
+        assert torch.equal(ref_loss, loss)
+        assert ref_grads.keys() == grads.keys()
+        for name in ref_grads:
+            assert torch.equal(ref_grads[name], grads[name]), f"gradient of {name} differs"
+
+
+PINNED = {
+    "keep": ("keep",) * 4,
+    "offload": ("offload",) * 4,
+    "recompute": ("recompute",) * 4,
+    "mixed": ("offload", "recompute", "keep", "offload"),
+    "recompute-then-keep": ("offload", "offload", "recompute", "keep"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_every_pinned_plan_is_exact(model, spill_dir, name):
+    reference = train(model)
+    pinned = tba.Plan(PINNED[name], window_bytes=1 << 20)
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0, policy=pinned)
+    assert_same(reference, train(model, lambda: offloader))
+    offloader.close()
+    assert all("forward" not in vars(block) for block in model.blocks), "recompute wrapper left on a layer"
+    saved = offloader.layer_saved_bytes
+    input_bytes = CONFIG.batch_size * CONFIG.seq_len * CONFIG.width * 4
+    for index, decision in enumerate(PINNED[name]):
+        if decision == "keep":
+            assert saved.get(index, 0) == 0
+        elif decision == "recompute" and index < 3:  # only its input reaches tba, through checkpoint
+            assert saved[index] == input_bytes * STEPS
+        else:
+            assert saved[index] > input_bytes * STEPS
+
+
+@pytest.mark.parametrize("policy", ["offload", "keep"])
+def test_offload_and_keep_policies_are_exact(model, spill_dir, policy):
+    reference = train(model)
+    offloaders = []
+
+    def make():
+        offloaders.append(tba.offload_activations(spill_dir, backend="threads", layers=model,
+                                                  min_offload_bytes=0, policy=policy))
+        return offloaders[-1]
+
+    assert_same(reference, train(model, make))
+    written = sum(o.stats.bytes_written for o in offloaders)
+    assert (written == 0) == (policy == "keep")
+
+
+@pytest.mark.parametrize("goal", [{"memory_budget_bytes": 0}, {"memory_budget_bytes": 1 << 40},
+                                  {"overhead_bound": 0.5}])
+def test_adaptive_profiles_then_plans_and_stays_exact(model, spill_dir, goal):
+    reference = train(model, steps=STEPS + 1)
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              policy="adaptive", profile_steps=2, **goal)
+    plans = []
+
+    def make():
+        plans.append(offloader.plan)
+        return offloader
+
+    assert_same(reference, train(model, make, steps=STEPS + 1))
+    offloader.close()
+    assert plans[:3] == [None, None, None]  # two profiled steps, planned when the third is entered
+    assert plans[3] is not None and plans[3] == offloader.plan
+    profile = offloader.policy_runner.profile
+    assert len(profile.layers) == 4
+    assert all(layer.saved_bytes > 0 and layer.forward_s > 0 and layer.backward_measured for layer in profile.layers)
+    assert all(layer.input_bytes == 2 * 16 * 32 * 4 for layer in profile.layers)
+    assert profile.max_storage_bytes > 0 and profile.write_bytes_per_s > 0
+    if goal.get("memory_budget_bytes") == 1 << 40:
+        assert offloader.plan.code == "KKKK"
+    if goal.get("memory_budget_bytes") == 0:
+        assert not offloader.plan.fits
+
+
+def test_adaptive_one_shot_contexts_share_a_runner(model, spill_dir):
+    reference = train(model)
+    offloaders = []
+
+    planned = []
+
+    def make():
+        offloaders.append(tba.offload_activations(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                                                  policy="adaptive", memory_budget_bytes=1 << 40, profile_steps=1))
+        planned.append(offloaders[-1].plan is not None)
+        return offloaders[-1]
+
+    assert_same(reference, train(model, make))
+    runners = {id(o.policy_runner) for o in offloaders}
+    assert len(runners) == 1
+    assert planned == [False, False, True, True]  # the second context plans when it is entered
+    # The first step is profiled offloading everything; then keep-all fits a 1 TiB budget.
+    assert [o.stats.bytes_written > 0 for o in offloaders] == [True, False, False, False]
+    assert len(vars(model.blocks[0])[SHARED_ATTRIBUTE]) == 1
+
+
+def test_recompute_wrapper_removed_at_exit_backward_still_recomputes(model, spill_dir):
+    tokens, targets = make_batch(CONFIG, seed=4)
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(model(tokens, targets), list(model.parameters()))
+    pinned = tba.Plan(("recompute",) * 4, window_bytes=1 << 20)
+    calls = []
+    model.blocks[1].attn.register_forward_hook(lambda *args: calls.append(1))
+    with tba.offload_activations(spill_dir, backend="threads", layers=model, policy=pinned):
+        torch.manual_seed(0)
+        loss = model(tokens, targets)
+    assert all("forward" not in vars(block) for block in model.blocks)
+    assert len(calls) == 1
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert len(calls) == 2, "backward did not recompute layer 1"
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads))
+
+
+def test_policy_config_errors(model, spill_dir):
+    with pytest.raises(tba.TbaConfigError, match="exactly one goal"):
+        tba.Offloader(spill_dir, layers=model, policy="adaptive")
+    with pytest.raises(tba.TbaConfigError, match="needs the model's layers"):
+        tba.Offloader(spill_dir, policy="adaptive", memory_budget_bytes=1)
+    with pytest.raises(tba.TbaConfigError, match="unknown policy"):
+        tba.Offloader(spill_dir, layers=model, policy="swap")
+    with pytest.raises(tba.TbaConfigError, match="need policy='adaptive'"):
+        tba.Offloader(spill_dir, layers=model, memory_budget_bytes=1)
+    with pytest.raises(tba.TbaConfigError, match="the plan has 2 layers but the model has 4"):
+        tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep", "keep"), 0))
+    with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be >= 0"):
+        tba.Offloader(spill_dir, layers=model, policy="adaptive", memory_budget_bytes=-5)
