@@ -45,6 +45,9 @@ and, during backward through layer ``i``, what layers below it still hold plus i
     B_i = sum_{K, j<i} s_j + sum_{R, j<i} x_j + w_i
     w_i = s_i (K),  s_i + x_i (R: internals rebuilt, input held),
           min(max(P, m), s_i + s_{i-1} [i-1 offloaded]) (O: the prefetch window)
+
+A recomputed layer's input is saved through tba like any other tensor, so it is usually
+offloaded too; counting it as held keeps the estimate an upper bound.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def _forward(profile: Profile, decisions: tuple[str, ...]) -> tuple[float, int, 
         layer_start += layer.forward_s
     backlog = 0
     for layer, end in zip(profile.layers, ends):
-        if end is not None:
+        if end is not None and end > forward_end:
             unwritten = (end - forward_end) * profile.write_bytes_per_s
             backlog += int(min(max(unwritten, 0.0), layer.saved_bytes))
     hidden = tuple(end is not None and end <= forward_end + 1e-12 for end in ends)

@@ -16,7 +16,8 @@ It then calls :func:`~tba.policy.plan.plan`, logs the plan, and from then on app
 kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
 checkpoint (:class:`~tba.recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
 the original forward for backward, so the wrapper can go at exit), and the prefetch window becomes
-the plan's. Saved tensors of recomputed layers never reach tba; their inputs are held by checkpoint.
+the plan's. Tensors saved inside a recomputed layer never reach tba (checkpoint's own hooks take
+them); the layer's input, saved by checkpoint, goes through tba like any other tensor.
 
 ``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared
 through the first layer module (an attribute ``_tba_policy_runners``, keyed by the goal), so it
