@@ -13,6 +13,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.demo", "train a small built-in GPT with and without tba and compare"),
+    "rok": ("tba.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
 }
 
 

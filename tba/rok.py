@@ -1,0 +1,234 @@
+"""ROK curve: step time against activation memory for keep, recompute, offload and adaptive.
+
+``python -m tba rok`` (or ``tools/rok.py``) runs one model under keep-all, full recompute
+(non-reentrant checkpoint on every layer), offload-all (tba), and tba's adaptive policy at
+several memory budgets. Each configuration runs in a fresh process (:func:`tba.measure.run_isolated`)
+and reports its median step time and activation peak: peak RSS during a step minus RSS before it
+on CPU, ``torch.cuda.max_memory_allocated`` minus what was allocated before the step (weights,
+gradients, optimiser state) on CUDA. Budgets are fractions of keep-all's measured peak unless
+given in MiB; the adaptive runs profile their first two steps (not measured) and then follow the
+plan, which is recorded with each point.
+
+It writes ``rok.csv``, ``rok.json`` and, with matplotlib installed (``pip install tba[plot]``),
+``rok.png``: one marker per strategy, the Pareto front (no other point both faster and smaller)
+drawn as a line. ``rok.json`` also says whether some adaptive point dominates full recompute (no
+more memory and less time). Python entry point for your own model: :func:`sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from tba.measure import ModeResult, run_isolated
+from tba.models import PRESETS
+from tba.progress import Progress
+from tba.rok_plot import pareto_front, plot_png
+
+logger = logging.getLogger("tba")
+
+MIB = 1 << 20
+DEFAULT_BUDGET_FRACTIONS = (0.75, 0.5, 0.3, 0.2, 0.1)
+BASELINES = (("keep", "keep"), ("recompute", "recompute"), ("offload", "tba"))
+CSV_FIELDS = ("strategy", "label", "budget_mib", "step_s", "activation_peak_mib", "step_ratio", "peak_ratio",
+              "losses_equal", "pareto", "plan", "window_mib", "predicted_step_s", "predicted_memory_mib")
+
+
+@dataclasses.dataclass
+class RokPoint:
+    """One configuration's measurement. Seconds and bytes; ratios are against keep-all."""
+
+    strategy: str
+    label: str
+    step_s: float
+    activation_peak_bytes: int
+    step_ratio: float
+    peak_ratio: float
+    losses_equal: bool
+    budget_bytes: int | None = None
+    plan: dict[str, Any] | None = None
+    pareto: bool = False
+
+    def row(self) -> dict[str, Any]:
+        plan = self.plan or {}
+        return {
+            "strategy": self.strategy, "label": self.label,
+            "budget_mib": "" if self.budget_bytes is None else round(self.budget_bytes / MIB, 1),
+            "step_s": round(self.step_s, 4), "activation_peak_mib": round(self.activation_peak_bytes / MIB, 1),
+            "step_ratio": round(self.step_ratio, 3), "peak_ratio": round(self.peak_ratio, 3),
+            "losses_equal": self.losses_equal, "pareto": self.pareto, "plan": plan.get("code", ""),
+            "window_mib": round(plan["window_bytes"] / MIB, 1) if plan else "",
+            "predicted_step_s": round(plan["predicted_step_s"], 4) if plan else "",
+            "predicted_memory_mib": round(plan["predicted_memory_bytes"] / MIB, 1) if plan else "",
+        }
+
+
+@dataclasses.dataclass
+class RokResult:
+    """All points, whether adaptive dominates full recompute, and the files written."""
+
+    points: list[RokPoint]
+    adaptive_dominates_recompute: bool
+    dominating: list[str]
+    files: list[str]
+
+
+def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callable[[], Any] | str | None = None, *,
+          preset: str | None = None, budget_fractions: Sequence[float] = DEFAULT_BUDGET_FRACTIONS,
+          budgets_bytes: Sequence[int] | None = None, steps: int = 5, warmup: int = 1, directory: str | None = None,
+          backend: str = "auto", device: str = "cpu", out_dir: str | None = ".", plot: bool = True,
+          progress: bool = True) -> RokResult:
+    """Measure the ROK curve of one model; every configuration in a fresh process.
+
+    Args:
+        make_model: Module-level function returning the model (``model(*batch)`` returns the
+            loss), or its ``"module:function"`` / ``"file.py:function"`` name. Or give ``preset``.
+        make_batch: Module-level function returning the batch (a tuple of arguments).
+        preset: A built-in GPT preset (``tiny``, ``demo``, ``small``, ``bench``) instead.
+        budget_fractions: Adaptive budgets as fractions of keep-all's measured activation peak.
+        budgets_bytes: Adaptive budgets in bytes (replaces ``budget_fractions``).
+        steps / warmup: Measured and unmeasured steps per configuration. Defaults 5 and 1.
+        directory / backend: Spill directory and I/O backend for tba.
+        device: ``"cpu"`` (default) or ``"cuda"``.
+        out_dir: Where ``rok.csv``, ``rok.json`` and ``rok.png`` go; None writes nothing.
+        plot: Write ``rok.png`` when matplotlib is installed.
+        progress: Show a progress line on stderr.
+    """
+    if (preset is None) == (make_model is None) or (make_model is None) != (make_batch is None):
+        raise ValueError("give either preset= or both make_model and make_batch")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+    model_args: dict[str, Any] = {} if preset else {"model_factory": make_model, "batch_factory": make_batch}
+    common = dict(steps=steps, warmup=warmup, directory=directory, backend=backend, device=device, **model_args)
+    budget_count = len(budgets_bytes) if budgets_bytes is not None else len(budget_fractions)
+    bar = Progress(len(BASELINES) + budget_count, enabled=progress)
+    results: list[tuple[str, str, int | None, ModeResult]] = []
+    for strategy, mode in BASELINES:
+        bar.update(strategy)
+        results.append((strategy, strategy, None, run_isolated(mode, preset, **common)))
+    keep = results[0][3]
+    if budgets_bytes is None:
+        budgets = [(f"adaptive {f:.0%}", int(f * keep.median_peak_bytes)) for f in budget_fractions]
+    else:
+        budgets = [(f"adaptive {b / MIB:.0f} MiB", int(b)) for b in budgets_bytes]
+    for label, budget in budgets:
+        bar.update(f"{label} (budget {budget / MIB:.1f} MiB)")
+        options = {"memory_budget_bytes": budget}
+        results.append(("adaptive", label, budget, run_isolated("adaptive", preset, offload_options=options, **common)))
+    bar.done()
+    points = [_point(strategy, label, budget, result, keep) for strategy, label, budget, result in results]
+    for point in pareto_front(points):
+        point.pareto = True
+    recompute = points[1]
+    dominating = [p.label for p in points if p.strategy == "adaptive" and p.step_s < recompute.step_s
+                  and p.activation_peak_bytes <= recompute.activation_peak_bytes]
+    out = RokResult(points, bool(dominating), dominating, [])
+    if out_dir is not None:
+        out.files = _write(out, out_dir, plot, title=preset or factory_title(make_model), device=device)
+    return out
+
+
+def factory_title(make_model: Any) -> str:
+    return make_model if isinstance(make_model, str) else getattr(make_model, "__qualname__", "model")
+
+
+def _point(strategy: str, label: str, budget: int | None, result: ModeResult, keep: ModeResult) -> RokPoint:
+    return RokPoint(
+        strategy=strategy, label=label, step_s=result.median_step_s,
+        activation_peak_bytes=result.median_peak_bytes,
+        step_ratio=result.median_step_s / keep.median_step_s,
+        peak_ratio=result.median_peak_bytes / keep.median_peak_bytes if keep.median_peak_bytes else float("nan"),
+        losses_equal=_same_losses(result.losses, keep.losses), budget_bytes=budget, plan=result.plan,
+    )
+
+
+def _same_losses(losses: list[float], reference: list[float]) -> bool:
+    """Step ``i`` has the same seed and weights in every run, so losses compare over the common steps."""
+    common = min(len(losses), len(reference))
+    return common > 0 and losses[:common] == reference[:common]
+
+
+def _write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    files = [os.path.join(out_dir, "rok.csv"), os.path.join(out_dir, "rok.json")]
+    with open(files[0], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(p.row() for p in result.points)
+    with open(files[1], "w") as f:
+        json.dump({"model": title, "device": device, "points": [dataclasses.asdict(p) for p in result.points],
+                   "adaptive_dominates_recompute": result.adaptive_dominates_recompute,
+                   "dominating": result.dominating}, f, indent=2)
+    if plot:
+        png = os.path.join(out_dir, "rok.png")
+        if plot_png(result.points, png, title=f"ROK curve: {title} on {device}"):
+            files.append(png)
+        else:
+            logger.warning("tba: matplotlib is not installed, so no rok.png; pip install 'tba[plot]' to get it")
+    return files
+
+
+def format_points(points: Sequence[RokPoint]) -> str:
+    """The points as an aligned table."""
+    header = (f"{'label':<18} {'step s':>7} {'x keep':>6} {'act peak MiB':>12} {'x keep':>6} {'same loss':>9} "
+              f"{'pareto':>6} {'plan':>10} {'window MiB':>10}")
+    lines = [header, "-" * len(header)]
+    for point in points:
+        row = point.row()
+        lines.append(f"{point.label:<18} {point.step_s:>7.3f} {point.step_ratio:>6.2f} {row['activation_peak_mib']:>12.1f} "
+                     f"{point.peak_ratio:>6.2f} {'yes' if point.losses_equal else 'NO':>9} "
+                     f"{'*' if point.pareto else '':>6} {row['plan']:>10} {str(row['window_mib']):>10}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="built-in GPT size (default: small, unless --model is given)")
+    parser.add_argument("--model", metavar="MODULE:FUNC", help="your model factory, e.g. mypkg.train:make_model")
+    parser.add_argument("--batch", metavar="MODULE:FUNC", help="your batch factory (with --model)")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration (default: 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
+    parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
+                        help="adaptive budgets as fractions of keep-all's peak (default: %(default)s)")
+    parser.add_argument("--budgets-mib", default=None, help="adaptive budgets in MiB instead, comma-separated")
+    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--out", default=".", help="directory for rok.csv, rok.json, rok.png (default: .)")
+    parser.add_argument("--no-plot", action="store_true", help="do not write rok.png")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.model is None) != (args.batch is None):
+        raise SystemExit("--model and --batch go together")
+    preset = args.preset or (None if args.model else "small")
+    budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
+    result = sweep(args.model, args.batch, preset=preset, budget_fractions=[float(b) for b in args.budgets.split(",")],
+                   budgets_bytes=budgets_bytes, steps=args.steps, warmup=args.warmup, directory=args.directory,
+                   backend=args.backend, device=args.device, out_dir=args.out, plot=not args.no_plot,
+                   progress=not args.quiet)
+    print(format_points(result.points))
+    print(f"\nadaptive dominates full recompute (no more memory, less time): "
+          f"{'yes: ' + ', '.join(result.dominating) if result.dominating else 'no'}")
+    print("wrote " + ", ".join(result.files))
+    return 0 if all(p.losses_equal for p in result.points) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/rok.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
