@@ -1,0 +1,23 @@
+"""A user's own model for the ROK tests, named by file path in a fresh process."""
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.layers(x), y)
+
+
+def make_model() -> nn.Module:
+    return Net()
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(512, 64, generator=generator), torch.randn(512, 64, generator=generator)

@@ -1,0 +1,86 @@
+"""ROK tool: Pareto front, progress line, files written, a user's model in a fresh process."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tba.cli import build_parser
+from tba.measure import run_isolated
+from tba.progress import Progress
+from tba.rok import sweep
+from tba.rok_plot import pareto_front, plot_png
+
+FACTORIES = os.path.join(os.path.dirname(__file__), "rok_factories.py")
+
+
+def point(label, step_s, peak, strategy="adaptive"):
+    return SimpleNamespace(label=label, step_s=step_s, activation_peak_bytes=peak, strategy=strategy, plan=None)
+
+
+def test_pareto_front_exact():
+    points = [point("a", 1.0, 100), point("b", 2.0, 50), point("c", 2.0, 60), point("d", 0.5, 200),
+              point("e", 3.0, 50), point("f", 1.0, 100)]
+    # c is beaten by b; e by b; a and f tie with each other and are both kept.
+    assert [p.label for p in pareto_front(points)] == ["b", "a", "f", "d"]
+
+
+def test_progress_lines_when_not_a_terminal():
+    stream = io.StringIO()
+    bar = Progress(2, stream=stream)
+    bar.update("keep")
+    bar.update("recompute")
+    bar.done()
+    lines = stream.getvalue().splitlines()
+    assert [line.split("]")[1].split()[0] for line in lines] == ["0/2", "1/2", "2/2"]
+    assert lines[0].endswith("keep") and lines[2].startswith("[" + "#" * 24 + "]")
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot_png([point("a", 1.0, 1)], str(tmp_path / "rok.png"), title="t") is False
+    assert not (tmp_path / "rok.png").exists()
+
+
+def test_sweep_tiny_preset_writes_csv_json_png(tmp_path, spill_dir):
+    result = sweep(preset="tiny", budget_fractions=[0.5], steps=2, warmup=1, directory=spill_dir,
+                   backend="threads", out_dir=str(tmp_path), progress=False)
+    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "adaptive 50%"]
+    assert all(p.losses_equal for p in result.points)
+    adaptive = result.points[-1]
+    assert adaptive.budget_bytes == int(0.5 * result.points[0].activation_peak_bytes)
+    assert len(adaptive.plan["code"]) == 2 and adaptive.plan["goal"] == f"memory_budget_bytes={adaptive.budget_bytes}"
+    with open(tmp_path / "rok.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "adaptive"]
+    assert rows[3]["plan"] == adaptive.plan["code"]
+    data = json.loads((tmp_path / "rok.json").read_text())
+    assert data["model"] == "tiny" and len(data["points"]) == 4
+    assert data["adaptive_dominates_recompute"] == bool(data["dominating"])
+    assert sum(p["pareto"] for p in data["points"]) >= 1
+    assert (tmp_path / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_user_model_in_fresh_process(spill_dir):
+    spec = {"model_factory": f"{FACTORIES}:make_model", "batch_factory": f"{FACTORIES}:make_batch"}
+    keep = run_isolated("keep", None, steps=1, warmup=0, **spec)
+    adaptive = run_isolated("adaptive", None, steps=1, warmup=0, directory=spill_dir, backend="threads",
+                            offload_options={"overhead_bound": 1.0, "min_offload_bytes": 0}, **spec)
+    assert adaptive.losses[:1] == keep.losses
+    assert len(adaptive.losses) == 3  # two profiled steps, then one measured
+    assert len(adaptive.plan["decisions"]) == 3
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="either preset= or both"):
+        sweep(preset="tiny", make_model="m:f")
+    with pytest.raises(ValueError, match="unknown preset"):
+        sweep(preset="huge")
+    args = build_parser().parse_args(["rok", "--preset", "tiny", "--budgets", "0.5", "--no-plot"])
+    assert args.preset == "tiny" and args.no_plot
