@@ -40,6 +40,7 @@ from tba.spill import SpillFile
 from tba.staging import DEFAULT_STAGING_BYTES
 from tba.stats import OffloadStats
 from tba.store import StorageStore
+from tba.trace import nvtx_range
 
 logger = logging.getLogger("tba")
 
@@ -197,6 +198,10 @@ class Offloader:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself."""
+        with nvtx_range("pack"):
+            return self._pack(tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
         reason = self.keep_reason(tensor)
         if reason is not None:
             with self._store.lock:
@@ -213,6 +218,10 @@ class Offloader:
         """Saved-tensor unpack hook: the saved tensor, bit for bit."""
         if not isinstance(packed, SavedView):
             return packed
+        with nvtx_range("unpack"):
+            return self._unpack(packed)
+
+    def _unpack(self, packed: SavedView) -> torch.Tensor:
         entry = packed.entry
         if self._state == "discarded":
             raise TbaError(

@@ -36,6 +36,7 @@ from tba.prefetch import PrefetchWindow
 from tba.routes import Routes
 from tba.spill import SpillFile
 from tba.stats import BusyClock, OffloadStats
+from tba.trace import nvtx_range
 
 logger = logging.getLogger("tba")
 
@@ -120,12 +121,13 @@ class StorageStore:
         self._resident(entry.nbytes)
         entry.offset = self.spill.allocate(entry.extent_bytes)
         self._writing += 1
-        if route is None:
-            self._submit(entry, Op.WRITE, address - entry.phase_bytes, self._on_write_block)
-        else:
-            entry.io_pending = 1
-            self.write_clock.start()
-            route.write(entry.data, self.spill.fd, entry.offset, functools.partial(self._on_route_write, entry))
+        with nvtx_range("write"):
+            if route is None:
+                self._submit(entry, Op.WRITE, address - entry.phase_bytes, self._on_write_block)
+            else:
+                entry.io_pending = 1
+                self.write_clock.start()
+                route.write(entry.data, self.spill.fd, entry.offset, functools.partial(self._on_route_write, entry))
         return entry
 
     def _submit(self, entry: StorageEntry, op: Op, address: int, callback: Any) -> None:
@@ -209,14 +211,15 @@ class StorageStore:
     def _start_read(self, entry: StorageEntry) -> Future:
         """Queue the reads of ``entry``; the future resolves to ``(bytes, event)``."""
         done = entry.read_done = Future()
-        if entry.route is None:
-            buffer = self.pool.take(entry.extent_bytes)
-            self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
-        else:
-            entry.io_pending = 1
-            self.read_clock.start()
-            entry.route.read(entry.device, entry.nbytes, self.spill.fd, entry.offset,
-                             functools.partial(self._on_route_read, entry))
+        with nvtx_range("read"):
+            if entry.route is None:
+                buffer = self.pool.take(entry.extent_bytes)
+                self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
+            else:
+                entry.io_pending = 1
+                self.read_clock.start()
+                entry.route.read(entry.device, entry.nbytes, self.spill.fd, entry.offset,
+                                 functools.partial(self._on_route_read, entry))
         return done
 
     def _on_read_block(self, entry: StorageEntry, future: Future, *, buffer: torch.Tensor) -> None:
@@ -248,7 +251,8 @@ class StorageStore:
     def _wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
         try:
-            result = done.result()
+            with nvtx_range("wait_read"):
+                result = done.result()
         except OSError as err:
             raise TbaReadError(
                 f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
@@ -273,7 +277,7 @@ class StorageStore:
 
     def prefetch(self, entry: StorageEntry | None) -> None:
         """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""
-        with self.lock:
+        with self.lock, nvtx_range("prefetch"):
             if not self.is_open:
                 return
             to_read, to_hold = self.window.select(entry)
