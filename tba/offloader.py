@@ -5,16 +5,18 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
 :meth:`Offloader.unpack` when backward needs it again. The data path:
 
 1. ``pack`` decides whether the tensor stays in memory (parameters, buffers, small or non-plain
-   tensors) or goes to disk. For the disk path it finds or creates the :class:`StorageEntry` of
-   the tensor's storage (Note [Dedup by storage identity]), returns a :class:`SavedView`, and
-   queues the storage's blocks for writing straight from its memory.
-2. When the last block of a storage is written, tba drops its reference to the storage, so the
-   memory is freed as soon as nothing else in the program uses it.
+   tensors, layers a policy keeps) or goes to disk. For the disk path the :class:`StorageStore`
+   (``tba/store.py``) finds or creates the entry of the tensor's storage (Note [Dedup by storage
+   identity]) and starts its write: host storages straight from their own memory, CUDA storages
+   through a route (``tba/routes.py``: pinned staging blocks, or kvikio). ``pack`` returns a
+   :class:`SavedView`, the recipe to rebuild the tensor from the storage's bytes.
+2. When a storage's write completes, tba drops its reference, so the memory is freed as soon as
+   nothing else in the program uses it.
 3. During backward each ``unpack`` moves the prefetch window (``tba/prefetch.py``) and queues reads
    of the storages that backward will need next; ``unpack`` itself is served from memory when the
    bytes are still resident (write in flight, prefetched, or kept) and waits for a read otherwise.
 4. When the last view of a storage is released by autograd, its file extent is freed for reuse;
-   when no storage is left and the context has exited, the file and engine are closed.
+   when no storage is left and a one-shot context has exited, the file and engine are closed.
 
 Backward usually runs after the ``with`` block exits; everything stays valid for as long as the
 autograd graph holds the views.
