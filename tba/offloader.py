@@ -121,6 +121,11 @@ class Offloader:
         return self._stats
 
     @property
+    def pool_idle_bytes(self) -> int:
+        """Bytes of read buffers kept for reuse while no tensor uses them (held by tba all the same)."""
+        return self._store.pool.idle_bytes
+
+    @property
     def spill(self) -> SpillFile | None:
         """The spill file, once the offloader has been entered."""
         return self._store.spill

@@ -7,8 +7,10 @@ the reads for layer ``i - 2``: this pool keeps freed buffers by exact size and h
 
 A buffer goes back to the pool when the last tensor that uses it dies: :meth:`BufferPool.lease`
 wraps it in a storage whose owner object returns it on collection. The pool holds at most
-``capacity_bytes`` of idle buffers, and the offloader empties it whenever no saved tensor is alive,
-so idle buffers never outlive a training step.
+``capacity_bytes`` of idle buffers (the prefetch budget). A reusable offloader keeps them from one
+step to the next, so steady-state steps touch no fresh memory for reads; they are freed on
+``close()``, and ``Offloader.pool_idle_bytes`` reports them so that measurements count them as
+memory tba holds.
 """
 
 from __future__ import annotations

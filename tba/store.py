@@ -301,8 +301,6 @@ class StorageStore:
             if entry.io_pending == 0:
                 self._free_extent(entry)
             self.live_entries -= 1
-            if self.live_entries == 0:
-                self.pool.clear()
             return self.live_entries == 0
 
     def close(self, engine_owned: bool) -> None:
