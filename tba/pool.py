@@ -45,6 +45,7 @@ class BufferPool:
         self.capacity_bytes = capacity_bytes
         self.idle_bytes = 0
         self.reused = 0
+        self.allocated = 0
         self._idle: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
@@ -56,6 +57,7 @@ class BufferPool:
                 self.idle_bytes -= nbytes
                 self.reused += 1
                 return idle.pop()
+            self.allocated += 1
         return aligned_empty(nbytes)
 
     def give(self, buffer: torch.Tensor) -> None:

@@ -194,7 +194,8 @@ def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
     # next step allocates can shift a hole, so allow some slack but no growth per step.
     assert sizes[0] > 0 and max(sizes) <= 1.5 * sizes[0], sizes
     assert off.stats.tensors_offloaded == 3 * steps
-    assert off._store.pool.reused >= 3 * (steps - 1), "read buffers were not reused across steps"
+    pool = off._store.pool
+    assert pool.allocated <= 3 and pool.reused > 0, "read buffers were not reused across steps"
     assert off.pool_idle_bytes > 0
     assert open_fds() == fds + 1
     off.close()
