@@ -244,3 +244,22 @@ def test_keep_layers_and_saved_bytes_per_layer(spill_dir):
     assert partial.stats.tensors_kept > full.stats.tensors_kept
     full.close()
     partial.close()
+
+
+def test_each_step_starts_outside_any_layer(spill_dir):
+    torch.manual_seed(0)
+    embed = nn.Linear(16, 64)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(2))
+    x = torch.randn(32, 16)
+    off = offloader(spill_dir, layers=list(layers))
+    for _ in range(2):
+        with off:
+            h = embed(x).exp()
+            for layer in layers:
+                h = layer(h)
+            loss = h.sum()
+        off.flush()
+        loss.backward()
+    assert set(off.layer_saved_bytes) == {None, 0, 1}
+    assert off.layer_saved_bytes[None] == 2 * off.layer_saved_bytes[None] // 2 > 0
+    off.close()
