@@ -1,0 +1,115 @@
+"""One saved storage and the views of it that autograd holds.
+
+The unit of offloading is the *storage*, not the tensor: autograd often saves several views of
+one buffer (a ``transpose`` here, a slice there, the same activation for two ops). Each distinct
+storage becomes one :class:`StorageEntry`, written once; each saved tensor becomes a small
+:class:`SavedView` that records how to rebuild it from the storage bytes (dtype, shape, stride and
+offset in elements) and points at the entry. See Note [Dedup by storage identity] in
+``tba/offloader.py`` for how a storage is recognised.
+
+An entry moves through these states::
+
+    WRITING ──write ok──> ON_DISK ──(all views freed)──> DEAD
+       │                    ↑ ↓ reads bring the bytes back into ``data`` and release them
+       └──write failed──> KEPT (bytes stay in memory; the disk is not used)
+
+``data`` holds the bytes in memory whenever they are resident: the original storage while its
+write is in flight, or an aligned copy read back from the file. Whether resident bytes may be
+dropped is the offloader's decision; the entry only carries the facts.
+
+File layout: the storage's bytes sit at ``offset + phase_bytes`` in the spill file, where
+``phase_bytes`` is the storage address modulo :data:`ALIGN_BYTES`. With that shift, every page of
+the storage maps to one aligned block of the file, so the write can go straight from the storage's
+own memory with ``O_DIRECT`` (no bounce copy), and a read lands in a buffer of the same phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tba.engine.base import ALIGN_BYTES
+from tba.extents import round_up
+
+if TYPE_CHECKING:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+
+class State(enum.Enum):
+    WRITING = "writing"
+    ON_DISK = "on_disk"
+    KEPT = "kept"
+    DEAD = "dead"
+
+
+@dataclasses.dataclass(eq=False)
+class StorageEntry:
+    """Book-keeping of one offloaded storage. All mutation happens under the offloader's lock."""
+
+    seq: int
+    layer: int | None
+    nbytes: int
+    phase_bytes: int
+    version: int
+    ref: "StorageWeakRef"
+    data: torch.Tensor | None
+    state: State = State.WRITING
+    offset: int = -1
+    handles: int = 0
+    unpacked: int = 0
+    wanted: bool = False
+    consumed: bool = False
+    io_pending: int = 0
+    io_error: BaseException | None = None
+    read_done: Future | None = None
+
+    @property
+    def extent_bytes(self) -> int:
+        """Bytes of file space the entry occupies: the storage plus its phase, block aligned."""
+        return round_up(self.phase_bytes + self.nbytes, ALIGN_BYTES)
+
+    def blocks(self, block_size_bytes: int) -> list[tuple[int, int]]:
+        """``(start, nbytes)`` pairs covering ``[0, extent_bytes)`` in pieces of at most ``block_size_bytes``."""
+        total = self.extent_bytes
+        return [(start, min(block_size_bytes, total - start)) for start in range(0, total, block_size_bytes)]
+
+    def describe(self) -> str:
+        where = f"layer {self.layer}" if self.layer is not None else "no layer"
+        return f"storage #{self.seq} ({self.nbytes} bytes, {where})"
+
+
+class SavedView:
+    """What the pack hook returns for an offloaded tensor: an entry plus the view's geometry.
+
+    Dropping the last reference (autograd frees its saved tensors after backward) tells the owner,
+    which frees the file extent once no view of the entry is left.
+    """
+
+    __slots__ = ("owner", "entry", "dtype", "size", "stride", "storage_offset", "__weakref__")
+
+    def __init__(self, owner: Any, entry: StorageEntry, tensor: torch.Tensor) -> None:
+        self.owner = owner
+        self.entry = entry
+        self.dtype = tensor.dtype
+        self.size = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.storage_offset = tensor.storage_offset()
+
+    def rebuild(self, data: torch.Tensor) -> torch.Tensor:
+        """The saved tensor, as a view on ``data`` (a ``uint8`` tensor holding the storage bytes)."""
+        itemsize = self.dtype.itemsize
+        base_bytes = data.storage_offset()
+        if base_bytes % itemsize:
+            raise AssertionError(f"storage bytes at offset {base_bytes} are misaligned for {self.dtype}")
+        out = torch.empty((0,), dtype=self.dtype, device=data.device)
+        return out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
+
+    def __del__(self) -> None:
+        owner = self.owner
+        if owner is not None:
+            self.owner = None
+            owner.drop_view(self.entry)

@@ -1,0 +1,82 @@
+"""Which layer is running: the unit of prefetch and of the adaptive policy.
+
+A *layer* is one of the model's repeated blocks (a transformer block, a ResNet stage). tba tags
+every storage saved during forward with the index of the layer that was running, so that backward
+through layer ``i`` can prefetch the storages of layers ``i-1 .. i-depth``.
+
+Layers come from the user (``layers=[...]``) or are found in a module by :func:`find_layers`: the
+largest ``nn.ModuleList`` / ``nn.Sequential`` whose children share one class. Tagging uses forward
+pre-hooks, removed when the offload context exits.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+def find_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the container of >= 2 same-class children holding most parameters.
+
+    Returns an empty list when the model has no such container.
+    """
+    best: list[nn.Module] = []
+    best_params = -1
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if params > best_params:
+            best, best_params = children, params
+    return best
+
+
+def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
+    """Normalise ``layers=``: a module is searched with :func:`find_layers`, a sequence is taken as is."""
+    if layers is None:
+        return []
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        return find_layers(layers)
+    found = list(layers)
+    for layer in found:
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"layers must contain nn.Module objects, got {type(layer).__name__}")
+    return found
+
+
+def state_storage_keys(modules: Iterable[nn.Module]) -> set[int]:
+    """Storage identities of every parameter and buffer of ``modules``, to keep them off disk."""
+    keys: set[int] = set()
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            keys.add(tensor.untyped_storage()._cdata)
+    return keys
+
+
+class LayerTracker:
+    """Knows the index of the layer whose forward is running (None outside any layer)."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        self.current: int | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def attach(self) -> None:
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._entering(index)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _entering(self, index: int):
+        def hook(module: nn.Module, args: object) -> None:
+            self.current = index
+
+        return hook

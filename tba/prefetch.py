@@ -1,0 +1,105 @@
+"""Prefetch window: which storages to read back next during backward.
+
+Backward visits layers in the reverse of forward order, so storages are needed roughly in the
+reverse of the order in which they were first saved. The window keeps every storage saved in pack
+order and a cursor that only moves down: the lowest pack position unpacked so far. After each
+unpack it walks down from the cursor and picks storages to bring into memory:
+
+* with layer tags, every storage of layers ``current-1 .. current-depth_layers`` (storages saved
+  outside any layer, such as the embedding, ride along with their neighbours);
+* always within ``budget_bytes``: bytes already resident for backward, plus bytes being read,
+  never exceed it, except that the first storage below the cursor is always allowed so that a
+  storage larger than the budget is still prefetched.
+
+A storage whose write is still in flight is not read: it is marked *wanted*, which keeps its memory
+after the write completes (forwarding). The window decides only; the offloader does the I/O. It is
+pure book-keeping, unit-tested without any file.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from tba.entry import State, StorageEntry
+
+DEFAULT_PREFETCH_BUDGET_BYTES = 512 << 20
+DEFAULT_PREFETCH_DEPTH_LAYERS = 1
+
+
+class PrefetchWindow:
+    """Pack order of live storages, a backward cursor, and the selection rule.
+
+    Args:
+        depth_layers: How many layers below the current one to prefetch. Default 1.
+        budget_bytes: Bound on bytes held or in flight for backward. Default 512 MiB.
+    """
+
+    def __init__(
+        self,
+        depth_layers: int = DEFAULT_PREFETCH_DEPTH_LAYERS,
+        budget_bytes: int = DEFAULT_PREFETCH_BUDGET_BYTES,
+    ) -> None:
+        self.depth_layers = depth_layers
+        self.budget_bytes = budget_bytes
+        self._order: list[StorageEntry] = []
+        self._seqs: list[int] = []
+        self._dead = 0
+        self._cursor_seq: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._order) - self._dead
+
+    def add(self, entry: StorageEntry) -> None:
+        """Record a new storage; entries must arrive in increasing ``seq``."""
+        self._order.append(entry)
+        self._seqs.append(entry.seq)
+
+    def forget(self, entry: StorageEntry) -> None:
+        """Note that ``entry`` died; compacts the order once half of it is dead."""
+        self._dead += 1
+        if self._dead * 2 > len(self._order):
+            self._order = [e for e in self._order if e.state is not State.DEAD]
+            self._seqs = [e.seq for e in self._order]
+            self._dead = 0
+
+    def reset_cursor(self) -> None:
+        """Start a new backward pass from the end of the order."""
+        self._cursor_seq = None
+
+    def select(self, unpacked: StorageEntry | None) -> tuple[list[StorageEntry], list[StorageEntry]]:
+        """Move the cursor to ``unpacked`` (None: the end) and pick work.
+
+        Returns:
+            ``(to_read, to_hold)``: on-disk storages to read now, and storages whose write is in
+            flight that should stay in memory when it completes.
+        """
+        if unpacked is not None and (self._cursor_seq is None or unpacked.seq < self._cursor_seq):
+            self._cursor_seq = unpacked.seq
+        top = len(self._order) if self._cursor_seq is None else bisect.bisect_left(self._seqs, self._cursor_seq)
+        layer = unpacked.layer if unpacked is not None else None
+        if layer is None and unpacked is None:
+            layer = self._last_layer(top)
+            layer = None if layer is None else layer + 1
+        to_read: list[StorageEntry] = []
+        to_hold: list[StorageEntry] = []
+        held_bytes = 0
+        for index in range(top - 1, -1, -1):
+            entry = self._order[index]
+            if entry.state in (State.DEAD, State.KEPT) or entry.consumed:
+                continue
+            if layer is not None and entry.layer is not None and entry.layer < layer - self.depth_layers:
+                break
+            if held_bytes and held_bytes + entry.nbytes > self.budget_bytes:
+                break
+            held_bytes += entry.nbytes
+            if entry.data is None and entry.read_done is None and entry.state is State.ON_DISK:
+                to_read.append(entry)
+            elif entry.state is State.WRITING and not entry.wanted:
+                to_hold.append(entry)
+        return to_read, to_hold
+
+    def _last_layer(self, top: int) -> int | None:
+        for index in range(top - 1, -1, -1):
+            if self._order[index].layer is not None:
+                return self._order[index].layer
+        return None

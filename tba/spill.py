@@ -1,0 +1,157 @@
+"""Spill files: where offloaded bytes live, invisible to everyone but their owner.
+
+Each offload context opens one spill file in its directory and never gives it a name that anyone
+else could open:
+
+* ``O_TMPFILE`` creates an inode with no directory entry. Nothing appears in the directory, and
+  the kernel frees the space when the last descriptor closes, including when the process is killed.
+* Where the file system refuses ``O_TMPFILE``, a uniquely named file is created with ``O_EXCL``
+  and unlinked immediately after ``open``, which gives the same guarantees after that instant.
+
+Two processes, ranks or contexts sharing a directory therefore never see each other's data: each
+has its own inode. Space inside the file is handed out by :class:`tba.extents.ExtentAllocator`.
+
+``O_DIRECT`` is used when the file system supports it (bypassing the page cache, so offloaded
+bytes leave host memory as well); it is probed with a real aligned write and read, since some
+file systems accept the flag at ``open`` and fail later.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+import threading
+import uuid
+
+from tba.engine.base import ALIGN_BYTES
+from tba.engine.threads import memory_view
+from tba.errors import TbaConfigError
+from tba.extents import ExtentAllocator
+from tba.memory import aligned_empty
+
+logger = logging.getLogger("tba")
+
+_NO_TMPFILE_ERRNOS = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)
+
+
+def resolve_directory(directory: str | os.PathLike | None) -> str:
+    """The directory to use: ``directory``, else ``$TBA_DIR``, else the system temp directory."""
+    if directory is None:
+        directory = os.environ.get("TBA_DIR") or tempfile.gettempdir()
+    return os.path.abspath(os.fspath(directory))
+
+
+def open_anonymous(directory: str, *, direct: bool) -> int:
+    """Open a read-write file in ``directory`` that has no name; returns its descriptor.
+
+    Raises:
+        OSError: the directory cannot hold a file (permissions, missing, read-only).
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    try:
+        return os.open(directory, flags | os.O_TMPFILE, 0o600)
+    except OSError as err:
+        if err.errno not in _NO_TMPFILE_ERRNOS or not os.path.isdir(directory):
+            raise
+    path = os.path.join(directory, f".tba-{os.getpid()}-{uuid.uuid4().hex}")
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    return fd
+
+
+def _direct_round_trip(fd: int) -> None:
+    buf = aligned_empty(2 * ALIGN_BYTES)
+    buf[:ALIGN_BYTES].fill_(0x5A)
+    view = memory_view(buf.data_ptr(), 2 * ALIGN_BYTES)
+    if os.pwrite(fd, view[:ALIGN_BYTES], 0) != ALIGN_BYTES:
+        raise OSError(errno.EIO, "short O_DIRECT probe write")
+    if os.preadv(fd, [view[ALIGN_BYTES:]], 0) != ALIGN_BYTES or not bool((buf[ALIGN_BYTES:] == 0x5A).all()):
+        raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
+
+
+def probe_direct_io(directory: str) -> str | None:
+    """None when ``O_DIRECT`` reads and writes work in ``directory``, else the reason they do not."""
+    try:
+        fd = open_anonymous(directory, direct=True)
+    except OSError as err:
+        return f"opening a file with O_DIRECT in {directory} failed: {err.strerror}"
+    try:
+        _direct_round_trip(fd)
+    except OSError as err:
+        return f"O_DIRECT I/O in {directory} failed: {err.strerror or err}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def _prepare_directory(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise TbaConfigError(
+            f"cannot create the offload directory {directory}: {err.strerror}; pass "
+            "directory= (or set TBA_DIR) to a writable directory on a fast local disk"
+        ) from err
+    if not os.path.isdir(directory):
+        raise TbaConfigError(f"offload directory {directory} exists but is not a directory")
+
+
+class SpillFile:
+    """One anonymous file plus the allocator of its space.
+
+    Args:
+        directory: Where the file lives; see :func:`resolve_directory`.
+        direct: True requires ``O_DIRECT`` (error if unsupported), False never uses it, None
+            (default) uses it when supported and otherwise warns once and uses buffered I/O.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, *, direct: bool | None = None) -> None:
+        self.directory = resolve_directory(directory)
+        _prepare_directory(self.directory)
+        reason = probe_direct_io(self.directory) if direct is not False else "disabled by direct_io=False"
+        if reason is not None and direct:
+            raise TbaConfigError(
+                f"{reason}; choose a directory on a file system with O_DIRECT (ext4, xfs) "
+                "or pass direct_io=None to fall back to buffered I/O"
+            )
+        if reason is not None and direct is None:
+            logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+        self.direct = reason is None
+        try:
+            self.fd = open_anonymous(self.directory, direct=self.direct)
+        except OSError as err:
+            raise TbaConfigError(
+                f"cannot create a file in the offload directory {self.directory}: {err.strerror}; "
+                "pass directory= (or set TBA_DIR) to a writable directory"
+            ) from err
+        self._allocator = ExtentAllocator(ALIGN_BYTES)
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    @property
+    def size_bytes(self) -> int:
+        """High-water mark of the file's used space (bytes)."""
+        return self._allocator.end_bytes
+
+    def allocate(self, nbytes: int) -> int:
+        """Reserve an aligned extent of at least ``nbytes``; returns its file offset."""
+        with self._lock:
+            return self._allocator.allocate(nbytes)
+
+    def free(self, offset: int) -> None:
+        """Give back the extent at ``offset``; a no-op after :meth:`close`."""
+        with self._lock:
+            if self.fd >= 0:
+                self._allocator.free(offset)
+
+    def close(self) -> None:
+        """Close the descriptor; the kernel frees the file's space. Idempotent."""
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)

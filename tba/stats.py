@@ -1,0 +1,102 @@
+"""Counters an offload context keeps, readable at any time as ``offloader.stats``.
+
+Byte counters are exact. Bandwidths divide bytes by the wall-clock time during which at least one
+transfer of that direction was in flight, so idle gaps between layers do not dilute them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """What an offload context did.
+
+    Attributes:
+        tensors_offloaded: Saved tensors served from a storage on the offload path (dedup hits
+            included).
+        storages_written: Distinct storages written to the spill file.
+        tensors_kept: Saved tensors kept in memory (parameters, buffers, small or non-strided
+            tensors, CUDA tensors until the CUDA route exists).
+        bytes_kept: Bytes of the kept tensors that are not parameters or buffers.
+        bytes_written / bytes_read: Payload bytes moved to and from the spill file.
+        bytes_deduplicated: Bytes not written again because their storage was already saved.
+        tensors_kept_on_error / bytes_kept_on_error: Storages whose write failed (for example
+            a full disk) and which stayed in memory instead.
+        unpacks_from_memory: Unpacks served without a read (write still in flight, prefetched
+            copy resident, or kept).
+        unpacks_waited: Unpacks that had to wait for a read to finish.
+        unpack_wait_s: Total seconds backward waited on reads.
+        resident_bytes / peak_resident_bytes: Bytes of offload-path storages tba held in memory
+            now / at the worst moment.
+        write_busy_s / read_busy_s: Seconds during which writes / reads were in flight.
+    """
+
+    tensors_offloaded: int = 0
+    storages_written: int = 0
+    tensors_kept: int = 0
+    bytes_kept: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    bytes_deduplicated: int = 0
+    tensors_kept_on_error: int = 0
+    bytes_kept_on_error: int = 0
+    unpacks_from_memory: int = 0
+    unpacks_waited: int = 0
+    unpack_wait_s: float = 0.0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
+    write_busy_s: float = 0.0
+    read_busy_s: float = 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        """Write bandwidth in GB/s (1e9 bytes per second) while writes were in flight."""
+        return self.bytes_written / self.write_busy_s / 1e9 if self.write_busy_s else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        """Read bandwidth in GB/s while reads were in flight."""
+        return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """All counters plus the two bandwidths, for logging or JSON."""
+        out = dataclasses.asdict(self)
+        out["write_gbps"] = self.write_gbps
+        out["read_gbps"] = self.read_gbps
+        return out
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        return (
+            f"written {self.bytes_written / mib:.1f} MiB ({self.write_gbps:.2f} GB/s), "
+            f"read {self.bytes_read / mib:.1f} MiB ({self.read_gbps:.2f} GB/s), "
+            f"dedup {self.bytes_deduplicated / mib:.1f} MiB, "
+            f"offloaded {self.tensors_offloaded} / kept {self.tensors_kept} tensors, "
+            f"peak resident {self.peak_resident_bytes / mib:.1f} MiB"
+        )
+
+
+class BusyClock:
+    """Accumulates the wall-clock time during which at least one transfer is in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self.busy_s = 0.0
+
+    def start(self, count: int = 1) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += count
+
+    def stop(self, count: int = 1) -> None:
+        with self._lock:
+            self._inflight -= count
+            if self._inflight == 0:
+                self.busy_s += time.perf_counter() - self._since
