@@ -3,8 +3,8 @@
 For every usable backend the benchmark writes a file of ``--size`` bytes as ``--block-size``
 requests kept ``--queue-depth`` deep, then reads it back, and reports GB/s (10^9 bytes per
 second). All backends share one aligned buffer that is allocated and touched once, up front; the
-file is preallocated (as fio does) and opened with ``O_TMPFILE`` (or unlinked right after
-opening), so it disappears with the descriptor. When ``fio`` is on ``PATH`` it runs in the same
+file is preallocated (as fio does) and has no name (``O_TMPFILE``, or unlinked right after
+opening, via :func:`tba.spill.open_anonymous`), so it disappears with the descriptor. When ``fio`` is on ``PATH`` it runs in the same
 invocation with the same parameters (``ioengine=io_uring``, ``direct=1``, ``rw=write`` then
 ``rw=read``) on a named file that is deleted afterwards, and each backend's ratio to fio is
 printed. With ``--repeat N`` every column is the best of N runs.
@@ -20,13 +20,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-import numpy as np
+import torch
 
 from tba.engine import available_backends, make_engine
 from tba.engine.base import ALIGN_BYTES, Op, Request
+from tba.memory import aligned_empty
+from tba.spill import open_anonymous, resolve_directory
 
 logger = logging.getLogger("tba")
 
@@ -56,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per request, a multiple of 4096 (default 1M)")
     parser.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
                         help="requests in flight (default 32)")
-    parser.add_argument("--directory", default=os.environ.get("TBA_DIR") or tempfile.gettempdir(),
+    parser.add_argument("--directory", default=None,
                         help="where the test file goes (default $TBA_DIR or the system temp dir)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per measurement; each column reports the best (default 1)")
@@ -65,25 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print a JSON object on stdout (the table then goes to stderr)")
 
 
-def _aligned_buffer(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGN_BYTES
-    buffer = raw[start : start + nbytes]
-    buffer[:] = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+def filled_buffer(nbytes: int) -> torch.Tensor:
+    """An aligned buffer of ``nbytes`` random bytes, touched now so no pass pays for first touch."""
+    buffer = aligned_empty(nbytes)
+    buffer.random_(0, 256, generator=torch.Generator().manual_seed(0))
     return buffer
 
 
-def _open_scratch(directory: str, size: int) -> int:
-    flags = os.O_RDWR | os.O_DIRECT
-    try:
-        fd = os.open(directory, flags | os.O_TMPFILE, 0o600)
-    except OSError:
-        handle, path = tempfile.mkstemp(prefix="tba-bench-", dir=directory)
-        os.close(handle)
-        try:
-            fd = os.open(path, flags)
-        finally:
-            os.unlink(path)
+def open_scratch(directory: str, size: int, *, direct: bool = True) -> int:
+    """A nameless file in ``directory`` (O_DIRECT by default) with ``size`` bytes preallocated, as fio does."""
+    fd = open_anonymous(directory, direct=direct)
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError:
@@ -92,10 +84,10 @@ def _open_scratch(directory: str, size: int) -> int:
     return fd
 
 
-def _timed_pass(engine, op: Op, fd: int, buffer: np.ndarray, size: int, block: int) -> float:
+def timed_pass(engine, op: Op, fd: int, buffer: torch.Tensor, size: int, block: int) -> float:
     """Move ``size`` bytes in ``block``-byte requests; return seconds from submit to last done."""
-    slots = buffer.size // block
-    base = buffer.ctypes.data
+    slots = buffer.numel() // block
+    base = buffer.data_ptr()
     requests = [
         Request(op, fd, base + (i % slots) * block, block, i * block) for i in range(size // block)
     ]
@@ -105,12 +97,12 @@ def _timed_pass(engine, op: Op, fd: int, buffer: np.ndarray, size: int, block: i
     return time.perf_counter() - start
 
 
-def bench_engine(backend: str, fd: int, buffer: np.ndarray, args: argparse.Namespace) -> dict:
+def bench_engine(backend: str, fd: int, buffer: torch.Tensor, args: argparse.Namespace) -> dict:
     """Write then read the scratch file with ``backend``; return GB/s per direction."""
     result = {}
     with make_engine(backend, queue_depth=args.queue_depth) as engine:
         for op in (Op.WRITE, Op.READ):
-            seconds = _timed_pass(engine, op, fd, buffer, args.size, args.block_size)
+            seconds = timed_pass(engine, op, fd, buffer, args.size, args.block_size)
             result[f"{op.value}_gbps"] = args.size / seconds / 1e9
             logger.info("bench-io: %-8s %-5s %.2f GB/s", backend, op.value, result[f"{op.value}_gbps"])
     return result
@@ -170,6 +162,7 @@ def _validate(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the table (and JSON). Returns exit status."""
+    args.directory = resolve_directory(args.directory)
     problem = _validate(args)
     if problem:
         logger.error("bench-io: %s", problem)
@@ -179,11 +172,11 @@ def run(args: argparse.Namespace) -> int:
     buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)
     logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d",
                 args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat)
-    buffer = _aligned_buffer(buffer_bytes)
+    buffer = filled_buffer(buffer_bytes)
     runs: dict[str, list[dict]] = {name: [] for name, reason in backends.items() if reason is None}
     fio_runs: list[dict] = []
     try:
-        fd = _open_scratch(args.directory, args.size)
+        fd = open_scratch(args.directory, args.size)
     except OSError as err:
         logger.error("bench-io: cannot open an O_DIRECT file in %s: %s", args.directory, err)
         return 1
