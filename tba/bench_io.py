@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -26,7 +27,6 @@ import torch
 
 from tba.engine import available_backends, make_engine
 from tba.engine.base import ALIGN_BYTES, Op, Request
-from tba.memory import aligned_empty
 from tba.spill import open_anonymous, resolve_directory
 
 logger = logging.getLogger("tba")
@@ -67,8 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def filled_buffer(nbytes: int) -> torch.Tensor:
-    """An aligned buffer of ``nbytes`` random bytes, touched now so no pass pays for first touch."""
-    buffer = aligned_empty(nbytes)
+    """A page-aligned buffer of ``nbytes`` random bytes, populated and touched now.
+
+    The pages come from one ``mmap(MAP_POPULATE)`` call, so they tend to be physically
+    contiguous. That matters on virtual disks: every physically discontiguous page is another
+    DMA segment of a request, and a buffer faulted in piecemeal from fragmented free memory read
+    at half the bandwidth of a contiguous one on this project's VM.
+    """
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    buffer = torch.frombuffer(region, dtype=torch.uint8)
     buffer.random_(0, 256, generator=torch.Generator().manual_seed(0))
     return buffer
 
