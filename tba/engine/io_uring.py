@@ -105,7 +105,6 @@ class IoUringEngine(Engine):
         self.queue_depth = queue_depth
         self._ring = _uring.Ring(queue_depth)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._close_lock = threading.Lock()
         self._pending: collections.deque[tuple[int, int, int, int, int, int]] = collections.deque()
         self._requests: dict[int, tuple[Future, Request]] = {}
@@ -156,26 +155,32 @@ class IoUringEngine(Engine):
                 self._pending.append(
                     (is_write, request.fd, request.address, request.nbytes, request.offset, tag)
                 )
-            self._pump_locked()
+            failed = self._pump_locked()
+        _fail(failed)
         return futures
 
-    def _pump_locked(self) -> None:
-        """Move queued requests into free ring slots (caller holds ``_lock``)."""
+    def _pump_locked(self) -> list[tuple[Future, BaseException]]:
+        """Move queued requests into free ring slots (caller holds ``_lock``).
+
+        Returns:
+            Futures whose requests the ring rejected outright, with the error; the caller fails
+            them after releasing the lock, so that their callbacks may submit again.
+        """
+        failed = []
         while self._pending:
             batch = list(itertools.islice(self._pending, self.queue_depth))
             try:
                 accepted = self._ring.submit(batch)
             except Exception as err:  # noqa: BLE001 - fail the batch, never lose a future
-                accepted = 0
                 for item in batch:
                     self._pending.popleft()
-                    future, _ = self._requests.pop(item[-1])
-                    future.set_exception(err)
+                    failed.append((self._requests.pop(item[-1])[0], err))
                 continue
             for _ in range(accepted):
                 self._pending.popleft()
             if accepted < len(batch):
-                return
+                break
+        return failed
 
     def _reap_loop(self) -> None:
         try:
@@ -186,18 +191,17 @@ class IoUringEngine(Engine):
                 for (future, request), result, moved in done:
                     _resolve(future, request, result, moved)
                 with self._lock:
-                    self._pump_locked()
-                    if not self._requests:
-                        self._idle.notify_all()
-                        if self._closing:
-                            return
+                    failed = self._pump_locked()
+                    stop = self._closing and not self._requests
+                _fail(failed)
+                if stop:
+                    return
         except BaseException as err:  # noqa: BLE001 - the ring itself failed; fail every waiter
             logger.exception("tba: io_uring completion thread failed")
             with self._lock:
                 self._failure = err
                 lost, self._requests = list(self._requests.values()), {}
                 self._pending.clear()
-                self._idle.notify_all()
             for future, _ in lost:
                 future.set_exception(RuntimeError(f"io_uring engine failed: {err}"))
         finally:
@@ -216,6 +220,11 @@ class IoUringEngine(Engine):
                     self._ring.wake()
             if threading.current_thread() is not self._reaper:
                 self._reaper.join()
+
+
+def _fail(failed: list[tuple[Future, BaseException]]) -> None:
+    for future, err in failed:
+        future.set_exception(err)
 
 
 def _resolve(future: Future, request: Request, result: int | OSError | None, moved: int) -> None:
