@@ -9,6 +9,8 @@ storage does too.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from tba.engine.base import ALIGN_BYTES
@@ -28,3 +30,15 @@ def aligned_empty(nbytes: int, *, phase_bytes: int = 0, alignment_bytes: int = A
     raw = torch.empty(nbytes + alignment_bytes, dtype=torch.uint8)
     start = (phase_bytes - raw.data_ptr()) % alignment_bytes
     return raw[start : start + nbytes]
+
+
+def storage_view(buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
+    """A ``uint8`` tensor over ``buffer[start_bytes : start_bytes + nbytes]`` with a storage of its own.
+
+    The new storage starts exactly at that byte and is ``nbytes`` long, so views rebuilt on it get
+    the same ``storage_offset`` and storage size as the originals. No bytes are copied: the storage
+    borrows the memory and keeps ``buffer`` alive.
+    """
+    window = (ctypes.c_char * nbytes).from_address(buffer.data_ptr() + start_bytes)
+    window.owner = buffer
+    return torch.frombuffer(window, dtype=torch.uint8)

@@ -38,7 +38,7 @@ from tba.engine.base import ALIGN_BYTES
 from tba.entry import SavedView, State, StorageEntry
 from tba.errors import TbaConfigError, TbaError, TbaReadError
 from tba.layers import LayerTracker, resolve_layers, state_storage_keys
-from tba.memory import aligned_empty
+from tba.pool import BufferPool
 from tba.prefetch import DEFAULT_PREFETCH_BUDGET_BYTES, DEFAULT_PREFETCH_DEPTH_LAYERS, PrefetchWindow
 from tba.spill import SpillFile
 from tba.stats import BusyClock, OffloadStats
@@ -60,7 +60,14 @@ DEFAULT_QUEUE_DEPTH = 32
 
 
 class Offloader:
-    """Offloads saved activations to a file while active; see :func:`offload_activations`."""
+    """Offloads saved activations to a file while active; see :func:`offload_activations`.
+
+    An ``Offloader`` built directly can be entered once per training step: its spill file and
+    engine stay open between steps, so the file space freed by one step's backward is reused by
+    the next step's forward. Call :meth:`close` when training ends. ``offload_activations()``
+    builds a one-shot offloader instead, which closes itself once backward has released
+    everything.
+    """
 
     def __init__(
         self,
@@ -74,6 +81,7 @@ class Offloader:
         block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES,
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
         direct_io: bool | None = None,
+        reusable: bool = True,
     ) -> None:
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
@@ -89,20 +97,24 @@ class Offloader:
         self.block_size_bytes = block_size_bytes
         self.queue_depth = queue_depth
         self.direct_io = direct_io
+        self.reusable = reusable
         self.layers = resolve_layers(layers)
         self._stats = OffloadStats()
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
         self._window = PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes)
+        self._pool = BufferPool(prefetch_budget_bytes)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._lock = threading.RLock()
+        self._writes_done = threading.Condition(self._lock)
+        self._writing = 0
         self._by_storage: dict[int, StorageEntry] = {}
         self._next_seq = 0
         self._live_entries = 0
         self._write_clock = BusyClock()
         self._read_clock = BusyClock()
         self._warned_write_error = False
-        self._state = "new"
+        self._state = "idle"
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
 
@@ -115,14 +127,16 @@ class Offloader:
 
     # ----------------------------------------------------------------- context
     def __enter__(self) -> "Offloader":
-        if self._state != "new":
-            raise TbaError("an Offloader can be entered once; call offload_activations() again for the next step")
-        self.spill = SpillFile(self.directory, direct=self.direct_io)
-        try:
-            self.engine = make_engine(self.backend, queue_depth=self.queue_depth)
-        except BaseException:
-            self.spill.close()
-            raise
+        if self._state != "idle":
+            raise TbaError(f"this Offloader cannot be entered now (it is {self._state}); use a new one")
+        if self.spill is None:
+            self.spill = SpillFile(self.directory, direct=self.direct_io)
+            try:
+                self.engine = make_engine(self.backend, queue_depth=self.queue_depth)
+            except BaseException:
+                self.spill.close()
+                raise
+        self._window.reset_cursor()
         self._tracker.attach()
         self._hooks.__enter__()
         self._state = "active"
@@ -131,33 +145,44 @@ class Offloader:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
         self._tracker.detach()
-        self._state = "exited"
         if exc_type is not None:
             self._discard()
             return
+        self._state = "idle" if self.reusable else "exited"
         self._prefetch(None)
         with self._lock:
-            idle = self._live_entries == 0
-        if idle:
+            finished = self._live_entries == 0 and self._state == "exited"
+        if finished:
             self.close()
 
+    def flush(self) -> None:
+        """Block until every write queued so far has completed (or failed over to memory)."""
+        with self._writes_done:
+            self._writes_done.wait_for(lambda: self._writing == 0)
+
     def close(self) -> None:
-        """Wait for in-flight I/O, then close the engine and the spill file. Idempotent."""
+        """Wait for in-flight I/O, then close the engine and the spill file. Idempotent.
+
+        Saved tensors that were not read back yet can no longer be unpacked afterwards.
+        """
         with self._lock:
             engine, self.engine = self.engine, None
+            if self._state != "discarded":
+                self._state = "closed"
         if engine is not None and engine is not self.backend:
             engine.close()
         if self.spill is not None:
             self.spill.close()
+        with self._lock:
+            for entry in self._by_storage.values():
+                self._release(entry)
+            self._by_storage.clear()
+            self._pool.clear()
 
     def _discard(self) -> None:
         """Forward failed: drop every saved byte now; later unpacks raise."""
         self._state = "discarded"
         self.close()
-        with self._lock:
-            for entry in self._by_storage.values():
-                self._release(entry)
-            self._by_storage.clear()
 
     # ----------------------------------------------------------------- pack
     def keep_reason(self, tensor: torch.Tensor) -> str | None:
@@ -219,6 +244,7 @@ class Offloader:
         self._window.add(entry)
         self._resident(entry.nbytes)
         entry.offset = self.spill.allocate(entry.extent_bytes)
+        self._writing += 1
         start = address - entry.phase_bytes
         self._submit(entry, Op.WRITE, start, self._on_write_block)
         return entry
@@ -239,6 +265,8 @@ class Offloader:
         with self._lock:
             if not self._block_done(entry, future):
                 return
+            self._writing -= 1
+            self._writes_done.notify_all()
             if entry.state is State.DEAD:
                 self._free_extent(entry)
             elif entry.io_error is not None:
@@ -285,13 +313,12 @@ class Offloader:
                 f"{entry.describe()} was discarded because the offload context exited with an "
                 "exception; run forward again"
             )
+        if self._state == "closed":
+            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward")
         with self._lock:
-            data = entry.data
-            if data is None and entry.read_done is None:
-                if self.engine is None:
-                    raise TbaError(f"cannot read back {entry.describe()}: the offloader was closed before backward")
-                self._start_read(entry)
-            done = entry.read_done
+            data, done = entry.data, entry.read_done
+            if data is None and done is None:
+                done = self._start_read(entry)
         self._prefetch(entry)
         if data is None:
             data = self._wait_read(entry, done)
@@ -303,10 +330,12 @@ class Offloader:
             self._note_unpacked(entry)
         return tensor
 
-    def _start_read(self, entry: StorageEntry) -> None:
-        buffer = aligned_empty(entry.extent_bytes)
-        entry.read_done = Future()
+    def _start_read(self, entry: StorageEntry) -> Future:
+        """Queue the reads of ``entry``; the returned future resolves to its bytes (``entry.data``)."""
+        buffer = self._pool.take(entry.extent_bytes)
+        done = entry.read_done = Future()
         self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
+        return done
 
     def _on_read_block(self, entry: StorageEntry, future: Future, *, buffer: torch.Tensor) -> None:
         self._read_clock.stop()
@@ -322,7 +351,7 @@ class Offloader:
             if error is not None:
                 done.set_exception(error)
                 return
-            entry.data = buffer[entry.phase_bytes : entry.phase_bytes + entry.nbytes]
+            entry.data = self._pool.lease(buffer, entry.phase_bytes, entry.nbytes)
             self._resident(entry.nbytes)
             self._stats.bytes_read += entry.nbytes
             done.set_result(entry.data)
@@ -377,6 +406,8 @@ class Offloader:
             if entry.io_pending == 0:
                 self._free_extent(entry)
             self._live_entries -= 1
+            if self._live_entries == 0:
+                self._pool.clear()
             finished = self._live_entries == 0 and self._state == "exited"
         if finished:
             self.close()
@@ -414,6 +445,10 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
         direct_io: True requires O_DIRECT, False disables it, None (default) uses it when the file
             system supports it and warns once otherwise.
 
+    The returned offloader is one-shot: it closes its file once backward has released every
+    saved tensor. To reuse one file across steps, build :class:`Offloader` once and enter it
+    every step.
+
     Returns:
         The :class:`Offloader`; use it as a context manager and read ``.stats`` after backward.
 
@@ -421,4 +456,4 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
         TbaConfigError: at the ``with`` line, for an unknown backend, a negative budget, or a
             directory that cannot be created or written.
     """
-    return Offloader(directory, **options)
+    return Offloader(directory, reusable=False, **options)

@@ -87,6 +87,11 @@ def probe_direct_io(directory: str) -> str | None:
 
 
 def _prepare_directory(directory: str) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise TbaConfigError(
+            f"offload directory {directory} exists but is not a directory; pass directory= "
+            "(or set TBA_DIR) to a directory"
+        )
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
@@ -94,8 +99,6 @@ def _prepare_directory(directory: str) -> None:
             f"cannot create the offload directory {directory}: {err.strerror}; pass "
             "directory= (or set TBA_DIR) to a writable directory on a fast local disk"
         ) from err
-    if not os.path.isdir(directory):
-        raise TbaConfigError(f"offload directory {directory} exists but is not a directory")
 
 
 class SpillFile:
@@ -127,21 +130,20 @@ class SpillFile:
                 "pass directory= (or set TBA_DIR) to a writable directory"
             ) from err
         self._allocator = ExtentAllocator(ALIGN_BYTES)
+        self.size_bytes = 0
+        """Largest end of any extent so far: the space the file has grown to (bytes)."""
         self._lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
         return self.fd < 0
 
-    @property
-    def size_bytes(self) -> int:
-        """High-water mark of the file's used space (bytes)."""
-        return self._allocator.end_bytes
-
     def allocate(self, nbytes: int) -> int:
         """Reserve an aligned extent of at least ``nbytes``; returns its file offset."""
         with self._lock:
-            return self._allocator.allocate(nbytes)
+            offset = self._allocator.allocate(nbytes)
+            self.size_bytes = max(self.size_bytes, self._allocator.end_bytes)
+            return offset
 
     def free(self, offset: int) -> None:
         """Give back the extent at ``offset``; a no-op after :meth:`close`."""

@@ -42,6 +42,8 @@ def _log_auto_fallback(reason: str) -> None:
 
 def resolve_backend(backend: str) -> str:
     """Map a backend name to the concrete one that will run, raising a clear error if unusable."""
+    if not isinstance(backend, str):
+        raise TbaConfigError(f"backend must be a string or an Engine, got {type(backend).__name__}")
     if backend not in BACKENDS:
         raise TbaConfigError(
             f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} "
@@ -72,8 +74,6 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = 32) -> Eng
     """
     if isinstance(backend, Engine):
         return backend
-    if not isinstance(backend, str):
-        raise TbaConfigError(f"backend must be a string or an Engine, got {type(backend).__name__}")
     if queue_depth < 1:
         raise TbaConfigError(f"queue_depth must be >= 1, got {queue_depth}")
     name = resolve_backend(backend)

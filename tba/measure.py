@@ -1,0 +1,171 @@
+"""Measure training steps: median step time and activation peak, for one placement strategy.
+
+Each strategy runs the same model, batch and seed:
+
+* ``keep``: plain PyTorch, every activation stays in memory (the baseline);
+* ``tba``: forward inside a reused :class:`tba.Offloader`;
+* ``recompute``: every layer under non-reentrant ``torch.utils.checkpoint``;
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy).
+
+Activation peak on CPU is the peak resident set size during the step minus the resident set size
+just before it. The kernel's peak counter (``VmHWM``) is reset before each step through
+``/proc/self/clear_refs``; where that is not allowed a 1 ms sampling thread stands in. Gradients
+stay allocated across steps (``zero_grad(set_to_none=False)``), so the peak is activations and
+their transient gradients, not weight gradients. A mode is best measured in a fresh process
+(:func:`run_isolated`), so that one mode's freed memory does not hide the next one's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tba.models import PRESETS, GPTConfig, make_batch, make_gpt
+from tba.offloader import Offloader
+from tba.recompute import RecomputeLayers
+
+MODES = ("keep", "tba", "recompute", "save_on_cpu")
+
+# Note: [Why measured processes fix glibc's mmap threshold]
+# glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
+# tensors of that size come from the heap and freed memory stays in the process. RSS then stops
+# reflecting live memory: a mode that frees activations early looks no better than one that keeps
+# them. A fixed threshold puts every tensor of 128 KiB or more in its own mapping, returned to the
+# kernel on free, for every mode alike.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+LEARNING_RATE = 1e-3
+
+
+@dataclasses.dataclass
+class ModeResult:
+    """What one strategy measured; times in seconds, memory in bytes."""
+
+    mode: str
+    step_s: list[float]
+    activation_peak_bytes: list[int]
+    losses: list[float]
+    offload_stats: dict[str, float] | None = None
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def median_peak_bytes(self) -> int:
+        return int(statistics.median(self.activation_peak_bytes))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class PeakRSS:
+    """Peak resident set size over a ``with`` block, minus the size at its start (bytes)."""
+
+    def __init__(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._kernel_peak = True
+        except OSError:
+            self._kernel_peak = False
+        self.delta_bytes = 0
+
+    def __enter__(self) -> "PeakRSS":
+        if self._kernel_peak:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        self._start = _status_kib("VmRSS")
+        self._sampled = self._start
+        self._stop = threading.Event()
+        if not self._kernel_peak:
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._sampled = max(self._sampled, _status_kib("VmRSS"))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        peak = _status_kib("VmHWM") if self._kernel_peak else self._sampled
+        self.delta_bytes = max(0, peak - self._start) * 1024
+
+
+def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
+             backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None) -> ModeResult:
+    """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    model = make_gpt(config, seed=seed)
+    tokens, targets = make_batch(config, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    offloader = None
+    if mode == "tba":
+        offloader = Offloader(directory, backend=backend, layers=model, **(offload_options or {}))
+    recompute = RecomputeLayers(model.blocks) if mode == "recompute" else contextlib.nullcontext()
+    result = ModeResult(mode, [], [], [])
+    with recompute:
+        for step in range(warmup + steps):
+            torch.manual_seed(seed + step)
+            optimizer.zero_grad(set_to_none=False)
+            with PeakRSS() as peak:
+                start = time.perf_counter()
+                if mode == "save_on_cpu":
+                    with torch.autograd.graph.save_on_cpu():
+                        loss = model(tokens, targets)
+                elif offloader is not None:
+                    with offloader:
+                        loss = model(tokens, targets)
+                else:
+                    loss = model(tokens, targets)
+                loss.backward()
+                optimizer.step()
+                elapsed = time.perf_counter() - start
+            result.losses.append(loss.item())
+            del loss
+            if step >= warmup:
+                result.step_s.append(elapsed)
+                result.activation_peak_bytes.append(peak.delta_bytes)
+    if offloader is not None:
+        offloader.close()
+        result.offload_stats = offloader.stats.as_dict()
+    return result
+
+
+def run_isolated(mode: str, preset: str, **kwargs: Any) -> ModeResult:
+    """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`."""
+    request = json.dumps({"mode": mode, "preset": preset, **kwargs})
+    proc = subprocess.run([sys.executable, "-m", "tba.measure", request], capture_output=True, text=True,
+                          env=dict(os.environ, **MALLOC_ENV))
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed:\n{proc.stderr[-4000:]}")
+    return ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _worker(request_json: str) -> None:
+    request = json.loads(request_json)
+    config = PRESETS[request.pop("preset")]
+    if "config_overrides" in request:
+        config = dataclasses.replace(config, **request.pop("config_overrides"))
+    result = run_mode(request.pop("mode"), config, **request)
+    print(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,77 @@
+"""Reusable aligned read buffers.
+
+Reading a storage back needs an aligned buffer of its size. A fresh buffer costs a page fault per
+4 KiB the first time it is touched, which on small machines is slower than the disk itself. Layers
+of one model save storages of the same sizes, so buffers freed by backward through layer ``i`` fit
+the reads for layer ``i - 2``: this pool keeps freed buffers by exact size and hands them out again.
+
+A buffer goes back to the pool when the last tensor that uses it dies: :meth:`BufferPool.lease`
+wraps it in a storage whose owner object returns it on collection. The pool holds at most
+``capacity_bytes`` of idle buffers, and the offloader empties it whenever no saved tensor is alive,
+so idle buffers never outlive a training step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from tba.memory import aligned_empty
+
+
+class _Lease:
+    __slots__ = ("pool", "buffer")
+
+    def __init__(self, pool: "BufferPool", buffer: torch.Tensor) -> None:
+        self.pool = pool
+        self.buffer = buffer
+
+    def __del__(self) -> None:
+        self.pool.give(self.buffer)
+
+
+class BufferPool:
+    """Aligned ``uint8`` CPU buffers, reused by exact size.
+
+    Args:
+        capacity_bytes: Most bytes of idle buffers kept; more are freed. 0 disables reuse.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.idle_bytes = 0
+        self.reused = 0
+        self._idle: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """An aligned buffer of ``nbytes``: an idle one of that size, else a new one."""
+        with self._lock:
+            idle = self._idle.get(nbytes)
+            if idle:
+                self.idle_bytes -= nbytes
+                self.reused += 1
+                return idle.pop()
+        return aligned_empty(nbytes)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return ``buffer``; kept for reuse while the pool is under capacity."""
+        nbytes = buffer.numel()
+        with self._lock:
+            if self.idle_bytes + nbytes <= self.capacity_bytes:
+                self._idle.setdefault(nbytes, []).append(buffer)
+                self.idle_bytes += nbytes
+
+    def clear(self) -> None:
+        """Free every idle buffer."""
+        with self._lock:
+            self._idle.clear()
+            self.idle_bytes = 0
+
+    def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
+        """Like :func:`tba.memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
+        window = (ctypes.c_char * nbytes).from_address(buffer.data_ptr() + start_bytes)
+        window.owner = _Lease(self, buffer)
+        return torch.frombuffer(window, dtype=torch.uint8)

@@ -1,0 +1,83 @@
+"""Bad input fails at the ``with`` line with an error that names the fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import tba
+from tba import TbaConfigError
+from tba.engine import available_backends
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"backend": "nvme-magic"}, "unknown backend 'nvme-magic'; choose one of auto, io_uring, threads"),
+        ({"backend": 3}, "backend must be a string or an Engine"),
+        ({"min_offload_bytes": -1}, "min_offload_bytes must be >= 0"),
+        ({"prefetch_budget_bytes": -5}, "prefetch_budget_bytes must be >= 0"),
+        ({"prefetch_depth_layers": -1}, "prefetch_depth_layers must be >= 0"),
+        ({"block_size_bytes": 1000}, "block_size_bytes must be a positive multiple of 4096"),
+    ],
+)
+def test_bad_options_raise_before_forward(spill_dir, options, match):
+    with pytest.raises(TbaConfigError, match=match):
+        with tba.offload_activations(spill_dir, **options):
+            pytest.fail("the block must not run")
+
+
+def test_directory_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TbaConfigError, match="cannot create the offload directory .*pass directory="):
+        with tba.offload_activations(str(blocker / "sub")):
+            pytest.fail("the block must not run")
+
+
+def test_directory_that_is_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(TbaConfigError, match="not a directory"):
+        with tba.offload_activations(str(path)):
+            pytest.fail("the block must not run")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only directory")
+def test_directory_that_cannot_be_written(tmp_path):
+    path = tmp_path / "ro"
+    path.mkdir(mode=0o500)
+    with pytest.raises(TbaConfigError, match="cannot"):
+        with tba.offload_activations(str(path)):
+            pytest.fail("the block must not run")
+
+
+def test_directory_created_when_missing_and_default_from_env(tmp_path, monkeypatch):
+    target = tmp_path / "made" / "here"
+    monkeypatch.setenv("TBA_DIR", str(target))
+    with tba.offload_activations() as off:
+        torch.randn(10, requires_grad=True).exp()
+    assert off.spill.directory == str(target) and target.is_dir()
+
+
+def test_file_system_without_o_direct(spill_dir, monkeypatch, caplog):
+    monkeypatch.setattr(tba.spill, "probe_direct_io", lambda directory: "O_DIRECT I/O failed: Invalid argument")
+    with pytest.raises(TbaConfigError, match="choose a directory on a file system with O_DIRECT"):
+        with tba.offload_activations(spill_dir, direct_io=True):
+            pytest.fail("the block must not run")
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        with tba.offload_activations(spill_dir) as off:
+            pass
+    assert not off.spill.direct
+    assert [r.getMessage() for r in caplog.records] == [
+        "tba: using buffered I/O (page cache) instead of O_DIRECT: O_DIRECT I/O failed: Invalid argument"
+    ]
+
+
+@pytest.mark.skipif(available_backends()["io_uring"] is None, reason="io_uring is available here")
+def test_io_uring_requested_but_unavailable(spill_dir):
+    with pytest.raises(TbaConfigError, match="backend 'io_uring' is not available: .*use backend='threads' or 'auto'"):
+        tba.offload_activations(spill_dir, backend="io_uring")

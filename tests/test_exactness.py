@@ -1,0 +1,166 @@
+"""Gradients with tba are torch.equal to gradients without it, across models, dtypes and backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tba.models import PRESETS, make_batch, make_gpt
+from utils import assert_exact
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 8)).to(dtype)
+
+
+def mlp_forward(dtype: torch.dtype = torch.float32):
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return lambda model: model(x).float().square().mean()
+
+
+def test_mlp(spill_dir, backend):
+    offloader = assert_exact(mlp(), mlp_forward(), spill_dir, backend)
+    stats = offloader.stats
+    assert stats.storages_written > 0 and stats.bytes_read > 0
+    assert stats.resident_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_mlp_dtypes(spill_dir, backend, dtype):
+    offloader = assert_exact(mlp(dtype), mlp_forward(dtype), spill_dir, backend)
+    assert offloader.stats.storages_written > 0
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["written-first", "racing-writes"])
+def test_gpt_block_with_dropout(spill_dir, backend, flush):
+    config = PRESETS["tiny"]
+    model = make_gpt(config)
+    tokens, targets = make_batch(config)
+    offloader = assert_exact(model, lambda m: m(tokens, targets), spill_dir, backend, layers=model, flush=flush)
+    assert offloader.stats.tensors_offloaded > 10
+    if flush:
+        assert offloader.stats.storages_written > 10 and offloader.stats.bytes_read > 0
+
+
+def test_cnn(spill_dir, backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, 10),
+    )
+    images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    labels = torch.arange(8) % 10
+    assert_exact(model, lambda m: F.cross_entropy(m(images), labels), spill_dir, backend)
+
+
+class ViewsModel(nn.Module):
+    """Views, slices, transposes, expands and in-place ops on saved tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(48, 48))
+        self.v = nn.Parameter(torch.randn(24))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        h.relu_()
+        a, b = h[:, :24], h[:, 24:]
+        y = a * self.v + b.t().t() * a
+        z = h.t()[5:29] @ h[:, 3:27]
+        s = h.view(-1, 8, 6).transpose(0, 1).contiguous().sigmoid()
+        g = torch.gather(h, 1, torch.arange(48).repeat(x.shape[0], 1) % 7)
+        e = self.v.expand(x.shape[0], 24) * h.narrow(1, 10, 24)
+        w = torch.where(h > 0.5, h, h * 0.1)
+        n = h.as_strided((10, 10), (96, 2), 3).exp()
+        return y.sum() + z.tanh().sum() + s.sum() + g.pow(2).sum() + e.sum() + w.pow(3).sum() + n.sum()
+
+
+def test_views_slices_transposes_inplace(spill_dir, backend):
+    torch.manual_seed(0)
+    model = ViewsModel()
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    offloader = assert_exact(model, lambda m: m(x), spill_dir, backend)
+    assert offloader.stats.bytes_deduplicated > 0
+
+
+class SharedStorage(nn.Module):
+    """Same-shape views of one storage at different offsets, and one tensor saved by many ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64))
+        self.w2 = nn.Parameter(torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buf = x.exp()
+        first, second = buf[:, :64], buf[:, 64:]
+        out = first * self.w1 + second * self.w2
+        chunks = buf.chunk(4, dim=1)
+        for chunk in chunks:
+            out = out + (chunk * self.w1[:32]).sin().repeat(1, 2)
+        return (out * buf[:, 32:96]).sum()
+
+
+def test_shared_storages(spill_dir, backend):
+    torch.manual_seed(0)
+    model = SharedStorage()
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
+    offloader = assert_exact(model, lambda m: m(x), spill_dir, backend)
+    assert offloader.stats.bytes_deduplicated > 0
+
+
+def test_retain_graph_double_backward(spill_dir, backend):
+    offloader = assert_exact(mlp(), mlp_forward(), spill_dir, backend, backward_passes=2)
+    assert offloader.stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_inside_block(spill_dir, backend, reentrant):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5), requires_grad=reentrant)
+
+    def forward(model: nn.Module) -> torch.Tensor:
+        h = x
+        for index, block in enumerate(model):
+            h = checkpoint(block, h, use_reentrant=reentrant) if index == 1 else block(h)
+        return h.square().mean()
+
+    assert_exact(blocks, forward, spill_dir, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_and_bool_saved_tensors(spill_dir, backend, dtype):
+    torch.manual_seed(0)
+    model = nn.Embedding(50, 16)
+    indices = torch.randint(50, (64, 33), generator=torch.Generator().manual_seed(6))
+    mask = indices % 3 == 0
+
+    def forward(m: nn.Module) -> torch.Tensor:
+        emb = m(indices)
+        if dtype is torch.bool:
+            emb = emb.masked_fill(mask.unsqueeze(-1), 0.0) * torch.where(mask, 2.0, 1.0).unsqueeze(-1)
+        else:
+            emb = emb * torch.gather(emb, 1, (indices % 16).unsqueeze(1).expand(-1, 33, -1)[:, :, :16])
+        return emb.square().sum()
+
+    offloader = assert_exact(model, forward, spill_dir, backend)
+    assert offloader.stats.storages_written > 0
+
+
+def test_non_contiguous_inputs(spill_dir, backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 40), nn.Softplus())
+    base = torch.randn(40, 120, generator=torch.Generator().manual_seed(7))
+    x = base.t()[::3]
+
+    def forward(m: nn.Module) -> torch.Tensor:
+        return (m(x) * x[:, ::2].repeat(1, 2)).sum()
+
+    assert not x.is_contiguous()
+    assert_exact(model, forward, spill_dir, backend)

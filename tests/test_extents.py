@@ -1,0 +1,62 @@
+"""ExtentAllocator: first fit, alignment, merging of neighbours, reuse across steps."""
+
+import pytest
+
+from tba.extents import ExtentAllocator, round_up
+
+
+@pytest.mark.parametrize("nbytes, expected", [(1, 4096), (4095, 4096), (4096, 4096), (4097, 8192)])
+def test_round_up(nbytes, expected):
+    assert round_up(nbytes, 4096) == expected
+
+
+def test_allocations_are_aligned_and_disjoint():
+    alloc = ExtentAllocator(4096)
+    offsets = [alloc.allocate(n) for n in (1, 4095, 4097, 10_000)]
+    assert offsets == [0, 4096, 8192, 16384]
+    assert alloc.end_bytes == 16384 + 12288
+    assert alloc.used_bytes == alloc.end_bytes
+
+
+def test_first_fit_reuses_holes_and_splits_them():
+    alloc = ExtentAllocator(4096)
+    a, b, c = alloc.allocate(8192), alloc.allocate(8192), alloc.allocate(4096)
+    alloc.free(a)
+    assert alloc.allocate(4096) == a
+    assert alloc.allocate(4096) == a + 4096
+    assert alloc.allocate(4096) == c + 4096
+    assert b == 8192
+
+
+def test_free_merges_neighbours_and_shrinks_the_tail():
+    alloc = ExtentAllocator(4096)
+    offsets = [alloc.allocate(4096) for _ in range(4)]
+    alloc.free(offsets[1])
+    alloc.free(offsets[2])
+    assert alloc.allocate(8192) == offsets[1]
+    alloc.free(offsets[1])
+    alloc.free(offsets[3])
+    assert alloc.end_bytes == 4096
+    alloc.free(offsets[0])
+    assert alloc.end_bytes == 0 and alloc.used_bytes == 0
+
+
+def test_steady_state_steps_do_not_grow_the_file():
+    alloc = ExtentAllocator(4096)
+    sizes = [5000, 1 << 20, 3, 70_000, 1 << 16]
+    for _ in range(5):
+        offsets = [alloc.allocate(n) for n in sizes]
+        high_water = alloc.end_bytes
+        for offset in reversed(offsets):
+            alloc.free(offset)
+    assert high_water == sum(round_up(n, 4096) for n in sizes)
+
+
+def test_bad_calls_raise():
+    alloc = ExtentAllocator(4096)
+    with pytest.raises(ValueError):
+        alloc.allocate(0)
+    with pytest.raises(KeyError):
+        alloc.free(4096)
+    with pytest.raises(ValueError):
+        ExtentAllocator(3000)

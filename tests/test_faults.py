@@ -1,0 +1,66 @@
+"""Injected I/O faults: a full disk keeps training going; a failed read is loud, never zeros."""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import pytest
+import torch
+
+from tba.errors import TbaReadError
+from tba.models import PRESETS, make_batch, make_gpt
+from utils import FaultyEngine, assert_exact, run_step
+
+import tba
+
+
+def gpt_step():
+    config = PRESETS["tiny"]
+    model = make_gpt(config)
+    tokens, targets = make_batch(config)
+    return model, lambda m: m(tokens, targets)
+
+
+def test_disk_full_keeps_tensors_in_memory_with_one_warning(spill_dir, caplog):
+    model, forward = gpt_step()
+    engine = FaultyEngine(write_errno=errno.ENOSPC)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        offloader = assert_exact(model, forward, spill_dir, engine)
+    warnings = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "No space left on device" in warnings[0].getMessage() or "ENOSPC" in warnings[0].getMessage()
+    stats = offloader.stats
+    assert stats.storages_written == 0 and stats.bytes_written == 0 and stats.bytes_read == 0
+    assert 0 < stats.tensors_kept_on_error <= stats.tensors_offloaded
+    assert stats.bytes_kept_on_error > 0 and stats.unpacks_from_memory > 0
+    assert engine.failed > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("fault", [{"read_errno": errno.EIO}, {"short_reads": True}], ids=["eio", "short"])
+def test_failed_read_raises_naming_tensor_file_and_offset(spill_dir, fault):
+    model, forward = gpt_step()
+    engine = FaultyEngine(**fault)
+    offloader = tba.offload_activations(spill_dir, backend=engine, min_offload_bytes=0, layers=model)
+    with pytest.raises(TbaReadError) as info:
+        run_step(model, forward, offloader)
+    message = str(info.value)
+    assert "storage #" in message and spill_dir in message and "offset" in message
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.EIO
+    engine.close()
+
+
+def test_failed_read_never_returns_data(spill_dir):
+    engine = FaultyEngine(read_errno=errno.EIO)
+    x = torch.randn(1 << 16)
+    with tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0) as off:
+        packed = off.pack(x)
+        off.flush()
+        for _ in range(2):
+            with pytest.raises(TbaReadError):
+                off.unpack(packed)
+    del packed
+    off.close()
+    engine.close()

@@ -1,0 +1,214 @@
+"""Offloader.pack / unpack called directly: keep rules, dedup, forwarding, release, reuse."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import tba
+from tba.errors import TbaError
+from tba.memory import aligned_empty, storage_view
+from utils import FaultyEngine
+
+
+def offloader(directory: str, backend="threads", **options) -> tba.Offloader:
+    options.setdefault("min_offload_bytes", 0)
+    return tba.Offloader(directory, backend=backend, **options)
+
+
+def round_trip(off: tba.Offloader, tensor: torch.Tensor) -> torch.Tensor:
+    packed = off.pack(tensor)
+    off.flush()
+    out = off.unpack(packed)
+    del packed
+    return out
+
+
+def assert_same_view(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, (1 << 20) + 1])
+@pytest.mark.parametrize("view_offset", [0, 1, 4095])
+def test_round_trip_awkward_sizes_and_offsets(spill_dir, backend, nbytes, view_offset):
+    storage = torch.randint(0, 256, (nbytes + view_offset,), dtype=torch.uint8)
+    view = storage[view_offset:]
+    with offloader(spill_dir, backend) as off:
+        got = round_trip(off, view)
+    assert_same_view(got, view)
+    assert off.stats.bytes_written == nbytes + view_offset
+    assert off.stats.bytes_read == nbytes + view_offset
+    off.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                   torch.int64, torch.bool, torch.complex64])
+def test_round_trip_dtypes_non_contiguous(spill_dir, dtype):
+    base = (torch.randn(37, 53) * 100).to(dtype)
+    view = base.t()[3:, ::2]
+    with offloader(spill_dir) as off:
+        assert_same_view(round_trip(off, view), view)
+    off.close()
+
+
+def test_dedup_writes_a_storage_once_and_rebuilds_every_view(spill_dir):
+    x = torch.randn(64, 128)
+    views = [x, x.t(), x[1:], x[:, 64:], x[:, :64], x]
+    with offloader(spill_dir) as off:
+        packed = [off.pack(v) for v in views]
+        off.flush()
+        assert off.stats.storages_written == 1
+        assert off.stats.tensors_offloaded == 6
+        assert off.stats.bytes_deduplicated == 5 * x.nbytes
+        for view, p in zip(views, packed):
+            assert_same_view(off.unpack(p), view)
+    del packed
+    off.close()
+
+
+def test_allocator_address_reuse_is_a_new_storage(spill_dir):
+    """A new storage at a freed storage's address must not be mistaken for it."""
+    pool = aligned_empty(1 << 16)
+    with offloader(spill_dir) as off:
+        a = storage_view(pool, 0, 1 << 16)
+        a.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8))
+        want_a = a.clone()
+        packed_a = off.pack(a)
+        off.flush()
+        del a
+        b = storage_view(pool, 0, 1 << 16)
+        b.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8))
+        assert b.data_ptr() == pool.data_ptr()
+        packed_b = off.pack(b)
+        off.flush()
+        assert off.stats.storages_written == 2
+        assert torch.equal(off.unpack(packed_a), want_a)
+        assert torch.equal(off.unpack(packed_b), b)
+    del packed_a, packed_b
+    off.close()
+
+
+def test_in_place_change_after_save_is_a_new_snapshot(spill_dir):
+    x = torch.randn(1000)
+    with offloader(spill_dir) as off:
+        first_value = x.clone()
+        first = off.pack(x)
+        off.flush()
+        x.mul_(2)
+        second = off.pack(x)
+        off.flush()
+        assert off.stats.storages_written == 2
+        assert torch.equal(off.unpack(first), first_value)
+        assert torch.equal(off.unpack(second), x)
+    del first, second
+    off.close()
+
+
+def test_memory_is_released_when_the_write_completes(spill_dir):
+    with offloader(spill_dir) as off:
+        x = torch.randn(1 << 18)
+        ref = StorageWeakRef(x.untyped_storage())
+        packed = off.pack(x)
+        del x
+        off.flush()
+        assert ref.expired(), "tba still holds the storage after its write completed"
+        assert off.stats.resident_bytes == 0
+        assert off.unpack(packed).shape == (1 << 18,)
+    del packed
+    off.close()
+
+
+def test_unpack_while_write_in_flight_is_served_from_memory(spill_dir):
+    gate = threading.Event()
+    engine = FaultyEngine(gate=gate)
+    x = torch.randn(1 << 16)
+    with offloader(spill_dir, engine) as off:
+        packed = off.pack(x)
+        assert torch.equal(off.unpack(packed), x)
+        assert off.stats.unpacks_from_memory == 1 and off.stats.bytes_read == 0
+        gate.set()
+        off.flush()
+    del packed
+    off.close()
+    engine.close()
+
+
+class Parameterised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64))
+        self.register_buffer("table", torch.randn(64, 64))
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda m: m.weight, "parameter"),
+        (lambda m: m.weight.t(), "parameter"),
+        (lambda m: torch.randn(64, 64, requires_grad=True), "parameter"),
+        (lambda m: m.table, "parameter or buffer"),
+        (lambda m: m.table[3:], "parameter or buffer"),
+        (lambda m: torch.randn(4), "small"),
+        (lambda m: torch.empty(0), "small"),
+        (lambda m: torch.randn(64, 64).to_sparse(), "not a plain strided tensor"),
+        (lambda m: torch.empty(64, 64, device="meta"), "not a plain strided tensor"),
+        (lambda m: torch.randn(64, 64, dtype=torch.complex64).conj(), "lazy conjugate or negative view"),
+        (lambda m: torch.randn(64, 64).as_subclass(SubTensor), "tensor subclass"),
+        (lambda m: torch.randn(64, 64), None),
+    ],
+)
+def test_keep_rules(spill_dir, make, reason):
+    module = Parameterised()
+    off = offloader(spill_dir, layers=[module], min_offload_bytes=1024)
+    assert off.keep_reason(make(module)) == reason
+
+
+class SubTensor(torch.Tensor):
+    pass
+
+
+def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+    x = torch.randn(128, 64)
+    fds = open_fds()
+    off = offloader(spill_dir)
+    sizes = []
+    steps = 6
+    for _ in range(steps):
+        with off:
+            loss = model(x).sum()
+        off.flush()
+        loss.backward()
+        sizes.append(off.spill.size_bytes)
+    # Without reuse the file would grow by sizes[0] every step; a read still in flight when the
+    # next step allocates can shift a hole, so allow some slack but no growth per step.
+    assert sizes[0] > 0 and max(sizes) <= 1.5 * sizes[0], sizes
+    assert off.stats.tensors_offloaded == 3 * steps
+    assert open_fds() == fds + 1
+    off.close()
+    assert open_fds() == fds
+
+
+def test_unpack_after_close_raises(spill_dir):
+    with offloader(spill_dir) as off:
+        packed = off.pack(torch.randn(1000))
+        off.flush()
+    off.close()
+    with pytest.raises(TbaError, match="closed"):
+        off.unpack(packed)
+
+
+def test_entering_twice_at_once_raises(spill_dir):
+    off = offloader(spill_dir)
+    with off:
+        with pytest.raises(TbaError, match="cannot be entered"):
+            off.__enter__()
+    off.close()

@@ -1,0 +1,95 @@
+"""PrefetchWindow decisions on synthetic entries, with exact expectations."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from tba.entry import State, StorageEntry
+from tba.prefetch import PrefetchWindow
+
+MIB = 1 << 20
+
+
+def entry(seq: int, layer: int | None, nbytes: int = MIB, state: State = State.ON_DISK) -> StorageEntry:
+    e = StorageEntry(seq=seq, layer=layer, nbytes=nbytes, phase_bytes=0, version=0, ref=None, data=None, state=state)
+    e.handles = 1
+    return e
+
+
+def window_of(entries, **kwargs) -> PrefetchWindow:
+    window = PrefetchWindow(**kwargs)
+    for e in entries:
+        window.add(e)
+    return window
+
+
+def seqs(entries) -> list[int]:
+    return [e.seq for e in entries]
+
+
+def test_reads_the_layer_below_the_one_being_unpacked():
+    entries = [entry(i, layer=i // 2) for i in range(8)]  # layers 0..3, two storages each
+    window = window_of(entries, depth_layers=1, budget_bytes=100 * MIB)
+    to_read, to_hold = window.select(entries[7])
+    assert seqs(to_read) == [6, 5, 4]
+    assert to_hold == []
+
+
+def test_depth_two_reads_two_layers():
+    entries = [entry(i, layer=i // 2) for i in range(8)]
+    window = window_of(entries, depth_layers=2, budget_bytes=100 * MIB)
+    to_read, _ = window.select(entries[6])
+    assert seqs(to_read) == [5, 4, 3, 2]
+
+
+def test_budget_bounds_bytes_but_always_allows_one():
+    entries = [entry(i, layer=None, nbytes=3 * MIB) for i in range(6)]
+    window = window_of(entries, budget_bytes=7 * MIB)
+    to_read, _ = window.select(entries[5])
+    assert seqs(to_read) == [4, 3]
+    huge = [entry(i, layer=None, nbytes=50 * MIB) for i in range(3)]
+    to_read, _ = window_of(huge, budget_bytes=7 * MIB).select(huge[2])
+    assert seqs(to_read) == [1]
+
+
+def test_in_flight_and_resident_entries_count_against_the_budget_and_are_not_reread():
+    entries = [entry(i, layer=None) for i in range(6)]
+    entries[4].data = torch.empty(0)
+    entries[3].read_done = Future()
+    window = window_of(entries, budget_bytes=4 * MIB)
+    to_read, _ = window.select(entries[5])
+    assert seqs(to_read) == [2, 1]
+
+
+def test_writing_entries_are_held_not_read_and_end_of_forward_holds_the_last_layer():
+    entries = [entry(i, layer=i // 2) for i in range(6)]
+    entries[5].state = State.WRITING
+    entries[4].state = State.WRITING
+    window = window_of(entries, depth_layers=1, budget_bytes=100 * MIB)
+    to_read, to_hold = window.select(None)
+    assert seqs(to_hold) == [5, 4]
+    assert to_read == []
+
+
+def test_cursor_only_moves_down_and_skips_consumed_dead_and_kept():
+    entries = [entry(i, layer=None) for i in range(6)]
+    entries[3].consumed = True
+    entries[2].state = State.DEAD
+    entries[1].state = State.KEPT
+    window = window_of(entries, budget_bytes=100 * MIB)
+    window.select(entries[4])
+    to_read, _ = window.select(entries[5])
+    assert seqs(to_read) == [0]
+
+
+def test_forget_compacts_without_changing_decisions():
+    entries = [entry(i, layer=None) for i in range(10)]
+    window = window_of(entries, budget_bytes=2 * MIB)
+    for e in entries[2:8]:
+        e.state = State.DEAD
+        window.forget(e)
+    assert len(window) == 4
+    to_read, _ = window.select(entries[9])
+    assert seqs(to_read) == [8, 1]

@@ -1,0 +1,110 @@
+"""Helpers for the tests: gradient comparison and an engine that injects faults."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+import tba
+from tba.engine import Engine, Op, Request, ThreadEngine
+from tba.errors import ShortTransferError
+
+
+def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], offloader=None, *,
+             backward_passes: int = 1, seed: int = 1234, flush: bool = True):
+    """One forward (inside ``offloader`` when given) and backward; returns (loss, grads by name).
+
+    With ``flush`` every write completes before backward, so backward reads from the file whatever
+    the disk's speed; without it backward races the writes, as in training.
+    """
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if offloader is None:
+        loss = forward(model)
+    else:
+        with offloader:
+            loss = forward(model)
+        if flush:
+            offloader.flush()
+    for index in range(backward_passes):
+        loss.backward(retain_graph=index + 1 < backward_passes)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_exact(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], directory: str,
+                 backend: str | Engine = "threads", *, backward_passes: int = 1, flush: bool = True,
+                 **options) -> tba.Offloader:
+    """Gradients and loss with tba are torch.equal to those without; returns the offloader."""
+    ref_loss, ref_grads = run_step(model, forward, backward_passes=backward_passes)
+    options.setdefault("min_offload_bytes", 0)
+    offloader = tba.offload_activations(directory, backend=backend, **options)
+    loss, grads = run_step(model, forward, offloader, backward_passes=backward_passes, flush=flush)
+    assert torch.equal(ref_loss, loss), (ref_loss, loss)
+    assert ref_grads.keys() == grads.keys()
+    assert ref_grads, "the model produced no gradients"
+    for name in ref_grads:
+        assert torch.equal(ref_grads[name], grads[name]), f"gradient of {name} differs"
+    return offloader
+
+
+class FaultyEngine(Engine):
+    """A thread engine whose writes or reads fail, come back short, or wait for a gate.
+
+    Args:
+        write_errno: Fail every write with this errno (None: writes succeed).
+        read_errno: Fail every read with this errno.
+        short_reads: Make reads fail as a short read at end of file.
+        gate: When set, writes start only after the event is set.
+    """
+
+    name = "faulty"
+
+    def __init__(self, *, write_errno: int | None = None, read_errno: int | None = None,
+                 short_reads: bool = False, gate: threading.Event | None = None) -> None:
+        self.inner = ThreadEngine(workers=4)
+        self._gated = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tba-test-gate")
+        self.write_errno = write_errno
+        self.read_errno = read_errno
+        self.short_reads = short_reads
+        self.gate = gate
+        self.failed = 0
+        self.closed = False
+
+    def _failure(self, request: Request) -> OSError | None:
+        if request.op is Op.WRITE and self.write_errno is not None:
+            return OSError(self.write_errno, errno.errorcode[self.write_errno])
+        if request.op is Op.READ and self.read_errno is not None:
+            return OSError(self.read_errno, errno.errorcode[self.read_errno])
+        if request.op is Op.READ and self.short_reads:
+            return ShortTransferError("read", request.nbytes // 2, request.nbytes, request.offset)
+        return None
+
+    def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        futures = []
+        for request in requests:
+            error = self._failure(request)
+            if error is not None:
+                self.failed += 1
+                future: Future = Future()
+                future.set_exception(error)
+            elif request.op is Op.WRITE and self.gate is not None:
+                future = self._gated.submit(self._gated_write, request)
+            else:
+                future = self.inner.submit_many([request])[0]
+            futures.append(future)
+        return futures
+
+    def _gated_write(self, request: Request) -> int:
+        self.gate.wait()
+        return self.inner.submit_many([request])[0].result()
+
+    def close(self) -> None:
+        self.closed = True
+        self._gated.shutdown(wait=True)
+        self.inner.close()
