@@ -2,12 +2,13 @@
 
 For every usable backend the benchmark writes a file of ``--size`` bytes as ``--block-size``
 requests kept ``--queue-depth`` deep, then reads it back, and reports GB/s (10^9 bytes per
-second). All backends share one aligned buffer that is allocated and touched once, up front; the
-file is preallocated (as fio does) and has no name (``O_TMPFILE``, or unlinked right after
-opening, via :func:`tba.spill.open_anonymous`), so it disappears with the descriptor. When ``fio`` is on ``PATH`` it runs in the same
-invocation with the same parameters (``ioengine=io_uring``, ``direct=1``, ``rw=write`` then
-``rw=read``) on a named file that is deleted afterwards, and each backend's ratio to fio is
-printed. With ``--repeat N`` every column is the best of N runs.
+second). All backends share one aligned buffer that is allocated and touched once, up front.
+Every pass writes a fresh file, preallocated as fio does, that has no name (``O_TMPFILE``, or
+unlinked right after opening, via :func:`tba.spill.open_anonymous`), so it disappears with its
+descriptor. When ``fio`` is on ``PATH`` it runs in the same invocation with the same parameters
+(``ioengine=io_uring``, ``direct=1``, ``rw=write`` then ``rw=read``) on a named file that is
+deleted afterwards, and each backend's ratio to fio is printed. With ``--repeat N`` every column
+is the best of N runs.
 """
 
 from __future__ import annotations
@@ -182,19 +183,19 @@ def run(args: argparse.Namespace) -> int:
     buffer = filled_buffer(buffer_bytes)
     runs: dict[str, list[dict]] = {name: [] for name, reason in backends.items() if reason is None}
     fio_runs: list[dict] = []
-    try:
-        fd = open_scratch(args.directory, args.size)
-    except OSError as err:
-        logger.error("bench-io: cannot open an O_DIRECT file in %s: %s", args.directory, err)
-        return 1
-    try:
-        for _ in range(args.repeat):
-            for name in runs:
+    for _ in range(args.repeat):
+        for name in runs:
+            try:
+                fd = open_scratch(args.directory, args.size)
+            except OSError as err:
+                logger.error("bench-io: cannot open an O_DIRECT file in %s: %s", args.directory, err)
+                return 1
+            try:
                 runs[name].append(bench_engine(name, fd, buffer, args))
-            if fio:
-                fio_runs.append(bench_fio(fio, args))
-    finally:
-        os.close(fd)
+            finally:
+                os.close(fd)
+        if fio:
+            fio_runs.append(bench_fio(fio, args))
     report = {
         "size_bytes": args.size, "block_size_bytes": args.block_size,
         "queue_depth": args.queue_depth, "repeat": args.repeat,
