@@ -11,7 +11,7 @@ from setuptools.command.build_ext import build_ext
 
 URING_EXTENSION = Extension(
     "tba._uring",
-    sources=["native/tba_uring.c", "native/uring_ring.c"],
+    sources=["native/tba_uring.c", "native/uring_ring.c", "native/uring_io.c"],
     depends=["native/uring_ring.h"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
     optional=True,
