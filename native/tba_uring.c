@@ -1,10 +1,10 @@
 /*
- * tba._uring: the Python face of uring_ring.c.
+ * tba._uring: the Python face of uring_ring.c and uring_io.c.
  *
  * ``Ring(depth)`` owns one io_uring instance with ``depth`` request slots. ``submit`` takes a list
- * of ``(is_write, fd, address, nbytes, offset, tag)`` tuples and queues as many as there are free
- * slots, returning that count; ``reap`` blocks until at least one request finished (or ``wake``
- * was called) and returns ``(finished, woke)`` where ``finished`` is a list of
+ * of ``(is_write, fd, address, nbytes, offset, tag)`` tuples and queues all of them (the reaping
+ * thread issues them as slots free up); ``reap`` blocks until at least one request finished (or
+ * ``wake`` was called) and returns ``(finished, woke)`` where ``finished`` is a list of
  * ``(tag, result, done_bytes)``: ``result`` is the byte count, an ``OSError`` instance carrying
  * the errno, or ``None`` for a read that met end of file early. Both release the GIL around every
  * syscall. ``close`` frees the ring; it refuses while another thread is inside the ring.
@@ -116,7 +116,6 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
 {
     PyObject *seq;
     struct tba_req *reqs;
-    unsigned accepted = 0;
     int err;
 
     if (check_open(self))
@@ -125,8 +124,6 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > (Py_ssize_t)self->ring.nslots)
-        n = (Py_ssize_t)self->ring.nslots; /* more could not be accepted anyway */
     reqs = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(*reqs));
     if (!reqs) {
         Py_DECREF(seq);
@@ -142,13 +139,13 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
     Py_DECREF(seq);
     self->users++;
     Py_BEGIN_ALLOW_THREADS
-    err = tba_ring_submit(&self->ring, reqs, (unsigned)n, &accepted);
+    err = tba_ring_submit(&self->ring, reqs, (unsigned)n);
     Py_END_ALLOW_THREADS
     self->users--;
     PyMem_RawFree(reqs);
-    if (err && accepted == 0)
+    if (err)
         return raise_errno(-err);
-    return PyLong_FromUnsignedLong(accepted);
+    Py_RETURN_NONE;
 }
 
 static PyObject *finished_tuple(const struct tba_done *d)
@@ -276,7 +273,7 @@ static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
 
 static PyMethodDef Ring_methods[] = {
     {"submit", (PyCFunction)Ring_submit, METH_O,
-     "submit(requests) -> int: queue (is_write, fd, address, nbytes, offset, tag) tuples."},
+     "submit(requests): queue (is_write, fd, address, nbytes, offset, tag) tuples."},
     {"reap", (PyCFunction)Ring_reap, METH_NOARGS,
      "reap() -> (list of (tag, result, done_bytes), woke): wait for finished requests."},
     {"wake", (PyCFunction)Ring_wake, METH_NOARGS, "wake(): make a blocked reap() return."},
@@ -287,7 +284,7 @@ static PyMethodDef Ring_methods[] = {
 };
 
 static PyGetSetDef Ring_getset[] = {
-    {"in_flight", (getter)Ring_get_in_flight, NULL, "requests submitted and not yet reaped", NULL},
+    {"in_flight", (getter)Ring_get_in_flight, NULL, "requests queued or in the kernel, not yet reaped", NULL},
     {"depth", (getter)Ring_get_depth, NULL, "number of request slots", NULL},
     {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
     {NULL, NULL, NULL, NULL, NULL},

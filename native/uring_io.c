@@ -9,13 +9,15 @@
 #include <errno.h>
 #include <linux/io_uring.h>
 #include <sched.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 /* One SQE moves at most this many bytes; larger requests continue like short transfers. */
 #define MAX_SQE_BYTES (1u << 30)
-#define WAKE_TAG UINT64_MAX /* user_data of the NOP that wake() queues */
+#define WAKE_TAG UINT64_MAX       /* user_data of the NOP that wake() queues */
+#define KICK_TAG (UINT64_MAX - 1) /* user_data of the NOP that tells the reaper to refill */
 
 static int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags)
 {
@@ -29,8 +31,10 @@ static unsigned sq_unsubmitted(struct tba_ring *ring)
            __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE);
 }
 
-/* Hand every filled SQE to the kernel. Retries EINTR/EAGAIN/EBUSY, which only mean "not yet". */
-static int flush_sq(struct tba_ring *ring)
+/* Hand every filled SQE to the kernel (caller holds the lock, so the SQEs it filled are the only
+ * ones in the queue and they become its thread's requests). Retries EINTR/EAGAIN/EBUSY, which only
+ * mean "not yet". */
+static int flush_sq_locked(struct tba_ring *ring)
 {
     unsigned pending;
     while ((pending = sq_unsubmitted(ring)) > 0) {
@@ -86,50 +90,93 @@ static int push_slot_locked(struct tba_ring *ring, unsigned index)
     return push_sqe_locked(ring, opcode, req->fd, addr, len, req->offset + req->done, index, buf);
 }
 
-/* Push slot ``index``, flushing the SQ (without the lock) whenever it is full. */
+/* Push slot ``index`` and hand it to the kernel at once. */
 static int push_slot(struct tba_ring *ring, unsigned index)
 {
-    for (;;) {
-        pthread_mutex_lock(&ring->lock);
-        int err = push_slot_locked(ring, index);
-        pthread_mutex_unlock(&ring->lock);
-        if (err != -EBUSY)
-            return err;
-        err = flush_sq(ring);
-        if (err)
-            return err;
-    }
+    pthread_mutex_lock(&ring->lock);
+    int err = push_slot_locked(ring, index);
+    if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+        err = push_slot_locked(ring, index);
+    if (!err)
+        err = flush_sq_locked(ring);
+    pthread_mutex_unlock(&ring->lock);
+    return err;
 }
 
-int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n,
-                    unsigned *accepted)
+/* Submit a no-op carrying ``tag``; its completion makes a blocked reaper return from the kernel. */
+static int push_nop_locked(struct tba_ring *ring, uint64_t tag)
 {
-    unsigned taken = 0;
-    pthread_mutex_lock(&ring->lock);
-    while (taken < n && ring->free_count > 0) {
-        unsigned index = ring->free_stack[--ring->free_count];
-        ring->slots[index] = reqs[taken];
+    int err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag, -1);
+    if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+        err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag, -1);
+    return err ? err : flush_sq_locked(ring);
+}
+
+/* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
+static int grow_queue_locked(struct tba_ring *ring, size_t more)
+{
+    size_t need = ring->queue_count + more, cap = ring->queue_cap ? ring->queue_cap : 64;
+    if (need <= ring->queue_cap)
+        return 0;
+    while (cap < need)
+        cap *= 2;
+    struct tba_req *queue = malloc(cap * sizeof(*queue));
+    if (!queue)
+        return -ENOMEM;
+    for (size_t i = 0; i < ring->queue_count; i++)
+        queue[i] = ring->queue[(ring->queue_head + i) % ring->queue_cap];
+    free(ring->queue);
+    ring->queue = queue;
+    ring->queue_cap = cap;
+    ring->queue_head = 0;
+    return 0;
+}
+
+/* Move waiting requests into free slots and hand them to the kernel (caller holds the lock). */
+static int refill_locked(struct tba_ring *ring)
+{
+    while (ring->queue_count > 0 && ring->free_count > 0) {
+        unsigned index = ring->free_stack[ring->free_count - 1];
+        ring->slots[index] = ring->queue[ring->queue_head];
         ring->slots[index].done = 0;
-        if (push_slot_locked(ring, index) == -EBUSY) {
-            ring->free_stack[ring->free_count++] = index;
-            break;
+        int err = push_slot_locked(ring, index);
+        if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+            continue;
+        if (err)
+            return err;
+        ring->free_count--;
+        ring->queue_head = (ring->queue_head + 1) % ring->queue_cap;
+        ring->queue_count--;
+    }
+    return flush_sq_locked(ring);
+}
+
+int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
+{
+    pthread_mutex_lock(&ring->lock);
+    int err = grow_queue_locked(ring, n);
+    if (!err) {
+        for (unsigned i = 0; i < n; i++)
+            ring->queue[(ring->queue_head + ring->queue_count + i) % ring->queue_cap] = reqs[i];
+        ring->queue_count += n;
+        if (ring->reaper_waiting && n > 0) {
+            err = push_nop_locked(ring, KICK_TAG);
+            if (err)
+                ring->queue_count -= n; /* all or nothing: the reaper cannot have taken them */
+            else
+                ring->reaper_waiting = 0;
         }
-        taken++;
     }
     pthread_mutex_unlock(&ring->lock);
-    *accepted = taken;
-    return flush_sq(ring);
+    return err;
 }
 
 int tba_ring_wake(struct tba_ring *ring)
 {
-    int err;
-    do {
-        pthread_mutex_lock(&ring->lock);
-        err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, WAKE_TAG, -1);
-        pthread_mutex_unlock(&ring->lock);
-    } while (err == -EBUSY && (err = flush_sq(ring)) == 0);
-    return err ? err : flush_sq(ring);
+    pthread_mutex_lock(&ring->lock);
+    int err = push_nop_locked(ring, WAKE_TAG);
+    pthread_mutex_unlock(&ring->lock);
+    return err;
 }
 
 static void finish_slot(struct tba_ring *ring, unsigned index, int64_t res, struct tba_done *out)
@@ -186,13 +233,18 @@ int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, uns
             __atomic_store_n(ring->cq_head, ++head, __ATOMIC_RELEASE);
             if (user_data == WAKE_TAG)
                 *woke = 1;
-            else
+            else if (user_data != KICK_TAG)
                 n += (unsigned)complete_one(ring, (unsigned)user_data, res, &out[n]);
         }
         *nout = n;
-        if (n > 0 || *woke)
-            return flush_sq(ring); /* resubmitted remainders go out before we return */
-        int ret = sys_enter(ring->fd, sq_unsubmitted(ring), 1, IORING_ENTER_GETEVENTS);
+        pthread_mutex_lock(&ring->lock);
+        int err = refill_locked(ring); /* freed slots go straight back to work, GIL or not */
+        int done = err || n > 0 || *woke;
+        ring->reaper_waiting = !done;
+        pthread_mutex_unlock(&ring->lock);
+        if (done)
+            return err;
+        int ret = sys_enter(ring->fd, 0, 1, IORING_ENTER_GETEVENTS);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
             return ret;
     }

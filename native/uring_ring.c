@@ -136,6 +136,9 @@ void tba_ring_close(struct tba_ring *ring)
     free(ring->slots);
     free(ring->free_stack);
     free(ring->bufs);
+    free(ring->queue);
+    ring->queue = NULL;
+    ring->queue_head = ring->queue_count = ring->queue_cap = 0;
     ring->slots = NULL;
     ring->free_stack = NULL;
     ring->bufs = NULL;
@@ -148,7 +151,7 @@ int tba_ring_register_buffers(struct tba_ring *ring, const struct iovec *iov, un
     int err = 0;
 
     pthread_mutex_lock(&ring->lock);
-    if (ring->nbufs > 0 || ring->free_count != ring->nslots)
+    if (ring->nbufs > 0 || ring->free_count != ring->nslots || ring->queue_count > 0)
         err = -EBUSY; /* register once, while idle */
     else if (n == 0 || !(copy = malloc(n * sizeof(*copy))))
         err = n == 0 ? -EINVAL : -ENOMEM;
@@ -170,7 +173,7 @@ int tba_ring_register_buffers(struct tba_ring *ring, const struct iovec *iov, un
 unsigned tba_ring_in_flight(struct tba_ring *ring)
 {
     pthread_mutex_lock(&ring->lock);
-    unsigned n = ring->nslots - ring->free_count;
+    unsigned n = ring->nslots - ring->free_count + (unsigned)ring->queue_count;
     pthread_mutex_unlock(&ring->lock);
     return n;
 }

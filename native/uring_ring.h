@@ -6,10 +6,18 @@
  * from the slot by the reaper, so callers only ever see a request finish once, with its full byte
  * count, a negative errno, or TBA_RES_SHORT when a read met end of file (or a write moved nothing).
  *
+ * Submitting only queues requests (all or none) and, when the reaper is blocked, kicks it with a
+ * no-op; the reaper moves queued requests into free slots and hands them to the kernel, so all
+ * data I/O is issued by the reaping thread and the ring stays full without the caller's help.
+ *
  * Threading: any number of threads may submit; exactly one thread reaps. The submission queue,
  * the slot table and the registered-buffer table are guarded by one mutex; the completion queue is
- * touched only by the reaper. No function here blocks while holding the mutex except to copy a few
- * entries into the shared rings. All functions return 0 or a negative errno.
+ * touched only by the reaper. Every SQE is handed to the kernel (io_uring_enter) by the thread that
+ * filled it, inside the same critical section, because io_uring ties a request to the thread that
+ * submitted it: retries of that request run as task work of that thread, and a request whose
+ * thread has exited can fail with -ECANCELED. Reads and writes are therefore only ever issued by
+ * the long-lived reaper; other threads only issue no-ops. Reaping waits without the mutex. All
+ * functions return 0 or a negative errno.
  */
 #ifndef TBA_URING_RING_H
 #define TBA_URING_RING_H
@@ -54,12 +62,14 @@ struct tba_ring {
     unsigned free_count, nslots;
     struct iovec *bufs;
     unsigned nbufs;
+    struct tba_req *queue; /* requests waiting for a free slot: a circular buffer */
+    size_t queue_head, queue_count, queue_cap;
+    int reaper_waiting; /* the reaper is blocked (or about to block) in io_uring_enter */
 };
 
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
 void tba_ring_close(struct tba_ring *ring);
-int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n,
-                    unsigned *accepted);
+int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
 int tba_ring_wake(struct tba_ring *ring);
 int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,
                   int *woke);

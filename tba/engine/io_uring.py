@@ -2,13 +2,17 @@
 
 The extension (``native/``) sets up a ring with raw ``io_uring_setup``/``io_uring_enter``
 syscalls and owns ``queue_depth`` request slots. :meth:`IoUringEngine.submit_many` turns each
-request into a :class:`concurrent.futures.Future` and hands as many as there are free slots to
-the ring in one call; the rest wait in a Python deque. One background thread sits in
-``Ring.reap()`` with the GIL released; the C side resubmits short transfers and ``EAGAIN`` from
-the completion queue without coming back to Python, so a request surfaces exactly once: with its
-byte count, with an :class:`OSError` built from the kernel's errno, or as a read that met end of
-file early (:class:`tba.errors.ShortTransferError`). After each batch of completions the thread
-resolves the futures and refills the freed slots from the deque, keeping the ring full.
+request into a :class:`concurrent.futures.Future` and hands the whole batch to the extension in
+one call, which queues it in C and, if the engine's completion thread is blocked in the kernel,
+kicks it with a no-op ring entry. That one thread sits in ``Ring.reap()`` with the GIL released
+and is the only thread that issues reads and writes: io_uring ties each request to the thread that
+submitted it (its retries run as that thread's task work and can be cancelled when the thread
+exits), so requests from short-lived caller threads would otherwise be at risk. Inside the C loop
+the thread moves queued requests into freed slots as completions arrive, keeping the ring full
+without taking the GIL, and resubmits short transfers and ``EAGAIN``; it returns to Python only
+to hand back finished requests. A request thus surfaces exactly once: with its byte count, with
+an :class:`OSError` built from the kernel's errno, or as a read that met end of file early
+(:class:`tba.errors.ShortTransferError`).
 
 Buffers can optionally be registered with the kernel (:meth:`IoUringEngine.register_buffers`);
 requests that fall inside a registered buffer then use ``READ_FIXED``/``WRITE_FIXED``, which
@@ -18,7 +22,6 @@ users and is skipped with a log line when the limit forbids it.
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import itertools
@@ -106,7 +109,6 @@ class IoUringEngine(Engine):
         self._ring = _uring.Ring(queue_depth)
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
-        self._pending: collections.deque[tuple[int, int, int, int, int, int]] = collections.deque()
         self._requests: dict[int, tuple[Future, Request]] = {}
         self._tags = itertools.count()
         self._closing = False
@@ -134,15 +136,17 @@ class IoUringEngine(Engine):
         return True
 
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        for request in requests:
+            if request.nbytes < 0 or request.offset < 0:
+                raise ValueError(f"negative size or offset in {request}")
         futures = []
+        entries = []
         with self._lock:
             if self._closing:
                 raise RuntimeError("engine is closed")
             if self._failure is not None:
                 raise RuntimeError(f"io_uring engine failed: {self._failure}")
             for request in requests:
-                if request.nbytes < 0 or request.offset < 0:
-                    raise ValueError(f"negative size or offset in {request}")
                 future: Future = Future()
                 future.set_running_or_notify_cancel()
                 futures.append(future)
@@ -152,35 +156,14 @@ class IoUringEngine(Engine):
                 tag = next(self._tags)
                 self._requests[tag] = (future, request)
                 is_write = 1 if request.op is Op.WRITE else 0
-                self._pending.append(
-                    (is_write, request.fd, request.address, request.nbytes, request.offset, tag)
-                )
-            failed = self._pump_locked()
-        _fail(failed)
-        return futures
-
-    def _pump_locked(self) -> list[tuple[Future, BaseException]]:
-        """Move queued requests into free ring slots (caller holds ``_lock``).
-
-        Returns:
-            Futures whose requests the ring rejected outright, with the error; the caller fails
-            them after releasing the lock, so that their callbacks may submit again.
-        """
-        failed = []
-        while self._pending:
-            batch = list(itertools.islice(self._pending, self.queue_depth))
+                entries.append((is_write, request.fd, request.address, request.nbytes, request.offset, tag))
             try:
-                accepted = self._ring.submit(batch)
-            except Exception as err:  # noqa: BLE001 - fail the batch, never lose a future
-                for item in batch:
-                    self._pending.popleft()
-                    failed.append((self._requests.pop(item[-1])[0], err))
-                continue
-            for _ in range(accepted):
-                self._pending.popleft()
-            if accepted < len(batch):
-                break
-        return failed
+                self._ring.submit(entries)
+            except BaseException:
+                for entry in entries:
+                    del self._requests[entry[-1]]
+                raise
+        return futures
 
     def _reap_loop(self) -> None:
         try:
@@ -191,17 +174,13 @@ class IoUringEngine(Engine):
                 for (future, request), result, moved in done:
                     _resolve(future, request, result, moved)
                 with self._lock:
-                    failed = self._pump_locked()
-                    stop = self._closing and not self._requests
-                _fail(failed)
-                if stop:
-                    return
+                    if self._closing and not self._requests:
+                        return
         except BaseException as err:  # noqa: BLE001 - the ring itself failed; fail every waiter
             logger.exception("tba: io_uring completion thread failed")
             with self._lock:
                 self._failure = err
                 lost, self._requests = list(self._requests.values()), {}
-                self._pending.clear()
             for future, _ in lost:
                 future.set_exception(RuntimeError(f"io_uring engine failed: {err}"))
         finally:
@@ -220,11 +199,6 @@ class IoUringEngine(Engine):
                     self._ring.wake()
             if threading.current_thread() is not self._reaper:
                 self._reaper.join()
-
-
-def _fail(failed: list[tuple[Future, BaseException]]) -> None:
-    for future, err in failed:
-        future.set_exception(err)
 
 
 def _resolve(future: Future, request: Request, result: int | OSError | None, moved: int) -> None:
