@@ -64,19 +64,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per measurement; each column reports the best (default 1)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
+    parser.add_argument("--no-hugepages", action="store_true",
+                        help="do not ask for transparent huge pages for the shared buffer")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON object on stdout (the table then goes to stderr)")
 
 
-def filled_buffer(nbytes: int) -> torch.Tensor:
-    """A page-aligned buffer of ``nbytes`` random bytes, populated and touched now.
+def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
+    """A page-aligned buffer of ``nbytes`` random bytes, every page touched now.
 
-    The pages come from one ``mmap(MAP_POPULATE)`` call, so they tend to be physically
-    contiguous. That matters on virtual disks: every physically discontiguous page is another
-    DMA segment of a request, and a buffer faulted in piecemeal from fragmented free memory read
-    at half the bandwidth of a contiguous one on this project's VM.
+    Physical layout matters on virtual disks: each physically discontiguous page is one more DMA
+    segment of a request, and on this project's VM a buffer faulted in from fragmented memory read
+    at half the bandwidth of a contiguous one. With ``hugepages`` (default) the mapping asks for
+    transparent huge pages (``MADV_HUGEPAGE``), so every 2 MiB is contiguous; without it the pages
+    come from one ``MAP_POPULATE`` pass and are contiguous only as far as free memory happens to
+    be. fio's own buffer gets no huge pages; ``--no-hugepages`` compares on that footing.
     """
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
+    populate = 0 if huge else mmap.MAP_POPULATE
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    if huge:
+        region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which then faults 2 MiB pages
     buffer = torch.frombuffer(region, dtype=torch.uint8)
     buffer.random_(0, 256, generator=torch.Generator().manual_seed(0))
     return buffer
@@ -182,9 +190,10 @@ def run(args: argparse.Namespace) -> int:
     backends = available_backends()
     fio = None if args.no_fio else shutil.which("fio")
     buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)
-    logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d",
-                args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat)
-    buffer = filled_buffer(buffer_bytes)
+    logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d, %s",
+                args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat,
+                "huge pages asked for" if not args.no_hugepages else "no huge pages")
+    buffer = filled_buffer(buffer_bytes, hugepages=not args.no_hugepages)
     runs: dict[str, list[dict]] = {name: [] for name, reason in backends.items() if reason is None}
     fio_runs: list[dict] = []
     for _ in range(args.repeat):
@@ -202,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             fio_runs.append(bench_fio(fio, args))
     report = {
         "size_bytes": args.size, "block_size_bytes": args.block_size,
-        "queue_depth": args.queue_depth, "repeat": args.repeat,
+        "queue_depth": args.queue_depth, "repeat": args.repeat, "hugepages": not args.no_hugepages,
         "backends": {name: _best(runs[name]) if reason is None else {"error": reason}
                      for name, reason in backends.items()},
         "fio": _best(fio_runs) if fio_runs else None,
