@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -115,4 +116,27 @@ def test_close_from_completion_callback(tmp_path):
         with pytest.raises(RuntimeError):
             engine.submit_write(fd, buf.ctypes.data, buf.size, 0)
     finally:
+        os.close(fd)
+
+
+@requires_io_uring
+def test_requests_outlive_the_submitting_thread(tmp_path):
+    """Threads that submit and exit at once must not take their requests with them."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    engine = io_uring_module.IoUringEngine(queue_depth=4)
+    data = random_bytes(64 * 65536, seed=7)
+    futures = []
+    try:
+        for part in range(8):
+            requests = [
+                Request(Op.WRITE, fd, data.ctypes.data + o, 65536, o)
+                for o in range(part * 8 * 65536, (part + 1) * 8 * 65536, 65536)
+            ]
+            thread = threading.Thread(target=lambda reqs=requests: futures.extend(engine.submit_many(reqs)))
+            thread.start()
+            thread.join()
+        assert sum(f.result(timeout=30) for f in futures) == data.size
+        assert os.pread(fd, data.size, 0) == data.tobytes()
+    finally:
+        engine.close()
         os.close(fd)
