@@ -71,7 +71,9 @@ def probe() -> str | None:
     try:
         ring = _uring.Ring(2)
     except OSError as err:
-        hint = " (seccomp?)" if err.errno == errno.EPERM else ""
+        hint = ""
+        if err.errno == errno.EPERM:
+            hint = f" ({_DISABLED_SYSCTL} = 1)" if disabled == "1" else " (seccomp?)"
         return f"io_uring_setup failed: {_errno_name(err)}{hint}"
     try:
         ring.wake()
