@@ -208,7 +208,12 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 os.close(fd)
         if fio:
-            fio_runs.append(bench_fio(fio, args))
+            try:
+                fio_runs.append(bench_fio(fio, args))
+            except (subprocess.CalledProcessError, ValueError, KeyError) as err:
+                detail = getattr(err, "stderr", "") or err
+                logger.warning("bench-io: fio failed, reporting without it: %s", str(detail).strip()[-300:])
+                fio = None
     report = {
         "size_bytes": args.size, "block_size_bytes": args.block_size,
         "queue_depth": args.queue_depth, "repeat": args.repeat, "hugepages": not args.no_hugepages,
