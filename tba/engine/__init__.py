@@ -16,8 +16,12 @@ from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
-BACKENDS = ("auto", "io_uring", "threads")
-"""Names accepted by ``backend=``. An :class:`Engine` instance is accepted too."""
+MAX_THREADS = 8
+"""More threads than this only add context switches: each one waits in the kernel for its request."""
+
+BACKENDS = ("auto", "io_uring", "threads", "kvikio")
+"""Names accepted by ``backend=``. An :class:`Engine` instance is accepted too. ``"kvikio"`` sends
+CUDA storages through ``kvikio.CuFile`` and uses the ``"auto"`` host engine for everything else."""
 
 
 @functools.cache
@@ -55,6 +59,13 @@ def resolve_backend(backend: str) -> str:
             return "io_uring"
         _log_auto_fallback(reason)
         return "threads"
+    if backend == "kvikio":
+        from tba.routes import kvikio_unavailable_reason
+
+        reason = kvikio_unavailable_reason()
+        if reason is not None:
+            raise TbaConfigError(f"backend 'kvikio' is not available: {reason}; use backend='auto'")
+        return resolve_backend("auto")
     if backend == "io_uring":
         reason = io_uring_unavailable_reason()
         if reason is not None:
@@ -70,7 +81,7 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = 32) -> Eng
     Args:
         backend: ``"auto"``, ``"io_uring"``, ``"threads"`` or an engine instance.
         queue_depth: Requests in flight at once (ring entries, or threads for ``"threads"``,
-            capped at 16 threads). Default 32.
+            capped at :data:`MAX_THREADS`). Default 32.
     """
     if isinstance(backend, Engine):
         return backend
@@ -81,7 +92,7 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = 32) -> Eng
         from tba.engine.io_uring import IoUringEngine
 
         return IoUringEngine(queue_depth=queue_depth)
-    return ThreadEngine(workers=min(queue_depth, 16))
+    return ThreadEngine(workers=min(queue_depth, MAX_THREADS))
 
 
 __all__ = [

@@ -1,0 +1,44 @@
+"""Plain-text tables comparing strategies against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tba.measure import ModeResult
+
+MIB = 1 << 20
+
+
+def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep") -> list[dict[str, float | str]]:
+    """One dict per result with medians and their ratios to ``baseline``'s."""
+    base = next(r for r in results if r.mode == baseline)
+    rows = []
+    for r in results:
+        stats = r.offload_stats or {}
+        rows.append({
+            "mode": r.mode,
+            "step_s": r.median_step_s,
+            "step_ratio": r.median_step_s / base.median_step_s,
+            "activation_peak_mib": r.median_peak_bytes / MIB,
+            "peak_ratio": r.median_peak_bytes / base.median_peak_bytes if base.median_peak_bytes else float("nan"),
+            "losses_equal": r.losses == base.losses,
+            "written_mib": stats.get("bytes_written", 0) / MIB,
+            "read_mib": stats.get("bytes_read", 0) / MIB,
+            "write_gbps": stats.get("write_gbps", 0.0),
+            "read_gbps": stats.get("read_gbps", 0.0),
+        })
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, float | str]]) -> str:
+    """Rows from :func:`comparison_rows` as an aligned table."""
+    header = (f"{'mode':<12} {'step s':>8} {'x keep':>7} {'act peak MiB':>13} {'x keep':>7} "
+              f"{'same loss':>9} {'written MiB':>12} {'read MiB':>9} {'write GB/s':>10} {'read GB/s':>9}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['mode']:<12} {row['step_s']:>8.3f} {row['step_ratio']:>7.2f} {row['activation_peak_mib']:>13.1f} "
+            f"{row['peak_ratio']:>7.2f} {'yes' if row['losses_equal'] else 'NO':>9} {row['written_mib']:>12.1f} "
+            f"{row['read_mib']:>9.1f} {row['write_gbps']:>10.2f} {row['read_gbps']:>9.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark: one GPT, each placement strategy in a fresh process, ratios against keep-all.
+
+Strategies: keep-all, tba (offload), full recompute (torch.utils.checkpoint on every layer) and
+torch.autograd.graph.save_on_cpu. Prints median step time and activation peak (peak RSS during a
+step minus RSS before it) with their ratios to keep-all, and whether losses are identical.
+
+Example (the bar of the core runtime issue):
+    python tools/bench_e2e.py --preset bench --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from tba.measure import MODES, run_isolated
+from tba.models import PRESETS
+from tba.report import comparison_rows, format_table
+
+logger = logging.getLogger("tba")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="bench",
+                        help="model: bench = 8 layers, width 512, sequence 256, batch 8 (default)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (default: 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
+    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and raw results as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    modes = args.modes.split(",")
+    if "keep" not in modes:
+        modes.insert(0, "keep")
+    results = []
+    for index, mode in enumerate(modes, 1):
+        logger.info("[%d/%d] %s: %d warm-up + %d measured steps ...", index, len(modes), mode, args.warmup, args.steps)
+        results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup,
+                                    directory=args.directory, backend=args.backend))
+        logger.info("        median step %.3f s", results[-1].median_step_s)
+    rows = comparison_rows(results)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "backend": args.backend, "rows": rows,
+                       "results": [r.__dict__ for r in results]}, f, indent=2)
+    return 0 if all(row["losses_equal"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
