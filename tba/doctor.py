@@ -2,15 +2,16 @@
 
 Each check only reports; none of them makes the command fail. The checks are: the io_uring
 engine (extension built, kernel allows it, see :func:`tba.engine.io_uring.probe`), ``O_DIRECT``
-in the offload directory (:func:`tba.spill.probe_direct_io`), whether kvikio (GPUDirect Storage)
-imports and CUDA is available, the locked-memory limit that bounds registered (fixed) buffers,
+in the offload directory (:func:`tba.spill.probe_direct_io`), whether CUDA is available, whether
+kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
+with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
+(fixed) buffers,
 and a quick sequential write and read through the engine that ``backend="auto"`` picks.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import resource
@@ -20,6 +21,7 @@ import torch
 from tba.bench_io import filled_buffer, open_scratch, parse_size, timed_pass
 from tba.engine import available_backends, make_engine, resolve_backend
 from tba.engine.base import Op
+from tba.routes import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.spill import probe_direct_io, resolve_directory
 
 logger = logging.getLogger("tba")
@@ -46,12 +48,14 @@ def _format_limit(value: int) -> str:
     return "unlimited" if value == resource.RLIM_INFINITY else f"{value / (1 << 20):.1f} MiB"
 
 
-def _kvikio_reason() -> str | None:
-    try:
-        importlib.import_module("kvikio")
-    except Exception as err:  # noqa: BLE001 - any import failure is the answer
-        return f"{type(err).__name__}: {err}"
-    return None
+def _cuda_route() -> str:
+    """Which route CUDA storages take with ``backend='auto'``, and why (see ``tba/routes.py``)."""
+    if _cuda_reason() is not None:
+        return "none (no CUDA device)"
+    gds = gds_unavailable_reason()
+    if gds is None:
+        return "kvikio (GPUDirect Storage available)"
+    return f"staged through pinned host blocks ({gds})"
 
 
 def _cuda_reason() -> str | None:
@@ -86,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         ("threads engine", _status(backends["threads"])),
         ("backend 'auto' uses", resolve_backend("auto")),
         (f"O_DIRECT in {directory}", _status(direct_reason)),
-        ("kvikio (GDS) importable", _status(_kvikio_reason())),
         ("CUDA available", _status(_cuda_reason())),
+        ("kvikio usable", _status(kvikio_unavailable_reason())),
+        ("GPUDirect Storage", _status(gds_unavailable_reason())),
+        ("CUDA route with 'auto'", _cuda_route()),
         ("memlock limit (soft/hard)", f"{_format_limit(soft)} / {_format_limit(hard)}"
                                       + (" (root: not applied to io_uring buffer registration)" if os.geteuid() == 0 else "")),
     ]
