@@ -16,7 +16,8 @@ factories (``model_factory`` returns the module, ``batch_factory`` a tuple of ar
 ``model(*batch)`` returning the loss).
 
 Activation peak on CPU is the peak resident set size during the step minus the resident set size
-just before it. The kernel's peak counter (``VmHWM``) is reset before each step through
+just before it, plus the idle read buffers tba keeps between steps (memory tba holds even though
+it is resident before the step starts). The kernel's peak counter (``VmHWM``) is reset before each step through
 ``/proc/self/clear_refs``; where that is not allowed a 1 ms sampling thread stands in. Gradients
 stay allocated across steps (``zero_grad(set_to_none=False)``), so the peak is activations and
 their transient gradients, not weight gradients. On CUDA the peak is
@@ -169,6 +170,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         for step in range(warmup + steps):
             torch.manual_seed(seed + step)
             optimizer.zero_grad(set_to_none=False)
+            held_before = offloader.pool_idle_bytes if offloader is not None else 0
             with peak_meter() as peak:
                 start = time.perf_counter()
                 if mode == "save_on_cpu":
@@ -186,7 +188,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
             del loss
             if step >= warmup:
                 result.step_s.append(elapsed)
-                result.activation_peak_bytes.append(peak.delta_bytes)
+                result.activation_peak_bytes.append(peak.delta_bytes + held_before)
     if offloader is not None:
         offloader.close()
         result.offload_stats = offloader.stats.as_dict()

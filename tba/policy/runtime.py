@@ -127,7 +127,7 @@ class PolicyRunner:
             else:
                 self._pending["forward_s"] = list(self._timer.forward_s)
                 self._pending["input_bytes"] = list(self._timer.input_bytes)
-                self._pending["max_storage"] = max((e.nbytes for e in offloader._by_storage.values()), default=0)
+                self._pending["max_storage"] = _largest_live_storage(offloader)
 
     def _collect(self) -> None:
         """Finish the pending profiled step: its backward has run by now."""
@@ -168,6 +168,11 @@ class PolicyRunner:
             prefetch_depth_layers=offloader.prefetch_depth_layers,
             max_window_bytes=max(offloader.prefetch_budget_bytes, 1),
         )
+
+
+def _largest_live_storage(offloader: Any) -> int:
+    """Bytes of the largest storage the offloader holds for backward (read at the end of forward)."""
+    return max((entry.nbytes for entry in offloader._store._by_storage.values()), default=0)
 
 
 def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, **goal: Any) -> PolicyRunner:
