@@ -38,7 +38,10 @@ Step time ``T = T_f + T_b`` with ``T_b`` the end of layer 0's backward; keep-all
 Memory (activation bytes; storages saved outside the layers are left out, they are the same for
 every plan). The peak is the larger of the start of backward::
 
-    A = sum_{K} s_j + sum_{R} x_j + backlog
+    A = sum_{K} s_j + sum_{R} x_j + backlog + max_{O} w_i
+
+(a reusable offloader keeps the read buffers of one backward for the next, up to the window, so
+the largest offloaded working set ``w_i`` below is held through forward too)
 
 and, during backward through layer ``i``, what layers below it still hold plus its working set::
 
@@ -156,13 +159,15 @@ def _backward(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -
 def _memory(profile: Profile, decisions: tuple[str, ...], window_bytes: int, backlog: int) -> int:
     layers = profile.layers
     below = 0
-    peak = backlog
+    start = backlog
     for layer, decision in zip(layers, decisions):
         if decision == KEEP:
-            peak += layer.saved_bytes
+            start += layer.saved_bytes
         elif decision == RECOMPUTE:
-            peak += layer.input_bytes
+            start += layer.input_bytes
+    peak = start
     window = max(window_bytes, profile.max_storage_bytes)
+    idle_buffers = 0
     for i, (layer, decision) in enumerate(zip(layers, decisions)):
         if decision == KEEP:
             working = layer.saved_bytes
@@ -173,9 +178,10 @@ def _memory(profile: Profile, decisions: tuple[str, ...], window_bytes: int, bac
             if i > 0 and decisions[i - 1] == OFFLOAD and profile.prefetch_depth_layers:
                 pair += layers[i - 1].saved_bytes
             working = min(window, pair)
+            idle_buffers = max(idle_buffers, working)
         peak = max(peak, below + working)
         below += layer.saved_bytes if decision == KEEP else layer.input_bytes if decision == RECOMPUTE else 0
-    return peak
+    return max(peak, start + idle_buffers)
 
 
 def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | None = None) -> Estimate:
