@@ -140,19 +140,25 @@ class CudaPeak:
 
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
-             device: str = "cpu") -> ModeResult:
+             device: str = "cpu", threads: int | None = None) -> ModeResult:
     """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
     model = make_gpt(config, seed=seed)
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
-                     backend=backend, seed=seed, offload_options=offload_options, device=device)
+                     backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
-              offload_options: dict[str, Any] | None = None, device: str = "cpu") -> ModeResult:
-    """Train ``model`` (``model(*batch)`` returns the loss) for ``steps + warmup`` steps under ``mode``."""
+              offload_options: dict[str, Any] | None = None, device: str = "cpu",
+              threads: int | None = None) -> ModeResult:
+    """Train ``model`` (``model(*batch)`` returns the loss) for ``steps + warmup`` steps under ``mode``.
+
+    ``threads`` sets torch's intra-op threads for the run (None: torch's default).
+    """
     if mode not in ALL_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ALL_MODES)}")
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = model.to(device)
     batch = tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)

@@ -82,8 +82,8 @@ class RokResult:
 def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callable[[], Any] | str | None = None, *,
           preset: str | None = None, budget_fractions: Sequence[float] = DEFAULT_BUDGET_FRACTIONS,
           budgets_bytes: Sequence[int] | None = None, steps: int = 5, warmup: int = 1, directory: str | None = None,
-          backend: str = "auto", device: str = "cpu", out_dir: str | None = ".", plot: bool = True,
-          progress: bool = True) -> RokResult:
+          backend: str = "auto", device: str = "cpu", threads: int | None = None, out_dir: str | None = ".",
+          plot: bool = True, progress: bool = True) -> RokResult:
     """Measure the ROK curve of one model; every configuration in a fresh process.
 
     Args:
@@ -96,6 +96,8 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
         steps / warmup: Measured and unmeasured steps per configuration. Defaults 5 and 1.
         directory / backend: Spill directory and I/O backend for tba.
         device: ``"cpu"`` (default) or ``"cuda"``.
+        threads: torch intra-op threads in each measured process (None: torch's default). One
+            thread gives steadier timings on a machine shared with other work.
         out_dir: Where ``rok.csv``, ``rok.json`` and ``rok.png`` go; None writes nothing.
         plot: Write ``rok.png`` when matplotlib is installed.
         progress: Show a progress line on stderr.
@@ -105,7 +107,8 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     model_args: dict[str, Any] = {} if preset else {"model_factory": make_model, "batch_factory": make_batch}
-    common = dict(steps=steps, warmup=warmup, directory=directory, backend=backend, device=device, **model_args)
+    common = dict(steps=steps, warmup=warmup, directory=directory, backend=backend, device=device, threads=threads,
+                  **model_args)
     budget_count = len(budgets_bytes) if budgets_bytes is not None else len(budget_fractions)
     bar = Progress(len(BASELINES) + budget_count, enabled=progress)
     results: list[tuple[str, str, int | None, ModeResult]] = []
@@ -200,6 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per measured process (default: torch's; 1 is steadier on a busy machine)")
     parser.add_argument("--out", default=".", help="directory for rok.csv, rok.json, rok.png (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="do not write rok.png")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -212,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
     result = sweep(args.model, args.batch, preset=preset, budget_fractions=[float(b) for b in args.budgets.split(",")],
                    budgets_bytes=budgets_bytes, steps=args.steps, warmup=args.warmup, directory=args.directory,
-                   backend=args.backend, device=args.device, out_dir=args.out, plot=not args.no_plot,
+                   backend=args.backend, device=args.device, threads=args.threads, out_dir=args.out,
+                   plot=not args.no_plot,
                    progress=not args.quiet)
     print(format_points(result.points))
     print(f"\nadaptive dominates full recompute (no more memory, less time): "

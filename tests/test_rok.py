@@ -82,5 +82,5 @@ def test_bad_arguments():
         sweep(preset="tiny", make_model="m:f")
     with pytest.raises(ValueError, match="unknown preset"):
         sweep(preset="huge")
-    args = build_parser().parse_args(["rok", "--preset", "tiny", "--budgets", "0.5", "--no-plot"])
-    assert args.preset == "tiny" and args.no_plot
+    args = build_parser().parse_args(["rok", "--preset", "tiny", "--budgets", "0.5", "--no-plot", "--threads", "1"])
+    assert args.preset == "tiny" and args.no_plot and args.threads == 1
