@@ -176,7 +176,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         for step in range(warmup + steps):
             torch.manual_seed(seed + step)
             optimizer.zero_grad(set_to_none=False)
-            held_before = offloader.pool_idle_bytes if offloader is not None else 0
+            held_before = offloader.pool_idle_bytes if offloader is not None and peak_meter is PeakRSS else 0
             with peak_meter() as peak:
                 start = time.perf_counter()
                 if mode == "save_on_cpu":
