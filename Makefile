@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # torch is pinned to the CPU build these machines serve from a local wheel; it is installed
-# first so that resolving tba's own dependencies never pulls a CUDA build.
+# first so that resolving tba's own dependencies never pulls a CUDA build. megatron-core (the
+# `megatron` extra) needs only torch, numpy and packaging, so the installed torch is kept.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test clean
@@ -12,7 +13,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,megatron]"
 	touch $@
 
 demo: $(VENV)/.installed
