@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="Memory is measured as described in this file's docstring.")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, CUDA stand-ins)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default: 4)")
+    parser.add_argument("--layers", type=int, default=8, help="transformer layers (default: 8)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
     parser.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default: 512)")
@@ -173,7 +173,8 @@ def train(args: argparse.Namespace) -> list[float]:
                     loss = train_step(model, optimizer, batch, offloader)
                     elapsed = time.perf_counter() - start
                 losses.append(loss.item())
-                print(f"step {step} loss {losses[-1]!r} time {elapsed:.3f} mem {peak.delta_bytes / MIB:.1f}", flush=True)
+                mem_mib = peak.delta_bytes / MIB
+                print(f"step {step} loss {losses[-1]!r} time {elapsed:.3f} mem {mem_mib:.1f}", flush=True)
         finally:
             if offloader is not None:
                 offloader.close()

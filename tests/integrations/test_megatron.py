@@ -136,7 +136,7 @@ def test_full_recompute_writes_only_region_inputs_once(world, spill_dir):
     masks_per_layer = 2  # bias-dropout-add after attention and after the MLP, run with grad on
     assert aware.tensors_kept_in_recompute == args.layers * masks_per_layer
     assert aware.bytes_kept_in_recompute == args.layers * masks_per_layer * HIDDEN_STATE_BYTES
-    assert plain.layer_saved_bytes[0] == (1 + masks_per_layer) * HIDDEN_STATE_BYTES, "a plain offloader writes the masks"
+    assert plain.layer_saved_bytes[0] == (1 + masks_per_layer) * HIDDEN_STATE_BYTES, "plain tba writes the masks"
 
 
 def test_wrap_forward_step_runs_the_forward_inside_tba(world, spill_dir):
@@ -190,7 +190,8 @@ def test_bad_models_and_settings_are_refused():
     with pytest.raises(TbaConfigError, match="no megatron-core TransformerBlock"):
         MegatronOffloader(nn.Linear(4, 4))
     with pytest.raises(TbaConfigError, match="CheckpointWithoutOutput"):
-        check_recompute_config(SimpleNamespace(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]))
+        check_recompute_config(SimpleNamespace(recompute_granularity="selective",
+                                               recompute_modules=["core_attn", "layernorm"]))
     with pytest.raises(TbaConfigError, match="cpu_offloading=False"):
         check_recompute_config(SimpleNamespace(cpu_offloading=True))
     check_recompute_config(SimpleNamespace(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
