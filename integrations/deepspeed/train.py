@@ -72,6 +72,15 @@ def single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def skip_shared_memory_allreduce(deepspeed) -> None:
+    """With one rank there is nothing to reduce between processes; DeepSpeed's CPU backend would
+    still JIT-compile its shared-memory allreduce op (about a minute, and a C++ compiler) on first
+    use. Marking the op unavailable makes DeepSpeed use torch.distributed's gloo directly."""
+    builder = deepspeed.accelerator.get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and int(os.environ["WORLD_SIZE"]) == 1:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def build_config(args: argparse.Namespace) -> dict:
     with open(args.config) as file:
         config = json.load(file)
@@ -102,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from tba.measure import PeakRSS
     from tba.models import PRESETS, make_batch, make_gpt
 
+    skip_shared_memory_allreduce(deepspeed)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     deepspeed.utils.logger.setLevel(logging.WARNING)
     config = build_config(args)

@@ -41,11 +41,12 @@ def single_process_group():
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    comm_torch = sys.modules["deepspeed.comm.torch"]
-    build_shm_op = comm_torch.build_shm_op
-    comm_torch.build_shm_op = lambda: None
+    compatible = deepspeed.ops.__compatible_ops__
+    name = deepspeed.accelerator.get_accelerator().create_op_builder("ShareMemCommBuilder").NAME
+    was_compatible = compatible.get(name)
+    compatible[name] = False
     yield
-    comm_torch.build_shm_op = build_shm_op
+    compatible[name] = was_compatible
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     for key, value in saved.items():
