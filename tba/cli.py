@@ -17,7 +17,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tba", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tba",
+        description="tba: offload PyTorch activations to NVMe files and prefetch them for backward.",
+        epilog="Run 'python -m tba COMMAND --help' for a command's options.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

@@ -66,6 +66,9 @@ class StorageEntry:
     io_pending: int = 0
     io_error: BaseException | None = None
     read_done: Future | None = None
+    device: torch.device = torch.device("cpu")
+    route: Any = None
+    ready_event: Any = None
 
     @property
     def extent_bytes(self) -> int:

@@ -75,6 +75,8 @@ class LayerTracker:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self) -> None:
+        """Start tracking; forward starts outside any layer, whatever the last forward ended in."""
+        self.current = None
         for index, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._entering(index)))
 

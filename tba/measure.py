@@ -8,7 +8,8 @@ Each strategy runs the same model, batch and seed:
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy).
 
 Activation peak on CPU is the peak resident set size during the step minus the resident set size
-just before it. The kernel's peak counter (``VmHWM``) is reset before each step through
+just before it, plus the idle read buffers tba keeps between steps (memory tba holds even though
+it is resident before the step starts). The kernel's peak counter (``VmHWM``) is reset before each step through
 ``/proc/self/clear_refs``; where that is not allowed a 1 ms sampling thread stands in. Gradients
 stay allocated across steps (``zero_grad(set_to_none=False)``), so the peak is activations and
 their transient gradients, not weight gradients. A mode is best measured in a fresh process
@@ -124,6 +125,7 @@ def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, d
         for step in range(warmup + steps):
             torch.manual_seed(seed + step)
             optimizer.zero_grad(set_to_none=False)
+            held_before = offloader.pool_idle_bytes if offloader is not None else 0
             with PeakRSS() as peak:
                 start = time.perf_counter()
                 if mode == "save_on_cpu":
@@ -141,7 +143,7 @@ def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, d
             del loss
             if step >= warmup:
                 result.step_s.append(elapsed)
-                result.activation_peak_bytes.append(peak.delta_bytes)
+                result.activation_peak_bytes.append(peak.delta_bytes + held_before)
     if offloader is not None:
         offloader.close()
         result.offload_stats = offloader.stats.as_dict()

@@ -7,8 +7,10 @@ the reads for layer ``i - 2``: this pool keeps freed buffers by exact size and h
 
 A buffer goes back to the pool when the last tensor that uses it dies: :meth:`BufferPool.lease`
 wraps it in a storage whose owner object returns it on collection. The pool holds at most
-``capacity_bytes`` of idle buffers, and the offloader empties it whenever no saved tensor is alive,
-so idle buffers never outlive a training step.
+``capacity_bytes`` of idle buffers (the prefetch budget). A reusable offloader keeps them from one
+step to the next, so steady-state steps touch no fresh memory for reads; they are freed on
+``close()``, and ``Offloader.pool_idle_bytes`` reports them so that measurements count them as
+memory tba holds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class BufferPool:
         self.capacity_bytes = capacity_bytes
         self.idle_bytes = 0
         self.reused = 0
+        self.allocated = 0
         self._idle: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
@@ -54,6 +57,7 @@ class BufferPool:
                 self.idle_bytes -= nbytes
                 self.reused += 1
                 return idle.pop()
+            self.allocated += 1
         return aligned_empty(nbytes)
 
     def give(self, buffer: torch.Tensor) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import gc
 import os
 
+# Deterministic cuBLAS, so that GPU gradients with and without tba can be compared bit for bit.
+# It must be set before CUDA is initialised; on CPU it has no effect.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import pytest
 import torch
 

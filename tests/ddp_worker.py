@@ -24,6 +24,7 @@ def step(model, tokens, targets, offloader=None):
     else:
         with offloader:
             loss = model(tokens, targets)
+        offloader.flush()
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 

@@ -194,9 +194,12 @@ def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
     # next step allocates can shift a hole, so allow some slack but no growth per step.
     assert sizes[0] > 0 and max(sizes) <= 1.5 * sizes[0], sizes
     assert off.stats.tensors_offloaded == 3 * steps
+    pool = off._store.pool
+    assert pool.allocated <= 3 and pool.reused > 0, "read buffers were not reused across steps"
+    assert off.pool_idle_bytes > 0
     assert open_fds() == fds + 1
     off.close()
-    assert open_fds() == fds
+    assert open_fds() == fds and off.pool_idle_bytes == 0
 
 
 def test_unpack_after_close_raises(spill_dir):
@@ -241,3 +244,24 @@ def test_keep_layers_and_saved_bytes_per_layer(spill_dir):
     assert partial.stats.tensors_kept > full.stats.tensors_kept
     full.close()
     partial.close()
+
+
+def test_each_step_starts_outside_any_layer(spill_dir):
+    torch.manual_seed(0)
+    embed = nn.Linear(16, 64)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(2))
+    x = torch.randn(32, 16)
+    off = offloader(spill_dir, layers=list(layers))
+    per_step = []
+    for _ in range(2):
+        with off:
+            h = embed(x).exp()
+            for layer in layers:
+                h = layer(h)
+            loss = h.sum()
+        off.flush()
+        loss.backward()
+        per_step.append(dict(off.layer_saved_bytes))
+    assert set(per_step[0]) == {None, 0, 1} and per_step[0][None] > 0
+    assert per_step[1] == {layer: 2 * nbytes for layer, nbytes in per_step[0].items()}
+    off.close()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import tba
+from tba.device import DeviceOps
 from tba.engine import Engine, Op, Request, ThreadEngine
 from tba.errors import ShortTransferError
 
@@ -108,3 +109,62 @@ class FaultyEngine(Engine):
         self.closed = True
         self._gated.shutdown(wait=True)
         self.inner.close()
+
+
+class FakeDeviceOps(DeviceOps):
+    """Asynchronous device ordering on CPU: streams are single-thread executors, events futures.
+
+    ``mark_ready`` returns an event that completes only when ``producer_gate`` is set (when one is
+    given), standing for kernels still running on the compute stream. It records what happened
+    in ``log`` so tests can check the order.
+    """
+
+    def __init__(self, producer_gate: threading.Event | None = None) -> None:
+        self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-side")
+        self.prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-prefetch")
+        self.producer_gate = producer_gate
+        self.log: list[str] = []
+        self.consumed: list[Future] = []
+        self._lock = threading.Lock()
+
+    def _note(self, what: str) -> None:
+        with self._lock:
+            self.log.append(what)
+
+    def mark_ready(self) -> Future:
+        event: Future = Future()
+        if self.producer_gate is None:
+            event.set_result(None)
+        else:
+            threading.Thread(target=lambda: (self.producer_gate.wait(), event.set_result(None)), daemon=True).start()
+        return event
+
+    def copy_to_host(self, src, dst, after: Future) -> Future:
+        def copy():
+            after.result()
+            dst.copy_(src)
+            self._note("d2h")
+
+        return self.side.submit(copy)
+
+    def empty(self, nbytes: int, device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy_to_device(self, src, dst) -> Future:
+        def copy():
+            dst.copy_(src)
+            self._note("h2d")
+
+        return self.prefetch.submit(copy)
+
+    def when_done(self, event: Future, callback) -> None:
+        event.add_done_callback(lambda f: callback(f.exception()))
+
+    def consume(self, event: Future, tensor) -> None:
+        self.consumed.append(event)
+        if event is not None:
+            event.result()
+
+    def close(self) -> None:
+        self.side.shutdown(wait=True)
+        self.prefetch.shutdown(wait=True)

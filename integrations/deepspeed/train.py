@@ -12,8 +12,8 @@ One line per optimizer step::
 
 ``loss`` is the mean over the step's micro-batches (full precision), ``time`` the step's wall time
 in seconds (forward, backward and ``engine.step()`` of every micro-batch), ``mem`` its activation
-peak in MiB: the peak resident set size during the step minus the size just before it, measured as
-``tba/measure.py`` does. For that the script re-executes itself once with glibc's mmap threshold
+peak in MiB, measured as ``tba/measure.py`` does: the peak resident set size during the step minus
+the size just before it, plus the idle read buffers tba held before the step. For that the script re-executes itself once with glibc's mmap threshold
 fixed (``tba.measure.MALLOC_ENV``), so that freed tensors leave the process. The first step also
 allocates the optimizer states; the summary line takes the median of the later steps.
 
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = []
     for step in range(1, args.steps + 1):
         losses = []
+        held_before = offload.offloader.pool_idle_bytes if offload.offloader is not None else 0
         with PeakRSS() as peak:
             began = time.perf_counter()
             for micro in range(accumulation):
@@ -143,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 losses.append(loss.item())
                 del loss
             elapsed = time.perf_counter() - began
-        peaks.append(peak.delta_bytes)
-        print(f"step {step} loss {sum(losses) / len(losses)!r} time {elapsed:.3f} mem {peak.delta_bytes / MIB:.1f}",
+        peaks.append(peak.delta_bytes + held_before)
+        print(f"step {step} loss {sum(losses) / len(losses)!r} time {elapsed:.3f} mem {peaks[-1] / MIB:.1f}",
               flush=True)
     offload.close()
     later = peaks[1:] or peaks

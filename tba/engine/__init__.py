@@ -19,8 +19,9 @@ logger = logging.getLogger("tba")
 MAX_THREADS = 8
 """More threads than this only add context switches: each one waits in the kernel for its request."""
 
-BACKENDS = ("auto", "io_uring", "threads")
-"""Names accepted by ``backend=``. An :class:`Engine` instance is accepted too."""
+BACKENDS = ("auto", "io_uring", "threads", "kvikio")
+"""Names accepted by ``backend=``. An :class:`Engine` instance is accepted too. ``"kvikio"`` sends
+CUDA storages through ``kvikio.CuFile`` and uses the ``"auto"`` host engine for everything else."""
 
 
 @functools.cache
@@ -58,6 +59,13 @@ def resolve_backend(backend: str) -> str:
             return "io_uring"
         _log_auto_fallback(reason)
         return "threads"
+    if backend == "kvikio":
+        from tba.routes import kvikio_unavailable_reason
+
+        reason = kvikio_unavailable_reason()
+        if reason is not None:
+            raise TbaConfigError(f"backend 'kvikio' is not available: {reason}; use backend='auto'")
+        return resolve_backend("auto")
     if backend == "io_uring":
         reason = io_uring_unavailable_reason()
         if reason is not None:

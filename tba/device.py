@@ -1,0 +1,166 @@
+"""Ordering of device copies: streams, events, and who waits for what.
+
+The staged route (``tba/staged.py``) moves a device storage through host staging blocks. Its
+ordering rules, which keep the compute stream free of synchronisation:
+
+* pack records an event on the *current* stream: the producer of the tensor;
+* each device-to-host copy runs on a dedicated *side* stream that first waits on that event;
+* the device memory is released only after the copies (and the file writes) completed, which a
+  waiter thread learns by synchronising on the copy's event (host-side, off the hot path);
+* reads land in host blocks, then host-to-device copies run on a *prefetch* stream into memory
+  allocated on that stream, and an event is recorded after the last one;
+* unpack makes the consuming (current) stream wait on that event and records the tensor's use on
+  it (``record_stream``), so the caching allocator does not recycle it early.
+
+:class:`DeviceOps` is that contract. :class:`CudaOps` implements it with torch streams and events;
+:class:`HostOps` is the degenerate case for host tensors (copies are synchronous). Tests drive the
+state machine with an asynchronous fake on CPU.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+Callback = Callable[[BaseException | None], None]
+
+
+class DeviceOps(abc.ABC):
+    """Asynchronous copies between device storages and host blocks, ordered by events."""
+
+    @abc.abstractmethod
+    def mark_ready(self) -> Any:
+        """An event recorded on the current stream: everything queued so far (the producer) is before it."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
+        """Queue ``dst.copy_(src)`` behind event ``after``; returns the copy's completion event."""
+
+    @abc.abstractmethod
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A ``uint8`` tensor of ``nbytes`` on ``device``, allocated for the prefetch stream."""
+
+    @abc.abstractmethod
+    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Queue ``dst.copy_(src)`` on the prefetch stream; returns its completion event."""
+
+    @abc.abstractmethod
+    def when_done(self, event: Any, callback: Callback) -> None:
+        """Call ``callback(None)`` once ``event`` completed (``callback(error)`` if it failed), off the caller's thread."""
+
+    @abc.abstractmethod
+    def consume(self, event: Any, tensor: torch.Tensor) -> None:
+        """Make the current stream wait on ``event`` before it uses ``tensor``."""
+
+    def close(self) -> None:
+        """Stop helper threads. Idempotent."""
+
+
+class HostOps(DeviceOps):
+    """Host tensors: every copy completes before it returns, so events are None."""
+
+    def mark_ready(self) -> None:
+        return None
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> None:
+        dst.copy_(src)
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def when_done(self, event: Any, callback: Callback) -> None:
+        callback(None)
+
+    def consume(self, event: Any, tensor: torch.Tensor) -> None:
+        return None
+
+
+class _Waiter:
+    """One thread that synchronises on events in queue order and runs their callbacks."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, event: Any, callback: Callback) -> None:
+        self._queue.put((event, callback))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, callback = item
+            try:
+                event.synchronize()
+            except BaseException as error:
+                callback(error)
+            else:
+                callback(None)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class CudaOps(DeviceOps):
+    """CUDA streams and events for one device.
+
+    Args:
+        device: The CUDA device of the tensors this handles.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side_stream = torch.cuda.Stream(device)
+        self.prefetch_stream = torch.cuda.Stream(device)
+        self._waiters = {"side": _Waiter("tba-d2h-wait"), "prefetch": _Waiter("tba-h2d-wait")}
+        self._closed = False
+
+    def mark_ready(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.side_stream):
+            self.side_stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side_stream)
+        return done
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.prefetch_stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.prefetch_stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.prefetch_stream)
+        done._tba_stream = "prefetch"
+        return done
+
+    def when_done(self, event: torch.cuda.Event, callback: Callback) -> None:
+        self._waiters[getattr(event, "_tba_stream", "side")].put(event, callback)
+
+    def consume(self, event: torch.cuda.Event, tensor: torch.Tensor) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if event is not None:
+            current.wait_event(event)
+        tensor.record_stream(current)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for waiter in self._waiters.values():
+                waiter.stop()

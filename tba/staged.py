@@ -1,0 +1,186 @@
+"""The staged route: device storage <-> host staging blocks <-> file.
+
+For tensors that ``pwrite`` cannot read directly (CUDA memory), a storage is cut into pieces of at
+most one staging block. Writing one piece: take a block from the :class:`StagingPool` (waiting if
+none is free), queue the device-to-host copy behind the producer's event, and when the copy's event
+completes, submit the block to the host engine; the block returns to the pool when the write
+completes. Reading is the mirror: block, file read, host-to-device copy on the prefetch stream,
+and the block returns once that copy's event completes. Ordering is :class:`DeviceOps`' job
+(``tba/device.py``).
+
+Who runs what, so that nothing waits while holding a lock another step needs:
+
+* the caller (pack / unpack) only records the producer event and queues a job;
+* one *stager* thread takes blocks from the pool (this is where backpressure waits) and queues
+  copies or file reads;
+* copy completions arrive on the device waiter threads, file completions on engine threads;
+  neither ever waits for a block.
+
+Host-to-device copies are issued and their events recorded under one lock, so the last event of a
+read follows every copy of that read on the prefetch stream: the consumer waits on that one.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+
+from tba.device import Callback, DeviceOps
+from tba.engine.base import ALIGN_BYTES, Engine
+from tba.extents import round_up
+from tba.staging import StagingPool
+
+ReadCallback = Callable[[BaseException | None, Any, Any], None]
+
+
+class _Countdown:
+    """Calls ``on_done(first_error)`` after ``count`` calls to :meth:`done`."""
+
+    def __init__(self, count: int, on_done: Callback) -> None:
+        self._lock = threading.Lock()
+        self._remaining = count
+        self._error: BaseException | None = None
+        self._on_done = on_done
+
+    def done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            finished = self._remaining == 0
+        if finished:
+            self._on_done(self._error)
+
+
+class _Read:
+    """A read in progress: the destination, and the copies issued so far."""
+
+    def __init__(self, dst: torch.Tensor, count: int, on_done: ReadCallback) -> None:
+        self.dst = dst
+        self.lock = threading.Lock()
+        self.remaining = count
+        self.error: BaseException | None = None
+        self.last_event: Any = None
+        self.on_done = on_done
+
+
+class StagedRoute:
+    """Moves storages of one device kind to and from the spill file through a staging pool.
+
+    Args:
+        ops: Device ordering (streams and events).
+        engine: Host engine that does the file I/O.
+        pool: Staging blocks shared by writes and reads.
+    """
+
+    def __init__(self, ops: DeviceOps, engine: Engine, pool: StagingPool) -> None:
+        self.ops = ops
+        self.engine = engine
+        self.pool = pool
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tba-stager", daemon=True)
+        self._thread.start()
+
+    def _pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        block = self.pool.block_bytes
+        return [(start, min(block, nbytes - start)) for start in range(0, nbytes, block)]
+
+    def write(self, src: torch.Tensor, fd: int, offset: int, on_done: Callback) -> None:
+        """Write the ``uint8`` device tensor ``src`` to ``fd`` at ``offset``; ``on_done(error)`` at the end."""
+        ready = self.ops.mark_ready()
+        self._jobs.put(functools.partial(self._write_job, src, fd, offset, ready, on_done))
+
+    def _write_job(self, src: torch.Tensor, fd: int, offset: int, ready: Any, on_done: Callback) -> None:
+        pieces = self._pieces(src.numel())
+        countdown = _Countdown(len(pieces), on_done)
+        for start, nbytes in pieces:
+            block = self.pool.acquire()
+            try:
+                event = self.ops.copy_to_host(src[start : start + nbytes], block[:nbytes], ready)
+            except BaseException as error:
+                self.pool.release(block)
+                countdown.done(error)
+                continue
+            self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown))
+
+    def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: _Countdown,
+                error: BaseException | None) -> None:
+        if error is not None:
+            self.pool.release(block)
+            countdown.done(error)
+            return
+        future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
+        future.add_done_callback(functools.partial(self._written, block, countdown))
+
+    def _written(self, block: torch.Tensor, countdown: _Countdown, future: Future) -> None:
+        self.pool.release(block)
+        countdown.done(future.exception())
+
+    def read(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
+        """Read ``nbytes`` at ``offset`` into a new ``uint8`` tensor on ``device``.
+
+        ``on_done(error, tensor, event)`` runs when every copy is queued; the consumer must wait on
+        ``event`` (:meth:`DeviceOps.consume`) before using ``tensor``.
+        """
+        self._jobs.put(functools.partial(self._read_job, device, nbytes, fd, offset, on_done))
+
+    def _read_job(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
+        pieces = self._pieces(nbytes)
+        try:
+            read = _Read(self.ops.empty(nbytes, device), len(pieces), on_done)
+        except BaseException as error:
+            on_done(error, None, None)
+            return
+        for start, length in pieces:
+            block = self.pool.acquire()
+            future = self.engine.submit_read(fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start)
+            future.add_done_callback(functools.partial(self._block_read, read, block, start, length))
+
+    def _block_read(self, read: _Read, block: torch.Tensor, start: int, length: int, future: Future) -> None:
+        error = future.exception()
+        copied = False
+        with read.lock:
+            if error is None and read.error is None:
+                try:
+                    event = self.ops.copy_to_device(block[:length], read.dst[start : start + length])
+                    read.last_event = event
+                    copied = True
+                except BaseException as copy_error:
+                    error = copy_error
+            if error is not None and read.error is None:
+                read.error = error
+            read.remaining -= 1
+            finished = read.remaining == 0
+        if copied:
+            self.ops.when_done(event, lambda _error: self.pool.release(block))
+        else:
+            self.pool.release(block)
+        if finished:
+            if read.error is not None:
+                read.on_done(read.error, None, None)
+            else:
+                read.on_done(None, read.dst, read.last_event)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def drain(self) -> None:
+        """Wait until the stager has queued every job given so far."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+
+    def close(self) -> None:
+        """Stop the stager thread after the queued jobs. Idempotent."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()

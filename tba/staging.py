@@ -1,0 +1,82 @@
+"""A fixed pool of aligned (pinned, when CUDA is present) host blocks for staged transfers.
+
+Device memory cannot be handed to ``pwrite``. The staged route copies a device storage into host
+blocks, block by block, and writes each block to the file; reads go the other way. The blocks come
+from this pool, which allocates one slab up front (a ``cudaHostAlloc`` per tensor costs
+milliseconds, and fresh host memory is slow to touch) and carves it into ``block_bytes`` pieces,
+each aligned to :data:`ALIGN_BYTES` so the file I/O can use ``O_DIRECT``.
+
+The pool never grows. When every block is in use, :meth:`StagingPool.acquire` waits until a
+transfer completes and releases one: backpressure, not allocation. Writes and reads share it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tba.engine.base import ALIGN_BYTES
+from tba.errors import TbaConfigError
+from tba.memory import aligned_empty
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+class StagingPool:
+    """``capacity_bytes // block_bytes`` host blocks of ``block_bytes`` each.
+
+    Args:
+        capacity_bytes: Total size of the slab. Default 256 MiB.
+        block_bytes: Size of one block, a multiple of 4096; also the largest piece of one
+            transfer. Default 4 MiB.
+        pinned: Page-lock the slab (needs CUDA); None (default) pins when CUDA is available.
+    """
+
+    def __init__(self, capacity_bytes: int = DEFAULT_STAGING_BYTES, block_bytes: int = 4 << 20,
+                 pinned: bool | None = None) -> None:
+        if block_bytes <= 0 or block_bytes % ALIGN_BYTES:
+            raise TbaConfigError(f"staging block_bytes must be a positive multiple of {ALIGN_BYTES}, got {block_bytes}")
+        if capacity_bytes < block_bytes:
+            raise TbaConfigError(
+                f"staging capacity ({capacity_bytes} bytes) must hold at least one block of {block_bytes} bytes; "
+                "raise staging_bytes"
+            )
+        if pinned is None:
+            pinned = torch.cuda.is_available()
+        count = capacity_bytes // block_bytes
+        self.block_bytes = block_bytes
+        self.pinned = pinned
+        self._slab = self._allocate(count * block_bytes, pinned)
+        self._slab.fill_(0)
+        self._free = [self._slab[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+        self.capacity_blocks = count
+        self._cond = threading.Condition()
+        self.waits = 0
+
+    @staticmethod
+    def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
+        if not pinned:
+            return aligned_empty(nbytes)
+        raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8, pin_memory=True)
+        start = -raw.data_ptr() % ALIGN_BYTES
+        return raw[start : start + nbytes]
+
+    @property
+    def free_blocks(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self) -> torch.Tensor:
+        """A free block (a ``uint8`` tensor of ``block_bytes``), waiting for one if none is free."""
+        with self._cond:
+            if not self._free:
+                self.waits += 1
+                self._cond.wait_for(lambda: self._free)
+            return self._free.pop()
+
+    def release(self, block: torch.Tensor) -> None:
+        """Give a block back; wakes one waiter."""
+        with self._cond:
+            self._free.append(block)
+            self._cond.notify()

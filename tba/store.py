@@ -1,0 +1,339 @@
+"""Storages in flight between memory and the spill file.
+
+The store owns every :class:`StorageEntry` of an offloader and moves their bytes:
+
+* :meth:`StorageStore.save` finds the entry of a tensor's storage (Note [Dedup by storage identity])
+  or creates one and starts its write: host storages straight from their own memory through the
+  host engine, device storages through their route (``tba/routes.py``).
+* When a write completes the entry is ON_DISK and its memory is dropped, unless the prefetch window
+  asked to hold it; a failed write turns it KEPT (memory kept, one warning).
+* :meth:`StorageStore.load` returns an entry's bytes: resident ones at once, otherwise after a read,
+  and moves the prefetch window so that the next storages are read meanwhile.
+* :meth:`StorageStore.drop_view` frees an entry's file extent once autograd has freed its last view.
+
+Every state change happens under one lock. Completion callbacks run on engine or device threads;
+none of them waits for anything while holding the lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tba.engine import Engine, Op, Request
+from tba.engine.base import ALIGN_BYTES
+from tba.entry import State, StorageEntry
+from tba.errors import TbaReadError
+from tba.pool import BufferPool
+from tba.prefetch import PrefetchWindow
+from tba.routes import Routes
+from tba.spill import SpillFile
+from tba.stats import BusyClock, OffloadStats
+from tba.trace import nvtx_range
+
+logger = logging.getLogger("tba")
+
+# Note: [Dedup by storage identity]
+# A storage is recognised by its StorageImpl address (`untyped_storage()._cdata`), the same for
+# every view of it, and never by its data pointer: the allocator hands a freed data pointer to the
+# next allocation of that size, and a key built on it would serve one tensor's bytes for another.
+# The entry holds a weak reference to the StorageImpl (StorageWeakRef), which keeps that address
+# from being reused for as long as the entry exists, so a key match always means the same storage.
+# The tensor's version counter is recorded too: a storage modified in place after it was saved is
+# a new snapshot and gets a new entry.
+
+
+class StorageStore:
+    """Entries, their I/O and their lifetime, for one offloader.
+
+    Args:
+        stats: Counters to update.
+        window: Prefetch decisions.
+        block_size_bytes: Size of one host I/O request.
+        pool_bytes: Bound on idle read buffers kept for reuse.
+    """
+
+    def __init__(self, stats: OffloadStats, window: PrefetchWindow, block_size_bytes: int, pool_bytes: int) -> None:
+        self.stats = stats
+        self.window = window
+        self.block_size_bytes = block_size_bytes
+        self.pool = BufferPool(pool_bytes)
+        self.lock = threading.RLock()
+        self.write_clock = BusyClock()
+        self.read_clock = BusyClock()
+        self.live_entries = 0
+        self.spill: SpillFile | None = None
+        self.engine: Engine | None = None
+        self.routes: Routes | None = None
+        self._writes_done = threading.Condition(self.lock)
+        self._writing = 0
+        self._by_storage: dict[int, StorageEntry] = {}
+        self._next_seq = 0
+        self._warned_write_error = False
+
+    def open(self, spill: SpillFile, engine: Engine, routes: Routes) -> None:
+        self.spill, self.engine, self.routes = spill, engine, routes
+
+    @property
+    def is_open(self) -> bool:
+        return self.engine is not None
+
+    # ----------------------------------------------------------------- write
+    def save(self, tensor: torch.Tensor, layer: int | None) -> tuple[StorageEntry, bool]:
+        """The entry holding ``tensor``'s storage, and whether it was created (and its write started)."""
+        storage = tensor.untyped_storage()
+        with self.lock:
+            entry = self._by_storage.get(storage._cdata)
+            fresh = entry is None or entry.version != tensor._version or entry.state is State.DEAD or entry.ref.expired()
+            if fresh:
+                entry = self._start_write(tensor, storage, layer)
+            else:
+                self.stats.bytes_deduplicated += entry.nbytes
+            entry.handles += 1
+            self.stats.tensors_offloaded += 1
+        return entry, fresh
+
+    def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None) -> StorageEntry:
+        route = self.routes.for_device(tensor.device)
+        address = storage.data_ptr()
+        entry = StorageEntry(
+            seq=self._next_seq,
+            layer=layer,
+            nbytes=storage.nbytes(),
+            phase_bytes=0 if route is not None else address % ALIGN_BYTES,
+            version=tensor._version,
+            ref=StorageWeakRef(storage),
+            data=torch.empty((0,), dtype=torch.uint8, device=tensor.device).set_(storage),
+            device=tensor.device,
+            route=route,
+        )
+        self._next_seq += 1
+        self.live_entries += 1
+        self._by_storage[storage._cdata] = entry
+        self.window.add(entry)
+        self._resident(entry.nbytes)
+        entry.offset = self.spill.allocate(entry.extent_bytes)
+        self._writing += 1
+        with nvtx_range("write"):
+            if route is None:
+                self._submit(entry, Op.WRITE, address - entry.phase_bytes, self._on_write_block)
+            else:
+                entry.io_pending = 1
+                self.write_clock.start()
+                route.write(entry.data, self.spill.fd, entry.offset, functools.partial(self._on_route_write, entry))
+        return entry
+
+    def _submit(self, entry: StorageEntry, op: Op, address: int, callback: Any) -> None:
+        requests = [
+            Request(op, self.spill.fd, address + start, nbytes, entry.offset + start)
+            for start, nbytes in entry.blocks(self.block_size_bytes)
+        ]
+        entry.io_pending = len(requests)
+        (self.write_clock if op is Op.WRITE else self.read_clock).start(len(requests))
+        for future in self.engine.submit_many(requests):
+            future.add_done_callback(functools.partial(callback, entry))
+
+    def _on_write_block(self, entry: StorageEntry, future: Future) -> None:
+        self.write_clock.stop()
+        with self.lock:
+            if self._block_done(entry, future.exception()):
+                self._finish_write(entry)
+
+    def _on_route_write(self, entry: StorageEntry, error: BaseException | None) -> None:
+        self.write_clock.stop()
+        with self.lock:
+            if self._block_done(entry, error):
+                self._finish_write(entry)
+
+    def _block_done(self, entry: StorageEntry, error: BaseException | None) -> bool:
+        """Count one finished transfer of ``entry``; True when it was the last one."""
+        if error is not None and entry.io_error is None:
+            entry.io_error = error
+        entry.io_pending -= 1
+        return entry.io_pending == 0
+
+    def _finish_write(self, entry: StorageEntry) -> None:
+        self._writing -= 1
+        self._writes_done.notify_all()
+        if entry.state is State.DEAD:
+            self._free_extent(entry)
+        elif entry.io_error is not None:
+            self._keep_after_write_error(entry)
+        else:
+            entry.state = State.ON_DISK
+            self.stats.storages_written += 1
+            self.stats.bytes_written += entry.nbytes
+            if not entry.wanted:
+                self.release(entry)
+
+    def _keep_after_write_error(self, entry: StorageEntry) -> None:
+        error, entry.io_error = entry.io_error, None
+        entry.state = State.KEPT
+        self._free_extent(entry)
+        self.stats.tensors_kept_on_error += 1
+        self.stats.bytes_kept_on_error += entry.nbytes
+        if not self._warned_write_error:
+            self._warned_write_error = True
+            logger.warning(
+                "tba: writing activations to %s failed (%s); keeping them in memory instead and "
+                "training goes on (stats.bytes_kept_on_error counts them). Free space there or "
+                "pass another directory.",
+                self.spill.directory,
+                error,
+            )
+
+    def flush(self) -> None:
+        """Block until every write queued so far has completed (or failed over to memory)."""
+        with self._writes_done:
+            self._writes_done.wait_for(lambda: self._writing == 0)
+
+    # ----------------------------------------------------------------- read
+    def load(self, entry: StorageEntry) -> tuple[torch.Tensor, Any]:
+        """``entry``'s bytes as a ``uint8`` tensor, and the event a consumer must wait on (or None)."""
+        with self.lock:
+            data, done = entry.data, entry.read_done
+            if data is None and done is None:
+                done = self._start_read(entry)
+        self.prefetch(entry)
+        if data is not None:
+            with self.lock:
+                self.stats.unpacks_from_memory += 1
+                return data, entry.ready_event
+        return self._wait_read(entry, done)
+
+    def _start_read(self, entry: StorageEntry) -> Future:
+        """Queue the reads of ``entry``; the future resolves to ``(bytes, event)``."""
+        done = entry.read_done = Future()
+        with nvtx_range("read"):
+            if entry.route is None:
+                buffer = self.pool.take(entry.extent_bytes)
+                self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
+            else:
+                entry.io_pending = 1
+                self.read_clock.start()
+                entry.route.read(entry.device, entry.nbytes, self.spill.fd, entry.offset,
+                                 functools.partial(self._on_route_read, entry))
+        return done
+
+    def _on_read_block(self, entry: StorageEntry, future: Future, *, buffer: torch.Tensor) -> None:
+        self.read_clock.stop()
+        with self.lock:
+            if self._block_done(entry, future.exception()):
+                self._finish_read(entry, lambda: self.pool.lease(buffer, entry.phase_bytes, entry.nbytes), None)
+
+    def _on_route_read(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
+        self.read_clock.stop()
+        with self.lock:
+            if self._block_done(entry, error):
+                self._finish_read(entry, lambda: data, event)
+
+    def _finish_read(self, entry: StorageEntry, make_data: Any, event: Any) -> None:
+        done, entry.read_done = entry.read_done, None
+        error, entry.io_error = entry.io_error, None
+        if entry.state is State.DEAD:
+            self._free_extent(entry)
+            done.cancel()
+        elif error is not None:
+            done.set_exception(error)
+        else:
+            entry.data, entry.ready_event = make_data(), event
+            self._resident(entry.nbytes)
+            self.stats.bytes_read += entry.nbytes
+            done.set_result((entry.data, event))
+
+    def _wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
+        start = time.perf_counter()
+        try:
+            with nvtx_range("wait_read"):
+                result = done.result()
+        except OSError as err:
+            raise TbaReadError(
+                f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
+                f"offset {entry.offset}, {entry.extent_bytes} bytes: {err}"
+            ) from err
+        with self.lock:
+            self.stats.unpacks_waited += 1
+            self.stats.unpack_wait_s += time.perf_counter() - start
+        return result
+
+    def note_unpacked(self, entry: StorageEntry) -> None:
+        """After the last view of a storage is unpacked, its bytes are not needed in memory."""
+        with self.lock:
+            entry.unpacked += 1
+            if entry.unpacked < entry.handles:
+                return
+            entry.unpacked = 0
+            entry.consumed = True
+            entry.wanted = False
+            if entry.state is State.ON_DISK:
+                self.release(entry)
+
+    def prefetch(self, entry: StorageEntry | None) -> None:
+        """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""
+        with self.lock, nvtx_range("prefetch"):
+            if not self.is_open:
+                return
+            to_read, to_hold = self.window.select(entry)
+            for held in to_hold:
+                held.wanted = True
+            for target in to_read:
+                self._start_read(target)
+
+    # ----------------------------------------------------------------- lifetime
+    def drop_view(self, entry: StorageEntry) -> bool:
+        """A view of ``entry`` was freed; returns True when no entry is left alive."""
+        with self.lock:
+            entry.handles -= 1
+            if entry.handles > 0:
+                return False
+            if self._by_storage.get(entry.ref.cdata) is entry:
+                del self._by_storage[entry.ref.cdata]
+            entry.state = State.DEAD
+            self.release(entry)
+            self.window.forget(entry)
+            if entry.io_pending == 0:
+                self._free_extent(entry)
+            self.live_entries -= 1
+            return self.live_entries == 0
+
+    def close(self, engine_owned: bool) -> None:
+        """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""
+        with self.lock:
+            engine, self.engine = self.engine, None
+        if self.routes is not None:
+            self.routes.stop()
+        if engine is not None and engine_owned:
+            engine.close()
+        if self.routes is not None:
+            self.routes.close()
+        if self.spill is not None:
+            self.spill.close()
+        with self.lock:
+            for entry in self._by_storage.values():
+                self.release(entry)
+            self._by_storage.clear()
+            self.pool.clear()
+
+    def _free_extent(self, entry: StorageEntry) -> None:
+        if entry.offset >= 0:
+            self.spill.free(entry.offset)
+            entry.offset = -1
+
+    def release(self, entry: StorageEntry) -> None:
+        """Drop tba's reference to ``entry``'s bytes in memory."""
+        if entry.data is not None:
+            entry.data = None
+            entry.ready_event = None
+            self._resident(-entry.nbytes)
+
+    def _resident(self, delta_bytes: int) -> None:
+        stats = self.stats
+        stats.resident_bytes += delta_bytes
+        stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)

@@ -1,0 +1,30 @@
+"""NVTX ranges around tba's work, so that a profile (Nsight Systems) shows the overlap.
+
+Ranges, in domain ``tba``: ``pack``, ``unpack``, ``write`` (queueing a storage's write), ``read``
+(queueing a read), ``prefetch`` (moving the window), ``wait_read`` (backward blocked on a read).
+They use the ``nvtx`` package when it is installed (``pip install 'tba[nvtx]'``; it is a no-op
+without a profiler attached) and cost nothing measurable otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import ContextManager
+
+
+@functools.cache
+def _annotate():
+    try:
+        import nvtx
+    except ImportError:
+        return None
+    return nvtx.annotate
+
+
+def nvtx_range(name: str) -> ContextManager[None]:
+    """A context manager that marks ``name`` in the ``tba`` NVTX domain (or does nothing)."""
+    annotate = _annotate()
+    if annotate is None:
+        return contextlib.nullcontext()
+    return annotate(name, domain="tba")

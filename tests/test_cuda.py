@@ -1,0 +1,107 @@
+"""CUDA tensors through the staged route and kvikio: exact gradients, no leaks, reads hidden.
+
+Runs only where CUDA is available; everything here is skipped on CPU-only machines, where the
+staged route's ordering is tested with a fake device instead (tests/test_staged.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import tba
+from conftest import requires_cuda
+from tba.models import PRESETS, make_batch, make_gpt
+from tba.routes import kvikio_unavailable_reason
+from test_exactness import SharedStorage, ViewsModel
+from utils import assert_exact
+
+pytestmark = requires_cuda
+
+CUDA_BACKENDS = ["threads"] + (["kvikio"] if kvikio_unavailable_reason() is None else [])
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def gpt_on_cuda(dtype: torch.dtype):
+    config = PRESETS["tiny"]
+    model = make_gpt(config).cuda().to(dtype)
+    tokens, targets = (t.cuda() for t in make_batch(config))
+    return model, lambda m: m(tokens, targets)
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flush", [True, False], ids=["written-first", "racing-writes"])
+def test_gpt_exact(spill_dir, backend, dtype, flush):
+    model, forward = gpt_on_cuda(dtype)
+    offloader = assert_exact(model, forward, spill_dir, backend, layers=model, flush=flush)
+    assert offloader.stats.tensors_offloaded > 10
+    if flush:
+        assert offloader.stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make, shape", [(ViewsModel, (64, 48)), (SharedStorage, (32, 128))])
+def test_views_and_shared_storages_exact(spill_dir, backend, dtype, make, shape):
+    torch.manual_seed(0)
+    model = make().cuda().to(dtype)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).cuda().to(dtype)
+    assert_exact(model, lambda m: m(x).float(), spill_dir, backend)
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_cnn_exact(spill_dir, backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).cuda()
+    images = torch.randn(8, 3, 32, 32).cuda()
+    labels = (torch.arange(8) % 10).cuda()
+    assert_exact(model, lambda m: F.cross_entropy(m(images), labels), spill_dir, backend)
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_no_leak_over_twenty_steps(spill_dir, backend):
+    model, forward = gpt_on_cuda(torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    offloader = tba.Offloader(spill_dir, backend=backend, layers=model, min_offload_bytes=0)
+    baseline = None
+    for step in range(20):
+        optimizer.zero_grad(set_to_none=False)
+        with offloader:
+            loss = forward(model)
+        loss.backward()
+        optimizer.step()
+        del loss
+        torch.cuda.synchronize()
+        if step == 1:
+            baseline = torch.cuda.memory_allocated()
+        elif step > 1:
+            assert torch.cuda.memory_allocated() == baseline, f"GPU memory grew at step {step}"
+    assert offloader.stats.resident_bytes == 0
+    pool = offloader._store.routes._pool
+    if pool is not None:
+        assert pool.free_blocks == pool.capacity_blocks, "a pinned staging block was not returned"
+    offloader.close()
+
+
+def test_prefetch_serves_most_unpacks_from_memory(spill_dir):
+    config = PRESETS["small"]
+    model = make_gpt(config).cuda()
+    tokens, targets = (t.cuda() for t in make_batch(config))
+    offloader = tba.offload_activations(spill_dir, layers=model)
+    with offloader:
+        loss = model(tokens, targets)
+    offloader.flush()
+    loss.backward()
+    stats = offloader.stats
+    assert stats.bytes_read > 0
+    assert stats.unpacks_from_memory > stats.unpacks_waited
