@@ -13,6 +13,8 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.demo", "train a small built-in GPT with and without tba and compare"),
+    "bench-io": ("tba.bench_io", "measure O_DIRECT write/read bandwidth of each I/O engine vs fio"),
+    "doctor": ("tba.doctor", "report which I/O backends this machine supports and why not"),
 }
 
 

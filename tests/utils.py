@@ -20,8 +20,9 @@ def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], off
              backward_passes: int = 1, seed: int = 1234, flush: bool = True):
     """One forward (inside ``offloader`` when given) and backward; returns (loss, grads by name).
 
-    With ``flush`` every write completes before backward, so backward reads from the file whatever
-    the disk's speed; without it backward races the writes, as in training.
+    With ``flush`` every write completes before forward ends, so the storages are on disk (and
+    backward reads them from the file) whatever the disk's speed; without it backward races the
+    writes, as in training.
     """
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -30,8 +31,8 @@ def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], off
     else:
         with offloader:
             loss = forward(model)
-        if flush:
-            offloader.flush()
+            if flush:
+                offloader.flush()
     for index in range(backward_passes):
         loss.backward(retain_graph=index + 1 < backward_passes)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -1,5 +1,212 @@
-"""Placeholder until the native engine lands: reports that it is not built."""
+"""Native engine: one io_uring instance driven through the ``tba._uring`` C extension.
+
+The extension (``native/``) sets up a ring with raw ``io_uring_setup``/``io_uring_enter``
+syscalls and owns ``queue_depth`` request slots. :meth:`IoUringEngine.submit_many` turns each
+request into a :class:`concurrent.futures.Future` and hands the whole batch to the extension in
+one call, which queues it in C and, if the engine's completion thread is blocked in the kernel,
+kicks it with a no-op ring entry. That one thread sits in ``Ring.reap()`` with the GIL released
+and is the only thread that issues reads and writes: io_uring ties each request to the thread that
+submitted it (its retries run as that thread's task work and can be cancelled when the thread
+exits), so requests from short-lived caller threads would otherwise be at risk. Inside the C loop
+the thread moves queued requests into freed slots as completions arrive, keeping the ring full
+without taking the GIL, and resubmits short transfers and ``EAGAIN``; it returns to Python only
+to hand back finished requests. A request thus surfaces exactly once: with its byte count, with
+an :class:`OSError` built from the kernel's errno, or as a read that met end of file early
+(:class:`tba.errors.ShortTransferError`).
+
+Buffers can optionally be registered with the kernel (:meth:`IoUringEngine.register_buffers`);
+requests that fall inside a registered buffer then use ``READ_FIXED``/``WRITE_FIXED``, which
+skips pinning pages per request. Registration counts against ``RLIMIT_MEMLOCK`` for non-root
+users and is skipped with a log line when the limit forbids it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Sequence
+
+from tba.engine.base import Engine, Op, Request
+from tba.errors import ShortTransferError
+
+logger = logging.getLogger("tba")
+
+DEFAULT_QUEUE_DEPTH = 32
+"""Requests in flight at once (ring slots) when not told otherwise."""
+
+MAX_QUEUE_DEPTH = 4096
+"""Largest queue depth the native ring accepts."""
+
+_DISABLED_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
 
 
+def _errno_name(err: OSError) -> str:
+    return errno.errorcode.get(err.errno or 0, str(err.errno))
+
+
+@functools.cache
 def probe() -> str | None:
-    return "the native io_uring engine is not built in this version"
+    """Check once per process whether the io_uring engine can run here.
+
+    Returns:
+        None when it can, else a one-line reason, e.g. ``"extension not built: ..."``,
+        ``"/proc/sys/kernel/io_uring_disabled = 2"`` or ``"io_uring_setup failed: EPERM
+        (seccomp?)"``.
+    """
+    try:
+        from tba import _uring
+    except ImportError as err:
+        return f"extension not built: {err}"
+    try:
+        disabled = _DISABLED_SYSCTL.read_text().strip()
+    except OSError:
+        disabled = "0"
+    if disabled == "2":
+        return f"{_DISABLED_SYSCTL} = 2"
+    try:
+        ring = _uring.Ring(2)
+    except OSError as err:
+        hint = ""
+        if err.errno == errno.EPERM:
+            hint = f" ({_DISABLED_SYSCTL} = 1)" if disabled == "1" else " (seccomp?)"
+        return f"io_uring_setup failed: {_errno_name(err)}{hint}"
+    try:
+        ring.wake()
+        ring.reap()
+    except OSError as err:
+        return f"io_uring_enter failed: {_errno_name(err)}"
+    finally:
+        ring.close()
+    return None
+
+
+class IoUringEngine(Engine):
+    """io_uring engine.
+
+    Args:
+        queue_depth: Requests in flight at once (ring slots), 1 to 4096. Default 32. Further
+            requests wait in submission order and go out as slots free up.
+
+    Raises:
+        RuntimeError: When :func:`probe` reports that io_uring cannot be used here.
+        OSError: When the ring cannot be set up.
+    """
+
+    name = "io_uring"
+
+    def __init__(self, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> None:
+        if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise ValueError(f"queue_depth must be in 1..{MAX_QUEUE_DEPTH}, got {queue_depth}")
+        reason = probe()
+        if reason is not None:
+            raise RuntimeError(f"io_uring engine unavailable: {reason}")
+        from tba import _uring
+
+        self.queue_depth = queue_depth
+        self._ring = _uring.Ring(queue_depth)
+        self._lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._requests: dict[int, tuple[Future, Request]] = {}
+        self._tags = itertools.count()
+        self._closing = False
+        self._ring_closed = False
+        self._failure: BaseException | None = None
+        self._reaper = threading.Thread(target=self._reap_loop, name="tba-io_uring", daemon=True)
+        self._reaper.start()
+
+    def register_buffers(self, buffers: Sequence[tuple[int, int]]) -> bool:
+        """Register ``(address, nbytes)`` ranges as fixed buffers; call once, before any I/O.
+
+        The memory must stay valid until :meth:`close`. Later requests lying wholly inside one
+        registered range use ``READ_FIXED``/``WRITE_FIXED``.
+
+        Returns:
+            True when registered; False (logged) when the kernel refused, e.g. over the memlock
+            limit.
+        """
+        try:
+            with self._lock:
+                self._ring.register_buffers(list(buffers))
+        except OSError as err:
+            logger.info("tba: io_uring buffer registration skipped: %s", err)
+            return False
+        return True
+
+    def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        for request in requests:
+            if request.nbytes < 0 or request.offset < 0:
+                raise ValueError(f"negative size or offset in {request}")
+        futures = []
+        entries = []
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("engine is closed")
+            if self._failure is not None:
+                raise RuntimeError(f"io_uring engine failed: {self._failure}")
+            for request in requests:
+                future: Future = Future()
+                future.set_running_or_notify_cancel()
+                futures.append(future)
+                if request.nbytes == 0:
+                    future.set_result(0)
+                    continue
+                tag = next(self._tags)
+                self._requests[tag] = (future, request)
+                is_write = 1 if request.op is Op.WRITE else 0
+                entries.append((is_write, request.fd, request.address, request.nbytes, request.offset, tag))
+            try:
+                self._ring.submit(entries)
+            except BaseException:
+                for entry in entries:
+                    del self._requests[entry[-1]]
+                raise
+        return futures
+
+    def _reap_loop(self) -> None:
+        try:
+            while True:
+                finished, _ = self._ring.reap()
+                with self._lock:
+                    done = [(self._requests.pop(tag), result, moved) for tag, result, moved in finished]
+                for (future, request), result, moved in done:
+                    _resolve(future, request, result, moved)
+                with self._lock:
+                    if self._closing and not self._requests:
+                        return
+        except BaseException as err:  # noqa: BLE001 - the ring itself failed; fail every waiter
+            logger.exception("tba: io_uring completion thread failed")
+            with self._lock:
+                self._failure = err
+                lost, self._requests = list(self._requests.values()), {}
+            for future, _ in lost:
+                future.set_exception(RuntimeError(f"io_uring engine failed: {err}"))
+        finally:
+            with self._lock:
+                self._ring.close()
+                self._ring_closed = True
+
+    def close(self) -> None:
+        """Wait for every submitted request to finish, then free the ring. Idempotent."""
+        with self._close_lock:
+            with self._lock:
+                if self._closing:
+                    return
+                self._closing = True
+                if not self._requests and not self._ring_closed:
+                    self._ring.wake()
+            if threading.current_thread() is not self._reaper:
+                self._reaper.join()
+
+
+def _resolve(future: Future, request: Request, result: int | OSError | None, moved: int) -> None:
+    if isinstance(result, OSError):
+        future.set_exception(result)
+    elif result is None:
+        future.set_exception(ShortTransferError(request.op.value, moved, request.nbytes, request.offset))
+    else:
+        future.set_result(result)

@@ -13,19 +13,17 @@ bandwidth. After the first training step the planned traffic per step is known:
 
 Divided by the step time this is the bandwidth the disk must sustain. It is compared with a short
 measurement in the shared directory (:func:`measure_bandwidth`: one write and one read of
-:data:`PROBE_BYTES` through tba's own engine and spill file), and :func:`check_shared_disk`
+:data:`PROBE_BYTES` through tba's engine, with the passes of ``python -m tba bench-io``), and :func:`check_shared_disk`
 returns a warning when the plan exceeds what the disk delivered.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
-import torch
-
-from tba.engine import Op, Request, make_engine
-from tba.spill import SpillFile
+from tba import bench_io
+from tba.engine import Op, make_engine
+from tba.spill import resolve_directory
 
 PROBE_BYTES = 64 << 20
 """Bytes written and read back by :func:`measure_bandwidth` (64 MiB: ~0.1 s at 1 GB/s)."""
@@ -73,28 +71,19 @@ def deepspeed_swap_bytes_per_step(*, optimizer_on_nvme: bool, params_on_nvme: bo
 
 def measure_bandwidth(directory: str, *, backend: str = "auto", block_size_bytes: int = 1 << 20,
                       queue_depth: int = 8, probe_bytes: int = PROBE_BYTES) -> tuple[float, float]:
-    """Write then read ``probe_bytes`` in ``directory`` through tba's engine; (write, read) in bytes/s.
+    """Write then read ``probe_bytes`` in ``directory`` as ``python -m tba bench-io`` does; (write, read) in bytes/s.
 
-    The probe file is anonymous (see ``tba/spill.py``): nothing is left in the directory.
+    The probe file has no name (see ``tba/spill.py``): nothing is left in the directory.
     """
-    buffer = torch.empty(probe_bytes + 4096, dtype=torch.uint8)
-    start_address = buffer.data_ptr() + (-buffer.data_ptr()) % 4096
-    buffer.fill_(0x5A)
-    spill = SpillFile(directory)
-    engine = make_engine(backend, queue_depth=queue_depth)
+    size = max(block_size_bytes, probe_bytes - probe_bytes % block_size_bytes)
+    buffer = bench_io.filled_buffer(block_size_bytes * max(1, min(queue_depth, size // block_size_bytes)))
+    fd = bench_io.open_scratch(resolve_directory(directory), size)
     try:
-        rates = []
-        for op in (Op.WRITE, Op.READ):
-            requests = [Request(op, spill.fd, start_address + offset, min(block_size_bytes, probe_bytes - offset), offset)
-                        for offset in range(0, probe_bytes, block_size_bytes)]
-            began = time.perf_counter()
-            for future in engine.submit_many(requests):
-                future.result()
-            rates.append(probe_bytes / max(time.perf_counter() - began, 1e-9))
+        with make_engine(backend, queue_depth=queue_depth) as engine:
+            return tuple(size / bench_io.timed_pass(engine, op, fd, buffer, size, block_size_bytes)
+                         for op in (Op.WRITE, Op.READ))
     finally:
-        engine.close()
-        spill.close()
-    return rates[0], rates[1]
+        os.close(fd)
 
 
 def check_shared_disk(*, tba_bytes_per_step: int, deepspeed_bytes_per_step: int, step_s: float,

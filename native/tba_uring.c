@@ -1,0 +1,325 @@
+/*
+ * tba._uring: the Python face of uring_ring.c and uring_io.c.
+ *
+ * ``Ring(depth)`` owns one io_uring instance with ``depth`` request slots. ``submit`` takes a list
+ * of ``(is_write, fd, address, nbytes, offset, tag)`` tuples and queues all of them (the reaping
+ * thread issues them as slots free up); ``reap`` blocks until at least one request finished (or
+ * ``wake`` was called) and returns ``(finished, woke)`` where ``finished`` is a list of
+ * ``(tag, result, done_bytes)``: ``result`` is the byte count, an ``OSError`` instance carrying
+ * the errno, or ``None`` for a read that met end of file early. Both release the GIL around every
+ * syscall. ``close`` frees the ring; it refuses while another thread is inside the ring.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+
+#include "uring_ring.h"
+
+typedef struct {
+    PyObject_HEAD
+    struct tba_ring ring;
+    struct tba_done *done_buf; /* reaper's scratch space, one entry per slot */
+    int open;
+    int users; /* calls currently running with the GIL released (changed only under the GIL) */
+} RingObject;
+
+static PyObject *make_oserror(int err)
+{
+    return PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+}
+
+static PyObject *raise_errno(int err)
+{
+    PyObject *exc = make_oserror(err);
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static int check_open(RingObject *self)
+{
+    if (self->open)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "ring is closed");
+    return -1;
+}
+
+static int Ring_init(RingObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"depth", NULL};
+    unsigned depth;
+    int err;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I", kwlist, &depth))
+        return -1;
+    if (self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "ring already initialised");
+        return -1;
+    }
+    err = tba_ring_open(&self->ring, depth);
+    if (err) {
+        raise_errno(-err);
+        return -1;
+    }
+    self->done_buf = PyMem_RawCalloc(depth, sizeof(*self->done_buf));
+    if (!self->done_buf) {
+        tba_ring_close(&self->ring);
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->open = 1;
+    return 0;
+}
+
+static void free_ring(RingObject *self)
+{
+    if (!self->open)
+        return;
+    tba_ring_close(&self->ring);
+    PyMem_RawFree(self->done_buf);
+    self->done_buf = NULL;
+    self->open = 0;
+}
+
+static void Ring_dealloc(RingObject *self)
+{
+    free_ring(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int parse_request(PyObject *item, struct tba_req *req)
+{
+    int is_write;
+    unsigned long long addr, len, offset, tag;
+
+    if (!PyArg_ParseTuple(item, "iiKKKK;request must be (is_write, fd, address, nbytes, offset, tag)",
+                          &is_write, &req->fd, &addr, &len, &offset, &tag))
+        return -1;
+    if (len == 0) {
+        PyErr_SetString(PyExc_ValueError, "request of 0 bytes");
+        return -1;
+    }
+    req->is_write = is_write != 0;
+    req->addr = addr;
+    req->len = len;
+    req->offset = offset;
+    req->tag = tag;
+    req->done = 0;
+    return 0;
+}
+
+static PyObject *Ring_submit(RingObject *self, PyObject *arg)
+{
+    PyObject *seq;
+    struct tba_req *reqs;
+    int err;
+
+    if (check_open(self))
+        return NULL;
+    seq = PySequence_Fast(arg, "submit() takes a list of request tuples");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    reqs = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(*reqs));
+    if (!reqs) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (parse_request(PySequence_Fast_GET_ITEM(seq, i), &reqs[i])) {
+            PyMem_RawFree(reqs);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    self->users++;
+    Py_BEGIN_ALLOW_THREADS
+    err = tba_ring_submit(&self->ring, reqs, (unsigned)n);
+    Py_END_ALLOW_THREADS
+    self->users--;
+    PyMem_RawFree(reqs);
+    if (err)
+        return raise_errno(-err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *finished_tuple(const struct tba_done *d)
+{
+    PyObject *result;
+    if (d->res == TBA_RES_SHORT)
+        result = Py_NewRef(Py_None);
+    else if (d->res < 0)
+        result = make_oserror((int)-d->res);
+    else
+        result = PyLong_FromLongLong(d->res);
+    if (!result)
+        return NULL;
+    return Py_BuildValue("KNK", (unsigned long long)d->tag, result, (unsigned long long)d->done);
+}
+
+static PyObject *Ring_reap(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    unsigned n = 0;
+    int woke = 0, err;
+    PyObject *list;
+
+    if (check_open(self))
+        return NULL;
+    self->users++;
+    Py_BEGIN_ALLOW_THREADS
+    err = tba_ring_reap(&self->ring, self->done_buf, self->ring.nslots, &n, &woke);
+    Py_END_ALLOW_THREADS
+    self->users--;
+    if (err && n == 0 && !woke)
+        return raise_errno(-err);
+    list = PyList_New(n);
+    if (!list)
+        return NULL;
+    for (unsigned i = 0; i < n; i++) {
+        PyObject *item = finished_tuple(&self->done_buf[i]);
+        if (!item) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return Py_BuildValue("NO", list, woke ? Py_True : Py_False);
+}
+
+static PyObject *Ring_wake(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    int err;
+    if (check_open(self))
+        return NULL;
+    self->users++;
+    Py_BEGIN_ALLOW_THREADS
+    err = tba_ring_wake(&self->ring);
+    Py_END_ALLOW_THREADS
+    self->users--;
+    if (err)
+        return raise_errno(-err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_register_buffers(RingObject *self, PyObject *arg)
+{
+    PyObject *seq;
+    struct iovec *iov;
+    int err;
+
+    if (check_open(self))
+        return NULL;
+    seq = PySequence_Fast(arg, "register_buffers() takes a list of (address, nbytes)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    iov = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(*iov));
+    if (!iov) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long addr, len;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK;buffer must be (address, nbytes)",
+                              &addr, &len)) {
+            PyMem_RawFree(iov);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        iov[i].iov_base = (void *)(uintptr_t)addr;
+        iov[i].iov_len = (size_t)len;
+    }
+    Py_DECREF(seq);
+    self->users++;
+    Py_BEGIN_ALLOW_THREADS
+    err = tba_ring_register_buffers(&self->ring, iov, (unsigned)n);
+    Py_END_ALLOW_THREADS
+    self->users--;
+    PyMem_RawFree(iov);
+    if (err)
+        return raise_errno(-err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->users > 0) {
+        PyErr_SetString(PyExc_RuntimeError, "ring is in use by another thread");
+        return NULL;
+    }
+    free_ring(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_get_in_flight(RingObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLong(self->open ? tba_ring_in_flight(&self->ring) : 0);
+}
+
+static PyObject *Ring_get_depth(RingObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLong(self->open ? self->ring.nslots : 0);
+}
+
+static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(!self->open);
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"submit", (PyCFunction)Ring_submit, METH_O,
+     "submit(requests): queue (is_write, fd, address, nbytes, offset, tag) tuples."},
+    {"reap", (PyCFunction)Ring_reap, METH_NOARGS,
+     "reap() -> (list of (tag, result, done_bytes), woke): wait for finished requests."},
+    {"wake", (PyCFunction)Ring_wake, METH_NOARGS, "wake(): make a blocked reap() return."},
+    {"register_buffers", (PyCFunction)Ring_register_buffers, METH_O,
+     "register_buffers(list of (address, nbytes)): pin buffers for READ_FIXED/WRITE_FIXED."},
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "close(): free the ring (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+    {"in_flight", (getter)Ring_get_in_flight, NULL, "requests queued or in the kernel, not yet reaped", NULL},
+    {"depth", (getter)Ring_get_depth, NULL, "number of request slots", NULL},
+    {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tba._uring.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring(depth): an io_uring instance with depth request slots.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_getset = Ring_getset,
+};
+
+static struct PyModuleDef uring_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tba._uring",
+    .m_doc = "Raw-syscall io_uring ring for tba's block I/O engine.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__uring(void)
+{
+    if (PyType_Ready(&RingType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&uring_module);
+    if (!module)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Ring", (PyObject *)&RingType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

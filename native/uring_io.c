@@ -1,0 +1,251 @@
+/*
+ * io_uring submission and completion: filling SQEs under the lock, flushing them to the kernel,
+ * reaping CQEs and resubmitting the remainder of short or -EAGAIN transfers.
+ * See uring_ring.h for the contract.
+ */
+#define _GNU_SOURCE
+#include "uring_ring.h"
+
+#include <errno.h>
+#include <linux/io_uring.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* One SQE moves at most this many bytes; larger requests continue like short transfers. */
+#define MAX_SQE_BYTES (1u << 30)
+#define WAKE_TAG UINT64_MAX       /* user_data of the NOP that wake() queues */
+#define KICK_TAG (UINT64_MAX - 1) /* user_data of the NOP that tells the reaper to refill */
+
+static int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags)
+{
+    int ret = (int)syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, NULL, 0);
+    return ret < 0 ? -errno : ret;
+}
+
+static unsigned sq_unsubmitted(struct tba_ring *ring)
+{
+    return __atomic_load_n(ring->sq_tail, __ATOMIC_ACQUIRE) -
+           __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE);
+}
+
+/* Hand every filled SQE to the kernel (caller holds the lock, so the SQEs it filled are the only
+ * ones in the queue and they become its thread's requests). Retries EINTR/EAGAIN/EBUSY, which only
+ * mean "not yet". */
+static int flush_sq_locked(struct tba_ring *ring)
+{
+    unsigned pending;
+    while ((pending = sq_unsubmitted(ring)) > 0) {
+        int ret = sys_enter(ring->fd, pending, 0, 0);
+        if (ret == -EINTR || ret == -EAGAIN || ret == -EBUSY)
+            sched_yield();
+        else if (ret < 0)
+            return ret;
+    }
+    return 0;
+}
+
+static int find_fixed_buffer(const struct tba_ring *ring, uint64_t addr, uint64_t len)
+{
+    for (unsigned i = 0; i < ring->nbufs; i++) {
+        uint64_t base = (uint64_t)(uintptr_t)ring->bufs[i].iov_base;
+        if (addr >= base && addr + len <= base + ring->bufs[i].iov_len)
+            return (int)i;
+    }
+    return -1;
+}
+
+/* Fill the next SQE (caller holds the lock). Returns -EBUSY when the SQ is full. */
+static int push_sqe_locked(struct tba_ring *ring, uint8_t opcode, int fd, uint64_t addr,
+                           uint32_t len, uint64_t offset, uint64_t user_data, int buf_index)
+{
+    unsigned tail = *ring->sq_tail;
+    if (tail - __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE) >= ring->sq_entries)
+        return -EBUSY;
+    struct io_uring_sqe *sqe = &ring->sqes[tail & *ring->sq_mask];
+    memset(sqe, 0, sizeof(*sqe));
+    sqe->opcode = opcode;
+    sqe->fd = fd;
+    sqe->addr = addr;
+    sqe->len = len;
+    sqe->off = offset;
+    sqe->user_data = user_data;
+    if (buf_index >= 0)
+        sqe->buf_index = (uint16_t)buf_index;
+    __atomic_store_n(ring->sq_tail, tail + 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Queue the not-yet-moved remainder of slot ``index`` (caller holds the lock). */
+static int push_slot_locked(struct tba_ring *ring, unsigned index)
+{
+    const struct tba_req *req = &ring->slots[index];
+    uint64_t addr = req->addr + req->done, left = req->len - req->done;
+    uint32_t len = left > MAX_SQE_BYTES ? MAX_SQE_BYTES : (uint32_t)left;
+    int buf = find_fixed_buffer(ring, addr, len);
+    uint8_t opcode = req->is_write ? (buf >= 0 ? IORING_OP_WRITE_FIXED : IORING_OP_WRITE)
+                                   : (buf >= 0 ? IORING_OP_READ_FIXED : IORING_OP_READ);
+    return push_sqe_locked(ring, opcode, req->fd, addr, len, req->offset + req->done, index, buf);
+}
+
+/* Push slot ``index`` and hand it to the kernel at once. */
+static int push_slot(struct tba_ring *ring, unsigned index)
+{
+    pthread_mutex_lock(&ring->lock);
+    int err = push_slot_locked(ring, index);
+    if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+        err = push_slot_locked(ring, index);
+    if (!err)
+        err = flush_sq_locked(ring);
+    pthread_mutex_unlock(&ring->lock);
+    return err;
+}
+
+/* Submit a no-op carrying ``tag``; its completion makes a blocked reaper return from the kernel. */
+static int push_nop_locked(struct tba_ring *ring, uint64_t tag)
+{
+    int err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag, -1);
+    if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+        err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag, -1);
+    return err ? err : flush_sq_locked(ring);
+}
+
+/* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
+static int grow_queue_locked(struct tba_ring *ring, size_t more)
+{
+    size_t need = ring->queue_count + more, cap = ring->queue_cap ? ring->queue_cap : 64;
+    if (need <= ring->queue_cap)
+        return 0;
+    while (cap < need)
+        cap *= 2;
+    struct tba_req *queue = malloc(cap * sizeof(*queue));
+    if (!queue)
+        return -ENOMEM;
+    for (size_t i = 0; i < ring->queue_count; i++)
+        queue[i] = ring->queue[(ring->queue_head + i) % ring->queue_cap];
+    free(ring->queue);
+    ring->queue = queue;
+    ring->queue_cap = cap;
+    ring->queue_head = 0;
+    return 0;
+}
+
+/* Move waiting requests into free slots and hand them to the kernel (caller holds the lock). */
+static int refill_locked(struct tba_ring *ring)
+{
+    while (ring->queue_count > 0 && ring->free_count > 0) {
+        unsigned index = ring->free_stack[ring->free_count - 1];
+        ring->slots[index] = ring->queue[ring->queue_head];
+        ring->slots[index].done = 0;
+        int err = push_slot_locked(ring, index);
+        if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+            continue;
+        if (err)
+            return err;
+        ring->free_count--;
+        ring->queue_head = (ring->queue_head + 1) % ring->queue_cap;
+        ring->queue_count--;
+    }
+    return flush_sq_locked(ring);
+}
+
+int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
+{
+    pthread_mutex_lock(&ring->lock);
+    int err = grow_queue_locked(ring, n);
+    if (!err) {
+        for (unsigned i = 0; i < n; i++)
+            ring->queue[(ring->queue_head + ring->queue_count + i) % ring->queue_cap] = reqs[i];
+        ring->queue_count += n;
+        if (ring->reaper_waiting && n > 0) {
+            err = push_nop_locked(ring, KICK_TAG);
+            if (err)
+                ring->queue_count -= n; /* all or nothing: the reaper cannot have taken them */
+            else
+                ring->reaper_waiting = 0;
+        }
+    }
+    pthread_mutex_unlock(&ring->lock);
+    return err;
+}
+
+int tba_ring_wake(struct tba_ring *ring)
+{
+    pthread_mutex_lock(&ring->lock);
+    int err = push_nop_locked(ring, WAKE_TAG);
+    pthread_mutex_unlock(&ring->lock);
+    return err;
+}
+
+static void finish_slot(struct tba_ring *ring, unsigned index, int64_t res, struct tba_done *out)
+{
+    const struct tba_req *req = &ring->slots[index];
+    out->tag = req->tag;
+    out->res = res;
+    out->done = req->done;
+    pthread_mutex_lock(&ring->lock);
+    ring->free_stack[ring->free_count++] = index;
+    pthread_mutex_unlock(&ring->lock);
+}
+
+/* Push slot ``index`` again for its remainder; a failure to do so finishes it with that error. */
+static int requeue_slot(struct tba_ring *ring, unsigned index, struct tba_done *out)
+{
+    int err = push_slot(ring, index);
+    if (!err)
+        return 0;
+    finish_slot(ring, index, err, out);
+    return 1;
+}
+
+/* Apply one completion to its slot. Returns 1 when the request finished into ``out``, 0 when it
+ * was resubmitted. */
+static int complete_one(struct tba_ring *ring, unsigned index, int res, struct tba_done *out)
+{
+    struct tba_req *req = &ring->slots[index];
+    if (res == -EAGAIN || res == -EINTR)
+        return requeue_slot(ring, index, out);
+    if (res <= 0) {
+        finish_slot(ring, index, res < 0 ? res : TBA_RES_SHORT, out);
+        return 1;
+    }
+    req->done += (uint64_t)res;
+    if (req->done < req->len)
+        return requeue_slot(ring, index, out);
+    finish_slot(ring, index, (int64_t)req->done, out);
+    return 1;
+}
+
+int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,
+                  int *woke)
+{
+    unsigned n = 0;
+    *woke = 0;
+    for (;;) {
+        unsigned head = *ring->cq_head;
+        unsigned tail = __atomic_load_n(ring->cq_tail, __ATOMIC_ACQUIRE);
+        while (head != tail && n < cap) {
+            const struct io_uring_cqe *cqe = &ring->cqes[head & *ring->cq_mask];
+            uint64_t user_data = cqe->user_data;
+            int res = cqe->res;
+            __atomic_store_n(ring->cq_head, ++head, __ATOMIC_RELEASE);
+            if (user_data == WAKE_TAG)
+                *woke = 1;
+            else if (user_data != KICK_TAG)
+                n += (unsigned)complete_one(ring, (unsigned)user_data, res, &out[n]);
+        }
+        *nout = n;
+        pthread_mutex_lock(&ring->lock);
+        int err = refill_locked(ring); /* freed slots go straight back to work, GIL or not */
+        int done = err || n > 0 || *woke;
+        ring->reaper_waiting = !done;
+        pthread_mutex_unlock(&ring->lock);
+        if (done)
+            return err;
+        int ret = sys_enter(ring->fd, 0, 1, IORING_ENTER_GETEVENTS);
+        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
+            return ret;
+    }
+}

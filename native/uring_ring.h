@@ -1,0 +1,79 @@
+/*
+ * A minimal io_uring ring for block reads and writes, on raw syscalls (no liburing).
+ *
+ * The ring owns a fixed table of request slots (the queue depth). A slot holds one caller request
+ * until every byte of it has moved: short transfers and -EAGAIN/-EINTR completions are resubmitted
+ * from the slot by the reaper, so callers only ever see a request finish once, with its full byte
+ * count, a negative errno, or TBA_RES_SHORT when a read met end of file (or a write moved nothing).
+ *
+ * Submitting only queues requests (all or none) and, when the reaper is blocked, kicks it with a
+ * no-op; the reaper moves queued requests into free slots and hands them to the kernel, so all
+ * data I/O is issued by the reaping thread and the ring stays full without the caller's help.
+ *
+ * Threading: any number of threads may submit; exactly one thread reaps. The submission queue,
+ * the slot table and the registered-buffer table are guarded by one mutex; the completion queue is
+ * touched only by the reaper. Every SQE is handed to the kernel (io_uring_enter) by the thread that
+ * filled it, inside the same critical section, because io_uring ties a request to the thread that
+ * submitted it: retries of that request run as task work of that thread, and a request whose
+ * thread has exited can fail with -ECANCELED. Reads and writes are therefore only ever issued by
+ * the long-lived reaper; other threads only issue no-ops. Reaping waits without the mutex. All
+ * functions return 0 or a negative errno.
+ */
+#ifndef TBA_URING_RING_H
+#define TBA_URING_RING_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#define TBA_RES_SHORT INT64_MIN
+
+struct tba_req {
+    uint64_t tag;    /* caller's identifier, handed back on completion */
+    uint64_t addr;   /* memory address of the first byte */
+    uint64_t len;    /* bytes to move */
+    uint64_t offset; /* file offset of the first byte */
+    uint64_t done;   /* bytes moved so far */
+    int fd;
+    int is_write;
+};
+
+struct tba_done {
+    uint64_t tag;
+    int64_t res;   /* len on success, -errno on failure, TBA_RES_SHORT at early end of file */
+    uint64_t done; /* bytes moved before the request finished */
+};
+
+struct tba_ring {
+    int fd;
+    unsigned sq_entries, cq_entries;
+    void *sq_map, *cq_map;
+    size_t sq_map_bytes, cq_map_bytes;
+    struct io_uring_sqe *sqes;
+    size_t sqes_bytes;
+    unsigned *sq_head, *sq_tail, *sq_mask, *sq_array;
+    unsigned *cq_head, *cq_tail, *cq_mask;
+    struct io_uring_cqe *cqes;
+
+    pthread_mutex_t lock;
+    int lock_ready;
+    struct tba_req *slots;
+    unsigned *free_stack;
+    unsigned free_count, nslots;
+    struct iovec *bufs;
+    unsigned nbufs;
+    struct tba_req *queue; /* requests waiting for a free slot: a circular buffer */
+    size_t queue_head, queue_count, queue_cap;
+    int reaper_waiting; /* the reaper is blocked (or about to block) in io_uring_enter */
+};
+
+int tba_ring_open(struct tba_ring *ring, unsigned depth);
+void tba_ring_close(struct tba_ring *ring);
+int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
+int tba_ring_wake(struct tba_ring *ring);
+int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,
+                  int *woke);
+int tba_ring_register_buffers(struct tba_ring *ring, const struct iovec *iov, unsigned n);
+unsigned tba_ring_in_flight(struct tba_ring *ring);
+
+#endif

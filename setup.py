@@ -1,0 +1,44 @@
+"""Build hook for the optional native io_uring extension ``tba._uring``.
+
+All package metadata lives in ``pyproject.toml``; this file only declares the C extension. The
+extension is optional: when it cannot be compiled (no C compiler, no Python or kernel headers),
+the build prints a warning and installation carries on without it, and ``backend="auto"`` then
+uses the portable thread engine, logging why.
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+URING_EXTENSION = Extension(
+    "tba._uring",
+    sources=["native/tba_uring.c", "native/uring_ring.c", "native/uring_io.c"],
+    depends=["native/uring_ring.h"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    optional=True,
+)
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that turns any failure to compile the extension into a warning."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as err:  # noqa: BLE001 - any build failure must not stop installation
+            self._warn(err)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as err:  # noqa: BLE001
+            self._warn(err)
+
+    @staticmethod
+    def _warn(err: Exception) -> None:
+        print(
+            f"WARNING: tba's native io_uring extension was not built ({err}); "
+            "the portable thread engine will be used instead."
+        )
+
+
+setup(ext_modules=[URING_EXTENSION], cmdclass={"build_ext": OptionalBuildExt})

@@ -1,0 +1,239 @@
+"""Measure sequential O_DIRECT write and read bandwidth of each I/O engine, next to fio.
+
+For every usable backend the benchmark writes a file of ``--size`` bytes as ``--block-size``
+requests kept ``--queue-depth`` deep, then reads it back, and reports GB/s (10^9 bytes per
+second). All backends share one aligned buffer that is allocated and touched once, up front.
+Every pass writes a fresh file, preallocated as fio does, that has no name (``O_TMPFILE``, or
+unlinked right after opening, via :func:`tba.spill.open_anonymous`), so it disappears with its
+descriptor. When ``fio`` is on ``PATH`` it runs in the same invocation with the same parameters
+(``ioengine=io_uring``, ``direct=1``, ``rw=write`` then ``rw=read``) on a named file that is
+deleted afterwards, and each backend's ratio to fio is printed. With ``--repeat N`` every column
+is the best of N runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import mmap
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from tba.engine import available_backends, make_engine
+from tba.engine.base import ALIGN_BYTES, Op, Request
+from tba.spill import open_anonymous, resolve_directory
+
+logger = logging.getLogger("tba")
+
+GIB = 1 << 30
+DEFAULT_SIZE_BYTES = 2 * GIB
+DEFAULT_BLOCK_SIZE_BYTES = 1 << 20
+DEFAULT_QUEUE_DEPTH = 32
+BUFFER_BLOCKS_PER_SLOT = 2
+"""The shared buffer holds this many blocks per queue slot; requests cycle through it."""
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count such as ``4096``, ``512K``, ``512M``, ``2G`` or ``2GiB`` (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options to ``parser``."""
+    parser.add_argument("--size", type=parse_size, default=DEFAULT_SIZE_BYTES,
+                        help="bytes to write then read, e.g. 512M or 2G (default 2G)")
+    parser.add_argument("--block-size", type=parse_size, default=DEFAULT_BLOCK_SIZE_BYTES,
+                        help="bytes per request, a multiple of 4096 (default 1M)")
+    parser.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
+                        help="requests in flight (default 32)")
+    parser.add_argument("--directory", default=None,
+                        help="where the test file goes (default $TBA_DIR or the system temp dir)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per measurement; each column reports the best (default 1)")
+    parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
+    parser.add_argument("--no-hugepages", action="store_true",
+                        help="do not ask for transparent huge pages for the shared buffer")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON object on stdout (the table then goes to stderr)")
+
+
+def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
+    """A page-aligned buffer of ``nbytes`` random bytes, every page touched now.
+
+    Physical layout matters on virtual disks: each physically discontiguous page is one more DMA
+    segment of a request, and on this project's VM a buffer faulted in from fragmented memory read
+    at half the bandwidth of a contiguous one. With ``hugepages`` (default) the mapping asks for
+    transparent huge pages (``MADV_HUGEPAGE``), so every 2 MiB is contiguous; without it the pages
+    come from one ``MAP_POPULATE`` pass and are contiguous only as far as free memory happens to
+    be. fio's own buffer gets no huge pages; ``--no-hugepages`` compares on that footing.
+    """
+    huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
+    populate = 0 if huge else mmap.MAP_POPULATE
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    if huge:
+        region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which then faults 2 MiB pages
+    buffer = torch.frombuffer(region, dtype=torch.uint8)
+    buffer.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    return buffer
+
+
+def open_scratch(directory: str, size: int, *, direct: bool = True) -> int:
+    """A nameless file in ``directory`` (O_DIRECT by default) with ``size`` bytes preallocated, as fio does."""
+    fd = open_anonymous(directory, direct=direct)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def timed_pass(engine, op: Op, fd: int, buffer: torch.Tensor, size: int, block: int) -> float:
+    """Move ``size`` bytes in ``block``-byte requests; return seconds from submit to last done."""
+    slots = buffer.numel() // block
+    base = buffer.data_ptr()
+    requests = [
+        Request(op, fd, base + (i % slots) * block, block, i * block) for i in range(size // block)
+    ]
+    start = time.perf_counter()
+    futures = engine.submit_many(requests)
+    concurrent.futures.wait(futures)  # one wake-up at the end, not one per request
+    elapsed = time.perf_counter() - start
+    for future in futures:
+        future.result()
+    return elapsed
+
+
+def bench_engine(backend: str, fd: int, buffer: torch.Tensor, args: argparse.Namespace) -> dict:
+    """Write then read the scratch file with ``backend``; return GB/s per direction."""
+    result = {}
+    with make_engine(backend, queue_depth=args.queue_depth) as engine:
+        for op in (Op.WRITE, Op.READ):
+            seconds = timed_pass(engine, op, fd, buffer, args.size, args.block_size)
+            result[f"{op.value}_gbps"] = args.size / seconds / 1e9
+            logger.info("bench-io: %-8s %-5s %.2f GB/s", backend, op.value, result[f"{op.value}_gbps"])
+    return result
+
+
+def bench_fio(fio: str, args: argparse.Namespace) -> dict:
+    """Run fio's io_uring engine with the same parameters; return GB/s per direction."""
+    path = os.path.join(args.directory, f"tba-bench-fio.{os.getpid()}")
+    result = {}
+    try:
+        for rw in ("write", "read"):
+            command = [
+                fio, "--name=tba-bench", f"--filename={path}", f"--rw={rw}",
+                f"--bs={args.block_size}", f"--iodepth={args.queue_depth}", f"--size={args.size}",
+                "--ioengine=io_uring", "--direct=1", "--output-format=json",
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+            result[f"{rw}_gbps"] = job[rw]["bw_bytes"] / 1e9
+            logger.info("bench-io: %-8s %-5s %.2f GB/s", "fio", rw, result[f"{rw}_gbps"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return result
+
+
+def _best(runs: list[dict]) -> dict:
+    return {key: max(run[key] for run in runs) for key in runs[0]}
+
+
+def _table(report: dict) -> str:
+    fio = report.get("fio") or {}
+    lines = [f"{'backend':<10} {'write GB/s':>10} {'read GB/s':>10} {'write/fio':>10} {'read/fio':>10}"]
+    for name, row in report["backends"].items():
+        if "error" in row:
+            lines.append(f"{name:<10} unavailable: {row['error']}")
+            continue
+        ratios = [
+            f"{row[f'{d}_gbps'] / fio[f'{d}_gbps']:>10.0%}" if fio else f"{'-':>10}"
+            for d in ("write", "read")
+        ]
+        lines.append(f"{name:<10} {row['write_gbps']:>10.2f} {row['read_gbps']:>10.2f} " + " ".join(ratios))
+    if fio:
+        lines.append(f"{'fio':<10} {fio['write_gbps']:>10.2f} {fio['read_gbps']:>10.2f}")
+    return "\n".join(lines)
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    if args.block_size <= 0 or args.block_size % ALIGN_BYTES:
+        return f"--block-size must be a positive multiple of {ALIGN_BYTES}"
+    if args.size < args.block_size or args.size % args.block_size:
+        return "--size must be a positive multiple of --block-size"
+    if args.queue_depth < 1 or args.repeat < 1:
+        return "--queue-depth and --repeat must be >= 1"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; print the table (and JSON). Returns exit status."""
+    args.directory = resolve_directory(args.directory)
+    problem = _validate(args)
+    if problem:
+        logger.error("bench-io: %s", problem)
+        return 2
+    backends = available_backends()
+    fio = None if args.no_fio else shutil.which("fio")
+    buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)
+    logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d, %s",
+                args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat,
+                "huge pages asked for" if not args.no_hugepages else "no huge pages")
+    buffer = filled_buffer(buffer_bytes, hugepages=not args.no_hugepages)
+    runs: dict[str, list[dict]] = {name: [] for name, reason in backends.items() if reason is None}
+    fio_runs: list[dict] = []
+    for _ in range(args.repeat):
+        for name in runs:
+            try:
+                fd = open_scratch(args.directory, args.size)
+            except OSError as err:
+                logger.error("bench-io: cannot open an O_DIRECT file in %s: %s", args.directory, err)
+                return 1
+            try:
+                runs[name].append(bench_engine(name, fd, buffer, args))
+            finally:
+                os.close(fd)
+        if fio:
+            try:
+                fio_runs.append(bench_fio(fio, args))
+            except (subprocess.CalledProcessError, ValueError, KeyError) as err:
+                detail = getattr(err, "stderr", "") or err
+                logger.warning("bench-io: fio failed, reporting without it: %s", str(detail).strip()[-300:])
+                fio = None
+    report = {
+        "size_bytes": args.size, "block_size_bytes": args.block_size,
+        "queue_depth": args.queue_depth, "repeat": args.repeat, "hugepages": not args.no_hugepages,
+        "backends": {name: _best(runs[name]) if reason is None else {"error": reason}
+                     for name, reason in backends.items()},
+        "fio": _best(fio_runs) if fio_runs else None,
+    }
+    table = _table(report)
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps(report, indent=2))
+    else:
+        print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``tools/bench_io.py``: parse ``argv``, set up logging, run."""
+    parser = argparse.ArgumentParser(prog="bench_io", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run(args)

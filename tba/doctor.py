@@ -1,0 +1,112 @@
+"""Report what this machine offers tba: I/O backends and why not, GPU paths, limits, bandwidth.
+
+Each check only reports; none of them makes the command fail. The checks are: the io_uring
+engine (extension built, kernel allows it, see :func:`tba.engine.io_uring.probe`), ``O_DIRECT``
+in the offload directory (:func:`tba.spill.probe_direct_io`), whether CUDA is available, whether
+kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
+with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
+(fixed) buffers,
+and a quick sequential write and read through the engine that ``backend="auto"`` picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+
+import torch
+
+from tba.bench_io import filled_buffer, open_scratch, parse_size, timed_pass
+from tba.engine import available_backends, make_engine, resolve_backend
+from tba.engine.base import Op
+from tba.routes import gds_unavailable_reason, kvikio_unavailable_reason
+from tba.spill import probe_direct_io, resolve_directory
+
+logger = logging.getLogger("tba")
+
+DEFAULT_QUICK_SIZE_BYTES = 256 << 20
+QUICK_BLOCK_SIZE_BYTES = 1 << 20
+QUICK_BUFFER_BYTES = 32 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the doctor's options to ``parser``."""
+    parser.add_argument("--directory", default=None,
+                        help="offload directory to check (default $TBA_DIR or the system temp dir)")
+    parser.add_argument("--quick-size", type=parse_size, default=DEFAULT_QUICK_SIZE_BYTES,
+                        help="bytes for the bandwidth reading, a multiple of 1M (default 256M)")
+    parser.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth reading")
+
+
+def _status(reason: str | None) -> str:
+    return "yes" if reason is None else f"no ({reason})"
+
+
+def _format_limit(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value / (1 << 20):.1f} MiB"
+
+
+def _cuda_route() -> str:
+    """Which route CUDA storages take with ``backend='auto'``, and why (see ``tba/routes.py``)."""
+    if _cuda_reason() is not None:
+        return "none (no CUDA device)"
+    gds = gds_unavailable_reason()
+    if gds is None:
+        return "kvikio (GPUDirect Storage available)"
+    return f"staged through pinned host blocks ({gds})"
+
+
+def _cuda_reason() -> str | None:
+    try:
+        return None if torch.cuda.is_available() else "torch.cuda.is_available() is False"
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+
+
+def quick_bandwidth(directory: str, size: int, direct: bool) -> dict[str, float]:
+    """Write then read ``size`` bytes in 1 MiB blocks with the auto engine; GB/s per direction."""
+    buffer = filled_buffer(min(size, QUICK_BUFFER_BYTES))
+    fd = open_scratch(directory, size, direct=direct)
+    try:
+        with make_engine("auto") as engine:
+            return {
+                op.value: size / timed_pass(engine, op, fd, buffer, size, QUICK_BLOCK_SIZE_BYTES) / 1e9
+                for op in (Op.WRITE, Op.READ)
+            }
+    finally:
+        os.close(fd)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report. Always returns 0."""
+    directory = resolve_directory(args.directory)
+    backends = available_backends()
+    direct_reason = probe_direct_io(directory) if os.path.isdir(directory) else f"{directory} is not a directory"
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    rows = [
+        ("io_uring engine", _status(backends["io_uring"])),
+        ("threads engine", _status(backends["threads"])),
+        ("backend 'auto' uses", resolve_backend("auto")),
+        (f"O_DIRECT in {directory}", _status(direct_reason)),
+        ("CUDA available", _status(_cuda_reason())),
+        ("kvikio usable", _status(kvikio_unavailable_reason())),
+        ("GPUDirect Storage", _status(gds_unavailable_reason())),
+        ("CUDA route with 'auto'", _cuda_route()),
+        ("memlock limit (soft/hard)", f"{_format_limit(soft)} / {_format_limit(hard)}"
+                                      + (" (root: not applied to io_uring buffer registration)" if os.geteuid() == 0 else "")),
+    ]
+    if not args.no_bandwidth:
+        size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)
+        try:
+            gbps = quick_bandwidth(directory, size, direct=direct_reason is None)
+            mode = "O_DIRECT" if direct_reason is None else "buffered"
+            rows.append((f"bandwidth ({size >> 20} MiB, {mode})",
+                         f"write {gbps['write']:.2f} GB/s, read {gbps['read']:.2f} GB/s"))
+        except Exception as err:  # noqa: BLE001 - report, never fail
+            rows.append(("bandwidth", f"not measured ({type(err).__name__}: {err})"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0

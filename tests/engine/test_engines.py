@@ -1,0 +1,189 @@
+"""The engine contract, run against every backend: round trips, errors, concurrency, cleanup."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+from conftest import requires_io_uring
+from engine_helpers import MIB, aligned_empty, direct_io_unsupported, open_fd_count, random_bytes
+
+from tba.engine import ThreadEngine
+from tba.engine.base import ALIGN_BYTES, Op, Request
+from tba.errors import ShortTransferError
+
+SIZES_BYTES = [1, 4095, 4096, 4097, MIB + 1, 64 * MIB]
+BLOCK_BYTES = MIB
+
+
+def _make(name: str):
+    if name == "threads":
+        return ThreadEngine(workers=8)
+    from tba.engine.io_uring import IoUringEngine
+
+    return IoUringEngine(queue_depth=32)
+
+
+@pytest.fixture(params=["threads", pytest.param("io_uring", marks=requires_io_uring)])
+def engine(request):
+    eng = _make(request.param)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def rw_fd(tmp_path):
+    fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def direct_fd(tmp_path):
+    reason = direct_io_unsupported(str(tmp_path))
+    if reason:
+        pytest.skip(reason)
+    fd = os.open(tmp_path / "direct", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    yield fd
+    os.close(fd)
+
+
+def _blocks(op: Op, fd: int, array: np.ndarray, offset: int) -> list[Request]:
+    return [
+        Request(op, fd, array.ctypes.data + start, min(BLOCK_BYTES, array.size - start), offset + start)
+        for start in range(0, array.size, BLOCK_BYTES)
+    ]
+
+
+def _round_trip(engine, fd: int, data: np.ndarray, out: np.ndarray, offset: int) -> None:
+    for op, array in ((Op.WRITE, data), (Op.READ, out)):
+        requests = _blocks(op, fd, array, offset)
+        futures = engine.submit_many(requests)
+        assert [f.result(timeout=60) for f in futures] == [r.nbytes for r in requests]
+    assert np.array_equal(data, out)
+
+
+@pytest.mark.parametrize("nbytes", SIZES_BYTES)
+def test_round_trip_unaligned(engine, rw_fd, nbytes):
+    data = aligned_empty(nbytes, misalign=3)
+    data[:] = random_bytes(nbytes)
+    out = aligned_empty(nbytes, misalign=5)
+    _round_trip(engine, rw_fd, data, out, offset=12345)
+
+
+@pytest.mark.parametrize("nbytes", [4096, MIB, 64 * MIB])
+def test_round_trip_direct(engine, direct_fd, nbytes):
+    data = aligned_empty(nbytes)
+    data[:] = random_bytes(nbytes, seed=1)
+    out = aligned_empty(nbytes)
+    _round_trip(engine, direct_fd, data, out, offset=3 * ALIGN_BYTES)
+
+
+def test_single_large_request(engine, rw_fd):
+    data = random_bytes(8 * MIB + 7)
+    out = np.zeros_like(data)
+    assert engine.submit_write(rw_fd, data.ctypes.data, data.size, 11).result() == data.size
+    assert engine.submit_read(rw_fd, out.ctypes.data, out.size, 11).result() == out.size
+    assert np.array_equal(data, out)
+
+
+def test_hundreds_in_flight(engine, rw_fd):
+    count, size = 600, 4096
+    data = random_bytes(count * size, seed=2)
+    out = np.zeros_like(data)
+    writes = [Request(Op.WRITE, rw_fd, data.ctypes.data + i * size, size, i * size) for i in range(count)]
+    assert all(f.result() == size for f in engine.submit_many(writes))
+    reads = [r._replace(op=Op.READ, address=out.ctypes.data + r.offset) for r in reversed(writes)]
+    assert all(f.result() == size for f in engine.submit_many(reads))
+    assert np.array_equal(data, out)
+
+
+def test_concurrent_submitters(engine, rw_fd):
+    threads_n, per_thread, size = 4, 64, 16384
+    data = random_bytes(threads_n * per_thread * size, seed=3)
+    out = np.zeros_like(data)
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            base = index * per_thread * size
+            for op, array in ((Op.WRITE, data), (Op.READ, out)):
+                futures = [
+                    engine.submit_many([Request(op, rw_fd, array.ctypes.data + base + i * size, size, base + i * size)])[0]
+                    for i in range(per_thread)
+                ]
+                assert all(f.result(timeout=60) == size for f in futures)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads_n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors
+    assert np.array_equal(data, out)
+
+
+def test_closed_fd_is_ebadf(engine, tmp_path):
+    fd = os.open(tmp_path / "gone", os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    buf = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(OSError) as info:
+        engine.submit_read(fd, buf.ctypes.data, buf.size, 0).result(timeout=10)
+    assert info.value.errno == errno.EBADF
+
+
+def test_write_to_read_only_fd_is_ebadf(engine, tmp_path):
+    path = tmp_path / "ro"
+    path.write_bytes(b"x" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = np.ones(4096, dtype=np.uint8)
+        with pytest.raises(OSError) as info:
+            engine.submit_write(fd, buf.ctypes.data, buf.size, 0).result(timeout=10)
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
+def test_short_read_at_eof(engine, rw_fd):
+    os.pwrite(rw_fd, b"a" * 1000, 0)
+    buf = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(ShortTransferError) as info:
+        engine.submit_read(rw_fd, buf.ctypes.data, buf.size, 500).result(timeout=10)
+    assert info.value.errno == errno.EIO
+    assert (info.value.done_bytes, info.value.want_bytes) == (500, 4096)
+    assert bytes(buf[:500]) == b"a" * 500
+
+
+def test_close_idempotent_and_submit_after_close(engine, rw_fd):
+    data = random_bytes(64 * 4096, seed=4)
+    futures = engine.submit_many(_blocks(Op.WRITE, rw_fd, data, 0))
+    engine.close()
+    assert all(f.done() for f in futures)
+    engine.close()
+    with pytest.raises(RuntimeError):
+        engine.submit_write(rw_fd, data.ctypes.data, 4096, 0)
+
+
+def test_zero_byte_request(engine, rw_fd):
+    buf = np.zeros(1, dtype=np.uint8)
+    assert engine.submit_read(rw_fd, buf.ctypes.data, 0, 0).result(timeout=10) == 0
+
+
+@pytest.mark.parametrize("name", ["threads", pytest.param("io_uring", marks=requires_io_uring)])
+def test_no_fd_leak_after_errors(name, tmp_path):
+    before = open_fd_count()
+    eng = _make(name)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    buf = np.zeros(8192, dtype=np.uint8)
+    failing = [eng.submit_read(fd, buf.ctypes.data, buf.size, 0), eng.submit_read(-1, buf.ctypes.data, 16, 0)]
+    for future in failing:
+        assert isinstance(future.exception(timeout=10), OSError)
+    os.close(fd)
+    eng.close()
+    assert open_fd_count() == before

@@ -1,0 +1,142 @@
+"""io_uring-only behaviour: probing, fallback, fixed buffers, queueing beyond the ring's depth."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+from conftest import requires_io_uring
+from engine_helpers import MIB, aligned_empty, open_fd_count, random_bytes
+
+import tba.engine
+from tba.engine import ThreadEngine, make_engine
+from tba.engine import io_uring as io_uring_module
+from tba.engine.base import Op, Request
+
+
+def test_probe_reports_missing_extension(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_uring(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "tba" and fromlist and "_uring" in fromlist:
+            raise ImportError("No module named 'tba._uring'")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_uring)
+    monkeypatch.delitem(__import__("sys").modules, "tba._uring", raising=False)
+    io_uring_module.probe.cache_clear()
+    try:
+        reason = io_uring_module.probe()
+    finally:
+        monkeypatch.undo()
+        io_uring_module.probe.cache_clear()
+    assert reason is not None and reason.startswith("extension not built")
+
+
+def test_auto_falls_back_to_threads_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(tba.engine, "io_uring_unavailable_reason", lambda: "test: no ring here")
+    with caplog.at_level(logging.INFO, logger="tba"):
+        engines = [make_engine("auto"), make_engine("auto")]
+    assert all(isinstance(e, ThreadEngine) for e in engines)
+    for e in engines:
+        e.close()
+    assert [r.getMessage() for r in caplog.records].count("tba: backend 'auto' uses threads: test: no ring here") == 1
+
+
+@requires_io_uring
+def test_probe_ok_and_auto_picks_io_uring():
+    assert io_uring_module.probe() is None
+    engine = make_engine("auto", queue_depth=4)
+    try:
+        assert engine.name == "io_uring"
+    finally:
+        engine.close()
+
+
+@requires_io_uring
+def test_queue_depth_validation():
+    with pytest.raises(ValueError):
+        io_uring_module.IoUringEngine(queue_depth=0)
+
+
+@requires_io_uring
+def test_more_requests_than_slots(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    engine = io_uring_module.IoUringEngine(queue_depth=1)
+    try:
+        data = random_bytes(200 * 512, seed=5)
+        out = np.zeros_like(data)
+        writes = [Request(Op.WRITE, fd, data.ctypes.data + i * 512, 512, i * 512) for i in range(200)]
+        assert sum(f.result(timeout=30) for f in engine.submit_many(writes)) == data.size
+        reads = [r._replace(op=Op.READ, address=out.ctypes.data + r.offset) for r in writes]
+        assert sum(f.result(timeout=30) for f in engine.submit_many(reads)) == data.size
+        assert np.array_equal(data, out)
+    finally:
+        engine.close()
+        os.close(fd)
+
+
+@requires_io_uring
+def test_fixed_buffers_round_trip(tmp_path):
+    before = open_fd_count()
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    pool = aligned_empty(8 * MIB)
+    pool[: 4 * MIB] = random_bytes(4 * MIB, seed=6)
+    engine = io_uring_module.IoUringEngine(queue_depth=8)
+    try:
+        if not engine.register_buffers([(pool.ctypes.data, pool.size)]):
+            pytest.skip("kernel refused buffer registration (memlock limit)")
+        half = 4 * MIB
+        writes = [Request(Op.WRITE, fd, pool.ctypes.data + o, MIB, o) for o in range(0, half, MIB)]
+        assert all(f.result(timeout=30) == MIB for f in engine.submit_many(writes))
+        reads = [Request(Op.READ, fd, pool.ctypes.data + half + o, MIB, o) for o in range(0, half, MIB)]
+        assert all(f.result(timeout=30) == MIB for f in engine.submit_many(reads))
+        assert np.array_equal(pool[:half], pool[half:])
+        assert not engine.register_buffers([(pool.ctypes.data, pool.size)])
+    finally:
+        engine.close()
+        os.close(fd)
+    assert open_fd_count() == before
+
+
+@requires_io_uring
+def test_close_from_completion_callback(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    engine = io_uring_module.IoUringEngine(queue_depth=4)
+    buf = np.ones(4096, dtype=np.uint8)
+    try:
+        future = engine.submit_write(fd, buf.ctypes.data, buf.size, 0)
+        future.add_done_callback(lambda _: engine.close())
+        assert future.result(timeout=10) == buf.size
+        engine.close()
+        with pytest.raises(RuntimeError):
+            engine.submit_write(fd, buf.ctypes.data, buf.size, 0)
+    finally:
+        os.close(fd)
+
+
+@requires_io_uring
+def test_requests_outlive_the_submitting_thread(tmp_path):
+    """Threads that submit and exit at once must not take their requests with them."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    engine = io_uring_module.IoUringEngine(queue_depth=4)
+    data = random_bytes(64 * 65536, seed=7)
+    futures = []
+    try:
+        for part in range(8):
+            requests = [
+                Request(Op.WRITE, fd, data.ctypes.data + o, 65536, o)
+                for o in range(part * 8 * 65536, (part + 1) * 8 * 65536, 65536)
+            ]
+            thread = threading.Thread(target=lambda reqs=requests: futures.extend(engine.submit_many(reqs)))
+            thread.start()
+            thread.join()
+        assert sum(f.result(timeout=30) for f in futures) == data.size
+        assert os.pread(fd, data.size, 0) == data.tobytes()
+    finally:
+        engine.close()
+        os.close(fd)

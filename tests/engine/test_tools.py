@@ -1,0 +1,77 @@
+"""bench-io and doctor: argument parsing, a tiny benchmark run, the report, the CLI wiring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tba import bench_io, doctor
+from tba.cli import COMMANDS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _args(module, argv):
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [("4096", 4096), ("512K", 512 << 10), ("512M", 512 << 20), ("2G", 2 << 30), ("2GiB", 2 << 30), ("1m", 1 << 20)],
+)
+def test_parse_size(text, nbytes):
+    assert bench_io.parse_size(text) == nbytes
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_io.parse_size("lots")
+
+
+def test_bench_small_json(tmp_path, capsys):
+    args = _args(bench_io, ["--size", "8M", "--block-size", "1M", "--queue-depth", "4",
+                            "--directory", str(tmp_path), "--no-fio", "--json"])
+    assert bench_io.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fio"] is None
+    assert report["backends"]["threads"]["write_gbps"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_rejects_unaligned_block(tmp_path):
+    args = _args(bench_io, ["--size", "8M", "--block-size", "1000", "--directory", str(tmp_path)])
+    assert bench_io.run(args) == 2
+
+
+def test_doctor_reports_and_never_fails(tmp_path, capsys):
+    assert doctor.run(_args(doctor, ["--directory", str(tmp_path), "--quick-size", "4M"])) == 0
+    out = capsys.readouterr().out
+    for label in ("io_uring engine", "O_DIRECT in", "kvikio", "CUDA available", "memlock", "bandwidth"):
+        assert label in out
+
+
+def test_commands_registered():
+    assert COMMANDS["bench-io"][0] == "tba.bench_io"
+    assert COMMANDS["doctor"][0] == "tba.doctor"
+
+
+def test_tools_script_help():
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_io.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--queue-depth" in done.stdout
+
+
+@pytest.mark.skipif(not __import__("shutil").which("fio"), reason="fio not installed")
+def test_bench_with_fio_cleans_up(tmp_path, capsys):
+    args = _args(bench_io, ["--size", "8M", "--queue-depth", "4", "--directory", str(tmp_path)])
+    assert bench_io.run(args) == 0
+    table = capsys.readouterr().out
+    assert "fio" in table and "%" in table
+    assert list(tmp_path.iterdir()) == []
