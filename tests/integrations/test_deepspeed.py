@@ -56,7 +56,7 @@ def single_process_group():
             os.environ[key] = value
 
 
-def ds_config(stage: int, accumulation: int, directory: str | None) -> dict:
+def ds_config(stage: int, accumulation: int, directory: str | None, backend: str) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": CONFIG.batch_size,
         "gradient_accumulation_steps": accumulation,
@@ -66,7 +66,7 @@ def ds_config(stage: int, accumulation: int, directory: str | None) -> dict:
         "steps_per_print": 1 << 30,
     }
     if directory is not None:
-        config["tba"] = {"directory": directory, "backend": "threads", "min_offload_bytes": MIN_OFFLOAD_BYTES}
+        config["tba"] = {"directory": directory, "backend": backend, "min_offload_bytes": MIN_OFFLOAD_BYTES}
     return config
 
 
@@ -76,13 +76,14 @@ def full_params(engine, stage: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
-def train(stage: int = 2, accumulation: int = 1, directory: str | None = None, *, checkpoint: bool = False):
+def train(stage: int = 2, accumulation: int = 1, directory: str | None = None, *, checkpoint: bool = False,
+          backend: str = "threads"):
     """STEPS optimizer steps; returns (losses, parameters, layer_saved_bytes, bytes read back) of the run."""
     model = make_gpt(CONFIG, seed=0)
     if checkpoint:
         for block in model.blocks:
             block.forward = lambda x, _forward=block.forward: deepspeed.checkpointing.checkpoint(_forward, x)
-    config = ds_config(stage, accumulation, directory)
+    config = ds_config(stage, accumulation, directory, backend)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     offload = TbaDeepSpeed(engine, layers=[*model.blocks, model.norm])
     assert (offload.offloader is not None) == (directory is not None)
@@ -114,9 +115,9 @@ def assert_same(reference, result) -> None:
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_zero2_cpu_optimizer_offload_is_exact(spill_dir, accumulation):
+def test_zero2_cpu_optimizer_offload_is_exact(spill_dir, backend, accumulation):
     reference = train(2, accumulation)
-    result = train(2, accumulation, spill_dir)
+    result = train(2, accumulation, spill_dir, backend=backend)
     assert_same(reference, result)
     assert result[3] > 0, "backward read nothing back from the file"
     initial = [p.detach() for p in make_gpt(CONFIG, seed=0).parameters()]
