@@ -1,6 +1,7 @@
-"""Integrations of tba with training frameworks.
+"""Glue between tba and training frameworks; each framework lives in its own submodule.
 
-Each integration lives in its own module and imports its framework lazily (or not at all), so
-``import tba`` never needs one: :mod:`tba.integrations.deepspeed` pairs tba with DeepSpeed's ZeRO
-engines and reads its settings from a ``"tba"`` block of the DeepSpeed config.
+Submodules import their framework lazily, so ``import tba.integrations.megatron`` works without
+megatron-core installed and only the functions that need it raise, naming the extra to install.
+:mod:`tba.integrations.deepspeed` does not import DeepSpeed at all: it reads the ``"tba"`` block of
+a DeepSpeed config and wraps a ``DeepSpeedEngine``'s forward.
 """
