@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # torch is pinned to the CPU build these machines serve from a local wheel; it is installed
-# first so that resolving tba's own dependencies never pulls a CUDA build.
+# first so that resolving tba's own dependencies never pulls a CUDA build, and named again with
+# the extras so that none of them can replace it. megatron-core (the `megatron` extra) needs only
+# torch, numpy and packaging. DS_BUILD_OPS=0: DeepSpeed builds no C++ ops at install; the tests
+# use torch's optimizers and none of its JIT-built ops.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test clean
@@ -12,7 +15,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test,megatron,deepspeed]" "$(TORCH_SPEC)"
 	touch $@
 
 demo: $(VENV)/.installed

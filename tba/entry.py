@@ -60,7 +60,7 @@ class StorageEntry:
     state: State = State.WRITING
     offset: int = -1
     handles: int = 0
-    unpacked: int = 0
+    unpacked_views: set[int] = dataclasses.field(default_factory=set)
     wanted: bool = False
     consumed: bool = False
     io_pending: int = 0
@@ -115,4 +115,4 @@ class SavedView:
         owner = self.owner
         if owner is not None:
             self.owner = None
-            owner.drop_view(self.entry)
+            owner.drop_view(self.entry, id(self))

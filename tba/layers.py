@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
@@ -49,12 +50,19 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
     return found
 
 
-def state_storage_keys(modules: Iterable[nn.Module]) -> set[int]:
-    """Storage identities of every parameter and buffer of ``modules``, to keep them off disk."""
-    keys: set[int] = set()
+def state_storage_keys(modules: Iterable[nn.Module]) -> dict[int, StorageWeakRef]:
+    """Storage identities of every parameter and buffer of ``modules``, to keep them off disk.
+
+    Each key comes with a weak reference to its StorageImpl, which keeps the address from being
+    handed to a new storage after the parameter's storage is replaced (ZeRO-3 swaps a partitioned
+    parameter's ``.data`` during forward): a freed key reused by an activation would keep that
+    activation in memory.
+    """
+    keys: dict[int, StorageWeakRef] = {}
     for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
-            keys.add(tensor.untyped_storage()._cdata)
+            storage = tensor.untyped_storage()
+            keys[storage._cdata] = StorageWeakRef(storage)
     return keys
 
 

@@ -265,12 +265,12 @@ class Offloader:
         tensor = packed.rebuild(data)
         if entry.route is not None:
             entry.route.ops.consume(event, tensor)
-        self._store.note_unpacked(entry)
+        self._store.note_unpacked(entry, id(packed))
         return tensor
 
-    def drop_view(self, entry: StorageEntry) -> None:
+    def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
-        if self._store.drop_view(entry) and self._state == "exited":
+        if self._store.drop_view(entry, view_id) and self._state == "exited":
             self.close()
 
 

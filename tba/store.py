@@ -263,13 +263,17 @@ class StorageStore:
             self.stats.unpack_wait_s += time.perf_counter() - start
         return result
 
-    def note_unpacked(self, entry: StorageEntry) -> None:
-        """After the last view of a storage is unpacked, its bytes are not needed in memory."""
+    def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:
+        """After every live view of a storage was unpacked, its bytes are not needed in memory.
+
+        Views are counted by identity, not unpack calls: autograd may unpack one view twice before
+        another view of the same storage is used, and that must not drop the bytes early.
+        """
         with self.lock:
-            entry.unpacked += 1
-            if entry.unpacked < entry.handles:
+            entry.unpacked_views.add(view_id)
+            if len(entry.unpacked_views) < entry.handles:
                 return
-            entry.unpacked = 0
+            entry.unpacked_views.clear()
             entry.consumed = True
             entry.wanted = False
             if entry.state is State.ON_DISK:
@@ -287,10 +291,11 @@ class StorageStore:
                 self._start_read(target)
 
     # ----------------------------------------------------------------- lifetime
-    def drop_view(self, entry: StorageEntry) -> bool:
+    def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
         """A view of ``entry`` was freed; returns True when no entry is left alive."""
         with self.lock:
             entry.handles -= 1
+            entry.unpacked_views.discard(view_id)
             if entry.handles > 0:
                 return False
             if self._by_storage.get(entry.ref.cdata) is entry:

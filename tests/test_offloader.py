@@ -265,3 +265,17 @@ def test_each_step_starts_outside_any_layer(spill_dir):
     assert set(per_step[0]) == {None, 0, 1} and per_step[0][None] > 0
     assert per_step[1] == {layer: 2 * nbytes for layer, nbytes in per_step[0].items()}
     off.close()
+
+
+def test_unpacking_one_view_twice_keeps_the_storage_for_its_other_views(spill_dir):
+    x = torch.randn(1 << 14)
+    with offloader(spill_dir) as off:
+        first, second = off.pack(x[:100]), off.pack(x[100:])
+        off.flush()
+        off.unpack(first)
+        off.unpack(first)
+        assert torch.equal(off.unpack(second), x[100:])
+        assert off.stats.bytes_read == x.nbytes, "the storage was read twice"
+        assert off.stats.resident_bytes == 0
+    del first, second
+    off.close()

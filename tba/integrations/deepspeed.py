@@ -1,0 +1,293 @@
+"""DeepSpeed: tba offloads activations while ZeRO offloads optimizer states and parameters.
+
+ZeRO-Offload moves optimizer states (and with ZeRO-Infinity, parameters) to host memory or NVMe;
+tba moves the activations autograd saves during forward to NVMe. They are independent: DeepSpeed
+works on parameters, gradients and optimizer states, tba only on saved activations (parameters
+are never written, including ZeRO-3's gathered ones, which autograd saves as the parameter object
+or a view of it). So the integration is a thin wrapper: it reads tba's settings from a ``"tba"``
+block of the DeepSpeed config (DeepSpeed ignores unknown top-level keys), builds one reusable
+:class:`tba.Offloader` over the engine's module, and enters it around each micro-step's forward::
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config="ds_config.json")
+    offload = TbaDeepSpeed(engine)               # reads engine.config's "tba" block
+    for tokens, targets in loader:
+        with offload:
+            loss = engine(tokens, targets)
+        engine.backward(loss)                    # gradient accumulation, ZeRO 1-3: unchanged
+        engine.step()
+    offload.close()
+
+Shared disk: when ``zero_optimization.offload_param.device`` (else ``offload_optimizer.device``)
+is ``"nvme"``, tba's directory defaults to ``<nvme_path>/tba``, beside DeepSpeed's swap folders,
+and tba's I/O request size and queue depth default to DeepSpeed's ``aio`` block (``block_size``,
+``queue_depth``; DeepSpeed's defaults 1 MiB and 8 when the block is absent). After the first
+optimizer step, if both are on one device, :mod:`tba.integrations.shared_disk` compares the
+planned traffic with a short bandwidth measurement and logs a warning when the disk cannot keep up.
+
+Activation checkpointing: inside DeepSpeed's reentrant ``deepspeed.checkpointing.checkpoint`` the
+forward runs under ``no_grad``, so a checkpointed region saves nothing into tba; its recompute in
+backward runs after the offload context has exited. DeepSpeed keeps the region's inputs as
+attributes of its autograd context, not through autograd's saved tensors, so those inputs stay in
+memory; ``torch.utils.checkpoint`` saves them through autograd, and tba offloads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import time
+from typing import Any, Mapping
+
+from torch import nn
+
+from tba.errors import TbaConfigError
+from tba.integrations import shared_disk
+from tba.offloader import Offloader
+
+logger = logging.getLogger("tba")
+
+CONFIG_KEY = "tba"
+DEEPSPEED_AIO_BLOCK_SIZE_BYTES = 1 << 20
+"""DeepSpeed's ``aio.block_size`` when its config has none."""
+DEEPSPEED_AIO_QUEUE_DEPTH = 8
+"""DeepSpeed's ``aio.queue_depth`` when its config has none."""
+NVME_SUBDIRECTORY = "tba"
+"""tba's folder under DeepSpeed's ``nvme_path``."""
+BUILTIN_POLICIES = ("offload", "keep")
+"""Policies handled here when the Offloader has no ``policy=`` of its own."""
+
+_OFFLOADER_KEYS = ("backend", "min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes",
+                   "block_size_bytes", "queue_depth", "direct_io")
+_KEYS = ("enabled", "directory", "policy", "memory_budget_bytes", "check_bandwidth", *_OFFLOADER_KEYS)
+_INT_KEYS = ("memory_budget_bytes", "min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes",
+             "block_size_bytes", "queue_depth")
+
+
+def _block_error(message: str) -> TbaConfigError:
+    return TbaConfigError(f"DeepSpeed config \"{CONFIG_KEY}\" block: {message}")
+
+
+def _offloader_accepts(name: str) -> bool:
+    return name in inspect.signature(Offloader.__init__).parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class TbaSettings:
+    """What a ``"tba"`` block resolves to, with DeepSpeed's config filling the defaults."""
+
+    enabled: bool
+    directory: str | None
+    policy: str
+    offloader_options: dict[str, Any]
+    nvme_path: str | None
+    optimizer_on_nvme: bool
+    params_on_nvme: bool
+    check_bandwidth: bool
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed config as a dict: ``config`` itself, or the JSON file it names."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    try:
+        with open(config) as file:
+            return json.load(file)
+    except (OSError, ValueError) as err:
+        raise TbaConfigError(f"cannot read the DeepSpeed config {config!s} as JSON ({err}); pass it as a dict") from err
+
+
+def _check_value(key: str, value: Any) -> None:
+    if key in _INT_KEYS:
+        if value is None and key == "memory_budget_bytes":
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _block_error(f"\"{key}\" must be a non-negative integer, got {value!r}")
+    elif key in ("enabled", "check_bandwidth") and not isinstance(value, bool):
+        raise _block_error(f"\"{key}\" must be true or false, got {value!r}")
+    elif key == "direct_io" and value is not None and not isinstance(value, bool):
+        raise _block_error(f"\"direct_io\" must be true, false or null, got {value!r}")
+    elif key in ("directory", "backend", "policy") and not (isinstance(value, str) or (key == "directory" and value is None)):
+        raise _block_error(f"\"{key}\" must be a string, got {value!r}")
+
+
+def _nvme_path(zero: Mapping[str, Any], section: str) -> str | None:
+    offload = zero.get(section) or {}
+    if str(offload.get("device", "none")).lower() != "nvme":
+        return None
+    path = offload.get("nvme_path")
+    if not path:
+        raise TbaConfigError(f"zero_optimization.{section}.device is \"nvme\" but it has no nvme_path; set one")
+    return os.fspath(path)
+
+
+def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings | None:
+    """Validate the ``"tba"`` block of a DeepSpeed config; None when there is none.
+
+    Keys (all optional): ``enabled`` (default true), ``directory`` (default ``<nvme_path>/tba``
+    with NVMe offload, else ``$TBA_DIR`` or the temp dir), ``policy`` (``"offload"``, default, or
+    ``"keep"``), ``memory_budget_bytes``, ``check_bandwidth`` (default true), and the
+    :class:`tba.Offloader` options ``backend``, ``min_offload_bytes``, ``prefetch_depth_layers``,
+    ``prefetch_budget_bytes``, ``block_size_bytes``, ``queue_depth``, ``direct_io``.
+
+    Raises:
+        TbaConfigError: an unknown key or a value of the wrong type, naming the fix.
+    """
+    config = load_config(config)
+    block = config.get(CONFIG_KEY)
+    if block is None:
+        return None
+    if not isinstance(block, Mapping):
+        raise _block_error(f"must be an object, got {block!r}")
+    unknown = sorted(set(block) - set(_KEYS))
+    if unknown:
+        raise _block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(_KEYS)}")
+    for key, value in block.items():
+        _check_value(key, value)
+    zero = config.get("zero_optimization") or {}
+    param_path = _nvme_path(zero, "offload_param")
+    optimizer_path = _nvme_path(zero, "offload_optimizer")
+    nvme_path = param_path or optimizer_path
+    options = {key: block[key] for key in _OFFLOADER_KEYS if key in block}
+    if nvme_path is not None:
+        aio = config.get("aio") or {}
+        options.setdefault("block_size_bytes", aio.get("block_size", DEEPSPEED_AIO_BLOCK_SIZE_BYTES))
+        options.setdefault("queue_depth", aio.get("queue_depth", DEEPSPEED_AIO_QUEUE_DEPTH))
+    policy = block.get("policy", "offload")
+    budget = block.get("memory_budget_bytes")
+    if _offloader_accepts("policy"):
+        options["policy"] = policy
+        if budget is not None:
+            options["memory_budget_bytes"] = budget
+    else:
+        if policy not in BUILTIN_POLICIES:
+            raise _block_error(f"\"policy\" must be one of {', '.join(BUILTIN_POLICIES)} in this tba, got {policy!r}")
+        if budget is not None:
+            raise _block_error("\"memory_budget_bytes\" needs a budget-driven policy, which this tba does not have "
+                               "yet; remove the key")
+    directory = block.get("directory")
+    if directory is None and nvme_path is not None:
+        directory = os.path.join(nvme_path, NVME_SUBDIRECTORY)
+    return TbaSettings(
+        enabled=block.get("enabled", True),
+        directory=directory,
+        policy=policy,
+        offloader_options=options,
+        nvme_path=nvme_path,
+        optimizer_on_nvme=optimizer_path is not None,
+        params_on_nvme=param_path is not None,
+        check_bandwidth=block.get("check_bandwidth", True),
+    )
+
+
+class TbaDeepSpeed:
+    """tba for one DeepSpeed engine: ``with`` it around each micro-step's forward, ``close()`` at the end.
+
+    Args:
+        engine: The ``DeepSpeedEngine`` (anything with ``module``, ``config`` and ``global_steps``).
+        config: The DeepSpeed config (dict or JSON path) holding the ``"tba"`` block. Default:
+            ``engine.config``, the one given to ``deepspeed.initialize``.
+        layers: The model's repeated blocks; default: found in ``engine.module``.
+
+    Without a ``"tba"`` block, with ``"enabled": false`` or ``"policy": "keep"`` the context does
+    nothing, so one training loop serves both.
+
+    Raises:
+        TbaConfigError: a bad ``"tba"`` block or Offloader option, naming the fix.
+    """
+
+    def __init__(self, engine: Any, config: str | os.PathLike | Mapping[str, Any] | None = None, *,
+                 layers: nn.Module | list[nn.Module] | None = None) -> None:
+        self.engine = engine
+        self.settings = parse_config(engine.config if config is None else config)
+        self.offloader: Offloader | None = None
+        self._made_directory: str | None = None
+        self._first_step: tuple[int, float, int] | None = None
+        self._check_pending = False
+        settings = self.settings
+        if settings is None or not settings.enabled or ("policy" not in settings.offloader_options and settings.policy == "keep"):
+            return
+        if settings.directory is not None and not os.path.exists(settings.directory):
+            self._made_directory = settings.directory
+        try:
+            self.offloader = Offloader(settings.directory, layers=engine.module if layers is None else layers,
+                                       **settings.offloader_options)
+        except TbaConfigError as err:
+            raise _block_error(str(err)) from err
+        self._check_pending = bool(settings.check_bandwidth and settings.nvme_path is not None
+                                   and shared_disk.same_device(settings.directory, settings.nvme_path))
+        logger.info("tba: offloading activations of the DeepSpeed engine to %s (%s)",
+                    settings.directory or "$TBA_DIR or the temp dir",
+                    ", ".join(f"{key}={value}" for key, value in settings.offloader_options.items()) or "defaults")
+
+    @property
+    def stats(self):
+        """The offloader's :class:`tba.OffloadStats`, or None when tba is off."""
+        return None if self.offloader is None else self.offloader.stats
+
+    def __enter__(self) -> "TbaDeepSpeed":
+        if self.offloader is not None:
+            self._watch_first_step()
+            self.offloader.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if self.offloader is not None:
+            self.offloader.__exit__(exc_type, exc, tb)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``engine(*args, **kwargs)`` inside the offload context."""
+        with self:
+            return self.engine(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close the offloader (its file goes away) and remove tba's directory if this created it and it is empty."""
+        if self.offloader is None:
+            return
+        self._watch_first_step()
+        self.offloader.close()
+        if self._made_directory is not None:
+            try:
+                os.rmdir(self._made_directory)
+            except OSError:
+                pass
+
+    def _traffic_bytes(self) -> int:
+        stats = self.offloader.stats
+        return stats.bytes_written + stats.bytes_read
+
+    def _watch_first_step(self) -> None:
+        """Time the first optimizer step; once it is over, run the shared-disk check."""
+        if not self._check_pending:
+            return
+        steps, now = self.engine.global_steps, time.perf_counter()
+        if self._first_step is None:
+            self._first_step = (steps, now, self._traffic_bytes())
+            return
+        first_steps, began, traffic = self._first_step
+        if steps == first_steps:
+            return
+        self._check_pending = False
+        self.offloader.flush()
+        self._check_disk((self._traffic_bytes() - traffic) // (steps - first_steps), (now - began) / (steps - first_steps))
+
+    def _check_disk(self, tba_bytes_per_step: int, step_s: float) -> None:
+        settings, options = self.settings, self.settings.offloader_options
+        params = list(self.engine.module.parameters())
+        deepspeed_bytes = shared_disk.deepspeed_swap_bytes_per_step(
+            optimizer_on_nvme=settings.optimizer_on_nvme,
+            params_on_nvme=settings.params_on_nvme,
+            num_params=sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            param_itemsize_bytes=params[0].element_size() if params else 0,
+        )
+        write_rate, read_rate = shared_disk.measure_bandwidth(
+            self.offloader.spill.directory, backend=options.get("backend", "auto"),
+            block_size_bytes=options["block_size_bytes"], queue_depth=options["queue_depth"])
+        warning = shared_disk.check_shared_disk(
+            tba_bytes_per_step=tba_bytes_per_step, deepspeed_bytes_per_step=deepspeed_bytes, step_s=step_s,
+            write_bytes_per_s=write_rate, read_bytes_per_s=read_rate, directory=self.offloader.spill.directory)
+        if warning is not None:
+            logger.warning(warning)

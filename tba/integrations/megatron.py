@@ -1,0 +1,247 @@
+"""tba for megatron-core models: command-line flags and a Megatron-aware offloader.
+
+A megatron-core ``GPTModel`` keeps its repeated blocks in ``TransformerBlock.layers``.
+:class:`MegatronOffloader` finds every ``TransformerBlock`` in the model (through wrappers such as
+DDP or ``Float16Module``) and hands those layers to :class:`tba.Offloader`, which tags each saved
+storage with the layer that was running so that backward prefetches layer ``i-1`` while layer
+``i`` runs. Enter the offloader around each forward step and run backward after the block, as
+Megatron's schedules do (``forward_step`` and ``backward_step`` are separate calls).
+
+Megatron's own recompute (``recompute_granularity`` ``"full"``, or ``"selective"`` with the
+modules that use ``tensor_parallel.checkpoint``) runs the checkpointed region under
+``CheckpointFunction``: its forward runs without grad and only the region's inputs are saved, and
+those go through tba's hooks like any other saved tensor, so they are offloaded once. Inside the
+region Megatron re-enables grad for bias-dropout-add, so autograd saves dropout masks into a
+small graph that is thrown away when the region returns; a plain offloader would write those to
+disk for nothing. :class:`MegatronOffloader` keeps every tensor saved while Megatron's
+``is_checkpointing()`` is true in memory, uncounted by the offload path: what Megatron recomputes
+is never written, and the region's inputs are written exactly once. With
+``recompute_method="uniform"`` a region of ``recompute_num_layers`` layers saves its input after
+its last layer ran, so the prefetch depth defaults to ``recompute_num_layers``.
+
+:func:`add_tba_arguments` adds the ``--tba-*`` flags to an ``argparse`` parser (it can be passed as
+Megatron-LM's ``extra_args_provider``), :func:`offloader_from_args` builds the offloader those
+flags ask for, and :func:`wrap_forward_step` wraps a Megatron-LM ``forward_step_func``. The module
+never patches Megatron: it only reads the model's config and Megatron's checkpointing flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import re
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from tba.engine import BACKENDS
+from tba.errors import TbaConfigError
+from tba.offloader import Offloader
+from tba.prefetch import DEFAULT_PREFETCH_DEPTH_LAYERS
+
+logger = logging.getLogger("tba")
+
+POLICIES = ("offload", "keep")
+"""``--tba-policy`` choices: ``offload`` writes activations to disk, ``keep`` leaves them in memory
+(the context is not entered). ``adaptive`` joins once :class:`tba.Offloader` takes ``policy=``."""
+
+UNSUPPORTED_RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj")
+"""Selective-recompute modules that use ``CheckpointWithoutOutput``: it frees its output's storage
+(``resize_(0)``) right after use, which tba may still be writing, and refills it in backward."""
+
+_SIZE_UNITS_BYTES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size_bytes(text: str) -> int:
+    """Parse ``"512MiB"``, ``"8GiB"``, ``"2GB"`` or a plain byte count into bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else, naming the accepted units.
+    """
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size; write bytes or a number with KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+    return int(float(match.group(1)) * _SIZE_UNITS_BYTES[unit])
+
+
+def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--tba-*`` flags to ``parser`` and return it (Megatron-LM's ``extra_args_provider``).
+
+    Flags: ``--tba-offload-activations`` (off by default), ``--tba-dir`` (default ``$TBA_DIR``,
+    else the system temp dir), ``--tba-policy`` (``offload`` default, or ``keep``),
+    ``--tba-memory-budget`` (a size such as ``8GiB``; for the adaptive policy, not available yet),
+    ``--tba-backend`` (``auto`` default, ``io_uring`` or ``threads``).
+    """
+    group = parser.add_argument_group("tba", "offload activations to NVMe files during forward")
+    group.add_argument("--tba-offload-activations", action="store_true",
+                       help="run each forward step inside a tba offload context")
+    group.add_argument("--tba-dir", default=None, metavar="DIR",
+                       help="directory of the spill file, ideally on a local NVMe drive "
+                            "(default: $TBA_DIR, else the system temp directory)")
+    group.add_argument("--tba-policy", choices=POLICIES, default="offload",
+                       help="offload: write activations to disk; keep: leave them in memory (default: offload)")
+    group.add_argument("--tba-memory-budget", type=parse_size_bytes, default=None, metavar="SIZE",
+                       help="activation memory budget, e.g. 8GiB, for the adaptive policy (not in this version)")
+    group.add_argument("--tba-backend", choices=BACKENDS, default="auto",
+                       help="I/O engine (default: auto, io_uring when available, else threads)")
+    return parser
+
+
+def _megatron() -> tuple[type, Callable[[], bool]]:
+    """``(TransformerBlock, is_checkpointing)`` from megatron-core, or a clear error."""
+    try:
+        from megatron.core.tensor_parallel.random import is_checkpointing
+        from megatron.core.transformer.transformer_block import TransformerBlock
+    except ImportError as err:
+        raise TbaConfigError(
+            f"megatron-core is not importable ({err}); install it with pip install 'tba[megatron]'") from err
+    return TransformerBlock, is_checkpointing
+
+
+def transformer_blocks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """Every megatron-core ``TransformerBlock`` in ``model`` (or in each model chunk), in order.
+
+    Raises:
+        TbaConfigError: when there is none.
+    """
+    block_type, _ = _megatron()
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    blocks = [m for chunk in chunks for m in chunk.modules() if isinstance(m, block_type)]
+    if not blocks:
+        raise TbaConfigError(
+            "no megatron-core TransformerBlock found in the model; pass a model built from "
+            "megatron-core (GPTModel, or any module holding a TransformerBlock), or use tba.Offloader "
+            "with layers=[...] for other models")
+    return blocks
+
+
+def check_recompute_config(config: Any) -> None:
+    """Reject Megatron settings that cannot be combined with tba, naming the fix.
+
+    Raises:
+        TbaConfigError: for Megatron's own activation offloading, or selective recompute of a module
+            that uses ``CheckpointWithoutOutput``.
+    """
+    for name in ("cpu_offloading", "fine_grained_activation_offloading"):
+        if getattr(config, name, False):
+            raise TbaConfigError(f"Megatron's {name} is on; use either it or tba, not both: set {name}=False")
+    if getattr(config, "recompute_granularity", None) == "selective":
+        clashing = sorted(set(getattr(config, "recompute_modules", None) or ()) & set(UNSUPPORTED_RECOMPUTE_MODULES))
+        if clashing:
+            raise TbaConfigError(
+                f"recompute_modules {clashing} use CheckpointWithoutOutput, which frees its output while tba "
+                "may still be writing it; drop them or use recompute_granularity='full'")
+
+
+def recompute_prefetch_depth(blocks: Sequence[nn.Module]) -> int:
+    """Prefetch depth in layers: ``recompute_num_layers`` under full uniform recompute, else the default."""
+    depth = DEFAULT_PREFETCH_DEPTH_LAYERS
+    for block in blocks:
+        config = block.config
+        if config.recompute_granularity == "full" and config.recompute_method == "uniform":
+            depth = max(depth, int(config.recompute_num_layers or 1))
+    return depth
+
+
+class MegatronOffloader(Offloader):
+    """A reusable :class:`tba.Offloader` whose layers are the model's transformer layers.
+
+    Tensors saved while Megatron's ``CheckpointFunction`` is running its forward are kept in memory
+    (they belong to a throw-away graph and are recomputed in backward); see the module docstring.
+
+    Args:
+        model: A megatron-core model (``GPTModel``, a ``TransformerBlock``, a wrapper holding one),
+            or a list of model chunks.
+        directory: Where the spill file lives (default ``$TBA_DIR``, else the system temp dir).
+        **options: Further :class:`tba.Offloader` options. ``prefetch_depth_layers`` defaults to
+            ``recompute_num_layers`` under full uniform recompute, else 1.
+
+    Raises:
+        TbaConfigError: no TransformerBlock in ``model``, a Megatron setting tba cannot combine
+            with, megatron-core missing, or any :class:`tba.Offloader` option error.
+    """
+
+    def __init__(self, model: nn.Module | Sequence[nn.Module], directory: str | None = None, **options: Any) -> None:
+        if "layers" in options:
+            raise TypeError("MegatronOffloader takes its layers from the model; use tba.Offloader to pass layers=")
+        _, self._is_checkpointing = _megatron()
+        blocks = transformer_blocks(model)
+        for block in blocks:
+            check_recompute_config(block.config)
+        options.setdefault("prefetch_depth_layers", recompute_prefetch_depth(blocks))
+        super().__init__(directory, layers=[layer for block in blocks for layer in block.layers], **options)
+        self.tensors_kept_in_recompute = 0
+        """Saved tensors kept in memory because Megatron recomputes them (summed over steps)."""
+        self.bytes_kept_in_recompute = 0
+        """Their bytes, summed over steps."""
+
+    def keep_reason(self, tensor: torch.Tensor) -> str | None:
+        """Why ``tensor`` stays in memory (also: saved inside Megatron's recomputed forward)."""
+        if self._is_checkpointing():
+            return "recomputed by Megatron in backward"
+        return super().keep_reason(tensor)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Saved-tensor pack hook: tensors of a recomputed region stay in memory, the rest as in tba."""
+        if self._is_checkpointing():
+            self.tensors_kept_in_recompute += 1
+            self.bytes_kept_in_recompute += tensor.numel() * tensor.element_size()
+            return tensor
+        return super().pack(tensor)
+
+
+def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn.Module],
+                        **options: Any) -> MegatronOffloader | None:
+    """The offloader the ``--tba-*`` flags ask for, or None when activations stay in memory.
+
+    None when ``--tba-offload-activations`` is absent or ``--tba-policy keep`` is given. Further
+    ``options`` go to :class:`MegatronOffloader`. Call ``close()`` on the result when training ends.
+
+    Raises:
+        TbaConfigError: for ``--tba-memory-budget`` (the adaptive policy is not in this version), or
+            any error of :class:`MegatronOffloader`.
+    """
+    if not getattr(args, "tba_offload_activations", False):
+        return None
+    if args.tba_memory_budget is not None:
+        raise TbaConfigError(
+            "--tba-memory-budget needs the adaptive policy, which this tba version does not have yet; "
+            "drop the flag (--tba-policy offload writes every eligible activation)")
+    if args.tba_policy == "keep":
+        logger.info("tba: --tba-policy keep: activations stay in memory")
+        return None
+    return MegatronOffloader(model, args.tba_dir, backend=args.tba_backend, **options)
+
+
+def wrap_forward_step(forward_step_func: Callable[..., Any],
+                      args: argparse.Namespace | Callable[[], argparse.Namespace]) -> Callable[..., Any]:
+    """Wrap a Megatron-LM ``forward_step_func(data_iterator, model, ...)`` to run inside tba.
+
+    The offloader is built on the first call with grad enabled, from that call's ``model`` and the
+    parsed flags (``args``, or a function returning them such as Megatron-LM's ``get_args``, for
+    flags parsed after the wrapper is made). Calls without grad (evaluation) run as they are. The
+    wrapper's ``tba_offloader()`` returns the offloader (None before the first call or when the
+    flags keep activations in memory); close it when training ends. With virtual pipeline stages
+    the first chunk's layers are the tagged ones.
+    """
+    built: list[MegatronOffloader | None] = []
+
+    @functools.wraps(forward_step_func)
+    def forward_step(data_iterator: Any, model: nn.Module, *rest: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward_step_func(data_iterator, model, *rest, **kwargs)
+        if not built:
+            built.append(offloader_from_args(args() if callable(args) else args, model))
+        if built[0] is None:
+            return forward_step_func(data_iterator, model, *rest, **kwargs)
+        with built[0]:
+            return forward_step_func(data_iterator, model, *rest, **kwargs)
+
+    forward_step.tba_offloader = lambda: built[0] if built else None
+    return forward_step

@@ -1,0 +1,171 @@
+"""The "tba" block of a DeepSpeed config, and the shared-disk check: no DeepSpeed needed.
+
+A stand-in engine (module, config, global_steps) drives :class:`TbaDeepSpeed` through the
+NVMe paths that need DeepSpeed's async_io op, which CI does not build.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from tba import TbaConfigError
+from tba.integrations import deepspeed as tba_ds
+from tba.integrations import shared_disk
+from tba.models import PRESETS, make_batch, make_gpt
+
+HAS_POLICY = tba_ds._offloader_accepts("policy")
+
+
+class FakeEngine:
+    """What TbaDeepSpeed uses of a DeepSpeedEngine; step() counts optimizer steps."""
+
+    def __init__(self, config: dict) -> None:
+        self.module = make_gpt(PRESETS["tiny"])
+        self.config = config
+        self.global_steps = 0
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def step(self) -> None:
+        self.global_steps += 1
+
+
+def nvme_config(nvme_path: str, *, aio: dict | None = None, **block) -> dict:
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},
+              "tba": block}
+    if aio is not None:
+        config["aio"] = aio
+    return config
+
+
+def test_no_block_means_no_tba():
+    assert tba_ds.parse_config({"zero_optimization": {"stage": 2}}) is None
+    offload = tba_ds.TbaDeepSpeed(FakeEngine({}))
+    assert offload.offloader is None and offload.stats is None
+    with offload:
+        pass
+    offload.close()
+
+
+@pytest.mark.parametrize("block, words", [
+    ({"dirctory": "/tmp"}, ["unknown key", "'dirctory'", "directory"]),
+    ({"queue_depth": -1}, ["queue_depth", "non-negative integer"]),
+    ({"queue_depth": True}, ["queue_depth", "non-negative integer"]),
+    ({"enabled": "yes"}, ["enabled", "true or false"]),
+    ({"directory": 3}, ["directory", "string"]),
+    ({"direct_io": "on"}, ["direct_io"]),
+    ("on", ["must be an object"]),
+])
+def test_bad_block_is_refused_with_the_fix(block, words):
+    with pytest.raises(TbaConfigError) as err:
+        tba_ds.parse_config({"tba": block})
+    for word in words:
+        assert word in str(err.value)
+    assert "DeepSpeed config \"tba\" block" in str(err.value)
+
+
+@pytest.mark.skipif(HAS_POLICY, reason="the Offloader validates policy and budget itself")
+def test_policies_without_a_policy_engine():
+    with pytest.raises(TbaConfigError, match="offload, keep"):
+        tba_ds.parse_config({"tba": {"policy": "adaptive"}})
+    with pytest.raises(TbaConfigError, match="memory_budget_bytes"):
+        tba_ds.parse_config({"tba": {"memory_budget_bytes": 1 << 30}})
+    assert tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"policy": "keep"}})).offloader is None
+    assert tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"enabled": False}})).offloader is None
+
+
+def test_offloader_errors_name_the_block(spill_dir):
+    with pytest.raises(TbaConfigError, match=r"\"tba\" block: block_size_bytes must be a positive multiple of 4096"):
+        tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir, "block_size_bytes": 1000}}))
+    with pytest.raises(TbaConfigError, match="unknown backend 'uring'"):
+        tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir, "backend": "uring"}}))
+
+
+def test_config_file_is_read(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"tba": {"directory": "/x", "queue_depth": 4}}))
+    settings = tba_ds.parse_config(str(path))
+    assert settings.directory == "/x" and settings.offloader_options == {"queue_depth": 4}
+    path.write_text("{not json")
+    with pytest.raises(TbaConfigError, match="as JSON"):
+        tba_ds.parse_config(str(path))
+
+
+def test_nvme_offload_places_tba_beside_the_swap_and_takes_aio_settings(tmp_path):
+    nvme = str(tmp_path / "nvme")
+    settings = tba_ds.parse_config(nvme_config(nvme, aio={"block_size": 2 << 20, "queue_depth": 16}))
+    assert settings.directory == os.path.join(nvme, "tba")
+    assert settings.offloader_options["block_size_bytes"] == 2 << 20
+    assert settings.offloader_options["queue_depth"] == 16
+    assert settings.optimizer_on_nvme and not settings.params_on_nvme
+    defaults = tba_ds.parse_config(nvme_config(nvme))
+    assert (defaults.offloader_options["block_size_bytes"], defaults.offloader_options["queue_depth"]) == (1 << 20, 8)
+    explicit = tba_ds.parse_config(nvme_config(nvme, aio={"queue_depth": 16}, directory="/elsewhere", queue_depth=2))
+    assert explicit.directory == "/elsewhere" and explicit.offloader_options["queue_depth"] == 2
+    config = nvme_config(nvme)
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "params")}
+    both = tba_ds.parse_config(config)
+    assert both.directory == str(tmp_path / "params" / "tba") and both.params_on_nvme
+    assert tba_ds.parse_config({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "tba": {}}).directory is None
+    with pytest.raises(TbaConfigError, match="no nvme_path"):
+        tba_ds.parse_config({"zero_optimization": {"offload_param": {"device": "nvme"}}, "tba": {}})
+
+
+def train_fake(engine: FakeEngine, offload: tba_ds.TbaDeepSpeed, steps: int) -> list[float]:
+    tokens, targets = make_batch(PRESETS["tiny"])
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        with offload:
+            loss = engine(tokens, targets)
+        loss.backward()
+        engine.step()
+        losses.append(loss.item())
+    offload.close()
+    return losses
+
+
+def test_shared_disk_check_runs_after_the_first_step_and_cleans_up(tmp_path, monkeypatch, caplog):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    calls = []
+
+    def slow_disk(directory, **options):
+        calls.append((directory, options))
+        return 1e3, 1e3
+
+    monkeypatch.setattr(shared_disk, "measure_bandwidth", slow_disk)
+    engine = FakeEngine(nvme_config(str(nvme), aio={"block_size": 1 << 20, "queue_depth": 4}, backend="threads",
+                                    min_offload_bytes=0))
+    offload = tba_ds.TbaDeepSpeed(engine)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        losses = train_fake(engine, offload, 3)
+    assert calls == [(str(nvme / "tba"), {"backend": "threads", "block_size_bytes": 1 << 20, "queue_depth": 4})]
+    assert offload.stats.bytes_written > 0
+    assert sum("cannot keep up" in record.getMessage() for record in caplog.records) == 1
+    assert os.listdir(nvme) == [], "tba's subdirectory was left behind"
+    reference = FakeEngine({})
+    assert train_fake(reference, tba_ds.TbaDeepSpeed(reference), 3) == losses
+
+
+def test_check_shared_disk_compares_io_time_with_step_time():
+    common = {"write_bytes_per_s": 1e9, "read_bytes_per_s": 0.5e9, "directory": "/nvme/tba"}
+    assert shared_disk.check_shared_disk(tba_bytes_per_step=600_000_000, deepspeed_bytes_per_step=0, step_s=1.0,
+                                         **common) is None
+    warning = shared_disk.check_shared_disk(tba_bytes_per_step=600_000_000, deepspeed_bytes_per_step=200_000_000,
+                                            step_s=1.0, **common)
+    assert warning is not None and "1.20 s of I/O" in warning and "/nvme/tba" in warning
+    assert shared_disk.deepspeed_swap_bytes_per_step(optimizer_on_nvme=True, params_on_nvme=True, num_params=10,
+                                                     param_itemsize_bytes=2) == 240 + 60
+
+
+def test_measure_bandwidth_leaves_nothing(spill_dir):
+    write_rate, read_rate = shared_disk.measure_bandwidth(spill_dir, backend="threads", probe_bytes=4 << 20)
+    assert write_rate > 0 and read_rate > 0
+    assert shared_disk.same_device(spill_dir, os.path.join(spill_dir, "not", "yet"))

@@ -1,0 +1,218 @@
+"""tba on megatron-core: the --tba-* flags, exact training with and without Megatron recompute, the script."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'tba[megatron]')")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron")
+
+import tba  # noqa: E402
+from tba.errors import TbaConfigError  # noqa: E402
+from tba.integrations.megatron import (  # noqa: E402
+    MegatronOffloader,
+    add_tba_arguments,
+    check_recompute_config,
+    offloader_from_args,
+    recompute_prefetch_depth,
+    wrap_forward_step,
+)
+
+SCRIPT_DIR = Path(__file__).resolve().parents[2] / "integrations" / "megatron"
+sys.path.insert(0, str(SCRIPT_DIR))
+import cpu_shims  # noqa: E402
+import pretrain_gpt  # noqa: E402
+
+STEPS = 3
+TINY = ["--cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "128", "--batch", "2", "--vocab", "256"]
+HIDDEN_STATE_BYTES = 128 * 2 * 64 * 4
+"""One [seq, batch, hidden] fp32 tensor of the TINY model: 64 KiB, the default min_offload_bytes."""
+RECOMPUTE_FLAGS = {None: [], "full": ["--recompute-granularity", "full"],
+                   "selective": ["--recompute-granularity", "selective"]}
+
+
+@pytest.fixture(scope="module")
+def world():
+    with cpu_shims.cpu_megatron():
+        yield
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    return pretrain_gpt.build_parser().parse_args([*TINY, *flags])
+
+
+def train_step(model, optimizer, batch, offloader=None) -> torch.Tensor:
+    """The script's step, but every write completes before backward, so backward reads from the file
+    whatever the disk's speed (a slow shared disk otherwise serves everything from memory)."""
+    optimizer.zero_grad(set_to_none=False)
+    if offloader is None:
+        loss = pretrain_gpt.forward_loss(model, batch)
+    else:
+        with offloader:
+            loss = pretrain_gpt.forward_loss(model, batch)
+        offloader.flush()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def train(args: argparse.Namespace, offloader_factory=None):
+    """STEPS steps of the script's training; returns the model, the offloader and (loss, grads) per step."""
+    model = pretrain_gpt.build_gpt(args, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    offloader = offloader_factory(args, model) if offloader_factory else None
+    batches = pretrain_gpt.synthetic_batches(args, torch.device("cpu"))
+    steps = []
+    for step in range(1, STEPS + 1):
+        torch.manual_seed(args.seed + step)
+        loss = train_step(model, optimizer, next(batches), offloader)
+        steps.append((loss, {name: p.grad.clone() for name, p in model.named_parameters()}))
+    if offloader is not None:
+        offloader.close()
+    return model, offloader, steps
+
+
+def assert_same_steps(reference, candidate):
+    for (ref_loss, ref_grads), (loss, grads) in zip(reference, candidate, strict=True):
+        assert torch.equal(ref_loss, loss), (ref_loss, loss)
+        assert ref_grads.keys() == grads.keys()
+        for name in ref_grads:
+            assert torch.equal(ref_grads[name], grads[name]), f"gradient of {name} differs"
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE_FLAGS))
+def test_training_is_exact_with_and_without_the_flag(world, spill_dir, recompute):
+    _, _, reference = train(parse(*RECOMPUTE_FLAGS[recompute]))
+    flags = ["--tba-offload-activations", "--tba-dir", spill_dir, "--tba-backend", "threads"]
+    model, offloader, steps = train(parse(*RECOMPUTE_FLAGS[recompute], *flags), offloader_from_args)
+    assert_same_steps(reference, steps)
+    assert isinstance(offloader, MegatronOffloader)
+    assert offloader.layers == list(model.decoder.layers)
+    assert offloader.stats.bytes_written > 0 and offloader.stats.bytes_read > 0
+    assert offloader.stats.resident_bytes == 0
+
+
+def test_layer_tags_repeat_every_step(world, spill_dir):
+    args = parse()
+    model = pretrain_gpt.build_gpt(args, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    offloader = MegatronOffloader(model, spill_dir, backend="threads")
+    batches = pretrain_gpt.synthetic_batches(args, torch.device("cpu"))
+    train_step(model, optimizer, next(batches), offloader)
+    first = dict(offloader.layer_saved_bytes)
+    for _ in range(STEPS - 1):
+        train_step(model, optimizer, next(batches), offloader)
+    offloader.close()
+    assert set(first) == {None, 0, 1}, "the embedding (None) and both layers save activations"
+    assert offloader.layer_saved_bytes == {layer: STEPS * nbytes for layer, nbytes in first.items()}
+
+
+def test_full_recompute_writes_only_region_inputs_once(world, spill_dir):
+    """Under full recompute each layer writes its input and nothing from inside; backward writes nothing."""
+    args = parse("--recompute-granularity", "full")
+    model = pretrain_gpt.build_gpt(args, torch.device("cpu"))
+    batch = next(pretrain_gpt.synthetic_batches(args, torch.device("cpu")))
+    aware = MegatronOffloader(model, spill_dir, backend="threads")
+    plain = tba.Offloader(spill_dir, backend="threads", layers=list(model.decoder.layers))
+    for offloader in (aware, plain):
+        torch.manual_seed(0)
+        with offloader:
+            loss = pretrain_gpt.forward_loss(model, batch)
+        offloader.flush()
+        written = offloader.stats.bytes_written
+        loss.backward()
+        assert offloader.stats.bytes_written == written, "backward (the recompute) wrote to disk"
+        offloader.close()
+    assert aware.layer_saved_bytes[0] == HIDDEN_STATE_BYTES, "layer 0 writes exactly its input"
+    masks_per_layer = 2  # bias-dropout-add after attention and after the MLP, run with grad on
+    assert aware.tensors_kept_in_recompute == args.layers * masks_per_layer
+    assert aware.bytes_kept_in_recompute == args.layers * masks_per_layer * HIDDEN_STATE_BYTES
+    assert plain.layer_saved_bytes[0] == (1 + masks_per_layer) * HIDDEN_STATE_BYTES, "plain tba writes the masks"
+
+
+def test_wrap_forward_step_runs_the_forward_inside_tba(world, spill_dir):
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(**batch)
+        return output, lambda out: out.mean()
+
+    args = parse("--tba-offload-activations", "--tba-dir", spill_dir, "--tba-backend", "threads")
+    wrapped = wrap_forward_step(forward_step, lambda: args)
+    assert wrapped.tba_offloader() is None
+    losses = []
+    for step_func in (forward_step, wrapped):
+        model = pretrain_gpt.build_gpt(args, torch.device("cpu"))
+        batches = pretrain_gpt.synthetic_batches(args, torch.device("cpu"))
+        torch.manual_seed(0)
+        output, loss_func = step_func(batches, model)
+        if step_func is wrapped:
+            wrapped.tba_offloader().flush()
+        loss_func(output).backward()
+        losses.append(loss_func(output).detach())
+    offloader = wrapped.tba_offloader()
+    assert torch.equal(losses[0], losses[1])
+    assert isinstance(offloader, MegatronOffloader) and offloader.stats.bytes_written > 0
+    offloader.close()
+
+
+def test_flags_parse_and_validate(capsys):
+    parser = argparse.ArgumentParser()
+    assert add_tba_arguments(parser) is parser, "usable as Megatron-LM's extra_args_provider"
+    args = parser.parse_args([])
+    assert (args.tba_offload_activations, args.tba_dir, args.tba_policy, args.tba_memory_budget, args.tba_backend) == \
+        (False, None, "offload", None, "auto")
+    assert parser.parse_args(["--tba-memory-budget", "2GiB"]).tba_memory_budget == 2 << 30
+    assert parser.parse_args(["--tba-memory-budget", "1.5GB"]).tba_memory_budget == 1_500_000_000
+    for bad in (["--tba-policy", "adaptive"], ["--tba-memory-budget", "lots"], ["--tba-backend", "gds"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    assert "invalid choice: 'adaptive'" in capsys.readouterr().err
+
+
+def test_flags_that_keep_activations_in_memory_or_are_not_ready(world):
+    model = pretrain_gpt.build_gpt(parse(), torch.device("cpu"))
+    assert offloader_from_args(parse(), model) is None
+    assert offloader_from_args(parse("--tba-offload-activations", "--tba-policy", "keep"), model) is None
+    with pytest.raises(TbaConfigError, match="adaptive policy"):
+        offloader_from_args(parse("--tba-offload-activations", "--tba-memory-budget", "1GiB"), model)
+
+
+def test_bad_models_and_settings_are_refused():
+    with pytest.raises(TbaConfigError, match="no megatron-core TransformerBlock"):
+        MegatronOffloader(nn.Linear(4, 4))
+    with pytest.raises(TbaConfigError, match="CheckpointWithoutOutput"):
+        check_recompute_config(SimpleNamespace(recompute_granularity="selective",
+                                               recompute_modules=["core_attn", "layernorm"]))
+    with pytest.raises(TbaConfigError, match="cpu_offloading=False"):
+        check_recompute_config(SimpleNamespace(cpu_offloading=True))
+    check_recompute_config(SimpleNamespace(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
+    uniform = SimpleNamespace(config=SimpleNamespace(recompute_granularity="full", recompute_method="uniform",
+                                                     recompute_num_layers=2))
+    block = SimpleNamespace(config=SimpleNamespace(recompute_granularity="full", recompute_method="block",
+                                                   recompute_num_layers=2))
+    assert (recompute_prefetch_depth([uniform]), recompute_prefetch_depth([block])) == (2, 1)
+
+
+LINE_RE = re.compile(r"^step (\d+) loss (\S+) time (\d+\.\d+) mem (\d+\.\d+)$")
+
+
+def test_script_prints_identical_losses_with_and_without_tba(spill_dir):
+    runs = []
+    for flags in ([], ["--tba-offload-activations", "--tba-dir", spill_dir]):
+        proc = subprocess.run([sys.executable, str(SCRIPT_DIR / "pretrain_gpt.py"), *TINY, "--steps", "2", *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        steps = [LINE_RE.match(line) for line in proc.stdout.splitlines() if line.startswith("step ")]
+        assert [m and int(m.group(1)) for m in steps] == [1, 2], proc.stdout
+        runs.append([m.group(2) for m in steps])
+        assert ("MiB written" in proc.stdout) == bool(flags)
+    assert runs[0] == runs[1]
