@@ -159,7 +159,8 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     policy = block.get("policy", "offload")
     budget = block.get("memory_budget_bytes")
     if _offloader_accepts("policy"):
-        options["policy"] = policy
+        if "policy" in block:
+            options["policy"] = policy
         if budget is not None:
             options["memory_budget_bytes"] = budget
     else:
