@@ -35,7 +35,6 @@ memory; ``torch.utils.checkpoint`` saves them through autograd, and tba offloads
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -57,8 +56,6 @@ DEEPSPEED_AIO_QUEUE_DEPTH = 8
 """DeepSpeed's ``aio.queue_depth`` when its config has none."""
 NVME_SUBDIRECTORY = "tba"
 """tba's folder under DeepSpeed's ``nvme_path``."""
-BUILTIN_POLICIES = ("offload", "keep")
-"""Policies handled here when the Offloader has no ``policy=`` of its own."""
 
 _OFFLOADER_KEYS = ("backend", "min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes",
                    "block_size_bytes", "queue_depth", "direct_io")
@@ -69,10 +66,6 @@ _INT_KEYS = ("memory_budget_bytes", "min_offload_bytes", "prefetch_depth_layers"
 
 def _block_error(message: str) -> TbaConfigError:
     return TbaConfigError(f"DeepSpeed config \"{CONFIG_KEY}\" block: {message}")
-
-
-def _offloader_accepts(name: str) -> bool:
-    return name in inspect.signature(Offloader.__init__).parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +121,8 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     """Validate the ``"tba"`` block of a DeepSpeed config; None when there is none.
 
     Keys (all optional): ``enabled`` (default true), ``directory`` (default ``<nvme_path>/tba``
-    with NVMe offload, else ``$TBA_DIR`` or the temp dir), ``policy`` (``"offload"``, default, or
-    ``"keep"``), ``memory_budget_bytes``, ``check_bandwidth`` (default true), and the
+    with NVMe offload, else ``$TBA_DIR`` or the temp dir), ``policy`` (``"offload"``, default,
+    ``"keep"``, or ``"adaptive"``), ``memory_budget_bytes`` (the adaptive goal), ``check_bandwidth`` (default true), and the
     :class:`tba.Offloader` options ``backend``, ``min_offload_bytes``, ``prefetch_depth_layers``,
     ``prefetch_budget_bytes``, ``block_size_bytes``, ``queue_depth``, ``direct_io``.
 
@@ -157,18 +150,10 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
         options.setdefault("block_size_bytes", aio.get("block_size", DEEPSPEED_AIO_BLOCK_SIZE_BYTES))
         options.setdefault("queue_depth", aio.get("queue_depth", DEEPSPEED_AIO_QUEUE_DEPTH))
     policy = block.get("policy", "offload")
-    budget = block.get("memory_budget_bytes")
-    if _offloader_accepts("policy"):
-        if "policy" in block:
-            options["policy"] = policy
-        if budget is not None:
-            options["memory_budget_bytes"] = budget
-    else:
-        if policy not in BUILTIN_POLICIES:
-            raise _block_error(f"\"policy\" must be one of {', '.join(BUILTIN_POLICIES)} in this tba, got {policy!r}")
-        if budget is not None:
-            raise _block_error("\"memory_budget_bytes\" needs a budget-driven policy, which this tba does not have "
-                               "yet; remove the key")
+    if policy != "offload":
+        options["policy"] = policy
+    if "memory_budget_bytes" in block:
+        options["memory_budget_bytes"] = block["memory_budget_bytes"]
     directory = block.get("directory")
     if directory is None and nvme_path is not None:
         directory = os.path.join(nvme_path, NVME_SUBDIRECTORY)
@@ -209,7 +194,7 @@ class TbaDeepSpeed:
         self._first_step: tuple[int, float, int] | None = None
         self._check_pending = False
         settings = self.settings
-        if settings is None or not settings.enabled or ("policy" not in settings.offloader_options and settings.policy == "keep"):
+        if settings is None or not settings.enabled or settings.policy == "keep":
             return
         if settings.directory is not None and not os.path.exists(settings.directory):
             self._made_directory = settings.directory

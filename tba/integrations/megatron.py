@@ -43,9 +43,10 @@ from tba.prefetch import DEFAULT_PREFETCH_DEPTH_LAYERS
 
 logger = logging.getLogger("tba")
 
-POLICIES = ("offload", "keep")
+POLICIES = ("offload", "keep", "adaptive")
 """``--tba-policy`` choices: ``offload`` writes activations to disk, ``keep`` leaves them in memory
-(the context is not entered). ``adaptive`` joins once :class:`tba.Offloader` takes ``policy=``."""
+(the context is not entered), ``adaptive`` profiles the first steps and then keeps, offloads or
+recomputes each transformer layer to fit ``--tba-memory-budget`` (see ``tba/policy``)."""
 
 UNSUPPORTED_RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj")
 """Selective-recompute modules that use ``CheckpointWithoutOutput``: it frees its output's storage
@@ -75,7 +76,7 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     Flags: ``--tba-offload-activations`` (off by default), ``--tba-dir`` (default ``$TBA_DIR``,
     else the system temp dir), ``--tba-policy`` (``offload`` default, or ``keep``),
-    ``--tba-memory-budget`` (a size such as ``8GiB``; for the adaptive policy, not available yet),
+    ``--tba-memory-budget`` (a size such as ``8GiB``; the adaptive policy's goal),
     ``--tba-backend`` (``auto`` default, ``io_uring`` or ``threads``).
     """
     group = parser.add_argument_group("tba", "offload activations to NVMe files during forward")
@@ -87,7 +88,7 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--tba-policy", choices=POLICIES, default="offload",
                        help="offload: write activations to disk; keep: leave them in memory (default: offload)")
     group.add_argument("--tba-memory-budget", type=parse_size_bytes, default=None, metavar="SIZE",
-                       help="activation memory budget, e.g. 8GiB, for the adaptive policy (not in this version)")
+                       help="activation memory budget, e.g. 8GiB: the goal of --tba-policy adaptive")
     group.add_argument("--tba-backend", choices=BACKENDS, default="auto",
                        help="I/O engine (default: auto, io_uring when available, else threads)")
     return parser
@@ -174,6 +175,11 @@ class MegatronOffloader(Offloader):
         blocks = transformer_blocks(model)
         for block in blocks:
             check_recompute_config(block.config)
+            if options.get("policy") not in (None, "offload", "keep") and block.config.recompute_granularity:
+                raise TbaConfigError(
+                    f"tba's adaptive policy chooses which layers to recompute itself; Megatron's "
+                    f"recompute_granularity={block.config.recompute_granularity!r} would recompute "
+                    "them twice: drop Megatron's recompute flags or use --tba-policy offload")
         options.setdefault("prefetch_depth_layers", recompute_prefetch_depth(blocks))
         super().__init__(directory, layers=[layer for block in blocks for layer in block.layers], **options)
         self.tensors_kept_in_recompute = 0
@@ -204,18 +210,22 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
     ``options`` go to :class:`MegatronOffloader`. Call ``close()`` on the result when training ends.
 
     Raises:
-        TbaConfigError: for ``--tba-memory-budget`` (the adaptive policy is not in this version), or
-            any error of :class:`MegatronOffloader`.
+        TbaConfigError: ``--tba-memory-budget`` without ``--tba-policy adaptive`` or the other way
+            round, ``adaptive`` together with Megatron's own recompute, or any error of
+            :class:`MegatronOffloader`.
     """
     if not getattr(args, "tba_offload_activations", False):
         return None
-    if args.tba_memory_budget is not None:
+    adaptive = args.tba_policy == "adaptive"
+    if adaptive != (args.tba_memory_budget is not None):
         raise TbaConfigError(
-            "--tba-memory-budget needs the adaptive policy, which this tba version does not have yet; "
-            "drop the flag (--tba-policy offload writes every eligible activation)")
+            "--tba-policy adaptive and --tba-memory-budget go together: the budget is the adaptive "
+            "policy's goal (use --tba-policy offload without a budget to write every activation)")
     if args.tba_policy == "keep":
         logger.info("tba: --tba-policy keep: activations stay in memory")
         return None
+    if adaptive:
+        options.update(policy="adaptive", memory_budget_bytes=args.tba_memory_budget)
     return MegatronOffloader(model, args.tba_dir, backend=args.tba_backend, **options)
 
 

@@ -18,7 +18,6 @@ from tba.integrations import deepspeed as tba_ds
 from tba.integrations import shared_disk
 from tba.models import PRESETS, make_batch, make_gpt
 
-HAS_POLICY = tba_ds._offloader_accepts("policy")
 
 
 class FakeEngine:
@@ -70,12 +69,14 @@ def test_bad_block_is_refused_with_the_fix(block, words):
     assert "DeepSpeed config \"tba\" block" in str(err.value)
 
 
-@pytest.mark.skipif(HAS_POLICY, reason="the Offloader validates policy and budget itself")
-def test_policies_without_a_policy_engine():
-    with pytest.raises(TbaConfigError, match="offload, keep"):
-        tba_ds.parse_config({"tba": {"policy": "adaptive"}})
-    with pytest.raises(TbaConfigError, match="memory_budget_bytes"):
-        tba_ds.parse_config({"tba": {"memory_budget_bytes": 1 << 30}})
+def test_policies_pass_through_to_the_offloader(spill_dir):
+    adaptive = tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir, "policy": "adaptive",
+                                                       "memory_budget_bytes": 1 << 20}}))
+    assert adaptive.offloader.policy_runner.policy.memory_budget_bytes == 1 << 20
+    adaptive.close()
+    for block in ({"policy": "smart"}, {"policy": "adaptive"}, {"memory_budget_bytes": 1 << 20}):
+        with pytest.raises(TbaConfigError, match="\"tba\" block: "):
+            tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir, **block}}))
     assert tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"policy": "keep"}})).offloader is None
     assert tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"enabled": False}})).offloader is None
 

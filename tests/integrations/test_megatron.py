@@ -172,18 +172,33 @@ def test_flags_parse_and_validate(capsys):
         (False, None, "offload", None, "auto")
     assert parser.parse_args(["--tba-memory-budget", "2GiB"]).tba_memory_budget == 2 << 30
     assert parser.parse_args(["--tba-memory-budget", "1.5GB"]).tba_memory_budget == 1_500_000_000
-    for bad in (["--tba-policy", "adaptive"], ["--tba-memory-budget", "lots"], ["--tba-backend", "gds"]):
+    assert parser.parse_args(["--tba-policy", "adaptive"]).tba_policy == "adaptive"
+    for bad in (["--tba-policy", "smart"], ["--tba-memory-budget", "lots"], ["--tba-backend", "gds"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
-    assert "invalid choice: 'adaptive'" in capsys.readouterr().err
+    assert "invalid choice: 'smart'" in capsys.readouterr().err
 
 
-def test_flags_that_keep_activations_in_memory_or_are_not_ready(world):
+def test_flags_that_keep_activations_in_memory_or_do_not_fit(world):
     model = pretrain_gpt.build_gpt(parse(), torch.device("cpu"))
     assert offloader_from_args(parse(), model) is None
     assert offloader_from_args(parse("--tba-offload-activations", "--tba-policy", "keep"), model) is None
-    with pytest.raises(TbaConfigError, match="adaptive policy"):
-        offloader_from_args(parse("--tba-offload-activations", "--tba-memory-budget", "1GiB"), model)
+    for flags in (["--tba-memory-budget", "1GiB"], ["--tba-policy", "adaptive"]):
+        with pytest.raises(TbaConfigError, match="go together"):
+            offloader_from_args(parse("--tba-offload-activations", *flags), model)
+    recomputed = pretrain_gpt.build_gpt(parse(*RECOMPUTE_FLAGS["full"]), torch.device("cpu"))
+    with pytest.raises(TbaConfigError, match="recompute them twice"):
+        offloader_from_args(parse(*RECOMPUTE_FLAGS["full"], "--tba-offload-activations", "--tba-policy", "adaptive",
+                                  "--tba-memory-budget", "1MiB"), recomputed)
+
+
+def test_adaptive_policy_is_exact_and_plans_after_profiling(world, spill_dir):
+    _, _, reference = train(parse())
+    flags = ["--tba-offload-activations", "--tba-dir", spill_dir, "--tba-backend", "threads",
+             "--tba-policy", "adaptive", "--tba-memory-budget", "64KiB"]
+    _, offloader, steps = train(parse(*flags), offloader_from_args)
+    assert_same_steps(reference, steps)
+    assert offloader.plan is not None and len(offloader.plan.decisions) == len(offloader.layers)
 
 
 def test_bad_models_and_settings_are_refused():
