@@ -19,7 +19,7 @@ logger = logging.getLogger("tba")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="model size (default: demo)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (default: small)")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per mode (default: 4)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
