@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from tba.integrations.megatron import add_tba_arguments, offloader_from_args
-from tba.measure import MALLOC_ENV, PeakRSS
+from tba.measure import MALLOC_ENV, CudaPeak, PeakRSS
 
 MIB = 1 << 20
 
@@ -109,20 +109,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     loss.backward()
     optimizer.step()
     return loss.detach()
-
-
-class CudaPeak:
-    """Peak CUDA memory allocated during a ``with`` block minus what was allocated at its start (bytes)."""
-
-    def __enter__(self) -> "CudaPeak":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self._start = torch.cuda.memory_allocated()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize()
-        self.delta_bytes = torch.cuda.max_memory_allocated() - self._start
 
 
 @contextlib.contextmanager
