@@ -15,12 +15,11 @@ memory tba holds.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import torch
 
-from tba.memory import aligned_empty
+from tba.memory import aligned_empty, storage_view
 
 
 class _Lease:
@@ -76,6 +75,4 @@ class BufferPool:
 
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
         """Like :func:`tba.memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
-        window = (ctypes.c_char * nbytes).from_address(buffer.data_ptr() + start_bytes)
-        window.owner = _Lease(self, buffer)
-        return torch.frombuffer(window, dtype=torch.uint8)
+        return storage_view(buffer, start_bytes, nbytes, owner=_Lease(self, buffer))

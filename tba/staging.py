@@ -47,20 +47,12 @@ class StagingPool:
         count = capacity_bytes // block_bytes
         self.block_bytes = block_bytes
         self.pinned = pinned
-        self._slab = self._allocate(count * block_bytes, pinned)
+        self._slab = aligned_empty(count * block_bytes, pinned=pinned)
         self._slab.fill_(0)
         self._free = [self._slab[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
         self.capacity_blocks = count
         self._cond = threading.Condition()
         self.waits = 0
-
-    @staticmethod
-    def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
-        if not pinned:
-            return aligned_empty(nbytes)
-        raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8, pin_memory=True)
-        start = -raw.data_ptr() % ALIGN_BYTES
-        return raw[start : start + nbytes]
 
     @property
     def free_blocks(self) -> int:

@@ -141,10 +141,7 @@ class StorageStore:
             future.add_done_callback(functools.partial(callback, entry))
 
     def _on_write_block(self, entry: StorageEntry, future: Future) -> None:
-        self.write_clock.stop()
-        with self.lock:
-            if self._block_done(entry, future.exception()):
-                self._finish_write(entry)
+        self._on_route_write(entry, future.exception())
 
     def _on_route_write(self, entry: StorageEntry, error: BaseException | None) -> None:
         self.write_clock.stop()
@@ -223,16 +220,17 @@ class StorageStore:
         return done
 
     def _on_read_block(self, entry: StorageEntry, future: Future, *, buffer: torch.Tensor) -> None:
-        self.read_clock.stop()
-        with self.lock:
-            if self._block_done(entry, future.exception()):
-                self._finish_read(entry, lambda: self.pool.lease(buffer, entry.phase_bytes, entry.nbytes), None)
+        self._read_transfer_done(entry, future.exception(), lambda: self.pool.lease(buffer, entry.phase_bytes, entry.nbytes))
 
     def _on_route_read(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
+        self._read_transfer_done(entry, error, lambda: data, event)
+
+    def _read_transfer_done(self, entry: StorageEntry, error: BaseException | None, make_data: Any,
+                            event: Any = None) -> None:
         self.read_clock.stop()
         with self.lock:
             if self._block_done(entry, error):
-                self._finish_read(entry, lambda: data, event)
+                self._finish_read(entry, make_data, event)
 
     def _finish_read(self, entry: StorageEntry, make_data: Any, event: Any) -> None:
         done, entry.read_done = entry.read_done, None
