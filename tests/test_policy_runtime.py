@@ -8,6 +8,7 @@ import torch
 import tba
 from tba.models import GPTConfig, make_batch, make_gpt
 from tba.policy.runtime import SHARED_ATTRIBUTE
+from utils import run_step
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
 STEPS = 4
@@ -21,19 +22,11 @@ def model():
 def train(model, make_offloader=None, steps: int = STEPS):
     """Per step: loss and gradients. ``make_offloader()`` is called once per step (None: keep-all)."""
     tokens, targets = make_batch(CONFIG, seed=4)
-    out = []
-    for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(step)
-        offloader = make_offloader() if make_offloader else None
-        if offloader is None:
-            loss = model(tokens, targets)
-        else:
-            with offloader:
-                loss = model(tokens, targets)
-        loss.backward()
-        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    return out
+    return [
+        run_step(model, lambda m: m(tokens, targets), make_offloader() if make_offloader else None,
+                 seed=step, flush=False)
+        for step in range(steps)
+    ]
 
 
 def assert_same(reference, result):
