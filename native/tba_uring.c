@@ -206,46 +206,6 @@ static PyObject *Ring_wake(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-static PyObject *Ring_register_buffers(RingObject *self, PyObject *arg)
-{
-    PyObject *seq;
-    struct iovec *iov;
-    int err;
-
-    if (check_open(self))
-        return NULL;
-    seq = PySequence_Fast(arg, "register_buffers() takes a list of (address, nbytes)");
-    if (!seq)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    iov = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(*iov));
-    if (!iov) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long addr, len;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK;buffer must be (address, nbytes)",
-                              &addr, &len)) {
-            PyMem_RawFree(iov);
-            Py_DECREF(seq);
-            return NULL;
-        }
-        iov[i].iov_base = (void *)(uintptr_t)addr;
-        iov[i].iov_len = (size_t)len;
-    }
-    Py_DECREF(seq);
-    self->users++;
-    Py_BEGIN_ALLOW_THREADS
-    err = tba_ring_register_buffers(&self->ring, iov, (unsigned)n);
-    Py_END_ALLOW_THREADS
-    self->users--;
-    PyMem_RawFree(iov);
-    if (err)
-        return raise_errno(-err);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (self->users > 0) {
@@ -277,8 +237,6 @@ static PyMethodDef Ring_methods[] = {
     {"reap", (PyCFunction)Ring_reap, METH_NOARGS,
      "reap() -> (list of (tag, result, done_bytes), woke): wait for finished requests."},
     {"wake", (PyCFunction)Ring_wake, METH_NOARGS, "wake(): make a blocked reap() return."},
-    {"register_buffers", (PyCFunction)Ring_register_buffers, METH_O,
-     "register_buffers(list of (address, nbytes)): pin buffers for READ_FIXED/WRITE_FIXED."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "close(): free the ring (idempotent)."},
     {NULL, NULL, 0, NULL},
 };

@@ -47,19 +47,9 @@ static int flush_sq_locked(struct tba_ring *ring)
     return 0;
 }
 
-static int find_fixed_buffer(const struct tba_ring *ring, uint64_t addr, uint64_t len)
-{
-    for (unsigned i = 0; i < ring->nbufs; i++) {
-        uint64_t base = (uint64_t)(uintptr_t)ring->bufs[i].iov_base;
-        if (addr >= base && addr + len <= base + ring->bufs[i].iov_len)
-            return (int)i;
-    }
-    return -1;
-}
-
 /* Fill the next SQE (caller holds the lock). Returns -EBUSY when the SQ is full. */
 static int push_sqe_locked(struct tba_ring *ring, uint8_t opcode, int fd, uint64_t addr,
-                           uint32_t len, uint64_t offset, uint64_t user_data, int buf_index)
+                           uint32_t len, uint64_t offset, uint64_t user_data)
 {
     unsigned tail = *ring->sq_tail;
     if (tail - __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE) >= ring->sq_entries)
@@ -72,8 +62,6 @@ static int push_sqe_locked(struct tba_ring *ring, uint8_t opcode, int fd, uint64
     sqe->len = len;
     sqe->off = offset;
     sqe->user_data = user_data;
-    if (buf_index >= 0)
-        sqe->buf_index = (uint16_t)buf_index;
     __atomic_store_n(ring->sq_tail, tail + 1, __ATOMIC_RELEASE);
     return 0;
 }
@@ -84,10 +72,8 @@ static int push_slot_locked(struct tba_ring *ring, unsigned index)
     const struct tba_req *req = &ring->slots[index];
     uint64_t addr = req->addr + req->done, left = req->len - req->done;
     uint32_t len = left > MAX_SQE_BYTES ? MAX_SQE_BYTES : (uint32_t)left;
-    int buf = find_fixed_buffer(ring, addr, len);
-    uint8_t opcode = req->is_write ? (buf >= 0 ? IORING_OP_WRITE_FIXED : IORING_OP_WRITE)
-                                   : (buf >= 0 ? IORING_OP_READ_FIXED : IORING_OP_READ);
-    return push_sqe_locked(ring, opcode, req->fd, addr, len, req->offset + req->done, index, buf);
+    uint8_t opcode = req->is_write ? IORING_OP_WRITE : IORING_OP_READ;
+    return push_sqe_locked(ring, opcode, req->fd, addr, len, req->offset + req->done, index);
 }
 
 /* Push slot ``index`` and hand it to the kernel at once. */
@@ -106,9 +92,9 @@ static int push_slot(struct tba_ring *ring, unsigned index)
 /* Submit a no-op carrying ``tag``; its completion makes a blocked reaper return from the kernel. */
 static int push_nop_locked(struct tba_ring *ring, uint64_t tag)
 {
-    int err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag, -1);
+    int err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag);
     if (err == -EBUSY && !(err = flush_sq_locked(ring)))
-        err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag, -1);
+        err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag);
     return err ? err : flush_sq_locked(ring);
 }
 

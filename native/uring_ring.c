@@ -1,5 +1,5 @@
 /*
- * io_uring ring lifetime: setup, mapping of the shared rings, request slots, fixed buffers, close.
+ * io_uring ring lifetime: setup, mapping of the shared rings, request slots, close.
  * See uring_ring.h for the contract; submission and completion live in uring_io.c.
  */
 #define _GNU_SOURCE
@@ -17,12 +17,6 @@ static int sys_setup(unsigned entries, struct io_uring_params *params)
 {
     int fd = (int)syscall(__NR_io_uring_setup, entries, params);
     return fd < 0 ? -errno : fd;
-}
-
-static int sys_register(int fd, unsigned opcode, const void *arg, unsigned nargs)
-{
-    int ret = (int)syscall(__NR_io_uring_register, fd, opcode, arg, nargs);
-    return ret < 0 ? -errno : ret;
 }
 
 static unsigned round_up_pow2(unsigned n)
@@ -135,39 +129,12 @@ void tba_ring_close(struct tba_ring *ring)
     ring->lock_ready = 0;
     free(ring->slots);
     free(ring->free_stack);
-    free(ring->bufs);
     free(ring->queue);
     ring->queue = NULL;
     ring->queue_head = ring->queue_count = ring->queue_cap = 0;
     ring->slots = NULL;
     ring->free_stack = NULL;
-    ring->bufs = NULL;
-    ring->nbufs = ring->nslots = ring->free_count = 0;
-}
-
-int tba_ring_register_buffers(struct tba_ring *ring, const struct iovec *iov, unsigned n)
-{
-    struct iovec *copy = NULL;
-    int err = 0;
-
-    pthread_mutex_lock(&ring->lock);
-    if (ring->nbufs > 0 || ring->free_count != ring->nslots || ring->queue_count > 0)
-        err = -EBUSY; /* register once, while idle */
-    else if (n == 0 || !(copy = malloc(n * sizeof(*copy))))
-        err = n == 0 ? -EINVAL : -ENOMEM;
-    if (!err) {
-        memcpy(copy, iov, n * sizeof(*copy));
-        err = sys_register(ring->fd, IORING_REGISTER_BUFFERS, copy, n);
-    }
-    if (err < 0) {
-        free(copy);
-    } else {
-        err = 0;
-        ring->bufs = copy;
-        ring->nbufs = n;
-    }
-    pthread_mutex_unlock(&ring->lock);
-    return err;
+    ring->nslots = ring->free_count = 0;
 }
 
 unsigned tba_ring_in_flight(struct tba_ring *ring)

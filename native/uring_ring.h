@@ -11,7 +11,7 @@
  * data I/O is issued by the reaping thread and the ring stays full without the caller's help.
  *
  * Threading: any number of threads may submit; exactly one thread reaps. The submission queue,
- * the slot table and the registered-buffer table are guarded by one mutex; the completion queue is
+ * and the slot table are guarded by one mutex; the completion queue is
  * touched only by the reaper. Every SQE is handed to the kernel (io_uring_enter) by the thread that
  * filled it, inside the same critical section, because io_uring ties a request to the thread that
  * submitted it: retries of that request run as task work of that thread, and a request whose
@@ -24,7 +24,6 @@
 
 #include <pthread.h>
 #include <stdint.h>
-#include <sys/uio.h>
 
 #define TBA_RES_SHORT INT64_MIN
 
@@ -60,8 +59,6 @@ struct tba_ring {
     struct tba_req *slots;
     unsigned *free_stack;
     unsigned free_count, nslots;
-    struct iovec *bufs;
-    unsigned nbufs;
     struct tba_req *queue; /* requests waiting for a free slot: a circular buffer */
     size_t queue_head, queue_count, queue_cap;
     int reaper_waiting; /* the reaper is blocked (or about to block) in io_uring_enter */
@@ -73,7 +70,6 @@ int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned 
 int tba_ring_wake(struct tba_ring *ring);
 int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,
                   int *woke);
-int tba_ring_register_buffers(struct tba_ring *ring, const struct iovec *iov, unsigned n);
 unsigned tba_ring_in_flight(struct tba_ring *ring);
 
 #endif
