@@ -10,14 +10,16 @@ Typical use::
     print(offloader.stats)
 """
 
-from tba.engine import BACKENDS, Engine, ThreadEngine, available_backends, make_engine
+from tba.defaults import BACKENDS
 from tba.errors import ShortTransferError, TbaConfigError, TbaError, TbaReadError
-from tba.layers import find_layers
-from tba.offloader import Offloader, offload_activations
+from tba.io import Engine, ThreadEngine, available_backends, make_engine
 from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Plan, Policy, Profile, RecomputeAll, estimate, plan
-from tba.stats import OffloadStats
+from tba.runtime._layers import find_layers
+from tba.runtime._offloader import Offloader, offload_activations
+from tba.runtime._stats import OffloadStats
 
 __version__ = "0.1.0"
+"""The package version; ``pyproject.toml`` reads it from here."""
 
 __all__ = [
     "Adaptive",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 
 @functools.cache
@@ -22,7 +22,7 @@ def _annotate():
     return nvtx.annotate
 
 
-def nvtx_range(name: str) -> ContextManager[None]:
+def nvtx_range(name: str) -> AbstractContextManager[None]:
     """A context manager that marks ``name`` in the ``tba`` NVTX domain (or does nothing)."""
     annotate = _annotate()
     if annotate is None:

@@ -16,9 +16,10 @@ import json
 import logging
 import sys
 
-from tba.measure import MODES, run_isolated
-from tba.models import PRESETS
-from tba.report import comparison_rows, format_table
+from tba.bench.harness import MODES
+from tba.bench.isolated import run_isolated
+from tba.bench.models import PRESETS
+from tba.cli._report import comparison_rows, format_table
 
 logger = logging.getLogger("tba")
 

@@ -12,10 +12,11 @@ One line per optimizer step::
 
 ``loss`` is the mean over the step's micro-batches (full precision), ``time`` the step's wall time
 in seconds (forward, backward and ``engine.step()`` of every micro-batch), ``mem`` its activation
-peak in MiB, measured as ``tba/measure.py`` does: the peak resident set size during the step minus
-the size just before it, plus the idle read buffers tba held before the step. For that the script re-executes itself once with glibc's mmap threshold
-fixed (``tba.measure.MALLOC_ENV``), so that freed tensors leave the process. The first step also
-allocates the optimizer states; the summary line takes the median of the later steps.
+peak in MiB, measured as ``tba/bench/harness.py`` does: the peak resident set size during the step
+minus the size just before it, plus the idle read buffers tba held before the step. For that the
+script re-executes itself once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``),
+so that freed tensors leave the process. The first step also allocates the optimizer states; the
+summary line takes the median of the later steps.
 
 Runs as one process without a launcher (it sets ``RANK=0``, ``WORLD_SIZE=1`` and a free
 ``MASTER_PORT`` when they are unset), or under ``deepspeed`` / ``torchrun``.
@@ -32,8 +33,9 @@ import statistics
 import sys
 import time
 
+from tba.defaults import MIB
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-MIB = 1 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="DeepSpeed config JSON (default: %(default)s)")
     parser.add_argument("--tba", action="store_true", help="add a \"tba\" block to the config: offload activations")
     parser.add_argument("--tba-dir", default=None, help="tba's directory (default: the block's, else $TBA_DIR or /tmp)")
-    parser.add_argument("--preset", default="bench", help="model preset from tba/models.py (default: %(default)s)")
+    parser.add_argument("--preset", default="bench", help="model preset from tba/bench/models.py (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--grad-accum", type=int, default=None, help="override gradient_accumulation_steps")
     parser.add_argument("--checkpoint", action="store_true",
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def reexec_with_malloc_env() -> None:
     """Restart this script with the fixed mmap threshold unless it already runs with it."""
-    from tba.measure import MALLOC_ENV
+    from tba.bench.meters import MALLOC_ENV
 
     if any(os.environ.get(key) != value for key, value in MALLOC_ENV.items()):
         sys.stdout.flush()
@@ -107,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch
 
+    from tba.bench.meters import PeakRSS
+    from tba.bench.models import PRESETS, make_batch, make_gpt
     from tba.integrations.deepspeed import TbaDeepSpeed
-    from tba.measure import PeakRSS
-    from tba.models import PRESETS, make_batch, make_gpt
 
     skip_shared_memory_allreduce(deepspeed)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

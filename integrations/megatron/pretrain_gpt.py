@@ -8,13 +8,13 @@ on random tokens drawn from a fixed seed, and prints one line per step::
 ``X`` is the exact loss (Python's shortest round-trip form of the float32 value), ``T`` the step
 time in seconds (forward, backward, optimizer step), and ``M`` the activation memory of the step
 in MiB: on CPU the peak resident set size during the step minus the resident set size before it
-(:class:`tba.measure.PeakRSS`), on CUDA the peak allocated bytes minus those allocated before.
+(:class:`tba.bench.meters.PeakRSS`), on CUDA the peak allocated bytes minus those allocated before.
 Weight gradients stay allocated across steps, so ``M`` is activations and their transient
 gradients. With ``--tba-offload-activations`` each forward runs inside a
 :class:`tba.integrations.megatron.MegatronOffloader`; losses are identical with and without it.
 
 ``--cpu`` runs on the CPU with the stand-ins of ``cpu_shims.py`` for Megatron's CUDA-only calls.
-It re-executes the script once with glibc's mmap threshold fixed (``tba.measure.MALLOC_ENV``), so
+It re-executes the script once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``), so
 that freed tensors leave the resident set and ``M`` follows live memory. Without ``--cpu`` the
 script needs one CUDA device (single process, NCCL).
 """
@@ -27,14 +27,14 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+from tba.bench.meters import MALLOC_ENV, CudaPeak, PeakRSS
+from tba.defaults import MIB
 from tba.integrations.megatron import add_tba_arguments, offloader_from_args
-from tba.measure import MALLOC_ENV, CudaPeak, PeakRSS
-
-MIB = 1 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:

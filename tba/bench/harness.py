@@ -10,55 +10,39 @@ Each strategy runs the same model, batch and seed:
   ``offload_options`` (``memory_budget_bytes`` or ``overhead_bound``); its profiled steps come
   on top of the warm-up steps and are never measured.
 
-Any model can be measured with :func:`run_steps`; :func:`run_mode` is the built-in GPT. In a fresh
-process a user's model is named by ``"module:function"`` or ``"path/to/file.py:function"``
-factories (``model_factory`` returns the module, ``batch_factory`` a tuple of arguments with
-``model(*batch)`` returning the loss).
+Any model can be measured with :func:`run_steps` (``model(*batch)`` returns the loss);
+:func:`run_mode` is the built-in GPT.
 
 Activation peak on CPU is the peak resident set size during the step minus the resident set size
-just before it, plus the idle read buffers tba keeps between steps (memory tba holds even though
-it is resident before the step starts). The kernel's peak counter (``VmHWM``) is reset before each step through
-``/proc/self/clear_refs``; where that is not allowed a 1 ms sampling thread stands in. Gradients
+just before it (``tba/bench/meters.py``), plus the idle read buffers tba keeps between steps
+(memory tba holds even though it is resident before the step starts). Gradients
 stay allocated across steps (``zero_grad(set_to_none=False)``), so the peak is activations and
 their transient gradients, not weight gradients. On CUDA the peak is
 ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated just before it
 (weights, gradients, optimiser state). A mode is best measured in a fresh process
-(:func:`run_isolated`), so that one mode's freed memory does not hide the next one's peak.
+(:func:`tba.bench.isolated.run_isolated`), so that one mode's freed memory does not hide the next one's peak.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
-import json
-import os
 import statistics
-import subprocess
-import sys
-import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from tba.layers import resolve_layers
-from tba.models import PRESETS, GPTConfig, make_batch, make_gpt
-from tba.offloader import Offloader
-from tba.recompute import RecomputeLayers
+from tba.bench.meters import CudaPeak, PeakRSS
+from tba.bench.models import GPTConfig, make_batch, make_gpt
+from tba.runtime._layers import resolve_layers
+from tba.runtime._offloader import Offloader
+from tba.runtime._recompute import RecomputeLayers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 ALL_MODES = (*MODES, "adaptive")
 
-# Note: [Why measured processes fix glibc's mmap threshold]
-# glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
-# tensors of that size come from the heap and freed memory stays in the process. RSS then stops
-# reflecting live memory: a mode that frees activations early looks no better than one that keeps
-# them. A fixed threshold puts every tensor of 128 KiB or more in its own mapping, returned to the
-# kernel on free, for every mode alike.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 LEARNING_RATE = 1e-3
 
 
@@ -80,62 +64,6 @@ class ModeResult:
     @property
     def median_peak_bytes(self) -> int:
         return int(statistics.median(self.activation_peak_bytes))
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-class PeakRSS:
-    """Peak resident set size over a ``with`` block, minus the size at its start (bytes)."""
-
-    def __init__(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._kernel_peak = True
-        except OSError:
-            self._kernel_peak = False
-        self.delta_bytes = 0
-
-    def __enter__(self) -> "PeakRSS":
-        if self._kernel_peak:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        self._start = _status_kib("VmRSS")
-        self._sampled = self._start
-        self._stop = threading.Event()
-        if not self._kernel_peak:
-            self._sampler = threading.Thread(target=self._sample, daemon=True)
-            self._sampler.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self._sampled = max(self._sampled, _status_kib("VmRSS"))
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        peak = _status_kib("VmHWM") if self._kernel_peak else self._sampled
-        self.delta_bytes = max(0, peak - self._start) * 1024
-
-
-class CudaPeak:
-    """Peak CUDA memory allocated over a ``with`` block, minus what was allocated at its start (bytes)."""
-
-    def __enter__(self) -> "CudaPeak":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self._start = torch.cuda.memory_allocated()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize()
-        self.delta_bytes = max(0, torch.cuda.max_memory_allocated() - self._start)
 
 
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
@@ -203,65 +131,3 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     return result
 
 
-def factory_spec(factory: Callable[..., Any] | str) -> str:
-    """``"module:qualname"`` (or ``"file.py:qualname"`` for a script's own functions) naming ``factory``."""
-    if isinstance(factory, str):
-        return factory
-    module = factory.__module__
-    if module == "__main__":
-        module = os.path.abspath(sys.modules["__main__"].__file__)
-    if "<" in factory.__qualname__:
-        raise ValueError(f"{factory.__qualname__} cannot be imported in a fresh process; define it at module level")
-    return f"{module}:{factory.__qualname__}"
-
-
-def load_factory(spec: str) -> Callable[..., Any]:
-    """The function named by :func:`factory_spec`."""
-    module_name, _, name = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        loader = importlib.util.spec_from_file_location("tba_user_factories", module_name)
-        module = importlib.util.module_from_spec(loader)
-        loader.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    target: Any = module
-    for part in name.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def run_isolated(mode: str, preset: str | None, **kwargs: Any) -> ModeResult:
-    """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`.
-
-    With ``preset=None``, pass ``model_factory`` and ``batch_factory`` (callables defined at
-    module level, or their :func:`factory_spec` strings) to measure any model with :func:`run_steps`.
-    """
-    for key in ("model_factory", "batch_factory"):
-        if key in kwargs:
-            kwargs[key] = factory_spec(kwargs[key])
-    request = json.dumps({"mode": mode, "preset": preset, **kwargs})
-    proc = subprocess.run([sys.executable, "-m", "tba.measure", request], capture_output=True, text=True,
-                          env=dict(os.environ, **MALLOC_ENV))
-    if proc.returncode != 0:
-        raise RuntimeError(f"mode {mode} failed:\n{proc.stderr[-4000:]}")
-    return ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
-
-
-def _worker(request_json: str) -> None:
-    request = json.loads(request_json)
-    preset = request.pop("preset")
-    if preset is None:
-        model = load_factory(request.pop("model_factory"))()
-        batch = load_factory(request.pop("batch_factory"))()
-        result = run_steps(request.pop("mode"), model, tuple(batch), **request)
-        print(json.dumps(dataclasses.asdict(result)))
-        return
-    config = PRESETS[preset]
-    if "config_overrides" in request:
-        config = dataclasses.replace(config, **request.pop("config_overrides"))
-    result = run_mode(request.pop("mode"), config, **request)
-    print(json.dumps(dataclasses.asdict(result)))
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -12,10 +12,10 @@ import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("tba.demo", "train a small built-in GPT with and without tba and compare"),
-    "bench-io": ("tba.bench_io", "measure O_DIRECT write/read bandwidth of each I/O engine vs fio"),
-    "doctor": ("tba.doctor", "report which I/O backends this machine supports and why not"),
-    "rok": ("tba.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
+    "demo": ("tba.cli.demo", "train a small built-in GPT with and without tba and compare"),
+    "bench-io": ("tba.cli.bench_io", "measure O_DIRECT write/read bandwidth of each I/O engine vs fio"),
+    "doctor": ("tba.cli.doctor", "report which I/O backends this machine supports and why not"),
+    "rok": ("tba.cli.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
 }
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from tba.measure import ModeResult
-
-MIB = 1 << 20
+from tba.bench.harness import ModeResult
+from tba.defaults import MIB
 
 
 def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep") -> list[dict[str, float | str]]:

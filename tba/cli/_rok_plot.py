@@ -8,9 +8,11 @@ front drawn as a dashed line from the smallest to the fastest point.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-MIB = 1 << 20
+from tba.defaults import MIB
+
 MARKERS = {"keep": ("o", "tab:blue"), "recompute": ("s", "tab:red"), "offload": ("^", "tab:green"),
            "adaptive": ("D", "tab:purple")}
 

@@ -4,7 +4,7 @@ For every usable backend the benchmark writes a file of ``--size`` bytes as ``--
 requests kept ``--queue-depth`` deep, then reads it back, and reports GB/s (10^9 bytes per
 second). All backends share one aligned buffer that is allocated and touched once, up front.
 Every pass writes a fresh file, preallocated as fio does, that has no name (``O_TMPFILE``, or
-unlinked right after opening, via :func:`tba.spill.open_anonymous`), so it disappears with its
+unlinked right after opening, via :func:`tba.io._spill.open_anonymous`), so it disappears with its
 descriptor. When ``fio`` is on ``PATH`` it runs in the same invocation with the same parameters
 (``ioengine=io_uring``, ``direct=1``, ``rw=write`` then ``rw=read``) on a named file that is
 deleted afterwards, and each backend's ratio to fio is printed. With ``--repeat N`` every column
@@ -14,42 +14,30 @@ is the best of N runs.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import logging
-import mmap
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 
 import torch
 
-from tba.engine import available_backends, make_engine
-from tba.engine.base import ALIGN_BYTES, Op, Request
-from tba.spill import open_anonymous, resolve_directory
+from tba._units import parse_size
+from tba.defaults import ALIGN_BYTES, GIB, MIB
+from tba.io import available_backends, make_engine
+from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
+from tba.io._engine import Op
+from tba.io._spill import resolve_directory
 
 logger = logging.getLogger("tba")
 
-GIB = 1 << 30
 DEFAULT_SIZE_BYTES = 2 * GIB
-DEFAULT_BLOCK_SIZE_BYTES = 1 << 20
-DEFAULT_QUEUE_DEPTH = 32
+DEFAULT_BLOCK_SIZE_BYTES = MIB
+BENCH_QUEUE_DEPTH = 32
+"""fio's customary depth for a bandwidth test; the runtime's own default is :data:`tba.defaults.QUEUE_DEPTH`."""
 BUFFER_BLOCKS_PER_SLOT = 2
 """The shared buffer holds this many blocks per queue slot; requests cycle through it."""
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte count such as ``4096``, ``512K``, ``512M``, ``2G`` or ``2GiB`` (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
@@ -57,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes to write then read, e.g. 512M or 2G (default 2G)")
     parser.add_argument("--block-size", type=parse_size, default=DEFAULT_BLOCK_SIZE_BYTES,
                         help="bytes per request, a multiple of 4096 (default 1M)")
-    parser.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
+    parser.add_argument("--queue-depth", type=int, default=BENCH_QUEUE_DEPTH,
                         help="requests in flight (default 32)")
     parser.add_argument("--directory", default=None,
                         help="where the test file goes (default $TBA_DIR or the system temp dir)")
@@ -68,53 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not ask for transparent huge pages for the shared buffer")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON object on stdout (the table then goes to stderr)")
-
-
-def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
-    """A page-aligned buffer of ``nbytes`` random bytes, every page touched now.
-
-    Physical layout matters on virtual disks: each physically discontiguous page is one more DMA
-    segment of a request, and on this project's VM a buffer faulted in from fragmented memory read
-    at half the bandwidth of a contiguous one. With ``hugepages`` (default) the mapping asks for
-    transparent huge pages (``MADV_HUGEPAGE``), so every 2 MiB is contiguous; without it the pages
-    come from one ``MAP_POPULATE`` pass and are contiguous only as far as free memory happens to
-    be. fio's own buffer gets no huge pages; ``--no-hugepages`` compares on that footing.
-    """
-    huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
-    populate = 0 if huge else mmap.MAP_POPULATE
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    if huge:
-        region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which then faults 2 MiB pages
-    buffer = torch.frombuffer(region, dtype=torch.uint8)
-    buffer.random_(0, 256, generator=torch.Generator().manual_seed(0))
-    return buffer
-
-
-def open_scratch(directory: str, size: int, *, direct: bool = True) -> int:
-    """A nameless file in ``directory`` (O_DIRECT by default) with ``size`` bytes preallocated, as fio does."""
-    fd = open_anonymous(directory, direct=direct)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
-def timed_pass(engine, op: Op, fd: int, buffer: torch.Tensor, size: int, block: int) -> float:
-    """Move ``size`` bytes in ``block``-byte requests; return seconds from submit to last done."""
-    slots = buffer.numel() // block
-    base = buffer.data_ptr()
-    requests = [
-        Request(op, fd, base + (i % slots) * block, block, i * block) for i in range(size // block)
-    ]
-    start = time.perf_counter()
-    futures = engine.submit_many(requests)
-    concurrent.futures.wait(futures)  # one wake-up at the end, not one per request
-    elapsed = time.perf_counter() - start
-    for future in futures:
-        future.result()
-    return elapsed
 
 
 def bench_engine(backend: str, fd: int, buffer: torch.Tensor, args: argparse.Namespace) -> dict:

@@ -11,9 +11,9 @@ import argparse
 import logging
 import tempfile
 
-from tba.measure import run_isolated
-from tba.models import PRESETS
-from tba.report import comparison_rows, format_table
+from tba.bench.isolated import run_isolated
+from tba.bench.models import PRESETS
+from tba.cli._report import comparison_rows, format_table
 
 logger = logging.getLogger("tba")
 

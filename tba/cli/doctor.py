@@ -1,8 +1,8 @@
 """Report what this machine offers tba: I/O backends and why not, GPU paths, limits, bandwidth.
 
 Each check only reports; none of them makes the command fail. The checks are: the io_uring
-engine (extension built, kernel allows it, see :func:`tba.engine.io_uring.probe`), ``O_DIRECT``
-in the offload directory (:func:`tba.spill.probe_direct_io`), whether CUDA is available, whether
+engine (extension built, kernel allows it, see :func:`tba.io._io_uring.probe`), ``O_DIRECT``
+in the offload directory (:func:`tba.io._spill.probe_direct_io`), whether CUDA is available, whether
 kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
 with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
 (fixed) buffers,
@@ -18,17 +18,19 @@ import resource
 
 import torch
 
-from tba.bench_io import filled_buffer, open_scratch, parse_size, timed_pass
-from tba.engine import available_backends, make_engine, resolve_backend
-from tba.engine.base import Op
-from tba.routes import gds_unavailable_reason, kvikio_unavailable_reason
-from tba.spill import probe_direct_io, resolve_directory
+from tba._units import parse_size
+from tba.defaults import MIB
+from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
+from tba.io import available_backends, make_engine, resolve_backend
+from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
+from tba.io._engine import Op
+from tba.io._spill import probe_direct_io, resolve_directory
 
 logger = logging.getLogger("tba")
 
-DEFAULT_QUICK_SIZE_BYTES = 256 << 20
-QUICK_BLOCK_SIZE_BYTES = 1 << 20
-QUICK_BUFFER_BYTES = 32 << 20
+DEFAULT_QUICK_SIZE_BYTES = 256 * MIB
+QUICK_BLOCK_SIZE_BYTES = MIB
+QUICK_BUFFER_BYTES = 32 * MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,11 +47,11 @@ def _status(reason: str | None) -> str:
 
 
 def _format_limit(value: int) -> str:
-    return "unlimited" if value == resource.RLIM_INFINITY else f"{value / (1 << 20):.1f} MiB"
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value / MIB:.1f} MiB"
 
 
 def _cuda_route() -> str:
-    """Which route CUDA storages take with ``backend='auto'``, and why (see ``tba/routes.py``)."""
+    """Which route CUDA storages take with ``backend='auto'``, and why (see ``tba/device/_routes.py``)."""
     if _cuda_reason() is not None:
         return "none (no CUDA device)"
     gds = gds_unavailable_reason()

@@ -2,7 +2,7 @@
 
 ``python -m tba rok`` (or ``tools/rok.py``) runs one model under keep-all, full recompute
 (non-reentrant checkpoint on every layer), offload-all (tba), and tba's adaptive policy at
-several memory budgets. Each configuration runs in a fresh process (:func:`tba.measure.run_isolated`)
+several memory budgets. Each configuration runs in a fresh process (:func:`tba.bench.isolated.run_isolated`)
 and reports its median step time and activation peak: peak RSS during a step minus RSS before it
 on CPU, ``torch.cuda.max_memory_allocated`` minus what was allocated before the step (weights,
 gradients, optimiser state) on CUDA. Budgets are fractions of keep-all's measured peak unless
@@ -24,16 +24,18 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from tba.measure import ModeResult, run_isolated
-from tba.models import PRESETS
-from tba.progress import Progress
-from tba.rok_plot import pareto_front, plot_png
+from tba.bench.harness import ModeResult
+from tba.bench.isolated import run_isolated
+from tba.bench.models import PRESETS
+from tba.cli._progress import Progress
+from tba.cli._rok_plot import pareto_front, plot_png
+from tba.defaults import MIB
 
 logger = logging.getLogger("tba")
 
-MIB = 1 << 20
 DEFAULT_BUDGET_FRACTIONS = (0.75, 0.5, 0.3, 0.2, 0.1)
 BASELINES = (("keep", "keep"), ("recompute", "recompute"), ("offload", "tba"))
 CSV_FIELDS = ("strategy", "label", "budget_mib", "step_s", "activation_peak_mib", "step_ratio", "peak_ratio",

@@ -1,6 +1,6 @@
 """Ordering of device copies: streams, events, and who waits for what.
 
-The staged route (``tba/staged.py``) moves a device storage through host staging blocks. Its
+The staged route (``tba/device/_staged.py``) moves a device storage through host staging blocks. Its
 ordering rules, which keep the compute stream free of synchronisation:
 
 * pack records an event on the *current* stream: the producer of the tensor;
@@ -22,11 +22,11 @@ from __future__ import annotations
 import abc
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-Callback = Callable[[BaseException | None], None]
+from tba.device._route import Callback
 
 
 class DeviceOps(abc.ABC):

@@ -6,7 +6,7 @@ none is free), queue the device-to-host copy behind the producer's event, and wh
 completes, submit the block to the host engine; the block returns to the pool when the write
 completes. Reading is the mirror: block, file read, host-to-device copy on the prefetch stream,
 and the block returns once that copy's event completes. Ordering is :class:`DeviceOps`' job
-(``tba/device.py``).
+(``tba/device/_ops.py``).
 
 Who runs what, so that nothing waits while holding a lock another step needs:
 
@@ -23,38 +23,26 @@ read follows every copy of that read on the prefetch stream: the consumer waits 
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from tba.device import Callback, DeviceOps
-from tba.engine.base import ALIGN_BYTES, Engine
-from tba.extents import round_up
-from tba.staging import StagingPool
+from tba.defaults import ALIGN_BYTES
+from tba.device._ops import DeviceOps
+from tba.device._route import Callback, Countdown, ReadCallback, Route, pieces
+from tba.device._staging import StagingPool
+from tba.io._engine import Engine
+from tba.io._memory import round_up
 
-ReadCallback = Callable[[BaseException | None, Any, Any], None]
+logger = logging.getLogger(__name__)
 
 
-class _Countdown:
-    """Calls ``on_done(first_error)`` after ``count`` calls to :meth:`done`."""
-
-    def __init__(self, count: int, on_done: Callback) -> None:
-        self._lock = threading.Lock()
-        self._remaining = count
-        self._error: BaseException | None = None
-        self._on_done = on_done
-
-    def done(self, error: BaseException | None) -> None:
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
-            self._remaining -= 1
-            finished = self._remaining == 0
-        if finished:
-            self._on_done(self._error)
+def _fail_read(on_done: ReadCallback, error: BaseException) -> None:
+    on_done(error, None, None)
 
 
 class _Read:
@@ -69,7 +57,7 @@ class _Read:
         self.on_done = on_done
 
 
-class StagedRoute:
+class StagedRoute(Route):
     """Moves storages of one device kind to and from the spill file through a staging pool.
 
     Args:
@@ -86,19 +74,15 @@ class StagedRoute:
         self._thread = threading.Thread(target=self._run, name="tba-stager", daemon=True)
         self._thread.start()
 
-    def _pieces(self, nbytes: int) -> list[tuple[int, int]]:
-        block = self.pool.block_bytes
-        return [(start, min(block, nbytes - start)) for start in range(0, nbytes, block)]
-
-    def write(self, src: torch.Tensor, fd: int, offset: int, on_done: Callback) -> None:
+    def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
         """Write the ``uint8`` device tensor ``src`` to ``fd`` at ``offset``; ``on_done(error)`` at the end."""
         ready = self.ops.mark_ready()
-        self._jobs.put(functools.partial(self._write_job, src, fd, offset, ready, on_done))
+        self._jobs.put((functools.partial(self._write_job, src, fd, offset, ready, on_done), on_done))
 
     def _write_job(self, src: torch.Tensor, fd: int, offset: int, ready: Any, on_done: Callback) -> None:
-        pieces = self._pieces(src.numel())
-        countdown = _Countdown(len(pieces), on_done)
-        for start, nbytes in pieces:
+        spans = pieces(src.numel(), self.pool.block_bytes)
+        countdown = Countdown(len(spans), on_done)
+        for start, nbytes in spans:
             block = self.pool.acquire()
             try:
                 event = self.ops.copy_to_host(src[start : start + nbytes], block[:nbytes], ready)
@@ -108,7 +92,7 @@ class StagedRoute:
                 continue
             self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown))
 
-    def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: _Countdown,
+    def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: Countdown,
                 error: BaseException | None) -> None:
         if error is not None:
             self.pool.release(block)
@@ -117,26 +101,28 @@ class StagedRoute:
         future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
         future.add_done_callback(functools.partial(self._written, block, countdown))
 
-    def _written(self, block: torch.Tensor, countdown: _Countdown, future: Future) -> None:
+    def _written(self, block: torch.Tensor, countdown: Countdown, future: Future) -> None:
         self.pool.release(block)
         countdown.done(future.exception())
 
-    def read(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
+    def read(self, device: torch.device, nbytes: int, phase_bytes: int, fd: int, offset: int,
+             on_done: ReadCallback) -> None:
         """Read ``nbytes`` at ``offset`` into a new ``uint8`` tensor on ``device``.
 
         ``on_done(error, tensor, event)`` runs when every copy is queued; the consumer must wait on
         ``event`` (:meth:`DeviceOps.consume`) before using ``tensor``.
         """
-        self._jobs.put(functools.partial(self._read_job, device, nbytes, fd, offset, on_done))
+        self._jobs.put((functools.partial(self._read_job, device, nbytes, fd, offset, on_done),
+                        functools.partial(_fail_read, on_done)))
 
     def _read_job(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
-        pieces = self._pieces(nbytes)
+        spans = pieces(nbytes, self.pool.block_bytes)
         try:
-            read = _Read(self.ops.empty(nbytes, device), len(pieces), on_done)
+            read = _Read(self.ops.empty(nbytes, device), len(spans), on_done)
         except BaseException as error:
             on_done(error, None, None)
             return
-        for start, length in pieces:
+        for start, length in spans:
             block = self.pool.acquire()
             future = self.engine.submit_read(fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start)
             future.add_done_callback(functools.partial(self._block_read, read, block, start, length))
@@ -167,20 +153,33 @@ class StagedRoute:
                 read.on_done(None, read.dst, read.last_event)
 
     def _run(self) -> None:
+        # A job that raises before it handed out any piece fails its transfer through ``fail``, so
+        # the waiter sees the error instead of waiting forever; the stager thread lives on.
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
-            job()
+            job, fail = item
+            try:
+                job()
+            except BaseException as error:
+                logger.exception("tba: a staged transfer failed before it started")
+                fail(error)
 
     def drain(self) -> None:
         """Wait until the stager has queued every job given so far."""
         done = threading.Event()
-        self._jobs.put(done.set)
+        self._jobs.put((done.set, lambda error: done.set()))
         done.wait()
 
-    def close(self) -> None:
+    def consume(self, event: Any, tensor: torch.Tensor) -> None:
+        self.ops.consume(event, tensor)
+
+    def stop(self) -> None:
         """Stop the stager thread after the queued jobs. Idempotent."""
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+
+    def close(self) -> None:
+        self.ops.close()

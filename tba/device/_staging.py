@@ -16,11 +16,9 @@ import threading
 
 import torch
 
-from tba.engine.base import ALIGN_BYTES
+from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, STAGING_BYTES
 from tba.errors import TbaConfigError
-from tba.memory import aligned_empty
-
-DEFAULT_STAGING_BYTES = 256 << 20
+from tba.io._memory import aligned_empty
 
 
 class StagingPool:
@@ -33,7 +31,7 @@ class StagingPool:
         pinned: Page-lock the slab (needs CUDA); None (default) pins when CUDA is available.
     """
 
-    def __init__(self, capacity_bytes: int = DEFAULT_STAGING_BYTES, block_bytes: int = 4 << 20,
+    def __init__(self, capacity_bytes: int = STAGING_BYTES, block_bytes: int = BLOCK_SIZE_BYTES,
                  pinned: bool | None = None) -> None:
         if block_bytes <= 0 or block_bytes % ALIGN_BYTES:
             raise TbaConfigError(f"staging block_bytes must be a positive multiple of {ALIGN_BYTES}, got {block_bytes}")

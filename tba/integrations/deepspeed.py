@@ -39,13 +39,14 @@ import json
 import logging
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 from tba.errors import TbaConfigError
 from tba.integrations import shared_disk
-from tba.offloader import Offloader
+from tba.runtime._offloader import Offloader
 
 logger = logging.getLogger("tba")
 
@@ -214,7 +215,7 @@ class TbaDeepSpeed:
         """The offloader's :class:`tba.OffloadStats`, or None when tba is off."""
         return None if self.offloader is None else self.offloader.stats
 
-    def __enter__(self) -> "TbaDeepSpeed":
+    def __enter__(self) -> TbaDeepSpeed:
         if self.offloader is not None:
             self._watch_first_step()
             self.offloader.__enter__()

@@ -30,20 +30,19 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from tba.engine import BACKENDS
+from tba._units import parse_size
+from tba.defaults import BACKENDS, POLICIES, PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError
-from tba.offloader import Offloader
-from tba.prefetch import DEFAULT_PREFETCH_DEPTH_LAYERS
+from tba.runtime._offloader import Offloader
 
 logger = logging.getLogger("tba")
 
-POLICIES = ("offload", "keep", "adaptive")
 """``--tba-policy`` choices: ``offload`` writes activations to disk, ``keep`` leaves them in memory
 (the context is not entered), ``adaptive`` profiles the first steps and then keeps, offloads or
 recomputes each transformer layer to fit ``--tba-memory-budget`` (see ``tba/policy``)."""
@@ -51,25 +50,6 @@ recomputes each transformer layer to fit ``--tba-memory-budget`` (see ``tba/poli
 UNSUPPORTED_RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj")
 """Selective-recompute modules that use ``CheckpointWithoutOutput``: it frees its output's storage
 (``resize_(0)``) right after use, which tba may still be writing, and refills it in backward."""
-
-_SIZE_UNITS_BYTES = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size_bytes(text: str) -> int:
-    """Parse ``"512MiB"``, ``"8GiB"``, ``"2GB"`` or a plain byte count into bytes.
-
-    Raises:
-        argparse.ArgumentTypeError: for anything else, naming the accepted units.
-    """
-    match = _SIZE_RE.match(text)
-    unit = match.group(2).lower() if match else None
-    if unit not in _SIZE_UNITS_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {text!r} as a size; write bytes or a number with KiB, MiB, GiB, TiB, KB, MB, GB or TB")
-    return int(float(match.group(1)) * _SIZE_UNITS_BYTES[unit])
-
 
 def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--tba-*`` flags to ``parser`` and return it (Megatron-LM's ``extra_args_provider``).
@@ -87,7 +67,7 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "(default: $TBA_DIR, else the system temp directory)")
     group.add_argument("--tba-policy", choices=POLICIES, default="offload",
                        help="offload: write activations to disk; keep: leave them in memory (default: offload)")
-    group.add_argument("--tba-memory-budget", type=parse_size_bytes, default=None, metavar="SIZE",
+    group.add_argument("--tba-memory-budget", type=parse_size, default=None, metavar="SIZE",
                        help="activation memory budget, e.g. 8GiB: the goal of --tba-policy adaptive")
     group.add_argument("--tba-backend", choices=BACKENDS, default="auto",
                        help="I/O engine (default: auto, io_uring when available, else threads)")
@@ -142,7 +122,7 @@ def check_recompute_config(config: Any) -> None:
 
 def recompute_prefetch_depth(blocks: Sequence[nn.Module]) -> int:
     """Prefetch depth in layers: ``recompute_num_layers`` under full uniform recompute, else the default."""
-    depth = DEFAULT_PREFETCH_DEPTH_LAYERS
+    depth = PREFETCH_DEPTH_LAYERS
     for block in blocks:
         config = block.config
         if config.recompute_granularity == "full" and config.recompute_method == "uniform":

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import os
 
-from tba import bench_io
-from tba.engine import Op, make_engine
-from tba.spill import resolve_directory
+from tba.defaults import MIB, QUEUE_DEPTH
+from tba.io import Op, make_engine
+from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
+from tba.io._spill import resolve_directory
 
-PROBE_BYTES = 64 << 20
+PROBE_BYTES = 64 * MIB
 """Bytes written and read back by :func:`measure_bandwidth` (64 MiB: ~0.1 s at 1 GB/s)."""
 
 OPTIMIZER_SWAP_BYTES_PER_PARAM = 24
@@ -69,18 +70,18 @@ def deepspeed_swap_bytes_per_step(*, optimizer_on_nvme: bool, params_on_nvme: bo
     return total
 
 
-def measure_bandwidth(directory: str, *, backend: str = "auto", block_size_bytes: int = 1 << 20,
-                      queue_depth: int = 8, probe_bytes: int = PROBE_BYTES) -> tuple[float, float]:
+def measure_bandwidth(directory: str, *, backend: str = "auto", block_size_bytes: int = MIB,
+                      queue_depth: int = QUEUE_DEPTH, probe_bytes: int = PROBE_BYTES) -> tuple[float, float]:
     """Write then read ``probe_bytes`` in ``directory`` as ``python -m tba bench-io`` does; (write, read) in bytes/s.
 
-    The probe file has no name (see ``tba/spill.py``): nothing is left in the directory.
+    The probe file has no name (see ``tba/io/_spill.py``): nothing is left in the directory.
     """
     size = max(block_size_bytes, probe_bytes - probe_bytes % block_size_bytes)
-    buffer = bench_io.filled_buffer(block_size_bytes * max(1, min(queue_depth, size // block_size_bytes)))
-    fd = bench_io.open_scratch(resolve_directory(directory), size)
+    buffer = filled_buffer(block_size_bytes * max(1, min(queue_depth, size // block_size_bytes)))
+    fd = open_scratch(resolve_directory(directory), size)
     try:
         with make_engine(backend, queue_depth=queue_depth) as engine:
-            return tuple(size / bench_io.timed_pass(engine, op, fd, buffer, size, block_size_bytes)
+            return tuple(size / timed_pass(engine, op, fd, buffer, size, block_size_bytes)
                          for op in (Op.WRITE, Op.READ))
     finally:
         os.close(fd)

@@ -8,7 +8,7 @@ full disk, ``EIO`` through :class:`tba.errors.ShortTransferError` for a read tha
 Engines resubmit short transfers and ``EAGAIN`` themselves; callers never see partial success.
 
 Alignment is the caller's job: when the file was opened with ``O_DIRECT``, the runtime passes
-addresses, lengths and offsets that are multiples of :data:`tba.engine.base.ALIGN_BYTES`.
+addresses, lengths and offsets that are multiples of :data:`tba.defaults.ALIGN_BYTES`.
 
 Completion callbacks (``Future.add_done_callback``) run on an engine thread; they must be short
 and must not submit new work that waits on the same engine.
@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import ClassVar, NamedTuple, Sequence
-
-ALIGN_BYTES = 4096
-"""Alignment of addresses, lengths and file offsets for O_DIRECT I/O (bytes)."""
+from typing import ClassVar, NamedTuple
 
 
 class Op(enum.Enum):
@@ -67,7 +65,7 @@ class Engine(abc.ABC):
         """Queue one read of ``nbytes`` from ``fd`` at ``offset`` into ``address``."""
         return self.submit_many([Request(Op.READ, fd, address, nbytes, offset)])[0]
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import bisect
 
-
-def round_up(nbytes: int, alignment_bytes: int) -> int:
-    """Smallest multiple of ``alignment_bytes`` that is >= ``nbytes``."""
-    return -(-nbytes // alignment_bytes) * alignment_bytes
+from tba.io._memory import round_up
 
 
 class ExtentAllocator:

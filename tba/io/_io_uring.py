@@ -14,10 +14,6 @@ to hand back finished requests. A request thus surfaces exactly once: with its b
 an :class:`OSError` built from the kernel's errno, or as a read that met end of file early
 (:class:`tba.errors.ShortTransferError`).
 
-Buffers can optionally be registered with the kernel (:meth:`IoUringEngine.register_buffers`);
-requests that fall inside a registered buffer then use ``READ_FIXED``/``WRITE_FIXED``, which
-skips pinning pages per request. Registration counts against ``RLIMIT_MEMLOCK`` for non-root
-users and is skipped with a log line when the limit forbids it.
 """
 
 from __future__ import annotations
@@ -27,20 +23,16 @@ import functools
 import itertools
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Sequence
 
-from tba.engine.base import Engine, Op, Request
+from tba.defaults import MAX_QUEUE_DEPTH, QUEUE_DEPTH
 from tba.errors import ShortTransferError
+from tba.io._engine import Engine, Op, Request
 
 logger = logging.getLogger("tba")
 
-DEFAULT_QUEUE_DEPTH = 32
-"""Requests in flight at once (ring slots) when not told otherwise."""
-
-MAX_QUEUE_DEPTH = 4096
-"""Largest queue depth the native ring accepts."""
 
 _DISABLED_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
 
@@ -99,7 +91,7 @@ class IoUringEngine(Engine):
 
     name = "io_uring"
 
-    def __init__(self, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> None:
+    def __init__(self, queue_depth: int = QUEUE_DEPTH) -> None:
         if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
             raise ValueError(f"queue_depth must be in 1..{MAX_QUEUE_DEPTH}, got {queue_depth}")
         reason = probe()
@@ -118,24 +110,6 @@ class IoUringEngine(Engine):
         self._failure: BaseException | None = None
         self._reaper = threading.Thread(target=self._reap_loop, name="tba-io_uring", daemon=True)
         self._reaper.start()
-
-    def register_buffers(self, buffers: Sequence[tuple[int, int]]) -> bool:
-        """Register ``(address, nbytes)`` ranges as fixed buffers; call once, before any I/O.
-
-        The memory must stay valid until :meth:`close`. Later requests lying wholly inside one
-        registered range use ``READ_FIXED``/``WRITE_FIXED``.
-
-        Returns:
-            True when registered; False (logged) when the kernel refused, e.g. over the memlock
-            limit.
-        """
-        try:
-            with self._lock:
-                self._ring.register_buffers(list(buffers))
-        except OSError as err:
-            logger.info("tba: io_uring buffer registration skipped: %s", err)
-            return False
-        return True
 
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
         for request in requests:

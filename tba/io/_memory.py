@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from tba.engine.base import ALIGN_BYTES
+from tba.defaults import ALIGN_BYTES
 
 
 def aligned_empty(nbytes: int, *, pinned: bool = False, alignment_bytes: int = ALIGN_BYTES) -> torch.Tensor:
@@ -27,6 +27,16 @@ def aligned_empty(nbytes: int, *, pinned: bool = False, alignment_bytes: int = A
     raw = torch.empty(nbytes + alignment_bytes, dtype=torch.uint8, pin_memory=pinned)
     start = -raw.data_ptr() % alignment_bytes
     return raw[start : start + nbytes]
+
+
+def round_up(nbytes: int, alignment_bytes: int) -> int:
+    """Smallest multiple of ``alignment_bytes`` that is >= ``nbytes``."""
+    return -(-nbytes // alignment_bytes) * alignment_bytes
+
+
+def memory_view(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of ``nbytes`` of raw memory at ``address`` (no copy)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def storage_view(buffer: torch.Tensor, start_bytes: int, nbytes: int, owner: object = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ the reads for layer ``i - 2``: this pool keeps freed buffers by exact size and h
 
 A buffer goes back to the pool when the last tensor that uses it dies: :meth:`BufferPool.lease`
 wraps it in a storage whose owner object returns it on collection. The pool holds at most
-``capacity_bytes`` of idle buffers (the prefetch budget). A reusable offloader keeps them from one
+``prefetch_budget_bytes`` of idle buffers (the prefetch budget). A reusable offloader keeps them from one
 step to the next, so steady-state steps touch no fresh memory for reads; they are freed on
 ``close()``, and ``Offloader.pool_idle_bytes`` reports them so that measurements count them as
 memory tba holds.
@@ -19,13 +19,13 @@ import threading
 
 import torch
 
-from tba.memory import aligned_empty, storage_view
+from tba.io._memory import aligned_empty, storage_view
 
 
 class _Lease:
     __slots__ = ("pool", "buffer")
 
-    def __init__(self, pool: "BufferPool", buffer: torch.Tensor) -> None:
+    def __init__(self, pool: BufferPool, buffer: torch.Tensor) -> None:
         self.pool = pool
         self.buffer = buffer
 
@@ -37,11 +37,11 @@ class BufferPool:
     """Aligned ``uint8`` CPU buffers, reused by exact size.
 
     Args:
-        capacity_bytes: Most bytes of idle buffers kept; more are freed. 0 disables reuse.
+        prefetch_budget_bytes: Most bytes of idle buffers kept; more are freed. 0 disables reuse.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, prefetch_budget_bytes: int) -> None:
+        self.prefetch_budget_bytes = prefetch_budget_bytes
         self.idle_bytes = 0
         self.reused = 0
         self.allocated = 0
@@ -63,7 +63,7 @@ class BufferPool:
         """Return ``buffer``; kept for reuse while the pool is under capacity."""
         nbytes = buffer.numel()
         with self._lock:
-            if self.idle_bytes + nbytes <= self.capacity_bytes:
+            if self.idle_bytes + nbytes <= self.prefetch_budget_bytes:
                 self._idle.setdefault(nbytes, []).append(buffer)
                 self.idle_bytes += nbytes
 
@@ -74,5 +74,5 @@ class BufferPool:
             self.idle_bytes = 0
 
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
-        """Like :func:`tba.memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
+        """Like :func:`tba.io._memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
         return storage_view(buffer, start_bytes, nbytes, owner=_Lease(self, buffer))

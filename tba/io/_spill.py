@@ -9,7 +9,7 @@ else could open:
   and unlinked immediately after ``open``, which gives the same guarantees after that instant.
 
 Two processes, ranks or contexts sharing a directory therefore never see each other's data: each
-has its own inode. Space inside the file is handed out by :class:`tba.extents.ExtentAllocator`.
+has its own inode. Space inside the file is handed out by :class:`tba.io._extents.ExtentAllocator`.
 
 ``O_DIRECT`` is used when the file system supports it (bypassing the page cache, so offloaded
 bytes leave host memory as well); it is probed with a real aligned write and read, since some
@@ -25,11 +25,10 @@ import tempfile
 import threading
 import uuid
 
-from tba.engine.base import ALIGN_BYTES
-from tba.engine.threads import memory_view
+from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaConfigError
-from tba.extents import ExtentAllocator
-from tba.memory import aligned_empty
+from tba.io._extents import ExtentAllocator
+from tba.io._memory import aligned_empty, memory_view
 
 logger = logging.getLogger("tba")
 

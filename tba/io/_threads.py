@@ -9,23 +9,18 @@ with or without ``O_DIRECT``.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
 
-from tba.engine.base import Engine, Op, Request
+from tba.defaults import QUEUE_DEPTH
 from tba.errors import ShortTransferError
+from tba.io._engine import Engine, Op, Request
+from tba.io._memory import memory_view
 
-DEFAULT_WORKERS = 8
 _RETRY_ERRNOS = (errno.EAGAIN, errno.EINTR)
-
-
-def memory_view(address: int, nbytes: int) -> memoryview:
-    """A writable memoryview of ``nbytes`` of raw memory at ``address`` (no copy)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def _write_all(fd: int, address: int, nbytes: int, offset: int) -> int:
@@ -72,7 +67,7 @@ class ThreadEngine(Engine):
 
     name = "threads"
 
-    def __init__(self, workers: int = DEFAULT_WORKERS) -> None:
+    def __init__(self, workers: int = QUEUE_DEPTH) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers

@@ -1,7 +1,7 @@
 """Cost model: predicted step time and activation memory of a per-layer placement.
 
 Each layer ``i`` (forward order, ``L`` layers) is kept (``K``), offloaded (``O``) or recomputed
-(``R``). From a :class:`~tba.policy.profile.Profile` the model uses ``f_i`` (forward seconds),
+(``R``). From a :class:`~tba.policy._profile.Profile` the model uses ``f_i`` (forward seconds),
 ``b_i`` (backward seconds, measured or estimated as ``2 f_i``), ``s_i`` (distinct bytes saved),
 ``x_i`` (input bytes), write and read bandwidth ``W`` and ``R`` (bytes/s), the prefetch depth
 ``D`` and the largest storage ``m``; a plan also fixes the prefetch window ``P`` (bytes).
@@ -56,9 +56,9 @@ offloaded too; counting it as held keeps the estimate an upper bound.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
-from tba.policy.profile import Profile
+from tba.policy._profile import Profile
 
 KEEP = "keep"
 OFFLOAD = "offload"

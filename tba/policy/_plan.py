@@ -1,7 +1,7 @@
 """Planner: from a profile and a goal to a per-layer keep / offload / recompute decision.
 
-:func:`plan` is a pure function of a :class:`~tba.policy.profile.Profile`; costs come from the
-model in :mod:`tba.policy.model`. Two goals:
+:func:`plan` is a pure function of a :class:`~tba.policy._profile.Profile`; costs come from the
+model in :mod:`tba.policy._model`. Two goals:
 
 * ``memory_budget_bytes=N``: the fastest placement whose predicted activation peak is at most
   ``N`` bytes;
@@ -34,14 +34,15 @@ import abc
 import dataclasses
 import json
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from tba.policy.model import KEEP, OFFLOAD, RECOMPUTE, Estimate, check_decisions, estimate
-from tba.policy.profile import Profile
+from tba.defaults import MIB
+from tba.policy._model import KEEP, OFFLOAD, RECOMPUTE, check_decisions, estimate
+from tba.policy._profile import Profile
 
 logger = logging.getLogger("tba")
 
-MIB = 1 << 20
 SHORT = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R"}
 
 
@@ -84,7 +85,7 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls(**json.loads(text))
 
     def save(self, path: str) -> None:
@@ -92,7 +93,7 @@ class Plan:
             f.write(self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str) -> "Plan":
+    def load(cls, path: str) -> Plan:
         with open(path) as f:
             return cls.from_json(f.read())
 
@@ -285,7 +286,7 @@ def plan(profile: Profile, *, memory_budget_bytes: int | None = None, overhead_b
     """The adaptive placement for ``profile`` (pure). See the module docstring for the model.
 
     Args:
-        profile: Measured (:class:`~tba.policy.runtime.PolicyRunner` builds one) or synthetic.
+        profile: Measured (:class:`~tba.policy._runner.PolicyRunner` builds one) or synthetic.
         memory_budget_bytes: Fastest placement using at most this many activation bytes.
         overhead_bound: Least-memory placement within ``(1 + overhead_bound)`` x keep-all time.
 

@@ -23,10 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Sequence
+import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+
+from tba.defaults import PREFETCH_BUDGET_BYTES
 
 BACKWARD_ESTIMATE_FACTOR = 2.0
 
@@ -64,7 +68,7 @@ class Profile:
     read_bytes_per_s: float
     max_storage_bytes: int = 0
     prefetch_depth_layers: int = 1
-    max_window_bytes: int = 512 << 20
+    max_window_bytes: int = PREFETCH_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -77,7 +81,7 @@ class Profile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
         fields = dict(data)
         fields["layers"] = tuple(LayerProfile(**layer) for layer in fields["layers"])
         return cls(**fields)
@@ -86,7 +90,7 @@ class Profile:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Profile":
+    def from_json(cls, text: str) -> Profile:
         return cls.from_dict(json.loads(text))
 
 
@@ -104,12 +108,12 @@ class LayerTimer:
     """Forward and backward wall-clock time and input bytes of each layer, for one step at a time."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
-        self.layers = list(layers)
+        self._layer_refs = [weakref.ref(layer) for layer in layers]
         self._handles: list[Any] = []
         self.reset()
 
     def reset(self) -> None:
-        count = len(self.layers)
+        count = len(self._layer_refs)
         self.forward_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
         self._started = [0.0] * count
@@ -117,7 +121,10 @@ class LayerTimer:
         self._grad_at_input: list[float | None] = [None] * count
 
     def attach(self) -> None:
-        for index, layer in enumerate(self.layers):
+        for index, ref in enumerate(self._layer_refs):
+            layer = ref()
+            if layer is None:
+                continue
             self._handles.append(layer.register_forward_pre_hook(self._pre(index)))
             self._handles.append(layer.register_forward_hook(self._post(index)))
 

@@ -1,9 +1,9 @@
-"""Applying a policy to an :class:`~tba.offloader.Offloader`, step by step.
+"""Applying a policy to an :class:`~tba.runtime._offloader.Offloader`, step by step.
 
 A :class:`PolicyRunner` is called by the offloader when it is entered (``enter``) and exited
 (``exit``). For ``policy="adaptive"`` the first ``profile_steps`` steps run offload-all while a
-:class:`~tba.policy.profile.LayerTimer` times every layer; at the next ``enter`` (backward of the
-last profiled step has run by then) the runner builds a :class:`~tba.policy.profile.Profile`:
+:class:`~tba.policy._profile.LayerTimer` times every layer; at the next ``enter`` (backward of the
+last profiled step has run by then) the runner builds a :class:`~tba.policy._profile.Profile`:
 
 * ``f_i``, ``b_i``: the minimum over the profiled steps (noise from other work only adds time);
 * ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last profiled step; the last
@@ -12,36 +12,36 @@ last profiled step has run by then) the runner builds a :class:`~tba.policy.prof
 * ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the profiled
   steps; the largest storage is read from the offloader's live entries at the end of forward.
 
-It then calls :func:`~tba.policy.plan.plan`, logs the plan, and from then on applies it every step:
+It then calls :func:`~tba.policy._plan.plan`, logs the plan, and from then on applies it every step:
 kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
-checkpoint (:class:`~tba.recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
+checkpoint (:class:`~tba.runtime._recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
 the original forward for backward, so the wrapper can go at exit), and the prefetch window becomes
 the plan's. Tensors saved inside a recomputed layer never reach tba (checkpoint's own hooks take
 them); the layer's input, saved by checkpoint, goes through tba like any other tensor.
 
-``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared
-through the first layer module (an attribute ``_tba_policy_runners``, keyed by the goal), so it
-lives exactly as long as the model.
+``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared:
+a weak-keyed registry maps the first layer module and the goal to the runner, which holds its
+layers only weakly, so the runner lives exactly as long as the model and never touches it.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from torch import nn
 
-from tba.errors import TbaConfigError
-from tba.policy.model import KEEP, OFFLOAD, RECOMPUTE
-from tba.policy.plan import Adaptive, Plan, Policy
-from tba.policy.profile import LayerProfile, LayerTimer, Profile
-from tba.recompute import RecomputeLayers
+from tba.defaults import POLICIES, PROFILE_STEPS
+from tba.errors import TbaConfigError, TbaError
+from tba.policy._model import KEEP, RECOMPUTE
+from tba.policy._plan import Adaptive, Plan, Policy
+from tba.policy._profile import LayerProfile, LayerTimer, Profile
+from tba.runtime._recompute import RecomputeLayers
 
 logger = logging.getLogger("tba")
 
-POLICIES = ("offload", "keep", "adaptive")
-DEFAULT_PROFILE_STEPS = 2
-SHARED_ATTRIBUTE = "_tba_policy_runners"
+_SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
 
 
 class PolicyRunner:
@@ -57,8 +57,8 @@ class PolicyRunner:
 
     def __init__(self, layers: list[nn.Module], policy: str | Plan | Policy = "offload", *,
                  memory_budget_bytes: int | None = None, overhead_bound: float | None = None,
-                 profile_steps: int = DEFAULT_PROFILE_STEPS) -> None:
-        self.layers = layers
+                 profile_steps: int = PROFILE_STEPS) -> None:
+        self._layer_refs = [weakref.ref(layer) for layer in layers]
         self.policy: Policy | None = None
         self.plan: Plan | None = None
         self.profile: Profile | None = None
@@ -87,6 +87,14 @@ class PolicyRunner:
         self._samples: list[dict[str, Any]] = []
         self._pending: dict[str, Any] | None = None
         self._recompute: RecomputeLayers | None = None
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The model's layers; raises once the model was freed."""
+        layers = [ref() for ref in self._layer_refs]
+        if any(layer is None for layer in layers):
+            raise TbaError("the model this policy was planned for no longer exists; build a new Offloader")
+        return layers
 
     @property
     def profiling(self) -> bool:
@@ -127,7 +135,7 @@ class PolicyRunner:
             else:
                 self._pending["forward_s"] = list(self._timer.forward_s)
                 self._pending["input_bytes"] = list(self._timer.input_bytes)
-                self._pending["max_storage"] = _largest_live_storage(offloader)
+                self._pending["max_storage"] = offloader.largest_live_storage_bytes()
 
     def _collect(self) -> None:
         """Finish the pending profiled step: its backward has run by now."""
@@ -170,17 +178,12 @@ class PolicyRunner:
         )
 
 
-def _largest_live_storage(offloader: Any) -> int:
-    """Bytes of the largest storage the offloader holds for backward (read at the end of forward)."""
-    return max((entry.nbytes for entry in offloader._store._by_storage.values()), default=0)
-
-
 def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, **goal: Any) -> PolicyRunner:
     """A runner; with ``shared``, the one for ``layers`` and this goal that successive one-shot offloaders share."""
     if not shared or not layers or not isinstance(policy, str) or policy != "adaptive":
         return PolicyRunner(layers, policy, **goal)
     key = (len(layers), *sorted(goal.items()))
-    runners = layers[0].__dict__.setdefault(SHARED_ATTRIBUTE, {})
+    runners = _SHARED_RUNNERS.setdefault(layers[0], {})
     if key not in runners:
         runners[key] = PolicyRunner(layers, policy, **goal)
     return runners[key]

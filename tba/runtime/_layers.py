@@ -11,7 +11,7 @@ pre-hooks, removed when the offload context exits.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn

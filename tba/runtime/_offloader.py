@@ -6,13 +6,13 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
 
 1. ``pack`` decides whether the tensor stays in memory (parameters, buffers, small or non-plain
    tensors, layers a policy keeps) or goes to disk. For the disk path the :class:`StorageStore`
-   (``tba/store.py``) finds or creates the entry of the tensor's storage (Note [Dedup by storage
+   (``tba/runtime/_store.py``) finds or creates the entry of the tensor's storage (Note [Dedup by storage
    identity]) and starts its write: host storages straight from their own memory, CUDA storages
-   through a route (``tba/routes.py``: pinned staging blocks, or kvikio). ``pack`` returns a
+   through a route (``tba/device/_routes.py``: pinned staging blocks, or kvikio). ``pack`` returns a
    :class:`SavedView`, the recipe to rebuild the tensor from the storage's bytes.
 2. When a storage's write completes, tba drops its reference, so the memory is freed as soon as
    nothing else in the program uses it.
-3. During backward each ``unpack`` moves the prefetch window (``tba/prefetch.py``) and queues reads
+3. During backward each ``unpack`` moves the prefetch window (``tba/runtime/_prefetch.py``) and queues reads
    of the storages that backward will need next; ``unpack`` itself is served from memory when the
    bytes are still resident (write in flight, prefetched, or kept) and waits for a read otherwise.
 4. When the last view of a storage is released by autograd, its file extent is freed for reuse;
@@ -24,34 +24,43 @@ autograd graph holds the views.
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from tba.device import DeviceOps
-from tba.engine import Engine, make_engine, resolve_backend
-from tba.engine.base import ALIGN_BYTES
-from tba.entry import SavedView, StorageEntry
+from tba import defaults
+from tba._trace import nvtx_range
+from tba.defaults import ALIGN_BYTES
+from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
-from tba.layers import LayerTracker, resolve_layers, state_storage_keys
-from tba.policy.runtime import DEFAULT_PROFILE_STEPS, shared_runner
-from tba.prefetch import DEFAULT_PREFETCH_BUDGET_BYTES, DEFAULT_PREFETCH_DEPTH_LAYERS, PrefetchWindow
-from tba.routes import DEVICE_TYPES, Routes
-from tba.spill import SpillFile
-from tba.staging import DEFAULT_STAGING_BYTES
-from tba.stats import OffloadStats
-from tba.store import StorageStore
-from tba.trace import nvtx_range
+from tba.io import Engine, make_engine, resolve_backend
+from tba.io._spill import SpillFile
+from tba.policy._runner import shared_runner
+from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
+from tba.runtime._prefetch import PrefetchWindow
+from tba.runtime._stats import OffloadStats
+from tba.runtime._store import StorageStore
+from tba.runtime._views import SavedView, StorageEntry
 
 logger = logging.getLogger("tba")
 
-DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
-DEFAULT_BLOCK_SIZE_BYTES = 4 << 20
-DEFAULT_QUEUE_DEPTH = 8
-"""Requests in flight. Eight 4 MiB blocks keep an NVMe drive busy; on a small machine a deeper
-queue only adds kernel work beside compute (measured: 3.5% longer steps at 32 than at 8)."""
+
+class _Phase(enum.Enum):
+    """Where an :class:`Offloader` is in its life."""
+
+    IDLE = "idle"
+    """Not entered, or between steps of a reusable offloader."""
+    ACTIVE = "active"
+    """Inside the ``with`` block: saved tensors go through the hooks."""
+    EXITED = "exited"
+    """A one-shot offloader after its block: waits for backward to release everything, then closes."""
+    DISCARDED = "discarded"
+    """The block raised: its saved tensors were dropped."""
+    CLOSED = "closed"
 
 class Offloader:
     """Offloads saved activations to a file while active; see :func:`offload_activations`.
@@ -68,21 +77,21 @@ class Offloader:
         directory: str | None = None,
         *,
         backend: str | Engine = "auto",
-        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        min_offload_bytes: int = defaults.MIN_OFFLOAD_BYTES,
         layers: nn.Module | Sequence[nn.Module] | None = None,
-        prefetch_depth_layers: int = DEFAULT_PREFETCH_DEPTH_LAYERS,
-        prefetch_budget_bytes: int = DEFAULT_PREFETCH_BUDGET_BYTES,
-        block_size_bytes: int = DEFAULT_BLOCK_SIZE_BYTES,
-        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        prefetch_depth_layers: int = defaults.PREFETCH_DEPTH_LAYERS,
+        prefetch_budget_bytes: int = defaults.PREFETCH_BUDGET_BYTES,
+        block_size_bytes: int = defaults.BLOCK_SIZE_BYTES,
+        queue_depth: int = defaults.QUEUE_DEPTH,
         direct_io: bool | None = None,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_bytes: int = defaults.STAGING_BYTES,
         reusable: bool = True,
         device_ops: DeviceOps | None = None,
         staged_devices: tuple[str, ...] = ("cuda",),
         policy: Any = "offload",
         memory_budget_bytes: int | None = None,
         overhead_bound: float | None = None,
-        profile_steps: int = DEFAULT_PROFILE_STEPS,
+        profile_steps: int = defaults.PROFILE_STEPS,
     ) -> None:
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
@@ -96,7 +105,7 @@ class Offloader:
                 f"({block_size_bytes}); raise staging_bytes or lower block_size_bytes"
             )
         if not isinstance(backend, Engine):
-            resolve_backend(backend)
+            resolve_backend(host_engine_backend(backend))
         self.directory = directory
         self.backend = backend
         self.min_offload_bytes = min_offload_bytes
@@ -119,10 +128,9 @@ class Offloader:
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.policy_runner = shared_runner(self.layers, policy, shared=not reusable, memory_budget_bytes=memory_budget_bytes,
                                            overhead_bound=overhead_bound, profile_steps=profile_steps)
-        self._store = StorageStore(self._stats, PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes),
-                                   block_size_bytes, prefetch_budget_bytes)
+        self._store = StorageStore(self._stats, PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._state = "idle"
+        self._phase = _Phase.IDLE
 
     @property
     def plan(self) -> Any:
@@ -131,23 +139,22 @@ class Offloader:
 
     def set_prefetch_budget(self, nbytes: int) -> None:
         """Bound on bytes read ahead or held for backward from now on (a plan's window)."""
-        self._store.window.budget_bytes = nbytes
-        pool = self._store.pool
-        pool.capacity_bytes = nbytes
-        if pool.idle_bytes > nbytes:
-            pool.clear()
+        self._store.set_prefetch_budget(nbytes)
+
+    def largest_live_storage_bytes(self) -> int:
+        """Bytes of the largest storage held for backward now (the adaptive policy reads it after forward)."""
+        return self._store.largest_live_storage_bytes()
 
     @property
     def stats(self) -> OffloadStats:
         """Counters so far (see :class:`OffloadStats`); bandwidths include transfers still running."""
-        self._stats.write_busy_s = self._store.write_clock.busy_s
-        self._stats.read_busy_s = self._store.read_clock.busy_s
+        self._store.update_stats()
         return self._stats
 
     @property
     def pool_idle_bytes(self) -> int:
         """Bytes of read buffers kept for reuse while no tensor uses them (held by tba all the same)."""
-        return self._store.pool.idle_bytes
+        return self._store.read_pool.idle_bytes
 
     @property
     def spill(self) -> SpillFile | None:
@@ -155,26 +162,27 @@ class Offloader:
         return self._store.spill
 
     # ----------------------------------------------------------------- context
-    def __enter__(self) -> "Offloader":
-        if self._state != "idle":
-            raise TbaError(f"this Offloader cannot be entered now (it is {self._state}); use a new one")
+    def __enter__(self) -> Offloader:
+        if self._phase is not _Phase.IDLE:
+            raise TbaError(f"this Offloader cannot be entered now (it is {self._phase.value}); use a new one")
         if not self._store.is_open:
             self._open()
         self._store.window.reset_cursor()
         self.policy_runner.enter(self)
         self._tracker.attach()
         self._hooks.__enter__()
-        self._state = "active"
+        self._phase = _Phase.ACTIVE
         return self
 
     def _open(self) -> None:
         spill = SpillFile(self.directory, direct=self.direct_io)
         try:
-            engine = make_engine(self.backend, queue_depth=self.queue_depth)
+            engine = make_engine(self.backend if isinstance(self.backend, Engine) else host_engine_backend(self.backend),
+                                 queue_depth=self.queue_depth)
         except BaseException:
             spill.close()
             raise
-        routes = Routes(self.backend, engine, self.staging_bytes, self.block_size_bytes,
+        routes = Routes(self.backend, engine, self._store.read_pool, self.staging_bytes, self.block_size_bytes,
                         self._device_ops, self._staged_devices)
         self._store.open(spill, engine, routes)
 
@@ -183,12 +191,12 @@ class Offloader:
         self._tracker.detach()
         self.policy_runner.exit(self, failed=exc_type is not None)
         if exc_type is not None:
-            self._state = "discarded"
+            self._phase = _Phase.DISCARDED
             self.close()
             return
-        self._state = "idle" if self.reusable else "exited"
+        self._phase = _Phase.IDLE if self.reusable else _Phase.EXITED
         self._store.prefetch(None)
-        if self._state == "exited" and self._store.live_entries == 0:
+        if self._phase is _Phase.EXITED and self._store.live_entries == 0:
             self.close()
 
     def flush(self) -> None:
@@ -200,8 +208,8 @@ class Offloader:
 
         Saved tensors that were not read back yet can no longer be unpacked afterwards.
         """
-        if self._state != "discarded":
-            self._state = "closed"
+        if self._phase is not _Phase.DISCARDED:
+            self._phase = _Phase.CLOSED
         self._store.close(engine_owned=not isinstance(self.backend, Engine))
 
     # ----------------------------------------------------------------- hooks
@@ -256,23 +264,22 @@ class Offloader:
 
     def _unpack(self, packed: SavedView) -> torch.Tensor:
         entry = packed.entry
-        if self._state == "discarded":
+        if self._phase is _Phase.DISCARDED:
             raise TbaError(
                 f"{entry.describe()} was discarded because the offload context exited with an "
                 "exception; run forward again"
             )
-        if self._state == "closed":
+        if self._phase is _Phase.CLOSED:
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward")
         data, event = self._store.load(entry)
         tensor = packed.rebuild(data)
-        if entry.route is not None:
-            entry.route.ops.consume(event, tensor)
+        entry.route.consume(event, tensor)
         self._store.note_unpacked(entry, id(packed))
         return tensor
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
-        if self._store.drop_view(entry, view_id) and self._state == "exited":
+        if self._store.drop_view(entry, view_id) and self._phase is _Phase.EXITED:
             self.close()
 
 

@@ -7,11 +7,11 @@ unpack it walks down from the cursor and picks storages to bring into memory:
 
 * with layer tags, every storage of layers ``current-1 .. current-depth_layers`` (storages saved
   outside any layer, such as the embedding, ride along with their neighbours);
-* always within ``budget_bytes``: bytes already resident for backward, plus bytes being read,
+* always within ``prefetch_budget_bytes``: bytes already resident for backward, plus bytes being read,
   never exceed it, except that the first storage below the cursor is always allowed so that a
   storage larger than the budget is still prefetched.
 
-A storage whose write is still in flight is not read: it is marked *wanted*, which keeps its memory
+A storage whose write is still in flight is not read: it is marked *hold_for_backward*, which keeps its memory
 after the write completes (forwarding). The window decides only; the offloader does the I/O. It is
 pure book-keeping, unit-tested without any file.
 """
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import bisect
 
-from tba.entry import State, StorageEntry
-
-DEFAULT_PREFETCH_BUDGET_BYTES = 512 << 20
-DEFAULT_PREFETCH_DEPTH_LAYERS = 1
+from tba.defaults import PREFETCH_BUDGET_BYTES, PREFETCH_DEPTH_LAYERS
+from tba.runtime._views import State, StorageEntry
 
 
 class PrefetchWindow:
@@ -31,16 +29,16 @@ class PrefetchWindow:
 
     Args:
         depth_layers: How many layers below the current one to prefetch. Default 1.
-        budget_bytes: Bound on bytes held or in flight for backward. Default 512 MiB.
+        prefetch_budget_bytes: Bound on bytes held or in flight for backward. Default 512 MiB.
     """
 
     def __init__(
         self,
-        depth_layers: int = DEFAULT_PREFETCH_DEPTH_LAYERS,
-        budget_bytes: int = DEFAULT_PREFETCH_BUDGET_BYTES,
+        depth_layers: int = PREFETCH_DEPTH_LAYERS,
+        prefetch_budget_bytes: int = PREFETCH_BUDGET_BYTES,
     ) -> None:
         self.depth_layers = depth_layers
-        self.budget_bytes = budget_bytes
+        self.prefetch_budget_bytes = prefetch_budget_bytes
         self._order: list[StorageEntry] = []
         self._seqs: list[int] = []
         self._dead = 0
@@ -85,16 +83,16 @@ class PrefetchWindow:
         held_bytes = 0
         for index in range(top - 1, -1, -1):
             entry = self._order[index]
-            if entry.state in (State.DEAD, State.KEPT) or entry.consumed:
+            if entry.state in (State.DEAD, State.KEPT) or entry.fully_unpacked:
                 continue
             if layer is not None and entry.layer is not None and entry.layer < layer - self.depth_layers:
                 break
-            if held_bytes and held_bytes + entry.nbytes > self.budget_bytes:
+            if held_bytes and held_bytes + entry.nbytes > self.prefetch_budget_bytes:
                 break
             held_bytes += entry.nbytes
             if entry.data is None and entry.read_done is None and entry.state is State.ON_DISK:
                 to_read.append(entry)
-            elif entry.state is State.WRITING and not entry.wanted:
+            elif entry.state is State.WRITING and not entry.hold_for_backward:
                 to_hold.append(entry)
         return to_read, to_hold
 

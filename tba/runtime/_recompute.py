@@ -9,7 +9,7 @@ dropout masks are identical in the recomputation.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -32,7 +32,7 @@ class RecomputeLayers:
                 del layer.forward
         self.layers = []
 
-    def __enter__(self) -> "RecomputeLayers":
+    def __enter__(self) -> RecomputeLayers:
         return self
 
     def __exit__(self, *exc: object) -> None:

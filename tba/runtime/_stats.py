@@ -10,6 +10,8 @@ import dataclasses
 import threading
 import time
 
+from tba.defaults import MIB
+
 
 @dataclasses.dataclass
 class OffloadStats:
@@ -33,6 +35,9 @@ class OffloadStats:
         resident_bytes / peak_resident_bytes: Bytes of offload-path storages tba held in memory
             now / at the worst moment.
         write_busy_s / read_busy_s: Seconds during which writes / reads were in flight.
+        read_buffers_allocated / read_buffers_reused: Host read buffers allocated fresh / taken
+            again from the read pool.
+        staging_blocks_in_use: Pinned staging blocks not returned to their pool (0 when idle).
     """
 
     tensors_offloaded: int = 0
@@ -51,6 +56,9 @@ class OffloadStats:
     peak_resident_bytes: int = 0
     write_busy_s: float = 0.0
     read_busy_s: float = 0.0
+    read_buffers_allocated: int = 0
+    read_buffers_reused: int = 0
+    staging_blocks_in_use: int = 0
 
     @property
     def write_gbps(self) -> float:
@@ -70,13 +78,12 @@ class OffloadStats:
         return out
 
     def __str__(self) -> str:
-        mib = 1 << 20
         return (
-            f"written {self.bytes_written / mib:.1f} MiB ({self.write_gbps:.2f} GB/s), "
-            f"read {self.bytes_read / mib:.1f} MiB ({self.read_gbps:.2f} GB/s), "
-            f"dedup {self.bytes_deduplicated / mib:.1f} MiB, "
+            f"written {self.bytes_written / MIB:.1f} MiB ({self.write_gbps:.2f} GB/s), "
+            f"read {self.bytes_read / MIB:.1f} MiB ({self.read_gbps:.2f} GB/s), "
+            f"dedup {self.bytes_deduplicated / MIB:.1f} MiB, "
             f"offloaded {self.tensors_offloaded} / kept {self.tensors_kept} tensors, "
-            f"peak resident {self.peak_resident_bytes / mib:.1f} MiB"
+            f"peak resident {self.peak_resident_bytes / MIB:.1f} MiB"
         )
 
 

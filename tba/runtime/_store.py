@@ -4,7 +4,7 @@ The store owns every :class:`StorageEntry` of an offloader and moves their bytes
 
 * :meth:`StorageStore.save` finds the entry of a tensor's storage (Note [Dedup by storage identity])
   or creates one and starts its write: host storages straight from their own memory through the
-  host engine, device storages through their route (``tba/routes.py``).
+  host engine, device storages through their route (``tba/device/_routes.py``).
 * When a write completes the entry is ON_DISK and its memory is dropped, unless the prefetch window
   asked to hold it; a failed write turns it KEPT (memory kept, one warning).
 * :meth:`StorageStore.load` returns an entry's bytes: resident ones at once, otherwise after a read,
@@ -27,16 +27,15 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tba.engine import Engine, Op, Request
-from tba.engine.base import ALIGN_BYTES
-from tba.entry import State, StorageEntry
+from tba._trace import nvtx_range
+from tba.device._routes import Routes
 from tba.errors import TbaReadError
-from tba.pool import BufferPool
-from tba.prefetch import PrefetchWindow
-from tba.routes import Routes
-from tba.spill import SpillFile
-from tba.stats import BusyClock, OffloadStats
-from tba.trace import nvtx_range
+from tba.io import Engine
+from tba.io._read_pool import BufferPool
+from tba.io._spill import SpillFile
+from tba.runtime._prefetch import PrefetchWindow
+from tba.runtime._stats import BusyClock, OffloadStats
+from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
 
@@ -55,16 +54,14 @@ class StorageStore:
 
     Args:
         stats: Counters to update.
-        window: Prefetch decisions.
-        block_size_bytes: Size of one host I/O request.
-        pool_bytes: Bound on idle read buffers kept for reuse.
+        window: Prefetch decisions; its ``prefetch_budget_bytes`` also bounds the idle read buffers
+            kept for reuse.
     """
 
-    def __init__(self, stats: OffloadStats, window: PrefetchWindow, block_size_bytes: int, pool_bytes: int) -> None:
+    def __init__(self, stats: OffloadStats, window: PrefetchWindow) -> None:
         self.stats = stats
         self.window = window
-        self.block_size_bytes = block_size_bytes
-        self.pool = BufferPool(pool_bytes)
+        self.read_pool = BufferPool(window.prefetch_budget_bytes)
         self.lock = threading.RLock()
         self.write_clock = BusyClock()
         self.read_clock = BusyClock()
@@ -85,6 +82,27 @@ class StorageStore:
     def is_open(self) -> bool:
         return self.engine is not None
 
+    def set_prefetch_budget(self, nbytes: int) -> None:
+        """Bound bytes read ahead or held for backward, and idle read buffers, from now on."""
+        self.window.prefetch_budget_bytes = nbytes
+        self.read_pool.prefetch_budget_bytes = nbytes
+        if self.read_pool.idle_bytes > nbytes:
+            self.read_pool.clear()
+
+    def update_stats(self) -> None:
+        """Bring the counters that live in the clocks and pools into :attr:`stats`."""
+        self.stats.write_busy_s = self.write_clock.busy_s
+        self.stats.read_busy_s = self.read_clock.busy_s
+        self.stats.read_buffers_allocated = self.read_pool.allocated
+        self.stats.read_buffers_reused = self.read_pool.reused
+        staging = self.routes.staging_pool if self.routes is not None else None
+        self.stats.staging_blocks_in_use = staging.capacity_blocks - staging.free_blocks if staging else 0
+
+    def largest_live_storage_bytes(self) -> int:
+        """Bytes of the largest storage held for backward now."""
+        with self.lock:
+            return max((entry.nbytes for entry in self._by_storage.values()), default=0)
+
     # ----------------------------------------------------------------- write
     def save(self, tensor: torch.Tensor, layer: int | None) -> tuple[StorageEntry, bool]:
         """The entry holding ``tensor``'s storage, and whether it was created (and its write started)."""
@@ -96,18 +114,17 @@ class StorageStore:
                 entry = self._start_write(tensor, storage, layer)
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
-            entry.handles += 1
+            entry.live_views += 1
             self.stats.tensors_offloaded += 1
         return entry, fresh
 
     def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None) -> StorageEntry:
         route = self.routes.for_device(tensor.device)
-        address = storage.data_ptr()
         entry = StorageEntry(
             seq=self._next_seq,
             layer=layer,
             nbytes=storage.nbytes(),
-            phase_bytes=0 if route is not None else address % ALIGN_BYTES,
+            phase_bytes=route.phase_bytes(storage.data_ptr()),
             version=tensor._version,
             ref=StorageWeakRef(storage),
             data=torch.empty((0,), dtype=torch.uint8, device=tensor.device).set_(storage),
@@ -121,40 +138,19 @@ class StorageStore:
         self._resident(entry.nbytes)
         entry.offset = self.spill.allocate(entry.extent_bytes)
         self._writing += 1
+        entry.transfer_in_flight = True
+        self.write_clock.start()
         with nvtx_range("write"):
-            if route is None:
-                self._submit(entry, Op.WRITE, address - entry.phase_bytes, self._on_write_block)
-            else:
-                entry.io_pending = 1
-                self.write_clock.start()
-                route.write(entry.data, self.spill.fd, entry.offset, functools.partial(self._on_route_write, entry))
+            route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset,
+                        functools.partial(self._on_write_done, entry))
         return entry
 
-    def _submit(self, entry: StorageEntry, op: Op, address: int, callback: Any) -> None:
-        requests = [
-            Request(op, self.spill.fd, address + start, nbytes, entry.offset + start)
-            for start, nbytes in entry.blocks(self.block_size_bytes)
-        ]
-        entry.io_pending = len(requests)
-        (self.write_clock if op is Op.WRITE else self.read_clock).start(len(requests))
-        for future in self.engine.submit_many(requests):
-            future.add_done_callback(functools.partial(callback, entry))
-
-    def _on_write_block(self, entry: StorageEntry, future: Future) -> None:
-        self._on_route_write(entry, future.exception())
-
-    def _on_route_write(self, entry: StorageEntry, error: BaseException | None) -> None:
+    def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
         self.write_clock.stop()
         with self.lock:
-            if self._block_done(entry, error):
-                self._finish_write(entry)
-
-    def _block_done(self, entry: StorageEntry, error: BaseException | None) -> bool:
-        """Count one finished transfer of ``entry``; True when it was the last one."""
-        if error is not None and entry.io_error is None:
+            entry.transfer_in_flight = False
             entry.io_error = error
-        entry.io_pending -= 1
-        return entry.io_pending == 0
+            self._finish_write(entry)
 
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
@@ -167,7 +163,7 @@ class StorageStore:
             entry.state = State.ON_DISK
             self.stats.storages_written += 1
             self.stats.bytes_written += entry.nbytes
-            if not entry.wanted:
+            if not entry.hold_for_backward:
                 self.release(entry)
 
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
@@ -206,45 +202,30 @@ class StorageStore:
         return self._wait_read(entry, done)
 
     def _start_read(self, entry: StorageEntry) -> Future:
-        """Queue the reads of ``entry``; the future resolves to ``(bytes, event)``."""
+        """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
         done = entry.read_done = Future()
+        entry.transfer_in_flight = True
+        self.read_clock.start()
         with nvtx_range("read"):
-            if entry.route is None:
-                buffer = self.pool.take(entry.extent_bytes)
-                self._submit(entry, Op.READ, buffer.data_ptr(), functools.partial(self._on_read_block, buffer=buffer))
-            else:
-                entry.io_pending = 1
-                self.read_clock.start()
-                entry.route.read(entry.device, entry.nbytes, self.spill.fd, entry.offset,
-                                 functools.partial(self._on_route_read, entry))
+            entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset,
+                             functools.partial(self._on_read_done, entry))
         return done
 
-    def _on_read_block(self, entry: StorageEntry, future: Future, *, buffer: torch.Tensor) -> None:
-        self._read_transfer_done(entry, future.exception(), lambda: self.pool.lease(buffer, entry.phase_bytes, entry.nbytes))
-
-    def _on_route_read(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
-        self._read_transfer_done(entry, error, lambda: data, event)
-
-    def _read_transfer_done(self, entry: StorageEntry, error: BaseException | None, make_data: Any,
-                            event: Any = None) -> None:
+    def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
         self.read_clock.stop()
         with self.lock:
-            if self._block_done(entry, error):
-                self._finish_read(entry, make_data, event)
-
-    def _finish_read(self, entry: StorageEntry, make_data: Any, event: Any) -> None:
-        done, entry.read_done = entry.read_done, None
-        error, entry.io_error = entry.io_error, None
-        if entry.state is State.DEAD:
-            self._free_extent(entry)
-            done.cancel()
-        elif error is not None:
-            done.set_exception(error)
-        else:
-            entry.data, entry.ready_event = make_data(), event
-            self._resident(entry.nbytes)
-            self.stats.bytes_read += entry.nbytes
-            done.set_result((entry.data, event))
+            entry.transfer_in_flight = False
+            done, entry.read_done = entry.read_done, None
+            if entry.state is State.DEAD:
+                self._free_extent(entry)
+                done.cancel()
+            elif error is not None:
+                done.set_exception(error)
+            else:
+                entry.data, entry.ready_event = data, event
+                self._resident(entry.nbytes)
+                self.stats.bytes_read += entry.nbytes
+                done.set_result((entry.data, event))
 
     def _wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
@@ -269,11 +250,11 @@ class StorageStore:
         """
         with self.lock:
             entry.unpacked_views.add(view_id)
-            if len(entry.unpacked_views) < entry.handles:
+            if len(entry.unpacked_views) < entry.live_views:
                 return
             entry.unpacked_views.clear()
-            entry.consumed = True
-            entry.wanted = False
+            entry.fully_unpacked = True
+            entry.hold_for_backward = False
             if entry.state is State.ON_DISK:
                 self.release(entry)
 
@@ -284,7 +265,7 @@ class StorageStore:
                 return
             to_read, to_hold = self.window.select(entry)
             for held in to_hold:
-                held.wanted = True
+                held.hold_for_backward = True
             for target in to_read:
                 self._start_read(target)
 
@@ -292,16 +273,16 @@ class StorageStore:
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
         """A view of ``entry`` was freed; returns True when no entry is left alive."""
         with self.lock:
-            entry.handles -= 1
+            entry.live_views -= 1
             entry.unpacked_views.discard(view_id)
-            if entry.handles > 0:
+            if entry.live_views > 0:
                 return False
             if self._by_storage.get(entry.ref.cdata) is entry:
                 del self._by_storage[entry.ref.cdata]
             entry.state = State.DEAD
             self.release(entry)
             self.window.forget(entry)
-            if entry.io_pending == 0:
+            if not entry.transfer_in_flight:
                 self._free_extent(entry)
             self.live_entries -= 1
             return self.live_entries == 0
@@ -322,7 +303,7 @@ class StorageStore:
             for entry in self._by_storage.values():
                 self.release(entry)
             self._by_storage.clear()
-            self.pool.clear()
+            self.read_pool.clear()
 
     def _free_extent(self, entry: StorageEntry) -> None:
         if entry.offset >= 0:

@@ -5,7 +5,7 @@ one buffer (a ``transpose`` here, a slice there, the same activation for two ops
 storage becomes one :class:`StorageEntry`, written once; each saved tensor becomes a small
 :class:`SavedView` that records how to rebuild it from the storage bytes (dtype, shape, stride and
 offset in elements) and points at the entry. See Note [Dedup by storage identity] in
-``tba/offloader.py`` for how a storage is recognised.
+``tba/runtime/_offloader.py`` for how a storage is recognised.
 
 An entry moves through these states::
 
@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tba.engine.base import ALIGN_BYTES
-from tba.extents import round_up
+from tba.defaults import ALIGN_BYTES
+from tba.io._memory import round_up
 
 if TYPE_CHECKING:
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from tba.device._route import Route
 
 
 class State(enum.Enum):
@@ -55,30 +57,30 @@ class StorageEntry:
     nbytes: int
     phase_bytes: int
     version: int
-    ref: "StorageWeakRef"
+    ref: StorageWeakRef
     data: torch.Tensor | None
     state: State = State.WRITING
     offset: int = -1
-    handles: int = 0
+    live_views: int = 0
+    """:class:`SavedView` objects of this storage that autograd still holds."""
     unpacked_views: set[int] = dataclasses.field(default_factory=set)
-    wanted: bool = False
-    consumed: bool = False
-    io_pending: int = 0
+    """Identities of the live views unpacked in the current backward."""
+    hold_for_backward: bool = False
+    """Keep the bytes in memory when the write completes: the prefetch window wants them soon."""
+    fully_unpacked: bool = False
+    """Every live view was unpacked: backward needs the bytes no more."""
+    transfer_in_flight: bool = False
     io_error: BaseException | None = None
     read_done: Future | None = None
     device: torch.device = torch.device("cpu")
-    route: Any = None
+    route: Route | None = None
     ready_event: Any = None
+    """Device event a consumer waits on before using ``data`` read back (None for host memory)."""
 
     @property
     def extent_bytes(self) -> int:
         """Bytes of file space the entry occupies: the storage plus its phase, block aligned."""
         return round_up(self.phase_bytes + self.nbytes, ALIGN_BYTES)
-
-    def blocks(self, block_size_bytes: int) -> list[tuple[int, int]]:
-        """``(start, nbytes)`` pairs covering ``[0, extent_bytes)`` in pieces of at most ``block_size_bytes``."""
-        total = self.extent_bytes
-        return [(start, min(block_size_bytes, total - start)) for start in range(0, total, block_size_bytes)]
 
     def describe(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "no layer"

@@ -1,0 +1,33 @@
+"""Byte sizes written by people: one parser for every command-line option and config string.
+
+A bare suffix and the ``iB`` suffixes are binary, ``B`` suffixes are decimal (SI), as in fio and
+``numfmt``: ``512K`` = ``512KiB`` = 512 * 2**10, ``2G`` = ``2GiB`` = 2 * 2**30, but ``2GB`` =
+2 * 10**9. A plain number is bytes; fractions are allowed (``1.5G``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?B)?|B)?\s*", flags=re.IGNORECASE)
+
+
+class SizeError(ValueError, argparse.ArgumentTypeError):
+    """A string that is not a byte size; argparse shows its message as the option's error."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text`` such as ``4096``, ``512K``, ``1.5G``, ``2GiB`` or ``2GB``.
+
+    Raises:
+        SizeError: ``text`` is not a size; the message gives examples.
+    """
+    match = _SIZE.fullmatch(str(text))
+    if not match:
+        raise SizeError(f"not a size: {text!r} (write bytes, or a number with K, M, G, T, KiB .. TiB, KB .. TB; "
+                        "for example 512M or 2GiB)")
+    number, prefix, suffix = match.group(1), (match.group(2) or "").upper(), (match.group(3) or "")
+    base = 1000 if suffix.upper() == "B" else 1024
+    return int(float(number) * base ** _POWERS[prefix])

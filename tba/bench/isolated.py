@@ -1,0 +1,88 @@
+"""Run a measurement in a fresh Python process, so that one mode's freed memory does not hide the next one's peak.
+
+:func:`run_isolated` sends the request as JSON to ``python -m tba.bench.isolated`` and reads a
+:class:`~tba.bench.harness.ModeResult` back from the last line of its output. A user's model is
+named by ``"module:function"`` or ``"path/to/file.py:function"`` factories (:func:`factory_spec`).
+With ``malloc_env`` (default) the child runs under :data:`~tba.bench.meters.MALLOC_ENV`; see
+Note [Why measured processes fix glibc's mmap threshold] in ``tba/bench/meters.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from tba.bench.harness import ModeResult, run_mode, run_steps
+from tba.bench.meters import MALLOC_ENV
+from tba.bench.models import PRESETS
+
+
+def factory_spec(factory: Callable[..., Any] | str) -> str:
+    """``"module:qualname"`` (or ``"file.py:qualname"`` for a script's own functions) naming ``factory``."""
+    if isinstance(factory, str):
+        return factory
+    module = factory.__module__
+    if module == "__main__":
+        module = os.path.abspath(sys.modules["__main__"].__file__)
+    if "<" in factory.__qualname__:
+        raise ValueError(f"{factory.__qualname__} cannot be imported in a fresh process; define it at module level")
+    return f"{module}:{factory.__qualname__}"
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The function named by :func:`factory_spec`."""
+    module_name, _, name = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        loader = importlib.util.spec_from_file_location("tba_user_factories", module_name)
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    target: Any = module
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def run_isolated(mode: str, preset: str | None, **kwargs: Any) -> ModeResult:
+    """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`.
+
+    With ``preset=None``, pass ``model_factory`` and ``batch_factory`` (callables defined at
+    module level, or their :func:`factory_spec` strings) to measure any model with :func:`run_steps`.
+    """
+    for key in ("model_factory", "batch_factory"):
+        if key in kwargs:
+            kwargs[key] = factory_spec(kwargs[key])
+    request = json.dumps({"mode": mode, "preset": preset, **kwargs})
+    proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
+                          env=dict(os.environ, **MALLOC_ENV))
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed:\n{proc.stderr[-4000:]}")
+    return ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _worker(request_json: str) -> None:
+    request = json.loads(request_json)
+    preset = request.pop("preset")
+    if preset is None:
+        model = load_factory(request.pop("model_factory"))()
+        batch = load_factory(request.pop("batch_factory"))()
+        result = run_steps(request.pop("mode"), model, tuple(batch), **request)
+        print(json.dumps(dataclasses.asdict(result)))
+        return
+    config = PRESETS[preset]
+    if "config_overrides" in request:
+        config = dataclasses.replace(config, **request.pop("config_overrides"))
+    result = run_mode(request.pop("mode"), config, **request)
+    print(json.dumps(dataclasses.asdict(result)))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,83 @@
+"""The route protocol: how the bytes of one storage travel between its memory and the spill file.
+
+Every saved storage takes exactly one route, chosen by its device (``tba/device/_routes.py``):
+
+* :class:`~tba.device._host.HostRoute` for host (CPU) storages: straight from the storage's own
+  memory to the file through the host engine, reads into pooled aligned buffers;
+* :class:`~tba.device._staged.StagedRoute` for CUDA storages: device -> pinned staging block ->
+  file, with copies on side streams;
+* :class:`~tba.device._kvikio.KvikioRoute` for CUDA storages with kvikio: ``kvikio.CuFile``.
+
+The store (``tba/runtime/_store.py``) only ever talks to this protocol: one write and one read
+call per storage, and one completion callback for each, whatever the number of blocks or copies
+underneath. A route reports a read's bytes together with a device event (None for host memory)
+that the consumer must wait on before it uses them (:meth:`Route.consume`).
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Callback = Callable[[BaseException | None], None]
+"""``on_done(error)``: a transfer finished, ``error`` None when every byte moved."""
+ReadCallback = Callable[[BaseException | None, Any, Any], None]
+"""``on_done(error, data, event)``: a read finished; ``data`` is a ``uint8`` tensor of the storage's
+bytes and ``event`` what a consumer must wait on (None for host memory)."""
+
+
+def pieces(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """``(start, length)`` pairs covering ``[0, nbytes)`` in pieces of at most ``piece_bytes``."""
+    return [(start, min(piece_bytes, nbytes - start)) for start in range(0, nbytes, piece_bytes)]
+
+
+class Countdown:
+    """Calls ``on_done(first_error)`` after ``count`` calls to :meth:`done`, from any thread."""
+
+    def __init__(self, count: int, on_done: Callback) -> None:
+        self._lock = threading.Lock()
+        self._remaining = count
+        self._error: BaseException | None = None
+        self._on_done = on_done
+
+    def done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            finished = self._remaining == 0
+        if finished:
+            self._on_done(self._error)
+
+
+class Route(abc.ABC):
+    """Moves storages of one device to and from the spill file."""
+
+    def phase_bytes(self, address: int) -> int:
+        """Where the storage at ``address`` starts inside its first file block (see ``tba/runtime/_views.py``)."""
+        return 0
+
+    @abc.abstractmethod
+    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
+        """Write the ``uint8`` tensor ``data`` (a whole storage) to ``fd`` at ``offset + phase_bytes``.
+
+        ``data`` stays referenced by the caller until ``on_done`` runs.
+        """
+
+    @abc.abstractmethod
+    def read(self, device: torch.device, nbytes: int, phase_bytes: int, fd: int, offset: int,
+             on_done: ReadCallback) -> None:
+        """Read ``nbytes`` written by :meth:`write` at ``offset`` into new memory on ``device``."""
+
+    def consume(self, event: Any, tensor: torch.Tensor) -> None:
+        """Make the current stream wait on a read's ``event`` before it uses ``tensor``."""
+
+    def stop(self) -> None:
+        """Stop the route's own threads once their queued jobs have started their transfers."""
+
+    def close(self) -> None:
+        """Stop helper threads that deliver completions (after the host engine closed). Idempotent."""
