@@ -1,4 +1,9 @@
-"""Shared skip markers and fixtures. Markers are defined here once and imported by test modules."""
+"""Shared fixtures, and the skip conditions behind the markers registered in ``pyproject.toml``.
+
+Tests mark what they need (``@pytest.mark.requires_cuda``, ``@pytest.mark.requires_io_uring``);
+:func:`pytest_collection_modifyitems` turns each marker into a skip, with the reason, on machines
+that lack it.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +17,26 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest
 import torch
 
-from tba.engine import available_backends
+from tba.io import available_backends
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-requires_io_uring = pytest.mark.skipif(
-    available_backends()["io_uring"] is not None,
-    reason=f"io_uring unavailable: {available_backends()['io_uring']}",
-)
+
+def _missing_requirements() -> dict[str, str | None]:
+    """Marker name -> why this machine lacks it (``None`` where it has it)."""
+    return {
+        "requires_cuda": None if torch.cuda.is_available() else "needs a CUDA device",
+        "requires_io_uring": (
+            None if available_backends()["io_uring"] is None
+            else f"io_uring unavailable: {available_backends()['io_uring']}"
+        ),
+    }
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = _missing_requirements()
+    for item in items:
+        for name, reason in missing.items():
+            if reason is not None and item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 USABLE_BACKENDS = [name for name, reason in available_backends().items() if reason is None]
 

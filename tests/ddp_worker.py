@@ -1,6 +1,6 @@
 """One rank of the DDP test: gradients with tba equal gradients without, in a shared directory.
 
-Run by tests/test_reliability.py through ``torch.distributed.run`` with two processes (gloo).
+Run by tests/runtime/test_reliability.py through ``torch.distributed.run`` with two processes (gloo).
 Writes ``<out>/rank<N>.json`` with whether this rank's gradients were equal and a checksum.
 """
 
@@ -11,10 +11,10 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from utils import run_step
 
 import tba
-from tba.models import PRESETS, make_batch, make_gpt
-from utils import run_step
+from tba.bench.models import PRESETS, make_batch, make_gpt
 
 
 def main(directory: str, out: str) -> None:

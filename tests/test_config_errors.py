@@ -10,7 +10,7 @@ import torch
 
 import tba
 from tba import TbaConfigError
-from tba.engine import available_backends
+from tba.io import available_backends
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_directory_created_when_missing_and_default_from_env(tmp_path, monkeypat
 
 
 def test_file_system_without_o_direct(spill_dir, monkeypatch, caplog):
-    monkeypatch.setattr(tba.spill, "probe_direct_io", lambda directory: "O_DIRECT I/O failed: Invalid argument")
+    monkeypatch.setattr(tba.io._spill, "probe_direct_io", lambda directory: "O_DIRECT I/O failed: Invalid argument")
     with pytest.raises(TbaConfigError, match="choose a directory on a file system with O_DIRECT"):
         with tba.offload_activations(spill_dir, direct_io=True):
             pytest.fail("the block must not run")

@@ -3,17 +3,37 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
+import sys
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
 import tba
-from tba.device import DeviceOps
-from tba.engine import Engine, Op, Request, ThreadEngine
+from tba.device._ops import DeviceOps
 from tba.errors import ShortTransferError
+from tba.io import Engine, Op, Request, ThreadEngine
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import the script at ``path`` (under ``integrations/``) as the module named by its file name.
+
+    The module is registered in ``sys.modules`` first, so scripts that import a sibling by name
+    find it once that sibling was loaded the same way; ``sys.path`` is left alone.
+    """
+    name = path.stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], offloader=None, *,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tba import bench_io, doctor
-from tba.cli import COMMANDS
+from tba._units import parse_size
+from tba.cli import COMMANDS, bench_io, doctor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,12 +27,12 @@ def _args(module, argv):
     [("4096", 4096), ("512K", 512 << 10), ("512M", 512 << 20), ("2G", 2 << 30), ("2GiB", 2 << 30), ("1m", 1 << 20)],
 )
 def test_parse_size(text, nbytes):
-    assert bench_io.parse_size(text) == nbytes
+    assert parse_size(text) == nbytes
 
 
 def test_parse_size_rejects_garbage():
     with pytest.raises(argparse.ArgumentTypeError):
-        bench_io.parse_size("lots")
+        parse_size("lots")
 
 
 def test_bench_small_json(tmp_path, capsys):
@@ -58,8 +58,8 @@ def test_doctor_reports_and_never_fails(tmp_path, capsys):
 
 
 def test_commands_registered():
-    assert COMMANDS["bench-io"][0] == "tba.bench_io"
-    assert COMMANDS["doctor"][0] == "tba.doctor"
+    assert COMMANDS["bench-io"][0] == "tba.cli.bench_io"
+    assert COMMANDS["doctor"][0] == "tba.cli.doctor"
 
 
 def test_tools_script_help():

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tba.bench.isolated import run_isolated
 from tba.cli import build_parser
-from tba.measure import run_isolated
-from tba.progress import Progress
-from tba.rok import sweep
-from tba.rok_plot import pareto_front, plot_png
+from tba.cli._progress import Progress
+from tba.cli._rok_plot import pareto_front, plot_png
+from tba.cli.rok import sweep
 
 FACTORIES = os.path.join(os.path.dirname(__file__), "rok_factories.py")
 

@@ -1,24 +1,23 @@
 """CUDA tensors through the staged route and kvikio: exact gradients, no leaks, reads hidden.
 
 Runs only where CUDA is available; everything here is skipped on CPU-only machines, where the
-staged route's ordering is tested with a fake device instead (tests/test_staged.py).
+staged route's ordering is tested with a fake device instead (tests/device/test_staged.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from model_cases import SharedStorage, ViewsModel
 from torch import nn
 from torch.nn import functional as F
-
-import tba
-from conftest import requires_cuda
-from tba.models import PRESETS, make_batch, make_gpt
-from tba.routes import kvikio_unavailable_reason
-from test_exactness import SharedStorage, ViewsModel
 from utils import assert_exact
 
-pytestmark = requires_cuda
+import tba
+from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.device._routes import kvikio_unavailable_reason
+
+pytestmark = pytest.mark.requires_cuda
 
 CUDA_BACKENDS = ["threads"] + (["kvikio"] if kvikio_unavailable_reason() is None else [])
 
@@ -87,9 +86,7 @@ def test_no_leak_over_twenty_steps(spill_dir, backend):
         elif step > 1:
             assert torch.cuda.memory_allocated() == baseline, f"GPU memory grew at step {step}"
     assert offloader.stats.resident_bytes == 0
-    pool = offloader._store.routes._pool
-    if pool is not None:
-        assert pool.free_blocks == pool.capacity_blocks, "a pinned staging block was not returned"
+    assert offloader.stats.staging_blocks_in_use == 0, "a pinned staging block was not returned"
     offloader.close()
 
 

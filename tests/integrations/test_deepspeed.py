@@ -18,8 +18,8 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
+from tba.bench.models import PRESETS, make_batch, make_gpt  # noqa: E402
 from tba.integrations.deepspeed import TbaDeepSpeed  # noqa: E402
-from tba.models import PRESETS, make_batch, make_gpt  # noqa: E402
 
 CONFIG = PRESETS["tiny"]
 STEPS = 3

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from tba import TbaConfigError
+from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.integrations import deepspeed as tba_ds
 from tba.integrations import shared_disk
-from tba.models import PRESETS, make_batch, make_gpt
-
 
 
 class FakeEngine:

@@ -16,6 +16,8 @@ from torch import nn
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'tba[megatron]')")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron")
 
+from utils import load_script  # noqa: E402
+
 import tba  # noqa: E402
 from tba.errors import TbaConfigError  # noqa: E402
 from tba.integrations.megatron import (  # noqa: E402
@@ -28,9 +30,8 @@ from tba.integrations.megatron import (  # noqa: E402
 )
 
 SCRIPT_DIR = Path(__file__).resolve().parents[2] / "integrations" / "megatron"
-sys.path.insert(0, str(SCRIPT_DIR))
-import cpu_shims  # noqa: E402
-import pretrain_gpt  # noqa: E402
+cpu_shims = load_script(SCRIPT_DIR / "cpu_shims.py")
+pretrain_gpt = load_script(SCRIPT_DIR / "pretrain_gpt.py")
 
 STEPS = 3
 TINY = ["--cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "128", "--batch", "2", "--vocab", "256"]

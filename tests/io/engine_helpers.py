@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from tba.engine.base import ALIGN_BYTES
+from tba.defaults import ALIGN_BYTES
 
 MIB = 1 << 20
 

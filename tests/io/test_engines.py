@@ -8,12 +8,12 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import requires_io_uring
 from engine_helpers import MIB, aligned_empty, direct_io_unsupported, open_fd_count, random_bytes
 
-from tba.engine import ThreadEngine
-from tba.engine.base import ALIGN_BYTES, Op, Request
+from tba.defaults import ALIGN_BYTES
 from tba.errors import ShortTransferError
+from tba.io import ThreadEngine
+from tba.io._engine import Op, Request
 
 SIZES_BYTES = [1, 4095, 4096, 4097, MIB + 1, 64 * MIB]
 BLOCK_BYTES = MIB
@@ -22,12 +22,12 @@ BLOCK_BYTES = MIB
 def _make(name: str):
     if name == "threads":
         return ThreadEngine(workers=8)
-    from tba.engine.io_uring import IoUringEngine
+    from tba.io._io_uring import IoUringEngine
 
     return IoUringEngine(queue_depth=32)
 
 
-@pytest.fixture(params=["threads", pytest.param("io_uring", marks=requires_io_uring)])
+@pytest.fixture(params=["threads", pytest.param("io_uring", marks=pytest.mark.requires_io_uring)])
 def engine(request):
     eng = _make(request.param)
     yield eng
@@ -175,7 +175,7 @@ def test_zero_byte_request(engine, rw_fd):
     assert engine.submit_read(rw_fd, buf.ctypes.data, 0, 0).result(timeout=10) == 0
 
 
-@pytest.mark.parametrize("name", ["threads", pytest.param("io_uring", marks=requires_io_uring)])
+@pytest.mark.parametrize("name", ["threads", pytest.param("io_uring", marks=pytest.mark.requires_io_uring)])
 def test_no_fd_leak_after_errors(name, tmp_path):
     before = open_fd_count()
     eng = _make(name)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from tba.extents import ExtentAllocator, round_up
+from tba.io._extents import ExtentAllocator
+from tba.io._memory import round_up
 
 
 @pytest.mark.parametrize("nbytes, expected", [(1, 4096), (4095, 4096), (4096, 4096), (4097, 8192)])

@@ -9,13 +9,12 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import requires_io_uring
-from engine_helpers import MIB, aligned_empty, open_fd_count, random_bytes
+from engine_helpers import random_bytes
 
-import tba.engine
-from tba.engine import ThreadEngine, make_engine
-from tba.engine import io_uring as io_uring_module
-from tba.engine.base import Op, Request
+import tba.io
+from tba.io import ThreadEngine, make_engine
+from tba.io import _io_uring as io_uring_module
+from tba.io._engine import Op, Request
 
 
 def test_probe_reports_missing_extension(monkeypatch):
@@ -38,7 +37,7 @@ def test_probe_reports_missing_extension(monkeypatch):
 
 
 def test_auto_falls_back_to_threads_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setattr(tba.engine, "io_uring_unavailable_reason", lambda: "test: no ring here")
+    monkeypatch.setattr(tba.io, "io_uring_unavailable_reason", lambda: "test: no ring here")
     with caplog.at_level(logging.INFO, logger="tba"):
         engines = [make_engine("auto"), make_engine("auto")]
     assert all(isinstance(e, ThreadEngine) for e in engines)
@@ -47,7 +46,7 @@ def test_auto_falls_back_to_threads_with_one_log_line(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records].count("tba: backend 'auto' uses threads: test: no ring here") == 1
 
 
-@requires_io_uring
+@pytest.mark.requires_io_uring
 def test_probe_ok_and_auto_picks_io_uring():
     assert io_uring_module.probe() is None
     engine = make_engine("auto", queue_depth=4)
@@ -57,13 +56,13 @@ def test_probe_ok_and_auto_picks_io_uring():
         engine.close()
 
 
-@requires_io_uring
+@pytest.mark.requires_io_uring
 def test_queue_depth_validation():
     with pytest.raises(ValueError):
         io_uring_module.IoUringEngine(queue_depth=0)
 
 
-@requires_io_uring
+@pytest.mark.requires_io_uring
 def test_more_requests_than_slots(tmp_path):
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     engine = io_uring_module.IoUringEngine(queue_depth=1)
@@ -80,30 +79,7 @@ def test_more_requests_than_slots(tmp_path):
         os.close(fd)
 
 
-@requires_io_uring
-def test_fixed_buffers_round_trip(tmp_path):
-    before = open_fd_count()
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    pool = aligned_empty(8 * MIB)
-    pool[: 4 * MIB] = random_bytes(4 * MIB, seed=6)
-    engine = io_uring_module.IoUringEngine(queue_depth=8)
-    try:
-        if not engine.register_buffers([(pool.ctypes.data, pool.size)]):
-            pytest.skip("kernel refused buffer registration (memlock limit)")
-        half = 4 * MIB
-        writes = [Request(Op.WRITE, fd, pool.ctypes.data + o, MIB, o) for o in range(0, half, MIB)]
-        assert all(f.result(timeout=30) == MIB for f in engine.submit_many(writes))
-        reads = [Request(Op.READ, fd, pool.ctypes.data + half + o, MIB, o) for o in range(0, half, MIB)]
-        assert all(f.result(timeout=30) == MIB for f in engine.submit_many(reads))
-        assert np.array_equal(pool[:half], pool[half:])
-        assert not engine.register_buffers([(pool.ctypes.data, pool.size)])
-    finally:
-        engine.close()
-        os.close(fd)
-    assert open_fd_count() == before
-
-
-@requires_io_uring
+@pytest.mark.requires_io_uring
 def test_close_from_completion_callback(tmp_path):
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     engine = io_uring_module.IoUringEngine(queue_depth=4)
@@ -119,7 +95,7 @@ def test_close_from_completion_callback(tmp_path):
         os.close(fd)
 
 
-@requires_io_uring
+@pytest.mark.requires_io_uring
 def test_requests_outlive_the_submitting_thread(tmp_path):
     """Threads that submit and exit at once must not take their requests with them."""
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)

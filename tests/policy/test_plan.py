@@ -1,7 +1,7 @@
 """The planner and its cost model on synthetic profiles, with exact expected plans.
 
 Units: sizes in MiB, bandwidths in MiB/s, so that every number below can be checked by hand
-against the model in ``tba/policy/model.py``. Four layers, f = 1 s, b = 2 s, s = 100 MiB, x = 10 MiB,
+against the model in ``tba/policy/_model.py``. Four layers, f = 1 s, b = 2 s, s = 100 MiB, x = 10 MiB,
 largest storage 10 MiB (so the smallest window is 20 MiB); keep-all takes 12 s and 400 MiB.
 An offloading plan also holds its read buffers (up to the window) through the next forward.
 """
@@ -13,8 +13,8 @@ import logging
 import pytest
 
 import tba
-from tba.policy.model import estimate
-from tba.policy.plan import Adaptive, KeepAll, OffloadAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
+from tba.policy._model import estimate
+from tba.policy._plan import Adaptive, KeepAll, OffloadAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
 
 MIB = 1 << 20
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from utils import run_step
 
 import tba
-from tba.models import GPTConfig, make_batch, make_gpt
-from tba.policy.runtime import SHARED_ATTRIBUTE
-from utils import run_step
+from tba.bench.models import GPTConfig, make_batch, make_gpt
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
 STEPS = 4
@@ -127,7 +126,8 @@ def test_adaptive_one_shot_contexts_share_a_runner(model, spill_dir):
     # The first step is profiled offloading everything; then keep-all fits a 1 TiB budget (storages
     # saved before the first layer, here the embedding's output, follow the offloader as always).
     assert [sorted(o.layer_saved_bytes, key=str) for o in offloaders] == [[0, 1, 2, 3, None]] + [[None]] * 3
-    assert len(vars(model.blocks[0])[SHARED_ATTRIBUTE]) == 1
+    assert len({id(o.policy_runner) for o in offloaders}) == 1
+    assert not [name for name in vars(model.blocks[0]) if name.startswith("_tba")], "the model was modified"
 
 
 def test_recompute_wrapper_removed_at_exit_backward_still_recomputes(model, spill_dir):

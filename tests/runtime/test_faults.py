@@ -7,12 +7,11 @@ import logging
 
 import pytest
 import torch
-
-from tba.errors import TbaReadError
-from tba.models import PRESETS, make_batch, make_gpt
 from utils import FaultyEngine, assert_exact, run_step
 
 import tba
+from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.errors import TbaReadError
 
 
 def gpt_step():

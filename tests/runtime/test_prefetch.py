@@ -6,15 +6,15 @@ from concurrent.futures import Future
 
 import torch
 
-from tba.entry import State, StorageEntry
-from tba.prefetch import PrefetchWindow
+from tba.runtime._prefetch import PrefetchWindow
+from tba.runtime._views import State, StorageEntry
 
 MIB = 1 << 20
 
 
 def entry(seq: int, layer: int | None, nbytes: int = MIB, state: State = State.ON_DISK) -> StorageEntry:
     e = StorageEntry(seq=seq, layer=layer, nbytes=nbytes, phase_bytes=0, version=0, ref=None, data=None, state=state)
-    e.handles = 1
+    e.live_views = 1
     return e
 
 
@@ -31,7 +31,7 @@ def seqs(entries) -> list[int]:
 
 def test_reads_the_layer_below_the_one_being_unpacked():
     entries = [entry(i, layer=i // 2) for i in range(8)]  # layers 0..3, two storages each
-    window = window_of(entries, depth_layers=1, budget_bytes=100 * MIB)
+    window = window_of(entries, depth_layers=1, prefetch_budget_bytes=100 * MIB)
     to_read, to_hold = window.select(entries[7])
     assert seqs(to_read) == [6, 5, 4]
     assert to_hold == []
@@ -39,18 +39,18 @@ def test_reads_the_layer_below_the_one_being_unpacked():
 
 def test_depth_two_reads_two_layers():
     entries = [entry(i, layer=i // 2) for i in range(8)]
-    window = window_of(entries, depth_layers=2, budget_bytes=100 * MIB)
+    window = window_of(entries, depth_layers=2, prefetch_budget_bytes=100 * MIB)
     to_read, _ = window.select(entries[6])
     assert seqs(to_read) == [5, 4, 3, 2]
 
 
 def test_budget_bounds_bytes_but_always_allows_one():
     entries = [entry(i, layer=None, nbytes=3 * MIB) for i in range(6)]
-    window = window_of(entries, budget_bytes=7 * MIB)
+    window = window_of(entries, prefetch_budget_bytes=7 * MIB)
     to_read, _ = window.select(entries[5])
     assert seqs(to_read) == [4, 3]
     huge = [entry(i, layer=None, nbytes=50 * MIB) for i in range(3)]
-    to_read, _ = window_of(huge, budget_bytes=7 * MIB).select(huge[2])
+    to_read, _ = window_of(huge, prefetch_budget_bytes=7 * MIB).select(huge[2])
     assert seqs(to_read) == [1]
 
 
@@ -58,7 +58,7 @@ def test_in_flight_and_resident_entries_count_against_the_budget_and_are_not_rer
     entries = [entry(i, layer=None) for i in range(6)]
     entries[4].data = torch.empty(0)
     entries[3].read_done = Future()
-    window = window_of(entries, budget_bytes=4 * MIB)
+    window = window_of(entries, prefetch_budget_bytes=4 * MIB)
     to_read, _ = window.select(entries[5])
     assert seqs(to_read) == [2, 1]
 
@@ -67,7 +67,7 @@ def test_writing_entries_are_held_not_read_and_end_of_forward_holds_the_last_lay
     entries = [entry(i, layer=i // 2) for i in range(6)]
     entries[5].state = State.WRITING
     entries[4].state = State.WRITING
-    window = window_of(entries, depth_layers=1, budget_bytes=100 * MIB)
+    window = window_of(entries, depth_layers=1, prefetch_budget_bytes=100 * MIB)
     to_read, to_hold = window.select(None)
     assert seqs(to_hold) == [5, 4]
     assert to_read == []
@@ -75,10 +75,10 @@ def test_writing_entries_are_held_not_read_and_end_of_forward_holds_the_last_lay
 
 def test_cursor_only_moves_down_and_skips_consumed_dead_and_kept():
     entries = [entry(i, layer=None) for i in range(6)]
-    entries[3].consumed = True
+    entries[3].fully_unpacked = True
     entries[2].state = State.DEAD
     entries[1].state = State.KEPT
-    window = window_of(entries, budget_bytes=100 * MIB)
+    window = window_of(entries, prefetch_budget_bytes=100 * MIB)
     window.select(entries[4])
     to_read, _ = window.select(entries[5])
     assert seqs(to_read) == [0]
@@ -86,7 +86,7 @@ def test_cursor_only_moves_down_and_skips_consumed_dead_and_kept():
 
 def test_forget_compacts_without_changing_decisions():
     entries = [entry(i, layer=None) for i in range(10)]
-    window = window_of(entries, budget_bytes=2 * MIB)
+    window = window_of(entries, prefetch_budget_bytes=2 * MIB)
     for e in entries[2:8]:
         e.state = State.DEAD
         window.forget(e)

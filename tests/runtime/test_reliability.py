@@ -13,11 +13,11 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from utils import assert_exact, run_step
 
 import tba
+from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.errors import TbaError
-from tba.models import PRESETS, make_batch, make_gpt
-from utils import assert_exact, run_step
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -136,7 +136,7 @@ def test_two_rank_ddp_job_sharing_one_directory(spill_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(TESTS_DIR, "ddp_worker.py"), spill_dir, str(out)]
+               os.path.join(os.path.dirname(TESTS_DIR), "ddp_worker.py"), spill_dir, str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
