@@ -22,6 +22,7 @@ demo: $(VENV)/.installed
 	$(PY) -m tba demo
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 clean:
