@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from tba.config_check import check_options, normalize_directory
 from tba.device import DeviceOps
 from tba.engine import Engine, make_engine, resolve_backend
 from tba.engine.base import ALIGN_BYTES
@@ -84,6 +85,11 @@ class Offloader:
         overhead_bound: float | None = None,
         profile_steps: int = DEFAULT_PROFILE_STEPS,
     ) -> None:
+        check_options(dict(min_offload_bytes=min_offload_bytes, prefetch_depth_layers=prefetch_depth_layers,
+                           prefetch_budget_bytes=prefetch_budget_bytes, block_size_bytes=block_size_bytes,
+                           queue_depth=queue_depth, staging_bytes=staging_bytes, profile_steps=profile_steps,
+                           direct_io=direct_io))
+        directory = normalize_directory(directory)
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
             if value < 0:

@@ -27,6 +27,7 @@ import uuid
 
 from tba.engine.base import ALIGN_BYTES
 from tba.engine.threads import memory_view
+from tba.config_check import check_writable
 from tba.errors import TbaConfigError
 from tba.extents import ExtentAllocator
 from tba.memory import aligned_empty
@@ -113,6 +114,7 @@ class SpillFile:
     def __init__(self, directory: str | os.PathLike | None = None, *, direct: bool | None = None) -> None:
         self.directory = resolve_directory(directory)
         _prepare_directory(self.directory)
+        check_writable(self.directory)
         reason = probe_direct_io(self.directory) if direct is not False else "disabled by direct_io=False"
         if reason is not None and direct:
             raise TbaConfigError(
