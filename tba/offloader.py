@@ -188,6 +188,8 @@ class Offloader:
         self._hooks.__exit__(exc_type, exc, tb)
         self._tracker.detach()
         self.policy_runner.exit(self, failed=exc_type is not None)
+        if self._state == "closed":
+            return
         if exc_type is not None:
             self._state = "discarded"
             self.close()
@@ -241,6 +243,8 @@ class Offloader:
             return self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._state != "active":
+            raise TbaError(self._not_active_message())
         reason = self.keep_reason(tensor)
         if reason is not None:
             with self._store.lock:
@@ -252,6 +256,13 @@ class Offloader:
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
         return SavedView(self, entry, tensor)
+
+    def _not_active_message(self) -> str:
+        if self._state == "closed":
+            return ("Offloader.pack: the offloader was closed inside its with block; call close() only "
+                    "after the last backward, outside the block")
+        return (f"Offloader.pack is only valid inside 'with offloader:' (it is {self._state}); enter the "
+                "offloader instead of calling pack directly")
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit."""
@@ -268,7 +279,8 @@ class Offloader:
                 "exception; run forward again"
             )
         if self._state == "closed":
-            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward")
+            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
+                           "call close() only after the last backward")
         data, event = self._store.load(entry)
         tensor = packed.rebuild(data)
         if entry.route is not None:
