@@ -18,6 +18,7 @@ file systems accept the flag at ``open`` and fail later.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -57,7 +58,15 @@ def open_anonymous(directory: str, *, direct: bool) -> int:
         if err.errno not in _NO_TMPFILE_ERRNOS or not os.path.isdir(directory):
             raise
     path = os.path.join(directory, f".tba-{os.getpid()}-{uuid.uuid4().hex}")
-    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    # Note: [A failed open can leave its name]
+    # ``open(O_CREAT | O_DIRECT)`` on a file system without O_DIRECT (ramfs) creates the inode and
+    # then fails the open with EINVAL, so the name exists although no descriptor does: remove it.
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
     os.unlink(path)
     return fd
 
@@ -102,6 +111,20 @@ def _prepare_directory(directory: str) -> None:
         ) from err
 
 
+_warned_buffered: set[tuple[int, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_buffered_once(directory: str, reason: str) -> None:
+    """Warn about buffered I/O once per process and directory (not once per context)."""
+    key = (os.getpid(), directory)
+    with _warned_lock:
+        if key in _warned_buffered:
+            return
+        _warned_buffered.add(key)
+    logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+
+
 class SpillFile:
     """One anonymous file plus the allocator of its space.
 
@@ -122,7 +145,7 @@ class SpillFile:
                 "or pass direct_io=None to fall back to buffered I/O"
             )
         if reason is not None and direct is None:
-            logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+            _warn_buffered_once(self.directory, reason)
         self.direct = reason is None
         try:
             self.fd = open_anonymous(self.directory, direct=self.direct)
