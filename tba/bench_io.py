@@ -29,6 +29,7 @@ import torch
 
 from tba.engine import available_backends, make_engine
 from tba.engine.base import ALIGN_BYTES, Op, Request
+from tba import cli_checks
 from tba.spill import open_anonymous, resolve_directory
 
 logger = logging.getLogger("tba")
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes to write then read, e.g. 512M or 2G (default 2G)")
     parser.add_argument("--block-size", type=parse_size, default=DEFAULT_BLOCK_SIZE_BYTES,
                         help="bytes per request, a multiple of 4096 (default 1M)")
-    parser.add_argument("--queue-depth", type=int, default=DEFAULT_QUEUE_DEPTH,
+    parser.add_argument("--queue-depth", type=cli_checks.queue_depth, default=DEFAULT_QUEUE_DEPTH,
                         help="requests in flight (default 32)")
     parser.add_argument("--directory", default=None,
                         help="where the test file goes (default $TBA_DIR or the system temp dir)")

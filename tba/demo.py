@@ -11,6 +11,7 @@ import argparse
 import logging
 import tempfile
 
+from tba import cli_checks
 from tba.measure import run_isolated
 from tba.models import PRESETS
 from tba.report import comparison_rows, format_table
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps per mode (default: 4)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
-    parser.add_argument("--backend", default="auto", help="I/O backend (default: auto)")
+    parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
 
 
 def run(args: argparse.Namespace) -> int:

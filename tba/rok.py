@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from tba import cli_checks
 from tba.measure import ModeResult, run_isolated
 from tba.models import PRESETS
 from tba.progress import Progress
@@ -193,15 +194,15 @@ def format_points(points: Sequence[RokPoint]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="built-in GPT size (default: small, unless --model is given)")
-    parser.add_argument("--model", metavar="MODULE:FUNC", help="your model factory, e.g. mypkg.train:make_model")
-    parser.add_argument("--batch", metavar="MODULE:FUNC", help="your batch factory (with --model)")
+    parser.add_argument("--model", type=cli_checks.factory, metavar="MODULE:FUNC", help="your model factory, e.g. mypkg.train:make_model")
+    parser.add_argument("--batch", type=cli_checks.factory, metavar="MODULE:FUNC", help="your batch factory (with --model)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration (default: 5)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
-    parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
+    parser.add_argument("--budgets", type=cli_checks.positive_list("--budgets"), default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
                         help="adaptive budgets as fractions of keep-all's peak (default: %(default)s)")
-    parser.add_argument("--budgets-mib", default=None, help="adaptive budgets in MiB instead, comma-separated")
+    parser.add_argument("--budgets-mib", type=cli_checks.positive_list("--budgets-mib"), default=None, help="adaptive budgets in MiB instead, comma-separated")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
-    parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
+    parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per measured process (default: torch's; 1 is steadier on a busy machine)")
