@@ -25,6 +25,7 @@ autograd graph holds the views.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -129,6 +130,7 @@ class Offloader:
                                    block_size_bytes, prefetch_budget_bytes)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._state = "idle"
+        self._enter_lock = threading.Lock()
 
     @property
     def plan(self) -> Any:
@@ -162,14 +164,26 @@ class Offloader:
 
     # ----------------------------------------------------------------- context
     def __enter__(self) -> "Offloader":
-        if self._state != "idle":
-            raise TbaError(f"this Offloader cannot be entered now (it is {self._state}); use a new one")
-        if not self._store.is_open:
-            self._open()
-        self._store.window.reset_cursor()
-        self.policy_runner.enter(self)
-        self._tracker.attach()
-        self._hooks.__enter__()
+        # Note: [One entry at a time]
+        # The state check and the claim happen under one lock: two threads entering at once would
+        # otherwise both see "idle", open two spill files and share one store's extents.
+        with self._enter_lock:
+            if self._state in ("entering", "active"):
+                raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
+                               "build one Offloader per thread")
+            if self._state != "idle":
+                raise TbaError(f"this Offloader cannot be entered now (it is {self._state}); use a new one")
+            self._state = "entering"
+        try:
+            if not self._store.is_open:
+                self._open()
+            self._store.window.reset_cursor()
+            self.policy_runner.enter(self)
+            self._tracker.attach()
+            self._hooks.__enter__()
+        except BaseException:
+            self._state = "idle"
+            raise
         self._state = "active"
         return self
 
