@@ -295,6 +295,7 @@ class Offloader:
         if self._state == "closed":
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
+        packed.check_version()
         data, event = self._store.load(entry)
         tensor = packed.rebuild(data)
         if entry.route is not None:
