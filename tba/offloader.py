@@ -24,6 +24,7 @@ autograd graph holds the views.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from typing import Any, Sequence
@@ -175,6 +176,8 @@ class Offloader:
                 raise TbaError(f"this Offloader cannot be entered now (it is {self._state}); use a new one")
             self._state = "entering"
         try:
+            if self._store.live_entries:
+                self._collect_leftovers()
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
@@ -186,6 +189,16 @@ class Offloader:
             raise
         self._state = "active"
         return self
+
+    def _collect_leftovers(self) -> None:
+        """Free entries of earlier steps whose graphs were dropped but are held by reference cycles.
+
+        Graphs still referenced (a loss kept for a later backward) are untouched: only garbage goes.
+        """
+        before = self._store.live_entries
+        gc.collect()
+        if before != self._store.live_entries:
+            logger.debug("tba: entering again freed %d entries of dropped graphs", before - self._store.live_entries)
 
     def _open(self) -> None:
         spill = SpillFile(self.directory, direct=self.direct_io)
@@ -265,7 +278,14 @@ class Offloader:
                 self._stats.tensors_kept += 1
                 if reason not in ("parameter", "parameter or buffer"):
                     self._stats.bytes_kept += tensor.numel() * tensor.element_size()
-            return tensor
+            # Note: [Kept tensors are returned detached]
+            # Autograd keeps what pack returns with a strong reference from the node. When the saved
+            # tensor is the node's own output, the tensor itself would point back at the node
+            # (node -> tensor -> grad_fn -> node): a cycle that only the cycle collector frees, and a
+            # dropped loss would keep the whole graph, and every offloaded entry, alive. A detached
+            # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
+            # unpack from the metadata it recorded at save. It shares the version counter.
+            return tensor.detach() if tensor.grad_fn is not None else tensor
         entry, fresh = self._store.save(tensor, self._tracker.current)
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
