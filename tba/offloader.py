@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from tba import at_fork
 from tba.config_check import check_options, normalize_directory
 from tba.device import DeviceOps
 from tba.engine import Engine, make_engine, resolve_backend
@@ -210,6 +211,12 @@ class Offloader:
         routes = Routes(self.backend, engine, self.staging_bytes, self.block_size_bytes,
                         self._device_ops, self._staged_devices)
         self._store.open(spill, engine, routes)
+        at_fork.track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: forget the parent's file, engine and entries (see ``tba/at_fork.py``)."""
+        self._enter_lock = threading.Lock()
+        self._store.forget_after_fork()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
@@ -312,6 +319,9 @@ class Offloader:
                 f"{entry.describe()} was discarded because the offload context exited with an "
                 "exception; run forward again"
             )
+        if entry.seq < self._store.fork_seq:
+            raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
+                           "its bytes belong to the parent; run forward again in the child")
         if self._state == "closed":
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
@@ -325,6 +335,8 @@ class Offloader:
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
+        if entry.seq < self._store.fork_seq:
+            return
         if self._store.drop_view(entry, view_id) and self._state == "exited":
             self.close()
 

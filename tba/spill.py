@@ -176,6 +176,11 @@ class SpillFile:
             if self.fd >= 0:
                 self._allocator.free(offset)
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copy of the descriptor; the parent's stays open."""
+        self._lock = threading.Lock()
+        self.close()
+
     def close(self) -> None:
         """Close the descriptor; the kernel frees the file's space. Idempotent."""
         with self._lock:
