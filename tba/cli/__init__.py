@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NoReturn
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.cli.demo", "train a small built-in GPT with and without tba and compare"),
@@ -19,8 +20,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line (``prog: error: message``) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m tba",
         description="tba: offload PyTorch activations to NVMe files and prefetch them for backward.",
         epilog="Run 'python -m tba COMMAND --help' for a command's options.",

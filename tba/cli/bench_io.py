@@ -24,6 +24,7 @@ import sys
 import torch
 
 from tba._units import parse_size
+from tba.cli import _checks as cli_checks
 from tba.defaults import ALIGN_BYTES, GIB, MIB
 from tba.io import available_backends, make_engine
 from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes to write then read, e.g. 512M or 2G (default 2G)")
     parser.add_argument("--block-size", type=parse_size, default=DEFAULT_BLOCK_SIZE_BYTES,
                         help="bytes per request, a multiple of 4096 (default 1M)")
-    parser.add_argument("--queue-depth", type=int, default=BENCH_QUEUE_DEPTH,
+    parser.add_argument("--queue-depth", type=cli_checks.queue_depth, default=BENCH_QUEUE_DEPTH,
                         help="requests in flight (default 32)")
     parser.add_argument("--directory", default=None,
                         help="where the test file goes (default $TBA_DIR or the system temp dir)")

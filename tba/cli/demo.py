@@ -13,6 +13,7 @@ import tempfile
 
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
+from tba.cli import _checks as cli_checks
 from tba.cli._report import comparison_rows, format_table
 
 logger = logging.getLogger("tba")
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps per mode (default: 4)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
-    parser.add_argument("--backend", default="auto", help="I/O backend (default: auto)")
+    parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
 
 
 def run(args: argparse.Namespace) -> int:

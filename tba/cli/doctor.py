@@ -81,11 +81,17 @@ def quick_bandwidth(directory: str, size: int, direct: bool) -> dict[str, float]
         os.close(fd)
 
 
+def _missing_reason(directory: str) -> str:
+    if os.path.exists(directory):
+        return f"{directory} is not a directory"
+    return f"{directory} does not exist; create it or pass --directory"
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report. Always returns 0."""
     directory = resolve_directory(args.directory)
     backends = available_backends()
-    direct_reason = probe_direct_io(directory) if os.path.isdir(directory) else f"{directory} is not a directory"
+    direct_reason = probe_direct_io(directory) if os.path.isdir(directory) else _missing_reason(directory)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     rows = [
         ("io_uring engine", _status(backends["io_uring"])),

@@ -30,6 +30,7 @@ from typing import Any
 from tba.bench.harness import ModeResult
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
+from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
 from tba.cli._rok_plot import pareto_front, plot_png
 from tba.defaults import MIB
@@ -195,15 +196,18 @@ def format_points(points: Sequence[RokPoint]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="built-in GPT size (default: small, unless --model is given)")
-    parser.add_argument("--model", metavar="MODULE:FUNC", help="your model factory, e.g. mypkg.train:make_model")
-    parser.add_argument("--batch", metavar="MODULE:FUNC", help="your batch factory (with --model)")
+    parser.add_argument("--model", type=cli_checks.factory, metavar="MODULE:FUNC",
+                        help="your model factory, e.g. mypkg.train:make_model")
+    parser.add_argument("--batch", type=cli_checks.factory, metavar="MODULE:FUNC", help="your batch factory (with --model)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration (default: 5)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
-    parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
+    parser.add_argument("--budgets", type=cli_checks.positive_list("--budgets"),
+                        default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
                         help="adaptive budgets as fractions of keep-all's peak (default: %(default)s)")
-    parser.add_argument("--budgets-mib", default=None, help="adaptive budgets in MiB instead, comma-separated")
+    parser.add_argument("--budgets-mib", type=cli_checks.positive_list("--budgets-mib"), default=None,
+                        help="adaptive budgets in MiB instead, comma-separated")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
-    parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
+    parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per measured process (default: torch's; 1 is steadier on a busy machine)")

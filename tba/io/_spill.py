@@ -18,6 +18,7 @@ file systems accept the flag at ``open`` and fail later.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -25,6 +26,7 @@ import tempfile
 import threading
 import uuid
 
+from tba._options import check_writable
 from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaConfigError
 from tba.io._extents import ExtentAllocator
@@ -55,7 +57,15 @@ def open_anonymous(directory: str, *, direct: bool) -> int:
         if err.errno not in _NO_TMPFILE_ERRNOS or not os.path.isdir(directory):
             raise
     path = os.path.join(directory, f".tba-{os.getpid()}-{uuid.uuid4().hex}")
-    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    # Note: [A failed open can leave its name]
+    # ``open(O_CREAT | O_DIRECT)`` on a file system without O_DIRECT (ramfs) creates the inode and
+    # then fails the open with EINVAL, so the name exists although no descriptor does: remove it.
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
     os.unlink(path)
     return fd
 
@@ -100,6 +110,20 @@ def _prepare_directory(directory: str) -> None:
         ) from err
 
 
+_warned_buffered: set[tuple[int, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_buffered_once(directory: str, reason: str) -> None:
+    """Warn about buffered I/O once per process and directory (not once per context)."""
+    key = (os.getpid(), directory)
+    with _warned_lock:
+        if key in _warned_buffered:
+            return
+        _warned_buffered.add(key)
+    logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+
+
 class SpillFile:
     """One anonymous file plus the allocator of its space.
 
@@ -112,6 +136,7 @@ class SpillFile:
     def __init__(self, directory: str | os.PathLike | None = None, *, direct: bool | None = None) -> None:
         self.directory = resolve_directory(directory)
         _prepare_directory(self.directory)
+        check_writable(self.directory)
         reason = probe_direct_io(self.directory) if direct is not False else "disabled by direct_io=False"
         if reason is not None and direct:
             raise TbaConfigError(
@@ -119,7 +144,7 @@ class SpillFile:
                 "or pass direct_io=None to fall back to buffered I/O"
             )
         if reason is not None and direct is None:
-            logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+            _warn_buffered_once(self.directory, reason)
         self.direct = reason is None
         try:
             self.fd = open_anonymous(self.directory, direct=self.direct)
@@ -149,6 +174,11 @@ class SpillFile:
         with self._lock:
             if self.fd >= 0:
                 self._allocator.free(offset)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copy of the descriptor; the parent's stays open."""
+        self._lock = threading.Lock()
+        self.close()
 
     def close(self) -> None:
         """Close the descriptor; the kernel frees the file's space. Idempotent."""

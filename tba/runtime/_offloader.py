@@ -25,7 +25,9 @@ autograd graph holds the views.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from tba import defaults
+from tba._options import check_options, normalize_directory
 from tba._trace import nvtx_range
 from tba.defaults import ALIGN_BYTES
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
@@ -40,6 +43,7 @@ from tba.errors import TbaConfigError, TbaError
 from tba.io import Engine, make_engine, resolve_backend
 from tba.io._spill import SpillFile
 from tba.policy._runner import shared_runner
+from tba.runtime import _at_fork
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import OffloadStats
@@ -54,6 +58,8 @@ class _Phase(enum.Enum):
 
     IDLE = "idle"
     """Not entered, or between steps of a reusable offloader."""
+    ENTERING = "entering"
+    """One thread is entering the ``with`` block; any other entry raises."""
     ACTIVE = "active"
     """Inside the ``with`` block: saved tensors go through the hooks."""
     EXITED = "exited"
@@ -93,6 +99,11 @@ class Offloader:
         overhead_bound: float | None = None,
         profile_steps: int = defaults.PROFILE_STEPS,
     ) -> None:
+        check_options(dict(min_offload_bytes=min_offload_bytes, prefetch_depth_layers=prefetch_depth_layers,
+                           prefetch_budget_bytes=prefetch_budget_bytes, block_size_bytes=block_size_bytes,
+                           queue_depth=queue_depth, staging_bytes=staging_bytes, profile_steps=profile_steps,
+                           direct_io=direct_io))
+        directory = normalize_directory(directory)
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
             if value < 0:
@@ -131,6 +142,7 @@ class Offloader:
         self._store = StorageStore(self._stats, PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._phase = _Phase.IDLE
+        self._enter_lock = threading.Lock()
 
     @property
     def plan(self) -> Any:
@@ -163,16 +175,40 @@ class Offloader:
 
     # ----------------------------------------------------------------- context
     def __enter__(self) -> Offloader:
-        if self._phase is not _Phase.IDLE:
-            raise TbaError(f"this Offloader cannot be entered now (it is {self._phase.value}); use a new one")
-        if not self._store.is_open:
-            self._open()
-        self._store.window.reset_cursor()
-        self.policy_runner.enter(self)
-        self._tracker.attach()
-        self._hooks.__enter__()
+        # Note: [One entry at a time]
+        # The phase check and the claim happen under one lock: two threads entering at once would
+        # otherwise both see IDLE, open two spill files and share one store's extents.
+        with self._enter_lock:
+            if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+                raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
+                               "build one Offloader per thread")
+            if self._phase is not _Phase.IDLE:
+                raise TbaError(f"this Offloader cannot be entered now (it is {self._phase.value}); use a new one")
+            self._phase = _Phase.ENTERING
+        try:
+            if self._store.live_entries:
+                self._collect_leftovers()
+            if not self._store.is_open:
+                self._open()
+            self._store.window.reset_cursor()
+            self.policy_runner.enter(self)
+            self._tracker.attach()
+            self._hooks.__enter__()
+        except BaseException:
+            self._phase = _Phase.IDLE
+            raise
         self._phase = _Phase.ACTIVE
         return self
+
+    def _collect_leftovers(self) -> None:
+        """Free entries of earlier steps whose graphs were dropped but are held by reference cycles.
+
+        Graphs still referenced (a loss kept for a later backward) are untouched: only garbage goes.
+        """
+        before = self._store.live_entries
+        gc.collect()
+        if before != self._store.live_entries:
+            logger.debug("tba: entering again freed %d entries of dropped graphs", before - self._store.live_entries)
 
     def _open(self) -> None:
         spill = SpillFile(self.directory, direct=self.direct_io)
@@ -185,11 +221,19 @@ class Offloader:
         routes = Routes(self.backend, engine, self._store.read_pool, self.staging_bytes, self.block_size_bytes,
                         self._device_ops, self._staged_devices)
         self._store.open(spill, engine, routes)
+        _at_fork.track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
+        self._enter_lock = threading.Lock()
+        self._store.forget_after_fork()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
         self._tracker.detach()
         self.policy_runner.exit(self, failed=exc_type is not None)
+        if self._phase is _Phase.CLOSED:
+            return
         if exc_type is not None:
             self._phase = _Phase.DISCARDED
             self.close()
@@ -243,17 +287,33 @@ class Offloader:
             return self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._phase is not _Phase.ACTIVE:
+            raise TbaError(self._not_active_message())
         reason = self.keep_reason(tensor)
         if reason is not None:
             with self._store.lock:
                 self._stats.tensors_kept += 1
                 if reason not in ("parameter", "parameter or buffer"):
                     self._stats.bytes_kept += tensor.numel() * tensor.element_size()
-            return tensor
+            # Note: [Kept tensors are returned detached]
+            # Autograd keeps what pack returns with a strong reference from the node. When the saved
+            # tensor is the node's own output, the tensor itself would point back at the node
+            # (node -> tensor -> grad_fn -> node): a cycle that only the cycle collector frees, and a
+            # dropped loss would keep the whole graph, and every offloaded entry, alive. A detached
+            # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
+            # unpack from the metadata it recorded at save. It shares the version counter.
+            return tensor.detach() if tensor.grad_fn is not None else tensor
         entry, fresh = self._store.save(tensor, self._tracker.current)
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
         return SavedView(self, entry, tensor)
+
+    def _not_active_message(self) -> str:
+        if self._phase is _Phase.CLOSED:
+            return ("Offloader.pack: the offloader was closed inside its with block; call close() only "
+                    "after the last backward, outside the block")
+        return (f"Offloader.pack is only valid inside 'with offloader:' (it is {self._phase.value}); enter the "
+                "offloader instead of calling pack directly")
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit."""
@@ -269,8 +329,13 @@ class Offloader:
                 f"{entry.describe()} was discarded because the offload context exited with an "
                 "exception; run forward again"
             )
+        if entry.seq < self._store.fork_seq:
+            raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
+                           "its bytes belong to the parent; run forward again in the child")
         if self._phase is _Phase.CLOSED:
-            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward")
+            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
+                           "call close() only after the last backward")
+        packed.check_version()
         data, event = self._store.load(entry)
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
@@ -279,6 +344,8 @@ class Offloader:
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
+        if entry.seq < self._store.fork_seq:
+            return
         if self._store.drop_view(entry, view_id) and self._phase is _Phase.EXITED:
             self.close()
 

@@ -60,6 +60,10 @@ class PrefetchWindow:
             self._seqs = [e.seq for e in self._order]
             self._dead = 0
 
+    def clear(self) -> None:
+        """Forget every storage (a forked child drops its parent's entries)."""
+        self._order, self._seqs, self._dead, self._cursor_seq = [], [], 0, None
+
     def reset_cursor(self) -> None:
         """Start a new backward pass from the end of the order."""
         self._cursor_seq = None

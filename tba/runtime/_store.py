@@ -74,6 +74,8 @@ class StorageStore:
         self._by_storage: dict[int, StorageEntry] = {}
         self._next_seq = 0
         self._warned_write_error = False
+        self.fork_seq = 0
+        """Entries with a smaller ``seq`` were saved by the parent of a forked process: not ours."""
 
     def open(self, spill: SpillFile, engine: Engine, routes: Routes) -> None:
         self.spill, self.engine, self.routes = spill, engine, routes
@@ -304,6 +306,24 @@ class StorageStore:
                 self.release(entry)
             self._by_storage.clear()
             self.read_pool.clear()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's file, engine and entries without any I/O.
+
+        Locks are replaced (a parent thread may have held one at the fork); the engine is dropped
+        unused (its threads do not exist here, its ring is the parent's); the child's copy of the
+        file descriptor is closed, so the next entry opens a file of the child's own.
+        """
+        self.lock = threading.RLock()
+        self._writes_done = threading.Condition(self.lock)
+        self._writing = 0
+        self.fork_seq = self._next_seq
+        self._by_storage.clear()
+        self.live_entries = 0
+        self.window.clear()
+        if self.spill is not None:
+            self.spill.forget_after_fork()
+        self.spill = self.engine = self.routes = None
 
     def _free_extent(self, entry: StorageEntry) -> None:
         if entry.offset >= 0:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +95,7 @@ class SavedView:
     which frees the file extent once no view of the entry is left.
     """
 
-    __slots__ = ("owner", "entry", "dtype", "size", "stride", "storage_offset", "__weakref__")
+    __slots__ = ("owner", "entry", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version", "__weakref__")
 
     def __init__(self, owner: Any, entry: StorageEntry, tensor: torch.Tensor) -> None:
         self.owner = owner
@@ -103,6 +104,26 @@ class SavedView:
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
         self.storage_offset = tensor.storage_offset()
+        self.tensor_ref = weakref.ref(tensor)
+        self.version = tensor._version
+
+    def check_version(self) -> None:
+        """Raise torch's in-place error when the saved tensor is alive and was modified after pack.
+
+        Note: [In-place after saving]
+        Without hooks autograd compares the saved tensor's version counter at unpack with the one it
+        recorded at save. A tensor returned by pack is not checked by autograd, so tba records the
+        version itself. Once the tensor is gone nothing can change it any more, and the check passes.
+        """
+        tensor = self.tensor_ref()
+        if tensor is not None and tensor._version != self.version:
+            grad_fn = f", which is output {tensor.output_nr} of {tensor.grad_fn.name()}" if tensor.grad_fn is not None else ""
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{tensor.type()} {list(tensor.shape)}]{grad_fn}, is at version {tensor._version}; "
+                f"expected version {self.version} instead. Hint: the tensor was saved by tba's offload hooks; "
+                "clone it before changing it in place, or change it after backward."
+            )
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
         """The saved tensor, as a view on ``data`` (a ``uint8`` tensor holding the storage bytes)."""

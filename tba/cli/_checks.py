@@ -1,0 +1,66 @@
+"""Argument types for the command line that reject bad values before any work starts.
+
+Each function is an ``argparse`` ``type=``: it returns the parsed value or raises
+:class:`argparse.ArgumentTypeError` with a message naming the accepted values, which the parser of
+:mod:`tba.cli` prints as one line before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+from tba.defaults import BACKENDS, MAX_QUEUE_DEPTH
+
+
+def queue_depth(text: str) -> int:
+    """A queue depth in ``1..MAX_QUEUE_DEPTH``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= MAX_QUEUE_DEPTH:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; pass a queue depth in 1..{MAX_QUEUE_DEPTH}")
+    return value
+
+
+def backend_name(text: str) -> str:
+    """One of the backend names of :data:`tba.defaults.BACKENDS`."""
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {', '.join(BACKENDS)}")
+    return text
+
+
+def positive_list(what: str) -> Callable[[str], str]:
+    """A type for a comma-separated list of positive numbers (kept as the text, already checked)."""
+
+    def parse(text: str) -> str:
+        for item in text.split(","):
+            try:
+                value = float(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{item.strip()!r} is not a number; pass {what} as comma-separated numbers, e.g. 0.5,0.25"
+                ) from None
+            if not value > 0:
+                raise argparse.ArgumentTypeError(f"{item.strip()} is not positive; pass {what} > 0")
+        return text
+
+    return parse
+
+
+def factory(text: str) -> str:
+    """``MODULE:FUNC`` naming a callable that can be imported now."""
+    module_name, sep, func_name = text.partition(":")
+    if not sep or not module_name or not func_name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:FUNC, e.g. mypkg.train:make_model")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise argparse.ArgumentTypeError(
+            f"cannot import module {module_name!r} ({err}); check the name and that it is on PYTHONPATH"
+        ) from None
+    if not callable(getattr(module, func_name, None)):
+        raise argparse.ArgumentTypeError(f"module {module_name!r} has no function {func_name!r}")
+    return text

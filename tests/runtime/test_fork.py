@@ -1,0 +1,100 @@
+"""fork() after tba was used: parent and child each train exactly, or the child gets a clear error.
+
+Each scenario runs in a fresh interpreter (``subprocess``) that forks; the child reports through
+its exit status, and ``alarm`` turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from torch import nn
+    import tba
+
+    signal.alarm(30)
+    backend, directory = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(3)))
+    batches = [torch.randn(256, 256) for _ in range(6)]
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = [grads(model(x).square().mean()) for x in batches]
+
+    def same(got, i):
+        return all(torch.equal(g, w) for g, w in zip(got, want[i]))
+
+    def finish(pid, bad):
+        if pid == 0:
+            os._exit(1 if bad else 0)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        print("parent bad steps", bad, "child exit", code)
+        sys.exit(0 if not bad and code == 0 else 1)
+    """
+)
+
+REUSABLE = PRELUDE + textwrap.dedent(
+    """
+    off = tba.Offloader(directory, backend=backend, layers=list(model), min_offload_bytes=0)
+    with off:
+        loss = model(batches[0]).square().mean()
+    assert same(grads(loss), 0)
+    pid = os.fork()
+    signal.alarm(30)
+    bad = []
+    for i in range(6):
+        with off:
+            loss = model(batches[i]).square().mean()
+        if not same(grads(loss), i):
+            bad.append(i)
+    off.close()
+    finish(pid, bad)
+    """
+)
+
+ONE_SHOT = PRELUDE + textwrap.dedent(
+    """
+    with tba.offload_activations(directory, backend=backend, min_offload_bytes=0):
+        pending = model(batches[0]).square().mean()
+    pid = os.fork()
+    signal.alarm(30)
+    bad = []
+    if pid == 0:
+        try:
+            pending.backward()
+            bad.append("no error for a tensor saved before fork")
+        except tba.TbaError as err:
+            if "saved before this process was forked" not in str(err):
+                bad.append(str(err))
+    else:
+        if not same(grads(pending), 0):
+            bad.append("pending")
+    del pending
+    for i in range(6):
+        with tba.offload_activations(directory, backend=backend, min_offload_bytes=0):
+            loss = model(batches[i]).square().mean()
+        if not same(grads(loss), i):
+            bad.append(i)
+    finish(pid, bad)
+    """
+)
+
+
+@pytest.mark.parametrize("script", [REUSABLE, ONE_SHOT], ids=["reusable", "one-shot"])
+def test_fork_parent_and_child_train_exactly(spill_dir, backend, script):
+    done = subprocess.run([sys.executable, "-c", script, backend, spill_dir], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
