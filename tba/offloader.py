@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from tba.compile import warn_whole_model_compile
 from tba.device import DeviceOps
 from tba.engine import Engine, make_engine, resolve_backend
 from tba.engine.base import ALIGN_BYTES
@@ -181,6 +182,8 @@ class Offloader:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
         self._tracker.detach()
+        if self._tracker.in_whole_model_graph:
+            warn_whole_model_compile(self.layers)
         self.policy_runner.exit(self, failed=exc_type is not None)
         if exc_type is not None:
             self._state = "discarded"
@@ -235,6 +238,7 @@ class Offloader:
             return self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        self._tracker.note_save()
         reason = self.keep_reason(tensor)
         if reason is not None:
             with self._store.lock:
