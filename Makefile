@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 # first so that resolving tba's own dependencies never pulls a CUDA build, and named again with
 # the extras so that none of them can replace it. megatron-core (the `megatron` extra) needs only
 # torch, numpy and packaging. DS_BUILD_OPS=0: DeepSpeed builds no C++ ops at install; the tests
-# use torch's optimizers and none of its JIT-built ops.
+# use torch's optimizers and none of its JIT-built ops. transformers and accelerate (the `hf`
+# extra) need only torch among the heavy packages, so the pinned torch stays.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test clean
@@ -15,7 +16,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test,megatron,deepspeed]" "$(TORCH_SPEC)"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test,megatron,deepspeed,hf]" "$(TORCH_SPEC)"
 	touch $@
 
 demo: $(VENV)/.installed
