@@ -1,5 +1,8 @@
 """One rank of the FSDP2 test: per-block ``fully_shard`` on CPU (gloo), one step without and one with tba.
 
+With ``--compile`` each block is first wrapped in ``torch.compile`` (inductor), then sharded, as
+torchtitan does.
+
 Run by tests/compose/test_fsdp2.py through ``torch.distributed.run`` with two processes. Writes
 ``<out>/rank<N>.json``: whether the loss and every gradient shard were ``torch.equal``, and how many
 storages of parameters (sharded or unsharded) tba sent to disk, checked at each pack against the
@@ -45,11 +48,14 @@ def local_grads(grads: dict) -> dict:
     return {name: g.to_local() if hasattr(g, "to_local") else g for name, g in grads.items()}
 
 
-def main(directory: str, out: str) -> None:
+def main(directory: str, out: str, compile_blocks: bool) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     config = PRESETS["tiny"]
     model = make_gpt(config)
+    if compile_blocks:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = torch.compile(block)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -80,4 +86,4 @@ def main(directory: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], compile_blocks=sys.argv[3:] == ["--compile"])

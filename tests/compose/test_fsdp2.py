@@ -4,7 +4,7 @@ The worker (``fsdp2_worker.py``) runs one step without and one with tba on each 
 the loss and every local gradient shard with ``torch.equal``. It also checks, at every pack, that
 no storage of a parameter (the sharded ones or the unsharded ones FSDP2 gathers for a block's
 forward) goes to disk, and that such storages were saved at all (so the check had something to
-catch).
+catch). The second case compiles each block (inductor) before sharding it, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS_DIR = os.path.dirname(HERE)
 
 
-def test_two_rank_fsdp2_is_exact_and_writes_no_parameters(spill_dir, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--compile"]], ids=["eager", "per-block-compile"])
+def test_two_rank_fsdp2_is_exact_and_writes_no_parameters(spill_dir, tmp_path, flags):
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(HERE, "fsdp2_worker.py"), spill_dir, str(out)]
+               os.path.join(HERE, "fsdp2_worker.py"), spill_dir, str(out), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
