@@ -10,8 +10,6 @@ parameters the model holds at that moment (FSDP2 swaps a block's sharded paramet
 unsharded ones while the block runs).
 """
 
-import json
-import os
 import sys
 
 import torch
@@ -20,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import tba
 from tba.models import PRESETS, make_batch, make_gpt
-from utils import run_step
+from utils import finish_rank, run_step, steps_equal
 
 
 class ParameterWatch(tba.Offloader):
@@ -62,15 +60,14 @@ def main(directory: str, out: str, compile_blocks: bool) -> None:
     tokens, targets = make_batch(config, seed=100 + rank)
     forward = lambda m: m(tokens, targets)  # noqa: E731
     ref_loss, ref = run_step(model, forward, seed=7)
-    ref = local_grads(ref)
+    reference = (ref_loss, local_grads(ref))
     offloader = ParameterWatch(model, directory, backend="threads", min_offload_bytes=0, layers=model)
     loss, got = run_step(model, forward, offloader, seed=7)
     got = local_grads(got)
     offloader.close()
-    exact = torch.equal(ref_loss, loss) and ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
-    result = {
+    finish_rank(out, {
         "rank": rank,
-        "exact": exact,
+        "exact": steps_equal(reference, (loss, got)),
         "grads": len(got),
         "layers": len(offloader.layers),
         "bytes_written": offloader.stats.bytes_written,
@@ -78,11 +75,7 @@ def main(directory: str, out: str, compile_blocks: bool) -> None:
         "parameters_saved": offloader.parameters_saved,
         "parameters_written": offloader.parameters_written,
         "loss": float(loss),
-    }
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    })
 
 
 if __name__ == "__main__":
