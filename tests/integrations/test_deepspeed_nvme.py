@@ -9,7 +9,9 @@ The model is the tiny GPT widened to 128 so that its optimizer partition (about 
 exceeds DeepSpeed's smallest swappable tensor (``aio`` block size, 1 MiB); smaller partitions
 stay in memory. One run without and one with tba, from the same weights and batches: losses
 ``torch.equal``. The shared-disk check that tba runs after the first optimizer step is compared
-with the traffic the kernel measured (``/proc/self/io``) on the shared disk during a step.
+with the traffic the kernel measured (``/proc/self/io``) on the shared disk during a step: its
+estimate of DeepSpeed's swap bytes, and its decision to warn, which is also exercised with the
+measured bandwidth scaled down until the disk cannot keep up.
 """
 
 from __future__ import annotations
@@ -94,10 +96,22 @@ def train(nvme_path: str, directory: str | None):
     return losses, disk_bytes, tba_bytes, offload
 
 
+SLOWDOWN = 10_000
+"""The slow-disk case reports this disk's measured bandwidth divided by this, so that the warning fires."""
+
+
+@pytest.mark.parametrize("slow_disk", [False, True], ids=["measured-disk", "slowed-disk"])
 def test_zero3_nvme_optimizer_swap_beside_tba_is_exact_and_the_disk_check_matches_the_traffic(
-        spill_dir, tmp_path, monkeypatch, caplog):
+        spill_dir, tmp_path, monkeypatch, caplog, slow_disk):
     checks = []
     real_check = shared_disk.check_shared_disk
+    real_measure = shared_disk.measure_bandwidth
+
+    def slowed_measure(*args, **kwargs):
+        return tuple(rate / SLOWDOWN for rate in real_measure(*args, **kwargs))
+
+    if slow_disk:
+        monkeypatch.setattr(shared_disk, "measure_bandwidth", slowed_measure)
 
     def recording_check(**kwargs):
         checks.append((kwargs, real_check(**kwargs)))
@@ -115,7 +129,7 @@ def test_zero3_nvme_optimizer_swap_beside_tba_is_exact_and_the_disk_check_matche
 
     assert len(checks) == 1, "the shared-disk check should run once, after the first optimizer step"
     planned, warning = checks[0]
-    assert planned["tba_bytes_per_step"] == tba_bytes[-1]
+    assert planned["tba_bytes_per_step"] == tba_bytes[0], "the check should count the first step's tba traffic"
     measured_deepspeed = disk_bytes[-1] - tba_bytes[-1]
     if disk_bytes[-1] == 0:
         pytest.skip("/proc/self/io counts no block I/O for this directory (tmpfs?); traffic not compared")
@@ -125,3 +139,6 @@ def test_zero3_nvme_optimizer_swap_beside_tba_is_exact_and_the_disk_check_matche
     assert (warning is None) == (from_measured is None), (planned, measured_deepspeed)
     logged = [r for r in caplog.records if r.name == "tba" and "shared with DeepSpeed" in r.getMessage()]
     assert len(logged) == (warning is not None)
+    if slow_disk:
+        assert warning is not None, planned
+        assert f"DeepSpeed an estimated {estimate / 1e6:.1f} MB" in logged[0].getMessage()
