@@ -11,9 +11,9 @@ tba works through saved-tensor hooks. How they meet ``torch.compile`` depends on
 * **Whole-model compile** (``torch.compile(model)`` or ``model.compile()``). The whole forward is
   one ``CompiledFunction``: nothing is saved until the entire forward has run, so every
   activation is alive at once, and PyTorch runs every unpack hook when backward starts
-  (pytorch/pytorch#148222). Gradients stay exact, but offloading cannot lower the peak (reading everything back
-  at once raised it: 1153 MiB against 836 MiB keep-all for the compiled ``bench`` GPT on CPU). torch
-  2.13 inlines only traceable hooks (``torch.fx.GraphModule`` pack and unpack, see
+  (pytorch/pytorch#148222). Gradients stay exact, but offloading cannot lower the peak
+  (reading everything back at once raised it: 1153 MiB against 836 MiB keep-all for the
+  compiled ``bench`` GPT on CPU). torch 2.13 inlines only traceable hooks (``torch.fx.GraphModule`` pack and unpack, see
   ``torch._functorch.config.saved_tensors_hooks_filtering_mode``); tba's hooks do file I/O and
   cannot be traced.
 
