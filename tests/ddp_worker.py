@@ -4,14 +4,11 @@ Run by tests/runtime/test_reliability.py through ``torch.distributed.run`` with 
 Writes ``<out>/rank<N>.json`` with whether this rank's gradients were equal and a checksum.
 """
 
-import json
-import os
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from utils import run_step
+from utils import finish_rank, run_step, steps_equal
 
 import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
@@ -25,21 +22,16 @@ def main(directory: str, out: str) -> None:
     ddp = DistributedDataParallel(model)
     tokens, targets = make_batch(config, seed=100 + rank)
     forward = lambda m: m(tokens, targets)  # noqa: E731
-    ref_loss, ref = run_step(ddp, forward, seed=7)
+    reference = run_step(ddp, forward, seed=7)
     offloader = tba.offload_activations(directory, backend="threads", min_offload_bytes=0, layers=model)
     loss, got = run_step(ddp, forward, offloader, seed=7)
-    exact = torch.equal(ref_loss, loss) and ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
-    result = {
+    finish_rank(out, {
         "rank": rank,
-        "exact": exact,
+        "exact": steps_equal(reference, (loss, got)),
         "bytes_written": offloader.stats.bytes_written,
         "grad_checksum": float(sum(g.double().sum() for g in got.values())),
         "loss": float(loss),
-    }
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    })
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -73,6 +75,22 @@ def assert_exact(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor],
     for name in ref_grads:
         assert torch.equal(ref_grads[name], grads[name]), f"gradient of {name} differs"
     return offloader
+
+
+def steps_equal(reference: tuple, result: tuple) -> bool:
+    """Whether two :func:`run_step` results have ``torch.equal`` losses and gradients."""
+    (ref_loss, ref), (loss, got) = reference, result
+    return torch.equal(ref_loss, loss) and ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
+
+
+def finish_rank(out: str, result: dict) -> None:
+    """End one rank of a multi-process test: write ``<out>/rank<N>.json``, wait for every rank, leave the group."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 class FaultyEngine(Engine):

@@ -7,6 +7,9 @@ step minus RSS before it) with their ratios to keep-all, and whether losses are 
 
 Example (the bar of the core runtime issue):
     python tools/bench_e2e.py --preset bench --steps 5
+
+With ``--compile per-block`` every mode runs the model with each block under ``torch.compile``
+(inductor), so ratios are against compiled keep-all; compilation happens in the warm-up step.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import logging
 import sys
 
-from tba.bench.harness import MODES
+from tba.bench.harness import COMPILE_MODES, MODES
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli._report import comparison_rows, format_table
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default="none",
+                        help="none (eager, default) or per-block: torch.compile each repeated block")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and raw results as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -43,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     for index, mode in enumerate(modes, 1):
         logger.info("[%d/%d] %s: %d warm-up + %d measured steps ...", index, len(modes), mode, args.warmup, args.steps)
         results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup,
-                                    directory=args.directory, backend=args.backend))
+                                    directory=args.directory, backend=args.backend, compile_mode=args.compile))
         logger.info("        median step %.3f s", results[-1].median_step_s)
     rows = comparison_rows(results)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "backend": args.backend, "rows": rows,
+            json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "rows": rows,
                        "results": [r.__dict__ for r in results]}, f, indent=2)
     return 0 if all(row["losses_equal"] for row in rows) else 1
 

@@ -21,6 +21,9 @@ their transient gradients, not weight gradients. On CUDA the peak is
 ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated just before it
 (weights, gradients, optimiser state). A mode is best measured in a fresh process
 (:func:`tba.bench.isolated.run_isolated`), so that one mode's freed memory does not hide the next one's peak.
+
+``compile_mode="per-block"`` wraps each repeated block in ``torch.compile`` (inductor) before the
+first step, so every mode measures the compiled model; compilation happens in the warm-up steps.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ from torch import nn
 
 from tba.bench.meters import CudaPeak, PeakRSS
 from tba.bench.models import GPTConfig, make_batch, make_gpt
+from tba.runtime._compile import compile_blocks
 from tba.runtime._layers import resolve_layers
 from tba.runtime._offloader import Offloader
 from tba.runtime._recompute import RecomputeLayers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
+COMPILE_MODES = ("none", "per-block")
 ALL_MODES = (*MODES, "adaptive")
 
 LEARNING_RATE = 1e-3
@@ -68,26 +73,32 @@ class ModeResult:
 
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
-             device: str = "cpu", threads: int | None = None) -> ModeResult:
+             device: str = "cpu", threads: int | None = None, compile_mode: str = "none") -> ModeResult:
     """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
     model = make_gpt(config, seed=seed)
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
-                     backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads)
+                     backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads,
+                     compile_mode=compile_mode)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
               offload_options: dict[str, Any] | None = None, device: str = "cpu",
-              threads: int | None = None) -> ModeResult:
+              threads: int | None = None, compile_mode: str = "none") -> ModeResult:
     """Train ``model`` (``model(*batch)`` returns the loss) for ``steps + warmup`` steps under ``mode``.
 
-    ``threads`` sets torch's intra-op threads for the run (None: torch's default).
+    ``threads`` sets torch's intra-op threads for the run (None: torch's default); ``compile_mode``
+    is ``"none"`` or ``"per-block"`` (each of the model's repeated blocks under ``torch.compile``).
     """
     if mode not in ALL_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ALL_MODES)}")
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     if threads is not None:
         torch.set_num_threads(threads)
     model = model.to(device)
+    if compile_mode == "per-block":
+        compile_blocks(resolve_layers(model), model)
     batch = tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     offloader = None

@@ -79,6 +79,8 @@ class TbaSettings:
     offloader_options: dict[str, Any]
     nvme_path: str | None
     optimizer_on_nvme: bool
+    """DeepSpeed swaps optimizer states through ``nvme_path``: only ZeRO-3 does; ZeRO-1/2 keep an
+    ``offload_optimizer`` of device ``"nvme"`` in host memory, writing nothing."""
     params_on_nvme: bool
     check_bandwidth: bool
 
@@ -164,8 +166,8 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
         policy=policy,
         offloader_options=options,
         nvme_path=nvme_path,
-        optimizer_on_nvme=optimizer_path is not None,
-        params_on_nvme=param_path is not None,
+        optimizer_on_nvme=optimizer_path is not None and zero.get("stage") == 3,
+        params_on_nvme=param_path is not None and zero.get("stage") == 3,
         check_bandwidth=block.get("check_bandwidth", True),
     )
 

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tba.runtime._compile import is_compiled_module, saved_by_compiled_graph
+
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the container of >= 2 same-class children holding most parameters.
@@ -72,21 +74,39 @@ class LayerTracker:
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
         self.current: int | None = None
+        self.traced_in_enclosing_graph = False
+        """Set when a layer that is not compiled itself ran inside a compiled graph (``tba/runtime/_compile.py``)."""
+        self.compiled_save_outside_layers = False
+        """Set when a compiled graph saved a tensor while no layer was running."""
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self) -> None:
         """Start tracking; forward starts outside any layer, whatever the last forward ended in."""
         self.current = None
+        self.traced_in_enclosing_graph = False
+        self.compiled_save_outside_layers = False
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._entering(index)))
+            self._handles.append(layer.register_forward_pre_hook(self._entering(index, is_compiled_module(layer))))
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _entering(self, index: int):
+    def note_save(self) -> None:
+        """Called for each saved tensor: remembers whether a compiled graph saved it outside every layer."""
+        if self.layers and self.current is None and not self.compiled_save_outside_layers:
+            self.compiled_save_outside_layers = saved_by_compiled_graph()
+
+    @property
+    def in_whole_model_graph(self) -> bool:
+        """After forward: whether the layers ran inside an enclosing compiled graph (see ``tba/runtime/_compile.py``)."""
+        return self.traced_in_enclosing_graph or (self.compiled_save_outside_layers and self.current is None)
+
+    def _entering(self, index: int, compiled_itself: bool):
         def hook(module: nn.Module, args: object) -> None:
             self.current = index
+            if not compiled_itself and torch.compiler.is_compiling():
+                self.traced_in_enclosing_graph = True
 
         return hook

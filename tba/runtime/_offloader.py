@@ -44,6 +44,7 @@ from tba.io import Engine, make_engine, resolve_backend
 from tba.io._spill import SpillFile
 from tba.policy._runner import shared_runner
 from tba.runtime import _at_fork
+from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import OffloadStats
@@ -231,6 +232,8 @@ class Offloader:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self._hooks.__exit__(exc_type, exc, tb)
         self._tracker.detach()
+        if self._tracker.in_whole_model_graph:
+            warn_whole_model_compile(self.layers)
         self.policy_runner.exit(self, failed=exc_type is not None)
         if self._phase is _Phase.CLOSED:
             return
@@ -289,6 +292,7 @@ class Offloader:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not _Phase.ACTIVE:
             raise TbaError(self._not_active_message())
+        self._tracker.note_save()
         reason = self.keep_reason(tensor)
         if reason is not None:
             with self._store.lock:

@@ -9,7 +9,6 @@ reads the activations back from the file.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,39 +20,13 @@ deepspeed = pytest.importorskip("deepspeed")
 from tba.bench.models import PRESETS, make_batch, make_gpt  # noqa: E402
 from tba.integrations.deepspeed import TbaDeepSpeed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("single_process_group")
+
 CONFIG = PRESETS["tiny"]
 STEPS = 3
 MIN_OFFLOAD_BYTES = 16 << 10
 """Offload every activation of the tiny model but its smallest (fewer, larger test writes)."""
 TRAIN_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "integrations", "deepspeed", "train.py")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_process_group():
-    """One gloo process group for the module; DeepSpeed's shared-memory allreduce op is not built.
-
-    That op only speeds up allreduce between ranks on one node and JIT-compiles for about a
-    minute on first use, which a one-rank test does not need.
-    """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    compatible = deepspeed.ops.__compatible_ops__
-    name = deepspeed.accelerator.get_accelerator().create_op_builder("ShareMemCommBuilder").NAME
-    was_compatible = compatible.get(name)
-    compatible[name] = False
-    yield
-    compatible[name] = was_compatible
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def ds_config(stage: int, accumulation: int, directory: str | None, backend: str) -> dict:

@@ -117,6 +117,15 @@ def test_nvme_offload_places_tba_beside_the_swap_and_takes_aio_settings(tmp_path
         tba_ds.parse_config({"zero_optimization": {"offload_param": {"device": "nvme"}}, "tba": {}})
 
 
+def test_zero_below_stage_3_swaps_nothing_to_nvme(tmp_path):
+    """ZeRO-1/2 accept offload_optimizer device "nvme" but keep the states in host memory (no swapper)."""
+    config = nvme_config(str(tmp_path / "nvme"))
+    config["zero_optimization"]["stage"] = 2
+    settings = tba_ds.parse_config(config)
+    assert settings.directory == str(tmp_path / "nvme" / "tba")
+    assert not settings.optimizer_on_nvme and not settings.params_on_nvme
+
+
 def train_fake(engine: FakeEngine, offload: tba_ds.TbaDeepSpeed, steps: int) -> list[float]:
     tokens, targets = make_batch(PRESETS["tiny"])
     losses = []

@@ -1,0 +1,118 @@
+"""torch.compile and tba: per-block compile works, a whole-model compile is detected and reported.
+
+tba works through saved-tensor hooks. How they meet ``torch.compile`` depends on what is compiled:
+
+* **Per-block compile** (``model.layers[i] = torch.compile(block)``, as torchtitan does, or
+  ``block.compile()``). Each block becomes one AOTAutograd ``CompiledFunction``, an
+  ``autograd.Function`` that saves its activations with ``save_for_backward`` when the block's
+  forward returns. Outer saved-tensor hooks see those tensors as they see any other, so tba packs
+  them block by block during forward and unpacks them block by block during backward: the peak
+  falls as in eager and gradients are bit-exact.
+* **Whole-model compile** (``torch.compile(model)`` or ``model.compile()``). The whole forward is
+  one ``CompiledFunction``: nothing is saved until the entire forward has run, so every
+  activation is alive at once, and PyTorch runs every unpack hook when backward starts
+  (pytorch/pytorch#148222). Gradients stay exact, but offloading cannot lower the peak
+  (reading everything back at once raised it: 1153 MiB against 836 MiB keep-all for the
+  compiled ``bench`` GPT on CPU). torch 2.13 inlines only traceable hooks (``torch.fx.GraphModule`` pack and unpack, see
+  ``torch._functorch.config.saved_tensors_hooks_filtering_mode``); tba's hooks do file I/O and
+  cannot be traced.
+
+Detection needs ``layers`` (``tba/layers.py``), and uses two signs, checked when forward ends:
+
+1. The layer tracker's forward pre-hook asks :func:`torch.compiler.is_compiling`. Dynamo traces
+   that hook only when the layer runs inside a compiled graph; for a layer that is not compiled
+   itself (:func:`is_compiled_module`) that graph is an enclosing one. Dynamo replays the hook's
+   attribute write after the graph has run, so the flag is set by the time forward returns.
+2. Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``), so
+   a model compiled before tba registered its hooks never runs them. Then no layer is ever
+   entered, while the saved tensors arrive from an AOTAutograd function
+   (:func:`saved_by_compiled_graph` looks at the caller's frames, only while no layer is running).
+
+Either way :meth:`tba.Offloader.__exit__` calls :func:`warn_whole_model_compile`, which logs one
+warning per model naming the per-block alternative. Without ``layers`` nothing is detected;
+gradients are exact either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("tba")
+
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+WHOLE_MODEL_COMPILE_WARNING = (
+    "tba: the model's layers ran inside one whole-model torch.compile graph. Such a graph saves "
+    "all of its activations only when the whole forward has run, and PyTorch unpacks all of them "
+    "when backward starts (pytorch/pytorch#148222), so offloading cannot lower the activation peak "
+    "and reading everything back at once raises it (gradients stay exact). Compile each block instead of the whole model, e.g. "
+    "`for i, block in enumerate(model.layers): model.layers[i] = torch.compile(block)`, "
+    "and pass layers=model to tba."
+)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """True when ``module`` itself is compiled: ``torch.compile(module)`` or ``module.compile()``."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return True
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+_AOT_AUTOGRAD_DIR = "_functorch/_aot_autograd"
+_FRAMES_CHECKED = 8
+
+
+def saved_by_compiled_graph() -> bool:
+    """Whether the tensor being packed now is saved by an AOTAutograd ``CompiledFunction``.
+
+    Autograd calls pack hooks for a custom function's saved tensors when its ``apply`` returns;
+    for a compiled graph the caller of ``apply`` is AOTAutograd's runtime wrapper.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_CHECKED):
+        if frame is None:
+            return False
+        if _AOT_AUTOGRAD_DIR in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def compile_blocks(layers: Sequence[nn.Module], parent: nn.Module, **compile_options: object) -> list[nn.Module]:
+    """Replace each of ``layers`` in ``parent``'s submodules by ``torch.compile(layer, **compile_options)``.
+
+    Args:
+        layers: The repeated blocks (for instance :func:`tba.find_layers` of ``parent``).
+        parent: A module containing them, e.g. the model.
+        compile_options: Passed to :func:`torch.compile` (``backend``, ``mode``, ...).
+
+    Returns:
+        The compiled blocks, in the order of ``layers``.
+
+    Raises:
+        ValueError: a layer is not a submodule of ``parent``.
+    """
+    owners = {id(child): (owner, name) for owner in parent.modules() for name, child in owner.named_children()}
+    compiled = []
+    for layer in layers:
+        if id(layer) not in owners:
+            raise ValueError(f"{type(layer).__name__} is not a submodule of {type(parent).__name__}")
+        owner, name = owners[id(layer)]
+        block = torch.compile(layer, **compile_options)
+        owner.register_module(name, block)
+        compiled.append(block)
+    return compiled
+
+
+def warn_whole_model_compile(layers: Sequence[nn.Module]) -> None:
+    """Log :data:`WHOLE_MODEL_COMPILE_WARNING` once for the model whose first layer is ``layers[0]``."""
+    if not layers or layers[0] in _warned:
+        return
+    _warned.add(layers[0])
+    logger.warning(WHOLE_MODEL_COMPILE_WARNING)

@@ -1,0 +1,88 @@
+"""Unmodified Hugging Face ``transformers`` models under a bare ``tba.offload_activations()``.
+
+Small GPT-2 and Llama models are built from a config (no download), so this needs only the
+``transformers`` package (the ``hf`` extra). Each case compares one training step with tba
+against the same step without it: loss and every gradient ``torch.equal``. The Trainer example
+(``integrations/hf/train.py``) is run for two steps with and without tba, comparing the weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'tba[hf]')")
+
+from utils import assert_exact  # noqa: E402
+
+import tba  # noqa: E402
+
+VOCAB, SEQ, BATCH = 256, 32, 2
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "integrations", "hf", "train.py")
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=3, n_head=4)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config), "transformer.h"
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config), "model.layers"
+
+
+def forward(model):
+    tokens = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_find_layers_returns_the_decoder_blocks(build):
+    model, path = build()
+    assert tba.find_layers(model) == list(model.get_submodule(path))
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_bare_context_is_exact(spill_dir, backend, build):
+    model, _ = build()
+    model.train()
+    offloader = assert_exact(model, forward, spill_dir, backend)
+    assert offloader.stats.bytes_written > 0 and offloader.stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_layers_found_in_the_model_tag_every_block(spill_dir, build):
+    model, path = build()
+    model.train()
+    offloader = assert_exact(model, forward, spill_dir, layers=model)
+    blocks = len(model.get_submodule(path))
+    assert all(offloader.layer_saved_bytes.get(index, 0) > 0 for index in range(blocks)), offloader.layer_saved_bytes
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("tba_hf_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trainer_example_matches_training_without_tba(spill_dir, tmp_path):
+    example = load_example()
+    runs = {}
+    for use_tba in (False, True):
+        args = ["--steps", "2", "--output-dir", str(tmp_path / str(use_tba)), "--tba-dir", spill_dir]
+        trainer = example.main([*args, "--tba"] if use_tba else args)
+        runs[use_tba] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer)
+    reference, result = runs[False][0], runs[True][0]
+    assert reference.keys() == result.keys()
+    for name in reference:
+        assert torch.equal(reference[name], result[name]), f"parameter {name} differs"
+    stats = runs[True][1].tba_stats
+    assert stats is not None and stats.bytes_written > 0 and stats.bytes_read > 0
+    assert runs[False][1].tba_stats is None

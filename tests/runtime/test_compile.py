@@ -1,0 +1,89 @@
+"""tba with torch.compile: per-block compile is exact and offloads block by block; a whole-model
+compile stays exact and is reported once with the per-block alternative.
+
+Each case compares one step with tba against the same compiled model without it (``torch.equal``
+on the loss and every gradient). Per-block cases use inductor (on CPU it needs only a C compiler);
+the whole-model case uses the ``aot_eager`` backend, which builds the same AOTAutograd
+``CompiledFunction`` (the part that decides what saved-tensor hooks see) without code generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from utils import assert_exact
+
+import tba
+from tba.bench.models import PRESETS, make_batch, make_gpt
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                reason="torch.compile's inductor backend needs a C compiler (gcc) on CPU")
+
+CONFIG = PRESETS["tiny"]
+
+
+def forward(model):
+    tokens, targets = make_batch(CONFIG)
+    return model(tokens, targets)
+
+
+def compile_each_block(model):
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block)
+    return model
+
+
+def whole_model_warnings(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "tba" and "whole-model torch.compile" in r.getMessage()]
+
+
+def test_per_block_compile_is_exact_and_offloads_each_block(spill_dir, backend, caplog):
+    model = compile_each_block(make_gpt(CONFIG))
+    assert tba.find_layers(model) == list(model.blocks)
+    offloader = assert_exact(model, forward, spill_dir, backend, layers=model)
+    stats = offloader.stats
+    assert stats.bytes_written > 0 and stats.bytes_read > 0, stats.as_dict()
+    saved = offloader.layer_saved_bytes
+    assert all(saved.get(index, 0) > 0 for index in range(CONFIG.layers)), saved
+    assert whole_model_warnings(caplog) == []
+
+
+def test_in_place_block_compile_is_exact(spill_dir, caplog):
+    model = make_gpt(CONFIG)
+    for block in model.blocks:
+        block.compile()
+    offloader = assert_exact(model, forward, spill_dir, layers=model)
+    assert all(offloader.layer_saved_bytes.get(index, 0) > 0 for index in range(CONFIG.layers))
+    assert whole_model_warnings(caplog) == []
+
+
+def test_whole_model_compile_is_exact_and_warned_once(spill_dir, caplog):
+    model = make_gpt(CONFIG)
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        offloader = assert_exact(compiled, forward, spill_dir, layers=compiled)
+        assert offloader.stats.bytes_read > 0
+    warnings = whole_model_warnings(caplog)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "torch.compile(block)" in warnings[0].getMessage()
+
+
+def test_whole_model_compile_without_layers_is_exact(spill_dir):
+    compiled = torch.compile(make_gpt(CONFIG), backend="aot_eager")
+    offloader = assert_exact(compiled, forward, spill_dir)
+    assert offloader.stats.bytes_read > 0
+
+
+def test_whole_model_compile_traced_with_tba_hooks_is_warned(spill_dir, caplog):
+    """Compiled while tba's layer hooks are registered: Dynamo traces them into the graph."""
+    model = make_gpt(CONFIG)
+    compiled = torch.compile(model, backend="aot_eager")
+    offloader = tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0, layers=compiled)
+    with offloader:
+        loss = forward(compiled)
+    loss.backward()
+    assert len(whole_model_warnings(caplog)) == 1
+    assert_exact(compiled, forward, spill_dir, layers=compiled)
