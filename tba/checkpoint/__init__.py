@@ -9,7 +9,16 @@ optimizer step waits, and only for what is not yet copied.
 """
 
 from tba.checkpoint._io import TbaCheckpointError
+from tba.checkpoint._lazy import LazyCheckpoint, LazyCheckpointer, save_lazy
 from tba.checkpoint._reader import TbaStorageReader
 from tba.checkpoint._writer import ImagePool, TbaStorageWriter
 
-__all__ = ["ImagePool", "TbaCheckpointError", "TbaStorageReader", "TbaStorageWriter"]
+__all__ = [
+    "ImagePool",
+    "LazyCheckpoint",
+    "LazyCheckpointer",
+    "TbaCheckpointError",
+    "TbaStorageReader",
+    "TbaStorageWriter",
+    "save_lazy",
+]
