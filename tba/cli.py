@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-io": ("tba.bench_io", "measure O_DIRECT write/read bandwidth of each I/O engine vs fio"),
     "doctor": ("tba.doctor", "report which I/O backends this machine supports and why not"),
     "rok": ("tba.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
+    "bench-ckpt": ("tba.checkpoint._bench", "training stall and write bandwidth of checkpoints: torch.save, DCP, tba lazy"),
 }
 
 

@@ -1,7 +1,8 @@
 """The one place where tba.checkpoint touches the rest of tba, torch's private DCP names and the OS.
 
 Everything the checkpoint package needs from tba's engine (``make_engine``, ``Request``, ``Op``,
-``ALIGN_BYTES``), from ``tba.errors`` and from ``torch.distributed.checkpoint.filesystem``'s
+``ALIGN_BYTES``), from ``tba.errors``, from the tools the benchmark reuses (``bench_io``'s fio
+run and size parser, the built-in GPT of ``tba.models``, ``spill.resolve_directory``) and from ``torch.distributed.checkpoint.filesystem``'s
 private names (``_StorageInfo``, which DCP's own ``FileSystemReader`` expects in the metadata) is
 imported here and only here, so that a move of those modules changes one file.
 
@@ -29,9 +30,12 @@ import os
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
+from tba.bench_io import bench_fio, parse_size
 from tba.engine import Engine, make_engine
 from tba.engine.base import ALIGN_BYTES, Op, Request
 from tba.errors import TbaConfigError, TbaError
+from tba.models import GPTConfig, make_batch, make_gpt
+from tba.spill import resolve_directory
 
 logger = logging.getLogger("tba")
 
@@ -45,9 +49,10 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 __all__ = [
-    "ALIGN_BYTES", "DCP_VERSION", "Engine", "Op", "Request", "StorageInfo", "TbaCheckpointError",
-    "TbaConfigError", "TbaError", "align_up", "fsync_path", "host_buffer", "make_engine",
-    "open_data_file", "swap_into_place",
+    "ALIGN_BYTES", "DCP_VERSION", "Engine", "GPTConfig", "Op", "Request", "StorageInfo",
+    "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "bench_fio", "fsync_path",
+    "host_buffer", "make_batch", "make_engine", "make_gpt", "open_data_file", "parse_size",
+    "resolve_directory", "swap_into_place",
 ]
 
 

@@ -5,10 +5,12 @@ DCP's file format stores each tensor as a complete ``torch.save`` archive (a zip
 write such a file with ``O_DIRECT`` the tensor bytes must start on a 4096-byte boundary, so each
 tensor's archive is built around its data:
 
-1. ``torch.save`` runs under ``torch.serialization.skip_data()`` into a recorder that keeps every
-   byte it is given. The writer reserves the storage's bytes with one relative ``seek``; what
-   comes before is the archive's *head* (local zip headers, the pickle, padding), what comes
-   after is its *tail* (remaining records, central directory). No tensor byte is read.
+1. ``torch.save`` of an uninitialised contiguous tensor of the same shape and dtype runs under
+   ``torch.serialization.skip_data()`` into a recorder that keeps every byte it is given. The
+   writer reserves the storage's bytes with one relative ``seek``; what comes before is the
+   archive's *head* (local zip headers, the pickle, padding), what comes after is its *tail*
+   (remaining records, central directory). No tensor byte is read, and the pair is cached per
+   (shape, dtype); archives sharing it share their ``serialization_id`` record too.
 2. The archive is placed so that its data starts on a boundary: ``start = align_up(cursor +
    len(head)) - len(head)``. The gap before it (under 4 KiB) is zeros and belongs to no entry.
 3. The whole file image is assembled in one page-aligned host buffer: heads, tails and gaps
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import io
 import os
 from typing import Callable
@@ -36,6 +39,9 @@ from tba.checkpoint._io import ALIGN_BYTES, Engine, Op, Request, align_up
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Bytes per write request (a multiple of 4096)."""
+
+SKELETON_CACHE_ENTRIES = 4096
+"""Archive skeletons kept, one per (shape, dtype): a model's tensors repeat a few shapes."""
 
 
 class _Recorder:
@@ -89,23 +95,29 @@ class Entry:
         return self.offset + len(self.head)
 
 
+@functools.lru_cache(maxsize=SKELETON_CACHE_ENTRIES)
+def _skeleton(shape: torch.Size, dtype: torch.dtype) -> tuple[bytes, bytes]:
+    recorder = _Recorder()
+    with torch.serialization.skip_data():
+        torch.save(torch.empty(shape, dtype=dtype), recorder)
+    nbytes = shape.numel() * dtype.itemsize
+    if (recorder.hole_bytes or 0) != nbytes:
+        raise RuntimeError(f"torch.save skeleton reserved {recorder.hole_bytes} bytes for a "
+                           f"{nbytes}-byte tensor")
+    return bytes(recorder.head), bytes(recorder.tail)
+
+
 def tensor_entry(key: object, tensor: torch.Tensor) -> Entry:
-    """The entry for ``tensor``: its ``torch.save`` archive split around the raw bytes."""
+    """The entry for ``tensor``: its ``torch.save`` archive split around the raw bytes.
+
+    The archive is that of a contiguous tensor of the same shape and dtype (what ``torch.load``
+    returns is the same either way), so it depends on nothing else and is cached.
+    """
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    exact = (
-        tensor.is_contiguous() and tensor.storage_offset() == 0
-        and tensor.untyped_storage().nbytes() == tensor.nbytes
-    )
-    model = tensor if exact else torch.empty(tensor.shape, dtype=tensor.dtype)
-    recorder = _Recorder()
-    with torch.serialization.skip_data():
-        torch.save(model, recorder)
-    if (recorder.hole_bytes or 0) != tensor.nbytes:
-        raise RuntimeError(f"torch.save skeleton reserved {recorder.hole_bytes} bytes for a "
-                           f"{tensor.nbytes}-byte tensor")
-    return Entry(key, bytes(recorder.head), tensor, tensor.nbytes, bytes(recorder.tail))
+    head, tail = _skeleton(tensor.shape, tensor.dtype)
+    return Entry(key, head, tensor, tensor.nbytes, tail)
 
 
 def place(entries: list[Entry]) -> int:

@@ -72,6 +72,9 @@ class LazyCheckpoint:
         self.total_s = 0.0
         """Seconds from :meth:`LazyCheckpointer.save` until the checkpoint was published."""
         self.bytes_written = 0
+        """Bytes of the checkpoint's data file."""
+        self.write_s = 0.0
+        """Seconds from opening the data file until it was fsync'd (copy overlapped with writes)."""
         self._on_done = on_done
         self._snapshot = threading.Event()
         self._done = threading.Event()
@@ -179,6 +182,8 @@ class LazyCheckpointer:
         error = None
         try:
             dcp.save(state_dict, storage_writer=self._writer, no_dist=True)
+            handle.bytes_written = self._writer.last_write_bytes
+            handle.write_s = self._writer.last_write_s
         except BaseException as err:  # noqa: BLE001 - reported through the handle
             error = err
             logger.error("tba: checkpoint %s failed: %s", handle.path, err)

@@ -28,6 +28,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 import uuid
 from typing import Any, Callable
 
@@ -159,6 +160,10 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self._staging = ""
+        self.last_write_bytes = 0
+        """Bytes of the data file of the latest ``write_data`` (padding included)."""
+        self.last_write_s = 0.0
+        """Seconds the latest ``write_data`` spent from opening its data file until it was fsync'd."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -236,6 +241,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             if self._engine is None:
                 self._engine = make_engine(self._backend, queue_depth=self._queue_depth)
             os.makedirs(file_plan.staging, exist_ok=True)
+            start = time.perf_counter()
             fd, _ = open_data_file(path, align_up(file_bytes))
             try:
                 _layout.write_image(self._engine, fd, image, entries, file_bytes,
@@ -244,6 +250,8 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            self.last_write_s = time.perf_counter() - start
+            self.last_write_bytes = file_bytes
         except OSError as err:
             shutil.rmtree(file_plan.staging, ignore_errors=True)
             raise _os_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
