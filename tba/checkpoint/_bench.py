@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("bench-ckpt: %s", problem)
         return 2
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     config = gpt_config(args.size_bytes)
     trainer = _Trainer(config)
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in trainer.model.parameters())
