@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
 from tba.checkpoint._io import TbaCheckpointError, TbaConfigError
 from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, ImagePool, TbaStorageWriter
@@ -154,15 +155,17 @@ class LazyCheckpointer:
         """Start a checkpoint of ``state_dict`` to directory ``path`` and return at once.
 
         Until the handle's :meth:`~LazyCheckpoint.wait_snapshot` returns, the tensors in
-        ``state_dict`` must not be modified. A previous checkpoint still being written is
-        waited for first (its host buffer is reused).
+        ``state_dict`` must not be modified. Top-level values with ``state_dict()`` (modules,
+        optimizers: DCP's ``Stateful``) are replaced by their state dicts now, as DCP does. A
+        previous checkpoint still being written is waited for first (its host buffer is reused).
 
         Raises:
             TbaConfigError: A value DCP cannot store, or a destination that cannot be written.
         """
         if not isinstance(state_dict, dict):
             raise TbaConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        frozen = _snapshot_structure(state_dict, "")
+        frozen = _snapshot_structure(
+            {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}, "")
         path = os.path.abspath(os.fspath(path))
         with self._lock:
             previous = self._latest

@@ -50,6 +50,8 @@ logger = logging.getLogger("tba")
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 DEFAULT_QUEUE_DEPTH = 8
+_ACTIVE_STAGING: set[str] = set()
+"""Staging directories of saves in progress in this process (never removed as stale)."""
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
 
 
@@ -101,8 +103,9 @@ def _remove_stale_partials(parent: str, name: str) -> None:
         if not match or match.group("name") != name:
             continue
         pid = int(match.group("pid"))
-        alive = pid == os.getpid()
-        if not alive:
+        if pid == os.getpid():
+            alive = os.path.join(parent, entry.removesuffix(".old")) in _ACTIVE_STAGING
+        else:
             try:
                 os.kill(pid, 0)
                 alive = True
@@ -120,7 +123,8 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
 
     Use it wherever DCP takes a ``storage_writer``: ``dcp.save(sd, storage_writer=w)`` or
     ``dcp.async_save(sd, storage_writer=w)``. For ``async_save`` it stages like DCP's
-    ``FileSystemWriter`` (a blocking copy of the state dict to CPU).
+    ``FileSystemWriter`` (a blocking copy of the state dict to CPU). One instance runs one save
+    at a time: its host buffer is reused by the next save.
 
     Args:
         path: Checkpoint directory; may also be given later as ``checkpoint_id``.
@@ -205,6 +209,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         _remove_stale_partials(parent, name)
         staging = os.path.join(parent, f".{name}.tba-partial-{os.getpid()}-{self.save_id[:12]}")
         self._staging = staging
+        _ACTIVE_STAGING.add(staging)
         try:
             os.mkdir(staging)
         except OSError as err:
@@ -252,9 +257,12 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
                 os.close(fd)
             self.last_write_s = time.perf_counter() - start
             self.last_write_bytes = file_bytes
-        except OSError as err:
+        except BaseException as err:
             shutil.rmtree(file_plan.staging, ignore_errors=True)
-            raise _os_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
+            _ACTIVE_STAGING.discard(file_plan.staging)
+            if isinstance(err, OSError):
+                raise _os_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
+            raise
         finally:
             snapshot_done()
         results = [
@@ -282,6 +290,8 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         except OSError as err:
             shutil.rmtree(staging, ignore_errors=True)
             raise _os_error(err, "publishing the checkpoint", parent) from err
+        finally:
+            _ACTIVE_STAGING.discard(staging)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         logger.debug("tba: checkpoint %s published", self.path)

@@ -103,3 +103,20 @@ def test_read_only_file_system_is_refused_at_once(tmp_path):
     with small_mount(str(tmp_path / "ro"), MIB, read_only=True) as mount:
         with pytest.raises(TbaConfigError, match="read-only"):
             LazyCheckpointer().save({"a": torch.ones(4)}, os.path.join(mount, "ckpt"))
+
+
+def test_a_failing_write_removes_its_staging_directory(tmp_path, monkeypatch):
+    from tba.checkpoint import _layout
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    path = str(tmp_path / "ckpt")
+    first = {"a": torch.arange(5000)}
+    dcp.save(first, storage_writer=TbaStorageWriter(path), no_dist=True)
+    monkeypatch.setattr(_layout, "write_image", broken)
+    handle = LazyCheckpointer().save({"a": torch.zeros(5000, dtype=torch.int64)}, path)
+    with pytest.raises(TbaCheckpointError, match="injected failure"):
+        handle.wait()
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert_state_equal(load_state(path, first, TbaStorageReader(path)), first)

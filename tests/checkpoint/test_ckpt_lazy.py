@@ -91,3 +91,11 @@ def test_non_dict_state_is_refused(tmp_path):
 def test_negative_reserve_is_refused():
     with pytest.raises(TbaConfigError, match="reserve_bytes"):
         LazyCheckpointer(reserve_bytes=-1)
+
+
+def test_modules_and_optimizers_are_taken_as_state_dicts(tmp_path):
+    model, optimizer = make_model(seed=8)
+    expected = clone_state(full_state(model, optimizer))
+    handle = save_lazy({"model": model, "optim": optimizer}, tmp_path / "c")
+    handle.wait()
+    assert_state_equal(load_state(handle.path, expected, TbaStorageReader(handle.path)), expected)
