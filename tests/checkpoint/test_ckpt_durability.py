@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, TbaStorageWriter
 from tba.errors import TbaConfigError
 
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
 
 MIB = 1 << 20
 KILL_ROUNDS = 4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import warnings
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tba.checkpoint import LazyCheckpointer, TbaStorageReader, TbaStorageWriter, save_lazy
 from tba.errors import TbaConfigError
 
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
 
 
 def test_training_between_save_and_wait_gives_the_synchronous_checkpoint(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tba.checkpoint import TbaStorageReader, TbaStorageWriter
 from tba.checkpoint._layout import place, tensor_entry
 
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
 
 AWKWARD = [
     pytest.param(torch.arange(1, dtype=torch.uint8), id="1B"),
