@@ -1,10 +1,12 @@
 """The one place where tba.checkpoint touches the rest of tba, torch's private DCP names and the OS.
 
 Everything the checkpoint package needs from tba's engine (``make_engine``, ``Request``, ``Op``,
-``ALIGN_BYTES``), from ``tba.errors``, from the tools the benchmark reuses (``bench_io``'s fio
-run and size parser, the built-in GPT of ``tba.models``, ``spill.resolve_directory``) and from ``torch.distributed.checkpoint.filesystem``'s
-private names (``_StorageInfo``, which DCP's own ``FileSystemReader`` expects in the metadata) is
-imported here and only here, so that a move of those modules changes one file.
+``ALIGN_BYTES``), from ``tba.errors``, from the tools the benchmark reuses (``bench_io``'s fio run
+and size parser, the GPT of ``tba.models``, ``spill.resolve_directory``) and from the private
+names of ``torch.distributed.checkpoint.filesystem`` (``_StorageInfo``, which DCP's own
+``FileSystemReader`` expects in the metadata, and ``CURRENT_DCP_VERSION``, the
+``Metadata.version`` its writer stamps) is imported here and only here, so that a move of those
+modules changes one file.
 
 It also holds the file-system primitives of an atomic checkpoint:
 
@@ -28,6 +30,7 @@ import mmap
 import os
 
 import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 from tba.bench_io import bench_fio, parse_size
@@ -41,9 +44,6 @@ logger = logging.getLogger("tba")
 
 HUGE_PAGE_BYTES = 2 << 20
 """Host buffers are sized in multiples of this (bytes), the transparent huge page size."""
-
-DCP_VERSION = "1.0.0"
-"""``Metadata.version`` written by torch 2.13's ``FileSystemWriter``; written the same here."""
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

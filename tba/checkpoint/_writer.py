@@ -217,7 +217,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         return [dataclasses.replace(plan, storage_data=_FilePlan(f"__{i}_", staging))
                 for i, plan in enumerate(plans)]
 
-    def _entries(self, plan: SavePlan, planner: SavePlanner, file_name: str) -> list[_layout.Entry]:
+    def _entries(self, plan: SavePlan, planner: SavePlanner) -> list[_layout.Entry]:
         entries = []
         for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
             data = planner.resolve_data(item)
@@ -240,7 +240,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
                 self.on_snapshot()
 
         try:
-            entries = self._entries(plan, planner, file_name)
+            entries = self._entries(plan, planner)
             file_bytes = _layout.place(entries)
             image = self._pool.get(align_up(file_bytes))
             if self._engine is None:
