@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-io": ("tba.cli.bench_io", "measure O_DIRECT write/read bandwidth of each I/O engine vs fio"),
     "doctor": ("tba.cli.doctor", "report which I/O backends this machine supports and why not"),
     "rok": ("tba.cli.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
+    "bench-ckpt": ("tba.cli.bench_ckpt", "training stall and write bandwidth of checkpoints: torch.save, DCP, tba lazy"),
 }
 
 

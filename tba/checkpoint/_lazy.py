@@ -1,0 +1,234 @@
+"""Lazy asynchronous checkpoints: training stops only for what has not been copied yet.
+
+DataStates-LLM's observation: parameters and optimizer state do not change between one optimizer
+step and the next, so a checkpoint taken right after a step can be copied while the next forward
+and backward run, and written to storage after that, while training goes on. Only the next
+optimizer step, the first thing that modifies those tensors, has to wait for the copy.
+
+:meth:`LazyCheckpointer.save` does, in the caller's thread, only what must see the state as it
+is now: it copies the container structure and every non-tensor value (``copy.deepcopy``, cheap),
+checks that DCP can store them, checks the destination, and starts one background thread. That
+thread runs ``dcp.save`` (single process, ``no_dist``) with a :class:`TbaStorageWriter` whose
+file image lives in a host buffer reused from one checkpoint to the next; the writer copies each
+tensor into the image and queues its chunks to the engine as soon as they are complete, then
+calls back when the last tensor is copied (the *snapshot*). The returned :class:`LazyCheckpoint`
+offers :meth:`~LazyCheckpoint.wait_snapshot` (call it before modifying any saved tensor, or let
+:meth:`LazyCheckpointer.guard` register an optimizer step pre-hook that does) and
+:meth:`~LazyCheckpoint.wait` (the checkpoint is durable and published), plus an ``on_done``
+callback.
+
+Tensors modified during forward (e.g. BatchNorm running statistics) are not protected by the
+step hook: call ``wait_snapshot()`` before the forward pass if the state dict holds such buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from tba.checkpoint._io import TbaCheckpointError, TbaConfigError
+from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, ImagePool, TbaStorageWriter
+
+logger = logging.getLogger("tba")
+
+
+def _snapshot_structure(value: Any, key: str) -> Any:
+    """Containers rebuilt, tensors kept by reference, everything else deep-copied and checked."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_meta or value.is_nested:
+            raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
+                                 "only dense tensors can be saved: convert it with .to_dense() or drop it")
+        return value
+    if isinstance(value, dict):
+        return {k: _snapshot_structure(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        items = [_snapshot_structure(v, f"{key}.{i}") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    try:
+        copied = copy.deepcopy(value)
+        torch.save(copied, io.BytesIO())
+    except Exception as err:
+        raise TbaConfigError(f"state_dict[{key}] ({type(value).__name__}) cannot be saved by DCP: "
+                             f"{err}; keep only tensors and picklable values in the state dict") from err
+    return copied
+
+
+class LazyCheckpoint:
+    """Handle of one lazy checkpoint; returned by :meth:`LazyCheckpointer.save`."""
+
+    def __init__(self, path: str, on_done: Callable[[LazyCheckpoint], None] | None) -> None:
+        self.path = path
+        self.error: BaseException | None = None
+        self.snapshot_s = 0.0
+        """Seconds from :meth:`LazyCheckpointer.save` until every tensor was copied."""
+        self.total_s = 0.0
+        """Seconds from :meth:`LazyCheckpointer.save` until the checkpoint was published."""
+        self.bytes_written = 0
+        """Bytes of the checkpoint's data file."""
+        self.write_s = 0.0
+        """Seconds from opening the data file until it was fsync'd (copy overlapped with writes)."""
+        self._on_done = on_done
+        self._snapshot = threading.Event()
+        self._done = threading.Event()
+        self._start = time.perf_counter()
+
+    def snapshot_taken(self) -> bool:
+        """True once the saved tensors may be modified again."""
+        return self._snapshot.is_set()
+
+    def done(self) -> bool:
+        """True once the checkpoint is durable and published, or has failed."""
+        return self._done.is_set()
+
+    def wait_snapshot(self, timeout_s: float | None = None) -> float:
+        """Block until every tensor has been copied; returns the seconds waited."""
+        start = time.perf_counter()
+        if not self._snapshot.wait(timeout_s):
+            raise TimeoutError(f"checkpoint {self.path}: snapshot not taken within {timeout_s} s")
+        return time.perf_counter() - start
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the checkpoint is durable and published.
+
+        Raises:
+            TbaCheckpointError: The save failed; the earlier checkpoint at the path is unchanged.
+        """
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"checkpoint {self.path} not finished within {timeout_s} s")
+        if self.error is not None:
+            if isinstance(self.error, TbaCheckpointError):
+                raise self.error
+            raise TbaCheckpointError(f"checkpoint {self.path} failed: {self.error}") from self.error
+
+    def _mark_snapshot(self) -> None:
+        if not self._snapshot.is_set():
+            self.snapshot_s = time.perf_counter() - self._start
+            self._snapshot.set()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self.error = error
+        self.total_s = time.perf_counter() - self._start
+        self._mark_snapshot()
+        self._done.set()
+        if self._on_done is not None:
+            try:
+                self._on_done(self)
+            except Exception:  # noqa: BLE001 - a user callback must not kill the writer thread
+                logger.exception("tba: on_done callback of checkpoint %s failed", self.path)
+
+
+class LazyCheckpointer:
+    """Takes lazy checkpoints one after the other, reusing one engine and one host buffer.
+
+    Args:
+        backend: Engine backend (``"auto"``, ``"io_uring"``, ``"threads"``) or an Engine.
+        queue_depth: Write requests in flight. Default 8.
+        reserve_bytes: Host buffer to allocate and touch now (bytes), about the checkpoint's
+            size; otherwise the first save allocates it and its snapshot is slower.
+    """
+
+    def __init__(self, *, backend: str = "auto", queue_depth: int = DEFAULT_QUEUE_DEPTH,
+                 reserve_bytes: int = 0) -> None:
+        if reserve_bytes < 0:
+            raise TbaConfigError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+        self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth,
+                                        image_pool=ImagePool(reserve_bytes))
+        self._latest: LazyCheckpoint | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def latest(self) -> LazyCheckpoint | None:
+        """The most recent checkpoint handle, or None."""
+        return self._latest
+
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike, *,
+             on_done: Callable[[LazyCheckpoint], None] | None = None) -> LazyCheckpoint:
+        """Start a checkpoint of ``state_dict`` to directory ``path`` and return at once.
+
+        Until the handle's :meth:`~LazyCheckpoint.wait_snapshot` returns, the tensors in
+        ``state_dict`` must not be modified. Top-level values with ``state_dict()`` (modules,
+        optimizers: DCP's ``Stateful``) are replaced by their state dicts now, as DCP does. A
+        previous checkpoint still being written is waited for first (its host buffer is reused).
+
+        Raises:
+            TbaConfigError: A value DCP cannot store, or a destination that cannot be written.
+        """
+        if not isinstance(state_dict, dict):
+            raise TbaConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        frozen = _snapshot_structure(
+            {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}, "")
+        path = os.path.abspath(os.fspath(path))
+        with self._lock:
+            previous = self._latest
+            if previous is not None and not previous.done():
+                logger.info("tba: checkpoint %s waits for %s to finish", path, previous.path)
+                previous._done.wait()
+            handle = LazyCheckpoint(path, on_done)
+            self._writer.reset(path)
+            self._writer.prepare_local_plan(None)
+            self._writer.on_snapshot = handle._mark_snapshot
+            self._latest = handle
+        thread = threading.Thread(target=self._run, args=(frozen, handle), name="tba-ckpt", daemon=True)
+        thread.start()
+        return handle
+
+    def _run(self, state_dict: dict[str, Any], handle: LazyCheckpoint) -> None:
+        error = None
+        try:
+            dcp.save(state_dict, storage_writer=self._writer, no_dist=True)
+            handle.bytes_written = self._writer.last_write_bytes
+            handle.write_s = self._writer.last_write_s
+        except BaseException as err:  # noqa: BLE001 - reported through the handle
+            error = err
+            logger.error("tba: checkpoint %s failed: %s", handle.path, err)
+        handle._finish(error)
+
+    def wait_snapshot(self) -> float:
+        """Wait for the latest checkpoint's snapshot, if any; returns the seconds waited."""
+        latest = self._latest
+        return latest.wait_snapshot() if latest is not None else 0.0
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for the latest snapshot; returns the hook's handle."""
+
+        def wait_before_step(*_: object) -> None:
+            self.wait_snapshot()
+
+        return optimizer.register_step_pre_hook(wait_before_step)
+
+    def close(self) -> None:
+        """Wait for the latest checkpoint, then release the engine and the host buffer."""
+        latest = self._latest
+        if latest is not None:
+            latest._done.wait()
+        self._writer.close()
+
+    def __enter__(self) -> LazyCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_default: LazyCheckpointer | None = None
+_default_lock = threading.Lock()
+
+
+def save_lazy(state_dict: dict[str, Any], path: str | os.PathLike, *,
+              on_done: Callable[[LazyCheckpoint], None] | None = None) -> LazyCheckpoint:
+    """Start a lazy checkpoint with a process-wide :class:`LazyCheckpointer`; see its ``save``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = LazyCheckpointer()
+    return _default.save(state_dict, path, on_done=on_done)

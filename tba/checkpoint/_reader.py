@@ -1,0 +1,196 @@
+"""A DCP ``StorageReader`` that reads checkpoints through tba's engine.
+
+It reads any checkpoint in DCP's file-system format (tba's or ``FileSystemWriter``'s): the
+pickled ``.metadata`` names, for every item, a file and an ``(offset, length)`` range. Items of
+one file are sorted by offset and gathered into batches of at most ``batch_bytes``; each batch is
+one aligned range, read with ``O_DIRECT`` in ``chunk_bytes`` requests kept ``queue_depth`` deep
+(the bytes past the last whole block of the file, which O_DIRECT cannot read, come through a
+buffered ``pread``). Each tensor item is then a ``torch.save`` archive in memory: it is loaded,
+narrowed to the requested chunk and copied into the planner's tensor; other items go to
+``planner.load_bytes``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from tba.checkpoint._io import (
+    ALIGN_BYTES,
+    Engine,
+    Op,
+    Request,
+    TbaCheckpointError,
+    align_up,
+    host_buffer,
+    make_engine,
+)
+from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, METADATA_NAME
+
+DEFAULT_BATCH_BYTES = 256 << 20
+"""Most bytes read into memory before they are handed to the planner (bytes)."""
+
+READ_CHUNK_BYTES = 4 << 20
+"""Bytes per read request."""
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+class TbaStorageReader(StorageReader):
+    """DCP storage reader for ``dcp.load(sd, storage_reader=TbaStorageReader(path))``.
+
+    Args:
+        path: Checkpoint directory; may also be given as ``checkpoint_id``.
+        backend: Engine backend or Engine instance. Default ``"auto"``.
+        queue_depth: Read requests in flight. Default 8.
+        batch_bytes: Bound on bytes held in memory at once, beyond a single larger item.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        backend: str | Engine = "auto",
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.storage_data: dict[Any, Any] = {}
+        self._backend = backend
+        self._queue_depth = queue_depth
+        self._batch_bytes = batch_bytes
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return "://" not in str(checkpoint_id) and os.path.isdir(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata_path = os.path.join(self.path, METADATA_NAME)
+        try:
+            with open(metadata_path, "rb") as stream:
+                metadata = pickle.load(stream)
+        except FileNotFoundError as err:
+            raise TbaCheckpointError(f"no checkpoint at {self.path}: {METADATA_NAME} is missing; "
+                                     "pass the directory a save completed to") from err
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise TbaCheckpointError(f"checkpoint {self.path} has no storage data in its metadata")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                raise TbaCheckpointError(f"{self.path} uses stream transforms "
+                                         f"{info.transform_descriptors}; load it with FileSystemReader")
+            per_file.setdefault(info.relative_path, []).append(item)
+        with make_engine(self._backend, queue_depth=self._queue_depth) as engine:
+            for relative_path, items in per_file.items():
+                items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+                self._read_file(engine, os.path.join(self.path, relative_path), items, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _batches(self, items: list[ReadItem]) -> list[list[ReadItem]]:
+        batches: list[list[ReadItem]] = [[]]
+        start = None
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            if start is not None and info.offset + info.length - start > self._batch_bytes:
+                batches.append([])
+                start = None
+            if start is None:
+                start = info.offset - info.offset % ALIGN_BYTES
+            batches[-1].append(item)
+        return [b for b in batches if b]
+
+    def _read_file(self, engine: Engine, path: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        try:
+            direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError:
+            direct_fd = -1
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            for batch in self._batches(items):
+                infos = [self.storage_data[i.storage_index] for i in batch]
+                start = infos[0].offset - infos[0].offset % ALIGN_BYTES
+                end = max(i.offset + i.length for i in infos)
+                if end > size:
+                    raise TbaCheckpointError(f"{path} is shorter ({size} bytes) than its metadata says "
+                                             f"({end}); the checkpoint is damaged")
+                buffer = host_buffer(align_up(end) - start)
+                self._fill(engine, direct_fd, fd, buffer, start, end, size)
+                for item, info in zip(batch, infos):
+                    blob = buffer[info.offset - start : info.offset - start + info.length]
+                    self._deliver(item, blob, planner)
+        finally:
+            os.close(fd)
+            if direct_fd >= 0:
+                os.close(direct_fd)
+
+    @staticmethod
+    def _fill(engine: Engine, direct_fd: int, fd: int, buffer: torch.Tensor, start: int, end: int, size: int) -> None:
+        whole_end = min(align_up(end), size - size % ALIGN_BYTES) if direct_fd >= 0 else start
+        whole_end = max(whole_end, start)
+        base = buffer.data_ptr()
+        requests = [
+            Request(Op.READ, direct_fd, base + offset - start, min(READ_CHUNK_BYTES, whole_end - offset), offset)
+            for offset in range(start, whole_end, READ_CHUNK_BYTES)
+        ]
+        futures = engine.submit_many(requests)
+        if end > whole_end:
+            rest = os.pread(fd, end - whole_end, whole_end)
+            if len(rest) != end - whole_end:
+                raise TbaCheckpointError(f"short read at offset {whole_end}: the checkpoint file is damaged")
+            buffer[whole_end - start : end - start].copy_(torch.frombuffer(bytearray(rest), dtype=torch.uint8))
+        concurrent.futures.wait(futures)
+        for future in futures:
+            future.result()
+
+    @staticmethod
+    def _deliver(item: ReadItem, blob: torch.Tensor, planner: LoadPlanner) -> None:
+        data = io.BytesIO(blob.numpy().tobytes())
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, data)
+            return
+        tensor = torch.load(data, map_location="cpu", weights_only=True)
+        tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise TbaCheckpointError(f"{item.storage_index.fqn}: checkpoint holds {tuple(tensor.size())}, "
+                                     f"the state dict wants {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)

@@ -1,0 +1,315 @@
+"""A DCP ``StorageWriter`` that writes through tba's engine and publishes checkpoints atomically.
+
+The checkpoint keeps DCP's on-disk format, so DCP's stock ``FileSystemReader`` loads it: one data
+file per rank (``__<rank>_0.distcp``) holding each tensor as a ``torch.save`` archive and each
+other object as pickled bytes, plus a pickled ``Metadata`` in ``.metadata`` whose
+``storage_data`` maps every item to ``_StorageInfo(relative_path, offset, length)``. Tensor bytes
+start on 4096-byte boundaries inside the data file (see :mod:`tba.checkpoint._layout`), so the
+file is written from one aligned host image with ``O_DIRECT`` and many requests in flight.
+
+Durability and atomicity: nothing is written under the checkpoint's own path. The coordinator
+picks a staging directory beside it (``.<name>.tba-partial-<pid>-<id>``) in
+``prepare_global_plan``; every rank writes its data file there, then ``ftruncate``\\ s it to its
+logical size and ``fsync``\\ s it before ``write_data`` completes. ``finish`` writes the metadata
+to the staging directory, ``fsync``\\ s it and the directory, and only then renames the staging
+directory into place (exchanging it atomically with an existing checkpoint, which is then
+deleted) and ``fsync``\\ s the parent. A process killed at any moment therefore leaves the old
+checkpoint (or none) under the name, never a partial one; partial directories of dead processes
+are removed by the next save to the same path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import pickle
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from tba.checkpoint import _layout
+from tba.checkpoint._io import (
+    DCP_VERSION,
+    Engine,
+    StorageInfo,
+    TbaCheckpointError,
+    TbaConfigError,
+    align_up,
+    fsync_path,
+    host_buffer,
+    make_engine,
+    open_data_file,
+    swap_into_place,
+)
+
+logger = logging.getLogger("tba")
+
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+DEFAULT_QUEUE_DEPTH = 8
+_ACTIVE_STAGING: set[str] = set()
+"""Staging directories of saves in progress in this process (never removed as stale)."""
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FilePlan:
+    prefix: str
+    staging: str
+
+
+class ImagePool:
+    """One reusable page-aligned host buffer for file images, grown on demand.
+
+    Reusing it matters: fresh memory is first touched at ~1 GB/s here, ten times slower than a
+    copy into memory touched before.
+    """
+
+    def __init__(self, reserve_bytes: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = host_buffer(reserve_bytes) if reserve_bytes else None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; callers must not use it from two saves at once."""
+        with self._lock:
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = None
+                self._buffer = host_buffer(nbytes + nbytes // 8)
+            return self._buffer
+
+
+def _os_error(err: OSError, what: str, directory: str) -> TbaCheckpointError:
+    if err.errno == errno.ENOSPC:
+        fix = "free space there or save to another directory"
+    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "save to a writable directory"
+    else:
+        fix = "check the directory and the disk"
+    return TbaCheckpointError(f"{what} in {directory} failed: {err.strerror}; {fix}; any earlier "
+                              "checkpoint is unchanged")
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    names = os.listdir(path)
+    return all(n == METADATA_NAME or n.endswith(DATA_SUFFIX) for n in names)
+
+
+def _remove_stale_partials(parent: str, name: str) -> None:
+    for entry in os.listdir(parent):
+        match = _PARTIAL.match(entry)
+        if not match or match.group("name") != name:
+            continue
+        pid = int(match.group("pid"))
+        if pid == os.getpid():
+            alive = os.path.join(parent, entry.removesuffix(".old")) in _ACTIVE_STAGING
+        else:
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+        if not alive:
+            logger.info("tba: removing %s left by a save that did not finish", entry)
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
+    """DCP storage writer: O_DIRECT writes through tba's engine, atomic publication.
+
+    Use it wherever DCP takes a ``storage_writer``: ``dcp.save(sd, storage_writer=w)`` or
+    ``dcp.async_save(sd, storage_writer=w)``. For ``async_save`` it stages like DCP's
+    ``FileSystemWriter`` (a blocking copy of the state dict to CPU). One instance runs one save
+    at a time: its host buffer is reused by the next save.
+
+    Args:
+        path: Checkpoint directory; may also be given later as ``checkpoint_id``.
+        backend: Engine backend (``"auto"``, ``"io_uring"``, ``"threads"``) or an Engine.
+        queue_depth: Write requests in flight. Default 8.
+        chunk_bytes: Bytes per write request, a multiple of 4096. Default 4 MiB.
+        overwrite: Replace an existing checkpoint at ``path`` (atomically). Default True.
+        image_pool: Host buffer to reuse across saves; a private one by default.
+        cache_staged_state_dict: Passed to DCP's ``BlockingAsyncStager`` for ``async_save``.
+        on_snapshot: Called from ``write_data`` once every tensor was copied to host memory.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        backend: str | Engine = "auto",
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        chunk_bytes: int = _layout.DEFAULT_CHUNK_BYTES,
+        overwrite: bool = True,
+        image_pool: ImagePool | None = None,
+        cache_staged_state_dict: bool = False,
+        on_snapshot: Callable[[], None] | None = None,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if chunk_bytes <= 0 or chunk_bytes % _layout.ALIGN_BYTES:
+            raise TbaConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+        self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.overwrite = overwrite
+        self.chunk_bytes = chunk_bytes
+        self.on_snapshot = on_snapshot
+        self._backend = backend
+        self._queue_depth = queue_depth
+        self._engine: Engine | None = None
+        self._pool = image_pool or ImagePool()
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self._staging = ""
+        self.last_write_bytes = 0
+        """Bytes of the data file of the latest ``write_data`` (padding included)."""
+        self.last_write_s = 0.0
+        """Seconds the latest ``write_data`` spent from opening its data file until it was fsync'd."""
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return "://" not in str(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank") or 0
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.path is None:
+            raise TbaConfigError("no checkpoint path: pass path= or checkpoint_id=")
+        parent = os.path.dirname(self.path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as err:
+            raise _os_error(err, "creating the checkpoint's parent directory", parent) from err
+        if not os.access(parent, os.W_OK):
+            raise TbaConfigError(f"cannot write checkpoints in {parent}: it is read-only or not "
+                                 "writable by this user; save to a writable directory")
+        if os.path.lexists(self.path):
+            if not self.overwrite:
+                raise TbaConfigError(f"a checkpoint exists at {self.path}; pass overwrite=True or "
+                                     "choose a new path")
+            if not os.path.isdir(self.path) or not _is_checkpoint_dir(self.path):
+                raise TbaConfigError(f"{self.path} exists and is not a checkpoint directory; "
+                                     "choose a new path (tba never replaces other files)")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        parent, name = os.path.split(self.path)
+        _remove_stale_partials(parent, name)
+        staging = os.path.join(parent, f".{name}.tba-partial-{os.getpid()}-{self.save_id[:12]}")
+        self._staging = staging
+        _ACTIVE_STAGING.add(staging)
+        try:
+            os.mkdir(staging)
+        except OSError as err:
+            raise _os_error(err, "creating the staging directory", parent) from err
+        return [dataclasses.replace(plan, storage_data=_FilePlan(f"__{i}_", staging))
+                for i, plan in enumerate(plans)]
+
+    def _entries(self, plan: SavePlan, planner: SavePlanner) -> list[_layout.Entry]:
+        entries = []
+        for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                entries.append(_layout.Entry(item.index, bytes(data.getbuffer())))
+            else:
+                entries.append(_layout.tensor_entry(item.index, data))
+        return entries
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_plan: _FilePlan = plan.storage_data
+        file_name = f"{file_plan.prefix}0{DATA_SUFFIX}"
+        path = os.path.join(file_plan.staging, file_name)
+        snapshot_told = False
+
+        def snapshot_done() -> None:
+            nonlocal snapshot_told
+            if not snapshot_told and self.on_snapshot is not None:
+                snapshot_told = True
+                self.on_snapshot()
+
+        try:
+            entries = self._entries(plan, planner)
+            file_bytes = _layout.place(entries)
+            image = self._pool.get(align_up(file_bytes))
+            if self._engine is None:
+                self._engine = make_engine(self._backend, queue_depth=self._queue_depth)
+            os.makedirs(file_plan.staging, exist_ok=True)
+            start = time.perf_counter()
+            fd, _ = open_data_file(path, align_up(file_bytes))
+            try:
+                _layout.write_image(self._engine, fd, image, entries, file_bytes,
+                                    chunk_bytes=self.chunk_bytes, on_snapshot=snapshot_done)
+                os.ftruncate(fd, file_bytes)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.last_write_s = time.perf_counter() - start
+            self.last_write_bytes = file_bytes
+        except BaseException as err:
+            shutil.rmtree(file_plan.staging, ignore_errors=True)
+            _ACTIVE_STAGING.discard(file_plan.staging)
+            if isinstance(err, OSError):
+                raise _os_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
+            raise
+        finally:
+            snapshot_done()
+        results = [
+            WriteResult(index=e.key, size_in_bytes=e.length,
+                        storage_data=StorageInfo(file_name, e.offset, e.length))
+            for e in entries
+        ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        staging = self._staging
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        metadata.storage_meta = self.storage_meta()
+        parent = os.path.dirname(self.path)
+        try:
+            with open(os.path.join(staging, METADATA_NAME), "wb") as stream:
+                pickle.dump(metadata, stream)
+                stream.flush()
+                os.fsync(stream.fileno())
+            fsync_path(staging)
+            replaced = swap_into_place(staging, self.path)
+        except OSError as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise _os_error(err, "publishing the checkpoint", parent) from err
+        finally:
+            _ACTIVE_STAGING.discard(staging)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        logger.debug("tba: checkpoint %s published", self.path)
+
+    def close(self) -> None:
+        """Release the engine (waits for nothing: every save has completed its writes)."""
+        if self._engine is not None and self._engine is not self._backend:
+            self._engine.close()
+        self._engine = None
+        BlockingAsyncStager.close(self)
+

@@ -1,0 +1,101 @@
+"""Helpers for the checkpoint tests: small models, state-dict comparison, scratch mounts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+
+def make_model(seed: int = 0, width: int = 48) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small MLP with LayerNorm and an Adam optimizer that has taken one step."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, 4 * width + 3), nn.GELU(), nn.Linear(4 * width + 3, width),
+                          nn.LayerNorm(width))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_step(model, optimizer, seed)
+    return model, optimizer
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One forward, backward and optimizer step on a batch drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    width = model[0].in_features
+    loss = model(torch.randn(8, width, generator=generator)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state as one DCP state dict."""
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def zeros_like_state(value: Any) -> Any:
+    """The same structure with every tensor replaced by zeros (a load target)."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: zeros_like_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [zeros_like_state(v) for v in value]
+    return value
+
+
+def clone_state(value: Any) -> Any:
+    """A deep copy with every tensor cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clone_state(v) for v in value]
+    return value
+
+
+def assert_state_equal(actual: Any, expected: Any, where: str = "") -> None:
+    """Every tensor ``torch.equal`` (same dtype and shape), every other value ``==``."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        assert torch.equal(actual, expected), f"tensor {where} differs"
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), where
+        for key in expected:
+            assert_state_equal(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_state_equal(a, e, f"{where}.{i}")
+    else:
+        assert actual == expected, where
+
+
+def load_state(path: str, like: Any, reader: Any) -> Any:
+    """Load the checkpoint at ``path`` into zeros shaped like ``like`` with ``reader``."""
+    target = zeros_like_state(like)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    return target
+
+
+@contextlib.contextmanager
+def small_mount(directory: str, size_bytes: int, *, read_only: bool = False) -> Iterator[str]:
+    """A tmpfs of ``size_bytes`` mounted at ``directory``; skips the test where mount is refused."""
+    os.makedirs(directory, exist_ok=True)
+    options = f"size={size_bytes}" + (",ro" if read_only else "")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", directory],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", directory], check=False)

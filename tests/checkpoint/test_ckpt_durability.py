@@ -1,0 +1,121 @@
+"""Atomicity and durability: SIGKILL mid-save, a full disk, a read-only file system."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckpt_helpers import assert_state_equal, load_state, small_mount
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, TbaStorageWriter
+from tba.errors import TbaConfigError
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
+
+MIB = 1 << 20
+KILL_ROUNDS = 4
+
+SAVER = textwrap.dedent("""
+    import sys, warnings
+    import torch, torch.distributed.checkpoint as dcp
+    from tba.checkpoint import TbaStorageWriter
+    warnings.simplefilter("ignore")
+    path, version = sys.argv[1], int(sys.argv[2])
+    while True:
+        state = {"w": torch.full((3 * 2**20 + 1,), float(version)),
+                 "b": torch.full((4097,), version % 256, dtype=torch.uint8), "version": version}
+        dcp.save(state, storage_writer=TbaStorageWriter(path), no_dist=True)
+        print(version, flush=True)
+        version += 1
+""")
+
+
+def versioned_state(version: int) -> dict:
+    return {"w": torch.full((3 * 2**20 + 1,), float(version)),
+            "b": torch.full((4097,), version % 256, dtype=torch.uint8), "version": version}
+
+
+def test_sigkill_at_random_points_leaves_a_whole_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    rng = random.Random(15)
+    version = interrupted = 0
+    for _ in range(KILL_ROUNDS):
+        child = subprocess.Popen([sys.executable, "-c", SAVER, path, str(version + 1)],
+                                 stdout=subprocess.PIPE, text=True)
+        completed = int(child.stdout.readline())
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        completed = max([completed] + [int(line) for line in child.stdout.read().split()])
+        child.stdout.close()
+        interrupted += any(".tba-partial-" in name for name in os.listdir(tmp_path))
+        found = load_state(path, versioned_state(0), FileSystemReader(path))["version"]
+        assert found in (completed, completed + 1)
+        assert_state_equal(load_state(path, versioned_state(0), TbaStorageReader(path)), versioned_state(found))
+        version = found
+    assert interrupted >= 1, "no kill landed inside a save; the test proved nothing"
+    dcp.save(versioned_state(99), storage_writer=TbaStorageWriter(path), no_dist=True)
+    assert os.listdir(tmp_path) == ["ckpt"], "partial directories of killed saves were not removed"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    with small_mount(str(tmp_path / "disk"), 24 * MIB) as mount:
+        yield mount
+
+
+def test_full_disk_fails_clearly_and_keeps_the_earlier_checkpoint(tiny_disk):
+    path = os.path.join(tiny_disk, "ckpt")
+    small = {"a": torch.arange(MIB, dtype=torch.int32)}
+    dcp.save(small, storage_writer=TbaStorageWriter(path), no_dist=True)
+    large = {"a": torch.zeros(16 * MIB // 4 * 2, dtype=torch.int32)}
+    with pytest.raises(CheckpointException, match="No space left on device.*free space"):
+        dcp.save(large, storage_writer=TbaStorageWriter(path), no_dist=True)
+    assert os.listdir(tiny_disk) == ["ckpt"]
+    assert_state_equal(load_state(path, small, TbaStorageReader(path)), small)
+
+
+def test_full_disk_in_lazy_mode_reports_through_wait(tiny_disk):
+    path = os.path.join(tiny_disk, "ckpt")
+    small = {"a": torch.arange(1000, dtype=torch.float64)}
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.save(small, path).wait()
+        handle = checkpointer.save({"a": torch.ones(8 * MIB)}, path)
+        with pytest.raises(TbaCheckpointError, match="No space left"):
+            handle.wait()
+        assert handle.snapshot_taken()
+    assert os.listdir(tiny_disk) == ["ckpt"]
+    assert_state_equal(load_state(path, small, FileSystemReader(path)), small)
+
+
+def test_read_only_file_system_is_refused_at_once(tmp_path):
+    with small_mount(str(tmp_path / "ro"), MIB, read_only=True) as mount:
+        with pytest.raises(TbaConfigError, match="read-only"):
+            LazyCheckpointer().save({"a": torch.ones(4)}, os.path.join(mount, "ckpt"))
+
+
+def test_a_failing_write_removes_its_staging_directory(tmp_path, monkeypatch):
+    from tba.checkpoint import _layout
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    path = str(tmp_path / "ckpt")
+    first = {"a": torch.arange(5000)}
+    dcp.save(first, storage_writer=TbaStorageWriter(path), no_dist=True)
+    monkeypatch.setattr(_layout, "write_image", broken)
+    handle = LazyCheckpointer().save({"a": torch.zeros(5000, dtype=torch.int64)}, path)
+    with pytest.raises(TbaCheckpointError, match="injected failure"):
+        handle.wait()
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert_state_equal(load_state(path, first, TbaStorageReader(path)), first)

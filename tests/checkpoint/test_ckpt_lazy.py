@@ -1,0 +1,100 @@
+"""Lazy checkpoints: training between save and wait gives the checkpoint of a synchronous save."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckpt_helpers import assert_state_equal, clone_state, full_state, load_state, make_model, train_step
+from torch.distributed.checkpoint import FileSystemReader
+
+from tba.checkpoint import LazyCheckpointer, TbaStorageReader, TbaStorageWriter, save_lazy
+from tba.errors import TbaConfigError
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
+
+
+def test_training_between_save_and_wait_gives_the_synchronous_checkpoint(tmp_path):
+    model, optimizer = make_model(seed=1)
+    sync_path, lazy_path = str(tmp_path / "sync"), str(tmp_path / "lazy")
+    at_save = clone_state(full_state(model, optimizer))
+    dcp.save(full_state(model, optimizer), storage_writer=TbaStorageWriter(sync_path), no_dist=True)
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.guard(optimizer)
+        handle = checkpointer.save(full_state(model, optimizer), lazy_path)
+        for step in range(3):
+            train_step(model, optimizer, seed=100 + step)
+        handle.wait()
+    lazy = load_state(lazy_path, at_save, TbaStorageReader(lazy_path))
+    assert_state_equal(lazy, load_state(sync_path, at_save, FileSystemReader(sync_path)))
+    assert_state_equal(lazy, at_save)
+    moved = full_state(model, optimizer)["model"]
+    assert any(not torch.equal(moved[k], at_save["model"][k]) for k in moved), "training did not move"
+
+
+def test_step_hook_runs_only_after_the_snapshot(tmp_path):
+    model, optimizer = make_model(seed=2, width=256)
+    seen = []
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.guard(optimizer)
+        optimizer.register_step_pre_hook(lambda *_: seen.append(checkpointer.latest.snapshot_taken()))
+        checkpointer.save(full_state(model, optimizer), str(tmp_path / "c"))
+        train_step(model, optimizer, seed=7)
+    assert seen == [True]
+
+
+def test_on_done_callback_and_durable_result(tmp_path):
+    model, optimizer = make_model(seed=4)
+    state = clone_state(full_state(model, optimizer))
+    called = threading.Event()
+    handle = save_lazy(full_state(model, optimizer), tmp_path / "c", on_done=lambda h: called.set())
+    handle.wait(timeout_s=60)
+    assert called.is_set() and handle.done() and handle.error is None
+    assert handle.total_s >= handle.snapshot_s > 0
+    assert_state_equal(load_state(handle.path, state, FileSystemReader(handle.path)), state)
+
+
+def test_back_to_back_saves_reuse_the_buffer(tmp_path):
+    model, optimizer = make_model(seed=6)
+    with LazyCheckpointer(reserve_bytes=1 << 20) as checkpointer:
+        checkpointer.guard(optimizer)
+        states = []
+        for i in range(3):
+            states.append(clone_state(full_state(model, optimizer)))
+            checkpointer.save(full_state(model, optimizer), tmp_path / f"c{i}")
+            train_step(model, optimizer, seed=i)
+        checkpointer.latest.wait()
+    for i, state in enumerate(states):
+        path = str(tmp_path / f"c{i}")
+        assert_state_equal(load_state(path, state, TbaStorageReader(path)), state)
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda: None, id="lambda"),
+    pytest.param(threading.Lock(), id="lock"),
+    pytest.param(torch.eye(3).to_sparse(), id="sparse"),
+])
+def test_values_dcp_cannot_store_are_refused_at_once(tmp_path, bad):
+    with pytest.raises(TbaConfigError, match=r"state_dict\[extra.bad\]"):
+        save_lazy({"w": torch.ones(3), "extra": {"bad": bad}}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_non_dict_state_is_refused(tmp_path):
+    with pytest.raises(TbaConfigError, match="must be a dict"):
+        save_lazy([torch.ones(3)], tmp_path / "c")
+
+
+def test_negative_reserve_is_refused():
+    with pytest.raises(TbaConfigError, match="reserve_bytes"):
+        LazyCheckpointer(reserve_bytes=-1)
+
+
+def test_modules_and_optimizers_are_taken_as_state_dicts(tmp_path):
+    model, optimizer = make_model(seed=8)
+    expected = clone_state(full_state(model, optimizer))
+    handle = save_lazy({"model": model, "optim": optimizer}, tmp_path / "c")
+    handle.wait()
+    assert_state_equal(load_state(handle.path, expected, TbaStorageReader(handle.path)), expected)

@@ -1,0 +1,48 @@
+"""The bench-ckpt command: argument checks and one tiny run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tba.cli import main
+from tba.cli.bench_ckpt import gpt_config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "12X"], "not a size"),
+    (["--size", "1M"], "at least 16M"),
+    (["--rounds", "0"], "--rounds"),
+    (["--directory", "/nonexistent/dir"], "not a writable directory"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, message, caplog, tmp_path):
+    json_path = tmp_path / "out.json"
+    assert main(["bench-ckpt", "--json", str(json_path), *argv]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0]
+    assert not json_path.exists()
+
+
+@pytest.mark.parametrize("size_bytes", [256 << 20, 1 << 30, 3 << 30])
+def test_model_size_tracks_the_request(size_bytes):
+    config = gpt_config(size_bytes)
+    params = 12 * config.layers * config.width ** 2 + 2 * config.vocab_size * config.width
+    assert 0.5 * size_bytes <= 12 * params <= size_bytes
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_key(tmp_path, capsys):
+    json_path = tmp_path / "out.json"
+    argv = ["bench-ckpt", "--size", "16M", "--rounds", "1", "--directory", str(tmp_path),
+            "--json", str(json_path), "--no-fio"]
+    assert main(argv) == 0
+    report = json.loads(json_path.read_text())
+    for key in ("torch_save_stall_s", "dcp_save_stall_s", "dcp_async_stall_s", "tba_async_stall_s",
+                "tba_lazy_stall_s", "tba_write_gbps"):
+        assert key in report
+    assert report["fio_write_gbps"] is None
+    assert report["restore_exact"] is True
+    assert report["tba_write_gbps"] > 0 and report["tba_lazy_stall_s"] >= 0
+    assert "tba lazy" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
