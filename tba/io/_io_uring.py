@@ -146,9 +146,10 @@ class IoUringEngine(Engine):
             while True:
                 finished, _ = self._ring.reap()
                 with self._lock:
-                    done = [(self._requests.pop(tag), result, moved) for tag, result, moved in finished]
+                    done = [(self._take(tag), result, moved) for tag, result, moved in finished]
                 for (future, request), result, moved in done:
                     _resolve(future, request, result, moved)
+                done = None
                 with self._lock:
                     if self._closing and not self._requests:
                         return
@@ -163,6 +164,11 @@ class IoUringEngine(Engine):
             with self._lock:
                 self._ring.close()
                 self._ring_closed = True
+
+    def _take(self, tag: int) -> tuple[Future, Request]:
+        """Forget request ``tag``: its future, and the request without its memory's owner (the transfer is over)."""
+        future, request = self._requests.pop(tag)
+        return future, request._replace(owner=None)
 
     def close(self) -> None:
         """Wait for every submitted request to finish, then free the ring. Idempotent."""

@@ -23,17 +23,25 @@ from typing import Any
 
 logger = logging.getLogger("tba")
 
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_live: dict[int, weakref.ref] = {}
+"""Offloaders by identity. Plain weak references, without callbacks: a ``WeakSet`` runs Python code
+when an offloader dies, where an asynchronous exception would be swallowed (Note [Asynchronous
+exceptions] in ``tba/_control.py``); dead ones are pruned on the next :func:`track`."""
 
 
 def track(offloader: Any) -> None:
     """Remember ``offloader`` (weakly) so that a forked child can detach it from the parent's file."""
-    _live.add(offloader)
+    for key, ref in list(_live.items()):
+        if ref() is None:
+            del _live[key]
+    _live[id(offloader)] = weakref.ref(offloader)
 
 
 def _after_fork_in_child() -> None:
-    for offloader in list(_live):
-        offloader._after_fork_in_child()
+    for ref in list(_live.values()):
+        offloader = ref()
+        if offloader is not None:
+            offloader._after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

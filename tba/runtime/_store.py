@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tba._control import wait
 from tba._trace import nvtx_range
 from tba.device._routes import Routes
 from tba.errors import TbaReadError
@@ -69,8 +70,8 @@ class StorageStore:
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
         self.routes: Routes | None = None
-        self._writes_done = threading.Condition(self.lock)
         self._writing = 0
+        self._idle_waiters: list[Future] = []
         self._by_storage: dict[int, StorageEntry] = {}
         self._next_seq = 0
         self._warned_write_error = False
@@ -156,7 +157,6 @@ class StorageStore:
 
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
-        self._writes_done.notify_all()
         if entry.state is State.DEAD:
             self._free_extent(entry)
         elif entry.io_error is not None:
@@ -167,6 +167,10 @@ class StorageStore:
             self.stats.bytes_written += entry.nbytes
             if not entry.hold_for_backward:
                 self.release(entry)
+        if self._writing == 0:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.set_result(None)
 
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
@@ -186,12 +190,24 @@ class StorageStore:
 
     def flush(self) -> None:
         """Block until every write queued so far has completed (or failed over to memory)."""
-        with self._writes_done:
-            self._writes_done.wait_for(lambda: self._writing == 0)
+        with self.lock:
+            if self._writing == 0:
+                return
+            idle: Future = Future()
+            self._idle_waiters.append(idle)
+        wait(idle)
 
     # ----------------------------------------------------------------- read
     def load(self, entry: StorageEntry) -> tuple[torch.Tensor, Any]:
         """``entry``'s bytes as a ``uint8`` tensor, and the event a consumer must wait on (or None)."""
+        data, event, reading = self.start_load(entry)
+        return (data, event) if reading is None else self.wait_read(entry, reading)
+
+    def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
+        """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.
+
+        Starts the read if needed and moves the prefetch window; never waits.
+        """
         with self.lock:
             data, done = entry.data, entry.read_done
             if data is None and done is None:
@@ -200,8 +216,8 @@ class StorageStore:
         if data is not None:
             with self.lock:
                 self.stats.unpacks_from_memory += 1
-                return data, entry.ready_event
-        return self._wait_read(entry, done)
+                return data, entry.ready_event, None
+        return None, None, done
 
     def _start_read(self, entry: StorageEntry) -> Future:
         """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
@@ -229,11 +245,11 @@ class StorageStore:
                 self.stats.bytes_read += entry.nbytes
                 done.set_result((entry.data, event))
 
-    def _wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
+    def wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
         try:
             with nvtx_range("wait_read"):
-                result = done.result()
+                result = wait(done)
         except OSError as err:
             raise TbaReadError(
                 f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
@@ -315,8 +331,8 @@ class StorageStore:
         file descriptor is closed, so the next entry opens a file of the child's own.
         """
         self.lock = threading.RLock()
-        self._writes_done = threading.Condition(self.lock)
         self._writing = 0
+        self._idle_waiters = []
         self.fork_seq = self._next_seq
         self._by_storage.clear()
         self.live_entries = 0
