@@ -26,6 +26,7 @@ while waiting leaves nothing half done.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -51,6 +52,8 @@ class _Control:
         """Finalizers not fired yet, by identity (a weak reference alone would be collected first)."""
         self.thread: threading.Thread | None = None
         self.start_lock = threading.Lock()
+        self.stopped = False
+        """Set at interpreter exit: from then on jobs run inline in the caller."""
 
     def ensure_started(self) -> None:
         if self.thread is None:
@@ -62,7 +65,10 @@ class _Control:
 
     def run(self) -> None:
         while True:
-            self.process(self.jobs.get())
+            item = self.jobs.get()
+            if item is _STOP:
+                return
+            self.process(item)
 
     def process(self, item: Any) -> None:
         try:
@@ -84,6 +90,7 @@ class _Control:
             logger.exception("tba: a job on the control thread failed")
 
 
+_STOP = object()
 _control = _Control()
 
 
@@ -97,7 +104,7 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
 
     From the control thread itself, ``fn`` runs inline.
     """
-    if threading.current_thread() is _control.thread:
+    if threading.current_thread() is _control.thread or _control.stopped:
         return fn(*args)
     _control.ensure_started()
     reply: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,7 +131,7 @@ def wait(future: Future) -> Any:
 
 def post(fn: Callable[..., Any], *args: Any) -> None:
     """Queue ``fn(*args)`` for the control thread without waiting (errors are logged)."""
-    if threading.current_thread() is _control.thread:
+    if threading.current_thread() is _control.thread or _control.stopped:
         fn(*args)
         return
     _control.ensure_started()
@@ -173,18 +180,43 @@ def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
 
 def run_pending() -> None:
     """On the control thread: run what is queued now (finalizers fired by a ``gc.collect()``)."""
-    while True:
-        try:
-            item = _control.jobs.get_nowait()
-        except queue.Empty:
-            return
-        _control.process(item)
+    _run_queued(_control)
 
 
 def settle() -> None:
     """Wait until every job and finalizer queued before this call has run."""
     if _control.thread is not None and not in_control_thread():
         call(int)
+
+
+def _stop_at_exit() -> None:
+    """Finish queued work and end the control thread before the interpreter finalizes.
+
+    A daemon thread that wakes during finalization is ended by ``pthread_exit`` wherever it is; in
+    the middle of torch's C++ code that aborts the process ("terminate called without an active
+    exception"). So the thread is stopped while the interpreter is still whole.
+    """
+    control = _control
+    if control.thread is None or in_control_thread():
+        return
+    control.jobs.put(_STOP)
+    control.thread.join()
+    control.stopped = True
+    _run_queued(control)
+
+
+def _run_queued(control: _Control) -> None:
+    """Run what is queued in ``control`` now, in the calling thread."""
+    while True:
+        try:
+            item = control.jobs.get_nowait()
+        except queue.Empty:
+            return
+        if item is not _STOP:
+            control.process(item)
+
+
+atexit.register(_stop_at_exit)
 
 
 def _after_fork_in_child() -> None:
