@@ -41,6 +41,7 @@ from tba.defaults import ALIGN_BYTES
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
 from tba.io import Engine, make_engine, resolve_backend
+from tba.io._checksum import load_crc32c
 from tba.io._spill import SpillFile
 from tba.policy._runner import shared_runner
 from tba.runtime import _at_fork
@@ -99,11 +100,14 @@ class Offloader:
         memory_budget_bytes: int | None = None,
         overhead_bound: float | None = None,
         profile_steps: int = defaults.PROFILE_STEPS,
+        verify: bool = False,
     ) -> None:
         check_options(dict(min_offload_bytes=min_offload_bytes, prefetch_depth_layers=prefetch_depth_layers,
                            prefetch_budget_bytes=prefetch_budget_bytes, block_size_bytes=block_size_bytes,
                            queue_depth=queue_depth, staging_bytes=staging_bytes, profile_steps=profile_steps,
-                           direct_io=direct_io))
+                           direct_io=direct_io, verify=verify))
+        if verify:
+            load_crc32c()
         directory = normalize_directory(directory)
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
@@ -141,6 +145,7 @@ class Offloader:
         self.policy_runner = shared_runner(self.layers, policy, shared=not reusable, memory_budget_bytes=memory_budget_bytes,
                                            overhead_bound=overhead_bound, profile_steps=profile_steps)
         self._store = StorageStore(self._stats, PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes))
+        self._store.verify = verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._phase = _Phase.IDLE
         self._claim: object | None = None
@@ -449,6 +454,10 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
         overhead_bound: Adaptive goal: least memory within ``(1 + overhead_bound)`` x keep-all
             step time. Give exactly one goal with ``policy="adaptive"``.
         profile_steps: Steps profiled before the adaptive plan applies. Default 2.
+        verify: Checksum (CRC-32C) each host storage when its write completes and check it when
+            it is read back; a mismatch raises :class:`tba.TbaReadError`. Needs
+            ``pip install 'tba[verify]'``. Default False: bytes changed in the file underneath
+            (another process, a punched hole, a bad disk) are not detected.
 
     The returned offloader is one-shot: it closes its file once backward has released every
     saved tensor. To reuse one file across steps, build :class:`Offloader` once and enter it

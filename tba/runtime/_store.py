@@ -32,6 +32,7 @@ from tba._trace import nvtx_range
 from tba.device._routes import Routes
 from tba.errors import TbaReadError
 from tba.io import Engine
+from tba.io._checksum import checksum
 from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile
 from tba.runtime._prefetch import PrefetchWindow
@@ -75,6 +76,9 @@ class StorageStore:
         self._by_storage: dict[int, StorageEntry] = {}
         self._next_seq = 0
         self._warned_write_error = False
+        self.verify = False
+        self._warned_verify_device = False
+        """Checksum each storage when written and check it when read back (``verify=True``)."""
         self.fork_seq = 0
         """Entries with a smaller ``seq`` were saved by the parent of a forked process: not ours."""
 
@@ -150,6 +154,14 @@ class StorageStore:
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
         self.write_clock.stop()
+        data = entry.data
+        if self.verify and error is None and data is not None:
+            if data.device.type == "cpu":
+                entry.checksum = checksum(data)
+            elif not self._warned_verify_device:
+                self._warned_verify_device = True
+                logger.warning("tba: verify=True checks host storages only; %s storages are not checksummed",
+                               data.device.type)
         with self.lock:
             entry.transfer_in_flight = False
             entry.io_error = error
@@ -231,6 +243,8 @@ class StorageStore:
 
     def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
         self.read_clock.stop()
+        if error is None and entry.checksum is not None:
+            error = self._verify(entry, data)
         with self.lock:
             entry.transfer_in_flight = False
             done, entry.read_done = entry.read_done, None
@@ -244,6 +258,20 @@ class StorageStore:
                 self._resident(entry.nbytes)
                 self.stats.bytes_read += entry.nbytes
                 done.set_result((entry.data, event))
+
+    def _verify(self, entry: StorageEntry, data: torch.Tensor) -> TbaReadError | None:
+        """None when ``data`` has the checksum ``entry`` was written with, else the error to raise."""
+        got = checksum(data)
+        with self.lock:
+            self.stats.bytes_verified += entry.nbytes
+        if got == entry.checksum:
+            return None
+        return TbaReadError(
+            f"verify: {entry.describe()} read back from the spill file in {self.spill.directory} (offset "
+            f"{entry.offset}, {entry.extent_bytes} bytes) differs from what was written (CRC-32C {got:#010x}, "
+            f"written {entry.checksum:#010x}): the file was changed underneath tba (another process, a punched "
+            "hole, a failing disk); its gradients cannot be computed, run the step again"
+        )
 
     def wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()

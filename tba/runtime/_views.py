@@ -77,6 +77,8 @@ class StorageEntry:
     route: Route | None = None
     ready_event: Any = None
     """Device event a consumer waits on before using ``data`` read back (None for host memory)."""
+    checksum: int | None = None
+    """CRC-32C of the bytes written (``verify=True``, host storages); None when not checked."""
 
     @property
     def extent_bytes(self) -> int:
