@@ -11,7 +11,8 @@ So :func:`os.register_at_fork` runs :func:`_after_fork_in_child` in every child:
 :class:`tba.Offloader` drops (without any I/O) the file, engine and entries it inherited. Its next
 entry opens a file and engine of the child's own. A tensor saved before the fork cannot be read
 back in the child and raises :class:`tba.TbaError` when backward asks for it; the parent is not
-affected in any way.
+affected in any way. A fork inside a ``with`` block leaves the child inside a block whose file is
+the parent's: every save there raises :class:`tba.TbaError` until the child leaves the block.
 """
 
 from __future__ import annotations
