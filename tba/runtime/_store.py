@@ -72,7 +72,9 @@ class StorageStore:
         self.engine: Engine | None = None
         self.routes: Routes | None = None
         self._writing = 0
+        self._reading = 0
         self._idle_waiters: list[Future] = []
+        """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
         self._next_seq = 0
         self._warned_write_error = False
@@ -179,10 +181,22 @@ class StorageStore:
             self.stats.bytes_written += entry.nbytes
             if not entry.hold_for_backward:
                 self.release(entry)
-        if self._writing == 0:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                waiter.set_result(None)
+        self._transfer_ended()
+
+    def _transfer_ended(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            waiter.set_result(None)
+
+    def _wait_until(self, done: Any) -> None:
+        """Block, without holding the lock, until ``done()`` (checked under the lock) is true."""
+        while True:
+            with self.lock:
+                if done():
+                    return
+                ended: Future = Future()
+                self._idle_waiters.append(ended)
+            wait(ended)
 
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
@@ -202,12 +216,7 @@ class StorageStore:
 
     def flush(self) -> None:
         """Block until every write queued so far has completed (or failed over to memory)."""
-        with self.lock:
-            if self._writing == 0:
-                return
-            idle: Future = Future()
-            self._idle_waiters.append(idle)
-        wait(idle)
+        self._wait_until(lambda: self._writing == 0)
 
     # ----------------------------------------------------------------- read
     def load(self, entry: StorageEntry) -> tuple[torch.Tensor, Any]:
@@ -235,6 +244,7 @@ class StorageStore:
         """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
         done = entry.read_done = Future()
         entry.transfer_in_flight = True
+        self._reading += 1
         self.read_clock.start()
         with nvtx_range("read"):
             entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset,
@@ -247,6 +257,8 @@ class StorageStore:
             error = self._verify(entry, data)
         with self.lock:
             entry.transfer_in_flight = False
+            self._reading -= 1
+            self._transfer_ended()
             done, entry.read_done = entry.read_done, None
             if entry.state is State.DEAD:
                 self._free_extent(entry)
@@ -341,6 +353,10 @@ class StorageStore:
             self.routes.stop()
         if engine is not None and engine_owned:
             engine.close()
+        elif engine is not None:
+            # A shared engine outlives this store: its requests on our file must end before the file
+            # closes, or the descriptor number, reused by the next open, would receive them.
+            self._wait_until(lambda: self._writing == 0 and self._reading == 0)
         if self.routes is not None:
             self.routes.close()
         if self.spill is not None:
@@ -360,6 +376,7 @@ class StorageStore:
         """
         self.lock = threading.RLock()
         self._writing = 0
+        self._reading = 0
         self._idle_waiters = []
         self.fork_seq = self._next_seq
         self._by_storage.clear()
