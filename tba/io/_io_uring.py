@@ -135,7 +135,10 @@ class IoUringEngine(Engine):
                 entries.append((is_write, request.fd, request.address, request.nbytes, request.offset, tag))
             try:
                 self._ring.submit(entries)
-            except BaseException:
+            except (OSError, TypeError, ValueError, OverflowError, MemoryError):
+                # Only errors of submit itself, which queues all or nothing. An asynchronous exception
+                # (a signal handler's) can surface right after submit returned: the requests are then
+                # in the kernel and must stay known to the completion thread.
                 for entry in entries:
                     del self._requests[entry[-1]]
                 raise
