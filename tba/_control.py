@@ -222,6 +222,12 @@ atexit.register(_stop_at_exit)
 def _after_fork_in_child() -> None:
     global _control
     _control = _Control()
+    _control.ensure_started()
+
+
+# The thread starts at import, before a program installs its signal handlers: `Thread.start`
+# interrupted half way by a handler's exception can leave a thread started but not recorded.
+_control.ensure_started()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
