@@ -156,18 +156,24 @@ class StorageStore:
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
         self.write_clock.stop()
-        data = entry.data
-        if self.verify and error is None and data is not None:
-            if data.device.type == "cpu":
-                entry.checksum = checksum(data)
-            elif not self._warned_verify_device:
-                self._warned_verify_device = True
-                logger.warning("tba: verify=True checks host storages only; %s storages are not checksummed",
-                               data.device.type)
+        if self.verify and error is None:
+            self._checksum_written(entry)
         with self.lock:
             entry.transfer_in_flight = False
             entry.io_error = error
             self._finish_write(entry)
+
+    def _checksum_written(self, entry: StorageEntry) -> None:
+        """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""
+        data = entry.data
+        if data is None:
+            return
+        if data.device.type == "cpu":
+            entry.checksum = checksum(data)
+        elif not self._warned_verify_device:
+            self._warned_verify_device = True
+            logger.warning("tba: verify=True checks host storages only; %s storages are not checksummed",
+                           data.device.type)
 
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
