@@ -32,6 +32,9 @@ def check_options(options: dict[str, Any]) -> None:
     depth = options.get("queue_depth", 1)
     if not 1 <= depth <= MAX_QUEUE_DEPTH:
         raise TbaConfigError(f"queue_depth must be in 1..{MAX_QUEUE_DEPTH}, got {depth}")
+    verify = options.get("verify", False)
+    if not isinstance(verify, bool):
+        raise TbaConfigError(f"verify must be True or False, got {type(verify).__name__} {verify!r}")
     direct = options.get("direct_io")
     if direct is not None and not isinstance(direct, bool):
         raise TbaConfigError(f"direct_io must be True, False or None, got {type(direct).__name__} {direct!r}")

@@ -18,6 +18,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest
 import torch
 
+from tba._control import settle
 from tba.io import available_backends
 
 
@@ -54,6 +55,7 @@ def spill_dir(tmp_path) -> str:
     path = tmp_path / "spill"
     path.mkdir()
     yield str(path)
+    settle()
     assert os.listdir(path) == [], "a spill file was left behind"
 
 
@@ -61,11 +63,13 @@ def spill_dir(tmp_path) -> str:
 def open_fds():
     """The number of open file descriptors, as a function, to compare before and after.
 
-    Collects garbage first, so descriptors of objects left by earlier tests do not move the count.
+    Collects garbage first, so descriptors of objects left by earlier tests do not move the count, and
+    lets tba's control thread finish the releases that dropped views queued (``tba/_control.py``).
     """
 
     def count() -> int:
         gc.collect()
+        settle()
         return len(os.listdir("/proc/self/fd"))
 
     return count

@@ -19,7 +19,7 @@ import json
 import logging
 import sys
 
-from tba.bench.harness import COMPILE_MODES, MODES
+from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli._report import comparison_rows, format_table
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="bench",
                         help="model: bench = 8 layers, width 512, sequence 256, batch 8 (default)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {','.join(ALL_MODES)} (tba-verify: tba with verify=True)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (default: 5)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")

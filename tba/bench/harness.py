@@ -4,6 +4,7 @@ Each strategy runs the same model, batch and seed:
 
 * ``keep``: plain PyTorch, every activation stays in memory (the baseline);
 * ``tba``: forward inside a reused :class:`tba.Offloader`;
+* ``tba-verify``: the same with ``verify=True`` (a CRC-32C of every storage written and read);
 * ``recompute``: every layer under non-reentrant ``torch.utils.checkpoint``;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy);
 * ``adaptive``: a reused :class:`tba.Offloader` with ``policy="adaptive"`` and the goal given in
@@ -46,7 +47,7 @@ from tba.runtime._recompute import RecomputeLayers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
-ALL_MODES = (*MODES, "adaptive")
+ALL_MODES = (*MODES, "adaptive", "tba-verify")
 
 LEARNING_RATE = 1e-3
 
@@ -106,7 +107,9 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     if mode == "adaptive":
         options["policy"] = "adaptive"
         warmup += options.get("profile_steps", 2)
-    if mode in ("tba", "adaptive"):
+    if mode == "tba-verify":
+        options["verify"] = True
+    if mode in ("tba", "adaptive", "tba-verify"):
         offloader = Offloader(directory, backend=backend, layers=model, **options)
     recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
     peak_meter = CudaPeak if torch.device(device).type == "cuda" else PeakRSS

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from tba.defaults import BACKENDS, MAX_QUEUE_DEPTH
 
@@ -64,3 +66,9 @@ def factory(text: str) -> str:
     if not callable(getattr(module, func_name, None)):
         raise argparse.ArgumentTypeError(f"module {module_name!r} has no function {func_name!r}")
     return text
+
+
+def usage_error(command: str, message: str) -> NoReturn:
+    """Exit like an argparse error: one line ``tba COMMAND: error: MESSAGE`` on stderr, status 2."""
+    sys.stderr.write(f"tba {command}: error: {message}\n")
+    raise SystemExit(2)

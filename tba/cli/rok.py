@@ -217,8 +217,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.model is None) != (args.batch is None):
-        raise SystemExit("--model and --batch go together")
+    if args.model is not None and args.batch is None:
+        cli_checks.usage_error("rok", "--model needs --batch: pass --batch MODULE:FUNC, a function that returns the "
+                                      "model's arguments (or drop --model to use a built-in --preset)")
+    if args.batch is not None and args.model is None:
+        cli_checks.usage_error("rok", "--batch needs --model: pass --model MODULE:FUNC, a function that returns the model")
     preset = args.preset or (None if args.model else "small")
     budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
     result = sweep(args.model, args.batch, preset=preset, budget_fractions=[float(b) for b in args.budgets.split(",")],

@@ -40,8 +40,9 @@ class HostRoute(Route):
     def phase_bytes(self, address: int) -> int:
         return address % ALIGN_BYTES
 
-    def _submit(self, op: Op, fd: int, address: int, nbytes: int, offset: int, on_done: Callback) -> None:
-        requests = [Request(op, fd, address + start, length, offset + start)
+    def _submit(self, op: Op, fd: int, address: int, nbytes: int, offset: int, on_done: Callback,
+                owner: object) -> None:
+        requests = [Request(op, fd, address + start, length, offset + start, owner)
                     for start, length in pieces(nbytes, self.block_size_bytes)]
         countdown = Countdown(len(requests), on_done)
         for future in self.engine.submit_many(requests):
@@ -49,13 +50,13 @@ class HostRoute(Route):
 
     def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
         extent_bytes = round_up(phase_bytes + data.numel(), ALIGN_BYTES)
-        self._submit(Op.WRITE, fd, data.data_ptr() - phase_bytes, extent_bytes, offset, on_done)
+        self._submit(Op.WRITE, fd, data.data_ptr() - phase_bytes, extent_bytes, offset, on_done, data)
 
     def read(self, device: torch.device, nbytes: int, phase_bytes: int, fd: int, offset: int,
              on_done: ReadCallback) -> None:
         buffer = self.pool.take(round_up(phase_bytes + nbytes, ALIGN_BYTES))
         self._submit(Op.READ, fd, buffer.data_ptr(), buffer.numel(), offset,
-                     functools.partial(self._read_done, buffer, phase_bytes, nbytes, on_done))
+                     functools.partial(self._read_done, buffer, phase_bytes, nbytes, on_done), buffer)
 
     def _read_done(self, buffer: torch.Tensor, phase_bytes: int, nbytes: int, on_done: ReadCallback,
                    error: BaseException | None) -> None:

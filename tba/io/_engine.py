@@ -29,13 +29,20 @@ class Op(enum.Enum):
 
 
 class Request(NamedTuple):
-    """One transfer between ``[address, address + nbytes)`` and ``[offset, offset + nbytes)`` of ``fd``."""
+    """One transfer between ``[address, address + nbytes)`` and ``[offset, offset + nbytes)`` of ``fd``.
+
+    ``owner`` is whatever keeps that memory alive (a tensor, a buffer). Engines hold the request,
+    and so the owner, until the transfer is over: the memory cannot be freed under the kernel
+    even when the caller is interrupted right after submitting (Note [Asynchronous exceptions] in
+    ``tba/_control.py``).
+    """
 
     op: Op
     fd: int
     address: int
     nbytes: int
     offset: int
+    owner: object = None
 
 
 class Engine(abc.ABC):

@@ -135,7 +135,10 @@ class IoUringEngine(Engine):
                 entries.append((is_write, request.fd, request.address, request.nbytes, request.offset, tag))
             try:
                 self._ring.submit(entries)
-            except BaseException:
+            except (OSError, TypeError, ValueError, OverflowError, MemoryError):
+                # Only errors of submit itself, which queues all or nothing. An asynchronous exception
+                # (a signal handler's) can surface right after submit returned: the requests are then
+                # in the kernel and must stay known to the completion thread.
                 for entry in entries:
                     del self._requests[entry[-1]]
                 raise
@@ -146,9 +149,10 @@ class IoUringEngine(Engine):
             while True:
                 finished, _ = self._ring.reap()
                 with self._lock:
-                    done = [(self._requests.pop(tag), result, moved) for tag, result, moved in finished]
+                    done = [(self._take(tag), result, moved) for tag, result, moved in finished]
                 for (future, request), result, moved in done:
                     _resolve(future, request, result, moved)
+                done = None
                 with self._lock:
                     if self._closing and not self._requests:
                         return
@@ -163,6 +167,11 @@ class IoUringEngine(Engine):
             with self._lock:
                 self._ring.close()
                 self._ring_closed = True
+
+    def _take(self, tag: int) -> tuple[Future, Request]:
+        """Forget request ``tag``: its future, and the request without its memory's owner (the transfer is over)."""
+        future, request = self._requests.pop(tag)
+        return future, request._replace(owner=None)
 
     def close(self) -> None:
         """Wait for every submitted request to finish, then free the ring. Idempotent."""

@@ -6,7 +6,9 @@ of one model save storages of the same sizes, so buffers freed by backward throu
 the reads for layer ``i - 2``: this pool keeps freed buffers by exact size and hands them out again.
 
 A buffer goes back to the pool when the last tensor that uses it dies: :meth:`BufferPool.lease`
-wraps it in a storage whose owner object returns it on collection. The pool holds at most
+wraps it in a storage whose owner is a token; the token's collection returns the buffer through
+:func:`tba._control.on_death`, so no Python code runs in the thread that drops the last tensor
+(Note [Asynchronous exceptions] in ``tba/_control.py``). The pool holds at most
 ``prefetch_budget_bytes`` of idle buffers (the prefetch budget). A reusable offloader keeps them from one
 step to the next, so steady-state steps touch no fresh memory for reads; they are freed on
 ``close()``, and ``Offloader.pool_idle_bytes`` reports them so that measurements count them as
@@ -19,18 +21,14 @@ import threading
 
 import torch
 
+from tba._control import on_death
 from tba.io._memory import aligned_empty, storage_view
 
 
-class _Lease:
-    __slots__ = ("pool", "buffer")
+class _Token:
+    """Lives exactly as long as the storage of one lease."""
 
-    def __init__(self, pool: BufferPool, buffer: torch.Tensor) -> None:
-        self.pool = pool
-        self.buffer = buffer
-
-    def __del__(self) -> None:
-        self.pool.give(self.buffer)
+    __slots__ = ("__weakref__",)
 
 
 class BufferPool:
@@ -75,4 +73,6 @@ class BufferPool:
 
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
         """Like :func:`tba.io._memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
-        return storage_view(buffer, start_bytes, nbytes, owner=_Lease(self, buffer))
+        token = _Token()
+        on_death(token, self.give, buffer)
+        return storage_view(buffer, start_bytes, nbytes, owner=token)

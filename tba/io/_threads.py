@@ -58,6 +58,15 @@ def _read_all(fd: int, address: int, nbytes: int, offset: int) -> int:
 _TRANSFER = {Op.WRITE: _write_all, Op.READ: _read_all}
 
 
+def _transfer(box: list[Request]) -> int:
+    """Carry out the request in ``box``, which holds it (and its memory's owner) until the transfer ended.
+
+    The box is emptied before the future resolves, so the owner is not kept past completion.
+    """
+    request = box.pop()
+    return _TRANSFER[request.op](request.fd, request.address, request.nbytes, request.offset)
+
+
 class ThreadEngine(Engine):
     """Thread-pool engine.
 
@@ -79,10 +88,7 @@ class ThreadEngine(Engine):
         with self._lock:
             if self._closed:
                 raise RuntimeError("engine is closed")
-            return [
-                self._pool.submit(_TRANSFER[r.op], r.fd, r.address, r.nbytes, r.offset)
-                for r in requests
-            ]
+            return [self._pool.submit(_transfer, [request]) for request in requests]
 
     def close(self) -> None:
         with self._lock:

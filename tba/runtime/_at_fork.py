@@ -11,7 +11,8 @@ So :func:`os.register_at_fork` runs :func:`_after_fork_in_child` in every child:
 :class:`tba.Offloader` drops (without any I/O) the file, engine and entries it inherited. Its next
 entry opens a file and engine of the child's own. A tensor saved before the fork cannot be read
 back in the child and raises :class:`tba.TbaError` when backward asks for it; the parent is not
-affected in any way.
+affected in any way. A fork inside a ``with`` block leaves the child inside a block whose file is
+the parent's: every save there raises :class:`tba.TbaError` until the child leaves the block.
 """
 
 from __future__ import annotations
@@ -23,17 +24,25 @@ from typing import Any
 
 logger = logging.getLogger("tba")
 
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_live: dict[int, weakref.ref] = {}
+"""Offloaders by identity. Plain weak references, without callbacks: a ``WeakSet`` runs Python code
+when an offloader dies, where an asynchronous exception would be swallowed (Note [Asynchronous
+exceptions] in ``tba/_control.py``); dead ones are pruned on the next :func:`track`."""
 
 
 def track(offloader: Any) -> None:
     """Remember ``offloader`` (weakly) so that a forked child can detach it from the parent's file."""
-    _live.add(offloader)
+    for key, ref in list(_live.items()):
+        if ref() is None:
+            del _live[key]
+    _live[id(offloader)] = weakref.ref(offloader)
 
 
 def _after_fork_in_child() -> None:
-    for offloader in list(_live):
-        offloader._after_fork_in_child()
+    for ref in list(_live.values()):
+        offloader = ref()
+        if offloader is not None:
+            offloader._after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

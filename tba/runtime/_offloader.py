@@ -34,13 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba import defaults
+from tba import _control, defaults
 from tba._options import check_options, normalize_directory
 from tba._trace import nvtx_range
 from tba.defaults import ALIGN_BYTES
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
 from tba.io import Engine, make_engine, resolve_backend
+from tba.io._checksum import load_crc32c
 from tba.io._spill import SpillFile
 from tba.policy._runner import shared_runner
 from tba.runtime import _at_fork
@@ -99,11 +100,14 @@ class Offloader:
         memory_budget_bytes: int | None = None,
         overhead_bound: float | None = None,
         profile_steps: int = defaults.PROFILE_STEPS,
+        verify: bool = False,
     ) -> None:
         check_options(dict(min_offload_bytes=min_offload_bytes, prefetch_depth_layers=prefetch_depth_layers,
                            prefetch_budget_bytes=prefetch_budget_bytes, block_size_bytes=block_size_bytes,
                            queue_depth=queue_depth, staging_bytes=staging_bytes, profile_steps=profile_steps,
-                           direct_io=direct_io))
+                           direct_io=direct_io, verify=verify))
+        if verify:
+            load_crc32c()
         directory = normalize_directory(directory)
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
@@ -141,8 +145,11 @@ class Offloader:
         self.policy_runner = shared_runner(self.layers, policy, shared=not reusable, memory_budget_bytes=memory_budget_bytes,
                                            overhead_bound=overhead_bound, profile_steps=profile_steps)
         self._store = StorageStore(self._stats, PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes))
+        self._store.verify = verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._phase = _Phase.IDLE
+        self._claim: object | None = None
+        self._forked_mid_block = False
         self._enter_lock = threading.Lock()
 
     @property
@@ -161,21 +168,43 @@ class Offloader:
     @property
     def stats(self) -> OffloadStats:
         """Counters so far (see :class:`OffloadStats`); bandwidths include transfers still running."""
+        _control.settle()
         self._store.update_stats()
         return self._stats
 
     @property
     def pool_idle_bytes(self) -> int:
         """Bytes of read buffers kept for reuse while no tensor uses them (held by tba all the same)."""
+        _control.settle()
         return self._store.read_pool.idle_bytes
 
     @property
     def spill(self) -> SpillFile | None:
         """The spill file, once the offloader has been entered."""
+        _control.settle()
         return self._store.spill
 
     # ----------------------------------------------------------------- context
     def __enter__(self) -> Offloader:
+        # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
+        # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
+        claim = object()
+        try:
+            _control.call(self._enter_job, claim)
+        except BaseException:
+            _control.call_whole(self._abandon_entry_job, claim)
+            raise
+        try:
+            self._hooks.__enter__()
+            self._phase = _Phase.ACTIVE
+        except BaseException:
+            if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            _control.call_whole(self._abandon_entry_job, claim)
+            raise
+        return self
+
+    def _enter_job(self, claim: object) -> None:
         # Note: [One entry at a time]
         # The phase check and the claim happen under one lock: two threads entering at once would
         # otherwise both see IDLE, open two spill files and share one store's extents.
@@ -186,6 +215,7 @@ class Offloader:
             if self._phase is not _Phase.IDLE:
                 raise TbaError(f"this Offloader cannot be entered now (it is {self._phase.value}); use a new one")
             self._phase = _Phase.ENTERING
+            self._claim = claim
         try:
             if self._store.live_entries:
                 self._collect_leftovers()
@@ -194,12 +224,21 @@ class Offloader:
             self._store.window.reset_cursor()
             self.policy_runner.enter(self)
             self._tracker.attach()
-            self._hooks.__enter__()
         except BaseException:
-            self._phase = _Phase.IDLE
+            self._abandon_entry_job(claim)
             raise
-        self._phase = _Phase.ACTIVE
-        return self
+
+    def _abandon_entry_job(self, claim: object) -> None:
+        """Undo an entry that did not reach the ``with`` body (idempotent: only this ``claim``'s).
+
+        A one-shot offloader is closed: nobody could enter it again to use its file.
+        """
+        if self._claim is claim and self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+            self._claim = None
+            self._tracker.detach()
+            self._phase = _Phase.IDLE
+            if not self.reusable:
+                self._close_job()
 
     def _collect_leftovers(self) -> None:
         """Free entries of earlier steps whose graphs were dropped but are held by reference cycles.
@@ -208,6 +247,7 @@ class Offloader:
         """
         before = self._store.live_entries
         gc.collect()
+        _control.run_pending()
         if before != self._store.live_entries:
             logger.debug("tba: entering again freed %d entries of dropped graphs", before - self._store.live_entries)
 
@@ -227,17 +267,30 @@ class Offloader:
     def _after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
         self._enter_lock = threading.Lock()
+        if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+            self._forked_mid_block = True
         self._store.forget_after_fork()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
+        # The hooks come off first and in one C call; the rest runs whole even when an asynchronous
+        # exception arrives meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
+        try:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        finally:
+            _control.call_whole(self._exit_job, exc_type is not None)
+
+    def _exit_job(self, failed: bool) -> None:
+        if self._phase is not _Phase.ACTIVE and not (self._phase is _Phase.CLOSED and self._claim is not None):
+            return
+        self._claim = None
+        self._forked_mid_block = False
         self._tracker.detach()
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
-        self.policy_runner.exit(self, failed=exc_type is not None)
+        self.policy_runner.exit(self, failed=failed)
         if self._phase is _Phase.CLOSED:
             return
-        if exc_type is not None:
+        if failed:
             self._phase = _Phase.DISCARDED
             self.close()
             return
@@ -247,7 +300,11 @@ class Offloader:
             self.close()
 
     def flush(self) -> None:
-        """Block until every write queued so far has completed (or failed over to memory)."""
+        """Block until every write queued so far has completed (or failed over to memory).
+
+        Views and read buffers dropped before the call are released first.
+        """
+        _control.settle()
         self._store.flush()
 
     def close(self) -> None:
@@ -255,6 +312,9 @@ class Offloader:
 
         Saved tensors that were not read back yet can no longer be unpacked afterwards.
         """
+        _control.call_whole(self._close_job)
+
+    def _close_job(self) -> None:
         if self._phase is not _Phase.DISCARDED:
             self._phase = _Phase.CLOSED
         self._store.close(engine_owned=not isinstance(self.backend, Engine))
@@ -292,6 +352,9 @@ class Offloader:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not _Phase.ACTIVE:
             raise TbaError(self._not_active_message())
+        if self._forked_mid_block:
+            raise TbaError("this with block of tba was entered before os.fork(): its spill file belongs to the "
+                           "parent; in the child, leave the block and enter the offloader again")
         self._tracker.note_save()
         reason = self.keep_reason(tensor)
         if reason is not None:
@@ -307,10 +370,18 @@ class Offloader:
             # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
             # unpack from the metadata it recorded at save. It shares the version counter.
             return tensor.detach() if tensor.grad_fn is not None else tensor
-        entry, fresh = self._store.save(tensor, self._tracker.current)
+        if tensor.is_cuda:
+            return _control.call(_on_stream, torch.cuda.current_stream(tensor.device), self._save_job,
+                                 tensor, self._tracker.current)
+        return _control.call(self._save_job, tensor, self._tracker.current)
+
+    def _save_job(self, tensor: torch.Tensor, layer: int | None) -> SavedView:
+        entry, fresh = self._store.save(tensor, layer)
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
-        return SavedView(self, entry, tensor)
+        view = SavedView(entry, tensor)
+        _control.on_death(view, self.drop_view, entry, id(view))
+        return view
 
     def _not_active_message(self) -> str:
         if self._phase is _Phase.CLOSED:
@@ -340,10 +411,12 @@ class Offloader:
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
         packed.check_version()
-        data, event = self._store.load(entry)
+        data, event, reading = _control.call(self._store.start_load, entry)
+        if reading is not None:
+            data, event = self._store.wait_read(entry, reading)
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
-        self._store.note_unpacked(entry, id(packed))
+        _control.post(self._store.note_unpacked, entry, id(packed))
         return tensor
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
@@ -381,6 +454,10 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
         overhead_bound: Adaptive goal: least memory within ``(1 + overhead_bound)`` x keep-all
             step time. Give exactly one goal with ``policy="adaptive"``.
         profile_steps: Steps profiled before the adaptive plan applies. Default 2.
+        verify: Checksum (CRC-32C) each host storage when its write completes and check it when
+            it is read back; a mismatch raises :class:`tba.TbaReadError`. Needs
+            ``pip install 'tba[verify]'``. Default False: bytes changed in the file underneath
+            (another process, a punched hole, a bad disk) are not detected.
 
     The returned offloader is one-shot: it closes its file once backward has released every
     saved tensor. To reuse one file across steps, build :class:`Offloader` once and enter it
@@ -394,3 +471,9 @@ def offload_activations(directory: str | None = None, **options: Any) -> Offload
             directory that cannot be created or written.
     """
     return Offloader(directory, reusable=False, **options)
+
+
+def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with ``stream`` current: the caller's stream, for a job on the control thread."""
+    with torch.cuda.stream(stream):
+        return fn(*args)

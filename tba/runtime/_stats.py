@@ -38,6 +38,7 @@ class OffloadStats:
         read_buffers_allocated / read_buffers_reused: Host read buffers allocated fresh / taken
             again from the read pool.
         staging_blocks_in_use: Pinned staging blocks not returned to their pool (0 when idle).
+        bytes_verified: Bytes read back whose checksum was checked (``verify=True``).
     """
 
     tensors_offloaded: int = 0
@@ -58,6 +59,7 @@ class OffloadStats:
     read_busy_s: float = 0.0
     read_buffers_allocated: int = 0
     read_buffers_reused: int = 0
+    bytes_verified: int = 0
     staging_blocks_in_use: int = 0
 
     @property

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tba._control import wait
 from tba._trace import nvtx_range
 from tba.device._routes import Routes
 from tba.errors import TbaReadError
 from tba.io import Engine
+from tba.io._checksum import checksum
 from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile
 from tba.runtime._prefetch import PrefetchWindow
@@ -69,11 +71,16 @@ class StorageStore:
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
         self.routes: Routes | None = None
-        self._writes_done = threading.Condition(self.lock)
         self._writing = 0
+        self._reading = 0
+        self._idle_waiters: list[Future] = []
+        """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
         self._next_seq = 0
         self._warned_write_error = False
+        self.verify = False
+        self._warned_verify_device = False
+        """Checksum each storage when written and check it when read back (``verify=True``)."""
         self.fork_seq = 0
         """Entries with a smaller ``seq`` were saved by the parent of a forked process: not ours."""
 
@@ -149,14 +156,27 @@ class StorageStore:
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
         self.write_clock.stop()
+        if self.verify and error is None:
+            self._checksum_written(entry)
         with self.lock:
             entry.transfer_in_flight = False
             entry.io_error = error
             self._finish_write(entry)
 
+    def _checksum_written(self, entry: StorageEntry) -> None:
+        """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""
+        data = entry.data
+        if data is None:
+            return
+        if data.device.type == "cpu":
+            entry.checksum = checksum(data)
+        elif not self._warned_verify_device:
+            self._warned_verify_device = True
+            logger.warning("tba: verify=True checks host storages only; %s storages are not checksummed",
+                           data.device.type)
+
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
-        self._writes_done.notify_all()
         if entry.state is State.DEAD:
             self._free_extent(entry)
         elif entry.io_error is not None:
@@ -167,6 +187,22 @@ class StorageStore:
             self.stats.bytes_written += entry.nbytes
             if not entry.hold_for_backward:
                 self.release(entry)
+        self._transfer_ended()
+
+    def _transfer_ended(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            waiter.set_result(None)
+
+    def _wait_until(self, done: Any) -> None:
+        """Block, without holding the lock, until ``done()`` (checked under the lock) is true."""
+        while True:
+            with self.lock:
+                if done():
+                    return
+                ended: Future = Future()
+                self._idle_waiters.append(ended)
+            wait(ended)
 
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
@@ -186,12 +222,19 @@ class StorageStore:
 
     def flush(self) -> None:
         """Block until every write queued so far has completed (or failed over to memory)."""
-        with self._writes_done:
-            self._writes_done.wait_for(lambda: self._writing == 0)
+        self._wait_until(lambda: self._writing == 0)
 
     # ----------------------------------------------------------------- read
     def load(self, entry: StorageEntry) -> tuple[torch.Tensor, Any]:
         """``entry``'s bytes as a ``uint8`` tensor, and the event a consumer must wait on (or None)."""
+        data, event, reading = self.start_load(entry)
+        return (data, event) if reading is None else self.wait_read(entry, reading)
+
+    def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
+        """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.
+
+        Starts the read if needed and moves the prefetch window; never waits.
+        """
         with self.lock:
             data, done = entry.data, entry.read_done
             if data is None and done is None:
@@ -200,13 +243,14 @@ class StorageStore:
         if data is not None:
             with self.lock:
                 self.stats.unpacks_from_memory += 1
-                return data, entry.ready_event
-        return self._wait_read(entry, done)
+                return data, entry.ready_event, None
+        return None, None, done
 
     def _start_read(self, entry: StorageEntry) -> Future:
         """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
         done = entry.read_done = Future()
         entry.transfer_in_flight = True
+        self._reading += 1
         self.read_clock.start()
         with nvtx_range("read"):
             entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset,
@@ -215,8 +259,12 @@ class StorageStore:
 
     def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
         self.read_clock.stop()
+        if error is None and entry.checksum is not None:
+            error = self._verify(entry, data)
         with self.lock:
             entry.transfer_in_flight = False
+            self._reading -= 1
+            self._transfer_ended()
             done, entry.read_done = entry.read_done, None
             if entry.state is State.DEAD:
                 self._free_extent(entry)
@@ -229,11 +277,25 @@ class StorageStore:
                 self.stats.bytes_read += entry.nbytes
                 done.set_result((entry.data, event))
 
-    def _wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
+    def _verify(self, entry: StorageEntry, data: torch.Tensor) -> TbaReadError | None:
+        """None when ``data`` has the checksum ``entry`` was written with, else the error to raise."""
+        got = checksum(data)
+        with self.lock:
+            self.stats.bytes_verified += entry.nbytes
+        if got == entry.checksum:
+            return None
+        return TbaReadError(
+            f"verify: {entry.describe()} read back from the spill file in {self.spill.directory} (offset "
+            f"{entry.offset}, {entry.extent_bytes} bytes) differs from what was written (CRC-32C {got:#010x}, "
+            f"written {entry.checksum:#010x}): the file was changed underneath tba (another process, a punched "
+            "hole, a failing disk); its gradients cannot be computed, run the step again"
+        )
+
+    def wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
         try:
             with nvtx_range("wait_read"):
-                result = done.result()
+                result = wait(done)
         except OSError as err:
             raise TbaReadError(
                 f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
@@ -297,6 +359,10 @@ class StorageStore:
             self.routes.stop()
         if engine is not None and engine_owned:
             engine.close()
+        elif engine is not None:
+            # A shared engine outlives this store: its requests on our file must end before the file
+            # closes, or the descriptor number, reused by the next open, would receive them.
+            self._wait_until(lambda: self._writing == 0 and self._reading == 0)
         if self.routes is not None:
             self.routes.close()
         if self.spill is not None:
@@ -315,8 +381,9 @@ class StorageStore:
         file descriptor is closed, so the next entry opens a file of the child's own.
         """
         self.lock = threading.RLock()
-        self._writes_done = threading.Condition(self.lock)
         self._writing = 0
+        self._reading = 0
+        self._idle_waiters = []
         self.fork_seq = self._next_seq
         self._by_storage.clear()
         self.live_entries = 0

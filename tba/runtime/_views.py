@@ -77,6 +77,8 @@ class StorageEntry:
     route: Route | None = None
     ready_event: Any = None
     """Device event a consumer waits on before using ``data`` read back (None for host memory)."""
+    checksum: int | None = None
+    """CRC-32C of the bytes written (``verify=True``, host storages); None when not checked."""
 
     @property
     def extent_bytes(self) -> int:
@@ -91,14 +93,15 @@ class StorageEntry:
 class SavedView:
     """What the pack hook returns for an offloaded tensor: an entry plus the view's geometry.
 
-    Dropping the last reference (autograd frees its saved tensors after backward) tells the owner,
-    which frees the file extent once no view of the entry is left.
+    Dropping the last reference (autograd frees its saved tensors after backward) tells the
+    offloader, which frees the file extent once no view of the entry is left. That message goes
+    through :func:`tba._control.on_death`, registered by the offloader: a view has no ``__del__``
+    (Note [Asynchronous exceptions] in ``tba/_control.py``).
     """
 
-    __slots__ = ("owner", "entry", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version", "__weakref__")
+    __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version", "__weakref__")
 
-    def __init__(self, owner: Any, entry: StorageEntry, tensor: torch.Tensor) -> None:
-        self.owner = owner
+    def __init__(self, entry: StorageEntry, tensor: torch.Tensor) -> None:
         self.entry = entry
         self.dtype = tensor.dtype
         self.size = tuple(tensor.shape)
@@ -133,9 +136,3 @@ class SavedView:
             raise AssertionError(f"storage bytes at offset {base_bytes} are misaligned for {self.dtype}")
         out = torch.empty((0,), dtype=self.dtype, device=data.device)
         return out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
-
-    def __del__(self) -> None:
-        owner = self.owner
-        if owner is not None:
-            self.owner = None
-            owner.drop_view(self.entry, id(self))

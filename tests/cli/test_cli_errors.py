@@ -20,6 +20,8 @@ def tba_cli(*args: str) -> subprocess.CompletedProcess:
         (["rok", "--budgets", "abc"], "'abc' is not a number; pass --budgets as comma-separated numbers"),
         (["rok", "--budgets-mib", "-5"], "-5 is not positive; pass --budgets-mib > 0"),
         (["rok", "--model", "nosuchmod:make", "--batch", "nosuchmod:batch"], "cannot import module 'nosuchmod'"),
+        (["rok", "--model", "tba.bench.models:make_gpt"], "--model needs --batch: pass --batch MODULE:FUNC"),
+        (["rok", "--batch", "tba.bench.models:make_batch"], "--batch needs --model: pass --model MODULE:FUNC"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, match):

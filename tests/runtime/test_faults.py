@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 
 import pytest
 import torch
@@ -62,4 +63,27 @@ def test_failed_read_never_returns_data(spill_dir):
                 off.unpack(packed)
     del packed
     off.close()
+    engine.close()
+
+
+def test_close_with_a_shared_engine_waits_for_its_transfers(spill_dir):
+    """An engine the offloader does not own outlives it: close waits for the writes on its file.
+
+    Closing the file first failed them with EBADF, or, once the number was reused by the next
+    spill file, sent the old step's bytes into the new file (wrong gradients in the soak test).
+    """
+    gate = threading.Event()
+    engine = FaultyEngine(gate=gate)
+    off = tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0)
+    with off:
+        packed = off.pack(torch.randn(1 << 16))
+    closing = threading.Thread(target=off.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive(), "close returned while a write on its file was queued"
+    gate.set()
+    closing.join(10)
+    assert not closing.is_alive()
+    assert off.stats.tensors_kept_on_error == 0 and off.stats.storages_written == 1
+    del packed
     engine.close()

@@ -1,4 +1,4 @@
-"""fork() after tba was used: parent and child each train exactly, or the child gets a clear error.
+"""fork() after tba was used, or inside a ``with`` block: parent and child each train exactly, or the child gets a clear error.
 
 Each scenario runs in a fresh interpreter (``subprocess``) that forks; the child reports through
 its exit status, and ``alarm`` turns a hang into a failure.
@@ -92,8 +92,46 @@ ONE_SHOT = PRELUDE + textwrap.dedent(
     """
 )
 
+MID_BLOCK = PRELUDE + textwrap.dedent(
+    """
+    off = tba.Offloader(directory, backend=backend, layers=list(model), min_offload_bytes=0)
+    bad = []
+    with off:
+        h = model[0](batches[0])
+        off.flush()
+        pid = os.fork()
+        signal.alarm(30)
+        if pid == 0:
+            try:
+                model[1](h)
+                bad.append("no error for a save inside a block entered before fork")
+            except tba.TbaError as err:
+                if "entered before os.fork()" not in str(err):
+                    bad.append(str(err))
+        else:
+            loss = model[2](model[1](h)).square().mean()
+    if pid == 0:
+        try:
+            h.sum().backward()
+            bad.append("no error for a tensor saved before fork")
+        except tba.TbaError as err:
+            if "saved before this process was forked" not in str(err):
+                bad.append(str(err))
+        del h
+    elif not same(grads(loss), 0):
+        bad.append("step across the fork")
+    for i in range(1, 4):
+        with tba.offload_activations(directory, backend=backend, min_offload_bytes=0):
+            loss = model(batches[i]).square().mean()
+        if not same(grads(loss), i):
+            bad.append(i)
+    off.close()
+    finish(pid, bad)
+    """
+)
 
-@pytest.mark.parametrize("script", [REUSABLE, ONE_SHOT], ids=["reusable", "one-shot"])
+
+@pytest.mark.parametrize("script", [REUSABLE, ONE_SHOT, MID_BLOCK], ids=["reusable", "one-shot", "mid-block"])
 def test_fork_parent_and_child_train_exactly(spill_dir, backend, script):
     done = subprocess.run([sys.executable, "-c", script, backend, spill_dir], capture_output=True, text=True,
                           timeout=120)

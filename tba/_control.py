@@ -1,0 +1,233 @@
+"""Bookkeeping out of reach of asynchronous exceptions: one control thread and C-level finalizers.
+
+Note: [Asynchronous exceptions]
+Python runs signal handlers in the main thread, between two bytecodes of whatever runs there. An
+exception raised by a handler (``KeyboardInterrupt`` from SIGINT, or a user's own from a timer
+signal) can therefore strike between any two statements of tba's bookkeeping: after a request went
+to the kernel but before its completion callback was attached (the entry then waits forever and
+its spill file stays open), after a read buffer was handed to the kernel but before anything else
+referenced it (the buffer is freed while the kernel writes into it: heap corruption), half way
+through starting a thread, or inside a ``__del__``, where Python prints ``Exception ignored`` and
+drops it (a swallowed Ctrl-C). Three rules keep every state change whole:
+
+* Every state change of an offloader (save, load, prefetch, drop, open, close) runs as a job on
+  one control thread (:func:`call`). Handlers never run there. The main thread only waits for the
+  job's result: an exception during that wait reaches the caller at once, the job still runs to
+  its end, and what it returns is dropped like any other garbage (and cleaned up by the next rule).
+* Finalizers run no Python code. A saved view or a read buffer that dies fires a weak reference
+  whose callback is :meth:`queue.SimpleQueue.put`, a C function, so nothing can be raised (or
+  swallowed) inside it; the control thread does the work (:func:`on_death`).
+* Engines keep each request, and through its ``owner`` the memory it moves, until the transfer is
+  over (``tba/io/_engine.py``), whatever happens to the caller.
+
+Work that only waits (``flush``, waiting for a read) stays in the caller's thread: an exception
+while waiting leaves nothing half done.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger("tba")
+
+
+class _Finalizer(weakref.ref):
+    """A weak reference that, once its referent dies, asks the control thread to run ``fn(*args)``."""
+
+    __slots__ = ("fn", "args")
+
+
+class _Control:
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.finalizers: dict[int, _Finalizer] = {}
+        """Finalizers not fired yet, by identity (a weak reference alone would be collected first)."""
+        self.thread: threading.Thread | None = None
+        self.start_lock = threading.Lock()
+        self.stopped = False
+        """Set at interpreter exit: from then on jobs run inline in the caller."""
+
+    def ensure_started(self) -> None:
+        if self.thread is None:
+            with self.start_lock:
+                if self.thread is None:
+                    thread = threading.Thread(target=self.run, name="tba-control", daemon=True)
+                    thread.start()
+                    self.thread = thread
+
+    def run(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is _STOP:
+                return
+            self.process(item)
+
+    def process(self, item: Any) -> None:
+        try:
+            if isinstance(item, _Finalizer):
+                self.finalizers.pop(id(item), None)
+                item.fn(*item.args)
+                return
+            reply, fn, args = item
+            try:
+                result = fn(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                if reply is None:
+                    raise
+                reply.put((err, None))
+            else:
+                if reply is not None:
+                    reply.put((None, result))
+        except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
+            logger.exception("tba: a job on the control thread failed")
+
+
+_STOP = object()
+_control = _Control()
+
+
+def in_control_thread() -> bool:
+    """Whether the caller is the control thread itself."""
+    return threading.current_thread() is _control.thread
+
+
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` on the control thread and return its result (or raise its exception).
+
+    From the control thread itself, ``fn`` runs inline.
+    """
+    if threading.current_thread() is _control.thread or _control.stopped:
+        return fn(*args)
+    _control.ensure_started()
+    reply: queue.SimpleQueue = queue.SimpleQueue()
+    _control.jobs.put((reply, fn, args))
+    error, result = reply.get()
+    if error is not None:
+        raise error
+    return result
+
+
+def wait(future: Future) -> Any:
+    """``future.result()``, waiting on a :class:`queue.SimpleQueue` instead of the future's condition.
+
+    ``Condition.wait`` releases its lock and re-acquires it in two steps; an asynchronous exception
+    between them turns into ``RuntimeError: cannot release un-acquired lock`` and the user's
+    exception is lost. A simple queue's ``get`` is one C call that either returns or raises.
+    """
+    if not future.done():
+        arrived: queue.SimpleQueue = queue.SimpleQueue()
+        future.add_done_callback(arrived.put)
+        arrived.get()
+    return future.result()
+
+
+def post(fn: Callable[..., Any], *args: Any) -> None:
+    """Queue ``fn(*args)`` for the control thread without waiting (errors are logged)."""
+    if threading.current_thread() is _control.thread or _control.stopped:
+        fn(*args)
+        return
+    _control.ensure_started()
+    _control.jobs.put((None, fn, args))
+
+
+def _capture(fn: Callable[..., Any], args: tuple) -> tuple[BaseException | None, Any]:
+    try:
+        return None, fn(*args)
+    except BaseException as err:  # noqa: BLE001 - returned to call_whole
+        return err, None
+
+
+def call_whole(fn: Callable[..., Any], *args: Any) -> Any:
+    """Like :func:`call`, but an asynchronous exception does not cut the caller's wait short.
+
+    When one arrives, the call is made again (``fn`` must be idempotent) until it returned, and the
+    first such exception is raised after that. ``fn``'s own exception is raised as :func:`call` does.
+    """
+    interrupted = None
+    while True:
+        try:
+            error, result = call(_capture, fn, args)
+            break
+        except BaseException as err:  # noqa: BLE001 - re-raised below, once the job has run
+            if interrupted is None:
+                interrupted = err
+    if interrupted is not None:
+        raise interrupted
+    if error is not None:
+        raise error
+    return result
+
+
+def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on the control thread once ``obj`` has been collected.
+
+    ``args`` must not refer to ``obj``. The callback that fires at collection is
+    ``SimpleQueue.put`` itself: no Python code runs in the thread that drops ``obj``.
+    """
+    _control.ensure_started()
+    ref = _Finalizer(obj, _control.jobs.put)
+    ref.fn, ref.args = fn, args
+    _control.finalizers[id(ref)] = ref
+
+
+def run_pending() -> None:
+    """On the control thread: run what is queued now (finalizers fired by a ``gc.collect()``)."""
+    _run_queued(_control)
+
+
+def settle() -> None:
+    """Wait until every job and finalizer queued before this call has run."""
+    if _control.thread is not None and not in_control_thread():
+        call(int)
+
+
+def _stop_at_exit() -> None:
+    """Finish queued work and end the control thread before the interpreter finalizes.
+
+    A daemon thread that wakes during finalization is ended by ``pthread_exit`` wherever it is; in
+    the middle of torch's C++ code that aborts the process ("terminate called without an active
+    exception"). So the thread is stopped while the interpreter is still whole.
+    """
+    control = _control
+    if control.thread is None or in_control_thread():
+        return
+    control.jobs.put(_STOP)
+    control.thread.join()
+    control.stopped = True
+    _run_queued(control)
+
+
+def _run_queued(control: _Control) -> None:
+    """Run what is queued in ``control`` now, in the calling thread."""
+    while True:
+        try:
+            item = control.jobs.get_nowait()
+        except queue.Empty:
+            return
+        if item is not _STOP:
+            control.process(item)
+
+
+atexit.register(_stop_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    global _control
+    _control = _Control()
+    _control.ensure_started()
+
+
+# The thread starts at import, before a program installs its signal handlers: `Thread.start`
+# interrupted half way by a handler's exception can leave a thread started but not recorded.
+_control.ensure_started()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
