@@ -35,6 +35,7 @@ from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import BusyClock, OffloadStats
+from tba.runtime._trim import discard_pages, sole_owner, trimmer
 from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
@@ -54,14 +55,13 @@ class StorageStore:
 
     Args:
         stats: Counters to update.
-        window: Prefetch decisions; its ``prefetch_budget_bytes`` also bounds the idle read buffers
-            kept for reuse.
+        window: Prefetch decisions; its budget also bounds the idle read buffers kept for reuse.
     """
 
     def __init__(self, stats: OffloadStats, window: PrefetchWindow) -> None:
         self.stats = stats
         self.window = window
-        self.read_pool = BufferPool(window.prefetch_budget_bytes)
+        self.read_pool = BufferPool(window.budget_bytes)
         self.lock = threading.RLock()
         self.write_clock = BusyClock()
         self.read_clock = BusyClock()
@@ -72,13 +72,32 @@ class StorageStore:
         self._writes_done = threading.Condition(self.lock)
         self._writing = 0
         self._by_storage: dict[int, StorageEntry] = {}
+        self._shared_written: list[StorageEntry] = []
         self._next_seq = 0
         self._warned_write_error = False
         self.fork_seq = 0
         """Entries with a smaller ``seq`` were saved by the parent of a forked process: not ours."""
 
-    def open(self, spill: SpillFile, engine: Engine, routes: Routes) -> None:
+    def open(self, spill: SpillFile, engine: Engine, routes: Routes, read_pool: BufferPool | None = None) -> None:
+        """Use ``spill``, ``engine`` and ``routes`` (and ``read_pool``, when they are shared with other stores)."""
         self.spill, self.engine, self.routes = spill, engine, routes
+        if read_pool is not None:
+            self.read_pool = read_pool
+            self._sync_pool_capacity()
+
+    def _sync_pool_capacity(self) -> None:
+        """Idle read buffers follow the prefetch budget in force."""
+        self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
+        if self.read_pool.idle_bytes > self.read_pool.prefetch_budget_bytes:
+            self.read_pool.clear()
+
+    def end_forward(self) -> None:
+        """Forward is over: size the window for backward, then hold or read what backward needs first."""
+        with self.lock:
+            self._sweep_written()
+            self.window.end_forward()
+            self._sync_pool_capacity()
+        self.prefetch(None)
 
     @property
     def is_open(self) -> bool:
@@ -110,6 +129,8 @@ class StorageStore:
         """The entry holding ``tensor``'s storage, and whether it was created (and its write started)."""
         storage = tensor.untyped_storage()
         with self.lock:
+            if self._shared_written:
+                self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
             fresh = entry is None or entry.version != tensor._version or entry.state is State.DEAD or entry.ref.expired()
             if fresh:
@@ -166,7 +187,7 @@ class StorageStore:
             self.stats.storages_written += 1
             self.stats.bytes_written += entry.nbytes
             if not entry.hold_for_backward:
-                self.release(entry)
+                self._release_written(entry)
 
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
@@ -200,6 +221,7 @@ class StorageStore:
         if data is not None:
             with self.lock:
                 self.stats.unpacks_from_memory += 1
+                self.window.note_served_from_memory()
                 return data, entry.ready_event
         return self._wait_read(entry, done)
 
@@ -242,6 +264,8 @@ class StorageStore:
         with self.lock:
             self.stats.unpacks_waited += 1
             self.stats.unpack_wait_s += time.perf_counter() - start
+            self.window.note_wait()
+            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
         return result
 
     def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:
@@ -307,6 +331,19 @@ class StorageStore:
             self._by_storage.clear()
             self.read_pool.clear()
 
+    def detach(self) -> None:
+        """Stop using a spill file, engine and read pool that others share, without closing them.
+
+        Transfers still in flight complete into this store: a dead entry's extent is then given
+        back to the shared file, whose allocator is thread-safe.
+        """
+        with self.lock:
+            self.engine = None
+            self.routes = None
+            for entry in self._by_storage.values():
+                self.release(entry)
+            self.read_pool = BufferPool(0)
+
     def forget_after_fork(self) -> None:
         """In a forked child: drop the parent's file, engine and entries without any I/O.
 
@@ -330,12 +367,34 @@ class StorageStore:
             self.spill.free(entry.offset)
             entry.offset = -1
 
+    def _release_written(self, entry: StorageEntry) -> None:
+        """Drop a written storage's bytes; a host storage's pages go back to the kernel (``tba/runtime/_trim.py``).
+
+        Its pages are discarded only while tba holds the last reference. When forward still uses
+        the tensor, the entry waits in ``_shared_written`` until :meth:`_sweep_written` finds it last.
+        """
+        if entry.data is None or entry.device.type != "cpu":
+            self.release(entry)
+        elif sole_owner(entry.ref):
+            discard_pages(entry.data.data_ptr(), entry.nbytes)
+            self.release(entry)
+        else:
+            self._shared_written.append(entry)
+
+    def _sweep_written(self) -> None:
+        """Release the written storages of ``_shared_written`` that forward has stopped using."""
+        waiting, self._shared_written = self._shared_written, []
+        for entry in waiting:
+            if entry.data is not None and entry.state is State.ON_DISK and not entry.hold_for_backward:
+                self._release_written(entry)
+
     def release(self, entry: StorageEntry) -> None:
         """Drop tba's reference to ``entry``'s bytes in memory."""
         if entry.data is not None:
             entry.data = None
             entry.ready_event = None
             self._resident(-entry.nbytes)
+            trimmer.note_released(entry.nbytes)
 
     def _resident(self, delta_bytes: int) -> None:
         stats = self.stats
