@@ -17,7 +17,9 @@ Prefetch goes layer by layer only when storages carry a layer index. Without ``l
    loss) stay untagged, as with explicit layers.
 
 Tags are therefore known from the end of forward on, which is all prefetch needs: backward is the
-first to read them. Hooks of other threads are ignored, so concurrent contexts do not mix.
+first to read them. Hooks of other threads are ignored, so concurrent contexts do not mix. Inside
+a compiled graph the hooks do nothing (``torch.compiler.is_compiling()``): the graph's saves carry
+no module stack, as with explicit layers there (``tba/runtime/_compile.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
@@ -57,11 +60,13 @@ class LayerDiscovery:
         self._handles = []
 
     def _enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if threading.get_ident() == self._thread:
             self._stack = (*self._stack, module)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread or module not in self._stack:
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or module not in self._stack:
             return
         stack = self._stack
         index = len(stack) - 1

@@ -72,7 +72,7 @@ class StorageStore:
         self._writes_done = threading.Condition(self.lock)
         self._writing = 0
         self._by_storage: dict[int, StorageEntry] = {}
-        self._shared_written: list[StorageEntry] = []
+        self._lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
         self._next_seq = 0
         self._warned_write_error = False
         self.fork_seq = 0
@@ -129,7 +129,7 @@ class StorageStore:
         """The entry holding ``tensor``'s storage, and whether it was created (and its write started)."""
         storage = tensor.untyped_storage()
         with self.lock:
-            if self._shared_written:
+            if self._lingering:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
             fresh = entry is None or entry.version != tensor._version or entry.state is State.DEAD or entry.ref.expired()
@@ -214,6 +214,8 @@ class StorageStore:
     def load(self, entry: StorageEntry) -> tuple[torch.Tensor, Any]:
         """``entry``'s bytes as a ``uint8`` tensor, and the event a consumer must wait on (or None)."""
         with self.lock:
+            if self._lingering:
+                self._sweep_written()
             data, done = entry.data, entry.read_done
             if data is None and done is None:
                 done = self._start_read(entry)
@@ -299,6 +301,8 @@ class StorageStore:
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
         """A view of ``entry`` was freed; returns True when no entry is left alive."""
         with self.lock:
+            if self._lingering:
+                self._sweep_written()
             entry.live_views -= 1
             entry.unpacked_views.discard(view_id)
             if entry.live_views > 0:
@@ -329,6 +333,7 @@ class StorageStore:
             for entry in self._by_storage.values():
                 self.release(entry)
             self._by_storage.clear()
+            self._lingering.clear()
             self.read_pool.clear()
 
     def detach(self) -> None:
@@ -342,6 +347,7 @@ class StorageStore:
             self.routes = None
             for entry in self._by_storage.values():
                 self.release(entry)
+            self._lingering.clear()
             self.read_pool = BufferPool(0)
 
     def forget_after_fork(self) -> None:
@@ -356,6 +362,7 @@ class StorageStore:
         self._writing = 0
         self.fork_seq = self._next_seq
         self._by_storage.clear()
+        self._lingering.clear()
         self.live_entries = 0
         self.window.clear()
         if self.spill is not None:
@@ -370,23 +377,25 @@ class StorageStore:
     def _release_written(self, entry: StorageEntry) -> None:
         """Drop a written storage's bytes; a host storage's pages go back to the kernel (``tba/runtime/_trim.py``).
 
-        Its pages are discarded only while tba holds the last reference. When forward still uses
-        the tensor, the entry waits in ``_shared_written`` until :meth:`_sweep_written` finds it last.
+        Its pages are discarded only while tba holds the last reference. While the program still
+        uses the tensor, the entry is released as usual (unpack reads the file), but a hidden
+        reference lingers in ``_lingering`` until :meth:`_sweep_written`, at the next save or
+        unpack, finds it the last one: then the pages go back to the kernel before the memory is freed.
         """
-        if entry.data is None or entry.device.type != "cpu":
-            self.release(entry)
-        elif sole_owner(entry.ref):
-            discard_pages(entry.data.data_ptr(), entry.nbytes)
-            self.release(entry)
-        else:
-            self._shared_written.append(entry)
+        data = entry.data
+        if data is not None and self.routes is not None and entry.route is self.routes.host:
+            if sole_owner(entry.ref):
+                discard_pages(data.data_ptr(), entry.nbytes)
+            else:
+                self._lingering[entry.seq] = (entry.ref, data)
+        self.release(entry)
 
     def _sweep_written(self) -> None:
-        """Release the written storages of ``_shared_written`` that forward has stopped using."""
-        waiting, self._shared_written = self._shared_written, []
-        for entry in waiting:
-            if entry.data is not None and entry.state is State.ON_DISK and not entry.hold_for_backward:
-                self._release_written(entry)
+        """Free the lingering written storages that the program has stopped using, pages first."""
+        for seq, (ref, data) in list(self._lingering.items()):
+            if sole_owner(ref):
+                discard_pages(data.data_ptr(), data.numel())
+                del self._lingering[seq]
 
     def release(self, entry: StorageEntry) -> None:
         """Drop tba's reference to ``entry``'s bytes in memory."""

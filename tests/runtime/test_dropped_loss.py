@@ -49,8 +49,9 @@ def test_one_shot_context_closes_its_file_after_dropped_loss(spill_dir, backend,
         with tba.offload_activations(spill_dir, backend=backend) as off:
             loss = model(x).logsumexp(-1).mean()
         del loss
-        assert off.spill.closed
-    assert open_fds() == before
+        assert off._runtime is None, "the context did not give its file back after its loss was dropped"
+    tba.shutdown()
+    assert off.spill.closed and open_fds() == before
 
 
 def test_reusable_offloader_reclaims_leftovers_on_entry(spill_dir, backend, no_gc):
