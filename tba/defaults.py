@@ -38,8 +38,9 @@ PREFETCH_BUDGET_BYTES = None
 POLICY_MAX_WINDOW_BYTES = 512 * MIB
 """Largest prefetch window a placement policy's plan may set when no ``prefetch_budget_bytes`` was given."""
 
-PREFETCH_WINDOW_INITIAL_BYTES = 64 * MIB
-"""Self-sizing window: read-ahead budget before anything was measured."""
+PREFETCH_WINDOW_INITIAL_BYTES = 8 * MIB
+"""Self-sizing window: read-ahead budget before anything was measured: the smallest, so that the first
+step never holds more than later ones (waits grow it within that step)."""
 
 PREFETCH_WINDOW_MIN_BYTES = 8 * MIB
 """Self-sizing window: smallest read-ahead budget (the storage below the cursor is always allowed)."""
@@ -50,7 +51,11 @@ PREFETCH_WINDOW_MAX_FRACTION = 0.25
 PREFETCH_WINDOW_GROW_FACTOR = 1.5
 """Self-sizing window: budget multiplier when an unpack waited for its read."""
 
-PREFETCH_WINDOW_SHRINK_FACTOR = 0.9
+PREFETCH_WINDOW_SHRINK_FACTOR = 0.95
+
+PREFETCH_WINDOW_TOLERATED_WAITS = 1
+"""Self-sizing window: waits per backward pass that neither grow the window nor stop it shrinking
+(the first read of a backward may find nothing prefetched whatever the window)."""
 """Self-sizing window: budget multiplier after a backward pass in which nothing waited."""
 
 HEAP_TRIM_EVERY_BYTES = 256 * MIB

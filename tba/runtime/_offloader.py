@@ -292,17 +292,20 @@ class Offloader:
     def close(self) -> None:
         """Wait for in-flight I/O, then close the engine and the spill file. Idempotent.
 
-        Saved tensors that were not read back yet can no longer be unpacked afterwards.
+        A one-shot context gives its file, engine and read pool back to the shared runtime instead
+        (``tba/runtime/_shared.py``); ``tba.shutdown()`` closes those. Saved tensors that were not
+        read back yet can no longer be unpacked afterwards.
         """
         if self._phase is not _Phase.DISCARDED:
             self._phase = _Phase.CLOSED
-        runtime, self._runtime = self._runtime, None
-        if runtime is None:
+        if self._shared_key is None:
             self._store.close(engine_owned=not isinstance(self.backend, Engine))
             return
-        self._store.detach()
-        self._store.window.end_backward()
-        _shared.checkin(runtime)
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            self._store.detach()
+            self._store.window.end_backward()
+            _shared.checkin(runtime)
 
     # ----------------------------------------------------------------- hooks
     def keep_reason(self, tensor: torch.Tensor) -> str | None:

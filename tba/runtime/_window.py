@@ -5,11 +5,12 @@ disk, too large and read-back bytes pile up in memory long before they are used,
 memory tba exists to save. :class:`WindowController` replaces the fixed number with a feedback
 loop, one decision per event:
 
-* **An unpack waited** for its read: read-ahead was too shallow. The window grows by
-  ``grow_factor`` at once, so a first step that starts too small catches up within that step.
-* **A backward pass ended with no wait** while prefetched reads were served from memory: reads
-  sat idle before use. The window shrinks by ``shrink_factor`` for the next pass, down to
-  ``min_bytes``.
+* **An unpack waited** for its read: read-ahead was too shallow. Beyond ``tolerated_waits`` per
+  pass, the window grows by ``grow_factor`` at once, so a first step that starts too small catches
+  up within that step.
+* **A backward pass ended with no more than ``tolerated_waits`` waits** while prefetched reads
+  were served from memory: reads sat idle before use. The window shrinks by ``shrink_factor`` for
+  the next pass, down to ``min_bytes``.
 * The window is never above ``max_fraction`` of the bytes the current forward wrote (nor below
   ``min_bytes``), so read-ahead stays a fraction of what offloading saved.
 
@@ -32,7 +33,8 @@ class WindowController:
         max_fraction: Largest budget as a fraction of the bytes written by the current forward.
             Default :data:`tba.defaults.PREFETCH_WINDOW_MAX_FRACTION`.
         grow_factor: Budget multiplier after an unpack waited. Default 1.5.
-        shrink_factor: Budget multiplier after a pass with no wait. Default 0.9.
+        shrink_factor: Budget multiplier after a pass with no wait. Default 0.95.
+        tolerated_waits: Waits per pass that neither grow nor prevent shrinking. Default 1.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class WindowController:
         max_fraction: float = defaults.PREFETCH_WINDOW_MAX_FRACTION,
         grow_factor: float = defaults.PREFETCH_WINDOW_GROW_FACTOR,
         shrink_factor: float = defaults.PREFETCH_WINDOW_SHRINK_FACTOR,
+        tolerated_waits: int = defaults.PREFETCH_WINDOW_TOLERATED_WAITS,
     ) -> None:
         if not 0 < shrink_factor <= 1 <= grow_factor:
             raise ValueError(f"need 0 < shrink_factor <= 1 <= grow_factor, got {shrink_factor}, {grow_factor}")
@@ -49,6 +52,7 @@ class WindowController:
         self.max_fraction = max_fraction
         self.grow_factor = grow_factor
         self.shrink_factor = shrink_factor
+        self.tolerated_waits = tolerated_waits
         self.target_bytes = max(initial_bytes, min_bytes)
         """The budget before the cap by forward bytes is applied."""
         self.forward_bytes = 0
@@ -74,6 +78,8 @@ class WindowController:
     def note_wait(self) -> None:
         """An unpack had to wait for its read: grow now (within the cap)."""
         self.waits += 1
+        if self.waits <= self.tolerated_waits:
+            return
         grown = int(self.budget_bytes * self.grow_factor)
         self.target_bytes = max(self.target_bytes, grown)
         if self.forward_bytes:
@@ -88,7 +94,7 @@ class WindowController:
         if self.forward_bytes == 0 and self.waits == 0 and self.served_prefetched == 0:
             return
         self.passes += 1
-        if self.waits == 0 and self.served_prefetched > 0:
+        if self.waits <= self.tolerated_waits and self.served_prefetched > 0:
             self.target_bytes = max(self.min_bytes, int(self.budget_bytes * self.shrink_factor))
         self.forward_bytes = 0
         self.waits = 0

@@ -11,7 +11,7 @@ from tba.runtime._window import WindowController
 
 def controller() -> WindowController:
     return WindowController(initial_bytes=64 * MIB, min_bytes=8 * MIB, max_fraction=0.25, grow_factor=1.5,
-                            shrink_factor=0.5)
+                            shrink_factor=0.5, tolerated_waits=0)
 
 
 def test_starts_at_initial_and_is_capped_by_forward_bytes():
@@ -93,3 +93,18 @@ def test_prefetch_window_feeds_the_controller_one_pass_per_step():
     assert c.passes == 1 and c.budget_bytes == int(12.5 * MIB)
     window.note_served_from_memory()
     assert c.served_prefetched == 0, "outside backward nothing counts"
+
+
+def test_tolerated_waits_neither_grow_nor_prevent_shrinking():
+    c = WindowController(initial_bytes=64 * MIB, min_bytes=8 * MIB, max_fraction=0.25, grow_factor=1.5,
+                         shrink_factor=0.5, tolerated_waits=1)
+    c.start_pass(forward_bytes=1024 * MIB)
+    c.note_wait()
+    assert c.budget_bytes == 64 * MIB
+    c.note_served_prefetched()
+    c.end_pass()
+    assert c.budget_bytes == 32 * MIB
+    c.start_pass(forward_bytes=1024 * MIB)
+    c.note_wait()
+    c.note_wait()
+    assert c.budget_bytes == 48 * MIB
