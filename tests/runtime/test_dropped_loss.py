@@ -37,7 +37,10 @@ def test_reusable_offloader_reuses_space_after_dropped_losses(spill_dir, backend
         off.flush()
         sizes.append(off.spill.size_bytes)
         assert off._store.live_entries == 0
-    assert sizes[-1] == sizes[0], sizes
+    # An extent keeps its storage's address modulo 4096, so a step whose tensors landed at other
+    # addresses may need one page more per storage; a leak would grow the file by a whole step.
+    per_step = off.stats.storages_written // 4
+    assert sizes[-1] - sizes[0] <= 4096 * per_step, sizes
     off.close()
 
 
