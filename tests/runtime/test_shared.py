@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def test_idle_runtimes_close_after_the_idle_time(spill_dir, open_fds, monkeypatc
     step(torch.randn(64, 1024), spill_dir, "threads")
     assert _shared.idle_runtimes() == 1
     for _ in range(200):
-        if _shared.idle_runtimes() == 0:
+        if _shared.idle_runtimes() == 0 and open_fds() == before:
             break
         threading.Event().wait(0.01)
     assert _shared.idle_runtimes() == 0 and open_fds() == before
@@ -189,17 +190,17 @@ def test_a_forked_child_drops_the_shared_runtime(spill_dir):
 
 
 def test_first_step_peak_resident_is_within_ten_percent_of_steady_state(spill_dir, backend):
-    config = PRESETS["demo"]
+    config = dataclasses.replace(PRESETS["demo"], layers=3, batch_size=2)
     model = make_gpt(config)
     tokens, targets = make_batch(config)
     ref_loss, ref_grads = run_step(model, lambda m: m(tokens, targets))
     peaks = []
-    for _ in range(3):
+    for _ in range(4):
         off = tba.offload_activations(spill_dir, backend=backend)
         loss, grads = run_step(model, lambda m: m(tokens, targets), off)
         assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
         peaks.append(off.stats.peak_resident_bytes)
-    assert peaks[0] <= 1.10 * peaks[-1], peaks
+    assert peaks[0] <= 1.10 * max(peaks[1:]), f"the first step held more than the later ones: {peaks}"
     tba.shutdown()
 
 
