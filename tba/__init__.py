@@ -16,6 +16,7 @@ from tba.io import Engine, ThreadEngine, available_backends, make_engine
 from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Plan, Policy, Profile, RecomputeAll, estimate, plan
 from tba.runtime._layers import find_layers
 from tba.runtime._offloader import Offloader, offload_activations
+from tba.runtime._shared import shutdown
 from tba.runtime._stats import OffloadStats
 
 __version__ = "0.1.0"
@@ -45,4 +46,5 @@ __all__ = [
     "make_engine",
     "offload_activations",
     "plan",
+    "shutdown",
 ]

@@ -27,7 +27,7 @@ def check_int(name: str, value: Any) -> None:
 def check_options(options: dict[str, Any]) -> None:
     """Check the types and ranges of the integer and flag options in ``options``."""
     for name in INT_OPTIONS:
-        if name in options:
+        if name in options and not (name == "prefetch_budget_bytes" and options[name] is None):
             check_int(name, options[name])
     depth = options.get("queue_depth", 1)
     if not 1 <= depth <= MAX_QUEUE_DEPTH:

@@ -31,8 +31,47 @@ MAX_ENGINE_THREADS = 8
 """The thread engine never runs more threads than this: each one waits in the kernel for its
 request, and more only add context switches."""
 
-PREFETCH_BUDGET_BYTES = 512 * MIB
-"""Bound on bytes read ahead or held in memory for backward, and on idle read buffers kept."""
+PREFETCH_BUDGET_BYTES = None
+"""Bound on bytes read ahead or held in memory for backward, and on idle read buffers kept. None
+(default): the window sizes itself (``tba/runtime/_window.py``) within the bounds below."""
+
+POLICY_MAX_WINDOW_BYTES = 512 * MIB
+"""Largest prefetch window a placement policy's plan may set when no ``prefetch_budget_bytes`` was given."""
+
+PREFETCH_WINDOW_INITIAL_BYTES = 8 * MIB
+"""Self-sizing window: read-ahead budget before anything was measured: the smallest, so that the first
+step never holds more than later ones (waits grow it within that step)."""
+
+PREFETCH_WINDOW_MIN_BYTES = 8 * MIB
+"""Self-sizing window: smallest read-ahead budget (the storage below the cursor is always allowed)."""
+
+PREFETCH_WINDOW_MAX_FRACTION = 0.25
+"""Self-sizing window: largest read-ahead budget as a fraction of the bytes the forward wrote."""
+
+PREFETCH_WINDOW_GROW_FACTOR = 1.5
+"""Self-sizing window: budget multiplier when an unpack waited for its read."""
+
+PREFETCH_WINDOW_SHRINK_FACTOR = 0.95
+
+PREFETCH_WINDOW_TOLERATED_WAITS = 1
+"""Self-sizing window: waits per backward pass that neither grow the window nor stop it shrinking
+(the first read of a backward may find nothing prefetched whatever the window)."""
+"""Self-sizing window: budget multiplier after a backward pass in which nothing waited."""
+
+HEAP_TRIM_EVERY_BYTES = 256 * MIB
+"""After this many bytes of offloaded storages are released, glibc's free heap pages are handed
+back to the kernel (``tba/runtime/_trim.py``), so that resident memory follows memory in use."""
+
+RUNTIME_IDLE_CLOSE_S = 30.0
+"""A spill file, engine and read pool shared by one-shot contexts (``tba/runtime/_shared.py``) is
+closed after this many seconds unused."""
+
+RUNTIME_IDLE_PER_KEY = 2
+"""Idle shared runtimes kept per directory and option set (more appear only with concurrent contexts)."""
+
+SPILL_RESERVE_MIN_BYTES = 256 * MIB
+"""The spill file grows by ``fallocate`` in steps of at least this (and at least its size so far),
+so writes land in allocated space instead of extending the file."""
 
 PREFETCH_DEPTH_LAYERS = 1
 """During backward through layer i, layers i-1 .. i-depth are read ahead."""

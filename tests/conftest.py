@@ -49,6 +49,16 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def no_shared_runtimes():
+    """Every test starts and ends with no idle shared runtime (``tba.shutdown()``), so descriptor counts are its own."""
+    import tba
+
+    tba.shutdown()
+    yield
+    tba.shutdown()
+
+
 @pytest.fixture
 def spill_dir(tmp_path) -> str:
     """An empty directory for spill files; the test fails if anything is left in it."""

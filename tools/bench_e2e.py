@@ -5,8 +5,18 @@ Strategies: keep-all, tba (offload), full recompute (torch.utils.checkpoint on e
 torch.autograd.graph.save_on_cpu. Prints median step time and activation peak (peak RSS during a
 step minus RSS before it) with their ratios to keep-all, and whether losses are identical.
 
-Example (the bar of the core runtime issue):
-    python tools/bench_e2e.py --preset bench --steps 5
+Measured as a user would by default (``--measure user``): every process runs in a plain
+environment (no glibc malloc tuning), no warm-up step, and the activation peak is the worst of all
+measured steps, the first included. ``--measure controlled`` is the earlier mode: a fixed glibc
+mmap threshold, one warm-up step, and the median peak of the measured steps.
+
+``--usage bare`` runs tba exactly as ``with tba.offload_activations(directory=d):`` around each
+step's forward, with nothing else passed (no layers, no budget, a new context every step);
+``--usage reusable`` (default) enters one ``tba.Offloader(d, layers=model)`` every step.
+
+Examples:
+    python tools/bench_e2e.py --preset bench --usage bare --steps 4
+    python tools/bench_e2e.py --preset bench --steps 5 --measure controlled
 
 With ``--compile per-block`` every mode runs the model with each block under ``torch.compile``
 (inductor), so ratios are against compiled keep-all; compilation happens in the warm-up step.
@@ -19,7 +29,7 @@ import json
 import logging
 import sys
 
-from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES
+from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES, USAGES
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli._report import comparison_rows, format_table
@@ -34,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated subset of {','.join(ALL_MODES)} (tba-verify: tba with verify=True)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (default: 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="unmeasured steps first (default: 0 with --measure user, 1 with controlled)")
+    parser.add_argument("--usage", choices=USAGES, default="reusable",
+                        help="how tba is entered: reusable = tba.Offloader(d, layers=model) entered every step "
+                             "(default); bare = `with tba.offload_activations(directory=d):` per step, nothing else")
+    parser.add_argument("--measure", choices=("user", "controlled"), default="user",
+                        help="user = plain process, peak over every measured step, first included (default); "
+                             "controlled = fixed glibc mmap threshold, median peak of the measured steps")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--compile", choices=COMPILE_MODES, default="none",
@@ -42,20 +59,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the rows and raw results as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    user = args.measure == "user"
+    warmup = args.warmup if args.warmup is not None else (0 if user else 1)
     modes = args.modes.split(",")
     if "keep" not in modes:
         modes.insert(0, "keep")
     results = []
     for index, mode in enumerate(modes, 1):
-        logger.info("[%d/%d] %s: %d warm-up + %d measured steps ...", index, len(modes), mode, args.warmup, args.steps)
-        results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup,
-                                    directory=args.directory, backend=args.backend, compile_mode=args.compile))
+        logger.info("[%d/%d] %s: %d warm-up + %d measured steps ...", index, len(modes), mode, warmup, args.steps)
+        results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=warmup, directory=args.directory,
+                                    backend=args.backend, compile_mode=args.compile, usage=args.usage,
+                                    malloc_env=not user))
         logger.info("        median step %.3f s", results[-1].median_step_s)
-    rows = comparison_rows(results)
+    rows = comparison_rows(results, peak="max" if user else "median")
     print(format_table(rows))
+    how = "plain process, peak over all measured steps" if user else "fixed mmap threshold, median peak"
+    print(f"measure: {args.measure} ({how}), usage: {args.usage}, {warmup} warm-up + {args.steps} measured steps")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "rows": rows,
+            json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "usage": args.usage,
+                       "measure": args.measure, "warmup": warmup, "rows": rows,
                        "results": [r.__dict__ for r in results]}, f, indent=2)
     return 0 if all(row["losses_equal"] for row in rows) else 1
 

@@ -13,10 +13,12 @@ One line per optimizer step::
 ``loss`` is the mean over the step's micro-batches (full precision), ``time`` the step's wall time
 in seconds (forward, backward and ``engine.step()`` of every micro-batch), ``mem`` its activation
 peak in MiB, measured as ``tba/bench/harness.py`` does: the peak resident set size during the step
-minus the size just before it, plus the idle read buffers tba held before the step. For that the
-script re-executes itself once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``),
-so that freed tensors leave the process. The first step also allocates the optimizer states; the
-summary line takes the median of the later steps.
+minus the size just before it, plus the idle read buffers tba held before the step. It runs in
+the process as started, as a user's training does (glibc's adaptive mmap threshold), and the
+summary gives the largest ``mem`` over all steps, the first included, besides the median of the
+later steps. ``--malloc-env`` re-executes the script once with glibc's mmap threshold fixed
+(``tba.bench.meters.MALLOC_ENV``), the controlled mode in which freed tensors always leave the
+process. The first step also allocates the optimizer states.
 
 Runs as one process without a launcher (it sets ``RANK=0``, ``WORLD_SIZE=1`` and a free
 ``MASTER_PORT`` when they are unset), or under ``deepspeed`` / ``torchrun``.
@@ -52,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", action="store_true",
                         help="run every block under deepspeed.checkpointing.checkpoint (reentrant recompute)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, data and dropout (default: %(default)s)")
+    parser.add_argument("--malloc-env", action="store_true",
+                        help="controlled measurement: re-run with glibc's mmap threshold fixed (default: plain process)")
     return parser.parse_args(argv)
 
 
@@ -104,7 +108,8 @@ def checkpoint_blocks(blocks, checkpoint) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    reexec_with_malloc_env()
+    if args.malloc_env:
+        reexec_with_malloc_env()
     single_process_env()
     import deepspeed
     import torch
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     offload.close()
     later = peaks[1:] or peaks
     print(f"activation peak, median of steps {args.steps - len(later) + 1}..{args.steps}: "
-          f"{statistics.median(later) / MIB:.1f} MiB")
+          f"{statistics.median(later) / MIB:.1f} MiB; largest over steps 1..{args.steps}: {max(peaks) / MIB:.1f} MiB")
     if offload.stats is not None:
         stats = offload.stats
         print(f"tba wrote {stats.bytes_written / MIB:.1f} MiB, read {stats.bytes_read / MIB:.1f} MiB, "

@@ -13,10 +13,12 @@ Weight gradients stay allocated across steps, so ``M`` is activations and their 
 gradients. With ``--tba-offload-activations`` each forward runs inside a
 :class:`tba.integrations.megatron.MegatronOffloader`; losses are identical with and without it.
 
-``--cpu`` runs on the CPU with the stand-ins of ``cpu_shims.py`` for Megatron's CUDA-only calls.
-It re-executes the script once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``), so
-that freed tensors leave the resident set and ``M`` follows live memory. Without ``--cpu`` the
-script needs one CUDA device (single process, NCCL).
+``--cpu`` runs on the CPU with the stand-ins of ``cpu_shims.py`` for Megatron's CUDA-only calls,
+in the process as started, as a user's training runs (glibc's adaptive mmap threshold); the last
+line gives the largest ``M`` over all steps, the first included. ``--malloc-env`` re-executes the
+script once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``), the controlled
+mode in which freed tensors always leave the resident set. Without ``--cpu`` the script needs one
+CUDA device (single process, NCCL).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="Memory is measured as described in this file's docstring.")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, CUDA stand-ins)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
+    parser.add_argument("--malloc-env", action="store_true",
+                        help="controlled measurement: re-run with glibc's mmap threshold fixed (default: plain process)")
     parser.add_argument("--layers", type=int, default=8, help="transformer layers (default: 8)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
@@ -150,6 +154,7 @@ def train(args: argparse.Namespace) -> list[float]:
               f"batch {args.batch}, vocab {args.vocab}, {params / 1e6:.1f}M params on {device.type}; "
               "time in s, mem = activation memory in MiB", flush=True)
         batches = synthetic_batches(args, device)
+        peaks = []
         try:
             for step in range(1, args.steps + 1):
                 batch = next(batches)
@@ -160,10 +165,12 @@ def train(args: argparse.Namespace) -> list[float]:
                     elapsed = time.perf_counter() - start
                 losses.append(loss.item())
                 mem_mib = peak.delta_bytes / MIB
+                peaks.append(mem_mib)
                 print(f"step {step} loss {losses[-1]!r} time {elapsed:.3f} mem {mem_mib:.1f}", flush=True)
         finally:
             if offloader is not None:
                 offloader.close()
+        print(f"# {mode}: largest mem over steps 1..{len(peaks)}: {max(peaks):.1f} MiB", flush=True)
         if offloader is not None:
             stats = offloader.stats
             print(f"# tba: {stats.bytes_written / MIB:.1f} MiB written, {stats.bytes_read / MIB:.1f} MiB read, "
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
-    if args.cpu and argv is None and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+    if args.cpu and args.malloc_env and argv is None and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     warnings.filterwarnings("ignore", module=r"megatron\.")
     train(args)

@@ -3,8 +3,10 @@
 Each strategy runs the same model, batch and seed:
 
 * ``keep``: plain PyTorch, every activation stays in memory (the baseline);
-* ``tba``: forward inside a reused :class:`tba.Offloader`;
-* ``tba-verify``: the same with ``verify=True`` (a CRC-32C of every storage written and read);
+* ``tba``: forward inside a reused :class:`tba.Offloader` told the model's layers
+  (``usage="reusable"``), or inside a bare ``with tba.offload_activations(directory=d):`` per
+  step with nothing else passed (``usage="bare"``), as a new user would write it;
+* ``tba-verify``: ``tba`` with ``verify=True`` (a CRC-32C of every storage written and read);
 * ``recompute``: every layer under non-reentrant ``torch.utils.checkpoint``;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy);
 * ``adaptive``: a reused :class:`tba.Offloader` with ``policy="adaptive"`` and the goal given in
@@ -16,9 +18,10 @@ Any model can be measured with :func:`run_steps` (``model(*batch)`` returns the 
 
 Activation peak on CPU is the peak resident set size during the step minus the resident set size
 just before it (``tba/bench/meters.py``), plus the idle read buffers tba keeps between steps
-(memory tba holds even though it is resident before the step starts). Gradients
-stay allocated across steps (``zero_grad(set_to_none=False)``), so the peak is activations and
-their transient gradients, not weight gradients. On CUDA the peak is
+(memory tba holds even though it is resident before the step starts; with ``usage="bare"``,
+those of the idle shared runtime). Gradients are allocated (zeros) before the first step and stay
+allocated across steps (``zero_grad(set_to_none=False)``), so the peak of every step, the first
+included, is activations and their transient gradients, not weight gradients. On CUDA the peak is
 ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated just before it
 (weights, gradients, optimiser state). A mode is best measured in a fresh process
 (:func:`tba.bench.isolated.run_isolated`), so that one mode's freed memory does not hide the next one's peak.
@@ -42,11 +45,13 @@ from tba.bench.meters import CudaPeak, PeakRSS
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.runtime._compile import compile_blocks
 from tba.runtime._layers import resolve_layers
-from tba.runtime._offloader import Offloader
+from tba.runtime._offloader import Offloader, offload_activations
 from tba.runtime._recompute import RecomputeLayers
+from tba.runtime._shared import idle_pool_bytes
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
+USAGES = ("reusable", "bare")
 ALL_MODES = (*MODES, "adaptive", "tba-verify")
 
 LEARNING_RATE = 1e-3
@@ -71,26 +76,35 @@ class ModeResult:
     def median_peak_bytes(self) -> int:
         return int(statistics.median(self.activation_peak_bytes))
 
+    @property
+    def max_peak_bytes(self) -> int:
+        """The worst step's activation peak (the first step included when it was measured)."""
+        return max(self.activation_peak_bytes)
+
 
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
-             device: str = "cpu", threads: int | None = None, compile_mode: str = "none") -> ModeResult:
+             device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
+             usage: str = "reusable") -> ModeResult:
     """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
     model = make_gpt(config, seed=seed)
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
                      backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads,
-                     compile_mode=compile_mode)
+                     compile_mode=compile_mode, usage=usage)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
               offload_options: dict[str, Any] | None = None, device: str = "cpu",
-              threads: int | None = None, compile_mode: str = "none") -> ModeResult:
+              threads: int | None = None, compile_mode: str = "none", usage: str = "reusable") -> ModeResult:
     """Train ``model`` (``model(*batch)`` returns the loss) for ``steps + warmup`` steps under ``mode``.
 
     ``threads`` sets torch's intra-op threads for the run (None: torch's default); ``compile_mode``
-    is ``"none"`` or ``"per-block"`` (each of the model's repeated blocks under ``torch.compile``).
+    is ``"none"`` or ``"per-block"`` (each of the model's repeated blocks under ``torch.compile``);
+    ``usage`` is how ``mode="tba"`` enters tba (``"reusable"`` or ``"bare"``, see above).
     """
+    if usage not in USAGES:
+        raise ValueError(f"unknown usage {usage!r}; choose one of {', '.join(USAGES)}")
     if mode not in ALL_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ALL_MODES)}")
     if compile_mode not in COMPILE_MODES:
@@ -102,6 +116,12 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         compile_blocks(resolve_layers(model), model)
     batch = tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+    bare = mode in ("tba", "tba-verify") and usage == "bare"
+    bare_options = {"verify": True} if mode == "tba-verify" else {}
+    bare_stats: list[Offloader] = []
     offloader = None
     options = dict(offload_options or {})
     if mode == "adaptive":
@@ -109,7 +129,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         warmup += options.get("profile_steps", 2)
     if mode == "tba-verify":
         options["verify"] = True
-    if mode in ("tba", "adaptive", "tba-verify"):
+    if mode == "adaptive" or (mode in ("tba", "tba-verify") and not bare):
         offloader = Offloader(directory, backend=backend, layers=model, **options)
     recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
     peak_meter = CudaPeak if torch.device(device).type == "cuda" else PeakRSS
@@ -118,7 +138,8 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         for step in range(warmup + steps):
             torch.manual_seed(seed + step)
             optimizer.zero_grad(set_to_none=False)
-            held_before = offloader.pool_idle_bytes if offloader is not None and peak_meter is PeakRSS else 0
+            held_before = offloader.pool_idle_bytes if offloader is not None else idle_pool_bytes() if bare else 0
+            held_before = held_before if peak_meter is PeakRSS else 0
             with peak_meter() as peak:
                 start = time.perf_counter()
                 if mode == "save_on_cpu":
@@ -127,6 +148,10 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
                 elif offloader is not None:
                     with offloader:
                         loss = model(*batch)
+                elif bare:
+                    with offload_activations(directory=directory, **bare_options) as context:
+                        loss = model(*batch)
+                    bare_stats.append(context)
                 else:
                     loss = model(*batch)
                 loss.backward()
@@ -137,6 +162,8 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
             if step >= warmup:
                 result.step_s.append(elapsed)
                 result.activation_peak_bytes.append(peak.delta_bytes + held_before)
+    if bare_stats:
+        result.offload_stats = _summed_stats([context.stats.as_dict() for context in bare_stats])
     if offloader is not None:
         offloader.close()
         result.offload_stats = offloader.stats.as_dict()
@@ -145,3 +172,13 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     return result
 
 
+
+
+def _summed_stats(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Counters of one-shot contexts added up over steps; peaks and bandwidths are the worst / mean."""
+    out = {key: sum(step[key] for step in per_step) for key in per_step[0]}
+    for key in ("peak_resident_bytes", "resident_bytes", "staging_blocks_in_use"):
+        out[key] = max(step[key] for step in per_step)
+    for key in ("write_gbps", "read_gbps"):
+        out[key] = statistics.mean(step[key] for step in per_step)
+    return out

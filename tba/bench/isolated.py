@@ -51,8 +51,11 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return target
 
 
-def run_isolated(mode: str, preset: str | None, **kwargs: Any) -> ModeResult:
+def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, **kwargs: Any) -> ModeResult:
     """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`.
+
+    With ``malloc_env`` (default) the process runs under :data:`~tba.bench.meters.MALLOC_ENV`;
+    without it, in a plain environment as a user's training would (glibc's adaptive mmap threshold).
 
     With ``preset=None``, pass ``model_factory`` and ``batch_factory`` (callables defined at
     module level, or their :func:`factory_spec` strings) to measure any model with :func:`run_steps`.
@@ -62,10 +65,15 @@ def run_isolated(mode: str, preset: str | None, **kwargs: Any) -> ModeResult:
             kwargs[key] = factory_spec(kwargs[key])
     request = json.dumps({"mode": mode, "preset": preset, **kwargs})
     proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
-                          env=dict(os.environ, **MALLOC_ENV))
+                          env=dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed:\n{proc.stderr[-4000:]}")
     return ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _plain_env() -> dict[str, str]:
+    """The environment without any glibc malloc tuning."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
 
 
 def _worker(request_json: str) -> None:

@@ -8,9 +8,16 @@ from tba.bench.harness import ModeResult
 from tba.defaults import MIB
 
 
-def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep") -> list[dict[str, float | str]]:
-    """One dict per result with medians and their ratios to ``baseline``'s."""
+def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak: str = "median") -> list[dict[str, float | str]]:
+    """One dict per result with median step time, activation peak and their ratios to ``baseline``'s.
+
+    ``peak`` is ``"median"`` (median of the measured steps' peaks) or ``"max"`` (the worst step).
+    """
     base = next(r for r in results if r.mode == baseline)
+
+    def peak_of(result: ModeResult) -> int:
+        return result.max_peak_bytes if peak == "max" else result.median_peak_bytes
+
     rows = []
     for r in results:
         stats = r.offload_stats or {}
@@ -18,8 +25,8 @@ def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep") -> li
             "mode": r.mode,
             "step_s": r.median_step_s,
             "step_ratio": r.median_step_s / base.median_step_s,
-            "activation_peak_mib": r.median_peak_bytes / MIB,
-            "peak_ratio": r.median_peak_bytes / base.median_peak_bytes if base.median_peak_bytes else float("nan"),
+            "activation_peak_mib": peak_of(r) / MIB,
+            "peak_ratio": peak_of(r) / peak_of(base) if peak_of(base) else float("nan"),
             "losses_equal": r.losses == base.losses,
             "written_mib": stats.get("bytes_written", 0) / MIB,
             "read_mib": stats.get("bytes_read", 0) / MIB,

@@ -27,7 +27,7 @@ import threading
 import uuid
 
 from tba._options import check_writable
-from tba.defaults import ALIGN_BYTES
+from tba.defaults import ALIGN_BYTES, SPILL_RESERVE_MIN_BYTES
 from tba.errors import TbaConfigError
 from tba.io._extents import ExtentAllocator
 from tba.io._memory import aligned_empty, memory_view
@@ -156,6 +156,9 @@ class SpillFile:
         self._allocator = ExtentAllocator(ALIGN_BYTES)
         self.size_bytes = 0
         """Largest end of any extent so far: the space the file has grown to (bytes)."""
+        self.reserved_bytes = 0
+        """Bytes allocated to the file ahead of use by ``fallocate`` (0 where it is refused)."""
+        self._reserve = True
         self._lock = threading.Lock()
 
     @property
@@ -167,7 +170,22 @@ class SpillFile:
         with self._lock:
             offset = self._allocator.allocate(nbytes)
             self.size_bytes = max(self.size_bytes, self._allocator.end_bytes)
+            if self.size_bytes > self.reserved_bytes and self._reserve:
+                self._grow(max(self.size_bytes, self.reserved_bytes + max(SPILL_RESERVE_MIN_BYTES, self.reserved_bytes)))
             return offset
+
+    def _grow(self, nbytes: int) -> None:
+        # Note: [Reserve file space ahead of writes]
+        # An O_DIRECT write past the end of the file extends it: ext4 then allocates blocks and
+        # updates the size under the inode lock, one write at a time. Space reserved by fallocate
+        # (unwritten extents, no bytes written) turns every later write into a plain overwrite.
+        try:
+            os.posix_fallocate(self.fd, self.reserved_bytes, nbytes - self.reserved_bytes)
+        except OSError as err:
+            self._reserve = False
+            logger.debug("tba: fallocate refused in %s (%s); the spill file grows with its writes", self.directory, err)
+            return
+        self.reserved_bytes = nbytes
 
     def free(self, offset: int) -> None:
         """Give back the extent at ``offset``; a no-op after :meth:`close`."""

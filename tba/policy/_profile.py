@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba.defaults import PREFETCH_BUDGET_BYTES
+from tba.defaults import POLICY_MAX_WINDOW_BYTES
 
 BACKWARD_ESTIMATE_FACTOR = 2.0
 
@@ -68,7 +68,7 @@ class Profile:
     read_bytes_per_s: float
     max_storage_bytes: int = 0
     prefetch_depth_layers: int = 1
-    max_window_bytes: int = PREFETCH_BUDGET_BYTES
+    max_window_bytes: int = POLICY_MAX_WINDOW_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

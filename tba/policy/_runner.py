@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from tba.defaults import POLICIES, PROFILE_STEPS
+from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
 from tba.policy._model import KEEP, RECOMPUTE
 from tba.policy._plan import Adaptive, Plan, Policy
@@ -174,7 +174,7 @@ class PolicyRunner:
             read_bytes_per_s=read / read_s if read and read_s else float("inf"),
             max_storage_bytes=max(s["max_storage"] for s in samples),
             prefetch_depth_layers=offloader.prefetch_depth_layers,
-            max_window_bytes=max(offloader.prefetch_budget_bytes, 1),
+            max_window_bytes=max(offloader.prefetch_budget_bytes or POLICY_MAX_WINDOW_BYTES, 1),
         )
 
 

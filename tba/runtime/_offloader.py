@@ -16,7 +16,11 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
    of the storages that backward will need next; ``unpack`` itself is served from memory when the
    bytes are still resident (write in flight, prefetched, or kept) and waits for a read otherwise.
 4. When the last view of a storage is released by autograd, its file extent is freed for reuse;
-   when no storage is left and a one-shot context has exited, the file and engine are closed.
+   when no storage is left and a one-shot context has exited, it gives its file, engine and read
+   buffers back to the per-directory runtime (``tba/runtime/_shared.py``) for the next context.
+
+Without ``layers=``, the repeated blocks are found during forward (``tba/runtime/_discover.py``);
+without ``prefetch_budget_bytes=``, the read-ahead window sizes itself (``tba/runtime/_window.py``).
 
 Backward usually runs after the ``with`` block exits; everything stays valid for as long as the
 autograd graph holds the views.
@@ -42,10 +46,12 @@ from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
 from tba.io import Engine, make_engine, resolve_backend
 from tba.io._checksum import load_crc32c
+from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile
 from tba.policy._runner import shared_runner
-from tba.runtime import _at_fork
+from tba.runtime import _at_fork, _shared
 from tba.runtime._compile import warn_whole_model_compile
+from tba.runtime._discover import LayerDiscovery
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import OffloadStats
@@ -88,7 +94,7 @@ class Offloader:
         min_offload_bytes: int = defaults.MIN_OFFLOAD_BYTES,
         layers: nn.Module | Sequence[nn.Module] | None = None,
         prefetch_depth_layers: int = defaults.PREFETCH_DEPTH_LAYERS,
-        prefetch_budget_bytes: int = defaults.PREFETCH_BUDGET_BYTES,
+        prefetch_budget_bytes: int | None = defaults.PREFETCH_BUDGET_BYTES,
         block_size_bytes: int = defaults.BLOCK_SIZE_BYTES,
         queue_depth: int = defaults.QUEUE_DEPTH,
         direct_io: bool | None = None,
@@ -111,7 +117,7 @@ class Offloader:
         directory = normalize_directory(directory)
         for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
                             ("prefetch_depth_layers", prefetch_depth_layers)):
-            if value < 0:
+            if value is not None and value < 0:
                 raise TbaConfigError(f"{name} must be >= 0, got {value}")
         if block_size_bytes <= 0 or block_size_bytes % ALIGN_BYTES:
             raise TbaConfigError(f"block_size_bytes must be a positive multiple of {ALIGN_BYTES}, got {block_size_bytes}")
@@ -131,6 +137,11 @@ class Offloader:
         self.staging_bytes = staging_bytes
         self.reusable = reusable
         self.layers = resolve_layers(layers)
+        self._discovery = LayerDiscovery() if layers is None else None
+        self._shared_key = (None if reusable or isinstance(backend, Engine) or device_ops is not None else
+                            _shared.runtime_key(directory, backend, direct_io, queue_depth, block_size_bytes,
+                                                staging_bytes, staged_devices))
+        self._runtime: _shared.Runtime | None = None
         self.keep_layers: set[int] = set()
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
         self.layer_saved_bytes: dict[int | None, int] = {}
@@ -151,6 +162,16 @@ class Offloader:
         self._claim: object | None = None
         self._forked_mid_block = False
         self._enter_lock = threading.Lock()
+
+    @property
+    def discovered_layers(self) -> list[nn.Module]:
+        """The repeated blocks found during the last forward when ``layers`` was not given (else empty)."""
+        return self._discovery.layers if self._discovery is not None else []
+
+    @property
+    def prefetch_window_bytes(self) -> int:
+        """The prefetch budget in force: ``prefetch_budget_bytes`` when given, else the self-sized window."""
+        return self._store.window.budget_bytes
 
     @property
     def plan(self) -> Any:
@@ -190,7 +211,7 @@ class Offloader:
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()
         try:
-            _control.call(self._enter_job, claim)
+            _control.call(self._enter_job, claim, threading.get_ident())
         except BaseException:
             _control.call_whole(self._abandon_entry_job, claim)
             raise
@@ -204,7 +225,7 @@ class Offloader:
             raise
         return self
 
-    def _enter_job(self, claim: object) -> None:
+    def _enter_job(self, claim: object, thread: int) -> None:
         # Note: [One entry at a time]
         # The phase check and the claim happen under one lock: two threads entering at once would
         # otherwise both see IDLE, open two spill files and share one store's extents.
@@ -224,6 +245,8 @@ class Offloader:
             self._store.window.reset_cursor()
             self.policy_runner.enter(self)
             self._tracker.attach()
+            if self._discovery is not None:
+                self._discovery.attach(thread)
         except BaseException:
             self._abandon_entry_job(claim)
             raise
@@ -236,6 +259,8 @@ class Offloader:
         if self._claim is claim and self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
             self._claim = None
             self._tracker.detach()
+            if self._discovery is not None:
+                self._discovery.detach()
             self._phase = _Phase.IDLE
             if not self.reusable:
                 self._close_job()
@@ -252,6 +277,18 @@ class Offloader:
             logger.debug("tba: entering again freed %d entries of dropped graphs", before - self._store.live_entries)
 
     def _open(self) -> None:
+        if self._shared_key is not None:
+            self._runtime = runtime = _shared.checkout(self._shared_key, self._open_parts)
+            self._store.window.controller = runtime.controller
+            self._store.open(runtime.spill, runtime.engine, runtime.routes, runtime.read_pool)
+            _at_fork.track(self)
+            return
+        spill, engine, routes, _ = self._open_parts()
+        self._store.open(spill, engine, routes)
+        _at_fork.track(self)
+
+    def _open_parts(self) -> tuple[SpillFile, Engine, Routes, Any]:
+        """A new spill file, engine, routes and read pool (the pool is the store's unless shared)."""
         spill = SpillFile(self.directory, direct=self.direct_io)
         try:
             engine = make_engine(self.backend if isinstance(self.backend, Engine) else host_engine_backend(self.backend),
@@ -259,16 +296,17 @@ class Offloader:
         except BaseException:
             spill.close()
             raise
-        routes = Routes(self.backend, engine, self._store.read_pool, self.staging_bytes, self.block_size_bytes,
+        pool = BufferPool(self._store.window.budget_bytes) if self._shared_key is not None else self._store.read_pool
+        routes = Routes(self.backend, engine, pool, self.staging_bytes, self.block_size_bytes,
                         self._device_ops, self._staged_devices)
-        self._store.open(spill, engine, routes)
-        _at_fork.track(self)
+        return spill, engine, routes, pool
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
         self._enter_lock = threading.Lock()
         if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
             self._forked_mid_block = True
+        self._runtime = None
         self._store.forget_after_fork()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
@@ -285,6 +323,9 @@ class Offloader:
         self._claim = None
         self._forked_mid_block = False
         self._tracker.detach()
+        if self._discovery is not None:
+            self._discovery.detach()
+            self._discovery.finish()
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
         self.policy_runner.exit(self, failed=failed)
@@ -295,7 +336,7 @@ class Offloader:
             self.close()
             return
         self._phase = _Phase.IDLE if self.reusable else _Phase.EXITED
-        self._store.prefetch(None)
+        self._store.end_forward()
         if self._phase is _Phase.EXITED and self._store.live_entries == 0:
             self.close()
 
@@ -310,14 +351,23 @@ class Offloader:
     def close(self) -> None:
         """Wait for in-flight I/O, then close the engine and the spill file. Idempotent.
 
-        Saved tensors that were not read back yet can no longer be unpacked afterwards.
+        A one-shot context gives its file, engine and read pool back to the shared runtime instead
+        (``tba/runtime/_shared.py``); ``tba.shutdown()`` closes those. Saved tensors that were not
+        read back yet can no longer be unpacked afterwards.
         """
         _control.call_whole(self._close_job)
 
     def _close_job(self) -> None:
         if self._phase is not _Phase.DISCARDED:
             self._phase = _Phase.CLOSED
-        self._store.close(engine_owned=not isinstance(self.backend, Engine))
+        if self._shared_key is None:
+            self._store.close(engine_owned=not isinstance(self.backend, Engine))
+            return
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            self._store.detach()
+            self._store.window.end_backward()
+            _shared.checkin(runtime)
 
     # ----------------------------------------------------------------- hooks
     def keep_reason(self, tensor: torch.Tensor) -> str | None:
@@ -377,6 +427,8 @@ class Offloader:
 
     def _save_job(self, tensor: torch.Tensor, layer: int | None) -> SavedView:
         entry, fresh = self._store.save(tensor, layer)
+        if fresh and self._discovery is not None:
+            self._discovery.note_saved(entry)
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
         view = SavedView(entry, tensor)

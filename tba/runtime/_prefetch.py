@@ -7,9 +7,12 @@ unpack it walks down from the cursor and picks storages to bring into memory:
 
 * with layer tags, every storage of layers ``current-1 .. current-depth_layers`` (storages saved
   outside any layer, such as the embedding, ride along with their neighbours);
-* always within ``prefetch_budget_bytes``: bytes already resident for backward, plus bytes being read,
-  never exceed it, except that the first storage below the cursor is always allowed so that a
-  storage larger than the budget is still prefetched.
+* always within the budget: bytes already resident for backward, plus bytes being read, never
+  exceed it, except that the first storage below the cursor is always allowed so that a storage
+  larger than the budget is still prefetched. The budget is ``prefetch_budget_bytes`` when one was
+  given, else the self-sizing :class:`tba.runtime._window.WindowController`'s, which the window
+  feeds with the bytes forward wrote, the unpacks that waited and those served from prefetched
+  memory.
 
 A storage whose write is still in flight is not read: it is marked *hold_for_backward*, which keeps its memory
 after the write completes (forwarding). The window decides only; the offloader does the I/O. It is
@@ -22,6 +25,7 @@ import bisect
 
 from tba.defaults import PREFETCH_BUDGET_BYTES, PREFETCH_DEPTH_LAYERS
 from tba.runtime._views import State, StorageEntry
+from tba.runtime._window import WindowController
 
 
 class PrefetchWindow:
@@ -29,20 +33,45 @@ class PrefetchWindow:
 
     Args:
         depth_layers: How many layers below the current one to prefetch. Default 1.
-        prefetch_budget_bytes: Bound on bytes held or in flight for backward. Default 512 MiB.
+        prefetch_budget_bytes: Bound on bytes held or in flight for backward. Default None: the
+            budget of ``controller``.
+        controller: The self-sizing budget used while ``prefetch_budget_bytes`` is None (default:
+            a fresh :class:`WindowController`); one-shot contexts pass the one their shared
+            runtime keeps, so that what one step learnt holds for the next.
     """
 
     def __init__(
         self,
         depth_layers: int = PREFETCH_DEPTH_LAYERS,
-        prefetch_budget_bytes: int = PREFETCH_BUDGET_BYTES,
+        prefetch_budget_bytes: int | None = PREFETCH_BUDGET_BYTES,
+        controller: WindowController | None = None,
     ) -> None:
         self.depth_layers = depth_layers
         self.prefetch_budget_bytes = prefetch_budget_bytes
+        self.controller = controller or WindowController()
+        self.forward_bytes = 0
+        """Bytes of the storages saved since the last :meth:`reset_cursor` (this step's forward)."""
         self._order: list[StorageEntry] = []
         self._seqs: list[int] = []
         self._dead = 0
         self._cursor_seq: int | None = None
+        self._in_backward = False
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes that may be held or in flight for backward now."""
+        if self.prefetch_budget_bytes is not None:
+            return self.prefetch_budget_bytes
+        return self.controller.budget_bytes
+
+    def note_wait(self) -> None:
+        """An unpack waited for its read (the self-sizing budget grows)."""
+        self.controller.note_wait()
+
+    def note_served_from_memory(self) -> None:
+        """An unpack in backward found its bytes resident (the self-sizing budget may shrink after the pass)."""
+        if self._in_backward:
+            self.controller.note_served_prefetched()
 
     def __len__(self) -> int:
         return len(self._order) - self._dead
@@ -51,6 +80,7 @@ class PrefetchWindow:
         """Record a new storage; entries must arrive in increasing ``seq``."""
         self._order.append(entry)
         self._seqs.append(entry.seq)
+        self.forward_bytes += entry.nbytes
 
     def forget(self, entry: StorageEntry) -> None:
         """Note that ``entry`` died; compacts the order once half of it is dead."""
@@ -65,8 +95,24 @@ class PrefetchWindow:
         self._order, self._seqs, self._dead, self._cursor_seq = [], [], 0, None
 
     def reset_cursor(self) -> None:
-        """Start a new backward pass from the end of the order."""
+        """A new forward starts: the last backward pass is over; the next one starts from the end."""
+        if self._in_backward:
+            self.controller.end_pass()
         self._cursor_seq = None
+        self.forward_bytes = 0
+        self._in_backward = False
+
+    def end_forward(self) -> None:
+        """Forward is over: the window is sized for its backward from the bytes it wrote."""
+        if not self._in_backward:
+            self._in_backward = True
+            self.controller.start_pass(self.forward_bytes)
+
+    def end_backward(self) -> None:
+        """Every storage of this window died: the pass is over (a one-shot context's last event)."""
+        if self._in_backward:
+            self._in_backward = False
+            self.controller.end_pass()
 
     def select(self, unpacked: StorageEntry | None) -> tuple[list[StorageEntry], list[StorageEntry]]:
         """Move the cursor to ``unpacked`` (None: the end) and pick work.
@@ -85,13 +131,14 @@ class PrefetchWindow:
         to_read: list[StorageEntry] = []
         to_hold: list[StorageEntry] = []
         held_bytes = 0
+        budget = self.budget_bytes
         for index in range(top - 1, -1, -1):
             entry = self._order[index]
             if entry.state in (State.DEAD, State.KEPT) or entry.fully_unpacked:
                 continue
             if layer is not None and entry.layer is not None and entry.layer < layer - self.depth_layers:
                 break
-            if held_bytes and held_bytes + entry.nbytes > self.prefetch_budget_bytes:
+            if held_bytes and held_bytes + entry.nbytes > budget:
                 break
             held_bytes += entry.nbytes
             if entry.data is None and entry.read_done is None and entry.state is State.ON_DISK:

@@ -37,6 +37,7 @@ from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import BusyClock, OffloadStats
+from tba.runtime._trim import discard_pages, sole_owner, trimmer
 from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
@@ -56,14 +57,13 @@ class StorageStore:
 
     Args:
         stats: Counters to update.
-        window: Prefetch decisions; its ``prefetch_budget_bytes`` also bounds the idle read buffers
-            kept for reuse.
+        window: Prefetch decisions; its budget also bounds the idle read buffers kept for reuse.
     """
 
     def __init__(self, stats: OffloadStats, window: PrefetchWindow) -> None:
         self.stats = stats
         self.window = window
-        self.read_pool = BufferPool(window.prefetch_budget_bytes)
+        self.read_pool = BufferPool(window.budget_bytes)
         self.lock = threading.RLock()
         self.write_clock = BusyClock()
         self.read_clock = BusyClock()
@@ -76,6 +76,7 @@ class StorageStore:
         self._idle_waiters: list[Future] = []
         """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
+        self._lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
         self._next_seq = 0
         self._warned_write_error = False
         self.verify = False
@@ -84,8 +85,26 @@ class StorageStore:
         self.fork_seq = 0
         """Entries with a smaller ``seq`` were saved by the parent of a forked process: not ours."""
 
-    def open(self, spill: SpillFile, engine: Engine, routes: Routes) -> None:
+    def open(self, spill: SpillFile, engine: Engine, routes: Routes, read_pool: BufferPool | None = None) -> None:
+        """Use ``spill``, ``engine`` and ``routes`` (and ``read_pool``, when they are shared with other stores)."""
         self.spill, self.engine, self.routes = spill, engine, routes
+        if read_pool is not None:
+            self.read_pool = read_pool
+            self._sync_pool_capacity()
+
+    def _sync_pool_capacity(self) -> None:
+        """Idle read buffers follow the prefetch budget in force."""
+        self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
+        if self.read_pool.idle_bytes > self.read_pool.prefetch_budget_bytes:
+            self.read_pool.clear()
+
+    def end_forward(self) -> None:
+        """Forward is over: size the window for backward, then hold or read what backward needs first."""
+        with self.lock:
+            self._sweep_written()
+            self.window.end_forward()
+            self._sync_pool_capacity()
+        self.prefetch(None)
 
     @property
     def is_open(self) -> bool:
@@ -117,6 +136,8 @@ class StorageStore:
         """The entry holding ``tensor``'s storage, and whether it was created (and its write started)."""
         storage = tensor.untyped_storage()
         with self.lock:
+            if self._lingering:
+                self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
             fresh = entry is None or entry.version != tensor._version or entry.state is State.DEAD or entry.ref.expired()
             if fresh:
@@ -186,7 +207,7 @@ class StorageStore:
             self.stats.storages_written += 1
             self.stats.bytes_written += entry.nbytes
             if not entry.hold_for_backward:
-                self.release(entry)
+                self._release_written(entry)
         self._transfer_ended()
 
     def _transfer_ended(self) -> None:
@@ -236,6 +257,8 @@ class StorageStore:
         Starts the read if needed and moves the prefetch window; never waits.
         """
         with self.lock:
+            if self._lingering:
+                self._sweep_written()
             data, done = entry.data, entry.read_done
             if data is None and done is None:
                 done = self._start_read(entry)
@@ -243,6 +266,7 @@ class StorageStore:
         if data is not None:
             with self.lock:
                 self.stats.unpacks_from_memory += 1
+                self.window.note_served_from_memory()
                 return data, entry.ready_event, None
         return None, None, done
 
@@ -304,6 +328,8 @@ class StorageStore:
         with self.lock:
             self.stats.unpacks_waited += 1
             self.stats.unpack_wait_s += time.perf_counter() - start
+            self.window.note_wait()
+            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
         return result
 
     def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:
@@ -337,6 +363,8 @@ class StorageStore:
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
         """A view of ``entry`` was freed; returns True when no entry is left alive."""
         with self.lock:
+            if self._lingering:
+                self._sweep_written()
             entry.live_views -= 1
             entry.unpacked_views.discard(view_id)
             if entry.live_views > 0:
@@ -371,7 +399,22 @@ class StorageStore:
             for entry in self._by_storage.values():
                 self.release(entry)
             self._by_storage.clear()
+            self._lingering.clear()
             self.read_pool.clear()
+
+    def detach(self) -> None:
+        """Stop using a spill file, engine and read pool that others share, without closing them.
+
+        Transfers still in flight complete into this store: a dead entry's extent is then given
+        back to the shared file, whose allocator is thread-safe.
+        """
+        with self.lock:
+            self.engine = None
+            self.routes = None
+            for entry in self._by_storage.values():
+                self.release(entry)
+            self._lingering.clear()
+            self.read_pool = BufferPool(0)
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the parent's file, engine and entries without any I/O.
@@ -386,6 +429,7 @@ class StorageStore:
         self._idle_waiters = []
         self.fork_seq = self._next_seq
         self._by_storage.clear()
+        self._lingering.clear()
         self.live_entries = 0
         self.window.clear()
         if self.spill is not None:
@@ -397,12 +441,36 @@ class StorageStore:
             self.spill.free(entry.offset)
             entry.offset = -1
 
+    def _release_written(self, entry: StorageEntry) -> None:
+        """Drop a written storage's bytes; a host storage's pages go back to the kernel (``tba/runtime/_trim.py``).
+
+        Its pages are discarded only while tba holds the last reference. While the program still
+        uses the tensor, the entry is released as usual (unpack reads the file), but a hidden
+        reference lingers in ``_lingering`` until :meth:`_sweep_written`, at the next save or
+        unpack, finds it the last one: then the pages go back to the kernel before the memory is freed.
+        """
+        data = entry.data
+        if data is not None and self.routes is not None and entry.route is self.routes.host:
+            if sole_owner(entry.ref):
+                discard_pages(data.data_ptr(), entry.nbytes)
+            else:
+                self._lingering[entry.seq] = (entry.ref, data)
+        self.release(entry)
+
+    def _sweep_written(self) -> None:
+        """Free the lingering written storages that the program has stopped using, pages first."""
+        for seq, (ref, data) in list(self._lingering.items()):
+            if sole_owner(ref):
+                discard_pages(data.data_ptr(), data.numel())
+                del self._lingering[seq]
+
     def release(self, entry: StorageEntry) -> None:
         """Drop tba's reference to ``entry``'s bytes in memory."""
         if entry.data is not None:
             entry.data = None
             entry.ready_event = None
             self._resident(-entry.nbytes)
+            trimmer.note_released(entry.nbytes)
 
     def _resident(self, delta_bytes: int) -> None:
         stats = self.stats

@@ -36,6 +36,8 @@ def test_no_file_or_descriptor_is_left_after_backward(spill_dir, backend, open_f
     loss.backward()
     del loss
     gc.collect()
+    assert offloader._runtime is None, "the context did not give its file back after backward"
+    tba.shutdown()
     assert offloader.spill.closed
     assert open_fds() == before
     assert offloader.stats.bytes_written > 0
@@ -64,6 +66,7 @@ def test_exception_mid_forward_cleans_up_and_later_backward_is_loud(spill_dir, o
     with pytest.raises(RuntimeError, match="boom"):
         with offloader:
             model(torch.randn(32, 64))
+    tba.shutdown()
     assert offloader.spill.closed and open_fds() == before
     assert offloader.stats.resident_bytes == 0
     with pytest.raises(TbaError, match="discarded because the offload context exited with an exception"):

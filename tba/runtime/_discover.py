@@ -1,0 +1,109 @@
+"""Find a model's repeated blocks while its forward runs, so that ``layers=`` can be left out.
+
+Prefetch goes layer by layer only when storages carry a layer index. Without ``layers=``,
+:class:`LayerDiscovery` learns the layers from the forward itself:
+
+1. While the context is active, global module forward hooks
+   (:func:`torch.nn.modules.module.register_module_forward_pre_hook` and its post-hook twin) keep
+   the stack of modules whose forward is running in the context's thread. Every saved storage is
+   recorded with that stack (a tuple of modules, outermost first).
+2. When forward ends, every module on a recorded stack is a candidate *instance* of the group
+   ``(parent on the stack, class)``: the blocks of a GPT are instances of ``(GPT, Block)``, its
+   attention projections of ``(Attention #3, Linear)``. A group with at least two instances is a
+   set of repeated blocks.
+3. The group whose instances hold the most saved bytes wins (ties: more instances); its instances,
+   in the order they first saved something, are the layers. Each storage is tagged with the index
+   of the instance on its stack, and storages saved outside every instance (the embedding, the
+   loss) stay untagged, as with explicit layers.
+
+Tags are therefore known from the end of forward on, which is all prefetch needs: backward is the
+first to read them. Hooks of other threads are ignored, so concurrent contexts do not mix. Inside
+a compiled graph the hooks do nothing (``torch.compiler.is_compiling()``): the graph's saves carry
+no module stack, as with explicit layers there (``tba/runtime/_compile.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+from tba.runtime._views import StorageEntry
+
+
+class LayerDiscovery:
+    """Module stack during forward, and the repeated blocks found from it at the end."""
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Module] = []
+        """The repeated blocks found by the last :meth:`finish` (empty: none found)."""
+        self._stack: tuple[nn.Module, ...] = ()
+        self._saved: list[tuple[StorageEntry, tuple[nn.Module, ...]]] = []
+        self._handles: list[Any] = []
+        self._thread = 0
+
+    def attach(self, thread: int | None = None) -> None:
+        """Start recording module stacks in ``thread`` (an ident; default: the calling thread).
+
+        The offloader attaches from its control thread on behalf of the thread that enters it.
+        """
+        self._stack = ()
+        self._saved = []
+        self._thread = threading.get_ident() if thread is None else thread
+        self._handles = [module_hooks.register_module_forward_pre_hook(self._enter),
+                         module_hooks.register_module_forward_hook(self._leave, always_call=True)]
+
+    def detach(self) -> None:
+        """Remove the global hooks (the recorded stacks stay until :meth:`finish`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if threading.get_ident() == self._thread:
+            self._stack = (*self._stack, module)
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or module not in self._stack:
+            return
+        stack = self._stack
+        index = len(stack) - 1
+        while stack[index] is not module:
+            index -= 1
+        self._stack = stack[:index]
+
+    def note_saved(self, entry: StorageEntry) -> None:
+        """Record that ``entry`` was first saved under the current module stack."""
+        self._saved.append((entry, self._stack))
+
+    def finish(self) -> list[nn.Module]:
+        """Pick the repeated blocks, tag every recorded entry with its layer index, and forget the stacks."""
+        saved, self._saved, self._stack = self._saved, [], ()
+        groups: dict[tuple[int, type], list[nn.Module]] = {}
+        covered: dict[tuple[int, type], int] = {}
+        for entry, stack in saved:
+            for depth, module in enumerate(stack):
+                key = (id(stack[depth - 1]) if depth else 0, type(module))
+                instances = groups.setdefault(key, [])
+                if not any(m is module for m in instances):
+                    instances.append(module)
+                covered[key] = covered.get(key, 0) + entry.nbytes
+        candidates = [key for key, instances in groups.items() if len(instances) >= 2]
+        if not candidates:
+            self.layers = []
+            return self.layers
+        best = max(candidates, key=lambda key: (covered[key], len(groups[key])))
+        self.layers = groups[best]
+        index_of = {id(module): index for index, module in enumerate(self.layers)}
+        for entry, stack in saved:
+            for depth, module in enumerate(stack):
+                parent = id(stack[depth - 1]) if depth else 0
+                if (parent, type(module)) == best and id(module) in index_of:
+                    entry.layer = index_of[id(module)]
+                    break
+        return self.layers

@@ -1,0 +1,187 @@
+"""One spill file, engine and read-buffer pool per directory, shared by successive one-shot contexts.
+
+``with tba.offload_activations():`` around every step builds a new one-shot :class:`tba.Offloader`
+each time. Were each one to open its own file and engine, every step would pay what a reusable
+offloader pays once: a probe and an open, a ring and its thread, a file that grows from nothing
+(extending writes), and read buffers that fault in fresh pages. This module keeps those pieces in
+a :class:`Runtime` and hands it from one context to the next:
+
+* :func:`checkout` gives a context an idle runtime of the same directory and options, or opens
+  one. A runtime belongs to one context at a time, so two contexts running at once (threads, or
+  one nested in another) each get their own file and never see each other's data.
+* :func:`checkin` takes it back once the context's backward has released everything (or its block
+  raised). The runtime keeps its self-sizing prefetch window, its file space and its read buffers
+  for the next context.
+* Idle runtimes are closed after :data:`tba.defaults.RUNTIME_IDLE_CLOSE_S` unused, at
+  interpreter exit, or by :func:`shutdown` (``tba.shutdown()``).
+* A forked child drops every runtime it inherited, without any I/O (see ``_at_fork.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from tba import defaults
+from tba.device import Routes
+from tba.io import Engine
+from tba.io._read_pool import BufferPool
+from tba.io._spill import SpillFile, resolve_directory
+from tba.runtime._window import WindowController
+
+logger = logging.getLogger("tba")
+
+
+@dataclasses.dataclass(eq=False)
+class Runtime:
+    """What successive one-shot contexts on one directory share."""
+
+    key: tuple[Any, ...]
+    spill: SpillFile
+    engine: Engine
+    routes: Routes
+    read_pool: BufferPool
+    controller: WindowController
+    idle_since_s: float = 0.0
+    """``time.monotonic()`` when it was last checked in."""
+    uses: int = 0
+    """Contexts that have used it so far."""
+    generation: int = 0
+    """:func:`shutdown` calls before it was opened; one opened before the last shutdown is closed at checkin."""
+
+    def close(self) -> None:
+        """Finish in-flight I/O, then close routes, engine and file, and free the read buffers."""
+        self.routes.stop()
+        self.engine.close()
+        self.routes.close()
+        self.spill.close()
+        self.read_pool.clear()
+
+
+_lock = threading.Lock()
+_idle: dict[tuple[Any, ...], list[Runtime]] = {}
+_busy: set[Runtime] = set()
+_reaper: threading.Timer | None = None
+_generation = 0
+
+
+def runtime_key(directory: str | None, backend: str, direct_io: bool | None, queue_depth: int, block_size_bytes: int,
+                staging_bytes: int, staged_devices: tuple[str, ...]) -> tuple[Any, ...]:
+    """Contexts whose options give the same key can share a runtime."""
+    return (resolve_directory(directory), backend, direct_io, queue_depth, block_size_bytes, staging_bytes,
+            staged_devices)
+
+
+def checkout(key: tuple[Any, ...], opener: Any) -> Runtime:
+    """An idle runtime for ``key``, else a new one from ``opener()`` -> ``(spill, engine, routes, pool)``."""
+    with _lock:
+        idle = _idle.get(key)
+        if idle:
+            runtime = idle.pop()
+            runtime.uses += 1
+            _busy.add(runtime)
+            return runtime
+    spill, engine, routes, pool = opener()
+    with _lock:
+        runtime = Runtime(key, spill, engine, routes, pool, WindowController(), uses=1, generation=_generation)
+        _busy.add(runtime)
+    logger.debug("tba: opened a shared runtime in %s", spill.directory)
+    return runtime
+
+
+def checkin(runtime: Runtime) -> None:
+    """Take ``runtime`` back from its context; kept for the next one, or closed if enough are idle."""
+    global _reaper
+    with _lock:
+        if runtime not in _busy:
+            return
+        _busy.discard(runtime)
+        idle = _idle.setdefault(runtime.key, [])
+        extra = None
+        if len(idle) >= defaults.RUNTIME_IDLE_PER_KEY or runtime.spill.closed or runtime.generation != _generation:
+            extra = runtime
+        else:
+            runtime.idle_since_s = time.monotonic()
+            idle.append(runtime)
+            if _reaper is None:
+                _reaper = _start_reaper(defaults.RUNTIME_IDLE_CLOSE_S)
+    if extra is not None:
+        extra.close()
+
+
+def _start_reaper(delay_s: float) -> threading.Timer:
+    timer = threading.Timer(delay_s, _reap)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _reap() -> None:
+    """Close runtimes idle for :data:`~tba.defaults.RUNTIME_IDLE_CLOSE_S`; come back while any is left."""
+    global _reaper
+    now = time.monotonic()
+    stale: list[Runtime] = []
+    with _lock:
+        for key, idle in list(_idle.items()):
+            keep = [r for r in idle if now - r.idle_since_s < defaults.RUNTIME_IDLE_CLOSE_S]
+            stale += [r for r in idle if r not in keep]
+            if keep:
+                _idle[key] = keep
+            else:
+                del _idle[key]
+        oldest = min((r.idle_since_s for idle in _idle.values() for r in idle), default=None)
+        _reaper = None if oldest is None else _start_reaper(max(0.01, oldest + defaults.RUNTIME_IDLE_CLOSE_S - now))
+    for runtime in stale:
+        runtime.close()
+    if stale:
+        logger.debug("tba: closed %d idle shared runtime(s)", len(stale))
+
+
+def idle_runtimes() -> int:
+    """Runtimes open and unused now."""
+    with _lock:
+        return sum(len(idle) for idle in _idle.values())
+
+
+def idle_pool_bytes() -> int:
+    """Bytes of read buffers that idle runtimes keep for the next context (memory tba holds)."""
+    with _lock:
+        return sum(r.read_pool.idle_bytes for idle in _idle.values() for r in idle)
+
+
+def shutdown() -> None:
+    """Close every idle shared runtime now: its file, engine and read buffers. Idempotent.
+
+    Contexts still running keep theirs until their backward ends; it is closed when they give it
+    back. Training may go on afterwards: the next context opens a new runtime.
+    """
+    global _reaper, _generation
+    with _lock:
+        _generation += 1
+        stale = [r for idle in _idle.values() for r in idle]
+        _idle.clear()
+        reaper, _reaper = _reaper, None
+    if reaper is not None:
+        reaper.cancel()
+    for runtime in stale:
+        runtime.close()
+
+
+def _after_fork_in_child() -> None:
+    """Forget (without I/O) every runtime of the parent: its descriptor is closed here, its engine dropped."""
+    global _lock, _reaper
+    _lock = threading.Lock()
+    _reaper = None
+    for runtime in [r for idle in _idle.values() for r in idle] + list(_busy):
+        runtime.spill.forget_after_fork()
+    _idle.clear()
+    _busy.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(shutdown)

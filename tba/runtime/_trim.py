@@ -1,0 +1,152 @@
+"""Give the memory of offloaded activations back to the kernel, so that freeing it early shows.
+
+tba frees an activation's memory as soon as its write completes, in the middle of forward. With
+glibc's default (adaptive) mmap threshold, tensors of a few MiB live in the heap, and a freed one
+leaves a hole there that glibc neither returns to the kernel nor, in practice, reuses: the small
+long-lived objects forward creates meanwhile (autograd nodes, tensor headers, tba's own entries)
+are carved out of the hole, and the next tensor of the same size no longer fits. The heap grows
+at its top for every activation, and the process's resident memory ends up where keeping every
+activation would have put it. (A fixed ``MALLOC_MMAP_THRESHOLD_`` avoids this, but users do not
+run with one.)
+
+:class:`HeapTrimmer` counts the bytes tba releases and, every
+:data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`, wakes a background thread that calls glibc's
+``malloc_trim(0)``, which hands the free pages inside the heap back to the kernel
+(``MADV_DONTNEED``). Resident memory then follows the memory in use. The call runs with the GIL
+released, off the training thread and off the I/O threads. Where the C library has no
+``malloc_trim`` (musl, macOS) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tba import defaults
+
+logger = logging.getLogger("tba")
+
+
+MADV_DONTNEED = 4
+PAGE_BYTES = 4096
+
+
+def _load_madvise():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _load_madvise()
+
+
+def discard_pages(address: int, nbytes: int) -> int:
+    """Hand the whole pages inside ``[address, address + nbytes)`` back to the kernel; returns bytes given.
+
+    Only for memory about to be freed that nothing will read again: the pages read as zeros after.
+    """
+    start = -(-address // PAGE_BYTES) * PAGE_BYTES
+    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+    if _madvise is None or end - start < PAGE_BYTES:
+        return 0
+    if _madvise(start, end - start, MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+def _sole_use_count() -> int:
+    """``torch._C._storage_Use_Count`` of a storage held by one tensor only, read through a StorageWeakRef.
+
+    Measured once rather than assumed: the count it reports includes references of torch's own
+    that differ between versions.
+    """
+    tensor = torch.ones(1)
+    ref = StorageWeakRef(tensor.untyped_storage())
+    holder = torch.empty((0,), dtype=torch.uint8).set_(tensor.untyped_storage())
+    del tensor
+    count = torch._C._storage_Use_Count(ref.cdata)
+    del holder
+    return count
+
+
+_SOLE_USE_COUNT = _sole_use_count()
+
+
+def sole_owner(ref: StorageWeakRef) -> bool:
+    """Whether exactly one tensor (tba's own) still refers to the storage behind ``ref``."""
+    return torch._C._storage_Use_Count(ref.cdata) == _SOLE_USE_COUNT
+
+
+def _load_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+class HeapTrimmer:
+    """Calls ``malloc_trim(0)`` on a background thread after every ``every_bytes`` released.
+
+    Args:
+        every_bytes: Bytes released between two trims. Default :data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`;
+            0 disables trimming.
+    """
+
+    def __init__(self, every_bytes: int = defaults.HEAP_TRIM_EVERY_BYTES) -> None:
+        self.every_bytes = every_bytes
+        self.trims = 0
+        """``malloc_trim`` calls made so far."""
+        self._trim = _load_malloc_trim()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    @property
+    def available(self) -> bool:
+        """Whether this C library can trim its heap."""
+        return self._trim is not None
+
+    def note_released(self, nbytes: int) -> None:
+        """``nbytes`` of memory were just released; trims once enough has accumulated."""
+        if self._trim is None or self.every_bytes <= 0:
+            return
+        with self._lock:
+            self._pending_bytes += nbytes
+            if self._pending_bytes < self.every_bytes:
+                return
+            self._pending_bytes = 0
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._wake = threading.Event()
+                self._thread = threading.Thread(target=self._run, name="tba-heap-trim", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        wake = self._wake
+        while True:
+            wake.wait()
+            wake.clear()
+            self._trim(0)
+            self.trims += 1
+
+
+trimmer = HeapTrimmer()
+"""The process's trimmer, shared by every offloader."""

@@ -1,0 +1,213 @@
+"""One-shot contexts share one spill file, engine and read pool per directory; tba.shutdown() closes them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import tba
+from tba import TbaError
+from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.runtime import _shared
+from tests.utils import run_step
+
+
+def step(x: torch.Tensor, directory: str, backend: str) -> tuple[torch.Tensor, tba.Offloader]:
+    xs = x.detach().clone().requires_grad_(True)
+    with tba.offload_activations(directory, backend=backend, min_offload_bytes=0) as off:
+        loss = (xs * 2).sin().exp().sum()
+    loss.backward()
+    return xs.grad, off
+
+
+def test_successive_contexts_reuse_one_file_and_engine_and_shutdown_closes_them(spill_dir, backend, open_fds):
+    x = torch.randn(64, 1024)
+    xr = x.clone().requires_grad_(True)
+    (xr * 2).sin().exp().sum().backward()
+    want = xr.grad
+    before = open_fds()
+    grad, first = step(x, spill_dir, backend)
+    opened = open_fds()
+    assert opened > before and torch.equal(grad, want)
+    runtimes = set()
+    for _ in range(3):
+        grad, off = step(x, spill_dir, backend)
+        assert torch.equal(grad, want)
+        assert open_fds() == opened, "a later context opened another file or engine"
+        assert off.stats.tensors_offloaded == first.stats.tensors_offloaded
+        runtimes.add(id(_shared._idle[off._shared_key][0]))
+    assert len(runtimes) == 1 and _shared.idle_runtimes() == 1
+    tba.shutdown()
+    assert open_fds() == before and _shared.idle_runtimes() == 0
+    grad, _ = step(x, spill_dir, backend)
+    assert torch.equal(grad, want) and open_fds() == opened
+    tba.shutdown()
+    assert open_fds() == before
+
+
+def test_reusable_offloaders_and_injected_engines_do_not_share(spill_dir):
+    off = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0)
+    assert off._shared_key is None
+    off.close()
+
+
+def test_concurrent_contexts_in_two_threads_use_two_files_and_stay_exact(spill_dir, backend, open_fds):
+    before = open_fds()
+    xs = [torch.randn(64, 1024) for _ in range(2)]
+    wants = []
+    for x in xs:
+        xr = x.clone().requires_grad_(True)
+        (xr * 2).sin().exp().sum().backward()
+        wants.append(xr.grad)
+    barrier = threading.Barrier(2)
+    results: list[object] = [None, None]
+    spills: list[object] = [None, None]
+
+    def work(index: int) -> None:
+        x = xs[index].clone().requires_grad_(True)
+        with tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0) as off:
+            barrier.wait()
+            loss = (x * 2).sin().exp().sum()
+            spills[index] = off.spill
+            barrier.wait()
+        loss.backward()
+        results[index] = torch.equal(x.grad, wants[index])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True, True]
+    assert spills[0] is not spills[1], "two contexts at once shared one file"
+    assert _shared.idle_runtimes() == 2
+    tba.shutdown()
+    assert open_fds() == before
+
+
+def test_nested_contexts_use_two_files(spill_dir):
+    x = torch.randn(64, 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as outer:
+        a = (x * 2).sin()
+        with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as inner:
+            b = a.exp()
+            assert inner.spill is not outer.spill
+        loss = b.cos().sum()
+    loss.backward()
+    want = x.detach().clone().requires_grad_(True)
+    (want * 2).sin().exp().cos().sum().backward()
+    assert torch.equal(x.grad, want.grad)
+    tba.shutdown()
+
+
+def test_an_exception_in_the_block_gives_the_runtime_back(spill_dir, open_fds):
+    before = open_fds()
+    x = torch.randn(64, 1024, requires_grad=True)
+    with pytest.raises(ValueError):
+        with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as off:
+            loss = (x * 2).sin().sum()
+            raise ValueError("boom")
+    with pytest.raises(TbaError, match="discarded"):
+        loss.backward()
+    assert off._runtime is None and _shared.idle_runtimes() == 1
+    grad, _ = step(x, spill_dir, "threads")
+    assert _shared.idle_runtimes() == 1
+    tba.shutdown()
+    assert open_fds() == before
+
+
+def test_a_dropped_loss_gives_the_runtime_back(spill_dir, open_fds):
+    before = open_fds()
+    x = torch.randn(64, 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as off:
+        loss = (x * 2).sin().sum()
+    assert off._runtime is not None
+    del loss
+    assert off._runtime is None and _shared.idle_runtimes() == 1
+    tba.shutdown()
+    assert open_fds() == before
+
+
+def test_shutdown_while_a_context_runs_closes_its_runtime_when_it_ends(spill_dir, open_fds):
+    before = open_fds()
+    x = torch.randn(64, 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0):
+        loss = (x * 2).sin().sum()
+    tba.shutdown()
+    loss.backward()
+    assert _shared.idle_runtimes() == 0 and open_fds() == before
+
+
+def test_idle_runtimes_close_after_the_idle_time(spill_dir, open_fds, monkeypatch):
+    monkeypatch.setattr(tba.defaults, "RUNTIME_IDLE_CLOSE_S", 0.05)
+    before = open_fds()
+    step(torch.randn(64, 1024), spill_dir, "threads")
+    assert _shared.idle_runtimes() == 1
+    for _ in range(200):
+        if _shared.idle_runtimes() == 0 and open_fds() == before:
+            break
+        threading.Event().wait(0.01)
+    assert _shared.idle_runtimes() == 0 and open_fds() == before
+
+
+FORK_SCRIPT = """
+import os, sys, torch, tba
+from tba.runtime import _shared
+torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork
+
+def step(x):
+    xs = x.clone().requires_grad_(True)
+    with tba.offload_activations(sys.argv[1], backend="threads", min_offload_bytes=0):
+        loss = (xs * 2).sin().exp().sum()
+    loss.backward()
+    return xs.grad
+
+x = torch.randn(64, 1024)
+want = step(x)
+parent_spill = _shared._idle[next(iter(_shared._idle))][0].spill
+pid = os.fork()
+if pid == 0:
+    ok = parent_spill.closed and _shared.idle_runtimes() == 0 and torch.equal(step(x), want)
+    os._exit(0 if ok and _shared.idle_runtimes() == 1 else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert not parent_spill.closed and torch.equal(step(x), want)
+tba.shutdown()
+print("ok")
+"""
+
+
+def test_a_forked_child_drops_the_shared_runtime(spill_dir):
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, spill_dir], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_first_step_peak_resident_is_within_ten_percent_of_steady_state(spill_dir, backend):
+    config = dataclasses.replace(PRESETS["demo"], layers=3, batch_size=2)
+    model = make_gpt(config)
+    tokens, targets = make_batch(config)
+    ref_loss, ref_grads = run_step(model, lambda m: m(tokens, targets))
+    peaks = []
+    for _ in range(4):
+        off = tba.offload_activations(spill_dir, backend=backend)
+        loss, grads = run_step(model, lambda m: m(tokens, targets), off)
+        assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+        peaks.append(off.stats.peak_resident_bytes)
+    assert peaks[0] <= 1.10 * max(peaks[1:]), f"the first step held more than the later ones: {peaks}"
+    tba.shutdown()
+
+
+def test_closing_a_finished_context_again_leaves_the_shared_file_open(spill_dir):
+    x = torch.randn(64, 1024)
+    _, first = step(x, spill_dir, "threads")
+    first.close()
+    first.close()
+    grad, second = step(x, spill_dir, "threads")
+    assert second.spill is first.spill and not second.spill.closed

@@ -1,0 +1,60 @@
+"""Offloaded host storages give their pages back to the kernel once tba holds their last reference."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import tba
+from tba.runtime import _trim
+
+
+def test_discard_pages_zeroes_whole_pages_inside_the_range_only():
+    buf = torch.full((5 * 4096,), 7, dtype=torch.uint8)
+    address = buf.data_ptr()
+    start = 100
+    given = _trim.discard_pages(address + start, 3 * 4096)
+    first = -(-(address + start) // 4096) * 4096 - address
+    last = (address + start + 3 * 4096) // 4096 * 4096 - address
+    assert given == last - first
+    assert bool((buf[first:last] == 0).all())
+    assert bool((buf[:first] == 7).all()) and bool((buf[last:] == 7).all())
+
+
+def test_sole_owner_counts_tensors_not_weak_references():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    t = torch.ones(1024)
+    ref = StorageWeakRef(t.untyped_storage())
+    holder = torch.empty((0,), dtype=torch.uint8).set_(t.untyped_storage())
+    assert not _trim.sole_owner(ref)
+    del t
+    assert _trim.sole_owner(ref)
+    del holder
+
+
+def test_a_tensor_the_program_still_uses_is_never_discarded(spill_dir, backend):
+    x = torch.randn(256, 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0) as off:
+        y = x.exp()
+        loss = y.sin().sum()
+        off.flush()
+    snapshot = y.detach().clone()
+    assert torch.equal(y, snapshot) and torch.equal(y, x.detach().exp())
+    loss.backward()
+    assert torch.equal(x.grad, (x.detach().exp().cos() * x.detach().exp()))
+
+
+def test_the_trimmer_trims_after_enough_bytes():
+    trimmer = _trim.HeapTrimmer(every_bytes=1024)
+    if not trimmer.available:
+        return
+    trimmer.note_released(512)
+    assert trimmer.trims == 0
+    trimmer.note_released(512)
+    for _ in range(200):
+        if trimmer.trims:
+            break
+        time.sleep(0.01)
+    assert trimmer.trims == 1
