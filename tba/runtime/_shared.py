@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from tba import defaults
+from tba import _control, defaults
 from tba.device import Routes
 from tba.io import Engine
 from tba.io._read_pool import BufferPool
@@ -158,9 +158,12 @@ def shutdown() -> None:
     """Close every idle shared runtime now: its file, engine and read buffers. Idempotent.
 
     Contexts still running keep theirs until their backward ends; it is closed when they give it
-    back. Training may go on afterwards: the next context opens a new runtime.
+    back. Training may go on afterwards: the next context opens a new runtime. Releases already
+    queued (graphs just freed) are finished first, so a context whose backward has ended counts as
+    idle.
     """
     global _reaper, _generation
+    _control.settle()
     with _lock:
         _generation += 1
         stale = [r for idle in _idle.values() for r in idle]

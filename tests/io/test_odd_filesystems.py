@@ -23,6 +23,7 @@ def ramfs_dir(tmp_path):
     try:
         yield str(path)
     finally:
+        tba.shutdown()  # idle shared runtimes keep their file open, and the mount busy
         subprocess.run(["umount", str(path)], check=False)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from utils import assert_exact, run_step
 
 import tba
+from tba._control import settle
 from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.errors import TbaError
 
@@ -36,6 +37,7 @@ def test_no_file_or_descriptor_is_left_after_backward(spill_dir, backend, open_f
     loss.backward()
     del loss
     gc.collect()
+    settle()
     assert offloader._runtime is None, "the context did not give its file back after backward"
     tba.shutdown()
     assert offloader.spill.closed

@@ -13,6 +13,7 @@ import torch
 
 import tba
 from tba import TbaError
+from tba._control import settle
 from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.runtime import _shared
 from tests.utils import run_step
@@ -129,6 +130,7 @@ def test_a_dropped_loss_gives_the_runtime_back(spill_dir, open_fds):
         loss = (x * 2).sin().sum()
     assert off._runtime is not None
     del loss
+    settle()
     assert off._runtime is None and _shared.idle_runtimes() == 1
     tba.shutdown()
     assert open_fds() == before
