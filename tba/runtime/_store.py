@@ -42,6 +42,11 @@ from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
 
+# A full disk is reported once per process, directory and errno, not once per context: successive
+# one-shot contexts (one per step) would otherwise repeat the same warning every step.
+_WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
+_WARNED_LOCK = threading.Lock()
+
 # Note: [Dedup by storage identity]
 # A storage is recognised by its StorageImpl address (`untyped_storage()._cdata`), the same for
 # every view of it, and never by its data pointer: the allocator hands a freed data pointer to the
@@ -78,7 +83,6 @@ class StorageStore:
         self._by_storage: dict[int, StorageEntry] = {}
         self._lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
         self._next_seq = 0
-        self._warned_write_error = False
         self.verify = False
         self._warned_verify_device = False
         """Checksum each storage when written and check it when read back (``verify=True``)."""
@@ -231,8 +235,13 @@ class StorageStore:
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
-        if not self._warned_write_error:
-            self._warned_write_error = True
+        key = (self.spill.directory, getattr(error, "errno", None))
+        with _WARNED_LOCK:
+            first = key not in _WARNED_WRITE_ERRORS
+            _WARNED_WRITE_ERRORS.add(key)
+        if not first:
+            logger.debug("tba: write to %s failed again (%s); kept in memory", self.spill.directory, error)
+        else:
             logger.warning(
                 "tba: writing activations to %s failed (%s); keeping them in memory instead and "
                 "training goes on (stats.bytes_kept_on_error counts them). Free space there or "

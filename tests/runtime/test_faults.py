@@ -38,6 +38,17 @@ def test_disk_full_keeps_tensors_in_memory_with_one_warning(spill_dir, caplog):
     engine.close()
 
 
+def test_disk_full_warns_once_across_successive_contexts(spill_dir, caplog):
+    model, forward = gpt_step()
+    engine = FaultyEngine(write_errno=errno.ENOSPC)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        for _ in range(3):
+            assert_exact(model, forward, spill_dir, engine)
+    warnings = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    engine.close()
+
+
 @pytest.mark.parametrize("fault", [{"read_errno": errno.EIO}, {"short_reads": True}], ids=["eio", "short"])
 def test_failed_read_raises_naming_tensor_file_and_offset(spill_dir, fault):
     model, forward = gpt_step()
