@@ -52,11 +52,21 @@ PREFETCH_WINDOW_GROW_FACTOR = 1.5
 """Self-sizing window: budget multiplier when an unpack waited for its read."""
 
 PREFETCH_WINDOW_SHRINK_FACTOR = 0.95
+"""Self-sizing window: budget multiplier after a backward pass in which nothing waited."""
 
 PREFETCH_WINDOW_TOLERATED_WAITS = 1
 """Self-sizing window: waits per backward pass that neither grow the window nor stop it shrinking
 (the first read of a backward may find nothing prefetched whatever the window)."""
-"""Self-sizing window: budget multiplier after a backward pass in which nothing waited."""
+
+DISCOVERY_MIN_BYTES_SHARE = 0.05
+"""Layer discovery: a second kind of repeated block (beside the one holding the most saved bytes)
+joins the layers when its blocks hold at least this share of that kind's bytes; smaller repeated
+groups (two dropouts at the top level, say) stay out."""
+
+DISCOVERY_REFINE_SHARE = 0.75
+"""Layer discovery: repeated blocks inside the instances of a repeated group (an encoder's and a
+decoder's blocks inside two stacks of one class) replace that group as the layers when they hold at
+least this share of its saved bytes."""
 
 HEAP_TRIM_EVERY_BYTES = 256 * MIB
 """After this many bytes of offloaded storages are released, glibc's free heap pages are handed

@@ -11,9 +11,13 @@ Prefetch goes layer by layer only when storages carry a layer index. Without ``l
    ``(parent on the stack, class)``: the blocks of a GPT are instances of ``(GPT, Block)``, its
    attention projections of ``(Attention #3, Linear)``. A group with at least two instances is a
    set of repeated blocks.
-3. The group whose instances hold the most saved bytes wins (ties: more instances); its instances,
-   in the order they first saved something, are the layers. Each storage is tagged with the index
-   of the instance on its stack, and storages saved outside every instance (the embedding, the
+3. The group whose instances hold the most saved bytes wins (ties: more instances). Other repeated
+   groups join it when no stack holds an instance of both (they are neither inside its blocks nor
+   around them) and they hold at least :data:`tba.defaults.DISCOVERY_MIN_BYTES_SHARE` of its
+   bytes: a model with two kinds of blocks (attention and MLP blocks alternating in one list, an
+   encoder's blocks then a decoder's) gets all of them. The instances of the chosen groups, in the
+   order they first saved something, are the layers. Each storage is tagged with the index of the
+   outermost instance on its stack, and storages saved outside every instance (the embedding, the
    loss) stay untagged, as with explicit layers.
 
 Tags are therefore known from the end of forward on, which is all prefetch needs: backward is the
@@ -25,12 +29,14 @@ no module stack, as with explicit layers there (``tba/runtime/_compile.py``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from tba import defaults
 from tba.runtime._views import StorageEntry
 
 
@@ -87,23 +93,76 @@ class LayerDiscovery:
         groups: dict[tuple[int, type], list[nn.Module]] = {}
         covered: dict[tuple[int, type], int] = {}
         for entry, stack in saved:
-            for depth, module in enumerate(stack):
-                key = (id(stack[depth - 1]) if depth else 0, type(module))
+            for key, module in _instances_on(stack):
                 instances = groups.setdefault(key, [])
                 if not any(m is module for m in instances):
                     instances.append(module)
                 covered[key] = covered.get(key, 0) + entry.nbytes
-        candidates = [key for key, instances in groups.items() if len(instances) >= 2]
+        candidates = sorted((key for key, instances in groups.items() if len(instances) >= 2),
+                            key=lambda key: (covered[key], len(groups[key])), reverse=True)
         if not candidates:
             self.layers = []
             return self.layers
-        best = max(candidates, key=lambda key: (covered[key], len(groups[key])))
-        self.layers = groups[best]
+        relations = _Relations([key for key, _ in _instances_on(stack)] for _, stack in saved)
+        chosen = relations.refine(relations.disjoint(candidates, covered), candidates, covered, groups)
+        members = {id(module) for key in chosen for module in groups[key]}
+        self.layers = []
+        for _, stack in saved:
+            for module in stack:
+                if id(module) in members and not any(m is module for m in self.layers):
+                    self.layers.append(module)
         index_of = {id(module): index for index, module in enumerate(self.layers)}
         for entry, stack in saved:
-            for depth, module in enumerate(stack):
-                parent = id(stack[depth - 1]) if depth else 0
-                if (parent, type(module)) == best and id(module) in index_of:
-                    entry.layer = index_of[id(module)]
-                    break
+            entry.layer = next((index_of[id(m)] for m in stack if id(m) in index_of), None)
         return self.layers
+
+
+def _instances_on(stack: tuple[nn.Module, ...]) -> list[tuple[tuple[int, type], nn.Module]]:
+    """Each module of ``stack`` with its group key ``(id of the module above it, or 0; its class)``."""
+    return [((id(stack[depth - 1]) if depth else 0, type(module)), module) for depth, module in enumerate(stack)]
+
+
+class _Relations:
+    """Which groups share a module stack, and which groups lie inside the instances of which."""
+
+    def __init__(self, stacks: Iterable[list[tuple[int, type]]]) -> None:
+        self.beside: dict[tuple[int, type], set[tuple[int, type]]] = {}
+        """Groups with an instance on some stack where the key's group has one too."""
+        self.inside: dict[tuple[int, type], set[tuple[int, type]]] = {}
+        """Groups with an instance above the key's group's on every stack that holds the latter."""
+        for keys in stacks:
+            for depth, key in enumerate(keys):
+                self.beside.setdefault(key, set()).update(keys)
+                above = set(keys[:depth])
+                self.inside[key] = self.inside[key] & above if key in self.inside else above
+
+    def disjoint(self, candidates: list[tuple[int, type]], covered: dict[tuple[int, type], int]) -> list[tuple[int, type]]:
+        """The first candidate (most bytes), and every later one big enough that shares no stack with a chosen one."""
+        chosen = [candidates[0]]
+        floor = covered[candidates[0]] * defaults.DISCOVERY_MIN_BYTES_SHARE
+        for key in candidates[1:]:
+            if covered[key] < floor:
+                break
+            if self.beside[key].isdisjoint(chosen):
+                chosen.append(key)
+        return chosen
+
+    def refine(self, chosen: list[tuple[int, type]], candidates: list[tuple[int, type]],
+               covered: dict[tuple[int, type], int], groups: dict[tuple[int, type], list[nn.Module]]) -> list[tuple[int, type]]:
+        """Replace a chosen group by the repeated blocks inside its instances when those hold most of its bytes.
+
+        An encoder and a decoder of one class are two instances of a repeated group, but their blocks
+        are the layers prefetch wants: the blocks inside replace the group when they are more
+        instances and hold at least :data:`tba.defaults.DISCOVERY_REFINE_SHARE` of its bytes.
+        """
+        refined: list[tuple[int, type]] = []
+        for group in chosen:
+            inner = [key for key in candidates if group in self.inside[key]]
+            if inner:
+                blocks = self.refine(self.disjoint(inner, covered), inner, covered, groups)
+                if (sum(covered[key] for key in blocks) >= defaults.DISCOVERY_REFINE_SHARE * covered[group]
+                        and sum(len(groups[key]) for key in blocks) > len(groups[group])):
+                    refined.extend(blocks)
+                    continue
+            refined.append(group)
+        return refined

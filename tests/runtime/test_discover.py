@@ -79,3 +79,82 @@ def test_blocks_called_in_a_plain_loop_are_found(spill_dir):
             x = block(x)
     assert off.discovered_layers == blocks
     x.sum().backward()
+
+
+class Mixer(nn.Module):
+    """A second kind of block: token mixing over the sequence dimension."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.mix(self.norm(x)))
+
+
+class Hybrid(nn.Module):
+    """Mixer and MLP blocks alternating in one list, as hybrid models (Jamba-like) lay them out."""
+
+    def __init__(self, pairs: int = 3, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(m for _ in range(pairs) for m in (Mixer(width), Block(width)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    """Two stacks of different blocks under two parents, as an encoder-decoder has."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = Stack([Block(width) for _ in range(3)])
+        self.decoder = Stack([Mixer(width) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def _tags(off) -> list[int | None]:
+    return sorted({entry.layer for entry in off._store.window._order}, key=lambda t: -1 if t is None else t)
+
+
+def test_two_kinds_of_blocks_in_one_list_are_all_layers_in_forward_order(spill_dir, backend):
+    model = Hybrid()
+    x = torch.randn(32, 64)
+    off = tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0)
+    ref_loss, ref_grads = run_step(model, lambda m: m(x).pow(2).sum())
+    model.zero_grad(set_to_none=True)
+    with off:
+        out = model(x).pow(2).sum()
+    assert off.discovered_layers == list(model.blocks)
+    assert _tags(off)[-len(model.blocks):] == list(range(len(model.blocks)))
+    out.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert torch.equal(out, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def test_encoder_and_decoder_blocks_are_both_found(spill_dir):
+    model = EncoderDecoder()
+    off = tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0)
+    with off:
+        out = model(torch.randn(32, 64, requires_grad=True))
+    assert off.discovered_layers == [*model.encoder.blocks, *model.decoder.blocks]
+    assert _tags(off) == [0, 1, 2, 3, 4]
+    out.sum().backward()
