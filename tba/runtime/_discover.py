@@ -92,11 +92,12 @@ class LayerDiscovery:
         saved, self._saved, self._stack = self._saved, [], ()
         groups: dict[tuple[int, type], list[nn.Module]] = {}
         covered: dict[tuple[int, type], int] = {}
+        seen: set[tuple[tuple[int, type], int]] = set()
         for entry, stack in saved:
             for key, module in _instances_on(stack):
-                instances = groups.setdefault(key, [])
-                if not any(m is module for m in instances):
-                    instances.append(module)
+                if (key, id(module)) not in seen:
+                    seen.add((key, id(module)))
+                    groups.setdefault(key, []).append(module)
                 covered[key] = covered.get(key, 0) + entry.nbytes
         candidates = sorted((key for key, instances in groups.items() if len(instances) >= 2),
                             key=lambda key: (covered[key], len(groups[key])), reverse=True)
@@ -106,12 +107,13 @@ class LayerDiscovery:
         relations = _Relations([key for key, _ in _instances_on(stack)] for _, stack in saved)
         chosen = relations.refine(relations.disjoint(candidates, covered), candidates, covered, groups)
         members = {id(module) for key in chosen for module in groups[key]}
+        index_of: dict[int, int] = {}
         self.layers = []
         for _, stack in saved:
             for module in stack:
-                if id(module) in members and not any(m is module for m in self.layers):
+                if id(module) in members and id(module) not in index_of:
+                    index_of[id(module)] = len(self.layers)
                     self.layers.append(module)
-        index_of = {id(module): index for index, module in enumerate(self.layers)}
         for entry, stack in saved:
             entry.layer = next((index_of[id(m)] for m in stack if id(m) in index_of), None)
         return self.layers
