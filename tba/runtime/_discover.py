@@ -15,8 +15,10 @@ Prefetch goes layer by layer only when storages carry a layer index. Without ``l
    groups join it when no stack holds an instance of both (they are neither inside its blocks nor
    around them) and they hold at least :data:`tba.defaults.DISCOVERY_MIN_BYTES_SHARE` of its
    bytes: a model with two kinds of blocks (attention and MLP blocks alternating in one list, an
-   encoder's blocks then a decoder's) gets all of them. The instances of the chosen groups, in the
-   order they first saved something, are the layers. Each storage is tagged with the index of the
+   encoder's blocks then a decoder's) gets all of them. A chosen group whose instances hold repeated
+   blocks of their own that cover most of its bytes (an encoder and a decoder of one class, each a
+   stack of blocks) gives way to those blocks. The instances of the chosen groups, in the order
+   they first saved something, are the layers. Each storage is tagged with the index of the
    outermost instance on its stack, and storages saved outside every instance (the embedding, the
    loss) stay untagged, as with explicit layers.
 

@@ -82,7 +82,7 @@ def test_blocks_called_in_a_plain_loop_are_found(spill_dir):
 
 
 class Mixer(nn.Module):
-    """A second kind of block: token mixing over the sequence dimension."""
+    """A second kind of block (norm, linear, tanh), unlike ``Block``."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -119,7 +119,7 @@ class Stack(nn.Module):
 
 
 class EncoderDecoder(nn.Module):
-    """Two stacks of different blocks under two parents, as an encoder-decoder has."""
+    """Two stacks of one class, each of its own kind of block, as T5's encoder and decoder are."""
 
     def __init__(self, width: int = 64) -> None:
         super().__init__()
