@@ -1,6 +1,6 @@
 """Unmodified Hugging Face ``transformers`` models under a bare ``tba.offload_activations()``.
 
-Small GPT-2 and Llama models are built from a config (no download), so this needs only the
+Small GPT-2, Llama and T5 models are built from a config (no download), so this needs only the
 ``transformers`` package (the ``hf`` extra). Each case compares one training step with tba
 against the same step without it: loss and every gradient ``torch.equal``. The Trainer example
 (``integrations/hf/train.py``) is run for two steps with and without tba, comparing the weights.
@@ -63,6 +63,27 @@ def test_layers_found_in_the_model_tag_every_block(spill_dir, build):
     offloader = assert_exact(model, forward, spill_dir, layers=model)
     blocks = len(model.get_submodule(path))
     assert all(offloader.layer_saved_bytes.get(index, 0) > 0 for index in range(blocks)), offloader.layer_saved_bytes
+
+
+def t5():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=2,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def test_bare_context_finds_the_encoder_and_decoder_blocks_of_t5(spill_dir, backend):
+    model = t5()
+    model.train()
+    tokens = torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def seq2seq(m):
+        return m(input_ids=tokens, labels=tokens[:, : SEQ // 2].contiguous()).loss
+
+    offloader = assert_exact(model, seq2seq, spill_dir, backend)
+    blocks = [*model.encoder.block, *model.decoder.block]
+    assert len(offloader.discovered_layers) == len(blocks)
+    assert all(found is block for found, block in zip(offloader.discovered_layers, blocks))
 
 
 def load_example():
