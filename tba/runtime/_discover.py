@@ -95,8 +95,9 @@ class LayerDiscovery:
         groups: dict[tuple[int, type], list[nn.Module]] = {}
         covered: dict[tuple[int, type], int] = {}
         seen: set[tuple[tuple[int, type], int]] = set()
-        for entry, stack in saved:
-            for key, module in _instances_on(stack):
+        keyed = [_instances_on(stack) for _, stack in saved]
+        for (entry, _), instances in zip(saved, keyed):
+            for key, module in instances:
                 if (key, id(module)) not in seen:
                     seen.add((key, id(module)))
                     groups.setdefault(key, []).append(module)
@@ -106,7 +107,7 @@ class LayerDiscovery:
         if not candidates:
             self.layers = []
             return self.layers
-        relations = _Relations([key for key, _ in _instances_on(stack)] for _, stack in saved)
+        relations = _Relations([key for key, _ in instances] for instances in keyed)
         chosen = relations.refine(relations.disjoint(candidates, covered), candidates, covered, groups)
         members = {id(module) for key in chosen for module in groups[key]}
         index_of: dict[int, int] = {}

@@ -25,6 +25,10 @@ def sequential(blocks: int = 4, width: int = 64) -> nn.Sequential:
     return nn.Sequential(*[Block(width) for _ in range(blocks)])
 
 
+def _tags(off) -> list[int | None]:
+    return sorted({entry.layer for entry in off._store.window._order}, key=lambda t: -1 if t is None else t)
+
+
 def test_finds_the_blocks_of_the_gpt_and_tags_storages_by_block(spill_dir, backend):
     config = PRESETS["tiny"]
     model = make_gpt(config)
@@ -42,11 +46,9 @@ def test_finds_identical_blocks_of_a_sequential_and_prefetches_by_layer(spill_di
     off = tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0)
     with off:
         out = model(x.requires_grad_())
-        tags = sorted({entry.layer for entry in off._store.window._order})
-        assert tags == [None], "tags are known only once forward ends"
-    tags = sorted({entry.layer for entry in off._store.window._order}, key=lambda t: -1 if t is None else t)
+        assert _tags(off) == [None], "tags are known only once forward ends"
     assert off.discovered_layers == list(model)
-    assert tags == [0, 1, 2, 3]
+    assert _tags(off) == [0, 1, 2, 3]
     out.sum().backward()
 
 
@@ -93,20 +95,6 @@ class Mixer(nn.Module):
         return x + torch.tanh(self.mix(self.norm(x)))
 
 
-class Hybrid(nn.Module):
-    """Mixer and MLP blocks alternating in one list, as hybrid models (Jamba-like) lay them out."""
-
-    def __init__(self, pairs: int = 3, width: int = 64) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(m for _ in range(pairs) for m in (Mixer(width), Block(width)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 class Stack(nn.Module):
     def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__()
@@ -116,6 +104,12 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def hybrid(pairs: int = 3, width: int = 64) -> Stack:
+    """Mixer and MLP blocks alternating in one list, as hybrid models (Jamba-like) lay them out."""
+    torch.manual_seed(0)
+    return Stack([m for _ in range(pairs) for m in (Mixer(width), Block(width))])
 
 
 class EncoderDecoder(nn.Module):
@@ -131,12 +125,8 @@ class EncoderDecoder(nn.Module):
         return self.decoder(self.encoder(x))
 
 
-def _tags(off) -> list[int | None]:
-    return sorted({entry.layer for entry in off._store.window._order}, key=lambda t: -1 if t is None else t)
-
-
 def test_two_kinds_of_blocks_in_one_list_are_all_layers_in_forward_order(spill_dir, backend):
-    model = Hybrid()
+    model = hybrid()
     x = torch.randn(32, 64)
     off = tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0)
     ref_loss, ref_grads = run_step(model, lambda m: m(x).pow(2).sum())
