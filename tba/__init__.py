@@ -10,14 +10,13 @@ Typical use::
     print(offloader.stats)
 """
 
+from tba._units import parse_size
+from tba.config import OffloadConfig
 from tba.defaults import BACKENDS
 from tba.errors import ShortTransferError, TbaConfigError, TbaError, TbaReadError
 from tba.io import Engine, ThreadEngine, available_backends, make_engine
-from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Plan, Policy, Profile, RecomputeAll, estimate, plan
-from tba.runtime._layers import find_layers
-from tba.runtime._offloader import Offloader, offload_activations
-from tba.runtime._shared import shutdown
-from tba.runtime._stats import OffloadStats
+from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Placement, Plan, Policy, Profile, RecomputeAll, estimate, plan
+from tba.runtime import KeepReason, Offloader, OffloadStats, find_layers, keep_in_memory, offload_activations, shutdown
 
 __version__ = "0.1.0"
 """The package version; ``pyproject.toml`` reads it from here."""
@@ -27,10 +26,13 @@ __all__ = [
     "BACKENDS",
     "Engine",
     "KeepAll",
+    "KeepReason",
     "LayerProfile",
     "OffloadAll",
+    "OffloadConfig",
     "OffloadStats",
     "Offloader",
+    "Placement",
     "Plan",
     "Policy",
     "Profile",
@@ -43,8 +45,10 @@ __all__ = [
     "available_backends",
     "estimate",
     "find_layers",
+    "keep_in_memory",
     "make_engine",
     "offload_activations",
+    "parse_size",
     "plan",
     "shutdown",
 ]

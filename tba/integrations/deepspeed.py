@@ -44,9 +44,10 @@ from typing import Any
 
 from torch import nn
 
+from tba.config import OffloadConfig, option_names
 from tba.errors import TbaConfigError
 from tba.integrations import shared_disk
-from tba.runtime._offloader import Offloader
+from tba.runtime import Offloader
 
 logger = logging.getLogger("tba")
 
@@ -58,11 +59,13 @@ DEEPSPEED_AIO_QUEUE_DEPTH = 8
 NVME_SUBDIRECTORY = "tba"
 """tba's folder under DeepSpeed's ``nvme_path``."""
 
-_OFFLOADER_KEYS = ("backend", "min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes",
-                   "block_size_bytes", "queue_depth", "direct_io")
-_KEYS = ("enabled", "directory", "policy", "memory_budget_bytes", "check_bandwidth", *_OFFLOADER_KEYS)
-_INT_KEYS = ("memory_budget_bytes", "min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes",
-             "block_size_bytes", "queue_depth")
+BLOCK_KEYS = ("enabled", "check_bandwidth")
+"""Keys of the ``"tba"`` block beside the :class:`tba.OffloadConfig` options (every option is a key too)."""
+
+
+def block_keys() -> tuple[str, ...]:
+    """Every key the ``"tba"`` block accepts: its own two, then each :class:`tba.OffloadConfig` option."""
+    return (*BLOCK_KEYS, *option_names())
 
 
 def _block_error(message: str) -> TbaConfigError:
@@ -96,18 +99,14 @@ def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
         raise TbaConfigError(f"cannot read the DeepSpeed config {config!s} as JSON ({err}); pass it as a dict") from err
 
 
-def _check_value(key: str, value: Any) -> None:
-    if key in _INT_KEYS:
-        if value is None and key == "memory_budget_bytes":
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _block_error(f"\"{key}\" must be a non-negative integer, got {value!r}")
-    elif key in ("enabled", "check_bandwidth") and not isinstance(value, bool):
-        raise _block_error(f"\"{key}\" must be true or false, got {value!r}")
-    elif key == "direct_io" and value is not None and not isinstance(value, bool):
-        raise _block_error(f"\"direct_io\" must be true, false or null, got {value!r}")
-    elif key in ("directory", "backend", "policy") and not (isinstance(value, str) or (key == "directory" and value is None)):
-        raise _block_error(f"\"{key}\" must be a string, got {value!r}")
+def _check_options(options: dict[str, Any]) -> None:
+    for key in BLOCK_KEYS:
+        if key in options and not isinstance(options[key], bool):
+            raise _block_error(f"\"{key}\" must be true or false, got {options[key]!r}")
+    try:
+        OffloadConfig(**{key: value for key, value in options.items() if key not in BLOCK_KEYS})
+    except TbaConfigError as err:
+        raise _block_error(str(err)) from None
 
 
 def _nvme_path(zero: Mapping[str, Any], section: str) -> str | None:
@@ -123,11 +122,10 @@ def _nvme_path(zero: Mapping[str, Any], section: str) -> str | None:
 def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings | None:
     """Validate the ``"tba"`` block of a DeepSpeed config; None when there is none.
 
-    Keys (all optional): ``enabled`` (default true), ``directory`` (default ``<nvme_path>/tba``
-    with NVMe offload, else ``$TBA_DIR`` or the temp dir), ``policy`` (``"offload"``, default,
-    ``"keep"``, or ``"adaptive"``), ``memory_budget_bytes`` (the adaptive goal), ``check_bandwidth`` (default true), and the
-    :class:`tba.Offloader` options ``backend``, ``min_offload_bytes``, ``prefetch_depth_layers``,
-    ``prefetch_budget_bytes``, ``block_size_bytes``, ``queue_depth``, ``direct_io``.
+    Keys (all optional): ``enabled`` (default true), ``check_bandwidth`` (default true), and every
+    :class:`tba.OffloadConfig` option under its own name, with the schema's default, except that
+    ``directory`` defaults to ``<nvme_path>/tba`` with NVMe offload and ``block_size_bytes`` /
+    ``queue_depth`` to DeepSpeed's ``aio`` settings then. Sizes may be strings (``"64K"``).
 
     Raises:
         TbaConfigError: an unknown key or a value of the wrong type, naming the fix.
@@ -138,16 +136,15 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
         return None
     if not isinstance(block, Mapping):
         raise _block_error(f"must be an object, got {block!r}")
-    unknown = sorted(set(block) - set(_KEYS))
+    unknown = sorted(set(block) - set(block_keys()))
     if unknown:
-        raise _block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(_KEYS)}")
-    for key, value in block.items():
-        _check_value(key, value)
+        raise _block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(block_keys())}")
+    _check_options(dict(block))
     zero = config.get("zero_optimization") or {}
     param_path = _nvme_path(zero, "offload_param")
     optimizer_path = _nvme_path(zero, "offload_optimizer")
     nvme_path = param_path or optimizer_path
-    options = {key: block[key] for key in _OFFLOADER_KEYS if key in block}
+    options = {key: block[key] for key in option_names() if key in block and key not in ("directory", "policy")}
     if nvme_path is not None:
         aio = config.get("aio") or {}
         options.setdefault("block_size_bytes", aio.get("block_size", DEEPSPEED_AIO_BLOCK_SIZE_BYTES))
@@ -155,8 +152,6 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     policy = block.get("policy", "offload")
     if policy != "offload":
         options["policy"] = policy
-    if "memory_budget_bytes" in block:
-        options["memory_budget_bytes"] = block["memory_budget_bytes"]
     directory = block.get("directory")
     if directory is None and nvme_path is not None:
         directory = os.path.join(nvme_path, NVME_SUBDIRECTORY)

@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba._units import parse_size
+from tba.config import format_default, parse_text
+from tba.config import options as config_options
 from tba.defaults import BACKENDS, POLICIES, PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError
-from tba.runtime._offloader import Offloader
+from tba.runtime import KeepReason, Offloader
 
 logger = logging.getLogger("tba")
 
@@ -51,27 +52,55 @@ UNSUPPORTED_RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj")
 """Selective-recompute modules that use ``CheckpointWithoutOutput``: it frees its output's storage
 (``resize_(0)``) right after use, which tba may still be writing, and refills it in backward."""
 
+FLAG_NAMES = {"directory": "--tba-dir", "memory_budget_bytes": "--tba-memory-budget"}
+"""Flags whose name is not ``--tba-`` plus the option's name with dashes."""
+
+
+def flag_name(option: str) -> str:
+    """The Megatron flag of an :class:`tba.OffloadConfig` option: ``queue_depth`` -> ``--tba-queue-depth``."""
+    return FLAG_NAMES.get(option, "--tba-" + option.replace("_", "-"))
+
+
 def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--tba-*`` flags to ``parser`` and return it (Megatron-LM's ``extra_args_provider``).
 
-    Flags: ``--tba-offload-activations`` (off by default), ``--tba-dir`` (default ``$TBA_DIR``,
-    else the system temp dir), ``--tba-policy`` (``offload`` default, or ``keep``),
-    ``--tba-memory-budget`` (a size such as ``8GiB``; the adaptive policy's goal),
-    ``--tba-backend`` (``auto`` default, ``io_uring`` or ``threads``).
+    ``--tba-offload-activations`` (off by default) turns tba on; every :class:`tba.OffloadConfig`
+    option has a flag (:func:`flag_name`), whose help gives the schema's default. A flag not given
+    leaves the option to ``TBA_<NAME>`` or the default.
     """
     group = parser.add_argument_group("tba", "offload activations to NVMe files during forward")
     group.add_argument("--tba-offload-activations", action="store_true",
                        help="run each forward step inside a tba offload context")
-    group.add_argument("--tba-dir", default=None, metavar="DIR",
-                       help="directory of the spill file, ideally on a local NVMe drive "
-                            "(default: $TBA_DIR, else the system temp directory)")
-    group.add_argument("--tba-policy", choices=POLICIES, default="offload",
-                       help="offload: write activations to disk; keep: leave them in memory (default: offload)")
-    group.add_argument("--tba-memory-budget", type=parse_size, default=None, metavar="SIZE",
-                       help="activation memory budget, e.g. 8GiB: the goal of --tba-policy adaptive")
-    group.add_argument("--tba-backend", choices=BACKENDS, default="auto",
-                       help="I/O engine (default: auto, io_uring when available, else threads)")
+    for field in config_options():
+        if field.name in _NOT_FLAGS:
+            continue
+        choices = POLICIES if field.name == "policy" else BACKENDS if field.name == "backend" else None
+        group.add_argument(flag_name(field.name), dest=_dest(field.name), default=None, choices=choices,
+                           type=None if choices else functools.partial(_flag_value, field.name),
+                           metavar=None if choices else field.metadata["kind"].upper(),
+                           help=f"{field.metadata['doc']} (default: {format_default(field)})")
     return parser
+
+
+_NOT_FLAGS = ("profile_steps",)
+"""Options without a flag: profiling length is tba's business under Megatron."""
+
+
+def _flag_value(name: str, text: str) -> Any:
+    try:
+        return parse_text(name, text)
+    except TbaConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`tba.OffloadConfig` options the ``--tba-*`` flags gave (flags not given are left out)."""
+    return {f.name: getattr(args, _dest(f.name)) for f in config_options()
+            if getattr(args, _dest(f.name), None) is not None}
+
+
+def _dest(option: str) -> str:
+    return flag_name(option)[2:].replace("-", "_")
 
 
 def _megatron() -> tuple[type, Callable[[], bool]]:
@@ -162,24 +191,22 @@ class MegatronOffloader(Offloader):
                     "them twice: drop Megatron's recompute flags or use --tba-policy offload")
         options.setdefault("prefetch_depth_layers", recompute_prefetch_depth(blocks))
         super().__init__(directory, layers=[layer for block in blocks for layer in block.layers], **options)
-        self.tensors_kept_in_recompute = 0
+
+    @property
+    def tensors_kept_in_recompute(self) -> int:
         """Saved tensors kept in memory because Megatron recomputes them (summed over steps)."""
-        self.bytes_kept_in_recompute = 0
-        """Their bytes, summed over steps."""
+        return self.stats.kept_by_reason.get(KeepReason.RECOMPUTED_ELSEWHERE.value, 0)
 
-    def keep_reason(self, tensor: torch.Tensor) -> str | None:
-        """Why ``tensor`` stays in memory (also: saved inside Megatron's recomputed forward)."""
+    @property
+    def bytes_kept_in_recompute(self) -> int:
+        """Their activation bytes (parameters excluded), summed over steps."""
+        return self.stats.bytes_kept_by_reason.get(KeepReason.RECOMPUTED_ELSEWHERE.value, 0)
+
+    def keep_reason(self, tensor: torch.Tensor) -> KeepReason | None:
+        """Why ``tensor`` stays in memory; also: saved inside Megatron's recomputed forward (a throw-away graph)."""
         if self._is_checkpointing():
-            return "recomputed by Megatron in backward"
+            return KeepReason.RECOMPUTED_ELSEWHERE
         return super().keep_reason(tensor)
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: tensors of a recomputed region stay in memory, the rest as in tba."""
-        if self._is_checkpointing():
-            self.tensors_kept_in_recompute += 1
-            self.bytes_kept_in_recompute += tensor.numel() * tensor.element_size()
-            return tensor
-        return super().pack(tensor)
 
 
 def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn.Module],
@@ -196,17 +223,16 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
     """
     if not getattr(args, "tba_offload_activations", False):
         return None
-    adaptive = args.tba_policy == "adaptive"
-    if adaptive != (args.tba_memory_budget is not None):
+    flags = options_from_args(args)
+    adaptive = flags.get("policy") == "adaptive"
+    if adaptive != ("memory_budget_bytes" in flags or "overhead_bound" in flags):
         raise TbaConfigError(
-            "--tba-policy adaptive and --tba-memory-budget go together: the budget is the adaptive "
-            "policy's goal (use --tba-policy offload without a budget to write every activation)")
-    if args.tba_policy == "keep":
+            "--tba-policy adaptive and its goal (--tba-memory-budget or --tba-overhead-bound) go together "
+            "(use --tba-policy offload without a goal to write every activation)")
+    if flags.get("policy") == "keep":
         logger.info("tba: --tba-policy keep: activations stay in memory")
         return None
-    if adaptive:
-        options.update(policy="adaptive", memory_budget_bytes=args.tba_memory_budget)
-    return MegatronOffloader(model, args.tba_dir, backend=args.tba_backend, **options)
+    return MegatronOffloader(model, **{**flags, **options})
 
 
 def wrap_forward_step(forward_step_func: Callable[..., Any],

@@ -56,14 +56,31 @@ offloaded too; counting it as held keeps the estimate an upper bound.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 from tba.policy._profile import Profile
 
-KEEP = "keep"
-OFFLOAD = "offload"
-RECOMPUTE = "recompute"
-DECISIONS = (KEEP, OFFLOAD, RECOMPUTE)
+
+class Placement(str, enum.Enum):
+    """Where one layer's saved activations live between its forward and its backward.
+
+    A ``str`` enum: each member equals its name in plans, JSON files and logs (``"offload"``).
+    """
+
+    KEEP = "keep"
+    """In memory, as without tba."""
+    OFFLOAD = "offload"
+    """Written to the spill file during forward, read back (prefetched) for backward."""
+    RECOMPUTE = "recompute"
+    """Not saved: the layer runs forward again in backward; only its input is saved."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KEEP, OFFLOAD, RECOMPUTE = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
+DECISIONS = tuple(Placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +105,11 @@ def check_decisions(decisions: Sequence[str], layer_count: int) -> tuple[str, ..
     decisions = tuple(decisions)
     if len(decisions) != layer_count:
         raise ValueError(f"a plan for {len(decisions)} layers cannot drive a model with {layer_count} layers")
-    for decision in decisions:
-        if decision not in DECISIONS:
-            raise ValueError(f"unknown decision {decision!r}; use one of {', '.join(DECISIONS)}")
-    return decisions
+    try:
+        return tuple(Placement(decision) for decision in decisions)
+    except ValueError:
+        bad = next(d for d in decisions if d not in {p.value for p in Placement})
+        raise ValueError(f"unknown decision {bad!r}; use one of {', '.join(p.value for p in Placement)}") from None
 
 
 def _forward(profile: Profile, decisions: tuple[str, ...]) -> tuple[float, int, tuple[bool, ...]]:

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tba.defaults import MIB
+from tba.errors import TbaConfigError
 from tba.policy._model import KEEP, OFFLOAD, RECOMPUTE, check_decisions, estimate
 from tba.policy._profile import Profile
 
@@ -51,7 +52,8 @@ class Plan:
     """A per-layer placement and what the model predicts for it.
 
     Attributes:
-        decisions: ``"keep"`` / ``"offload"`` / ``"recompute"`` per layer, in forward order.
+        decisions: A :class:`Placement` per layer (``"keep"`` / ``"offload"`` / ``"recompute"``), in
+            forward order.
         window_bytes: Prefetch window (the offloader's prefetch budget while this plan runs).
         goal: What it was planned for, e.g. ``"memory_budget_bytes=104857600"``.
         fits: False when no placement met the goal (this one comes closest).
@@ -67,8 +69,8 @@ class Plan:
     predicted_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "decisions", tuple(self.decisions))
-        check_decisions(self.decisions, len(self.decisions))
+        decisions = tuple(self.decisions)
+        object.__setattr__(self, "decisions", check_decisions(decisions, len(decisions)))
         if self.window_bytes < 0:
             raise ValueError(f"window_bytes must be >= 0, got {self.window_bytes}")
 
@@ -94,8 +96,17 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """The plan saved at ``path`` by :meth:`save`.
+
+        Raises:
+            TbaConfigError: the file cannot be read or is not a saved plan.
+        """
+        try:
+            with open(path) as f:
+                return cls.from_json(f.read())
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as err:
+            raise TbaConfigError(f"cannot load a plan from {path!s}: {type(err).__name__}: {err}; pass a file "
+                                 "written by Plan.save (a JSON object with decisions and window_bytes)") from None
 
     def __str__(self) -> str:
         overhead = self.predicted_step_s / self.predicted_keep_step_s - 1 if self.predicted_keep_step_s else 0.0

@@ -4,6 +4,21 @@
 rebuilds the tensor); ``_views.py`` the saved views and the per-storage entry; ``_store.py`` the
 entries' I/O and lifetime (dedup by storage, writes, reads, release); ``_prefetch.py`` the window
 of storages read ahead during backward; ``_layers.py`` which layer is running; ``_recompute.py``
-the checkpoint wrapper of recomputed layers; ``_stats.py`` the counters. Bytes reach the file
+the checkpoint wrapper of recomputed layers; ``_stats.py`` the counters; ``_keep.py`` the reasons a tensor stays in memory;
+``_runner.py`` and ``_timer.py`` profile steps and apply a placement plan. Bytes reach the file
 through a device route (:mod:`tba.device`) and an engine (:mod:`tba.io`).
 """
+
+from tba.runtime._keep import KeepReason, keep_in_memory
+from tba.runtime._layers import find_layers
+from tba.runtime._offloader import Offloader, offload_activations
+from tba.runtime._recompute import RecomputeLayers
+from tba.runtime._runner import PolicyRunner, StepCounters, StepPlacement
+from tba.runtime._shared import shutdown
+from tba.runtime._stats import OffloadStats
+from tba.runtime._timer import LayerTimer
+
+__all__ = [
+    "KeepReason", "LayerTimer", "OffloadStats", "Offloader", "PolicyRunner", "RecomputeLayers", "StepCounters",
+    "StepPlacement", "find_layers", "keep_in_memory", "offload_activations", "shutdown",
+]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import gc
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -38,22 +39,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba import _control, defaults
-from tba._options import check_options, normalize_directory
+from tba import _control
 from tba._trace import nvtx_range
-from tba.defaults import ALIGN_BYTES
+from tba.config import OffloadConfig, options_doc, signature_with_options
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
 from tba.io import Engine, make_engine, resolve_backend
 from tba.io._checksum import load_crc32c
 from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile
-from tba.policy._runner import shared_runner
 from tba.runtime import _at_fork, _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
+from tba.runtime._keep import KeepReason, in_keep_region
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
+from tba.runtime._runner import StepCounters, StepPlacement, shared_runner
 from tba.runtime._stats import OffloadStats
 from tba.runtime._store import StorageStore
 from tba.runtime._views import SavedView, StorageEntry
@@ -88,75 +89,59 @@ class Offloader:
 
     def __init__(
         self,
-        directory: str | None = None,
+        directory: str | os.PathLike | None = None,
         *,
-        backend: str | Engine = "auto",
-        min_offload_bytes: int = defaults.MIN_OFFLOAD_BYTES,
         layers: nn.Module | Sequence[nn.Module] | None = None,
-        prefetch_depth_layers: int = defaults.PREFETCH_DEPTH_LAYERS,
-        prefetch_budget_bytes: int | None = defaults.PREFETCH_BUDGET_BYTES,
-        block_size_bytes: int = defaults.BLOCK_SIZE_BYTES,
-        queue_depth: int = defaults.QUEUE_DEPTH,
-        direct_io: bool | None = None,
-        staging_bytes: int = defaults.STAGING_BYTES,
-        reusable: bool = True,
-        device_ops: DeviceOps | None = None,
-        staged_devices: tuple[str, ...] = ("cuda",),
-        policy: Any = "offload",
-        memory_budget_bytes: int | None = None,
-        overhead_bound: float | None = None,
-        profile_steps: int = defaults.PROFILE_STEPS,
-        verify: bool = False,
+        config: OffloadConfig | None = None,
+        _reusable: bool = True,
+        _device_ops: DeviceOps | None = None,
+        _staged_devices: tuple[str, ...] = ("cuda",),
+        **options: Any,
     ) -> None:
-        check_options(dict(min_offload_bytes=min_offload_bytes, prefetch_depth_layers=prefetch_depth_layers,
-                           prefetch_budget_bytes=prefetch_budget_bytes, block_size_bytes=block_size_bytes,
-                           queue_depth=queue_depth, staging_bytes=staging_bytes, profile_steps=profile_steps,
-                           direct_io=direct_io, verify=verify))
-        if verify:
+        if config is not None and not isinstance(config, OffloadConfig):
+            raise TbaConfigError(f"config must be a tba.OffloadConfig, got {type(config).__name__}")
+        if directory is not None:
+            options["directory"] = directory
+        config = OffloadConfig.from_env(**options) if config is None else config.replace(**options)
+        self.config = config
+        """The options in force (:class:`tba.OffloadConfig`), validated."""
+        if config.verify:
             load_crc32c()
-        directory = normalize_directory(directory)
-        for name, value in (("min_offload_bytes", min_offload_bytes), ("prefetch_budget_bytes", prefetch_budget_bytes),
-                            ("prefetch_depth_layers", prefetch_depth_layers)):
-            if value is not None and value < 0:
-                raise TbaConfigError(f"{name} must be >= 0, got {value}")
-        if block_size_bytes <= 0 or block_size_bytes % ALIGN_BYTES:
-            raise TbaConfigError(f"block_size_bytes must be a positive multiple of {ALIGN_BYTES}, got {block_size_bytes}")
-        if staging_bytes < block_size_bytes:
-            raise TbaConfigError(
-                f"staging_bytes ({staging_bytes}) must hold at least one block of block_size_bytes "
-                f"({block_size_bytes}); raise staging_bytes or lower block_size_bytes"
-            )
-        if not isinstance(backend, Engine):
-            resolve_backend(host_engine_backend(backend))
-        self.directory = directory
-        self.backend = backend
-        self.min_offload_bytes = min_offload_bytes
-        self.block_size_bytes = block_size_bytes
-        self.queue_depth = queue_depth
-        self.direct_io = direct_io
-        self.staging_bytes = staging_bytes
-        self.reusable = reusable
+        if not isinstance(config.backend, Engine):
+            resolve_backend(host_engine_backend(config.backend))
+        self.directory = config.directory
+        self.backend = config.backend
+        self.min_offload_bytes = config.min_offload_bytes
+        self.block_size_bytes = config.block_size_bytes
+        self.queue_depth = config.queue_depth
+        self.direct_io = config.direct_io
+        self.staging_bytes = config.staging_bytes
+        self.prefetch_depth_layers = config.prefetch_depth_layers
+        self.prefetch_budget_bytes = config.prefetch_budget_bytes
+        self.reusable = _reusable
         self.layers = resolve_layers(layers)
         self._discovery = LayerDiscovery() if layers is None else None
-        self._shared_key = (None if reusable or isinstance(backend, Engine) or device_ops is not None else
-                            _shared.runtime_key(directory, backend, direct_io, queue_depth, block_size_bytes,
-                                                staging_bytes, staged_devices))
+        self._shared_key = (None if _reusable or isinstance(self.backend, Engine) or _device_ops is not None else
+                            _shared.runtime_key(self.directory, self.backend, self.direct_io, self.queue_depth,
+                                                self.block_size_bytes, self.staging_bytes, _staged_devices))
         self._runtime: _shared.Runtime | None = None
-        self.keep_layers: set[int] = set()
+        self.keep_layers: set[int | None] = set()
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
         self.layer_saved_bytes: dict[int | None, int] = {}
         """Bytes of distinct storages saved per layer index (None: outside any layer), summed over steps."""
-        self._device_ops = device_ops
-        self._staged_devices = staged_devices
+        self._device_ops = _device_ops
+        self._staged_devices = _staged_devices
         self._stats = OffloadStats()
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
-        self.prefetch_depth_layers = prefetch_depth_layers
-        self.prefetch_budget_bytes = prefetch_budget_bytes
-        self.policy_runner = shared_runner(self.layers, policy, shared=not reusable, memory_budget_bytes=memory_budget_bytes,
-                                           overhead_bound=overhead_bound, profile_steps=profile_steps)
-        self._store = StorageStore(self._stats, PrefetchWindow(prefetch_depth_layers, prefetch_budget_bytes))
-        self._store.verify = verify
+        self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable,
+                                           memory_budget_bytes=config.memory_budget_bytes,
+                                           overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
+                                           prefetch_depth_layers=config.prefetch_depth_layers,
+                                           prefetch_budget_bytes=config.prefetch_budget_bytes)
+        self._store = StorageStore(self._stats, PrefetchWindow(config.prefetch_depth_layers,
+                                                               config.prefetch_budget_bytes))
+        self._store.verify = config.verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._phase = _Phase.IDLE
         self._claim: object | None = None
@@ -243,13 +228,24 @@ class Offloader:
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
-            self.policy_runner.enter(self)
+            self._apply(self.policy_runner.enter(self._counters))
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)
         except BaseException:
             self._abandon_entry_job(claim)
             raise
+
+    def _counters(self) -> StepCounters:
+        stats = self.stats
+        return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
+                            stats.bytes_read, stats.read_busy_s)
+
+    def _apply(self, placement: StepPlacement) -> None:
+        if placement.keep_layers is not None:
+            self.keep_layers = set(placement.keep_layers)
+        if placement.window_bytes is not None:
+            self._store.set_prefetch_budget(placement.window_bytes)
 
     def _abandon_entry_job(self, claim: object) -> None:
         """Undo an entry that did not reach the ``with`` body (idempotent: only this ``claim``'s).
@@ -328,7 +324,7 @@ class Offloader:
             self._discovery.finish()
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
-        self.policy_runner.exit(self, failed=failed)
+        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes)
         if self._phase is _Phase.CLOSED:
             return
         if failed:
@@ -370,28 +366,30 @@ class Offloader:
             _shared.checkin(runtime)
 
     # ----------------------------------------------------------------- hooks
-    def keep_reason(self, tensor: torch.Tensor) -> str | None:
-        """Why ``tensor`` stays in memory, or None when it goes to disk."""
+    def keep_reason(self, tensor: torch.Tensor) -> KeepReason | None:
+        """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
+        if in_keep_region():
+            return KeepReason.USER_REGION
         if type(tensor) is not torch.Tensor:
-            return "parameter" if isinstance(tensor, nn.Parameter) else "tensor subclass"
+            return KeepReason.PARAMETER if isinstance(tensor, nn.Parameter) else KeepReason.TENSOR_SUBCLASS
         if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
-            return "not a plain strided tensor"
+            return KeepReason.NOT_STRIDED
         if tensor.is_conj() or tensor.is_neg():
-            return "lazy conjugate or negative view"
+            return KeepReason.LAZY_VIEW
         if tensor.device.type not in DEVICE_TYPES:
-            return f"{tensor.device.type} tensors are not supported"
+            return KeepReason.UNSUPPORTED_DEVICE
         base = tensor._base if tensor._is_view() else tensor
         if base.is_leaf and base.requires_grad:
-            return "parameter"
+            return KeepReason.PARAMETER
         storage = tensor.untyped_storage()
         if storage._cdata in self._state_keys:
-            return "parameter or buffer"
+            return KeepReason.MODULE_STATE
         if storage.nbytes() == 0 or storage.nbytes() < self.min_offload_bytes:
-            return "small"
+            return KeepReason.SMALL
         if tensor.device.type not in self._staged_devices and storage.data_ptr() % 64:
-            return "storage not 64-byte aligned"
+            return KeepReason.UNALIGNED
         if self._tracker.current in self.keep_layers:
-            return "layer kept by policy"
+            return KeepReason.LAYER_KEPT
         return None
 
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -409,9 +407,7 @@ class Offloader:
         reason = self.keep_reason(tensor)
         if reason is not None:
             with self._store.lock:
-                self._stats.tensors_kept += 1
-                if reason not in ("parameter", "parameter or buffer"):
-                    self._stats.bytes_kept += tensor.numel() * tensor.element_size()
+                self._stats.count_kept(reason, 0 if reason.is_state else tensor.numel() * tensor.element_size())
             # Note: [Kept tensors are returned detached]
             # Autograd keeps what pack returns with a strong reference from the node. When the saved
             # tensor is the node's own output, the tensor itself would point back at the node
@@ -479,50 +475,40 @@ class Offloader:
             self.close()
 
 
-def offload_activations(directory: str | None = None, **options: Any) -> Offloader:
+def offload_activations(directory: str | os.PathLike | None = None, *,
+                        layers: nn.Module | Sequence[nn.Module] | None = None,
+                        config: OffloadConfig | None = None, **options: Any) -> Offloader:
     """Offload the activations autograd saves inside the ``with`` block to files in ``directory``.
 
+    Typical use: ``with tba.offload_activations(): loss = model(batch)``, then ``loss.backward()``.
+
     Args:
-        directory: Where the spill file lives. None (default) means ``$TBA_DIR``, else the system
-            temp directory. Created if missing.
-        backend: ``"auto"`` (default), ``"io_uring"``, ``"threads"``, ``"kvikio"`` (CUDA tensors
-            through kvikio.CuFile), or an :class:`Engine`.
-        min_offload_bytes: Storages smaller than this stay in memory. Default 64 KiB.
-        layers: The model's repeated blocks (a list of modules), or a module to search for them;
-            used to tag storages for prefetch, and their parameters and buffers are never written.
-        prefetch_depth_layers: Layers below the current one read ahead in backward. Default 1.
-        prefetch_budget_bytes: Bound on bytes read ahead or held for backward. Default 512 MiB.
-        block_size_bytes: Size of one I/O request, a multiple of 4096. Default 4 MiB.
-        queue_depth: Requests in flight at once. Default 8.
-        direct_io: True requires O_DIRECT, False disables it, None (default) uses it when the file
-            system supports it and warns once otherwise.
-        staging_bytes: Host staging pool for device (CUDA) storages; pinned, allocated on first
-            use of a device. Default 256 MiB.
-        policy: ``"offload"`` (default: every layer), ``"keep"`` (nothing goes to disk),
-            ``"adaptive"`` (profile the first ``profile_steps`` steps offloading everything, then
-            keep / offload / recompute each layer by :func:`tba.plan`), or a :class:`tba.Plan`
-            to pin. ``"keep"``, ``"adaptive"`` and plans need ``layers``.
-        memory_budget_bytes: Adaptive goal: at most this many activation bytes, fastest first.
-        overhead_bound: Adaptive goal: least memory within ``(1 + overhead_bound)`` x keep-all
-            step time. Give exactly one goal with ``policy="adaptive"``.
-        profile_steps: Steps profiled before the adaptive plan applies. Default 2.
-        verify: Checksum (CRC-32C) each host storage when its write completes and check it when
-            it is read back; a mismatch raises :class:`tba.TbaReadError`. Needs
-            ``pip install 'tba[verify]'``. Default False: bytes changed in the file underneath
-            (another process, a punched hole, a bad disk) are not detected.
+        directory: Where the spill file lives. None (default): ``$TBA_DIR``, else the system temp
+            directory. Created if missing.
+        layers: The model's repeated blocks (a list of modules), or a module to search for them.
+            None (default): found during the first forward. Used to tag storages for prefetch and
+            for placement policies; their parameters and buffers are never written.
+        config: A :class:`tba.OffloadConfig`; keywords given here override its fields.
+        **options: Any field of :class:`tba.OffloadConfig` (each also read from ``TBA_<NAME>``):
+{options}
 
     The returned offloader is one-shot: it closes its file once backward has released every
-    saved tensor. To reuse one file across steps, build :class:`Offloader` once and enter it
+    saved tensor. To reuse one file across steps, build :class:`tba.Offloader` once and enter it
     every step.
 
     Returns:
         The :class:`Offloader`; use it as a context manager and read ``.stats`` after backward.
 
     Raises:
-        TbaConfigError: at the ``with`` line, for an unknown backend, a negative budget, or a
-            directory that cannot be created or written.
+        TbaConfigError: for an unknown option or an invalid value (at this line), or at the
+            ``with`` line for a directory that cannot be created or written.
     """
-    return Offloader(directory, reusable=False, **options)
+    return Offloader(directory, layers=layers, config=config, _reusable=False, **options)
+
+
+offload_activations.__doc__ = offload_activations.__doc__.format(options=options_doc(indent=12))
+offload_activations.__signature__ = signature_with_options(offload_activations)  # type: ignore[attr-defined]
+Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]
 
 
 def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Any
 
 from tba.defaults import MIB
 
@@ -39,6 +40,8 @@ class OffloadStats:
             again from the read pool.
         staging_blocks_in_use: Pinned staging blocks not returned to their pool (0 when idle).
         bytes_verified: Bytes read back whose checksum was checked (``verify=True``).
+        kept_by_reason / bytes_kept_by_reason: ``tensors_kept`` and ``bytes_kept`` split by
+            :class:`tba.KeepReason` value (``"small"``, ``"layer kept by policy"``, ...).
     """
 
     tensors_offloaded: int = 0
@@ -61,6 +64,16 @@ class OffloadStats:
     read_buffers_reused: int = 0
     bytes_verified: int = 0
     staging_blocks_in_use: int = 0
+    kept_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_kept_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count_kept(self, reason: str, nbytes: int) -> None:
+        """One more tensor kept in memory for ``reason``, holding ``nbytes`` of activations (0 for state)."""
+        key = str(reason)
+        self.tensors_kept += 1
+        self.bytes_kept += nbytes
+        self.kept_by_reason[key] = self.kept_by_reason.get(key, 0) + 1
+        self.bytes_kept_by_reason[key] = self.bytes_kept_by_reason.get(key, 0) + nbytes
 
     @property
     def write_gbps(self) -> float:
@@ -72,7 +85,7 @@ class OffloadStats:
         """Read bandwidth in GB/s while reads were in flight."""
         return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         """All counters plus the two bandwidths, for logging or JSON."""
         out = dataclasses.asdict(self)
         out["write_gbps"] = self.write_gbps

@@ -19,7 +19,7 @@ BLOCK_BYTES = 8192
 
 
 def staged_options(ops: FakeDeviceOps, staging_blocks: int = 64) -> dict:
-    return dict(device_ops=ops, staged_devices=("cpu",), block_size_bytes=BLOCK_BYTES,
+    return dict(_device_ops=ops, _staged_devices=("cpu",), block_size_bytes=BLOCK_BYTES,
                 staging_bytes=staging_blocks * BLOCK_BYTES)
 
 

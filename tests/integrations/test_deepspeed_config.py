@@ -53,10 +53,10 @@ def test_no_block_means_no_tba():
 
 @pytest.mark.parametrize("block, words", [
     ({"dirctory": "/tmp"}, ["unknown key", "'dirctory'", "directory"]),
-    ({"queue_depth": -1}, ["queue_depth", "non-negative integer"]),
-    ({"queue_depth": True}, ["queue_depth", "non-negative integer"]),
+    ({"queue_depth": -1}, ["queue_depth", "1..4096"]),
+    ({"queue_depth": True}, ["queue_depth", "an int"]),
     ({"enabled": "yes"}, ["enabled", "true or false"]),
-    ({"directory": 3}, ["directory", "string"]),
+    ({"directory": 3}, ["directory", "a path"]),
     ({"direct_io": "on"}, ["direct_io"]),
     ("on", ["must be an object"]),
 ])

@@ -170,7 +170,7 @@ def test_flags_parse_and_validate(capsys):
     assert add_tba_arguments(parser) is parser, "usable as Megatron-LM's extra_args_provider"
     args = parser.parse_args([])
     assert (args.tba_offload_activations, args.tba_dir, args.tba_policy, args.tba_memory_budget, args.tba_backend) == \
-        (False, None, "offload", None, "auto")
+        (False, None, None, None, None), "flags not given leave the option to TBA_* or the schema's default"
     assert parser.parse_args(["--tba-memory-budget", "2GiB"]).tba_memory_budget == 2 << 30
     assert parser.parse_args(["--tba-memory-budget", "1.5GB"]).tba_memory_budget == 1_500_000_000
     assert parser.parse_args(["--tba-policy", "adaptive"]).tba_policy == "adaptive"

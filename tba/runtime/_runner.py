@@ -1,9 +1,12 @@
-"""Applying a policy to an :class:`~tba.runtime._offloader.Offloader`, step by step.
+"""Applying a placement policy to an offloader, step by step.
 
 A :class:`PolicyRunner` is called by the offloader when it is entered (``enter``) and exited
-(``exit``). For ``policy="adaptive"`` the first ``profile_steps`` steps run offload-all while a
-:class:`~tba.policy._profile.LayerTimer` times every layer; at the next ``enter`` (backward of the
-last profiled step has run by then) the runner builds a :class:`~tba.policy._profile.Profile`:
+(``exit``). It never touches the offloader: ``enter`` reads the offloader's counters through one
+:class:`StepCounters` snapshot and returns a :class:`StepPlacement` (kept layers, window) that the
+offloader applies; ``exit`` is told whether the step failed and how large the largest live
+storage is. For ``policy="adaptive"`` the first ``profile_steps`` steps run offload-all while a
+:class:`~tba.runtime._timer.LayerTimer` times every layer; at the next ``enter`` (backward of the
+last profiled step has run by then) the runner builds a :class:`tba.policy.Profile`:
 
 * ``f_i``, ``b_i``: the minimum over the profiled steps (noise from other work only adds time);
 * ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last profiled step; the last
@@ -12,7 +15,7 @@ last profiled step has run by then) the runner builds a :class:`~tba.policy._pro
 * ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the profiled
   steps; the largest storage is read from the offloader's live entries at the end of forward.
 
-It then calls :func:`~tba.policy._plan.plan`, logs the plan, and from then on applies it every step:
+It then calls :func:`tba.policy.plan`, logs the plan, and from then on applies it every step:
 kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
 checkpoint (:class:`~tba.runtime._recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
 the original forward for backward, so the wrapper can go at exit), and the prefetch window becomes
@@ -26,22 +29,44 @@ layers only weakly, so the runner lives exactly as long as the model and never t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PROFILE_STEPS
+from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy._model import KEEP, RECOMPUTE
-from tba.policy._plan import Adaptive, Plan, Policy
-from tba.policy._profile import LayerProfile, LayerTimer, Profile
+from tba.policy import Adaptive, LayerProfile, Placement, Plan, Policy, Profile
 from tba.runtime._recompute import RecomputeLayers
+from tba.runtime._timer import LayerTimer
 
 logger = logging.getLogger("tba")
 
 _SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounters:
+    """What an offloader has counted so far (summed over steps): the runner's only view of it."""
+
+    layer_saved_bytes: dict[int | None, int]
+    bytes_written: int
+    write_busy_s: float
+    bytes_read: int
+    read_busy_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlacement:
+    """What the coming step applies: layers whose tensors stay in memory, and the prefetch window."""
+
+    keep_layers: frozenset[int | None] | None = None
+    """None: leave the offloader's ``keep_layers`` as they are (no placement policy)."""
+    window_bytes: int | None = None
+    """None: leave the window as it is."""
 
 
 class PolicyRunner:
@@ -53,11 +78,15 @@ class PolicyRunner:
             :class:`Policy` to run on the profile.
         memory_budget_bytes / overhead_bound: The adaptive goal (exactly one).
         profile_steps: Steps profiled before planning. Default 2.
+        prefetch_depth_layers / prefetch_budget_bytes: The offloader's, for the profile.
     """
 
     def __init__(self, layers: list[nn.Module], policy: str | Plan | Policy = "offload", *,
                  memory_budget_bytes: int | None = None, overhead_bound: float | None = None,
-                 profile_steps: int = PROFILE_STEPS) -> None:
+                 profile_steps: int = PROFILE_STEPS, prefetch_depth_layers: int = PREFETCH_DEPTH_LAYERS,
+                 prefetch_budget_bytes: int | None = None) -> None:
+        self._prefetch_depth_layers = prefetch_depth_layers
+        self._max_window_bytes = max(prefetch_budget_bytes or POLICY_MAX_WINDOW_BYTES, 1)
         self._layer_refs = [weakref.ref(layer) for layer in layers]
         self.policy: Policy | None = None
         self.plan: Plan | None = None
@@ -100,31 +129,28 @@ class PolicyRunner:
     def profiling(self) -> bool:
         return self.policy is not None and self.plan is None
 
-    def enter(self, offloader: Any) -> None:
-        """Set up the coming step on ``offloader`` (called by ``Offloader.__enter__``)."""
-        self._collect()
+    def enter(self, counters: Callable[[], StepCounters]) -> StepPlacement:
+        """The placement of the coming step (called by the offloader as it is entered)."""
+        self._collect(counters)
         if self.profiling and len(self._samples) >= self.profile_steps:
-            self.profile = self._build_profile(offloader)
+            self.profile = self._build_profile()
             self.plan = self.policy.plan(self.profile)
             logger.info("tba: %s", self.plan)
         if self.name == "keep":
-            offloader.keep_layers = {None, *range(len(self.layers))}
-        elif self.plan is not None:
-            offloader.keep_layers = set(self.plan.layers(KEEP))
-            offloader.set_prefetch_budget(self.plan.window_bytes)
-            recomputed = [self.layers[i] for i in self.plan.layers(RECOMPUTE)]
+            return StepPlacement(frozenset({None, *range(len(self.layers))}))
+        if self.plan is not None:
+            recomputed = [self.layers[i] for i in self.plan.layers(Placement.RECOMPUTE)]
             self._recompute = RecomputeLayers(recomputed) if recomputed else None
-        elif self.profiling:
-            offloader.keep_layers = set()
+            return StepPlacement(frozenset(self.plan.layers(Placement.KEEP)), self.plan.window_bytes)
+        if self.profiling:
             self._timer.reset()
             self._timer.attach()
-            stats = offloader.stats
-            self._pending = {"offloader": offloader, "saved": dict(offloader.layer_saved_bytes),
-                             "written": stats.bytes_written, "write_s": stats.write_busy_s,
-                             "read": stats.bytes_read, "read_s": stats.read_busy_s}
+            self._pending = {"start": counters()}
+            return StepPlacement(frozenset())
+        return StepPlacement()
 
-    def exit(self, offloader: Any, failed: bool) -> None:
-        """Undo per-step changes (called by ``Offloader.__exit__``, after the hooks are removed)."""
+    def exit(self, failed: bool, largest_live_storage_bytes: Callable[[], int]) -> None:
+        """Undo per-step changes (called by the offloader's exit, after the hooks are removed)."""
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
@@ -135,25 +161,24 @@ class PolicyRunner:
             else:
                 self._pending["forward_s"] = list(self._timer.forward_s)
                 self._pending["input_bytes"] = list(self._timer.input_bytes)
-                self._pending["max_storage"] = offloader.largest_live_storage_bytes()
+                self._pending["max_storage"] = largest_live_storage_bytes()
 
-    def _collect(self) -> None:
+    def _collect(self, counters: Callable[[], StepCounters]) -> None:
         """Finish the pending profiled step: its backward has run by now."""
         pending, self._pending = self._pending, None
         if pending is None or "forward_s" not in pending:
             return
-        offloader = pending.pop("offloader")
-        stats = offloader.stats
-        saved = offloader.layer_saved_bytes
-        pending["saved_bytes"] = [saved.get(i, 0) - pending["saved"].get(i, 0) for i in range(len(self.layers))]
+        start, now = pending.pop("start"), counters()
+        saved, before = now.layer_saved_bytes, start.layer_saved_bytes
+        pending["saved_bytes"] = [saved.get(i, 0) - before.get(i, 0) for i in range(len(self.layers))]
         pending["backward_s"] = self._timer.backward_s()
-        pending["written"] = stats.bytes_written - pending["written"]
-        pending["write_s"] = stats.write_busy_s - pending["write_s"]
-        pending["read"] = stats.bytes_read - pending["read"]
-        pending["read_s"] = stats.read_busy_s - pending["read_s"]
+        pending["written"] = now.bytes_written - start.bytes_written
+        pending["write_s"] = now.write_busy_s - start.write_busy_s
+        pending["read"] = now.bytes_read - start.bytes_read
+        pending["read_s"] = now.read_busy_s - start.read_busy_s
         self._samples.append(pending)
 
-    def _build_profile(self, offloader: Any) -> Profile:
+    def _build_profile(self) -> Profile:
         samples = self._samples
         layers = []
         for i in range(len(self.layers)):
@@ -173,8 +198,8 @@ class PolicyRunner:
             write_bytes_per_s=written / write_s if written and write_s else float("inf"),
             read_bytes_per_s=read / read_s if read and read_s else float("inf"),
             max_storage_bytes=max(s["max_storage"] for s in samples),
-            prefetch_depth_layers=offloader.prefetch_depth_layers,
-            max_window_bytes=max(offloader.prefetch_budget_bytes or POLICY_MAX_WINDOW_BYTES, 1),
+            prefetch_depth_layers=self._prefetch_depth_layers,
+            max_window_bytes=self._max_window_bytes,
         )
 
 

@@ -1,0 +1,78 @@
+"""Why a saved tensor stays in memory, and the region where the user asks for that.
+
+:class:`KeepReason` names every reason ``Offloader.pack`` keeps a tensor instead of writing it;
+stats count kept tensors and bytes per reason (``OffloadStats.kept_by_reason``), and integrations
+add reasons of their own by overriding ``Offloader.keep_reason``, never the hook itself.
+
+:func:`keep_in_memory` opts a region out of offloading, as torchtune's ``NoOpManager`` does: inside
+it, every tensor autograd saves stays in memory, whatever the offloader's plan. It is per thread
+and nests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Iterator
+
+
+class KeepReason(str, enum.Enum):
+    """Why a saved tensor was not written. A ``str`` enum: each member equals its text in stats and logs."""
+
+    PARAMETER = "parameter"
+    """A leaf that requires grad (a parameter, or a view of one)."""
+    MODULE_STATE = "parameter or buffer"
+    """A parameter or buffer of the model's layers (frozen weights included)."""
+    TENSOR_SUBCLASS = "tensor subclass"
+    """Not a plain ``torch.Tensor`` (Float8Tensor, DTensor, ...): its bytes are not one storage tba can rebuild."""
+    NOT_STRIDED = "not a plain strided tensor"
+    """Sparse, nested, quantized or meta."""
+    LAZY_VIEW = "lazy conjugate or negative view"
+    """``is_conj()`` or ``is_neg()``: rebuilding would lose the lazy bit."""
+    UNSUPPORTED_DEVICE = "device not supported"
+    """Neither CPU nor CUDA."""
+    SMALL = "small"
+    """Storage below ``min_offload_bytes``."""
+    UNALIGNED = "storage not 64-byte aligned"
+    """A host storage whose address O_DIRECT cannot write from."""
+    LAYER_KEPT = "layer kept by policy"
+    """The placement keeps the current layer in memory."""
+    USER_REGION = "inside tba.keep_in_memory()"
+    """Saved inside :func:`keep_in_memory`."""
+    RECOMPUTED_ELSEWHERE = "recomputed by the framework in backward"
+    """Saved inside a framework's own recomputed region (Megatron's checkpointing), a throw-away graph."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_state(self) -> bool:
+        """Parameters and buffers: not counted as kept activation bytes."""
+        return self in (KeepReason.PARAMETER, KeepReason.MODULE_STATE)
+
+
+_region = threading.local()
+
+
+@contextlib.contextmanager
+def keep_in_memory() -> Iterator[None]:
+    """Inside this block (this thread only), saved tensors stay in memory even under an offload context.
+
+    Example::
+
+        with tba.offload_activations():
+            hidden = blocks(x)
+            with tba.keep_in_memory():
+                logits = head(hidden)     # saved in memory, as without tba
+    """
+    _region.depth = getattr(_region, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _region.depth -= 1
+
+
+def in_keep_region() -> bool:
+    """True inside :func:`keep_in_memory` on this thread."""
+    return getattr(_region, "depth", 0) > 0
