@@ -12,9 +12,8 @@ Typical use::
 
 from tba._units import parse_size
 from tba.config import OffloadConfig
-from tba.defaults import BACKENDS
 from tba.errors import ShortTransferError, TbaConfigError, TbaError, TbaReadError
-from tba.io import Engine, ThreadEngine, available_backends, make_engine
+from tba.io import Engine, ThreadEngine, available_backends, backend_names, make_engine, register_engine
 from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Placement, Plan, Policy, Profile, RecomputeAll, estimate, plan
 from tba.runtime import KeepReason, Offloader, OffloadStats, find_layers, keep_in_memory, offload_activations, shutdown
 
@@ -23,7 +22,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adaptive",
-    "BACKENDS",
     "Engine",
     "KeepAll",
     "KeepReason",
@@ -43,6 +41,7 @@ __all__ = [
     "TbaReadError",
     "ThreadEngine",
     "available_backends",
+    "backend_names",
     "estimate",
     "find_layers",
     "keep_in_memory",
@@ -50,5 +49,6 @@ __all__ = [
     "offload_activations",
     "parse_size",
     "plan",
+    "register_engine",
     "shutdown",
 ]

@@ -94,7 +94,3 @@ PROFILE_STEPS = 2
 
 POLICIES = ("offload", "keep", "adaptive")
 """Names accepted by ``policy=``; a :class:`tba.Plan` or :class:`tba.Policy` is accepted too."""
-
-BACKENDS = ("auto", "io_uring", "threads", "kvikio")
-"""Names accepted by ``backend=``. An :class:`tba.Engine` instance is accepted too. ``"kvikio"``
-sends CUDA storages through ``kvikio.CuFile`` and uses the ``"auto"`` host engine for the rest."""

@@ -43,11 +43,7 @@ from torch import nn
 
 from tba.bench.meters import CudaPeak, PeakRSS
 from tba.bench.models import GPTConfig, make_batch, make_gpt
-from tba.runtime._compile import compile_blocks
-from tba.runtime._layers import resolve_layers
-from tba.runtime._offloader import Offloader, offload_activations
-from tba.runtime._recompute import RecomputeLayers
-from tba.runtime._shared import idle_pool_bytes
+from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_bytes, offload_activations, resolve_layers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")

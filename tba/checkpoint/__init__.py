@@ -9,11 +9,14 @@ optimizer step waits, and only for what is not yet copied.
 """
 
 from tba.checkpoint._io import TbaCheckpointError
+from tba.checkpoint._layout import DEFAULT_CHUNK_BYTES
 from tba.checkpoint._lazy import LazyCheckpoint, LazyCheckpointer, save_lazy
 from tba.checkpoint._reader import TbaStorageReader
-from tba.checkpoint._writer import ImagePool, TbaStorageWriter
+from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, ImagePool, TbaStorageWriter
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_QUEUE_DEPTH",
     "ImagePool",
     "LazyCheckpoint",
     "LazyCheckpointer",

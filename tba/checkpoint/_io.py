@@ -34,8 +34,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaConfigError, TbaError
-from tba.io import Engine, Op, Request, make_engine
-from tba.io._spill import resolve_directory
+from tba.io import Engine, Op, Request, make_engine, resolve_directory
 
 logger = logging.getLogger("tba")
 

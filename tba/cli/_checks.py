@@ -13,7 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from tba.defaults import BACKENDS, MAX_QUEUE_DEPTH
+from tba.defaults import MAX_QUEUE_DEPTH
+from tba.io import backend_names
 
 
 def queue_depth(text: str) -> int:
@@ -28,9 +29,9 @@ def queue_depth(text: str) -> int:
 
 
 def backend_name(text: str) -> str:
-    """One of the backend names of :data:`tba.defaults.BACKENDS`."""
-    if text not in BACKENDS:
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {', '.join(BACKENDS)}")
+    """One of the backend names (:func:`tba.io.backend_names`)."""
+    if text not in backend_names():
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {', '.join(backend_names())}")
     return text
 
 

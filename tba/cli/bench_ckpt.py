@@ -43,12 +43,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from tba._units import parse_size
 from tba.bench.models import GPTConfig, make_batch, make_gpt
-from tba.checkpoint._io import resolve_directory
-from tba.checkpoint._layout import DEFAULT_CHUNK_BYTES
-from tba.checkpoint._lazy import LazyCheckpointer
-from tba.checkpoint._reader import TbaStorageReader
-from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, TbaStorageWriter
+from tba.checkpoint import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, LazyCheckpointer, TbaStorageReader, TbaStorageWriter
 from tba.cli.bench_io import bench_fio
+from tba.io import resolve_directory
 
 logger = logging.getLogger("tba")
 

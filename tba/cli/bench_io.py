@@ -26,10 +26,7 @@ import torch
 from tba._units import parse_size
 from tba.cli import _checks as cli_checks
 from tba.defaults import ALIGN_BYTES, GIB, MIB
-from tba.io import available_backends, make_engine
-from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
-from tba.io._engine import Op
-from tba.io._spill import resolve_directory
+from tba.io import Op, available_backends, filled_buffer, make_engine, open_scratch, resolve_directory, timed_pass
 
 logger = logging.getLogger("tba")
 

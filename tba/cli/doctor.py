@@ -21,10 +21,17 @@ import torch
 from tba._units import parse_size
 from tba.defaults import MIB
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
-from tba.io import available_backends, make_engine, resolve_backend
-from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
-from tba.io._engine import Op
-from tba.io._spill import probe_direct_io, resolve_directory
+from tba.io import (
+    Op,
+    available_backends,
+    filled_buffer,
+    make_engine,
+    open_scratch,
+    probe_direct_io,
+    resolve_backend,
+    resolve_directory,
+    timed_pass,
+)
 
 logger = logging.getLogger("tba")
 

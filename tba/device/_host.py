@@ -18,9 +18,7 @@ import torch
 
 from tba.defaults import ALIGN_BYTES
 from tba.device._route import Callback, Countdown, ReadCallback, Route, pieces
-from tba.io._engine import Engine, Op, Request
-from tba.io._memory import round_up
-from tba.io._read_pool import BufferPool
+from tba.io import BufferPool, Engine, Op, Request, round_up
 
 
 class HostRoute(Route):

@@ -26,8 +26,7 @@ from tba.device._route import Route
 from tba.device._staged import StagedRoute
 from tba.device._staging import StagingPool
 from tba.errors import TbaConfigError
-from tba.io._engine import Engine
-from tba.io._read_pool import BufferPool
+from tba.io import BufferPool, Engine
 
 logger = logging.getLogger("tba")
 

@@ -35,8 +35,7 @@ from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
 from tba.device._route import Callback, Countdown, ReadCallback, Route, pieces
 from tba.device._staging import StagingPool
-from tba.io._engine import Engine
-from tba.io._memory import round_up
+from tba.io import Engine, round_up
 
 logger = logging.getLogger(__name__)
 

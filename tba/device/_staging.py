@@ -18,7 +18,7 @@ import torch
 
 from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, STAGING_BYTES
 from tba.errors import TbaConfigError
-from tba.io._memory import aligned_empty
+from tba.io import aligned_empty
 
 
 class StagingPool:

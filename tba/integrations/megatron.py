@@ -38,8 +38,9 @@ from torch import nn
 
 from tba.config import format_default, parse_text
 from tba.config import options as config_options
-from tba.defaults import BACKENDS, POLICIES, PREFETCH_DEPTH_LAYERS
+from tba.defaults import POLICIES, PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError
+from tba.io import backend_names
 from tba.runtime import KeepReason, Offloader
 
 logger = logging.getLogger("tba")
@@ -74,7 +75,7 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     for field in config_options():
         if field.name in _NOT_FLAGS:
             continue
-        choices = POLICIES if field.name == "policy" else BACKENDS if field.name == "backend" else None
+        choices = POLICIES if field.name == "policy" else backend_names() if field.name == "backend" else None
         group.add_argument(flag_name(field.name), dest=_dest(field.name), default=None, choices=choices,
                            type=None if choices else functools.partial(_flag_value, field.name),
                            metavar=None if choices else field.metadata["kind"].upper(),

@@ -22,9 +22,7 @@ from __future__ import annotations
 import os
 
 from tba.defaults import MIB, QUEUE_DEPTH
-from tba.io import Op, make_engine
-from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
-from tba.io._spill import resolve_directory
+from tba.io import Op, filled_buffer, make_engine, open_scratch, resolve_directory, timed_pass
 
 PROBE_BYTES = 64 * MIB
 """Bytes written and read back by :func:`measure_bandwidth` (64 MiB: ~0.1 s at 1 GB/s)."""

@@ -6,6 +6,7 @@ io_uring engine (``_io_uring.py`` over ``native/``) and the portable thread pool
 ``_extents.py`` hands out aligned ranges of it; ``_memory.py`` makes aligned host memory and
 ``_read_pool.py`` reuses it for reads; ``_bandwidth.py`` is the disk-bandwidth probe.
 
+Engines are registered by name (:func:`register_engine`: the one list of backends).
 ``make_engine("auto")`` returns the best engine this machine supports: the native io_uring engine
 when it was built and the kernel allows it, else the portable thread pool, logging once why the
 better one was not used. Probes run once per process (``functools.cache``).
@@ -13,18 +14,56 @@ better one was not used. Probes run once per process (``functools.cache``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
-from tba.defaults import BACKENDS, MAX_ENGINE_THREADS, QUEUE_DEPTH
+from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
 from tba.errors import TbaConfigError
+from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
+from tba.io._checksum import checksum, load_crc32c
 from tba.io._engine import Engine, Op, Request
+from tba.io._memory import aligned_empty, memory_view, round_up, storage_view
+from tba.io._read_pool import BufferPool
+from tba.io._spill import SpillFile, probe_direct_io, resolve_directory
 from tba.io._threads import ThreadEngine
 
 logger = logging.getLogger("tba")
 
-ENGINE_BACKENDS = ("auto", "io_uring", "threads")
-"""Engine names; ``backend="kvikio"`` names a device route (``tba.device``), whose host engine is ``"auto"``."""
+EngineFactory = Callable[[int], Engine]
+"""Builds an engine for a queue depth."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registered:
+    factory: EngineFactory
+    unavailable_reason: Callable[[], str | None]
+
+
+_ENGINES: dict[str, _Registered] = {}
+
+
+def register_engine(name: str, factory: EngineFactory, unavailable_reason: Callable[[], str | None] = lambda: None,
+                    ) -> None:
+    """Make ``backend=name`` build ``factory(queue_depth)``; ``unavailable_reason()`` says why it cannot run here.
+
+    The one list of engine backends: ``backend_names()``, ``available_backends()``, ``doctor`` and the
+    parametrized engine tests all read it. ``"auto"`` and ``"kvikio"`` (a device route) are not engines.
+    """
+    if not name or name in ("auto", "kvikio"):
+        raise TbaConfigError(f"cannot register an engine named {name!r}")
+    _ENGINES[name] = _Registered(factory, unavailable_reason)
+
+
+def engine_names() -> tuple[str, ...]:
+    """The registered engines, in registration order (``io_uring``, ``threads``, then any added)."""
+    return tuple(_ENGINES)
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every name ``backend=`` accepts: ``auto``, each registered engine, and ``kvikio`` (CUDA route)."""
+    return ("auto", *engine_names(), "kvikio")
 
 
 @functools.cache
@@ -38,8 +77,8 @@ def io_uring_unavailable_reason() -> str | None:
 
 
 def available_backends() -> dict[str, str | None]:
-    """Each concrete backend mapped to None when usable, else the reason it is not."""
-    return {"io_uring": io_uring_unavailable_reason(), "threads": None}
+    """Each registered engine mapped to None when usable, else the reason it is not."""
+    return {name: registered.unavailable_reason() for name, registered in _ENGINES.items()}
 
 
 @functools.cache
@@ -51,23 +90,18 @@ def resolve_backend(backend: str) -> str:
     """Map an engine backend name to the concrete engine that will run, raising a clear error if unusable."""
     if not isinstance(backend, str):
         raise TbaConfigError(f"backend must be a string or an Engine, got {type(backend).__name__}")
-    if backend not in ENGINE_BACKENDS:
-        raise TbaConfigError(
-            f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} "
-            "or pass an Engine instance"
-        )
     if backend == "auto":
         reason = io_uring_unavailable_reason()
         if reason is None:
             return "io_uring"
         _log_auto_fallback(reason)
         return "threads"
-    if backend == "io_uring":
-        reason = io_uring_unavailable_reason()
-        if reason is not None:
-            raise TbaConfigError(
-                f"backend 'io_uring' is not available: {reason}; use backend='threads' or 'auto'"
-            )
+    if backend not in _ENGINES:
+        raise TbaConfigError(f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}, "
+                             "pass an Engine instance, or register one with tba.io.register_engine")
+    reason = _ENGINES[backend].unavailable_reason()
+    if reason is not None:
+        raise TbaConfigError(f"backend {backend!r} is not available: {reason}; use backend='auto'")
     return backend
 
 
@@ -75,30 +109,52 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = QUEUE_DEPT
     """Build the engine named by ``backend`` (or return an :class:`Engine` instance as is).
 
     Args:
-        backend: ``"auto"``, ``"io_uring"``, ``"threads"`` or an engine instance.
+        backend: ``"auto"``, a registered engine name (``"io_uring"``, ``"threads"``), or an engine instance.
         queue_depth: Requests in flight at once (ring entries, or threads for ``"threads"``,
             capped at :data:`tba.defaults.MAX_ENGINE_THREADS`). Default :data:`tba.defaults.QUEUE_DEPTH`.
+
+    Raises:
+        TbaConfigError: an unknown name, an engine that cannot run here, or a queue depth below 1.
     """
     if isinstance(backend, Engine):
         return backend
     if queue_depth < 1:
         raise TbaConfigError(f"queue_depth must be >= 1, got {queue_depth}")
-    name = resolve_backend(backend)
-    if name == "io_uring":
-        from tba.io._io_uring import IoUringEngine
+    return _ENGINES[resolve_backend(backend)].factory(queue_depth)
 
-        return IoUringEngine(queue_depth=queue_depth)
-    return ThreadEngine(workers=min(queue_depth, MAX_ENGINE_THREADS))
 
+def _io_uring_engine(queue_depth: int) -> Engine:
+    from tba.io._io_uring import IoUringEngine
+
+    return IoUringEngine(queue_depth=queue_depth)
+
+
+register_engine("io_uring", _io_uring_engine, io_uring_unavailable_reason)
+register_engine("threads", lambda queue_depth: ThreadEngine(workers=min(queue_depth, MAX_ENGINE_THREADS)))
 
 __all__ = [
-    "BACKENDS",
-    "ENGINE_BACKENDS",
+    "BufferPool",
     "Engine",
+    "EngineFactory",
     "Op",
     "Request",
+    "SpillFile",
     "ThreadEngine",
+    "aligned_empty",
     "available_backends",
+    "backend_names",
+    "checksum",
+    "engine_names",
+    "filled_buffer",
+    "load_crc32c",
     "make_engine",
+    "memory_view",
+    "open_scratch",
+    "probe_direct_io",
+    "register_engine",
     "resolve_backend",
+    "resolve_directory",
+    "round_up",
+    "storage_view",
+    "timed_pass",
 ]

@@ -26,7 +26,6 @@ import tempfile
 import threading
 import uuid
 
-from tba._options import check_writable
 from tba.defaults import ALIGN_BYTES, SPILL_RESERVE_MIN_BYTES
 from tba.errors import TbaConfigError
 from tba.io._extents import ExtentAllocator
@@ -93,6 +92,15 @@ def probe_direct_io(directory: str) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def check_writable(directory: str) -> None:
+    """Raise :class:`TbaConfigError` when the existing ``directory`` cannot be written."""
+    if os.path.isdir(directory) and not os.access(directory, os.W_OK | os.X_OK):
+        raise TbaConfigError(
+            f"offload directory {directory} is not writable; pass directory= (or set TBA_DIR) "
+            "to a writable directory on a fast local disk"
+        )
 
 
 def _prepare_directory(directory: str) -> None:

@@ -9,16 +9,18 @@ the checkpoint wrapper of recomputed layers; ``_stats.py`` the counters; ``_keep
 through a device route (:mod:`tba.device`) and an engine (:mod:`tba.io`).
 """
 
+from tba.runtime._compile import compile_blocks
 from tba.runtime._keep import KeepReason, keep_in_memory
-from tba.runtime._layers import find_layers
+from tba.runtime._layers import find_layers, resolve_layers
 from tba.runtime._offloader import Offloader, offload_activations
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._runner import PolicyRunner, StepCounters, StepPlacement
-from tba.runtime._shared import shutdown
+from tba.runtime._shared import idle_pool_bytes, shutdown
 from tba.runtime._stats import OffloadStats
 from tba.runtime._timer import LayerTimer
 
 __all__ = [
     "KeepReason", "LayerTimer", "OffloadStats", "Offloader", "PolicyRunner", "RecomputeLayers", "StepCounters",
-    "StepPlacement", "find_layers", "keep_in_memory", "offload_activations", "shutdown",
+    "StepPlacement", "compile_blocks", "find_layers", "idle_pool_bytes", "keep_in_memory", "offload_activations",
+    "resolve_layers", "shutdown",
 ]

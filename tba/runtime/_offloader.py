@@ -44,10 +44,7 @@ from tba._trace import nvtx_range
 from tba.config import OffloadConfig, options_doc, signature_with_options
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
-from tba.io import Engine, make_engine, resolve_backend
-from tba.io._checksum import load_crc32c
-from tba.io._read_pool import BufferPool
-from tba.io._spill import SpillFile
+from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
 from tba.runtime import _at_fork, _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery

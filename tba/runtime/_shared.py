@@ -29,9 +29,7 @@ from typing import Any
 
 from tba import _control, defaults
 from tba.device import Routes
-from tba.io import Engine
-from tba.io._read_pool import BufferPool
-from tba.io._spill import SpillFile, resolve_directory
+from tba.io import BufferPool, Engine, SpillFile, resolve_directory
 from tba.runtime._window import WindowController
 
 logger = logging.getLogger("tba")

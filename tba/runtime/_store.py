@@ -29,12 +29,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba._control import wait
 from tba._trace import nvtx_range
-from tba.device._routes import Routes
+from tba.device import Routes
 from tba.errors import TbaReadError
-from tba.io import Engine
-from tba.io._checksum import checksum
-from tba.io._read_pool import BufferPool
-from tba.io._spill import SpillFile
+from tba.io import BufferPool, Engine, SpillFile, checksum
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._trim import discard_pages, sole_owner, trimmer

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba.defaults import ALIGN_BYTES
-from tba.io._memory import round_up
+from tba.io import round_up
 
 if TYPE_CHECKING:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from tba.device._route import Route
+    from tba.device import Route
 
 
 class State(enum.Enum):

@@ -1,0 +1,57 @@
+"""The engine registry is the one list of backends: unknown names fail, registered ones are built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tba
+from tba import TbaConfigError
+from tba.io import ThreadEngine, backend_names, engine_names, make_engine, register_engine
+
+
+def test_unknown_backend_is_refused_instead_of_running_threads():
+    with pytest.raises(TbaConfigError, match=r"unknown backend 'spdk'.*register_engine"):
+        make_engine("spdk")
+    with pytest.raises(TbaConfigError, match="unknown backend 'spdk'"):
+        tba.offload_activations(backend="spdk")
+
+
+def test_backend_names_come_from_the_registry():
+    assert engine_names()[:2] == ("io_uring", "threads")
+    assert backend_names() == ("auto", *engine_names(), "kvikio")
+    assert tba.backend_names() == backend_names()
+
+
+def test_a_registered_engine_runs_the_offloader(spill_dir, monkeypatch):
+    built = []
+
+    class CountingEngine(ThreadEngine):
+        def submit_many(self, requests):
+            built.append(len(requests))
+            return super().submit_many(requests)
+
+    monkeypatch.setattr("tba.io._ENGINES", dict(__import__("tba.io", fromlist=["_ENGINES"])._ENGINES))
+    register_engine("counting", lambda depth: CountingEngine(workers=2))
+    assert "counting" in backend_names()
+    x = torch.randn(256, 1024, requires_grad=True)
+    torch.tanh(x * 2).sum().backward()
+    expected, x.grad = x.grad, None
+    with tba.offload_activations(spill_dir, backend="counting", layers=[]) as off:
+        y = torch.tanh(x * 2)
+    y.sum().backward()
+    assert built and off.stats.bytes_written > 0
+    assert torch.equal(x.grad, expected)
+
+
+def test_an_unavailable_engine_says_why(monkeypatch):
+    monkeypatch.setattr("tba.io._ENGINES", dict(__import__("tba.io", fromlist=["_ENGINES"])._ENGINES))
+    register_engine("broken", lambda depth: ThreadEngine(), lambda: "needs a device this machine lacks")
+    with pytest.raises(TbaConfigError, match="not available: needs a device this machine lacks"):
+        make_engine("broken")
+
+
+@pytest.mark.parametrize("name", ["auto", "kvikio", ""])
+def test_reserved_names_cannot_be_registered(name):
+    with pytest.raises(TbaConfigError):
+        register_engine(name, lambda depth: ThreadEngine())
