@@ -141,7 +141,8 @@ def _reap() -> None:
 
 
 def idle_runtimes() -> int:
-    """Runtimes open and unused now."""
+    """Runtimes open and unused now, once the releases queued before the call have run."""
+    _control.settle()
     with _lock:
         return sum(len(idle) for idle in _idle.values())
 
