@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tba
-from tba import TbaConfigError
+from tba import TbaConfigError, TbaError
 from tba.io import available_backends
 
 
@@ -81,3 +81,32 @@ def test_file_system_without_o_direct(spill_dir, monkeypatch, caplog):
 def test_io_uring_requested_but_unavailable(spill_dir):
     with pytest.raises(TbaConfigError, match="backend 'io_uring' is not available: .*use backend='threads' or 'auto'"):
         tba.offload_activations(spill_dir, backend="io_uring")
+
+
+@pytest.mark.parametrize("layers, match", [(5, "layers must be a module or a list of modules, got int 5"),
+                                           ([1, 2], "layers must contain nn.Module objects, got int 1"),
+                                           ("blocks", "layers must be a module or a list of modules")])
+def test_bad_layers_are_config_errors(layers, match):
+    with pytest.raises(TbaConfigError, match=match):
+        tba.offload_activations(layers=layers)
+
+
+def test_bad_plan_file_is_a_config_error(tmp_path):
+    for text in ("not json", "[1, 2]", '{"decisions": ["fly"], "window_bytes": 0}', '{"window_bytes": 1}'):
+        path = tmp_path / "plan.json"
+        path.write_text(text)
+        with pytest.raises(TbaConfigError, match="cannot load a plan from .*plan.json"):
+            tba.Plan.load(str(path))
+    with pytest.raises(TbaConfigError, match="cannot load a plan"):
+        tba.Plan.load(str(tmp_path / "missing.json"))
+
+
+def test_entering_a_one_shot_context_twice_names_the_reusable_offloader(spill_dir):
+    x = torch.randn(64, 1024, requires_grad=True)
+    ctx = tba.offload_activations(spill_dir)
+    with ctx:
+        y = x.sin()
+    y.sum().backward()
+    with pytest.raises(TbaError, match=r"one-shot.*tba\.Offloader\(\.\.\.\)"):
+        with ctx:
+            pass

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tba.errors import TbaConfigError
 from tba.runtime._compile import is_compiled_module, saved_by_compiled_graph
 
 
@@ -45,10 +46,14 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
         return []
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
         return find_layers(layers)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TbaConfigError(f"layers must be a module or a list of modules, got {type(layers).__name__} {layers!r}; "
+                             "pass layers=model, layers=list_of_blocks, or leave it out to find them during forward")
     found = list(layers)
     for layer in found:
         if not isinstance(layer, nn.Module):
-            raise TypeError(f"layers must contain nn.Module objects, got {type(layer).__name__}")
+            raise TbaConfigError(f"layers must contain nn.Module objects, got {type(layer).__name__} {layer!r}; "
+                                 "pass layers=model or a list of the model's blocks")
     return found
 
 

@@ -216,7 +216,9 @@ class Offloader:
                 raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
                                "build one Offloader per thread")
             if self._phase is not _Phase.IDLE:
-                raise TbaError(f"this Offloader cannot be entered now (it is {self._phase.value}); use a new one")
+                raise TbaError(f"this offloader cannot be entered now (it is {self._phase.value}): "
+                               "tba.offload_activations() is one-shot, make a new one each step, or build one "
+                               "tba.Offloader(...) and enter it every step")
             self._phase = _Phase.ENTERING
             self._claim = claim
         try:

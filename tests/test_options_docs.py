@@ -1,0 +1,101 @@
+"""Every place that documents an option agrees with the schema (``tba.OffloadConfig``).
+
+The schema is the source; these tests read what each other place shows a user (the signatures and
+docstrings ``help()`` prints, the README's table, DeepSpeed's accepted keys, Megatron's ``--help``)
+and compare each option's name and default with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import pathlib
+import re
+
+import pytest
+
+import tba
+from tba import TbaConfigError
+from tba.config import env_name, format_default, option_names, options_table_markdown
+from tba.integrations import deepspeed as tba_ds
+from tba.integrations import megatron as tba_megatron
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+FIELDS = {field.name: field for field in dataclasses.fields(tba.OffloadConfig)}
+
+
+@pytest.mark.parametrize("function", [tba.offload_activations, tba.Offloader])
+def test_signatures_show_every_option_with_the_schema_default(function):
+    parameters = inspect.signature(function).parameters
+    for name, field in FIELDS.items():
+        assert name in parameters, f"{function.__name__} does not show {name}"
+        assert parameters[name].default == field.default, name
+    assert not [p for p in parameters if p.startswith("_")], "test seams are not shown to users"
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_docstrings_give_the_schema_default(name):
+    line = f"{name} (default {format_default(FIELDS[name])})"
+    assert line in tba.offload_activations.__doc__
+    assert line in tba.OffloadConfig.__doc__
+
+
+def test_readme_table_is_the_schema():
+    text = README.read_text()
+    table = re.search(r"<!-- tba-options:begin -->\n(.*?)\n<!-- tba-options:end -->", text, re.S)
+    assert table, "README has lost its option table markers"
+    assert table.group(1).strip() == options_table_markdown().strip(), \
+        "README's option table differs from the schema: paste tba.config.options_table_markdown() between the markers"
+    rows = {row.split("`")[1]: row for row in table.group(1).splitlines()[2:]}
+    assert list(rows) == list(option_names())
+    for name, row in rows.items():
+        assert f"`{format_default(FIELDS[name])}`" in row and f"`{env_name(name)}`" in row
+
+
+def test_deepspeed_accepts_every_option_and_applies_the_schema_default():
+    assert set(option_names()) <= set(tba_ds.block_keys())
+    settings = tba_ds.parse_config({"tba": {}})
+    assert settings.offloader_options == {}, "an empty block leaves every option to the schema"
+    block = {"min_offload_bytes": "1M", "prefetch_budget_bytes": "64M", "verify": False, "staging_bytes": 8 << 20}
+    options = tba_ds.parse_config({"tba": block}).offloader_options
+    assert tba.OffloadConfig(**options).min_offload_bytes == 1 << 20
+    with pytest.raises(TbaConfigError, match="unknown key"):
+        tba_ds.parse_config({"tba": {"min_offload": 1}})
+
+
+def test_megatron_help_lists_every_option_with_the_schema_default():
+    parser = tba_megatron.add_tba_arguments(argparse.ArgumentParser())
+    text = " ".join(parser.format_help().split())
+    for name, field in FIELDS.items():
+        if name in tba_megatron._NOT_FLAGS:
+            continue
+        flag = tba_megatron.flag_name(name)
+        assert flag in text, f"Megatron has no flag for {name}"
+        assert f"(default: {format_default(field)})" in text
+    args = parser.parse_args(["--tba-offload-activations", "--tba-queue-depth", "16", "--tba-min-offload-bytes", "1M",
+                              "--tba-direct-io", "false"])
+    assert tba_megatron.options_from_args(args) == {"queue_depth": 16, "min_offload_bytes": 1 << 20, "direct_io": False}
+
+
+def test_environment_variables_fill_options_and_arguments_win(monkeypatch):
+    monkeypatch.setenv("TBA_QUEUE_DEPTH", "16")
+    monkeypatch.setenv("TBA_MIN_OFFLOAD_BYTES", "1M")
+    monkeypatch.setenv("TBA_VERIFY", "0")
+    config = tba.OffloadConfig.from_env()
+    assert (config.queue_depth, config.min_offload_bytes, config.verify) == (16, 1 << 20, False)
+    assert tba.OffloadConfig.from_env(queue_depth=4).queue_depth == 4
+    assert tba.Offloader(layers=[]).queue_depth == 16
+    assert tba.OffloadConfig().queue_depth == 8, "the plain constructor reads no environment"
+    monkeypatch.setenv("TBA_QUEUE_DEPTH", "many")
+    with pytest.raises(TbaConfigError, match="TBA_QUEUE_DEPTH='many'"):
+        tba.offload_activations()
+
+
+def test_a_config_object_and_keywords_combine():
+    config = tba.OffloadConfig(min_offload_bytes="1M", queue_depth=4)
+    offloader = tba.Offloader(config=config, queue_depth=2, layers=[])
+    assert (offloader.min_offload_bytes, offloader.queue_depth) == (1 << 20, 2)
+    assert offloader.config.queue_depth == 2 and config.queue_depth == 4
+    with pytest.raises(TbaConfigError, match="config must be a tba.OffloadConfig"):
+        tba.Offloader(config={"queue_depth": 2})
