@@ -21,7 +21,7 @@ class KeepReason(str, enum.Enum):
     """Why a saved tensor was not written. A ``str`` enum: each member equals its text in stats and logs."""
 
     PARAMETER = "parameter"
-    """A leaf that requires grad (a parameter, or a view of one)."""
+    """A leaf that requires grad, or any ``nn.Parameter`` (frozen ones too), or a view of one."""
     MODULE_STATE = "parameter or buffer"
     """A parameter or buffer of the model's layers (frozen weights included)."""
     TENSOR_SUBCLASS = "tensor subclass"

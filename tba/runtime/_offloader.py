@@ -378,7 +378,7 @@ class Offloader:
         if tensor.device.type not in DEVICE_TYPES:
             return KeepReason.UNSUPPORTED_DEVICE
         base = tensor._base if tensor._is_view() else tensor
-        if base.is_leaf and base.requires_grad:
+        if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
             return KeepReason.PARAMETER
         storage = tensor.untyped_storage()
         if storage._cdata in self._state_keys:

@@ -34,7 +34,7 @@ from tba.errors import TbaReadError
 from tba.io import BufferPool, Engine, SpillFile, checksum
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import BusyClock, OffloadStats
-from tba.runtime._trim import discard_pages, sole_owner, trimmer
+from tba.runtime._trim import discard_pages, owns_its_memory, sole_owner, trimmer
 from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
@@ -79,6 +79,8 @@ class StorageStore:
         """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
         self._lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
+        self.pages_discarded_bytes = 0
+        """Bytes of storage pages handed back to the kernel early (storages tba proved its own)."""
         self._next_seq = 0
         self.verify = False
         self._warned_verify_device = False
@@ -161,6 +163,7 @@ class StorageStore:
             data=torch.empty((0,), dtype=torch.uint8, device=tensor.device).set_(storage),
             device=tensor.device,
             route=route,
+            own_memory=owns_its_memory(storage),
         )
         self._next_seq += 1
         self.live_entries += 1
@@ -456,9 +459,9 @@ class StorageStore:
         unpack, finds it the last one: then the pages go back to the kernel before the memory is freed.
         """
         data = entry.data
-        if data is not None and self.routes is not None and entry.route is self.routes.host:
+        if data is not None and entry.own_memory and self.routes is not None and entry.route is self.routes.host:
             if sole_owner(entry.ref):
-                discard_pages(data.data_ptr(), entry.nbytes)
+                self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
             else:
                 self._lingering[entry.seq] = (entry.ref, data)
         self.release(entry)
@@ -467,7 +470,7 @@ class StorageStore:
         """Free the lingering written storages that the program has stopped using, pages first."""
         for seq, (ref, data) in list(self._lingering.items()):
             if sole_owner(ref):
-                discard_pages(data.data_ptr(), data.numel())
+                self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
                 del self._lingering[seq]
 
     def release(self, entry: StorageEntry) -> None:

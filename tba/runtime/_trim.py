@@ -65,6 +65,26 @@ def discard_pages(address: int, nbytes: int) -> int:
     return end - start
 
 
+def owns_its_memory(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage``'s memory is torch's own: freed by torch's allocator when the storage dies, seen by nobody else.
+
+    Note: [Whose pages tba may discard]
+    ``madvise(MADV_DONTNEED)`` makes private pages read as zeros. Torch's reference count only sees
+    torch's owners, so the proof that nobody else reads the memory must come from how it was made:
+    a storage with an allocator (``resizable()``) got its memory from torch's CPU allocator and
+    gives it back through it; memory wrapped from outside (``torch.from_numpy``, DLPack,
+    ``frombuffer``, ``from_file``, a C++ ``from_blob``) has a foreign deleter and is never resizable.
+    Shared memory (``share_memory_()``, file mappings) is seen by other processes, and pinned memory
+    is cached by its allocator: neither is touched either. Anything else is only dropped, never discarded.
+    """
+    if storage.device.type != "cpu" or not storage.resizable():
+        return False
+    try:
+        return not storage.is_shared() and not storage.is_pinned()
+    except RuntimeError:
+        return False
+
+
 def _sole_use_count() -> int:
     """``torch._C._storage_Use_Count`` of a storage held by one tensor only, read through a StorageWeakRef.
 

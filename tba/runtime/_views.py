@@ -79,6 +79,9 @@ class StorageEntry:
     """Device event a consumer waits on before using ``data`` read back (None for host memory)."""
     checksum: int | None = None
     """CRC-32C of the bytes written (``verify=True``, host storages); None when not checked."""
+    own_memory: bool = False
+    """The storage's memory came from torch's own allocator and is not shared (Note [Whose pages tba may
+    discard] in ``tba/runtime/_trim.py``): only then may its pages go back to the kernel early."""
 
     @property
     def extent_bytes(self) -> int:
@@ -99,7 +102,7 @@ class SavedView:
     (Note [Asynchronous exceptions] in ``tba/_control.py``).
     """
 
-    __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version", "__weakref__")
+    __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "tensor_ref", "base_ref", "version", "__weakref__")
 
     def __init__(self, entry: StorageEntry, tensor: torch.Tensor) -> None:
         self.entry = entry
@@ -108,6 +111,7 @@ class SavedView:
         self.stride = tuple(tensor.stride())
         self.storage_offset = tensor.storage_offset()
         self.tensor_ref = weakref.ref(tensor)
+        self.base_ref = weakref.ref(tensor._base) if tensor._is_view() else None
         self.version = tensor._version
 
     def check_version(self) -> None:
@@ -116,9 +120,14 @@ class SavedView:
         Note: [In-place after saving]
         Without hooks autograd compares the saved tensor's version counter at unpack with the one it
         recorded at save. A tensor returned by pack is not checked by autograd, so tba records the
-        version itself. Once the tensor is gone nothing can change it any more, and the check passes.
+        version itself. A view shares its version counter with its base, and every view holds its base
+        alive, so for a saved view the base is watched too: an in-place change through the base or any
+        other view shows there even after the saved view itself is gone. Once neither is alive nothing
+        can change the bytes any more, and the check passes.
         """
         tensor = self.tensor_ref()
+        if tensor is None and self.base_ref is not None:
+            tensor = self.base_ref()
         if tensor is not None and tensor._version != self.version:
             grad_fn = f", which is output {tensor.output_nr} of {tensor.grad_fn.name()}" if tensor.grad_fn is not None else ""
             raise RuntimeError(
