@@ -139,8 +139,8 @@ class PolicyRunner:
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
         if self.plan is not None:
-            recomputed = [self.layers[i] for i in self.plan.layers(Placement.RECOMPUTE)]
-            self._recompute = RecomputeLayers(recomputed) if recomputed else None
+            indices = self.plan.layers(Placement.RECOMPUTE)
+            self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices) if indices else None
             return StepPlacement(frozenset(self.plan.layers(Placement.KEEP)), self.plan.window_bytes)
         if self.profiling:
             self._timer.reset()

@@ -1,0 +1,76 @@
+"""Recomputing a layer leaves the model as not recomputing it would (issue 21, item 2).
+
+Under a plan that recomputes layers, each recomputed layer runs its forward a second time during
+backward. Buffers a forward updates (BatchNorm's running statistics and ``num_batches_tracked``) and
+plain attributes it changes must end as after one forward; gradients and losses stay exact.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba import TbaConfigError
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.relu(self.norm(self.linear(x))) + x
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(256) for _ in range(4)])
+
+
+def _steps(model: nn.Sequential, make_context, steps: int = 3) -> list[torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(step))
+        with make_context():
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("decisions", [("offload", "recompute", "recompute", "offload"), ("recompute",) * 4])
+def test_recomputed_batchnorm_matches_training_without_tba(spill_dir, decisions):
+    reference, model = _model(), _model()
+    want = _steps(reference, lambda: torch.enable_grad())
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(decisions, window_bytes=1 << 20),
+                              min_offload_bytes=0)
+    got = _steps(model, lambda: offloader)
+    offloader.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), f"{name} differs: {a.flatten()[:4]} vs {b.flatten()[:4]}"
+    for got_block, want_block in zip(model, reference):
+        assert got_block.calls == want_block.calls, "a plain attribute changed by forward was changed again"
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_recomputed_layer_with_its_own_forward_attribute_is_a_config_error(spill_dir):
+    model = _model()
+    model[1].forward = copy.copy(model[1].forward)
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("offload", "recompute", "keep", "keep"), 0))
+    with pytest.raises(TbaConfigError, match=r"layer 1 \(Block\) has a forward set on the instance"):
+        with offloader:
+            pass
+    model[1].__dict__.pop("forward")
+    with offloader:
+        loss = model(torch.randn(8, 256)).sum()
+    loss.backward()
+    offloader.close()
