@@ -1,0 +1,234 @@
+"""Differential fuzzing: random small models and steps, run with and without tba, compared bit for bit.
+
+Each case is drawn from one integer seed (:func:`draw_case`): a stack of 2-5 blocks built from a
+menu (linear, layer norm, batch norm with running statistics, dropout, dropout on a generator of
+its own, views and transposes, in-place activations, a weight shared between two blocks, frozen
+weights), a dtype, an input that lives in torch memory, numpy memory or a bytearray, a placement
+(the bare context, or a pinned plan that keeps, offloads or recomputes each block), a backend, a
+minimum offload size, and an event (a normal step, an exception raised inside the block, or a
+dropped loss). :func:`run_case` runs the same steps twice from the same seed, once without tba
+and once with it, and compares losses, gradients, buffers, SGD-with-momentum state and the input
+tensors with ``torch.equal``; it also checks that no descriptor, thread or file is left once tba
+has shut its runtimes down. :func:`reproducer` prints the case as Python.
+
+Note: [Custom generators under recompute]
+A dropout drawn from a ``torch.Generator`` of the model's own advances that generator again when
+the block is recomputed, which checkpoint's RNG preservation (global generators only) cannot see.
+Cases with a custom generator therefore never recompute the block that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import tempfile
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen")
+EVENTS = ("step", "step", "step", "raise", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One randomised scenario; every field is drawn from ``seed``."""
+
+    seed: int
+    blocks: tuple[tuple[str, ...], ...]
+    width: int
+    batch: int
+    dtype: torch.dtype
+    source: str
+    placement: tuple[str, ...] | None
+    backend: str
+    min_offload_bytes: int
+    shared_weight: bool
+    events: tuple[str, ...]
+
+
+def draw_case(seed: int) -> Case:
+    """The case of ``seed``."""
+    rng = random.Random(seed)
+    count = rng.randint(2, 5)
+    blocks = tuple(tuple(rng.sample(BLOCKS, rng.randint(1, 3))) for _ in range(count))
+    placement = None if rng.random() < 0.4 else tuple(
+        rng.choice(("keep", "offload", "recompute")) if "generator_dropout" not in block else rng.choice(("keep", "offload"))
+        for block in blocks)
+    return Case(seed=seed, blocks=blocks, width=rng.choice((16, 64, 96)), batch=rng.choice((8, 32, 64, 512)),
+                dtype=rng.choice(DTYPES), source=rng.choice(("torch", "numpy", "bytearray")), placement=placement,
+                backend=rng.choice(("auto", "threads")), min_offload_bytes=rng.choice((0, 4096, 65536)),
+                shared_weight=rng.random() < 0.3, events=tuple(rng.choice(EVENTS) for _ in range(rng.randint(1, 3))))
+
+
+class Block(nn.Module):
+    """One fuzzed block: its parts applied in order, then a residual connection."""
+
+    def __init__(self, parts: tuple[str, ...], width: int, seed: int) -> None:
+        super().__init__()
+        self.parts = parts
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width) if "layernorm" in parts else None
+        self.batchnorm = nn.BatchNorm1d(width) if "batchnorm" in parts else None
+        self.generator = torch.Generator().manual_seed(seed) if "generator_dropout" in parts else None
+        if "frozen" in parts:
+            self.linear.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        for part in self.parts:
+            if part == "layernorm":
+                h = self.norm(h)
+            elif part == "batchnorm":
+                h = self.batchnorm(h)
+            elif part == "dropout":
+                h = nn.functional.dropout(h, 0.2, self.training)
+            elif part == "generator_dropout":
+                keep = torch.rand(h.shape, generator=self.generator) > 0.2
+                h = h * keep.to(h.dtype) / 0.8
+            elif part == "view":
+                h = h.t().contiguous().t()[:, : h.shape[1]].reshape(h.shape)
+            elif part == "inplace":
+                h = (h * 2).relu_()
+        return torch.sin(h) + x
+
+
+def build(case: Case) -> nn.Sequential:
+    """The case's model, from its seed (identical on every call)."""
+    torch.manual_seed(case.seed)
+    model = nn.Sequential(*[Block(parts, case.width, case.seed + i) for i, parts in enumerate(case.blocks)])
+    if case.shared_weight and len(model) > 1:
+        model[-1].linear.weight = model[0].linear.weight
+    return model.to(case.dtype)
+
+
+def _input(case: Case, step: int) -> tuple[torch.Tensor, Any]:
+    """The step's input and the object that owns its memory (numpy array, bytearray or the tensor)."""
+    values = np.random.default_rng(case.seed * 131 + step).standard_normal((case.batch, case.width)).astype(np.float32)
+    if case.source == "numpy":
+        padded = np.empty(values.size + 16, dtype=np.float32)
+        start = next(i for i in range(16) if padded[i:].ctypes.data % 64 == 0)
+        owner = padded[start:start + values.size].reshape(values.shape)
+        owner[...] = values
+        tensor = torch.from_numpy(owner)
+        return (tensor.to(case.dtype) if case.dtype != torch.float32 else tensor), owner
+    if case.source == "bytearray":
+        owner = bytearray(values.tobytes())
+        tensor = torch.frombuffer(owner, dtype=torch.float32).view(case.batch, case.width)
+        return (tensor.to(case.dtype) if case.dtype != torch.float32 else tensor), owner
+    tensor = torch.from_numpy(values.copy()).to(case.dtype)
+    return tensor, tensor
+
+
+class _Raised(Exception):
+    """Raised inside the offload block on purpose."""
+
+
+def _train(case: Case, directory: str | None) -> dict[str, Any]:
+    import tba
+
+    model = build(case)
+    trainable = [p for p in model.parameters() if p.requires_grad] or [nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(trainable, lr=0.01, momentum=0.9)
+    plan = tba.Plan(case.placement, window_bytes=1 << 20) if case.placement is not None else None
+    def new_offloader() -> Any:
+        return (tba.Offloader(directory, layers=list(model), policy=plan, backend=case.backend,
+                              min_offload_bytes=case.min_offload_bytes)
+                if directory is not None and plan is not None else None)
+
+    offloader = new_offloader()
+    losses, inputs = [], []
+    torch.manual_seed(case.seed + 7)
+    for step, event in enumerate(case.events):
+        x, owner = _input(case, step)
+        before = _owner_values(owner)
+        if not any(p.requires_grad for p in model.parameters()):
+            x = x.detach().requires_grad_(True)
+        if directory is None:
+            context = torch.enable_grad()
+        elif offloader is not None:
+            context = offloader
+        else:
+            context = tba.offload_activations(directory, backend=case.backend, min_offload_bytes=case.min_offload_bytes)
+        try:
+            with context:
+                loss = model(x).float().pow(2).mean()
+                del x  # as in a training loop: only autograd (and tba) hold the input now
+                if event == "raise":
+                    raise _Raised
+        except _Raised:
+            if offloader is not None:
+                offloader = new_offloader()
+            continue
+        if event == "drop":
+            del loss
+            continue
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        inputs.append((before, owner))
+    if offloader is not None:
+        offloader.close()
+    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            "momentum": [optimizer.state[p].get("momentum_buffer") for p in optimizer.param_groups[0]["params"]],
+            "inputs_unchanged": all(torch.equal(before, _owner_values(owner)) for before, owner in inputs)}
+
+
+def _owner_values(owner: Any) -> torch.Tensor:
+    """A copy of the bytes the owner of an input holds (its numpy array, bytearray or tensor)."""
+    if isinstance(owner, torch.Tensor):
+        return owner.detach().clone()
+    return torch.frombuffer(bytearray(memoryview(owner).cast("B")), dtype=torch.uint8)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def run_case(case: Case) -> list[str]:
+    """Differences between the case with and without tba, and anything tba left behind; empty when clean."""
+    import tba
+
+    problems = []
+    want = _train(case, None)
+    fds, threads = _open_fds(), threading.active_count()
+    with tempfile.TemporaryDirectory(prefix="tba-fuzz-") as directory:
+        got = _train(case, directory)
+        tba.shutdown()
+        left = os.listdir(directory)
+    for key in ("losses", "grads", "state", "momentum"):
+        if not _equal(got[key], want[key]):
+            problems.append(f"{key} differ")
+    if not got["inputs_unchanged"]:
+        problems.append("the user's input tensors changed")
+    if left:
+        problems.append(f"files left in the directory: {left}")
+    if _open_fds() > fds:
+        problems.append(f"{_open_fds() - fds} descriptors left")
+    if threading.active_count() > threads + 1:
+        problems.append(f"{threading.active_count() - threads} threads left")
+    return problems
+
+
+def reproducer(case: Case) -> str:
+    """Python that replays ``case`` (with tba installed and this module importable)."""
+    return (f"from tba.bench.fuzz import draw_case, run_case\n"
+            f"case = draw_case({case.seed})  # {case}\n"
+            f"print(run_case(case))\n")

@@ -1,0 +1,50 @@
+"""A bounded run of the differential fuzzer (``tools/fuzz.py`` runs it long): no case may differ or leak."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tba.bench.fuzz import draw_case, reproducer, run_case
+
+BUDGET_S = 40.0
+"""Wall-clock budget of the run in ``make test``; cases beyond it are left to the long runs."""
+
+
+def test_fuzz_cases_are_exact_and_leak_nothing():
+    start, done, findings = time.monotonic(), 0, []
+    for seed in range(10_000):
+        if time.monotonic() - start > BUDGET_S:
+            break
+        case = draw_case(seed)
+        problems = run_case(case)
+        done += 1
+        if problems:
+            findings.append(f"case {seed}: {'; '.join(problems)}\n{reproducer(case)}")
+    assert done >= 50, f"only {done} cases ran within {BUDGET_S} s"
+    assert not findings, "\n".join(findings)
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_cases_are_reproducible_from_their_seed(seed):
+    assert draw_case(seed) == draw_case(seed)
+
+
+def test_the_fuzzer_sees_a_changed_gradient(monkeypatch):
+    """The comparison is live: a tba that corrupts one unpacked tensor is caught."""
+    import tba
+
+    original = tba.Offloader.unpack
+    corrupted = []
+
+    def unpack(self, packed):
+        tensor = original(self, packed)
+        if not corrupted and tensor.is_floating_point() and tensor.numel() > 1:
+            corrupted.append(True)
+            return tensor + 1
+        return tensor
+
+    monkeypatch.setattr(tba.Offloader, "unpack", unpack)
+    seed = next(s for s in range(200) if draw_case(s).events.count("step") and draw_case(s).min_offload_bytes == 0)
+    assert run_case(draw_case(seed))
