@@ -12,6 +12,7 @@ from tba.checkpoint._io import TbaCheckpointError
 from tba.checkpoint._layout import DEFAULT_CHUNK_BYTES
 from tba.checkpoint._lazy import LazyCheckpoint, LazyCheckpointer, save_lazy
 from tba.checkpoint._reader import TbaStorageReader
+from tba.checkpoint._state import load, state_dict
 from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, ImagePool, TbaStorageWriter
 
 __all__ = [
@@ -23,5 +24,7 @@ __all__ = [
     "TbaCheckpointError",
     "TbaStorageReader",
     "TbaStorageWriter",
+    "load",
     "save_lazy",
+    "state_dict",
 ]

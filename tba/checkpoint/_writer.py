@@ -169,7 +169,6 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         self.on_snapshot = on_snapshot
         self._backend = backend
         self._queue_depth = queue_depth
-        self._engine: Engine | None = None
         self._pool = image_pool or ImagePool()
         self.save_id = uuid.uuid4().hex
         self.rank = 0
@@ -253,18 +252,24 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             entries = self._entries(plan, planner)
             file_bytes = _layout.place(entries)
             image = self._pool.get(align_up(file_bytes))
-            if self._engine is None:
-                self._engine = make_engine(self._backend, queue_depth=self._queue_depth)
             os.makedirs(file_plan.staging, exist_ok=True)
             start = time.perf_counter()
+            # Note: [One engine per save]
+            # DCP builds a writer per save and never closes it (dcp.save(sd, storage_writer=W(p))),
+            # so an engine kept by the writer leaked a ring descriptor and a thread per save. The
+            # engine lives exactly as long as one save's writes; an Engine passed in is the caller's.
+            engine = self._backend if isinstance(self._backend, Engine) else make_engine(
+                self._backend, queue_depth=self._queue_depth)
             fd, _ = open_data_file(path, align_up(file_bytes))
             try:
-                _layout.write_image(self._engine, fd, image, entries, file_bytes,
+                _layout.write_image(engine, fd, image, entries, file_bytes,
                                     chunk_bytes=self.chunk_bytes, on_snapshot=snapshot_done)
                 os.ftruncate(fd, file_bytes)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+                if engine is not self._backend:
+                    engine.close()
             self.last_write_s = time.perf_counter() - start
             self.last_write_bytes = file_bytes
         except BaseException as err:
@@ -307,9 +312,6 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         logger.debug("tba: checkpoint %s published", self.path)
 
     def close(self) -> None:
-        """Release the engine (waits for nothing: every save has completed its writes)."""
-        if self._engine is not None and self._engine is not self._backend:
-            self._engine.close()
-        self._engine = None
+        """Release the staging copy kept for ``async_save`` (engines are closed by each save itself)."""
         BlockingAsyncStager.close(self)
 

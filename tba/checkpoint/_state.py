@@ -1,0 +1,93 @@
+"""Model and optimizer state in a form that saves and loads back exactly: :func:`state_dict`, :func:`load`.
+
+Note: [Why a fresh optimizer loaded nothing]
+DCP loads *into* the state dict it is given and ignores what the checkpoint holds beyond it. A
+fresh optimizer's ``state_dict()`` has no per-parameter state yet (Adam creates ``exp_avg`` on its
+first step), so ``dcp.load({"optim": fresh_optimizer}, ...)`` restored 0 of its entries, silently.
+``torch.distributed.checkpoint.state_dict.get_state_dict`` initialises the optimizer's state and
+keys it by parameter name; :func:`state_dict` saves in that form, and :func:`load` builds the same
+form for the model and optimizer it is given, checks the checkpoint's keys against it both ways
+(a missing or an unexpected key is a :class:`TbaCheckpointError`), loads, and applies the result
+with ``set_state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from tba.checkpoint._io import TbaCheckpointError
+from tba.checkpoint._reader import TbaStorageReader
+
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optim"
+
+
+def state_dict(model: nn.Module, optimizer: Optimizer | None = None, **extra: Any) -> dict[str, Any]:
+    """What to save for ``model`` (and ``optimizer``): ``{"model": ..., "optim": ..., **extra}``.
+
+    The optimizer's state is keyed by parameter name (Note [Why a fresh optimizer loaded nothing]),
+    so :func:`load` restores it into a fresh optimizer. Pass it to ``LazyCheckpointer.save``,
+    ``save_lazy`` or ``dcp.save``.
+    """
+    model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {MODEL_KEY: model_state, **extra}
+    if optimizer is not None:
+        state[OPTIMIZER_KEY] = optimizer_state
+    return state
+
+
+class _StrictPlanner(DefaultLoadPlanner):
+    """DCP's load planner that also refuses keys the checkpoint has and the target lacks."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_partial_load=False)
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        unexpected = sorted(set(metadata.state_dict_metadata) - set(self.state_dict))
+        if unexpected:
+            shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+            raise TbaCheckpointError(
+                f"the checkpoint holds keys this model and optimizer do not: {shown}; load it into the model it "
+                "was saved from, or save with tba.checkpoint.state_dict(model, optimizer)")
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None = None, *,
+         backend: str = "auto", **extra: Any) -> None:
+    """Restore ``model`` (and ``optimizer``) exactly from a checkpoint saved with :func:`state_dict`.
+
+    Args:
+        path: The checkpoint directory.
+        model / optimizer: Where the state goes; a fresh optimizer works (its state is created first).
+        backend: Engine backend for the reads.
+        **extra: Further entries saved beside them, each loaded in place (tensors, or dicts of tensors).
+
+    Raises:
+        TbaCheckpointError: the checkpoint lacks a key the model or optimizer has, or has one they lack
+            (a checkpoint of another model, or one saved without :func:`state_dict`).
+    """
+    state = state_dict(model, optimizer, **extra)
+    try:
+        dcp.load(state, storage_reader=TbaStorageReader(path, backend=backend), planner=_StrictPlanner(), no_dist=True)
+    except TbaCheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps errors in its own BaseException
+        text = str(err)
+        ours = next((line for line in text.splitlines() if "TbaCheckpointError: " in line), None)
+        if ours is not None:
+            raise TbaCheckpointError(ours.split("TbaCheckpointError: ", 1)[1]) from None
+        if "Missing key" in text or "missing" in text.lower():
+            raise TbaCheckpointError(f"the checkpoint at {os.fspath(path)} lacks keys of this model or optimizer "
+                                     f"({text.strip().splitlines()[-1][:300]}); save with "
+                                     "tba.checkpoint.state_dict(model, optimizer)") from None
+        raise
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[MODEL_KEY],
+                   optim_state_dict=state.get(OPTIMIZER_KEY, {}))

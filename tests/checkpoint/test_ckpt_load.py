@@ -1,0 +1,77 @@
+"""``tba.checkpoint.load`` restores model and optimizer exactly, fresh optimizer included; keys are checked
+(issue 21, item 4); ``dcp.save`` with a ``TbaStorageWriter`` per save leaks nothing (item 5)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckpt_helpers import make_model, train_step
+from torch import nn
+
+from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, TbaStorageWriter, load, state_dict
+
+
+def _optimizer_state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa["param_groups"] != sb["param_groups"] or sa["state"].keys() != sb["state"].keys():
+        return False
+    return all(torch.equal(torch.as_tensor(sa["state"][k][n]), torch.as_tensor(sb["state"][k][n]))
+               for k in sa["state"] for n in sa["state"][k])
+
+
+def test_the_obvious_dcp_load_into_a_fresh_optimizer_restores_nothing(tmp_path):
+    """What the README used to show: the model comes back, the optimizer silently does not."""
+    model, optimizer = make_model()
+    dcp.save({"model": model, "optim": optimizer}, storage_writer=TbaStorageWriter(tmp_path / "c"))
+    model2, _ = make_model(seed=1)
+    fresh = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    dcp.load({"model": model2, "optim": fresh}, storage_reader=TbaStorageReader(tmp_path / "c"))
+    assert len(fresh.state_dict()["state"]) == 0 < len(optimizer.state_dict()["state"])
+
+
+def test_load_restores_model_and_a_fresh_optimizer_exactly(tmp_path):
+    model, optimizer = make_model()
+    checkpointer = LazyCheckpointer()
+    checkpointer.save(state_dict(model, optimizer), tmp_path / "c").wait()
+    checkpointer.close()
+    model2, _ = make_model(seed=1)
+    fresh = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    load(tmp_path / "c", model2, fresh)
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    assert _optimizer_state_equal(optimizer, fresh)
+    train_step(model, optimizer, 5)
+    train_step(model2, fresh, 5)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b), "training resumed from the checkpoint diverges"
+
+
+def test_missing_and_unexpected_keys_raise(tmp_path):
+    model, optimizer = make_model()
+    dcp.save(state_dict(model), storage_writer=TbaStorageWriter(tmp_path / "c"), no_dist=True)
+    bigger = nn.Sequential(*make_model(seed=1)[0], nn.Linear(48, 48))
+    with pytest.raises(TbaCheckpointError, match="lacks keys"):
+        load(tmp_path / "c", bigger)
+    smaller = nn.Sequential(*list(make_model(seed=1)[0])[:3])
+    with pytest.raises(TbaCheckpointError, match="holds keys this model and optimizer do not"):
+        load(tmp_path / "c", smaller)
+    other = make_model(seed=1)[0]
+    with pytest.raises(TbaCheckpointError, match="lacks keys"):
+        load(tmp_path / "c", other, torch.optim.Adam(other.parameters()))
+
+
+def test_a_writer_per_save_leaks_no_descriptor_or_thread(tmp_path):
+    model, optimizer = make_model()
+    dcp.save(state_dict(model, optimizer), storage_writer=TbaStorageWriter(tmp_path / "warm"), no_dist=True)
+    gc.collect()
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    for i in range(20):
+        dcp.save(state_dict(model, optimizer), storage_writer=TbaStorageWriter(tmp_path / f"c{i % 2}"), no_dist=True)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert threading.active_count() <= threads
