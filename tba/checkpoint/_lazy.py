@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,10 @@ class LazyCheckpoint:
                 logger.exception("tba: on_done callback of checkpoint %s failed", self.path)
 
 
+_CHECKPOINTERS: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
+"""Every live checkpointer, reset in a forked child (Note [Lazy checkpoints and fork])."""
+
+
 class LazyCheckpointer:
     """Takes lazy checkpoints one after the other, reusing one engine and one host buffer.
 
@@ -141,10 +146,25 @@ class LazyCheckpointer:
                  reserve_bytes: int = 0) -> None:
         if reserve_bytes < 0:
             raise TbaConfigError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+        self._settings = (backend, queue_depth)
         self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth,
                                         image_pool=ImagePool(reserve_bytes))
         self._latest: LazyCheckpoint | None = None
         self._lock = threading.Lock()
+        _CHECKPOINTERS.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's save thread does not exist here; forget its checkpoint.
+
+        Note: [Lazy checkpoints and fork]
+        A child that waited for the parent's in-flight checkpoint waited for ever (its thread stays
+        in the parent), and its host buffer may be half-copied. The child starts afresh: a new lock,
+        writer and buffer; the parent's checkpoint is the parent's to finish.
+        """
+        self._lock = threading.Lock()
+        backend, queue_depth = self._settings
+        self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=ImagePool())
+        self._latest = None
 
     @property
     def latest(self) -> LazyCheckpoint | None:
@@ -178,7 +198,12 @@ class LazyCheckpointer:
             self._writer.prepare_local_plan(None)
             self._writer.on_snapshot = handle._mark_snapshot
             self._latest = handle
-        thread = threading.Thread(target=self._run, args=(frozen, handle), name="tba-ckpt", daemon=True)
+        # Note: [A checkpoint started is finished at exit]
+        # The save thread is not a daemon: the interpreter joins it before it exits, so a script
+        # whose last act is save_lazy publishes its checkpoint. A daemon thread was ended in the
+        # middle of torch's C++ code during finalization ("terminate called without an active
+        # exception", abort) and left a partial directory.
+        thread = threading.Thread(target=self._run, args=(frozen, handle), name="tba-ckpt", daemon=False)
         thread.start()
         return handle
 
@@ -222,6 +247,16 @@ class LazyCheckpointer:
 
 _default: LazyCheckpointer | None = None
 _default_lock = threading.Lock()
+
+
+def _reset_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    for checkpointer in list(_CHECKPOINTERS):
+        checkpointer._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def save_lazy(state_dict: dict[str, Any], path: str | os.PathLike, *,

@@ -1,0 +1,57 @@
+"""A lazy checkpoint started just before exit is published (issue 21, item 6), and a forked child can
+take its own lazy checkpoints while the parent's is in flight (item 7)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+LAST_ACT = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    import tba.checkpoint as ck
+    model = nn.Linear(1024, 1024)
+    ck.save_lazy(ck.state_dict(model), sys.argv[1])
+""")
+
+FORK = textwrap.dedent("""
+    import os, sys, torch
+    from torch import nn
+    import tba.checkpoint as ck
+    model = nn.Linear(2048, 2048)
+    ck.save_lazy(ck.state_dict(model), sys.argv[1] + "/parent")
+    pid = os.fork()
+    if pid == 0:
+        ck.save_lazy(ck.state_dict(model), sys.argv[1] + "/child").wait()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    ck.save_lazy(ck.state_dict(model), sys.argv[1] + "/parent2").wait()
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
+
+def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_save_lazy_as_the_last_act_publishes_and_exits_cleanly(tmp_path):
+    for run in range(3):
+        target = tmp_path / f"c{run}"
+        result = _run(LAST_ACT, str(target))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "terminate called" not in result.stderr
+        assert (target / ".metadata").exists(), f"run {run} published nothing"
+    assert not [p for p in os.listdir(tmp_path) if "tba-partial" in p]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_save_lazy_in_a_forked_child_does_not_wait_for_the_parent(tmp_path):
+    result = _run(FORK, str(tmp_path), timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("parent", "child", "parent2"):
+        assert (tmp_path / name / ".metadata").exists(), name
