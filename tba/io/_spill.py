@@ -201,6 +201,22 @@ class SpillFile:
             if self.fd >= 0:
                 self._allocator.free(offset)
 
+    def release_space(self) -> bool:
+        """Give the file's disk space back when no extent is in use (an idle file); True if it did.
+
+        Note: [Idle spill files hold no disk space]
+        A spill file kept open between contexts kept the blocks its writes and ``fallocate`` took, so
+        a checkpoint to the same disk could fail with ENOSPC until the file was closed. Truncating it
+        to zero returns them; the next context reserves space again as it writes.
+        """
+        with self._lock:
+            if self.fd < 0 or self._allocator.used_bytes:
+                return False
+            os.ftruncate(self.fd, 0)
+            self._allocator = ExtentAllocator(ALIGN_BYTES)
+            self.size_bytes = self.reserved_bytes = 0
+            return True
+
     def forget_after_fork(self) -> None:
         """In a forked child: close this process's copy of the descriptor; the parent's stays open."""
         self._lock = threading.Lock()

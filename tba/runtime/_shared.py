@@ -104,6 +104,7 @@ def checkin(runtime: Runtime) -> None:
         if len(idle) >= defaults.RUNTIME_IDLE_PER_KEY or runtime.spill.closed or runtime.generation != _generation:
             extra = runtime
         else:
+            runtime.spill.release_space()
             runtime.idle_since_s = time.monotonic()
             idle.append(runtime)
             if _reaper is None:

@@ -175,6 +175,7 @@ def step(x):
 
 x = torch.randn(64, 1024)
 want = step(x)
+assert _shared.idle_runtimes() == 1  # settles the control thread, which gives the runtime back
 parent_spill = _shared._idle[next(iter(_shared._idle))][0].spill
 pid = os.fork()
 if pid == 0:
@@ -216,3 +217,17 @@ def test_closing_a_finished_context_again_leaves_the_shared_file_open(spill_dir)
     first.close()
     grad, second = step(x, spill_dir, "threads")
     assert second.spill is first.spill and not second.spill.closed
+
+
+def test_an_idle_runtime_holds_no_disk_space(spill_dir):
+    """Issue 21, item 9: between steps the idle spill file kept its blocks (ENOSPC for a checkpoint beside it)."""
+    x = torch.randn(1024, 1024, requires_grad=True)
+    step(x, spill_dir, "threads")
+    assert _shared.idle_runtimes() == 1
+    runtime = next(r for idle in _shared._idle.values() for r in idle)
+    assert os.fstat(runtime.spill.fd).st_blocks == 0, "the idle spill file still holds disk blocks"
+    grad, _ = step(x, spill_dir, "threads")
+    want = x.detach().clone().requires_grad_(True)
+    (want * 2).sin().exp().sum().backward()
+    assert torch.equal(grad, want.grad), "the next context after the space was given back is exact"
+    tba.shutdown()
