@@ -268,7 +268,12 @@ class StorageStore:
         with self.lock:
             if self._lingering:
                 self._sweep_written()
-            data, done = entry.data, entry.read_done
+            # Note: [An unpack holds its own reference]
+            # The caller rebuilds its view outside the lock. Handing it ``entry.data`` itself left the
+            # storage with one tensor: a write completing meanwhile found tba the only owner and
+            # discarded the pages, and backward read zeros. An alias made under the lock counts as a
+            # second owner until the caller is done with it.
+            data, done = (entry.data.detach() if entry.data is not None else None), entry.read_done
             if data is None and done is None:
                 done = self._start_read(entry)
         self.prefetch(entry)
