@@ -18,6 +18,10 @@ class TbaConfigError(TbaError, ValueError):
     """Bad arguments or an unusable environment, raised before any forward work."""
 
 
+class EngineClosedError(TbaError):
+    """Work was submitted to an I/O engine after it was closed (an offloader closed while still in use)."""
+
+
 class TbaReadError(TbaError):
     """A saved tensor could not be read back from its file."""
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from tba.defaults import MAX_QUEUE_DEPTH, QUEUE_DEPTH
-from tba.errors import ShortTransferError
+from tba.errors import EngineClosedError, ShortTransferError
 from tba.io._engine import Engine, Op, Request
 
 logger = logging.getLogger("tba")
@@ -119,7 +119,7 @@ class IoUringEngine(Engine):
         entries = []
         with self._lock:
             if self._closing:
-                raise RuntimeError("engine is closed")
+                raise EngineClosedError("engine is closed")
             if self._failure is not None:
                 raise RuntimeError(f"io_uring engine failed: {self._failure}")
             for request in requests:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
+import sys as _sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import thread as _futures_thread
 
 from tba.defaults import QUEUE_DEPTH
-from tba.errors import ShortTransferError
+from tba.errors import EngineClosedError, ShortTransferError
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import memory_view
 
@@ -67,6 +69,21 @@ def _transfer(box: list[Request]) -> int:
     return _TRANSFER[request.op](request.fd, request.address, request.nbytes, request.offset)
 
 
+def _interpreter_shutting_down() -> bool:
+    """True once ``threading._shutdown`` has begun (``atexit`` handlers run after it): pools take no new work."""
+    return bool(getattr(_futures_thread, "_shutdown", False))
+
+
+def _run_inline(request: Request) -> Future:
+    """Carry out ``request`` on the calling thread (Note [Transfers during interpreter exit])."""
+    future: Future = Future()
+    try:
+        future.set_result(_transfer([request]))
+    except BaseException as err:  # noqa: BLE001 - reported through the future, as a pool would
+        future.set_exception(err)
+    return future
+
+
 class ThreadEngine(Engine):
     """Thread-pool engine.
 
@@ -75,6 +92,11 @@ class ThreadEngine(Engine):
     """
 
     name = "threads"
+
+    # Note: [Transfers during interpreter exit]
+    # ``concurrent.futures`` refuses new work once the interpreter has begun to exit, and atexit
+    # handlers run after that point: a training step run from one raised "cannot schedule new
+    # futures after interpreter shutdown". Then each request runs on the calling thread instead.
 
     def __init__(self, workers: int = QUEUE_DEPTH) -> None:
         if workers < 1:
@@ -87,8 +109,10 @@ class ThreadEngine(Engine):
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
         with self._lock:
             if self._closed:
-                raise RuntimeError("engine is closed")
-            return [self._pool.submit(_transfer, [request]) for request in requests]
+                raise EngineClosedError("engine is closed")
+            if not _sys.is_finalizing() and not _interpreter_shutting_down():
+                return [self._pool.submit(_transfer, [request]) for request in requests]
+        return [_run_inline(request) for request in requests]
 
     def close(self) -> None:
         with self._lock:

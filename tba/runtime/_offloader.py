@@ -43,7 +43,7 @@ from tba import _control
 from tba._trace import nvtx_range
 from tba.config import OffloadConfig, options_doc, signature_with_options
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
-from tba.errors import TbaConfigError, TbaError
+from tba.errors import EngineClosedError, TbaConfigError, TbaError
 from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
 from tba.runtime import _at_fork, _shared
 from tba.runtime._compile import warn_whole_model_compile
@@ -458,9 +458,13 @@ class Offloader:
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
         packed.check_version()
-        data, event, reading = _control.call(self._store.start_load, entry)
-        if reading is not None:
-            data, event = self._store.wait_read(entry, reading)
+        try:
+            data, event, reading = _control.call(self._store.start_load, entry)
+            if reading is not None:
+                data, event = self._store.wait_read(entry, reading)
+        except EngineClosedError:
+            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
+                           "call close() only after the last backward") from None
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
         _control.post(self._store.note_unpacked, entry, id(packed))
