@@ -76,6 +76,10 @@ RUNTIME_IDLE_CLOSE_S = 30.0
 """A spill file, engine and read pool shared by one-shot contexts (``tba/runtime/_shared.py``) is
 closed after this many seconds unused."""
 
+RUNTIME_IDLE_MAX = 4
+"""Idle shared runtimes kept in the whole process (each holds a descriptor or two and engine threads): a
+fresh directory per step must not pile up one per directory until the idle time runs out."""
+
 RUNTIME_IDLE_PER_KEY = 2
 """Idle shared runtimes kept per directory and option set (more appear only with concurrent contexts)."""
 

@@ -26,7 +26,7 @@ from tba.io._checksum import checksum, load_crc32c
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import aligned_empty, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
-from tba.io._spill import SpillFile, probe_direct_io, resolve_directory
+from tba.io._spill import OutOfDescriptorsError, SpillFile, probe_direct_io, resolve_directory
 from tba.io._threads import ThreadEngine
 
 logger = logging.getLogger("tba")
@@ -137,6 +137,7 @@ __all__ = [
     "Engine",
     "EngineFactory",
     "Op",
+    "OutOfDescriptorsError",
     "Request",
     "SpillFile",
     "ThreadEngine",

@@ -22,12 +22,13 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import tempfile
 import threading
 import uuid
 
 from tba.defaults import ALIGN_BYTES, SPILL_RESERVE_MIN_BYTES
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, TbaError
 from tba.io._extents import ExtentAllocator
 from tba.io._memory import aligned_empty, memory_view
 
@@ -94,6 +95,10 @@ def probe_direct_io(directory: str) -> str | None:
     return None
 
 
+class OutOfDescriptorsError(TbaError):
+    """The process has no file descriptor left for a spill file (``EMFILE``/``ENFILE``)."""
+
+
 def check_writable(directory: str) -> None:
     """Raise :class:`TbaConfigError` when the existing ``directory`` cannot be written."""
     if os.path.isdir(directory) and not os.access(directory, os.W_OK | os.X_OK):
@@ -157,6 +162,11 @@ class SpillFile:
         try:
             self.fd = open_anonymous(self.directory, direct=self.direct)
         except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise OutOfDescriptorsError(
+                    f"cannot open a spill file: {err.strerror} (this process may open "
+                    f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors); close files or offloaders you no "
+                    "longer use, call tba.shutdown(), or raise the limit (ulimit -n)") from err
             raise TbaConfigError(
                 f"cannot create a file in the offload directory {self.directory}: {err.strerror}; "
                 "pass directory= (or set TBA_DIR) to a writable directory"

@@ -29,7 +29,7 @@ from typing import Any
 
 from tba import _control, defaults
 from tba.device import Routes
-from tba.io import BufferPool, Engine, SpillFile, resolve_directory
+from tba.io import BufferPool, Engine, OutOfDescriptorsError, SpillFile, resolve_directory
 from tba.runtime._window import WindowController
 
 logger = logging.getLogger("tba")
@@ -84,7 +84,13 @@ def checkout(key: tuple[Any, ...], opener: Any) -> Runtime:
             runtime.uses += 1
             _busy.add(runtime)
             return runtime
-    spill, engine, routes, pool = opener()
+    try:
+        spill, engine, routes, pool = opener()
+    except OutOfDescriptorsError:
+        if not close_idle():
+            raise
+        logger.info("tba: out of file descriptors; closed idle shared runtimes and opened again")
+        spill, engine, routes, pool = opener()
     with _lock:
         runtime = Runtime(key, spill, engine, routes, pool, WindowController(), uses=1, generation=_generation)
         _busy.add(runtime)
@@ -101,9 +107,13 @@ def checkin(runtime: Runtime) -> None:
         _busy.discard(runtime)
         idle = _idle.setdefault(runtime.key, [])
         extra = None
+        oldest = None
         if len(idle) >= defaults.RUNTIME_IDLE_PER_KEY or runtime.spill.closed or runtime.generation != _generation:
             extra = runtime
         else:
+            if sum(len(runtimes) for runtimes in _idle.values()) >= defaults.RUNTIME_IDLE_MAX:
+                oldest = min((r for runtimes in _idle.values() for r in runtimes), key=lambda r: r.idle_since_s)
+                _idle[oldest.key].remove(oldest)
             runtime.spill.release_space()
             runtime.idle_since_s = time.monotonic()
             idle.append(runtime)
@@ -111,6 +121,18 @@ def checkin(runtime: Runtime) -> None:
                 _reaper = _start_reaper(defaults.RUNTIME_IDLE_CLOSE_S)
     if extra is not None:
         extra.close()
+    if oldest is not None:
+        oldest.close()
+
+
+def close_idle() -> int:
+    """Close every idle runtime now (their descriptors and threads); returns how many were closed."""
+    with _lock:
+        idle = [runtime for runtimes in _idle.values() for runtime in runtimes]
+        _idle.clear()
+    for runtime in idle:
+        runtime.close()
+    return len(idle)
 
 
 def _start_reaper(delay_s: float) -> threading.Timer:
