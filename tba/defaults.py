@@ -72,6 +72,10 @@ HEAP_TRIM_EVERY_BYTES = 256 * MIB
 """After this many bytes of offloaded storages are released, glibc's free heap pages are handed
 back to the kernel (``tba/runtime/_trim.py``), so that resident memory follows memory in use."""
 
+LINGER_SWEEP_PER_CALL = 4
+"""Written storages still used by the program that each save and unpack re-checks (``tba/runtime/_store.py``,
+Note [A bounded sweep per tensor]): enough to keep up with one release per tensor, O(1) per tensor."""
+
 RUNTIME_IDLE_CLOSE_S = 30.0
 """A spill file, engine and read pool shared by one-shot contexts (``tba/runtime/_shared.py``) is
 closed after this many seconds unused."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tba import defaults
 from tba._control import wait
 from tba._trace import nvtx_range
 from tba.device import Routes
@@ -104,7 +105,7 @@ class StorageStore:
     def end_forward(self) -> None:
         """Forward is over: size the window for backward, then hold or read what backward needs first."""
         with self.lock:
-            self._sweep_written()
+            self._sweep_written(limit=None)
             self.window.end_forward()
             self._sync_pool_capacity()
         self.prefetch(None)
@@ -471,12 +472,23 @@ class StorageStore:
                 self._lingering[entry.seq] = (entry.ref, data)
         self.release(entry)
 
-    def _sweep_written(self) -> None:
-        """Free the lingering written storages that the program has stopped using, pages first."""
-        for seq, (ref, data) in list(self._lingering.items()):
+    def _sweep_written(self, limit: int | None = defaults.LINGER_SWEEP_PER_CALL) -> None:
+        """Free lingering written storages that the program has stopped using, pages first.
+
+        Note: [A bounded sweep per tensor]
+        Saves and unpacks each look at ``limit`` lingering storages, oldest first, and move those still in
+        use to the back: a program that holds thousands of saved outputs (a list of per-sample results)
+        made every save and unpack scan all of them, quadratic in the tensors per step. ``limit=None``
+        (at the end of forward and of backward) looks at every one.
+        """
+        count = len(self._lingering) if limit is None else min(limit, len(self._lingering))
+        for _ in range(count):
+            seq = next(iter(self._lingering))
+            ref, data = self._lingering.pop(seq)
             if sole_owner(ref):
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
-                del self._lingering[seq]
+            else:
+                self._lingering[seq] = (ref, data)
 
     def release(self, entry: StorageEntry) -> None:
         """Drop tba's reference to ``entry``'s bytes in memory."""
