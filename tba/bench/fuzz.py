@@ -3,7 +3,7 @@
 Each case is drawn from one integer seed (:func:`draw_case`): a stack of 2-5 blocks built from a
 menu (linear, layer norm, batch norm with running statistics, dropout, dropout on a generator of
 its own, views and transposes, in-place activations, a weight shared between two blocks, frozen
-weights), a dtype, an input that lives in torch memory, numpy memory or a bytearray, a placement
+weights), a dtype, an input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a placement
 (the bare context, or a pinned plan that keeps, offloads or recomputes each block), a backend, a
 minimum offload size, and an event (a normal step, an exception raised inside the block, or a
 dropped loss). :func:`run_case` runs the same steps twice from the same seed, once without tba
@@ -12,9 +12,10 @@ tensors with ``torch.equal``; it also checks that no descriptor, thread or file 
 has shut its runtimes down. :func:`reproducer` prints the case as Python.
 
 Note: [Custom generators under recompute]
-A dropout drawn from a ``torch.Generator`` of the model's own advances that generator again when
-the block is recomputed, which checkpoint's RNG preservation (global generators only) cannot see.
-Cases with a custom generator therefore never recompute the block that holds it.
+A dropout drawn from a ``torch.Generator`` of the model's own is not covered by checkpoint's RNG
+preservation (global generators only); recomputing its block is drawn like any other, so the
+fuzzer checks that tba's recompute wrapper replays that generator: losses, gradients and each
+generator's final state are compared.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen")
 EVENTS = ("step", "step", "step", "raise", "drop")
 
@@ -58,10 +59,9 @@ def draw_case(seed: int) -> Case:
     count = rng.randint(2, 5)
     blocks = tuple(tuple(rng.sample(BLOCKS, rng.randint(1, 3))) for _ in range(count))
     placement = None if rng.random() < 0.4 else tuple(
-        rng.choice(("keep", "offload", "recompute")) if "generator_dropout" not in block else rng.choice(("keep", "offload"))
-        for block in blocks)
+        rng.choice(("keep", "offload", "recompute")) for block in blocks)
     return Case(seed=seed, blocks=blocks, width=rng.choice((16, 64, 96)), batch=rng.choice((8, 32, 64, 512)),
-                dtype=rng.choice(DTYPES), source=rng.choice(("torch", "numpy", "bytearray")), placement=placement,
+                dtype=rng.choice(DTYPES), source=rng.choice(("torch", "numpy", "dlpack", "bytearray")), placement=placement,
                 backend=rng.choice(("auto", "threads")), min_offload_bytes=rng.choice((0, 4096, 65536)),
                 shared_weight=rng.random() < 0.3, events=tuple(rng.choice(EVENTS) for _ in range(rng.randint(1, 3))))
 
@@ -110,12 +110,12 @@ def build(case: Case) -> nn.Sequential:
 def _input(case: Case, step: int) -> tuple[torch.Tensor, Any]:
     """The step's input and the object that owns its memory (numpy array, bytearray or the tensor)."""
     values = np.random.default_rng(case.seed * 131 + step).standard_normal((case.batch, case.width)).astype(np.float32)
-    if case.source == "numpy":
+    if case.source in ("numpy", "dlpack"):
         padded = np.empty(values.size + 16, dtype=np.float32)
         start = next(i for i in range(16) if padded[i:].ctypes.data % 64 == 0)
         owner = padded[start:start + values.size].reshape(values.shape)
         owner[...] = values
-        tensor = torch.from_numpy(owner)
+        tensor = torch.from_numpy(owner) if case.source == "numpy" else torch.from_dlpack(owner)
         return (tensor.to(case.dtype) if case.dtype != torch.float32 else tensor), owner
     if case.source == "bytearray":
         owner = bytearray(values.tobytes())
@@ -178,6 +178,7 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()},
             "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
             "momentum": [optimizer.state[p].get("momentum_buffer") for p in optimizer.param_groups[0]["params"]],
+            "generators": [block.generator.get_state() for block in model if block.generator is not None],
             "inputs_unchanged": all(torch.equal(before, _owner_values(owner)) for before, owner in inputs)}
 
 
@@ -213,7 +214,7 @@ def run_case(case: Case) -> list[str]:
         got = _train(case, directory)
         tba.shutdown()
         left = os.listdir(directory)
-    for key in ("losses", "grads", "state", "momentum"):
+    for key in ("losses", "grads", "state", "momentum", "generators"):
         if not _equal(got[key], want[key]):
             problems.append(f"{key} differ")
     if not got["inputs_unchanged"]:

@@ -14,6 +14,13 @@ call counter) would otherwise end as after two forwards. So the wrapper tells th
 around the recomputation it snapshots every buffer and every plain attribute of the layer's
 modules, and restores them afterwards, bit for bit. The recomputed outputs are unaffected: in
 training mode BatchNorm normalises with the batch's statistics, not the running ones.
+
+Note: [Generators of a recomputed layer]
+Checkpoint preserves the global RNG states only. A layer that draws from a ``torch.Generator`` of
+its own (held as an attribute of one of its modules) would draw a different mask in the
+recomputation, so its gradients would be those of another forward, and the generator would end
+advanced twice. The wrapper records each such generator's state before the first forward, sets it
+back before the recomputation and, afterwards, restores the state the first forward left.
 """
 
 from __future__ import annotations
@@ -66,21 +73,39 @@ class RecomputeLayers:
 
 
 def _checkpointed(layer: nn.Module, forward: Any) -> Any:
-    def first_or_again(calls: list[int], *args: Any, **kwargs: Any) -> Any:
+    def first_or_again(calls: list[int], first_states: dict[int, tuple[torch.Generator, torch.Tensor]],
+                       *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
+            first_states.update(_generator_states(layer))
             return forward(*args, **kwargs)
         saved = _snapshot(layer)
+        after = _generator_states(layer)
+        for generator, state in first_states.values():
+            generator.set_state(state)
         try:
             return forward(*args, **kwargs)
         finally:
             _restore(layer, saved)
+            for generator, state in after.values():
+                generator.set_state(state)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        calls = [0]
-        return checkpoint(first_or_again, calls, *args, use_reentrant=False, **kwargs)
+        calls: list[int] = [0]
+        first_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        return checkpoint(first_or_again, calls, first_states, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def _generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+    """Each ``torch.Generator`` held by ``layer``'s modules, with its state (Note [Generators of a recomputed layer])."""
+    states = {}
+    for module in layer.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Generator) and id(value) not in states:
+                states[id(value)] = (value, value.get_state())
+    return states
 
 
 def _snapshot(layer: nn.Module) -> list[tuple[nn.Module, dict[str, torch.Tensor], dict[str, Any]]]:
