@@ -2,7 +2,7 @@
 
 Ranges, in domain ``tba``: ``pack``, ``unpack``, ``write`` (queueing a storage's write), ``read``
 (queueing a read), ``prefetch`` (moving the window), ``wait_read`` (backward blocked on a read).
-They use the ``nvtx`` package when it is installed (``pip install 'tba[nvtx]'``; it is a no-op
+They use the ``nvtx`` package when it is installed (``pip install 'tba-offload[nvtx]'``; it is a no-op
 without a profiler attached) and cost nothing measurable otherwise.
 """
 

@@ -23,7 +23,7 @@ from tba.io import Engine, Op, Request, ThreadEngine
 
 
 def load_script(path: Path) -> ModuleType:
-    """Import the script at ``path`` (under ``integrations/``) as the module named by its file name.
+    """Import the script at ``path`` (under ``examples/``) as the module named by its file name.
 
     The module is registered in ``sys.modules`` first, so scripts that import a sibling by name
     find it once that sibling was loaded the same way; ``sys.path`` is left alone.

@@ -111,7 +111,7 @@ def _megatron() -> tuple[type, Callable[[], bool]]:
         from megatron.core.transformer.transformer_block import TransformerBlock
     except ImportError as err:
         raise TbaConfigError(
-            f"megatron-core is not importable ({err}); install it with pip install 'tba[megatron]'") from err
+            f"megatron-core is not importable ({err}); install it with pip install 'tba-offload[megatron]'") from err
     return TransformerBlock, is_checkpointing
 
 

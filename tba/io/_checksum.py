@@ -9,7 +9,7 @@ handed out; a mismatch raises :class:`tba.TbaReadError`.
 
 CRC-32C comes from the ``crc32c`` package (hardware instructions where the CPU has them, ~12 GB/s
 on this project's machines, and the GIL released for large buffers); it is an optional
-dependency: ``pip install 'tba[verify]'``.
+dependency: ``pip install 'tba-offload[verify]'``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def load_crc32c() -> Callable[[memoryview], int]:
         import crc32c
     except ImportError as err:
         raise TbaConfigError(
-            "verify=True needs the crc32c package, which is not installed; run pip install 'tba[verify]' "
+            "verify=True needs the crc32c package, which is not installed; run pip install 'tba-offload[verify]' "
             "(or pip install crc32c), or pass verify=False"
         ) from err
     return crc32c.crc32c

@@ -26,7 +26,7 @@ CONFIG = PRESETS["tiny"]
 STEPS = 3
 MIN_OFFLOAD_BYTES = 16 << 10
 """Offload every activation of the tiny model but its smallest (fewer, larger test writes)."""
-TRAIN_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "integrations", "deepspeed", "train.py")
+TRAIN_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "deepspeed", "train.py")
 
 
 def ds_config(stage: int, accumulation: int, directory: str | None, backend: str) -> dict:

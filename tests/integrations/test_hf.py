@@ -14,14 +14,14 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'tba[hf]')")
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'tba-offload[hf]')")
 
 from utils import assert_exact  # noqa: E402
 
 import tba  # noqa: E402
 
 VOCAB, SEQ, BATCH = 256, 32, 2
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "integrations", "hf", "train.py")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf", "train.py")
 
 
 def gpt2():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'tba[megatron]')")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'tba-offload[megatron]')")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron")
 
 from utils import load_script  # noqa: E402
@@ -29,7 +29,7 @@ from tba.integrations.megatron import (  # noqa: E402
     wrap_forward_step,
 )
 
-SCRIPT_DIR = Path(__file__).resolve().parents[2] / "integrations" / "megatron"
+SCRIPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron"
 cpu_shims = load_script(SCRIPT_DIR / "cpu_shims.py")
 pretrain_gpt = load_script(SCRIPT_DIR / "pretrain_gpt.py")
 

@@ -15,7 +15,7 @@ the same losses. CPU only; one line per optimizer step::
 
 Example::
 
-    python integrations/hf/train.py --model llama --steps 5 --tba --tba-dir /nvme/tba
+    python examples/hf/train.py --model llama --steps 5 --tba --tba-dir /nvme/tba
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def build_model(name: str, width: int, layers: int, vocab_size: int, seq_len: in
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Example: python integrations/hf/train.py --model llama --steps 5 --tba")
+                                     epilog="Example: python examples/hf/train.py --model llama --steps 5 --tba")
     parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2", help="architecture (default: %(default)s)")
     parser.add_argument("--width", type=int, default=128, help="hidden size (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=4, help="decoder blocks (default: %(default)s)")

@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Example: python integrations/deepspeed/train.py --steps 3 --tba")
+                                     epilog="Example: python examples/deepspeed/train.py --steps 3 --tba")
     parser.add_argument("--config", default=os.path.join(HERE, "ds_config.json"),
                         help="DeepSpeed config JSON (default: %(default)s)")
     parser.add_argument("--tba", action="store_true", help="add a \"tba\" block to the config: offload activations")
