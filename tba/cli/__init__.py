@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 from typing import NoReturn
 
@@ -28,24 +29,56 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str | None) -> str | None:
+    """A docstring as plain text for ``--help``: Sphinx roles and double backquotes removed.
+
+    ``:func:`tba.bench.isolated.run_isolated``` becomes ``tba.bench.isolated.run_isolated`` and
+    double-backquoted literals lose their quotes.
+    """
+    if text is None:
+        return None
+    return _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text))
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="log at DEBUG level")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from tba import __version__
+
     parser = _Parser(
         prog="python -m tba",
         description="tba: offload PyTorch activations to NVMe files and prefetch them for backward.",
         epilog="Run 'python -m tba COMMAND --help' for a command's options.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"tba {__version__}")
+    _add_verbose(parser, False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text, description=module.__doc__)
+        command = sub.add_parser(name, help=help_text, description=plain_text(module.__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        # -v after the command as well; SUPPRESS keeps a -v given before it.
+        _add_verbose(command, argparse.SUPPRESS)
         module.add_arguments(command)
+        for action in command._actions:
+            action.help = plain_text(action.help)
         command.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        # Bare `python -m tba`: the help a user is looking for, and the usage-error status.
+        parser.print_help()
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",

@@ -87,6 +87,10 @@ def _validate(args: argparse.Namespace) -> str | None:
     if args.rounds < 1:
         return "--rounds must be >= 1"
     args.directory = resolve_directory(args.directory)
+    try:
+        os.makedirs(args.directory, exist_ok=True)
+    except OSError as err:
+        return f"cannot create --directory {args.directory}: {err.strerror}; pass a writable directory"
     if not os.path.isdir(args.directory) or not os.access(args.directory, os.W_OK):
         return f"--directory {args.directory} is not a writable directory"
     free = shutil.disk_usage(args.directory).free
@@ -203,7 +207,7 @@ def _fio(args: argparse.Namespace) -> float | None:
     fio_args = argparse.Namespace(directory=args.directory, block_size=DEFAULT_CHUNK_BYTES,
                                   queue_depth=DEFAULT_QUEUE_DEPTH, size=args.size_bytes)
     try:
-        return bench_fio(fio, fio_args)["write_gbps"]
+        return bench_fio(fio, fio_args, label="bench-ckpt", rws=("write",))["write_gbps"]
     except (subprocess.CalledProcessError, ValueError, KeyError) as err:
         logger.warning("bench-ckpt: fio failed, reporting without it: %s", str(err)[-300:])
         return None

@@ -67,12 +67,15 @@ def bench_engine(backend: str, fd: int, buffer: torch.Tensor, args: argparse.Nam
     return result
 
 
-def bench_fio(fio: str, args: argparse.Namespace) -> dict:
-    """Run fio's io_uring engine with the same parameters; return GB/s per direction."""
+def bench_fio(fio: str, args: argparse.Namespace, *, label: str = "bench-io", rws: tuple[str, ...] = ("write", "read")) -> dict:
+    """Run fio's io_uring engine with the same parameters; return GB/s per direction.
+
+    ``label`` starts each progress line (the calling command's name); ``rws`` are the directions.
+    """
     path = os.path.join(args.directory, f"tba-bench-fio.{os.getpid()}")
     result = {}
     try:
-        for rw in ("write", "read"):
+        for rw in rws:
             command = [
                 fio, "--name=tba-bench", f"--filename={path}", f"--rw={rw}",
                 f"--bs={args.block_size}", f"--iodepth={args.queue_depth}", f"--size={args.size}",
@@ -81,7 +84,7 @@ def bench_fio(fio: str, args: argparse.Namespace) -> dict:
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
             result[f"{rw}_gbps"] = job[rw]["bw_bytes"] / 1e9
-            logger.info("bench-io: %-8s %-5s %.2f GB/s", "fio", rw, result[f"{rw}_gbps"])
+            logger.info("%s: %-8s %-5s %.2f GB/s", label, "fio", rw, result[f"{rw}_gbps"])
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -167,12 +170,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``tools/bench_io.py``: parse ``argv``, set up logging, run."""
-    parser = argparse.ArgumentParser(prog="bench_io", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run(args)

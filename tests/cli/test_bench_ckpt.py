@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 
-from tba.cli import main
+from tba.cli import bench_ckpt, bench_io, main
 from tba.cli.bench_ckpt import gpt_config
 
 
@@ -14,14 +17,33 @@ from tba.cli.bench_ckpt import gpt_config
     (["--size", "12X"], "not a size"),
     (["--size", "1M"], "at least 16M"),
     (["--rounds", "0"], "--rounds"),
-    (["--directory", "/nonexistent/dir"], "not a writable directory"),
+    (["--directory", "{file}/dir"], "cannot create --directory"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message, caplog, tmp_path):
     json_path = tmp_path / "out.json"
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
     assert main(["bench-ckpt", "--json", str(json_path), *argv]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0]
     assert not json_path.exists()
+
+
+def test_a_missing_directory_is_created(tmp_path):
+    args = argparse.Namespace(size="16M", rounds=1, directory=str(tmp_path / "new" / "ckpt"))
+    assert bench_ckpt._validate(args) is None
+    assert (tmp_path / "new" / "ckpt").is_dir()
+
+
+def test_fio_line_is_labelled_bench_ckpt(tmp_path, monkeypatch, caplog):
+    job = {"jobs": [{"write": {"bw_bytes": 2e9}}]}
+    monkeypatch.setattr(bench_io.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=json.dumps(job)))
+    args = argparse.Namespace(directory=str(tmp_path), no_fio=False, size_bytes=16 << 20)
+    monkeypatch.setattr(bench_ckpt.shutil, "which", lambda name: "/usr/bin/fio")
+    with caplog.at_level(logging.INFO, logger="tba"):
+        assert bench_ckpt._fio(args) == 2.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("bench-ckpt: fio") for line in lines), lines
 
 
 @pytest.mark.parametrize("size_bytes", [256 << 20, 1 << 30, 3 << 30])

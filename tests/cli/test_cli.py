@@ -62,9 +62,8 @@ def test_commands_registered():
     assert COMMANDS["doctor"][0] == "tba.cli.doctor"
 
 
-def test_tools_script_help():
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_io.py"), "--help"],
-                          capture_output=True, text=True, timeout=60)
+def test_bench_io_help():
+    done = subprocess.run([sys.executable, "-m", "tba", "bench-io", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--queue-depth" in done.stdout
 
 

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+import tba
+from tba.cli import COMMANDS, build_parser
+
 
 def tba_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tba", *args], capture_output=True, text=True, timeout=60)
@@ -37,3 +40,41 @@ def test_doctor_on_missing_directory(tmp_path):
     done = tba_cli("doctor", "--directory", str(missing), "--no-bandwidth")
     assert f"{missing} does not exist" in done.stdout + done.stderr
     assert not missing.exists()
+
+
+def test_bare_command_prints_help():
+    done = tba_cli()
+    assert done.returncode == 2
+    assert done.stdout.startswith("usage: python -m tba") and all(name in done.stdout for name in COMMANDS)
+    assert "Traceback" not in done.stderr
+
+
+def test_version():
+    done = tba_cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"tba {tba.__version__}"
+
+
+@pytest.mark.parametrize("argv, verbose", [(["doctor"], False), (["-v", "doctor"], True), (["doctor", "-v"], True),
+                                           (["doctor", "--verbose"], True)])
+def test_verbose_before_or_after_the_command(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+def test_verbose_after_the_command_runs(tmp_path):
+    done = tba_cli("doctor", "--no-bandwidth", "--directory", str(tmp_path), "-v")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_help_is_plain_text(command):
+    done = tba_cli(command, "--help")
+    assert done.returncode == 0
+    for markup in ("``", ":class:`", ":func:`", ":mod:`", ":meth:`", ":data:`"):
+        assert markup not in done.stdout, f"{command} --help shows {markup}"
+
+
+def test_bench_ckpt_on_a_directory_it_cannot_create(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = tba_cli("bench-ckpt", "--directory", str(tmp_path / "file" / "dir"), "--size", "16M")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "cannot create --directory" in lines[0], done.stderr
