@@ -78,6 +78,18 @@ class ModeResult:
         return max(self.activation_peak_bytes)
 
 
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: the tensor itself, or the ``loss`` of an output object or dict
+    (Hugging Face models return a ``ModelOutput`` whose ``loss`` is set when labels are given)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise TypeError(f"model(*batch) returned a {type(output).__name__} without a loss tensor; return the loss, "
+                    "or an output whose .loss is set (for a Hugging Face model, pass labels in the batch)")
+
+
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
              device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
@@ -150,6 +162,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
                     bare_stats.append(context)
                 else:
                     loss = model(*batch)
+                loss = loss_of(loss)
                 loss.backward()
                 optimizer.step()
                 elapsed = time.perf_counter() - start

@@ -51,6 +51,17 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return target
 
 
+class IsolatedRunError(RuntimeError):
+    """A measured process failed; ``reason`` is its last line (the exception), ``stderr`` all of it."""
+
+    def __init__(self, mode: str, stderr: str) -> None:
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
+        self.mode = mode
+        self.stderr = stderr
+        self.reason = lines[-1].strip() if lines else "no output"
+        super().__init__(f"mode {mode} failed:\n{stderr[-4000:]}")
+
+
 def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, **kwargs: Any) -> ModeResult:
     """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`.
 
@@ -67,7 +78,7 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, **kw
     proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
                           env=dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
     if proc.returncode != 0:
-        raise RuntimeError(f"mode {mode} failed:\n{proc.stderr[-4000:]}")
+        raise IsolatedRunError(mode, proc.stderr)
     return ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 

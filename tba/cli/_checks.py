@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -54,10 +55,14 @@ def positive_list(what: str) -> Callable[[str], str]:
 
 
 def factory(text: str) -> str:
-    """``MODULE:FUNC`` naming a callable that can be imported now."""
-    module_name, sep, func_name = text.partition(":")
+    """``MODULE:FUNC`` (or ``path/to/file.py:FUNC``) naming a callable that can be imported now."""
+    module_name, sep, func_name = text.rpartition(":")
     if not sep or not module_name or not func_name:
         raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:FUNC, e.g. mypkg.train:make_model")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise argparse.ArgumentTypeError(f"no file {module_name!r}; pass an existing path/to/file.py:FUNC")
+        return text
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

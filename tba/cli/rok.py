@@ -1,6 +1,6 @@
 """ROK curve: step time against activation memory for keep, recompute, offload and adaptive.
 
-``python -m tba rok`` (or ``tools/rok.py``) runs one model under keep-all, full recompute
+``python -m tba rok`` runs one model under keep-all, full recompute
 (non-reentrant checkpoint on every layer), offload-all (tba), and tba's adaptive policy at
 several memory budgets. Each configuration runs in a fresh process (:func:`tba.bench.isolated.run_isolated`)
 and reports its median step time and activation peak: peak RSS during a step minus RSS before it
@@ -9,7 +9,7 @@ gradients, optimiser state) on CUDA. Budgets are fractions of keep-all's measure
 given in MiB; the adaptive runs profile their first two steps (not measured) and then follow the
 plan, which is recorded with each point.
 
-It writes ``rok.csv``, ``rok.json`` and, with matplotlib installed (``pip install tba[plot]``),
+It writes ``rok.csv``, ``rok.json`` and, with matplotlib installed (``pip install 'tba-offload[plot]'``),
 ``rok.png``: one marker per strategy, the Pareto front (no other point both faster and smaller)
 drawn as a line. ``rok.json`` also says whether some adaptive point dominates full recompute (no
 more memory and less time). Python entry point for your own model: :func:`sweep`.
@@ -23,12 +23,13 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from tba.bench.harness import ModeResult
-from tba.bench.isolated import run_isolated
+from tba.bench.isolated import IsolatedRunError, run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
@@ -109,15 +110,25 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
         raise ValueError("give either preset= or both make_model and make_batch")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+    check_setup(out_dir, device)
+    title = preset or factory_title(make_model)
     model_args: dict[str, Any] = {} if preset else {"model_factory": make_model, "batch_factory": make_batch}
     common = dict(steps=steps, warmup=warmup, directory=directory, backend=backend, device=device, threads=threads,
                   **model_args)
     budget_count = len(budgets_bytes) if budgets_bytes is not None else len(budget_fractions)
     bar = Progress(len(BASELINES) + budget_count, enabled=progress)
     results: list[tuple[str, str, int | None, ModeResult]] = []
+
+    def measure(strategy: str, label: str, budget: int | None, mode: str, **options: Any) -> RokResult:
+        results.append((strategy, label, budget, run_isolated(mode, preset, **options, **common)))
+        summary = _summarise(results)
+        if out_dir is not None:  # each point is on disk as soon as it is measured
+            summary.files = _write(summary, out_dir, False, title=title, device=device)
+        return summary
+
     for strategy, mode in BASELINES:
         bar.update(strategy)
-        results.append((strategy, strategy, None, run_isolated(mode, preset, **common)))
+        out = measure(strategy, strategy, None, mode)
     keep = results[0][3]
     if budgets_bytes is None:
         budgets = [(f"adaptive {f:.0%}", int(f * keep.median_peak_bytes)) for f in budget_fractions]
@@ -125,19 +136,47 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
         budgets = [(f"adaptive {b / MIB:.0f} MiB", int(b)) for b in budgets_bytes]
     for label, budget in budgets:
         bar.update(f"{label} (budget {budget / MIB:.1f} MiB)")
-        options = {"memory_budget_bytes": budget}
-        results.append(("adaptive", label, budget, run_isolated("adaptive", preset, offload_options=options, **common)))
+        out = measure("adaptive", label, budget, "adaptive", offload_options={"memory_budget_bytes": budget})
     bar.done()
+    if out_dir is not None:
+        out.files = _write(out, out_dir, plot, title=title, device=device)
+    return out
+
+
+def check_setup(out_dir: str | None, device: str) -> None:
+    """Reject, before any measurement, an output path that is not a writable directory and a device
+    this torch cannot use. Creates ``out_dir``. Raises ValueError naming the fix."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}; pass --device cpu or --device cuda") from None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; pass --device cpu or --device cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"--device {device}: {build} (torch {torch.__version__}); pass --device cpu")
+    if out_dir is None:
+        return
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out {out_dir} is a file; pass a directory (it is created if missing)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create --out {out_dir}: {err.strerror}; pass a writable directory") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out_dir} is not writable; pass a writable directory")
+
+
+def _summarise(results: list[tuple[str, str, int | None, ModeResult]]) -> RokResult:
+    """Points, Pareto front and domination over the configurations measured so far (keep first)."""
+    keep = results[0][3]
     points = [_point(strategy, label, budget, result, keep) for strategy, label, budget, result in results]
     for point in pareto_front(points):
         point.pareto = True
-    recompute = points[1]
-    dominating = [p.label for p in points if p.strategy == "adaptive" and p.step_s < recompute.step_s
-                  and p.activation_peak_bytes <= recompute.activation_peak_bytes]
-    out = RokResult(points, bool(dominating), dominating, [])
-    if out_dir is not None:
-        out.files = _write(out, out_dir, plot, title=preset or factory_title(make_model), device=device)
-    return out
+    recompute = points[1] if len(points) > 1 else None
+    dominating = [p.label for p in points if recompute is not None and p.strategy == "adaptive"
+                  and p.step_s < recompute.step_s and p.activation_peak_bytes <= recompute.activation_peak_bytes]
+    return RokResult(points, bool(dominating), dominating, [])
 
 
 def factory_title(make_model: Any) -> str:
@@ -161,7 +200,6 @@ def _same_losses(losses: list[float], reference: list[float]) -> bool:
 
 
 def _write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
     files = [os.path.join(out_dir, "rok.csv"), os.path.join(out_dir, "rok.json")]
     with open(files[0], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -176,7 +214,7 @@ def _write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: s
         if plot_png(result.points, png, title=f"ROK curve: {title} on {device}"):
             files.append(png)
         else:
-            logger.warning("tba: matplotlib is not installed, so no rok.png; pip install 'tba[plot]' to get it")
+            logger.warning("tba: matplotlib is not installed, so no rok.png; pip install 'tba-offload[plot]' to get it")
     return files
 
 
@@ -224,26 +262,22 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("rok", "--batch needs --model: pass --model MODULE:FUNC, a function that returns the model")
     preset = args.preset or (None if args.model else "small")
     budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
-    result = sweep(args.model, args.batch, preset=preset, budget_fractions=[float(b) for b in args.budgets.split(",")],
-                   budgets_bytes=budgets_bytes, steps=args.steps, warmup=args.warmup, directory=args.directory,
-                   backend=args.backend, device=args.device, threads=args.threads, out_dir=args.out,
-                   plot=not args.no_plot,
-                   progress=not args.quiet)
+    try:
+        check_setup(args.out, args.device)
+    except ValueError as err:
+        cli_checks.usage_error("rok", str(err))
+    try:
+        result = sweep(args.model, args.batch, preset=preset,
+                       budget_fractions=[float(b) for b in args.budgets.split(",")], budgets_bytes=budgets_bytes,
+                       steps=args.steps, warmup=args.warmup, directory=args.directory, backend=args.backend,
+                       device=args.device, threads=args.threads, out_dir=args.out,
+                       plot=not args.no_plot, progress=not args.quiet)
+    except IsolatedRunError as err:
+        logger.debug("%s", err.stderr)
+        cli_checks.usage_error("rok", f"the {err.mode} run failed: {err.reason} (partial results, if any, are in "
+                                      f"{args.out}; -v shows the whole error)")
     print(format_points(result.points))
     print(f"\nadaptive dominates full recompute (no more memory, less time): "
           f"{'yes: ' + ', '.join(result.dominating) if result.dominating else 'no'}")
     print("wrote " + ", ".join(result.files))
     return 0 if all(p.losses_equal for p in result.points) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/rok.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

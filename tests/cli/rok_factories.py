@@ -21,3 +21,28 @@ def make_model() -> nn.Module:
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(512, 64, generator=generator), torch.randn(512, 64, generator=generator)
+
+
+class Output(dict):
+    """What a Hugging Face model returns: a dict whose ``loss`` is also an attribute."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+class HFStyleNet(Net):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Output:
+        return Output(loss=super().forward(x, y), logits=x)
+
+
+class NoLossNet(Net):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        return (self.layers(x),)
+
+
+def make_hf_style_model() -> nn.Module:
+    return HFStyleNet()
+
+
+def make_no_loss_model() -> nn.Module:
+    return NoLossNet()

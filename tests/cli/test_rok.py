@@ -6,13 +6,16 @@ import csv
 import io
 import json
 import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from tba.bench.isolated import run_isolated
-from tba.cli import build_parser
+from tba.bench.harness import ModeResult
+from tba.bench.isolated import IsolatedRunError, run_isolated
+from tba.cli import build_parser, rok
 from tba.cli._progress import Progress
 from tba.cli._rok_plot import pareto_front, plot_png
 from tba.cli.rok import sweep
@@ -84,3 +87,49 @@ def test_bad_arguments():
         sweep(preset="huge")
     args = build_parser().parse_args(["rok", "--preset", "tiny", "--budgets", "0.5", "--no-plot", "--threads", "1"])
     assert args.preset == "tiny" and args.no_plot and args.threads == 1
+
+
+def _rok(*args):
+    return subprocess.run([sys.executable, "-m", "tba", "rok", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_out_pointing_at_a_file_fails_before_any_run(tmp_path):
+    (tmp_path / "taken").write_text("")
+    done = _rok("--preset", "tiny", "--out", str(tmp_path / "taken"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "is a file; pass a directory" in lines[0], done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
+def test_cuda_without_cuda_fails_before_any_run(tmp_path):
+    done = _rok("--preset", "tiny", "--device", "cuda", "--out", str(tmp_path))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "pass --device cpu" in lines[0], done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_style_output_is_measured(spill_dir):
+    spec = {"model_factory": f"{FACTORIES}:make_hf_style_model", "batch_factory": f"{FACTORIES}:make_batch"}
+    assert len(run_isolated("keep", None, steps=1, warmup=0, **spec).losses) == 1
+
+
+def test_a_model_without_a_loss_fails_at_the_first_run_with_one_line(tmp_path):
+    done = _rok("--model", f"{FACTORIES}:make_no_loss_model", "--batch", f"{FACTORIES}:make_batch", "--steps", "1",
+                "--warmup", "0", "--out", str(tmp_path), "--quiet")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "the keep run failed" in lines[0] and "without a loss tensor" in lines[0]
+
+
+def test_each_point_is_written_when_measured(tmp_path, monkeypatch):
+    def fake_run(mode, preset, **kwargs):
+        if mode == "recompute":
+            raise IsolatedRunError(mode, "Traceback ...\nRuntimeError: boom\n")
+        return ModeResult(mode, [1.0], [100], [0.5])
+
+    monkeypatch.setattr(rok, "run_isolated", fake_run)
+    with pytest.raises(IsolatedRunError, match="boom"):
+        sweep(preset="tiny", out_dir=str(tmp_path), progress=False)
+    with open(tmp_path / "rok.csv") as f:
+        assert [r["strategy"] for r in csv.DictReader(f)] == ["keep"]
+    assert [p["label"] for p in json.loads((tmp_path / "rok.json").read_text())["points"]] == ["keep"]
