@@ -24,8 +24,10 @@ from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.io import (
     Op,
     available_backends,
+    filesystem_type,
     filled_buffer,
     make_engine,
+    memory_backed,
     open_scratch,
     probe_direct_io,
     resolve_backend,
@@ -94,6 +96,14 @@ def _missing_reason(directory: str) -> str:
     return f"{directory} does not exist; create it or pass --directory"
 
 
+def _filesystem_row(directory: str) -> str:
+    fs_type = filesystem_type(directory) or "unknown"
+    if memory_backed(directory):
+        return (f"{fs_type}: IN MEMORY, offloading here saves nothing; pass --directory (and tba's directory= "
+                "or TBA_DIR) on a disk")
+    return fs_type
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report. Always returns 0."""
     directory = resolve_directory(args.directory)
@@ -105,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         ("threads engine", _status(backends["threads"])),
         ("backend 'auto' uses", resolve_backend("auto")),
         (f"O_DIRECT in {directory}", _status(direct_reason)),
+        (f"file system of {directory}", _filesystem_row(directory)),
         ("CUDA available", _status(_cuda_reason())),
         ("kvikio usable", _status(kvikio_unavailable_reason())),
         ("GPUDirect Storage", _status(gds_unavailable_reason())),

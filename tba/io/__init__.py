@@ -24,6 +24,7 @@ from tba.errors import TbaConfigError
 from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
 from tba.io._engine import Engine, Op, Request
+from tba.io._fs import filesystem_type, memory_backed
 from tba.io._memory import aligned_empty, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
 from tba.io._spill import OutOfDescriptorsError, SpillFile, probe_direct_io, resolve_directory
@@ -147,8 +148,10 @@ __all__ = [
     "checksum",
     "engine_names",
     "filled_buffer",
+    "filesystem_type",
     "load_crc32c",
     "make_engine",
+    "memory_backed",
     "memory_view",
     "open_scratch",
     "probe_direct_io",

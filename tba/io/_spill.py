@@ -30,6 +30,7 @@ import uuid
 from tba.defaults import ALIGN_BYTES, SPILL_RESERVE_MIN_BYTES
 from tba.errors import TbaConfigError, TbaError
 from tba.io._extents import ExtentAllocator
+from tba.io._fs import memory_backed
 from tba.io._memory import aligned_empty, memory_view
 
 logger = logging.getLogger("tba")
@@ -123,18 +124,31 @@ def _prepare_directory(directory: str) -> None:
         ) from err
 
 
-_warned_buffered: set[tuple[int, str]] = set()
+_warned: set[tuple[int, str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_buffered_once(directory: str, reason: str) -> None:
-    """Warn about buffered I/O once per process and directory (not once per context)."""
-    key = (os.getpid(), directory)
+def _warn_once(kind: str, directory: str, message: str, *args: object) -> None:
+    """Log ``message`` at WARNING once per process, directory and ``kind`` (not once per context)."""
+    key = (os.getpid(), directory, kind)
     with _warned_lock:
-        if key in _warned_buffered:
+        if key in _warned:
             return
-        _warned_buffered.add(key)
-    logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+        _warned.add(key)
+    logger.warning(message, *args)
+
+
+def _warn_buffered_once(directory: str, reason: str) -> None:
+    _warn_once("buffered", directory, "tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+
+
+def warn_if_memory_backed(directory: str) -> None:
+    """Warn once when ``directory`` is on a file system held in RAM: offloading there saves nothing."""
+    fs_type = memory_backed(directory)
+    if fs_type is not None:
+        _warn_once("memory", directory, "tba: the offload directory %s is on %s, which keeps its files in RAM, so "
+                   "offloading saves no memory; pass directory= (or set TBA_DIR) to a directory on a disk", directory,
+                   fs_type)
 
 
 class SpillFile:
@@ -150,6 +164,7 @@ class SpillFile:
         self.directory = resolve_directory(directory)
         _prepare_directory(self.directory)
         check_writable(self.directory)
+        warn_if_memory_backed(self.directory)
         reason = probe_direct_io(self.directory) if direct is not False else "disabled by direct_io=False"
         if reason is not None and direct:
             raise TbaConfigError(

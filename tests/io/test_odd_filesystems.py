@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
 import tba
+import tba.io
+from tba.io import filesystem_type
 
 
 @pytest.fixture
@@ -36,6 +40,43 @@ def test_ramfs_leaves_no_name_and_warns_once(ramfs_dir, backend, caplog):
             loss.backward()
     assert os.listdir(ramfs_dir) == []
     assert caplog.text.count("using buffered I/O") <= 1
+    assert caplog.text.count("is on ramfs, which keeps its files in RAM") == 1
+    assert "directory on a disk" in caplog.text
+
+
+def test_tmpfs_warns_once_and_doctor_says_so(tmp_path, caplog):
+    shm = "/dev/shm"
+    if tba.io.memory_backed(shm) is None:
+        pytest.skip("/dev/shm is not a memory file system here")
+    directory = tempfile.mkdtemp(dir=shm)
+    try:
+        x = torch.randn(64, 1024, requires_grad=True)
+        with caplog.at_level(logging.WARNING, logger="tba"):
+            for _ in range(2):
+                with tba.offload_activations(directory, backend="threads", min_offload_bytes=0):
+                    loss = (x * 2).sin().sum()
+                loss.backward()
+        assert caplog.text.count("which keeps its files in RAM, so offloading saves no memory") == 1
+        done = subprocess.run([sys.executable, "-m", "tba", "doctor", "--no-bandwidth", "--directory", directory],
+                              capture_output=True, text=True, timeout=120)
+        assert "IN MEMORY, offloading here saves nothing" in done.stdout
+    finally:
+        tba.shutdown()
+        shutil.rmtree(directory)
+
+
+def test_filesystem_type_reads_the_longest_mount(tmp_path):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "30 22 0:26 / /dev/shm rw shared:2 - tmpfs tmpfs rw\n"
+        "31 22 0:27 / /mnt/my\\040disk rw - xfs /dev/vdb rw\n"
+    )
+    assert filesystem_type("/dev/shm/x", str(mountinfo)) == "tmpfs"
+    assert filesystem_type("/dev/shmother", str(mountinfo)) == "ext4"
+    assert filesystem_type("/mnt/my disk/data", str(mountinfo)) == "xfs"
+    assert filesystem_type("/", str(mountinfo)) == "ext4"
+    assert filesystem_type("/x", str(tmp_path / "missing")) is None
 
 
 def test_bench_io_on_ramfs_leaves_no_name(ramfs_dir):

@@ -1,0 +1,50 @@
+"""Which file system holds a directory, and whether it lives in memory.
+
+A spill file on ``tmpfs`` or ``ramfs`` (``/dev/shm``, often ``/tmp`` and ``/run``) keeps every
+offloaded byte in RAM: it moves activations from one part of memory to another and saves nothing.
+The type is read from ``/proc/self/mountinfo`` (the mount whose point is the longest prefix of the
+directory's real path), so no extra dependency or ``statfs`` binding is needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+"""File system types whose files are held in memory."""
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in paths as octal escapes (``\\040``)."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def filesystem_type(path: str | os.PathLike, mountinfo: str = MOUNTINFO) -> str | None:
+    """The type (``ext4``, ``tmpfs``, ...) of the file system holding ``path``; None if unknown."""
+    real = os.path.realpath(os.fspath(path))
+    best, best_type = "", None
+    try:
+        with open(mountinfo) as stream:
+            lines = stream.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        mount_point = _unescape(fields[4])
+        fs_type = fields[fields.index("-") + 1]
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, best_type = mount_point, fs_type
+    return best_type
+
+
+def memory_backed(path: str | os.PathLike) -> str | None:
+    """The file system type when ``path`` is on one held in RAM (tmpfs, ramfs), else None."""
+    fs_type = filesystem_type(path)
+    return fs_type if fs_type in MEMORY_FILE_SYSTEMS else None
