@@ -94,6 +94,7 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         reason = io_uring_unavailable_reason()
         if reason is None:
+            logger.debug("tba: backend 'auto' uses io_uring (native engine built, kernel allows io_uring)")
             return "io_uring"
         _log_auto_fallback(reason)
         return "threads"

@@ -72,6 +72,10 @@ class Engine(abc.ABC):
         """Queue one read of ``nbytes`` from ``fd`` at ``offset`` into ``address``."""
         return self.submit_many([Request(Op.READ, fd, address, nbytes, offset)])[0]
 
+    def __repr__(self) -> str:
+        depth = getattr(self, "queue_depth", None) or getattr(self, "workers", None)
+        return f"{type(self).__name__}(name={self.name!r}" + (f", queue_depth={depth})" if depth else ")")
+
     def __enter__(self) -> Engine:
         return self
 

@@ -30,6 +30,7 @@ no module stack, as with explicit layers there (``tba/runtime/_compile.py``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,8 @@ from torch.nn.modules import module as module_hooks
 from tba import defaults
 from tba.runtime._views import StorageEntry
 
+logger = logging.getLogger("tba")
+
 
 class LayerDiscovery:
     """Module stack during forward, and the repeated blocks found from it at the end."""
@@ -50,6 +53,8 @@ class LayerDiscovery:
         """The repeated blocks found by the last :meth:`finish` (empty: none found)."""
         self._stack: tuple[nn.Module, ...] = ()
         self._saved: list[tuple[StorageEntry, tuple[nn.Module, ...]]] = []
+        self.tagged_bytes: dict[int | None, int] = {}
+        """Bytes of the storages the last :meth:`finish` tagged, by layer index (None: outside every layer)."""
         self._handles: list[Any] = []
         self._thread = 0
 
@@ -105,7 +110,7 @@ class LayerDiscovery:
         candidates = sorted((key for key, instances in groups.items() if len(instances) >= 2),
                             key=lambda key: (covered[key], len(groups[key])), reverse=True)
         if not candidates:
-            self.layers = []
+            self.layers, self.tagged_bytes = [], {}
             return self.layers
         relations = _Relations([key for key, _ in instances] for instances in keyed)
         chosen = relations.refine(relations.disjoint(candidates, covered), candidates, covered, groups)
@@ -117,9 +122,23 @@ class LayerDiscovery:
                 if id(module) in members and id(module) not in index_of:
                     index_of[id(module)] = len(self.layers)
                     self.layers.append(module)
+        self.tagged_bytes = {}
         for entry, stack in saved:
             entry.layer = next((index_of[id(m)] for m in stack if id(m) in index_of), None)
+            self.tagged_bytes[entry.layer] = self.tagged_bytes.get(entry.layer, 0) + entry.nbytes
+        logger.debug("tba: found %d repeated blocks (%s) holding %d of %d saved bytes", len(self.layers),
+                     ", ".join(sorted({type(m).__name__ for m in self.layers})),
+                     sum(n for k, n in self.tagged_bytes.items() if k is not None), sum(self.tagged_bytes.values()))
         return self.layers
+
+    def retag(self, layer_saved_bytes: dict[int | None, int]) -> None:
+        """Move the last forward's bytes, counted under None at save, to the layers :meth:`finish` found."""
+        for layer, nbytes in self.tagged_bytes.items():
+            if layer is not None:
+                layer_saved_bytes[None] = layer_saved_bytes.get(None, 0) - nbytes
+                layer_saved_bytes[layer] = layer_saved_bytes.get(layer, 0) + nbytes
+        if layer_saved_bytes.get(None) == 0:
+            del layer_saved_bytes[None]
 
 
 def _instances_on(stack: tuple[nn.Module, ...]) -> list[tuple[tuple[int, type], nn.Module]]:

@@ -28,6 +28,7 @@ autograd graph holds the views.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import gc
 import logging
@@ -104,8 +105,9 @@ class Offloader:
         """The options in force (:class:`tba.OffloadConfig`), validated."""
         if config.verify:
             load_crc32c()
-        if not isinstance(config.backend, Engine):
-            resolve_backend(host_engine_backend(config.backend))
+        self.resolved_backend: str = (config.backend.name if isinstance(config.backend, Engine) else
+                                      resolve_backend(host_engine_backend(config.backend)))
+        """The host I/O engine that runs (``"io_uring"`` or ``"threads"`` for ``backend="auto"``)."""
         self.directory = config.directory
         self.backend = config.backend
         self.min_offload_bytes = config.min_offload_bytes
@@ -125,10 +127,13 @@ class Offloader:
         self.keep_layers: set[int | None] = set()
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
         self.layer_saved_bytes: dict[int | None, int] = {}
-        """Bytes of distinct storages saved per layer index (None: outside any layer), summed over steps."""
+        """Bytes of distinct storages saved per layer, summed over steps: keys are indices into ``layers``
+        (given) or :attr:`discovered_layers` (found at the end of each forward), None for storages
+        saved outside every layer (embeddings, the loss)."""
         self._device_ops = _device_ops
         self._staged_devices = _staged_devices
         self._stats = OffloadStats()
+        self._stats_base: OffloadStats | None = None
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
         self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable,
@@ -170,10 +175,35 @@ class Offloader:
 
     @property
     def stats(self) -> OffloadStats:
-        """Counters so far (see :class:`OffloadStats`); bandwidths include transfers still running."""
+        """Counters since the offloader was built or :meth:`reset_stats` was last called (see
+        :class:`OffloadStats`); bandwidths include transfers still running."""
         _control.settle()
         self._store.update_stats()
-        return self._stats
+        return self._stats if self._stats_base is None else self._stats.since(self._stats_base)
+
+    def reset_stats(self) -> OffloadStats:
+        """Start counting afresh (for example once per step of a reusable offloader); returns the
+        counters up to now. The peak of resident bytes restarts from what is resident now."""
+        so_far = self.stats
+        with self._store.lock:
+            self._stats_base = dataclasses.replace(self._stats, kept_by_reason=dict(self._stats.kept_by_reason),
+                                                   bytes_kept_by_reason=dict(self._stats.bytes_kept_by_reason))
+            self._stats.peak_resident_bytes = self._stats.resident_bytes
+        return so_far
+
+    @property
+    def resolved_direct_io(self) -> bool | None:
+        """Whether the spill file uses ``O_DIRECT`` (None until the offloader is first entered)."""
+        spill = self.spill
+        return None if spill is None else spill.direct
+
+    def __repr__(self) -> str:
+        direct = self.resolved_direct_io
+        layers = (f"layers={len(self.layers)}" if self.layers else f"discovered_layers={len(self.discovered_layers)}")
+        return (f"{type(self).__name__}(directory={self.directory!r}, backend={self.backend!r} -> "
+                f"{self.resolved_backend}, direct_io={self.config.direct_io!r}"
+                f"{'' if direct is None else f' -> {direct}'}, {layers}, "
+                f"{'reusable' if self.reusable else 'one-shot'}, {self._phase.value})")
 
     @property
     def pool_idle_bytes(self) -> int:
@@ -236,7 +266,9 @@ class Offloader:
             raise
 
     def _counters(self) -> StepCounters:
-        stats = self.stats
+        _control.settle()
+        self._store.update_stats()
+        stats = self._stats
         return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
                             stats.bytes_read, stats.read_busy_s)
 
@@ -277,10 +309,21 @@ class Offloader:
             self._store.window.controller = runtime.controller
             self._store.open(runtime.spill, runtime.engine, runtime.routes, runtime.read_pool)
             _at_fork.track(self)
+            self._log_open(runtime.spill, runtime.engine)
             return
         spill, engine, routes, _ = self._open_parts()
         self._store.open(spill, engine, routes)
         _at_fork.track(self)
+        self._log_open(spill, engine)
+
+    def _log_open(self, spill: SpillFile, engine: Engine) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            given = self.config.prefetch_budget_bytes
+            logger.debug("tba: offloading to %s with %r (backend=%r), %s, prefetch window %s; layers: %s", spill.directory,
+                         engine, self.backend, "O_DIRECT" if spill.direct else "buffered I/O (page cache)",
+                         f"{given} bytes (prefetch_budget_bytes)" if given is not None else
+                         f"self-sized from {self._store.window.budget_bytes} bytes",
+                         f"{len(self.layers)} given" if self.layers else "found during the first forward")
 
     def _open_parts(self) -> tuple[SpillFile, Engine, Routes, Any]:
         """A new spill file, engine, routes and read pool (the pool is the store's unless shared)."""
@@ -321,6 +364,7 @@ class Offloader:
         if self._discovery is not None:
             self._discovery.detach()
             self._discovery.finish()
+            self._discovery.retag(self.layer_saved_bytes)
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
         self.policy_runner.exit(failed, self._store.largest_live_storage_bytes)

@@ -85,6 +85,22 @@ class OffloadStats:
         """Read bandwidth in GB/s while reads were in flight."""
         return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0
 
+    def since(self, earlier: OffloadStats) -> OffloadStats:
+        """The counters accumulated after ``earlier`` (a copy taken before); the gauges
+        ``resident_bytes``, ``peak_resident_bytes`` and ``staging_blocks_in_use`` are this object's."""
+        gauges = ("resident_bytes", "peak_resident_bytes", "staging_blocks_in_use")
+        out = OffloadStats()
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(earlier, field.name)
+            if field.name in gauges:
+                value = mine
+            elif isinstance(mine, dict):
+                value = {k: v - theirs.get(k, 0) for k, v in mine.items() if v != theirs.get(k, 0)}
+            else:
+                value = mine - theirs
+            setattr(out, field.name, value)
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         """All counters plus the two bandwidths, for logging or JSON."""
         out = dataclasses.asdict(self)
