@@ -1,11 +1,8 @@
 """Train a small Hugging Face model with ``transformers.Trainer``, with or without tba.
 
-``TbaTrainer`` is a ``Trainer`` whose ``compute_loss_context_manager`` (the context the Trainer
-enters around each micro-batch's forward in ``training_step``) also enters one reusable
-:class:`tba.Offloader`. Backward, gradient accumulation, the optimizer and the scheduler stay the
-Trainer's. The offloader finds the model's decoder blocks itself (``layers=model``, through
-:func:`tba.find_layers`) and is closed when ``train()`` returns. Evaluation runs under
-``torch.no_grad()``, where nothing is saved, so the context is skipped there.
+It uses :class:`tba.integrations.hf.TbaTrainer`: a ``Trainer`` whose training forwards run inside
+one reusable :class:`tba.Offloader` (backward, gradient accumulation, the optimizer and the
+scheduler stay the Trainer's), closed when ``train()`` returns.
 
 The model is built from a config (GPT-2 or Llama, no download) and the data are random tokens from
 a fixed seed, so runs with and without ``--tba`` see the same batches and dropout masks and print
@@ -21,52 +18,14 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import tempfile
-from typing import Any
 
 import torch
 import transformers
 
-import tba
-
-logger = logging.getLogger("tba")
-
-
-class TbaTrainer(transformers.Trainer):
-    """A ``Trainer`` that offloads each training forward's activations with tba.
-
-    Args:
-        tba_options: Keyword arguments for :class:`tba.Offloader` (``directory``, ``backend``, ...);
-            None turns tba off. ``layers`` defaults to the model (its repeated blocks are found).
-        *args, **kwargs: As for ``transformers.Trainer``.
-    """
-
-    def __init__(self, *args: Any, tba_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tba_options = tba_options
-        self.offloader: tba.Offloader | None = None
-        self.tba_stats: tba.OffloadStats | None = None
-
-    def compute_loss_context_manager(self) -> contextlib.ExitStack:
-        stack = super().compute_loss_context_manager()
-        if self.tba_options is not None and torch.is_grad_enabled() and self.model.training:
-            if self.offloader is None:
-                options = {"layers": self.model, **self.tba_options}
-                self.offloader = tba.Offloader(**options)
-            stack.enter_context(self.offloader)
-        return stack
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self.offloader is not None:
-                self.offloader.close()
-                self.tba_stats = self.offloader.stats
-                self.offloader = None
+from tba.integrations.hf import TbaTrainer
 
 
 class RandomTokens(torch.utils.data.Dataset):

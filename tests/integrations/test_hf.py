@@ -3,13 +3,14 @@
 Small GPT-2, Llama and T5 models are built from a config (no download), so this needs only the
 ``transformers`` package (the ``hf`` extra). Each case compares one training step with tba
 against the same step without it: loss and every gradient ``torch.equal``. The Trainer example
-(``integrations/hf/train.py``) is run for two steps with and without tba, comparing the weights.
+(``examples/hf/train.py``, built on :mod:`tba.integrations.hf`) is run for two steps with and without tba, comparing the weights.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -107,3 +108,34 @@ def test_trainer_example_matches_training_without_tba(spill_dir, tmp_path):
     stats = runs[True][1].tba_stats
     assert stats is not None and stats.bytes_written > 0 and stats.bytes_read > 0
     assert runs[False][1].tba_stats is None
+
+
+def test_trainer_from_the_library_closes_its_offloader(spill_dir, tmp_path, open_fds):
+    from tba.integrations.hf import TbaTrainer, TbaTrainerMixin
+
+    assert issubclass(TbaTrainer, TbaTrainerMixin) and issubclass(TbaTrainer, transformers.Trainer)
+    example = load_example()
+    model, _ = gpt2()
+    training_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    data = example.RandomTokens(4, SEQ, VOCAB, seed=0)
+    before = open_fds()
+    trainer = TbaTrainer(model=model, args=training_args, train_dataset=data, eval_dataset=data,
+                         tba_options={"directory": spill_dir, "backend": "threads"})
+    trainer.train()
+    assert trainer.offloader is None and trainer.tba_stats.bytes_written > 0
+    assert trainer.tba_stats.bytes_read > 0
+    written = trainer.tba_stats.bytes_written
+    trainer.evaluate()  # no_grad: the context is skipped, no offloader is built
+    assert trainer.offloader is None and trainer.tba_stats.bytes_written == written
+    assert open_fds() == before
+
+
+def test_trainer_without_transformers_names_the_extra(monkeypatch):
+    import tba.integrations.hf as hf
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(hf.__dict__, "TbaTrainer", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'tba-offload\[hf\]'"):
+        hf.TbaTrainer  # noqa: B018

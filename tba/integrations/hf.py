@@ -1,0 +1,95 @@
+"""Hugging Face ``transformers.Trainer`` with tba: each training forward's activations offloaded.
+
+``TbaTrainer`` is a ``Trainer`` whose ``compute_loss_context_manager`` (the context the Trainer
+enters around each micro-batch's forward in ``training_step``) also enters one reusable
+:class:`tba.Offloader`. Backward, gradient accumulation, the optimizer and the scheduler stay the
+Trainer's. The offloader is built at the first training forward with ``layers=model`` (the
+decoder blocks are found through :func:`tba.find_layers`) and closed when ``train()`` returns;
+evaluation runs under ``torch.no_grad()``, where nothing is saved, so the context is skipped there.
+
+Usage::
+
+    from tba.integrations.hf import TbaTrainer
+
+    trainer = TbaTrainer(model=model, args=training_args, train_dataset=data,
+                         tba_options={"directory": "/nvme/tba"})
+    trainer.train()
+    print(trainer.tba_stats)
+
+For a ``Trainer`` subclass of your own, put :class:`TbaTrainerMixin` first in its bases.
+``transformers`` is imported only when ``TbaTrainer`` is first used (``pip install 'tba-offload[hf]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from tba.runtime import Offloader, OffloadStats
+
+HF_EXTRA_HINT = "pip install 'tba-offload[hf]'"
+
+
+class TbaTrainerMixin:
+    """Adds tba to a ``transformers.Trainer`` subclass; list it before the Trainer in the bases.
+
+    Args:
+        tba_options: Keyword arguments for :class:`tba.Offloader` (``directory``, ``backend``,
+            any :class:`tba.OffloadConfig` field); ``{}`` uses the defaults, None (default) turns
+            tba off. ``layers`` defaults to the model.
+        *args, **kwargs: As for the Trainer.
+
+    Attributes:
+        offloader: The offloader while ``train()`` runs (None before and after).
+        tba_stats: The offloader's :class:`tba.OffloadStats` once ``train()`` has returned.
+    """
+
+    def __init__(self, *args: Any, tba_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tba_options = tba_options
+        self.offloader: Offloader | None = None
+        self.tba_stats: OffloadStats | None = None
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        stack = super().compute_loss_context_manager()
+        if self.tba_options is not None and torch.is_grad_enabled() and self.model.training:
+            if self.offloader is None:
+                self.offloader = Offloader(**{"layers": self.model, **self.tba_options})
+            stack.enter_context(self.offloader)
+        return stack
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.offloader is not None:
+                self.offloader.close()
+                self.tba_stats = self.offloader.stats
+                self.offloader = None
+
+
+def _trainer_class() -> type:
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(f"tba.integrations.hf.TbaTrainer needs transformers ({err}); {HF_EXTRA_HINT}") from err
+
+    class TbaTrainer(TbaTrainerMixin, transformers.Trainer):
+        """A ``transformers.Trainer`` that offloads each training forward's activations with tba
+        (see :class:`TbaTrainerMixin` for ``tba_options``)."""
+
+    TbaTrainer.__module__ = __name__
+    return TbaTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TbaTrainer":
+        cls = _trainer_class()
+        globals()["TbaTrainer"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["TbaTrainer", "TbaTrainerMixin"]  # noqa: F822 - TbaTrainer is built on first access (module __getattr__)
