@@ -1,0 +1,32 @@
+"""The README a newcomer reads: install, quick start and the minimal API first, the rest in docs/."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FIRST_SCREEN_LINES = 80
+
+
+def _headings(text: str) -> dict[str, int]:
+    return {line[3:].strip(): number for number, line in enumerate(text.splitlines(), 1) if line.startswith("## ")}
+
+
+def test_install_quick_start_and_api_come_first():
+    headings = _headings((REPO / "README.md").read_text())
+    assert list(headings)[:4] == ["Install", "Quick start", "API", "Options"], list(headings)
+    assert headings["Options"] <= FIRST_SCREEN_LINES, "the API section must end within the README's first 80 lines"
+
+
+def test_every_relative_link_resolves():
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to missing {target}"
+
+
+def test_every_doc_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text()
+    for doc in sorted((REPO / "docs").glob("*.md")):
+        assert f"docs/{doc.name}" in readme, f"README's Docs section does not list docs/{doc.name}"
