@@ -3,14 +3,16 @@
 * :mod:`tba.policy._profile`: what is measured per layer (forward and backward time, saved and
   input bytes) and the disk's bandwidth (plain data);
 * :mod:`tba.policy._model`: the cost model, predicted step time and activation peak of a placement;
-* :mod:`tba.policy._plan`: the planner (:func:`plan`, pure) and the policy classes.
+* :mod:`tba.policy._plan`: :class:`Plan` and the fixed policies; :mod:`tba.policy._adaptive`: the
+  adaptive planner (:func:`plan`, pure).
 
 Nothing here touches a model or autograd: profiling a real step and applying a plan to an
 offloader is the runtime's (``tba/runtime/_runner.py``, ``tba/runtime/_timer.py``).
 """
 
+from tba.policy._adaptive import Adaptive, plan
 from tba.policy._model import DECISIONS, KEEP, OFFLOAD, RECOMPUTE, Estimate, Placement, estimate
-from tba.policy._plan import Adaptive, KeepAll, OffloadAll, Plan, Policy, RecomputeAll, min_window_bytes, plan, shapes
+from tba.policy._plan import KeepAll, OffloadAll, Plan, Policy, RecomputeAll, min_window_bytes, shapes
 from tba.policy._profile import LayerProfile, Profile
 
 __all__ = [

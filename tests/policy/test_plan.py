@@ -13,8 +13,8 @@ import logging
 import pytest
 
 import tba
+from tba.policy import Adaptive, KeepAll, OffloadAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
 from tba.policy._model import estimate
-from tba.policy._plan import Adaptive, KeepAll, OffloadAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
 
 MIB = 1 << 20
 

@@ -59,18 +59,12 @@ def test_cnn(spill_dir, backend):
     assert_exact(model, lambda m: F.cross_entropy(m(images), labels), spill_dir, backend)
 
 
-def test_views_slices_transposes_inplace(spill_dir, backend):
+@pytest.mark.parametrize(("make", "shape", "seed"), [(ViewsModel, (64, 48), 3), (SharedStorage, (32, 128), 4)],
+                         ids=["views_slices_transposes_inplace", "shared_storages"])
+def test_storages_saved_through_several_tensors_are_deduplicated(spill_dir, backend, make, shape, seed):
     torch.manual_seed(0)
-    model = ViewsModel()
-    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
-    offloader = assert_exact(model, lambda m: m(x), spill_dir, backend)
-    assert offloader.stats.bytes_deduplicated > 0
-
-
-def test_shared_storages(spill_dir, backend):
-    torch.manual_seed(0)
-    model = SharedStorage()
-    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
+    model = make()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
     offloader = assert_exact(model, lambda m: m(x), spill_dir, backend)
     assert offloader.stats.bytes_deduplicated > 0
 

@@ -1,0 +1,167 @@
+"""The adaptive planner: from a profile and a goal to a per-layer keep / offload / recompute plan.
+
+:func:`plan` is a pure function of a :class:`~tba.policy._profile.Profile`; costs come from the
+model in :mod:`tba.policy._model`. Two goals:
+
+* ``memory_budget_bytes=N``: the fastest placement whose predicted activation peak is at most
+  ``N`` bytes;
+* ``overhead_bound=x``: the placement with the least predicted activation peak whose predicted
+  step time is at most ``(1 + x)`` times keep-all's.
+
+The search space is every placement of the shape ``O^a R^r K^k`` (``a + r + k = L``): offload
+the first ``a`` layers (they have the most forward time ahead to hide their writes), recompute the
+next ``r`` (their I/O could not hide and their memory is still over budget), keep the last ``k``
+(backward needs them first, so keeping them costs no I/O). ``k = L - a, r = 0`` with the largest
+``a`` whose writes are hidden is the TBA paper's placement. For every shape the prefetch window
+``P`` is chosen too: with a memory budget, the largest window (at most the offloader's prefetch
+budget, at least two of the largest storage) that fits; with an overhead bound, the smallest window
+that meets the bound (binary search on MiB; predicted time never grows with ``P``), ties going to
+the faster placement, then the one moving fewer bytes. When no placement reaches
+the goal, the plan with the least memory (memory goal) or the least time (overhead goal) is
+returned with ``fits=False``, and a warning is logged. Among equally fast placements within a
+memory budget the one moving the fewest bytes wins (I/O competes for memory bandwidth and CPU,
+which the model leaves out), then the one with less memory.
+
+:class:`Adaptive` is a policy like those of ``_plan.py`` (``policy.plan(profile) -> Plan``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tba.defaults import MIB
+from tba.policy._model import OFFLOAD, RECOMPUTE, estimate
+from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes, shapes
+from tba.policy._profile import Profile
+
+logger = logging.getLogger("tba")
+
+Candidate = tuple[Any, tuple[str, ...], int]
+"""``(sort key, decisions, window bytes)``: a placement the search has costed."""
+
+
+def _lower(current: Candidate | None, candidate: Candidate) -> Candidate:
+    """The candidate with the lower key (the current one on a tie)."""
+    return candidate if current is None or candidate[0] < current[0] else current
+
+
+Rank = Callable[[tuple[str, ...], int, int], tuple[Candidate, "Candidate | None"]]
+"""Costs one placement shape, given the window range: its fallback candidate, and its candidate
+when it meets the goal (else None)."""
+
+
+def _search(profile: Profile, goal: str, rank: Rank, warning: Callable[[], None]) -> Plan:
+    """The lowest candidate over every placement shape that meets the goal; when none does, after
+    ``warning()``, the lowest fallback, marked as not fitting."""
+    low, high = min_window_bytes(profile), profile.max_window_bytes
+    best: Candidate | None = None
+    fallback: Candidate | None = None
+    for decisions in shapes(len(profile.layers)):
+        option, met = rank(decisions, low, high)
+        fallback = _lower(fallback, option)
+        if met is not None:
+            best = _lower(best, met)
+    if best is not None:
+        return _plan_of(profile, best[1], best[2], goal)
+    warning()
+    return _plan_of(profile, fallback[1], fallback[2], goal, fits=False)
+
+
+class Adaptive(Policy):
+    """Keep, offload or recompute per layer to meet one goal; see the module docstring.
+
+    Args:
+        memory_budget_bytes: Use at most this many activation bytes, as fast as possible.
+        overhead_bound: Least memory with step time within ``(1 + overhead_bound)`` of keep-all.
+            Exactly one of the two must be given.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, *, memory_budget_bytes: int | None = None, overhead_bound: float | None = None) -> None:
+        if (memory_budget_bytes is None) == (overhead_bound is None):
+            raise ValueError("give exactly one goal: memory_budget_bytes=N or overhead_bound=x")
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0, got {memory_budget_bytes}")
+        if overhead_bound is not None and overhead_bound < 0:
+            raise ValueError(f"overhead_bound must be >= 0, got {overhead_bound}")
+        self.memory_budget_bytes = memory_budget_bytes
+        self.overhead_bound = overhead_bound
+
+    def plan(self, profile: Profile) -> Plan:
+        if self.memory_budget_bytes is not None:
+            return self._fastest_within(profile, self.memory_budget_bytes)
+        return self._smallest_within(profile, self.overhead_bound)
+
+    def _fastest_within(self, profile: Profile, budget: int) -> Plan:
+        def rank(decisions: tuple[str, ...], low: int, high: int) -> tuple[Candidate, Candidate | None]:
+            window = self._largest_window(profile, decisions, budget, low, high)
+            cost = estimate(profile, decisions, window if window is not None else low)
+            least = (cost.memory_bytes, cost.step_s, decisions.count(RECOMPUTE), -decisions.count(OFFLOAD))
+            if window is None:
+                return (least, decisions, low), None
+            key = (round(cost.step_s, 9), _io_bytes(profile, decisions), cost.memory_bytes, decisions.count(RECOMPUTE))
+            return (least, decisions, window), (key, decisions, window)
+
+        return _search(profile, f"memory_budget_bytes={budget}", rank, lambda: logger.warning(
+            "tba: no placement fits memory_budget_bytes=%d; using the one with the least memory", budget))
+
+    @staticmethod
+    def _largest_window(profile: Profile, decisions: tuple[str, ...], budget: int, low: int, high: int) -> int | None:
+        """The largest window in ``[low, high]`` (MiB steps below ``high``) fitting ``budget``, else None."""
+        if estimate(profile, decisions, high).memory_bytes <= budget:
+            return high
+        if OFFLOAD not in decisions or estimate(profile, decisions, low).memory_bytes > budget:
+            return None
+        lo, hi = low // MIB, high // MIB
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mid * MIB < high and estimate(profile, decisions, mid * MIB).memory_bytes <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return max(lo * MIB, low)
+
+    def _smallest_within(self, profile: Profile, bound: float) -> Plan:
+        def rank(decisions: tuple[str, ...], low: int, high: int) -> tuple[Candidate, Candidate | None]:
+            cost = estimate(profile, decisions, high)
+            fastest = ((round(cost.step_s, 9), cost.memory_bytes), decisions, high)
+            if cost.overhead > bound + 1e-9:
+                return fastest, None
+            window = self._smallest_window(profile, decisions, bound, low, high)
+            cost = estimate(profile, decisions, window)
+            key = (cost.memory_bytes, round(cost.step_s, 9), _io_bytes(profile, decisions), decisions.count(RECOMPUTE))
+            return fastest, (key, decisions, window)
+
+        return _search(profile, f"overhead_bound={bound:g}", rank, lambda: logger.warning(
+            "tba: no placement is within overhead_bound=%g; using the fastest one", bound))
+
+    @staticmethod
+    def _smallest_window(profile: Profile, decisions: tuple[str, ...], bound: float, low: int, high: int) -> int:
+        """The smallest window (MiB steps) in ``[low, high]`` whose predicted overhead is within ``bound``."""
+        if OFFLOAD not in decisions or estimate(profile, decisions, low).overhead <= bound + 1e-9:
+            return low if OFFLOAD in decisions else high
+        lo, hi = low // MIB + 1, -(-high // MIB)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if estimate(profile, decisions, min(mid * MIB, high)).overhead <= bound + 1e-9:
+                hi = mid
+            else:
+                lo = mid + 1
+        return min(lo * MIB, high)
+
+
+def plan(profile: Profile, *, memory_budget_bytes: int | None = None, overhead_bound: float | None = None) -> Plan:
+    """The adaptive placement for ``profile`` (pure). See the module docstring for the model.
+
+    Args:
+        profile: Measured (:class:`~tba.policy._runner.PolicyRunner` builds one) or synthetic.
+        memory_budget_bytes: Fastest placement using at most this many activation bytes.
+        overhead_bound: Least-memory placement within ``(1 + overhead_bound)`` x keep-all time.
+
+    Raises:
+        ValueError: neither or both goals, or a negative one.
+    """
+    return Adaptive(memory_budget_bytes=memory_budget_bytes, overhead_bound=overhead_bound).plan(profile)
