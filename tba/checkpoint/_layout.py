@@ -35,10 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from tba.checkpoint._io import ALIGN_BYTES, Engine, Op, Request, align_up
-
-DEFAULT_CHUNK_BYTES = 4 << 20
-"""Bytes per write request (a multiple of 4096)."""
+from tba.checkpoint._io import ALIGN_BYTES, DEFAULT_CHUNK_BYTES, Engine, Op, Request, align_up
 
 SKELETON_CACHE_ENTRIES = 4096
 """Archive skeletons kept, one per (shape, dtype): a model's tensors repeat a few shapes."""

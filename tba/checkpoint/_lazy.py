@@ -37,8 +37,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tba.checkpoint._io import TbaCheckpointError, TbaConfigError
-from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, ImagePool, TbaStorageWriter
+from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, TbaCheckpointError, TbaConfigError
+from tba.checkpoint._writer import ImagePool, TbaStorageWriter
 
 logger = logging.getLogger("tba")
 

@@ -26,6 +26,8 @@ from torch.futures import Future
 
 from tba.checkpoint._io import (
     ALIGN_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_QUEUE_DEPTH,
     Engine,
     Op,
     Request,
@@ -34,13 +36,11 @@ from tba.checkpoint._io import (
     host_buffer,
     make_engine,
 )
-from tba.checkpoint._writer import DEFAULT_QUEUE_DEPTH, METADATA_NAME
+from tba.checkpoint._publish import METADATA_NAME
 
 DEFAULT_BATCH_BYTES = 256 << 20
 """Most bytes read into memory before they are handed to the planner (bytes)."""
 
-READ_CHUNK_BYTES = 4 << 20
-"""Bytes per read request."""
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -167,8 +167,8 @@ class TbaStorageReader(StorageReader):
         whole_end = max(whole_end, start)
         base = buffer.data_ptr()
         requests = [
-            Request(Op.READ, direct_fd, base + offset - start, min(READ_CHUNK_BYTES, whole_end - offset), offset)
-            for offset in range(start, whole_end, READ_CHUNK_BYTES)
+            Request(Op.READ, direct_fd, base + offset - start, min(DEFAULT_CHUNK_BYTES, whole_end - offset), offset)
+            for offset in range(start, whole_end, DEFAULT_CHUNK_BYTES)
         ]
         futures = engine.submit_many(requests)
         if end > whole_end:

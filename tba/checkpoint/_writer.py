@@ -21,11 +21,9 @@ are removed by the next save to the same path.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import pickle
-import re
 import shutil
 import threading
 import time
@@ -43,27 +41,28 @@ from torch.futures import Future
 from tba.checkpoint import _layout
 from tba.checkpoint._io import (
     DCP_VERSION,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_QUEUE_DEPTH,
     Engine,
     StorageInfo,
-    TbaCheckpointError,
     TbaConfigError,
     align_up,
-    fsync_path,
+    create_preallocated,
     host_buffer,
     make_engine,
-    open_data_file,
+)
+from tba.checkpoint._publish import (
+    ACTIVE_STAGING,
+    DATA_SUFFIX,
+    METADATA_NAME,
+    checkpoint_error,
+    fsync_path,
+    is_checkpoint_dir,
+    remove_stale_partials,
     swap_into_place,
 )
 
 logger = logging.getLogger("tba")
-
-METADATA_NAME = ".metadata"
-DATA_SUFFIX = ".distcp"
-DEFAULT_QUEUE_DEPTH = 8
-_ACTIVE_STAGING: set[str] = set()
-"""Staging directories of saves in progress in this process (never removed as stale)."""
-_PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
-
 
 @dataclasses.dataclass(frozen=True)
 class _FilePlan:
@@ -91,43 +90,6 @@ class ImagePool:
             return self._buffer
 
 
-def _os_error(err: OSError, what: str, directory: str) -> TbaCheckpointError:
-    if err.errno == errno.ENOSPC:
-        fix = "free space there or save to another directory"
-    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        fix = "save to a writable directory"
-    else:
-        fix = "check the directory and the disk"
-    return TbaCheckpointError(f"{what} in {directory} failed: {err.strerror}; {fix}; any earlier "
-                              "checkpoint is unchanged")
-
-
-def _is_checkpoint_dir(path: str) -> bool:
-    names = os.listdir(path)
-    return all(n == METADATA_NAME or n.endswith(DATA_SUFFIX) for n in names)
-
-
-def _remove_stale_partials(parent: str, name: str) -> None:
-    for entry in os.listdir(parent):
-        match = _PARTIAL.match(entry)
-        if not match or match.group("name") != name:
-            continue
-        pid = int(match.group("pid"))
-        if pid == os.getpid():
-            alive = os.path.join(parent, entry.removesuffix(".old")) in _ACTIVE_STAGING
-        else:
-            try:
-                os.kill(pid, 0)
-                alive = True
-            except ProcessLookupError:
-                alive = False
-            except PermissionError:
-                alive = True
-        if not alive:
-            logger.info("tba: removing %s left by a save that did not finish", entry)
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
 class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
     """DCP storage writer: O_DIRECT writes through tba's engine, atomic publication.
 
@@ -153,7 +115,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         *,
         backend: str | Engine = "auto",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
-        chunk_bytes: int = _layout.DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         overwrite: bool = True,
         image_pool: ImagePool | None = None,
         cache_staged_state_dict: bool = False,
@@ -200,7 +162,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as err:
-            raise _os_error(err, "creating the checkpoint's parent directory", parent) from err
+            raise checkpoint_error(err, "creating the checkpoint's parent directory", parent) from err
         if not os.access(parent, os.W_OK):
             raise TbaConfigError(f"cannot write checkpoints in {parent}: it is read-only or not "
                                  "writable by this user; save to a writable directory")
@@ -208,21 +170,21 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             if not self.overwrite:
                 raise TbaConfigError(f"a checkpoint exists at {self.path}; pass overwrite=True or "
                                      "choose a new path")
-            if not os.path.isdir(self.path) or not _is_checkpoint_dir(self.path):
+            if not os.path.isdir(self.path) or not is_checkpoint_dir(self.path):
                 raise TbaConfigError(f"{self.path} exists and is not a checkpoint directory; "
                                      "choose a new path (tba never replaces other files)")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         parent, name = os.path.split(self.path)
-        _remove_stale_partials(parent, name)
+        remove_stale_partials(parent, name)
         staging = os.path.join(parent, f".{name}.tba-partial-{os.getpid()}-{self.save_id[:12]}")
         self._staging = staging
-        _ACTIVE_STAGING.add(staging)
+        ACTIVE_STAGING.add(staging)
         try:
             os.mkdir(staging)
         except OSError as err:
-            raise _os_error(err, "creating the staging directory", parent) from err
+            raise checkpoint_error(err, "creating the staging directory", parent) from err
         return [dataclasses.replace(plan, storage_data=_FilePlan(f"__{i}_", staging))
                 for i, plan in enumerate(plans)]
 
@@ -260,7 +222,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             # engine lives exactly as long as one save's writes; an Engine passed in is the caller's.
             engine = self._backend if isinstance(self._backend, Engine) else make_engine(
                 self._backend, queue_depth=self._queue_depth)
-            fd, _ = open_data_file(path, align_up(file_bytes))
+            fd, _ = create_preallocated(path, align_up(file_bytes))
             try:
                 _layout.write_image(engine, fd, image, entries, file_bytes,
                                     chunk_bytes=self.chunk_bytes, on_snapshot=snapshot_done)
@@ -274,9 +236,9 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             self.last_write_bytes = file_bytes
         except BaseException as err:
             shutil.rmtree(file_plan.staging, ignore_errors=True)
-            _ACTIVE_STAGING.discard(file_plan.staging)
+            ACTIVE_STAGING.discard(file_plan.staging)
             if isinstance(err, OSError):
-                raise _os_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
+                raise checkpoint_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
             raise
         finally:
             snapshot_done()
@@ -304,9 +266,9 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             replaced = swap_into_place(staging, self.path)
         except OSError as err:
             shutil.rmtree(staging, ignore_errors=True)
-            raise _os_error(err, "publishing the checkpoint", parent) from err
+            raise checkpoint_error(err, "publishing the checkpoint", parent) from err
         finally:
-            _ACTIVE_STAGING.discard(staging)
+            ACTIVE_STAGING.discard(staging)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         logger.debug("tba: checkpoint %s published", self.path)

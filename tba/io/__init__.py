@@ -25,9 +25,9 @@ from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
 from tba.io._engine import Engine, Op, Request
 from tba.io._fs import filesystem_type, memory_backed
-from tba.io._memory import aligned_empty, memory_view, round_up, storage_view
+from tba.io._memory import aligned_empty, host_buffer, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
-from tba.io._spill import OutOfDescriptorsError, SpillFile, probe_direct_io, resolve_directory
+from tba.io._spill import OutOfDescriptorsError, SpillFile, create_preallocated, probe_direct_io, resolve_directory
 from tba.io._threads import ThreadEngine
 
 logger = logging.getLogger("tba")
@@ -147,9 +147,11 @@ __all__ = [
     "available_backends",
     "backend_names",
     "checksum",
+    "create_preallocated",
     "engine_names",
     "filled_buffer",
     "filesystem_type",
+    "host_buffer",
     "load_crc32c",
     "make_engine",
     "memory_backed",

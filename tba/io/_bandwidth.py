@@ -9,13 +9,13 @@ the engine keeps its queue full; the scratch file has no name and disappears wit
 from __future__ import annotations
 
 import concurrent.futures
-import mmap
 import os
 import time
 
 import torch
 
 from tba.io._engine import Engine, Op, Request
+from tba.io._memory import host_buffer
 from tba.io._spill import open_anonymous
 
 
@@ -29,12 +29,7 @@ def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
     come from one ``MAP_POPULATE`` pass and are contiguous only as far as free memory happens to
     be. fio's own buffer gets no huge pages; ``--no-hugepages`` compares on that footing.
     """
-    huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
-    populate = 0 if huge else mmap.MAP_POPULATE
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    if huge:
-        region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which then faults 2 MiB pages
-    buffer = torch.frombuffer(region, dtype=torch.uint8)
+    buffer = host_buffer(nbytes, hugepages=hugepages)
     buffer.random_(0, 256, generator=torch.Generator().manual_seed(0))
     return buffer
 

@@ -4,12 +4,14 @@
 multiples of the device's block size. The torch CPU allocator only promises 64-byte alignment,
 so this module over-allocates a ``uint8`` tensor and returns the view that starts at the wanted
 alignment. The returned view keeps the whole allocation alive, and any tensor rebuilt on its
-storage does too.
+storage does too. :func:`host_buffer` maps large, long-lived buffers (benchmarks, checkpoint
+images) straight from the kernel instead, page-aligned by construction.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import torch
 
@@ -27,6 +29,23 @@ def aligned_empty(nbytes: int, *, pinned: bool = False, alignment_bytes: int = A
     raw = torch.empty(nbytes + alignment_bytes, dtype=torch.uint8, pin_memory=pinned)
     start = -raw.data_ptr() % alignment_bytes
     return raw[start : start + nbytes]
+
+
+def host_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor of ``nbytes`` from an anonymous ``mmap``: page-aligned, zeroed, every
+    page touched now (first touch of fresh memory runs at ~1 GB/s, so pay it once, up front).
+
+    With ``hugepages`` (default) the mapping asks for transparent huge pages before the first touch
+    (each 2 MiB physically contiguous: fewer DMA segments per O_DIRECT request); without, its pages
+    come from one ``MAP_POPULATE`` pass.
+    """
+    huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if huge else mmap.MAP_POPULATE))
+    if huge:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    buffer = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+    buffer.zero_()
+    return buffer
 
 
 def round_up(nbytes: int, alignment_bytes: int) -> int:

@@ -71,6 +71,32 @@ def open_anonymous(directory: str, *, direct: bool) -> int:
     return fd
 
 
+def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
+    """Create ``path`` for writing (it must not exist), ``O_DIRECT`` where the file system takes it
+    (else buffered, with one warning per directory), with ``size_bytes`` preallocated, so that a
+    full disk fails here rather than at a write. Returns the descriptor and whether it is ``O_DIRECT``.
+
+    Raises:
+        OSError: ``ENOSPC`` when the space cannot be reserved, or the file cannot be created.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd, direct = os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        _warn_buffered_once(os.path.dirname(path), f"O_DIRECT refused ({err.strerror})")
+        fd, direct = os.open(path, flags, 0o644), False
+    try:
+        if size_bytes:
+            os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            raise
+    return fd, direct
+
+
 def _direct_round_trip(fd: int) -> None:
     buf = aligned_empty(2 * ALIGN_BYTES)
     buf[:ALIGN_BYTES].fill_(0x5A)

@@ -1,0 +1,119 @@
+"""Staging directories and atomic publication of a checkpoint.
+
+A save writes under a staging directory beside the checkpoint (``.<name>.tba-partial-<pid>-<id>``)
+and publishes it with :func:`swap_into_place`: one ``rename`` when nothing is at the target, else
+``renameat2(RENAME_EXCHANGE)``, which swaps the two directories in one atomic step, so the name
+always holds a whole checkpoint. :func:`fsync_path` makes files and directory entries durable;
+:func:`remove_stale_partials` removes staging directories of processes that died mid-save.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import re
+import shutil
+
+from tba.checkpoint._io import TbaCheckpointError
+
+logger = logging.getLogger("tba")
+
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+ACTIVE_STAGING: set[str] = set()
+"""Staging directories of saves in progress in this process (never removed as stale)."""
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointError:
+    """A :class:`TbaCheckpointError` for ``err`` raised while doing ``what``, naming the fix."""
+    if err.errno == errno.ENOSPC:
+        fix = "free space there or save to another directory"
+    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "save to a writable directory"
+    else:
+        fix = "check the directory and the disk"
+    return TbaCheckpointError(f"{what} in {directory} failed: {err.strerror}; {fix}; any earlier "
+                              "checkpoint is unchanged")
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` holds nothing but a checkpoint's files (so a save may replace it)."""
+    names = os.listdir(path)
+    return all(n == METADATA_NAME or n.endswith(DATA_SUFFIX) for n in names)
+
+
+def remove_stale_partials(parent: str, name: str) -> None:
+    """Remove staging directories of saves to ``parent/name`` whose process is gone."""
+    for entry in os.listdir(parent):
+        match = _PARTIAL.match(entry)
+        if not match or match.group("name") != name:
+            continue
+        pid = int(match.group("pid"))
+        if pid == os.getpid():
+            alive = os.path.join(parent, entry.removesuffix(".old")) in ACTIVE_STAGING
+        else:
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+        if not alive:
+            logger.info("tba: removing %s left by a save that did not finish", entry)
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def fsync_path(path: str) -> None:
+    """``fsync`` a file or directory by name, making its contents or entries durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), a)
+
+
+def swap_into_place(staging: str, target: str) -> str | None:
+    """Publish the directory ``staging`` as ``target`` atomically.
+
+    When ``target`` does not exist this is one ``rename``. When it does, the two directories are
+    exchanged with ``renameat2(RENAME_EXCHANGE)``, so that at every instant ``target`` names either
+    the old checkpoint or the new one; the old one is then found at ``staging`` and the caller
+    removes it. Where the file system has no exchange, the old one is first renamed aside (a
+    window in which ``target`` is missing, logged once).
+
+    Returns:
+        The path now holding the replaced checkpoint, or None when there was none.
+    """
+    parent = os.path.dirname(target)
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        fsync_path(parent)
+        return None
+    try:
+        _exchange(staging, target)
+        aside = staging
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        logger.warning("tba: %s cannot exchange directories atomically (%s); renaming in two steps",
+                       parent, err.strerror)
+        aside = staging + ".old"
+        os.rename(target, aside)
+        os.rename(staging, target)
+    fsync_path(parent)
+    return aside
