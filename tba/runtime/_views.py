@@ -5,7 +5,7 @@ one buffer (a ``transpose`` here, a slice there, the same activation for two ops
 storage becomes one :class:`StorageEntry`, written once; each saved tensor becomes a small
 :class:`SavedView` that records how to rebuild it from the storage bytes (dtype, shape, stride and
 offset in elements) and points at the entry. See Note [Dedup by storage identity] in
-``tba/runtime/_offloader.py`` for how a storage is recognised.
+``tba/runtime/_store.py`` for how a storage is recognised.
 
 An entry moves through these states::
 
