@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tba.device._ops import CudaOps
-from tba.device._route import Callback, ReadCallback, Route
+from tba.device._protocol import Callback, ReadCallback, Route
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Ordering of device copies: streams, events, and who waits for what.
 
-The staged route (``tba/device/_staged.py``) moves a device storage through host staging blocks. Its
+The staged route (``tba/device/_staged_route.py``) moves a device storage through host staging blocks. Its
 ordering rules, which keep the compute stream free of synchronisation:
 
 * pack records an event on the *current* stream: the producer of the tensor;
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tba.device._route import Callback
+from tba.device._protocol import Callback
 
 
 class DeviceOps(abc.ABC):

@@ -8,7 +8,7 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
    tensors, layers a policy keeps) or goes to disk. For the disk path the :class:`StorageStore`
    (``tba/runtime/_store.py``) finds or creates the entry of the tensor's storage (Note [Dedup by storage
    identity]) and starts its write: host storages straight from their own memory, CUDA storages
-   through a route (``tba/device/_routes.py``: pinned staging blocks, or kvikio). ``pack`` returns a
+   through a route (``tba/device/_router.py``: pinned staging blocks, or kvikio). ``pack`` returns a
    :class:`SavedView`, the recipe to rebuild the tensor from the storage's bytes.
 2. When a storage's write completes, tba drops its reference, so the memory is freed as soon as
    nothing else in the program uses it.

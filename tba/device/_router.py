@@ -2,7 +2,7 @@
 
 * Host (CPU) storages take the *host* route (``tba/device/_host.py``): their own memory goes to the
   host engine, reads land in pooled aligned buffers.
-* CUDA storages take the *staged* route (``tba/device/_staged.py``): device -> pinned staging block
+* CUDA storages take the *staged* route (``tba/device/_staged_route.py``): device -> pinned staging block
   -> host engine, with copies on side streams.
 * With kvikio and GPUDirect Storage, CUDA storages take the *kvikio* route instead
   (``tba/device/_kvikio.py``): ``kvikio.CuFile`` writes device memory to the file and reads it back
@@ -22,9 +22,9 @@ import torch
 from tba.device._host import HostRoute
 from tba.device._kvikio import KvikioRoute, gds_unavailable_reason, kvikio_unavailable_reason
 from tba.device._ops import CudaOps, DeviceOps, HostOps
-from tba.device._route import Route
-from tba.device._staged import StagedRoute
-from tba.device._staging import StagingPool
+from tba.device._pinned_pool import StagingPool
+from tba.device._protocol import Route
+from tba.device._staged_route import StagedRoute
 from tba.errors import TbaConfigError
 from tba.io import BufferPool, Engine
 

@@ -33,8 +33,8 @@ import torch
 
 from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
-from tba.device._route import Callback, Countdown, ReadCallback, Route, pieces
-from tba.device._staging import StagingPool
+from tba.device._pinned_pool import StagingPool
+from tba.device._protocol import Callback, Countdown, ReadCallback, Route, pieces
 from tba.io import Engine, round_up
 
 logger = logging.getLogger(__name__)
