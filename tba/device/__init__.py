@@ -7,12 +7,14 @@ ordering contract of device copies (streams and events); :class:`Routes` (``_rou
 route of each device.
 """
 
+from tba.device._cuda import CudaApi, cuda_api, is_device_tensor, use_cuda_api
 from tba.device._kvikio import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.device._ops import CudaOps, DeviceOps, HostOps
 from tba.device._protocol import Route
 from tba.device._router import DEVICE_TYPES, Routes, host_engine_backend
 
 __all__ = [
-    "DEVICE_TYPES", "CudaOps", "DeviceOps", "HostOps", "Route", "Routes", "gds_unavailable_reason",
-    "host_engine_backend", "kvikio_unavailable_reason",
+    "DEVICE_TYPES", "CudaApi", "CudaOps", "DeviceOps", "HostOps", "Route", "Routes", "cuda_api",
+    "gds_unavailable_reason", "host_engine_backend", "is_device_tensor", "kvikio_unavailable_reason",
+    "use_cuda_api",
 ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tba.device._cuda import cuda_api
 from tba.device._ops import CudaOps
 from tba.device._protocol import Callback, ReadCallback, Route
 
@@ -30,7 +31,7 @@ def kvikio_unavailable_reason() -> str | None:
         import kvikio  # noqa: F401
     except ImportError as err:
         return f"kvikio is not installed ({err}); pip install 'tba[gds]'"
-    if not torch.cuda.is_available():
+    if not cuda_api().is_available():
         return "no CUDA device"
     return None
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tba.device._cuda import cuda_api
 from tba.device._protocol import Callback
 
 
@@ -112,7 +113,7 @@ class _Waiter:
 
 
 class CudaOps(DeviceOps):
-    """CUDA streams and events for one device.
+    """CUDA streams and events for one device (through :func:`~tba.device._cuda.cuda_api`).
 
     Args:
         device: The CUDA device of the tensors this handles.
@@ -120,44 +121,47 @@ class CudaOps(DeviceOps):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.side_stream = torch.cuda.Stream(device)
-        self.prefetch_stream = torch.cuda.Stream(device)
+        self.cuda = cuda_api()
+        self.side_stream = self.cuda.Stream(device)
+        self.prefetch_stream = self.cuda.Stream(device)
         self._waiters = {"side": _Waiter("tba-d2h-wait"), "prefetch": _Waiter("tba-h2d-wait")}
         self._closed = False
 
-    def mark_ready(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+    def mark_ready(self) -> Any:
+        event = self.cuda.Event()
+        event.record(self.cuda.current_stream(self.device))
         return event
 
-    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.side_stream):
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
+        cuda = self.cuda
+        with cuda.device(self.device), cuda.stream(self.side_stream):
             self.side_stream.wait_event(after)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            cuda.copy_(dst, src)
+            done = cuda.Event()
             done.record(self.side_stream)
         return done
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.prefetch_stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with self.cuda.device(self.device), self.cuda.stream(self.prefetch_stream):
+            return self.cuda.empty(nbytes, device)
 
-    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.prefetch_stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        cuda = self.cuda
+        with cuda.device(self.device), cuda.stream(self.prefetch_stream):
+            cuda.copy_(dst, src)
+            done = cuda.Event()
             done.record(self.prefetch_stream)
         done._tba_stream = "prefetch"
         return done
 
-    def when_done(self, event: torch.cuda.Event, callback: Callback) -> None:
+    def when_done(self, event: Any, callback: Callback) -> None:
         self._waiters[getattr(event, "_tba_stream", "side")].put(event, callback)
 
-    def consume(self, event: torch.cuda.Event, tensor: torch.Tensor) -> None:
-        current = torch.cuda.current_stream(self.device)
+    def consume(self, event: Any, tensor: torch.Tensor) -> None:
+        current = self.cuda.current_stream(self.device)
         if event is not None:
             current.wait_event(event)
-        tensor.record_stream(current)
+        self.cuda.record_stream(tensor, current)
 
     def close(self) -> None:
         if not self._closed:

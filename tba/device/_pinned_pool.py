@@ -17,6 +17,7 @@ import threading
 import torch
 
 from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, STAGING_BYTES
+from tba.device._cuda import cuda_api
 from tba.errors import TbaConfigError
 from tba.io import aligned_empty
 
@@ -41,11 +42,16 @@ class StagingPool:
                 "raise staging_bytes"
             )
         if pinned is None:
-            pinned = torch.cuda.is_available()
+            pinned = cuda_api().is_available()
         count = capacity_bytes // block_bytes
         self.block_bytes = block_bytes
         self.pinned = pinned
-        self._slab = aligned_empty(count * block_bytes, pinned=pinned)
+        if pinned:
+            raw = cuda_api().host_empty(count * block_bytes + ALIGN_BYTES)
+            start = -raw.data_ptr() % ALIGN_BYTES
+            self._slab = raw[start : start + count * block_bytes]
+        else:
+            self._slab = aligned_empty(count * block_bytes)
         self._slab.fill_(0)
         self._free = [self._slab[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
         self.capacity_blocks = count

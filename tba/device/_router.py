@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from tba.device._cuda import cuda_api
 from tba.device._host import HostRoute
 from tba.device._kvikio import KvikioRoute, gds_unavailable_reason, kvikio_unavailable_reason
 from tba.device._ops import CudaOps, DeviceOps, HostOps
@@ -84,8 +85,9 @@ class Routes:
         return route
 
     def _make(self, device: torch.device) -> Route:
-        ops = self.device_ops or (CudaOps(device) if device.type == "cuda" else HostOps())
-        if device.type == "cuda" and (self.backend == "kvikio" or (self.backend == "auto" and gds_unavailable_reason() is None)):
+        on_cuda = device.type == cuda_api().device_type and cuda_api().is_available()
+        ops = self.device_ops or (CudaOps(device) if on_cuda else HostOps())
+        if on_cuda and (self.backend == "kvikio" or (self.backend == "auto" and gds_unavailable_reason() is None)):
             logger.info("tba: CUDA storages on %s go through kvikio", device)
             return KvikioRoute(ops)
         if self.staging_pool is None:

@@ -42,7 +42,7 @@ from torch import nn
 from tba import _control
 from tba._trace import nvtx_range
 from tba.config import OffloadConfig, options_doc, signature_with_options
-from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
+from tba.device import DEVICE_TYPES, DeviceOps, Routes, cuda_api, host_engine_backend, is_device_tensor
 from tba.errors import EngineClosedError, TbaConfigError, TbaError
 from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
 from tba.runtime import _at_fork, _shared
@@ -92,9 +92,11 @@ class Offloader:
         config: OffloadConfig | None = None,
         _reusable: bool = True,
         _device_ops: DeviceOps | None = None,
-        _staged_devices: tuple[str, ...] = ("cuda",),
+        _staged_devices: tuple[str, ...] | None = None,
         **options: Any,
     ) -> None:
+        if _staged_devices is None:
+            _staged_devices = (cuda_api().device_type,)
         if config is not None and not isinstance(config, OffloadConfig):
             raise TbaConfigError(f"config must be a tba.OffloadConfig, got {type(config).__name__}")
         if directory is not None:
@@ -415,8 +417,8 @@ class Offloader:
             # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
             # unpack from the metadata it recorded at save. It shares the version counter.
             return tensor.detach() if tensor.grad_fn is not None else tensor
-        if tensor.is_cuda:
-            return _control.call(_on_stream, torch.cuda.current_stream(tensor.device), self._save_job,
+        if is_device_tensor(tensor):
+            return _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job,
                                  tensor, self._tracker.current)
         return _control.call(self._save_job, tensor, self._tracker.current)
 
@@ -516,5 +518,5 @@ Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  #
 
 def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` with ``stream`` current: the caller's stream, for a job on the control thread."""
-    with torch.cuda.stream(stream):
+    with cuda_api().stream(stream):
         return fn(*args)
