@@ -83,16 +83,23 @@ class StagedRoute(Route):
         countdown = Countdown(len(spans), on_done)
         for start, nbytes in spans:
             block = self.pool.acquire()
+            piece = src[start : start + nbytes]
             try:
-                event = self.ops.copy_to_host(src[start : start + nbytes], block[:nbytes], ready)
+                event = self.ops.copy_to_host(piece, block[:nbytes], ready)
             except BaseException as error:
                 self.pool.release(block)
                 countdown.done(error)
                 continue
-            self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown))
+            # Note: [The route holds the source until its copy ran]
+            # The store may drop its reference while the copy is still queued (the entry died: a
+            # backward that raced the writes). The caching allocator would then hand the memory to
+            # the next allocation while the side stream still reads it; the piece held here keeps it
+            # until the copy's event completed.
+            self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown, piece))
 
     def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: Countdown,
-                error: BaseException | None) -> None:
+                source: torch.Tensor, error: BaseException | None) -> None:
+        del source
         if error is not None:
             self.pool.release(block)
             countdown.done(error)
