@@ -8,5 +8,6 @@ allocator that poisons freed blocks, and a vector-clock race checker (``sim.prob
 """
 
 from tba.device.sim._device import SimConfig, SimulatedCuda, simulate
+from tba.device.sim._kvikio import FakeKvikio, fake_kvikio
 
-__all__ = ["SimConfig", "SimulatedCuda", "simulate"]
+__all__ = ["FakeKvikio", "SimConfig", "SimulatedCuda", "fake_kvikio", "simulate"]

@@ -300,6 +300,11 @@ class SimulatedCuda:
             raise RuntimeError(f"CUDA error: capturing stream has unjoined work (cudaErrorStreamCaptureUnjoined): "
                                f"{', '.join(s.name for s in unjoined)} waited on the capture and never rejoined it")
 
+    def stall(self, held: bool = True) -> None:
+        """Hold every asynchronous stream (``held=False`` lets them run again): side streams lagging without end."""
+        self.scheduler.held = held
+        self.scheduler.wake()
+
     # ------------------------------------------------------------- lifetime
     def close(self) -> None:
         self.scheduler.stop()

@@ -124,6 +124,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._streams: list[SimStream] = []
         self._stopping = False
+        self.held = False
         self.operations = 0
         self._thread = threading.Thread(target=self._run, name="tba-sim-scheduler", daemon=True)
         self._thread.start()
@@ -143,6 +144,8 @@ class Scheduler:
             self._cond.notify_all()
 
     def _pick(self) -> tuple[SimStream, Any] | None:
+        if self.held:
+            return None
         now = time.monotonic()
         ready = []
         for stream in self._streams:
@@ -186,6 +189,7 @@ class Scheduler:
         """Run what is queued (pauses cut short), then end the thread."""
         with self._cond:
             self._stopping = True
+            self.held = False
             self.max_lag_s = self.max_delay_s = 0.0
             for stream in self._streams:
                 stream.paused_until = 0.0
