@@ -20,6 +20,7 @@ state machine with an asynchronous fake on CPU.
 from __future__ import annotations
 
 import abc
+import logging
 import queue
 import threading
 from typing import Any
@@ -28,6 +29,18 @@ import torch
 
 from tba.device._cuda import cuda_api
 from tba.device._protocol import Callback
+
+logger = logging.getLogger("tba")
+
+
+class _Done:
+    """An event that has completed (a marker in a waiter's queue)."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 class DeviceOps(abc.ABC):
@@ -57,6 +70,9 @@ class DeviceOps(abc.ABC):
     def consume(self, event: Any, tensor: torch.Tensor) -> None:
         """Make the current stream wait on ``event`` before it uses ``tensor``."""
 
+    def drain(self) -> None:
+        """Wait until every completion queued so far was delivered (before the host engine closes)."""
+
     def close(self) -> None:
         """Stop helper threads. Idempotent."""
 
@@ -84,7 +100,11 @@ class HostOps(DeviceOps):
 
 
 class _Waiter:
-    """One thread that synchronises on events in queue order and runs their callbacks."""
+    """One thread that synchronises on events in queue order and runs their callbacks.
+
+    A callback that raises is logged and the thread goes on: every later copy must still complete,
+    or no storage is released and ``flush()`` waits for ever.
+    """
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -103,9 +123,20 @@ class _Waiter:
             try:
                 event.synchronize()
             except BaseException as error:
-                callback(error)
+                outcome: BaseException | None = error
             else:
-                callback(None)
+                outcome = None
+            try:
+                callback(outcome)
+            except BaseException:
+                logger.exception("tba: a device copy's completion callback failed")
+
+    def drain(self) -> None:
+        """Wait until the callbacks queued so far ran."""
+        if self._thread.is_alive():
+            done = threading.Event()
+            self._queue.put((_DONE, lambda error: done.set()))
+            done.wait()
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -162,6 +193,10 @@ class CudaOps(DeviceOps):
         if event is not None:
             current.wait_event(event)
         self.cuda.record_stream(tensor, current)
+
+    def drain(self) -> None:
+        for waiter in self._waiters.values():
+            waiter.drain()
 
     def close(self) -> None:
         if not self._closed:

@@ -100,11 +100,15 @@ class StagedRoute(Route):
     def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: Countdown,
                 source: torch.Tensor, error: BaseException | None) -> None:
         del source
+        if error is None:
+            try:
+                future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
+            except BaseException as submit_error:
+                error = submit_error
         if error is not None:
             self.pool.release(block)
             countdown.done(error)
             return
-        future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
         future.add_done_callback(functools.partial(self._written, block, countdown))
 
     def _written(self, block: torch.Tensor, countdown: Countdown, future: Future) -> None:
@@ -182,10 +186,15 @@ class StagedRoute(Route):
         self.ops.consume(event, tensor)
 
     def stop(self) -> None:
-        """Stop the stager thread after the queued jobs. Idempotent."""
+        """Stop the stager thread after the queued jobs, then wait for the copies they queued. Idempotent.
+
+        The copies' completions submit file writes: they must all have run before the host engine
+        closes (after a forward that raised, copies may still be queued on a lagging side stream).
+        """
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+        self.ops.drain()
 
     def close(self) -> None:
         self.ops.close()
