@@ -146,6 +146,9 @@ class _Waiter:
 class CudaOps(DeviceOps):
     """CUDA streams and events for one device (through :func:`~tba.device._cuda.cuda_api`).
 
+    Every event is created with ``blocking=True``: the waiter threads (and the kvikio worker)
+    synchronise on them, and a default event's ``synchronize()`` spins a CPU core until it fires.
+
     Args:
         device: The CUDA device of the tensors this handles.
     """
@@ -159,7 +162,7 @@ class CudaOps(DeviceOps):
         self._closed = False
 
     def mark_ready(self) -> Any:
-        event = self.cuda.Event()
+        event = self.cuda.Event(blocking=True)
         event.record(self.cuda.current_stream(self.device))
         return event
 
@@ -168,7 +171,7 @@ class CudaOps(DeviceOps):
         with cuda.device(self.device), cuda.stream(self.side_stream):
             self.side_stream.wait_event(after)
             cuda.copy_(dst, src)
-            done = cuda.Event()
+            done = cuda.Event(blocking=True)
             done.record(self.side_stream)
         return done
 
@@ -180,7 +183,7 @@ class CudaOps(DeviceOps):
         cuda = self.cuda
         with cuda.device(self.device), cuda.stream(self.prefetch_stream):
             cuda.copy_(dst, src)
-            done = cuda.Event()
+            done = cuda.Event(blocking=True)
             done.record(self.prefetch_stream)
         done._tba_stream = "prefetch"
         return done
