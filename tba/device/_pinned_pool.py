@@ -46,13 +46,16 @@ class StagingPool:
         count = capacity_bytes // block_bytes
         self.block_bytes = block_bytes
         self.pinned = pinned
-        if pinned:
-            raw = cuda_api().host_empty(count * block_bytes + ALIGN_BYTES)
-            start = -raw.data_ptr() % ALIGN_BYTES
-            self._slab = raw[start : start + count * block_bytes]
-        else:
-            self._slab = aligned_empty(count * block_bytes)
+        # Note: [Pinned exactly]
+        # torch's pinned allocator (``pin_memory=True``) is a caching allocator that rounds each
+        # request up to a power of two: a 256 MiB slab plus alignment slack took 512 MiB of
+        # page-locked memory. The slab is ordinary page-aligned memory, touched once, then
+        # page-locked in place (``cudaHostRegister``), exactly its size.
+        self._slab = aligned_empty(count * block_bytes)
         self._slab.fill_(0)
+        self._cuda = cuda_api() if pinned else None
+        if self._cuda is not None:
+            self._cuda.pin(self._slab)
         self._free = [self._slab[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
         self.capacity_blocks = count
         self._cond = threading.Condition()
@@ -70,6 +73,12 @@ class StagingPool:
                 self.waits += 1
                 self._cond.wait_for(lambda: self._free)
             return self._free.pop()
+
+    def close(self) -> None:
+        """Unpin the slab (every block must be back). Idempotent."""
+        cuda, self._cuda = self._cuda, None
+        if cuda is not None:
+            cuda.unpin(self._slab)
 
     def release(self, block: torch.Tensor) -> None:
         """Give a block back; wakes one waiter."""

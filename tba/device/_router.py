@@ -74,6 +74,14 @@ class Routes:
         self.host = HostRoute(engine, read_pool, block_bytes)
         self._routes: dict[torch.device, Route] = {}
         self.staging_pool: StagingPool | None = None
+        cuda = cuda_api()
+        if device_ops is None and cuda.device_type in staged_devices and cuda.is_available() and not self._kvikio():
+            # Pinned and touched now, when the offloader opens, not inside the first pack mid-forward.
+            self.staging_pool = StagingPool(staging_bytes, block_bytes)
+
+    def _kvikio(self) -> bool:
+        """Whether CUDA storages take the kvikio route."""
+        return self.backend == "kvikio" or (self.backend == "auto" and gds_unavailable_reason() is None)
 
     def for_device(self, device: torch.device) -> Route:
         """The route for storages on ``device``."""
@@ -87,7 +95,7 @@ class Routes:
     def _make(self, device: torch.device) -> Route:
         on_cuda = device.type == cuda_api().device_type and cuda_api().is_available()
         ops = self.device_ops or (CudaOps(device) if on_cuda else HostOps())
-        if on_cuda and (self.backend == "kvikio" or (self.backend == "auto" and gds_unavailable_reason() is None)):
+        if on_cuda and self._kvikio():
             logger.info("tba: CUDA storages on %s go through kvikio", device)
             return KvikioRoute(ops)
         if self.staging_pool is None:
@@ -110,3 +118,5 @@ class Routes:
         routes, self._routes = list(self._routes.values()), {}
         for route in routes:
             route.close()
+        if self.staging_pool is not None:
+            self.staging_pool.close()
