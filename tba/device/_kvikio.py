@@ -100,7 +100,7 @@ class KvikioRoute(Route):
              on_done: ReadCallback) -> None:
         def start() -> None:
             try:
-                dst = self.ops.empty(nbytes, device)
+                dst = self.ops.empty_for_host(nbytes, device)
                 future = self._file(fd).pread(dst, nbytes, offset)
             except BaseException as error:
                 on_done(error, None, None)

@@ -8,9 +8,11 @@ ordering rules, which keep the compute stream free of synchronisation:
 * the device memory is released only after the copies (and the file writes) completed, which a
   waiter thread learns by synchronising on the copy's event (host-side, off the hot path);
 * reads land in host blocks, then host-to-device copies run on a *prefetch* stream into memory
-  allocated on that stream, and an event is recorded after the last one;
-* unpack makes the consuming (current) stream wait on that event and records the tensor's use on
-  it (``record_stream``), so the caching allocator does not recycle it early.
+  allocated on the *compute* stream (the stream packs ran on), after the prefetch stream waited for
+  an event recorded there at allocation; an event is recorded after the last copy;
+* unpack makes the consuming (current) stream wait on that event. The tensor belongs to the compute
+  stream's pool, so memory backward frees serves it and no ``record_stream`` is needed (only when
+  another stream consumes it); the route holds it until its copies completed.
 
 :class:`DeviceOps` is that contract. :class:`CudaOps` implements it with torch streams and events;
 :class:`HostOps` is the degenerate case for host tensors (copies are synchronous). Tests drive the
@@ -56,7 +58,11 @@ class DeviceOps(abc.ABC):
 
     @abc.abstractmethod
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A ``uint8`` tensor of ``nbytes`` on ``device``, allocated for the prefetch stream."""
+        """A ``uint8`` tensor of ``nbytes`` on ``device`` that :meth:`copy_to_device` may fill."""
+
+    def empty_for_host(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """As :meth:`empty`, for a writer outside stream order (kvikio): returns once it may write."""
+        return self.empty(nbytes, device)
 
     @abc.abstractmethod
     def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
@@ -158,12 +164,14 @@ class CudaOps(DeviceOps):
         self.cuda = cuda_api()
         self.side_stream = self.cuda.Stream(device)
         self.prefetch_stream = self.cuda.Stream(device)
+        self.compute_stream = self.cuda.current_stream(device)
         self._waiters = {"side": _Waiter("tba-d2h-wait"), "prefetch": _Waiter("tba-h2d-wait")}
         self._closed = False
 
     def mark_ready(self) -> Any:
+        self.compute_stream = current = self.cuda.current_stream(self.device)
         event = self.cuda.Event(blocking=True)
-        event.record(self.cuda.current_stream(self.device))
+        event.record(current)
         return event
 
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
@@ -175,9 +183,30 @@ class CudaOps(DeviceOps):
             done.record(self.side_stream)
         return done
 
+    # Note: [Read-back memory belongs to the compute stream]
+    # Allocated on the prefetch stream, read-back tensors lived in a pool that memory freed by
+    # backward on the compute stream could never serve: under pressure the allocator freed cached
+    # blocks (a device-wide sync) mid-backward, and the record_stream of every unpack delayed reuse.
+    # Allocated on the compute stream, the block's previous users ran there: the prefetch stream
+    # waits for an event recorded on the compute stream after the allocation before copying in.
+
+    def _allocate(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        cuda = self.cuda
+        with cuda.device(self.device), cuda.stream(self.compute_stream):
+            tensor = cuda.empty(nbytes, device)
+            allocated = cuda.Event(blocking=True)
+            allocated.record(self.compute_stream)
+        return tensor, allocated
+
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        with self.cuda.device(self.device), self.cuda.stream(self.prefetch_stream):
-            return self.cuda.empty(nbytes, device)
+        tensor, allocated = self._allocate(nbytes, device)
+        self.prefetch_stream.wait_event(allocated)
+        return tensor
+
+    def empty_for_host(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        tensor, allocated = self._allocate(nbytes, device)
+        allocated.synchronize()
+        return tensor
 
     def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         cuda = self.cuda
@@ -195,7 +224,8 @@ class CudaOps(DeviceOps):
         current = self.cuda.current_stream(self.device)
         if event is not None:
             current.wait_event(event)
-        self.cuda.record_stream(tensor, current)
+        if current != self.compute_stream:
+            self.cuda.record_stream(tensor, current)
 
     def drain(self) -> None:
         for waiter in self._waiters.values():

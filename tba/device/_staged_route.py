@@ -153,7 +153,9 @@ class StagedRoute(Route):
             read.remaining -= 1
             finished = read.remaining == 0
         if copied:
-            self.ops.when_done(event, lambda _error: self.pool.release(block))
+            # The read (and its destination) is held until the copy ran: a read whose entry died
+            # meanwhile must not give the memory back under the prefetch stream's copy.
+            self.ops.when_done(event, functools.partial(self._h2d_done, block, read))
         else:
             self.pool.release(block)
         if finished:
@@ -161,6 +163,10 @@ class StagedRoute(Route):
                 read.on_done(read.error, None, None)
             else:
                 read.on_done(None, read.dst, read.last_event)
+
+    def _h2d_done(self, block: torch.Tensor, read: _Read, error: BaseException | None) -> None:
+        del read
+        self.pool.release(block)
 
     def _run(self) -> None:
         # A job that raises before it handed out any piece fails its transfer through ``fail``, so
