@@ -371,6 +371,8 @@ class Offloader:
         """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
         if in_keep_region():
             return KeepReason.USER_REGION
+        if is_device_tensor(tensor) and cuda_api().is_current_stream_capturing():
+            return KeepReason.CUDA_GRAPH_CAPTURE
         if type(tensor) is not torch.Tensor:
             return KeepReason.PARAMETER if isinstance(tensor, nn.Parameter) else KeepReason.TENSOR_SUBCLASS
         if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
