@@ -68,19 +68,30 @@ class TorchCuda:
         """Page-locked host memory from torch's host caching allocator (rounds up to a power of two)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    registered_bytes = 0
+    """Host bytes page-locked by :meth:`pin` and not yet unpinned."""
+
     def pin(self, tensor: torch.Tensor) -> None:
         """Page-lock exactly ``tensor``'s bytes (``cudaHostRegister``); undo with :meth:`unpin`."""
-        code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        nbytes = tensor.numel() * tensor.element_size()
+        code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         if int(code) != 0:
-            raise RuntimeError(f"cudaHostRegister of {tensor.numel()} bytes failed with CUDA error {int(code)}")
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(code)}")
+        with _lock:
+            TorchCuda.registered_bytes += nbytes
 
     def unpin(self, tensor: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        with _lock:
+            TorchCuda.registered_bytes -= tensor.numel() * tensor.element_size()
 
     def memory_stats(self, device: torch.device | None = None) -> dict[str, int]:
-        """Peak allocated and reserved device bytes."""
-        return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-                "reserved_bytes": torch.cuda.memory_reserved(device)}
+        """Allocated, peak allocated and reserved device bytes, and page-locked host bytes."""
+        host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        return {"allocated_bytes": torch.cuda.memory_allocated(device),
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "reserved_bytes": torch.cuda.memory_reserved(device),
+                "pinned_bytes": int(host.get("reserved_bytes.current", 0)) + self.registered_bytes}
 
 
 CudaApi = TorchCuda

@@ -274,7 +274,8 @@ class SimulatedCuda:
         self.pinned.unpin(tensor)
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
-        return {"peak_allocated_bytes": self.allocator.peak_allocated_bytes,
+        return {"allocated_bytes": self.allocator.allocated_bytes,
+                "peak_allocated_bytes": self.allocator.peak_allocated_bytes,
                 "reserved_bytes": self.allocator.reserved_bytes, "pinned_bytes": self.pinned.pinned_bytes}
 
     def host_access(self, address: int, nbytes: int, write: bool, what: str) -> None:
