@@ -374,7 +374,10 @@ class Offloader:
         if is_device_tensor(tensor) and cuda_api().is_current_stream_capturing():
             return KeepReason.CUDA_GRAPH_CAPTURE
         if type(tensor) is not torch.Tensor:
-            return KeepReason.PARAMETER if isinstance(tensor, nn.Parameter) else KeepReason.TENSOR_SUBCLASS
+            if isinstance(tensor, nn.Parameter):
+                return KeepReason.PARAMETER
+            _warn_subclass_kept(type(tensor))
+            return KeepReason.TENSOR_SUBCLASS
         if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
             return KeepReason.NOT_STRIDED
         if tensor.is_conj() or tensor.is_neg():
@@ -516,6 +519,17 @@ def offload_activations(directory: str | os.PathLike | None = None, *,
 offload_activations.__doc__ = offload_activations.__doc__.format(options=options_doc(indent=12))
 offload_activations.__signature__ = signature_with_options(offload_activations)  # type: ignore[attr-defined]
 Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]
+
+
+_WARNED_SUBCLASSES: set[type] = set()
+
+
+def _warn_subclass_kept(kind: type) -> None:
+    """Say once per tensor subclass (Float8Tensor, DTensor, ...) that its saved tensors stay in memory."""
+    if kind not in _WARNED_SUBCLASSES:
+        _WARNED_SUBCLASSES.add(kind)
+        logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
+                       "tba writes plain tensors only", kind.__module__, kind.__qualname__)
 
 
 def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
