@@ -63,6 +63,10 @@ class ModeResult:
     losses: list[float]
     offload_stats: dict[str, float] | None = None
     plan: dict[str, Any] | None = None
+    reserved_bytes: int = 0
+    """Most device memory the caching allocator reserved at the end of a step (CUDA)."""
+    pinned_bytes: int = 0
+    """Most page-locked host memory at the end of a step (CUDA)."""
 
     @property
     def median_step_s(self) -> float:
@@ -165,8 +169,12 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
                 loss = loss_of(loss)
                 loss.backward()
                 optimizer.step()
+                # The device finishes the step before the clock is read (CUDA work is asynchronous).
+                peak.synchronize()
                 elapsed = time.perf_counter() - start
             result.losses.append(loss.item())
+            result.reserved_bytes = max(result.reserved_bytes, peak.reserved_bytes)
+            result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
             del loss
             if step >= warmup:
                 result.step_s.append(elapsed)

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from tba.device import cuda_api
+
 # Note: [Why measured processes fix glibc's mmap threshold]
 # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
 # tensors of that size come from the heap and freed memory stays in the process. RSS then stops
@@ -58,21 +60,48 @@ class PeakRSS:
         while not self._stop.wait(0.001):
             self._sampled = max(self._sampled, _status_kib("VmRSS"))
 
+    reserved_bytes = 0
+    pinned_bytes = 0
+
+    def synchronize(self) -> None:
+        """Host work is synchronous; on the simulated CUDA device, wait for its streams."""
+        if cuda_api().simulated:
+            cuda_api().synchronize()
+
     def __exit__(self, *exc: object) -> None:
+        if cuda_api().simulated:
+            self.pinned_bytes = cuda_api().memory_stats()["pinned_bytes"]
         self._stop.set()
         peak = _status_kib("VmHWM") if self._kernel_peak else self._sampled
         self.delta_bytes = max(0, peak - self._start) * 1024
 
 
 class CudaPeak:
-    """Peak CUDA memory allocated over a ``with`` block, minus what was allocated at its start (bytes)."""
+    """Peak CUDA memory allocated over a ``with`` block, minus what was allocated at its start (bytes).
+
+    Also records the device memory the caching allocator reserved and the page-locked host bytes at
+    the end (``reserved_bytes``, ``pinned_bytes``). Call :meth:`synchronize` before reading a clock:
+    CUDA work is asynchronous, a clock read without it measures launch time.
+    """
+
+    reserved_bytes = 0
+    pinned_bytes = 0
 
     def __enter__(self) -> CudaPeak:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self._start = torch.cuda.memory_allocated()
+        cuda = cuda_api()
+        cuda.synchronize()
+        if not cuda.simulated:
+            torch.cuda.reset_peak_memory_stats()
+        self._start = cuda.memory_stats()["allocated_bytes"]
         return self
 
+    def synchronize(self) -> None:
+        cuda_api().synchronize()
+
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize()
-        self.delta_bytes = max(0, torch.cuda.max_memory_allocated() - self._start)
+        cuda = cuda_api()
+        cuda.synchronize()
+        stats = cuda.memory_stats()
+        self.delta_bytes = max(0, stats["peak_allocated_bytes"] - self._start)
+        self.reserved_bytes = stats["reserved_bytes"]
+        self.pinned_bytes = stats["pinned_bytes"]

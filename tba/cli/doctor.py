@@ -60,7 +60,7 @@ def _format_limit(value: int) -> str:
 
 
 def _cuda_route() -> str:
-    """Which route CUDA storages take with ``backend='auto'``, and why (see ``tba/device/_routes.py``)."""
+    """Which route CUDA storages take with ``backend='auto'``, and why (see ``tba/device/_router.py``)."""
     if _cuda_reason() is not None:
         return "none (no CUDA device)"
     gds = gds_unavailable_reason()

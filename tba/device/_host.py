@@ -17,7 +17,7 @@ import functools
 import torch
 
 from tba.defaults import ALIGN_BYTES
-from tba.device._route import Callback, Countdown, ReadCallback, Route, pieces
+from tba.device._protocol import Callback, Countdown, ReadCallback, Route, pieces
 from tba.io import BufferPool, Engine, Op, Request, round_up
 
 

@@ -1,6 +1,6 @@
 """Ordering of device copies: streams, events, and who waits for what.
 
-The staged route (``tba/device/_staged.py``) moves a device storage through host staging blocks. Its
+The staged route (``tba/device/_staged_route.py``) moves a device storage through host staging blocks. Its
 ordering rules, which keep the compute stream free of synchronisation:
 
 * pack records an event on the *current* stream: the producer of the tensor;
@@ -8,9 +8,11 @@ ordering rules, which keep the compute stream free of synchronisation:
 * the device memory is released only after the copies (and the file writes) completed, which a
   waiter thread learns by synchronising on the copy's event (host-side, off the hot path);
 * reads land in host blocks, then host-to-device copies run on a *prefetch* stream into memory
-  allocated on that stream, and an event is recorded after the last one;
-* unpack makes the consuming (current) stream wait on that event and records the tensor's use on
-  it (``record_stream``), so the caching allocator does not recycle it early.
+  allocated on the *compute* stream (the stream packs ran on), after the prefetch stream waited for
+  an event recorded there at allocation; an event is recorded after the last copy;
+* unpack makes the consuming (current) stream wait on that event. The tensor belongs to the compute
+  stream's pool, so memory backward frees serves it and no ``record_stream`` is needed (only when
+  another stream consumes it); the route holds it until its copies completed.
 
 :class:`DeviceOps` is that contract. :class:`CudaOps` implements it with torch streams and events;
 :class:`HostOps` is the degenerate case for host tensors (copies are synchronous). Tests drive the
@@ -20,13 +22,27 @@ state machine with an asynchronous fake on CPU.
 from __future__ import annotations
 
 import abc
+import logging
 import queue
 import threading
 from typing import Any
 
 import torch
 
-from tba.device._route import Callback
+from tba.device._cuda import cuda_api
+from tba.device._protocol import Callback
+
+logger = logging.getLogger("tba")
+
+
+class _Done:
+    """An event that has completed (a marker in a waiter's queue)."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 class DeviceOps(abc.ABC):
@@ -42,7 +58,11 @@ class DeviceOps(abc.ABC):
 
     @abc.abstractmethod
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A ``uint8`` tensor of ``nbytes`` on ``device``, allocated for the prefetch stream."""
+        """A ``uint8`` tensor of ``nbytes`` on ``device`` that :meth:`copy_to_device` may fill."""
+
+    def empty_for_host(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """As :meth:`empty`, for a writer outside stream order (kvikio): returns once it may write."""
+        return self.empty(nbytes, device)
 
     @abc.abstractmethod
     def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
@@ -55,6 +75,9 @@ class DeviceOps(abc.ABC):
     @abc.abstractmethod
     def consume(self, event: Any, tensor: torch.Tensor) -> None:
         """Make the current stream wait on ``event`` before it uses ``tensor``."""
+
+    def drain(self) -> None:
+        """Wait until every completion queued so far was delivered (before the host engine closes)."""
 
     def close(self) -> None:
         """Stop helper threads. Idempotent."""
@@ -83,7 +106,11 @@ class HostOps(DeviceOps):
 
 
 class _Waiter:
-    """One thread that synchronises on events in queue order and runs their callbacks."""
+    """One thread that synchronises on events in queue order and runs their callbacks.
+
+    A callback that raises is logged and the thread goes on: every later copy must still complete,
+    or no storage is released and ``flush()`` waits for ever.
+    """
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,9 +129,20 @@ class _Waiter:
             try:
                 event.synchronize()
             except BaseException as error:
-                callback(error)
+                outcome: BaseException | None = error
             else:
-                callback(None)
+                outcome = None
+            try:
+                callback(outcome)
+            except BaseException:
+                logger.exception("tba: a device copy's completion callback failed")
+
+    def drain(self) -> None:
+        """Wait until the callbacks queued so far ran."""
+        if self._thread.is_alive():
+            done = threading.Event()
+            self._queue.put((_DONE, lambda error: done.set()))
+            done.wait()
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -112,7 +150,10 @@ class _Waiter:
 
 
 class CudaOps(DeviceOps):
-    """CUDA streams and events for one device.
+    """CUDA streams and events for one device (through :func:`~tba.device._cuda.cuda_api`).
+
+    Every event is created with ``blocking=True``: the waiter threads (and the kvikio worker)
+    synchronise on them, and a default event's ``synchronize()`` spins a CPU core until it fires.
 
     Args:
         device: The CUDA device of the tensors this handles.
@@ -120,44 +161,75 @@ class CudaOps(DeviceOps):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.side_stream = torch.cuda.Stream(device)
-        self.prefetch_stream = torch.cuda.Stream(device)
+        self.cuda = cuda_api()
+        self.side_stream = self.cuda.Stream(device)
+        self.prefetch_stream = self.cuda.Stream(device)
+        self.compute_stream = self.cuda.current_stream(device)
         self._waiters = {"side": _Waiter("tba-d2h-wait"), "prefetch": _Waiter("tba-h2d-wait")}
         self._closed = False
 
-    def mark_ready(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+    def mark_ready(self) -> Any:
+        self.compute_stream = current = self.cuda.current_stream(self.device)
+        event = self.cuda.Event(blocking=True)
+        event.record(current)
         return event
 
-    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event) -> torch.cuda.Event:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.side_stream):
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
+        cuda = self.cuda
+        with cuda.device(self.device), cuda.stream(self.side_stream):
             self.side_stream.wait_event(after)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            cuda.copy_(dst, src)
+            done = cuda.Event(blocking=True)
             done.record(self.side_stream)
         return done
 
-    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.prefetch_stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    # Note: [Read-back memory belongs to the compute stream]
+    # Allocated on the prefetch stream, read-back tensors lived in a pool that memory freed by
+    # backward on the compute stream could never serve: under pressure the allocator freed cached
+    # blocks (a device-wide sync) mid-backward, and the record_stream of every unpack delayed reuse.
+    # Allocated on the compute stream, the block's previous users ran there: the prefetch stream
+    # waits for an event recorded on the compute stream after the allocation before copying in.
 
-    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.prefetch_stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+    def _allocate(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        cuda = self.cuda
+        with cuda.device(self.device), cuda.stream(self.compute_stream):
+            tensor = cuda.empty(nbytes, device)
+            allocated = cuda.Event(blocking=True)
+            allocated.record(self.compute_stream)
+        return tensor, allocated
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        tensor, allocated = self._allocate(nbytes, device)
+        self.prefetch_stream.wait_event(allocated)
+        return tensor
+
+    def empty_for_host(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        tensor, allocated = self._allocate(nbytes, device)
+        allocated.synchronize()
+        return tensor
+
+    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        cuda = self.cuda
+        with cuda.device(self.device), cuda.stream(self.prefetch_stream):
+            cuda.copy_(dst, src)
+            done = cuda.Event(blocking=True)
             done.record(self.prefetch_stream)
         done._tba_stream = "prefetch"
         return done
 
-    def when_done(self, event: torch.cuda.Event, callback: Callback) -> None:
+    def when_done(self, event: Any, callback: Callback) -> None:
         self._waiters[getattr(event, "_tba_stream", "side")].put(event, callback)
 
-    def consume(self, event: torch.cuda.Event, tensor: torch.Tensor) -> None:
-        current = torch.cuda.current_stream(self.device)
+    def consume(self, event: Any, tensor: torch.Tensor) -> None:
+        current = self.cuda.current_stream(self.device)
         if event is not None:
             current.wait_event(event)
-        tensor.record_stream(current)
+        if current != self.compute_stream:
+            self.cuda.record_stream(tensor, current)
+
+    def drain(self) -> None:
+        for waiter in self._waiters.values():
+            waiter.drain()
 
     def close(self) -> None:
         if not self._closed:

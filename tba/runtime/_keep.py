@@ -40,6 +40,8 @@ class KeepReason(str, enum.Enum):
     """The placement keeps the current layer in memory."""
     USER_REGION = "inside tba.keep_in_memory()"
     """Saved inside :func:`keep_in_memory`."""
+    CUDA_GRAPH_CAPTURE = "CUDA graph capture"
+    """Saved while the current CUDA stream is being captured into a graph: events and host waits are illegal there."""
     RECOMPUTED_ELSEWHERE = "recomputed by the framework in backward"
     """Saved inside a framework's own recomputed region (Megatron's checkpointing), a throw-away graph."""
 

@@ -8,7 +8,7 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
    tensors, layers a policy keeps) or goes to disk. For the disk path the :class:`StorageStore`
    (``tba/runtime/_store.py``) finds or creates the entry of the tensor's storage (Note [Dedup by storage
    identity]) and starts its write: host storages straight from their own memory, CUDA storages
-   through a route (``tba/device/_routes.py``: pinned staging blocks, or kvikio). ``pack`` returns a
+   through a route (``tba/device/_router.py``: pinned staging blocks, or kvikio). ``pack`` returns a
    :class:`SavedView`, the recipe to rebuild the tensor from the storage's bytes.
 2. When a storage's write completes, tba drops its reference, so the memory is freed as soon as
    nothing else in the program uses it.
@@ -43,7 +43,7 @@ from torch import nn
 from tba import _control
 from tba._trace import nvtx_range
 from tba.config import OffloadConfig, options_doc, signature_with_options
-from tba.device import DEVICE_TYPES, DeviceOps, Routes, host_engine_backend
+from tba.device import DEVICE_TYPES, DeviceOps, Routes, cuda_api, host_engine_backend, is_device_tensor
 from tba.errors import EngineClosedError, TbaConfigError, TbaError
 from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
 from tba.runtime import _at_fork, _shared
@@ -93,9 +93,11 @@ class Offloader:
         config: OffloadConfig | None = None,
         _reusable: bool = True,
         _device_ops: DeviceOps | None = None,
-        _staged_devices: tuple[str, ...] = ("cuda",),
+        _staged_devices: tuple[str, ...] | None = None,
         **options: Any,
     ) -> None:
+        if _staged_devices is None:
+            _staged_devices = (cuda_api().device_type,)
         if config is not None and not isinstance(config, OffloadConfig):
             raise TbaConfigError(f"config must be a tba.OffloadConfig, got {type(config).__name__}")
         if directory is not None:
@@ -413,8 +415,13 @@ class Offloader:
         """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
         if in_keep_region():
             return KeepReason.USER_REGION
+        if is_device_tensor(tensor) and cuda_api().is_current_stream_capturing():
+            return KeepReason.CUDA_GRAPH_CAPTURE
         if type(tensor) is not torch.Tensor:
-            return KeepReason.PARAMETER if isinstance(tensor, nn.Parameter) else KeepReason.TENSOR_SUBCLASS
+            if isinstance(tensor, nn.Parameter):
+                return KeepReason.PARAMETER
+            _warn_subclass_kept(type(tensor))
+            return KeepReason.TENSOR_SUBCLASS
         if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
             return KeepReason.NOT_STRIDED
         if tensor.is_conj() or tensor.is_neg():
@@ -459,8 +466,8 @@ class Offloader:
             # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
             # unpack from the metadata it recorded at save. It shares the version counter.
             return tensor.detach() if tensor.grad_fn is not None else tensor
-        if tensor.is_cuda:
-            return _control.call(_on_stream, torch.cuda.current_stream(tensor.device), self._save_job,
+        if is_device_tensor(tensor):
+            return _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job,
                                  tensor, self._tracker.current)
         return _control.call(self._save_job, tensor, self._tracker.current)
 
@@ -558,7 +565,18 @@ offload_activations.__signature__ = signature_with_options(offload_activations) 
 Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]
 
 
+_WARNED_SUBCLASSES: set[type] = set()
+
+
+def _warn_subclass_kept(kind: type) -> None:
+    """Say once per tensor subclass (Float8Tensor, DTensor, ...) that its saved tensors stay in memory."""
+    if kind not in _WARNED_SUBCLASSES:
+        _WARNED_SUBCLASSES.add(kind)
+        logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
+                       "tba writes plain tensors only", kind.__module__, kind.__qualname__)
+
+
 def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` with ``stream`` current: the caller's stream, for a job on the control thread."""
-    with torch.cuda.stream(stream):
+    with cuda_api().stream(stream):
         return fn(*args)

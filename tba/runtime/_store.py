@@ -4,7 +4,7 @@ The store owns every :class:`StorageEntry` of an offloader and moves their bytes
 
 * :meth:`StorageStore.save` finds the entry of a tensor's storage (Note [Dedup by storage identity])
   or creates one and starts its write: host storages straight from their own memory through the
-  host engine, device storages through their route (``tba/device/_routes.py``).
+  host engine, device storages through their route (``tba/device/_router.py``).
 * When a write completes the entry is ON_DISK and its memory is dropped, unless the prefetch window
   asked to hold it; a failed write turns it KEPT (memory kept, one warning).
 * :meth:`StorageStore.load` returns an entry's bytes: resident ones at once, otherwise after a read,

@@ -15,7 +15,7 @@ from utils import assert_exact
 
 import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
-from tba.device._routes import kvikio_unavailable_reason
+from tba.device._router import kvikio_unavailable_reason
 
 pytestmark = pytest.mark.requires_cuda
 

@@ -12,7 +12,7 @@ from utils import FakeDeviceOps, FaultyEngine, assert_exact
 
 import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
-from tba.device._staging import StagingPool
+from tba.device._pinned_pool import StagingPool
 from tba.errors import TbaConfigError, TbaReadError
 
 BLOCK_BYTES = 8192
@@ -125,7 +125,7 @@ def test_staging_pool_bad_sizes(capacity, block):
 
 
 def test_kvikio_backend_without_kvikio_or_cuda_is_a_clear_error(spill_dir):
-    from tba.device._routes import kvikio_unavailable_reason
+    from tba.device._router import kvikio_unavailable_reason
 
     if kvikio_unavailable_reason() is None:
         pytest.skip("kvikio and CUDA are available here")

@@ -33,8 +33,8 @@ import torch
 
 from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
-from tba.device._route import Callback, Countdown, ReadCallback, Route, pieces
-from tba.device._staging import StagingPool
+from tba.device._pinned_pool import StagingPool
+from tba.device._protocol import Callback, Countdown, ReadCallback, Route, pieces
 from tba.io import Engine, round_up
 
 logger = logging.getLogger(__name__)
@@ -83,21 +83,32 @@ class StagedRoute(Route):
         countdown = Countdown(len(spans), on_done)
         for start, nbytes in spans:
             block = self.pool.acquire()
+            piece = src[start : start + nbytes]
             try:
-                event = self.ops.copy_to_host(src[start : start + nbytes], block[:nbytes], ready)
+                event = self.ops.copy_to_host(piece, block[:nbytes], ready)
             except BaseException as error:
                 self.pool.release(block)
                 countdown.done(error)
                 continue
-            self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown))
+            # Note: [The route holds the source until its copy ran]
+            # The store may drop its reference while the copy is still queued (the entry died: a
+            # backward that raced the writes). The caching allocator would then hand the memory to
+            # the next allocation while the side stream still reads it; the piece held here keeps it
+            # until the copy's event completed.
+            self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown, piece))
 
     def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: Countdown,
-                error: BaseException | None) -> None:
+                source: torch.Tensor, error: BaseException | None) -> None:
+        del source
+        if error is None:
+            try:
+                future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
+            except BaseException as submit_error:
+                error = submit_error
         if error is not None:
             self.pool.release(block)
             countdown.done(error)
             return
-        future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
         future.add_done_callback(functools.partial(self._written, block, countdown))
 
     def _written(self, block: torch.Tensor, countdown: Countdown, future: Future) -> None:
@@ -142,7 +153,9 @@ class StagedRoute(Route):
             read.remaining -= 1
             finished = read.remaining == 0
         if copied:
-            self.ops.when_done(event, lambda _error: self.pool.release(block))
+            # The read (and its destination) is held until the copy ran: a read whose entry died
+            # meanwhile must not give the memory back under the prefetch stream's copy.
+            self.ops.when_done(event, functools.partial(self._h2d_done, block, read))
         else:
             self.pool.release(block)
         if finished:
@@ -150,6 +163,10 @@ class StagedRoute(Route):
                 read.on_done(read.error, None, None)
             else:
                 read.on_done(None, read.dst, read.last_event)
+
+    def _h2d_done(self, block: torch.Tensor, read: _Read, error: BaseException | None) -> None:
+        del read
+        self.pool.release(block)
 
     def _run(self) -> None:
         # A job that raises before it handed out any piece fails its transfer through ``fail``, so
@@ -175,10 +192,15 @@ class StagedRoute(Route):
         self.ops.consume(event, tensor)
 
     def stop(self) -> None:
-        """Stop the stager thread after the queued jobs. Idempotent."""
+        """Stop the stager thread after the queued jobs, then wait for the copies they queued. Idempotent.
+
+        The copies' completions submit file writes: they must all have run before the host engine
+        closes (after a forward that raised, copies may still be queued on a lagging side stream).
+        """
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+        self.ops.drain()
 
     def close(self) -> None:
         self.ops.close()

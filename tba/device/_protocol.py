@@ -1,10 +1,10 @@
 """The route protocol: how the bytes of one storage travel between its memory and the spill file.
 
-Every saved storage takes exactly one route, chosen by its device (``tba/device/_routes.py``):
+Every saved storage takes exactly one route, chosen by its device (``tba/device/_router.py``):
 
 * :class:`~tba.device._host.HostRoute` for host (CPU) storages: straight from the storage's own
   memory to the file through the host engine, reads into pooled aligned buffers;
-* :class:`~tba.device._staged.StagedRoute` for CUDA storages: device -> pinned staging block ->
+* :class:`~tba.device._staged_route.StagedRoute` for CUDA storages: device -> pinned staging block ->
   file, with copies on side streams;
 * :class:`~tba.device._kvikio.KvikioRoute` for CUDA storages with kvikio: ``kvikio.CuFile``.
 

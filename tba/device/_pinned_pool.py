@@ -17,6 +17,7 @@ import threading
 import torch
 
 from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, STAGING_BYTES
+from tba.device._cuda import cuda_api
 from tba.errors import TbaConfigError
 from tba.io import aligned_empty
 
@@ -41,12 +42,20 @@ class StagingPool:
                 "raise staging_bytes"
             )
         if pinned is None:
-            pinned = torch.cuda.is_available()
+            pinned = cuda_api().is_available()
         count = capacity_bytes // block_bytes
         self.block_bytes = block_bytes
         self.pinned = pinned
-        self._slab = aligned_empty(count * block_bytes, pinned=pinned)
+        # Note: [Pinned exactly]
+        # torch's pinned allocator (``pin_memory=True``) is a caching allocator that rounds each
+        # request up to a power of two: a 256 MiB slab plus alignment slack took 512 MiB of
+        # page-locked memory. The slab is ordinary page-aligned memory, touched once, then
+        # page-locked in place (``cudaHostRegister``), exactly its size.
+        self._slab = aligned_empty(count * block_bytes)
         self._slab.fill_(0)
+        self._cuda = cuda_api() if pinned else None
+        if self._cuda is not None:
+            self._cuda.pin(self._slab)
         self._free = [self._slab[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
         self.capacity_blocks = count
         self._cond = threading.Condition()
@@ -64,6 +73,12 @@ class StagingPool:
                 self.waits += 1
                 self._cond.wait_for(lambda: self._free)
             return self._free.pop()
+
+    def close(self) -> None:
+        """Unpin the slab (every block must be back). Idempotent."""
+        cuda, self._cuda = self._cuda, None
+        if cuda is not None:
+            cuda.unpin(self._slab)
 
     def release(self, block: torch.Tensor) -> None:
         """Give a block back; wakes one waiter."""

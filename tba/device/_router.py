@@ -2,7 +2,7 @@
 
 * Host (CPU) storages take the *host* route (``tba/device/_host.py``): their own memory goes to the
   host engine, reads land in pooled aligned buffers.
-* CUDA storages take the *staged* route (``tba/device/_staged.py``): device -> pinned staging block
+* CUDA storages take the *staged* route (``tba/device/_staged_route.py``): device -> pinned staging block
   -> host engine, with copies on side streams.
 * With kvikio and GPUDirect Storage, CUDA storages take the *kvikio* route instead
   (``tba/device/_kvikio.py``): ``kvikio.CuFile`` writes device memory to the file and reads it back
@@ -19,12 +19,13 @@ import logging
 
 import torch
 
+from tba.device._cuda import cuda_api
 from tba.device._host import HostRoute
 from tba.device._kvikio import KvikioRoute, gds_unavailable_reason, kvikio_unavailable_reason
 from tba.device._ops import CudaOps, DeviceOps, HostOps
-from tba.device._route import Route
-from tba.device._staged import StagedRoute
-from tba.device._staging import StagingPool
+from tba.device._pinned_pool import StagingPool
+from tba.device._protocol import Route
+from tba.device._staged_route import StagedRoute
 from tba.errors import TbaConfigError
 from tba.io import BufferPool, Engine
 
@@ -73,6 +74,14 @@ class Routes:
         self.host = HostRoute(engine, read_pool, block_bytes)
         self._routes: dict[torch.device, Route] = {}
         self.staging_pool: StagingPool | None = None
+        cuda = cuda_api()
+        if device_ops is None and cuda.device_type in staged_devices and cuda.is_available() and not self._kvikio():
+            # Pinned and touched now, when the offloader opens, not inside the first pack mid-forward.
+            self.staging_pool = StagingPool(staging_bytes, block_bytes)
+
+    def _kvikio(self) -> bool:
+        """Whether CUDA storages take the kvikio route."""
+        return self.backend == "kvikio" or (self.backend == "auto" and gds_unavailable_reason() is None)
 
     def for_device(self, device: torch.device) -> Route:
         """The route for storages on ``device``."""
@@ -84,8 +93,9 @@ class Routes:
         return route
 
     def _make(self, device: torch.device) -> Route:
-        ops = self.device_ops or (CudaOps(device) if device.type == "cuda" else HostOps())
-        if device.type == "cuda" and (self.backend == "kvikio" or (self.backend == "auto" and gds_unavailable_reason() is None)):
+        on_cuda = device.type == cuda_api().device_type and cuda_api().is_available()
+        ops = self.device_ops or (CudaOps(device) if on_cuda else HostOps())
+        if on_cuda and self._kvikio():
             logger.info("tba: CUDA storages on %s go through kvikio", device)
             return KvikioRoute(ops)
         if self.staging_pool is None:
@@ -108,3 +118,5 @@ class Routes:
         routes, self._routes = list(self._routes.values()), {}
         for route in routes:
             route.close()
+        if self.staging_pool is not None:
+            self.staging_pool.close()

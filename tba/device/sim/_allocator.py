@@ -1,0 +1,161 @@
+"""The simulated device's caching allocator and page-locked host memory.
+
+Device memory is one host arena. As in PyTorch's CUDA caching allocator, a block belongs to the
+stream it was allocated on and goes back to that stream's free list when its last tensor dies; the
+next allocation of that size on that stream gets it at once. Standing in for the next kernel, the
+allocator then *poisons* the block on its stream (0xFF bytes): a copy on another stream that was
+not ordered before the free reads or writes garbage, and the race checker sees the write. A block
+used on other streams (``record_stream``) is held back until events recorded on those streams at
+free time completed. Tensors are built over the arena without a reference to any tba tensor, and
+their death is seen through a finalizer on the buffer they wrap.
+
+Pinned host memory: :meth:`PinnedHost.empty` behaves as torch's host caching allocator (each
+request rounded up to a power of two); :meth:`PinnedHost.pin` page-locks exactly the bytes given
+(``cudaHostRegister``). Both are counted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tba.io import aligned_empty, memory_view, round_up
+
+BLOCK_ROUND_BYTES = 512
+"""Device allocations are rounded up to this, as CUDA's caching allocator does."""
+POISON_BYTE = 0xFF
+"""What a freed block holds once the next kernel on its stream has run (NaN in floating types)."""
+
+
+@dataclass
+class _Block:
+    offset: int
+    nbytes: int
+    stream: Any
+    uses: set = field(default_factory=set)
+
+
+class CachingAllocator:
+    """Per-stream free lists over one arena of ``capacity_bytes``."""
+
+    def __init__(self, sim: Any, capacity_bytes: int) -> None:
+        self.sim = sim
+        self._arena = aligned_empty(capacity_bytes)
+        self._base = self._arena.data_ptr()
+        self._capacity = capacity_bytes
+        self._top = 0
+        self._lock = threading.RLock()
+        self._free: dict[tuple[int, int], list[_Block]] = {}
+        self._held: list[tuple[_Block, list[Any]]] = []
+        self._by_address: dict[int, _Block] = {}
+        self.allocations_by_stream: dict[str, int] = {}
+        self.reserved_by_stream: dict[str, int] = {}
+        self.record_stream_calls = 0
+        self.allocated_bytes = 0
+        self.peak_allocated_bytes = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._top
+
+    def empty(self, nbytes: int, stream: Any) -> torch.Tensor:
+        """``nbytes`` of ``uint8`` device memory for ``stream``."""
+        size = round_up(max(nbytes, 1), BLOCK_ROUND_BYTES)
+        with self._lock:
+            self._collect()
+            free = self._free.get((id(stream), size))
+            if free:
+                block = free.pop()
+            else:
+                if self._top + size > self._capacity:
+                    raise torch.OutOfMemoryError(f"simulated CUDA out of memory: {size} bytes asked, "
+                                                 f"{self._capacity - self._top} of {self._capacity} left")
+                block = _Block(self._top, size, stream)
+                self._top += size
+                self.reserved_by_stream[stream.name] = self.reserved_by_stream.get(stream.name, 0) + size
+            self.allocations_by_stream[stream.name] = self.allocations_by_stream.get(stream.name, 0) + 1
+            self._by_address[self._base + block.offset] = block
+            self.allocated_bytes += size
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        view = memory_view(self._base + block.offset, max(nbytes, 1))
+        tensor = torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
+        weakref.finalize(view, self._release, block)
+        return tensor
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        with self._lock:
+            self.record_stream_calls += 1
+            block = self._by_address.get(tensor.untyped_storage().data_ptr())
+            if block is not None and stream is not block.stream:
+                block.uses.add(stream)
+
+    def _release(self, block: _Block) -> None:
+        with self._lock:
+            self._by_address.pop(self._base + block.offset, None)
+            self.allocated_bytes -= block.nbytes
+            if block.uses:
+                self._held.append((block, [self.sim.record(stream) for stream in block.uses]))
+                block.uses = set()
+            else:
+                self._recycle(block)
+
+    def _collect(self) -> None:
+        """Blocks held for ``record_stream`` uses whose events completed go back to their free list."""
+        still = []
+        for block, tokens in self._held:
+            if all(token.fired.is_set() for token in tokens):
+                for token in tokens:
+                    self.sim.checker.merge("host", token.clock)
+                self._recycle(block)
+            else:
+                still.append((block, tokens))
+        self._held = still
+
+    def _recycle(self, block: _Block) -> None:
+        address = self._base + block.offset
+        self.sim.launch_write(block.stream, address, block.nbytes, "the next kernel on a freed block",
+                              lambda: ctypes.memset(address, POISON_BYTE, block.nbytes))
+        self._free.setdefault((id(block.stream), block.nbytes), []).append(block)
+
+
+class PinnedHost:
+    """Page-locked host memory, counted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pinned_bytes = 0
+        self.peak_pinned_bytes = 0
+        self._registered: dict[int, int] = {}
+
+    def _add(self, nbytes: int) -> None:
+        with self._lock:
+            self.pinned_bytes += nbytes
+            self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """As torch's host caching allocator: the request rounded up to a power of two, kept for ever."""
+        rounded = 1 << max(nbytes - 1, 0).bit_length()
+        self._add(rounded)
+        return aligned_empty(rounded)[:nbytes]
+
+    def pin(self, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            if tensor.data_ptr() in self._registered:
+                raise RuntimeError("CUDA error: part or all of the requested memory range is already mapped "
+                                   "(cudaErrorHostMemoryAlreadyRegistered)")
+            self._registered[tensor.data_ptr()] = nbytes
+        self._add(nbytes)
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            nbytes = self._registered.pop(tensor.data_ptr(), None)
+            if nbytes is None:
+                raise RuntimeError("CUDA error: pointer does not correspond to a registered memory region "
+                                   "(cudaErrorHostMemoryNotRegistered)")
+            self.pinned_bytes -= nbytes

@@ -1,0 +1,127 @@
+"""Happens-before checking of device memory accesses with vector clocks.
+
+Participants are the simulated streams, the host (every host thread together: host threads order
+their own work with locks and queues, which this checker does not see) and one participant per
+kvikio transfer. Each keeps a vector clock, as PyTorch's CUDA sanitizer does:
+
+* an access on participant ``p`` ticks ``p``'s own entry and is stamped with it;
+* recording an event copies the stream's clock into the event; ``wait_event`` merges it into the
+  waiting stream, host ``synchronize`` merges it into the host;
+* a launch from the host merges the host's clock into the stream (work queued after the host saw
+  an event complete runs after that event).
+
+Two accesses to overlapping byte ranges, at least one a write, by different participants, race
+unless the earlier one's stamp is covered by the later one's clock. Unlike
+``torch.cuda._sanitizer.EventHandler``, which keys accesses by exact data pointer, accesses here are
+byte ranges: a staged copy reads a slice of a storage, and a pooled block is a slice of a slab.
+
+Note: [Superseded records]
+A write that covers older records replaces them: if it raced with one of them that was reported
+then; if not, everything ordered after the write is ordered after them too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+HOST = "host"
+
+
+@dataclass
+class _Access:
+    start: int
+    end: int
+    write: bool
+    who: str
+    stamp: int
+    what: str
+
+
+class HappensBefore:
+    """Vector clocks per participant and the last accesses per byte range; collects races."""
+
+    def __init__(self, max_races: int = 20) -> None:
+        self._lock = threading.RLock()
+        self._clocks: dict[str, dict[str, int]] = {HOST: {HOST: 0}}
+        self._starts: list[int] = []
+        self._records: list[_Access] = []
+        self._longest = 0
+        self.races: list[str] = []
+        self.accesses = 0
+        self._max_races = max_races
+
+    def _clock(self, who: str) -> dict[str, int]:
+        clock = self._clocks.get(who)
+        if clock is None:
+            clock = self._clocks[who] = {who: 0}
+        return clock
+
+    def snapshot(self, who: str) -> dict[str, int]:
+        """``who``'s clock after one tick (what an event recorded now carries)."""
+        with self._lock:
+            clock = self._clock(who)
+            clock[who] = clock.get(who, 0) + 1
+            return dict(clock)
+
+    def merge(self, who: str, other: dict[str, int] | None) -> None:
+        """``who`` now happens after everything ``other`` covers."""
+        if not other:
+            return
+        with self._lock:
+            clock = self._clock(who)
+            for name, stamp in other.items():
+                if clock.get(name, 0) < stamp:
+                    clock[name] = stamp
+
+    def launch(self, stream: str) -> None:
+        """Work queued on ``stream`` by the host runs after what the host has seen complete."""
+        with self._lock:
+            self.merge(stream, self._clocks[HOST])
+
+    def spawn(self, name: str) -> str:
+        """A new participant that starts where the host is now (an asynchronous host-side transfer)."""
+        with self._lock:
+            self._clocks[name] = dict(self._clocks[HOST])
+            self._clocks[name][name] = 0
+            return name
+
+    def retire(self, name: str) -> dict[str, int]:
+        """Forget participant ``name``; returns its last clock (to merge into whoever waited for it)."""
+        with self._lock:
+            return self._clocks.pop(name, {})
+
+    def access(self, who: str, start: int, nbytes: int, write: bool, what: str) -> None:
+        """Record an access of ``[start, start + nbytes)`` by ``who``; notes a race with any unordered one."""
+        if nbytes <= 0:
+            return
+        end = start + nbytes
+        with self._lock:
+            self.accesses += 1
+            clock = self._clock(who)
+            stamp = clock[who] = clock.get(who, 0) + 1
+            low = bisect.bisect_left(self._starts, start - self._longest)
+            high = bisect.bisect_left(self._starts, end)
+            keep_from = []
+            for index in range(low, high):
+                old = self._records[index]
+                if old.end <= start:
+                    continue
+                if (old.who != who and (write or old.write) and old.stamp > clock.get(old.who, 0)
+                        and len(self.races) < self._max_races):
+                    kind = "write" if write else "read"
+                    self.races.append(
+                        f"{what} ({kind} of [{start:#x}, {end:#x}) on {who}) is not ordered after {old.what} "
+                        f"({'write' if old.write else 'read'} of [{old.start:#x}, {old.end:#x}) on {old.who})")
+                superseded = (write and start <= old.start and old.end <= end) or (
+                    old.who == who and old.start == start and old.end == end)
+                if superseded:
+                    keep_from.append(index)
+            for index in reversed(keep_from):
+                del self._starts[index]
+                del self._records[index]
+            at = bisect.bisect_right(self._starts, start)
+            self._starts.insert(at, start)
+            self._records.insert(at, _Access(start, end, write, who, stamp, what))
+            self._longest = max(self._longest, nbytes)

@@ -1,0 +1,324 @@
+"""The simulated CUDA device: :func:`simulate` installs it behind :func:`tba.device.cuda_api`.
+
+Device tensors are CPU tensors (``device_type == "cpu"``); memory tba allocates on the device
+comes from the caching allocator (``_allocator.py``). Copies are queued by address with weak
+references to both storages: when the copy runs, a storage that died meanwhile is a use after
+free (reported, and the copy does not touch it), as a kernel reading memory the caching allocator
+already handed to someone else. Every access is checked for ordering (``_checker.py``); the model's
+own operators are seen by a dispatch mode as accesses on the current stream.
+
+:meth:`SimulatedCuda.graph_capture` is CUDA-graph capture of the current stream: events recorded
+in it are captured (synchronising on them is an error), streams that wait on them join the
+capture, and the capture fails if one of them never rejoins, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tba.device._cuda import use_cuda_api
+from tba.device.sim._allocator import CachingAllocator, PinnedHost
+from tba.device.sim._checker import HOST, HappensBefore
+from tba.device.sim._streams import Scheduler, SimEvent, SimStream, Token
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """How adversarial the simulated device is."""
+
+    seed: int = 0
+    """Seed of every random delay."""
+    max_delay_s: float = 0.0005
+    """Longest sleep of the scheduler between two device operations."""
+    lag_probability: float = 0.02
+    """Chance, per operation, that its stream then pauses (a side stream lagging a forward)."""
+    max_lag_s: float = 0.02
+    """Longest such pause."""
+    memory_bytes: int = 256 << 20
+    """Size of the simulated device memory (the caching allocator's arena)."""
+    track_compute: bool = True
+    """Check the model's own operators (a dispatch mode on the entering thread) as compute-stream accesses."""
+
+
+def _range(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(address, nbytes)`` spanned by ``tensor``'s elements."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), span * tensor.element_size()
+
+
+_NOT_ACCESSES = {"aten::empty", "aten::empty_strided", "aten::set_", "aten::detach", "aten::alias",
+                 "aten::lift_fresh", "aten::resize_", "aten::empty_like"}
+
+
+class _ComputeAccesses(TorchDispatchMode):
+    """Every operator of the entering thread: reads of its tensor inputs, writes of its outputs and mutated inputs."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        if func.is_view or schema.name in _NOT_ACCESSES:
+            return out
+        written = set()
+        for argument, value in zip(schema.arguments, args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                written.add(id(value))
+        for name, value in kwargs.items():
+            argument = next((a for a in schema.arguments if a.name == name), None)
+            if argument is not None and argument.alias_info is not None and argument.alias_info.is_write:
+                written.add(id(value))
+        stream = self.sim.current_stream()
+        checker = self.sim.checker
+        checker.launch(stream.name)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for tensor in inputs:
+            if tensor.device.type == "cpu":
+                checker.access(stream.name, *_range(tensor), id(tensor) in written, schema.name)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not any(tensor is t for t in inputs):
+                checker.access(stream.name, *_range(tensor), True, schema.name)
+        return out
+
+
+class SimulatedCuda:
+    """The CUDA calls of :class:`tba.device.CudaApi` on a simulated device; see the module docstring."""
+
+    device_type = "cpu"
+    simulated = True
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.checker = HappensBefore()
+        self.errors: list[str] = []
+        self.busy_wait_syncs = 0
+        self.captured_operations = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._names = 0
+        self.scheduler = Scheduler(self.config.seed, self.config.max_delay_s, self.config.lag_probability,
+                                   self.config.max_lag_s)
+        self.default_stream = self._new_stream("compute", synchronous=True)
+        self.allocator = CachingAllocator(self, self.config.memory_bytes)
+        self.pinned = PinnedHost()
+        self._capture: SimStream | None = None
+        self._captured_events: list[Token] = []
+
+    # ------------------------------------------------------------- bookkeeping
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self.errors.append(message)
+
+    def note_busy_wait(self) -> None:
+        with self._lock:
+            self.busy_wait_syncs += 1
+
+    def problems(self) -> list[str]:
+        """Races, uses after free and hangs seen so far."""
+        return self.checker.races + self.errors
+
+    def _new_stream(self, role: str, synchronous: bool = False) -> SimStream:
+        with self._lock:
+            self._names += 1
+            stream = SimStream(self, f"stream{self._names}-{role}", synchronous)
+        if not synchronous:
+            self.scheduler.add(stream)
+        return stream
+
+    # ------------------------------------------------------------- streams and events
+    def _launch(self, stream: SimStream, op: Callable[[], None]) -> None:
+        if stream.synchronous:
+            op()
+        else:
+            self.scheduler.launch(stream, op)
+
+    def _captured(self, stream: SimStream) -> bool:
+        if stream.joined_capture or (self._capture is not None and stream is self._capture):
+            self.captured_operations += 1
+            return True
+        return False
+
+    def record(self, stream: SimStream) -> Token:
+        """A token that fires when ``stream`` reaches this point."""
+        self.checker.launch(stream.name)
+        token = Token(self.scheduler, self.checker.snapshot(stream.name))
+        token.stream = stream
+        if self._captured(stream):
+            token.captured = True
+            self._captured_events.append(token)
+            return token
+        self._launch(stream, token.fire)
+        return token
+
+    def stream_wait(self, stream: SimStream, event: SimEvent) -> None:
+        token = event.token
+        if token is None:
+            return
+        if self._capture is not None:
+            if stream is self._capture or stream.joined_capture or token.captured:
+                self.captured_operations += 1
+                if stream is self._capture and token.captured and token.stream is not stream:
+                    token.stream.joined_capture = False
+                elif stream is not self._capture:
+                    stream.joined_capture = True
+                return
+        self.checker.launch(stream.name)
+        self.checker.merge(stream.name, token.clock)
+        if stream.synchronous:
+            if not token.fired.wait(60):
+                self.fail(f"{stream.name} waited more than 60 s for an event: the simulated device hung")
+                raise RuntimeError("simulated device hung")
+        else:
+            self.scheduler.launch(stream, token)
+
+    def _joined(self) -> list[SimStream]:
+        return [s for s in self.scheduler._streams if s.joined_capture]
+
+    def launch_write(self, stream: SimStream, address: int, nbytes: int, what: str, op: Callable[[], None]) -> None:
+        """Device work on ``stream`` that writes ``nbytes`` at ``address`` (the allocator's poison)."""
+        self.checker.launch(stream.name)
+        self.checker.access(stream.name, address, nbytes, True, what)
+        self._launch(stream, op)
+
+    # ------------------------------------------------------------- the CudaApi calls
+    def is_available(self) -> bool:
+        return True
+
+    def Stream(self, device: Any = None) -> SimStream:  # noqa: N802 - mirrors torch.cuda.Stream
+        return self._new_stream("side")
+
+    def Event(self, blocking: bool = False) -> SimEvent:  # noqa: N802 - mirrors torch.cuda.Event
+        return SimEvent(self, blocking)
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        return getattr(self._local, "stream", None) or self.default_stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream | None) -> Iterator[None]:
+        previous = getattr(self._local, "stream", None)
+        if stream is not None:
+            self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def is_current_stream_capturing(self) -> bool:
+        return self._capture is not None and self.current_stream() is self._capture
+
+    def synchronize(self, device: Any = None) -> None:
+        if self._capture is not None:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (cudaDeviceSynchronize)")
+        for stream in list(self.scheduler._streams):
+            stream.synchronize()
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on the current stream, by address; both ``uint8`` and contiguous."""
+        if dst.numel() != src.numel() or dst.dtype != torch.uint8 or src.dtype != torch.uint8 or not (
+                dst.is_contiguous() and src.is_contiguous()):
+            raise RuntimeError("the simulated device copies contiguous uint8 tensors of one size")
+        stream = self.current_stream()
+        if self._captured(stream):
+            return
+        nbytes, dst_at, src_at = dst.numel(), dst.data_ptr(), src.data_ptr()
+        refs = (StorageWeakRef(dst.untyped_storage()), StorageWeakRef(src.untyped_storage()))
+        self.checker.launch(stream.name)
+        self.checker.access(stream.name, src_at, nbytes, False, f"copy on {stream.name}")
+        self.checker.access(stream.name, dst_at, nbytes, True, f"copy on {stream.name}")
+
+        def run() -> None:
+            alive = [torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in refs]
+            if any(storage is None for storage in alive):
+                self.fail(f"use after free: a copy on {stream.name} ran after its "
+                          f"{'destination' if alive[0] is None else 'source'} was freed")
+                return
+            ctypes.memmove(dst_at, src_at, nbytes)
+            del alive
+
+        self._launch(stream, run)
+
+    def empty(self, nbytes: int, device: Any = None) -> torch.Tensor:
+        if self._capture is not None and self.current_stream() is not self._capture:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (allocation "
+                               "from another stream during capture)")
+        return self.allocator.empty(nbytes, self.current_stream())
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        self.allocator.record_stream(tensor, stream)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return self.pinned.empty(nbytes)
+
+    def pin(self, tensor: torch.Tensor) -> None:
+        self.pinned.pin(tensor)
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        self.pinned.unpin(tensor)
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        return {"allocated_bytes": self.allocator.allocated_bytes,
+                "peak_allocated_bytes": self.allocator.peak_allocated_bytes,
+                "reserved_bytes": self.allocator.reserved_bytes, "pinned_bytes": self.pinned.pinned_bytes}
+
+    def host_access(self, address: int, nbytes: int, write: bool, what: str) -> None:
+        """A host thread (the file engine) reads or writes device-visible memory."""
+        self.checker.access(HOST, address, nbytes, write, what)
+
+    # ------------------------------------------------------------- graph capture
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Capture the current stream (``torch.cuda.graph``); fails at the end if a joined stream never rejoined."""
+        if self._capture is not None:
+            raise RuntimeError("a capture is already under way")
+        self._capture = self.current_stream()
+        try:
+            yield
+        finally:
+            self._capture = None
+            unjoined = self._joined()
+            for stream in unjoined:
+                stream.joined_capture = False
+            self._captured_events = []
+        if unjoined:
+            raise RuntimeError(f"CUDA error: capturing stream has unjoined work (cudaErrorStreamCaptureUnjoined): "
+                               f"{', '.join(s.name for s in unjoined)} waited on the capture and never rejoined it")
+
+    def stall(self, held: bool = True) -> None:
+        """Hold every asynchronous stream (``held=False`` lets them run again): side streams lagging without end."""
+        self.scheduler.held = held
+        self.scheduler.wake()
+
+    # ------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        self.scheduler.stop()
+
+
+@contextlib.contextmanager
+def simulate(config: SimConfig | None = None, **fields: Any) -> Iterator[SimulatedCuda]:
+    """Run the block on a simulated CUDA device (``config`` or :class:`SimConfig` fields)."""
+    config = config or SimConfig(**fields)
+    sim = SimulatedCuda(config)
+    mode = _ComputeAccesses(sim) if config.track_compute else contextlib.nullcontext()
+    try:
+        with use_cuda_api(sim), mode:
+            yield sim
+    finally:
+        sim.close()
