@@ -257,3 +257,36 @@ def launch_env(choice: str, env: dict[str, str] | None = None) -> tuple[dict[str
         out.setdefault(key, value)
         settings.append(f"{key}={out[key]}")
     return out, f"{name} ({path}{', ' + ', '.join(settings) if settings else ''})"
+
+
+REEXEC_MARK = "TBA_ALLOCATOR_REEXEC"
+"""Set in the environment of a script re-executed by :func:`run_script_under`, so that it happens once."""
+
+
+def serves(allocator: Allocator, name: str) -> bool:
+    """Whether ``allocator`` is what :func:`resolve` called ``name`` (``system``: any non-caching malloc)."""
+    return not allocator.caching if name == "system" else allocator.name == name
+
+
+def run_script_under(choice: str) -> Allocator:
+    """Make the running script run under allocator ``choice``; returns the allocator serving it.
+
+    If another malloc serves this process, the interpreter is executed again with the same command
+    line (``sys.orig_argv``) and the allocator preloaded (:func:`launch_env`), once: if the new
+    process is still not served by it (the dynamic loader refused the preload), a
+    :class:`tba.TbaConfigError` says so. For a training script's ``--allocator`` option; call it
+    before any work, since nothing of this process survives the re-execution.
+    """
+    name, path = resolve(choice)
+    current = detect()
+    if serves(current, name):
+        return current
+    if os.environ.get(REEXEC_MARK) == choice:
+        raise TbaConfigError(f"ran again with {path} preloaded, but {current} still serves this process: the "
+                             f"dynamic loader refused the preload (see its message above); pass --allocator system")
+    env, _ = launch_env(choice)
+    env[REEXEC_MARK] = choice
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("not reached")

@@ -139,3 +139,41 @@ def test_hands_back_pages_follows_the_detected_allocator(monkeypatch):
     monkeypatch.setattr(_trim, "_hand_back", None)
     monkeypatch.setattr(_trim, "detect", lambda: allocator.Allocator("glibc", None, "2.36"))
     assert _trim.hands_back_pages()
+
+
+REEXEC = """
+    import sys
+    from tba import allocator
+    if sys.argv[1] == "refused":
+        allocator.find_library = lambda name: "/nonexistent/libjemalloc.so.2"
+    try:
+        print("SERVED", allocator.run_script_under(sys.argv[2]).name, sys.argv[3:])
+    except allocator.TbaConfigError as err:
+        print("ERROR", err)
+"""
+
+
+@pytest.mark.parametrize("name", ["jemalloc", "system"])
+def test_a_script_runs_itself_again_under_the_allocator_once(name, tmp_path):
+    if name != "system" and FOUND[name] is None:
+        pytest.skip(f"{name} is not installed here")
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(REEXEC))
+    env, _ = allocator.launch_env("system" if name != "system" else "jemalloc" if FOUND["jemalloc"] else "system")
+    proc = subprocess.run([sys.executable, str(script), "ok", name, "a b"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("SERVED")
+    served = proc.stdout.split()[1]
+    assert allocator.serves(allocator.Allocator(served), name)
+    assert "['a b']" in proc.stdout
+
+
+def test_a_preload_the_loader_refuses_is_an_error_not_a_loop(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(REEXEC))
+    env, _ = allocator.launch_env("system")
+    proc = subprocess.run([sys.executable, str(script), "refused", "jemalloc"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ERROR") and "refused the preload" in proc.stdout
