@@ -56,11 +56,13 @@ INSTALL_HINTS = {
     "mimalloc": "pip install cmeel-mimalloc (or pip install 'tba[cpu]'), or apt-get install libmimalloc2.0",
 }
 
-SETTINGS: dict[str, dict[str, str]] = {
-    "jemalloc": {"MALLOC_CONF": "background_thread:true"},
-}
-"""Environment set with each preloaded allocator unless the user already set it, chosen by measurement
-(docs/cpu-memory.md)."""
+SETTINGS: dict[str, dict[str, str]] = {}
+"""Environment set with each preloaded allocator unless the user already set it. Empty by measurement:
+jemalloc's defaults gave tba the lowest activation peak; ``background_thread:true`` raised it from
+0.15x to 0.21x of keep-all (docs/cpu-memory.md)."""
+
+SETTING_PREFIXES = {"jemalloc": ("MALLOC_CONF",), "tcmalloc": ("TCMALLOC_",), "mimalloc": ("MIMALLOC_",)}
+"""Environment variables each allocator reads; those set are named in :func:`launch_env`'s description."""
 
 LIBRARY_DIRS = ("/usr/local/lib", "/usr/lib64", "/usr/lib", "/lib64", "/lib")
 
@@ -252,10 +254,9 @@ def launch_env(choice: str, env: dict[str, str] | None = None) -> tuple[dict[str
             out.pop("LD_PRELOAD", None)
         return out, "system (the C library's malloc, no preload)"
     out["LD_PRELOAD"] = " ".join([path, *kept])
-    settings = []
     for key, value in SETTINGS.get(name, {}).items():
         out.setdefault(key, value)
-        settings.append(f"{key}={out[key]}")
+    settings = [f"{key}={value}" for key, value in sorted(out.items()) if key.startswith(SETTING_PREFIXES[name])]
     return out, f"{name} ({path}{', ' + ', '.join(settings) if settings else ''})"
 
 

@@ -64,6 +64,9 @@ def test_system_removes_a_known_allocator_from_ld_preload_and_keeps_the_rest():
 
 def test_a_preload_goes_first_and_user_settings_win(monkeypatch):
     monkeypatch.setattr(allocator, "find_library", lambda name: f"/lib/lib{name}.so.2")
+    monkeypatch.setitem(allocator.SETTINGS, "jemalloc", {"MALLOC_CONF": "background_thread:true"})
+    env, description = allocator.launch_env("jemalloc", {})
+    assert env["MALLOC_CONF"] == "background_thread:true" and "MALLOC_CONF=background_thread:true" in description
     env, description = allocator.launch_env("jemalloc", {"LD_PRELOAD": "/y/libother.so", "MALLOC_CONF": "narenas:1"})
     assert env["LD_PRELOAD"] == "/lib/libjemalloc.so.2 /y/libother.so"
     assert env["MALLOC_CONF"] == "narenas:1" and "MALLOC_CONF=narenas:1" in description
