@@ -10,12 +10,17 @@ environment (no glibc malloc tuning), no warm-up step, and the activation peak i
 measured steps, the first included. ``--measure controlled`` is the earlier mode: a fixed glibc
 mmap threshold, one warm-up step, and the median peak of the measured steps.
 
+``--allocator`` preloads one malloc into every mode's process alike (``auto``, the default, is the
+best caching allocator found, as ``python -m tba run`` picks it; ``system`` is glibc's malloc);
+the header names it and each row the malloc that served its process.
+
 ``--usage bare`` runs tba exactly as ``with tba.offload_activations(directory=d):`` around each
 step's forward, with nothing else passed (no layers, no budget, a new context every step);
 ``--usage reusable`` (default) enters one ``tba.Offloader(d, layers=model)`` every step.
 
 Examples:
-    python tools/bench_e2e.py --preset bench --usage bare --steps 4
+    python tools/bench_e2e.py --preset bench --usage bare --allocator jemalloc --steps 4
+    python tools/bench_e2e.py --preset bench --usage bare --allocator system --steps 4
     python tools/bench_e2e.py --preset bench --steps 5 --measure controlled
 
 With ``--compile per-block`` every mode runs the model with each block under ``torch.compile``
@@ -29,10 +34,13 @@ import json
 import logging
 import sys
 
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import launch_env
 from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES, USAGES
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli._report import comparison_rows, format_table
+from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
@@ -56,9 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--compile", choices=COMPILE_MODES, default="none",
                         help="none (eager, default) or per-block: torch.compile each repeated block")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc preloaded into every mode's process: auto = best caching allocator found "
+                             "(default), system = the C library's (glibc)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and raw results as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        _, malloc = launch_env(args.allocator)
+    except TbaConfigError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    logger.info("malloc: %s, the same for every mode", malloc)
     user = args.measure == "user"
     warmup = args.warmup if args.warmup is not None else (0 if user else 1)
     modes = args.modes.split(",")
@@ -69,16 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("[%d/%d] %s: %d warm-up + %d measured steps ...", index, len(modes), mode, warmup, args.steps)
         results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=warmup, directory=args.directory,
                                     backend=args.backend, compile_mode=args.compile, usage=args.usage,
-                                    malloc_env=not user))
+                                    malloc_env=not user, allocator=args.allocator))
         logger.info("        median step %.3f s", results[-1].median_step_s)
     rows = comparison_rows(results, peak="max" if user else "median")
     print(format_table(rows))
     how = "plain process, peak over all measured steps" if user else "fixed mmap threshold, median peak"
-    print(f"measure: {args.measure} ({how}), usage: {args.usage}, {warmup} warm-up + {args.steps} measured steps")
+    print(f"measure: {args.measure} ({how}), usage: {args.usage}, {warmup} warm-up + {args.steps} measured steps, "
+          f"malloc: {malloc}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "usage": args.usage,
-                       "measure": args.measure, "warmup": warmup, "rows": rows,
+                       "allocator": malloc, "measure": args.measure, "warmup": warmup, "rows": rows,
                        "results": [r.__dict__ for r in results]}, f, indent=2)
     return 0 if all(row["losses_equal"] for row in rows) else 1
 

@@ -22,6 +22,10 @@ process. The first step also allocates the optimizer states.
 
 Runs as one process without a launcher (it sets ``RANK=0``, ``WORLD_SIZE=1`` and a free
 ``MASTER_PORT`` when they are unset), or under ``deepspeed`` / ``torchrun``.
+
+``--allocator`` (default ``auto``, the best caching malloc found; ``system`` for the C library's)
+re-executes the script once with that malloc preloaded (:func:`tba.allocator.run_script_under`), the
+same with and without tba; the header names it (docs/cpu-memory.md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import statistics
 import sys
 import time
 
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import detect, run_script_under
 from tba.defaults import MIB
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", action="store_true",
                         help="run every block under deepspeed.checkpointing.checkpoint (reentrant recompute)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, data and dropout (default: %(default)s)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc to run under (re-executes the script once): auto = best caching one found "
+                             "(default), system = the C library's")
     parser.add_argument("--malloc-env", action="store_true",
                         help="controlled measurement: re-run with glibc's mmap threshold fixed (default: plain process)")
     return parser.parse_args(argv)
@@ -108,6 +117,8 @@ def checkpoint_blocks(blocks, checkpoint) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if argv is None:
+        run_script_under(args.allocator)
     if args.malloc_env:
         reexec_with_malloc_env()
     single_process_env()
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     offload = TbaDeepSpeed(engine, config)
     accumulation = engine.gradient_accumulation_steps()
+    print(f"malloc {detect()}", flush=True)
     print(f"preset {args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"micro-batch {micro_batch}, gradient accumulation {accumulation}, ZeRO stage "
           f"{engine.zero_optimization_stage()}, tba {'on' if offload.offloader else 'off'}", flush=True)

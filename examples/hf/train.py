@@ -13,6 +13,10 @@ the same losses. CPU only; one line per optimizer step::
 Example::
 
     python examples/hf/train.py --model llama --steps 5 --tba --tba-dir /nvme/tba
+
+``--allocator`` (default ``auto``, the best caching malloc found; ``system`` for the C library's)
+re-executes the script once with that malloc preloaded (:func:`tba.allocator.run_script_under`), the
+same with and without tba; the header names it (docs/cpu-memory.md).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import tempfile
 import torch
 import transformers
 
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import detect, run_script_under
 from tba.integrations.hf import TbaTrainer
 
 
@@ -78,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tba", action="store_true", help="offload activations with tba")
     parser.add_argument("--tba-dir", default=None, help="tba's directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--tba-backend", default="auto", help="tba I/O backend (default: %(default)s)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc to run under (re-executes the script once): auto = best caching one found "
+                             "(default), system = the C library's")
     parser.add_argument("--output-dir", default=None, help="Trainer output directory (default: a temporary one)")
     return parser.parse_args(argv)
 
@@ -85,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> TbaTrainer:
     """Train as the command line says; returns the trainer (its ``model`` and ``tba_stats``)."""
     args = parse_args(argv)
+    if argv is None:
+        run_script_under(args.allocator)
+    print(f"malloc {detect()}", flush=True)
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.width, args.layers, args.vocab, args.seq)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="tba-hf-")

@@ -19,6 +19,9 @@ line gives the largest ``M`` over all steps, the first included. ``--malloc-env`
 script once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``), the controlled
 mode in which freed tensors always leave the resident set. Without ``--cpu`` the script needs one
 CUDA device (single process, NCCL).
+``--allocator`` (default ``auto``, the best caching malloc found; ``system`` for the C library's)
+re-executes the script once with that malloc preloaded (:func:`tba.allocator.run_script_under`), the
+same with and without tba; the header names it (docs/cpu-memory.md).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any
 
 import torch
 
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import detect, run_script_under
 from tba.bench.meters import MALLOC_ENV, CudaPeak, PeakRSS
 from tba.defaults import MIB
 from tba.integrations.megatron import add_tba_arguments, offloader_from_args
@@ -46,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
     parser.add_argument("--malloc-env", action="store_true",
                         help="controlled measurement: re-run with glibc's mmap threshold fixed (default: plain process)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc to run under (re-executes the script once): auto = best caching one found "
+                             "(default), system = the C library's")
     parser.add_argument("--layers", type=int, default=8, help="transformer layers (default: 8)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
@@ -152,7 +160,7 @@ def train(args: argparse.Namespace) -> list[float]:
         params = sum(p.numel() for p in model.parameters())
         print(f"# {mode}: GPTModel {args.layers} layers, hidden {args.hidden}, heads {args.heads}, seq {args.seq}, "
               f"batch {args.batch}, vocab {args.vocab}, {params / 1e6:.1f}M params on {device.type}; "
-              "time in s, mem = activation memory in MiB", flush=True)
+              f"malloc {detect()}; time in s, mem = activation memory in MiB", flush=True)
         batches = synthetic_batches(args, device)
         peaks = []
         try:
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
+    if argv is None:
+        run_script_under(args.allocator)
     if args.cpu and args.malloc_env and argv is None and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     warnings.filterwarnings("ignore", module=r"megatron\.")

@@ -67,6 +67,8 @@ class ModeResult:
     """Most device memory the caching allocator reserved at the end of a step (CUDA)."""
     pinned_bytes: int = 0
     """Most page-locked host memory at the end of a step (CUDA)."""
+    allocator: str | None = None
+    """The malloc that served the process (:func:`tba.allocator.detect`), where recorded."""
 
     @property
     def median_step_s(self) -> float:
@@ -191,9 +193,21 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
 
 
 
-def _summed_stats(per_step: list[dict[str, float]]) -> dict[str, float]:
-    """Counters of one-shot contexts added up over steps; peaks and bandwidths are the worst / mean."""
-    out = {key: sum(step[key] for step in per_step) for key in per_step[0]}
+def _summed_stats(per_step: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters of one-shot contexts added up over steps (per-reason counts too); peaks and bandwidths are the
+    worst / mean; text fields (the allocator) are the last step's."""
+    out: dict[str, Any] = {}
+    for key, first in per_step[0].items():
+        if isinstance(first, dict):
+            merged: dict[str, Any] = {}
+            for step in per_step:
+                for name, count in step[key].items():
+                    merged[name] = merged.get(name, 0) + count
+            out[key] = merged
+        elif isinstance(first, str):
+            out[key] = per_step[-1][key]
+        else:
+            out[key] = sum(step[key] for step in per_step)
     for key in ("peak_resident_bytes", "resident_bytes", "staging_blocks_in_use"):
         out[key] = max(step[key] for step in per_step)
     for key in ("write_gbps", "read_gbps"):

@@ -4,7 +4,10 @@
 :class:`~tba.bench.harness.ModeResult` back from the last line of its output. A user's model is
 named by ``"module:function"`` or ``"path/to/file.py:function"`` factories (:func:`factory_spec`).
 With ``malloc_env`` (default) the child runs under :data:`~tba.bench.meters.MALLOC_ENV`; see
-Note [Why measured processes fix glibc's mmap threshold] in ``tba/bench/meters.py``.
+Note [Why measured processes fix glibc's mmap threshold] in ``tba/bench/meters.py``. ``allocator``
+(``system`` by default, or ``auto``, ``jemalloc``, ``tcmalloc``, ``mimalloc``) is preloaded into
+the child (:func:`tba.allocator.launch_env`), the same for every mode; the child reports the
+allocator it found serving it, and a mismatch (a preload the loader refused) is an error.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from tba.allocator import CACHING, detect, launch_env, resolve
 from tba.bench.harness import ModeResult, run_mode, run_steps
 from tba.bench.meters import MALLOC_ENV
 from tba.bench.models import PRESETS
@@ -62,11 +66,14 @@ class IsolatedRunError(RuntimeError):
         super().__init__(f"mode {mode} failed:\n{stderr[-4000:]}")
 
 
-def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, **kwargs: Any) -> ModeResult:
+def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allocator: str = "system",
+                 **kwargs: Any) -> ModeResult:
     """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`.
 
     With ``malloc_env`` (default) the process runs under :data:`~tba.bench.meters.MALLOC_ENV`;
     without it, in a plain environment as a user's training would (glibc's adaptive mmap threshold).
+    ``allocator`` is preloaded into the process (an ``--allocator`` value, see :mod:`tba.allocator`);
+    the result's ``allocator`` is the one the process found serving it.
 
     With ``preset=None``, pass ``model_factory`` and ``batch_factory`` (callables defined at
     module level, or their :func:`factory_spec` strings) to measure any model with :func:`run_steps`.
@@ -75,11 +82,17 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, **kw
         if key in kwargs:
             kwargs[key] = factory_spec(kwargs[key])
     request = json.dumps({"mode": mode, "preset": preset, **kwargs})
+    env, _ = launch_env(allocator, dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
     proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
-                          env=dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
+                          env=env)
     if proc.returncode != 0:
         raise IsolatedRunError(mode, proc.stderr)
-    return ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    result = ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    wanted = resolve(allocator)[0]
+    if result.allocator != wanted and not (wanted == "system" and result.allocator not in CACHING):
+        raise RuntimeError(f"mode {mode} was to run under {wanted} but {result.allocator} served it "
+                           f"(LD_PRELOAD={env.get('LD_PRELOAD', '')!r}):\n{proc.stderr[-2000:]}")
+    return result
 
 
 def _plain_env() -> dict[str, str]:
@@ -94,12 +107,14 @@ def _worker(request_json: str) -> None:
         model = load_factory(request.pop("model_factory"))()
         batch = load_factory(request.pop("batch_factory"))()
         result = run_steps(request.pop("mode"), model, tuple(batch), **request)
+        result.allocator = detect().name
         print(json.dumps(dataclasses.asdict(result)))
         return
     config = PRESETS[preset]
     if "config_overrides" in request:
         config = dataclasses.replace(config, **request.pop("config_overrides"))
     result = run_mode(request.pop("mode"), config, **request)
+    result.allocator = detect().name
     print(json.dumps(dataclasses.asdict(result)))
 
 

@@ -23,6 +23,7 @@ def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak:
         stats = r.offload_stats or {}
         rows.append({
             "mode": r.mode,
+            "allocator": r.allocator or "",
             "step_s": r.median_step_s,
             "step_ratio": r.median_step_s / base.median_step_s,
             "activation_peak_mib": peak_of(r) / MIB,
@@ -38,12 +39,13 @@ def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak:
 
 def format_table(rows: Sequence[dict[str, float | str]]) -> str:
     """Rows from :func:`comparison_rows` as an aligned table."""
-    header = (f"{'mode':<12} {'step s':>8} {'x keep':>7} {'act peak MiB':>13} {'x keep':>7} "
+    header = (f"{'mode':<12} {'malloc':<9} {'step s':>8} {'x keep':>7} {'act peak MiB':>13} {'x keep':>7} "
               f"{'same loss':>9} {'written MiB':>12} {'read MiB':>9} {'write GB/s':>10} {'read GB/s':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row['mode']:<12} {row['step_s']:>8.3f} {row['step_ratio']:>7.2f} {row['activation_peak_mib']:>13.1f} "
+            f"{row['mode']:<12} {row.get('allocator', ''):<9} {row['step_s']:>8.3f} {row['step_ratio']:>7.2f} "
+            f"{row['activation_peak_mib']:>13.1f} "
             f"{row['peak_ratio']:>7.2f} {'yes' if row['losses_equal'] else 'NO':>9} {row['written_mib']:>12.1f} "
             f"{row['read_mib']:>9.1f} {row['write_gbps']:>10.2f} {row['read_gbps']:>9.2f}"
         )

@@ -1,10 +1,15 @@
-"""Train a small built-in GPT on CPU with and without tba, and compare.
+"""Train a small built-in GPT on CPU with and without tba, and compare, under a caching malloc and under glibc's.
 
 Runs a few steps keep-all, then the same steps with tba, each in a fresh plain process (no malloc
 tuning), and prints the median step time, the activation peak (peak RSS during a step minus RSS
 before it, the worst step, the first included), the bytes written and read with their bandwidth,
 and whether the losses are identical. tba runs exactly as a new user writes it: a bare
 ``with tba.offload_activations(directory=d):`` around each step's forward, nothing else passed.
+
+Both modes run under ``--allocator`` (default ``auto``: the best caching allocator found, as
+``python -m tba run`` picks it) and then again under the C library's malloc (``system``, glibc), so
+that both are shown: under glibc, freed activations' memory is not reused and tba hands pages back
+to the kernel, which fault in again every step (docs/cpu-memory.md).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import argparse
 import logging
 import tempfile
 
+from tba.allocator import CHOICES, INSTALL_HINTS, launch_env
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._report import comparison_rows, format_table
+from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
@@ -27,23 +34,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=0, help="unmeasured steps first (default: 0)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
+    parser.add_argument("--allocator", choices=CHOICES, default="auto",
+                        help="malloc preloaded into both modes: auto = best caching allocator found (default); "
+                             "the C library's (system) rows follow unless it is system already")
 
 
 def run(args: argparse.Namespace) -> int:
     config = PRESETS[args.preset]
+    try:
+        _, malloc = launch_env(args.allocator)
+    except TbaConfigError as err:
+        logger.error("python -m tba demo: error: %s", err)
+        return 2
     logger.info("model: GPT preset %r (%d layers, width %d, sequence %d, batch %d)", args.preset,
                 config.layers, config.width, config.seq_len, config.batch_size)
+    if malloc.startswith("system") and args.allocator == "auto":
+        logger.info("no caching allocator found (%s; or %s): the demo runs under glibc only",
+                    INSTALL_HINTS["jemalloc"], INSTALL_HINTS["mimalloc"])
     directory = args.directory or tempfile.gettempdir()
-    results = []
-    for mode in ("keep", "tba"):
-        logger.info("running %s: %d warm-up + %d measured steps in a fresh process ...", mode, args.warmup, args.steps)
-        results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup, directory=directory,
-                                    backend=args.backend, usage="bare", malloc_env=False))
-    rows = comparison_rows(results, peak="max")
+    allocators = [args.allocator] + ([] if malloc.startswith("system") else ["system"])
+    rows, results = [], []
+    for choice in allocators:
+        _, described = launch_env(choice)
+        logger.info("malloc: %s", described)
+        group = []
+        for mode in ("keep", "tba"):
+            logger.info("running %s: %d warm-up + %d measured steps in a fresh process ...", mode, args.warmup, args.steps)
+            group.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup, directory=directory,
+                                      backend=args.backend, usage="bare", malloc_env=False, allocator=choice))
+        rows += comparison_rows(group, peak="max")
+        results.append(group)
     print(format_table(rows))
-    same = rows[1]["losses_equal"]
-    print(f"\nlosses per step (keep): {results[0].losses}")
-    print(f"losses per step (tba):  {results[1].losses}")
-    print(f"losses identical: {'yes' if same else 'NO'}; tba activation peak is "
-          f"{rows[1]['peak_ratio']:.0%} of keep-all at {rows[1]['step_ratio']:.2f}x its step time")
+    same = all(row["losses_equal"] for row in rows) and all(g[0].losses == results[0][0].losses for g in results)
+    print(f"\nlosses per step (keep): {results[0][0].losses}")
+    print(f"losses per step (tba):  {results[0][1].losses}")
+    print(f"losses identical: {'yes' if same else 'NO'}")
+    for group, tba_row in zip(results, rows[1::2]):
+        print(f"under {group[1].allocator}: tba activation peak is {tba_row['peak_ratio']:.0%} of keep-all "
+              f"at {tba_row['step_ratio']:.2f}x its step time")
+    if len(results) > 1:
+        print("(glibc's malloc does not reuse freed activations' memory; run training under "
+              "`python -m tba run script.py`, see docs/cpu-memory.md)")
     return 0 if same else 1

@@ -5,7 +5,8 @@ engine (extension built, kernel allows it, see :func:`tba.io._io_uring.probe`), 
 in the offload directory (:func:`tba.io._spill.probe_direct_io`), whether CUDA is available, whether
 kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
 with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
-(fixed) buffers,
+(fixed) buffers, the malloc serving this process and the caching allocators ``python -m tba run``
+can preload (``tba/allocator.py``),
 and a quick sequential write and read through the engine that ``backend="auto"`` picks.
 """
 
@@ -19,6 +20,7 @@ import resource
 import torch
 
 from tba._units import parse_size
+from tba.allocator import CACHING, detect, find_library
 from tba.defaults import MIB
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.io import (
@@ -104,6 +106,21 @@ def _filesystem_row(directory: str) -> str:
     return fs_type
 
 
+def _malloc_rows() -> list[tuple[str, str]]:
+    """The malloc serving this process, and the caching allocators found for ``python -m tba run``."""
+    allocator = detect()
+    found = {name: find_library(name) for name in CACHING}
+    listed = ", ".join(f"{name} ({path})" for name, path in found.items() if path) or "none"
+    if allocator.caching:
+        serving = f"{allocator} ({allocator.path or 'linked in'}): freed activations are reused, nothing handed back"
+    elif allocator.name == "glibc":
+        serving = (f"glibc {allocator.version}: freed activations' pages are handed back and fault in again every "
+                   "step; run training under `python -m tba run script.py` (docs/cpu-memory.md)")
+    else:
+        serving = f"{allocator}: not a caching allocator tba knows; pages are handed back as under glibc"
+    return [("malloc in this process", serving), ("caching allocators found", listed)]
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report. Always returns 0."""
     directory = resolve_directory(args.directory)
@@ -122,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         ("CUDA route with 'auto'", _cuda_route()),
         ("memlock limit (soft/hard)", f"{_format_limit(soft)} / {_format_limit(hard)}"
                                       + (" (root: not applied to io_uring buffer registration)" if os.geteuid() == 0 else "")),
+        *_malloc_rows(),
     ]
     if not args.no_bandwidth:
         size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)

@@ -7,7 +7,9 @@ and reports its median step time and activation peak: peak RSS during a step min
 on CPU, ``torch.cuda.max_memory_allocated`` minus what was allocated before the step (weights,
 gradients, optimiser state) on CUDA. Budgets are fractions of keep-all's measured peak unless
 given in MiB; the adaptive runs profile their first two steps (not measured) and then follow the
-plan, which is recorded with each point.
+plan, which is recorded with each point. Every configuration runs under the same malloc
+(``--allocator``, default ``auto``: the best caching allocator found, see ``tba/allocator.py``),
+named in the header and in ``rok.json``.
 
 It writes ``rok.csv``, ``rok.json`` and, with matplotlib installed (``pip install 'tba-offload[plot]'``),
 ``rok.png``: one marker per strategy, the Pareto front (no other point both faster and smaller)
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import launch_env
 from tba.bench.harness import ModeResult
 from tba.bench.isolated import IsolatedRunError, run_isolated
 from tba.bench.models import PRESETS
@@ -35,6 +39,7 @@ from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
 from tba.cli._rok_plot import pareto_front, plot_png
 from tba.defaults import MIB
+from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
@@ -75,19 +80,20 @@ class RokPoint:
 
 @dataclasses.dataclass
 class RokResult:
-    """All points, whether adaptive dominates full recompute, and the files written."""
+    """All points, whether adaptive dominates full recompute, the files written and the malloc measured under."""
 
     points: list[RokPoint]
     adaptive_dominates_recompute: bool
     dominating: list[str]
     files: list[str]
+    allocator: str = ""
 
 
 def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callable[[], Any] | str | None = None, *,
           preset: str | None = None, budget_fractions: Sequence[float] = DEFAULT_BUDGET_FRACTIONS,
           budgets_bytes: Sequence[int] | None = None, steps: int = 5, warmup: int = 1, directory: str | None = None,
           backend: str = "auto", device: str = "cpu", threads: int | None = None, out_dir: str | None = ".",
-          plot: bool = True, progress: bool = True) -> RokResult:
+          plot: bool = True, progress: bool = True, allocator: str = "auto") -> RokResult:
     """Measure the ROK curve of one model; every configuration in a fresh process.
 
     Args:
@@ -105,6 +111,8 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
         out_dir: Where ``rok.csv``, ``rok.json`` and ``rok.png`` go; None writes nothing.
         plot: Write ``rok.png`` when matplotlib is installed.
         progress: Show a progress line on stderr.
+        allocator: The malloc preloaded into every configuration's process alike (an ``--allocator``
+            value of :mod:`tba.allocator`; ``"system"`` is the C library's).
     """
     if (preset is None) == (make_model is None) or (make_model is None) != (make_batch is None):
         raise ValueError("give either preset= or both make_model and make_batch")
@@ -113,15 +121,16 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
     check_setup(out_dir, device)
     title = preset or factory_title(make_model)
     model_args: dict[str, Any] = {} if preset else {"model_factory": make_model, "batch_factory": make_batch}
+    _, malloc = launch_env(allocator)
     common = dict(steps=steps, warmup=warmup, directory=directory, backend=backend, device=device, threads=threads,
-                  **model_args)
+                  allocator=allocator, **model_args)
     budget_count = len(budgets_bytes) if budgets_bytes is not None else len(budget_fractions)
     bar = Progress(len(BASELINES) + budget_count, enabled=progress)
     results: list[tuple[str, str, int | None, ModeResult]] = []
 
     def measure(strategy: str, label: str, budget: int | None, mode: str, **options: Any) -> RokResult:
         results.append((strategy, label, budget, run_isolated(mode, preset, **options, **common)))
-        summary = _summarise(results)
+        summary = _summarise(results, malloc)
         if out_dir is not None:  # each point is on disk as soon as it is measured
             summary.files = _write(summary, out_dir, False, title=title, device=device)
         return summary
@@ -167,7 +176,7 @@ def check_setup(out_dir: str | None, device: str) -> None:
         raise ValueError(f"--out {out_dir} is not writable; pass a writable directory")
 
 
-def _summarise(results: list[tuple[str, str, int | None, ModeResult]]) -> RokResult:
+def _summarise(results: list[tuple[str, str, int | None, ModeResult]], malloc: str) -> RokResult:
     """Points, Pareto front and domination over the configurations measured so far (keep first)."""
     keep = results[0][3]
     points = [_point(strategy, label, budget, result, keep) for strategy, label, budget, result in results]
@@ -176,7 +185,7 @@ def _summarise(results: list[tuple[str, str, int | None, ModeResult]]) -> RokRes
     recompute = points[1] if len(points) > 1 else None
     dominating = [p.label for p in points if recompute is not None and p.strategy == "adaptive"
                   and p.step_s < recompute.step_s and p.activation_peak_bytes <= recompute.activation_peak_bytes]
-    return RokResult(points, bool(dominating), dominating, [])
+    return RokResult(points, bool(dominating), dominating, [], malloc)
 
 
 def factory_title(make_model: Any) -> str:
@@ -206,7 +215,8 @@ def _write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: s
         writer.writeheader()
         writer.writerows(p.row() for p in result.points)
     with open(files[1], "w") as f:
-        json.dump({"model": title, "device": device, "points": [dataclasses.asdict(p) for p in result.points],
+        json.dump({"model": title, "device": device, "allocator": result.allocator,
+                   "points": [dataclasses.asdict(p) for p in result.points],
                    "adaptive_dominates_recompute": result.adaptive_dominates_recompute,
                    "dominating": result.dominating}, f, indent=2)
     if plot:
@@ -249,6 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per measured process (default: torch's; 1 is steadier on a busy machine)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc preloaded into every configuration: auto = best caching allocator found (default), "
+                             "system = the C library's (glibc)")
     parser.add_argument("--out", default=".", help="directory for rok.csv, rok.json, rok.png (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="do not write rok.png")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -261,6 +274,10 @@ def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.model is None:
         cli_checks.usage_error("rok", "--batch needs --model: pass --model MODULE:FUNC, a function that returns the model")
     preset = args.preset or (None if args.model else "small")
+    try:
+        launch_env(args.allocator)
+    except TbaConfigError as err:
+        cli_checks.usage_error("rok", str(err))
     budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
     try:
         check_setup(args.out, args.device)
@@ -271,11 +288,12 @@ def run(args: argparse.Namespace) -> int:
                        budget_fractions=[float(b) for b in args.budgets.split(",")], budgets_bytes=budgets_bytes,
                        steps=args.steps, warmup=args.warmup, directory=args.directory, backend=args.backend,
                        device=args.device, threads=args.threads, out_dir=args.out,
-                       plot=not args.no_plot, progress=not args.quiet)
+                       plot=not args.no_plot, progress=not args.quiet, allocator=args.allocator)
     except IsolatedRunError as err:
         logger.debug("%s", err.stderr)
         cli_checks.usage_error("rok", f"the {err.mode} run failed: {err.reason} (partial results, if any, are in "
                                       f"{args.out}; -v shows the whole error)")
+    print(f"malloc: {result.allocator}, the same for every configuration")
     print(format_points(result.points))
     print(f"\nadaptive dominates full recompute (no more memory, less time): "
           f"{'yes: ' + ', '.join(result.dominating) if result.dominating else 'no'}")

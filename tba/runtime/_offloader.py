@@ -42,6 +42,7 @@ from torch import nn
 
 from tba import _control
 from tba._trace import nvtx_range
+from tba.allocator import detect as detect_allocator
 from tba.config import OffloadConfig, options_doc, signature_with_options
 from tba.device import DEVICE_TYPES, DeviceOps, Routes, cuda_api, host_engine_backend, is_device_tensor
 from tba.errors import EngineClosedError, TbaConfigError, TbaError
@@ -55,6 +56,7 @@ from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._runner import StepCounters, StepPlacement, shared_runner
 from tba.runtime._stats import OffloadStats
 from tba.runtime._store import StorageStore
+from tba.runtime._trim import note_host_offload
 from tba.runtime._views import SavedView, StorageEntry
 
 logger = logging.getLogger("tba")
@@ -134,7 +136,7 @@ class Offloader:
         saved outside every layer (embeddings, the loss)."""
         self._device_ops = _device_ops
         self._staged_devices = _staged_devices
-        self._stats = OffloadStats()
+        self._stats = OffloadStats(allocator=detect_allocator().name)
         self._stats_base: OffloadStats | None = None
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
@@ -472,6 +474,8 @@ class Offloader:
         return _control.call(self._save_job, tensor, self._tracker.current)
 
     def _save_job(self, tensor: torch.Tensor, layer: int | None) -> SavedView:
+        if not tensor.is_cuda:
+            note_host_offload()
         entry, fresh = self._store.save(tensor, layer)
         if fresh and self._discovery is not None:
             self._discovery.note_saved(entry)

@@ -42,6 +42,9 @@ class OffloadStats:
         bytes_verified: Bytes read back whose checksum was checked (``verify=True``).
         kept_by_reason / bytes_kept_by_reason: ``tensors_kept`` and ``bytes_kept`` split by
             :class:`tba.KeepReason` value (``"small"``, ``"layer kept by policy"``, ...).
+        allocator: The malloc serving this process (``"glibc"``, ``"jemalloc"``, ``"tcmalloc"``,
+            ``"mimalloc"``, ...; :func:`tba.allocator.detect`). Under glibc, freed activations' pages are
+            handed back to the kernel and fault in again every step; see docs/cpu-memory.md.
     """
 
     tensors_offloaded: int = 0
@@ -66,6 +69,7 @@ class OffloadStats:
     staging_blocks_in_use: int = 0
     kept_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_kept_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    allocator: str = ""
 
     def count_kept(self, reason: str, nbytes: int) -> None:
         """One more tensor kept in memory for ``reason``, holding ``nbytes`` of activations (0 for state)."""
@@ -87,8 +91,9 @@ class OffloadStats:
 
     def since(self, earlier: OffloadStats) -> OffloadStats:
         """The counters accumulated after ``earlier`` (a copy taken before); the gauges
-        ``resident_bytes``, ``peak_resident_bytes`` and ``staging_blocks_in_use`` are this object's."""
-        gauges = ("resident_bytes", "peak_resident_bytes", "staging_blocks_in_use")
+        ``resident_bytes``, ``peak_resident_bytes`` and ``staging_blocks_in_use``, and ``allocator``,
+        are this object's."""
+        gauges = ("resident_bytes", "peak_resident_bytes", "staging_blocks_in_use", "allocator")
         out = OffloadStats()
         for field in dataclasses.fields(self):
             mine, theirs = getattr(self, field.name), getattr(earlier, field.name)
@@ -114,7 +119,7 @@ class OffloadStats:
             f"read {self.bytes_read / MIB:.1f} MiB ({self.read_gbps:.2f} GB/s), "
             f"dedup {self.bytes_deduplicated / MIB:.1f} MiB, "
             f"offloaded {self.tensors_offloaded} / kept {self.tensors_kept} tensors, "
-            f"peak resident {self.peak_resident_bytes / MIB:.1f} MiB"
+            f"peak resident {self.peak_resident_bytes / MIB:.1f} MiB, malloc {self.allocator or 'unknown'}"
         )
 
 

@@ -1,0 +1,293 @@
+"""Which malloc serves this process, and where to find a caching one to run a program under.
+
+Note: [Why tba cares which malloc serves the process]
+tba frees each offloaded activation in the middle of forward, as soon as its write completes. That
+only lowers the process's resident memory if the allocator reuses the freed block for the next
+activation. glibc's malloc, with its default (adaptive) mmap threshold, serves tensors of a few MiB
+from its heap; a freed one leaves a hole that small long-lived objects are carved out of, so the
+next activation no longer fits and the heap grows at its top: resident memory ends up where
+keeping every activation would have put it. tba works around it by handing the pages back to the
+kernel (``tba/runtime/_trim.py``), which costs a page fault per 4 KiB when the memory is used
+again, every step. Caching allocators (jemalloc, tcmalloc, mimalloc) keep size-classed blocks
+and reuse a freed activation's block for the next one: no hand-back, no re-fault.
+
+:func:`detect` names the allocator that serves ``malloc`` in this process: it resolves ``malloc``
+the way the dynamic linker does for the program and asks ``dladdr`` which library holds it (a
+preloaded library interposes its own). :func:`find_library` finds a caching allocator's shared
+library (the Python environment first, where the ``cpu`` extra's ``cmeel-mimalloc`` puts
+``libmimalloc.so.3``, then ``ldconfig``'s cache and the usual library directories), and
+:func:`launch_env` is the environment that preloads it into a new process, as
+``python -m tba run`` and the benchmarks do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+
+from tba.errors import TbaConfigError
+
+CACHING = ("jemalloc", "tcmalloc", "mimalloc")
+"""The caching allocators tba knows how to find and preload."""
+
+AUTO_ORDER = ("jemalloc", "mimalloc", "tcmalloc")
+"""What ``--allocator auto`` picks, first found wins: the order of the measured activation peak
+and step time under tba (docs/cpu-memory.md)."""
+
+CHOICES = ("auto", *CACHING, "system")
+"""Values of every ``--allocator`` option; ``system`` is the C library's malloc (glibc on Linux)."""
+
+LIBRARY_FILES = {
+    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
+    "mimalloc": ("libmimalloc.so.3", "libmimalloc.so.2", "libmimalloc.so"),
+}
+"""Shared-library file names of each caching allocator, preferred first."""
+
+INSTALL_HINTS = {
+    "jemalloc": "apt-get install libjemalloc2 (Debian/Ubuntu) or dnf install jemalloc",
+    "tcmalloc": "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or dnf install gperftools-libs",
+    "mimalloc": "pip install cmeel-mimalloc (or pip install 'tba[cpu]'), or apt-get install libmimalloc2.0",
+}
+
+SETTINGS: dict[str, dict[str, str]] = {}
+"""Environment set with each preloaded allocator unless the user already set it. Empty by measurement:
+jemalloc's defaults gave tba the lowest activation peak; ``background_thread:true`` raised it from
+0.15x to 0.21x of keep-all (docs/cpu-memory.md)."""
+
+SETTING_PREFIXES = {"jemalloc": ("MALLOC_CONF",), "tcmalloc": ("TCMALLOC_",), "mimalloc": ("MIMALLOC_",)}
+"""Environment variables each allocator reads; those set are named in :func:`launch_env`'s description."""
+
+LIBRARY_DIRS = ("/usr/local/lib", "/usr/lib64", "/usr/lib", "/lib64", "/lib")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    """The malloc serving a process.
+
+    Attributes:
+        name: ``"jemalloc"``, ``"tcmalloc"``, ``"mimalloc"``, ``"glibc"``, ``"system"`` (another C
+            library's malloc), or the file name of an unknown library that interposes ``malloc``.
+        path: The shared object that holds ``malloc``, where known.
+        version: The library's version, where it tells.
+    """
+
+    name: str
+    path: str | None = None
+    version: str | None = None
+
+    @property
+    def caching(self) -> bool:
+        """Whether it is one of the caching allocators (:data:`CACHING`) that reuse freed activation blocks."""
+        return self.name in CACHING
+
+    def __str__(self) -> str:
+        return self.name + (f" {self.version}" if self.version else "")
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _name_of(path: str) -> str | None:
+    base = os.path.basename(path)
+    return next((name for name in CACHING if name in base), None)
+
+
+def _address(library: ctypes.CDLL, symbol: str) -> int | None:
+    try:
+        return ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def _version(name: str, process: ctypes.CDLL) -> str | None:
+    try:
+        if name == "jemalloc":
+            value, size = ctypes.c_char_p(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_char_p))
+            if process.mallctl(b"version", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) == 0:
+                return value.value.decode().split("-")[0]
+        elif name == "mimalloc":
+            number = process.mi_version()  # 209 for 2.0.9, 30403 for 3.4.3
+            if number >= 10000:
+                return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+            return f"{number // 100}.{number // 10 % 10}.{number % 10}"
+        elif name == "tcmalloc":
+            process.tc_version.restype = ctypes.c_char_p
+            text = process.tc_version(None, None, None)
+            return text.decode().split()[-1] if text else None
+    except (AttributeError, OSError, ValueError):
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def detect() -> Allocator:
+    """The malloc serving this process (cached: it cannot change after the process starts)."""
+    process = ctypes.CDLL(None)
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        libc = process
+    glibc = _address(libc, "gnu_get_libc_version") is not None
+    served = _address(process, "malloc")
+    if served is not None and served != _address(libc, "malloc"):
+        info = _DlInfo()
+        path = None
+        if _address(libc, "dladdr") is not None and libc.dladdr(ctypes.c_void_p(served), ctypes.byref(info)):
+            path = info.dli_fname.decode(errors="replace") if info.dli_fname else None
+        name = _name_of(path) if path else None
+        if name is None:
+            # malloc linked into the executable itself, or a library named otherwise: ask by symbol.
+            markers = {"jemalloc": "mallctl", "mimalloc": "mi_version", "tcmalloc": "MallocExtension_GetAllocatedSize"}
+            name = next((n for n, symbol in markers.items() if _address(process, symbol) is not None), None)
+        if name is not None:
+            return Allocator(name, path, _version(name, process))
+        return Allocator(os.path.basename(path) if path else "unknown", path)
+    if glibc:
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        return Allocator("glibc", None, libc.gnu_get_libc_version().decode())
+    return Allocator("system")
+
+
+def _environment_dirs() -> list[str]:
+    """Library folders inside the running Python environment (cmeel wheels, conda, a venv's lib)."""
+    roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    try:
+        roots.update(site.getsitepackages())
+    except AttributeError:
+        pass
+    dirs = [os.path.join(root, "cmeel.prefix", "lib") for root in sorted(roots)]
+    return dirs + [os.path.join(sys.prefix, "lib")]
+
+
+def _ldconfig_paths() -> dict[str, str]:
+    """file name -> path from the dynamic linker's cache (``ldconfig -p``), this machine's architecture first."""
+    for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        try:
+            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        marker = "x86-64" if os.uname().machine == "x86_64" else ""
+        found: dict[str, str] = {}
+        for line in out.splitlines():
+            name, arrow, path = line.strip().partition(" => ")
+            if arrow and marker in name:
+                found.setdefault(name.split(" (")[0], path.strip())
+        return found
+    return {}
+
+
+def _system_dirs() -> list[str]:
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    arch_dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
+    return arch_dirs + list(LIBRARY_DIRS)
+
+
+def find_library(name: str) -> str | None:
+    """The path of caching allocator ``name``'s shared library on this machine, or None.
+
+    Searched in order: the Python environment (``<site-packages>/cmeel.prefix/lib``, ``<prefix>/lib``),
+    the dynamic linker's cache (``ldconfig -p``), then ``/usr/lib/<multiarch>`` and the usual library folders.
+    """
+    if name not in LIBRARY_FILES:
+        raise ValueError(f"unknown allocator {name!r}; choose one of {', '.join(CACHING)}")
+    files = LIBRARY_FILES[name]
+    for folder in _environment_dirs():
+        for file in files:
+            if os.path.isfile(os.path.join(folder, file)):
+                return os.path.join(folder, file)
+    cache = _ldconfig_paths()
+    for file in files:
+        if file in cache and os.path.isfile(cache[file]):
+            return cache[file]
+    for folder in _system_dirs():
+        for file in files:
+            if os.path.isfile(os.path.join(folder, file)):
+                return os.path.join(folder, file)
+    return None
+
+
+def resolve(choice: str) -> tuple[str, str | None]:
+    """``(name, library path)`` for an ``--allocator`` value; ``("system", None)`` for the C library's malloc.
+
+    ``auto`` is the first of :data:`AUTO_ORDER` found, else ``system``. A named allocator that is not
+    installed raises :class:`tba.TbaConfigError` naming how to install it.
+    """
+    if choice not in CHOICES:
+        raise TbaConfigError(f"unknown allocator {choice!r}; choose one of {', '.join(CHOICES)}")
+    if choice == "system":
+        return "system", None
+    for name in AUTO_ORDER if choice == "auto" else (choice,):
+        path = find_library(name)
+        if path is not None:
+            return name, path
+    if choice == "auto":
+        return "system", None
+    raise TbaConfigError(f"allocator {choice!r} not found (searched the Python environment, ldconfig and "
+                         f"{', '.join(_system_dirs())}); install it: {INSTALL_HINTS[choice]}, or pass --allocator system")
+
+
+def launch_env(choice: str, env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """``(environment, description)`` that runs a new process under allocator ``choice``.
+
+    The environment is ``env`` (default ``os.environ``) with the library first in ``LD_PRELOAD`` and
+    its :data:`SETTINGS` added where unset. ``system`` removes known allocators from ``LD_PRELOAD``,
+    so that a process started under one still measures glibc when asked to. The description names
+    the allocator, its library and its settings, for a header line.
+    """
+    name, path = resolve(choice)
+    out = dict(os.environ if env is None else env)
+    kept = [item for item in out.get("LD_PRELOAD", "").replace(":", " ").split()
+            if _name_of(item) is None]
+    if path is None:
+        if kept:
+            out["LD_PRELOAD"] = " ".join(kept)
+        else:
+            out.pop("LD_PRELOAD", None)
+        return out, "system (the C library's malloc, no preload)"
+    out["LD_PRELOAD"] = " ".join([path, *kept])
+    for key, value in SETTINGS.get(name, {}).items():
+        out.setdefault(key, value)
+    settings = [f"{key}={value}" for key, value in sorted(out.items()) if key.startswith(SETTING_PREFIXES[name])]
+    return out, f"{name} ({path}{', ' + ', '.join(settings) if settings else ''})"
+
+
+REEXEC_MARK = "TBA_ALLOCATOR_REEXEC"
+"""Set in the environment of a script re-executed by :func:`run_script_under`, so that it happens once."""
+
+
+def serves(allocator: Allocator, name: str) -> bool:
+    """Whether ``allocator`` is what :func:`resolve` called ``name`` (``system``: any non-caching malloc)."""
+    return not allocator.caching if name == "system" else allocator.name == name
+
+
+def run_script_under(choice: str) -> Allocator:
+    """Make the running script run under allocator ``choice``; returns the allocator serving it.
+
+    If another malloc serves this process, the interpreter is executed again with the same command
+    line (``sys.orig_argv``) and the allocator preloaded (:func:`launch_env`), once: if the new
+    process is still not served by it (the dynamic loader refused the preload), a
+    :class:`tba.TbaConfigError` says so. For a training script's ``--allocator`` option; call it
+    before any work, since nothing of this process survives the re-execution.
+    """
+    name, path = resolve(choice)
+    current = detect()
+    if serves(current, name):
+        return current
+    if os.environ.get(REEXEC_MARK) == choice:
+        raise TbaConfigError(f"ran again with {path} preloaded, but {current} still serves this process: the "
+                             f"dynamic loader refused the preload (see its message above); pass --allocator system")
+    env, _ = launch_env(choice)
+    env[REEXEC_MARK] = choice
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("not reached")

@@ -1,0 +1,76 @@
+"""python -m tba run: the script or module runs under the allocator asked for, with its own arguments,
+output and exit status; a missing allocator or nothing to run is a one-line error with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tba import allocator
+from tba.cli import main
+
+SCRIPT = """\
+import json, sys
+from tba.allocator import detect
+print(json.dumps({"argv": sys.argv[1:], "malloc": detect().name}))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _tba_run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tba", "run", *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("choice", ["auto", *allocator.CACHING, "system"])
+def test_arguments_and_exit_status_pass_through_under_each_allocator(tmp_path, choice):
+    if choice in allocator.CACHING and allocator.find_library(choice) is None:
+        pytest.skip(f"{choice} is not installed here")
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    proc = _tba_run("--allocator", choice, str(script), "7", "--allocator", "x y", "-m", "")
+    assert proc.returncode == 7, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["argv"] == ["7", "--allocator", "x y", "-m", ""]
+    expected = allocator.resolve(choice)[0]
+    if expected == "system":
+        assert out["malloc"] not in allocator.CACHING
+    else:
+        assert out["malloc"] == expected
+    said = [line for line in proc.stderr.splitlines() if line.startswith("tba run: malloc")]
+    assert len(said) == 1 and said[0].startswith(f"tba run: malloc {expected}")
+
+
+def test_a_module_runs_with_its_arguments(tmp_path):
+    (tmp_path / "tba_run_probe.py").write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "tba", "run", "-m", "tba_run_probe", "3", "--flag"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert json.loads(proc.stdout)["argv"] == ["3", "--flag"]
+
+
+def test_an_allocator_that_is_not_installed_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(allocator, "find_library", lambda name: None)
+    assert main(["run", "--allocator", "tcmalloc", "script.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "allocator 'tcmalloc' not found" in err[0] and "libtcmalloc-minimal4" in err[0]
+
+
+@pytest.mark.parametrize("argv", [["run"], ["run", "-m"], ["run", "--allocator", "system"]])
+def test_nothing_to_run_is_one_line_and_exit_2(argv, capsys):
+    assert main(argv) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_auto_without_any_caching_allocator_runs_under_the_c_library_and_says_how_to_get_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(allocator, "find_library", lambda name: None)
+    calls = []
+    monkeypatch.setattr("os.execve", lambda path, argv, env: calls.append((argv, env)) or 0)
+    script = tmp_path / "s.py"
+    assert main(["run", str(script), "a"]) == 0
+    (argv, env), = calls
+    assert argv[1:] == [str(script), "a"]
+    assert not any(name in env.get("LD_PRELOAD", "") for name in allocator.CACHING)
