@@ -75,6 +75,6 @@ def factory(text: str) -> str:
 
 
 def usage_error(command: str, message: str) -> NoReturn:
-    """Exit like an argparse error: one line ``tba COMMAND: error: MESSAGE`` on stderr, status 2."""
-    sys.stderr.write(f"tba {command}: error: {message}\n")
+    """Exit like an argparse error: one line ``python -m tba COMMAND: error: MESSAGE`` on stderr, status 2."""
+    sys.stderr.write(f"python -m tba {command}: error: {message}\n")
     raise SystemExit(2)

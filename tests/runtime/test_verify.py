@@ -67,5 +67,5 @@ def test_verify_option_is_checked(spill_dir, monkeypatch):
     with pytest.raises(TbaConfigError, match="verify must be True or False"):
         tba.offload_activations(spill_dir, verify="yes")
     monkeypatch.setitem(sys.modules, "crc32c", None)
-    with pytest.raises(TbaConfigError, match=r"pip install 'tba\[verify\]'"):
+    with pytest.raises(TbaConfigError, match=r"pip install 'tba-offload\[verify\]'"):
         tba.offload_activations(spill_dir, verify=True)

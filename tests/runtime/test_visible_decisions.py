@@ -91,7 +91,8 @@ def test_reset_stats_gives_per_step_counters(spill_dir):
     stats = offloader.stats
     assert stats.tensors_offloaded == second
     assert 0 < stats.bytes_written < so_far.bytes_written and 0 < stats.bytes_read < so_far.bytes_read
-    assert 0 < stats.peak_resident_bytes and stats.kept_by_reason == {"parameter": 6}
+    assert 0 < stats.peak_resident_bytes and set(stats.kept_by_reason) == {"parameter"}
+    assert 0 < stats.tensors_kept == stats.kept_by_reason["parameter"]
     assert "bytes_written=" in repr(stats)
     offloader.close()
 
