@@ -117,3 +117,20 @@ def single_process_group():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def sim():
+    """A simulated CUDA device (tba/device/sim) for the test; afterwards no race, no use after free, no thread left."""
+    import threading
+
+    import tba
+    from tba.device.sim import simulate
+
+    before = set(threading.enumerate())
+    with simulate(seed=1234) as device:
+        yield device
+        tba.shutdown()
+    assert device.problems() == [], "\n".join(device.problems())
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith(("tba", "fake"))]
+    assert not left, f"threads left: {left}"

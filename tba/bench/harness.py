@@ -157,7 +157,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
             with peak_meter() as peak:
                 start = time.perf_counter()
                 if mode == "save_on_cpu":
-                    with torch.autograd.graph.save_on_cpu():
+                    with torch.autograd.graph.save_on_cpu(pin_memory=torch.device(device).type == "cuda"):
                         loss = model(*batch)
                 elif offloader is not None:
                     with offloader:

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rok": ("tba.cli.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
     "bench-ckpt": ("tba.cli.bench_ckpt", "training stall and write bandwidth of checkpoints: torch.save, DCP, tba lazy"),
     "run": ("tba.cli.run", "run a script or module with a caching malloc (jemalloc, mimalloc, tcmalloc) preloaded"),
+    "gpu-report": ("tba.cli.gpu_report", "one Markdown + JSON report of tba's CUDA path (--simulate: on a simulated device)"),
 }
 
 

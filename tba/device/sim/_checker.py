@@ -48,6 +48,7 @@ class HappensBefore:
         self._starts: list[int] = []
         self._records: list[_Access] = []
         self._longest = 0
+        self._free_names: list[str] = []
         self.races: list[str] = []
         self.accesses = 0
         self._max_races = max_races
@@ -80,16 +81,23 @@ class HappensBefore:
         with self._lock:
             self.merge(stream, self._clocks[HOST])
 
-    def spawn(self, name: str) -> str:
-        """A new participant that starts where the host is now (an asynchronous host-side transfer)."""
+    def spawn(self, prefix: str) -> str:
+        """A participant that starts where the host is now (an asynchronous host-side transfer).
+
+        Names of retired participants are reused (as threads are), so clocks do not grow with the
+        number of transfers; a reused name starts from the host's entry for it, past its old stamps.
+        """
         with self._lock:
-            self._clocks[name] = dict(self._clocks[HOST])
-            self._clocks[name][name] = 0
+            name = self._free_names.pop() if self._free_names else f"{prefix}{len(self._clocks)}"
+            host = self._clocks[HOST]
+            self._clocks[name] = dict(host)
+            self._clocks[name][name] = host.get(name, 0)
             return name
 
     def retire(self, name: str) -> dict[str, int]:
-        """Forget participant ``name``; returns its last clock (to merge into whoever waited for it)."""
+        """End participant ``name``; returns its last clock (to merge into whoever waited for it)."""
         with self._lock:
+            self._free_names.append(name)
             return self._clocks.pop(name, {})
 
     def access(self, who: str, start: int, nbytes: int, write: bool, what: str) -> None:

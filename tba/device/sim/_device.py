@@ -5,7 +5,7 @@ comes from the caching allocator (``_allocator.py``). Copies are queued by addre
 references to both storages: when the copy runs, a storage that died meanwhile is a use after
 free (reported, and the copy does not touch it), as a kernel reading memory the caching allocator
 already handed to someone else. Every access is checked for ordering (``_checker.py``); the model's
-own operators are seen by a dispatch mode as accesses on the current stream.
+own operators are seen by a dispatch mode as accesses on the current stream (``_compute.py``).
 
 :meth:`SimulatedCuda.graph_capture` is CUDA-graph capture of the current stream: events recorded
 in it are captured (synchronising on them is an error), streams that wait on them join the
@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from tba.device._cuda import use_cuda_api
 from tba.device.sim._allocator import CachingAllocator, PinnedHost
 from tba.device.sim._checker import HOST, HappensBefore
+from tba.device.sim._compute import ComputeAccesses
 from tba.device.sim._streams import Scheduler, SimEvent, SimStream, Token
 
 
@@ -48,52 +47,6 @@ class SimConfig:
     """Size of the simulated device memory (the caching allocator's arena)."""
     track_compute: bool = True
     """Check the model's own operators (a dispatch mode on the entering thread) as compute-stream accesses."""
-
-
-def _range(tensor: torch.Tensor) -> tuple[int, int]:
-    """``(address, nbytes)`` spanned by ``tensor``'s elements."""
-    if tensor.numel() == 0:
-        return tensor.data_ptr(), 0
-    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return tensor.data_ptr(), span * tensor.element_size()
-
-
-_NOT_ACCESSES = {"aten::empty", "aten::empty_strided", "aten::set_", "aten::detach", "aten::alias",
-                 "aten::lift_fresh", "aten::resize_", "aten::empty_like"}
-
-
-class _ComputeAccesses(TorchDispatchMode):
-    """Every operator of the entering thread: reads of its tensor inputs, writes of its outputs and mutated inputs."""
-
-    def __init__(self, sim: SimulatedCuda) -> None:
-        super().__init__()
-        self.sim = sim
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        schema = func._schema
-        if func.is_view or schema.name in _NOT_ACCESSES:
-            return out
-        written = set()
-        for argument, value in zip(schema.arguments, args):
-            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
-                written.add(id(value))
-        for name, value in kwargs.items():
-            argument = next((a for a in schema.arguments if a.name == name), None)
-            if argument is not None and argument.alias_info is not None and argument.alias_info.is_write:
-                written.add(id(value))
-        stream = self.sim.current_stream()
-        checker = self.sim.checker
-        checker.launch(stream.name)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        for tensor in inputs:
-            if tensor.device.type == "cpu":
-                checker.access(stream.name, *_range(tensor), id(tensor) in written, schema.name)
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and not any(tensor is t for t in inputs):
-                checker.access(stream.name, *_range(tensor), True, schema.name)
-        return out
 
 
 class SimulatedCuda:
@@ -118,6 +71,8 @@ class SimulatedCuda:
         self.pinned = PinnedHost()
         self._capture: SimStream | None = None
         self._captured_events: list[Token] = []
+        self.checking_compute = True
+        """Whether the model's operators are checked now (tests may sample steps: it costs ~0.4 ms per operator)."""
 
     # ------------------------------------------------------------- bookkeeping
     def fail(self, message: str) -> None:
@@ -200,7 +155,7 @@ class SimulatedCuda:
         return True
 
     def Stream(self, device: Any = None) -> SimStream:  # noqa: N802 - mirrors torch.cuda.Stream
-        return self._new_stream("side")
+        return self._new_stream("async")
 
     def Event(self, blocking: bool = False) -> SimEvent:  # noqa: N802 - mirrors torch.cuda.Event
         return SimEvent(self, blocking)
@@ -316,7 +271,7 @@ def simulate(config: SimConfig | None = None, **fields: Any) -> Iterator[Simulat
     """Run the block on a simulated CUDA device (``config`` or :class:`SimConfig` fields)."""
     config = config or SimConfig(**fields)
     sim = SimulatedCuda(config)
-    mode = _ComputeAccesses(sim) if config.track_compute else contextlib.nullcontext()
+    mode = ComputeAccesses(sim) if config.track_compute else contextlib.nullcontext()
     try:
         with use_cuda_api(sim), mode:
             yield sim

@@ -14,7 +14,6 @@ installed kvikio package has the same ones.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import random
 import sys
@@ -29,8 +28,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba.io import memory_view
-
-_ids = itertools.count()
 
 
 class FakeIOFuture:
@@ -113,7 +110,7 @@ class FakeKvikio:
         return module
 
     def _submit(self, fd: int, buf: torch.Tensor, size: int, offset: int, write: bool) -> FakeIOFuture:
-        who = self.sim.checker.spawn(f"kvikio{next(_ids)}")
+        who = self.sim.checker.spawn("kvikio")
         address = buf.data_ptr()
         self.sim.checker.access(who, address, size, not write, f"kvikio {'pwrite' if write else 'pread'}")
         ref = StorageWeakRef(buf.untyped_storage())

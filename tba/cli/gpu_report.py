@@ -1,0 +1,206 @@
+"""One report for the first person with a GPU: what tba's CUDA path does there, in one command.
+
+``python -m tba gpu-report --out DIR`` writes ``DIR/gpu-report.md`` and ``DIR/gpu-report.json``:
+
+* doctor: CUDA driver, GPUDirect Storage (kvikio), the locked-memory limit that bounds pinned memory;
+* the CUDA tests (``tests/device/test_cuda.py``) under ``TORCH_CUDA_SANITIZER=1``;
+* GPT bf16 steps under keep-all, tba staged, tba kvikio, adaptive, recompute and
+  ``save_on_cpu(pin_memory=True)``: step time, activation peak, reserved and pinned bytes, ratios to keep-all;
+* the ROK curve (``python -m tba rok``), Megatron without ``--cpu``, and an nsys trace if nsys exists.
+
+Without CUDA it says so in one line and exits 2. ``--simulate`` runs the same report on the
+simulated CUDA device (``tba/device/sim``) with a tiny model, so that this code path is tested in
+CI; parts that need a real GPU in another process (the sanitizer tests, Megatron, nsys) are then
+reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from tba.bench.harness import run_steps
+from tba.bench.models import PRESETS, GPTConfig, make_batch, make_gpt
+from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
+
+logger = logging.getLogger("tba")
+
+GPT_1_3B = GPTConfig(vocab_size=50304, seq_len=2048, width=2048, layers=24, heads=16, batch_size=4)
+"""The GPT of the report on a GPU: 1.3B parameters, bf16."""
+ROWS = ("keep", "tba staged", "tba kvikio", "adaptive", "recompute", "save_on_cpu")
+"""Rows of the GPT table, in order."""
+ADAPTIVE_OVERHEAD = 1.1
+"""The adaptive row's goal: at most 10% slower than keep-all."""
+SUBPROCESS_TIMEOUT_S = 300
+"""Longest the sanitizer tests, Megatron or nsys may run."""
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="directory for gpu-report.md and gpu-report.json")
+    parser.add_argument("--simulate", action="store_true",
+                        help="run on the simulated CUDA device (CPU machines; small sizes)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per row (default: 3, 1 simulated)")
+    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--skip-rok", action="store_true", help="leave out the ROK curve")
+
+
+def _doctor(simulated: bool) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    info: dict[str, Any] = {
+        "torch": torch.__version__, "python": platform.python_version(), "simulated": simulated,
+        "cuda_runtime": torch.version.cuda, "locked_memory_limit_bytes": soft if soft != resource.RLIM_INFINITY else "unlimited",
+        "kvikio": kvikio_unavailable_reason() or "available",
+        "gds": gds_unavailable_reason() or "available",
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+        info["driver"] = _run_text(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        info["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    del hard
+    return info
+
+
+def _run_text(command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> str:
+    """The last lines a command printed, or why it could not run."""
+    if shutil.which(command[0]) is None and not os.path.exists(command[0]):
+        return f"{command[0]} not found"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {SUBPROCESS_TIMEOUT_S} s"
+    text = (done.stdout + done.stderr).strip().splitlines()
+    return f"exit {done.returncode}: " + " | ".join(text[-3:])
+
+
+def _cuda_tests() -> str:
+    tests = REPO / "tests" / "device" / "test_cuda.py"
+    if not tests.exists():
+        return "tests/device/test_cuda.py not found (tba installed without its tests)"
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    return _run_text([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], env=env, cwd=str(REPO))
+
+
+def _gpt_rows(config: GPTConfig, device: str, steps: int, directory: str | None, fake: Any) -> list[dict[str, Any]]:
+    rows = []
+    for row in ROWS:
+        mode, backend = {"keep": ("keep", "auto"), "tba staged": ("tba", "threads"), "tba kvikio": ("tba", "kvikio"),
+                         "adaptive": ("adaptive", "auto"), "recompute": ("recompute", "auto"),
+                         "save_on_cpu": ("save_on_cpu", "auto")}[row]
+        if backend == "kvikio" and fake is None and kvikio_unavailable_reason() is not None:
+            rows.append({"row": row, "skipped": kvikio_unavailable_reason()})
+            continue
+        logger.info("gpu-report: %s", row)
+        model = make_gpt(config).to(torch.bfloat16)
+        result = run_steps(mode, model, make_batch(config), steps=steps, warmup=1, directory=directory,
+                           backend=backend, device=device,
+                           offload_options={"overhead_bound": ADAPTIVE_OVERHEAD} if mode == "adaptive" else None)
+        rows.append({"row": row, "step_s": result.median_step_s, "activation_peak_bytes": result.max_peak_bytes,
+                     "reserved_bytes": result.reserved_bytes, "pinned_bytes": result.pinned_bytes})
+    keep = rows[0]
+    for row in rows:
+        if "step_s" in row:
+            row["step_ratio"] = row["step_s"] / keep["step_s"]
+            row["peak_ratio"] = row["activation_peak_bytes"] / max(keep["activation_peak_bytes"], 1)
+    return rows
+
+
+def _rok(preset: str, device: str, directory: str | None, out: str) -> str:
+    from tba.cli.rok import format_points, sweep
+
+    result = sweep(preset=preset, steps=1, warmup=1, directory=directory, device=device, out_dir=out, plot=False,
+                   progress=False, budget_fractions=(0.5,))
+    return format_points(result.points)
+
+
+def _megatron(simulated: bool) -> str:
+    if simulated:
+        return "skipped: Megatron runs in its own process, which the simulated device does not reach"
+    script = REPO / "integrations" / "megatron" / "pretrain_gpt.py"
+    if not script.exists():
+        return "integrations/megatron/pretrain_gpt.py not found"
+    return _run_text([sys.executable, str(script)], cwd=str(REPO))
+
+
+def _nsys(simulated: bool, out: str) -> str:
+    if shutil.which("nsys") is None:
+        return "nsys not found"
+    if simulated:
+        return "skipped: no CUDA work to trace on the simulated device"
+    code = ("from tba.bench.harness import run_mode; from tba.bench.models import PRESETS; "
+            "run_mode('tba', PRESETS['demo'], steps=2, device='cuda')")
+    return _run_text(["nsys", "profile", "--force-overwrite", "true", "-o", os.path.join(out, "tba-trace"),
+                      sys.executable, "-c", code])
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    lines = ["# tba GPU report", "", f"Command: `{report['command']}`, {report['seconds']:.0f} s.", "", "## Doctor", ""]
+    lines += [f"- {key}: {value}" for key, value in report["doctor"].items()]
+    lines += ["", "## CUDA tests under TORCH_CUDA_SANITIZER=1", "", report["cuda_tests"], "",
+              f"## GPT bf16 ({report['model']})", "",
+              "| row | step s | x keep | activation peak MiB | x keep | reserved MiB | pinned MiB |",
+              "|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        if "skipped" in row:
+            lines.append(f"| {row['row']} | skipped: {row['skipped']} | | | | | |")
+        else:
+            lines.append(f"| {row['row']} | {row['step_s']:.4f} | {row['step_ratio']:.2f} | "
+                         f"{row['activation_peak_bytes'] / 2**20:.1f} | {row['peak_ratio']:.2f} | "
+                         f"{row['reserved_bytes'] / 2**20:.1f} | {row['pinned_bytes'] / 2**20:.1f} |")
+    lines += ["", "## ROK curve", "", "```", report["rok"], "```", "", "## Megatron (no --cpu)", "", report["megatron"],
+              "", "## nsys", "", report["nsys"], ""]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.simulate and not torch.cuda.is_available():
+        print("gpu-report: no CUDA GPU here (torch.cuda.is_available() is False); "
+              "--simulate runs the report on a simulated device")
+        return 2
+    started = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    steps = args.steps or (1 if args.simulate else 3)
+    report: dict[str, Any] = {"command": " ".join(["python -m tba gpu-report", *sys.argv[2:]])}
+    with contextlib.ExitStack() as stack:
+        fake = None
+        if args.simulate:
+            from tba.device.sim import fake_kvikio, simulate
+
+            sim = stack.enter_context(simulate(track_compute=False))
+            fake = stack.enter_context(fake_kvikio(sim))
+            config, device, preset = PRESETS["tiny"], "cpu", "tiny"
+        else:
+            config, device, preset = GPT_1_3B, "cuda", "small"
+        report["doctor"] = _doctor(args.simulate)
+        report["cuda_tests"] = _cuda_tests() if not args.simulate else (
+            "skipped: the sanitizer tests need a real GPU (tests/device runs the simulated suite in CI)")
+        report["model"] = f"{'simulated, ' if args.simulate else ''}{config}"
+        directory = args.directory or tempfile.gettempdir()
+        report["rows"] = _gpt_rows(config, device, steps, directory, fake)
+        if args.simulate:
+            report["simulator_problems"] = sim.problems()
+    report["rok"] = "skipped (--skip-rok)" if args.skip_rok else _rok(preset, device, directory, args.out)
+    report["megatron"] = _megatron(args.simulate)
+    report["nsys"] = _nsys(args.simulate, args.out)
+    report["seconds"] = time.perf_counter() - started
+    with open(os.path.join(args.out, "gpu-report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(os.path.join(args.out, "gpu-report.md"), "w") as f:
+        f.write(_markdown(report))
+    print(f"gpu-report: wrote {os.path.join(args.out, 'gpu-report.md')} and gpu-report.json "
+          f"in {report['seconds']:.0f} s")
+    return 0

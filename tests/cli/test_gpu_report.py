@@ -1,0 +1,30 @@
+"""``python -m tba gpu-report``: on CPU, one line and exit 2; with --simulate, the whole report on the simulated device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tba.cli import main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_says_so_in_one_line(tmp_path, capsys):
+    assert main(["gpu-report", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no CUDA GPU" in out[0] and "--simulate" in out[0]
+    assert not (tmp_path / "gpu-report.md").exists()
+
+
+def test_simulated_report_is_written(tmp_path, spill_dir):
+    assert main(["gpu-report", "--simulate", "--out", str(tmp_path), "--skip-rok", "--directory", spill_dir]) == 0
+    report = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert [row["row"] for row in report["rows"]] == ["keep", "tba staged", "tba kvikio", "adaptive", "recompute",
+                                                       "save_on_cpu"]
+    assert all("step_s" in row for row in report["rows"]), report["rows"]
+    assert report["simulator_problems"] == []
+    assert report["doctor"]["simulated"] is True
+    markdown = (tmp_path / "gpu-report.md").read_text()
+    assert "| tba kvikio |" in markdown and "## Megatron" in markdown
