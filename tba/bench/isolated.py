@@ -87,12 +87,25 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
                           env=env)
     if proc.returncode != 0:
         raise IsolatedRunError(mode, proc.stderr)
+    _relay_warnings(proc.stderr)
     result = ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
     wanted = resolve(allocator)[0]
     if result.allocator != wanted and not (wanted == "system" and result.allocator not in CACHING):
         raise RuntimeError(f"mode {mode} was to run under {wanted} but {result.allocator} served it "
                            f"(LD_PRELOAD={env.get('LD_PRELOAD', '')!r}):\n{proc.stderr[-2000:]}")
     return result
+
+
+_relayed: set[str] = set()
+
+
+def _relay_warnings(stderr: str) -> None:
+    """Repeat tba's own warnings from a measured process on this one's stderr, each text once per run
+    (the glibc malloc warning, say, which every tba mode's process logs once)."""
+    for line in stderr.splitlines():
+        if line.startswith("tba: ") and line not in _relayed:
+            _relayed.add(line)
+            print(line, file=sys.stderr, flush=True)
 
 
 def _plain_env() -> dict[str, str]:

@@ -2,10 +2,11 @@
 
 ``python -m tba run [--allocator auto|jemalloc|tcmalloc|mimalloc|system] script.py args...``
 (or ``... run -m package.module args...``) replaces itself with ``python script.py args...``
-whose environment has the allocator's library first in ``LD_PRELOAD`` (and, for jemalloc, the
-``MALLOC_CONF`` settings measured best for tba, unless already set). One line on stderr names the
-allocator and its library. Arguments, standard streams, signals and the exit status are the
-script's own: the launcher execs it, nothing stays in between.
+whose environment has the allocator's library first in ``LD_PRELOAD`` (plus
+:data:`tba.allocator.SETTINGS` where unset; none today: jemalloc's defaults measured best). One
+line on stderr names the allocator, its library and the allocator variables set (``MALLOC_CONF``,
+...). Arguments, standard streams, signals and the exit status are the script's own: the launcher
+execs it, nothing stays in between.
 
 ``auto`` (default) takes the first found of jemalloc, mimalloc, tcmalloc (the order measured in
 docs/cpu-memory.md), searching the Python environment (the ``cpu`` extra's ``cmeel-mimalloc``),

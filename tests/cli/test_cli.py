@@ -74,3 +74,16 @@ def test_bench_with_fio_cleans_up(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "fio" in table and "%" in table
     assert list(tmp_path.iterdir()) == []
+
+
+def test_doctor_names_the_malloc_and_the_caching_allocators_found(tmp_path, capsys, monkeypatch):
+    from tba import allocator
+
+    monkeypatch.setattr(doctor, "find_library", lambda name: "/x/libmimalloc.so.3" if name == "mimalloc" else None)
+    assert doctor.run(_args(doctor, ["--directory", str(tmp_path), "--no-bandwidth"])) == 0
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in capsys.readouterr().out.splitlines()}
+    serving = allocator.detect()
+    assert rows["malloc in this process"].startswith(str(serving))
+    assert rows["caching allocators found"] == "mimalloc (/x/libmimalloc.so.3)"
+    if serving.name == "glibc":
+        assert "python -m tba run" in rows["malloc in this process"]
