@@ -53,7 +53,7 @@ LIBRARY_FILES = {
 INSTALL_HINTS = {
     "jemalloc": "apt-get install libjemalloc2 (Debian/Ubuntu) or dnf install jemalloc",
     "tcmalloc": "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or dnf install gperftools-libs",
-    "mimalloc": "pip install cmeel-mimalloc (or pip install 'tba[cpu]'), or apt-get install libmimalloc2.0",
+    "mimalloc": "pip install cmeel-mimalloc (or pip install 'tba-offload[cpu]'), or apt-get install libmimalloc2.0",
 }
 
 SETTINGS: dict[str, dict[str, str]] = {}

@@ -34,7 +34,7 @@ def kvikio_unavailable_reason() -> str | None:
     try:
         import kvikio  # noqa: F401
     except ImportError as err:
-        return f"kvikio is not installed ({err}); pip install 'tba[gds]'"
+        return f"kvikio is not installed ({err}); pip install 'tba-offload[gds]'"
     if not cuda_api().is_available():
         return "no CUDA device"
     return None
