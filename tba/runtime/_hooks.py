@@ -17,12 +17,13 @@ microsecond spent here is host time a GPU's queue waits for (``docs/host-cost.md
 from __future__ import annotations
 
 import enum
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from tba import _control
+from tba import _control, defaults
 from tba._trace import nvtx_range
 from tba.device import DEVICE_TYPES
 from tba.errors import EngineClosedError, TbaError
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from tba.runtime._stats import OffloadStats
     from tba.runtime._store import StorageStore
 
+logger = logging.getLogger("tba")
 
 class _Phase(enum.Enum):
     """Where an :class:`Offloader` is in its life."""
@@ -66,6 +68,8 @@ class SavedTensorHooks:
     min_offload_bytes: int
     keep_layers: set[int | None]
     layer_saved_bytes: dict[int | None, int]
+
+    _waker: Waker
 
     def close(self) -> None:
         """Overridden by :class:`tba.Offloader`."""
@@ -121,20 +125,33 @@ class SavedTensorHooks:
             # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
             # unpack from the metadata it recorded at save. It shares the version counter.
             return tensor.detach() if tensor.grad_fn is not None else tensor
+        layer = self._tracker.current
+        stack = self._discovery.stack if self._discovery is not None else None
+        view = SavedView(None, tensor)
         if tensor.is_cuda:
-            return _control.call(_on_stream, torch.cuda.current_stream(tensor.device), self._save_job,
-                                 tensor, self._tracker.current)
-        return _control.call(self._save_job, tensor, self._tracker.current)
+            _control.call(_on_stream, torch.cuda.current_stream(tensor.device), self._save_job, view, tensor, layer, stack)
+            return view
+        # Note: [A save is deferred]
+        # The save runs on the control thread later, in order with every other job (Note [Deferred
+        # jobs] in tba/_control.py); the job holds the tensor, so its bytes stay alive until the write
+        # starts, and the view, so the view cannot die before its entry exists. The version checked
+        # at unpack is the one recorded here.
+        self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack), tensor.nbytes)
+        return view
 
-    def _save_job(self, tensor: torch.Tensor, layer: int | None) -> SavedView:
-        entry, fresh = self._store.save(tensor, layer)
+    def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any) -> None:
+        try:
+            entry, fresh = self._store.save(tensor, layer, view.version)
+        except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
+            view.keep(tensor)
+            logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", err)
+            return
         if fresh and self._discovery is not None:
-            self._discovery.note_saved(entry)
+            self._discovery.note_saved(entry, stack)
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
-        view = SavedView(entry, tensor)
+        view.entry = entry
         _control.on_death(view, self.drop_view, entry, id(view))
-        return view
 
     def _not_active_message(self) -> str:
         if self._phase is _Phase.CLOSED:
@@ -151,29 +168,40 @@ class SavedTensorHooks:
             return self._unpack(packed)
 
     def _unpack(self, packed: SavedView) -> torch.Tensor:
+        if packed.entry is None and packed.kept is None:
+            _control.settle()  # its save was deferred (Note [A save is deferred])
         entry = packed.entry
+        if entry is None:
+            packed.check_version()
+            return packed.kept
         if self._phase is _Phase.DISCARDED:
             raise TbaError(
                 f"{entry.describe()} was discarded because the offload context exited with an "
                 "exception; run forward again"
             )
-        if entry.seq < self._store.fork_seq:
+        store = self._store
+        if entry.seq < store.fork_seq:
             raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
                            "its bytes belong to the parent; run forward again in the child")
         if self._phase is _Phase.CLOSED:
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
         packed.check_version()
-        try:
-            data, event, reading = _control.call(self._store.start_load, entry)
-            if reading is not None:
-                data, event = self._store.wait_read(entry, reading)
-        except EngineClosedError:
-            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
-                           "call close() only after the last backward") from None
+        data, event = store.resident(entry)
+        if data is not None:
+            # Served from memory: the bookkeeping (window, stats, release) is deferred.
+            self._waker.note(_control.defer(store.served_from_memory, entry, id(packed)), entry.nbytes)
+        else:
+            try:
+                data, event, reading = _control.call(store.start_load, entry)
+                if reading is not None:
+                    data, event = store.wait_read(entry, reading)
+            except EngineClosedError:
+                raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
+                               "call close() only after the last backward") from None
+            self._waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
-        _control.post(self._store.note_unpacked, entry, id(packed))
         return tensor
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
@@ -182,6 +210,28 @@ class SavedTensorHooks:
             return
         if self._store.drop_view(entry, view_id) and self._phase is _Phase.EXITED:
             self.close()
+
+
+class Waker:
+    """Wakes the control thread once enough deferred work has piled up (Note [Deferred jobs]).
+
+    Few wake-ups keep the GIL with the training thread; waking after ``jobs`` deferred jobs or
+    ``nbytes`` of storages bounds the bytes whose write (or whose window move) waits meanwhile.
+    """
+
+    __slots__ = ("jobs", "nbytes", "_bytes")
+
+    def __init__(self, jobs: int = defaults.DEFER_WAKE_JOBS, nbytes: int = defaults.DEFER_WAKE_BYTES) -> None:
+        self.jobs = jobs
+        self.nbytes = nbytes
+        self._bytes = 0
+
+    def note(self, deferred: int, nbytes: int) -> None:
+        """``deferred`` jobs wait now, the last one about ``nbytes`` of storage."""
+        self._bytes += nbytes
+        if deferred >= self.jobs or self._bytes >= self.nbytes:
+            self._bytes = 0
+            _control.wake()
 
 
 def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:

@@ -48,7 +48,7 @@ from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, reso
 from tba.runtime import _at_fork, _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
-from tba.runtime._hooks import SavedTensorHooks, _Phase
+from tba.runtime._hooks import SavedTensorHooks, Waker, _Phase
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._runner import StepCounters, StepPlacement, shared_runner
@@ -124,6 +124,7 @@ class Offloader(SavedTensorHooks):
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._waker = Waker()
         self._phase = _Phase.IDLE
         self._claim: object | None = None
         self._forked_mid_block = False
