@@ -33,6 +33,7 @@ from tba._trace import nvtx_range
 from tba.device import Routes
 from tba.errors import TbaReadError
 from tba.io import BufferPool, Engine, SpillFile, checksum
+from tba.runtime._host_io import HostBatch
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._trim import discard_pages, owns_its_memory, sole_owner, trimmer
@@ -74,6 +75,7 @@ class StorageStore:
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
         self.routes: Routes | None = None
+        self._host: HostBatch | None = None
         self._writing = 0
         self._reading = 0
         self._idle_waiters: list[Future] = []
@@ -95,6 +97,8 @@ class StorageStore:
         if read_pool is not None:
             self.read_pool = read_pool
             self._sync_pool_capacity()
+        host = routes.host
+        self._host = HostBatch(host.engine, host.pool, host.block_size_bytes)
 
     def _sync_pool_capacity(self) -> None:
         """Idle read buffers follow the prefetch budget in force."""
@@ -177,8 +181,11 @@ class StorageStore:
         entry.transfer_in_flight = True
         self.write_clock.start()
         with nvtx_range("write"):
-            route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset,
-                        functools.partial(self._on_write_done, entry))
+            on_done = functools.partial(self._on_write_done, entry)
+            if route is self.routes.host:
+                self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+            else:
+                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
         return entry
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
@@ -294,6 +301,7 @@ class StorageStore:
             data, done = (entry.data.detach() if entry.data is not None else None), entry.read_done
             if data is None and done is None:
                 done = self._start_read(entry)
+                self._host.flush()
         self.prefetch(entry)
         if data is not None:
             with self.lock:
@@ -309,8 +317,11 @@ class StorageStore:
         self._reading += 1
         self.read_clock.start()
         with nvtx_range("read"):
-            entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset,
-                             functools.partial(self._on_read_done, entry))
+            on_done = functools.partial(self._on_read_done, entry)
+            if entry.route is self.routes.host:
+                self._host.read(entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+            else:
+                entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
         return done
 
     def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
@@ -391,6 +402,7 @@ class StorageStore:
                 held.hold_for_backward = True
             for target in to_read:
                 self._start_read(target)
+            self._host.flush()
 
     # ----------------------------------------------------------------- lifetime
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
@@ -415,6 +427,8 @@ class StorageStore:
     def close(self, engine_owned: bool) -> None:
         """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""
         with self.lock:
+            if self._host is not None:
+                self._host.flush()
             engine, self.engine = self.engine, None
         if self.routes is not None:
             self.routes.stop()
@@ -442,6 +456,8 @@ class StorageStore:
         back to the shared file, whose allocator is thread-safe.
         """
         with self.lock:
+            if self._host is not None:
+                self._host.flush()
             self.engine = None
             self.routes = None
             for entry in self._by_storage.values():
@@ -467,7 +483,7 @@ class StorageStore:
         self.window.clear()
         if self.spill is not None:
             self.spill.forget_after_fork()
-        self.spill = self.engine = self.routes = None
+        self.spill = self.engine = self.routes = self._host = None
 
     def _free_extent(self, entry: StorageEntry) -> None:
         if entry.offset >= 0:
