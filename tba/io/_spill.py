@@ -137,6 +137,35 @@ def _warn_buffered_once(directory: str, reason: str) -> None:
     logger.warning("tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
 
 
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+"""File systems whose files live in memory: ``fallocate`` there allocates and zeroes pages."""
+
+
+def memory_backed(directory: str) -> bool:
+    """Whether ``directory`` is on a file system held in memory (tmpfs, ``/dev/shm``): the mount
+    with the longest prefix of its real path in ``/proc/self/mounts`` (False where that cannot be read).
+
+    Note: [No reservation in memory]
+    ``fallocate`` on tmpfs allocates and zeroes every page of the range, and the truncation that
+    gives an idle file's space back frees them again: 256 MiB took 0.8 s and 0.3 s here, per step,
+    for no gain (there is no extending write to avoid in memory). Such files grow with their writes.
+    """
+    path = os.path.realpath(directory)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return False
+    return kind in MEMORY_FILE_SYSTEMS
+
+
 class SpillFile:
     """One anonymous file plus the allocator of its space.
 
@@ -176,7 +205,7 @@ class SpillFile:
         """Largest end of any extent so far: the space the file has grown to (bytes)."""
         self.reserved_bytes = 0
         """Bytes allocated to the file ahead of use by ``fallocate`` (0 where it is refused)."""
-        self._reserve = True
+        self._reserve = not memory_backed(self.directory)
         self._lock = threading.Lock()
 
     @property
