@@ -76,6 +76,14 @@ LINGER_SWEEP_PER_CALL = 4
 """Written storages still used by the program that each save and unpack re-checks (``tba/runtime/_store.py``,
 Note [A bounded sweep per tensor]): enough to keep up with one release per tensor, O(1) per tensor."""
 
+DEFER_WAKE_JOBS = 16
+"""Saves (or unpacks served from memory) deferred before the training thread wakes the control
+thread to run them (``tba/_control.py``, Note [Deferred jobs]): fewer wake-ups, fewer GIL hand-overs."""
+
+DEFER_WAKE_BYTES = 1 * MIB
+"""Bytes of storages whose deferred save or unpack bookkeeping wakes the control thread at once,
+whatever the count: a large storage's write starts without waiting for others."""
+
 RUNTIME_IDLE_CLOSE_S = 30.0
 """A spill file, engine and read pool shared by one-shot contexts (``tba/runtime/_shared.py``) is
 closed after this many seconds unused."""

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-ckpt": ("tba.cli.bench_ckpt", "training stall and write bandwidth of checkpoints: torch.save, DCP, tba lazy"),
     "run": ("tba.cli.run", "run a script or module with a caching malloc (jemalloc, mimalloc, tcmalloc) preloaded"),
     "gpu-report": ("tba.cli.gpu_report", "one Markdown + JSON report of tba's CUDA path (--simulate: on a simulated device)"),
+    "bench-hooks": ("tba.cli.bench_hooks", "host microseconds tba adds per saved storage, forward and backward"),
 }
 
 

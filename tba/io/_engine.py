@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import ClassVar, NamedTuple
 
@@ -63,6 +63,16 @@ class Engine(abc.ABC):
 
         Idempotent. Submitting after ``close`` raises ``RuntimeError``.
         """
+
+    def submit_calls(self, requests: Sequence[Request], on_done: Sequence[Callable[[BaseException | None], None]]) -> None:
+        """Queue ``requests``; ``on_done[i](error)`` runs on an engine thread when request ``i`` is over.
+
+        ``error`` is None when every byte moved, else what its future would have raised. The same
+        guarantees as :meth:`submit_many`, without a future per request: engines that can skip
+        them (io_uring) save their cost for every saved tensor (``docs/host-cost.md``).
+        """
+        for future, callback in zip(self.submit_many(requests), on_done):
+            future.add_done_callback(lambda done, callback=callback: callback(done.exception()))
 
     def submit_write(self, fd: int, address: int, nbytes: int, offset: int) -> Future:
         """Queue one write of ``nbytes`` from ``address`` to ``fd`` at ``offset``."""

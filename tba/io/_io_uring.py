@@ -23,7 +23,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -103,7 +103,7 @@ class IoUringEngine(Engine):
         self._ring = _uring.Ring(queue_depth)
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
-        self._requests: dict[int, tuple[Future, Request]] = {}
+        self._requests: dict[int, tuple[Future | Callable, Request]] = {}
         self._tags = itertools.count()
         self._closing = False
         self._ring_closed = False
@@ -112,25 +112,35 @@ class IoUringEngine(Engine):
         self._reaper.start()
 
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        futures = []
+        for _ in requests:
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+            futures.append(future)
+        self._submit(requests, futures)
+        return futures
+
+    def submit_calls(self, requests: Sequence[Request], on_done: Sequence[Callable[[BaseException | None], None]]) -> None:
+        self._submit(requests, on_done)
+
+    def _submit(self, requests: Sequence[Request], targets: Sequence[Future | Callable]) -> None:
+        """Queue ``requests``; each one's ``target`` (a future, or a callback taking the error) hears its end."""
         for request in requests:
             if request.nbytes < 0 or request.offset < 0:
                 raise ValueError(f"negative size or offset in {request}")
-        futures = []
         entries = []
+        empty = []
         with self._lock:
             if self._closing:
                 raise EngineClosedError("engine is closed")
             if self._failure is not None:
                 raise RuntimeError(f"io_uring engine failed: {self._failure}")
-            for request in requests:
-                future: Future = Future()
-                future.set_running_or_notify_cancel()
-                futures.append(future)
+            for request, target in zip(requests, targets):
                 if request.nbytes == 0:
-                    future.set_result(0)
+                    empty.append(target)
                     continue
                 tag = next(self._tags)
-                self._requests[tag] = (future, request)
+                self._requests[tag] = (target, request)
                 is_write = 1 if request.op is Op.WRITE else 0
                 entries.append((is_write, request.fd, request.address, request.nbytes, request.offset, tag))
             try:
@@ -142,7 +152,8 @@ class IoUringEngine(Engine):
                 for entry in entries:
                     del self._requests[entry[-1]]
                 raise
-        return futures
+        for target in empty:
+            target.set_result(0) if isinstance(target, Future) else target(None)
 
     def _reap_loop(self) -> None:
         try:
@@ -161,14 +172,15 @@ class IoUringEngine(Engine):
             with self._lock:
                 self._failure = err
                 lost, self._requests = list(self._requests.values()), {}
-            for future, _ in lost:
-                future.set_exception(RuntimeError(f"io_uring engine failed: {err}"))
+            for target, _ in lost:
+                failure = RuntimeError(f"io_uring engine failed: {err}")
+                target.set_exception(failure) if isinstance(target, Future) else target(failure)
         finally:
             with self._lock:
                 self._ring.close()
                 self._ring_closed = True
 
-    def _take(self, tag: int) -> tuple[Future, Request]:
+    def _take(self, tag: int) -> tuple[Future | Callable, Request]:
         """Forget request ``tag``: its future, and the request without its memory's owner (the transfer is over)."""
         future, request = self._requests.pop(tag)
         return future, request._replace(owner=None)
@@ -186,10 +198,16 @@ class IoUringEngine(Engine):
                 self._reaper.join()
 
 
-def _resolve(future: Future, request: Request, result: int | OSError | None, moved: int) -> None:
+def _resolve(target: Future | Callable, request: Request, result: int | OSError | None, moved: int) -> None:
     if isinstance(result, OSError):
-        future.set_exception(result)
+        error: BaseException | None = result
     elif result is None:
-        future.set_exception(ShortTransferError(request.op.value, moved, request.nbytes, request.offset))
+        error = ShortTransferError(request.op.value, moved, request.nbytes, request.offset)
     else:
-        future.set_result(result)
+        error = None
+    if not isinstance(target, Future):
+        target(error)
+    elif error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(result)

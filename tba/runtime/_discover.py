@@ -90,9 +90,14 @@ class LayerDiscovery:
             index -= 1
         self._stack = stack[:index]
 
-    def note_saved(self, entry: StorageEntry) -> None:
-        """Record that ``entry`` was first saved under the current module stack."""
-        self._saved.append((entry, self._stack))
+    @property
+    def stack(self) -> tuple[nn.Module, ...]:
+        """The modules running now, outermost first (read by the pack hook, for :meth:`note_saved`)."""
+        return self._stack
+
+    def note_saved(self, entry: StorageEntry, stack: tuple[nn.Module, ...] | None = None) -> None:
+        """Record that ``entry`` was first saved under ``stack`` (default: the current module stack)."""
+        self._saved.append((entry, self._stack if stack is None else stack))
 
     def finish(self) -> list[nn.Module]:
         """Pick the repeated blocks, tag every recorded entry with its layer index, and forget the stacks."""

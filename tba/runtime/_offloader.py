@@ -1,5 +1,7 @@
 """The offload context: saved-tensor hooks that move activations to a file and back.
 
+This module holds the offloader's life (options, entry, exit, close); its hooks, the per-tensor
+hot path, are in ``tba/runtime/_hooks.py``.
 ``with offload_activations(...)`` installs :func:`torch.autograd.graph.saved_tensors_hooks`.
 Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward and
 :meth:`Offloader.unpack` when backward needs it again. The data path:
@@ -29,7 +31,6 @@ autograd graph holds the views.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import gc
 import logging
 import os
@@ -41,43 +42,25 @@ import torch
 from torch import nn
 
 from tba import _control
-from tba._trace import nvtx_range
 from tba.allocator import detect as detect_allocator
 from tba.config import OffloadConfig, options_doc, signature_with_options
-from tba.device import DEVICE_TYPES, DeviceOps, Routes, cuda_api, host_engine_backend, is_device_tensor
-from tba.errors import EngineClosedError, TbaConfigError, TbaError
+from tba.device import DeviceOps, Routes, cuda_api, host_engine_backend
+from tba.errors import TbaConfigError, TbaError
 from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
 from tba.runtime import _at_fork, _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
-from tba.runtime._keep import KeepReason, in_keep_region
+from tba.runtime._hooks import SavedTensorHooks, Waker, _Phase
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._runner import StepCounters, StepPlacement, shared_runner
 from tba.runtime._stats import OffloadStats
 from tba.runtime._store import StorageStore
-from tba.runtime._trim import note_host_offload
-from tba.runtime._views import SavedView, StorageEntry
 
 logger = logging.getLogger("tba")
 
 
-class _Phase(enum.Enum):
-    """Where an :class:`Offloader` is in its life."""
-
-    IDLE = "idle"
-    """Not entered, or between steps of a reusable offloader."""
-    ENTERING = "entering"
-    """One thread is entering the ``with`` block; any other entry raises."""
-    ACTIVE = "active"
-    """Inside the ``with`` block: saved tensors go through the hooks."""
-    EXITED = "exited"
-    """A one-shot offloader after its block: waits for backward to release everything, then closes."""
-    DISCARDED = "discarded"
-    """The block raised: its saved tensors were dropped."""
-    CLOSED = "closed"
-
-class Offloader:
+class Offloader(SavedTensorHooks):
     """Offloads saved activations to a file while active; see :func:`offload_activations`.
 
     An ``Offloader`` built directly can be entered once per training step: its spill file and
@@ -149,6 +132,7 @@ class Offloader:
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._waker = Waker()
         self._phase = _Phase.IDLE
         self._claim: object | None = None
         self._forked_mid_block = False
@@ -412,125 +396,6 @@ class Offloader:
             self._store.window.end_backward()
             _shared.checkin(runtime)
 
-    # ----------------------------------------------------------------- hooks
-    def keep_reason(self, tensor: torch.Tensor) -> KeepReason | None:
-        """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
-        if in_keep_region():
-            return KeepReason.USER_REGION
-        if is_device_tensor(tensor) and cuda_api().is_current_stream_capturing():
-            return KeepReason.CUDA_GRAPH_CAPTURE
-        if type(tensor) is not torch.Tensor:
-            if isinstance(tensor, nn.Parameter):
-                return KeepReason.PARAMETER
-            _warn_subclass_kept(type(tensor))
-            return KeepReason.TENSOR_SUBCLASS
-        if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
-            return KeepReason.NOT_STRIDED
-        if tensor.is_conj() or tensor.is_neg():
-            return KeepReason.LAZY_VIEW
-        if tensor.device.type not in DEVICE_TYPES:
-            return KeepReason.UNSUPPORTED_DEVICE
-        base = tensor._base if tensor._is_view() else tensor
-        if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
-            return KeepReason.PARAMETER
-        storage = tensor.untyped_storage()
-        if storage._cdata in self._state_keys:
-            return KeepReason.MODULE_STATE
-        if storage.nbytes() == 0 or storage.nbytes() < self.min_offload_bytes:
-            return KeepReason.SMALL
-        if tensor.device.type not in self._staged_devices and storage.data_ptr() % 64:
-            return KeepReason.UNALIGNED
-        if self._tracker.current in self.keep_layers:
-            return KeepReason.LAYER_KEPT
-        return None
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself."""
-        with nvtx_range("pack"):
-            return self._pack(tensor)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        if self._phase is not _Phase.ACTIVE:
-            raise TbaError(self._not_active_message())
-        if self._forked_mid_block:
-            raise TbaError("this with block of tba was entered before os.fork(): its spill file belongs to the "
-                           "parent; in the child, leave the block and enter the offloader again")
-        self._tracker.note_save()
-        reason = self.keep_reason(tensor)
-        if reason is not None:
-            with self._store.lock:
-                self._stats.count_kept(reason, 0 if reason.is_state else tensor.numel() * tensor.element_size())
-            # Note: [Kept tensors are returned detached]
-            # Autograd keeps what pack returns with a strong reference from the node. When the saved
-            # tensor is the node's own output, the tensor itself would point back at the node
-            # (node -> tensor -> grad_fn -> node): a cycle that only the cycle collector frees, and a
-            # dropped loss would keep the whole graph, and every offloaded entry, alive. A detached
-            # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
-            # unpack from the metadata it recorded at save. It shares the version counter.
-            return tensor.detach() if tensor.grad_fn is not None else tensor
-        if is_device_tensor(tensor):
-            return _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job,
-                                 tensor, self._tracker.current)
-        return _control.call(self._save_job, tensor, self._tracker.current)
-
-    def _save_job(self, tensor: torch.Tensor, layer: int | None) -> SavedView:
-        if not tensor.is_cuda:
-            note_host_offload()
-        entry, fresh = self._store.save(tensor, layer)
-        if fresh and self._discovery is not None:
-            self._discovery.note_saved(entry)
-        if fresh:
-            self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
-        view = SavedView(entry, tensor)
-        _control.on_death(view, self.drop_view, entry, id(view))
-        return view
-
-    def _not_active_message(self) -> str:
-        if self._phase is _Phase.CLOSED:
-            return ("Offloader.pack: the offloader was closed inside its with block; call close() only "
-                    "after the last backward, outside the block")
-        return (f"Offloader.pack is only valid inside 'with offloader:' (it is {self._phase.value}); enter the "
-                "offloader instead of calling pack directly")
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """Saved-tensor unpack hook: the saved tensor, bit for bit."""
-        if not isinstance(packed, SavedView):
-            return packed
-        with nvtx_range("unpack"):
-            return self._unpack(packed)
-
-    def _unpack(self, packed: SavedView) -> torch.Tensor:
-        entry = packed.entry
-        if self._phase is _Phase.DISCARDED:
-            raise TbaError(
-                f"{entry.describe()} was discarded because the offload context exited with an "
-                "exception; run forward again"
-            )
-        if entry.seq < self._store.fork_seq:
-            raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
-                           "its bytes belong to the parent; run forward again in the child")
-        if self._phase is _Phase.CLOSED:
-            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
-                           "call close() only after the last backward")
-        packed.check_version()
-        try:
-            data, event, reading = _control.call(self._store.start_load, entry)
-            if reading is not None:
-                data, event = self._store.wait_read(entry, reading)
-        except EngineClosedError:
-            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
-                           "call close() only after the last backward") from None
-        tensor = packed.rebuild(data)
-        entry.route.consume(event, tensor)
-        _control.post(self._store.note_unpacked, entry, id(packed))
-        return tensor
-
-    def drop_view(self, entry: StorageEntry, view_id: int) -> None:
-        """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
-        if entry.seq < self._store.fork_seq:
-            return
-        if self._store.drop_view(entry, view_id) and self._phase is _Phase.EXITED:
-            self.close()
 
 
 def offload_activations(directory: str | os.PathLike | None = None, *,
@@ -567,20 +432,3 @@ def offload_activations(directory: str | os.PathLike | None = None, *,
 offload_activations.__doc__ = offload_activations.__doc__.format(options=options_doc(indent=12))
 offload_activations.__signature__ = signature_with_options(offload_activations)  # type: ignore[attr-defined]
 Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]
-
-
-_WARNED_SUBCLASSES: set[type] = set()
-
-
-def _warn_subclass_kept(kind: type) -> None:
-    """Say once per tensor subclass (Float8Tensor, DTensor, ...) that its saved tensors stay in memory."""
-    if kind not in _WARNED_SUBCLASSES:
-        _WARNED_SUBCLASSES.add(kind)
-        logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
-                       "tba writes plain tensors only", kind.__module__, kind.__qualname__)
-
-
-def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` with ``stream`` current: the caller's stream, for a job on the control thread."""
-    with cuda_api().stream(stream):
-        return fn(*args)

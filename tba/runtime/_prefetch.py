@@ -17,6 +17,17 @@ unpack it walks down from the cursor and picks storages to bring into memory:
 A storage whose write is still in flight is not read: it is marked *hold_for_backward*, which keeps its memory
 after the write completes (forwarding). The window decides only; the offloader does the I/O. It is
 pure book-keeping, unit-tested without any file.
+
+Note: [The walk resumes where it stopped]
+Walking down from the cursor at every unpack re-counted every storage already picked: with a
+budget of thousands of storages, each unpack looked at thousands of entries, and backward grew
+quadratically with the storages per step. The window keeps the walk's state instead: ``_scan`` is
+where the last walk stopped and ``_held`` the bytes it counted below the cursor. The next walk
+resumes at ``_scan``; a cursor that moves down subtracts the entries it passes, and an entry that
+stops counting (every view unpacked, dead, kept after a failed write) is subtracted once by
+:meth:`PrefetchWindow.discount`. Each entry is counted and subtracted at most once per walk
+generation (a generation ends when the cursor jumps below the walk, the order is compacted, or a
+new forward starts), so an unpack costs O(1) amortised.
 """
 
 from __future__ import annotations
@@ -56,6 +67,10 @@ class PrefetchWindow:
         self._dead = 0
         self._cursor_seq: int | None = None
         self._in_backward = False
+        self._gen = 0
+        self._scan = 0
+        self._walk_top = 0
+        self._held = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -84,15 +99,20 @@ class PrefetchWindow:
 
     def forget(self, entry: StorageEntry) -> None:
         """Note that ``entry`` died; compacts the order once half of it is dead."""
+        self.discount(entry)
         self._dead += 1
         if self._dead * 2 > len(self._order):
             self._order = [e for e in self._order if e.state is not State.DEAD]
             self._seqs = [e.seq for e in self._order]
             self._dead = 0
+            self._gen += 1
+            self._scan = self._walk_top = self._held = 0
 
     def clear(self) -> None:
         """Forget every storage (a forked child drops its parent's entries)."""
         self._order, self._seqs, self._dead, self._cursor_seq = [], [], 0, None
+        self._gen += 1
+        self._scan = self._walk_top = self._held = 0
 
     def reset_cursor(self) -> None:
         """A new forward starts: the last backward pass is over; the next one starts from the end."""
@@ -101,6 +121,8 @@ class PrefetchWindow:
         self._cursor_seq = None
         self.forward_bytes = 0
         self._in_backward = False
+        self._gen += 1
+        self._scan = self._walk_top = self._held = 0
 
     def end_forward(self) -> None:
         """Forward is over: the window is sized for its backward from the bytes it wrote."""
@@ -114,6 +136,18 @@ class PrefetchWindow:
             self._in_backward = False
             self.controller.end_pass()
 
+    def discount(self, entry: StorageEntry) -> None:
+        """``entry`` no longer counts against the budget (fully unpacked, dead, or kept in memory)."""
+        if entry.window_gen == self._gen:
+            entry.window_gen = -1
+            self._held -= entry.nbytes
+
+    def _restart(self, top: int) -> None:
+        """Start a new walk generation at ``top``: nothing below it is counted yet."""
+        self._gen += 1
+        self._scan = self._walk_top = top
+        self._held = 0
+
     def select(self, unpacked: StorageEntry | None) -> tuple[list[StorageEntry], list[StorageEntry]]:
         """Move the cursor to ``unpacked`` (None: the end) and pick work.
 
@@ -123,28 +157,44 @@ class PrefetchWindow:
         """
         if unpacked is not None and (self._cursor_seq is None or unpacked.seq < self._cursor_seq):
             self._cursor_seq = unpacked.seq
-        top = len(self._order) if self._cursor_seq is None else bisect.bisect_left(self._seqs, self._cursor_seq)
+        order = self._order
+        top = len(order) if self._cursor_seq is None else bisect.bisect_left(self._seqs, self._cursor_seq)
+        if top > self._walk_top or top <= self._scan:
+            self._restart(top)
+        else:
+            gen = self._gen
+            for index in range(top, self._walk_top):
+                entry = order[index]
+                if entry.window_gen == gen:
+                    entry.window_gen = -1
+                    self._held -= entry.nbytes
+            self._walk_top = top
         layer = unpacked.layer if unpacked is not None else None
         if layer is None and unpacked is None:
             layer = self._last_layer(top)
             layer = None if layer is None else layer + 1
         to_read: list[StorageEntry] = []
         to_hold: list[StorageEntry] = []
-        held_bytes = 0
         budget = self.budget_bytes
-        for index in range(top - 1, -1, -1):
-            entry = self._order[index]
-            if entry.state in (State.DEAD, State.KEPT) or entry.fully_unpacked:
+        gen = self._gen
+        index = self._scan
+        while index > 0:
+            entry = order[index - 1]
+            if entry.state is State.DEAD or entry.state is State.KEPT or entry.fully_unpacked:
+                index -= 1
                 continue
             if layer is not None and entry.layer is not None and entry.layer < layer - self.depth_layers:
                 break
-            if held_bytes and held_bytes + entry.nbytes > budget:
+            if self._held and self._held + entry.nbytes > budget:
                 break
-            held_bytes += entry.nbytes
+            index -= 1
+            self._held += entry.nbytes
+            entry.window_gen = gen
             if entry.data is None and entry.read_done is None and entry.state is State.ON_DISK:
                 to_read.append(entry)
             elif entry.state is State.WRITING and not entry.hold_for_backward:
                 to_hold.append(entry)
+        self._scan = index
         return to_read, to_hold
 
     def _last_layer(self, top: int) -> int | None:

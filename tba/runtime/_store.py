@@ -33,6 +33,7 @@ from tba._trace import nvtx_range
 from tba.device import Routes
 from tba.errors import TbaReadError
 from tba.io import BufferPool, Engine, SpillFile, checksum
+from tba.runtime._host_io import HostBatch
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._trim import discard_pages, owns_its_memory, sole_owner, trimmer
@@ -74,6 +75,7 @@ class StorageStore:
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
         self.routes: Routes | None = None
+        self._host: HostBatch | None = None
         self._writing = 0
         self._reading = 0
         self._idle_waiters: list[Future] = []
@@ -95,6 +97,8 @@ class StorageStore:
         if read_pool is not None:
             self.read_pool = read_pool
             self._sync_pool_capacity()
+        host = routes.host
+        self._host = HostBatch(host.engine, host.pool, host.block_size_bytes)
 
     def _sync_pool_capacity(self) -> None:
         """Idle read buffers follow the prefetch budget in force."""
@@ -136,30 +140,31 @@ class StorageStore:
             return max((entry.nbytes for entry in self._by_storage.values()), default=0)
 
     # ----------------------------------------------------------------- write
-    def save(self, tensor: torch.Tensor, layer: int | None) -> tuple[StorageEntry, bool]:
-        """The entry holding ``tensor``'s storage, and whether it was created (and its write started)."""
+    def save(self, tensor: torch.Tensor, layer: int | None, version: int) -> tuple[StorageEntry, bool]:
+        """The entry holding ``tensor``'s storage at ``version``, and whether it was created (and its write started)."""
         storage = tensor.untyped_storage()
         with self.lock:
             if self._lingering:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
-            fresh = entry is None or entry.version != tensor._version or entry.state is State.DEAD or entry.ref.expired()
+            fresh = entry is None or entry.version != version or entry.state is State.DEAD or entry.ref.expired()
             if fresh:
-                entry = self._start_write(tensor, storage, layer)
+                entry = self._start_write(tensor, storage, layer, version)
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1
             self.stats.tensors_offloaded += 1
         return entry, fresh
 
-    def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None) -> StorageEntry:
+    def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None,
+                     version: int) -> StorageEntry:
         route = self.routes.for_device(tensor.device)
         entry = StorageEntry(
             seq=self._next_seq,
             layer=layer,
             nbytes=storage.nbytes(),
             phase_bytes=route.phase_bytes(storage.data_ptr()),
-            version=tensor._version,
+            version=version,
             ref=StorageWeakRef(storage),
             data=torch.empty((0,), dtype=torch.uint8, device=tensor.device).set_(storage),
             device=tensor.device,
@@ -176,8 +181,11 @@ class StorageStore:
         entry.transfer_in_flight = True
         self.write_clock.start()
         with nvtx_range("write"):
-            route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset,
-                        functools.partial(self._on_write_done, entry))
+            on_done = functools.partial(self._on_write_done, entry)
+            if route is self.routes.host:
+                self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+            else:
+                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
         return entry
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
@@ -233,6 +241,7 @@ class StorageStore:
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
         entry.state = State.KEPT
+        self.window.discount(entry)
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
@@ -256,27 +265,43 @@ class StorageStore:
         self._wait_until(lambda: self._writing == 0)
 
     # ----------------------------------------------------------------- read
-    def load(self, entry: StorageEntry) -> tuple[torch.Tensor, Any]:
-        """``entry``'s bytes as a ``uint8`` tensor, and the event a consumer must wait on (or None)."""
-        data, event, reading = self.start_load(entry)
-        return (data, event) if reading is None else self.wait_read(entry, reading)
+    def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
+        """``entry``'s bytes and event when they are in memory now, else ``(None, None)``; changes nothing.
+
+        Note: [An unpack holds its own reference]
+        The caller rebuilds its view outside the lock. Handing it ``entry.data`` itself left the
+        storage with one tensor: a write completing meanwhile found tba the only owner and
+        discarded the pages, and backward read zeros. An alias made under the lock counts as a
+        second owner until the caller is done with it. Taking the lock in the training thread is
+        safe from asynchronous exceptions: ``with`` releases it, and nothing here changes state.
+        """
+        with self.lock:
+            data = entry.data
+            return (data.detach(), entry.ready_event) if data is not None else (None, None)
+
+    def served_from_memory(self, entry: StorageEntry, view_id: int) -> None:
+        """After an unpack found ``entry`` resident: count it, move the window, release what is done."""
+        with self.lock:
+            if self._lingering:
+                self._sweep_written()
+            self.stats.unpacks_from_memory += 1
+            self.window.note_served_from_memory()
+        self.prefetch(entry)
+        self.note_unpacked(entry, view_id)
 
     def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
         """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.
 
-        Starts the read if needed and moves the prefetch window; never waits.
+        Starts the read if needed and moves the prefetch window; never waits. The caller counts
+        the unpack with :meth:`note_unpacked` (or :meth:`served_from_memory` when it was resident).
         """
         with self.lock:
             if self._lingering:
                 self._sweep_written()
-            # Note: [An unpack holds its own reference]
-            # The caller rebuilds its view outside the lock. Handing it ``entry.data`` itself left the
-            # storage with one tensor: a write completing meanwhile found tba the only owner and
-            # discarded the pages, and backward read zeros. An alias made under the lock counts as a
-            # second owner until the caller is done with it.
             data, done = (entry.data.detach() if entry.data is not None else None), entry.read_done
             if data is None and done is None:
                 done = self._start_read(entry)
+                self._host.flush()
         self.prefetch(entry)
         if data is not None:
             with self.lock:
@@ -292,8 +317,11 @@ class StorageStore:
         self._reading += 1
         self.read_clock.start()
         with nvtx_range("read"):
-            entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset,
-                             functools.partial(self._on_read_done, entry))
+            on_done = functools.partial(self._on_read_done, entry)
+            if entry.route is self.routes.host:
+                self._host.read(entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+            else:
+                entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
         return done
 
     def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
@@ -359,6 +387,7 @@ class StorageStore:
                 return
             entry.unpacked_views.clear()
             entry.fully_unpacked = True
+            self.window.discount(entry)
             entry.hold_for_backward = False
             if entry.state is State.ON_DISK:
                 self.release(entry)
@@ -373,6 +402,7 @@ class StorageStore:
                 held.hold_for_backward = True
             for target in to_read:
                 self._start_read(target)
+            self._host.flush()
 
     # ----------------------------------------------------------------- lifetime
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
@@ -397,6 +427,8 @@ class StorageStore:
     def close(self, engine_owned: bool) -> None:
         """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""
         with self.lock:
+            if self._host is not None:
+                self._host.flush()
             engine, self.engine = self.engine, None
         if self.routes is not None:
             self.routes.stop()
@@ -424,6 +456,8 @@ class StorageStore:
         back to the shared file, whose allocator is thread-safe.
         """
         with self.lock:
+            if self._host is not None:
+                self._host.flush()
             self.engine = None
             self.routes = None
             for entry in self._by_storage.values():
@@ -449,7 +483,7 @@ class StorageStore:
         self.window.clear()
         if self.spill is not None:
             self.spill.forget_after_fork()
-        self.spill = self.engine = self.routes = None
+        self.spill = self.engine = self.routes = self._host = None
 
     def _free_extent(self, entry: StorageEntry) -> None:
         if entry.offset >= 0:

@@ -79,6 +79,8 @@ class StorageEntry:
     """Device event a consumer waits on before using ``data`` read back (None for host memory)."""
     checksum: int | None = None
     """CRC-32C of the bytes written (``verify=True``, host storages); None when not checked."""
+    window_gen: int = -1
+    """The prefetch window's walk generation that counts this entry against the budget (-1: none)."""
     own_memory: bool = False
     """The storage's memory came from torch's own allocator and is not shared (Note [Whose pages tba may
     discard] in ``tba/runtime/_trim.py``): only then may its pages go back to the kernel early."""
@@ -102,10 +104,14 @@ class SavedView:
     (Note [Asynchronous exceptions] in ``tba/_control.py``).
     """
 
-    __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "tensor_ref", "base_ref", "version", "__weakref__")
+    __slots__ = ("entry", "kept", "dtype", "size", "stride", "storage_offset", "tensor_ref", "base_ref", "version",
+                 "__weakref__")
 
-    def __init__(self, entry: StorageEntry, tensor: torch.Tensor) -> None:
+    def __init__(self, entry: StorageEntry | None, tensor: torch.Tensor) -> None:
         self.entry = entry
+        """The storage's entry; None until the deferred save has run (or when it failed and ``kept`` is set)."""
+        self.kept: torch.Tensor | None = None
+        """The tensor itself, when its save could not start and it stays in memory."""
         self.dtype = tensor.dtype
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
@@ -113,6 +119,10 @@ class SavedView:
         self.tensor_ref = weakref.ref(tensor)
         self.base_ref = weakref.ref(tensor._base) if tensor._is_view() else None
         self.version = tensor._version
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` itself instead of an entry (detached: Note [Kept tensors are returned detached])."""
+        self.kept = tensor.detach() if tensor.grad_fn is not None else tensor
 
     def check_version(self) -> None:
         """Raise torch's in-place error when the saved tensor is alive and was modified after pack.

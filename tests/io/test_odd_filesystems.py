@@ -84,3 +84,26 @@ def test_bench_io_on_ramfs_leaves_no_name(ramfs_dir):
     done = subprocess.run([sys.executable, "-m", "tba", "bench-io", "--directory", ramfs_dir, "--size", "4M",
                            "--no-fio"], capture_output=True, text=True, timeout=120)
     assert os.listdir(ramfs_dir) == [], done.stdout + done.stderr
+
+
+def test_memory_backed_spill_files_reserve_nothing(tmp_path):
+    """Note [No reservation in memory]: on tmpfs fallocate would allocate and zero pages every step."""
+    import os
+
+    from tba.io import SpillFile
+    from tba.io import memory_backed
+
+    if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    in_memory = SpillFile("/dev/shm")
+    on_disk = SpillFile(str(tmp_path)) if not memory_backed(str(tmp_path)) else None
+    try:
+        in_memory.allocate(1 << 20)
+        assert in_memory.reserved_bytes == 0
+        if on_disk is not None:
+            on_disk.allocate(1 << 20)
+            assert on_disk.reserved_bytes > 0 or not on_disk._reserve
+    finally:
+        in_memory.close()
+        if on_disk is not None:
+            on_disk.close()

@@ -46,6 +46,7 @@ def test_finds_identical_blocks_of_a_sequential_and_prefetches_by_layer(spill_di
     off = tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0)
     with off:
         out = model(x.requires_grad_())
+        off.flush()  # the deferred saves have run
         assert _tags(off) == [None], "tags are known only once forward ends"
     assert off.discovered_layers == list(model)
     assert _tags(off) == [0, 1, 2, 3]

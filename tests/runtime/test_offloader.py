@@ -187,7 +187,7 @@ def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
     for _ in range(steps):
         with off:
             loss = model(x).sum()
-        off.flush()
+            off.flush()  # every write done before forward ends: backward reads them (none is held)
         loss.backward()
         sizes.append(off.spill.size_bytes)
     # Without reuse the file would grow by sizes[0] every step; a read still in flight when the

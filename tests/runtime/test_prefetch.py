@@ -79,9 +79,10 @@ def test_cursor_only_moves_down_and_skips_consumed_dead_and_kept():
     entries[2].state = State.DEAD
     entries[1].state = State.KEPT
     window = window_of(entries, prefetch_budget_bytes=100 * MIB)
-    window.select(entries[4])
-    to_read, _ = window.select(entries[5])
+    to_read, _ = window.select(entries[4])
     assert seqs(to_read) == [0]
+    to_read, _ = window.select(entries[5])
+    assert to_read == [], "the cursor moved up (storage 4 was picked), or storage 0 was picked twice"
 
 
 def test_forget_compacts_without_changing_decisions():
@@ -93,3 +94,21 @@ def test_forget_compacts_without_changing_decisions():
     assert len(window) == 4
     to_read, _ = window.select(entries[9])
     assert seqs(to_read) == [8, 1]
+
+
+def test_the_walk_resumes_and_counts_each_entry_once():
+    """Note [The walk resumes where it stopped]: consumed entries free budget, nothing is picked twice."""
+    entries = [entry(i, layer=None) for i in range(100)]
+    window = window_of(entries, prefetch_budget_bytes=3 * MIB)
+    picked = []
+    for e in reversed(entries):
+        to_read, _ = window.select(e)
+        for r in to_read:
+            r.read_done = Future()
+        picked += seqs(to_read)
+        e.fully_unpacked = True
+        window.discount(e)
+        assert window._held <= 3 * MIB
+    assert picked == list(range(98, -1, -1))
+    window.select(entries[50])  # the cursor never moves up
+    assert window._cursor_seq == 0

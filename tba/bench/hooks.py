@@ -1,0 +1,166 @@
+"""Host cost of tba's saved-tensor hooks per storage, against the same loop without tba.
+
+The loop is the one a user would time: ``n`` leaf tensors (``requires_grad=True``) each go
+through ``torch.tanh`` (which saves its output, one storage per leaf), then one
+``torch.autograd.backward`` runs over all ``n`` outputs. With tba the forward runs inside a bare
+``with tba.offload_activations(directory=d):``. Forward time covers the ``with`` block (entry,
+the loop, exit); backward time covers ``backward`` and dropping the outputs, until tba's
+bookkeeping of the freed views has run (so that one repetition's work never lands in the next
+one's clock). Each figure is the best of ``repeats`` after ``warmups``, and the baseline runs
+interleaved with tba in the same process, so both see the same machine.
+
+The *keep* path runs the same loop inside ``tba.keep_in_memory()`` under the offload context:
+every tensor goes through the pack hook and stays in memory.
+
+The *many* case (:func:`measure_many`) is the large-count check: ``count`` storages written to
+the disk directory, backward time with and without tba. To hold ``count`` x 64 KiB without three
+copies of it in memory, its leaves are ``LEAVES_IN_MANY`` tensors reused in turn and each output is
+reduced by ``sum()`` (so only the saved outputs, which tba moves to the file, hold memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+import tba
+from tba import _control
+
+LEAVES_IN_MANY = 64
+"""Distinct leaf tensors the many-storage loop cycles through."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HookCase:
+    """One row of the table: ``count`` storages of ``size_bytes`` through ``path`` in ``directory``."""
+
+    size_bytes: int
+    count: int
+    directory: str
+    label: str
+    """What the directory is (``"disk"``, ``"ram"``)."""
+    path: str = "offload"
+    """``"offload"`` (the storages go to the file) or ``"keep"`` (inside ``tba.keep_in_memory()``)."""
+
+
+@dataclasses.dataclass
+class HookResult:
+    """Best-of times of one case, with and without tba, and the extra microseconds per storage."""
+
+    case: HookCase
+    base_forward_s: float
+    base_backward_s: float
+    tba_forward_s: float
+    tba_backward_s: float
+
+    @property
+    def extra_forward_us(self) -> float:
+        return (self.tba_forward_s - self.base_forward_s) / self.case.count * 1e6
+
+    @property
+    def extra_backward_us(self) -> float:
+        return (self.tba_backward_s - self.base_backward_s) / self.case.count * 1e6
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self.case), "base_forward_s": self.base_forward_s,
+                "base_backward_s": self.base_backward_s, "tba_forward_s": self.tba_forward_s,
+                "tba_backward_s": self.tba_backward_s, "extra_forward_us": self.extra_forward_us,
+                "extra_backward_us": self.extra_backward_us}
+
+
+def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
+    """The ``with`` block around forward: none (baseline), the bare offload context, or it plus keep."""
+    if case is None:
+        return contextlib.nullcontext()
+    if case.path == "keep":
+        stack = contextlib.ExitStack()
+        stack.enter_context(tba.offload_activations(directory=case.directory))
+        stack.enter_context(tba.keep_in_memory())
+        return stack
+    return tba.offload_activations(directory=case.directory)
+
+
+def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None) -> tuple[float, float]:
+    """One forward and backward of the loop; returns their seconds."""
+    for leaf in leaves:
+        leaf.grad = None
+    start = time.perf_counter()
+    with _context(case):
+        outputs = [torch.tanh(leaf) for leaf in leaves]
+    middle = time.perf_counter()
+    torch.autograd.backward(outputs, [grad] * len(outputs))
+    del outputs
+    _control.settle()
+    return middle - start, time.perf_counter() - middle
+
+
+def measure(case: HookCase, warmups: int = 2, repeats: int = 3) -> HookResult:
+    """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``."""
+    numel = case.size_bytes // 4
+    leaves = [torch.randn(numel, requires_grad=True) for _ in range(case.count)]
+    grad = torch.ones(numel)
+    best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
+    gc.collect()
+    for rep in range(warmups + repeats):
+        for name, which in (("base", None), ("tba", case)):
+            forward_s, backward_s = _step(leaves, grad, which)
+            if rep >= warmups:
+                best[name][0] = min(best[name][0], forward_s)
+                best[name][1] = min(best[name][1], backward_s)
+    return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1])
+
+
+@dataclasses.dataclass
+class ManyResult:
+    """Backward seconds of the many-storage loop with and without tba (best of ``repeats``)."""
+
+    count: int
+    size_bytes: int
+    directory: str
+    base_backward_s: float
+    tba_backward_s: float
+    base_forward_s: float
+    tba_forward_s: float
+
+    @property
+    def backward_ratio(self) -> float:
+        return self.tba_backward_s / self.base_backward_s
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "backward_ratio": self.backward_ratio}
+
+
+def _many_step(leaves: list[torch.Tensor], count: int, directory: str | None) -> tuple[float, float]:
+    for leaf in leaves:
+        leaf.grad = None
+    start = time.perf_counter()
+    context = contextlib.nullcontext() if directory is None else tba.offload_activations(directory=directory)
+    with context:
+        sums = [torch.tanh(leaves[i % len(leaves)]).sum() for i in range(count)]
+    middle = time.perf_counter()
+    torch.autograd.backward(sums)
+    del sums
+    _control.settle()
+    return middle - start, time.perf_counter() - middle
+
+
+def measure_many(count: int, size_bytes: int, directory: str, repeats: int = 1,
+                 progress: Callable[[str], None] | None = None) -> ManyResult:
+    """Backward over ``count`` storages of ``size_bytes`` written to ``directory``, with and without tba."""
+    leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(LEAVES_IN_MANY)]
+    best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
+    gc.collect()
+    for rep in range(repeats):
+        for name, where in (("base", None), ("tba", directory)):
+            if progress is not None:
+                progress(f"many: {name} {rep + 1}/{repeats}")
+            forward_s, backward_s = _many_step(leaves, count, where)
+            best[name][0] = min(best[name][0], forward_s)
+            best[name][1] = min(best[name][1], backward_s)
+            gc.collect()
+    return ManyResult(count, size_bytes, directory, best["base"][1], best["tba"][1], best["base"][0], best["tba"][0])

@@ -1,0 +1,153 @@
+"""Host microseconds tba adds per saved storage in forward and in backward, against the same loop without tba.
+
+Each of ``n`` leaf tensors goes through ``torch.tanh`` inside a bare ``with
+tba.offload_activations(directory=d):`` and one backward runs over all outputs; the same loop
+without tba runs interleaved in the same process. Every figure is the best of ``--repeats`` after
+``--warmups``. Rows: each size (``--sizes``) and count (``--counts``, capped so that a row holds at
+most ``--max-bytes``) on a disk directory and a RAM-backed one, plus the keep path (the same loop
+inside ``tba.keep_in_memory()``, so every tensor goes through the pack hook and stays in memory).
+``--many`` adds the large-count check: ``--many-count`` storages of 64 KiB on the disk directory,
+backward time with tba against without. Progress goes to stderr, the table to stdout, ``--json
+PATH`` writes every figure. See docs/host-cost.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+
+from tba._units import parse_size
+from tba.bench.hooks import HookCase, HookResult, ManyResult, measure, measure_many
+from tba.cli._progress import Progress
+from tba.defaults import GIB, KIB, MIB
+
+logger = logging.getLogger("tba")
+
+DEFAULT_SIZES = "64K,1M,16M"
+DEFAULT_COUNTS = "400,2000"
+DEFAULT_MAX_BYTES = GIB
+DEFAULT_DISK_DIR = "/var/tmp"
+DEFAULT_RAM_DIR = "/dev/shm"
+DEFAULT_MANY_COUNT = 100_000
+MANY_SIZE_BYTES = 64 * KIB
+
+
+def _csv(parse):
+    def convert(text: str) -> list:
+        try:
+            return [parse(item) for item in text.split(",") if item]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return convert
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options to ``parser``."""
+    parser.add_argument("--sizes", type=_csv(parse_size), default=DEFAULT_SIZES,
+                        help=f"storage sizes, comma separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--counts", type=_csv(int), default=DEFAULT_COUNTS,
+                        help=f"storages per step, comma separated (default {DEFAULT_COUNTS})")
+    parser.add_argument("--max-bytes", type=parse_size, default=DEFAULT_MAX_BYTES,
+                        help="cap on count x size per row; a row's count is lowered to fit (default 1G)")
+    parser.add_argument("--disk-dir", default=None,
+                        help=f"the disk directory (default a fresh one under {DEFAULT_DISK_DIR})")
+    parser.add_argument("--ram-dir", default=None,
+                        help=f"the RAM-backed directory (default a fresh one under {DEFAULT_RAM_DIR}); "
+                             "'none' skips those rows")
+    parser.add_argument("--no-disk", action="store_true", help="skip the disk rows")
+    parser.add_argument("--no-keep", action="store_true", help="skip the keep-path rows")
+    parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
+    parser.add_argument("--many", action="store_true",
+                        help="also time backward over --many-count storages of 64 KiB on the disk directory")
+    parser.add_argument("--many-count", type=int, default=DEFAULT_MANY_COUNT,
+                        help=f"storages in the --many case (default {DEFAULT_MANY_COUNT})")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny counts, one warm-up and one repeat (a smoke test; its figures mean nothing)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH as JSON")
+
+
+def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[HookCase]:
+    cases: list[HookCase] = []
+    seen: set[tuple] = set()
+    for label, directory in (("ram", ram), ("disk", disk)):
+        if directory is None:
+            continue
+        for size in args.sizes:
+            for count in args.counts:
+                count = max(1, min(count, args.max_bytes // size))
+                if (size, count, label) not in seen:
+                    seen.add((size, count, label))
+                    cases.append(HookCase(size, count, directory, label))
+    if not args.no_keep:
+        keep_dir = ram or disk
+        for count in args.counts:
+            cases.append(HookCase(args.sizes[0], count, keep_dir, "keep", path="keep"))
+    return cases
+
+
+def _size_text(nbytes: int) -> str:
+    if nbytes % MIB == 0:
+        return f"{nbytes // MIB} MiB"
+    if nbytes % KIB == 0:
+        return f"{nbytes // KIB} KiB"
+    return f"{nbytes} B"
+
+
+def format_table(results: list[HookResult]) -> str:
+    header = (f"{'storages x size':<18} {'directory':<26} {'base fwd ms':>11} {'tba fwd ms':>10} {'extra fwd us':>12} "
+              f"{'base bwd ms':>11} {'tba bwd ms':>10} {'extra bwd us':>12}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        where = "keep_in_memory()" if r.case.path == "keep" else f"{os.path.dirname(r.case.directory)} ({r.case.label})"
+        shape = f"{r.case.count} x {_size_text(r.case.size_bytes)}"
+        lines.append(f"{shape:<18} {where:<26} "
+                     f"{r.base_forward_s * 1e3:>11.1f} {r.tba_forward_s * 1e3:>10.1f} {r.extra_forward_us:>12.1f} "
+                     f"{r.base_backward_s * 1e3:>11.1f} {r.tba_backward_s * 1e3:>10.1f} {r.extra_backward_us:>12.1f}")
+    return "\n".join(lines)
+
+
+def format_many(result: ManyResult) -> str:
+    return (f"{result.count} x {_size_text(result.size_bytes)} in {result.directory}: backward "
+            f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
+            f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.counts, args.sizes, args.warmups, args.repeats = [3, 6], [64 * KIB], 1, 1
+        args.many_count = min(args.many_count, 50)
+    if args.warmups < 0 or args.repeats < 1:
+        print("bench-hooks: error: --warmups must be >= 0 and --repeats >= 1", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        def fresh(given: str | None, default: str) -> str:
+            parent = given or (default if os.path.isdir(default) else tempfile.gettempdir())
+            return stack.enter_context(tempfile.TemporaryDirectory(prefix="tba-bench-hooks-", dir=parent))
+
+        disk_dir = None if args.no_disk and not args.many else fresh(args.disk_dir, DEFAULT_DISK_DIR)
+        ram_dir = None if args.ram_dir == "none" else fresh(args.ram_dir, DEFAULT_RAM_DIR)
+        cases = _cases(args, None if args.no_disk else disk_dir, ram_dir)
+        progress = Progress(len(cases) + (2 if args.many else 0))
+        results = []
+        for case in cases:
+            progress.update(f"{case.count} x {_size_text(case.size_bytes)} {case.label}")
+            results.append(measure(case, args.warmups, args.repeats))
+        many = None
+        if args.many:
+            many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update)
+        progress.done()
+    print(format_table(results))
+    if many is not None:
+        print(format_many(many))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,
+                       "warmups": args.warmups, "repeats": args.repeats}, out, indent=2)
+    return 0
+

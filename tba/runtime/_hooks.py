@@ -1,0 +1,258 @@
+"""The saved-tensor hooks of an offloader: what happens to each tensor autograd saves, and at unpack.
+
+:class:`SavedTensorHooks` is the hot half of :class:`tba.Offloader` (``tba/runtime/_offloader.py``
+holds its life: options, entry, exit, close). ``pack`` runs once per saved tensor during forward,
+``unpack`` once per saved tensor during backward, both on the training thread; every
+microsecond spent here is host time a GPU's queue waits for (``docs/host-cost.md``).
+
+* :meth:`SavedTensorHooks.keep_reason` says why a tensor stays in memory (None: it goes to disk).
+* ``pack`` of a tensor that goes to disk hands the storage to the store
+  (``tba/runtime/_store.py``) as a job of the control thread and returns a :class:`SavedView`.
+* ``unpack`` returns the saved tensor bit for bit: from memory when its bytes are resident, else
+  after a read.
+* ``drop_view`` runs on the control thread when autograd frees a view; the last one closes a
+  one-shot offloader.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tba import _control, defaults
+from tba._trace import nvtx_range
+from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
+from tba.errors import EngineClosedError, TbaError
+from tba.runtime._keep import KeepReason, in_keep_region
+from tba.runtime._trim import note_host_offload
+from tba.runtime._views import SavedView, StorageEntry
+
+if TYPE_CHECKING:
+    from tba.runtime._discover import LayerDiscovery
+    from tba.runtime._layers import LayerTracker
+    from tba.runtime._stats import OffloadStats
+    from tba.runtime._store import StorageStore
+
+logger = logging.getLogger("tba")
+
+class _Phase(enum.Enum):
+    """Where an :class:`Offloader` is in its life."""
+
+    IDLE = "idle"
+    """Not entered, or between steps of a reusable offloader."""
+    ENTERING = "entering"
+    """One thread is entering the ``with`` block; any other entry raises."""
+    ACTIVE = "active"
+    """Inside the ``with`` block: saved tensors go through the hooks."""
+    EXITED = "exited"
+    """A one-shot offloader after its block: waits for backward to release everything, then closes."""
+    DISCARDED = "discarded"
+    """The block raised: its saved tensors were dropped."""
+    CLOSED = "closed"
+
+
+class SavedTensorHooks:
+    """The pack and unpack hooks of :class:`tba.Offloader`, which sets every attribute they read."""
+
+    _phase: _Phase
+    _forked_mid_block: bool
+    _store: StorageStore
+    _stats: OffloadStats
+    _tracker: LayerTracker
+    _discovery: LayerDiscovery | None
+    _state_keys: set[int]
+    _staged_devices: tuple[str, ...]
+    min_offload_bytes: int
+    keep_layers: set[int | None]
+    layer_saved_bytes: dict[int | None, int]
+
+    _waker: Waker
+
+    def close(self) -> None:
+        """Overridden by :class:`tba.Offloader`."""
+        raise NotImplementedError
+
+    def keep_reason(self, tensor: torch.Tensor) -> KeepReason | None:
+        """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
+        if in_keep_region():
+            return KeepReason.USER_REGION
+        if is_device_tensor(tensor) and cuda_api().is_current_stream_capturing():
+            return KeepReason.CUDA_GRAPH_CAPTURE
+        if type(tensor) is not torch.Tensor:
+            if isinstance(tensor, nn.Parameter):
+                return KeepReason.PARAMETER
+            _warn_subclass_kept(type(tensor))
+            return KeepReason.TENSOR_SUBCLASS
+        if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
+            return KeepReason.NOT_STRIDED
+        if tensor.is_conj() or tensor.is_neg():
+            return KeepReason.LAZY_VIEW
+        if tensor.device.type not in DEVICE_TYPES:
+            return KeepReason.UNSUPPORTED_DEVICE
+        base = tensor._base if tensor._is_view() else tensor
+        if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
+            return KeepReason.PARAMETER
+        storage = tensor.untyped_storage()
+        if storage._cdata in self._state_keys:
+            return KeepReason.MODULE_STATE
+        if storage.nbytes() == 0 or storage.nbytes() < self.min_offload_bytes:
+            return KeepReason.SMALL
+        if tensor.device.type not in self._staged_devices and storage.data_ptr() % 64:
+            return KeepReason.UNALIGNED
+        if self._tracker.current in self.keep_layers:
+            return KeepReason.LAYER_KEPT
+        return None
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself."""
+        with nvtx_range("pack"):
+            return self._pack(tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._phase is not _Phase.ACTIVE:
+            raise TbaError(self._not_active_message())
+        if self._forked_mid_block:
+            raise TbaError("this with block of tba was entered before os.fork(): its spill file belongs to the "
+                           "parent; in the child, leave the block and enter the offloader again")
+        self._tracker.note_save()
+        reason = self.keep_reason(tensor)
+        if reason is not None:
+            with self._store.lock:
+                self._stats.count_kept(reason, 0 if reason.is_state else tensor.numel() * tensor.element_size())
+            # Note: [Kept tensors are returned detached]
+            # Autograd keeps what pack returns with a strong reference from the node. When the saved
+            # tensor is the node's own output, the tensor itself would point back at the node
+            # (node -> tensor -> grad_fn -> node): a cycle that only the cycle collector frees, and a
+            # dropped loss would keep the whole graph, and every offloaded entry, alive. A detached
+            # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
+            # unpack from the metadata it recorded at save. It shares the version counter.
+            return tensor.detach() if tensor.grad_fn is not None else tensor
+        layer = self._tracker.current
+        stack = self._discovery.stack if self._discovery is not None else None
+        view = SavedView(None, tensor)
+        if is_device_tensor(tensor):
+            _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job, view, tensor, layer, stack)
+            return view
+        note_host_offload()
+        # Note: [A save is deferred]
+        # The save runs on the control thread later, in order with every other job (Note [Deferred
+        # jobs] in tba/_control.py); the job holds the tensor, so its bytes stay alive until the write
+        # starts, and the view, so the view cannot die before its entry exists. The version checked
+        # at unpack is the one recorded here.
+        self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack), tensor.nbytes)
+        return view
+
+    def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any) -> None:
+        try:
+            entry, fresh = self._store.save(tensor, layer, view.version)
+        except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
+            view.keep(tensor)
+            logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", err)
+            return
+        if fresh and self._discovery is not None:
+            self._discovery.note_saved(entry, stack)
+        if fresh:
+            self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
+        view.entry = entry
+        _control.on_death(view, self.drop_view, entry, id(view))
+
+    def _not_active_message(self) -> str:
+        if self._phase is _Phase.CLOSED:
+            return ("Offloader.pack: the offloader was closed inside its with block; call close() only "
+                    "after the last backward, outside the block")
+        return (f"Offloader.pack is only valid inside 'with offloader:' (it is {self._phase.value}); enter the "
+                "offloader instead of calling pack directly")
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """Saved-tensor unpack hook: the saved tensor, bit for bit."""
+        if not isinstance(packed, SavedView):
+            return packed
+        with nvtx_range("unpack"):
+            return self._unpack(packed)
+
+    def _unpack(self, packed: SavedView) -> torch.Tensor:
+        if packed.entry is None and packed.kept is None:
+            _control.settle()  # its save was deferred (Note [A save is deferred])
+        entry = packed.entry
+        if entry is None:
+            packed.check_version()
+            return packed.kept
+        if self._phase is _Phase.DISCARDED:
+            raise TbaError(
+                f"{entry.describe()} was discarded because the offload context exited with an "
+                "exception; run forward again"
+            )
+        store = self._store
+        if entry.seq < store.fork_seq:
+            raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
+                           "its bytes belong to the parent; run forward again in the child")
+        if self._phase is _Phase.CLOSED:
+            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
+                           "call close() only after the last backward")
+        packed.check_version()
+        data, event = store.resident(entry)
+        if data is not None:
+            # Served from memory: the bookkeeping (window, stats, release) is deferred.
+            self._waker.note(_control.defer(store.served_from_memory, entry, id(packed)), entry.nbytes)
+        else:
+            try:
+                data, event, reading = _control.call(store.start_load, entry)
+                if reading is not None:
+                    data, event = store.wait_read(entry, reading)
+            except EngineClosedError:
+                raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
+                               "call close() only after the last backward") from None
+            self._waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
+        tensor = packed.rebuild(data)
+        entry.route.consume(event, tensor)
+        return tensor
+
+    def drop_view(self, entry: StorageEntry, view_id: int) -> None:
+        """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
+        if entry.seq < self._store.fork_seq:
+            return
+        if self._store.drop_view(entry, view_id) and self._phase is _Phase.EXITED:
+            self.close()
+
+
+class Waker:
+    """Wakes the control thread once enough deferred work has piled up (Note [Deferred jobs]).
+
+    Few wake-ups keep the GIL with the training thread; waking after ``jobs`` deferred jobs or
+    ``nbytes`` of storages bounds the bytes whose write (or whose window move) waits meanwhile.
+    """
+
+    __slots__ = ("jobs", "nbytes", "_bytes")
+
+    def __init__(self, jobs: int = defaults.DEFER_WAKE_JOBS, nbytes: int = defaults.DEFER_WAKE_BYTES) -> None:
+        self.jobs = jobs
+        self.nbytes = nbytes
+        self._bytes = 0
+
+    def note(self, deferred: int, nbytes: int) -> None:
+        """``deferred`` jobs wait now, the last one about ``nbytes`` of storage."""
+        self._bytes += nbytes
+        if deferred >= self.jobs or self._bytes >= self.nbytes:
+            self._bytes = 0
+            _control.wake()
+
+
+_WARNED_SUBCLASSES: set[type] = set()
+
+
+def _warn_subclass_kept(kind: type) -> None:
+    """Say once per tensor subclass (Float8Tensor, DTensor, ...) that its saved tensors stay in memory."""
+    if kind not in _WARNED_SUBCLASSES:
+        _WARNED_SUBCLASSES.add(kind)
+        logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
+                       "tba writes plain tensors only", kind.__module__, kind.__qualname__)
+
+
+def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with ``stream`` current: the caller's stream, for a job on the control thread."""
+    with cuda_api().stream(stream):
+        return fn(*args)

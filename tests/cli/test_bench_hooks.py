@@ -1,0 +1,45 @@
+"""bench-hooks: a quick run on temporary directories, its table and JSON, and its cleanup (no timing asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tba.cli import COMMANDS, bench_hooks, build_parser
+
+
+def _args(argv):
+    parser = argparse.ArgumentParser()
+    bench_hooks.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_quick_run_writes_every_row_and_cleans_up(tmp_path, capsys):
+    disk, ram = tmp_path / "disk", tmp_path / "ram"
+    disk.mkdir()
+    ram.mkdir()
+    out = tmp_path / "hooks.json"
+    args = _args(["--quick", "--many", "--disk-dir", str(disk), "--ram-dir", str(ram), "--json", str(out)])
+    assert bench_hooks.run(args) == 0
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {(r["label"], r["count"]) for r in rows} == {(label, n) for label in ("disk", "ram", "keep") for n in (3, 6)}
+    for row in rows:
+        assert row["tba_forward_s"] > 0 and row["base_backward_s"] > 0
+        assert row["extra_forward_us"] == (row["tba_forward_s"] - row["base_forward_s"]) / row["count"] * 1e6
+    assert report["many"]["count"] == 50 and report["many"]["backward_ratio"] > 0
+    assert "keep_in_memory()" in captured.out and "backward" in captured.out
+    assert "6 x 64 KiB" in captured.err
+    assert list(disk.iterdir()) == [] and list(ram.iterdir()) == []
+
+
+def test_rows_are_capped_by_max_bytes():
+    args = _args(["--sizes", "16M", "--counts", "400,2000", "--max-bytes", "64M", "--no-keep"])
+    cases = bench_hooks._cases(args, "/d", "/r")
+    assert {(c.label, c.count) for c in cases} == {("ram", 4), ("disk", 4)}
+
+
+def test_registered_with_help():
+    assert COMMANDS["bench-hooks"][0] == "tba.cli.bench_hooks"
+    assert "--many" in build_parser()._subparsers._group_actions[0].choices["bench-hooks"].format_help()
