@@ -90,8 +90,7 @@ def test_memory_backed_spill_files_reserve_nothing(tmp_path):
     """Note [No reservation in memory]: on tmpfs fallocate would allocate and zero pages every step."""
     import os
 
-    from tba.io import SpillFile
-    from tba.io import memory_backed
+    from tba.io import SpillFile, memory_backed
 
     if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
         pytest.skip("no tmpfs at /dev/shm")
