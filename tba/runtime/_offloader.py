@@ -109,7 +109,8 @@ class Offloader(SavedTensorHooks):
         self._discovery = LayerDiscovery() if layers is None else None
         self._shared_key = (None if _reusable or isinstance(self.backend, Engine) or _device_ops is not None else
                             _shared.runtime_key(self.directory, self.backend, self.direct_io, self.queue_depth,
-                                                self.block_size_bytes, self.staging_bytes, _staged_devices))
+                                                self.block_size_bytes, self.staging_bytes,
+                                                (_staged_devices, cuda_api())))
         self._runtime: _shared.Runtime | None = None
         self.keep_layers: set[int | None] = set()
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""

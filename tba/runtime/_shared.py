@@ -69,8 +69,12 @@ _generation = 0
 
 
 def runtime_key(directory: str | None, backend: str, direct_io: bool | None, queue_depth: int, block_size_bytes: int,
-                staging_bytes: int, staged_devices: tuple[str, ...]) -> tuple[Any, ...]:
-    """Contexts whose options give the same key can share a runtime."""
+                staging_bytes: int, staged_devices: Any) -> tuple[Any, ...]:
+    """Contexts whose options give the same key can share a runtime.
+
+    ``staged_devices`` includes the CUDA implementation in use: a runtime made on one simulated
+    device never serves another.
+    """
     return (resolve_directory(directory), backend, direct_io, queue_depth, block_size_bytes, staging_bytes,
             staged_devices)
 

@@ -129,6 +129,7 @@ def test_7_kvikio_reads_do_not_queue_behind_writes(sim, tmp_path):
             first = offloader.pack(x * 2)
             offloader.flush()
             kvikio.write_gate = threading.Event()
+            threading.Timer(5, kvikio.write_gate.set).start()  # bounds the test where reads do queue behind writes
             second = offloader.pack(x * 3)
             started = time.monotonic()
             got = offloader.unpack(first)

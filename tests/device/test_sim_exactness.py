@@ -95,3 +95,29 @@ def test_gpt_on_the_simulated_device_through_the_bare_context(sim, tmp_path, flu
     reference = run_step(model, lambda m: m(tokens, targets))
     offloader = tba.offload_activations(tmp_path, min_offload_bytes=0)
     assert steps_equal(reference, run_step(model, lambda m: m(tokens, targets), offloader, flush=flush))
+
+
+def test_adaptive_policy_on_the_simulated_device_is_exact(sim, tmp_path):
+    model = make_gpt(MICRO)
+    tokens, targets = make_batch(MICRO)
+    reference = run_step(model, lambda m: m(tokens, targets))
+    offloader = tba.Offloader(tmp_path, layers=model, min_offload_bytes=0, policy="adaptive", overhead_bound=1.5,
+                              block_size_bytes=BLOCK, staging_bytes=STAGING_BYTES)
+    for _ in range(4):
+        assert steps_equal(reference, run_step(model, lambda m: m(tokens, targets), offloader, flush=False))
+    assert offloader.plan is not None
+    offloader.close()
+
+
+def test_a_second_simulated_device_gets_a_runtime_of_its_own(tmp_path):
+    from tba.device.sim import simulate
+
+    for seed in range(2):
+        with simulate(seed=seed) as device:
+            x = torch.randn(4096, requires_grad=True)
+            with tba.offload_activations(tmp_path, min_offload_bytes=0) as offloader:
+                y = (x * x).exp().sum()
+                offloader.flush()
+            y.backward()
+            assert offloader.stats.bytes_written > 0 and device.problems() == []
+    tba.shutdown()
