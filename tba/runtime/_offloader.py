@@ -423,7 +423,7 @@ class Offloader:
         return _control.call(self._save_job, tensor, self._tracker.current)
 
     def _save_job(self, tensor: torch.Tensor, layer: int | None) -> SavedView:
-        if not tensor.is_cuda:
+        if tensor.is_cpu:
             note_host_offload()
         entry, fresh = self._store.save(tensor, layer)
         if fresh and self._discovery is not None:
