@@ -36,7 +36,7 @@ from tba.errors import TbaConfigError
 CACHING = ("jemalloc", "tcmalloc", "mimalloc")
 """The caching allocators tba knows how to find and preload."""
 
-AUTO_ORDER = ("jemalloc", "mimalloc", "tcmalloc")
+AUTO_ORDER = ("jemalloc", "tcmalloc", "mimalloc")
 """What ``--allocator auto`` picks, first found wins: the order of the measured activation peak
 and step time under tba (docs/cpu-memory.md)."""
 

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("tba.cli.doctor", "report which I/O backends this machine supports and why not"),
     "rok": ("tba.cli.rok", "step time against activation memory: keep, recompute, offload, adaptive"),
     "bench-ckpt": ("tba.cli.bench_ckpt", "training stall and write bandwidth of checkpoints: torch.save, DCP, tba lazy"),
-    "run": ("tba.cli.run", "run a script or module with a caching malloc (jemalloc, mimalloc, tcmalloc) preloaded"),
+    "run": ("tba.cli.run", "run a script or module with a caching malloc (jemalloc, tcmalloc, mimalloc) preloaded"),
     "gpu-report": ("tba.cli.gpu_report", "one Markdown + JSON report of tba's CUDA path (--simulate: on a simulated device)"),
     "bench-hooks": ("tba.cli.bench_hooks", "host microseconds tba adds per saved storage, forward and backward"),
 }
