@@ -156,7 +156,6 @@ class StoreReads:
             self.stats.unpacks_waited += 1
             self.stats.unpack_wait_s += time.perf_counter() - start
             self.window.note_wait()
-            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
         return result
 
     def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:

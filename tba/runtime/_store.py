@@ -63,7 +63,7 @@ class StorageStore(StoreReads, StoreRelease):
     def __init__(self, stats: OffloadStats, window: PrefetchWindow) -> None:
         self.stats = stats
         self.window = window
-        self.read_pool = BufferPool(window.budget_bytes)
+        self.read_pool = BufferPool(self._budget_bytes)
         self.lock = threading.RLock()
         self.write_clock = BusyClock()
         self.read_clock = BusyClock()
@@ -91,23 +91,25 @@ class StorageStore(StoreReads, StoreRelease):
         """Use ``spill``, ``engine`` and ``routes`` (and ``read_pool``, when they are shared with other stores)."""
         self.spill, self.engine, self.routes = spill, engine, routes
         if read_pool is not None:
+            # Note: [One owner of the prefetch budget]
+            # The window owns the budget (a fixed one, or its controller's); the read pool asks it
+            # whenever a buffer comes back, so nothing copies the number from one to the other.
+            read_pool.prefetch_budget_bytes = self._budget_bytes
             self.read_pool = read_pool
-            self._sync_pool_capacity()
+            self.read_pool.trim()
         host = routes.host
         self._host = HostBatch(host.engine, host.pool, host.block_size_bytes)
 
-    def _sync_pool_capacity(self) -> None:
-        """Idle read buffers follow the prefetch budget in force."""
-        self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
-        if self.read_pool.idle_bytes > self.read_pool.prefetch_budget_bytes:
-            self.read_pool.clear()
+    def _budget_bytes(self) -> int:
+        """The prefetch budget in force (the window's): the read pool's capacity."""
+        return self.window.budget_bytes
 
     def end_forward(self) -> None:
         """Forward is over: size the window for backward, then hold or read what backward needs first."""
         with self.lock:
             self._sweep_written(limit=None)
             self.window.end_forward()
-            self._sync_pool_capacity()
+            self.read_pool.trim()
         self.prefetch(None)
 
     @property
@@ -117,9 +119,7 @@ class StorageStore(StoreReads, StoreRelease):
     def set_prefetch_budget(self, nbytes: int) -> None:
         """Bound bytes read ahead or held for backward, and idle read buffers, from now on."""
         self.window.prefetch_budget_bytes = nbytes
-        self.read_pool.prefetch_budget_bytes = nbytes
-        if self.read_pool.idle_bytes > nbytes:
-            self.read_pool.clear()
+        self.read_pool.trim()
 
     def update_stats(self) -> None:
         """Bring the counters that live in the clocks and pools into :attr:`stats`."""
@@ -285,6 +285,7 @@ class StorageStore(StoreReads, StoreRelease):
             for entry in self._by_storage.values():
                 self.release(entry)
             self._lingering.clear()
+            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes  # the pool outlives this store
             self.read_pool = BufferPool(0)
 
     def forget_after_fork(self) -> None:
