@@ -9,7 +9,8 @@ A buffer goes back to the pool when the last tensor that uses it dies: :meth:`Bu
 wraps it in a storage whose owner is a token; the token's collection returns the buffer through
 :func:`tba._control.on_death`, so no Python code runs in the thread that drops the last tensor
 (Note [Asynchronous exceptions] in ``tba/_control.py``). The pool holds at most
-``prefetch_budget_bytes`` of idle buffers (the prefetch budget). A reusable offloader keeps them from one
+``prefetch_budget_bytes`` of idle buffers (the prefetch budget, read from its one owner, the
+offloader's prefetch window, each time a buffer comes back). A reusable offloader keeps them from one
 step to the next, so steady-state steps touch no fresh memory for reads; they are freed on
 ``close()``, and ``Offloader.pool_idle_bytes`` reports them so that measurements count them as
 memory tba holds.
@@ -18,6 +19,7 @@ memory tba holds.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -36,9 +38,10 @@ class BufferPool:
 
     Args:
         prefetch_budget_bytes: Most bytes of idle buffers kept; more are freed. 0 disables reuse.
+            A callable is asked each time (the prefetch window's budget, which changes).
     """
 
-    def __init__(self, prefetch_budget_bytes: int) -> None:
+    def __init__(self, prefetch_budget_bytes: int | Callable[[], int]) -> None:
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.idle_bytes = 0
         self.reused = 0
@@ -57,11 +60,23 @@ class BufferPool:
             self.allocated += 1
         return aligned_empty(nbytes)
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Most bytes of idle buffers kept now."""
+        budget = self.prefetch_budget_bytes
+        return budget() if callable(budget) else budget
+
+    def trim(self) -> None:
+        """Free every idle buffer when they exceed the capacity in force (it shrank)."""
+        if self.idle_bytes > self.capacity_bytes:
+            self.clear()
+
     def give(self, buffer: torch.Tensor) -> None:
         """Return ``buffer``; kept for reuse while the pool is under capacity."""
         nbytes = buffer.numel()
+        capacity = self.capacity_bytes
         with self._lock:
-            if self.idle_bytes + nbytes <= self.prefetch_budget_bytes:
+            if self.idle_bytes + nbytes <= capacity:
                 self._idle.setdefault(nbytes, []).append(buffer)
                 self.idle_bytes += nbytes
 

@@ -323,7 +323,7 @@ class Offloader(SavedTensorHooks):
         except BaseException:
             spill.close()
             raise
-        pool = BufferPool(self._store.window.budget_bytes) if self._shared_key is not None else self._store.read_pool
+        pool = BufferPool(self._store.read_pool.prefetch_budget_bytes) if self._shared_key is not None else self._store.read_pool
         routes = Routes(self.backend, engine, pool, self.staging_bytes, self.block_size_bytes,
                         self._device_ops, self._staged_devices)
         return spill, engine, routes, pool

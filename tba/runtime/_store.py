@@ -7,8 +7,10 @@ The store owns every :class:`StorageEntry` of an offloader and moves their bytes
   host engine, device storages through their route (``tba/device/_router.py``).
 * When a write completes the entry is ON_DISK and its memory is dropped, unless the prefetch window
   asked to hold it; a failed write turns it KEPT (memory kept, one warning).
-* :meth:`StorageStore.load` returns an entry's bytes: resident ones at once, otherwise after a read,
-  and moves the prefetch window so that the next storages are read meanwhile.
+* Reading back, the prefetch window and the release after unpack are in ``_reads.py``
+  (:class:`~tba.runtime._reads.StoreReads`); releasing bytes, discarding pages and keeping a storage
+  whose write failed in ``_release.py`` (:class:`~tba.runtime._release.StoreRelease`). Host
+  storages' transfers go to the engine in batches (``_host_io.py``).
 * :meth:`StorageStore.drop_view` frees an entry's file extent once autograd has freed its last view.
 
 Every state change happens under one lock. Completion callbacks run on engine or device threads;
@@ -20,31 +22,25 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tba import defaults
 from tba._control import wait
 from tba._trace import nvtx_range
 from tba.device import Routes
-from tba.errors import TbaReadError
-from tba.io import BufferPool, Engine, SpillFile, checksum
+from tba.io import BufferPool, Engine, SpillFile
 from tba.runtime._host_io import HostBatch
 from tba.runtime._prefetch import PrefetchWindow
+from tba.runtime._reads import StoreReads
+from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
-from tba.runtime._trim import discard_pages, owns_its_memory, sole_owner, trimmer
+from tba.runtime._trim import owns_its_memory
 from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
-
-# A full disk is reported once per process, directory and errno, not once per context: successive
-# one-shot contexts (one per step) would otherwise repeat the same warning every step.
-_WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
-_WARNED_LOCK = threading.Lock()
 
 # Note: [Dedup by storage identity]
 # A storage is recognised by its StorageImpl address (`untyped_storage()._cdata`), the same for
@@ -56,7 +52,7 @@ _WARNED_LOCK = threading.Lock()
 # a new snapshot and gets a new entry.
 
 
-class StorageStore:
+class StorageStore(StoreReads, StoreRelease):
     """Entries, their I/O and their lifetime, for one offloader.
 
     Args:
@@ -67,7 +63,7 @@ class StorageStore:
     def __init__(self, stats: OffloadStats, window: PrefetchWindow) -> None:
         self.stats = stats
         self.window = window
-        self.read_pool = BufferPool(window.budget_bytes)
+        self.read_pool = BufferPool(self._budget_bytes)
         self.lock = threading.RLock()
         self.write_clock = BusyClock()
         self.read_clock = BusyClock()
@@ -95,23 +91,25 @@ class StorageStore:
         """Use ``spill``, ``engine`` and ``routes`` (and ``read_pool``, when they are shared with other stores)."""
         self.spill, self.engine, self.routes = spill, engine, routes
         if read_pool is not None:
+            # Note: [One owner of the prefetch budget]
+            # The window owns the budget (a fixed one, or its controller's); the read pool asks it
+            # whenever a buffer comes back, so nothing copies the number from one to the other.
+            read_pool.prefetch_budget_bytes = self._budget_bytes
             self.read_pool = read_pool
-            self._sync_pool_capacity()
+            self.read_pool.trim()
         host = routes.host
         self._host = HostBatch(host.engine, host.pool, host.block_size_bytes)
 
-    def _sync_pool_capacity(self) -> None:
-        """Idle read buffers follow the prefetch budget in force."""
-        self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
-        if self.read_pool.idle_bytes > self.read_pool.prefetch_budget_bytes:
-            self.read_pool.clear()
+    def _budget_bytes(self) -> int:
+        """The prefetch budget in force (the window's): the read pool's capacity."""
+        return self.window.budget_bytes
 
     def end_forward(self) -> None:
         """Forward is over: size the window for backward, then hold or read what backward needs first."""
         with self.lock:
             self._sweep_written(limit=None)
             self.window.end_forward()
-            self._sync_pool_capacity()
+            self.read_pool.trim()
         self.prefetch(None)
 
     @property
@@ -121,9 +119,7 @@ class StorageStore:
     def set_prefetch_budget(self, nbytes: int) -> None:
         """Bound bytes read ahead or held for backward, and idle read buffers, from now on."""
         self.window.prefetch_budget_bytes = nbytes
-        self.read_pool.prefetch_budget_bytes = nbytes
-        if self.read_pool.idle_bytes > nbytes:
-            self.read_pool.clear()
+        self.read_pool.trim()
 
     def update_stats(self) -> None:
         """Bring the counters that live in the clocks and pools into :attr:`stats`."""
@@ -197,18 +193,6 @@ class StorageStore:
             entry.io_error = error
             self._finish_write(entry)
 
-    def _checksum_written(self, entry: StorageEntry) -> None:
-        """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""
-        data = entry.data
-        if data is None:
-            return
-        if data.device.type == "cpu":
-            entry.checksum = checksum(data)
-        elif not self._warned_verify_device:
-            self._warned_verify_device = True
-            logger.warning("tba: verify=True checks host storages only; %s storages are not checksummed",
-                           data.device.type)
-
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
         if entry.state is State.DEAD:
@@ -238,171 +222,9 @@ class StorageStore:
                 self._idle_waiters.append(ended)
             wait(ended)
 
-    def _keep_after_write_error(self, entry: StorageEntry) -> None:
-        error, entry.io_error = entry.io_error, None
-        entry.state = State.KEPT
-        self.window.discount(entry)
-        self._free_extent(entry)
-        self.stats.tensors_kept_on_error += 1
-        self.stats.bytes_kept_on_error += entry.nbytes
-        key = (self.spill.directory, getattr(error, "errno", None))
-        with _WARNED_LOCK:
-            first = key not in _WARNED_WRITE_ERRORS
-            _WARNED_WRITE_ERRORS.add(key)
-        if not first:
-            logger.debug("tba: write to %s failed again (%s); kept in memory", self.spill.directory, error)
-        else:
-            logger.warning(
-                "tba: writing activations to %s failed (%s); keeping them in memory instead and "
-                "training goes on (stats.bytes_kept_on_error counts them). Free space there or "
-                "pass another directory.",
-                self.spill.directory,
-                error,
-            )
-
     def flush(self) -> None:
         """Block until every write queued so far has completed (or failed over to memory)."""
         self._wait_until(lambda: self._writing == 0)
-
-    # ----------------------------------------------------------------- read
-    def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
-        """``entry``'s bytes and event when they are in memory now, else ``(None, None)``; changes nothing.
-
-        Note: [An unpack holds its own reference]
-        The caller rebuilds its view outside the lock. Handing it ``entry.data`` itself left the
-        storage with one tensor: a write completing meanwhile found tba the only owner and
-        discarded the pages, and backward read zeros. An alias made under the lock counts as a
-        second owner until the caller is done with it. Taking the lock in the training thread is
-        safe from asynchronous exceptions: ``with`` releases it, and nothing here changes state.
-        """
-        with self.lock:
-            data = entry.data
-            return (data.detach(), entry.ready_event) if data is not None else (None, None)
-
-    def served_from_memory(self, entry: StorageEntry, view_id: int) -> None:
-        """After an unpack found ``entry`` resident: count it, move the window, release what is done."""
-        with self.lock:
-            if self._lingering:
-                self._sweep_written()
-            self.stats.unpacks_from_memory += 1
-            self.window.note_served_from_memory()
-        self.prefetch(entry)
-        self.note_unpacked(entry, view_id)
-
-    def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
-        """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.
-
-        Starts the read if needed and moves the prefetch window; never waits. The caller counts
-        the unpack with :meth:`note_unpacked` (or :meth:`served_from_memory` when it was resident).
-        """
-        with self.lock:
-            if self._lingering:
-                self._sweep_written()
-            data, done = (entry.data.detach() if entry.data is not None else None), entry.read_done
-            if data is None and done is None:
-                done = self._start_read(entry)
-                self._host.flush()
-        self.prefetch(entry)
-        if data is not None:
-            with self.lock:
-                self.stats.unpacks_from_memory += 1
-                self.window.note_served_from_memory()
-                return data, entry.ready_event, None
-        return None, None, done
-
-    def _start_read(self, entry: StorageEntry) -> Future:
-        """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
-        done = entry.read_done = Future()
-        entry.transfer_in_flight = True
-        self._reading += 1
-        self.read_clock.start()
-        with nvtx_range("read"):
-            on_done = functools.partial(self._on_read_done, entry)
-            if entry.route is self.routes.host:
-                self._host.read(entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
-            else:
-                entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
-        return done
-
-    def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
-        self.read_clock.stop()
-        if error is None and entry.checksum is not None:
-            error = self._verify(entry, data)
-        with self.lock:
-            entry.transfer_in_flight = False
-            self._reading -= 1
-            self._transfer_ended()
-            done, entry.read_done = entry.read_done, None
-            if entry.state is State.DEAD:
-                self._free_extent(entry)
-                done.cancel()
-            elif error is not None:
-                done.set_exception(error)
-            else:
-                entry.data, entry.ready_event = data, event
-                self._resident(entry.nbytes)
-                self.stats.bytes_read += entry.nbytes
-                done.set_result((entry.data, event))
-
-    def _verify(self, entry: StorageEntry, data: torch.Tensor) -> TbaReadError | None:
-        """None when ``data`` has the checksum ``entry`` was written with, else the error to raise."""
-        got = checksum(data)
-        with self.lock:
-            self.stats.bytes_verified += entry.nbytes
-        if got == entry.checksum:
-            return None
-        return TbaReadError(
-            f"verify: {entry.describe()} read back from the spill file in {self.spill.directory} (offset "
-            f"{entry.offset}, {entry.extent_bytes} bytes) differs from what was written (CRC-32C {got:#010x}, "
-            f"written {entry.checksum:#010x}): the file was changed underneath tba (another process, a punched "
-            "hole, a failing disk); its gradients cannot be computed, run the step again"
-        )
-
-    def wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
-        start = time.perf_counter()
-        try:
-            with nvtx_range("wait_read"):
-                result = wait(done)
-        except OSError as err:
-            raise TbaReadError(
-                f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
-                f"offset {entry.offset}, {entry.extent_bytes} bytes: {err}"
-            ) from err
-        with self.lock:
-            self.stats.unpacks_waited += 1
-            self.stats.unpack_wait_s += time.perf_counter() - start
-            self.window.note_wait()
-            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes
-        return result
-
-    def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:
-        """After every live view of a storage was unpacked, its bytes are not needed in memory.
-
-        Views are counted by identity, not unpack calls: autograd may unpack one view twice before
-        another view of the same storage is used, and that must not drop the bytes early.
-        """
-        with self.lock:
-            entry.unpacked_views.add(view_id)
-            if len(entry.unpacked_views) < entry.live_views:
-                return
-            entry.unpacked_views.clear()
-            entry.fully_unpacked = True
-            self.window.discount(entry)
-            entry.hold_for_backward = False
-            if entry.state is State.ON_DISK:
-                self.release(entry)
-
-    def prefetch(self, entry: StorageEntry | None) -> None:
-        """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""
-        with self.lock, nvtx_range("prefetch"):
-            if not self.is_open:
-                return
-            to_read, to_hold = self.window.select(entry)
-            for held in to_hold:
-                held.hold_for_backward = True
-            for target in to_read:
-                self._start_read(target)
-            self._host.flush()
 
     # ----------------------------------------------------------------- lifetime
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
@@ -463,6 +285,7 @@ class StorageStore:
             for entry in self._by_storage.values():
                 self.release(entry)
             self._lingering.clear()
+            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes  # the pool outlives this store
             self.read_pool = BufferPool(0)
 
     def forget_after_fork(self) -> None:
@@ -485,54 +308,3 @@ class StorageStore:
             self.spill.forget_after_fork()
         self.spill = self.engine = self.routes = self._host = None
 
-    def _free_extent(self, entry: StorageEntry) -> None:
-        if entry.offset >= 0:
-            self.spill.free(entry.offset)
-            entry.offset = -1
-
-    def _release_written(self, entry: StorageEntry) -> None:
-        """Drop a written storage's bytes; a host storage's pages go back to the kernel (``tba/runtime/_trim.py``).
-
-        Its pages are discarded only while tba holds the last reference. While the program still
-        uses the tensor, the entry is released as usual (unpack reads the file), but a hidden
-        reference lingers in ``_lingering`` until :meth:`_sweep_written`, at the next save or
-        unpack, finds it the last one: then the pages go back to the kernel before the memory is freed.
-        """
-        data = entry.data
-        if data is not None and entry.own_memory and self.routes is not None and entry.route is self.routes.host:
-            if sole_owner(entry.ref):
-                self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
-            else:
-                self._lingering[entry.seq] = (entry.ref, data)
-        self.release(entry)
-
-    def _sweep_written(self, limit: int | None = defaults.LINGER_SWEEP_PER_CALL) -> None:
-        """Free lingering written storages that the program has stopped using, pages first.
-
-        Note: [A bounded sweep per tensor]
-        Saves and unpacks each look at ``limit`` lingering storages, oldest first, and move those still in
-        use to the back: a program that holds thousands of saved outputs (a list of per-sample results)
-        made every save and unpack scan all of them, quadratic in the tensors per step. ``limit=None``
-        (at the end of forward and of backward) looks at every one.
-        """
-        count = len(self._lingering) if limit is None else min(limit, len(self._lingering))
-        for _ in range(count):
-            seq = next(iter(self._lingering))
-            ref, data = self._lingering.pop(seq)
-            if sole_owner(ref):
-                self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
-            else:
-                self._lingering[seq] = (ref, data)
-
-    def release(self, entry: StorageEntry) -> None:
-        """Drop tba's reference to ``entry``'s bytes in memory."""
-        if entry.data is not None:
-            entry.data = None
-            entry.ready_event = None
-            self._resident(-entry.nbytes)
-            trimmer.note_released(entry.nbytes)
-
-    def _resident(self, delta_bytes: int) -> None:
-        stats = self.stats
-        stats.resident_bytes += delta_bytes
-        stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)

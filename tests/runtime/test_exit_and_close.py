@@ -51,6 +51,8 @@ def test_close_during_backward_is_a_tba_error(spill_dir, monkeypatch):
         return original(self, entry)
 
     monkeypatch.setattr(StorageStore, "start_load", close_then_load)
+    # No read-ahead: an unpack served from prefetched memory never calls start_load.
+    monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry: None)
     with pytest.raises(TbaError, match="closed during backward; call close"):
         h.sum().backward()
     monkeypatch.undo()

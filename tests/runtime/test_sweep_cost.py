@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch
 
 import tba
-from tba.runtime import _store
+from tba.runtime import _release
 
 
 def _checks_per_tensor(spill_dir, monkeypatch, count: int) -> float:
     calls = [0]
-    original = _store.sole_owner
+    original = _release.sole_owner
 
     def counting(ref):
         calls[0] += 1
         return original(ref)
 
-    monkeypatch.setattr(_store, "sole_owner", counting)
+    monkeypatch.setattr(_release, "sole_owner", counting)
     leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
     with tba.offload_activations(spill_dir, backend="threads") as off:
         outs = [torch.tanh(leaf) for leaf in leaves]

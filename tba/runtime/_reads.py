@@ -1,0 +1,188 @@
+"""Reading offloaded storages back: the unpack side of :class:`tba.runtime._store.StorageStore`.
+
+* :meth:`StoreReads.resident` hands the training thread an entry's bytes when they are in memory
+  (Note [An unpack holds its own reference]); the bookkeeping of that unpack is deferred
+  (:meth:`StoreReads.served_from_memory`).
+* :meth:`StoreReads.start_load` starts the read of a storage that is not resident and moves the
+  prefetch window (:meth:`StoreReads.prefetch`), which queues the reads backward needs next;
+  :meth:`StoreReads.wait_read` waits for one in the caller's thread.
+* :meth:`StoreReads.note_unpacked` releases the bytes once every live view was unpacked.
+
+Every state change happens under the store's lock, on the control thread or on an engine thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tba._control import wait
+from tba._trace import nvtx_range
+from tba.errors import TbaReadError
+from tba.io import checksum
+from tba.runtime._views import State, StorageEntry
+
+if TYPE_CHECKING:
+    from tba.device import Routes
+    from tba.io import BufferPool, SpillFile
+    from tba.runtime._host_io import HostBatch
+    from tba.runtime._prefetch import PrefetchWindow
+    from tba.runtime._stats import BusyClock, OffloadStats
+
+
+class StoreReads:
+    """The read half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
+    and provides the lifetime methods it calls (``release``, ``_free_extent``, ``_sweep_written``)."""
+
+    lock: threading.RLock
+    stats: OffloadStats
+    window: PrefetchWindow
+    read_pool: BufferPool
+    read_clock: BusyClock
+    spill: SpillFile | None
+    routes: Routes | None
+    _host: HostBatch | None
+    _reading: int
+
+    def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
+        """``entry``'s bytes and event when they are in memory now, else ``(None, None)``; changes nothing.
+
+        Note: [An unpack holds its own reference]
+        The caller rebuilds its view outside the lock. Handing it ``entry.data`` itself left the
+        storage with one tensor: a write completing meanwhile found tba the only owner and
+        discarded the pages, and backward read zeros. An alias made under the lock counts as a
+        second owner until the caller is done with it. Taking the lock in the training thread is
+        safe from asynchronous exceptions: ``with`` releases it, and nothing here changes state.
+        """
+        with self.lock:
+            data = entry.data
+            return (data.detach(), entry.ready_event) if data is not None else (None, None)
+
+    def served_from_memory(self, entry: StorageEntry, view_id: int) -> None:
+        """After an unpack found ``entry`` resident: count it, move the window, release what is done."""
+        with self.lock:
+            if self._lingering:
+                self._sweep_written()
+            self.stats.unpacks_from_memory += 1
+            self.window.note_served_from_memory()
+        self.prefetch(entry)
+        self.note_unpacked(entry, view_id)
+
+    def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
+        """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.
+
+        Starts the read if needed and moves the prefetch window; never waits. The caller counts
+        the unpack with :meth:`note_unpacked` (or :meth:`served_from_memory` when it was resident).
+        """
+        with self.lock:
+            if self._lingering:
+                self._sweep_written()
+            data, done = (entry.data.detach() if entry.data is not None else None), entry.read_done
+            if data is None and done is None:
+                done = self._start_read(entry)
+                self._host.flush()
+        self.prefetch(entry)
+        if data is not None:
+            with self.lock:
+                self.stats.unpacks_from_memory += 1
+                self.window.note_served_from_memory()
+                return data, entry.ready_event, None
+        return None, None, done
+
+    def _start_read(self, entry: StorageEntry) -> Future:
+        """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
+        done = entry.read_done = Future()
+        entry.transfer_in_flight = True
+        self._reading += 1
+        self.read_clock.start()
+        with nvtx_range("read"):
+            on_done = functools.partial(self._on_read_done, entry)
+            if entry.route is self.routes.host:
+                self._host.read(entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+            else:
+                entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+        return done
+
+    def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
+        self.read_clock.stop()
+        if error is None and entry.checksum is not None:
+            error = self._verify(entry, data)
+        with self.lock:
+            entry.transfer_in_flight = False
+            self._reading -= 1
+            self._transfer_ended()
+            done, entry.read_done = entry.read_done, None
+            if entry.state is State.DEAD:
+                self._free_extent(entry)
+                done.cancel()
+            elif error is not None:
+                done.set_exception(error)
+            else:
+                entry.data, entry.ready_event = data, event
+                self._resident(entry.nbytes)
+                self.stats.bytes_read += entry.nbytes
+                done.set_result((entry.data, event))
+
+    def _verify(self, entry: StorageEntry, data: torch.Tensor) -> TbaReadError | None:
+        """None when ``data`` has the checksum ``entry`` was written with, else the error to raise."""
+        got = checksum(data)
+        with self.lock:
+            self.stats.bytes_verified += entry.nbytes
+        if got == entry.checksum:
+            return None
+        return TbaReadError(
+            f"verify: {entry.describe()} read back from the spill file in {self.spill.directory} (offset "
+            f"{entry.offset}, {entry.extent_bytes} bytes) differs from what was written (CRC-32C {got:#010x}, "
+            f"written {entry.checksum:#010x}): the file was changed underneath tba (another process, a punched "
+            "hole, a failing disk); its gradients cannot be computed, run the step again"
+        )
+
+    def wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
+        start = time.perf_counter()
+        try:
+            with nvtx_range("wait_read"):
+                result = wait(done)
+        except OSError as err:
+            raise TbaReadError(
+                f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
+                f"offset {entry.offset}, {entry.extent_bytes} bytes: {err}"
+            ) from err
+        with self.lock:
+            self.stats.unpacks_waited += 1
+            self.stats.unpack_wait_s += time.perf_counter() - start
+            self.window.note_wait()
+        return result
+
+    def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:
+        """After every live view of a storage was unpacked, its bytes are not needed in memory.
+
+        Views are counted by identity, not unpack calls: autograd may unpack one view twice before
+        another view of the same storage is used, and that must not drop the bytes early.
+        """
+        with self.lock:
+            entry.unpacked_views.add(view_id)
+            if len(entry.unpacked_views) < entry.live_views:
+                return
+            entry.unpacked_views.clear()
+            entry.fully_unpacked = True
+            self.window.discount(entry)
+            entry.hold_for_backward = False
+            if entry.state is State.ON_DISK:
+                self.release(entry)
+
+    def prefetch(self, entry: StorageEntry | None) -> None:
+        """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""
+        with self.lock, nvtx_range("prefetch"):
+            if not self.is_open:
+                return
+            to_read, to_hold = self.window.select(entry)
+            for held in to_hold:
+                held.hold_for_backward = True
+            for target in to_read:
+                self._start_read(target)
+            self._host.flush()

@@ -1,0 +1,139 @@
+"""What happens to a storage's bytes in memory: released, pages discarded, kept after a failed write.
+
+The lifetime half of :class:`tba.runtime._store.StorageStore`:
+
+* :meth:`StoreRelease.release` drops tba's reference to an entry's bytes and accounts for it;
+* a written host storage that tba alone holds has its pages handed back to the kernel first
+  (``tba/runtime/_trim.py``, Note [Whose pages tba may discard]); one the program still uses
+  lingers until a bounded sweep finds it unused (Note [A bounded sweep per tensor]);
+* a write that failed (a full disk) keeps its storage in memory, warned about once per directory.
+
+Every method runs under the store's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from tba import defaults
+from tba.io import checksum
+from tba.runtime._trim import discard_pages, sole_owner, trimmer
+from tba.runtime._views import State, StorageEntry
+
+if TYPE_CHECKING:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from tba.device import Routes
+    from tba.io import SpillFile
+    from tba.runtime._prefetch import PrefetchWindow
+    from tba.runtime._stats import OffloadStats
+
+logger = logging.getLogger("tba")
+
+# A full disk is reported once per process, directory and errno, not once per context: successive
+# one-shot contexts (one per step) would otherwise repeat the same warning every step.
+_WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+class StoreRelease:
+    """The release half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here."""
+
+    stats: OffloadStats
+    window: PrefetchWindow
+    spill: SpillFile | None
+    routes: Routes | None
+    verify: bool
+    _warned_verify_device: bool
+    _lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]]
+    pages_discarded_bytes: int
+
+    def _release_written(self, entry: StorageEntry) -> None:
+        """Drop a written storage's bytes; a host storage's pages go back to the kernel (``tba/runtime/_trim.py``).
+
+        Its pages are discarded only while tba holds the last reference. While the program still
+        uses the tensor, the entry is released as usual (unpack reads the file), but a hidden
+        reference lingers in ``_lingering`` until :meth:`_sweep_written`, at the next save or
+        unpack, finds it the last one: then the pages go back to the kernel before the memory is freed.
+        """
+        data = entry.data
+        if data is not None and entry.own_memory and self.routes is not None and entry.route is self.routes.host:
+            if sole_owner(entry.ref):
+                self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
+            else:
+                self._lingering[entry.seq] = (entry.ref, data)
+        self.release(entry)
+
+    def _sweep_written(self, limit: int | None = defaults.LINGER_SWEEP_PER_CALL) -> None:
+        """Free lingering written storages that the program has stopped using, pages first.
+
+        Note: [A bounded sweep per tensor]
+        Saves and unpacks each look at ``limit`` lingering storages, oldest first, and move those still in
+        use to the back: a program that holds thousands of saved outputs (a list of per-sample results)
+        made every save and unpack scan all of them, quadratic in the tensors per step. ``limit=None``
+        (at the end of forward and of backward) looks at every one.
+        """
+        count = len(self._lingering) if limit is None else min(limit, len(self._lingering))
+        for _ in range(count):
+            seq = next(iter(self._lingering))
+            ref, data = self._lingering.pop(seq)
+            if sole_owner(ref):
+                self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
+            else:
+                self._lingering[seq] = (ref, data)
+
+    def release(self, entry: StorageEntry) -> None:
+        """Drop tba's reference to ``entry``'s bytes in memory."""
+        if entry.data is not None:
+            entry.data = None
+            entry.ready_event = None
+            self._resident(-entry.nbytes)
+            trimmer.note_released(entry.nbytes)
+
+    def _resident(self, delta_bytes: int) -> None:
+        stats = self.stats
+        stats.resident_bytes += delta_bytes
+        stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)
+
+    def _keep_after_write_error(self, entry: StorageEntry) -> None:
+        error, entry.io_error = entry.io_error, None
+        entry.state = State.KEPT
+        self.window.discount(entry)
+        self._free_extent(entry)
+        self.stats.tensors_kept_on_error += 1
+        self.stats.bytes_kept_on_error += entry.nbytes
+        key = (self.spill.directory, getattr(error, "errno", None))
+        with _WARNED_LOCK:
+            first = key not in _WARNED_WRITE_ERRORS
+            _WARNED_WRITE_ERRORS.add(key)
+        if not first:
+            logger.debug("tba: write to %s failed again (%s); kept in memory", self.spill.directory, error)
+        else:
+            logger.warning(
+                "tba: writing activations to %s failed (%s); keeping them in memory instead and "
+                "training goes on (stats.bytes_kept_on_error counts them). Free space there or "
+                "pass another directory.",
+                self.spill.directory,
+                error,
+            )
+
+    def _checksum_written(self, entry: StorageEntry) -> None:
+        """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""
+        data = entry.data
+        if data is None:
+            return
+        if data.device.type == "cpu":
+            entry.checksum = checksum(data)
+        elif not self._warned_verify_device:
+            self._warned_verify_device = True
+            logger.warning("tba: verify=True checks host storages only; %s storages are not checksummed",
+                           data.device.type)
+
+    def _free_extent(self, entry: StorageEntry) -> None:
+        if entry.offset >= 0:
+            self.spill.free(entry.offset)
+            entry.offset = -1
