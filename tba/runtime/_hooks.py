@@ -137,6 +137,10 @@ class SavedTensorHooks:
         if is_device_tensor(tensor):
             _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job, view, tensor, layer, stack)
             return view
+        if tensor.device.type in self._staged_devices:
+            # A device route (a fake device in tests): its copy is ordered after the producer now.
+            _control.call(self._save_job, view, tensor, layer, stack)
+            return view
         note_host_offload()
         # Note: [A save is deferred]
         # The save runs on the control thread later, in order with every other job (Note [Deferred
