@@ -25,6 +25,15 @@ def _run(code: str, choice: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+def _run_under_installed(code: str, name: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh process with caching allocator ``name`` preloaded (skips where not installed)."""
+    if FOUND[name] is None:
+        pytest.skip(f"{name} is not installed here ({allocator.INSTALL_HINTS[name]})")
+    proc = _run(code, name)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 DETECT = """
     import json
     from tba.allocator import detect
@@ -35,10 +44,7 @@ DETECT = """
 
 @pytest.mark.parametrize("name", allocator.CACHING)
 def test_a_preloaded_library_is_detected(name):
-    if FOUND[name] is None:
-        pytest.skip(f"{name} is not installed here ({allocator.INSTALL_HINTS[name]})")
-    proc = _run(DETECT, name)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_under_installed(DETECT, name)
     found = json.loads(proc.stdout)
     assert found["name"] == name and found["caching"]
     assert os.path.realpath(found["path"]) == os.path.realpath(FOUND[name])
@@ -112,10 +118,7 @@ def test_under_glibc_one_warning_per_process_names_the_fix():
 
 @pytest.mark.parametrize("name", allocator.CACHING)
 def test_under_a_caching_allocator_nothing_is_said_and_stats_name_it(name):
-    if FOUND[name] is None:
-        pytest.skip(f"{name} is not installed here")
-    proc = _run(OFFLOAD_TWICE, name)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_under_installed(OFFLOAD_TWICE, name)
     assert proc.stdout.split("ALLOCATOR")[-1].strip() == name
     assert "glibc's malloc" not in proc.stderr
 

@@ -38,6 +38,8 @@ def pieces(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
 class Countdown:
     """Calls ``on_done(first_error)`` after ``count`` calls to :meth:`done`, from any thread."""
 
+    __slots__ = ("_lock", "_remaining", "_error", "_on_done")
+
     def __init__(self, count: int, on_done: Callback) -> None:
         self._lock = threading.Lock()
         self._remaining = count

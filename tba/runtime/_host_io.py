@@ -19,7 +19,6 @@ so every entry still hears the end of its transfer.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,30 +26,10 @@ import torch
 
 from tba import _control
 from tba.defaults import ALIGN_BYTES
+from tba.device import Countdown
 from tba.io import BufferPool, Engine, Op, Request, round_up
 
 Callback = Callable[[BaseException | None], None]
-
-
-class _Pieces:
-    """Calls ``on_done(first_error)`` once all ``count`` pieces of one storage are over."""
-
-    __slots__ = ("_lock", "_remaining", "_error", "_on_done")
-
-    def __init__(self, count: int, on_done: Callback) -> None:
-        self._lock = threading.Lock()
-        self._remaining = count
-        self._error: BaseException | None = None
-        self._on_done = on_done
-
-    def done(self, error: BaseException | None) -> None:
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
-            self._remaining -= 1
-            finished = self._remaining == 0
-        if finished:
-            self._on_done(self._error)
 
 
 class HostBatch:
@@ -90,7 +69,7 @@ class HostBatch:
             self._callbacks.append(on_done)
             return
         starts = range(0, nbytes, block)
-        pieces = _Pieces(len(starts), on_done)
+        pieces = Countdown(len(starts), on_done)
         for start in starts:
             self._requests.append(Request(op, fd, address + start, min(block, nbytes - start), offset + start, owner))
             self._callbacks.append(pieces.done)
