@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # use torch's optimizers and none of its JIT-built ops. transformers and accelerate (the `hf`
 # extra) need only torch among the heavy packages, so the pinned torch stays.
 # A caching malloc (docs/cpu-memory.md): the `cpu` extra's cmeel-mimalloc needs no root; where root
-# and apt exist, Debian's libjemalloc2 (what `python -m tba run` prefers) is installed too. Neither
+# and apt exist, Debian's libtcmalloc-minimal4 (what `python -m tba run` prefers) and libjemalloc2 are installed too. Neither
 # may fail the set-up: without them everything runs under glibc's malloc.
 TORCH_SPEC ?= torch==2.13.0
 
@@ -21,10 +21,11 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test,cpu,megatron,deepspeed,hf]" "$(TORCH_SPEC)" || \
 	    DS_BUILD_OPS=0 $(PY) -m pip install -q -e ".[test,megatron,deepspeed,hf]" "$(TORCH_SPEC)"
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libjemalloc2 >/dev/null 2>&1; then \
-	    (apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 || \
-	     (apt-get update -qq && apt-get install -y -qq libjemalloc2) >/dev/null 2>&1) || \
-	    echo "make: libjemalloc2 not installed (apt failed); tba uses mimalloc from the cpu extra, or glibc"; fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    ! (dpkg -s libtcmalloc-minimal4 && dpkg -s libjemalloc2) >/dev/null 2>&1; then \
+	    (apt-get install -y -qq libtcmalloc-minimal4 libjemalloc2 >/dev/null 2>&1 || \
+	     (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 libjemalloc2) >/dev/null 2>&1) || \
+	    echo "make: libtcmalloc-minimal4/libjemalloc2 not installed (apt failed); tba uses mimalloc from the cpu extra, or glibc"; fi
 	touch $@
 
 demo: $(VENV)/.installed

@@ -36,9 +36,11 @@ from tba.errors import TbaConfigError
 CACHING = ("jemalloc", "tcmalloc", "mimalloc")
 """The caching allocators tba knows how to find and preload."""
 
-AUTO_ORDER = ("jemalloc", "tcmalloc", "mimalloc")
-"""What ``--allocator auto`` picks, first found wins: the order of the measured activation peak
-and step time under tba (docs/cpu-memory.md)."""
+AUTO_ORDER = ("tcmalloc", "jemalloc", "mimalloc")
+"""What ``--allocator auto`` picks, first found wins. Measured on the ``bench`` GPT (docs/cpu-memory.md):
+under tcmalloc keep-all and tba ran fastest in absolute time (tba 2.7 s a step at 0.18x keep-all's
+activation peak); jemalloc gave a slightly lower peak (0.15-0.16x) but every mode ran about 1.3x
+slower than under tcmalloc, keep-all included."""
 
 CHOICES = ("auto", *CACHING, "system")
 """Values of every ``--allocator`` option; ``system`` is the C library's malloc (glibc on Linux)."""

@@ -8,7 +8,7 @@ line on stderr names the allocator, its library and the allocator variables set 
 ...). Arguments, standard streams, signals and the exit status are the script's own: the launcher
 execs it, nothing stays in between.
 
-``auto`` (default) takes the first found of jemalloc, tcmalloc, mimalloc (the order measured in
+``auto`` (default) takes the first found of tcmalloc, jemalloc, mimalloc (the order measured in
 docs/cpu-memory.md), searching the Python environment (the ``cpu`` extra's ``cmeel-mimalloc``),
 ``ldconfig``'s cache and the usual library folders; with none installed it runs under the C
 library's malloc and says so. A named allocator that is not installed is an error (exit status 2)
@@ -30,7 +30,7 @@ from tba.errors import TbaConfigError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = "python -m tba run [--allocator NAME] (script.py | -m module) [args ...]"
     parser.add_argument("--allocator", choices=CHOICES, default="auto",
-                        help="malloc to preload: auto = first found of jemalloc, tcmalloc, mimalloc (default); "
+                        help="malloc to preload: auto = first found of tcmalloc, jemalloc, mimalloc (default); "
                              "system = the C library's, no preload")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ...",
                         help="run a module as python -m does; everything after it is the module's")
