@@ -44,12 +44,13 @@ logger = logging.getLogger("tba")
 GLIBC_WARNING = (
     "tba: this process allocates with glibc's malloc, which keeps freed activations' memory in its heap, so tba "
     "hands pages back to the kernel and they fault in again every step (measured on an 8-layer GPT: activation "
-    "peak %s of keep-all at %s its step time, against %s at %s under jemalloc). Run under a caching allocator: "
-    "`python -m tba run script.py ...` (or LD_PRELOAD=libjemalloc.so.2; see docs/cpu-memory.md)"
+    "peak %s of keep-all at %s its step time, against %s at %s under tcmalloc). Run under a caching allocator: "
+    "`python -m tba run script.py ...` (or LD_PRELOAD=libtcmalloc_minimal.so.4; see docs/cpu-memory.md)"
 )
-GLIBC_COST = ("0.34-0.41x", "1.08-1.31x", "0.12-0.15x", "0.94-1.22x")
+GLIBC_COST = ("0.19-0.22x", "1.26x", "0.18x", "1.04-1.13x")
 """Figures the glibc warning quotes: tba's peak and step time against keep-all under glibc, then under
-jemalloc (``tools/bench_e2e.py --usage bare --allocator system|jemalloc``, docs/cpu-memory.md)."""
+tcmalloc (``tools/bench_e2e.py --preset bench --usage bare --allocator system|tcmalloc``, quiet machine,
+docs/cpu-memory.md)."""
 
 _hand_back: bool | None = None
 _noted = False
