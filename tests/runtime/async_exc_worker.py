@@ -7,6 +7,14 @@ third of the steps complete). With ``SIGNAL`` =
 Python's default handler raises ``KeyboardInterrupt``. The loop catches it and goes on. Prints one
 JSON line: steps completed exactly, steps interrupted, signals sent, wrong steps, and what tba left
 behind (spill files, descriptors opened since before the first step).
+
+Note: [Signals that land in a weakref callback]
+CPython runs a signal handler at the next bytecode boundary, which can be inside a weak-reference
+callback written in Python (``WeakKeyDictionary``'s ``remove``); an exception raised there is
+"ignored" (handed to ``sys.unraisablehook``) and never reaches the loop. tba's own weak references
+have no callbacks for this reason, but torch's and the standard library's do. The worker's
+unraisable hook therefore records each swallowed interrupt with the module that owns the callback,
+and reports them as ``swallowed``: the test accepts those from outside tba and fails on any from tba.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import random
 import signal
 import sys
 import time
+import weakref
 
 import torch
 
@@ -28,6 +37,37 @@ from tba.bench.models import PRESETS, make_batch, make_gpt
 
 class Interrupted(Exception):
     pass
+
+
+def _owner(callback: object) -> str:
+    """The module that owns ``callback``: for a container's ``remove`` closure (``WeakKeyDictionary``,
+    ``WeakSet``) the module whose globals, or whose class's instance, hold that container."""
+    captured = [cell.cell_contents for cell in getattr(callback, "__closure__", None) or ()]
+    for target in captured + list(getattr(callback, "__defaults__", None) or ()):
+        target = target() if isinstance(target, weakref.ref) else target
+        if target is None or callable(target):
+            continue
+        for holder in gc.get_referrers(target):
+            if not isinstance(holder, dict):
+                continue
+            if holder.get("__name__") in sys.modules and sys.modules[holder["__name__"]].__dict__ is holder:
+                return holder["__name__"]
+            for outer in gc.get_referrers(holder):
+                if getattr(outer, "__dict__", None) is holder:
+                    return type(outer).__module__
+                if isinstance(outer, dict) and outer.get("__name__") in sys.modules:
+                    return outer["__name__"]
+    return getattr(callback, "__module__", None) or "?"
+
+
+def record_swallowed(swallowed: list[str]) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if unraisable.exc_type in (Interrupted, KeyboardInterrupt):
+            swallowed.append(_owner(unraisable.object))
+        else:
+            sys.__unraisablehook__(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def main() -> None:
@@ -54,6 +94,8 @@ def main() -> None:
     tba.shutdown()
     fds_before = set(os.listdir("/proc/self/fd"))
     sent = []
+    swallowed: list[str] = []
+    record_swallowed(swallowed)
 
     def on_alarm(signum: int, frame: object) -> None:
         sent.append(signum)
@@ -84,6 +126,7 @@ def main() -> None:
     tba.shutdown()
     left = sorted(set(os.listdir("/proc/self/fd")) - fds_before)
     print(json.dumps({"done": done, "interrupted": interrupted, "sent": len(sent), "wrong": wrong,
+                      "swallowed": swallowed,
                       "files": os.listdir(directory),
                       "fds": [os.readlink(f"/proc/self/fd/{fd}") for fd in left if os.path.exists(f"/proc/self/fd/{fd}")]}))
 
