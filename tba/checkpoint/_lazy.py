@@ -27,6 +27,7 @@ import copy
 import io
 import logging
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -128,6 +129,35 @@ class LazyCheckpoint:
                 logger.exception("tba: on_done callback of checkpoint %s failed", self.path)
 
 
+_warmed_up = False
+
+
+def _warm_up_in_caller(backend: str, queue_depth: int) -> None:
+    """Take one tiny checkpoint into a temporary directory in the calling thread, once per process.
+
+    Note: [Fork while the save thread runs]
+    torch and Python initialise some things on first use: C++ function-local statics (``is_pinned``
+    reaches ``at::detail::getMTIAHooks``) and lazy imports (``torch.save`` imports its serialization
+    config), each under a lock. If the save thread is the first to get there and the process forks
+    meanwhile (a DataLoader worker, a user's ``os.fork``), the child inherits that lock held by a
+    thread it does not have, and its own first checkpoint waits for ever (seen in CI: a child's
+    ``save_lazy`` hung in ``__cxa_guard_acquire``, and in an import's module lock). Running the whole
+    save path once here, in the thread that is about to start the save thread and so cannot be
+    forking, leaves the background thread only steady-state work, whose locks fork handles.
+    """
+    global _warmed_up
+    if _warmed_up:
+        return
+    writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=ImagePool())
+    try:
+        with tempfile.TemporaryDirectory(prefix="tba-warm-up-") as scratch:
+            writer.reset(scratch)
+            dcp.save({"warm_up": torch.zeros(8)}, storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+    _warmed_up = True
+
+
 _CHECKPOINTERS: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
 """Every live checkpointer, reset in a forked child (Note [Lazy checkpoints and fork])."""
 
@@ -188,6 +218,7 @@ class LazyCheckpointer:
         frozen = _snapshot_structure(
             {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}, "")
         path = os.path.abspath(os.fspath(path))
+        _warm_up_in_caller(*self._settings)
         with self._lock:
             previous = self._latest
             if previous is not None and not previous.done():
