@@ -41,7 +41,6 @@ from torch import nn
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
 from tba.policy import Adaptive, LayerProfile, Placement, Plan, Policy, Profile
-from tba.policy._model import RECOMPUTED
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._timer import LayerTimer
 
@@ -141,7 +140,8 @@ class PolicyRunner:
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
         if self.plan is not None:
-            indices = [i for i, d in enumerate(self.plan.decisions) if d in RECOMPUTED]
+            indices = [i for i, d in enumerate(self.plan.decisions)
+                       if d in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)]
             offload = [self.plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
             self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
             return StepPlacement(frozenset(self.plan.layers(Placement.KEEP)), self.plan.window_bytes)
