@@ -15,18 +15,18 @@ from tba.config import OffloadConfig
 from tba.errors import ShortTransferError, TbaConfigError, TbaError, TbaReadError
 from tba.io import Engine, ThreadEngine, available_backends, backend_names, make_engine, register_engine
 from tba.policy import (
-                        Adaptive,
-                        KeepAll,
-                        LayerProfile,
-                        OffloadAll,
-                        OffloadedRecomputeAll,
-                        Placement,
-                        Plan,
-                        Policy,
-                        Profile,
-                        RecomputeAll,
-                        estimate,
-                        plan,
+    Adaptive,
+    KeepAll,
+    LayerProfile,
+    OffloadAll,
+    OffloadedRecomputeAll,
+    Placement,
+    Plan,
+    Policy,
+    Profile,
+    RecomputeAll,
+    estimate,
+    plan,
 )
 from tba.runtime import KeepReason, Offloader, OffloadStats, find_layers, keep_in_memory, offload_activations, shutdown
 

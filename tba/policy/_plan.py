@@ -5,8 +5,9 @@ A :class:`Plan` records one decision per layer, the prefetch window, the goal an
 step time and memory (from :mod:`tba.policy._model`); it prints as a table and round-trips through
 JSON, so it can be inspected and pinned (``Offloader(policy=Plan.load(path))``). The policy
 classes share one interface, ``policy.plan(profile) -> Plan``: :class:`KeepAll`,
-:class:`OffloadAll`, :class:`RecomputeAll` and :class:`OffloadedRecomputeAll` here, :class:`~tba.policy._adaptive.Adaptive` (the
-search) in ``_adaptive.py``. :func:`shapes` lists the placements the search considers.
+:class:`OffloadAll`, :class:`RecomputeAll` and :class:`OffloadedRecomputeAll` here,
+:class:`~tba.policy._adaptive.Adaptive` (the search) in ``_adaptive.py``. :func:`shapes` lists the
+placements the search considers.
 """
 
 from __future__ import annotations

@@ -130,15 +130,17 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             with _inputs_in_memory():
                 return checkpoint(first_or_again, calls, first_states, *args, use_reentrant=False, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in at]
         # The closure keeps the call's structure and non-tensor leaves only: a tensor held here would
         # stay in memory until backward (Note [Hook nesting of a recomputed layer]).
-        slots = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        for i in at:
+            leaves[i] = None
 
         def call(calls: list[int], states: dict, *saved: torch.Tensor) -> Any:
-            values = iter(saved)
-            rebuilt = [next(values) if tensor else slot for slot, tensor in zip(slots, is_tensor)]
+            rebuilt = list(leaves)
+            for i, tensor in zip(at, saved):
+                rebuilt[i] = tensor
             call_args, call_kwargs = pytree.tree_unflatten(rebuilt, spec)
             return first_or_again(calls, states, *call_args, **call_kwargs)
 
