@@ -14,7 +14,20 @@ from tba._units import parse_size
 from tba.config import OffloadConfig
 from tba.errors import ShortTransferError, TbaConfigError, TbaError, TbaReadError
 from tba.io import Engine, ThreadEngine, available_backends, backend_names, make_engine, register_engine
-from tba.policy import Adaptive, KeepAll, LayerProfile, OffloadAll, Placement, Plan, Policy, Profile, RecomputeAll, estimate, plan
+from tba.policy import (
+    Adaptive,
+    KeepAll,
+    LayerProfile,
+    OffloadAll,
+    OffloadedRecomputeAll,
+    Placement,
+    Plan,
+    Policy,
+    Profile,
+    RecomputeAll,
+    estimate,
+    plan,
+)
 from tba.runtime import KeepReason, Offloader, OffloadStats, find_layers, keep_in_memory, offload_activations, shutdown
 
 __version__ = "0.1.0"
@@ -29,6 +42,7 @@ __all__ = [
     "OffloadAll",
     "OffloadConfig",
     "OffloadStats",
+    "OffloadedRecomputeAll",
     "Offloader",
     "Placement",
     "Plan",

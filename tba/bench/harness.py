@@ -8,6 +8,9 @@ Each strategy runs the same model, batch and seed:
   step with nothing else passed (``usage="bare"``), as a new user would write it;
 * ``tba-verify``: ``tba`` with ``verify=True`` (a CRC-32C of every storage written and read);
 * ``recompute``: every layer under non-reentrant ``torch.utils.checkpoint``;
+* ``offloaded_recompute``: a reused :class:`tba.Offloader` pinned to a plan recomputing every layer
+  with its input offloaded (``Placement.OFFLOADED_RECOMPUTE``), window ``prefetch_budget_bytes``
+  from ``offload_options`` or :data:`OFFLOADED_RECOMPUTE_WINDOW_BYTES`;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy);
 * ``adaptive``: a reused :class:`tba.Offloader` with ``policy="adaptive"`` and the goal given in
   ``offload_options`` (``memory_budget_bytes`` or ``overhead_bound``); its profiled steps come
@@ -43,12 +46,16 @@ from torch import nn
 
 from tba.bench.meters import CudaPeak, PeakRSS
 from tba.bench.models import GPTConfig, make_batch, make_gpt
+from tba.defaults import MIB
+from tba.policy import Placement, Plan
 from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_bytes, offload_activations, resolve_layers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
 USAGES = ("reusable", "bare")
-ALL_MODES = (*MODES, "adaptive", "tba-verify")
+ALL_MODES = (*MODES, "adaptive", "tba-verify", "offloaded_recompute")
+OFFLOADED_RECOMPUTE_WINDOW_BYTES = 8 * MIB
+"""Prefetch window of the ``offloaded_recompute`` mode: tba's smallest self-sized window."""
 
 LEARNING_RATE = 1e-3
 
@@ -143,7 +150,10 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         warmup += options.get("profile_steps", 2)
     if mode == "tba-verify":
         options["verify"] = True
-    if mode == "adaptive" or (mode in ("tba", "tba-verify") and not bare):
+    if mode == "offloaded_recompute":
+        window = options.get("prefetch_budget_bytes") or OFFLOADED_RECOMPUTE_WINDOW_BYTES
+        options["policy"] = Plan((Placement.OFFLOADED_RECOMPUTE,) * len(resolve_layers(model)), window_bytes=window)
+    if mode in ("adaptive", "offloaded_recompute") or (mode in ("tba", "tba-verify") and not bare):
         offloader = Offloader(directory, backend=backend, layers=model, **options)
     recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
     peak_meter = CudaPeak if torch.device(device).type == "cuda" else PeakRSS

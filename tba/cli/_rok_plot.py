@@ -14,7 +14,7 @@ from typing import Any
 from tba.defaults import MIB
 
 MARKERS = {"keep": ("o", "tab:blue"), "recompute": ("s", "tab:red"), "offload": ("^", "tab:green"),
-           "adaptive": ("D", "tab:purple")}
+           "offloaded_recompute": ("v", "tab:orange"), "adaptive": ("D", "tab:purple")}
 
 
 def pareto_front(points: Sequence[Any]) -> list[Any]:

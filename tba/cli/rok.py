@@ -1,7 +1,8 @@
 """ROK curve: step time against activation memory for keep, recompute, offload and adaptive.
 
 ``python -m tba rok`` runs one model under keep-all, full recompute
-(non-reentrant checkpoint on every layer), offload-all (tba), and tba's adaptive policy at
+(non-reentrant checkpoint on every layer), offload-all (tba), offloaded recompute (every layer
+recomputed, its input written by tba), and tba's adaptive policy at
 several memory budgets. Each configuration runs in a fresh process (:func:`tba.bench.isolated.run_isolated`)
 and reports its median step time and activation peak: peak RSS during a step minus RSS before it
 on CPU, ``torch.cuda.max_memory_allocated`` minus what was allocated before the step (weights,
@@ -44,7 +45,7 @@ from tba.errors import TbaConfigError
 logger = logging.getLogger("tba")
 
 DEFAULT_BUDGET_FRACTIONS = (0.75, 0.5, 0.3, 0.2, 0.1)
-BASELINES = (("keep", "keep"), ("recompute", "recompute"), ("offload", "tba"))
+BASELINES = (("keep", "keep"), ("recompute", "recompute"), ("offload", "tba"), ("offloaded_recompute", "offloaded_recompute"))
 CSV_FIELDS = ("strategy", "label", "budget_mib", "step_s", "activation_peak_mib", "step_ratio", "peak_ratio",
               "losses_equal", "pareto", "plan", "window_mib", "predicted_step_s", "predicted_memory_mib")
 

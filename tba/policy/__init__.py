@@ -1,4 +1,4 @@
-"""Placement policies: keep, offload or recompute each layer, chosen from measurements. Pure.
+"""Placement policies: keep, offload, recompute or offloaded-recompute each layer, chosen from measurements. Pure.
 
 * :mod:`tba.policy._profile`: what is measured per layer (forward and backward time, saved and
   input bytes) and the disk's bandwidth (plain data);
@@ -11,11 +11,12 @@ offloader is the runtime's (``tba/runtime/_runner.py``, ``tba/runtime/_timer.py`
 """
 
 from tba.policy._adaptive import Adaptive, plan
-from tba.policy._model import DECISIONS, KEEP, OFFLOAD, RECOMPUTE, Estimate, Placement, estimate
-from tba.policy._plan import KeepAll, OffloadAll, Plan, Policy, RecomputeAll, min_window_bytes, shapes
+from tba.policy._model import DECISIONS, KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Estimate, Placement, estimate
+from tba.policy._plan import KeepAll, OffloadAll, OffloadedRecomputeAll, Plan, Policy, RecomputeAll, min_window_bytes, shapes
 from tba.policy._profile import LayerProfile, Profile
 
 __all__ = [
-    "DECISIONS", "KEEP", "OFFLOAD", "RECOMPUTE", "Adaptive", "Estimate", "KeepAll", "LayerProfile", "OffloadAll",
-    "Placement", "Plan", "Policy", "Profile", "RecomputeAll", "estimate", "min_window_bytes", "plan", "shapes",
+    "DECISIONS", "KEEP", "OFFLOAD", "OFFLOADED_RECOMPUTE", "RECOMPUTE", "Adaptive", "Estimate", "KeepAll",
+    "LayerProfile", "OffloadAll", "OffloadedRecomputeAll", "Placement", "Plan", "Policy", "Profile", "RecomputeAll",
+    "estimate", "min_window_bytes", "plan", "shapes",
 ]

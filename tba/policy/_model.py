@@ -1,24 +1,28 @@
 """Cost model: predicted step time and activation memory of a per-layer placement.
 
-Each layer ``i`` (forward order, ``L`` layers) is kept (``K``), offloaded (``O``) or recomputed
-(``R``). From a :class:`~tba.policy._profile.Profile` the model uses ``f_i`` (forward seconds),
-``b_i`` (backward seconds, measured or estimated as ``2 f_i``), ``s_i`` (distinct bytes saved),
-``x_i`` (input bytes), write and read bandwidth ``W`` and ``R`` (bytes/s), the prefetch depth
-``D`` and the largest storage ``m``; a plan also fixes the prefetch window ``P`` (bytes).
+Each layer ``i`` (forward order, ``L`` layers) is kept (``K``), offloaded (``O``), recomputed
+(``R``) or recomputed with its input offloaded (``S``). From a :class:`~tba.policy._profile.Profile`
+the model uses ``f_i`` (forward seconds), ``b_i`` (backward seconds, measured or estimated as
+``2 f_i``), ``s_i`` (distinct bytes saved), ``x_i`` (input bytes), write and read bandwidth ``W``
+and ``R`` (bytes/s), the prefetch depth ``D`` and the largest storage ``m``; a plan also fixes the
+prefetch window ``P`` (bytes).
 
 Forward. Layer ``i`` runs from ``t_i = f_0 + ... + f_{i-1}``; forward ends at ``T_f = sum f``.
-Writes never stall compute. An offloaded layer's bytes join one FIFO write queue when the layer
-starts and cannot all be written before it ends::
+Writes never stall compute. A layer's spilled bytes ``o_i`` (``s_i`` when offloaded, ``x_i``
+when ``S``: only its input is written) join one FIFO write queue when the layer starts and cannot
+all be written before it ends::
 
-    w_i = max(max(w_prev, t_i) + s_i / W, t_i + f_i)
+    w_i = max(max(w_prev, t_i) + o_i / W, t_i + f_i)
 
 The layer's write is *hidden* when ``w_i <= T_f``. What is not written by ``T_f`` (the *backlog*,
-``sum clamp((w_i - T_f) W, 0, s_i)``) is still in memory when backward starts; the TBA rule
+``sum clamp((w_i - T_f) W, 0, o_i)``) is still in memory when backward starts; the TBA rule
 follows: once a layer's bytes cannot be written within the forward time ahead of them, offloading
 it and the layers after it saves nothing at the peak.
 
 Backward visits layers ``L-1 .. 0``; layer ``i`` computes for ``d_i = b_i`` (``b_i + f_i`` when
-recomputed). Reads form one FIFO queue at ``R``. An offloaded layer's read is issued
+recomputed, ``R`` or ``S``). Reads form one FIFO queue at ``R``. ``O`` and ``S`` layers read back
+their ``o_i`` bytes (below, "offloaded" means either and ``s`` their ``o``). An offloaded layer's
+read is issued
 
 * at the start of backward when it is within ``D`` layers of the topmost offloaded layer (tba
   prefetches the last layers when forward ends);
@@ -47,10 +51,13 @@ and, during backward through layer ``i``, what layers below it still hold plus i
 
     B_i = sum_{K, j<i} s_j + sum_{R, j<i} x_j + w_i
     w_i = s_i (K),  s_i + x_i (R: internals rebuilt, input held),
-          min(max(P, m), s_i + s_{i-1} [i-1 offloaded]) (O: the prefetch window)
+          v_i = min(max(P, m), o_i + o_{i-1} [i-1 offloaded]) (O: the prefetch window),
+          s_i + v_i (S: internals rebuilt, input read back through the window)
 
-A recomputed layer's input is saved through tba like any other tensor, so it is usually
-offloaded too; counting it as held keeps the estimate an upper bound.
+An ``R`` layer's input stays in memory from its forward to its backward (as under plain
+checkpoint); an ``S`` layer's goes to the spill file, so between forward and backward the layer
+holds nothing beyond the write backlog and the window. ``S`` costs the recomputation plus reading
+``x_i``, which is hidden behind the backward of the layers above it like an offloaded layer's read.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from tba.policy._profile import Profile
+from tba.policy._profile import LayerProfile, Profile
 
 
 class Placement(str, enum.Enum):
@@ -73,14 +80,29 @@ class Placement(str, enum.Enum):
     OFFLOAD = "offload"
     """Written to the spill file during forward, read back (prefetched) for backward."""
     RECOMPUTE = "recompute"
-    """Not saved: the layer runs forward again in backward; only its input is saved."""
+    """Not saved: the layer runs forward again in backward; only its input is kept, in memory."""
+    OFFLOADED_RECOMPUTE = "offloaded_recompute"
+    """Recomputed in backward, and its input is written to the spill file (read back, prefetched,
+    for the recomputation): the layer holds nothing in memory between forward and backward."""
 
     def __str__(self) -> str:
         return self.value
 
 
 KEEP, OFFLOAD, RECOMPUTE = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
+OFFLOADED_RECOMPUTE = Placement.OFFLOADED_RECOMPUTE
 DECISIONS = tuple(Placement)
+SPILLED = frozenset({OFFLOAD, OFFLOADED_RECOMPUTE})
+"""Placements that write to the spill file and read back in backward."""
+RECOMPUTED = frozenset({RECOMPUTE, OFFLOADED_RECOMPUTE})
+"""Placements that run the layer's forward again in backward."""
+
+
+def spilled_bytes(layer: LayerProfile, decision: str) -> int:
+    """Bytes ``decision`` writes for ``layer`` (and reads back): ``s_i`` for O, ``x_i`` for S, else 0."""
+    if decision == OFFLOAD:
+        return layer.saved_bytes
+    return layer.input_bytes if decision == OFFLOADED_RECOMPUTE else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,18 +141,18 @@ def _forward(profile: Profile, decisions: tuple[str, ...]) -> tuple[float, int, 
     layer_start = 0.0
     ends: list[float | None] = []
     for layer, decision in zip(profile.layers, decisions):
-        if decision == OFFLOAD:
-            write_free = max(max(write_free, layer_start) + layer.saved_bytes / profile.write_bytes_per_s,
+        if decision in SPILLED:
+            write_free = max(max(write_free, layer_start) + spilled_bytes(layer, decision) / profile.write_bytes_per_s,
                              layer_start + layer.forward_s)
             ends.append(write_free)
         else:
             ends.append(None)
         layer_start += layer.forward_s
     backlog = 0
-    for layer, end in zip(profile.layers, ends):
+    for layer, decision, end in zip(profile.layers, decisions, ends):
         if end is not None and end > forward_end:
             unwritten = (end - forward_end) * profile.write_bytes_per_s
-            backlog += int(min(max(unwritten, 0.0), layer.saved_bytes))
+            backlog += int(min(max(unwritten, 0.0), spilled_bytes(layer, decision)))
     hidden = tuple(end is not None and end <= forward_end + 1e-12 for end in ends)
     return forward_end, backlog, hidden
 
@@ -139,7 +161,8 @@ def _backward(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -
     """Seconds from the start of backward to the end of layer 0's backward."""
     layers = profile.layers
     depth = profile.prefetch_depth_layers
-    offloaded = [i for i, d in enumerate(decisions) if d == OFFLOAD]
+    spill = [spilled_bytes(layer, d) for layer, d in zip(layers, decisions)]
+    offloaded = [i for i, d in enumerate(decisions) if d in SPILLED]
     issue: dict[int, float] = {}
     if offloaded and depth:
         top = offloaded[-1]
@@ -151,25 +174,25 @@ def _backward(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -
     now = 0.0
     for i in range(len(layers) - 1, -1, -1):
         layer, decision = layers[i], decisions[i]
-        duration = layer.backward_s + (layer.forward_s if decision == RECOMPUTE else 0.0)
-        if decision != OFFLOAD:
+        duration = layer.backward_s + (layer.forward_s if decision in RECOMPUTED else 0.0)
+        if decision not in SPILLED:
             now += duration
             continue
         issue.setdefault(i, now)
         if i not in read_end:
-            read_free = max(read_free, issue[i]) + layer.saved_bytes / profile.read_bytes_per_s
+            read_free = max(read_free, issue[i]) + spill[i] / profile.read_bytes_per_s
             read_end[i] = read_free
         for j in range(i - 1, max(i - depth, 0) - 1, -1):
-            if decisions[j] != OFFLOAD or j in issue:
+            if decisions[j] not in SPILLED or j in issue:
                 continue
-            pair = layer.saved_bytes + layers[j].saved_bytes
+            pair = spill[i] + spill[j]
             delay = 0.0 if window_bytes >= pair else duration * (1.0 - window_bytes / pair)
             issue[j] = now + delay
-            read_free = max(read_free, issue[j]) + layers[j].saved_bytes / profile.read_bytes_per_s
+            read_free = max(read_free, issue[j]) + spill[j] / profile.read_bytes_per_s
             read_end[j] = read_free
         exposed = 0.0
-        if layer.saved_bytes > window_bytes:
-            exposed = (layer.saved_bytes - window_bytes) / profile.read_bytes_per_s / 2
+        if spill[i] > window_bytes:
+            exposed = (spill[i] - window_bytes) / profile.read_bytes_per_s / 2
         now = max(now + duration + exposed, read_end[i])
     return now
 
@@ -192,11 +215,13 @@ def _memory(profile: Profile, decisions: tuple[str, ...], window_bytes: int, bac
         elif decision == RECOMPUTE:
             working = layer.saved_bytes + layer.input_bytes
         else:
-            pair = layer.saved_bytes
-            if i > 0 and decisions[i - 1] == OFFLOAD and profile.prefetch_depth_layers:
-                pair += layers[i - 1].saved_bytes
+            pair = spilled_bytes(layer, decision)
+            if i > 0 and decisions[i - 1] in SPILLED and profile.prefetch_depth_layers:
+                pair += spilled_bytes(layers[i - 1], decisions[i - 1])
             working = min(window, pair)
             idle_buffers = max(idle_buffers, working)
+            if decision == OFFLOADED_RECOMPUTE:
+                working += layer.saved_bytes
         peak = max(peak, below + working)
         below += layer.saved_bytes if decision == KEEP else layer.input_bytes if decision == RECOMPUTE else 0
     return max(peak, start + idle_buffers)
@@ -207,14 +232,14 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
 
     Args:
         profile: The measured or synthetic profile.
-        decisions: One of ``"keep"``, ``"offload"``, ``"recompute"`` per layer.
+        decisions: One of ``"keep"``, ``"offload"``, ``"recompute"``, ``"offloaded_recompute"`` per layer.
         window_bytes: Prefetch window in bytes; None means ``profile.max_window_bytes``.
     """
     decisions = check_decisions(decisions, len(profile.layers))
     window = profile.max_window_bytes if window_bytes is None else window_bytes
     forward_end, backlog, hidden = _forward(profile, decisions)
     backward = _backward(profile, decisions, window)
-    compute = sum(layer.backward_s + (layer.forward_s if d == RECOMPUTE else 0.0)
+    compute = sum(layer.backward_s + (layer.forward_s if d in RECOMPUTED else 0.0)
                   for layer, d in zip(profile.layers, decisions))
     keep_step = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
     return Estimate(

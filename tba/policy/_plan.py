@@ -1,11 +1,13 @@
-"""Plans and the fixed policies: a per-layer keep / offload / recompute decision and its window.
+"""Plans and the fixed policies: a per-layer keep / offload / recompute / offloaded-recompute decision
+and its window.
 
 A :class:`Plan` records one decision per layer, the prefetch window, the goal and the predicted
 step time and memory (from :mod:`tba.policy._model`); it prints as a table and round-trips through
 JSON, so it can be inspected and pinned (``Offloader(policy=Plan.load(path))``). The policy
 classes share one interface, ``policy.plan(profile) -> Plan``: :class:`KeepAll`,
-:class:`OffloadAll` and :class:`RecomputeAll` here, :class:`~tba.policy._adaptive.Adaptive` (the
-search) in ``_adaptive.py``. :func:`shapes` lists the placements the search considers.
+:class:`OffloadAll`, :class:`RecomputeAll` and :class:`OffloadedRecomputeAll` here,
+:class:`~tba.policy._adaptive.Adaptive` (the search) in ``_adaptive.py``. :func:`shapes` lists the
+placements the search considers.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from collections.abc import Sequence
 
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
-from tba.policy._model import KEEP, OFFLOAD, RECOMPUTE, check_decisions, estimate
+from tba.policy._model import KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Placement, check_decisions, estimate, spilled_bytes
 from tba.policy._profile import Profile
 
 logger = logging.getLogger("tba")
 
-SHORT = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R"}
+SHORT = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", OFFLOADED_RECOMPUTE: "S"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +33,8 @@ class Plan:
     """A per-layer placement and what the model predicts for it.
 
     Attributes:
-        decisions: A :class:`Placement` per layer (``"keep"`` / ``"offload"`` / ``"recompute"``), in
-            forward order.
+        decisions: A :class:`Placement` per layer (``"keep"`` / ``"offload"`` / ``"recompute"`` /
+            ``"offloaded_recompute"``), in forward order.
         window_bytes: Prefetch window (the offloader's prefetch budget while this plan runs).
         goal: What it was planned for, e.g. ``"memory_budget_bytes=104857600"``.
         fits: False when no placement met the goal (this one comes closest).
@@ -59,7 +61,7 @@ class Plan:
 
     @property
     def code(self) -> str:
-        """One letter per layer: ``OOORKK``."""
+        """One letter per layer: ``OOSRKK`` (``S``: offloaded recompute)."""
         return "".join(SHORT[d] for d in self.decisions)
 
     def to_json(self) -> str:
@@ -95,7 +97,7 @@ class Plan:
             f"  predicted: step {self.predicted_step_s:.3f} s ({overhead:+.0%} vs keep-all), activation peak "
             f"{self.predicted_memory_bytes / MIB:.1f} MiB, prefetch window {self.window_bytes / MIB:.1f} MiB",
         ]
-        for decision in (KEEP, OFFLOAD, RECOMPUTE):
+        for decision in Placement:
             indices = self.layers(decision)
             if indices:
                 lines.append(f"  {decision:<9} layers {_ranges(indices)}")
@@ -117,7 +119,7 @@ def _plan_of(profile: Profile, decisions: Sequence[str], window: int, goal: str,
 
 
 def _io_bytes(profile: Profile, decisions: Sequence[str]) -> int:
-    return sum(layer.saved_bytes for layer, d in zip(profile.layers, decisions) if d == OFFLOAD)
+    return sum(spilled_bytes(layer, d) for layer, d in zip(profile.layers, decisions))
 
 
 def min_window_bytes(profile: Profile) -> int:
@@ -126,13 +128,20 @@ def min_window_bytes(profile: Profile) -> int:
 
 
 def shapes(layer_count: int) -> list[tuple[str, ...]]:
-    """Every placement ``O^a R^r K^k`` with ``a + r + k = layer_count``, keep-all first."""
+    """Every placement ``O^a R^r K^k`` and ``O^a S^s K^k`` (``a + r + k = layer_count``), keep-all first.
+
+    Offloaded recompute (``S``) goes where recompute would: it holds less (its input is written
+    too) for a little more I/O, so it is worth it where a budget is below what ``R`` can reach.
+    Mixing ``R`` and ``S`` is left out, which keeps the count quadratic in the layers.
+    """
     out = []
     for offload in range(layer_count + 1):
         for recompute in range(layer_count - offload + 1):
             keep = layer_count - offload - recompute
             out.append((OFFLOAD,) * offload + (RECOMPUTE,) * recompute + (KEEP,) * keep)
-    return sorted(out, key=lambda d: (d.count(OFFLOAD) + d.count(RECOMPUTE), -d.count(OFFLOAD)))
+            if recompute:
+                out.append((OFFLOAD,) * offload + (OFFLOADED_RECOMPUTE,) * recompute + (KEEP,) * keep)
+    return sorted(out, key=lambda d: (len(d) - d.count(KEEP), d.count(OFFLOADED_RECOMPUTE), -d.count(OFFLOAD)))
 
 
 class Policy(abc.ABC):
@@ -170,3 +179,13 @@ class RecomputeAll(Policy):
 
     def plan(self, profile: Profile) -> Plan:
         return _plan_of(profile, (RECOMPUTE,) * len(profile.layers), profile.max_window_bytes, "recompute all")
+
+
+class OffloadedRecomputeAll(Policy):
+    """Every layer is recomputed in backward and its input written to the spill file."""
+
+    name = "offloaded_recompute"
+
+    def plan(self, profile: Profile) -> Plan:
+        return _plan_of(profile, (OFFLOADED_RECOMPUTE,) * len(profile.layers), profile.max_window_bytes,
+                        "offloaded recompute all")

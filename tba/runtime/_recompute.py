@@ -1,10 +1,32 @@
 """Recompute chosen layers in backward with non-reentrant ``torch.utils.checkpoint``.
 
 A recomputed layer saves only its inputs during forward; its internals are computed again in
-backward. Non-reentrant checkpoint installs its own saved-tensor hooks inside the layer, which
-take precedence over tba's, so nothing inside a recomputed layer reaches the offloader, while the
-layer's input is still saved through tba (and may be offloaded). RNG state is preserved, so
-dropout masks are identical in the recomputation.
+backward. Where its inputs live is the placement's: a ``recompute`` layer keeps them in memory, as
+plain checkpoint does; an ``offloaded_recompute`` layer saves them through tba, which writes them
+to the spill file and reads them back (prefetched) for the recomputation (Note [Hook nesting of a
+recomputed layer]). RNG state is preserved, so dropout masks are identical in the recomputation.
+
+Note: [Hook nesting of a recomputed layer]
+Saved-tensor hooks form a per-thread stack and autograd uses only the top pair. Non-reentrant
+checkpoint saves the layer's tensor arguments (``_CheckpointFrame.save_inputs``, or
+``_NoopSaveInputs`` in older torch) *before* it pushes its own pair, so those saves go to whatever
+pair was on top when the layer was called: tba's, inside ``with offloader:``. It then pushes its
+pair for the layer's forward: every tensor saved inside is replaced by a placeholder and dropped,
+whatever pairs lie below, so nothing inside the layer reaches tba. In backward, the first unpack
+of a placeholder runs the recomputation under checkpoint's recomputation pair, again on top: the
+rebuilt internals stay in memory, never offloaded a second time, even when backward runs inside
+the ``with`` block. So:
+
+* ``offloaded_recompute`` calls checkpoint with tba's pair on top: the inputs are offloaded like any
+  saved tensor (below ``min_offload_bytes``, or parameters, they stay in memory), tagged with the
+  layer (its forward pre-hook has run), and read back when backward reaches the layer. Checkpoint
+  saves only *top-level* tensor arguments; tensors in keyword arguments or nested in tuples would
+  stay referenced by its closure, in memory. The wrapper therefore flattens ``(args, kwargs)``
+  (``torch.utils._pytree``), passes every tensor leaf as a top-level argument and rebuilds the call
+  inside, so each one is saved, and offloaded, on its own; a view stays a view of its storage (tba
+  writes the storage once and rebuilds the view).
+* ``recompute`` pushes a pass-through pair around the checkpoint call, so its inputs are held by
+  autograd as without tba (the cost model counts them as held; tba's stats do not see them).
 
 Note: [Side effects of a recomputed forward]
 The second forward must not change the model a second time. Buffers a forward updates in place
@@ -25,12 +47,14 @@ back before the recomputation and, afterwards, restores the state the first forw
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError
@@ -41,14 +65,23 @@ _PLAIN_TYPES = (int, float, bool, str, bytes, type(None))
 class RecomputeLayers:
     """Wraps ``layers``' forward with checkpoint until :meth:`remove` (or the ``with`` block ends).
 
+    Args:
+        layers: The layers to recompute.
+        indices: Their indices in the model's layers (for messages). Default: 0, 1, ...
+        offload_inputs: Per layer (or one value for all): save its inputs through the hooks below
+            (tba's: ``offloaded_recompute``) instead of keeping them in memory (``recompute``).
+            Default False.
+
     Raises:
         TbaConfigError: a layer already has a ``forward`` attribute of its own (patched by hand or by
             another tool): wrapping it would hide that one.
     """
 
-    def __init__(self, layers: Iterable[nn.Module], indices: Iterable[int] | None = None) -> None:
+    def __init__(self, layers: Iterable[nn.Module], indices: Iterable[int] | None = None,
+                 offload_inputs: bool | Iterable[bool] = False) -> None:
         layers = list(layers)
         indices = list(indices) if indices is not None else list(range(len(layers)))
+        offload = [offload_inputs] * len(layers) if isinstance(offload_inputs, bool) else list(offload_inputs)
         for index, layer in zip(indices, layers):
             if "forward" in vars(layer):
                 raise TbaConfigError(
@@ -56,8 +89,8 @@ class RecomputeLayers:
                     "would recompute: tba wraps the class's forward for recomputation and cannot wrap a patched "
                     "one; remove the instance attribute (del layer.forward), or keep or offload that layer")
         self.layers = layers
-        for layer in self.layers:
-            layer.forward = _checkpointed(layer, layer.forward)
+        for layer, spill in zip(self.layers, offload):
+            layer.forward = _checkpointed(layer, layer.forward, spill)
 
     def remove(self) -> None:
         for layer in self.layers:
@@ -72,7 +105,7 @@ class RecomputeLayers:
         self.remove()
 
 
-def _checkpointed(layer: nn.Module, forward: Any) -> Any:
+def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     def first_or_again(calls: list[int], first_states: dict[int, tuple[torch.Generator, torch.Tensor]],
                        *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
@@ -93,9 +126,37 @@ def _checkpointed(layer: nn.Module, forward: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         calls: list[int] = [0]
         first_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        return checkpoint(first_or_again, calls, first_states, *args, use_reentrant=False, **kwargs)
+        if not offload_inputs:
+            with _inputs_in_memory():
+                return checkpoint(first_or_again, calls, first_states, *args, use_reentrant=False, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in at]
+        # The closure keeps the call's structure and non-tensor leaves only: a tensor held here would
+        # stay in memory until backward (Note [Hook nesting of a recomputed layer]).
+        for i in at:
+            leaves[i] = None
+
+        def call(calls: list[int], states: dict, *saved: torch.Tensor) -> Any:
+            rebuilt = list(leaves)
+            for i, tensor in zip(at, saved):
+                rebuilt[i] = tensor
+            call_args, call_kwargs = pytree.tree_unflatten(rebuilt, spec)
+            return first_or_again(calls, states, *call_args, **call_kwargs)
+
+        return checkpoint(call, calls, first_states, *tensors, use_reentrant=False)
 
     return run
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _inputs_in_memory() -> contextlib.AbstractContextManager:
+    """A pass-through saved-tensor pair on top: a ``recompute`` layer's inputs bypass tba (Note [Hook nesting of a
+    recomputed layer])."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
 def _generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:

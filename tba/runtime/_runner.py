@@ -20,7 +20,8 @@ kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped wit
 checkpoint (:class:`~tba.runtime._recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
 the original forward for backward, so the wrapper can go at exit), and the prefetch window becomes
 the plan's. Tensors saved inside a recomputed layer never reach tba (checkpoint's own hooks take
-them); the layer's input, saved by checkpoint, goes through tba like any other tensor.
+them); an ``offloaded_recompute`` layer's inputs, saved by checkpoint, go through tba like any
+other tensor, a ``recompute`` layer's stay in memory (Note [Hook nesting of a recomputed layer]).
 
 ``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared:
 a weak-keyed registry maps the first layer module and the goal to the runner, which holds its
@@ -139,8 +140,10 @@ class PolicyRunner:
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
         if self.plan is not None:
-            indices = self.plan.layers(Placement.RECOMPUTE)
-            self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices) if indices else None
+            indices = [i for i, d in enumerate(self.plan.decisions)
+                       if d in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)]
+            offload = [self.plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
+            self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
             return StepPlacement(frozenset(self.plan.layers(Placement.KEEP)), self.plan.window_bytes)
         if self.profiling:
             self._timer.reset()

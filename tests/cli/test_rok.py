@@ -54,17 +54,17 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
 def test_sweep_tiny_preset_writes_csv_json_png(tmp_path, spill_dir):
     result = sweep(preset="tiny", budget_fractions=[0.5], steps=2, warmup=1, directory=spill_dir,
                    backend="threads", out_dir=str(tmp_path), progress=False)
-    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "adaptive 50%"]
+    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive 50%"]
     assert all(p.losses_equal for p in result.points)
     adaptive = result.points[-1]
     assert adaptive.budget_bytes == int(0.5 * result.points[0].activation_peak_bytes)
     assert len(adaptive.plan["code"]) == 2 and adaptive.plan["goal"] == f"memory_budget_bytes={adaptive.budget_bytes}"
     with open(tmp_path / "rok.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "adaptive"]
-    assert rows[3]["plan"] == adaptive.plan["code"]
+    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive"]
+    assert rows[3]["plan"] == "SS" and rows[4]["plan"] == adaptive.plan["code"]
     data = json.loads((tmp_path / "rok.json").read_text())
-    assert data["model"] == "tiny" and len(data["points"]) == 4
+    assert data["model"] == "tiny" and len(data["points"]) == 5
     assert data["adaptive_dominates_recompute"] == bool(data["dominating"])
     assert sum(p["pareto"] for p in data["points"]) >= 1
     assert (tmp_path / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -139,3 +139,26 @@ def test_trainer_without_transformers_names_the_extra(monkeypatch):
     monkeypatch.delitem(hf.__dict__, "TbaTrainer", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'tba-offload\[hf\]'"):
         hf.TbaTrainer  # noqa: B018
+
+
+def test_offloaded_recompute_of_llama_blocks_is_exact(spill_dir):
+    """Llama blocks take keyword tensors (a (cos, sin) tuple, the mask, cache positions): all reach the file."""
+    reference, _ = llama()
+    model, _ = llama()
+    reference.train()
+    model.train()
+    torch.manual_seed(5)
+    want = forward(reference)
+    want.backward()
+    plan = tba.Plan(("offloaded_recompute",) * 3, window_bytes=1 << 20)
+    offloader = tba.Offloader(spill_dir, layers=model, policy=plan, min_offload_bytes=0)
+    torch.manual_seed(5)
+    with offloader:
+        loss = forward(model)
+    loss.backward()
+    assert torch.equal(loss, want)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    hidden = BATCH * SEQ * 64 * 4
+    assert offloader.layer_saved_bytes[0] > hidden  # the hidden states and the keyword tensors
+    assert offloader.layer_saved_bytes[1] == hidden  # the keyword tensors are layer 0's storages, written once
+    offloader.close()

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 import tba
-from tba.policy import Adaptive, KeepAll, OffloadAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
+from tba.policy import Adaptive, KeepAll, OffloadAll, OffloadedRecomputeAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
 from tba.policy._model import estimate
 
 MIB = 1 << 20
@@ -78,8 +78,9 @@ def test_memory_budget_slow_disk(budget_mib, code, window_mib, step_s, memory_mi
 def test_unreachable_budget_returns_least_memory_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="tba"):
         result = plan(SLOW, memory_budget_bytes=60 * MIB)
-    assert (result.code, result.window_bytes, result.fits) == ("OORR", 20 * MIB, False)
-    assert result.predicted_memory_bytes == 120 * MIB  # layer 3 rebuilt on top of layer 2's input
+    assert (result.code, result.window_bytes, result.fits) == ("OSSK", 20 * MIB, False)
+    assert result.predicted_memory_bytes == 120 * MIB  # layer 2 rebuilt (100) + its input and layer 1's in the window
+    assert estimate(SLOW, ["offload"] * 2 + ["recompute"] * 2, 20 * MIB).memory_bytes == 120 * MIB  # as low, slower
     assert "no placement fits" in caplog.text
     assert plan(FAST, memory_budget_bytes=10 * MIB).code == "OOOO"
 
@@ -101,7 +102,9 @@ def test_policy_classes():
     assert RecomputeAll().plan(FAST).code == "RRRR"
     assert Adaptive(memory_budget_bytes=250 * MIB).plan(FAST) == plan(FAST, memory_budget_bytes=250 * MIB)
     assert min_window_bytes(FAST) == 20 * MIB
-    assert len(shapes(4)) == 15 and shapes(4)[0] == ("keep",) * 4
+    assert OffloadedRecomputeAll().plan(FAST).code == "SSSS"
+    assert len(shapes(4)) == 25 and shapes(4)[0] == ("keep",) * 4
+    assert ("offload", "offloaded_recompute", "offloaded_recompute", "keep") in shapes(4)
 
 
 def test_plan_json_round_trip_and_printing(tmp_path):
@@ -131,3 +134,32 @@ def test_bad_goals_and_plans():
 def test_backward_estimated_when_not_measured():
     layer = tba.LayerProfile(forward_s=0.5, saved_bytes=1)
     assert (layer.backward_s, layer.backward_measured) == (1.0, False)
+
+
+def test_cost_model_offloaded_recompute():
+    """S holds nothing between forward and backward: only the window and the layer being rebuilt."""
+    cost = estimate(FAST, ["offloaded_recompute"] * 4)
+    assert cost.step_s == 16.0  # recompute's 4 s; reading 10 MiB inputs at 1000 MiB/s hides
+    assert cost.memory_bytes == 100 * MIB + 20 * MIB  # rebuilt top layer + its input and the next in the window
+    assert estimate(FAST, ["recompute"] * 4).memory_bytes == 140 * MIB  # R also holds 3 inputs below
+    slow_read = tba.Profile(FAST.layers, 1000 * MIB, 1 * MIB, max_storage_bytes=10 * MIB)
+    assert estimate(slow_read, ["offloaded_recompute"] * 4).read_stall_s > 0  # 10 s per input read shows
+    cost = estimate(SLOW, ["offloaded_recompute"] * 4)
+    assert cost.hidden_writes == (True,) * 4 and cost.backlog_bytes == 0  # 10 MiB in 1 s forward at 50 MiB/s
+
+
+@pytest.mark.parametrize("goal, code, memory_mib", [
+    ({"memory_budget_bytes": 150 * MIB}, "OOOORRRR", 150),  # recompute's inputs still fit
+    ({"memory_budget_bytes": 125 * MIB}, "OOOSSSSK", 125),  # they do not: write them too
+    ({"overhead_bound": 0.34}, "OOOSSSSK", 120),
+])
+def test_planner_chooses_offloaded_recompute_on_deep_slow_disk(goal, code, memory_mib):
+    result = plan(profile(50, 100, layers=8), **goal)
+    assert (result.code, result.fits, result.predicted_memory_bytes) == (code, True, memory_mib * MIB)
+
+
+def test_plan_with_every_placement_round_trips():
+    pinned = Plan(("offloaded_recompute", "keep", "offload", "recompute"), 4 * MIB)
+    assert pinned.code == "SKOR" and pinned.decisions[0] is tba.Placement.OFFLOADED_RECOMPUTE
+    assert Plan.from_json(pinned.to_json()) == pinned
+    assert "offloaded_recompute layers 0" in str(pinned)
