@@ -50,7 +50,9 @@ and, during backward through layer ``i``, what layers below it still hold plus i
           min(max(P, m), s_i + s_{i-1} [i-1 offloaded]) (O: the prefetch window)
 
 A recomputed layer's input is saved through tba like any other tensor, so it is usually
-offloaded too; counting it as held keeps the estimate an upper bound.
+offloaded too; counting it as held keeps the estimate an upper bound. The profile's
+``memory_slack_bytes`` (measured peak minus this model's prediction for the profiled steps:
+compute's transient buffers, gradients, allocator slack) is added to every prediction.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
     return Estimate(
         step_s=forward_end + backward,
         keep_step_s=keep_step,
-        memory_bytes=_memory(profile, decisions, window, backlog),
+        memory_bytes=_memory(profile, decisions, window, backlog) + profile.memory_slack_bytes,
         read_stall_s=max(0.0, backward - compute),
         backlog_bytes=backlog,
         hidden_writes=hidden,

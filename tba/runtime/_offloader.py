@@ -106,7 +106,9 @@ class Offloader(SavedTensorHooks):
         self.prefetch_budget_bytes = config.prefetch_budget_bytes
         self.reusable = _reusable
         self.layers = resolve_layers(layers)
-        self._discovery = LayerDiscovery() if layers is None else None
+        self._finder = LayerDiscovery() if layers is None else None
+        self._discovery = self._finder
+        """The finder while it runs in this step (it stops once the placement policy has learned the layers)."""
         self._shared_key = (None if _reusable or isinstance(self.backend, Engine) or _device_ops is not None else
                             _shared.runtime_key(self.directory, self.backend, self.direct_io, self.queue_depth,
                                                 self.block_size_bytes, self.staging_bytes,
@@ -124,7 +126,7 @@ class Offloader(SavedTensorHooks):
         self._stats_base: OffloadStats | None = None
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
-        self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable,
+        self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable, directory=self.directory,
                                            memory_budget_bytes=config.memory_budget_bytes,
                                            overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
                                            prefetch_depth_layers=config.prefetch_depth_layers,
@@ -142,7 +144,7 @@ class Offloader(SavedTensorHooks):
     @property
     def discovered_layers(self) -> list[nn.Module]:
         """The repeated blocks found during the last forward when ``layers`` was not given (else empty)."""
-        return self._discovery.layers if self._discovery is not None else []
+        return self._finder.layers if self._finder is not None else []
 
     @property
     def prefetch_window_bytes(self) -> int:
@@ -246,7 +248,7 @@ class Offloader(SavedTensorHooks):
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
-            self._apply(self.policy_runner.enter(self._counters))
+            self._apply(self.policy_runner.enter(self._counters, lambda keep: setattr(self, "keep_layers", set(keep))))
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)
@@ -259,9 +261,16 @@ class Offloader(SavedTensorHooks):
         self._store.update_stats()
         stats = self._stats
         return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
-                            stats.bytes_read, stats.read_busy_s)
+                            stats.bytes_read, stats.read_busy_s, self._store.read_pool.idle_bytes,
+                            self._store.window.budget_bytes)
 
     def _apply(self, placement: StepPlacement) -> None:
+        if placement.layers is not None and self._finder is not None:
+            if [id(layer) for layer in placement.layers] != [id(layer) for layer in self._tracker.layers]:
+                self._tracker = LayerTracker(placement.layers)
+                self._state_keys = state_storage_keys(placement.layers)
+                self._finder.layers = list(placement.layers) or self._finder.layers
+            self._discovery = None if placement.layers else self._finder
         if placement.keep_layers is not None:
             self.keep_layers = set(placement.keep_layers)
         if placement.window_bytes is not None:
@@ -350,13 +359,15 @@ class Offloader(SavedTensorHooks):
         self._claim = None
         self._forked_mid_block = False
         self._tracker.detach()
+        found = None
         if self._discovery is not None:
             self._discovery.detach()
-            self._discovery.finish()
+            found = self._discovery.finish()
             self._discovery.retag(self.layer_saved_bytes)
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
-        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes)
+        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
+                                self._store.window.budget_bytes)
         if self._phase is _Phase.CLOSED:
             return
         if failed:
