@@ -11,7 +11,11 @@ modelled.
   value 5) when the step starts and read when its backward ends; the peak is ``VmHWM`` minus the
   resident set at the start, plus the read buffers tba held idle at the start (resident before the
   step, so not in the difference, but activation memory all the same). Where ``clear_refs`` cannot
-  be written, the step has no measurement and the model is used alone.
+  be written, the step has no measurement and the model is used alone. Before the last profiled
+  step the allocator's cached free memory is handed back (``tba/_free_memory.py``): under a
+  caching malloc the resident set would otherwise not grow at all in a step that fits in memory
+  freed by an earlier one. Only the last profiled step's peak is used: the first ones can hold
+  one-off allocations (thread pools, buffers made on first use).
 * CUDA: ``torch.cuda.max_memory_allocated`` after a reset of the peak, minus what was allocated
   at the start (weights, gradients, optimiser state).
 
@@ -23,6 +27,8 @@ user reads the same peak.
 from __future__ import annotations
 
 import torch
+
+from tba._free_memory import release_free_memory
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _RESET_PEAK = "5"
@@ -48,8 +54,10 @@ class StepPeak:
         self._held = 0
         self._cuda = False
 
-    def start(self, held_bytes: int, cuda: bool) -> None:
-        """Reset the peak counter; ``held_bytes`` is memory tba already holds for activations (idle read buffers)."""
+    def start(self, held_bytes: int, cuda: bool, release: bool = False) -> None:
+        """Reset the peak counter; ``held_bytes`` is memory tba already holds for activations (idle read
+        buffers); with ``release``, the allocator's cached free memory goes back to the kernel first
+        (``tba/_free_memory.py``), so that the peak is not hidden by memory freed in earlier steps."""
         self.peak_bytes = None
         self._held = held_bytes
         self._cuda = cuda and torch.cuda.is_available()
@@ -58,6 +66,8 @@ class StepPeak:
             torch.cuda.reset_peak_memory_stats()
             self._start = torch.cuda.memory_allocated()
             return
+        if release:
+            release_free_memory()
         try:
             with open(_CLEAR_REFS, "w") as f:
                 f.write(_RESET_PEAK)

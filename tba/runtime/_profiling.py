@@ -13,9 +13,12 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   entered;
 * ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the samples;
   the largest storage is read from the offloader's live entries at the end of forward;
-* ``memory_slack_bytes``: the largest measured peak minus the model's prediction for the profiled
-  placement (offload-all at the window in force), never below zero: what the model leaves out
-  (compute's transient buffers, gradients, allocator slack), added to every prediction.
+* ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``) minus the
+  model's prediction for the profiled placement (offload-all at the window in force), never below
+  zero: what the model leaves out (compute's transient buffers, gradients, allocator slack), added
+  to every prediction. The calibration holds at the profiled window, not above it (a larger
+  window measured more than the model adds for it), so plans use windows up to the profiled one
+  (at least two of the largest storage).
 
 The *shape* of a step is the shapes and dtypes of the tensors the first layer receives: another
 sequence length or batch size is another shape, profiled and planned on its own
@@ -99,10 +102,10 @@ class Samples:
             prefetch_depth_layers=prefetch_depth_layers,
             max_window_bytes=max_window_bytes,
         )
-        slack = 0
-        for sample in samples:
-            if sample.get("peak_bytes") is not None:
-                window = max(sample.get("window_bytes", 0), profile.max_storage_bytes)
-                predicted = estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes
-                slack = max(slack, sample["peak_bytes"] - predicted)
-        return dataclasses.replace(profile, memory_slack_bytes=slack)
+        last = samples[-1]
+        if last.get("peak_bytes") is None:
+            return profile
+        window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
+        slack = max(0, last["peak_bytes"] - estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes)
+        return dataclasses.replace(profile, memory_slack_bytes=slack,
+                                   max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))

@@ -188,7 +188,8 @@ class PolicyRunner:
             self._timer.attach()
             start = counters()
             self._pending = {"start": start, "shape": self._shape}
-            self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda())
+            self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda(),
+                             release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
 

@@ -51,23 +51,36 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
     assert not (tmp_path / "rok.png").exists()
 
 
-def test_sweep_tiny_preset_writes_csv_json_png(tmp_path, spill_dir):
-    result = sweep(preset="tiny", budget_fractions=[0.5], steps=2, warmup=1, directory=spill_dir,
-                   backend="threads", out_dir=str(tmp_path), progress=False)
-    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "adaptive 50%"]
+def test_sweep_writes_csv_json_png_and_says_whether_each_budget_was_met(tmp_path, spill_dir):
+    result = sweep(f"{FACTORIES}:make_model", f"{FACTORIES}:make_big_batch", budget_fractions=[0.9, 0.001], steps=2,
+                   warmup=1, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
+    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "adaptive 90%", "adaptive 0%"]
     assert all(p.losses_equal for p in result.points)
-    adaptive = result.points[-1]
-    assert adaptive.budget_bytes == int(0.5 * result.points[0].activation_peak_bytes)
-    assert len(adaptive.plan["code"]) == 2 and adaptive.plan["goal"] == f"memory_budget_bytes={adaptive.budget_bytes}"
+    keep, adaptive, refused = result.points[0], result.points[3], result.points[4]
+    assert keep.activation_peak_bytes >= rok.MIN_KEEP_PEAK_BYTES
+    assert adaptive.budget_bytes == int(0.9 * keep.activation_peak_bytes)
+    assert len(adaptive.plan["code"]) == 3 and adaptive.plan["goal"] == f"memory_budget_bytes={adaptive.budget_bytes}"
+    assert adaptive.budget_met == "yes", (adaptive.activation_peak_bytes, adaptive.budget_bytes, adaptive.plan)
+    assert refused.budget_met == "refused" and "cannot be met: this model needs at least" in refused.refused
     with open(tmp_path / "rok.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "adaptive"]
+    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "adaptive", "adaptive"]
+    assert [r["budget_met"] for r in rows] == ["", "", "", "yes", "refused"]
     assert rows[3]["plan"] == adaptive.plan["code"]
     data = json.loads((tmp_path / "rok.json").read_text())
-    assert data["model"] == "tiny" and len(data["points"]) == 4
+    assert [p["budget_met"] for p in data["points"][3:]] == ["yes", "refused"]
     assert data["adaptive_dominates_recompute"] == bool(data["dominating"])
     assert sum(p["pareto"] for p in data["points"]) >= 1
     assert (tmp_path / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = rok.format_points(result.points)
+    assert "budget MiB" in table and "refused memory_budget=" in table
+
+
+def test_a_keep_all_baseline_too_small_to_measure_is_refused(tmp_path):
+    done = _rok("--preset", "tiny", "--steps", "1", "--warmup", "0", "--out", str(tmp_path), "--quiet")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "keep-all's activation peak measured" in lines[0] and "too small" in lines[0]
 
 
 def test_user_model_in_fresh_process(spill_dir):
@@ -125,7 +138,7 @@ def test_each_point_is_written_when_measured(tmp_path, monkeypatch):
     def fake_run(mode, preset, **kwargs):
         if mode == "recompute":
             raise IsolatedRunError(mode, "Traceback ...\nRuntimeError: boom\n")
-        return ModeResult(mode, [1.0], [100], [0.5])
+        return ModeResult(mode, [1.0], [100 << 20], [0.5])
 
     monkeypatch.setattr(rok, "run_isolated", fake_run)
     with pytest.raises(IsolatedRunError, match="boom"):
