@@ -162,7 +162,7 @@ class PolicyRunner:
 
         ``reapply(keep_layers)`` changes the kept layers during the step (a new input shape).
         """
-        self._collect(counters)
+        self._collect()
         if self.learns and self._layer_refs and any(ref() is None for ref in self._layer_refs):
             self._set_layers([])  # the model was freed: find the next one's layers
         if self.learns and not self._layer_refs:
@@ -187,7 +187,8 @@ class PolicyRunner:
             self._timer.reset()
             self._timer.attach()
             start = counters()
-            self._pending = {"start": start, "shape": self._shape}
+            # The step's own counters: a one-shot context's next step counts in a new offloader.
+            self._pending = {"start": start, "shape": self._shape, "counters": counters}
             self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda(),
                              release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
@@ -259,15 +260,15 @@ class PolicyRunner:
             self._pending = None
             self._set_layers([])
 
-    def _collect(self, counters: Callable[[], StepCounters]) -> None:
-        """Finish the pending profiled step: its backward has run by now."""
+    def _collect(self) -> None:
+        """Finish the pending profiled step from its offloader's counters: its backward has run by now."""
         pending, self._pending = self._pending, None
         if pending is None or "forward_s" not in pending:
             return
         self._peak.stop()
         pending["backward_s"] = self._timer.backward_s()
         pending["peak_bytes"] = self._peak.peak_bytes
-        self._samples.collect(pending, counters(), len(self._layer_refs))
+        self._samples.collect(pending, pending.pop("counters")(), len(self._layer_refs))
 
 
 def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,
