@@ -194,6 +194,8 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         result.activation_peak_bytes = memory_peaks
     if bare_stats:
         result.offload_stats = _summed_stats([context.stats.as_dict() for context in bare_stats])
+        plan = bare_stats[-1].plan
+        result.plan = {**dataclasses.asdict(plan), "code": plan.code} if plan is not None else None
     if offloader is not None:
         offloader.close()
         result.offload_stats = offloader.stats.as_dict()

@@ -1,7 +1,8 @@
 """The offload context: saved-tensor hooks that move activations to a file and back.
 
 This module holds the offloader's life (options, entry, exit, close); its hooks, the per-tensor
-hot path, are in ``tba/runtime/_hooks.py``.
+hot path, are in ``tba/runtime/_hooks.py``, and the one-shot context
+:func:`~tba.runtime._oneshot.offload_activations` in ``tba/runtime/_oneshot.py``.
 ``with offload_activations(...)`` installs :func:`torch.autograd.graph.saved_tensors_hooks`.
 Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward and
 :meth:`Offloader.unpack` when backward needs it again. The data path:
@@ -21,7 +22,8 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
    when no storage is left and a one-shot context has exited, it gives its file, engine and read
    buffers back to the per-directory runtime (``tba/runtime/_shared.py``) for the next context.
 
-Without ``layers=``, the repeated blocks are found during forward (``tba/runtime/_discover.py``);
+Without ``layers=``, the repeated blocks are found during forward (``tba/runtime/_discover.py``)
+until the placement policy has learned them (``tba/runtime/_runner.py``), which then tags by them;
 without ``prefetch_budget_bytes=``, the read-ahead window sizes itself (``tba/runtime/_window.py``).
 
 Backward usually runs after the ``with`` block exits; everything stays valid for as long as the
@@ -43,7 +45,7 @@ from torch import nn
 
 from tba import _control
 from tba.allocator import detect as detect_allocator
-from tba.config import OffloadConfig, options_doc, signature_with_options
+from tba.config import OffloadConfig, signature_with_options
 from tba.device import DeviceOps, Routes, cuda_api, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
 from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
@@ -409,38 +411,4 @@ class Offloader(SavedTensorHooks):
             _shared.checkin(runtime)
 
 
-
-def offload_activations(directory: str | os.PathLike | None = None, *,
-                        layers: nn.Module | Sequence[nn.Module] | None = None,
-                        config: OffloadConfig | None = None, **options: Any) -> Offloader:
-    """Offload the activations autograd saves inside the ``with`` block to files in ``directory``.
-
-    Typical use: ``with tba.offload_activations(): loss = model(batch)``, then ``loss.backward()``.
-
-    Args:
-        directory: Where the spill file lives. None (default): ``$TBA_DIR``, else the system temp
-            directory. Created if missing.
-        layers: The model's repeated blocks (a list of modules), or a module to search for them.
-            None (default): found during the first forward. Used to tag storages for prefetch and
-            for placement policies; their parameters and buffers are never written.
-        config: A :class:`tba.OffloadConfig`; keywords given here override its fields.
-        **options: Any field of :class:`tba.OffloadConfig` (each also read from ``TBA_<NAME>``):
-{options}
-
-    The returned offloader is one-shot: it closes its file once backward has released every
-    saved tensor. To reuse one file across steps, build :class:`tba.Offloader` once and enter it
-    every step.
-
-    Returns:
-        The :class:`Offloader`; use it as a context manager and read ``.stats`` after backward.
-
-    Raises:
-        TbaConfigError: for an unknown option or an invalid value (at this line), or at the
-            ``with`` line for a directory that cannot be created or written.
-    """
-    return Offloader(directory, layers=layers, config=config, _reusable=False, **options)
-
-
-offload_activations.__doc__ = offload_activations.__doc__.format(options=options_doc(indent=12))
-offload_activations.__signature__ = signature_with_options(offload_activations)  # type: ignore[attr-defined]
 Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]
