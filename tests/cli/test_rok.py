@@ -52,8 +52,8 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
 
 
 def test_sweep_writes_csv_json_png_and_says_whether_each_budget_was_met(tmp_path, spill_dir):
-    result = sweep(f"{FACTORIES}:make_model", f"{FACTORIES}:make_big_batch", budget_fractions=[0.9, 0.001], steps=2,
-                   warmup=1, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
+    result = sweep(f"{FACTORIES}:make_model", f"{FACTORIES}:make_big_batch", budget_fractions=[0.9, 0.001], steps=1,
+                   warmup=0, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
     assert [p.label for p in result.points] == ["keep", "recompute", "offload", "adaptive 90%", "adaptive 0%"]
     assert all(p.losses_equal for p in result.points)
     keep, adaptive, refused = result.points[0], result.points[3], result.points[4]
