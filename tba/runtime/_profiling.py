@@ -13,7 +13,8 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   entered;
 * ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the samples;
   the largest storage is read from the offloader's live entries at the end of forward;
-* ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``) minus the
+* ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``), taken
+  :data:`tba.defaults.PEAK_HEADROOM` higher (peaks vary from step to step with the disk), minus the
   model's prediction for the profiled placement (offload-all at the window in force), never below
   zero: what the model leaves out (compute's transient buffers, gradients, allocator slack), added
   to every prediction. The calibration holds at the profiled window, not above it (a larger
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tba.defaults import PEAK_HEADROOM
 from tba.policy import OFFLOAD, LayerProfile, Profile, estimate
 
 
@@ -106,6 +108,7 @@ class Samples:
         if last.get("peak_bytes") is None:
             return profile
         window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
-        slack = max(0, last["peak_bytes"] - estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes)
+        measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
+        slack = max(0, measured - estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
