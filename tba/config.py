@@ -47,13 +47,18 @@ class OffloadConfig:
     backend: Any = _option("auto", _NAME, "I/O engine: auto (io_uring where the kernel allows it, else threads), "
                            "io_uring, threads, kvikio (CUDA tensors through kvikio.CuFile), a registered engine "
                            "name, or an Engine instance.")
-    policy: Any = _option("offload", _NAME, "Placement per layer: offload (every layer to disk), keep (nothing "
-                          "to disk), adaptive (profile, then keep/offload/recompute each layer to meet the goal), "
-                          "or a tba.Plan to pin. keep, adaptive and plans need the model's layers.")
-    memory_budget_bytes: int | None = _option(None, _SIZE, "Adaptive goal: at most this many activation bytes "
-                                              "(a size such as 2GiB), fastest placement first.", optional=True)
+    policy: Any = _option("adaptive", _NAME, "Placement per layer: adaptive (profile the first steps offloading "
+                          "everything, then keep, offload or recompute each layer of the found or given layers to "
+                          "meet the goal), offload (every layer to disk), keep (nothing to disk), or a tba.Plan to "
+                          "pin. keep and plans need layers=.")
+    memory_budget: int | None = _option(None, _SIZE, "Adaptive goal: at most this many activation bytes (an int "
+                                        "or a size such as 512M or 1.5GiB), fastest placement first; planning "
+                                        "fails with TbaConfigError when the model cannot fit.", optional=True)
+    memory_budget_bytes: int | None = _option(None, _SIZE, "The same as memory_budget (its older name).",
+                                              optional=True)
     overhead_bound: float | None = _option(None, _FLOAT, "Adaptive goal: least memory whose step time stays within "
-                                           "(1 + overhead_bound) x keep-all's.", optional=True)
+                                           "(1 + overhead_bound) x the fastest placement's. Without any goal: "
+                                           f"{defaults.ADAPTIVE_OVERHEAD_BOUND:g}.", optional=True)
     profile_steps: int = _option(defaults.PROFILE_STEPS, _COUNT, "Steps profiled (offloading everything) before "
                                  "the adaptive plan applies.")
     min_offload_bytes: int = _option(defaults.MIN_OFFLOAD_BYTES, _SIZE, "Storages smaller than this stay in memory.")
@@ -98,6 +103,9 @@ class OffloadConfig:
     def replace(self, **options: Any) -> OffloadConfig:
         """A copy with ``options`` changed (validated again)."""
         check_names(options)
+        for name, twin in (("memory_budget", "memory_budget_bytes"), ("memory_budget_bytes", "memory_budget")):
+            if name in options and twin not in options:  # one budget, under either name
+                options[twin] = None
         return dataclasses.replace(self, **options)
 
     def offloader_options(self) -> dict[str, Any]:
@@ -248,8 +256,8 @@ def _require(name: str, ok: bool, value: Any, expected: str) -> None:
 
 
 def _check_ranges(config: OffloadConfig) -> None:
-    for name in ("min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes", "memory_budget_bytes",
-                 "overhead_bound"):
+    for name in ("min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes", "memory_budget",
+                 "memory_budget_bytes", "overhead_bound"):
         value = getattr(config, name)
         if value is not None and value < 0:
             raise TbaConfigError(f"{name} must be >= 0, got {value}")
@@ -263,8 +271,13 @@ def _check_ranges(config: OffloadConfig) -> None:
     if config.staging_bytes < config.block_size_bytes:
         raise TbaConfigError(f"staging_bytes ({config.staging_bytes}) must hold at least one block of block_size_bytes "
                              f"({config.block_size_bytes}); raise staging_bytes or lower block_size_bytes")
-    if config.memory_budget_bytes is not None and config.overhead_bound is not None:
-        raise TbaConfigError("give one adaptive goal: memory_budget_bytes or overhead_bound, not both")
+    budgets = {config.memory_budget, config.memory_budget_bytes} - {None}
+    if len(budgets) > 1:
+        raise TbaConfigError(f"memory_budget ({config.memory_budget}) and memory_budget_bytes "
+                             f"({config.memory_budget_bytes}) differ; give one of them")
+    config.memory_budget = config.memory_budget_bytes = next(iter(budgets), None)
+    if config.memory_budget is not None and config.overhead_bound is not None:
+        raise TbaConfigError("give one adaptive goal: memory_budget or overhead_bound, not both")
 
 
 OffloadConfig.__doc__ = (OffloadConfig.__doc__ or "") + "\n\nFields (environment variable TBA_<NAME>):\n" + options_doc()

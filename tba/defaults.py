@@ -108,5 +108,17 @@ STAGING_BYTES = 256 * MIB
 PROFILE_STEPS = 2
 """Steps the adaptive policy profiles before it plans."""
 
-POLICIES = ("offload", "keep", "adaptive")
+ADAPTIVE_OVERHEAD_BOUND = 0.05
+"""The adaptive policy's goal when none is given: the least activation memory whose predicted step
+time is within ``1 + this`` of the fastest placement's (keep-all's)."""
+
+PEAK_HEADROOM = 0.10
+"""The adaptive planner takes a profiled step's measured activation peak this much higher when it
+calibrates its memory model: on a loaded 2-core VM later steps peaked up to 1.13x the calibrated
+prediction (the write backlog, and so the peak, varies with the disk's speed from step to step)."""
+
+BUDGET_MET_FACTOR = 1.05
+"""A memory budget counts as met when the measured activation peak is at most this times the budget."""
+
+POLICIES = ("adaptive", "offload", "keep")
 """Names accepted by ``policy=``; a :class:`tba.Plan` or :class:`tba.Policy` is accepted too."""

@@ -106,19 +106,25 @@ def loss_of(output: Any) -> torch.Tensor:
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
              device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
-             usage: str = "reusable") -> ModeResult:
+             usage: str = "reusable", memory_steps: int = 0) -> ModeResult:
     """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
     model = make_gpt(config, seed=seed)
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
                      backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads,
-                     compile_mode=compile_mode, usage=usage)
+                     compile_mode=compile_mode, usage=usage, memory_steps=memory_steps)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
               offload_options: dict[str, Any] | None = None, device: str = "cpu",
-              threads: int | None = None, compile_mode: str = "none", usage: str = "reusable") -> ModeResult:
-    """Train ``model`` (``model(*batch)`` returns the loss) for ``steps + warmup`` steps under ``mode``.
+              threads: int | None = None, compile_mode: str = "none", usage: str = "reusable",
+              memory_steps: int = 0) -> ModeResult:
+    """Train ``model`` (``model(*batch)`` returns the loss) for ``warmup + steps + memory_steps`` steps under ``mode``.
+
+    With ``memory_steps``, the activation peaks come from that many steps after the timed ones, each
+    started with the allocator's free memory handed back (``tba/_free_memory.py``), and not from the
+    timed steps: under a caching malloc a timed step that fits in memory freed by an earlier one
+    shows no growth of the resident set, while a step after a release pays page faults.
 
     ``threads`` sets torch's intra-op threads for the run (None: torch's default); ``compile_mode``
     is ``"none"`` or ``"per-block"`` (each of the model's repeated blocks under ``torch.compile``);
@@ -156,15 +162,16 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     if mode in ("adaptive", "offloaded_recompute") or (mode in ("tba", "tba-verify") and not bare):
         offloader = Offloader(directory, backend=backend, layers=model, **options)
     recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
-    peak_meter = CudaPeak if torch.device(device).type == "cuda" else PeakRSS
+    on_cuda = torch.device(device).type == "cuda"
     result = ModeResult(mode, [], [], [])
+    memory_peaks: list[int] = []
     with recompute:
-        for step in range(warmup + steps):
+        for step in range(warmup + steps + memory_steps):
             torch.manual_seed(seed + step)
             optimizer.zero_grad(set_to_none=False)
             held_before = offloader.pool_idle_bytes if offloader is not None else idle_pool_bytes() if bare else 0
-            held_before = held_before if peak_meter is PeakRSS else 0
-            with peak_meter() as peak:
+            held_before = 0 if on_cuda else held_before
+            with CudaPeak() if on_cuda else PeakRSS(release=step >= warmup + steps) as peak:
                 start = time.perf_counter()
                 if mode == "save_on_cpu":
                     with torch.autograd.graph.save_on_cpu(pin_memory=torch.device(device).type == "cuda"):
@@ -188,11 +195,17 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
             result.reserved_bytes = max(result.reserved_bytes, peak.reserved_bytes)
             result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
             del loss
-            if step >= warmup:
+            if step >= warmup + steps:
+                memory_peaks.append(peak.delta_bytes + held_before)
+            elif step >= warmup:
                 result.step_s.append(elapsed)
                 result.activation_peak_bytes.append(peak.delta_bytes + held_before)
+    if memory_peaks:
+        result.activation_peak_bytes = memory_peaks
     if bare_stats:
         result.offload_stats = _summed_stats([context.stats.as_dict() for context in bare_stats])
+        plan = bare_stats[-1].plan
+        result.plan = {**dataclasses.asdict(plan), "code": plan.code} if plan is not None else None
     if offloader is not None:
         offloader.close()
         result.offload_stats = offloader.stats.as_dict()

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from tba._free_memory import release_free_memory
 from tba.device import cuda_api
 
 # Note: [Why measured processes fix glibc's mmap threshold]
@@ -33,9 +34,14 @@ def _status_kib(field: str) -> int:
 
 
 class PeakRSS:
-    """Peak resident set size over a ``with`` block, minus the size at its start (bytes)."""
+    """Peak resident set size over a ``with`` block, minus the size at its start (bytes).
 
-    def __init__(self) -> None:
+    With ``release``, the allocator's cached free memory is handed back to the kernel first
+    (``tba/_free_memory.py``): otherwise a block that fits in memory freed earlier reads 0.
+    """
+
+    def __init__(self, release: bool = False) -> None:
+        self.release = release
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -45,6 +51,8 @@ class PeakRSS:
         self.delta_bytes = 0
 
     def __enter__(self) -> PeakRSS:
+        if self.release:
+            release_free_memory()
         if self._kernel_peak:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

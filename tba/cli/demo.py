@@ -1,10 +1,13 @@
 """Train a small built-in GPT on CPU with and without tba, and compare, under a caching malloc and under glibc's.
 
 Runs a few steps keep-all, then the same steps with tba, each in a fresh plain process (no malloc
-tuning), and prints the median step time, the activation peak (peak RSS during a step minus RSS
-before it, the worst step, the first included), the bytes written and read with their bandwidth,
-and whether the losses are identical. tba runs exactly as a new user writes it: a bare
-``with tba.offload_activations(directory=d):`` around each step's forward, nothing else passed.
+tuning), and prints the median step time of the measured steps, the activation peak (peak RSS
+during one more step minus RSS before it, the allocator's cached free memory handed back first:
+without that a caching malloc shows no growth once a step fits in memory freed by an earlier one),
+the bytes written and read with their bandwidth, and whether the losses are identical. tba runs
+exactly as a new user writes it: a bare ``with tba.offload_activations(directory=d):`` around each
+step's forward, nothing else passed, so adaptive: the three warm-up steps are its layer-finding
+step and its two profiled steps (keep-all runs them too), the measured steps follow its plan.
 
 Both modes run under ``--allocator`` (default ``auto``: the best caching allocator found, as
 ``python -m tba run`` picks it) and then again under the C library's malloc (``system``, glibc), so
@@ -31,7 +34,8 @@ logger = logging.getLogger("tba")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (default: small)")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per mode (default: 4)")
-    parser.add_argument("--warmup", type=int, default=0, help="unmeasured steps first (default: 0)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="unmeasured steps first (default: 3, the adaptive context's layer-finding and profiled steps)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
     parser.add_argument("--allocator", choices=CHOICES, default="auto",
@@ -61,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         for mode in ("keep", "tba"):
             logger.info("running %s: %d warm-up + %d measured steps in a fresh process ...", mode, args.warmup, args.steps)
             group.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup, directory=directory,
-                                      backend=args.backend, usage="bare", malloc_env=False, allocator=choice))
+                                      backend=args.backend, usage="bare", malloc_env=False, allocator=choice,
+                                      memory_steps=1))
         rows += comparison_rows(group, peak="max")
         results.append(group)
     print(format_table(rows))

@@ -4,11 +4,17 @@
 (non-reentrant checkpoint on every layer), offload-all (tba), offloaded recompute (every layer
 recomputed, its input written by tba), and tba's adaptive policy at
 several memory budgets. Each configuration runs in a fresh process (:func:`tba.bench.isolated.run_isolated`)
-and reports its median step time and activation peak: peak RSS during a step minus RSS before it
-on CPU, ``torch.cuda.max_memory_allocated`` minus what was allocated before the step (weights,
-gradients, optimiser state) on CUDA. Budgets are fractions of keep-all's measured peak unless
-given in MiB; the adaptive runs profile their first two steps (not measured) and then follow the
-plan, which is recorded with each point. Every configuration runs under the same malloc
+and reports its median step time over the timed steps and its activation peak over one more step:
+peak RSS during that step minus RSS before it, the allocator's cached free memory handed back
+first (``tba/_free_memory.py``; without it a caching malloc shows no growth once a step fits in
+memory freed by an earlier one), on CPU; ``torch.cuda.max_memory_allocated`` minus what was
+allocated before the step (weights, gradients, optimiser state) on CUDA. Budgets are fractions
+of keep-all's measured peak unless given in MiB; the adaptive runs profile their first two steps
+(not measured) and then follow the plan, which is recorded with each point. A budget is *met*
+when the measured peak is at most ``budget x`` :data:`tba.defaults.BUDGET_MET_FACTOR`; a budget
+the model cannot meet makes the adaptive run fail at planning, and its point says so (``met`` is
+``refused``, with the least the model needs). A keep-all peak under :data:`MIN_KEEP_PEAK_BYTES`
+is refused: ratios against it mean nothing. Every configuration runs under the same malloc
 (``--allocator``, default ``auto``: the best caching allocator found, see ``tba/allocator.py``),
 named in the header and in ``rok.json``.
 
@@ -21,9 +27,6 @@ more memory and less time). Python entry point for your own model: :func:`sweep`
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -38,56 +41,25 @@ from tba.bench.isolated import IsolatedRunError, run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
-from tba.cli._rok_plot import pareto_front, plot_png
-from tba.defaults import MIB
+from tba.cli._rok_points import CSV_FIELDS, RokPoint, RokResult, format_points, summarise, write
+from tba.defaults import BUDGET_MET_FACTOR, MIB
 from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
+__all__ = ["CSV_FIELDS", "BaselineTooSmall", "RokPoint", "RokResult", "format_points", "sweep"]
+
 DEFAULT_BUDGET_FRACTIONS = (0.75, 0.5, 0.3, 0.2, 0.1)
-BASELINES = (("keep", "keep"), ("recompute", "recompute"), ("offload", "tba"), ("offloaded_recompute", "offloaded_recompute"))
-CSV_FIELDS = ("strategy", "label", "budget_mib", "step_s", "activation_peak_mib", "step_ratio", "peak_ratio",
-              "losses_equal", "pareto", "plan", "window_mib", "predicted_step_s", "predicted_memory_mib")
+BASELINES = (("keep", "keep", None), ("recompute", "recompute", None), ("offload", "tba", {"policy": "offload"}),
+             ("offloaded_recompute", "offloaded_recompute", None))
+MIN_KEEP_PEAK_BYTES = 4 * MIB
+"""Keep-all's measured activation peak below this is refused (resident-set noise is about this size)."""
+MEMORY_STEPS = 1
+"""Steps measured for the activation peak, after the timed ones (``tba.bench.harness.run_steps``)."""
 
 
-@dataclasses.dataclass
-class RokPoint:
-    """One configuration's measurement. Seconds and bytes; ratios are against keep-all."""
-
-    strategy: str
-    label: str
-    step_s: float
-    activation_peak_bytes: int
-    step_ratio: float
-    peak_ratio: float
-    losses_equal: bool
-    budget_bytes: int | None = None
-    plan: dict[str, Any] | None = None
-    pareto: bool = False
-
-    def row(self) -> dict[str, Any]:
-        plan = self.plan or {}
-        return {
-            "strategy": self.strategy, "label": self.label,
-            "budget_mib": "" if self.budget_bytes is None else round(self.budget_bytes / MIB, 1),
-            "step_s": round(self.step_s, 4), "activation_peak_mib": round(self.activation_peak_bytes / MIB, 1),
-            "step_ratio": round(self.step_ratio, 3), "peak_ratio": round(self.peak_ratio, 3),
-            "losses_equal": self.losses_equal, "pareto": self.pareto, "plan": plan.get("code", ""),
-            "window_mib": round(plan["window_bytes"] / MIB, 1) if plan else "",
-            "predicted_step_s": round(plan["predicted_step_s"], 4) if plan else "",
-            "predicted_memory_mib": round(plan["predicted_memory_bytes"] / MIB, 1) if plan else "",
-        }
-
-
-@dataclasses.dataclass
-class RokResult:
-    """All points, whether adaptive dominates full recompute, the files written and the malloc measured under."""
-
-    points: list[RokPoint]
-    adaptive_dominates_recompute: bool
-    dominating: list[str]
-    files: list[str]
-    allocator: str = ""
+class BaselineTooSmall(ValueError):
+    """Keep-all's activation peak is too small to measure the others against."""
 
 
 def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callable[[], Any] | str | None = None, *,
@@ -124,21 +96,30 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
     model_args: dict[str, Any] = {} if preset else {"model_factory": make_model, "batch_factory": make_batch}
     _, malloc = launch_env(allocator)
     common = dict(steps=steps, warmup=warmup, directory=directory, backend=backend, device=device, threads=threads,
-                  allocator=allocator, **model_args)
+                  allocator=allocator, memory_steps=MEMORY_STEPS, **model_args)
     budget_count = len(budgets_bytes) if budgets_bytes is not None else len(budget_fractions)
     bar = Progress(len(BASELINES) + budget_count, enabled=progress)
     results: list[tuple[str, str, int | None, ModeResult]] = []
 
     def measure(strategy: str, label: str, budget: int | None, mode: str, **options: Any) -> RokResult:
-        results.append((strategy, label, budget, run_isolated(mode, preset, **options, **common)))
-        summary = _summarise(results, malloc)
+        try:
+            results.append((strategy, label, budget, run_isolated(mode, preset, **options, **common)))
+        except IsolatedRunError as err:
+            if "TbaConfigError" not in err.reason or "cannot be met" not in err.reason:
+                raise
+            results.append((strategy, label, budget, err.reason.partition("TbaConfigError: ")[2]))
+        if strategy == "keep" and results[0][3].median_peak_bytes < MIN_KEEP_PEAK_BYTES:
+            raise BaselineTooSmall(
+                f"keep-all's activation peak measured {results[0][3].median_peak_bytes / MIB:.1f} MiB, too small to "
+                f"compare against (under {MIN_KEEP_PEAK_BYTES / MIB:.0f} MiB); use a larger --preset or model")
+        summary = summarise(results, malloc)
         if out_dir is not None:  # each point is on disk as soon as it is measured
-            summary.files = _write(summary, out_dir, False, title=title, device=device)
+            summary.files = write(summary, out_dir, False, title=title, device=device)
         return summary
 
-    for strategy, mode in BASELINES:
+    for strategy, mode, options in BASELINES:
         bar.update(strategy)
-        out = measure(strategy, strategy, None, mode)
+        out = measure(strategy, strategy, None, mode, offload_options=options)
     keep = results[0][3]
     if budgets_bytes is None:
         budgets = [(f"adaptive {f:.0%}", int(f * keep.median_peak_bytes)) for f in budget_fractions]
@@ -149,7 +130,7 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
         out = measure("adaptive", label, budget, "adaptive", offload_options={"memory_budget_bytes": budget})
     bar.done()
     if out_dir is not None:
-        out.files = _write(out, out_dir, plot, title=title, device=device)
+        out.files = write(out, out_dir, plot, title=title, device=device)
     return out
 
 
@@ -177,69 +158,8 @@ def check_setup(out_dir: str | None, device: str) -> None:
         raise ValueError(f"--out {out_dir} is not writable; pass a writable directory")
 
 
-def _summarise(results: list[tuple[str, str, int | None, ModeResult]], malloc: str) -> RokResult:
-    """Points, Pareto front and domination over the configurations measured so far (keep first)."""
-    keep = results[0][3]
-    points = [_point(strategy, label, budget, result, keep) for strategy, label, budget, result in results]
-    for point in pareto_front(points):
-        point.pareto = True
-    recompute = points[1] if len(points) > 1 else None
-    dominating = [p.label for p in points if recompute is not None and p.strategy == "adaptive"
-                  and p.step_s < recompute.step_s and p.activation_peak_bytes <= recompute.activation_peak_bytes]
-    return RokResult(points, bool(dominating), dominating, [], malloc)
-
-
 def factory_title(make_model: Any) -> str:
     return make_model if isinstance(make_model, str) else getattr(make_model, "__qualname__", "model")
-
-
-def _point(strategy: str, label: str, budget: int | None, result: ModeResult, keep: ModeResult) -> RokPoint:
-    return RokPoint(
-        strategy=strategy, label=label, step_s=result.median_step_s,
-        activation_peak_bytes=result.median_peak_bytes,
-        step_ratio=result.median_step_s / keep.median_step_s,
-        peak_ratio=result.median_peak_bytes / keep.median_peak_bytes if keep.median_peak_bytes else float("nan"),
-        losses_equal=_same_losses(result.losses, keep.losses), budget_bytes=budget, plan=result.plan,
-    )
-
-
-def _same_losses(losses: list[float], reference: list[float]) -> bool:
-    """Step ``i`` has the same seed and weights in every run, so losses compare over the common steps."""
-    common = min(len(losses), len(reference))
-    return common > 0 and losses[:common] == reference[:common]
-
-
-def _write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: str) -> list[str]:
-    files = [os.path.join(out_dir, "rok.csv"), os.path.join(out_dir, "rok.json")]
-    with open(files[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(p.row() for p in result.points)
-    with open(files[1], "w") as f:
-        json.dump({"model": title, "device": device, "allocator": result.allocator,
-                   "points": [dataclasses.asdict(p) for p in result.points],
-                   "adaptive_dominates_recompute": result.adaptive_dominates_recompute,
-                   "dominating": result.dominating}, f, indent=2)
-    if plot:
-        png = os.path.join(out_dir, "rok.png")
-        if plot_png(result.points, png, title=f"ROK curve: {title} on {device}"):
-            files.append(png)
-        else:
-            logger.warning("tba: matplotlib is not installed, so no rok.png; pip install 'tba-offload[plot]' to get it")
-    return files
-
-
-def format_points(points: Sequence[RokPoint]) -> str:
-    """The points as an aligned table."""
-    header = (f"{'label':<18} {'step s':>7} {'x keep':>6} {'act peak MiB':>12} {'x keep':>6} {'same loss':>9} "
-              f"{'pareto':>6} {'plan':>10} {'window MiB':>10}")
-    lines = [header, "-" * len(header)]
-    for point in points:
-        row = point.row()
-        lines.append(f"{point.label:<18} {point.step_s:>7.3f} {point.step_ratio:>6.2f} {row['activation_peak_mib']:>12.1f} "
-                     f"{point.peak_ratio:>6.2f} {'yes' if point.losses_equal else 'NO':>9} "
-                     f"{'*' if point.pareto else '':>6} {row['plan']:>10} {str(row['window_mib']):>10}")
-    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
                        steps=args.steps, warmup=args.warmup, directory=args.directory, backend=args.backend,
                        device=args.device, threads=args.threads, out_dir=args.out,
                        plot=not args.no_plot, progress=not args.quiet, allocator=args.allocator)
+    except BaselineTooSmall as err:
+        cli_checks.usage_error("rok", str(err))
     except IsolatedRunError as err:
         logger.debug("%s", err.stderr)
         cli_checks.usage_error("rok", f"the {err.mode} run failed: {err.reason} (partial results, if any, are in "
@@ -298,5 +220,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_points(result.points))
     print(f"\nadaptive dominates full recompute (no more memory, less time): "
           f"{'yes: ' + ', '.join(result.dominating) if result.dominating else 'no'}")
+    budgets = [p for p in result.points if p.budget_bytes is not None]
+    print(f"budgets met (peak <= {BUDGET_MET_FACTOR:g} x budget): {sum(p.budget_met == 'yes' for p in budgets)} of "
+          f"{len(budgets)}; refused at planning (cannot be met): {sum(bool(p.refused) for p in budgets)}")
     print("wrote " + ", ".join(result.files))
     return 0 if all(p.losses_equal for p in result.points) else 1

@@ -198,7 +198,7 @@ class TbaDeepSpeed:
             self._made_directory = settings.directory
         try:
             self.offloader = Offloader(settings.directory, layers=engine.module if layers is None else layers,
-                                       **settings.offloader_options)
+                                       **{"policy": settings.policy, **settings.offloader_options})
         except TbaConfigError as err:
             raise _block_error(str(err)) from err
         self._check_pending = bool(settings.check_bandwidth and settings.nvme_path is not None

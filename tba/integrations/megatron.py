@@ -53,7 +53,7 @@ UNSUPPORTED_RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj")
 """Selective-recompute modules that use ``CheckpointWithoutOutput``: it frees its output's storage
 (``resize_(0)``) right after use, which tba may still be writing, and refills it in backward."""
 
-FLAG_NAMES = {"directory": "--tba-dir", "memory_budget_bytes": "--tba-memory-budget"}
+FLAG_NAMES = {"directory": "--tba-dir", "memory_budget": "--tba-memory-budget"}
 """Flags whose name is not ``--tba-`` plus the option's name with dashes."""
 
 
@@ -83,8 +83,9 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-_NOT_FLAGS = ("profile_steps",)
-"""Options without a flag: profiling length is tba's business under Megatron."""
+_NOT_FLAGS = ("profile_steps", "memory_budget_bytes")
+"""Options without a flag: profiling length is tba's business under Megatron; ``--tba-memory-budget``
+is ``memory_budget`` (``memory_budget_bytes`` is its older name)."""
 
 
 def _flag_value(name: str, text: str) -> Any:
@@ -225,8 +226,9 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
     if not getattr(args, "tba_offload_activations", False):
         return None
     flags = options_from_args(args)
+    flags.setdefault("policy", "offload")  # under Megatron tba offloads unless told to plan (its recompute may be on)
     adaptive = flags.get("policy") == "adaptive"
-    if adaptive != ("memory_budget_bytes" in flags or "overhead_bound" in flags):
+    if adaptive != ("memory_budget" in flags or "overhead_bound" in flags):
         raise TbaConfigError(
             "--tba-policy adaptive and its goal (--tba-memory-budget or --tba-overhead-bound) go together "
             "(use --tba-policy offload without a goal to write every activation)")

@@ -4,11 +4,14 @@
 model in :mod:`tba.policy._model`. Two goals:
 
 * ``memory_budget_bytes=N``: the fastest placement whose predicted activation peak is at most
-  ``N`` bytes;
+  ``N`` bytes. A budget is a contract: when no placement fits, planning raises
+  :class:`~tba.errors.TbaConfigError` naming the least the model needs (the placement with the
+  least predicted memory, transient buffers measured during profiling included);
 * ``overhead_bound=x``: the placement with the least predicted activation peak whose predicted
-  step time is at most ``(1 + x)`` times keep-all's.
+  step time is at most ``(1 + x)`` times the fastest placement's (keep-all's, in this model).
+  Without a goal, ``x`` is :data:`tba.defaults.ADAPTIVE_OVERHEAD_BOUND`.
 
-The search space is every placement of the shape ``O^a R^r K^k`` (``a + r + k = L``): offload
+The search space is every placement :func:`~tba.policy._plan.shapes` lists, such as ``O^a R^r K^k`` (``a + r + k = L``): offload
 the first ``a`` layers (they have the most forward time ahead to hide their writes), recompute the
 next ``r`` (their I/O could not hide and their memory is still over budget), keep the last ``k``
 (backward needs them first, so keeping them costs no I/O). ``k = L - a, r = 0`` with the largest
@@ -16,9 +19,8 @@ next ``r`` (their I/O could not hide and their memory is still over budget), kee
 ``P`` is chosen too: with a memory budget, the largest window (at most the offloader's prefetch
 budget, at least two of the largest storage) that fits; with an overhead bound, the smallest window
 that meets the bound (binary search on MiB; predicted time never grows with ``P``), ties going to
-the faster placement, then the one moving fewer bytes. When no placement reaches
-the goal, the plan with the least memory (memory goal) or the least time (overhead goal) is
-returned with ``fits=False``, and a warning is logged. Among equally fast placements within a
+the faster placement, then the one moving fewer bytes. When no placement reaches an overhead
+bound, the fastest plan is returned with ``fits=False``, and a warning is logged. Among equally fast placements within a
 memory budget the one moving the fewest bytes wins (I/O competes for memory bandwidth and CPU,
 which the model leaves out), then the one with less memory.
 
@@ -31,7 +33,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tba.defaults import MIB
+from tba.defaults import ADAPTIVE_OVERHEAD_BOUND, MIB
+from tba.errors import TbaConfigError
 from tba.policy._model import OFFLOAD, RECOMPUTE, estimate
 from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes, shapes
 from tba.policy._profile import Profile
@@ -52,9 +55,9 @@ Rank = Callable[[tuple[str, ...], int, int], tuple[Candidate, "Candidate | None"
 when it meets the goal (else None)."""
 
 
-def _search(profile: Profile, goal: str, rank: Rank, warning: Callable[[], None]) -> Plan:
+def _search(profile: Profile, goal: str, rank: Rank, warning: Callable[[Plan], None]) -> Plan:
     """The lowest candidate over every placement shape that meets the goal; when none does, after
-    ``warning()``, the lowest fallback, marked as not fitting."""
+    ``warning(lowest fallback)``, that fallback, marked as not fitting."""
     low, high = min_window_bytes(profile), profile.max_window_bytes
     best: Candidate | None = None
     fallback: Candidate | None = None
@@ -65,8 +68,9 @@ def _search(profile: Profile, goal: str, rank: Rank, warning: Callable[[], None]
             best = _lower(best, met)
     if best is not None:
         return _plan_of(profile, best[1], best[2], goal)
-    warning()
-    return _plan_of(profile, fallback[1], fallback[2], goal, fits=False)
+    closest = _plan_of(profile, fallback[1], fallback[2], goal, fits=False)
+    warning(closest)
+    return closest
 
 
 class Adaptive(Policy):
@@ -74,15 +78,18 @@ class Adaptive(Policy):
 
     Args:
         memory_budget_bytes: Use at most this many activation bytes, as fast as possible.
-        overhead_bound: Least memory with step time within ``(1 + overhead_bound)`` of keep-all.
-            Exactly one of the two must be given.
+        overhead_bound: Least memory with step time within ``(1 + overhead_bound)`` of the fastest
+            placement. At most one of the two; neither: ``overhead_bound`` =
+            :data:`~tba.defaults.ADAPTIVE_OVERHEAD_BOUND`.
     """
 
     name = "adaptive"
 
     def __init__(self, *, memory_budget_bytes: int | None = None, overhead_bound: float | None = None) -> None:
-        if (memory_budget_bytes is None) == (overhead_bound is None):
-            raise ValueError("give exactly one goal: memory_budget_bytes=N or overhead_bound=x")
+        if memory_budget_bytes is not None and overhead_bound is not None:
+            raise ValueError("give one goal: memory_budget_bytes=N or overhead_bound=x, not both")
+        if memory_budget_bytes is None and overhead_bound is None:
+            overhead_bound = ADAPTIVE_OVERHEAD_BOUND
         if memory_budget_bytes is not None and memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {memory_budget_bytes}")
         if overhead_bound is not None and overhead_bound < 0:
@@ -105,8 +112,15 @@ class Adaptive(Policy):
             key = (round(cost.step_s, 9), _io_bytes(profile, decisions), cost.memory_bytes, decisions.count(RECOMPUTE))
             return (least, decisions, window), (key, decisions, window)
 
-        return _search(profile, f"memory_budget_bytes={budget}", rank, lambda: logger.warning(
-            "tba: no placement fits memory_budget_bytes=%d; using the one with the least memory", budget))
+        def refuse(least: Plan) -> None:
+            slack = profile.memory_slack_bytes
+            raise TbaConfigError(
+                f"memory_budget={budget / MIB:.1f} MiB cannot be met: this model needs at least "
+                f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}"
+                f"{f', {slack / MIB:.1f} MiB of it transient buffers measured while profiling' if slack else ''}); "
+                "raise memory_budget, or lower the batch size or sequence length")
+
+        return _search(profile, f"memory_budget_bytes={budget}", rank, refuse)
 
     @staticmethod
     def _largest_window(profile: Profile, decisions: tuple[str, ...], budget: int, low: int, high: int) -> int | None:
@@ -128,25 +142,27 @@ class Adaptive(Policy):
         def rank(decisions: tuple[str, ...], low: int, high: int) -> tuple[Candidate, Candidate | None]:
             cost = estimate(profile, decisions, high)
             fastest = ((round(cost.step_s, 9), cost.memory_bytes), decisions, high)
-            if cost.overhead > bound + 1e-9:
+            if cost.step_s > (1 + bound) * floor + 1e-9:
                 return fastest, None
-            window = self._smallest_window(profile, decisions, bound, low, high)
+            window = self._smallest_window(profile, decisions, (1 + bound) * floor, low, high)
             cost = estimate(profile, decisions, window)
             key = (cost.memory_bytes, round(cost.step_s, 9), _io_bytes(profile, decisions), decisions.count(RECOMPUTE))
             return fastest, (key, decisions, window)
 
-        return _search(profile, f"overhead_bound={bound:g}", rank, lambda: logger.warning(
+        floor = min(estimate(profile, decisions, profile.max_window_bytes).step_s
+                    for decisions in shapes(len(profile.layers)))
+        return _search(profile, f"overhead_bound={bound:g}", rank, lambda _: logger.warning(
             "tba: no placement is within overhead_bound=%g; using the fastest one", bound))
 
     @staticmethod
-    def _smallest_window(profile: Profile, decisions: tuple[str, ...], bound: float, low: int, high: int) -> int:
-        """The smallest window (MiB steps) in ``[low, high]`` whose predicted overhead is within ``bound``."""
-        if OFFLOAD not in decisions or estimate(profile, decisions, low).overhead <= bound + 1e-9:
+    def _smallest_window(profile: Profile, decisions: tuple[str, ...], limit_s: float, low: int, high: int) -> int:
+        """The smallest window (MiB steps) in ``[low, high]`` whose predicted step time is within ``limit_s``."""
+        if OFFLOAD not in decisions or estimate(profile, decisions, low).step_s <= limit_s + 1e-9:
             return low if OFFLOAD in decisions else high
         lo, hi = low // MIB + 1, -(-high // MIB)
         while lo < hi:
             mid = (lo + hi) // 2
-            if estimate(profile, decisions, min(mid * MIB, high)).overhead <= bound + 1e-9:
+            if estimate(profile, decisions, min(mid * MIB, high)).step_s <= limit_s + 1e-9:
                 hi = mid
             else:
                 lo = mid + 1
@@ -159,9 +175,11 @@ def plan(profile: Profile, *, memory_budget_bytes: int | None = None, overhead_b
     Args:
         profile: Measured (:class:`~tba.policy._runner.PolicyRunner` builds one) or synthetic.
         memory_budget_bytes: Fastest placement using at most this many activation bytes.
-        overhead_bound: Least-memory placement within ``(1 + overhead_bound)`` x keep-all time.
+        overhead_bound: Least-memory placement within ``(1 + overhead_bound)`` x the fastest
+            placement's time. Neither: the default goal (module docstring).
 
     Raises:
-        ValueError: neither or both goals, or a negative one.
+        ValueError: both goals, or a negative one.
+        TbaConfigError: no placement fits ``memory_budget_bytes``.
     """
     return Adaptive(memory_budget_bytes=memory_budget_bytes, overhead_bound=overhead_bound).plan(profile)

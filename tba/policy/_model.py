@@ -58,6 +58,9 @@ An ``R`` layer's input stays in memory from its forward to its backward (as unde
 checkpoint); an ``S`` layer's goes to the spill file, so between forward and backward the layer
 holds nothing beyond the write backlog and the window. ``S`` costs the recomputation plus reading
 ``x_i``, which is hidden behind the backward of the layers above it like an offloaded layer's read.
+The profile's ``memory_slack_bytes`` (measured peak minus this model's prediction for the
+profiled steps: compute's transient buffers, gradients, allocator slack) is added to every
+prediction.
 """
 
 from __future__ import annotations
@@ -245,7 +248,7 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
     return Estimate(
         step_s=forward_end + backward,
         keep_step_s=keep_step,
-        memory_bytes=_memory(profile, decisions, window, backlog),
+        memory_bytes=_memory(profile, decisions, window, backlog) + profile.memory_slack_bytes,
         read_stall_s=max(0.0, backward - compute),
         backlog_bytes=backlog,
         hidden_writes=hidden,

@@ -55,6 +55,9 @@ class Profile:
         max_storage_bytes: The largest single saved storage (a prefetch window must hold one).
         prefetch_depth_layers: Layers read ahead in backward, as configured on the offloader.
         max_window_bytes: The offloader's prefetch budget; a plan never sets a larger window.
+        memory_slack_bytes: Measured activation peak of the profiled steps minus the model's
+            prediction for them (never negative): transient buffers and allocator slack the model
+            leaves out, added to every memory prediction.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -63,6 +66,7 @@ class Profile:
     max_storage_bytes: int = 0
     prefetch_depth_layers: int = 1
     max_window_bytes: int = POLICY_MAX_WINDOW_BYTES
+    memory_slack_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -1,19 +1,22 @@
 """The saved-tensor path: what happens to each tensor autograd saves inside an offload context.
 
-``_offloader.py`` holds :class:`~tba.Offloader`'s life (entry, exit, close) and ``_hooks.py`` its
+``_offloader.py`` holds :class:`~tba.Offloader`'s life (entry, exit, close), ``_oneshot.py`` the
+one-shot context and ``_hooks.py`` its
 hooks (pack decides keep or offload, unpack rebuilds the tensor); ``_views.py`` the saved views
 and the per-storage entry; ``_store.py`` the entries' I/O and lifetime (dedup by storage, writes,
 reads, release); ``_prefetch.py`` the window of storages read ahead during backward;
 ``_layers.py`` which layer is running; ``_recompute.py`` the checkpoint wrapper of recomputed
 layers; ``_stats.py`` the counters; ``_keep.py`` the reasons a tensor stays in memory;
-``_runner.py`` and ``_timer.py`` profile steps and apply a placement plan. Bytes reach the file
+``_runner.py``, ``_profiling.py``, ``_timer.py`` and ``_peak.py`` profile steps (time and
+measured activation peak) and apply a placement plan. Bytes reach the file
 through a device route (:mod:`tba.device`) and an engine (:mod:`tba.io`).
 """
 
 from tba.runtime._compile import compile_blocks
 from tba.runtime._keep import KeepReason, keep_in_memory
 from tba.runtime._layers import find_layers, resolve_layers
-from tba.runtime._offloader import Offloader, offload_activations
+from tba.runtime._offloader import Offloader
+from tba.runtime._oneshot import offload_activations
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._runner import PolicyRunner, StepCounters, StepPlacement
 from tba.runtime._shared import idle_pool_bytes, shutdown

@@ -1,7 +1,8 @@
 """The offload context: saved-tensor hooks that move activations to a file and back.
 
 This module holds the offloader's life (options, entry, exit, close); its hooks, the per-tensor
-hot path, are in ``tba/runtime/_hooks.py``.
+hot path, are in ``tba/runtime/_hooks.py``, and the one-shot context
+:func:`~tba.runtime._oneshot.offload_activations` in ``tba/runtime/_oneshot.py``.
 ``with offload_activations(...)`` installs :func:`torch.autograd.graph.saved_tensors_hooks`.
 Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward and
 :meth:`Offloader.unpack` when backward needs it again. The data path:
@@ -21,7 +22,8 @@ Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward a
    when no storage is left and a one-shot context has exited, it gives its file, engine and read
    buffers back to the per-directory runtime (``tba/runtime/_shared.py``) for the next context.
 
-Without ``layers=``, the repeated blocks are found during forward (``tba/runtime/_discover.py``);
+Without ``layers=``, the repeated blocks are found during forward (``tba/runtime/_discover.py``)
+until the placement policy has learned them (``tba/runtime/_runner.py``), which then tags by them;
 without ``prefetch_budget_bytes=``, the read-ahead window sizes itself (``tba/runtime/_window.py``).
 
 Backward usually runs after the ``with`` block exits; everything stays valid for as long as the
@@ -43,7 +45,7 @@ from torch import nn
 
 from tba import _control
 from tba.allocator import detect as detect_allocator
-from tba.config import OffloadConfig, options_doc, signature_with_options
+from tba.config import OffloadConfig, signature_with_options
 from tba.device import DeviceOps, Routes, cuda_api, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
 from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
@@ -106,7 +108,9 @@ class Offloader(SavedTensorHooks):
         self.prefetch_budget_bytes = config.prefetch_budget_bytes
         self.reusable = _reusable
         self.layers = resolve_layers(layers)
-        self._discovery = LayerDiscovery() if layers is None else None
+        self._finder = LayerDiscovery() if layers is None else None
+        self._discovery = self._finder
+        """The finder while it runs in this step (it stops once the placement policy has learned the layers)."""
         self._shared_key = (None if _reusable or isinstance(self.backend, Engine) or _device_ops is not None else
                             _shared.runtime_key(self.directory, self.backend, self.direct_io, self.queue_depth,
                                                 self.block_size_bytes, self.staging_bytes,
@@ -124,7 +128,7 @@ class Offloader(SavedTensorHooks):
         self._stats_base: OffloadStats | None = None
         self._tracker = LayerTracker(self.layers)
         self._state_keys = state_storage_keys(self.layers)
-        self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable,
+        self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable, directory=self.directory,
                                            memory_budget_bytes=config.memory_budget_bytes,
                                            overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
                                            prefetch_depth_layers=config.prefetch_depth_layers,
@@ -142,7 +146,7 @@ class Offloader(SavedTensorHooks):
     @property
     def discovered_layers(self) -> list[nn.Module]:
         """The repeated blocks found during the last forward when ``layers`` was not given (else empty)."""
-        return self._discovery.layers if self._discovery is not None else []
+        return self._finder.layers if self._finder is not None else []
 
     @property
     def prefetch_window_bytes(self) -> int:
@@ -246,7 +250,7 @@ class Offloader(SavedTensorHooks):
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
-            self._apply(self.policy_runner.enter(self._counters))
+            self._apply(self.policy_runner.enter(self._counters, lambda keep: setattr(self, "keep_layers", set(keep))))
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)
@@ -259,9 +263,16 @@ class Offloader(SavedTensorHooks):
         self._store.update_stats()
         stats = self._stats
         return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
-                            stats.bytes_read, stats.read_busy_s)
+                            stats.bytes_read, stats.read_busy_s, self._store.read_pool.idle_bytes,
+                            self._store.window.budget_bytes)
 
     def _apply(self, placement: StepPlacement) -> None:
+        if placement.layers is not None and self._finder is not None:
+            if [id(layer) for layer in placement.layers] != [id(layer) for layer in self._tracker.layers]:
+                self._tracker = LayerTracker(placement.layers)
+                self._state_keys = state_storage_keys(placement.layers)
+                self._finder.layers = list(placement.layers) or self._finder.layers
+            self._discovery = None if placement.layers else self._finder
         if placement.keep_layers is not None:
             self.keep_layers = set(placement.keep_layers)
         if placement.window_bytes is not None:
@@ -350,13 +361,15 @@ class Offloader(SavedTensorHooks):
         self._claim = None
         self._forked_mid_block = False
         self._tracker.detach()
+        found = None
         if self._discovery is not None:
             self._discovery.detach()
-            self._discovery.finish()
+            found = self._discovery.finish()
             self._discovery.retag(self.layer_saved_bytes)
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
-        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes)
+        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
+                                self._store.window.budget_bytes)
         if self._phase is _Phase.CLOSED:
             return
         if failed:
@@ -398,38 +411,4 @@ class Offloader(SavedTensorHooks):
             _shared.checkin(runtime)
 
 
-
-def offload_activations(directory: str | os.PathLike | None = None, *,
-                        layers: nn.Module | Sequence[nn.Module] | None = None,
-                        config: OffloadConfig | None = None, **options: Any) -> Offloader:
-    """Offload the activations autograd saves inside the ``with`` block to files in ``directory``.
-
-    Typical use: ``with tba.offload_activations(): loss = model(batch)``, then ``loss.backward()``.
-
-    Args:
-        directory: Where the spill file lives. None (default): ``$TBA_DIR``, else the system temp
-            directory. Created if missing.
-        layers: The model's repeated blocks (a list of modules), or a module to search for them.
-            None (default): found during the first forward. Used to tag storages for prefetch and
-            for placement policies; their parameters and buffers are never written.
-        config: A :class:`tba.OffloadConfig`; keywords given here override its fields.
-        **options: Any field of :class:`tba.OffloadConfig` (each also read from ``TBA_<NAME>``):
-{options}
-
-    The returned offloader is one-shot: it closes its file once backward has released every
-    saved tensor. To reuse one file across steps, build :class:`tba.Offloader` once and enter it
-    every step.
-
-    Returns:
-        The :class:`Offloader`; use it as a context manager and read ``.stats`` after backward.
-
-    Raises:
-        TbaConfigError: for an unknown option or an invalid value (at this line), or at the
-            ``with`` line for a directory that cannot be created or written.
-    """
-    return Offloader(directory, layers=layers, config=config, _reusable=False, **options)
-
-
-offload_activations.__doc__ = offload_activations.__doc__.format(options=options_doc(indent=12))
-offload_activations.__signature__ = signature_with_options(offload_activations)  # type: ignore[attr-defined]
 Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]

@@ -2,30 +2,40 @@
 
 A :class:`PolicyRunner` is called by the offloader when it is entered (``enter``) and exited
 (``exit``). It never touches the offloader: ``enter`` reads the offloader's counters through one
-:class:`StepCounters` snapshot and returns a :class:`StepPlacement` (kept layers, window) that the
-offloader applies; ``exit`` is told whether the step failed and how large the largest live
-storage is. For ``policy="adaptive"`` the first ``profile_steps`` steps run offload-all while a
-:class:`~tba.runtime._timer.LayerTimer` times every layer; at the next ``enter`` (backward of the
-last profiled step has run by then) the runner builds a :class:`tba.policy.Profile`:
+:class:`~tba.runtime._profiling.StepCounters` snapshot and returns a :class:`StepPlacement` (the
+layers to tag, kept layers, window) that the offloader applies; ``exit`` is told whether the step
+failed, how large the largest live storage is and, while the runner has no layers yet, which
+layers the offloader found during that forward (``tba/runtime/_discover.py``).
 
-* ``f_i``, ``b_i``: the minimum over the profiled steps (noise from other work only adds time);
-* ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last profiled step; the last
-  layer's count includes what runs after it (the head and loss), since tba tags storages with the
-  last layer entered;
-* ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the profiled
-  steps; the largest storage is read from the offloader's live entries at the end of forward.
+For ``policy="adaptive"`` (the default):
 
-It then calls :func:`tba.policy.plan`, logs the plan, and from then on applies it every step:
-kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
-checkpoint (:class:`~tba.runtime._recompute.RecomputeLayers`) from ``enter`` to ``exit`` (checkpoint keeps
-the original forward for backward, so the wrapper can go at exit), and the prefetch window becomes
-the plan's. Tensors saved inside a recomputed layer never reach tba (checkpoint's own hooks take
-them); an ``offloaded_recompute`` layer's inputs, saved by checkpoint, go through tba like any
-other tensor, a ``recompute`` layer's stay in memory (Note [Hook nesting of a recomputed layer]).
+1. Without ``layers=``, the first step offloads everything while the offloader finds the layers;
+   the runner keeps them (weakly) and hands them back at every entry, so from then on storages are
+   tagged by a :class:`~tba.runtime._layers.LayerTracker`, which is what a plan needs.
+2. The next ``profile_steps`` steps offload everything (the placement with the least memory, so
+   no early step peaks above a later one) and are profiled (``tba/runtime/_profiling.py``).
+3. At the next entry the runner plans (:func:`tba.policy.plan`) and from then on applies the plan:
+   kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
+   checkpoint (:class:`~tba.runtime._recompute.RecomputeLayers`) from ``enter`` to ``exit``
+   (checkpoint keeps the original forward for backward, so the wrapper can go at exit), and the
+   prefetch window becomes the plan's. Tensors saved inside a recomputed layer never reach tba
+   (checkpoint's own hooks take them); an ``offloaded_recompute`` layer's inputs, saved by
+   checkpoint, go through tba like any other tensor, a ``recompute`` layer's stay in memory (Note
+   [Hook nesting of a recomputed layer]). A memory budget the model cannot meet raises
+   :class:`~tba.errors.TbaConfigError` at that entry, naming the least the model needs.
 
-``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared:
-a weak-keyed registry maps the first layer module and the goal to the runner, which holds its
-layers only weakly, so the runner lives exactly as long as the model and never touches it.
+Each input shape (see :func:`~tba.runtime._profiling.signature`) has its own profile and plan. A
+forward pre-hook on the first layer reads the shape; when it is not the one the step was entered
+with, the step falls back, from that layer on, to offloading everything (no layer kept, the
+recompute wrappers of the layers not yet run removed), which is exact under any plan and uses the
+least memory, and the next entry applies the plan of the new shape or profiles it. A forward that
+runs none of the runner's layers (another model in the same context) makes the runner forget them
+and find them again.
+
+``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared: a
+weak-keyed registry maps the first layer module and the goal to the runner (with ``layers=``), a
+plain one maps the spill directory and the goal to it (without); the runner holds its layers
+only weakly, so it lives no longer than needed and never keeps a model alive.
 """
 
 from __future__ import annotations
@@ -36,28 +46,23 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import Adaptive, LayerProfile, Placement, Plan, Policy, Profile
+from tba.policy import Adaptive, Placement, Plan, Policy, Profile
+from tba.runtime._peak import StepPeak
+from tba.runtime._profiling import Samples, StepCounters, signature
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._timer import LayerTimer
 
 logger = logging.getLogger("tba")
 
 _SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
+_SHARED_BARE_RUNNERS: dict[tuple, PolicyRunner] = {}
 
-
-@dataclasses.dataclass(frozen=True)
-class StepCounters:
-    """What an offloader has counted so far (summed over steps): the runner's only view of it."""
-
-    layer_saved_bytes: dict[int | None, int]
-    bytes_written: int
-    write_busy_s: float
-    bytes_read: int
-    read_busy_s: float
+__all__ = ["PolicyRunner", "StepCounters", "StepPlacement", "shared_runner"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,32 +73,32 @@ class StepPlacement:
     """None: leave the offloader's ``keep_layers`` as they are (no placement policy)."""
     window_bytes: int | None = None
     """None: leave the window as it is."""
+    layers: list[nn.Module] | None = None
+    """Layers learned by the runner for an offloader given none (None: the offloader's own)."""
 
 
 class PolicyRunner:
     """Profiles, plans and applies a placement across the steps of one model.
 
     Args:
-        layers: The offloader's layers.
-        policy: ``"offload"``, ``"keep"``, ``"adaptive"``, a :class:`Plan` to pin, or a
+        layers: The offloader's layers; empty: learned from the offloader's discovery (adaptive only).
+        policy: ``"adaptive"``, ``"offload"``, ``"keep"``, a :class:`Plan` to pin, or a
             :class:`Policy` to run on the profile.
-        memory_budget_bytes / overhead_bound: The adaptive goal (exactly one).
+        memory_budget_bytes / overhead_bound: The adaptive goal (at most one; none: the default goal).
         profile_steps: Steps profiled before planning. Default 2.
         prefetch_depth_layers / prefetch_budget_bytes: The offloader's, for the profile.
     """
 
-    def __init__(self, layers: list[nn.Module], policy: str | Plan | Policy = "offload", *,
+    def __init__(self, layers: list[nn.Module], policy: str | Plan | Policy = "adaptive", *,
                  memory_budget_bytes: int | None = None, overhead_bound: float | None = None,
                  profile_steps: int = PROFILE_STEPS, prefetch_depth_layers: int = PREFETCH_DEPTH_LAYERS,
                  prefetch_budget_bytes: int | None = None) -> None:
         self._prefetch_depth_layers = prefetch_depth_layers
         self._max_window_bytes = max(prefetch_budget_bytes or POLICY_MAX_WINDOW_BYTES, 1)
-        self._layer_refs = [weakref.ref(layer) for layer in layers]
         self.policy: Policy | None = None
-        self.plan: Plan | None = None
-        self.profile: Profile | None = None
+        self.pinned: Plan | None = None
         if isinstance(policy, Plan):
-            self.plan = policy
+            self.pinned = policy
         elif isinstance(policy, Policy):
             self.policy = policy
         elif policy == "adaptive":
@@ -104,19 +109,38 @@ class PolicyRunner:
         elif policy not in POLICIES:
             raise TbaConfigError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)} or a tba.Plan")
         elif memory_budget_bytes is not None or overhead_bound is not None:
-            raise TbaConfigError(f"memory_budget_bytes and overhead_bound need policy='adaptive', not {policy!r}")
+            raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not {policy!r}")
         self.name = policy if isinstance(policy, str) else type(policy).__name__
-        if (self.policy is not None or self.plan is not None) and not layers:
+        if (self.name == "keep" or self.pinned is not None) and not layers:
             raise TbaConfigError(f"policy {self.name} needs the model's layers: pass layers=model or a list of blocks")
-        if self.plan is not None and len(self.plan.decisions) != len(layers):
-            raise TbaConfigError(f"the plan has {len(self.plan.decisions)} layers but the model has {len(layers)}")
+        if self.pinned is not None and len(self.pinned.decisions) != len(layers):
+            raise TbaConfigError(f"the plan has {len(self.pinned.decisions)} layers but the model has {len(layers)}")
         if profile_steps < 1:
             raise TbaConfigError(f"profile_steps must be >= 1, got {profile_steps}")
         self.profile_steps = profile_steps
-        self._timer = LayerTimer(layers)
-        self._samples: list[dict[str, Any]] = []
+        self.learns = self.policy is not None and not layers
+        """Whether the layers come from the offloader's discovery (adaptive without ``layers=``)."""
+        self.profile: Profile | None = None
+        """The profile of the last plan made."""
+        self._plans: dict[tuple | None, Plan] = {}
+        self._samples = Samples()
+        self._peak = StepPeak()
         self._pending: dict[str, Any] | None = None
         self._recompute: RecomputeLayers | None = None
+        self._shape: tuple | None = None
+        self._step_plan: Plan | None = None
+        self._shape_hook: Any = None
+        self._reapply: Callable[[frozenset], None] | None = None
+        self._layer_refs: list[weakref.ref] = []
+        self._timer = LayerTimer([])
+        self._set_layers(layers)
+
+    def _set_layers(self, layers: list[nn.Module]) -> None:
+        self._layer_refs = [weakref.ref(layer) for layer in layers]
+        self._timer = LayerTimer(layers)
+        self._plans.clear()
+        self._samples.clear()
+        self._shape = None
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -127,33 +151,97 @@ class PolicyRunner:
         return layers
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan in force for the current input shape (None while finding layers or profiling)."""
+        return self.pinned if self.pinned is not None else self._plans.get(self._shape)
+
+    @property
     def profiling(self) -> bool:
         return self.policy is not None and self.plan is None
 
-    def enter(self, counters: Callable[[], StepCounters]) -> StepPlacement:
-        """The placement of the coming step (called by the offloader as it is entered)."""
-        self._collect(counters)
-        if self.profiling and len(self._samples) >= self.profile_steps:
-            self.profile = self._build_profile()
-            self.plan = self.policy.plan(self.profile)
-            logger.info("tba: %s", self.plan)
+    def enter(self, counters: Callable[[], StepCounters],
+              reapply: Callable[[frozenset], None] | None = None) -> StepPlacement:
+        """The placement of the coming step (called by the offloader as it is entered).
+
+        ``reapply(keep_layers)`` changes the kept layers during the step (a new input shape).
+        """
+        self._collect()
+        if self.learns and self._layer_refs and any(ref() is None for ref in self._layer_refs):
+            self._set_layers([])  # the model was freed: find the next one's layers
+        if self.learns and not self._layer_refs:
+            return StepPlacement(frozenset(), layers=[])
+        learned = self.layers if self.learns else None
+        if self.profiling and self._samples.count(self._shape) >= self.profile_steps:
+            self.profile = self._samples.profile(self._shape, len(self._layer_refs), self._prefetch_depth_layers,
+                                                 self._max_window_bytes)
+            self._plans[self._shape] = self.policy.plan(self.profile)
+            logger.info("tba: %s", self._plans[self._shape])
+        self._reapply = reapply
+        if self.policy is not None:
+            self._attach_shape_hook()
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
-        if self.plan is not None:
-            indices = [i for i, d in enumerate(self.plan.decisions)
-                       if d in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)]
-            offload = [self.plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
+        self._step_plan = plan = self.plan
+        if plan is not None:
+            indices = [i for i, d in enumerate(plan.decisions) if d in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)]
+            offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
             self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
-            return StepPlacement(frozenset(self.plan.layers(Placement.KEEP)), self.plan.window_bytes)
+            return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned)
         if self.profiling:
             self._timer.reset()
             self._timer.attach()
-            self._pending = {"start": counters()}
-            return StepPlacement(frozenset())
+            start = counters()
+            # The step's own counters: a one-shot context's next step counts in a new offloader.
+            self._pending = {"start": start, "shape": self._shape, "counters": counters}
+            self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda(),
+                             release=self._samples.count(self._shape) == self.profile_steps - 1)
+            return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
 
-    def exit(self, failed: bool, largest_live_storage_bytes: Callable[[], int]) -> None:
-        """Undo per-step changes (called by the offloader's exit, after the hooks are removed)."""
+    def _on_cuda(self) -> bool:
+        first = next(self.layers[0].parameters(), None)
+        return first is not None and first.is_cuda
+
+    def _attach_shape_hook(self) -> None:
+        self._shape_hook = self.layers[0].register_forward_pre_hook(self._check_shape, with_kwargs=True)
+
+    def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """First layer's forward pre-hook: note the step's input shape; on a new one, offload the rest of the step."""
+        self._shape_hook.remove()
+        shape = signature(args, kwargs)
+        if self._pending is not None:
+            self._pending["shape"] = shape
+            self._watch_backward_end(args, kwargs)
+        elif shape != self._shape and self._step_plan is not None and self.pinned is None:
+            logger.info("tba: new input shape; this step offloads every layer, the next one %s",
+                        "follows its plan" if shape in self._plans else "starts profiling it")
+            if self._reapply is not None:
+                self._reapply(frozenset())
+            if self._recompute is not None:  # the first layer's forward is already bound: it stays as it is
+                running = [layer for layer in self._recompute.layers if layer is module]
+                for layer in self._recompute.layers:
+                    if layer is not module:
+                        del layer.forward
+                self._recompute.layers = running
+        self._shape = shape
+
+    def _watch_backward_end(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._peak.stop_after_backward)
+
+    def exit(self, failed: bool, largest_live_storage_bytes: Callable[[], int],
+             found_layers: list[nn.Module] | None = None, ran_a_layer: bool = True,
+             window_bytes: int = 0) -> None:
+        """Undo per-step changes (called by the offloader's exit, after the hooks are removed).
+
+        ``found_layers``: what discovery found in this step (a learning runner takes them);
+        ``ran_a_layer``: whether the forward ran one of the layers handed out at entry.
+        """
+        if self._shape_hook is not None:
+            self._shape_hook.remove()
+            self._shape_hook = None
+        self._reapply = None
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
@@ -165,53 +253,38 @@ class PolicyRunner:
                 self._pending["forward_s"] = list(self._timer.forward_s)
                 self._pending["input_bytes"] = list(self._timer.input_bytes)
                 self._pending["max_storage"] = largest_live_storage_bytes()
+                self._pending["window_bytes"] = window_bytes
+        if not self.learns or failed:
+            return
+        if not self._layer_refs and found_layers:
+            self._set_layers(found_layers)
+            logger.debug("tba: the adaptive policy plans for the %d layers found", len(found_layers))
+        elif self._layer_refs and not ran_a_layer:
+            logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
+            self._pending = None
+            self._set_layers([])
 
-    def _collect(self, counters: Callable[[], StepCounters]) -> None:
-        """Finish the pending profiled step: its backward has run by now."""
+    def _collect(self) -> None:
+        """Finish the pending profiled step from its offloader's counters: its backward has run by now."""
         pending, self._pending = self._pending, None
         if pending is None or "forward_s" not in pending:
             return
-        start, now = pending.pop("start"), counters()
-        saved, before = now.layer_saved_bytes, start.layer_saved_bytes
-        pending["saved_bytes"] = [saved.get(i, 0) - before.get(i, 0) for i in range(len(self.layers))]
+        self._peak.stop()
         pending["backward_s"] = self._timer.backward_s()
-        pending["written"] = now.bytes_written - start.bytes_written
-        pending["write_s"] = now.write_busy_s - start.write_busy_s
-        pending["read"] = now.bytes_read - start.bytes_read
-        pending["read_s"] = now.read_busy_s - start.read_busy_s
-        self._samples.append(pending)
-
-    def _build_profile(self) -> Profile:
-        samples = self._samples
-        layers = []
-        for i in range(len(self.layers)):
-            forward = [s["forward_s"][i] for s in samples if s["forward_s"][i] is not None]
-            backward = [s["backward_s"][i] for s in samples if s["backward_s"][i] is not None]
-            layers.append(LayerProfile(
-                forward_s=min(forward, default=0.0),
-                saved_bytes=samples[-1]["saved_bytes"][i],
-                input_bytes=samples[-1]["input_bytes"][i],
-                backward_s=min(backward) if backward else None,
-                backward_measured=bool(backward),
-            ))
-        written, write_s = sum(s["written"] for s in samples), sum(s["write_s"] for s in samples)
-        read, read_s = sum(s["read"] for s in samples), sum(s["read_s"] for s in samples)
-        return Profile(
-            layers=tuple(layers),
-            write_bytes_per_s=written / write_s if written and write_s else float("inf"),
-            read_bytes_per_s=read / read_s if read and read_s else float("inf"),
-            max_storage_bytes=max(s["max_storage"] for s in samples),
-            prefetch_depth_layers=self._prefetch_depth_layers,
-            max_window_bytes=self._max_window_bytes,
-        )
+        pending["peak_bytes"] = self._peak.peak_bytes
+        self._samples.collect(pending, pending.pop("counters")(), len(self._layer_refs))
 
 
-def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, **goal: Any) -> PolicyRunner:
-    """A runner; with ``shared``, the one for ``layers`` and this goal that successive one-shot offloaders share."""
-    if not shared or not layers or not isinstance(policy, str) or policy != "adaptive":
+def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,
+                  **goal: Any) -> PolicyRunner:
+    """A runner; with ``shared``, the one that successive one-shot offloaders of these layers (or,
+    without layers, of this directory) and this goal share."""
+    if not shared or not isinstance(policy, str) or policy != "adaptive":
         return PolicyRunner(layers, policy, **goal)
     key = (len(layers), *sorted(goal.items()))
-    runners = _SHARED_RUNNERS.setdefault(layers[0], {})
+    runners = _SHARED_RUNNERS.setdefault(layers[0], {}) if layers else _SHARED_BARE_RUNNERS
+    if not layers:
+        key = (directory, *key)
     if key not in runners:
         runners[key] = PolicyRunner(layers, policy, **goal)
     return runners[key]

@@ -23,6 +23,12 @@ def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(512, 64, generator=generator), torch.randn(512, 64, generator=generator)
 
 
+def make_big_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Enough rows that keep-all's activations (about 30 MiB) are well above resident-set noise."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(4096, 64, generator=generator), torch.randn(4096, 64, generator=generator)
+
+
 class Output(dict):
     """What a Hugging Face model returns: a dict whose ``loss`` is also an attribute."""
 

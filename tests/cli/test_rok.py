@@ -51,23 +51,41 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
     assert not (tmp_path / "rok.png").exists()
 
 
-def test_sweep_tiny_preset_writes_csv_json_png(tmp_path, spill_dir):
-    result = sweep(preset="tiny", budget_fractions=[0.5], steps=2, warmup=1, directory=spill_dir,
-                   backend="threads", out_dir=str(tmp_path), progress=False)
-    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive 50%"]
+def test_sweep_writes_csv_json_png_and_each_budget_is_met_or_refused(tmp_path, spill_dir):
+    result = sweep(f"{FACTORIES}:make_model", f"{FACTORIES}:make_big_batch", budget_fractions=[0.9, 0.001], steps=1,
+                   warmup=0, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
+    assert [p.label for p in result.points] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive 90%",
+                                                 "adaptive 0%"]
     assert all(p.losses_equal for p in result.points)
-    adaptive = result.points[-1]
-    assert adaptive.budget_bytes == int(0.5 * result.points[0].activation_peak_bytes)
-    assert len(adaptive.plan["code"]) == 2 and adaptive.plan["goal"] == f"memory_budget_bytes={adaptive.budget_bytes}"
+    keep, adaptive, refused = result.points[0], result.points[4], result.points[5]
+    assert keep.activation_peak_bytes >= rok.MIN_KEEP_PEAK_BYTES
+    assert adaptive.budget_bytes == int(0.9 * keep.activation_peak_bytes)
+    # The contract: a budget is met (peak <= 1.05 x budget) or refused when planning, never exceeded.
+    assert adaptive.budget_met in ("yes", "refused"), (adaptive.activation_peak_bytes, adaptive.budget_bytes,
+                                                       adaptive.plan)
+    if adaptive.budget_met == "yes":
+        assert len(adaptive.plan["code"]) == 3
+        assert adaptive.plan["goal"] == f"memory_budget_bytes={adaptive.budget_bytes}"
+    assert refused.budget_met == "refused" and "cannot be met: this model needs at least" in refused.refused
     with open(tmp_path / "rok.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive"]
-    assert rows[3]["plan"] == "SS" and rows[4]["plan"] == adaptive.plan["code"]
+    assert [r["strategy"] for r in rows] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive", "adaptive"]
+    assert rows[3]["plan"] == "SSS"
+    assert [r["budget_met"] for r in rows] == ["", "", "", "", adaptive.budget_met, "refused"]
     data = json.loads((tmp_path / "rok.json").read_text())
-    assert data["model"] == "tiny" and len(data["points"]) == 5
+    assert [p["budget_met"] for p in data["points"][4:]] == [adaptive.budget_met, "refused"]
     assert data["adaptive_dominates_recompute"] == bool(data["dominating"])
     assert sum(p["pareto"] for p in data["points"]) >= 1
     assert (tmp_path / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = rok.format_points(result.points)
+    assert "budget MiB" in table and "refused memory_budget=" in table
+
+
+def test_a_keep_all_baseline_too_small_to_measure_is_refused(tmp_path):
+    done = _rok("--preset", "tiny", "--steps", "1", "--warmup", "0", "--out", str(tmp_path), "--quiet")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "keep-all's activation peak measured" in lines[0] and "too small" in lines[0]
 
 
 def test_user_model_in_fresh_process(spill_dir):
@@ -125,7 +143,7 @@ def test_each_point_is_written_when_measured(tmp_path, monkeypatch):
     def fake_run(mode, preset, **kwargs):
         if mode == "recompute":
             raise IsolatedRunError(mode, "Traceback ...\nRuntimeError: boom\n")
-        return ModeResult(mode, [1.0], [100], [0.5])
+        return ModeResult(mode, [1.0], [100 << 20], [0.5])
 
     monkeypatch.setattr(rok, "run_isolated", fake_run)
     with pytest.raises(IsolatedRunError, match="boom"):

@@ -73,7 +73,7 @@ def test_policies_pass_through_to_the_offloader(spill_dir):
                                                        "memory_budget_bytes": 1 << 20}}))
     assert adaptive.offloader.policy_runner.policy.memory_budget_bytes == 1 << 20
     adaptive.close()
-    for block in ({"policy": "smart"}, {"policy": "adaptive"}, {"memory_budget_bytes": 1 << 20}):
+    for block in ({"policy": "smart"}, {"memory_budget_bytes": 1 << 20}, {"memory_budget": "1M"}):
         with pytest.raises(TbaConfigError, match="\"tba\" block: "):
             tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir, **block}}))
     assert tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"policy": "keep"}})).offloader is None

@@ -80,8 +80,7 @@ def test_offload_and_keep_policies_are_exact(model, spill_dir, policy):
     assert (written == 0) == (policy == "keep")
 
 
-@pytest.mark.parametrize("goal", [{"memory_budget_bytes": 0}, {"memory_budget_bytes": 1 << 40},
-                                  {"overhead_bound": 0.5}])
+@pytest.mark.parametrize("goal", [{"memory_budget_bytes": 1 << 40}, {"overhead_bound": 0.5}, {}])
 def test_adaptive_profiles_then_plans_and_stays_exact(model, spill_dir, goal):
     reference = train(model, steps=STEPS + 1)
     offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
@@ -103,8 +102,23 @@ def test_adaptive_profiles_then_plans_and_stays_exact(model, spill_dir, goal):
     assert profile.max_storage_bytes > 0 and profile.write_bytes_per_s > 0
     if goal.get("memory_budget_bytes") == 1 << 40:
         assert offloader.plan.code == "KKKK"
-    if goal.get("memory_budget_bytes") == 0:
-        assert not offloader.plan.fits
+    assert offloader.plan.goal == ("memory_budget_bytes=1099511627776" if goal.get("memory_budget_bytes") else
+                                   f"overhead_bound={goal.get('overhead_bound', 0.05):g}")
+
+
+def test_budget_below_the_least_the_model_needs_raises_when_planning(model, spill_dir):
+    tokens, targets = make_batch(CONFIG, seed=4)
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              memory_budget=1000, profile_steps=1)
+    for _ in range(1):  # the profiled step
+        with offloader:
+            loss = model(tokens, targets)
+        loss.backward()
+    with pytest.raises(tba.TbaConfigError, match=r"memory_budget=0.0 MiB cannot be met: this model needs at least "
+                                                 r"[0-9.]+ MiB of activations .*raise memory_budget"):
+        with offloader:
+            pass
+    offloader.close()
 
 
 def test_adaptive_one_shot_contexts_share_a_runner(model, spill_dir):
@@ -148,14 +162,16 @@ def test_recompute_wrapper_removed_at_exit_backward_still_recomputes(model, spil
 
 
 def test_policy_config_errors(model, spill_dir):
-    with pytest.raises(tba.TbaConfigError, match="exactly one goal"):
-        tba.Offloader(spill_dir, layers=model, policy="adaptive")
+    with pytest.raises(tba.TbaConfigError, match="one adaptive goal"):
+        tba.Offloader(spill_dir, layers=model, memory_budget="1M", overhead_bound=0.1)
     with pytest.raises(tba.TbaConfigError, match="needs the model's layers"):
-        tba.Offloader(spill_dir, policy="adaptive", memory_budget_bytes=1)
+        tba.Offloader(spill_dir, policy="keep")
+    with pytest.raises(tba.TbaConfigError, match=r"memory_budget \(1048576\) and memory_budget_bytes \(5\) differ"):
+        tba.Offloader(spill_dir, memory_budget="1M", memory_budget_bytes=5)
     with pytest.raises(tba.TbaConfigError, match="unknown policy"):
         tba.Offloader(spill_dir, layers=model, policy="swap")
     with pytest.raises(tba.TbaConfigError, match="need policy='adaptive'"):
-        tba.Offloader(spill_dir, layers=model, memory_budget_bytes=1)
+        tba.Offloader(spill_dir, layers=model, policy="offload", memory_budget_bytes=1)
     with pytest.raises(tba.TbaConfigError, match="the plan has 2 layers but the model has 4"):
         tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep", "keep"), 0))
     with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be >= 0"):

@@ -236,7 +236,7 @@ def test_keep_layers_and_saved_bytes_per_layer(spill_dir):
     full = offloader(spill_dir, layers=list(layers))
     step(full)
     assert set(full.layer_saved_bytes) == {0, 1, 2}
-    partial = offloader(spill_dir, layers=list(layers))
+    partial = offloader(spill_dir, layers=list(layers), policy="offload")  # keep_layers set by hand
     partial.keep_layers = {1}
     step(partial)
     assert set(partial.layer_saved_bytes) == {0, 2}

@@ -1,0 +1,114 @@
+"""Profiled steps of the adaptive policy: samples per input shape, and the profile built from them.
+
+A profiled step runs with every layer offloaded (the placement with the least memory), while a
+:class:`~tba.runtime._timer.LayerTimer` times every layer and a
+:class:`~tba.runtime._peak.StepPeak` measures the step's activation peak. At the next entry
+(backward of that step has run by then) :meth:`Samples.collect` finishes the sample from the
+offloader's counters; once ``profile_steps`` samples of one input shape are in,
+:meth:`Samples.profile` builds the :class:`tba.policy.Profile` of that shape:
+
+* ``f_i``, ``b_i``: the minimum over the samples (noise from other work only adds time);
+* ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last sample; the last layer's count
+  includes what runs after it (the head and loss), since tba tags storages with the last layer
+  entered;
+* ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the samples;
+  the largest storage is read from the offloader's live entries at the end of forward;
+* ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``), taken
+  :data:`tba.defaults.PEAK_HEADROOM` higher (peaks vary from step to step with the disk), minus the
+  model's prediction for the profiled placement (offload-all at the window in force), never below
+  zero: what the model leaves out (compute's transient buffers, gradients, allocator slack), added
+  to every prediction. The calibration holds at the profiled window, not above it (a larger
+  window measured more than the model adds for it), so plans use windows up to the profiled one
+  (at least two of the largest storage).
+
+The *shape* of a step is the shapes and dtypes of the tensors the first layer receives: another
+sequence length or batch size is another shape, profiled and planned on its own
+(:func:`signature`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tba.defaults import PEAK_HEADROOM
+from tba.policy import OFFLOAD, LayerProfile, Profile, estimate
+
+
+def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape."""
+    values = [*args, *(kwargs[name] for name in sorted(kwargs))]
+    return tuple((tuple(v.shape), v.dtype) for v in values if isinstance(v, torch.Tensor))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounters:
+    """What an offloader has counted so far (summed over steps): the runner's only view of it."""
+
+    layer_saved_bytes: dict[int | None, int]
+    bytes_written: int
+    write_busy_s: float
+    bytes_read: int
+    read_busy_s: float
+    pool_idle_bytes: int = 0
+    window_bytes: int = 0
+
+
+class Samples:
+    """The finished samples of profiled steps, by input shape."""
+
+    def __init__(self) -> None:
+        self.by_shape: dict[tuple, list[dict[str, Any]]] = {}
+
+    def count(self, shape: tuple | None) -> int:
+        return len(self.by_shape.get(shape, []))
+
+    def clear(self) -> None:
+        self.by_shape.clear()
+
+    def collect(self, pending: dict[str, Any], now: StepCounters, layer_count: int) -> None:
+        """Finish a profiled step's sample with the counters taken after its backward."""
+        start: StepCounters = pending.pop("start")
+        saved, before = now.layer_saved_bytes, start.layer_saved_bytes
+        pending["saved_bytes"] = [saved.get(i, 0) - before.get(i, 0) for i in range(layer_count)]
+        pending["written"] = now.bytes_written - start.bytes_written
+        pending["write_s"] = now.write_busy_s - start.write_busy_s
+        pending["read"] = now.bytes_read - start.bytes_read
+        pending["read_s"] = now.read_busy_s - start.read_busy_s
+        self.by_shape.setdefault(pending.pop("shape"), []).append(pending)
+
+    def profile(self, shape: tuple | None, layer_count: int, prefetch_depth_layers: int,
+                max_window_bytes: int) -> Profile:
+        """The profile of ``shape`` from its samples (see the module docstring)."""
+        samples = self.by_shape[shape]
+        layers = []
+        for i in range(layer_count):
+            forward = [s["forward_s"][i] for s in samples if s["forward_s"][i] is not None]
+            backward = [s["backward_s"][i] for s in samples if s["backward_s"][i] is not None]
+            layers.append(LayerProfile(
+                forward_s=min(forward, default=0.0),
+                saved_bytes=samples[-1]["saved_bytes"][i],
+                input_bytes=samples[-1]["input_bytes"][i],
+                backward_s=min(backward) if backward else None,
+                backward_measured=bool(backward),
+            ))
+        written, write_s = sum(s["written"] for s in samples), sum(s["write_s"] for s in samples)
+        read, read_s = sum(s["read"] for s in samples), sum(s["read_s"] for s in samples)
+        profile = Profile(
+            layers=tuple(layers),
+            write_bytes_per_s=written / write_s if written and write_s else float("inf"),
+            read_bytes_per_s=read / read_s if read and read_s else float("inf"),
+            max_storage_bytes=max(s["max_storage"] for s in samples),
+            prefetch_depth_layers=prefetch_depth_layers,
+            max_window_bytes=max_window_bytes,
+        )
+        last = samples[-1]
+        if last.get("peak_bytes") is None:
+            return profile
+        window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
+        measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
+        slack = max(0, measured - estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes)
+        return dataclasses.replace(profile, memory_slack_bytes=slack,
+                                   max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))

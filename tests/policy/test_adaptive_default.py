@@ -1,0 +1,143 @@
+"""The default bare context: adaptive on the layers it finds, exact through the switch to a plan and
+through a change of input shape, on the built-in GPT and on Hugging Face GPT-2."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import tba
+from tba.bench.models import GPTConfig, make_batch, make_gpt
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
+OTHER_SHAPE = GPTConfig(vocab_size=64, seq_len=12, width=32, layers=4, heads=2, batch_size=3)
+
+
+def train(model, batches, context=None):
+    """Per step: the loss and every gradient; forward inside ``context()`` when given (one per step, its
+    plan in force during the step recorded as ``context.step_plan``)."""
+    out, contexts = [], []
+    for step, batch in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        if context is None:
+            loss = model(*batch)
+        else:
+            with context() as offloader:
+                offloader.step_plan = offloader.plan
+                loss = model(*batch)
+            contexts.append(offloader)
+        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out, contexts
+
+
+def assert_same(reference, result):
+    assert len(reference) == len(result)
+    for step, ((ref_loss, ref_grads), (loss, grads)) in enumerate(zip(reference, result)):
+        assert torch.equal(ref_loss, loss), f"loss of step {step} differs"
+        assert ref_grads.keys() == grads.keys()
+        for name in ref_grads:
+            assert torch.equal(ref_grads[name], grads[name]), f"gradient of {name} differs at step {step}"
+
+
+def bare(spill_dir, **goal):
+    return lambda: tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0, **goal)
+
+
+@pytest.mark.parametrize("goal", [{}, {"overhead_bound": 10.0}, {"memory_budget": "1.5GiB"}])
+def test_bare_context_on_gpt_finds_layers_profiles_plans_and_stays_exact(spill_dir, goal):
+    batches = [make_batch(CONFIG, seed=step) for step in range(5)]
+    reference, _ = train(make_gpt(CONFIG, seed=3), batches)
+    model = make_gpt(CONFIG, seed=3)
+    result, contexts = train(model, batches, bare(spill_dir, **goal))
+    assert_same(reference, result)
+    # Step 0 finds the layers, steps 1-2 are profiled offloading everything, step 3 plans.
+    assert [c.step_plan is not None for c in contexts] == [False, False, False, True, True]
+    assert [len(c.discovered_layers) for c in contexts] == [4] * 5
+    assert all(c.discovered_layers[i] is model.blocks[i] for c in contexts for i in range(4))
+    assert len({id(c.policy_runner) for c in contexts}) == 1
+    assert sorted(contexts[1].layer_saved_bytes, key=str) == [0, 1, 2, 3, None]
+    plan = contexts[-1].plan
+    if "memory_budget" in goal:
+        assert plan.code == "KKKK" and plan.goal == f"memory_budget_bytes={int(1.5 * 2**30)}"
+    else:
+        assert plan.goal == f"overhead_bound={goal.get('overhead_bound', 0.05):g}"
+    if goal.get("overhead_bound") == 10.0:
+        assert plan.code != "KKKK", "a loose bound should trade time for memory"
+    assert all("forward" not in vars(block) for block in model.blocks), "a recompute wrapper was left on a layer"
+
+
+def test_new_input_shape_offloads_that_step_then_profiles_it_and_stays_exact(spill_dir, caplog):
+    first, second = make_batch(CONFIG, seed=1), make_batch(OTHER_SHAPE, seed=2)
+    batches = [first] * 4 + [second] * 4 + [first, second]
+    reference, _ = train(make_gpt(CONFIG, seed=3), batches)
+    with caplog.at_level(logging.INFO, logger="tba"):
+        result, contexts = train(make_gpt(CONFIG, seed=3), batches, bare(spill_dir, overhead_bound=10.0))
+    assert_same(reference, result)
+    planned = [c.step_plan is not None for c in contexts]
+    # 0: find layers; 1-2: profile; 3: plan; 4: new shape, offload all; 5-6: profile it; 7: its plan;
+    # 8 and 9: entered with the other shape's plan, so offloading everything.
+    assert planned == [False, False, False, True, True, False, False, True, True, True]
+    assert caplog.text.count("new input shape") == 3
+    runner = contexts[-1].policy_runner
+    assert len(runner._plans) == 2
+
+
+def test_budget_below_what_the_model_needs_fails_when_planning(spill_dir):
+    model = make_gpt(CONFIG, seed=3)
+    batch = make_batch(CONFIG, seed=1)
+    context = bare(spill_dir, memory_budget=1)
+    for _ in range(3):
+        with context():
+            loss = model(*batch)
+        loss.backward()
+    with pytest.raises(tba.TbaConfigError, match=r"memory_budget=0.0 MiB cannot be met: this model needs at least "
+                                                 r"[0-9.]+ MiB of activations .*raise memory_budget"):
+        with context():
+            pass
+
+
+def test_offload_policy_is_the_old_behaviour(spill_dir):
+    model = make_gpt(CONFIG, seed=3)
+    batches = [make_batch(CONFIG, seed=step) for step in range(4)]
+    _, contexts = train(model, batches, bare(spill_dir, policy="offload"))
+    assert all(c.step_plan is None for c in contexts)
+    assert all(c.stats.bytes_written > 0 and sorted(c.layer_saved_bytes, key=str) == [0, 1, 2, 3, None]
+               for c in contexts)
+
+
+def test_bare_context_on_hf_gpt2_is_exact_through_the_plan_switch(spill_dir):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2)
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).train()
+
+    tokens = [torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(step)) for step in range(5)]
+    batches = [{"input_ids": t, "labels": t} for t in tokens]
+
+    def hf_train(net, context=None):
+        wrapped = [(b,) for b in batches]
+        return train(_KwargsModel(net), wrapped, context)
+
+    reference, _ = hf_train(model())
+    result, contexts = hf_train(model(), bare(spill_dir, overhead_bound=10.0))
+    assert_same(reference, result)
+    assert [c.step_plan is not None for c in contexts] == [False, False, False, True, True]
+    assert len(contexts[-1].plan.decisions) == 3
+
+
+class _KwargsModel(torch.nn.Module):
+    """``model(batch_dict)`` -> ``net(**batch_dict)``, so that ``train`` can call every model alike."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch):
+        return self.net(**batch)
