@@ -11,7 +11,10 @@ Each strategy runs the same model, batch and seed:
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy);
 * ``adaptive``: a reused :class:`tba.Offloader` with ``policy="adaptive"`` and the goal given in
   ``offload_options`` (``memory_budget_bytes`` or ``overhead_bound``); its profiled steps come
-  on top of the warm-up steps and are never measured.
+  on top of the warm-up steps and are never measured;
+* ``offloaded-recompute``: a reused :class:`tba.Offloader` pinned to a :class:`tba.Plan` that puts
+  every layer on the ``offloaded_recompute`` placement (recompute in backward, the layer's input
+  written to the spill file); ``offload_options["window_bytes"]`` sets the plan's prefetch window.
 
 Any model can be measured with :func:`run_steps` (``model(*batch)`` returns the loss);
 :func:`run_mode` is the built-in GPT.
@@ -23,7 +26,10 @@ those of the idle shared runtime). Gradients are allocated (zeros) before the fi
 allocated across steps (``zero_grad(set_to_none=False)``), so the peak of every step, the first
 included, is activations and their transient gradients, not weight gradients. On CUDA the peak is
 ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated just before it
-(weights, gradients, optimiser state). A mode is best measured in a fresh process
+(weights, gradients, optimiser state). ``footprint_bytes`` is the run's peak above what the process
+held before its first step (after weights, gradients and batch, before tba's offloader), over every
+step, warm-up included: under a caching malloc a step's own delta misses the memory the previous
+step freed into the malloc's cache, the footprint does not. A mode is best measured in a fresh process
 (:func:`tba.bench.isolated.run_isolated`), so that one mode's freed memory does not hide the next one's peak.
 
 ``compile_mode="per-block"`` wraps each repeated block in ``torch.compile`` (inductor) before the
@@ -41,16 +47,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba.bench.meters import CudaPeak, PeakRSS
+from tba.bench.meters import CudaPeak, PeakRSS, usage_bytes
 from tba.bench.models import GPTConfig, make_batch, make_gpt
+from tba.defaults import PREFETCH_WINDOW_MIN_BYTES
+from tba.policy import Plan
 from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_bytes, offload_activations, resolve_layers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
 USAGES = ("reusable", "bare")
-ALL_MODES = (*MODES, "adaptive", "tba-verify")
+ALL_MODES = (*MODES, "adaptive", "tba-verify", "offloaded-recompute")
+OFFLOADED_RECOMPUTE = "offloaded_recompute"
+"""The plan decision of the ``offloaded-recompute`` mode."""
 
 LEARNING_RATE = 1e-3
+PRIME_SEQ_LEN = 8
+"""Tokens in the one-sample batch :func:`run_mode` primes with (``prime=True``)."""
 
 
 @dataclasses.dataclass
@@ -69,6 +81,8 @@ class ModeResult:
     """Most page-locked host memory at the end of a step (CUDA)."""
     allocator: str | None = None
     """The malloc that served the process (:func:`tba.allocator.detect`), where recorded."""
+    footprint_bytes: int = 0
+    """Most memory above what the process held before its first step, over every step, warm-up included."""
 
     @property
     def median_step_s(self) -> float:
@@ -99,23 +113,33 @@ def loss_of(output: Any) -> torch.Tensor:
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
              device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
-             usage: str = "reusable") -> ModeResult:
-    """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
+             usage: str = "reusable", prime: bool = False) -> ModeResult:
+    """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process.
+
+    ``prime``: first run one plain forward and backward on a batch of one short sequence
+    (:data:`PRIME_SEQ_LEN` tokens), before the footprint's baseline is taken (see :func:`run_steps`).
+    """
     model = make_gpt(config, seed=seed)
+    small = make_batch(dataclasses.replace(config, batch_size=1, seq_len=min(PRIME_SEQ_LEN, config.seq_len)), seed=seed)
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
                      backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads,
-                     compile_mode=compile_mode, usage=usage)
+                     compile_mode=compile_mode, usage=usage, prime_batch=small if prime else None)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
               offload_options: dict[str, Any] | None = None, device: str = "cpu",
-              threads: int | None = None, compile_mode: str = "none", usage: str = "reusable") -> ModeResult:
+              threads: int | None = None, compile_mode: str = "none", usage: str = "reusable",
+              prime_batch: tuple | None = None) -> ModeResult:
     """Train ``model`` (``model(*batch)`` returns the loss) for ``steps + warmup`` steps under ``mode``.
 
     ``threads`` sets torch's intra-op threads for the run (None: torch's default); ``compile_mode``
     is ``"none"`` or ``"per-block"`` (each of the model's repeated blocks under ``torch.compile``);
     ``usage`` is how ``mode="tba"`` enters tba (``"reusable"`` or ``"bare"``, see above).
+    ``prime_batch``: a small batch run once forward and backward, plainly, before the footprint's
+    baseline is taken, so that what any first step pays once (library code paged in, thread pools
+    started) is not counted as activation memory; gradients are zeroed at every step and each step
+    seeds the RNG, so losses are unchanged.
     """
     if usage not in USAGES:
         raise ValueError(f"unknown usage {usage!r}; choose one of {', '.join(USAGES)}")
@@ -143,7 +167,14 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         warmup += options.get("profile_steps", 2)
     if mode == "tba-verify":
         options["verify"] = True
-    if mode == "adaptive" or (mode in ("tba", "tba-verify") and not bare):
+    if mode == "offloaded-recompute":
+        window_bytes = options.pop("window_bytes", PREFETCH_WINDOW_MIN_BYTES)
+        options["policy"] = Plan(decisions=(OFFLOADED_RECOMPUTE,) * len(resolve_layers(model)),
+                                 window_bytes=window_bytes)
+    if prime_batch is not None:
+        loss_of(model(*(b.to(device) if isinstance(b, torch.Tensor) else b for b in prime_batch))).backward()
+    baseline_bytes = usage_bytes(device)
+    if mode in ("adaptive", "offloaded-recompute") or (mode in ("tba", "tba-verify") and not bare):
         offloader = Offloader(directory, backend=backend, layers=model, **options)
     recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
     peak_meter = CudaPeak if torch.device(device).type == "cuda" else PeakRSS
@@ -177,6 +208,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
             result.losses.append(loss.item())
             result.reserved_bytes = max(result.reserved_bytes, peak.reserved_bytes)
             result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
+            result.footprint_bytes = max(result.footprint_bytes, peak.peak_bytes - baseline_bytes)
             del loss
             if step >= warmup:
                 result.step_s.append(elapsed)
