@@ -11,10 +11,7 @@ Each strategy runs the same model, batch and seed:
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy);
 * ``adaptive``: a reused :class:`tba.Offloader` with ``policy="adaptive"`` and the goal given in
   ``offload_options`` (``memory_budget_bytes`` or ``overhead_bound``); its profiled steps come
-  on top of the warm-up steps and are never measured;
-* ``offloaded-recompute``: a reused :class:`tba.Offloader` pinned to a :class:`tba.Plan` that puts
-  every layer on the ``offloaded_recompute`` placement (recompute in backward, the layer's input
-  written to the spill file); ``offload_options["window_bytes"]`` sets the plan's prefetch window.
+  on top of the warm-up steps and are never measured.
 
 Any model can be measured with :func:`run_steps` (``model(*batch)`` returns the loss);
 :func:`run_mode` is the built-in GPT.
@@ -49,16 +46,12 @@ from torch import nn
 
 from tba.bench.meters import CudaPeak, PeakRSS, usage_bytes
 from tba.bench.models import GPTConfig, make_batch, make_gpt
-from tba.defaults import PREFETCH_WINDOW_MIN_BYTES
-from tba.policy import Plan
 from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_bytes, offload_activations, resolve_layers
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
 USAGES = ("reusable", "bare")
-ALL_MODES = (*MODES, "adaptive", "tba-verify", "offloaded-recompute")
-OFFLOADED_RECOMPUTE = "offloaded_recompute"
-"""The plan decision of the ``offloaded-recompute`` mode."""
+ALL_MODES = (*MODES, "adaptive", "tba-verify")
 
 LEARNING_RATE = 1e-3
 PRIME_SEQ_LEN = 8
@@ -157,6 +150,9 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     for param in model.parameters():
         if param.requires_grad and param.grad is None:
             param.grad = torch.zeros_like(param)
+    if prime_batch is not None:
+        loss_of(model(*(b.to(device) if isinstance(b, torch.Tensor) else b for b in prime_batch))).backward()
+    baseline_bytes = usage_bytes(device)
     bare = mode in ("tba", "tba-verify") and usage == "bare"
     bare_options = {"verify": True} if mode == "tba-verify" else {}
     bare_stats: list[Offloader] = []
@@ -167,14 +163,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         warmup += options.get("profile_steps", 2)
     if mode == "tba-verify":
         options["verify"] = True
-    if mode == "offloaded-recompute":
-        window_bytes = options.pop("window_bytes", PREFETCH_WINDOW_MIN_BYTES)
-        options["policy"] = Plan(decisions=(OFFLOADED_RECOMPUTE,) * len(resolve_layers(model)),
-                                 window_bytes=window_bytes)
-    if prime_batch is not None:
-        loss_of(model(*(b.to(device) if isinstance(b, torch.Tensor) else b for b in prime_batch))).backward()
-    baseline_bytes = usage_bytes(device)
-    if mode in ("adaptive", "offloaded-recompute") or (mode in ("tba", "tba-verify") and not bare):
+    if mode == "adaptive" or (mode in ("tba", "tba-verify") and not bare):
         offloader = Offloader(directory, backend=backend, layers=model, **options)
     recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
     peak_meter = CudaPeak if torch.device(device).type == "cuda" else PeakRSS

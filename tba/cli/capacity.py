@@ -46,7 +46,7 @@ from tba.errors import TbaConfigError
 logger = logging.getLogger("tba")
 
 STRATEGIES = (("keep", "keep-all", "keep"), ("recompute", "full recompute", "recompute"),
-              ("offload", "offload-all", "tba"), ("offloaded_recompute", "offloaded recompute", "offloaded-recompute"),
+              ("offload", "offload-all", "tba"), ("offloaded_recompute", "offloaded recompute", "offloaded_recompute"),
               ("adaptive", "adaptive", "adaptive"))
 """(name in the JSON, label in the table, harness mode)."""
 
