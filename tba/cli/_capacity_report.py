@@ -85,7 +85,8 @@ def summary(results: Sequence[StrategyResult], seq_len: int) -> dict[str, Any]:
     return {
         "best_tba_strategy": best.name if best else None,
         "best_tba_max_batch_over_recompute": ratio(best and best.max_batch, recompute and recompute.max_batch),
-        "best_tba_max_batch_over_keep": ratio(best and best.max_batch, by_name["keep"].max_batch),
+        "best_tba_max_batch_over_keep": ratio(best and best.max_batch, by_name["keep"].max_batch if "keep" in by_name
+                                              else None),
         "offload_over_recompute_tokens_per_s_at_keep_max": ratio(
             offload and offload.tokens_per_s(offload.keep_max_point, seq_len),
             recompute and recompute.tokens_per_s(recompute.keep_max_point, seq_len)),
@@ -102,7 +103,7 @@ def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int 
     header = (f"{'strategy':<22} {'max batch':>9} {'x keep':>6} {'peak MiB':>9} {'tok/s at max':>12} "
               f"{at_keep:>17} {'confirmed':>9}")
     lines = [header, "-" * len(header)]
-    keep_batch = results[0].max_batch
+    keep_batch = keep_max
     for result in results:
         row = result.as_dict(seq_len)
         if result.status == "failed":

@@ -5,7 +5,8 @@ with the batch: ``peak = a + b * batch`` (``a``: what a strategy holds whatever 
 tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_max_batch`
 
 1. measures the probe batches (smallest first; when the smallest fails outright, the strategy is
-   reported as failed and nothing else runs);
+   reported as failed and nothing else runs; once a probe is over the budget, larger probes are
+   skipped);
 2. fits the line by least squares over every successful point and predicts the maximum
    ``m = floor((budget - a) / b)``;
 3. confirms by measuring ``m`` and ``m + 1``: done when ``m`` fits and ``m + 1`` does not;
@@ -150,6 +151,8 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
         if all(p.error is not None for p in search.points):
             search.error = search.points[0].error
             return search
+        if not search.points[-1].fits(budget_bytes):
+            break
     if search.fit is not None:
         search.predicted = predict(search.fit, budget_bytes, max_batch)
     for _ in range(rounds):

@@ -50,6 +50,10 @@ STRATEGIES = (("keep", "keep-all", "keep"), ("recompute", "full recompute", "rec
               ("adaptive", "adaptive", "adaptive"))
 """(name in the JSON, label in the table, harness mode)."""
 
+ADAPTIVE_PROFILE_STEPS = 1
+"""Steps the adaptive runs profile before planning (tba's default is 2): each one is a whole
+offloading step, the longest kind at the largest batches."""
+
 REQUIRED = ("keep", "recompute", "offload")
 """Strategies that exist in every version of tba: the exit status is 1 when one of them failed."""
 
@@ -64,11 +68,12 @@ class Settings:
     device: str = "cpu"
     allocator: str = "auto"
     steps: int = 1
-    warmup: int = 1
+    warmup: int = 0
     directory: str | None = None
     backend: str = "auto"
     threads: int | None = None
     max_batch: int = MAX_BATCH
+    strategies: tuple[str, ...] = tuple(name for name, _, _ in STRATEGIES)
 
 
 class _Lines:
@@ -89,7 +94,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
     _, malloc = launch_env(settings.allocator)
     lines = _Lines(progress)
     results = [StrategyResult(name, label if name != "adaptive" else f"adaptive {settings.budget_bytes / MIB:.0f} MiB",
-                              mode) for name, label, mode in STRATEGIES]
+                              mode) for name, label, mode in STRATEGIES if name in settings.strategies]
 
     def save() -> dict[str, Any]:
         doc = _document(settings, malloc, results)
@@ -119,7 +124,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
             keep_max = result.search.max_batch
         if keep_max:
             result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
-            keep_point = results[0].search.point(keep_max)
+            keep_point = results[0].search.point(keep_max) if results[0].name == "keep" else None
             if result.keep_max_point.error is None and keep_point is not None:
                 result.same_loss_at_keep_max = _same_losses(result.keep_max_point.losses, keep_point.losses)
         result.status = "ok"
@@ -137,7 +142,8 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
 
 
 def _measurer(settings: Settings, result: StrategyResult, lines: _Lines):
-    options = {"memory_budget_bytes": settings.budget_bytes} if result.name == "adaptive" else None
+    options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
+        if result.name == "adaptive" else None
 
     def measure(batch: int) -> Point:
         lines.say(f"{result.label}: batch {batch} ...")
@@ -171,7 +177,7 @@ def _extra_point(measure, batch: int) -> Point:
 
 def _document(settings: Settings, malloc: str, results: list[StrategyResult]) -> dict[str, Any]:
     config = dataclasses.replace(PRESETS[settings.preset], seq_len=settings.seq_len)
-    keep = results[0].search
+    keep = results[0].search if results[0].name == "keep" else None
     return {
         "tool": "capacity", "preset": settings.preset, "device": settings.device,
         "model": {k: v for k, v in dataclasses.asdict(config).items() if k != "batch_size"},
@@ -205,6 +211,15 @@ def _output_file(option: str, path: str) -> str:
     return path
 
 
+def _strategy_list(text: str) -> tuple[str, ...]:
+    names = [name for name, _, _ in STRATEGIES]
+    chosen = tuple(part.strip() for part in text.split(","))
+    unknown = [name for name in chosen if name not in names]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown)!r}; choose from {', '.join(names)}")
+    return tuple(name for name in names if name in chosen)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="deep", help="built-in GPT (default: deep)")
     parser.add_argument("--budget", type=parse_size, required=True,
@@ -218,12 +233,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                 "(default: capacity.json)")
     parser.add_argument("--png", default=None, help="bar chart of the results (needs matplotlib)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps per run (default: 1)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first, peak counted (default: 1)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="unmeasured steps first, peak counted (default: 0; each run is primed with a 1-sample step)")
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"largest batch tried (default: {MAX_BATCH})")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: torch's; 1 is steadier on a busy machine)")
+    parser.add_argument("--strategies", type=_strategy_list, default=",".join(name for name, _, _ in STRATEGIES),
+                        help="comma-separated subset to measure (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -244,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq or PRESETS[args.preset].seq_len
     settings = Settings(args.preset, args.budget, seq_len, device=args.device, allocator=args.allocator,
                         steps=args.steps, warmup=args.warmup, directory=args.directory, backend=args.backend,
-                        threads=args.threads, max_batch=args.max_batch)
+                        threads=args.threads, max_batch=args.max_batch, strategies=args.strategies)
     results, doc = measure_capacity(settings, json_path=json_path, png_path=png_path, progress=not args.quiet)
     config = PRESETS[args.preset]
     print(f"capacity within {args.budget / MIB:.1f} MiB of activations: preset {args.preset} ({config.layers} layers, "
@@ -260,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload-all tokens/s at keep-all's largest batch: {speed:.2f}x full recompute's")
     print("wrote " + ", ".join(p for p in (json_path, png_path) if p))
     failed = [r.label for r in results if r.name in REQUIRED and r.status != "ok"]
+    if failed:
+        print(f"failed: {', '.join(failed)} (-v shows each failed run's error)")
     unequal = [r.label for r in results if r.same_loss_at_keep_max is False]
     if unequal:
         print(f"losses differ from keep-all's at its largest batch: {', '.join(unequal)}")
