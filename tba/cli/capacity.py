@@ -134,7 +134,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
     doc = save()
     if png_path is not None:
         title = f"capacity within {settings.budget_bytes / MIB:.0f} MiB: {settings.preset}, seq {settings.seq_len}, " \
-                f"{settings.device}, {malloc}"
+                f"{settings.device}, {malloc.split(' (')[0]}"
         if not plot_png(results, png_path, seq_len=settings.seq_len, title=title):
             logger.warning("tba: matplotlib is not installed, so no %s; pip install 'tba-offload[plot]' to get it",
                            png_path)
