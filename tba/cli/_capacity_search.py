@@ -10,11 +10,11 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
 2. fits the line by least squares over every successful point and predicts the maximum
    ``m = floor((budget - a) / b)``;
 3. confirms by measuring ``m`` and ``m + 1``: done when ``m`` fits and ``m + 1`` does not;
-4. otherwise adjusts: with a bracket (a batch that fits below one that does not) it interpolates
-   between the two bracketing points (regula falsi), without one it refits and extrapolates, and
-   confirms again; when the upper end is a failed run (no peak to interpolate with) it bisects,
-   measuring the midpoint only. After at most ``rounds`` rounds the largest batch that fitted is
-   reported, marked unconfirmed.
+4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
+   does not: with such a bracket (wider than one sample) it interpolates between the two
+   bracketing points (regula falsi), or bisects when the upper end is a failed run (no peak to
+   interpolate with); without one it refits and extrapolates. After at most ``rounds`` rounds the
+   largest batch that fitted is reported, marked unconfirmed.
 
 A run that fails (the child process raised, for instance a budget an adaptive plan cannot meet)
 counts as a batch that does not fit, and its reason is kept with the point. Peaks that are not
@@ -32,8 +32,8 @@ MAX_BATCH = 4096
 """Largest batch the search will measure (samples)."""
 
 MAX_ROUNDS = 8
-"""Confirmation rounds (each one or two measurements) before the search gives up confirming. A
-prediction that is off by a few percent takes one or two; bisecting below a failed run up to seven."""
+"""Rounds (the confirmation's two measurements, then one each) before the search gives up
+confirming. A prediction off by a few percent takes two or three; bisecting below a failed run up to eight."""
 
 
 class MeasureError(Exception):
@@ -123,7 +123,7 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int) -> i
         guess = lo.batch + math.floor(share * (hi.batch - lo.batch))
     else:
         guess = (lo_batch + hi.batch) // 2
-    return min(max(guess, lo_batch), hi.batch - 1)
+    return min(max(guess, lo_batch + 1), hi.batch - 1)
 
 
 def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes: Sequence[int] = (1, 2),
@@ -155,12 +155,12 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
             break
     if search.fit is not None:
         search.predicted = predict(search.fit, budget_bytes, max_batch)
-    for _ in range(rounds):
+    for round_number in range(rounds):
         lo, hi = _bracket(search.points, budget_bytes)
         if (hi is not None and hi.batch == (lo.batch if lo else 0) + 1) or (lo is not None and lo.batch >= max_batch):
             break
         guess = _next_guess(search.points, budget_bytes, max_batch)
-        candidates = (guess,) if hi is not None and hi.error is not None else (guess, guess + 1)
+        candidates = (guess, guess + 1) if round_number == 0 else (guess,)
         wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None]
         if not wanted:
             break

@@ -85,3 +85,15 @@ def test_fit_and_prediction_edges():
     assert linear_fit([Point(4, peak_bytes=8)]) == (0.0, 2.0)
     assert predict((0.0, 0.0), 10, max_batch=7) == 7 and predict((20.0, 0.0), 10) == 0
     assert predict((0.0, 3.0), 10) == 3
+
+
+def test_after_the_confirmation_each_round_measures_one_batch():
+    calls = []
+
+    def measure(batch):  # the probes' slope is a little high, as with full recompute on the deep preset
+        calls.append(batch)
+        return Point(batch, peak_bytes=(4 if batch <= 26 else 3) * MIB * batch)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
+    assert search.max_batch == 170 and search.confirmed  # 3 MiB * 170 = 510 MiB
+    assert calls[:4] == [13, 26, 128, 129] and len(calls) == len(set(calls)) <= 4 + 3
