@@ -26,7 +26,10 @@ those of the idle shared runtime). Gradients are allocated (zeros) before the fi
 allocated across steps (``zero_grad(set_to_none=False)``), so the peak of every step, the first
 included, is activations and their transient gradients, not weight gradients. On CUDA the peak is
 ``torch.cuda.max_memory_allocated()`` during the step minus what was allocated just before it
-(weights, gradients, optimiser state). A mode is best measured in a fresh process
+(weights, gradients, optimiser state). ``footprint_bytes`` is the run's peak above what the process
+held before its first step (after weights, gradients and batch, before tba's offloader), over every
+step, warm-up included: under a caching malloc a step's own delta misses the memory the previous
+step freed into the malloc's cache, the footprint does not. A mode is best measured in a fresh process
 (:func:`tba.bench.isolated.run_isolated`), so that one mode's freed memory does not hide the next one's peak.
 
 ``compile_mode="per-block"`` wraps each repeated block in ``torch.compile`` (inductor) before the
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba.bench.meters import CudaPeak, PeakRSS
+from tba.bench.meters import CudaPeak, PeakRSS, usage_bytes
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.defaults import MIB
 from tba.policy import Placement, Plan
@@ -58,6 +61,8 @@ OFFLOADED_RECOMPUTE_WINDOW_BYTES = 8 * MIB
 """Prefetch window of the ``offloaded_recompute`` mode: tba's smallest self-sized window."""
 
 LEARNING_RATE = 1e-3
+PRIME_SEQ_LEN = 8
+"""Tokens in the one-sample batch :func:`run_mode` primes with (``prime=True``)."""
 
 
 @dataclasses.dataclass
@@ -76,6 +81,8 @@ class ModeResult:
     """Most page-locked host memory at the end of a step (CUDA)."""
     allocator: str | None = None
     """The malloc that served the process (:func:`tba.allocator.detect`), where recorded."""
+    footprint_bytes: int = 0
+    """Most memory above what the process held before its first step, over every step, warm-up included."""
 
     @property
     def median_step_s(self) -> float:
@@ -106,19 +113,25 @@ def loss_of(output: Any) -> torch.Tensor:
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
              device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
-             usage: str = "reusable", memory_steps: int = 0) -> ModeResult:
-    """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process."""
+             usage: str = "reusable", memory_steps: int = 0, prime: bool = False) -> ModeResult:
+    """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process.
+
+    ``prime``: first run one plain forward and backward on a batch of one short sequence
+    (:data:`PRIME_SEQ_LEN` tokens), before the footprint's baseline is taken (see :func:`run_steps`).
+    """
     model = make_gpt(config, seed=seed)
+    small = make_batch(dataclasses.replace(config, batch_size=1, seq_len=min(PRIME_SEQ_LEN, config.seq_len)), seed=seed)
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
                      backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads,
-                     compile_mode=compile_mode, usage=usage, memory_steps=memory_steps)
+                     compile_mode=compile_mode, usage=usage, memory_steps=memory_steps,
+                     prime_batch=small if prime else None)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
               offload_options: dict[str, Any] | None = None, device: str = "cpu",
               threads: int | None = None, compile_mode: str = "none", usage: str = "reusable",
-              memory_steps: int = 0) -> ModeResult:
+              memory_steps: int = 0, prime_batch: tuple | None = None) -> ModeResult:
     """Train ``model`` (``model(*batch)`` returns the loss) for ``warmup + steps + memory_steps`` steps under ``mode``.
 
     With ``memory_steps``, the activation peaks come from that many steps after the timed ones, each
@@ -129,6 +142,10 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     ``threads`` sets torch's intra-op threads for the run (None: torch's default); ``compile_mode``
     is ``"none"`` or ``"per-block"`` (each of the model's repeated blocks under ``torch.compile``);
     ``usage`` is how ``mode="tba"`` enters tba (``"reusable"`` or ``"bare"``, see above).
+    ``prime_batch``: a small batch run once forward and backward, plainly, before the footprint's
+    baseline is taken, so that what any first step pays once (library code paged in, thread pools
+    started) is not counted as activation memory; gradients are zeroed at every step and each step
+    seeds the RNG, so losses are unchanged.
     """
     if usage not in USAGES:
         raise ValueError(f"unknown usage {usage!r}; choose one of {', '.join(USAGES)}")
@@ -146,6 +163,9 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     for param in model.parameters():
         if param.requires_grad and param.grad is None:
             param.grad = torch.zeros_like(param)
+    if prime_batch is not None:
+        loss_of(model(*(b.to(device) if isinstance(b, torch.Tensor) else b for b in prime_batch))).backward()
+    baseline_bytes = usage_bytes(device)
     bare = mode in ("tba", "tba-verify") and usage == "bare"
     bare_options = {"verify": True} if mode == "tba-verify" else {}
     bare_stats: list[Offloader] = []
@@ -194,6 +214,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
             result.losses.append(loss.item())
             result.reserved_bytes = max(result.reserved_bytes, peak.reserved_bytes)
             result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
+            result.footprint_bytes = max(result.footprint_bytes, peak.peak_bytes - baseline_bytes)
             del loss
             if step >= warmup + steps:
                 memory_peaks.append(peak.delta_bytes + held_before)
@@ -212,8 +233,6 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
         if offloader.plan is not None:
             result.plan = {**dataclasses.asdict(offloader.plan), "code": offloader.plan.code}
     return result
-
-
 
 
 def _summed_stats(per_step: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ On CPU, :class:`PeakRSS` takes the peak resident set size during the block minus
 before it. The kernel's peak counter (``VmHWM``) is reset before each block through
 ``/proc/self/clear_refs``; where that is not allowed a 1 ms sampling thread stands in. On CUDA,
 :class:`CudaPeak` takes ``torch.cuda.max_memory_allocated()`` during the block minus what was
-allocated just before it (weights, gradients, optimiser state).
+allocated just before it (weights, gradients, optimiser state). Both also keep the absolute
+peak (``peak_bytes``), so that a run can report its peak above what it held before its first step
+(:func:`usage_bytes`), which a caching malloc's retained memory cannot hide.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def usage_bytes(device: str = "cpu") -> int:
+    """What the process holds now: resident set size on CPU, CUDA memory allocated on ``cuda``."""
+    if torch.device(device).type == "cuda":
+        return cuda_api().memory_stats()["allocated_bytes"]
+    return _status_kib("VmRSS") * 1024
+
+
 class PeakRSS:
     """Peak resident set size over a ``with`` block, minus the size at its start (bytes).
 
@@ -49,6 +58,7 @@ class PeakRSS:
         except OSError:
             self._kernel_peak = False
         self.delta_bytes = 0
+        self.peak_bytes = 0
 
     def __enter__(self) -> PeakRSS:
         if self.release:
@@ -82,6 +92,7 @@ class PeakRSS:
         self._stop.set()
         peak = _status_kib("VmHWM") if self._kernel_peak else self._sampled
         self.delta_bytes = max(0, peak - self._start) * 1024
+        self.peak_bytes = max(peak, self._start) * 1024
 
 
 class CudaPeak:
@@ -111,5 +122,6 @@ class CudaPeak:
         cuda.synchronize()
         stats = cuda.memory_stats()
         self.delta_bytes = max(0, stats["peak_allocated_bytes"] - self._start)
+        self.peak_bytes = max(stats["peak_allocated_bytes"], self._start)
         self.reserved_bytes = stats["reserved_bytes"]
         self.pinned_bytes = stats["pinned_bytes"]

@@ -34,6 +34,9 @@ PRESETS: dict[str, GPTConfig] = {
     "demo": GPTConfig(vocab_size=512, seq_len=128, width=256, layers=4, heads=4, batch_size=8),
     "small": GPTConfig(vocab_size=512, seq_len=128, width=384, layers=6, heads=6, batch_size=8),
     "bench": GPTConfig(),
+    # Many narrow layers (python -m tba capacity): full recompute keeps every layer's input, about
+    # 1.5 MiB a sample here, the largest part of its memory; offloaded recompute writes them out.
+    "deep": GPTConfig(vocab_size=128, seq_len=128, width=128, layers=24, heads=2, batch_size=8),
 }
 
 

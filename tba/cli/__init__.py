@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("tba.cli.run", "run a script or module with a caching malloc (jemalloc, tcmalloc, mimalloc) preloaded"),
     "gpu-report": ("tba.cli.gpu_report", "one Markdown + JSON report of tba's CUDA path (--simulate: on a simulated device)"),
     "bench-hooks": ("tba.cli.bench_hooks", "host microseconds tba adds per saved storage, forward and backward"),
+    "capacity": ("tba.cli.capacity", "largest micro-batch within a memory budget: keep, recompute, offload, adaptive"),
 }
 
 

@@ -1,0 +1,173 @@
+"""The largest micro-batch whose activation peak stays within a budget, found with few measurements.
+
+A measurement (one batch size, one fresh process) is expensive, and the peak grows nearly linearly
+with the batch: ``peak = a + b * batch`` (``a``: what a strategy holds whatever the batch, such as
+tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_max_batch`
+
+1. measures the probe batches (smallest first; when the smallest fails outright, the strategy is
+   reported as failed and nothing else runs; once a probe is over the budget, larger probes are
+   skipped);
+2. fits the line by least squares over every successful point and predicts the maximum
+   ``m = floor((budget - a) / b)``;
+3. confirms by measuring ``m`` and ``m + 1``: done when ``m`` fits and ``m + 1`` does not;
+4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
+   does not: with such a bracket (wider than one sample) it interpolates between the two
+   bracketing points (regula falsi), or bisects when the upper end is a failed run (no peak to
+   interpolate with); without one it refits and extrapolates. After at most ``rounds`` rounds the
+   largest batch that fitted is reported, marked unconfirmed.
+
+A run that fails (the child process raised, for instance a budget an adaptive plan cannot meet)
+counts as a batch that does not fit, and its reason is kept with the point. Peaks that are not
+monotonic in the batch (measurement noise) are handled by taking the smallest batch that did not
+fit as the upper end and the largest batch below it that fitted as the lower end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+MAX_BATCH = 4096
+"""Largest batch the search will measure (samples)."""
+
+MAX_ROUNDS = 8
+"""Rounds (the confirmation's two measurements, then one each) before the search gives up
+confirming. A prediction off by a few percent takes two or three; bisecting below a failed run up to eight."""
+
+
+class MeasureError(Exception):
+    """Raised by a measure function when the run failed; the message is the reason, shown as is."""
+
+
+@dataclasses.dataclass
+class Point:
+    """One measurement: batch (samples), activation peak (bytes) and step time (s); ``error`` when it failed."""
+
+    batch: int
+    peak_bytes: int | None = None
+    step_s: float | None = None
+    error: str | None = None
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+    def fits(self, budget_bytes: int) -> bool:
+        return self.error is None and self.peak_bytes is not None and self.peak_bytes <= budget_bytes
+
+
+@dataclasses.dataclass
+class Search:
+    """The outcome for one strategy.
+
+    ``max_batch`` is None when the strategy failed at its first probe (``error`` says why), 0 when
+    not even the smallest batch fits. ``fit`` is ``(a_bytes, b_bytes_per_sample)``; ``predicted``
+    the first prediction; ``confirmed`` True when ``max_batch`` fits and ``max_batch + 1`` was
+    measured not to; ``capped`` True when the search stopped at ``MAX_BATCH``.
+    """
+
+    budget_bytes: int
+    points: list[Point] = dataclasses.field(default_factory=list)
+    max_batch: int | None = None
+    fit: tuple[float, float] | None = None
+    predicted: int | None = None
+    confirmed: bool = False
+    capped: bool = False
+    error: str | None = None
+
+    def point(self, batch: int | None) -> Point | None:
+        """The measurement at ``batch``, if one was made."""
+        return next((p for p in self.points if p.batch == batch), None)
+
+
+def linear_fit(points: Sequence[Point]) -> tuple[float, float] | None:
+    """Least-squares ``(a, b)`` of ``peak = a + b * batch`` over the successful points; None with none.
+
+    One point (or one distinct batch) gives the line through the origin.
+    """
+    good = [(p.batch, p.peak_bytes) for p in points if p.error is None and p.peak_bytes is not None]
+    if not good:
+        return None
+    xs = [x for x, _ in good]
+    mean_x, mean_y = sum(xs) / len(good), sum(y for _, y in good) / len(good)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        return 0.0, mean_y / mean_x
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in good) / spread
+    return mean_y - slope * mean_x, slope
+
+
+def predict(fit: tuple[float, float], budget_bytes: int, max_batch: int = MAX_BATCH) -> int:
+    """Largest batch the line keeps within the budget, in ``0..max_batch``."""
+    a, b = fit
+    if b <= 0:
+        return max_batch if a <= budget_bytes else 0
+    return max(0, min(max_batch, math.floor((budget_bytes - a) / b)))
+
+
+def _bracket(points: Sequence[Point], budget_bytes: int) -> tuple[Point | None, Point | None]:
+    """(largest fitting point below the upper end, smallest point that does not fit)."""
+    over = [p for p in points if not p.fits(budget_bytes)]
+    hi = min(over, key=lambda p: p.batch) if over else None
+    under = [p for p in points if p.fits(budget_bytes) and (hi is None or p.batch < hi.batch)]
+    return (max(under, key=lambda p: p.batch) if under else None), hi
+
+
+def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int) -> int:
+    lo, hi = _bracket(points, budget_bytes)
+    lo_batch = lo.batch if lo else 0
+    if hi is None:
+        fit = linear_fit(points)
+        guess = predict(fit, budget_bytes, max_batch) if fit else lo_batch + 1
+        return min(max(guess, lo_batch + 1), max_batch)
+    if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
+        share = (budget_bytes - lo.peak_bytes) / (hi.peak_bytes - lo.peak_bytes)
+        guess = lo.batch + math.floor(share * (hi.batch - lo.batch))
+    else:
+        guess = (lo_batch + hi.batch) // 2
+    return min(max(guess, lo_batch + 1), hi.batch - 1)
+
+
+def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes: Sequence[int] = (1, 2),
+                   max_batch: int = MAX_BATCH, rounds: int = MAX_ROUNDS,
+                   on_point: Callable[[Search], None] | None = None) -> Search:
+    """Search the largest batch whose measured peak is at most ``budget_bytes`` (see the module's description).
+
+    ``measure(batch)`` returns a :class:`Point` or raises :class:`MeasureError`; ``on_point(search)``
+    is called after every measurement (to save partial results).
+    """
+    search = Search(budget_bytes)
+
+    def run(batch: int) -> None:
+        try:
+            point = measure(batch)
+        except MeasureError as err:
+            point = Point(batch, error=str(err))
+        search.points.append(point)
+        search.fit = linear_fit(search.points)
+        if on_point is not None:
+            on_point(search)
+
+    for batch in sorted({min(max(1, b), max_batch) for b in probes}):
+        run(batch)
+        if all(p.error is not None for p in search.points):
+            search.error = search.points[0].error
+            return search
+        if not search.points[-1].fits(budget_bytes):
+            break
+    if search.fit is not None:
+        search.predicted = predict(search.fit, budget_bytes, max_batch)
+    for round_number in range(rounds):
+        lo, hi = _bracket(search.points, budget_bytes)
+        if (hi is not None and hi.batch == (lo.batch if lo else 0) + 1) or (lo is not None and lo.batch >= max_batch):
+            break
+        guess = _next_guess(search.points, budget_bytes, max_batch)
+        candidates = (guess, guess + 1) if round_number == 0 else (guess,)
+        wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None]
+        if not wanted:
+            break
+        for batch in wanted:
+            run(batch)
+    lo, hi = _bracket(search.points, budget_bytes)
+    search.max_batch = lo.batch if lo else 0
+    search.capped = search.max_batch >= max_batch
+    search.confirmed = hi is not None and hi.batch == search.max_batch + 1
+    return search

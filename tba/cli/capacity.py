@@ -1,0 +1,286 @@
+"""Capacity: the largest micro-batch each strategy trains within an activation-memory budget.
+
+``python -m tba capacity --preset deep --budget 512M`` takes one built-in GPT at a fixed sequence
+length and, for keep-all, full recompute (non-reentrant checkpoint on every layer), offload-all
+(tba), offloaded recompute (tba: every layer recomputed in backward, its input written to the
+spill file) and adaptive (tba's planner given the budget), finds the largest batch whose
+activation peak stays within the budget. Each measurement is a fresh process (a warm-up step, then
+the measured steps). The peak is the run's footprint: the most memory above what the process held
+before its first step (weights, gradients, batch), over every step, so a caching malloc's retained
+memory counts; on CUDA, allocated device memory above the same point.
+
+The search (``tba/cli/_capacity_search.py``) measures the peak at two small batches (keep-all: 1
+and 2; the others: keep-all's largest batch and twice it), fits ``peak = a + b * batch``, predicts
+the largest batch and confirms it by measuring there and one sample above, adjusting when the
+confirmation disagrees. It reports tokens/s at each strategy's largest batch and, for every
+strategy, at keep-all's largest batch (the same work, so the speeds compare). A strategy whose run
+fails at its first batch (an unknown placement on this version of tba, a budget an adaptive plan
+cannot meet) is reported as unavailable with the reason instead of ending the run. The JSON file is
+rewritten after every measurement, so a killed run leaves its partial results; ``--png`` draws the
+bars (matplotlib, ``pip install 'tba-offload[plot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from tba._units import parse_size
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import launch_env
+from tba.bench.isolated import IsolatedRunError, run_isolated
+from tba.bench.models import PRESETS
+from tba.cli import _checks as cli_checks
+from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
+from tba.cli._capacity_search import MAX_BATCH, MeasureError, Point, Search, find_max_batch
+from tba.cli.rok import _same_losses, check_setup
+from tba.defaults import MIB
+from tba.errors import TbaConfigError
+
+logger = logging.getLogger("tba")
+
+STRATEGIES = (("keep", "keep-all", "keep"), ("recompute", "full recompute", "recompute"),
+              ("offload", "offload-all", "tba"), ("offloaded_recompute", "offloaded recompute", "offloaded_recompute"),
+              ("adaptive", "adaptive", "adaptive"))
+"""(name in the JSON, label in the table, harness mode)."""
+
+ADAPTIVE_PROFILE_STEPS = 1
+"""Steps the adaptive runs profile before planning (tba's default is 2): each one is a whole
+offloading step, the longest kind at the largest batches."""
+
+REQUIRED = ("keep", "recompute", "offload")
+"""Strategies that exist in every version of tba: the exit status is 1 when one of them failed."""
+
+
+@dataclasses.dataclass
+class Settings:
+    """What every measurement shares."""
+
+    preset: str
+    budget_bytes: int
+    seq_len: int
+    device: str = "cpu"
+    allocator: str = "auto"
+    steps: int = 1
+    warmup: int = 0
+    directory: str | None = None
+    backend: str = "auto"
+    threads: int | None = None
+    max_batch: int = MAX_BATCH
+    strategies: tuple[str, ...] = tuple(name for name, _, _ in STRATEGIES)
+
+
+class _Lines:
+    """Progress lines on stderr, each with the seconds since the start."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.start:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def measure_capacity(settings: Settings, *, json_path: str | None = None, png_path: str | None = None,
+                     progress: bool = True) -> tuple[list[StrategyResult], dict[str, Any]]:
+    """Run the search for every strategy; returns the results and the JSON document (also written to ``json_path``)."""
+    _, malloc = launch_env(settings.allocator)
+    lines = _Lines(progress)
+    results = [StrategyResult(name, label if name != "adaptive" else f"adaptive {settings.budget_bytes / MIB:.0f} MiB",
+                              mode) for name, label, mode in STRATEGIES if name in settings.strategies]
+
+    def save() -> dict[str, Any]:
+        doc = _document(settings, malloc, results)
+        if json_path is not None:
+            _write_json(json_path, doc)
+        return doc
+
+    save()
+    keep_max: int | None = None
+    for result in results:
+        measure = _measurer(settings, result, lines)
+        probes = (1, 2) if result.name == "keep" or not keep_max else (keep_max, 2 * keep_max)
+        result.status = "running"
+
+        def on_point(search: Search, result: StrategyResult = result) -> None:
+            result.search = search
+            save()
+
+        result.search = find_max_batch(measure, settings.budget_bytes, probes=probes, max_batch=settings.max_batch,
+                                       on_point=on_point)
+        if result.search.max_batch is None:
+            result.status = "failed"
+            lines.say(f"{result.label}: unavailable: {result.search.error}")
+            save()
+            continue
+        if result.name == "keep":
+            keep_max = result.search.max_batch
+        if keep_max:
+            result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
+            keep_point = results[0].search.point(keep_max) if results[0].name == "keep" else None
+            if result.keep_max_point.error is None and keep_point is not None:
+                result.same_loss_at_keep_max = _same_losses(result.keep_max_point.losses, keep_point.losses)
+        result.status = "ok"
+        lines.say(f"{result.label}: largest batch {result.search.max_batch}"
+                  f"{'' if result.search.confirmed else ' (not confirmed)'}")
+        save()
+    doc = save()
+    if png_path is not None:
+        title = f"capacity within {settings.budget_bytes / MIB:.0f} MiB: {settings.preset}, seq {settings.seq_len}, " \
+                f"{settings.device}, {malloc.split(' (')[0]}"
+        if not plot_png(results, png_path, seq_len=settings.seq_len, title=title):
+            logger.warning("tba: matplotlib is not installed, so no %s; pip install 'tba-offload[plot]' to get it",
+                           png_path)
+    return results, doc
+
+
+def _measurer(settings: Settings, result: StrategyResult, lines: _Lines):
+    options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
+        if result.name == "adaptive" else None
+
+    def measure(batch: int) -> Point:
+        lines.say(f"{result.label}: batch {batch} ...")
+        try:
+            run = run_isolated(result.mode, settings.preset, steps=settings.steps, warmup=settings.warmup,
+                               directory=settings.directory, backend=settings.backend, device=settings.device,
+                               threads=settings.threads, allocator=settings.allocator, offload_options=options,
+                               prime=True, config_overrides={"batch_size": batch, "seq_len": settings.seq_len})
+        except IsolatedRunError as err:
+            logger.debug("%s", err.stderr)
+            lines.say(f"{result.label}: batch {batch} failed: {err.reason}")
+            raise MeasureError(err.reason) from None
+        fits = "fits" if run.footprint_bytes <= settings.budget_bytes else "over"
+        lines.say(f"{result.label}: batch {batch}: peak {run.footprint_bytes / MIB:.1f} MiB ({fits}), "
+                  f"{run.median_step_s:.2f} s/step")
+        return Point(batch, peak_bytes=run.footprint_bytes, step_s=run.median_step_s, losses=run.losses)
+
+    return measure
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _extra_point(measure, batch: int) -> Point:
+    try:
+        return measure(batch)
+    except MeasureError as err:
+        return Point(batch, error=str(err))
+
+
+def _document(settings: Settings, malloc: str, results: list[StrategyResult]) -> dict[str, Any]:
+    config = dataclasses.replace(PRESETS[settings.preset], seq_len=settings.seq_len)
+    keep = results[0].search if results[0].name == "keep" else None
+    return {
+        "tool": "capacity", "preset": settings.preset, "device": settings.device,
+        "model": {k: v for k, v in dataclasses.asdict(config).items() if k != "batch_size"},
+        "seq_len": settings.seq_len, "budget_bytes": settings.budget_bytes, "allocator": malloc,
+        "steps": settings.steps, "warmup": settings.warmup, "threads": settings.threads,
+        "peak": "most memory above what the process held before its first step, over every step",
+        "keep_max_batch": keep.max_batch if isinstance(keep, Search) else None,
+        "complete": all(r.status in ("ok", "failed") for r in results),
+        "strategies": {r.name: r.as_dict(settings.seq_len) for r in results},
+        **summary(results, settings.seq_len),
+    }
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    """Replace ``path`` in one step, so that a run killed while writing leaves the previous version."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(partial, path)
+
+
+def _output_file(option: str, path: str) -> str:
+    """Check that ``path`` can be written as a file, before any measurement; raises ValueError naming the fix."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a directory; pass a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: no directory {parent}; create it or pass another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: {parent} is not writable; pass another path")
+    return path
+
+
+def _strategy_list(text: str) -> tuple[str, ...]:
+    names = [name for name, _, _ in STRATEGIES]
+    chosen = tuple(part.strip() for part in text.split(","))
+    unknown = [name for name in chosen if name not in names]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown)!r}; choose from {', '.join(names)}")
+    return tuple(name for name in names if name in chosen)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="deep", help="built-in GPT (default: deep)")
+    parser.add_argument("--budget", type=parse_size, required=True,
+                        help="activation memory budget, e.g. 512M or 2GiB (binary), 500MB (decimal)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc preloaded into every run: auto = best caching allocator found (default), "
+                             "system = the C library's (glibc)")
+    parser.add_argument("--json", default="capacity.json", help="JSON results, rewritten after every measurement "
+                                                                "(default: capacity.json)")
+    parser.add_argument("--png", default=None, help="bar chart of the results (needs matplotlib)")
+    parser.add_argument("--steps", type=int, default=1, help="measured steps per run (default: 1)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="unmeasured steps first, peak counted (default: 0; each run is primed with a 1-sample step)")
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"largest batch tried (default: {MAX_BATCH})")
+    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per run (default: torch's; 1 is steadier on a busy machine)")
+    parser.add_argument("--strategies", type=_strategy_list, default=",".join(name for name, _, _ in STRATEGIES),
+                        help="comma-separated subset to measure (default: %(default)s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.budget <= 0:
+            raise ValueError(f"--budget must be positive, got {args.budget} bytes; pass a size such as 512M")
+        for option, value, least in (("--seq", args.seq, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                                     ("--max-batch", args.max_batch, 1), ("--threads", args.threads, 1)):
+            if value is not None and value < least:
+                raise ValueError(f"{option} must be at least {least}, got {value}")
+        launch_env(args.allocator)
+        check_setup(None, args.device)
+        json_path = _output_file("--json", args.json)
+        png_path = _output_file("--png", args.png) if args.png else None
+    except (ValueError, TbaConfigError) as err:
+        cli_checks.usage_error("capacity", str(err))
+    seq_len = args.seq or PRESETS[args.preset].seq_len
+    settings = Settings(args.preset, args.budget, seq_len, device=args.device, allocator=args.allocator,
+                        steps=args.steps, warmup=args.warmup, directory=args.directory, backend=args.backend,
+                        threads=args.threads, max_batch=args.max_batch, strategies=args.strategies)
+    results, doc = measure_capacity(settings, json_path=json_path, png_path=png_path, progress=not args.quiet)
+    config = PRESETS[args.preset]
+    print(f"capacity within {args.budget / MIB:.1f} MiB of activations: preset {args.preset} ({config.layers} layers, "
+          f"width {config.width}, sequence {seq_len}), {args.device}, malloc {doc['allocator']}")
+    print(format_table(results, seq_len, doc["keep_max_batch"]))
+    best = doc["best_tba_strategy"]
+    if best:
+        over_recompute, over_keep = (doc[f"best_tba_max_batch_over_{other}"] for other in ("recompute", "keep"))
+        print(f"\nbest tba strategy: {doc['strategies'][best]['label']}, largest batch "
+              f"{_times(over_recompute)} full recompute's, {_times(over_keep)} keep-all's")
+    speed = doc["offload_over_recompute_tokens_per_s_at_keep_max"]
+    if speed is not None:
+        print(f"offload-all tokens/s at keep-all's largest batch: {speed:.2f}x full recompute's")
+    print("wrote " + ", ".join(p for p in (json_path, png_path) if p))
+    failed = [r.label for r in results if r.name in REQUIRED and r.status != "ok"]
+    if failed:
+        print(f"failed: {', '.join(failed)} (-v shows each failed run's error)")
+    unequal = [r.label for r in results if r.same_loss_at_keep_max is False]
+    if unequal:
+        print(f"losses differ from keep-all's at its largest batch: {', '.join(unequal)}")
+    return 1 if failed or unequal else 0

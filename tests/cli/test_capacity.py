@@ -1,0 +1,91 @@
+"""python -m tba capacity: a tiny end-to-end run (JSON keys, exit status) and its usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tba.cli import main
+from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
+from tba.cli._capacity_search import Point, Search
+
+PER_STRATEGY = ("max_batch", "tokens_per_s_at_max", "tokens_per_s_at_keep_max", "status", "points", "fit")
+
+
+def test_tiny_run_writes_the_json_and_exits_0(tmp_path, spill_dir):
+    out = tmp_path / "c.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tba", "capacity", "--preset", "tiny", "--budget", "1K", "--json", str(out),
+         "--strategies", "keep,offloaded_recompute", "--directory", spill_dir, "--backend", "threads"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["budget_bytes"] == 1024 and doc["allocator"] and doc["complete"]
+    assert list(doc["strategies"]) == ["keep", "offloaded_recompute"]
+    for name, entry in doc["strategies"].items():
+        assert all(key in entry for key in PER_STRATEGY), name
+    assert doc["strategies"]["keep"]["max_batch"] == 0 and doc["keep_max_batch"] == 0  # 1 KiB fits nothing
+    assert [p["batch"] for p in doc["strategies"]["keep"]["points"]] == [1]  # over at the first probe: stop
+    unavailable = doc["strategies"]["offloaded_recompute"]
+    assert unavailable["status"] in ("ok", "failed") and (unavailable["status"] == "ok" or unavailable["error"])
+    assert "keep-all" in done.stdout and "offloaded recompute" in done.stdout
+    assert "[" in done.stderr and "keep-all: batch 1" in done.stderr  # progress lines
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--budget", "12 apples"], "not a size: '12 apples'"),
+    (["--budget", "0"], "--budget must be positive"),
+    (["--budget", "1M", "--strategies", "keep,fast"], "unknown strategy 'fast'"),
+    (["--budget", "1M", "--seq", "0"], "--seq must be at least 1"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, match, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["capacity", "--json", str(tmp_path / "c.json"), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and match in lines[0], lines
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
+def test_cuda_without_cuda_exits_2_before_any_run(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["capacity", "--budget", "1M", "--device", "cuda", "--json", str(tmp_path / "c.json")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and "pass --device cpu" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_into_a_missing_directory_exits_2(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["capacity", "--budget", "1M", "--json", str(tmp_path / "nope" / "c.json")])
+    assert "no directory" in capsys.readouterr().err
+
+
+def _result(name, label, points, max_batch, keep_max=None, error=None):
+    search = Search(100, points=points, max_batch=max_batch, confirmed=True, error=error)
+    keep_point = next((p for p in points if p.batch == keep_max), None)
+    return StrategyResult(name, label, name, search=search, keep_max_point=keep_point,
+                          status="failed" if max_batch is None else "ok")
+
+
+def test_table_summary_and_chart(tmp_path):
+    results = [
+        _result("keep", "keep-all", [Point(2, 90, 1.0)], 2, keep_max=2),
+        _result("recompute", "full recompute", [Point(2, 20, 2.0), Point(8, 90, 8.0)], 8, keep_max=2),
+        _result("offload", "offload-all", [Point(2, 10, 1.0), Point(20, 95, 12.0)], 20, keep_max=2),
+        _result("offloaded_recompute", "offloaded recompute", [Point(2, error="ValueError: unknown decision")], None,
+                error="ValueError: unknown decision"),
+    ]
+    table = format_table(results, seq_len=10, keep_max=2)
+    assert "unavailable: ValueError: unknown decision" in table and "tok/s at b=2" in table
+    ratios = summary(results, seq_len=10)
+    assert ratios["best_tba_strategy"] == "offload"
+    assert ratios["best_tba_max_batch_over_recompute"] == 2.5 and ratios["best_tba_max_batch_over_keep"] == 10
+    assert ratios["offload_over_recompute_tokens_per_s_at_keep_max"] == 2.0
+    assert results[2].as_dict(10)["tokens_per_s_at_max"] == pytest.approx(20 * 10 / 12.0)
+    path = tmp_path / "c.png"
+    assert plot_png(results, str(path), seq_len=10, title="t") and path.read_bytes()[:4] == b"\x89PNG"

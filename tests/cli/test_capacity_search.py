@@ -1,0 +1,99 @@
+"""Capacity search on fake measurements: linear peaks, a confirmation that disagrees, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tba.cli._capacity_search import MeasureError, Point, find_max_batch, linear_fit, predict
+
+MIB = 1 << 20
+
+
+def linear(a, b, calls):
+    def measure(batch):
+        calls.append(batch)
+        return Point(batch, peak_bytes=a + b * batch, step_s=0.1 * batch)
+    return measure
+
+
+def test_linear_peaks_are_found_with_probes_and_one_confirmation():
+    calls = []
+    search = find_max_batch(linear(10 * MIB, 3 * MIB, calls), 100 * MIB, probes=(1, 2))
+    assert search.max_batch == 30 and search.confirmed and not search.capped  # 10 + 3 * 30 = 100
+    assert calls == [1, 2, 30, 31]
+    assert search.predicted == 30 and search.fit == pytest.approx((10 * MIB, 3 * MIB))
+
+
+def test_a_confirmation_that_disagrees_is_adjusted():
+    calls = []
+
+    def convex(batch):  # looks linear at small batches, grows faster later
+        calls.append(batch)
+        return Point(batch, peak_bytes=10 * MIB + 3 * MIB * batch + (MIB * (batch - 10) ** 2 // 4 if batch > 10 else 0))
+
+    search = find_max_batch(convex, 100 * MIB, probes=(1, 2))
+    truth = max(b for b in range(1, 100) if convex(b).peak_bytes <= 100 * MIB)
+    assert search.max_batch == truth and search.confirmed
+    assert calls[:4] == [1, 2, 30, 31] and len(calls) <= 4 + 2 * 3 + 100  # probes, confirmations, truth scan
+
+
+def test_a_confirmation_above_the_prediction_that_still_fits_moves_up():
+    calls = []
+    steps = iter([MIB, 2 * MIB])  # probes overestimate the slope (small tensors kept in memory)
+
+    def measure(batch):
+        calls.append(batch)
+        peak = next(steps, None) or MIB // 2 * batch + MIB
+        return Point(batch, peak_bytes=peak)
+
+    search = find_max_batch(measure, 21 * MIB, probes=(1, 2))
+    assert search.max_batch == 40 and search.confirmed  # 0.5 MiB * 40 + 1 MiB = 21 MiB
+    assert calls[2:4] == [21, 22]
+
+
+def test_a_strategy_that_raises_at_its_first_probe_is_reported_failed():
+    calls = []
+
+    def measure(batch):
+        calls.append(batch)
+        raise MeasureError("ValueError: unknown decision 'offloaded_recompute'")
+
+    search = find_max_batch(measure, 100 * MIB, probes=(4, 8))
+    assert search.max_batch is None and "unknown decision" in search.error and calls == [4]
+
+
+def test_a_failure_at_a_larger_batch_counts_as_not_fitting():
+    def measure(batch):
+        if batch > 12:
+            raise MeasureError("TbaConfigError: budget cannot be met")
+        return Point(batch, peak_bytes=MIB * batch)
+
+    search = find_max_batch(measure, 100 * MIB, probes=(1, 2))
+    assert search.max_batch == 12 and search.confirmed
+    assert search.point(13).error.startswith("TbaConfigError")
+
+
+def test_nothing_fits_and_the_cap():
+    search = find_max_batch(linear(200 * MIB, MIB, []), 100 * MIB, probes=(1, 2))
+    assert search.max_batch == 0 and search.confirmed
+    capped = find_max_batch(linear(MIB, 0, []), 100 * MIB, probes=(1, 2), max_batch=64)
+    assert capped.max_batch == 64 and capped.capped and not capped.confirmed
+
+
+def test_fit_and_prediction_edges():
+    assert linear_fit([Point(1, error="x")]) is None
+    assert linear_fit([Point(4, peak_bytes=8)]) == (0.0, 2.0)
+    assert predict((0.0, 0.0), 10, max_batch=7) == 7 and predict((20.0, 0.0), 10) == 0
+    assert predict((0.0, 3.0), 10) == 3
+
+
+def test_after_the_confirmation_each_round_measures_one_batch():
+    calls = []
+
+    def measure(batch):  # the probes' slope is a little high, as with full recompute on the deep preset
+        calls.append(batch)
+        return Point(batch, peak_bytes=(4 if batch <= 26 else 3) * MIB * batch)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
+    assert search.max_batch == 170 and search.confirmed  # 3 MiB * 170 = 510 MiB
+    assert calls[:4] == [13, 26, 128, 129] and len(calls) == len(set(calls)) <= 4 + 3
