@@ -12,6 +12,11 @@ PY := $(VENV)/bin/python
 # and apt exist, Debian's libtcmalloc-minimal4 (what `python -m tba run` prefers) and libjemalloc2 are installed too. Neither
 # may fail the set-up: without them everything runs under glibc's malloc.
 TORCH_SPEC ?= torch==2.13.0
+# torch builds JIT extensions (DeepSpeed's async_io) under a lock file that a killed build leaves
+# behind, and a later build waits on it for ever; each checkout keeps its own build directory in its
+# venv, so no other checkout's build can leave it waiting, and the target below clears its own.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+DEEPSPEED_AIO_TIMEOUT_S ?= 900
 
 .PHONY: demo test deepspeed-aio clean
 
@@ -36,10 +41,11 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 # DeepSpeed's async_io op (its NVMe swap) JIT-builds against libaio (Debian: libaio-dev) in about
-# 3 minutes, cached under ~/.cache/torch_extensions; tests/integrations/test_deepspeed_nvme.py is
+# 3 minutes, cached under .venv/torch_extensions; tests/integrations/test_deepspeed_nvme.py is
 # skipped until it is built. CI runs this target (.ci/run).
 deepspeed-aio: $(VENV)/.installed
-	$(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); \
+	rm -f $(TORCH_EXTENSIONS_DIR)/*/async_io/lock
+	timeout $(DEEPSPEED_AIO_TIMEOUT_S) $(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); \
 	assert b.is_compatible(False), 'libaio is missing: apt-get install libaio-dev'; b.load(verbose=False)"
 
 clean:

@@ -3,9 +3,10 @@
 Each strategy runs the same model, batch and seed:
 
 * ``keep``: plain PyTorch, every activation stays in memory (the baseline);
-* ``tba``: forward inside a reused :class:`tba.Offloader` told the model's layers
-  (``usage="reusable"``), or inside a bare ``with tba.offload_activations(directory=d):`` per
-  step with nothing else passed (``usage="bare"``), as a new user would write it;
+* ``tba``: forward inside a reused :class:`tba.Offloader` told the model's layers, offloading
+  every layer unless ``offload_options`` names another ``policy`` (``usage="reusable"``), or
+  inside a bare ``with tba.offload_activations(directory=d):`` per step with nothing else passed
+  (``usage="bare"``: the adaptive default), as a new user would write it;
 * ``tba-verify``: ``tba`` with ``verify=True`` (a CRC-32C of every storage written and read);
 * ``recompute``: every layer under non-reentrant ``torch.utils.checkpoint``;
 * ``offloaded_recompute``: a reused :class:`tba.Offloader` pinned to a plan recomputing every layer
@@ -174,6 +175,8 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     if mode == "adaptive":
         options["policy"] = "adaptive"
         warmup += options.get("profile_steps", 2)
+    if mode in ("tba", "tba-verify") and not bare:
+        options.setdefault("policy", "offload")
     if mode == "tba-verify":
         options["verify"] = True
     if mode == "offloaded_recompute":

@@ -99,11 +99,11 @@ def point_of(strategy: str, label: str, budget: int | None, result: ModeResult |
         activation_peak_bytes=result.median_peak_bytes,
         step_ratio=result.median_step_s / keep.median_step_s,
         peak_ratio=result.median_peak_bytes / keep.median_peak_bytes if keep.median_peak_bytes else float("nan"),
-        losses_equal=_same_losses(result.losses, keep.losses), budget_bytes=budget, plan=result.plan,
+        losses_equal=same_losses(result.losses, keep.losses), budget_bytes=budget, plan=result.plan,
     )
 
 
-def _same_losses(losses: list[float], reference: list[float]) -> bool:
+def same_losses(losses: list[float], reference: list[float]) -> bool:
     """Step ``i`` has the same seed and weights in every run, so losses compare over the common steps."""
     common = min(len(losses), len(reference))
     return common > 0 and losses[:common] == reference[:common]

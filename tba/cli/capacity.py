@@ -39,7 +39,8 @@ from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
 from tba.cli._capacity_search import MAX_BATCH, MeasureError, Point, Search, find_max_batch
-from tba.cli.rok import _same_losses, check_setup
+from tba.cli._rok_points import same_losses
+from tba.cli.rok import check_setup
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
 
@@ -126,7 +127,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
             result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
             keep_point = results[0].search.point(keep_max) if results[0].name == "keep" else None
             if result.keep_max_point.error is None and keep_point is not None:
-                result.same_loss_at_keep_max = _same_losses(result.keep_max_point.losses, keep_point.losses)
+                result.same_loss_at_keep_max = same_losses(result.keep_max_point.losses, keep_point.losses)
         result.status = "ok"
         lines.say(f"{result.label}: largest batch {result.search.max_batch}"
                   f"{'' if result.search.confirmed else ' (not confirmed)'}")

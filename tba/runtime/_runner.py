@@ -203,6 +203,10 @@ class PolicyRunner:
         return first is not None and first.is_cuda
 
     def _attach_shape_hook(self) -> None:
+        # A step that an exception ended before exit (a signal handler's) may have left its hook on;
+        # two would remove each other's handle mid-forward and torch would call one without kwargs.
+        if self._shape_hook is not None:
+            self._shape_hook.remove()
         self._shape_hook = self.layers[0].register_forward_pre_hook(self._check_shape, with_kwargs=True)
 
     def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

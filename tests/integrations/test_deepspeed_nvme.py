@@ -1,7 +1,8 @@
 """tba beside DeepSpeed's real NVMe optimizer swap (ZeRO-3, ``offload_optimizer: {device: nvme}``) on CPU.
 
 DeepSpeed swaps optimizer states through its ``async_io`` op, which needs ``libaio-dev`` and a JIT
-build (a few minutes the first time, then cached under ``~/.cache/torch_extensions``). Where the
+build (a few minutes the first time, then cached under ``$TORCH_EXTENSIONS_DIR``, which ``make``
+sets to ``.venv/torch_extensions``). Where the
 op is not available this module is skipped with the reason and the fix; ``make deepspeed-aio``
 builds it, and CI does so.
 

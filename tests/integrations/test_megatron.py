@@ -196,7 +196,7 @@ def test_flags_that_keep_activations_in_memory_or_do_not_fit(world):
 def test_adaptive_policy_is_exact_and_plans_after_profiling(world, spill_dir):
     _, _, reference = train(parse())
     flags = ["--tba-offload-activations", "--tba-dir", spill_dir, "--tba-backend", "threads",
-             "--tba-policy", "adaptive", "--tba-memory-budget", "64KiB"]
+             "--tba-policy", "adaptive", "--tba-overhead-bound", "0.5"]
     _, offloader, steps = train(parse(*flags), offloader_from_args)
     assert_same_steps(reference, steps)
     assert offloader.plan is not None and len(offloader.plan.decisions) == len(offloader.layers)

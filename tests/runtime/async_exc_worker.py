@@ -1,8 +1,9 @@
 """Training under asynchronous exceptions, run by ``test_async_exceptions.py`` in a fresh process.
 
 Usage: ``python async_exc_worker.py BACKEND DIRECTORY STEPS SIGNAL``. Each step arms a one-shot
-timer (``setitimer``) at a random point of a tiny GPT's step (up to 1.5 step times, so about a
-third of the steps complete). With ``SIGNAL`` =
+timer (``setitimer``) at a random point of a tiny GPT's step, up to 1.5 step times, so about a
+third of the steps complete. Every layer is offloaded (``policy="offload"``): the adaptive default
+would keep a model this small in memory, and its steps would finish before most timers. With ``SIGNAL`` =
 ``alarm`` the handler raises a user exception; with ``int`` the timer sends a real SIGINT and
 Python's default handler raises ``KeyboardInterrupt``. The loop catches it and goes on. Prints one
 JSON line: steps completed exactly, steps interrupted, signals sent, wrong steps, and what tba left
@@ -88,7 +89,7 @@ def main() -> None:
     want = step(tba.offload_activations(directory, backend="threads", min_offload_bytes=1 << 40))
     start = time.perf_counter()
     for _ in range(3):
-        step(tba.offload_activations(directory, backend=backend, min_offload_bytes=0))
+        step(tba.offload_activations(directory, backend=backend, min_offload_bytes=0, policy="offload"))
     step_s = (time.perf_counter() - start) / 3
     settle()
     tba.shutdown()
@@ -111,7 +112,7 @@ def main() -> None:
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 1.5 * step_s))
-                grads = step(tba.offload_activations(directory, backend=backend, min_offload_bytes=0))
+                grads = step(tba.offload_activations(directory, backend=backend, min_offload_bytes=0, policy="offload"))
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             done += 1
