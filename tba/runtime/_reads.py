@@ -124,6 +124,7 @@ class StoreReads:
                 done.set_exception(error)
             else:
                 entry.data, entry.ready_event = data, event
+                entry.own_memory = False  # a read buffer of tba's pool now, never discarded
                 self._resident(entry.nbytes)
                 self.stats.bytes_read += entry.nbytes
                 done.set_result((entry.data, event))
@@ -165,15 +166,21 @@ class StoreReads:
         another view of the same storage is used, and that must not drop the bytes early.
         """
         with self.lock:
-            entry.unpacked_views.add(view_id)
-            if len(entry.unpacked_views) < entry.live_views:
-                return
-            entry.unpacked_views.clear()
+            views = entry.unpacked_views
+            if entry.live_views > 1:
+                if views is None:
+                    views = entry.unpacked_views = set()
+                views.add(view_id)
+                if len(views) < entry.live_views:
+                    return
+            if views:
+                views.clear()
             entry.fully_unpacked = True
             self.window.discount(entry)
             entry.hold_for_backward = False
             if entry.state is State.ON_DISK:
-                self.release(entry)
+                # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
+                self._release_written(entry)
 
     def prefetch(self, entry: StorageEntry | None) -> None:
         """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""

@@ -64,8 +64,9 @@ class StorageEntry:
     offset: int = -1
     live_views: int = 0
     """:class:`SavedView` objects of this storage that autograd still holds."""
-    unpacked_views: set[int] = dataclasses.field(default_factory=set)
-    """Identities of the live views unpacked in the current backward."""
+    unpacked_views: set[int] | None = None
+    """Identities of the live views unpacked in the current backward; None (no set made) while
+    the entry has one live view, the common case."""
     hold_for_backward: bool = False
     """Keep the bytes in memory when the write completes: the prefetch window wants them soon."""
     fully_unpacked: bool = False
