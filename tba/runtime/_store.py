@@ -39,7 +39,7 @@ from tba.runtime._reads import StoreReads
 from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._trim import owns_its_memory
-from tba.runtime._views import State, StorageEntry
+from tba.runtime._views import State, StorageEntry, StorageRef
 
 logger = logging.getLogger("tba")
 
@@ -164,7 +164,7 @@ class StorageStore(StoreReads, StoreRelease):
             nbytes=storage.nbytes(),
             phase_bytes=route.phase_bytes(storage.data_ptr()),
             version=version,
-            ref=StorageWeakRef(storage),
+            ref=StorageRef(storage),
             data=data,
             device=device,
             route=route,
