@@ -66,6 +66,8 @@ class _Control:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.deferred: collections.deque = collections.deque()
         """``(fn, args)`` to run before the next job (Note [Deferred jobs])."""
+        self.defer_append = self.deferred.append
+        """The finalizers' callback, made once: ``deferred.append`` builds a new bound method at each use."""
         self.batch_end: list[Callable[[], None]] = []
         """Callbacks to run once the deferred jobs have run (:func:`after_batch`)."""
         self.finalizers: dict[int, _Finalizer] = {}
@@ -263,7 +265,7 @@ def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
     the control thread thousands of times.
     """
     _control.ensure_started()
-    ref = _Finalizer(obj, _control.deferred.append)
+    ref = _Finalizer(obj, _control.defer_append)
     ref.fn, ref.args = fn, args
     _control.finalizers[id(ref)] = ref
 

@@ -22,9 +22,13 @@ def _annotate():
     return nvtx.annotate
 
 
+_NO_RANGE = contextlib.nullcontext()
+"""What :func:`nvtx_range` returns without ``nvtx``: one reusable no-op, not a fresh object per saved tensor."""
+
+
 def nvtx_range(name: str) -> AbstractContextManager[None]:
     """A context manager that marks ``name`` in the ``tba`` NVTX domain (or does nothing)."""
     annotate = _annotate()
     if annotate is None:
-        return contextlib.nullcontext()
+        return _NO_RANGE
     return annotate(name, domain="tba")

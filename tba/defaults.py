@@ -72,9 +72,10 @@ HEAP_TRIM_EVERY_BYTES = 256 * MIB
 """After this many bytes of offloaded storages are released, glibc's free heap pages are handed
 back to the kernel (``tba/runtime/_trim.py``), so that resident memory follows memory in use."""
 
-LINGER_SWEEP_PER_CALL = 4
-"""Written storages still used by the program that each save and unpack re-checks (``tba/runtime/_store.py``,
-Note [A bounded sweep per tensor]): enough to keep up with one release per tensor, O(1) per tensor."""
+LINGER_SWEEP_PER_CALL = 2
+"""Written storages still used by the program that each save, unpack and freed view re-checks
+(``tba/runtime/_release.py``, Note [A bounded sweep per tensor]): at most one storage starts lingering
+per saved tensor, and each tensor makes three such calls, so the sweep keeps up at O(1) per tensor."""
 
 DEFER_WAKE_JOBS = 16
 """Saves (or unpacks served from memory) deferred before the training thread wakes the control

@@ -107,10 +107,14 @@ def cuda_api() -> Any:
     return _current
 
 
-def is_device_tensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lives on the (possibly simulated) CUDA device."""
+def is_device_tensor(tensor: torch.Tensor, device_type: str | None = None) -> bool:
+    """Whether ``tensor`` lives on the (possibly simulated) CUDA device.
+
+    ``device_type`` is ``tensor.device.type`` when the caller has it already (each ``tensor.device``
+    builds a new object: the pack hook reads it once per saved tensor).
+    """
     api = _current
-    return tensor.device.type == api.device_type and (api.simulated or tensor.is_cuda)
+    return (device_type or tensor.device.type) == api.device_type and (api.simulated or tensor.is_cuda)
 
 
 @contextlib.contextmanager

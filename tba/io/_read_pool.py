@@ -89,5 +89,5 @@ class BufferPool:
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
         """Like :func:`tba.io._memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
         token = _Token()
-        on_death(token, self.give, buffer)
+        on_death(token, BufferPool.give, self, buffer)
         return storage_view(buffer, start_bytes, nbytes, owner=token)

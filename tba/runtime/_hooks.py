@@ -80,7 +80,8 @@ class SavedTensorHooks:
         """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
         if in_keep_region():
             return KeepReason.USER_REGION
-        if is_device_tensor(tensor) and cuda_api().is_current_stream_capturing():
+        device_type = tensor.device.type
+        if is_device_tensor(tensor, device_type) and cuda_api().is_current_stream_capturing():
             return KeepReason.CUDA_GRAPH_CAPTURE
         if type(tensor) is not torch.Tensor:
             if isinstance(tensor, nn.Parameter):
@@ -91,7 +92,7 @@ class SavedTensorHooks:
             return KeepReason.NOT_STRIDED
         if tensor.is_conj() or tensor.is_neg():
             return KeepReason.LAZY_VIEW
-        if tensor.device.type not in DEVICE_TYPES:
+        if device_type not in DEVICE_TYPES:
             return KeepReason.UNSUPPORTED_DEVICE
         base = tensor._base if tensor._is_view() else tensor
         if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
@@ -99,9 +100,10 @@ class SavedTensorHooks:
         storage = tensor.untyped_storage()
         if storage._cdata in self._state_keys:
             return KeepReason.MODULE_STATE
-        if storage.nbytes() == 0 or storage.nbytes() < self.min_offload_bytes:
+        nbytes = storage.nbytes()
+        if nbytes == 0 or nbytes < self.min_offload_bytes:
             return KeepReason.SMALL
-        if tensor.device.type not in self._staged_devices and storage.data_ptr() % 64:
+        if device_type not in self._staged_devices and storage.data_ptr() % 64:
             return KeepReason.UNALIGNED
         if self._tracker.current in self.keep_layers:
             return KeepReason.LAYER_KEPT
@@ -134,10 +136,11 @@ class SavedTensorHooks:
         layer = self._tracker.current
         stack = self._discovery.stack if self._discovery is not None else None
         view = SavedView(None, tensor)
-        if is_device_tensor(tensor):
+        device_type = tensor.device.type
+        if is_device_tensor(tensor, device_type):
             _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job, view, tensor, layer, stack)
             return view
-        if tensor.device.type in self._staged_devices:
+        if device_type in self._staged_devices:
             # A device route (a fake device in tests): its copy is ordered after the producer now.
             _control.call(self._save_job, view, tensor, layer, stack)
             return view
@@ -162,7 +165,8 @@ class SavedTensorHooks:
         if fresh:
             self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
         view.entry = entry
-        _control.on_death(view, self.drop_view, entry, id(view))
+        # The class's function, not a bound method: one object less per saved tensor for the collector.
+        _control.on_death(view, type(self).drop_view, self, entry, id(view))
 
     def _not_active_message(self) -> str:
         if self._phase is _Phase.CLOSED:

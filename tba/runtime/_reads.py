@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     from tba.runtime._stats import BusyClock, OffloadStats
 
 
+# Note: [A read nobody waits for has no future]
+# Most reads are prefetched: the unpack that needs the bytes finds them resident and never waits. A
+# Future per read (with its condition and locks) was a measurable part of backward's cost per
+# storage (docs/host-cost.md), so a read in flight is marked UNWATCHED, and start_load replaces the
+# mark with a Future only when an unpack must wait for that read. A failed read nobody waited for
+# leaves the entry on disk: the unpack that needs it reads again and sees the error itself.
+UNWATCHED: Any = object()
+"""``entry.read_done`` of a read in flight that no unpack waits for yet."""
+
+
 class StoreReads:
     """The read half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
     and provides the lifetime methods it calls (``release``, ``_free_extent``, ``_sweep_written``)."""
@@ -84,8 +94,10 @@ class StoreReads:
                 self._sweep_written()
             data, done = (entry.data.detach() if entry.data is not None else None), entry.read_done
             if data is None and done is None:
-                done = self._start_read(entry)
+                done = self._start_read(entry, watched=True)
                 self._host.flush()
+            elif data is None and done is UNWATCHED:
+                done = entry.read_done = Future()
         self.prefetch(entry)
         if data is not None:
             with self.lock:
@@ -94,9 +106,9 @@ class StoreReads:
                 return data, entry.ready_event, None
         return None, None, done
 
-    def _start_read(self, entry: StorageEntry) -> Future:
-        """Queue the read of ``entry``; the future resolves to ``(bytes, event)``."""
-        done = entry.read_done = Future()
+    def _start_read(self, entry: StorageEntry, watched: bool = False) -> Future | None:
+        """Queue the read of ``entry``; ``watched``: the caller waits for it, through the future returned."""
+        done = entry.read_done = Future() if watched else UNWATCHED
         entry.transfer_in_flight = True
         self._reading += 1
         self.read_clock.start()
@@ -106,7 +118,7 @@ class StoreReads:
                 self._host.read(entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
             else:
                 entry.route.read(entry.device, entry.nbytes, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
-        return done
+        return done if watched else None
 
     def _on_read_done(self, entry: StorageEntry, error: BaseException | None, data: Any, event: Any) -> None:
         self.read_clock.stop()
@@ -117,16 +129,21 @@ class StoreReads:
             self._reading -= 1
             self._transfer_ended()
             done, entry.read_done = entry.read_done, None
+            waited = done is not UNWATCHED
             if entry.state is State.DEAD:
                 self._free_extent(entry)
-                done.cancel()
+                if waited:
+                    done.cancel()
             elif error is not None:
-                done.set_exception(error)
+                if waited:
+                    done.set_exception(error)
             else:
                 entry.data, entry.ready_event = data, event
+                entry.own_memory = False  # a read buffer of tba's pool now, never discarded
                 self._resident(entry.nbytes)
                 self.stats.bytes_read += entry.nbytes
-                done.set_result((entry.data, event))
+                if waited:
+                    done.set_result((entry.data, event))
 
     def _verify(self, entry: StorageEntry, data: torch.Tensor) -> TbaReadError | None:
         """None when ``data`` has the checksum ``entry`` was written with, else the error to raise."""
@@ -165,15 +182,21 @@ class StoreReads:
         another view of the same storage is used, and that must not drop the bytes early.
         """
         with self.lock:
-            entry.unpacked_views.add(view_id)
-            if len(entry.unpacked_views) < entry.live_views:
-                return
-            entry.unpacked_views.clear()
+            views = entry.unpacked_views
+            if entry.live_views > 1:
+                if views is None:
+                    views = entry.unpacked_views = set()
+                views.add(view_id)
+                if len(views) < entry.live_views:
+                    return
+            if views:
+                views.clear()
             entry.fully_unpacked = True
             self.window.discount(entry)
             entry.hold_for_backward = False
             if entry.state is State.ON_DISK:
-                self.release(entry)
+                # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
+                self._release_written(entry)
 
     def prefetch(self, entry: StorageEntry | None) -> None:
         """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""

@@ -13,6 +13,7 @@ Every method runs under the store's lock.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -49,7 +50,7 @@ class StoreRelease:
     routes: Routes | None
     verify: bool
     _warned_verify_device: bool
-    _lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]]
+    _lingering: collections.deque[tuple[StorageWeakRef, torch.Tensor]]
     pages_discarded_bytes: int
 
     def _release_written(self, entry: StorageEntry) -> None:
@@ -65,8 +66,15 @@ class StoreRelease:
             if sole_owner(entry.ref):
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
             else:
-                self._lingering[entry.seq] = (entry.ref, data)
+                self._lingering.append((entry.ref, data))
         self.release(entry)
+
+    # Note: [Release after unpack]
+    # A storage whose write completed after the prefetch window asked to hold it (the end of forward
+    # came first) keeps its original memory until backward has unpacked it. Its release then goes
+    # through _release_written like any written storage's, so that its pages go back to the kernel
+    # too: whether they did depended on which came first, the write or the end of forward (a test
+    # failed on a loaded machine). Bytes read back into a pool buffer are only dropped.
 
     def _sweep_written(self, limit: int | None = defaults.LINGER_SWEEP_PER_CALL) -> None:
         """Free lingering written storages that the program has stopped using, pages first.
@@ -77,14 +85,14 @@ class StoreRelease:
         made every save and unpack scan all of them, quadratic in the tensors per step. ``limit=None``
         (at the end of forward and of backward) looks at every one.
         """
-        count = len(self._lingering) if limit is None else min(limit, len(self._lingering))
+        lingering = self._lingering
+        count = len(lingering) if limit is None else min(limit, len(lingering))
         for _ in range(count):
-            seq = next(iter(self._lingering))
-            ref, data = self._lingering.pop(seq)
+            ref, data = held = lingering.popleft()
             if sole_owner(ref):
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
             else:
-                self._lingering[seq] = (ref, data)
+                lingering.append(held)
 
     def release(self, entry: StorageEntry) -> None:
         """Drop tba's reference to ``entry``'s bytes in memory."""

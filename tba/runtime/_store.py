@@ -19,6 +19,7 @@ none of them waits for anything while holding the lock.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -38,7 +39,7 @@ from tba.runtime._reads import StoreReads
 from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._trim import owns_its_memory
-from tba.runtime._views import State, StorageEntry
+from tba.runtime._views import State, StorageEntry, StorageRef
 
 logger = logging.getLogger("tba")
 
@@ -77,7 +78,7 @@ class StorageStore(StoreReads, StoreRelease):
         self._idle_waiters: list[Future] = []
         """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
-        self._lingering: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
+        self._lingering: collections.deque[tuple[StorageWeakRef, torch.Tensor]] = collections.deque()
         self.pages_discarded_bytes = 0
         """Bytes of storage pages handed back to the kernel early (storages tba proved its own)."""
         self._next_seq = 0
@@ -154,18 +155,20 @@ class StorageStore(StoreReads, StoreRelease):
 
     def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None,
                      version: int) -> StorageEntry:
-        route = self.routes.for_device(tensor.device)
+        device = tensor.device
+        route = self.routes.for_device(device)
+        data = torch.empty((0,), dtype=torch.uint8, device=device).set_(storage)
         entry = StorageEntry(
             seq=self._next_seq,
             layer=layer,
             nbytes=storage.nbytes(),
             phase_bytes=route.phase_bytes(storage.data_ptr()),
             version=version,
-            ref=StorageWeakRef(storage),
-            data=torch.empty((0,), dtype=torch.uint8, device=tensor.device).set_(storage),
-            device=tensor.device,
+            ref=StorageRef(storage),
+            data=data,
+            device=device,
             route=route,
-            own_memory=owns_its_memory(storage),
+            own_memory=owns_its_memory(data),
         )
         self._next_seq += 1
         self.live_entries += 1
@@ -233,7 +236,8 @@ class StorageStore(StoreReads, StoreRelease):
             if self._lingering:
                 self._sweep_written()
             entry.live_views -= 1
-            entry.unpacked_views.discard(view_id)
+            if entry.unpacked_views:
+                entry.unpacked_views.discard(view_id)
             if entry.live_views > 0:
                 return False
             if self._by_storage.get(entry.ref.cdata) is entry:

@@ -115,8 +115,8 @@ def discard_pages(address: int, nbytes: int) -> int:
     return end - start
 
 
-def owns_its_memory(storage: torch.UntypedStorage) -> bool:
-    """Whether ``storage``'s memory is torch's own: freed by torch's allocator when the storage dies, seen by nobody else.
+def owns_its_memory(holder: torch.Tensor) -> bool:
+    """Whether the memory of ``holder``'s storage is torch's own: freed by its allocator, seen by nobody else.
 
     Note: [Whose pages tba may discard]
     ``madvise(MADV_DONTNEED)`` makes private pages read as zeros. Torch's reference count only sees
@@ -126,11 +126,14 @@ def owns_its_memory(storage: torch.UntypedStorage) -> bool:
     ``frombuffer``, ``from_file``, a C++ ``from_blob``) has a foreign deleter and is never resizable.
     Shared memory (``share_memory_()``, file mappings) is seen by other processes, and pinned memory
     is cached by its allocator: neither is touched either. Anything else is only dropped, never discarded.
+    ``holder`` is any tensor on the storage: ``Tensor.is_pinned`` is one C call, where
+    ``UntypedStorage.is_pinned`` builds a tensor first (several microseconds per saved tensor).
     """
-    if storage.device.type != "cpu" or not storage.resizable():
+    storage = holder.untyped_storage()
+    if holder.device.type != "cpu" or not storage.resizable():
         return False
     try:
-        return not storage.is_shared() and not storage.is_pinned()
+        return not storage.is_shared() and not holder.is_pinned()
     except RuntimeError:
         return False
 

@@ -32,14 +32,28 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba.defaults import ALIGN_BYTES
 from tba.io import round_up
 
 if TYPE_CHECKING:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     from tba.device import Route
+
+
+class StorageRef(StorageWeakRef):
+    """A :class:`StorageWeakRef` without the bound method each of those stores in itself.
+
+    Its ``_free_weak_ref`` is the class's (it outlives the ``torch`` module at shutdown as well):
+    one object less per saved storage for the cycle collector, whose full collections a step's
+    thousands of long-lived objects trigger (docs/host-cost.md).
+    """
+
+    __slots__ = ()
+    _free_weak_ref = torch.UntypedStorage._free_weak_ref
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata = storage._weak_ref()
 
 
 class State(enum.Enum):
@@ -64,8 +78,9 @@ class StorageEntry:
     offset: int = -1
     live_views: int = 0
     """:class:`SavedView` objects of this storage that autograd still holds."""
-    unpacked_views: set[int] = dataclasses.field(default_factory=set)
-    """Identities of the live views unpacked in the current backward."""
+    unpacked_views: set[int] | None = None
+    """Identities of the live views unpacked in the current backward; None (no set made) while
+    the entry has one live view, the common case."""
     hold_for_backward: bool = False
     """Keep the bytes in memory when the write completes: the prefetch window wants them soon."""
     fully_unpacked: bool = False
@@ -73,6 +88,7 @@ class StorageEntry:
     transfer_in_flight: bool = False
     io_error: BaseException | None = None
     read_done: Future | None = None
+    """The read in flight (``tba/runtime/_reads.py``'s ``UNWATCHED`` until an unpack waits for it), else None."""
     device: torch.device = torch.device("cpu")
     route: Route | None = None
     ready_event: Any = None
