@@ -11,11 +11,15 @@ from tba.defaults import MIB
 def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak: str = "median") -> list[dict[str, float | str]]:
     """One dict per result with median step time, activation peak and their ratios to ``baseline``'s.
 
-    ``peak`` is ``"median"`` (median of the measured steps' peaks) or ``"max"`` (the worst step).
+    ``peak`` is ``"median"`` (median of the measured steps' peaks), ``"max"`` (the worst measured
+    step) or ``"footprint"`` (the run's peak over every step, warm-up included, above what the process
+    held before its first step: :attr:`ModeResult.footprint_bytes`).
     """
     base = next(r for r in results if r.mode == baseline)
 
     def peak_of(result: ModeResult) -> int:
+        if peak == "footprint":
+            return result.footprint_bytes
         return result.max_peak_bytes if peak == "max" else result.median_peak_bytes
 
     rows = []
