@@ -44,7 +44,7 @@ test: $(VENV)/.installed
 # 3 minutes, cached under .venv/torch_extensions; tests/integrations/test_deepspeed_nvme.py is
 # skipped until it is built. CI runs this target (.ci/run).
 deepspeed-aio: $(VENV)/.installed
-	rm -f $(TORCH_EXTENSIONS_DIR)/*/async_io/lock
+	rm -f $(TORCH_EXTENSIONS_DIR)/async_io/lock $(TORCH_EXTENSIONS_DIR)/pin_memory/lock
 	timeout $(DEEPSPEED_AIO_TIMEOUT_S) $(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); \
 	assert b.is_compatible(False), 'libaio is missing: apt-get install libaio-dev'; b.load(verbose=False)"
 
