@@ -13,7 +13,8 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
    does not: with such a bracket (wider than one sample) it interpolates between the two
    bracketing points (regula falsi), or bisects when the upper end is a failed run (no peak to
-   interpolate with); without one it refits and extrapolates. After at most ``rounds`` rounds the
+   interpolate with); without one it refits and extrapolates, to at most :data:`MAX_GROWTH` times
+   the largest batch that fitted. After at most ``rounds`` rounds the
    largest batch that fitted is reported, marked unconfirmed.
 
 A run that fails (the child process raised, for instance a budget an adaptive plan cannot meet)
@@ -30,6 +31,11 @@ from collections.abc import Callable, Sequence
 
 MAX_BATCH = 4096
 """Largest batch the search will measure (samples)."""
+
+MAX_GROWTH = 8
+"""Without a batch known not to fit, the next guess is at most this many times the largest batch
+that fitted: a flat fit (adaptive plans spend the budget at every batch, so their peak barely
+grows) extrapolates to :data:`MAX_BATCH`, whose offloading step wrote 70 GB to the spill disk."""
 
 MAX_ROUNDS = 8
 """Rounds (the confirmation's two measurements, then one each) before the search gives up
@@ -117,7 +123,7 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int) -> i
     if hi is None:
         fit = linear_fit(points)
         guess = predict(fit, budget_bytes, max_batch) if fit else lo_batch + 1
-        return min(max(guess, lo_batch + 1), max_batch)
+        return min(max(guess, lo_batch + 1), max(MAX_GROWTH * lo_batch, 1), max_batch)
     if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
         share = (budget_bytes - lo.peak_bytes) / (hi.peak_bytes - lo.peak_bytes)
         guess = lo.batch + math.floor(share * (hi.batch - lo.batch))

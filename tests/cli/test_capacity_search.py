@@ -16,11 +16,11 @@ def linear(a, b, calls):
     return measure
 
 
-def test_linear_peaks_are_found_with_probes_and_one_confirmation():
+def test_linear_peaks_are_found_with_probes_a_capped_guess_and_one_confirmation():
     calls = []
     search = find_max_batch(linear(10 * MIB, 3 * MIB, calls), 100 * MIB, probes=(1, 2))
     assert search.max_batch == 30 and search.confirmed and not search.capped  # 10 + 3 * 30 = 100
-    assert calls == [1, 2, 30, 31]
+    assert calls == [1, 2, 16, 17, 30, 31]  # 8x the largest batch measured, then the line's prediction
     assert search.predicted == 30 and search.fit == pytest.approx((10 * MIB, 3 * MIB))
 
 
@@ -34,7 +34,7 @@ def test_a_confirmation_that_disagrees_is_adjusted():
     search = find_max_batch(convex, 100 * MIB, probes=(1, 2))
     truth = max(b for b in range(1, 100) if convex(b).peak_bytes <= 100 * MIB)
     assert search.max_batch == truth and search.confirmed
-    assert calls[:4] == [1, 2, 30, 31] and len(calls) <= 4 + 2 * 3 + 100  # probes, confirmations, truth scan
+    assert calls[:4] == [1, 2, 16, 17] and len(calls) <= 4 + 2 * 3 + 100  # probes, confirmations, truth scan
 
 
 def test_a_confirmation_above_the_prediction_that_still_fits_moves_up():
@@ -48,7 +48,7 @@ def test_a_confirmation_above_the_prediction_that_still_fits_moves_up():
 
     search = find_max_batch(measure, 21 * MIB, probes=(1, 2))
     assert search.max_batch == 40 and search.confirmed  # 0.5 MiB * 40 + 1 MiB = 21 MiB
-    assert calls[2:4] == [21, 22]
+    assert calls[2:4] == [16, 17]
 
 
 def test_a_strategy_that_raises_at_its_first_probe_is_reported_failed():
@@ -97,3 +97,21 @@ def test_after_the_confirmation_each_round_measures_one_batch():
     search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
     assert search.max_batch == 170 and search.confirmed  # 3 MiB * 170 = 510 MiB
     assert calls[:4] == [13, 26, 128, 129] and len(calls) == len(set(calls)) <= 4 + 3
+
+
+def test_a_flat_peak_grows_the_batch_geometrically_instead_of_jumping_to_the_cap():
+    calls = []
+
+    def measure(batch):  # an adaptive plan spends the budget at every batch, until none fits
+        calls.append(batch)
+        if batch > 100:
+            raise MeasureError("TbaConfigError: memory_budget cannot be met")
+        return Point(batch, peak_bytes=400 * MIB + batch)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
+    assert 90 <= search.max_batch <= 100 and search.predicted == 4096
+    fitted = 0
+    for batch in calls:
+        assert batch <= 8 * max(fitted, 1) + 1 or batch <= 26, calls
+        if batch <= 100:
+            fitted = max(fitted, batch)
