@@ -4,8 +4,8 @@ Each case is drawn from one integer seed (:func:`draw_case`): a stack of 2-5 blo
 menu (linear, layer norm, batch norm with running statistics, dropout, dropout on a generator of
 its own, views and transposes, in-place activations, a weight shared between two blocks, frozen
 weights), a dtype, an input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a placement
-(the bare context, or a pinned plan that keeps, offloads or recomputes each block), a backend, a
-minimum offload size, and an event (a normal step, an exception raised inside the block, or a
+(the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with its input
+offloaded each block), a backend, a minimum offload size, and an event (a normal step, an exception raised inside the block, or a
 dropped loss). :func:`run_case` runs the same steps twice from the same seed, once without tba
 and once with it, and compares losses, gradients, buffers, SGD-with-momentum state and the input
 tensors with ``torch.equal``; it also checks that no descriptor, thread or file is left once tba
@@ -59,7 +59,7 @@ def draw_case(seed: int) -> Case:
     count = rng.randint(2, 5)
     blocks = tuple(tuple(rng.sample(BLOCKS, rng.randint(1, 3))) for _ in range(count))
     placement = None if rng.random() < 0.4 else tuple(
-        rng.choice(("keep", "offload", "recompute")) for block in blocks)
+        rng.choice(("keep", "offload", "recompute", "offloaded_recompute")) for block in blocks)
     return Case(seed=seed, blocks=blocks, width=rng.choice((16, 64, 96)), batch=rng.choice((8, 32, 64, 512)),
                 dtype=rng.choice(DTYPES), source=rng.choice(("torch", "numpy", "dlpack", "bytearray")), placement=placement,
                 backend=rng.choice(("auto", "threads")), min_offload_bytes=rng.choice((0, 4096, 65536)),
