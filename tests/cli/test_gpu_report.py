@@ -28,3 +28,9 @@ def test_simulated_report_is_written(tmp_path, spill_dir):
     assert report["doctor"]["simulated"] is True
     markdown = (tmp_path / "gpu-report.md").read_text()
     assert "| tba kvikio |" in markdown and "## Megatron" in markdown
+
+
+def test_a_rok_baseline_too_small_to_measure_is_reported_as_skipped(tmp_path, spill_dir):
+    from tba.cli.gpu_report import _rok
+
+    assert _rok("tiny", "cpu", spill_dir, str(tmp_path)).startswith("skipped: keep-all's activation peak measured")
