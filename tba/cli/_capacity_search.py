@@ -35,7 +35,7 @@ MAX_BATCH = 4096
 MAX_GROWTH = 8
 """Without a batch known not to fit, the next guess is at most this many times the largest batch
 that fitted: a flat fit (adaptive plans spend the budget at every batch, so their peak barely
-grows) extrapolates to :data:`MAX_BATCH`, whose offloading step wrote 70 GB to the spill disk."""
+grows) extrapolates to :data:`MAX_BATCH`, whose offloading step filled 65 GB of spill disk."""
 
 MAX_ROUNDS = 8
 """Rounds (the confirmation's two measurements, then one each) before the search gives up

@@ -176,3 +176,19 @@ def test_policy_config_errors(model, spill_dir):
         tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep", "keep"), 0))
     with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be >= 0"):
         tba.Offloader(spill_dir, layers=model, policy="adaptive", memory_budget_bytes=-5)
+
+
+def test_a_shape_hook_left_by_an_interrupted_step_is_replaced_not_doubled(model, spill_dir):
+    # A signal handler's exception can end a step before exit removes the first layer's shape hook;
+    # the next attach must replace it: two would remove each other's handle mid-forward and torch
+    # would call one without its kwargs (TypeError: _check_shape() missing ... 'kwargs').
+    tokens, targets = make_batch(CONFIG, seed=4)
+    offloader = tba.Offloader(spill_dir, layers=model, backend="threads")
+    try:
+        with offloader:
+            offloader.policy_runner._attach_shape_hook()
+            loss = model(tokens, targets)
+        loss.backward()
+        assert len(model.blocks[0]._forward_pre_hooks) == 0
+    finally:
+        offloader.close()
