@@ -113,10 +113,12 @@ ADAPTIVE_OVERHEAD_BOUND = 0.05
 """The adaptive policy's goal when none is given: the least activation memory whose predicted step
 time is within ``1 + this`` of the fastest placement's (keep-all's)."""
 
-PEAK_HEADROOM = 0.10
+PEAK_HEADROOM = 0.25
 """The adaptive planner takes a profiled step's measured activation peak this much higher when it
-calibrates its memory model: on a loaded 2-core VM later steps peaked up to 1.13x the calibrated
-prediction (the write backlog, and so the peak, varies with the disk's speed from step to step)."""
+calibrates its memory model. On the 2-core VM, later steps of offload-heavy plans on small models
+peaked up to 1.26x the profiled peak (the write backlog, and so the peak, varies with the disk's
+speed from step to step); at 0.10 ``python -m tba rok``'s budget contract failed about one run in
+four."""
 
 BUDGET_MET_FACTOR = 1.05
 """A memory budget counts as met when the measured activation peak is at most this times the budget."""
