@@ -58,6 +58,10 @@ class Profile:
         memory_slack_bytes: Measured activation peak of the profiled steps minus the model's
             prediction for them (never negative): transient buffers and allocator slack the model
             leaves out, added to every memory prediction.
+        io_overhead_s_per_byte: Measured time of the profiled steps beyond the model's prediction for
+            them, per spilled byte (never negative): what offloading costs that the model leaves out
+            (CPU taken from compute by tba's threads), added per spilled byte to every time
+            prediction.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -67,6 +71,7 @@ class Profile:
     prefetch_depth_layers: int = 1
     max_window_bytes: int = POLICY_MAX_WINDOW_BYTES
     memory_slack_bytes: int = 0
+    io_overhead_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -7,7 +7,14 @@ A profiled step runs with every layer offloaded (the placement with the least me
 offloader's counters; once ``profile_steps`` samples of one input shape are in,
 :meth:`Samples.profile` builds the :class:`tba.policy.Profile` of that shape:
 
-* ``f_i``, ``b_i``: the minimum over the samples (noise from other work only adds time);
+* ``f_i``, ``b_i``: the minimum over the samples (noise from other work only adds time); for a
+  model on the CPU, the training thread's CPU seconds, not wall-clock seconds, so that tba's own
+  I/O threads, which preempt it on a machine whose cores torch fills, are not counted as compute
+  (Note [Compute time under contention] in ``tba/runtime/_timer.py``);
+* ``io_overhead_s_per_byte``: what the fastest profiled step took beyond the model's prediction for
+  it (offload-all at the window in force, from the times above), over the bytes it spilled, never
+  below zero: the time offloading costs that the model does not see (CPU taken from compute,
+  memory bandwidth), which the model adds per spilled byte to every placement;
 * ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last sample; the last layer's count
   includes what runs after it (the head and loss), since tba tags storages with the last layer
   entered;
@@ -83,10 +90,12 @@ class Samples:
                 max_window_bytes: int) -> Profile:
         """The profile of ``shape`` from its samples (see the module docstring)."""
         samples = self.by_shape[shape]
+        cpu = all(s.get("cpu_times") for s in samples)
+        forward_key, backward_key = ("forward_cpu_s", "backward_cpu_s") if cpu else ("forward_s", "backward_s")
         layers = []
         for i in range(layer_count):
-            forward = [s["forward_s"][i] for s in samples if s["forward_s"][i] is not None]
-            backward = [s["backward_s"][i] for s in samples if s["backward_s"][i] is not None]
+            forward = [s[forward_key][i] for s in samples if s[forward_key][i] is not None]
+            backward = [s[backward_key][i] for s in samples if s[backward_key][i] is not None]
             layers.append(LayerProfile(
                 forward_s=min(forward, default=0.0),
                 saved_bytes=samples[-1]["saved_bytes"][i],
@@ -105,10 +114,22 @@ class Samples:
             max_window_bytes=max_window_bytes,
         )
         last = samples[-1]
+        window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
+        profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, window))
         if last.get("peak_bytes") is None:
             return profile
-        window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
         measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
         slack = max(0, measured - estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
+
+
+def _io_overhead(profile: Profile, samples: list[dict[str, Any]], window: int) -> float:
+    """Seconds per spilled byte that the profiled (offload-all) steps took beyond the cost model's
+    prediction for them; 0 when they took no more, or when no step was timed whole."""
+    spans = [s["span_s"] for s in samples if s.get("span_s") is not None]
+    spilled = sum(layer.saved_bytes for layer in profile.layers)
+    if not spans or not spilled:
+        return 0.0
+    predicted = estimate(profile, (OFFLOAD,) * len(profile.layers), window).step_s
+    return max(0.0, min(spans) - predicted) / spilled

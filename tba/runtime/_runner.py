@@ -255,6 +255,8 @@ class PolicyRunner:
                 self._pending = None
             else:
                 self._pending["forward_s"] = list(self._timer.forward_s)
+                self._pending["forward_cpu_s"] = list(self._timer.forward_cpu_s)
+                self._pending["cpu_times"] = not self._on_cuda()
                 self._pending["input_bytes"] = list(self._timer.input_bytes)
                 self._pending["max_storage"] = largest_live_storage_bytes()
                 self._pending["window_bytes"] = window_bytes
@@ -275,6 +277,8 @@ class PolicyRunner:
             return
         self._peak.stop()
         pending["backward_s"] = self._timer.backward_s()
+        pending["backward_cpu_s"] = self._timer.backward_s(cpu=True)
+        pending["span_s"] = self._timer.span_s()
         pending["peak_bytes"] = self._peak.peak_bytes
         self._samples.collect(pending, pending.pop("counters")(), len(self._layer_refs))
 

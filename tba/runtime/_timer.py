@@ -7,6 +7,15 @@ Hooks that change nothing:
   the forward hook one on its output; ``b_i`` is the time between the gradient reaching the
   layer's output and reaching its input. Where a layer's input or output does not require grad,
   nothing is measured and the profile says so (``backward_measured=False``).
+
+Each stamp also takes ``time.thread_time()``, the CPU seconds of the thread running the hook (the
+training thread in forward; in backward the thread autograd runs the layer on, the caller's for
+CPU tensors). Note: [Compute time under contention]: on a CPU box whose cores torch already
+fills, tba's I/O threads preempt the training thread and the wall-clock time of an offloaded step's
+layers grows by what they take (on the 2-core VM the training thread was off its core for about 70
+of a 300 ms forward while tba's own threads used 35 ms of CPU). The training thread's CPU time
+leaves that out: it is the layer's compute, as it would run without tba. Profiles of CPU models use
+it (``tba/runtime/_profiling.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +50,11 @@ class LayerTimer:
     def reset(self) -> None:
         count = len(self._layer_refs)
         self.forward_s: list[float | None] = [None] * count
+        self.forward_cpu_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
-        self._started = [0.0] * count
-        self._grad_at_output: list[float | None] = [None] * count
-        self._grad_at_input: list[float | None] = [None] * count
+        self._started = [(0.0, 0.0)] * count
+        self._grad_at_output: list[tuple[float, float] | None] = [None] * count
+        self._grad_at_input: list[tuple[float, float] | None] = [None] * count
 
     def attach(self) -> None:
         for index, ref in enumerate(self._layer_refs):
@@ -65,13 +75,15 @@ class LayerTimer:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
-            self._started[index] = time.perf_counter()
+            self._started[index] = (time.perf_counter(), time.thread_time())
 
         return hook
 
     def _post(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self.forward_s[index] = time.perf_counter() - self._started[index]
+            wall, cpu = self._started[index]
+            self.forward_s[index] = time.perf_counter() - wall
+            self.forward_cpu_s[index] = time.thread_time() - cpu
             first = output if isinstance(output, torch.Tensor) else None
             if isinstance(output, (tuple, list)):
                 first = next((o for o in output if isinstance(o, torch.Tensor)), None)
@@ -84,13 +96,30 @@ class LayerTimer:
     def _stamp(slots: list, index: int):
         def hook(grad: torch.Tensor) -> None:
             if slots[index] is None:
-                slots[index] = time.perf_counter()
+                slots[index] = (time.perf_counter(), time.thread_time())
 
         return hook
 
-    def backward_s(self) -> list[float | None]:
-        """Per layer: seconds from the gradient reaching its output to reaching its input, or None."""
+    def backward_s(self, cpu: bool = False) -> list[float | None]:
+        """Per layer: seconds from the gradient reaching its output to reaching its input, or None.
+
+        ``cpu``: the backward thread's CPU seconds over that span instead of wall-clock seconds.
+        """
+        which = 1 if cpu else 0
         out = []
         for at_output, at_input in zip(self._grad_at_output, self._grad_at_input):
-            out.append(at_input - at_output if at_output is not None and at_input is not None else None)
+            out.append(at_input[which] - at_output[which] if at_output is not None and at_input is not None else None)
         return out
+
+    def span_s(self) -> float | None:
+        """Wall-clock seconds of what the cost model predicts: from the first layer's forward to the
+        last layer's forward end, plus from the gradient reaching the last layer's output to reaching
+        the first layer's input (what runs between, the head and the loss, left out); None when a stamp
+        is missing."""
+        if not self._started or self.forward_s[0] is None or self.forward_s[-1] is None:
+            return None
+        backward_start, backward_end = self._grad_at_output[-1], self._grad_at_input[0]
+        if backward_start is None or backward_end is None:
+            return None
+        forward = self._started[-1][0] + self.forward_s[-1] - self._started[0][0]
+        return forward + backward_end[0] - backward_start[0]

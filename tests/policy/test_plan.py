@@ -167,3 +167,14 @@ def test_plan_with_every_placement_round_trips():
     assert pinned.code == "SKOR" and pinned.decisions[0] is tba.Placement.OFFLOADED_RECOMPUTE
     assert Plan.from_json(pinned.to_json()) == pinned
     assert "offloaded_recompute layers 0" in str(pinned)
+
+
+def test_io_overhead_per_spilled_byte_is_added_to_step_time_and_steers_the_default_goal():
+    assert plan(FAST).code == "OOOO"  # every write and read hides: offloading looks free
+    costly = dataclasses.replace(FAST, io_overhead_s_per_byte=0.25 / (100 * MIB))  # 0.25 s per offloaded layer
+    assert estimate(costly, ["offload"] * 4).step_s == pytest.approx(13.0)
+    assert estimate(costly, ["keep"] * 4).step_s == 12.0
+    assert estimate(costly, ["offloaded_recompute"] * 4).step_s == pytest.approx(16.1)  # 10 MiB inputs spilled
+    chosen = plan(costly)  # two offloaded layers cost +4.2%, three +6.3%
+    assert (chosen.code, chosen.fits) == ("OOKK", True)
+    assert chosen.predicted_step_s <= 12.0 * 1.05

@@ -1,0 +1,47 @@
+"""Samples.profile: compute times and the I/O overhead calibration (tba/runtime/_profiling.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tba.policy._model import OFFLOAD, estimate
+from tba.runtime._profiling import Samples
+
+MIB = 1 << 20
+
+
+def _sample(span_s: float | None, cpu_times: bool = True) -> dict:
+    return {
+        "forward_s": [0.3, 0.3], "forward_cpu_s": [0.1, 0.1],
+        "backward_s": [0.5, 0.5], "backward_cpu_s": [0.2, 0.2],
+        "cpu_times": cpu_times, "span_s": span_s,
+        "saved_bytes": [100 * MIB, 100 * MIB], "input_bytes": [MIB, MIB],
+        "written": 200 * MIB, "write_s": 0.02, "read": 200 * MIB, "read_s": 0.02,
+        "max_storage": 10 * MIB, "window_bytes": 512 * MIB,
+    }
+
+
+def _profile(*samples: dict):
+    collected = Samples()
+    collected.by_shape[None] = list(samples)
+    return collected.profile(None, 2, 1, 512 * MIB)
+
+
+def test_cpu_models_are_profiled_with_cpu_time_and_the_rest_of_the_fastest_step_is_io_overhead():
+    profile = _profile(_sample(1.3), _sample(1.1))
+    assert [layer.forward_s for layer in profile.layers] == [0.1, 0.1]
+    assert [layer.backward_s for layer in profile.layers] == [0.2, 0.2]
+    modelled = estimate(dataclasses.replace(profile, io_overhead_s_per_byte=0.0), (OFFLOAD, OFFLOAD)).step_s
+    assert modelled == pytest.approx(0.6, abs=0.01)  # 10 GB/s disk: the I/O hides
+    # the fastest step (1.1 s) took 0.5 s beyond the model, over 200 MiB spilled
+    assert profile.io_overhead_s_per_byte == pytest.approx((1.1 - modelled) / (200 * MIB))
+    assert estimate(profile, (OFFLOAD, OFFLOAD)).step_s == pytest.approx(1.1)
+
+
+def test_wall_clock_on_cuda_and_no_overhead_when_the_model_was_not_beaten_or_not_timed():
+    cuda = _profile(_sample(0.1, cpu_times=False))
+    assert [layer.forward_s for layer in cuda.layers] == [0.3, 0.3]
+    assert cuda.io_overhead_s_per_byte == 0.0  # faster than predicted: never negative
+    assert _profile(_sample(None)).io_overhead_s_per_byte == 0.0
