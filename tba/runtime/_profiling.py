@@ -115,21 +115,23 @@ class Samples:
         )
         last = samples[-1]
         window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
-        profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, window))
+        # One prediction of the profiled placement (offload-all at the window in force) calibrates
+        # both time and memory: neither part of it depends on what the other calibration adds.
+        profiled = estimate(profile, (OFFLOAD,) * layer_count, window)
+        profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, profiled.step_s))
         if last.get("peak_bytes") is None:
             return profile
         measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
-        slack = max(0, measured - estimate(profile, (OFFLOAD,) * layer_count, window).memory_bytes)
+        slack = max(0, measured - profiled.memory_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
 
 
-def _io_overhead(profile: Profile, samples: list[dict[str, Any]], window: int) -> float:
-    """Seconds per spilled byte that the profiled (offload-all) steps took beyond the cost model's
-    prediction for them; 0 when they took no more, or when no step was timed whole."""
+def _io_overhead(profile: Profile, samples: list[dict[str, Any]], predicted_s: float) -> float:
+    """Seconds per spilled byte that the profiled (offload-all) steps took beyond ``predicted_s``,
+    the cost model's prediction for them; 0 when they took no more, or when no step was timed whole."""
     spans = [s["span_s"] for s in samples if s.get("span_s") is not None]
-    spilled = sum(layer.saved_bytes for layer in profile.layers)
+    spilled = sum(layer.saved_bytes for layer in profile.layers)  # what offload-all writes
     if not spans or not spilled:
         return 0.0
-    predicted = estimate(profile, (OFFLOAD,) * len(profile.layers), window).step_s
-    return max(0.0, min(spans) - predicted) / spilled
+    return max(0.0, min(spans) - predicted_s) / spilled
