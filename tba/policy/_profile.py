@@ -79,6 +79,9 @@ class Profile:
             raise ValueError("a profile needs at least one layer")
         if self.write_bytes_per_s <= 0 or self.read_bytes_per_s <= 0:
             raise ValueError("write_bytes_per_s and read_bytes_per_s must be > 0")
+        if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
+            raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
+                             f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

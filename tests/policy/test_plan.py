@@ -135,6 +135,17 @@ def test_bad_goals_and_plans():
         estimate(FAST, ["keep"] * 3)
 
 
+def test_bad_profiles():
+    with pytest.raises(ValueError, match="at least one layer"):
+        tba.Profile((), MIB, MIB)
+    with pytest.raises(ValueError, match="must be > 0"):
+        dataclasses.replace(FAST, read_bytes_per_s=0)
+    with pytest.raises(ValueError, match=r"io_overhead_s_per_byte must be >= 0 .*got 0 and -1e-09"):
+        dataclasses.replace(FAST, io_overhead_s_per_byte=-1e-9)
+    with pytest.raises(ValueError, match="memory_slack_bytes and io_overhead_s_per_byte must be >= 0"):
+        dataclasses.replace(FAST, memory_slack_bytes=-1)
+
+
 def test_backward_estimated_when_not_measured():
     layer = tba.LayerProfile(forward_s=0.5, saved_bytes=1)
     assert (layer.backward_s, layer.backward_measured) == (1.0, False)
