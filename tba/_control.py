@@ -43,6 +43,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -180,8 +181,21 @@ def wait(future: Future) -> Any:
     if not future.done():
         arrived: queue.SimpleQueue = queue.SimpleQueue()
         future.add_done_callback(arrived.put)
-        arrived.get()
+        started = time.perf_counter()
+        try:
+            arrived.get()
+        finally:
+            _waits.seconds = getattr(_waits, "seconds", 0.0) + time.perf_counter() - started
     return future.result()
+
+
+_waits = threading.local()
+
+
+def waited_s() -> float:
+    """Seconds the calling thread has spent blocked in :func:`wait` so far (for a read, for writes to
+    drain): what a layer's time must leave out to be the layer's own (``tba/runtime/_timer.py``)."""
+    return getattr(_waits, "seconds", 0.0)
 
 
 def post(fn: Callable[..., Any], *args: Any) -> None:

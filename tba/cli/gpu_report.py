@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,8 +96,11 @@ def _cuda_tests() -> str:
     return _run_text([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], env=env, cwd=str(REPO))
 
 
-def _gpt_rows(config: GPTConfig, device: str, steps: int, directory: str | None, fake: Any) -> list[dict[str, Any]]:
-    rows = []
+def _gpt_rows(config: GPTConfig, device: str, steps: int, directory: str | None, fake: Any,
+              on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """One row per entry of :data:`ROWS`; a row that raised is reported as skipped, with its error.
+    ``on_row(rows)`` runs after each row (the report is rewritten, so a run cut short keeps them)."""
+    rows: list[dict[str, Any]] = []
     for row in ROWS:
         mode, backend = {"keep": ("keep", "auto"), "tba staged": ("tba", "threads"), "tba kvikio": ("tba", "kvikio"),
                          "adaptive": ("adaptive", "auto"), "recompute": ("recompute", "auto"),
@@ -105,17 +109,32 @@ def _gpt_rows(config: GPTConfig, device: str, steps: int, directory: str | None,
             rows.append({"row": row, "skipped": kvikio_unavailable_reason()})
             continue
         logger.info("gpu-report: %s", row)
-        model = make_gpt(config).to(torch.bfloat16)
-        result = run_steps(mode, model, make_batch(config), steps=steps, warmup=1, directory=directory,
-                           backend=backend, device=device,
-                           offload_options={"overhead_bound": ADAPTIVE_OVERHEAD} if mode == "adaptive" else None)
+        started = time.perf_counter()
+        try:
+            model = make_gpt(config).to(torch.bfloat16)
+            result = run_steps(mode, model, make_batch(config), steps=steps, warmup=1, directory=directory,
+                               backend=backend, device=device,
+                               offload_options={"overhead_bound": ADAPTIVE_OVERHEAD} if mode == "adaptive" else None)
+        except Exception as err:  # noqa: BLE001 - the report records the failure and goes on to the next row
+            logger.exception("gpu-report: %s failed", row)
+            rows.append({"row": row, "skipped": f"failed: {type(err).__name__}: {err}"})
+            continue
+        finally:
+            model = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
         rows.append({"row": row, "step_s": result.median_step_s, "activation_peak_bytes": result.max_peak_bytes,
-                     "reserved_bytes": result.reserved_bytes, "pinned_bytes": result.pinned_bytes})
+                     "reserved_bytes": result.reserved_bytes, "pinned_bytes": result.pinned_bytes,
+                     "losses": result.losses, "plan": (result.plan or {}).get("code"),
+                     "seconds": time.perf_counter() - started})
+        if on_row is not None:
+            on_row(rows)
     keep = rows[0]
     for row in rows:
-        if "step_s" in row:
+        if "step_s" in row and "step_s" in keep:
             row["step_ratio"] = row["step_s"] / keep["step_s"]
             row["peak_ratio"] = row["activation_peak_bytes"] / max(keep["activation_peak_bytes"], 1)
+            row["losses_equal"] = row["losses"] == keep["losses"]
     return rows
 
 
@@ -150,23 +169,37 @@ def _nsys(simulated: bool, out: str) -> str:
                       sys.executable, "-c", code])
 
 
+NOT_YET = "(not run: the report stopped before this part)"
+
+
 def _markdown(report: dict[str, Any]) -> str:
-    lines = ["# tba GPU report", "", f"Command: `{report['command']}`, {report['seconds']:.0f} s.", "", "## Doctor", ""]
-    lines += [f"- {key}: {value}" for key, value in report["doctor"].items()]
-    lines += ["", "## CUDA tests under TORCH_CUDA_SANITIZER=1", "", report["cuda_tests"], "",
-              f"## GPT bf16 ({report['model']})", "",
-              "| row | step s | x keep | activation peak MiB | x keep | reserved MiB | pinned MiB |",
-              "|---|---|---|---|---|---|---|"]
-    for row in report["rows"]:
+    seconds = report.get("seconds")
+    took = f"{seconds:.0f} s" if seconds is not None else "unfinished"
+    lines = ["# tba GPU report", "", f"Command: `{report['command']}`, {took}.", "", "## Doctor", ""]
+    lines += [f"- {key}: {value}" for key, value in report.get("doctor", {}).items()]
+    lines += ["", "## CUDA tests under TORCH_CUDA_SANITIZER=1", "", report.get("cuda_tests", NOT_YET), "",
+              f"## GPT bf16 ({report.get('model', '')})", "",
+              "| row | step s | x keep | activation peak MiB | x keep | reserved MiB | pinned MiB | losses = keep | plan |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for row in report.get("rows", []):
         if "skipped" in row:
-            lines.append(f"| {row['row']} | skipped: {row['skipped']} | | | | | |")
+            lines.append(f"| {row['row']} | skipped: {row['skipped']} | | | | | | | |")
         else:
-            lines.append(f"| {row['row']} | {row['step_s']:.4f} | {row['step_ratio']:.2f} | "
-                         f"{row['activation_peak_bytes'] / 2**20:.1f} | {row['peak_ratio']:.2f} | "
-                         f"{row['reserved_bytes'] / 2**20:.1f} | {row['pinned_bytes'] / 2**20:.1f} |")
-    lines += ["", "## ROK curve", "", "```", report["rok"], "```", "", "## Megatron (no --cpu)", "", report["megatron"],
-              "", "## nsys", "", report["nsys"], ""]
+            lines.append(f"| {row['row']} | {row['step_s']:.4f} | {row.get('step_ratio', float('nan')):.2f} | "
+                         f"{row['activation_peak_bytes'] / 2**20:.1f} | {row.get('peak_ratio', float('nan')):.2f} | "
+                         f"{row['reserved_bytes'] / 2**20:.1f} | {row['pinned_bytes'] / 2**20:.1f} | "
+                         f"{row.get('losses_equal', '')} | {row.get('plan') or ''} |")
+    lines += ["", "## ROK curve", "", "```", report.get("rok", NOT_YET), "```", "", "## Megatron (no --cpu)", "",
+              report.get("megatron", NOT_YET), "", "## nsys", "", report.get("nsys", NOT_YET), ""]
     return "\n".join(lines)
+
+
+def _write(report: dict[str, Any], out: str) -> None:
+    """(Re)write gpu-report.json and gpu-report.md with what the report holds so far."""
+    with open(os.path.join(out, "gpu-report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    with open(os.path.join(out, "gpu-report.md"), "w") as f:
+        f.write(_markdown(report))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,21 +222,27 @@ def run(args: argparse.Namespace) -> int:
         else:
             config, device, preset = GPT_1_3B, "cuda", "small"
         report["doctor"] = _doctor(args.simulate)
-        report["cuda_tests"] = _cuda_tests() if not args.simulate else (
-            "skipped: the sanitizer tests need a real GPU (tests/device runs the simulated suite in CI)")
         report["model"] = f"{'simulated, ' if args.simulate else ''}{config}"
+        _write(report, args.out)
         directory = args.directory or tempfile.gettempdir()
-        report["rows"] = _gpt_rows(config, device, steps, directory, fake)
+
+        def rows_so_far(rows: list[dict[str, Any]]) -> None:
+            report["rows"] = rows
+            _write(report, args.out)
+
+        report["rows"] = _gpt_rows(config, device, steps, directory, fake, on_row=rows_so_far)
+        _write(report, args.out)
         if args.simulate:
             report["simulator_problems"] = sim.problems()
     report["rok"] = "skipped (--skip-rok)" if args.skip_rok else _rok(preset, device, directory, args.out)
+    _write(report, args.out)
+    report["cuda_tests"] = _cuda_tests() if not args.simulate else (
+        "skipped: the sanitizer tests need a real GPU (tests/device runs the simulated suite in CI)")
+    _write(report, args.out)
     report["megatron"] = _megatron(args.simulate)
     report["nsys"] = _nsys(args.simulate, args.out)
     report["seconds"] = time.perf_counter() - started
-    with open(os.path.join(args.out, "gpu-report.json"), "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    with open(os.path.join(args.out, "gpu-report.md"), "w") as f:
-        f.write(_markdown(report))
+    _write(report, args.out)
     print(f"gpu-report: wrote {os.path.join(args.out, 'gpu-report.md')} and gpu-report.json "
           f"in {report['seconds']:.0f} s")
     return 0

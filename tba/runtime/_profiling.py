@@ -10,7 +10,9 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
 * ``f_i``, ``b_i``: the minimum over the samples (noise from other work only adds time); for a
   model on the CPU, the training thread's CPU seconds, not wall-clock seconds, so that tba's own
   I/O threads, which preempt it on a machine whose cores torch fills, are not counted as compute
-  (Note [Compute time under contention] in ``tba/runtime/_timer.py``);
+  (Note [Compute time under contention] in ``tba/runtime/_timer.py``); for a model on a GPU,
+  wall-clock seconds with the stream synchronised at each stamp and the seconds waited inside tba
+  left out (Note [Layer time on a GPU]);
 * ``io_overhead_s_per_byte``: what the fastest profiled step took beyond the model's prediction for
   it (offload-all at the window in force, from the times above), over the bytes it spilled, never
   below zero: the time offloading costs that the model does not see (CPU taken from compute,

@@ -189,6 +189,7 @@ class PolicyRunner:
             return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned)
         if self.profiling:
             self._timer.reset()
+            self._timer.synchronize = self._stream_sync()
             self._timer.attach()
             start = counters()
             # The step's own counters: a one-shot context's next step counts in a new offloader.
@@ -201,6 +202,15 @@ class PolicyRunner:
     def _on_cuda(self) -> bool:
         first = next(self.layers[0].parameters(), None)
         return first is not None and first.is_cuda
+
+    def _stream_sync(self) -> Callable[[], None] | None:
+        """What the timer calls before each stamp: the current stream's synchronisation on a GPU
+        (Note [Layer time on a GPU] in ``tba/runtime/_timer.py``), nothing on the CPU."""
+        first = next(self.layers[0].parameters(), None)
+        if first is None or not first.is_cuda:
+            return None
+        device = first.device
+        return lambda: torch.cuda.current_stream(device).synchronize()
 
     def _attach_shape_hook(self) -> None:
         # A step that an exception ended before exit (a signal handler's) may have left its hook on;

@@ -16,17 +16,32 @@ layers grows by what they take (on the 2-core VM the training thread was off its
 of a 300 ms forward while tba's own threads used 35 ms of CPU). The training thread's CPU time
 leaves that out: it is the layer's compute, as it would run without tba. Profiles of CPU models use
 it (``tba/runtime/_profiling.py``).
+
+Note: [Layer time on a GPU]
+CUDA kernels run asynchronously: without a synchronisation the host's clock measures how long the
+layer took to *launch*, and the first wait that fills the queue lands on some later layer. On a GPU
+the timer therefore synchronises the current stream at every stamp (``synchronize``; profiled steps
+only), so a layer's wall-clock time covers its kernels. The current stream only: tba's copy streams
+move bytes meanwhile and must not be counted. It also leaves out the seconds the thread spent
+blocked inside tba (:func:`tba._control.waited_s`: a read backward waited for, writes draining),
+which are I/O the cost model predicts from bandwidths, not compute. Without that, a profile on the
+first GPU it ran on (an H100 writing at 1.9 GB/s) counted every read wait as backward compute, put
+keep-all at 21 s per step instead of well under one, and planned recompute everywhere at a
+predicted +1%. What the device ran while the thread waited is left out with the wait, so a layer's
+time errs low by at most its waits.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from tba._control import waited_s
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -40,11 +55,21 @@ def tensor_bytes(values: Sequence[Any]) -> int:
 
 
 class LayerTimer:
-    """Forward and backward wall-clock time and input bytes of each layer, for one step at a time."""
+    """Forward and backward time and input bytes of each layer, for one step at a time.
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    Wall-clock times leave out the seconds the thread waited inside tba (Note [Layer time on a
+    GPU]); :meth:`span_s` does not.
+
+    Args:
+        layers: The layers to time.
+        synchronize: Called before every stamp (a CUDA model's ``current_stream().synchronize``), or
+            None (CPU).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], synchronize: Callable[[], None] | None = None) -> None:
         self._layer_refs = [weakref.ref(layer) for layer in layers]
         self._handles: list[Any] = []
+        self.synchronize = synchronize
         self.reset()
 
     def reset(self) -> None:
@@ -52,9 +77,16 @@ class LayerTimer:
         self.forward_s: list[float | None] = [None] * count
         self.forward_cpu_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
-        self._started = [(0.0, 0.0)] * count
-        self._grad_at_output: list[tuple[float, float] | None] = [None] * count
-        self._grad_at_input: list[tuple[float, float] | None] = [None] * count
+        self._started = [(0.0, 0.0, 0.0)] * count
+        self._ended = [(0.0, 0.0, 0.0)] * count
+        self._grad_at_output: list[tuple[float, float, float] | None] = [None] * count
+        self._grad_at_input: list[tuple[float, float, float] | None] = [None] * count
+
+    def _stamp_now(self) -> tuple[float, float, float]:
+        """(wall-clock, thread CPU, seconds waited in tba) now, after the device's queue ran."""
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter(), time.thread_time(), waited_s()
 
     def attach(self) -> None:
         for index, ref in enumerate(self._layer_refs):
@@ -75,15 +107,16 @@ class LayerTimer:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
-            self._started[index] = (time.perf_counter(), time.thread_time())
+            self._started[index] = self._stamp_now()
 
         return hook
 
     def _post(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            wall, cpu = self._started[index]
-            self.forward_s[index] = time.perf_counter() - wall
-            self.forward_cpu_s[index] = time.thread_time() - cpu
+            wall, cpu, waited = self._started[index]
+            self._ended[index] = now = self._stamp_now()
+            self.forward_s[index] = now[0] - wall - (now[2] - waited)
+            self.forward_cpu_s[index] = now[1] - cpu
             first = output if isinstance(output, torch.Tensor) else None
             if isinstance(output, (tuple, list)):
                 first = next((o for o in output if isinstance(o, torch.Tensor)), None)
@@ -92,23 +125,27 @@ class LayerTimer:
 
         return hook
 
-    @staticmethod
-    def _stamp(slots: list, index: int):
+    def _stamp(self, slots: list, index: int):
         def hook(grad: torch.Tensor) -> None:
             if slots[index] is None:
-                slots[index] = (time.perf_counter(), time.thread_time())
+                slots[index] = self._stamp_now()
 
         return hook
 
     def backward_s(self, cpu: bool = False) -> list[float | None]:
         """Per layer: seconds from the gradient reaching its output to reaching its input, or None.
 
-        ``cpu``: the backward thread's CPU seconds over that span instead of wall-clock seconds.
+        ``cpu``: the backward thread's CPU seconds over that span instead of wall-clock seconds (less
+        the seconds the thread waited inside tba).
         """
-        which = 1 if cpu else 0
-        out = []
+        out: list[float | None] = []
         for at_output, at_input in zip(self._grad_at_output, self._grad_at_input):
-            out.append(at_input[which] - at_output[which] if at_output is not None and at_input is not None else None)
+            if at_output is None or at_input is None:
+                out.append(None)
+            elif cpu:
+                out.append(at_input[1] - at_output[1])
+            else:
+                out.append(at_input[0] - at_output[0] - (at_input[2] - at_output[2]))
         return out
 
     def span_s(self) -> float | None:
@@ -121,5 +158,5 @@ class LayerTimer:
         backward_start, backward_end = self._grad_at_output[-1], self._grad_at_input[0]
         if backward_start is None or backward_end is None:
             return None
-        forward = self._started[-1][0] + self.forward_s[-1] - self._started[0][0]
+        forward = self._ended[-1][0] - self._started[0][0]
         return forward + backward_end[0] - backward_start[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -43,3 +44,63 @@ def test_span_is_none_when_backward_did_not_reach_the_first_layer():
     layers(torch.randn(4, 8)).sum()  # no backward
     timer.detach()
     assert timer.span_s() is None
+
+
+class WaitsInTba(nn.Module):
+    """A layer that blocks in tba's ``wait`` for ``seconds`` (as an unpack waits for its read), forward and backward."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(8, 8)
+
+    def _block(self) -> None:
+        from concurrent.futures import Future
+
+        from tba._control import wait
+
+        future: Future = Future()
+        threading.Timer(self.seconds, future.set_result, (None,)).start()
+        wait(future)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._block()
+        y = self.linear(x)
+        if y.requires_grad:
+            y.register_hook(lambda grad: self._block())
+        return y
+
+
+def test_seconds_blocked_in_tba_are_not_layer_time_but_are_in_the_span():
+    layers = nn.Sequential(WaitsInTba(0.1), WaitsInTba(0.1))
+    synced = []
+    timer = LayerTimer(list(layers), synchronize=lambda: synced.append(1))
+    timer.attach()
+    layers(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    timer.detach()
+    assert all(f is not None and 0 <= f < 0.05 for f in timer.forward_s)  # without the 0.1 s waits
+    assert all(b is not None and 0 <= b < 0.05 for b in timer.backward_s())
+    span = timer.span_s()
+    assert span is not None and span >= 0.3  # two forward waits and at least one backward wait
+    assert len(synced) == 8  # every stamp: two per layer forward, two per layer backward
+
+
+def test_waited_s_counts_only_the_calling_thread():
+    from concurrent.futures import Future
+
+    from tba._control import wait, waited_s
+
+    before = waited_s()
+    other: list[float] = []
+
+    def block_elsewhere() -> None:
+        future: Future = Future()
+        threading.Timer(0.05, future.set_result, (None,)).start()
+        start = waited_s()
+        wait(future)
+        other.append(waited_s() - start)
+
+    thread = threading.Thread(target=block_elsewhere)
+    thread.start()
+    thread.join()
+    assert other[0] >= 0.05 and waited_s() == before
