@@ -95,6 +95,7 @@ class _Control:
             if item is _STOP:
                 return
             self.process(item)
+            item = None  # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py
 
     def run_deferred(self) -> None:
         """Run every deferred job, then the batch-end callbacks (errors are logged)."""

@@ -24,7 +24,7 @@ class ViewsModel(nn.Module):
         y = a * self.v + b.t().t() * a
         z = h.t()[5:29] @ h[:, 3:27]
         s = h.view(-1, 8, 6).transpose(0, 1).contiguous().sigmoid()
-        g = torch.gather(h, 1, torch.arange(48).repeat(x.shape[0], 1) % 7)
+        g = torch.gather(h, 1, torch.arange(48, device=x.device).repeat(x.shape[0], 1) % 7)
         e = self.v.expand(x.shape[0], 24) * h.narrow(1, 10, 24)
         w = torch.where(h > 0.5, h, h * 0.1)
         n = h.as_strided((10, 10), (96, 2), 3).exp()

@@ -172,6 +172,7 @@ class KvikioRoute(Route):
             if job is None:
                 return
             job()
+            job = None  # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py
 
     def consume(self, event: Any, tensor: torch.Tensor) -> None:
         self.ops.consume(event, tensor)

@@ -136,6 +136,8 @@ class _Waiter:
                 callback(outcome)
             except BaseException:
                 logger.exception("tba: a device copy's completion callback failed")
+            # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
+            item = event = callback = outcome = None
 
     def drain(self) -> None:
         """Wait until the callbacks queued so far ran."""

@@ -181,6 +181,12 @@ class StagedRoute(Route):
             except BaseException as error:
                 logger.exception("tba: a staged transfer failed before it started")
                 fail(error)
+            # Note: [A worker keeps nothing of its last job]
+            # The loop's names would otherwise hold the last job, and through its closure a
+            # saved storage or a read-back buffer, until the next job arrives: between steps,
+            # through the optimizer step (seen on an H100 as device memory that moved by one
+            # read buffer from step to step; tests/runtime/test_no_retention.py).
+            item = job = fail = None
 
     def drain(self) -> None:
         """Wait until the stager has queued every job given so far."""

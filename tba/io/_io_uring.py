@@ -163,7 +163,8 @@ class IoUringEngine(Engine):
                     done = [(self._take(tag), result, moved) for tag, result, moved in finished]
                 for (future, request), result, moved in done:
                     _resolve(future, request, result, moved)
-                done = None
+                # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
+                done = future = request = finished = None
                 with self._lock:
                     if self._closing and not self._requests:
                         return
