@@ -36,6 +36,16 @@ def backend_name(text: str) -> str:
     return text
 
 
+def device_name(text: str) -> str:
+    """``auto`` (a CUDA device when torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``;
+    whether the device is usable is checked later, with the rest of the set-up."""
+    if text == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return text
+
+
 def positive_list(what: str) -> Callable[[str], str]:
     """A type for a comma-separated list of positive numbers (kept as the text, already checked)."""
 

@@ -226,7 +226,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=parse_size, required=True,
                         help="activation memory budget, e.g. 512M or 2GiB (binary), 500MB (decimal)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", type=cli_checks.device_name, default="auto",
+                        help="cpu, cuda, or auto (default: cuda when torch sees a GPU, else cpu)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every run: auto = best caching allocator found (default), "
                              "system = the C library's (glibc)")

@@ -177,7 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive budgets in MiB instead, comma-separated")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", type=cli_checks.device_name, default="auto",
+                        help="cpu, cuda, or auto (default: cuda when torch sees a GPU, else cpu)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per measured process (default: torch's; 1 is steadier on a busy machine)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",

@@ -81,3 +81,13 @@ def test_bench_ckpt_on_a_directory_it_cannot_create(tmp_path):
     done = tba_cli("bench-ckpt", "--directory", str(tmp_path / "file" / "dir"), "--size", "16M")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "cannot create --directory" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("command", [["rok"], ["capacity", "--budget", "1GiB"]])
+def test_device_defaults_to_what_torch_sees(command, monkeypatch):
+    import torch
+
+    for visible, expected in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda visible=visible: visible)
+        assert build_parser().parse_args(command).device == expected
+    assert build_parser().parse_args([*command, "--device", "cpu"]).device == "cpu"
