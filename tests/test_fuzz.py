@@ -8,7 +8,7 @@ import pytest
 
 from tba.bench.fuzz import draw_case, reproducer, run_case
 
-BUDGET_S = 40.0
+BUDGET_S = 30.0
 """Wall-clock budget of the run in ``make test``; cases beyond it are left to the long runs."""
 
 

@@ -28,12 +28,22 @@ def tba_cli(*args: str) -> subprocess.CompletedProcess:
         (["rok", "--batch", "tba.bench.models:make_batch"], "--batch needs --model: pass --model MODULE:FUNC"),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line(args, match):
-    done = tba_cli(*args)
+def test_bad_arguments_exit_2_with_one_line(args, match, capsys):
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], stderr
+
+
+def test_a_bad_argument_in_a_fresh_process_prints_no_traceback():
+    done = tba_cli("rok", "--budgets", "abc")
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and match in lines[0], done.stderr
-    assert "Traceback" not in done.stderr
+    assert len(lines) == 1 and "'abc' is not a number" in lines[0] and "Traceback" not in done.stderr
 
 
 def test_doctor_on_missing_directory(tmp_path):
