@@ -210,7 +210,12 @@ class PolicyRunner:
         if first is None or not first.is_cuda:
             return None
         device = first.device
-        return lambda: torch.cuda.current_stream(device).synchronize()
+
+        def synchronize() -> None:
+            if not torch.cuda.is_current_stream_capturing():  # a graph being captured may not synchronise
+                torch.cuda.current_stream(device).synchronize()
+
+        return synchronize
 
     def _attach_shape_hook(self) -> None:
         # A step that an exception ended before exit (a signal handler's) may have left its hook on;

@@ -192,3 +192,28 @@ def test_a_shape_hook_left_by_an_interrupted_step_is_replaced_not_doubled(model,
         assert len(model.blocks[0]._forward_pre_hooks) == 0
     finally:
         offloader.close()
+
+
+def test_profiled_steps_on_a_gpu_synchronise_the_stream_except_while_a_graph_is_captured(monkeypatch):
+    """Note [Layer time on a GPU]: the timer's stamps wait for the current stream, never during capture."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from tba.runtime._runner import PolicyRunner
+
+    class OnCuda(nn.Linear):
+        def parameters(self, recurse: bool = True):
+            yield SimpleNamespace(is_cuda=True, device="cuda:0")
+
+    synced, capturing = [], [False]
+    stream = SimpleNamespace(synchronize=lambda: synced.append(1))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    on_cpu, on_cuda = nn.Linear(2, 2), OnCuda(2, 2)  # the runner holds its layers weakly
+    assert PolicyRunner([on_cpu])._stream_sync() is None  # the CPU needs none
+    synchronize = PolicyRunner([on_cuda])._stream_sync()
+    synchronize()
+    capturing[0] = True
+    synchronize()
+    assert synced == [1]
