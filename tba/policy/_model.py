@@ -56,6 +56,15 @@ and, during backward through layer ``i``, what layers below it still hold plus i
           v_i = min(max(P, m), o_i + o_{i-1} [i-1 offloaded]) (O: the prefetch window),
           s_i + v_i (S: internals rebuilt, input read back through the window)
 
+Note: [A recomputed top layer rebuilds on top of forward's leftovers]
+Backward starts with the top layer. When that layer is recomputed, its internals ``s_{L-1}`` are
+rebuilt while everything counted in ``A`` (kept layers, recomputed layers' inputs, and the write
+backlog, which has had no time to drain) is still in memory: the peak is at least
+``A - max_O w_i + s_{L-1}``. Without it the model put the plan ``OOR`` of the tiny ROK test model
+(3 layers of about 10 MiB, keep-all 32 MiB) at 24-27 MiB where it measured up to 32.5 MiB: its two
+offloaded layers were still unwritten when layer 2 was rebuilt, and the 90% budget's contract
+failed about one run in four.
+
 An ``R`` layer's input stays in memory from its forward to its backward (as under plain
 checkpoint); an ``S`` layer's goes to the spill file, so between forward and backward the layer
 holds nothing beyond the write backlog and the window. ``S`` costs the recomputation plus reading
@@ -229,6 +238,10 @@ def _memory(profile: Profile, decisions: tuple[str, ...], window_bytes: int, bac
                 working += layer.saved_bytes
         peak = max(peak, below + working)
         below += layer.saved_bytes if decision == KEEP else layer.input_bytes if decision == RECOMPUTE else 0
+    top = len(layers) - 1
+    if top >= 0 and decisions[top] in RECOMPUTED:
+        # Note: [A recomputed top layer rebuilds on top of forward's leftovers]
+        peak = max(peak, start + layers[top].saved_bytes)
     return max(peak, start + idle_buffers)
 
 

@@ -189,3 +189,12 @@ def test_io_overhead_per_spilled_byte_is_added_to_step_time_and_steers_the_defau
     chosen = plan(costly)  # two offloaded layers cost +4.2%, three +6.3%
     assert (chosen.code, chosen.fits) == ("OOKK", True)
     assert chosen.predicted_step_s <= 12.0 * 1.05
+
+
+def test_a_recomputed_top_layer_rebuilds_on_top_of_the_write_backlog():
+    """Note [A recomputed top layer rebuilds on top of forward's leftovers]: writes at 1 MiB/s leave
+    almost all of both offloaded layers' 200 MiB unwritten when backward starts rebuilding the top layer."""
+    crawl = profile(1, 1000, layers=3)
+    cost = estimate(crawl, ["offload", "offload", "recompute"], 10 * MIB)
+    assert cost.backlog_bytes > 190 * MIB
+    assert cost.memory_bytes == cost.backlog_bytes + 10 * MIB + 100 * MIB  # backlog, its input, its rebuilt internals
