@@ -36,6 +36,7 @@ import torch
 
 from tba.bench.harness import run_steps
 from tba.bench.models import PRESETS, GPTConfig, make_batch, make_gpt
+from tba.cli._rok_points import same_losses
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 
 logger = logging.getLogger("tba")
@@ -131,7 +132,7 @@ def _gpt_rows(config: GPTConfig, device: str, steps: int, directory: str | None,
         if "step_s" in row and "step_s" in keep:
             row["step_ratio"] = row["step_s"] / keep["step_s"]
             row["peak_ratio"] = row["activation_peak_bytes"] / max(keep["activation_peak_bytes"], 1)
-            row["losses_equal"] = row["losses"] == keep["losses"]
+            row["losses_equal"] = same_losses(row["losses"], keep["losses"])
     return rows
 
 

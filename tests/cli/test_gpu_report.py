@@ -24,6 +24,8 @@ def test_simulated_report_is_written(tmp_path, spill_dir):
     assert [row["row"] for row in report["rows"]] == ["keep", "tba staged", "tba kvikio", "adaptive", "recompute",
                                                        "save_on_cpu"]
     assert all("step_s" in row for row in report["rows"]), report["rows"]
+    # The adaptive row runs more steps than keep-all (its profiled ones); losses compare over the common steps.
+    assert all(row["losses_equal"] for row in report["rows"]), [(r["row"], r["losses"]) for r in report["rows"]]
     assert report["simulator_problems"] == []
     assert report["doctor"]["simulated"] is True
     markdown = (tmp_path / "gpu-report.md").read_text()
