@@ -199,17 +199,20 @@ class PolicyRunner:
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
 
-    def _on_cuda(self) -> bool:
+    def _cuda_device(self) -> torch.device | None:
+        """The CUDA device of the model's first parameter, or None (a CPU model, or no parameter)."""
         first = next(self.layers[0].parameters(), None)
-        return first is not None and first.is_cuda
+        return first.device if first is not None and first.is_cuda else None
+
+    def _on_cuda(self) -> bool:
+        return self._cuda_device() is not None
 
     def _stream_sync(self) -> Callable[[], None] | None:
         """What the timer calls before each stamp: the current stream's synchronisation on a GPU
         (Note [Layer time on a GPU] in ``tba/runtime/_timer.py``), nothing on the CPU."""
-        first = next(self.layers[0].parameters(), None)
-        if first is None or not first.is_cuda:
+        device = self._cuda_device()
+        if device is None:
             return None
-        device = first.device
 
         def synchronize() -> None:
             if not torch.cuda.is_current_stream_capturing():  # a graph being captured may not synchronise

@@ -54,6 +54,11 @@ def tensor_bytes(values: Sequence[Any]) -> int:
     return sum(seen.values())
 
 
+def _own_s(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """Wall-clock seconds between two stamps less what the thread waited inside tba meanwhile."""
+    return end[0] - start[0] - (end[2] - start[2])
+
+
 class LayerTimer:
     """Forward and backward time and input bytes of each layer, for one step at a time.
 
@@ -113,10 +118,10 @@ class LayerTimer:
 
     def _post(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            wall, cpu, waited = self._started[index]
+            start = self._started[index]
             self._ended[index] = now = self._stamp_now()
-            self.forward_s[index] = now[0] - wall - (now[2] - waited)
-            self.forward_cpu_s[index] = now[1] - cpu
+            self.forward_s[index] = _own_s(start, now)
+            self.forward_cpu_s[index] = now[1] - start[1]
             first = output if isinstance(output, torch.Tensor) else None
             if isinstance(output, (tuple, list)):
                 first = next((o for o in output if isinstance(o, torch.Tensor)), None)
@@ -145,7 +150,7 @@ class LayerTimer:
             elif cpu:
                 out.append(at_input[1] - at_output[1])
             else:
-                out.append(at_input[0] - at_output[0] - (at_input[2] - at_output[2]))
+                out.append(_own_s(at_output, at_input))
         return out
 
     def span_s(self) -> float | None:
