@@ -13,6 +13,7 @@ pool when the last tensor rebuilt on it dies. Host memory needs no ordering: eve
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -46,7 +47,8 @@ class HostRoute(Route):
         for future in self.engine.submit_many(requests):
             future.add_done_callback(lambda done: countdown.done(done.exception()))
 
-    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
+    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
+              ready: Any = None) -> None:
         extent_bytes = round_up(phase_bytes + data.numel(), ALIGN_BYTES)
         self._submit(Op.WRITE, fd, data.data_ptr() - phase_bytes, extent_bytes, offset, on_done, data)
 

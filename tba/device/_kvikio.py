@@ -123,9 +123,11 @@ class KvikioRoute(Route):
                 self._files[fd] = self._kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
             return self._files[fd]
 
-    def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
-        ready = self.ops.mark_ready()
+    def mark_ready(self) -> Any:
+        return self.ops.mark_ready()
 
+    def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
+              ready: Any) -> None:
         def start() -> None:
             try:
                 ready.synchronize()

@@ -63,11 +63,22 @@ class Route(abc.ABC):
         """Where the storage at ``address`` starts inside its first file block (see ``tba/runtime/_views.py``)."""
         return 0
 
+    def mark_ready(self) -> Any:
+        """A mark of everything queued so far on the current stream: the storage's producer is before it.
+
+        The pack hook calls it on the training thread, right after the producer was queued, and
+        hands the mark to :meth:`write` on the control thread later (Note [A device save is deferred
+        too] in ``tba/runtime/_hooks.py``). None where copies need no ordering (host memory).
+        """
+        return None
+
     @abc.abstractmethod
-    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
+    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
+              ready: Any) -> None:
         """Write the ``uint8`` tensor ``data`` (a whole storage) to ``fd`` at ``offset + phase_bytes``.
 
-        ``data`` stays referenced by the caller until ``on_done`` runs.
+        ``data`` stays referenced by the caller until ``on_done`` runs. ``ready`` is what
+        :meth:`mark_ready` returned when the storage was produced; the copy starts after it.
         """
 
     @abc.abstractmethod

@@ -16,6 +16,7 @@ Device routes are made on first use of a device and closed with the offloader.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -73,6 +74,7 @@ class Routes:
         self.staged_devices = staged_devices
         self.host = HostRoute(engine, read_pool, block_bytes)
         self._routes: dict[torch.device, Route] = {}
+        self._make_lock = threading.Lock()
         self.staging_pool: StagingPool | None = None
         cuda = cuda_api()
         if device_ops is None and cuda.device_type in staged_devices and cuda.is_available() and not self._kvikio():
@@ -89,7 +91,10 @@ class Routes:
             return self.host
         route = self._routes.get(device)
         if route is None:
-            route = self._routes[device] = self._make(device)
+            with self._make_lock:  # the pack hook (training thread) and the control thread both ask
+                route = self._routes.get(device)
+                if route is None:
+                    route = self._routes[device] = self._make(device)
         return route
 
     def _make(self, device: torch.device) -> Route:

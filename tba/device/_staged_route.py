@@ -73,9 +73,12 @@ class StagedRoute(Route):
         self._thread = threading.Thread(target=self._run, name="tba-stager", daemon=True)
         self._thread.start()
 
-    def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
-        """Write the ``uint8`` device tensor ``src`` to ``fd`` at ``offset``; ``on_done(error)`` at the end."""
-        ready = self.ops.mark_ready()
+    def mark_ready(self) -> Any:
+        return self.ops.mark_ready()
+
+    def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
+              ready: Any) -> None:
+        """Write the ``uint8`` device tensor ``src`` to ``fd`` at ``offset`` after ``ready``; ``on_done(error)`` at the end."""
         self._jobs.put((functools.partial(self._write_job, src, fd, offset, ready, on_done), on_done))
 
     def _write_job(self, src: torch.Tensor, fd: int, offset: int, ready: Any, on_done: Callback) -> None:

@@ -137,25 +137,29 @@ class SavedTensorHooks:
         stack = self._discovery.stack if self._discovery is not None else None
         view = SavedView(None, tensor)
         device_type = tensor.device.type
-        if is_device_tensor(tensor, device_type):
-            _control.call(_on_stream, cuda_api().current_stream(tensor.device), self._save_job, view, tensor, layer, stack)
-            return view
-        if device_type in self._staged_devices:
-            # A device route (a fake device in tests): its copy is ordered after the producer now.
-            _control.call(self._save_job, view, tensor, layer, stack)
-            return view
-        note_host_offload()
+        if is_device_tensor(tensor, device_type) or device_type in self._staged_devices:
+            # Note: [A device save is deferred too]
+            # A device storage's copy must start after the kernel that produced it, which is queued
+            # on the caller's current stream, not on the control thread's. The route marks that
+            # point here, on the training thread (an event recorded on the current stream), and
+            # the deferred save orders its copy after the mark. The pack used to make a
+            # synchronous hop to the control thread instead, per saved tensor: a GIL round trip
+            # on the thread that keeps the GPU's queue full (docs/host-cost.md).
+            ready = self._store.routes.for_device(tensor.device).mark_ready()
+        else:
+            note_host_offload()
+            ready = None
         # Note: [A save is deferred]
         # The save runs on the control thread later, in order with every other job (Note [Deferred
         # jobs] in tba/_control.py); the job holds the tensor, so its bytes stay alive until the write
         # starts, and the view, so the view cannot die before its entry exists. The version checked
         # at unpack is the one recorded here.
-        self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack), tensor.nbytes)
+        self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack, ready), tensor.nbytes)
         return view
 
-    def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any) -> None:
+    def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any, ready: Any) -> None:
         try:
-            entry, fresh = self._store.save(tensor, layer, view.version)
+            entry, fresh = self._store.save(tensor, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             view.keep(tensor)
             logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", err)
@@ -258,9 +262,3 @@ def _warn_subclass_kept(kind: type) -> None:
         _WARNED_SUBCLASSES.add(kind)
         logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
                        "tba writes plain tensors only", kind.__module__, kind.__qualname__)
-
-
-def _on_stream(stream: Any, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` with ``stream`` current: the caller's stream, for a job on the control thread."""
-    with cuda_api().stream(stream):
-        return fn(*args)

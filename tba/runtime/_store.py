@@ -137,8 +137,12 @@ class StorageStore(StoreReads, StoreRelease):
             return max((entry.nbytes for entry in self._by_storage.values()), default=0)
 
     # ----------------------------------------------------------------- write
-    def save(self, tensor: torch.Tensor, layer: int | None, version: int) -> tuple[StorageEntry, bool]:
-        """The entry holding ``tensor``'s storage at ``version``, and whether it was created (and its write started)."""
+    def save(self, tensor: torch.Tensor, layer: int | None, version: int, ready: Any = None) -> tuple[StorageEntry, bool]:
+        """The entry holding ``tensor``'s storage at ``version``, and whether it was created (and its write started).
+
+        ``ready``: the route's :meth:`~tba.device.Route.mark_ready`, taken when the tensor was produced
+        (None for host tensors); the write's copy is ordered after it.
+        """
         storage = tensor.untyped_storage()
         with self.lock:
             if self._lingering:
@@ -146,7 +150,7 @@ class StorageStore(StoreReads, StoreRelease):
             entry = self._by_storage.get(storage._cdata)
             fresh = entry is None or entry.version != version or entry.state is State.DEAD or entry.ref.expired()
             if fresh:
-                entry = self._start_write(tensor, storage, layer, version)
+                entry = self._start_write(tensor, storage, layer, version, ready)
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1
@@ -154,7 +158,7 @@ class StorageStore(StoreReads, StoreRelease):
         return entry, fresh
 
     def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None,
-                     version: int) -> StorageEntry:
+                     version: int, ready: Any) -> StorageEntry:
         device = tensor.device
         route = self.routes.for_device(device)
         data = torch.empty((0,), dtype=torch.uint8, device=device).set_(storage)
@@ -184,7 +188,7 @@ class StorageStore(StoreReads, StoreRelease):
             if route is self.routes.host:
                 self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
             else:
-                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready)
         return entry
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:

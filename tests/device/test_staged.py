@@ -11,6 +11,7 @@ from torch import nn
 from utils import FakeDeviceOps, FaultyEngine, assert_exact
 
 import tba
+from tba import _control
 from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.device._pinned_pool import StagingPool
 from tba.errors import TbaConfigError, TbaReadError
@@ -63,6 +64,7 @@ def test_copy_waits_for_the_producer_and_memory_waits_for_the_write(spill_dir):
     x = torch.randn(10_000)
     with tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0, **staged_options(ops)) as off:
         packed = off.pack(x)
+        _control.settle()  # the deferred save has run (Note [A device save is deferred too])
         off._store.routes.for_device(x.device).drain()
         assert ops.log == [], "a device-to-host copy started before the producer's event"
         producer.set()

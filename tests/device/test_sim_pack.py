@@ -1,0 +1,83 @@
+"""The pack of a device tensor on the simulated device: no hop to the control thread, ordered on the caller's stream.
+
+Note [A device save is deferred too] in ``tba/runtime/_hooks.py``: the pack marks the producer on
+the training thread's current stream and defers the save, as the host path does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from sim_helpers import CheckedEngine
+from utils import run_step, steps_equal
+
+import tba
+from tba import _control
+from tba.bench.models import PRESETS, make_batch, make_gpt
+
+BLOCK = 8192
+SMALL = dict(min_offload_bytes=0, block_size_bytes=BLOCK, staging_bytes=8 * BLOCK)
+BLOCKED_S = 10.0
+"""How long the control thread stays busy while forward runs; a forward that hops to it waits that long."""
+
+
+def gpt():
+    config = PRESETS["tiny"]
+    model = make_gpt(config)
+    tokens, targets = make_batch(config)
+    return model, lambda m: m(tokens, targets)
+
+
+def test_forward_does_not_wait_for_a_busy_control_thread(sim, tmp_path):
+    model, forward = gpt()
+    reference = run_step(model, forward)
+    started, release = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=_control.call, args=(lambda: (started.set(), release.wait(BLOCKED_S)),))
+    engine = CheckedEngine(sim)
+    off = tba.Offloader(tmp_path, backend=engine, **SMALL)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    with off:
+        blocker.start()
+        assert started.wait(5)
+        begin = time.perf_counter()
+        loss = forward(model)
+        took_s = time.perf_counter() - begin
+        release.set()
+    blocker.join()
+    assert off.stats.tensors_offloaded > 0
+    assert took_s < BLOCKED_S / 2, f"forward took {took_s:.1f} s: its packs waited for the busy control thread"
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert steps_equal(reference, (loss.detach(), grads))
+    off.close()
+    engine.close()
+
+
+def test_forward_on_a_side_stream_is_copied_after_its_kernels(sim, tmp_path):
+    """The mark is taken on the caller's stream: a copy ordered on the control thread's stream would race."""
+    model, forward = gpt()
+    reference = run_step(model, forward)
+    side = sim.Stream()
+
+    def on_side_stream(m):
+        before = sim.Event()
+        before.record(sim.current_stream())
+        side.wait_event(before)  # the side stream reuses memory the compute stream used last step
+        with sim.stream(side):
+            loss = forward(m)
+        done = sim.Event()
+        done.record(side)
+        sim.current_stream().wait_event(done)
+        return loss
+
+    sim.checking_compute = True
+    engine = CheckedEngine(sim)
+    off = tba.Offloader(tmp_path, backend=engine, **SMALL)
+    for _ in range(6):
+        assert steps_equal(reference, run_step(model, on_side_stream, off, flush=False))
+    assert off.stats.bytes_written > 0
+    off.close()
+    engine.close()
