@@ -10,11 +10,11 @@ route of each device.
 from tba.device._cuda import CudaApi, cuda_api, is_device_tensor, use_cuda_api
 from tba.device._kvikio import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.device._ops import CudaOps, DeviceOps, HostOps
-from tba.device._protocol import Countdown, Route
+from tba.device._protocol import WRITE_NOT_NEEDED, Countdown, Route, WriteNotNeeded
 from tba.device._router import DEVICE_TYPES, Routes, host_engine_backend
 
 __all__ = [
     "DEVICE_TYPES", "Countdown", "CudaApi", "CudaOps", "DeviceOps", "HostOps", "Route", "Routes", "cuda_api",
     "gds_unavailable_reason", "host_engine_backend", "is_device_tensor", "kvikio_unavailable_reason",
-    "use_cuda_api",
+    "use_cuda_api", "WRITE_NOT_NEEDED", "WriteNotNeeded",
 ]

@@ -48,7 +48,7 @@ class HostRoute(Route):
             future.add_done_callback(lambda done: countdown.done(done.exception()))
 
     def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
-              ready: Any = None) -> None:
+              ready: Any = None, wanted: Any = None) -> None:
         extent_bytes = round_up(phase_bytes + data.numel(), ALIGN_BYTES)
         self._submit(Op.WRITE, fd, data.data_ptr() - phase_bytes, extent_bytes, offset, on_done, data)
 

@@ -25,7 +25,7 @@ import torch
 from tba.defaults import ALIGN_BYTES
 from tba.device._cuda import cuda_api
 from tba.device._ops import CudaOps
-from tba.device._protocol import Callback, ReadCallback, Route
+from tba.device._protocol import WRITE_NOT_NEEDED, Callback, ReadCallback, Route
 
 
 @functools.cache
@@ -127,8 +127,11 @@ class KvikioRoute(Route):
         return self.ops.mark_ready()
 
     def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
-              ready: Any) -> None:
+              ready: Any, wanted: Callable[[], bool] | None = None) -> None:
         def start() -> None:
+            if wanted is not None and not wanted():
+                on_done(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
+                return
             try:
                 ready.synchronize()
                 future = self._file(fd).pwrite(src, src.numel(), offset + phase_bytes)

@@ -26,6 +26,7 @@ import functools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch
 from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
-from tba.device._protocol import Callback, Countdown, ReadCallback, Route, pieces
+from tba.device._protocol import WRITE_NOT_NEEDED, Callback, Countdown, ReadCallback, Route, pieces
 from tba.io import Engine, round_up
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,15 @@ class StagedRoute(Route):
         return self.ops.mark_ready()
 
     def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
-              ready: Any) -> None:
+              ready: Any, wanted: Callable[[], bool] | None = None) -> None:
         """Write the ``uint8`` device tensor ``src`` to ``fd`` at ``offset`` after ``ready``; ``on_done(error)`` at the end."""
-        self._jobs.put((functools.partial(self._write_job, src, fd, offset, ready, on_done), on_done))
+        self._jobs.put((functools.partial(self._write_job, src, fd, offset, ready, on_done, wanted), on_done))
 
-    def _write_job(self, src: torch.Tensor, fd: int, offset: int, ready: Any, on_done: Callback) -> None:
+    def _write_job(self, src: torch.Tensor, fd: int, offset: int, ready: Any, on_done: Callback,
+                   wanted: Callable[[], bool] | None) -> None:
+        if wanted is not None and not wanted():
+            on_done(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
+            return
         spans = pieces(src.numel(), self.pool.block_bytes)
         countdown = Countdown(len(spans), on_done)
         for start, nbytes in spans:

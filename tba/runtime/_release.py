@@ -107,6 +107,16 @@ class StoreRelease:
         stats.resident_bytes += delta_bytes
         stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)
 
+    def _skip_unwritten(self, entry: StorageEntry) -> None:
+        """A write skipped because backward already used the storage: a live one stays in memory, silently."""
+        entry.io_error = None
+        if entry.state is not State.DEAD:
+            entry.state = State.KEPT
+            self.window.discount(entry)
+        self._free_extent(entry)
+        self.stats.writes_skipped += 1
+        self.stats.bytes_write_skipped += entry.nbytes
+
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
         entry.state = State.KEPT

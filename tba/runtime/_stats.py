@@ -29,6 +29,9 @@ class OffloadStats:
         bytes_deduplicated: Bytes not written again because their storage was already saved.
         tensors_kept_on_error / bytes_kept_on_error: Storages whose write failed (for example
             a full disk) and which stayed in memory instead.
+        writes_skipped / bytes_write_skipped: Device storages whose queued write never started
+            because backward had already used them from memory (Note [A write nobody needs is
+            not started] in ``tba/device/_protocol.py``); they stayed in memory for their views.
         unpacks_from_memory: Unpacks served without a read (write still in flight, prefetched
             copy resident, or kept).
         unpacks_waited: Unpacks that had to wait for a read to finish.
@@ -56,6 +59,8 @@ class OffloadStats:
     bytes_deduplicated: int = 0
     tensors_kept_on_error: int = 0
     bytes_kept_on_error: int = 0
+    writes_skipped: int = 0
+    bytes_write_skipped: int = 0
     unpacks_from_memory: int = 0
     unpacks_waited: int = 0
     unpack_wait_s: float = 0.0

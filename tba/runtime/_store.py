@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba._control import wait
 from tba._trace import nvtx_range
-from tba.device import Routes
+from tba.device import WRITE_NOT_NEEDED, Routes
 from tba.io import BufferPool, Engine, SpillFile
 from tba.runtime._host_io import HostBatch
 from tba.runtime._prefetch import PrefetchWindow
@@ -188,7 +188,8 @@ class StorageStore(StoreReads, StoreRelease):
             if route is self.routes.host:
                 self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
             else:
-                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready)
+                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready,
+                            functools.partial(self._write_wanted, entry))
         return entry
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
@@ -200,9 +201,20 @@ class StorageStore(StoreReads, StoreRelease):
             entry.io_error = error
             self._finish_write(entry)
 
+    def _write_wanted(self, entry: StorageEntry) -> bool:
+        """Whether a device write not yet started still serves anything (Note [A write nobody needs is not started]).
+
+        Not once the storage is dead, nor once backward has unpacked every view of it: its bytes are
+        resident, and they stay so (the entry is kept) for a second backward through a retained graph.
+        """
+        with self.lock:
+            return entry.state is not State.DEAD and not entry.fully_unpacked
+
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
-        if entry.state is State.DEAD:
+        if entry.io_error is WRITE_NOT_NEEDED:
+            self._skip_unwritten(entry)
+        elif entry.state is State.DEAD:
             self._free_extent(entry)
         elif entry.io_error is not None:
             self._keep_after_write_error(entry)

@@ -140,3 +140,35 @@ def test_unsupported_device_is_kept(spill_dir):
     assert off.keep_reason(torch.empty(1000, device="meta")) == "not a plain strided tensor"
     module = nn.Linear(2, 2)
     assert off.keep_reason(module.weight) == "parameter"
+
+
+def test_a_write_that_backward_no_longer_needs_is_not_started(spill_dir):
+    """Note [A write nobody needs is not started]: writes still queued when backward has used their storages are skipped."""
+    gate = threading.Event()
+    engine = FaultyEngine(gate=gate)
+    xs = [torch.randn(BLOCK_BYTES // 4, requires_grad=True) for _ in range(12)]
+    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+    off = tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0, **staged_options(FakeDeviceOps(), staging_blocks=1))
+    with off:
+        ys = [torch.tanh(x) for x in xs]
+    losses = [y.pow(2).sum() for y in ys]
+    del ys
+    # The first write holds the only staging block, so the others are still queued; the graph is
+    # kept for a second backward, which must find the skipped storages in memory.
+    torch.autograd.backward(losses, retain_graph=True)
+    _control.settle()
+    gate.set()
+    off.flush()
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    assert off.stats.writes_skipped >= len(xs) - 3, str(off.stats.as_dict())
+    for x in xs:
+        x.grad = None
+    torch.autograd.backward(losses)
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want)), "the second backward differs"
+    assert off.stats.bytes_write_skipped == off.stats.writes_skipped * BLOCK_BYTES
+    assert off.stats.storages_written + off.stats.writes_skipped == len(xs)
+    del losses
+    _control.settle()
+    assert off.stats.resident_bytes == 0 and off.stats.staging_blocks_in_use == 0
+    off.close()
+    engine.close()
