@@ -16,7 +16,6 @@ Device routes are made on first use of a device and closed with the offloader.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
@@ -74,7 +73,6 @@ class Routes:
         self.staged_devices = staged_devices
         self.host = HostRoute(engine, read_pool, block_bytes)
         self._routes: dict[torch.device, Route] = {}
-        self._make_lock = threading.Lock()
         self.staging_pool: StagingPool | None = None
         cuda = cuda_api()
         if device_ops is None and cuda.device_type in staged_devices and cuda.is_available() and not self._kvikio():
@@ -91,11 +89,16 @@ class Routes:
             return self.host
         route = self._routes.get(device)
         if route is None:
-            with self._make_lock:  # the pack hook (training thread) and the control thread both ask
-                route = self._routes.get(device)
-                if route is None:
-                    route = self._routes[device] = self._make(device)
+            route = self._routes[device] = self._make(device)
         return route
+
+    def existing(self, device: torch.device) -> Route | None:
+        """The route for storages on ``device`` if it exists already (None: :meth:`for_device` builds it).
+
+        Safe on any thread; building a route is for the control thread (Note [Asynchronous exceptions]
+        in ``tba/_control.py``).
+        """
+        return self._routes.get(device) if device.type in self.staged_devices else self.host
 
     def _make(self, device: torch.device) -> Route:
         on_cuda = device.type == cuda_api().device_type and cuda_api().is_available()

@@ -144,8 +144,16 @@ class SavedTensorHooks:
             # point here, on the training thread (an event recorded on the current stream), and
             # the deferred save orders its copy after the mark. The pack used to make a
             # synchronous hop to the control thread instead, per saved tensor: a GIL round trip
-            # on the thread that keeps the GPU's queue full (docs/host-cost.md).
-            ready = self._store.routes.for_device(tensor.device).mark_ready()
+            # on the thread that keeps the GPU's queue full (docs/host-cost.md). Only the first
+            # tensor on a device still hops: the control thread builds the route (its threads,
+            # streams and pinned pool), as every other piece of tba's state is built there.
+            try:
+                routes = self._store.routes
+                route = routes.existing(tensor.device) or _control.call(routes.for_device, tensor.device)
+                ready = route.mark_ready()
+            except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
+                self._keep_unsaved(view, tensor, err)
+                return view
         else:
             note_host_offload()
             ready = None
@@ -161,8 +169,7 @@ class SavedTensorHooks:
         try:
             entry, fresh = self._store.save(tensor, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
-            view.keep(tensor)
-            logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", err)
+            self._keep_unsaved(view, tensor, err)
             return
         if fresh and self._discovery is not None:
             self._discovery.note_saved(entry, stack)
@@ -171,6 +178,11 @@ class SavedTensorHooks:
         view.entry = entry
         # The class's function, not a bound method: one object less per saved tensor for the collector.
         _control.on_death(view, type(self).drop_view, self, entry, id(view))
+
+    @staticmethod
+    def _keep_unsaved(view: SavedView, tensor: torch.Tensor, error: Exception) -> None:
+        view.keep(tensor)
+        logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error)
 
     def _not_active_message(self) -> str:
         if self._phase is _Phase.CLOSED:

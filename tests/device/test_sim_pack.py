@@ -37,6 +37,7 @@ def test_forward_does_not_wait_for_a_busy_control_thread(sim, tmp_path):
     blocker = threading.Thread(target=_control.call, args=(lambda: (started.set(), release.wait(BLOCKED_S)),))
     engine = CheckedEngine(sim)
     off = tba.Offloader(tmp_path, backend=engine, **SMALL)
+    run_step(model, forward, off)  # the first pack on a device has the control thread build its route
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
     with off:

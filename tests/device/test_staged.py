@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ from utils import FakeDeviceOps, FaultyEngine, assert_exact
 import tba
 from tba import _control
 from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.device import Routes
 from tba.device._pinned_pool import StagingPool
 from tba.errors import TbaConfigError, TbaReadError
 
@@ -172,3 +174,21 @@ def test_a_write_that_backward_no_longer_needs_is_not_started(spill_dir):
     assert off.stats.resident_bytes == 0 and off.stats.staging_blocks_in_use == 0
     off.close()
     engine.close()
+
+
+def test_a_device_route_that_cannot_be_built_keeps_the_tensor_with_a_warning(spill_dir, monkeypatch, caplog):
+    """The first pack on a device has the control thread build its route; a failure there must not reach forward."""
+    def cannot_pin(self, device):
+        raise RuntimeError("cannot pin staging memory")
+
+    monkeypatch.setattr(Routes, "_make", cannot_pin)
+    x = torch.randn(10_000, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        with tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0, **staged_options(FakeDeviceOps())) as off:
+            y = torch.tanh(x)
+        y.pow(2).sum().backward()
+    want = torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0]
+    assert torch.equal(x.grad, want)
+    assert off.stats.storages_written == 0
+    assert any("cannot pin staging memory" in r.getMessage() and "stays in memory" in r.getMessage() for r in caplog.records)
+    off.close()
