@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tba._control import wait
+from tba._control import after_batch, wait
 from tba._trace import nvtx_range
 from tba.errors import TbaReadError
 from tba.io import checksum
@@ -58,6 +58,7 @@ class StoreReads:
     routes: Routes | None
     _host: HostBatch | None
     _reading: int
+    _prefetch_to: StorageEntry | None
 
     def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
         """``entry``'s bytes and event when they are in memory now, else ``(None, None)``; changes nothing.
@@ -74,14 +75,34 @@ class StoreReads:
             return (data.detach(), entry.ready_event) if data is not None else (None, None)
 
     def served_from_memory(self, entry: StorageEntry, view_id: int) -> None:
-        """After an unpack found ``entry`` resident: count it, move the window, release what is done."""
+        """After an unpack found ``entry`` resident: count it, release what is done, move the window.
+
+        Note: [One window move per batch of unpacks]
+        These run as deferred jobs, several per wake-up of the control thread. Each used to move
+        the prefetch window and submit its reads on its own: a walk and a ring submission per
+        saved tensor. The window now moves once per batch, to the deepest storage the batch
+        unpacked (the lowest ``seq``: backward runs from the last storage to the first), where the
+        last of the per-unpack moves would have left it; an unpack that must wait for a read still
+        moves it at once (:meth:`start_load`).
+        """
         with self.lock:
             if self._lingering:
                 self._sweep_written()
             self.stats.unpacks_from_memory += 1
             self.window.note_served_from_memory()
-        self.prefetch(entry)
-        self.note_unpacked(entry, view_id)
+            self.note_unpacked(entry, view_id)
+            deepest = self._prefetch_to
+            if deepest is None or entry.seq < deepest.seq:
+                self._prefetch_to = entry
+            if deepest is None:
+                after_batch(self._prefetch_batch)
+
+    def _prefetch_batch(self) -> None:
+        """Move the window once for the unpacks of this batch (Note [One window move per batch of unpacks])."""
+        with self.lock:
+            entry, self._prefetch_to = self._prefetch_to, None
+        if entry is not None:
+            self.prefetch(entry)
 
     def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
         """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.

