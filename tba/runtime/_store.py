@@ -38,7 +38,7 @@ from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._reads import StoreReads
 from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
-from tba.runtime._trim import owns_its_memory
+from tba.runtime._trim import hands_back_pages, owns_its_memory
 from tba.runtime._views import State, StorageEntry, StorageRef
 
 logger = logging.getLogger("tba")
@@ -175,7 +175,9 @@ class StorageStore(StoreReads, StoreRelease):
             data=data,
             device=device,
             route=route,
-            own_memory=owns_its_memory(data),
+            # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in
+            # tba/runtime/_trim.py): under a caching allocator nothing lingers and nothing is discarded.
+            own_memory=hands_back_pages() and owns_its_memory(data),
         )
         self._next_seq += 1
         self.live_entries += 1
