@@ -30,7 +30,10 @@ the caller does not need now (a save, the bookkeeping after an unpack served fro
 *deferred* instead (:func:`defer`): appended to a deque, one C call that either happens or not, and
 run by the control thread before any other job, in order, once a caller wakes it
 (:func:`wake`) or the next job arrives. So a job never overtakes deferred work queued before it,
-and the control thread runs many deferred jobs per wake-up. Callbacks registered with
+and the control thread runs many deferred jobs per wake-up. A wake-up already queued is not
+queued again (``wake_pending``, cleared by the control thread before it drains the deque): when the
+control thread falls behind, every further save used to queue one more wake-up, each a queue put,
+a futex wake and a pass of the control loop. Callbacks registered with
 :func:`after_batch` run once the deferred jobs queued so far have run (a batch of writes is
 submitted to the engine at once).
 """
@@ -69,6 +72,8 @@ class _Control:
         """``(fn, args)`` to run before the next job (Note [Deferred jobs])."""
         self.defer_append = self.deferred.append
         """The finalizers' callback, made once: ``deferred.append`` builds a new bound method at each use."""
+        self.wake_pending = False
+        """A wake-up is queued and the control thread has not started draining for it (:func:`wake`)."""
         self.batch_end: list[Callable[[], None]] = []
         """Callbacks to run once the deferred jobs have run (:func:`after_batch`)."""
         self.finalizers: dict[int, _Finalizer] = {}
@@ -121,6 +126,8 @@ class _Control:
                 logger.exception("tba: a batch callback on the control thread failed")
 
     def process(self, item: Any) -> None:
+        # Cleared before draining: a job deferred from now on is either drained below or wakes again.
+        self.wake_pending = False
         self.run_deferred()
         if item is _WAKE:
             return
@@ -225,7 +232,9 @@ def defer(fn: Callable[..., Any], *args: Any) -> int:
 def wake() -> None:
     """Have the control thread run the deferred jobs now, without waiting for them."""
     control = _control
-    if control.deferred and threading.current_thread() is not control.thread and not control.stopped:
+    if (control.deferred and not control.wake_pending and threading.current_thread() is not control.thread
+            and not control.stopped):
+        control.wake_pending = True
         control.ensure_started()
         control.jobs.put(_WAKE)
 
