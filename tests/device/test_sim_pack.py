@@ -82,3 +82,38 @@ def test_forward_on_a_side_stream_is_copied_after_its_kernels(sim, tmp_path):
     assert off.stats.bytes_written > 0
     off.close()
     engine.close()
+
+
+def test_the_kvikio_route_skips_a_write_that_backward_no_longer_needs(sim, tmp_path, monkeypatch):
+    """Note [A write nobody needs is not started] on the kvikio route: its write thread held up, the queued writes are skipped."""
+    from tba.device._kvikio import KvikioRoute
+    from tba.device.sim import fake_kvikio
+
+    gate = threading.Event()
+    opened = KvikioRoute._file
+
+    def held_up(self, fd):  # the write thread waits here, as behind a slow producer on a GPU
+        assert gate.wait(10)
+        return opened(self, fd)
+
+    xs = [torch.randn(2048, requires_grad=True) for _ in range(12)]
+    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+    with fake_kvikio(sim, gds=True):
+        monkeypatch.setattr(KvikioRoute, "_file", held_up)
+        off = tba.Offloader(tmp_path, backend="kvikio", min_offload_bytes=0, block_size_bytes=BLOCK)
+        with off:
+            ys = [torch.tanh(x) for x in xs]
+        losses = [y.pow(2).sum() for y in ys]
+        del ys
+        torch.autograd.backward(losses, retain_graph=True)
+        _control.settle()
+        gate.set()
+        off.flush()
+        assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+        assert off.stats.writes_skipped >= len(xs) - 1, str(off.stats.as_dict())
+        for x in xs:
+            x.grad = None
+        torch.autograd.backward(losses)
+        assert all(torch.equal(x.grad, g) for x, g in zip(xs, want)), "the second backward differs"
+        del losses
+        off.close()
