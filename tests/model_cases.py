@@ -1,12 +1,24 @@
-"""Small models whose saved tensors are awkward: views, in-place ops, shared storages.
+"""Small models whose saved tensors are awkward: views, in-place ops, shared storages; and the tiny GPT.
 
 Shared by the CPU exactness tests and the CUDA suite.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from tba.bench.models import PRESETS, make_batch, make_gpt
+
+
+def tiny_gpt() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """The ``tiny`` preset's GPT and its forward over a fixed batch (the loss)."""
+    config = PRESETS["tiny"]
+    model = make_gpt(config)
+    tokens, targets = make_batch(config)
+    return model, lambda m: m(tokens, targets)
 
 
 class ViewsModel(nn.Module):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import tba
+from tba import _control
 from tba.device._ops import DeviceOps
 from tba.errors import ShortTransferError
 from tba.io import Engine, Op, Request, ThreadEngine
@@ -75,6 +76,33 @@ def assert_exact(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor],
     for name in ref_grads:
         assert torch.equal(ref_grads[name], grads[name]), f"gradient of {name} differs"
     return offloader
+
+
+def backward_twice_past_held_writes(offloader: tba.Offloader, xs: Sequence[torch.Tensor], release: threading.Event,
+                                    *, min_skipped: int) -> list[torch.Tensor]:
+    """Skipped device writes (Note [A write nobody needs is not started] in ``tba/device/_protocol.py``).
+
+    Forward ``tanh`` of each leaf in ``xs`` under ``offloader`` while the caller holds its device
+    writes back, backward through a retained graph, ``release`` the writes, then backward again:
+    both backwards must be exact, and at least ``min_skipped`` writes skipped (the second backward
+    finds those storages in memory). Returns the losses, whose graph the caller frees.
+    """
+    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+    with offloader:
+        ys = [torch.tanh(x) for x in xs]
+    losses = [y.pow(2).sum() for y in ys]
+    del ys
+    torch.autograd.backward(losses, retain_graph=True)
+    _control.settle()
+    release.set()
+    offloader.flush()
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    assert offloader.stats.writes_skipped >= min_skipped, str(offloader.stats.as_dict())
+    for x in xs:
+        x.grad = None
+    torch.autograd.backward(losses)
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want)), "the second backward differs"
+    return losses
 
 
 def steps_equal(reference: tuple, result: tuple) -> bool:

@@ -11,24 +11,18 @@ import time
 
 import pytest
 import torch
+from model_cases import tiny_gpt
 from sim_helpers import CheckedEngine
 from utils import run_step, steps_equal
 
 import tba
-from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.bench.models import PRESETS
 from tba.device import CudaOps, gds_unavailable_reason
 from tba.device.sim import fake_kvikio
 from tba.errors import TbaReadError
 
 BLOCK = 8192
 SMALL = dict(min_offload_bytes=0, block_size_bytes=BLOCK, staging_bytes=8 * BLOCK)
-
-
-def gpt():
-    config = PRESETS["tiny"]
-    model = make_gpt(config)
-    tokens, targets = make_batch(config)
-    return model, lambda m: m(tokens, targets)
 
 
 def test_1_auto_backend_finds_gds_with_the_current_kvikio_api(sim):
@@ -54,7 +48,7 @@ def test_2_a_raising_completion_callback_does_not_stop_later_completions(sim):
 
 
 def test_2_close_after_a_forward_that_raised_with_copies_still_queued(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     offloader = tba.Offloader(tmp_path, backend="threads", layers=model, **SMALL)
     sim.stall()
     threading.Timer(0.5, sim.stall, args=(False,)).start()
@@ -69,7 +63,7 @@ def test_2_close_after_a_forward_that_raised_with_copies_still_queued(sim, tmp_p
 
 
 def test_3_waiter_threads_do_not_busy_wait(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     engine = CheckedEngine(sim)
     offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
     run_step(model, forward, offloader)
@@ -79,7 +73,7 @@ def test_3_waiter_threads_do_not_busy_wait(sim, tmp_path):
 
 
 def test_4_staging_pool_is_pinned_exactly_and_before_the_first_pack(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     engine = CheckedEngine(sim)
     offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
     with offloader:
@@ -94,7 +88,7 @@ def test_4_staging_pool_is_pinned_exactly_and_before_the_first_pack(sim, tmp_pat
 
 
 def test_5_read_back_tensors_come_from_the_compute_streams_pool(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     engine = CheckedEngine(sim)
     offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
     reference = run_step(model, forward)
@@ -107,7 +101,7 @@ def test_5_read_back_tensors_come_from_the_compute_streams_pool(sim, tmp_path):
 
 
 def test_6_tensors_saved_during_graph_capture_stay_in_memory(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     engine = CheckedEngine(sim)
     offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
     with sim.graph_capture(), offloader:
@@ -121,7 +115,7 @@ def test_6_tensors_saved_during_graph_capture_stay_in_memory(sim, tmp_path):
 
 
 def test_7_kvikio_reads_do_not_queue_behind_writes(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     with fake_kvikio(sim, gds=True) as kvikio:
         offloader = tba.Offloader(tmp_path, backend="kvikio", layers=model, **SMALL)
         with offloader:
@@ -171,7 +165,7 @@ def test_10_kvikio_read_errors_are_tba_read_errors(sim, tmp_path):
 
 
 def test_staged_route_holds_the_source_until_its_copy_ran(sim, tmp_path):
-    model, forward = gpt()
+    model, forward = tiny_gpt()
     engine = CheckedEngine(sim)
     offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
     reference = run_step(model, forward)

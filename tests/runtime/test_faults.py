@@ -8,22 +8,15 @@ import threading
 
 import pytest
 import torch
+from model_cases import tiny_gpt
 from utils import FaultyEngine, assert_exact, run_step
 
 import tba
-from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.errors import TbaReadError
 
 
-def gpt_step():
-    config = PRESETS["tiny"]
-    model = make_gpt(config)
-    tokens, targets = make_batch(config)
-    return model, lambda m: m(tokens, targets)
-
-
 def test_disk_full_keeps_tensors_in_memory_with_one_warning(spill_dir, caplog):
-    model, forward = gpt_step()
+    model, forward = tiny_gpt()
     engine = FaultyEngine(write_errno=errno.ENOSPC)
     with caplog.at_level(logging.WARNING, logger="tba"):
         offloader = assert_exact(model, forward, spill_dir, engine)
@@ -39,7 +32,7 @@ def test_disk_full_keeps_tensors_in_memory_with_one_warning(spill_dir, caplog):
 
 
 def test_disk_full_warns_once_across_successive_contexts(spill_dir, caplog):
-    model, forward = gpt_step()
+    model, forward = tiny_gpt()
     engine = FaultyEngine(write_errno=errno.ENOSPC)
     with caplog.at_level(logging.WARNING, logger="tba"):
         for _ in range(3):
@@ -51,7 +44,7 @@ def test_disk_full_warns_once_across_successive_contexts(spill_dir, caplog):
 
 @pytest.mark.parametrize("fault", [{"read_errno": errno.EIO}, {"short_reads": True}], ids=["eio", "short"])
 def test_failed_read_raises_naming_tensor_file_and_offset(spill_dir, fault):
-    model, forward = gpt_step()
+    model, forward = tiny_gpt()
     engine = FaultyEngine(**fault)
     offloader = tba.offload_activations(spill_dir, backend=engine, min_offload_bytes=0, layers=model)
     with pytest.raises(TbaReadError) as info:
