@@ -26,19 +26,22 @@ def test_a_control_thread_that_falls_behind_gets_one_wake_up_and_runs_every_defe
     assert ran == list(range(100))
 
 
-def test_a_job_deferred_while_the_control_thread_drains_is_not_stranded():
-    """The flag is cleared before draining: a save deferred during a drain either runs in it or wakes again."""
-    done = threading.Event()
-    seen: list[int] = []
+def test_a_job_deferred_after_the_drain_loop_still_wakes_the_control_thread():
+    """The flag is cleared before draining, not after: a job deferred once the drain's loop is over
+    (here by another thread, from a batch-end callback) queues a wake-up of its own."""
+    ran = threading.Event()
 
-    def defer_more(index: int) -> None:
-        seen.append(index)
-        if index < 50:
-            threading.Thread(target=lambda: (_control.defer(defer_more, index + 1), _control.wake())).start()
-        else:
-            done.set()
+    def defer_from_another_thread() -> None:
+        helper = threading.Thread(target=lambda: (_control.defer(ran.set), _control.wake()))
+        helper.start()
+        helper.join()
 
-    _control.defer(defer_more, 0)
-    _control.wake()
-    assert done.wait(10), f"stranded after {len(seen)} jobs"
-    assert seen == list(range(51))
+    poll_s = _control.FINALIZER_POLL_S
+    _control.FINALIZER_POLL_S = 3600.0  # only a wake-up can run the job, not the control thread's poll
+    try:
+        _control.defer(_control.after_batch, defer_from_another_thread)
+        _control.wake()
+        assert ran.wait(5), "the job deferred after the drain was stranded until the next poll"
+    finally:
+        _control.FINALIZER_POLL_S = poll_s
+        _control.settle()  # the control thread waits with the usual poll again
