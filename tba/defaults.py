@@ -14,6 +14,10 @@ GIB = 1 << 30
 ALIGN_BYTES = 4096
 """Alignment of addresses, lengths and file offsets for O_DIRECT I/O."""
 
+HUGE_PAGE_BYTES = 2 * MIB
+"""A transparent huge page on x86-64 and most arm64 kernels: read buffers at least this large are
+mapped asking for huge pages (``tba/io/_read_pool.py``, Note [Read buffers on huge pages])."""
+
 MIN_OFFLOAD_BYTES = 64 * KIB
 """Storages smaller than this stay in memory: their I/O would cost more than it saves."""
 

@@ -20,13 +20,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
-from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, QUEUE_DEPTH
+from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, HUGE_PAGE_BYTES, QUEUE_DEPTH
 from tba.errors import TbaConfigError, TbaError
 from tba.io import Engine, Op, Request, create_preallocated, make_engine, resolve_directory, round_up
 from tba.io import host_buffer as io_host_buffer
-
-HUGE_PAGE_BYTES = 2 << 20
-"""Host buffers are sized in multiples of this (bytes), the transparent huge page size."""
 
 DEFAULT_QUEUE_DEPTH = QUEUE_DEPTH
 """Requests in flight per checkpoint engine: the offloader's default (:data:`tba.defaults.QUEUE_DEPTH`)."""

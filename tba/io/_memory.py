@@ -48,6 +48,17 @@ def host_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
     return buffer
 
 
+def mapped_empty(nbytes: int) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor of ``nbytes`` from an anonymous ``mmap`` asking for transparent huge
+    pages, left untouched (the kernel zero-fills each page at first touch, an ``O_DIRECT`` read's
+    included). Page-aligned by construction; its pages go back to the kernel when the tensor and
+    every view of it die. Where ``madvise`` is missing, the mapping has ordinary pages."""
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+
+
 def round_up(nbytes: int, alignment_bytes: int) -> int:
     """Smallest multiple of ``alignment_bytes`` that is >= ``nbytes``."""
     return -(-nbytes // alignment_bytes) * alignment_bytes
