@@ -36,10 +36,13 @@ where ``e_i = (s_i / R) max(0, 1 - P / s_i) / 2`` is the read latency a window s
 layer exposes (the window can run only ``P`` bytes ahead of backward; on average half of the rest
 of the layer's read time waits; fitted to the ``small`` preset on a 2-core VM, where 4, 8, 16 and
 32 MiB windows cost 17, 12, 6 and 0 ms per 36 MiB layer).
-Step time ``T = T_f + T_b + c sum o_i`` with ``T_b`` the end of layer 0's backward and ``c`` the
+Step time ``T = T_f + T_b + c sum o_i + u`` with ``T_b`` the end of layer 0's backward, ``c`` the
 profile's ``io_overhead_s_per_byte``: what the profiled steps took beyond this model, per byte
-they spilled (on few cores, tba's I/O threads take CPU from compute); keep-all gives
-``sum f + sum b``. Optimiser time and launch overheads are not modelled.
+they spilled (on few cores, tba's I/O threads take CPU from compute), and ``u`` its ``outside_s``:
+the measured rest of the step (head, loss, optimiser, the loop), the same for every placement;
+keep-all gives ``sum f + sum b + u``. Overheads are ratios of these whole-step times: the layers'
+time alone would make offloading look dearer than a user's step shows it to be (on the ``bench``
+preset the rest is about 6% of the step).
 
 Memory (activation bytes; storages saved outside the layers are left out, they are the same for
 every plan). The peak is the larger of the start of backward::
@@ -259,10 +262,10 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
     backward = _backward(profile, decisions, window)
     compute = sum(layer.backward_s + (layer.forward_s if d in RECOMPUTED else 0.0)
                   for layer, d in zip(profile.layers, decisions))
-    keep_step = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
+    keep_step = sum(layer.forward_s + layer.backward_s for layer in profile.layers) + profile.outside_s
     spilled = sum(spilled_bytes(layer, d) for layer, d in zip(profile.layers, decisions))
     return Estimate(
-        step_s=forward_end + backward + profile.io_overhead_s_per_byte * spilled,
+        step_s=forward_end + backward + profile.io_overhead_s_per_byte * spilled + profile.outside_s,
         keep_step_s=keep_step,
         memory_bytes=_memory(profile, decisions, window, backlog) + profile.memory_slack_bytes,
         read_stall_s=max(0.0, backward - compute),

@@ -62,6 +62,11 @@ class Profile:
             them, per spilled byte (never negative): what offloading costs that the model leaves out
             (CPU taken from compute by tba's threads), added per spilled byte to every time
             prediction.
+        outside_s: Seconds of a step spent outside what the model times (the head and the loss between
+            forward and backward, the optimiser, data loading, the loop until the next step): the
+            shortest profiled step's wall-clock time from one entry to the next, minus its span.
+            Added to every placement's step time and to keep-all's alike, so that an overhead bound
+            holds for the whole step, as a user times it.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -72,6 +77,7 @@ class Profile:
     max_window_bytes: int = POLICY_MAX_WINDOW_BYTES
     memory_slack_bytes: int = 0
     io_overhead_s_per_byte: float = 0.0
+    outside_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -82,6 +88,8 @@ class Profile:
         if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
             raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
                              f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
+        if self.outside_s < 0:
+            raise ValueError(f"outside_s must be >= 0 (seconds of a step outside the layers), got {self.outside_s}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

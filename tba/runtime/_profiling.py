@@ -17,6 +17,11 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   it (offload-all at the window in force, from the times above), over the bytes it spilled, never
   below zero: the time offloading costs that the model does not see (CPU taken from compute,
   memory bandwidth), which the model adds per spilled byte to every placement;
+* ``outside_s``: the shortest of the profiled steps' periods (wall-clock time from the step's entry
+  to the next entry) less its span, never below zero: the head, the loss, the optimiser and the
+  loop, which every placement pays alike (a period is known only once the next step enters, so a
+  loop that does other work between steps makes only that step's figure longer, and the shortest
+  one is kept);
 * ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last sample; the last layer's count
   includes what runs after it (the head and loss), since tba tags storages with the last layer
   entered;
@@ -120,13 +125,20 @@ class Samples:
         # One prediction of the profiled placement (offload-all at the window in force) calibrates
         # both time and memory: neither part of it depends on what the other calibration adds.
         profiled = estimate(profile, (OFFLOAD,) * layer_count, window)
-        profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, profiled.step_s))
+        profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, profiled.step_s),
+                                      outside_s=_outside(samples))
         if last.get("peak_bytes") is None:
             return profile
         measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
         slack = max(0, measured - profiled.memory_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
+
+
+def _outside(samples: list[dict[str, Any]]) -> float:
+    """The shortest profiled step's period less its span (seconds, never below zero); 0 when unknown."""
+    rests = [s["period_s"] - s["span_s"] for s in samples if s.get("period_s") is not None and s.get("span_s") is not None]
+    return max(0.0, min(rests)) if rests else 0.0
 
 
 def _io_overhead(profile: Profile, samples: list[dict[str, Any]], predicted_s: float) -> float:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -193,7 +194,8 @@ class PolicyRunner:
             self._timer.attach()
             start = counters()
             # The step's own counters: a one-shot context's next step counts in a new offloader.
-            self._pending = {"start": start, "shape": self._shape, "counters": counters}
+            self._pending = {"start": start, "shape": self._shape, "counters": counters,
+                             "entered_at": time.perf_counter()}
             self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda(),
                              release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
@@ -297,6 +299,7 @@ class PolicyRunner:
         pending["backward_s"] = self._timer.backward_s()
         pending["backward_cpu_s"] = self._timer.backward_s(cpu=True)
         pending["span_s"] = self._timer.span_s()
+        pending["period_s"] = time.perf_counter() - pending.pop("entered_at")
         pending["peak_bytes"] = self._peak.peak_bytes
         self._samples.collect(pending, pending.pop("counters")(), len(self._layer_refs))
 

@@ -144,6 +144,8 @@ def test_bad_profiles():
         dataclasses.replace(FAST, io_overhead_s_per_byte=-1e-9)
     with pytest.raises(ValueError, match="memory_slack_bytes and io_overhead_s_per_byte must be >= 0"):
         dataclasses.replace(FAST, memory_slack_bytes=-1)
+    with pytest.raises(ValueError, match="outside_s must be >= 0"):
+        dataclasses.replace(FAST, outside_s=-0.1)
 
 
 def test_backward_estimated_when_not_measured():
@@ -189,6 +191,20 @@ def test_io_overhead_per_spilled_byte_is_added_to_step_time_and_steers_the_defau
     chosen = plan(costly)  # two offloaded layers cost +4.2%, three +6.3%
     assert (chosen.code, chosen.fits) == ("OOKK", True)
     assert chosen.predicted_step_s <= 12.0 * 1.05
+
+
+def test_the_rest_of_the_step_counts_in_every_placement_and_in_the_overhead_ratio():
+    costly = dataclasses.replace(FAST, io_overhead_s_per_byte=0.25 / (100 * MIB))
+    whole = dataclasses.replace(costly, outside_s=4.0)  # head, loss and optimiser: 4 s of a 16 s step
+    for decisions in (["keep"] * 4, ["offload"] * 4, ["recompute"] * 4):
+        assert estimate(whole, decisions).step_s == pytest.approx(estimate(costly, decisions).step_s + 4.0)
+        assert estimate(whole, decisions).memory_bytes == estimate(costly, decisions).memory_bytes
+    assert estimate(whole, ["offload"] * 4).keep_step_s == 16.0
+    assert estimate(whole, ["offload"] * 4).overhead == pytest.approx(1.0 / 16)  # not 1 / 12 of the layers alone
+    chosen = plan(whole)  # three offloaded layers: +4.7% of the whole step (+6.3% of the layers' time)
+    assert (chosen.code, chosen.fits) == ("OOOK", True)
+    assert chosen.predicted_step_s <= 16.0 * 1.05
+    assert tba.Profile.from_json(whole.to_json()) == whole
 
 
 def test_a_recomputed_top_layer_rebuilds_on_top_of_the_write_backlog():

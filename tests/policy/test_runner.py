@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from utils import run_step
@@ -105,6 +107,20 @@ def test_adaptive_profiles_then_plans_and_stays_exact(model, spill_dir, goal):
     assert offloader.plan.goal == ("memory_budget_bytes=1099511627776" if goal.get("memory_budget_bytes") else
                                    f"overhead_bound={goal.get('overhead_bound', 0.05):g}")
 
+
+def test_the_profile_measures_the_rest_of_the_step(model, spill_dir):
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              policy="adaptive", profile_steps=2)
+    tokens, targets = make_batch(CONFIG, seed=4)
+    for _ in range(3):
+        with offloader:
+            loss = model(tokens, targets)
+        loss.backward()
+        time.sleep(0.05)  # an optimiser step, data loading: outside every layer
+    offloader.close()
+    profile = offloader.policy_runner.profile
+    assert 0.05 <= profile.outside_s < 5.0
+    assert offloader.plan.predicted_keep_step_s >= profile.outside_s
 
 def test_budget_below_the_least_the_model_needs_raises_when_planning(model, spill_dir):
     tokens, targets = make_batch(CONFIG, seed=4)

@@ -12,8 +12,9 @@ from tba.runtime._profiling import Samples
 MIB = 1 << 20
 
 
-def _sample(span_s: float | None, cpu_times: bool = True) -> dict:
+def _sample(span_s: float | None, cpu_times: bool = True, period_s: float | None = None) -> dict:
     return {
+        "period_s": period_s,
         "forward_s": [0.3, 0.3], "forward_cpu_s": [0.1, 0.1],
         "backward_s": [0.5, 0.5], "backward_cpu_s": [0.2, 0.2],
         "cpu_times": cpu_times, "span_s": span_s,
@@ -45,3 +46,13 @@ def test_wall_clock_on_cuda_and_no_overhead_when_the_model_was_not_beaten_or_not
     assert [layer.forward_s for layer in cuda.layers] == [0.3, 0.3]
     assert cuda.io_overhead_s_per_byte == 0.0  # faster than predicted: never negative
     assert _profile(_sample(None)).io_overhead_s_per_byte == 0.0
+
+
+def test_the_rest_of_the_step_is_the_shortest_period_beyond_its_span_and_does_not_change_the_io_overhead():
+    plain = _profile(_sample(1.3), _sample(1.1))
+    profile = _profile(_sample(1.3, period_s=1.6), _sample(1.1, period_s=1.5))
+    assert profile.outside_s == pytest.approx(0.3)  # min(1.6 - 1.3, 1.5 - 1.1)
+    assert profile.io_overhead_s_per_byte == pytest.approx(plain.io_overhead_s_per_byte)
+    assert estimate(profile, (OFFLOAD, OFFLOAD)).step_s == pytest.approx(1.1 + 0.3)
+    assert _profile(_sample(1.1, period_s=1.0)).outside_s == 0.0  # never below zero
+    assert plain.outside_s == 0.0  # no period measured
