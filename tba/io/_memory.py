@@ -42,7 +42,7 @@ def host_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
     huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if huge else mmap.MAP_POPULATE))
     if huge:
-        region.madvise(mmap.MADV_HUGEPAGE)
+        advise_huge_pages(region)
     buffer = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
     buffer.zero_()
     return buffer
@@ -52,11 +52,24 @@ def mapped_empty(nbytes: int) -> torch.Tensor:
     """A 1-D ``uint8`` tensor of ``nbytes`` from an anonymous ``mmap`` asking for transparent huge
     pages, left untouched (the kernel zero-fills each page at first touch, an ``O_DIRECT`` read's
     included). Page-aligned by construction; its pages go back to the kernel when the tensor and
-    every view of it die. Where ``madvise`` is missing, the mapping has ordinary pages."""
+    every view of it die. Where huge pages cannot be asked for, the mapping has ordinary pages
+    (:func:`advise_huge_pages`)."""
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
+    advise_huge_pages(region)
     return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+
+
+def advise_huge_pages(region: mmap.mmap) -> bool:
+    """Ask for transparent huge pages on ``region``; False where that cannot be asked (no
+    ``MADV_HUGEPAGE`` in this Python, or a kernel built without them, which answers ``EINVAL``):
+    the memory then works on ordinary pages."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return False
+    return True
 
 
 def round_up(nbytes: int, alignment_bytes: int) -> int:

@@ -27,11 +27,21 @@ these buffers the training threads were preempted 2,560-2,760 times per offloade
 steps in one process). Malloc could not give this: under a caching allocator the kernel only backs
 ``madvise``-d ranges with huge pages. A mapping's pages go back to the kernel as soon as its last
 view dies, so a buffer the pool does not keep never lingers in the allocator's free lists.
+
+Note: [Huge pages do not survive a fork]
+``fork()`` makes every private page copy-on-write, huge ones included. The parent's next
+``O_DIRECT`` read into a shared huge page breaks the sharing 4 KiB at a time, and the buffer stays
+on small pages after the child is gone (measured: 4096 kB of huge pages before a fork, 0 after a
+read, 0 once the child had exited). A ``DataLoader`` with workers forks every epoch. So after a
+fork the parent's pools let go of their idle mapped buffers (:func:`_after_fork_in_parent`), and
+the next reads get fresh ones; buffers in use are left alone, whatever pages they are on.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -62,6 +72,7 @@ class BufferPool:
         self.allocated = 0
         self._idle: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        _track(self)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An aligned buffer of ``nbytes``: an idle one of that size, else a new one (on huge pages from
@@ -101,8 +112,37 @@ class BufferPool:
             self._idle.clear()
             self.idle_bytes = 0
 
+    def drop_mapped(self) -> None:
+        """Free the idle buffers that are mappings of their own (Note [Huge pages do not survive a fork])."""
+        with self._lock:
+            for nbytes in [n for n in self._idle if n >= HUGE_PAGE_BYTES]:
+                self.idle_bytes -= nbytes * len(self._idle.pop(nbytes))
+
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
         """Like :func:`tba.io._memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
         token = _Token()
         on_death(token, BufferPool.give, self, buffer)
         return storage_view(buffer, start_bytes, nbytes, owner=token)
+
+
+_pools: dict[int, weakref.ref] = {}
+"""Pools by identity, weakly; plain references without callbacks (as in ``tba/runtime/_at_fork.py``),
+the dead ones pruned by :func:`_track`."""
+
+
+def _track(pool: BufferPool) -> None:
+    for key, ref in list(_pools.items()):
+        if ref() is None:
+            del _pools[key]
+    _pools[id(pool)] = weakref.ref(pool)
+
+
+def _after_fork_in_parent() -> None:
+    """Note [Huge pages do not survive a fork]."""
+    for ref in list(_pools.values()):
+        pool = ref()
+        if pool is not None:
+            pool.drop_mapped()
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent)

@@ -12,7 +12,7 @@ import torch
 
 from tba import _control
 from tba.defaults import ALIGN_BYTES, HUGE_PAGE_BYTES, MIB
-from tba.io import BufferPool, Op, Request, ThreadEngine, _read_pool
+from tba.io import BufferPool, Op, Request, ThreadEngine, _memory, _read_pool
 
 SMAPS = "/proc/self/smaps"
 needs_smaps = pytest.mark.skipif(not os.path.exists(SMAPS) or not hasattr(mmap, "MADV_HUGEPAGE"),
@@ -111,3 +111,31 @@ def test_direct_read_into_a_huge_page_buffer_is_exact(tmp_path):
     finally:
         engine.close()
         os.close(fd)
+
+
+def test_a_kernel_without_huge_pages_leaves_ordinary_pages():
+    class NoHugePages:
+        def madvise(self, advice: int) -> None:
+            raise OSError(22, "Invalid argument")  # what a kernel without CONFIG_TRANSPARENT_HUGEPAGE answers
+
+    assert _memory.advise_huge_pages(NoHugePages()) is False
+    region = mmap.mmap(-1, HUGE_PAGE_BYTES)
+    assert _memory.advise_huge_pages(region) is hasattr(mmap, "MADV_HUGEPAGE")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_after_a_fork_the_parent_lets_go_of_its_idle_mapped_buffers():
+    pool = BufferPool(64 * MIB)
+    big, small = pool.take(4 * MIB), pool.take(MIB)
+    pool.give(big)
+    pool.give(small)
+    assert pool.idle_bytes == 5 * MIB
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert pool.idle_bytes == MIB  # the mapped buffer went; the small one, from malloc, stays
+    assert pool.take(MIB).data_ptr() == small.data_ptr()
+    allocated = pool.allocated
+    pool.take(4 * MIB)
+    assert pool.allocated == allocated + 1  # a fresh mapping, not the copy-on-write one
