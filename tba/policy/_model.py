@@ -41,8 +41,7 @@ profile's ``io_overhead_s_per_byte``: what the profiled steps took beyond this m
 they spilled (on few cores, tba's I/O threads take CPU from compute), and ``u`` its ``outside_s``:
 the measured rest of the step (head, loss, optimiser, the loop), the same for every placement;
 keep-all gives ``sum f + sum b + u``. Overheads are ratios of these whole-step times: the layers'
-time alone would make offloading look dearer than a user's step shows it to be (on the ``bench``
-preset the rest is about 6% of the step).
+time alone would make offloading look dearer than a user's step shows it to be.
 
 Memory (activation bytes; storages saved outside the layers are left out, they are the same for
 every plan). The peak is the larger of the start of backward::

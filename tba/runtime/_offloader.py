@@ -250,7 +250,8 @@ class Offloader(SavedTensorHooks):
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
-            self._apply(self.policy_runner.enter(self._counters, lambda keep: setattr(self, "keep_layers", set(keep))))
+            self._apply(self.policy_runner.enter(self._counters, lambda keep: setattr(self, "keep_layers", set(keep)),
+                                                 thread=thread))
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)

@@ -17,11 +17,9 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   it (offload-all at the window in force, from the times above), over the bytes it spilled, never
   below zero: the time offloading costs that the model does not see (CPU taken from compute,
   memory bandwidth), which the model adds per spilled byte to every placement;
-* ``outside_s``: the shortest of the profiled steps' periods (wall-clock time from the step's entry
-  to the next entry) less its span, never below zero: the head, the loss, the optimiser and the
-  loop, which every placement pays alike (a period is known only once the next step enters, so a
-  loop that does other work between steps makes only that step's figure longer, and the shortest
-  one is kept);
+* ``outside_s``: the shortest of the profiled steps' periods (from the step's entry to the next
+  entry) less its span, never below zero: the head, the loss, the optimiser and the loop, which
+  every placement pays alike (Note [The rest of the step]);
 * ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last sample; the last layer's count
   includes what runs after it (the head and loss), since tba tags storages with the last layer
   entered;
@@ -34,6 +32,21 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   to every prediction. The calibration holds at the profiled window, not above it (a larger
   window measured more than the model adds for it), so plans use windows up to the profiled one
   (at least two of the largest storage).
+
+Note: [The rest of the step]
+A period is known only once the next step enters, so a loop that does other work between steps
+makes only that step's figure longer, and the shortest one is kept. Three things the profiled
+(offload-all) steps add there are not the rest of a keep-all step, and each would make overheads
+look smaller than they are, since the rest is added to keep-all's time too:
+
+* tba's I/O threads preempting the training thread during the head, the loss and the optimiser: on
+  the CPU the rest is the training thread's CPU seconds, as for ``f_i`` and ``b_i`` (measured on a
+  4-layer GPT, five runs: 34-42 ms of wall-clock rest under offload-all against 25-32 ms under
+  keep-all); a wait for data counts nothing there, which errs toward a dearer-looking offload;
+* the very first step of a runner, with its one-off costs (the optimiser's state, lazy
+  initialisation): its period is not used, so a single profiled first step leaves the rest at 0,
+  as before the rest was measured;
+* on a GPU, wall-clock seconds (the stream's tail of the step is not synchronised, which errs low).
 
 The *shape* of a step is the shapes and dtypes of the tensors the first layer receives: another
 sequence length or batch size is another shape, profiled and planned on its own
@@ -126,7 +139,7 @@ class Samples:
         # both time and memory: neither part of it depends on what the other calibration adds.
         profiled = estimate(profile, (OFFLOAD,) * layer_count, window)
         profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, profiled.step_s),
-                                      outside_s=_outside(samples))
+                                      outside_s=_outside(samples, cpu))
         if last.get("peak_bytes") is None:
             return profile
         measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
@@ -135,9 +148,12 @@ class Samples:
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
 
 
-def _outside(samples: list[dict[str, Any]]) -> float:
-    """The shortest profiled step's period less its span (seconds, never below zero); 0 when unknown."""
-    rests = [s["period_s"] - s["span_s"] for s in samples if s.get("period_s") is not None and s.get("span_s") is not None]
+def _outside(samples: list[dict[str, Any]], cpu: bool) -> float:
+    """The shortest profiled step's period less its span (seconds, never below zero; the training
+    thread's CPU seconds when ``cpu``), the runner's first step left out; 0 when unknown."""
+    period, span = ("period_cpu_s", "span_cpu_s") if cpu else ("period_s", "span_s")
+    rests = [s[period] - s[span] for s in samples
+             if not s.get("first") and s.get(period) is not None and s.get(span) is not None]
     return max(0.0, min(rests)) if rests else 0.0
 
 

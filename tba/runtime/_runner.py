@@ -127,6 +127,8 @@ class PolicyRunner:
         self._samples = Samples()
         self._peak = StepPeak()
         self._pending: dict[str, Any] | None = None
+        self._entries = 0
+        """Steps entered so far; the first one's period holds one-off costs (Note [The rest of the step])."""
         self._recompute: RecomputeLayers | None = None
         self._shape: tuple | None = None
         self._step_plan: Plan | None = None
@@ -161,12 +163,15 @@ class PolicyRunner:
         return self.policy is not None and self.plan is None
 
     def enter(self, counters: Callable[[], StepCounters],
-              reapply: Callable[[frozenset], None] | None = None) -> StepPlacement:
+              reapply: Callable[[frozenset], None] | None = None, thread: int | None = None) -> StepPlacement:
         """The placement of the coming step (called by the offloader as it is entered).
 
-        ``reapply(keep_layers)`` changes the kept layers during the step (a new input shape).
+        ``reapply(keep_layers)`` changes the kept layers during the step (a new input shape);
+        ``thread``: the identity of the training thread that enters (its CPU clock times the rest of
+        a profiled step, Note [The rest of the step] in ``tba/runtime/_profiling.py``).
         """
-        self._collect()
+        self._collect(thread)
+        self._entries += 1
         if self.learns and self._layer_refs and any(ref() is None for ref in self._layer_refs):
             self._set_layers([])  # the model was freed: find the next one's layers
         if self.learns and not self._layer_refs:
@@ -195,7 +200,8 @@ class PolicyRunner:
             start = counters()
             # The step's own counters: a one-shot context's next step counts in a new offloader.
             self._pending = {"start": start, "shape": self._shape, "counters": counters,
-                             "entered_at": time.perf_counter()}
+                             "entered_at": (time.perf_counter(), _thread_cpu_s(thread), thread),
+                             "first": self._entries == 1}
             self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda(),
                              release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
@@ -290,8 +296,10 @@ class PolicyRunner:
             self._pending = None
             self._set_layers([])
 
-    def _collect(self) -> None:
-        """Finish the pending profiled step from its offloader's counters: its backward has run by now."""
+    def _collect(self, thread: int | None = None) -> None:
+        """Finish the pending profiled step from its offloader's counters: its backward has run by now.
+
+        ``thread``: the training thread entering the next step."""
         pending, self._pending = self._pending, None
         if pending is None or "forward_s" not in pending:
             return
@@ -299,9 +307,24 @@ class PolicyRunner:
         pending["backward_s"] = self._timer.backward_s()
         pending["backward_cpu_s"] = self._timer.backward_s(cpu=True)
         pending["span_s"] = self._timer.span_s()
-        pending["period_s"] = time.perf_counter() - pending.pop("entered_at")
+        pending["span_cpu_s"] = self._timer.span_cpu_s()
+        wall, cpu, entered_by = pending.pop("entered_at")
+        pending["period_s"] = time.perf_counter() - wall
+        now = _thread_cpu_s(thread) if thread == entered_by else None  # one thread's clock, or none
+        pending["period_cpu_s"] = now - cpu if now is not None and cpu is not None else None
         pending["peak_bytes"] = self._peak.peak_bytes
         self._samples.collect(pending, pending.pop("counters")(), len(self._layer_refs))
+
+
+def _thread_cpu_s(thread: int | None) -> float | None:
+    """CPU seconds of thread ``thread`` (a :func:`threading.get_ident`) so far, read from any thread;
+    None when unknown (no thread given, no per-thread clock on this platform, the thread is gone)."""
+    if thread is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread))
+    except (OSError, OverflowError):
+        return None
 
 
 def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,

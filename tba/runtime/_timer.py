@@ -153,15 +153,23 @@ class LayerTimer:
                 out.append(_own_s(at_output, at_input))
         return out
 
+    def span_cpu_s(self) -> float | None:
+        """:meth:`span_s` in the CPU seconds of the threads that took the stamps (one thread, the
+        training thread, for a CPU model); None when a stamp is missing."""
+        return self._span(1)
+
     def span_s(self) -> float | None:
         """Wall-clock seconds of what the cost model predicts: from the first layer's forward to the
         last layer's forward end, plus from the gradient reaching the last layer's output to reaching
         the first layer's input (what runs between, the head and the loss, left out); None when a stamp
         is missing."""
+        return self._span(0)
+
+    def _span(self, clock: int) -> float | None:
         if not self._started or self.forward_s[0] is None or self.forward_s[-1] is None:
             return None
         backward_start, backward_end = self._grad_at_output[-1], self._grad_at_input[0]
         if backward_start is None or backward_end is None:
             return None
-        forward = self._ended[-1][0] - self._started[0][0]
-        return forward + backward_end[0] - backward_start[0]
+        forward = self._ended[-1][clock] - self._started[0][clock]
+        return forward + backward_end[clock] - backward_start[clock]

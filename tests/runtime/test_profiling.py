@@ -12,9 +12,10 @@ from tba.runtime._profiling import Samples
 MIB = 1 << 20
 
 
-def _sample(span_s: float | None, cpu_times: bool = True, period_s: float | None = None) -> dict:
+def _sample(span_s: float | None, cpu_times: bool = True, period_s: float | None = None,
+            period_cpu_s: float | None = None, span_cpu_s: float | None = None, first: bool = False) -> dict:
     return {
-        "period_s": period_s,
+        "period_s": period_s, "period_cpu_s": period_cpu_s, "span_cpu_s": span_cpu_s, "first": first,
         "forward_s": [0.3, 0.3], "forward_cpu_s": [0.1, 0.1],
         "backward_s": [0.5, 0.5], "backward_cpu_s": [0.2, 0.2],
         "cpu_times": cpu_times, "span_s": span_s,
@@ -49,10 +50,20 @@ def test_wall_clock_on_cuda_and_no_overhead_when_the_model_was_not_beaten_or_not
 
 
 def test_the_rest_of_the_step_is_the_shortest_period_beyond_its_span_and_does_not_change_the_io_overhead():
-    plain = _profile(_sample(1.3), _sample(1.1))
-    profile = _profile(_sample(1.3, period_s=1.6), _sample(1.1, period_s=1.5))
+    plain = _profile(_sample(1.3, cpu_times=False), _sample(1.1, cpu_times=False))
+    profile = _profile(_sample(1.3, cpu_times=False, period_s=1.6), _sample(1.1, cpu_times=False, period_s=1.5))
     assert profile.outside_s == pytest.approx(0.3)  # min(1.6 - 1.3, 1.5 - 1.1)
     assert profile.io_overhead_s_per_byte == pytest.approx(plain.io_overhead_s_per_byte)
-    assert estimate(profile, (OFFLOAD, OFFLOAD)).step_s == pytest.approx(1.1 + 0.3)
-    assert _profile(_sample(1.1, period_s=1.0)).outside_s == 0.0  # never below zero
+    assert estimate(profile, (OFFLOAD, OFFLOAD)).step_s == pytest.approx(estimate(plain, (OFFLOAD, OFFLOAD)).step_s + 0.3)
+    assert _profile(_sample(1.1, cpu_times=False, period_s=1.0)).outside_s == 0.0  # never below zero
     assert plain.outside_s == 0.0  # no period measured
+
+
+def test_on_the_cpu_the_rest_is_the_training_threads_cpu_time_and_the_first_step_is_left_out():
+    # Wall-clock: 0.5 s beyond the span, of which the training thread computed 0.2 s (the rest it was
+    # preempted by tba's threads, or waited).
+    cpu = _profile(_sample(1.1, period_s=1.6, span_cpu_s=0.6, period_cpu_s=0.8))
+    assert cpu.outside_s == pytest.approx(0.2)
+    first = _sample(1.1, period_s=5.0, span_cpu_s=0.6, period_cpu_s=4.6, first=True)  # lazy optimiser state
+    assert _profile(first).outside_s == 0.0
+    assert _profile(first, _sample(1.1, period_s=1.6, span_cpu_s=0.6, period_cpu_s=0.9)).outside_s == pytest.approx(0.3)
