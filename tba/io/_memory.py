@@ -39,11 +39,11 @@ def host_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
     (each 2 MiB physically contiguous: fewer DMA segments per O_DIRECT request); without, its pages
     come from one ``MAP_POPULATE`` pass.
     """
-    huge = hugepages and hasattr(mmap, "MADV_HUGEPAGE")
-    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if huge else mmap.MAP_POPULATE))
-    if huge:
-        advise_huge_pages(region)
-    buffer = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+    if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer = mapped_empty(nbytes)
+    else:
+        region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        buffer = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
     buffer.zero_()
     return buffer
 

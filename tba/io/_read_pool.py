@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections.abc import Callable
 
 import torch
 
 from tba._control import on_death
+from tba._weak import WeakRegistry
 from tba.defaults import HUGE_PAGE_BYTES
 from tba.io._memory import aligned_empty, mapped_empty, storage_view
 
@@ -72,7 +72,7 @@ class BufferPool:
         self.allocated = 0
         self._idle: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        _track(self)
+        _pools.add(self)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An aligned buffer of ``nbytes``: an idle one of that size, else a new one (on huge pages from
@@ -125,24 +125,14 @@ class BufferPool:
         return storage_view(buffer, start_bytes, nbytes, owner=token)
 
 
-_pools: dict[int, weakref.ref] = {}
-"""Pools by identity, weakly; plain references without callbacks (as in ``tba/runtime/_at_fork.py``),
-the dead ones pruned by :func:`_track`."""
-
-
-def _track(pool: BufferPool) -> None:
-    for key, ref in list(_pools.items()):
-        if ref() is None:
-            del _pools[key]
-    _pools[id(pool)] = weakref.ref(pool)
+_pools = WeakRegistry()
+"""Every pool made, weakly (:mod:`tba._weak`)."""
 
 
 def _after_fork_in_parent() -> None:
     """Note [Huge pages do not survive a fork]."""
-    for ref in list(_pools.values()):
-        pool = ref()
-        if pool is not None:
-            pool.drop_mapped()
+    for pool in _pools.alive():
+        pool.drop_mapped()
 
 
 os.register_at_fork(after_in_parent=_after_fork_in_parent)

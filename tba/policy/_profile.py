@@ -64,7 +64,8 @@ class Profile:
             prediction.
         outside_s: Seconds of a step spent outside what the model times (the head and the loss between
             forward and backward, the optimiser, data loading, the loop until the next step): the
-            shortest profiled step's wall-clock time from one entry to the next, minus its span.
+            shortest profiled step's time from one entry to the next, minus its span (the training
+            thread's CPU seconds for a model on the CPU, wall-clock seconds on a GPU).
             Added to every placement's step time and to keep-all's alike, so that an overhead bound
             holds for the whole step, as a user times it.
     """

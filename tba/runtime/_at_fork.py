@@ -19,30 +19,24 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Any
+
+from tba._weak import WeakRegistry
 
 logger = logging.getLogger("tba")
 
-_live: dict[int, weakref.ref] = {}
-"""Offloaders by identity. Plain weak references, without callbacks: a ``WeakSet`` runs Python code
-when an offloader dies, where an asynchronous exception would be swallowed (Note [Asynchronous
-exceptions] in ``tba/_control.py``); dead ones are pruned on the next :func:`track`."""
+_live = WeakRegistry()
+"""Live offloaders (:mod:`tba._weak`: no Python code runs when one dies)."""
 
 
 def track(offloader: Any) -> None:
     """Remember ``offloader`` (weakly) so that a forked child can detach it from the parent's file."""
-    for key, ref in list(_live.items()):
-        if ref() is None:
-            del _live[key]
-    _live[id(offloader)] = weakref.ref(offloader)
+    _live.add(offloader)
 
 
 def _after_fork_in_child() -> None:
-    for ref in list(_live.values()):
-        offloader = ref()
-        if offloader is not None:
-            offloader._after_fork_in_child()
+    for offloader in _live.alive():
+        offloader._after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
