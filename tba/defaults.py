@@ -93,6 +93,15 @@ RUNTIME_IDLE_CLOSE_S = 30.0
 """A spill file, engine and read pool shared by one-shot contexts (``tba/runtime/_shared.py``) is
 closed after this many seconds unused."""
 
+RUNTIME_IDLE_RELEASE_S = 1.0
+"""An idle shared runtime's spill file keeps its disk blocks (or tmpfs pages) for this many seconds, so
+that a training loop's next step overwrites them instead of reserving and allocating them again; then
+it gives them back (at once where the file system is nearly full: :data:`IDLE_SPACE_MIN_FREE_FRACTION`)."""
+
+IDLE_SPACE_MIN_FREE_FRACTION = 0.10
+"""A file system with less free space than this fraction of its size (or than an idle spill file
+holds) counts as nearly full: idle spill files there give their space back at once."""
+
 RUNTIME_IDLE_MAX = 4
 """Idle shared runtimes kept in the whole process (each holds a descriptor or two and engine threads): a
 fresh directory per step must not pile up one per directory until the idle time runs out."""

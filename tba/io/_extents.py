@@ -39,6 +39,11 @@ class ExtentAllocator:
         """Bytes currently allocated."""
         return sum(self._used.values())
 
+    @property
+    def in_use(self) -> bool:
+        """Whether any extent is allocated (O(1), unlike :attr:`used_bytes`)."""
+        return bool(self._used)
+
     def allocate(self, nbytes: int) -> int:
         """Reserve at least ``nbytes`` (rounded up to the alignment) and return the offset."""
         if nbytes <= 0:

@@ -27,7 +27,8 @@ import tempfile
 import threading
 import uuid
 
-from tba.defaults import ALIGN_BYTES, SPILL_RESERVE_MIN_BYTES
+from tba._weak import WeakRegistry
+from tba.defaults import ALIGN_BYTES, IDLE_SPACE_MIN_FREE_FRACTION, SPILL_RESERVE_MIN_BYTES
 from tba.errors import TbaConfigError, TbaError
 from tba.io._extents import ExtentAllocator
 from tba.io._fs import memory_backed
@@ -89,12 +90,38 @@ def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
         fd, direct = os.open(path, flags, 0o644), False
     try:
         if size_bytes:
-            os.posix_fallocate(fd, 0, size_bytes)
+            _fallocate_or_free_idle(fd, size_bytes)
     except OSError as err:
         if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             os.close(fd)
             raise
     return fd, direct
+
+
+def _fallocate_or_free_idle(fd: int, size_bytes: int) -> None:
+    """``fallocate``, and once more after idle spill files gave their space back if the disk was full."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as err:
+        if err.errno != errno.ENOSPC or not release_idle_space():
+            raise
+        logger.info("tba: the disk was full; idle spill files gave their space back for a new file")
+        os.posix_fallocate(fd, 0, size_bytes)
+
+
+_open_spills = WeakRegistry()
+_open_spills_lock = threading.Lock()
+
+
+def release_idle_space() -> int:
+    """Make every open spill file of this process that holds no live extent give its space back.
+
+    Returns how many did. Safe at any moment: a file in use keeps its space, and an idle one that is
+    used again reserves space anew (see :meth:`SpillFile.release_space`).
+    """
+    with _open_spills_lock:
+        spills = _open_spills.alive()
+    return sum(spill.release_space() for spill in spills)
 
 
 def _direct_round_trip(fd: int) -> None:
@@ -222,7 +249,10 @@ class SpillFile:
         # gives an idle file's space back frees them again: 256 MiB took 0.8 s and 0.3 s here, per step,
         # for no gain (there is no extending write to avoid in memory). Such files grow with their writes.
         self._reserve = not memory_backed(self.directory)
+        self._release_when_idle = False
         self._lock = threading.Lock()
+        with _open_spills_lock:
+            _open_spills.add(self)
 
     @property
     def closed(self) -> bool:
@@ -231,6 +261,7 @@ class SpillFile:
     def allocate(self, nbytes: int) -> int:
         """Reserve an aligned extent of at least ``nbytes``; returns its file offset."""
         with self._lock:
+            self._release_when_idle = False
             offset = self._allocator.allocate(nbytes)
             self.size_bytes = max(self.size_bytes, self._allocator.end_bytes)
             if self.size_bytes > self.reserved_bytes and self._reserve:
@@ -255,22 +286,49 @@ class SpillFile:
         with self._lock:
             if self.fd >= 0:
                 self._allocator.free(offset)
+                if self._release_when_idle and not self._allocator.in_use:
+                    self._truncate_locked()
 
-    def release_space(self) -> bool:
+    def short_of_space(self) -> bool:
+        """Whether the file system is nearly full: less free than this file holds, or than
+        :data:`~tba.defaults.IDLE_SPACE_MIN_FREE_FRACTION` of its size."""
+        with self._lock:
+            if self.fd < 0:
+                return False
+            held_bytes = max(self.size_bytes, self.reserved_bytes)
+            stat = os.fstatvfs(self.fd)
+        free_bytes = stat.f_bavail * stat.f_frsize
+        return free_bytes < max(held_bytes, IDLE_SPACE_MIN_FREE_FRACTION * stat.f_blocks * stat.f_frsize)
+
+    def release_space(self, *, when_idle: bool = False) -> bool:
         """Give the file's disk space back when no extent is in use (an idle file); True if it did.
+
+        With ``when_idle``, a file that still has an extent in use (a storage the program holds after
+        its context ended) gives its space back when that extent is freed, unless it is used again
+        first.
 
         Note: [Idle spill files hold no disk space]
         A spill file kept open between contexts kept the blocks its writes and ``fallocate`` took, so
         a checkpoint to the same disk could fail with ENOSPC until the file was closed. Truncating it
-        to zero returns them; the next context reserves space again as it writes.
+        to zero returns them; the next context reserves space again as it writes. When that happens
+        is the shared runtime's choice (Note [Idle space is kept for the next step] in
+        ``tba/runtime/_shared.py``); a new file that finds the disk full asks for it at once
+        (:func:`release_idle_space`).
         """
         with self._lock:
-            if self.fd < 0 or self._allocator.used_bytes:
+            if self.fd < 0 or not (self.size_bytes or self.reserved_bytes):
                 return False
-            os.ftruncate(self.fd, 0)
-            self._allocator = ExtentAllocator(ALIGN_BYTES)
-            self.size_bytes = self.reserved_bytes = 0
+            if self._allocator.in_use:
+                self._release_when_idle = when_idle
+                return False
+            self._truncate_locked()
             return True
+
+    def _truncate_locked(self) -> None:
+        os.ftruncate(self.fd, 0)
+        self._allocator = ExtentAllocator(ALIGN_BYTES)
+        self.size_bytes = self.reserved_bytes = 0
+        self._release_when_idle = False
 
     def forget_after_fork(self) -> None:
         """In a forked child: close this process's copy of the descriptor; the parent's stays open."""

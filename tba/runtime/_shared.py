@@ -12,8 +12,10 @@ a :class:`Runtime` and hands it from one context to the next:
 * :func:`checkin` takes it back once the context's backward has released everything (or its block
   raised). The runtime keeps its self-sizing prefetch window, its file space and its read buffers
   for the next context.
-* Idle runtimes are closed after :data:`tba.defaults.RUNTIME_IDLE_CLOSE_S` unused, at
-  interpreter exit, or by :func:`shutdown` (``tba.shutdown()``).
+* An idle runtime's file gives its space back after :data:`tba.defaults.RUNTIME_IDLE_RELEASE_S`
+  (Note [Idle space is kept for the next step]). Idle runtimes are closed after
+  :data:`tba.defaults.RUNTIME_IDLE_CLOSE_S` unused, at interpreter exit, or by :func:`shutdown`
+  (``tba.shutdown()``).
 * A forked child drops every runtime it inherited, without any I/O (see ``_at_fork.py``).
 """
 
@@ -51,6 +53,8 @@ class Runtime:
     """Contexts that have used it so far."""
     generation: int = 0
     """:func:`shutdown` calls before it was opened; one opened before the last shutdown is closed at checkin."""
+    space_kept: bool = False
+    """Idle, and its file still holds the space the last context used (given back by the reaper)."""
 
     def close(self) -> None:
         """Finish in-flight I/O, then close routes, engine and file, and free the read buffers."""
@@ -65,6 +69,7 @@ _lock = threading.Lock()
 _idle: dict[tuple[Any, ...], list[Runtime]] = {}
 _busy: set[Runtime] = set()
 _reaper: threading.Timer | None = None
+_reaper_due_s = 0.0
 _generation = 0
 
 
@@ -86,6 +91,7 @@ def checkout(key: tuple[Any, ...], opener: Any) -> Runtime:
         if idle:
             runtime = idle.pop()
             runtime.uses += 1
+            runtime.space_kept = False
             _busy.add(runtime)
             return runtime
     try:
@@ -103,8 +109,17 @@ def checkout(key: tuple[Any, ...], opener: Any) -> Runtime:
 
 
 def checkin(runtime: Runtime) -> None:
-    """Take ``runtime`` back from its context; kept for the next one, or closed if enough are idle."""
-    global _reaper
+    """Take ``runtime`` back from its context; kept for the next one, or closed if enough are idle.
+
+    Note: [Idle space is kept for the next step]
+    Giving the file's space back at every checkin (Note [Idle spill files hold no disk space]) made
+    every step reserve it again, and on tmpfs allocate fresh pages: a 1 MiB write into a truncated
+    tmpfs file took 374 us here against 174 us overwriting, and on ext4 every write converted an
+    unwritten extent. So an idle file keeps its space for :data:`~tba.defaults.RUNTIME_IDLE_RELEASE_S`
+    (a training loop's next step comes sooner) and the reaper gives it back then; on a nearly full
+    file system (:meth:`tba.io.SpillFile.short_of_space`) it goes back at once, and a new file that
+    finds the disk full takes it back first (``tba.io.create_preallocated``).
+    """
     with _lock:
         if runtime not in _busy:
             return
@@ -118,11 +133,12 @@ def checkin(runtime: Runtime) -> None:
             if sum(len(runtimes) for runtimes in _idle.values()) >= defaults.RUNTIME_IDLE_MAX:
                 oldest = min((r for runtimes in _idle.values() for r in runtimes), key=lambda r: r.idle_since_s)
                 _idle[oldest.key].remove(oldest)
-            runtime.spill.release_space()
+            runtime.space_kept = not runtime.spill.short_of_space()
+            if not runtime.space_kept:
+                runtime.spill.release_space(when_idle=True)
             runtime.idle_since_s = time.monotonic()
             idle.append(runtime)
-            if _reaper is None:
-                _reaper = _start_reaper(defaults.RUNTIME_IDLE_CLOSE_S)
+            _schedule_reaper_locked(runtime.idle_since_s)
     if extra is not None:
         extra.close()
     if oldest is not None:
@@ -139,19 +155,39 @@ def close_idle() -> int:
     return len(idle)
 
 
-def _start_reaper(delay_s: float) -> threading.Timer:
-    timer = threading.Timer(delay_s, _reap)
-    timer.daemon = True
-    timer.start()
-    return timer
+def _due_s(runtime: Runtime) -> float:
+    """When the reaper next has work on idle ``runtime``: give its space back, or close it."""
+    wait_s = defaults.RUNTIME_IDLE_CLOSE_S
+    if runtime.space_kept:
+        wait_s = min(wait_s, defaults.RUNTIME_IDLE_RELEASE_S)
+    return runtime.idle_since_s + wait_s
+
+
+def _schedule_reaper_locked(now: float) -> None:
+    """Have the reaper run when the first idle runtime is due (and no later); call with ``_lock`` held."""
+    global _reaper, _reaper_due_s
+    due_s = min((_due_s(r) for idle in _idle.values() for r in idle), default=None)
+    if due_s is None or (_reaper is not None and _reaper_due_s <= due_s):
+        return
+    if _reaper is not None:
+        _reaper.cancel()
+    _reaper_due_s = due_s
+    _reaper = threading.Timer(max(0.01, due_s - now), _reap)
+    _reaper.daemon = True
+    _reaper.start()
 
 
 def _reap() -> None:
-    """Close runtimes idle for :data:`~tba.defaults.RUNTIME_IDLE_CLOSE_S`; come back while any is left."""
+    """Give back the space of runtimes idle for :data:`~tba.defaults.RUNTIME_IDLE_RELEASE_S` and close
+    those idle for :data:`~tba.defaults.RUNTIME_IDLE_CLOSE_S`; come back while any is left."""
     global _reaper
     now = time.monotonic()
     stale: list[Runtime] = []
+    spent: list[Runtime] = []
     with _lock:
+        if _reaper is not threading.current_thread():
+            return
+        _reaper = None
         for key, idle in list(_idle.items()):
             keep = [r for r in idle if now - r.idle_since_s < defaults.RUNTIME_IDLE_CLOSE_S]
             stale += [r for r in idle if r not in keep]
@@ -159,8 +195,11 @@ def _reap() -> None:
                 _idle[key] = keep
             else:
                 del _idle[key]
-        oldest = min((r.idle_since_s for idle in _idle.values() for r in idle), default=None)
-        _reaper = None if oldest is None else _start_reaper(max(0.01, oldest + defaults.RUNTIME_IDLE_CLOSE_S - now))
+            spent += [r for r in keep if r.space_kept and now - r.idle_since_s >= defaults.RUNTIME_IDLE_RELEASE_S]
+        for runtime in spent:
+            runtime.space_kept = False
+            runtime.spill.release_space(when_idle=True)
+        _schedule_reaper_locked(now)
     for runtime in stale:
         runtime.close()
     if stale:
