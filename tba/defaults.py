@@ -99,8 +99,8 @@ that a training loop's next step overwrites them instead of reserving and alloca
 it gives them back (at once where the file system is nearly full: :data:`IDLE_SPACE_MIN_FREE_FRACTION`)."""
 
 IDLE_SPACE_MIN_FREE_FRACTION = 0.10
-"""A file system with less free space than this fraction of its size (or than an idle spill file
-holds) counts as nearly full: idle spill files there give their space back at once."""
+"""A file system with less free space than this fraction of its size (or than twice what an idle
+spill file holds) counts as nearly full: idle spill files there give their space back at once."""
 
 RUNTIME_IDLE_MAX = 4
 """Idle shared runtimes kept in the whole process (each holds a descriptor or two and engine threads): a

@@ -27,7 +27,14 @@ from tba.io._engine import Engine, Op, Request
 from tba.io._fs import filesystem_type, memory_backed
 from tba.io._memory import aligned_empty, host_buffer, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
-from tba.io._spill import OutOfDescriptorsError, SpillFile, create_preallocated, probe_direct_io, resolve_directory
+from tba.io._spill import (
+    OutOfDescriptorsError,
+    SpillFile,
+    create_preallocated,
+    probe_direct_io,
+    release_idle_space,
+    resolve_directory,
+)
 from tba.io._threads import ThreadEngine
 
 logger = logging.getLogger("tba")
@@ -159,6 +166,7 @@ __all__ = [
     "open_scratch",
     "probe_direct_io",
     "register_engine",
+    "release_idle_space",
     "resolve_backend",
     "resolve_directory",
     "round_up",

@@ -113,6 +113,14 @@ _open_spills = WeakRegistry()
 _open_spills_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _open_spills_lock
+    _open_spills_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def release_idle_space() -> int:
     """Make every open spill file of this process that holds no live extent give its space back.
 
@@ -290,7 +298,7 @@ class SpillFile:
                     self._truncate_locked()
 
     def short_of_space(self) -> bool:
-        """Whether the file system is nearly full: less free than this file holds, or than
+        """Whether the file system is nearly full: less free than twice what this file holds, or than
         :data:`~tba.defaults.IDLE_SPACE_MIN_FREE_FRACTION` of its size."""
         with self._lock:
             if self.fd < 0:
@@ -298,7 +306,7 @@ class SpillFile:
             held_bytes = max(self.size_bytes, self.reserved_bytes)
             stat = os.fstatvfs(self.fd)
         free_bytes = stat.f_bavail * stat.f_frsize
-        return free_bytes < max(held_bytes, IDLE_SPACE_MIN_FREE_FRACTION * stat.f_blocks * stat.f_frsize)
+        return free_bytes < max(2 * held_bytes, IDLE_SPACE_MIN_FREE_FRACTION * stat.f_blocks * stat.f_frsize)
 
     def release_space(self, *, when_idle: bool = False) -> bool:
         """Give the file's disk space back when no extent is in use (an idle file); True if it did.
@@ -319,7 +327,7 @@ class SpillFile:
             if self.fd < 0 or not (self.size_bytes or self.reserved_bytes):
                 return False
             if self._allocator.in_use:
-                self._release_when_idle = when_idle
+                self._release_when_idle = self._release_when_idle or when_idle
                 return False
             self._truncate_locked()
             return True

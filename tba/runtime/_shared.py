@@ -116,9 +116,13 @@ def checkin(runtime: Runtime) -> None:
     every step reserve it again, and on tmpfs allocate fresh pages: a 1 MiB write into a truncated
     tmpfs file took 374 us here against 174 us overwriting, and on ext4 every write converted an
     unwritten extent. So an idle file keeps its space for :data:`~tba.defaults.RUNTIME_IDLE_RELEASE_S`
-    (a training loop's next step comes sooner) and the reaper gives it back then; on a nearly full
-    file system (:meth:`tba.io.SpillFile.short_of_space`) it goes back at once, and a new file that
-    finds the disk full takes it back first (``tba.io.create_preallocated``).
+    (a training loop's next step comes sooner) and the reaper gives it back then. On a nearly full
+    file system (:meth:`tba.io.SpillFile.short_of_space`: less free than twice what the file holds,
+    or than a tenth of the disk) it goes back at once, and a file that tba itself preallocates (a
+    checkpoint) and finds the disk full takes it back first (``tba.io.create_preallocated``). What
+    is left: a writer outside tba that, within that second, needs more than the free space and less
+    than the free space plus the idle file's can fail with ENOSPC where it would not have before;
+    ``tba.shutdown()`` (or ``tba.io.release_idle_space()``) before such a write gives the space back.
     """
     with _lock:
         if runtime not in _busy:
@@ -171,10 +175,10 @@ def _schedule_reaper_locked(now: float) -> None:
         return
     if _reaper is not None:
         _reaper.cancel()
-    _reaper_due_s = due_s
-    _reaper = threading.Timer(max(0.01, due_s - now), _reap)
-    _reaper.daemon = True
-    _reaper.start()
+    timer = threading.Timer(max(0.01, due_s - now), _reap)
+    timer.daemon = True
+    timer.start()
+    _reaper, _reaper_due_s = timer, due_s
 
 
 def _reap() -> None:

@@ -61,3 +61,28 @@ def test_bad_calls_raise():
         alloc.free(4096)
     with pytest.raises(ValueError):
         ExtentAllocator(3000)
+
+
+def test_a_spill_file_in_use_gives_its_space_back_when_its_last_extent_is_freed(tmp_path):
+    """release_space(when_idle=True) on a file in use truncates at the last free; a plain call meanwhile keeps that."""
+    import os
+
+    from tba.io import SpillFile, release_idle_space
+
+    spill = SpillFile(str(tmp_path), direct=False)
+    try:
+        first, second = spill.allocate(1 << 20), spill.allocate(1 << 20)
+        os.pwrite(spill.fd, b"x" * (2 << 20), first)
+        assert not spill.release_space(when_idle=True), "a file with extents in use was truncated"
+        release_idle_space()
+        assert os.fstat(spill.fd).st_size > 0, "a file with extents in use was truncated"
+        spill.free(first)
+        assert os.fstat(spill.fd).st_size > 0, "truncated while an extent was still in use"
+        spill.free(second)
+        assert os.fstat(spill.fd).st_size == 0 and spill.size_bytes == 0, "the last free kept the space"
+        third = spill.allocate(1 << 20)
+        assert not spill.release_space()
+        spill.free(third)
+        assert spill.size_bytes > 0, "a plain release on a file in use gave the space back at a later free"
+    finally:
+        spill.close()
