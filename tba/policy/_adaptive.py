@@ -29,13 +29,14 @@ which the model leaves out), then the one with less memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from tba.defaults import ADAPTIVE_OVERHEAD_BOUND, MIB
 from tba.errors import TbaConfigError
-from tba.policy._model import OFFLOAD, RECOMPUTE, estimate
+from tba.policy._model import OFFLOAD, RECOMPUTE, estimate, forward_write_caps
 from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes, shapes
 from tba.policy._profile import Profile
 
@@ -120,7 +121,9 @@ class Adaptive(Policy):
                 f"{f', {slack / MIB:.1f} MiB of it transient buffers measured while profiling' if slack else ''}); "
                 "raise memory_budget, or lower the batch size or sequence length")
 
-        return _search(profile, f"memory_budget_bytes={budget}", rank, refuse)
+        chosen = _search(profile, f"memory_budget_bytes={budget}", rank, refuse)
+        caps = forward_write_caps(profile, chosen.decisions, chosen.window_bytes, budget)
+        return dataclasses.replace(chosen, write_caps_bytes=caps)
 
     @staticmethod
     def _largest_window(profile: Profile, decisions: tuple[str, ...], budget: int, low: int, high: int) -> int | None:

@@ -39,6 +39,9 @@ class Plan:
         goal: What it was planned for, e.g. ``"memory_budget_bytes=104857600"``.
         fits: False when no placement met the goal (this one comes closest).
         predicted_step_s / predicted_keep_step_s / predicted_memory_bytes: the model's numbers.
+        write_caps_bytes: Per layer, the most offloaded bytes forward may hold unwritten while it
+            runs (a memory budget's plans; empty: writes never hold forward back). Note [A budget
+            holds back forward's writes] in ``tba/policy/_model.py``.
     """
 
     decisions: tuple[str, ...]
@@ -48,10 +51,14 @@ class Plan:
     predicted_step_s: float = 0.0
     predicted_keep_step_s: float = 0.0
     predicted_memory_bytes: int = 0
+    write_caps_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         decisions = tuple(self.decisions)
         object.__setattr__(self, "decisions", check_decisions(decisions, len(decisions)))
+        object.__setattr__(self, "write_caps_bytes", tuple(int(cap) for cap in self.write_caps_bytes))
+        if self.write_caps_bytes and len(self.write_caps_bytes) != len(decisions):
+            raise ValueError(f"write_caps_bytes has {len(self.write_caps_bytes)} entries for {len(decisions)} layers")
         if self.window_bytes < 0:
             raise ValueError(f"window_bytes must be >= 0, got {self.window_bytes}")
 

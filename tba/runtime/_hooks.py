@@ -125,6 +125,8 @@ class SavedTensorHooks:
         if reason is not None:
             with self._store.lock:
                 self._stats.count_kept(reason, 0 if reason.is_state else tensor.numel() * tensor.element_size())
+            if self._write_caps is not None and reason is KeepReason.LAYER_KEPT:
+                self._hold_back(self._tracker.current)
             # Note: [Kept tensors are returned detached]
             # Autograd keeps what pack returns with a strong reference from the node. When the saved
             # tensor is the node's own output, the tensor itself would point back at the node
@@ -163,7 +165,22 @@ class SavedTensorHooks:
         # starts, and the view, so the view cannot die before its entry exists. The version checked
         # at unpack is the one recorded here.
         self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack, ready), tensor.nbytes)
+        if self._write_caps is not None:
+            self._unsettled_bytes += tensor.nbytes
+            self._hold_back(layer)
         return view
+
+    def _hold_back(self, layer: int | None) -> None:
+        """Wait while more is unwritten than the plan's cap for ``layer`` (Note [A budget holds back
+        forward's writes] in ``tba/policy/_model.py``); the saves deferred so far are started first."""
+        caps = self._write_caps
+        cap = caps[layer] if layer is not None and 0 <= layer < len(caps) else caps[-1]
+        # Saves deferred since the last settle may not have run yet: count them (at worst twice).
+        if self._stats.resident_bytes + self._unsettled_bytes <= cap:
+            return
+        _control.settle()
+        self._unsettled_bytes = 0
+        self._store.hold_back_writes(cap)
 
     def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any, ready: Any) -> None:
         try:

@@ -118,6 +118,10 @@ class Offloader(SavedTensorHooks):
         self._runtime: _shared.Runtime | None = None
         self.keep_layers: set[int | None] = set()
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
+        self._write_caps: tuple[int, ...] | None = None
+        """Per layer, the most bytes forward may hold unwritten (a memory budget's plan), else None."""
+        self._unsettled_bytes = 0
+        """Bytes of saves deferred since the training thread last settled (counted under write caps)."""
         self.layer_saved_bytes: dict[int | None, int] = {}
         """Bytes of distinct storages saved per layer, summed over steps: keys are indices into ``layers``
         (given) or :attr:`discovered_layers` (found at the end of each forward), None for storages
@@ -250,8 +254,7 @@ class Offloader(SavedTensorHooks):
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
-            self._apply(self.policy_runner.enter(self._counters, lambda keep: setattr(self, "keep_layers", set(keep)),
-                                                 thread=thread))
+            self._apply(self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread))
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)
@@ -278,6 +281,12 @@ class Offloader(SavedTensorHooks):
             self.keep_layers = set(placement.keep_layers)
         if placement.window_bytes is not None:
             self._store.set_prefetch_budget(placement.window_bytes)
+        self._write_caps = placement.write_caps
+
+    def _offload_all_but(self, keep: frozenset[int | None]) -> None:
+        """Mid-step, the runner's fallback to another placement (a new input shape): no plan's caps."""
+        self.keep_layers = set(keep)
+        self._write_caps = None
 
     def _abandon_entry_job(self, claim: object) -> None:
         """Undo an entry that did not reach the ``with`` body (idempotent: only this ``claim``'s).

@@ -76,6 +76,9 @@ class StepPlacement:
     """None: leave the window as it is."""
     layers: list[nn.Module] | None = None
     """Layers learned by the runner for an offloader given none (None: the offloader's own)."""
+    write_caps: tuple[int, ...] | None = None
+    """Per layer, the most offloaded bytes forward may hold unwritten (Note [A budget holds back
+    forward's writes] in ``tba/policy/_model.py``); None: writes never hold forward back."""
 
 
 class PolicyRunner:
@@ -192,7 +195,8 @@ class PolicyRunner:
             indices = [i for i, d in enumerate(plan.decisions) if d in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)]
             offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
             self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
-            return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned)
+            return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned,
+                                 plan.write_caps_bytes or None)
         if self.profiling:
             self._timer.reset()
             self._timer.synchronize = self._stream_sync()

@@ -250,6 +250,10 @@ class StorageStore(StoreReads, StoreRelease):
         """Block until every write queued so far has completed (or failed over to memory)."""
         self._wait_until(lambda: self._writing == 0)
 
+    def hold_back_writes(self, cap_bytes: int) -> None:
+        """Block until tba holds at most ``cap_bytes`` of storages in memory, or no write is in flight."""
+        self._wait_until(lambda: self.stats.resident_bytes <= cap_bytes or self._writing == 0)
+
     # ----------------------------------------------------------------- lifetime
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
         """A view of ``entry`` was freed; returns True when no entry is left alive."""

@@ -1,0 +1,131 @@
+"""Under a memory budget's plan, forward waits while more is unwritten than the plan's caps allow.
+
+Note [A budget holds back forward's writes] in ``tba/policy/_model.py``: a disk slower than the one
+profiled must not take a budgeted step above its budget. The engine here writes at about 100 MB/s
+in one queue, so every layer's bytes would still be in memory at the end of forward without caps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+import tba
+from tba.io import Engine, Op, ThreadEngine
+from tba.policy import Plan
+from tba.runtime._store import StorageStore
+
+MIB = 1 << 20
+WRITE_S_PER_MIB = 0.01
+
+
+class SlowWrites(Engine):
+    """Reads at once; writes one at a time, each taking ``WRITE_S_PER_MIB`` per MiB."""
+
+    name = "slow-writes"
+
+    def __init__(self) -> None:
+        self.inner = ThreadEngine(workers=2)
+        self.writer = ThreadPoolExecutor(max_workers=1)
+        self.lock = threading.Lock()
+
+    def submit_many(self, requests):
+        futures = []
+        for request in requests:
+            if request.op is Op.WRITE:
+                futures.append(self.writer.submit(self._slow_write, request))
+            else:
+                futures.append(self.inner.submit_many([request])[0])
+        return futures
+
+    def _slow_write(self, request):
+        time.sleep(WRITE_S_PER_MIB * request.nbytes / MIB)
+        return self.inner.submit_many([request])[0].result()
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
+        self.inner.close()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).sin().exp()
+
+
+def _run(directory: str, caps: tuple[int, ...]) -> tuple[list[torch.Tensor], int]:
+    """Gradients, and the most bytes tba held in memory during forward (backward's reads left out)."""
+    forward_peak = [0]
+    in_forward = [True]
+    original = StorageStore._resident
+
+    def resident(self, delta_bytes):
+        original(self, delta_bytes)
+        if in_forward[0]:
+            forward_peak[0] = max(forward_peak[0], self.stats.resident_bytes)
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(3))
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB per saved tensor
+    plan = Plan(("offload",) * 3, window_bytes=8 * MIB, write_caps_bytes=caps)
+    engine = SlowWrites()
+    off = tba.Offloader(directory, layers=list(blocks), policy=plan, backend=engine, min_offload_bytes=0)
+    StorageStore._resident = resident
+    try:
+        with off:
+            h = x
+            for block in blocks:
+                h = block(h)
+            loss = h.sum()
+            tba._control.settle()
+            in_forward[0] = False
+        loss.backward()
+    finally:
+        StorageStore._resident = original
+        off.close()
+        engine.close()
+    return [x.grad, *(b.scale.grad for b in blocks)], forward_peak[0]
+
+
+def test_caps_bound_what_forward_holds_unwritten_and_stay_exact(spill_dir):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(3))
+    x = torch.randn(512, 1024, requires_grad=True)
+    h = x
+    for block in blocks:
+        h = block(h)
+    h.sum().backward()
+    want = [x.grad, *(b.scale.grad for b in blocks)]
+
+    free_grads, free = _run(spill_dir, ())
+    capped_grads, capped = _run(spill_dir, (4 * MIB,) * 3)
+    assert all(torch.equal(a, b) for a, b in zip(free_grads, want))
+    assert all(torch.equal(a, b) for a, b in zip(capped_grads, want)), "holding writes back changed a gradient"
+    largest = 2 * MIB
+    assert free > 4 * MIB + largest, "the slow engine did not leave bytes unwritten: no test"
+    assert capped <= 4 * MIB + largest, f"forward held {capped / MIB:.1f} MiB unwritten under a 4 MiB cap"
+
+
+def test_a_budgets_plan_carries_caps_that_its_own_backlog_fits():
+    from tba.policy import LayerProfile, Profile, plan
+
+    layers = tuple(LayerProfile(forward_s=0.01, backward_s=0.02, saved_bytes=10 * MIB, input_bytes=2 * MIB)
+                   for _ in range(4))
+    profile = Profile(layers=layers, write_bytes_per_s=600 * MIB, read_bytes_per_s=900 * MIB,
+                      max_storage_bytes=2 * MIB, memory_slack_bytes=3 * MIB)
+    budgeted = plan(profile, memory_budget_bytes=30 * MIB)
+    assert len(budgeted.write_caps_bytes) == 4
+    assert list(budgeted.write_caps_bytes) == sorted(budgeted.write_caps_bytes, reverse=True)
+    from tba.policy._model import estimate
+
+    cost = estimate(profile, budgeted.decisions, budgeted.window_bytes)
+    assert cost.backlog_bytes <= budgeted.write_caps_bytes[-1], "the caps would hold back the plan's own backlog"
+    assert plan(profile).write_caps_bytes == (), "only a memory budget holds writes back"
+    assert Plan.from_json(budgeted.to_json()) == budgeted
