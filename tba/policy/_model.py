@@ -257,7 +257,7 @@ def _idle_read_buffers(profile: Profile, decisions: tuple[str, ...], window_byte
 
 
 def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes: int, budget_bytes: int) -> tuple[int, ...]:
-    """Per layer, the most offloaded bytes forward may hold unwritten while that layer runs.
+    """Per layer, the most offloaded bytes forward may have in flight to the disk while that layer runs.
 
     Note: [A budget holds back forward's writes]
     The model hides a layer's write behind the forward of the layers after it, at the write
@@ -265,21 +265,26 @@ def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes:
     writing, a loaded machine) leaves those bytes in memory longer, on top of the layers kept
     after them: on the ROK test model the plan ``OKK`` for a 28.8 MiB budget, predicted at 28.0,
     measured 33.9 MiB in one CI run. So under a budget the offloader holds forward back (each
-    saved tensor waits) while more is unwritten than the budget leaves beside what the layers up to
-    this one keep: the budget less the measured slack, the idle read buffers, the kept layers'
-    bytes and the recomputed layers' inputs. When the disk is as fast as profiled the caps never
-    bind (the plan's own backlog is within them); when it is slower the step takes longer and
-    stays within the budget.
+    saved tensor waits) while more bytes are being written than the model's own write queue holds
+    at the end of that layer, plus one largest storage (just saved, not yet written) and the
+    budget's margin over the plan's predicted peak. On a disk as fast as profiled the caps do not
+    bind; on a slower one the step takes longer and the peak stays within the budget.
     """
     decisions = check_decisions(decisions, len(profile.layers))
-    free = budget_bytes - profile.memory_slack_bytes - _idle_read_buffers(profile, decisions, window_bytes)
+    margin = max(0, budget_bytes - estimate(profile, decisions, window_bytes).memory_bytes)
+    allowance = profile.max_storage_bytes + margin
+    write_bps = profile.write_bytes_per_s
+    queue: list[tuple[float, int]] = []
+    write_free = layer_start = 0.0
     caps = []
     for layer, decision in zip(profile.layers, decisions):
-        if decision == KEEP:
-            free -= layer.saved_bytes
-        elif decision == RECOMPUTE:
-            free -= layer.input_bytes
-        caps.append(max(0, free))
+        if decision in SPILLED:
+            nbytes = spilled_bytes(layer, decision)
+            write_free = max(max(write_free, layer_start) + nbytes / write_bps, layer_start + layer.forward_s)
+            queue.append((write_free, nbytes))
+        layer_start += layer.forward_s
+        queued = sum(int(min(max((end - layer_start) * write_bps, 0.0), nbytes)) for end, nbytes in queue)
+        caps.append(queued + allowance)
     return tuple(caps)
 
 

@@ -108,6 +108,9 @@ class Plan:
             indices = self.layers(decision)
             if indices:
                 lines.append(f"  {decision:<9} layers {_ranges(indices)}")
+        if self.write_caps_bytes:
+            caps = ", ".join(f"{cap / MIB:.1f}" for cap in self.write_caps_bytes)
+            lines.append(f"  forward waits while more than this many MiB are being written, per layer: {caps}")
         return "\n".join(lines)
 
 

@@ -165,8 +165,8 @@ class SavedTensorHooks:
         # starts, and the view, so the view cannot die before its entry exists. The version checked
         # at unpack is the one recorded here.
         self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack, ready), tensor.nbytes)
+        self._deferred_bytes += tensor.nbytes
         if self._write_caps is not None:
-            self._unsettled_bytes += tensor.nbytes
             self._hold_back(layer)
         return view
 
@@ -174,15 +174,18 @@ class SavedTensorHooks:
         """Wait while more is unwritten than the plan's cap for ``layer`` (Note [A budget holds back
         forward's writes] in ``tba/policy/_model.py``); the saves deferred so far are started first."""
         caps = self._write_caps
-        cap = caps[layer] if layer is not None and 0 <= layer < len(caps) else caps[-1]
-        # Saves deferred since the last settle may not have run yet: count them (at worst twice).
-        if self._stats.resident_bytes + self._unsettled_bytes <= cap:
+        cap = caps[layer] if layer is not None and 0 <= layer < len(caps) else caps[0]
+        # Two running totals, each written by one thread only: bytes deferred (training thread)
+        # and bytes whose save job has run (control thread); the difference waits to be saved.
+        waiting = self._deferred_bytes - self._save_jobs_bytes
+        if self._store.unwritten_bytes + waiting <= cap:
             return
-        _control.settle()
-        self._unsettled_bytes = 0
+        if waiting > 0:
+            _control.settle()
         self._store.hold_back_writes(cap)
 
     def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any, ready: Any) -> None:
+        self._save_jobs_bytes += tensor.nbytes
         try:
             entry, fresh = self._store.save(tensor, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning

@@ -120,8 +120,10 @@ class Offloader(SavedTensorHooks):
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
         self._write_caps: tuple[int, ...] | None = None
         """Per layer, the most bytes forward may hold unwritten (a memory budget's plan), else None."""
-        self._unsettled_bytes = 0
-        """Bytes of saves deferred since the training thread last settled (counted under write caps)."""
+        self._deferred_bytes = 0
+        """Bytes of storages whose save was deferred, ever (written by the training thread only)."""
+        self._save_jobs_bytes = 0
+        """Bytes of storages whose deferred save has run, ever (written by the control thread only)."""
         self.layer_saved_bytes: dict[int | None, int] = {}
         """Bytes of distinct storages saved per layer, summed over steps: keys are indices into ``layers``
         (given) or :attr:`discovered_layers` (found at the end of each forward), None for storages

@@ -74,6 +74,8 @@ class StorageStore(StoreReads, StoreRelease):
         self.routes: Routes | None = None
         self._host: HostBatch | None = None
         self._writing = 0
+        self.unwritten_bytes = 0
+        """Bytes of storages whose write is in flight (what a memory budget's write caps bound)."""
         self._reading = 0
         self._prefetch_to: StorageEntry | None = None
         """The deepest storage unpacked from memory since the window last moved (Note [One window move
@@ -186,6 +188,7 @@ class StorageStore(StoreReads, StoreRelease):
         self._resident(entry.nbytes)
         entry.offset = self.spill.allocate(entry.extent_bytes)
         self._writing += 1
+        self.unwritten_bytes += entry.nbytes
         entry.transfer_in_flight = True
         self.write_clock.start()
         with nvtx_range("write"):
@@ -217,6 +220,7 @@ class StorageStore(StoreReads, StoreRelease):
 
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
+        self.unwritten_bytes -= entry.nbytes
         if entry.io_error is WRITE_NOT_NEEDED:
             self._skip_unwritten(entry)
         elif entry.state is State.DEAD:
@@ -251,8 +255,8 @@ class StorageStore(StoreReads, StoreRelease):
         self._wait_until(lambda: self._writing == 0)
 
     def hold_back_writes(self, cap_bytes: int) -> None:
-        """Block until tba holds at most ``cap_bytes`` of storages in memory, or no write is in flight."""
-        self._wait_until(lambda: self.stats.resident_bytes <= cap_bytes or self._writing == 0)
+        """Block until at most ``cap_bytes`` of storages are being written (none, when ``cap_bytes`` is 0)."""
+        self._wait_until(lambda: self.unwritten_bytes <= cap_bytes or self._writing == 0)
 
     # ----------------------------------------------------------------- lifetime
     def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
@@ -335,7 +339,7 @@ class StorageStore(StoreReads, StoreRelease):
         file descriptor is closed, so the next entry opens a file of the child's own.
         """
         self.lock = threading.RLock()
-        self._writing = 0
+        self._writing = self.unwritten_bytes = 0
         self._reading = 0
         self._prefetch_to = None
         self._idle_waiters = []

@@ -7,6 +7,7 @@ in one queue, so every layer's bytes would still be in memory at the end of forw
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,19 +114,22 @@ def test_caps_bound_what_forward_holds_unwritten_and_stay_exact(spill_dir):
     assert capped <= 4 * MIB + largest, f"forward held {capped / MIB:.1f} MiB unwritten under a 4 MiB cap"
 
 
-def test_a_budgets_plan_carries_caps_that_its_own_backlog_fits():
+def test_a_budgets_plan_carries_caps_that_follow_its_own_write_queue():
     from tba.policy import LayerProfile, Profile, plan
+    from tba.policy._model import estimate, forward_write_caps
 
     layers = tuple(LayerProfile(forward_s=0.01, backward_s=0.02, saved_bytes=10 * MIB, input_bytes=2 * MIB)
                    for _ in range(4))
-    profile = Profile(layers=layers, write_bytes_per_s=600 * MIB, read_bytes_per_s=900 * MIB,
-                      max_storage_bytes=2 * MIB, memory_slack_bytes=3 * MIB)
-    budgeted = plan(profile, memory_budget_bytes=30 * MIB)
+    fast = Profile(layers=layers, write_bytes_per_s=6000 * MIB, read_bytes_per_s=9000 * MIB,
+                   max_storage_bytes=2 * MIB, memory_slack_bytes=3 * MIB)
+    budgeted = plan(fast, memory_budget_bytes=30 * MIB)
     assert len(budgeted.write_caps_bytes) == 4
-    assert list(budgeted.write_caps_bytes) == sorted(budgeted.write_caps_bytes, reverse=True)
-    from tba.policy._model import estimate
-
-    cost = estimate(profile, budgeted.decisions, budgeted.window_bytes)
-    assert cost.backlog_bytes <= budgeted.write_caps_bytes[-1], "the caps would hold back the plan's own backlog"
-    assert plan(profile).write_caps_bytes == (), "only a memory budget holds writes back"
+    margin = 30 * MIB - estimate(fast, budgeted.decisions, budgeted.window_bytes).memory_bytes
+    # Writes hidden within each layer: the queue is empty at every layer's end, so each cap is one
+    # largest storage (just saved) plus the budget's margin, never less.
+    assert budgeted.write_caps_bytes == (2 * MIB + margin,) * 4
+    slow = dataclasses.replace(fast, write_bytes_per_s=500 * MIB)  # 10 MiB takes 20 ms: a layer's backlog
+    caps = forward_write_caps(slow, ("offload",) * 4, 8 * MIB, 10**12)
+    assert caps[0] < caps[1] < caps[2] < caps[3], "the caps do not follow the model's growing write queue"
+    assert plan(fast).write_caps_bytes == (), "only a memory budget holds writes back"
     assert Plan.from_json(budgeted.to_json()) == budgeted
