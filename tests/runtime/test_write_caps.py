@@ -8,9 +8,8 @@ in one queue, so every layer's bytes would still be in memory at the end of forw
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -32,7 +31,6 @@ class SlowWrites(Engine):
     def __init__(self) -> None:
         self.inner = ThreadEngine(workers=2)
         self.writer = ThreadPoolExecutor(max_workers=1)
-        self.lock = threading.Lock()
 
     def submit_many(self, requests):
         futures = []
