@@ -28,6 +28,12 @@ QUEUE_DEPTH = 8
 """Requests in flight. Eight 4 MiB blocks keep an NVMe drive busy; on a small machine a deeper
 queue only adds kernel work beside compute (measured: 3.5% longer steps at 32 than at 8)."""
 
+HOST_WRITE_AHEAD_BYTES = 64 * MIB
+"""Most bytes of host storages' writes handed to the engine at once (twice what eight 4 MiB
+requests keep in flight); the rest wait in tba's own queue, where reads go ahead of them and a
+write that backward no longer needs is dropped (``tba/runtime/_host_io.py``, Note [Writes wait in
+tba's queue, not the engine's])."""
+
 MAX_QUEUE_DEPTH = 4096
 """Largest queue depth accepted (the io_uring ring size limit)."""
 

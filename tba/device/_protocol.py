@@ -40,6 +40,10 @@ class WriteNotNeeded(Exception):
     kept the step waiting for the disk (an offload-all profile step on a 1.9 GB/s disk took 78x
     keep-all's on an H100). A route asks the store once, before a write's first copy, whether the
     write still serves anything; if not, the storage simply stays in memory for its remaining views.
+    It serves nothing once the storage is dead or every view of it was unpacked, nor while the
+    prefetch window holds it in memory for backward (the last storages of forward, which backward
+    needs first). Host storages' writes wait in tba's own queue and are asked the same
+    (Note [Writes wait in tba's queue, not the engine's] in ``tba/runtime/_host_io.py``).
     """
 
 

@@ -10,46 +10,100 @@ aligned buffers of the same phase, leased back), but:
 * writes wait in a batch that goes to the engine in one :meth:`~tba.io.Engine.submit_calls` once
   the deferred saves queued so far have run (``tba._control.after_batch``); reads of one prefetch
   step go together too (:meth:`HostBatch.flush`);
-* a completion calls the storage's callback directly, with no future in between.
+* a completion calls the storage's callback directly, with no future in between;
+* at most ``write_ahead_bytes`` of writes are in the engine at once (Note [Writes wait in tba's
+  queue, not the engine's]).
 
 A batch that the engine refuses (closed, failed) completes each of its requests with that error,
 so every entry still hears the end of its transfer.
+
+Note: [Writes wait in tba's queue, not the engine's]
+An engine runs its requests in the order they came. When forward saves faster than the disk
+writes, handing every write to the engine at once left gigabytes queued there when backward
+began: backward's first reads waited behind all of them, and so did the writes of the storages
+backward takes from memory anyway (the last layers', held by the prefetch window), which nobody
+will ever read. So the engine holds at most ``write_ahead_bytes`` of writes (enough to keep its
+queue full); the others wait here in save order and go out as earlier ones complete (from the
+engine's completion thread, in batches, once less than three quarters of the allowance is in the
+engine). Reads are sent ahead of any write still waiting here. Just before a write goes to the
+engine, ``wanted()`` asks the store whether it still serves anything (Note [A write nobody needs is
+not started] in ``tba/device/_protocol.py``); when not, the storage hears ``WRITE_NOT_NEEDED`` and
+stays in memory for what is left of its use. Closing drops the writes still waiting
+(:meth:`HostBatch.drop_waiting_writes`): a closed store keeps none of its storages.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tba import _control
-from tba.defaults import ALIGN_BYTES
-from tba.device import Countdown
+from tba.defaults import ALIGN_BYTES, HOST_WRITE_AHEAD_BYTES
+from tba.device import WRITE_NOT_NEEDED, Countdown
 from tba.io import BufferPool, Engine, Op, Request, round_up
 
 Callback = Callable[[BaseException | None], None]
+
+REFILL_FRACTION = 0.75
+"""Writes waiting in tba's queue go to the engine once less than this share of the allowance is there."""
+
+
+class _Write(NamedTuple):
+    """A storage's write waiting for room in the engine."""
+
+    data: torch.Tensor
+    address: int
+    extent_bytes: int
+    fd: int
+    offset: int
+    on_done: Callback
+    wanted: Callable[[], bool] | None
 
 
 class HostBatch:
     """Batched transfers of host storages through ``engine``; reads land in ``pool``'s buffers.
 
-    Used on the control thread only (the store's jobs); completions run on the engine's thread.
+    Reads and writes are queued on the control thread (the store's jobs); completions run on the
+    engine's thread, which also sends the writes that were waiting for room.
+
+    Args:
+        write_ahead_bytes: Most bytes of writes in the engine at once (at least one storage goes).
+            Default None: :data:`~tba.defaults.HOST_WRITE_AHEAD_BYTES`.
     """
 
-    def __init__(self, engine: Engine, pool: BufferPool, block_size_bytes: int) -> None:
+    def __init__(self, engine: Engine, pool: BufferPool, block_size_bytes: int,
+                 write_ahead_bytes: int | None = None) -> None:
         self.engine = engine
         self.pool = pool
         self.block_size_bytes = block_size_bytes
+        self.write_ahead_bytes = HOST_WRITE_AHEAD_BYTES if write_ahead_bytes is None else write_ahead_bytes
         self._requests: list[Request] = []
         self._callbacks: list[Callback] = []
         self._flush_scheduled = False
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[_Write] = collections.deque()
+        self._engine_write_bytes = 0
+        """Bytes of writes handed to the engine and not yet completed."""
+        self._closed = False
 
-    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback) -> None:
-        """Queue the write of the storage ``data`` at ``offset + phase_bytes``; sent with the batch."""
+    @property
+    def waiting_writes(self) -> int:
+        """Writes queued here, not yet handed to the engine."""
+        return len(self._waiting)
+
+    def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
+              wanted: Callable[[], bool] | None = None) -> None:
+        """Queue the write of the storage ``data`` at ``offset + phase_bytes``; ``wanted()`` is asked
+        before it goes to the engine (None: always written)."""
         extent_bytes = round_up(phase_bytes + data.numel(), ALIGN_BYTES)
-        self._queue(Op.WRITE, fd, data.data_ptr() - phase_bytes, extent_bytes, offset, on_done, data)
+        write = _Write(data, data.data_ptr() - phase_bytes, extent_bytes, fd, offset, on_done, wanted)
+        with self._lock:
+            self._waiting.append(write)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             _control.after_batch(self.flush)
@@ -58,34 +112,81 @@ class HostBatch:
              on_done: Callable[[BaseException | None, Any, Any], None]) -> None:
         """Queue the read of ``nbytes`` written at ``offset``; sent at the next :meth:`flush`."""
         buffer = self.pool.take(round_up(phase_bytes + nbytes, ALIGN_BYTES))
-        self._queue(Op.READ, fd, buffer.data_ptr(), buffer.numel(), offset,
+        self._queue(self._requests, self._callbacks, Op.READ, fd, buffer.data_ptr(), buffer.numel(), offset,
                     functools.partial(self._read_done, buffer, phase_bytes, nbytes, on_done), buffer)
 
-    def _queue(self, op: Op, fd: int, address: int, nbytes: int, offset: int, on_done: Callback,
-               owner: object) -> None:
+    def _queue(self, requests: list[Request], callbacks: list[Callback], op: Op, fd: int, address: int,
+               nbytes: int, offset: int, on_done: Callback, owner: object) -> None:
         block = self.block_size_bytes
         if nbytes <= block:
-            self._requests.append(Request(op, fd, address, nbytes, offset, owner))
-            self._callbacks.append(on_done)
+            requests.append(Request(op, fd, address, nbytes, offset, owner))
+            callbacks.append(on_done)
             return
         starts = range(0, nbytes, block)
         pieces = Countdown(len(starts), on_done)
         for start in starts:
-            self._requests.append(Request(op, fd, address + start, min(block, nbytes - start), offset + start, owner))
-            self._callbacks.append(pieces.done)
+            requests.append(Request(op, fd, address + start, min(block, nbytes - start), offset + start, owner))
+            callbacks.append(pieces.done)
 
     def flush(self) -> None:
-        """Send every queued request to the engine in one call."""
+        """Send every queued read, then the waiting writes that fit, to the engine in one call."""
         self._flush_scheduled = False
         requests, callbacks = self._requests, self._callbacks
-        if not requests:
-            return
         self._requests, self._callbacks = [], []
-        try:
-            self.engine.submit_calls(requests, callbacks)
-        except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
-            for callback in callbacks:
-                callback(err)
+        self._send_writes(requests, callbacks)
+
+    def _send_writes(self, requests: list[Request], callbacks: list[Callback]) -> None:
+        """Add the waiting writes that fit in the allowance to ``requests`` and submit them all.
+
+        Runs on the control thread (:meth:`flush`) or an engine thread (:meth:`_write_done`). The
+        store's lock may be held by the caller; ``wanted()`` takes it, so this object's lock is never
+        held while asking. Writes found unwanted give their room back to the next ones at once.
+        """
+        skipped: list[_Write] = []
+        while True:
+            with self._lock:
+                taken = []
+                while self._waiting and not self._closed and self._engine_write_bytes < max(self.write_ahead_bytes, 1):
+                    write = self._waiting.popleft()
+                    self._engine_write_bytes += write.extent_bytes
+                    taken.append(write)
+            unwanted = []
+            for write in taken:
+                if write.wanted is not None and not write.wanted():
+                    unwanted.append(write)
+                    continue
+                self._queue(requests, callbacks, Op.WRITE, write.fd, write.address, write.extent_bytes,
+                            write.offset, functools.partial(self._write_done, write.extent_bytes, write.on_done),
+                            write.data)
+            if not unwanted:
+                break
+            with self._lock:
+                self._engine_write_bytes -= sum(write.extent_bytes for write in unwanted)
+            skipped.extend(unwanted)
+        if requests:
+            try:
+                self.engine.submit_calls(requests, callbacks)
+            except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
+                for callback in callbacks:
+                    callback(err)
+        for write in skipped:
+            write.on_done(WRITE_NOT_NEEDED)
+
+    def _write_done(self, extent_bytes: int, on_done: Callback, error: BaseException | None) -> None:
+        with self._lock:
+            self._engine_write_bytes -= extent_bytes
+            refill = bool(self._waiting) and self._engine_write_bytes < self.write_ahead_bytes * REFILL_FRACTION
+        on_done(error)
+        if refill:
+            self._send_writes([], [])
+
+    def drop_waiting_writes(self) -> None:
+        """Closing: every write not yet in the engine hears ``WRITE_NOT_NEEDED``; none is sent later."""
+        with self._lock:
+            self._closed = True
+            dropped, self._waiting = list(self._waiting), collections.deque()
+        for write in dropped:
+            write.on_done(WRITE_NOT_NEEDED)
 
     def _read_done(self, buffer: torch.Tensor, phase_bytes: int, nbytes: int,
                    on_done: Callable[[BaseException | None, Any, Any], None], error: BaseException | None) -> None:

@@ -108,11 +108,13 @@ class StoreRelease:
         stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)
 
     def _skip_unwritten(self, entry: StorageEntry) -> None:
-        """A write skipped because backward already used the storage: a live one stays in memory, silently."""
+        """A write skipped because backward already used the storage, or will take it from memory: a live one
+        stays in memory, silently (one the prefetch window holds still counts in its budget until unpacked)."""
         entry.io_error = None
         if entry.state is not State.DEAD:
             entry.state = State.KEPT
-            self.window.discount(entry)
+            if not entry.hold_for_backward:
+                self.window.discount(entry)
         self._free_extent(entry)
         self.stats.writes_skipped += 1
         self.stats.bytes_write_skipped += entry.nbytes

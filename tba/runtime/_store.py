@@ -193,11 +193,11 @@ class StorageStore(StoreReads, StoreRelease):
         self.write_clock.start()
         with nvtx_range("write"):
             on_done = functools.partial(self._on_write_done, entry)
+            wanted = functools.partial(self._write_wanted, entry)
             if route is self.routes.host:
-                self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done)
+                self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, wanted)
             else:
-                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready,
-                            functools.partial(self._write_wanted, entry))
+                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready, wanted)
         return entry
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
@@ -210,13 +210,14 @@ class StorageStore(StoreReads, StoreRelease):
             self._finish_write(entry)
 
     def _write_wanted(self, entry: StorageEntry) -> bool:
-        """Whether a device write not yet started still serves anything (Note [A write nobody needs is not started]).
+        """Whether a write not yet started still serves anything (Note [A write nobody needs is not started]).
 
-        Not once the storage is dead, nor once backward has unpacked every view of it: its bytes are
-        resident, and they stay so (the entry is kept) for a second backward through a retained graph.
+        Not once the storage is dead, nor once backward has unpacked every view of it, nor while the
+        prefetch window holds it for backward: its bytes are resident, and they stay so (the entry is
+        kept) until it dies, for a second backward through a retained graph too.
         """
         with self.lock:
-            return entry.state is not State.DEAD and not entry.fully_unpacked
+            return entry.state is not State.DEAD and not entry.fully_unpacked and not entry.hold_for_backward
 
     def _finish_write(self, entry: StorageEntry) -> None:
         self._writing -= 1
@@ -293,6 +294,7 @@ class StorageStore(StoreReads, StoreRelease):
         """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""
         with self.lock:
             if self._host is not None:
+                self._host.drop_waiting_writes()
                 self._host.flush()
             engine, self.engine = self.engine, None
         if self.routes is not None:
@@ -322,6 +324,7 @@ class StorageStore(StoreReads, StoreRelease):
         """
         with self.lock:
             if self._host is not None:
+                self._host.drop_waiting_writes()
                 self._host.flush()
             self.engine = None
             self.routes = None

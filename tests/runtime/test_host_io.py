@@ -1,0 +1,136 @@
+"""HostBatch: writes wait in tba's queue, reads go ahead of them, unwanted writes are never sent.
+
+Note [Writes wait in tba's queue, not the engine's] in ``tba/runtime/_host_io.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from utils import FaultyEngine, backward_twice_past_held_writes
+
+import tba
+from tba.device import WRITE_NOT_NEEDED
+from tba.io import BufferPool, Engine, Op
+from tba.runtime import _host_io
+from tba.runtime._host_io import HostBatch
+
+KIB = 1 << 10
+STORAGE_BYTES = 64 * KIB
+
+
+class HeldEngine(Engine):
+    """Records what is submitted and completes nothing until the test says so."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+        self._lock = threading.Lock()
+
+    def submit_many(self, requests):
+        raise AssertionError("HostBatch submits with submit_calls")
+
+    def submit_calls(self, requests, on_done) -> None:
+        with self._lock:
+            self.sent.extend(zip(requests, on_done))
+
+    def complete(self, op: Op) -> int:
+        """Complete every sent request of ``op`` not yet completed; returns how many."""
+        with self._lock:
+            done = [(r, cb) for r, cb in self.sent if r.op is op and r.owner is not None]
+            self.sent = [(r._replace(owner=None), cb) if r.op is op else (r, cb) for r, cb in self.sent]
+        for _, callback in done:
+            callback(None)
+        return len(done)
+
+    def ops(self) -> list[Op]:
+        return [r.op for r, _ in self.sent]
+
+    def close(self) -> None:
+        pass
+
+
+def _batch(engine: HeldEngine, write_ahead_bytes: int) -> HostBatch:
+    return HostBatch(engine, BufferPool(0), 1 << 20, write_ahead_bytes=write_ahead_bytes)
+
+
+def test_at_most_the_allowance_is_in_the_engine_and_reads_go_first():
+    engine, heard = HeldEngine(), []
+    batch = _batch(engine, 2 * STORAGE_BYTES)
+    storages = [torch.zeros(STORAGE_BYTES, dtype=torch.uint8) for _ in range(5)]
+    for i, data in enumerate(storages):
+        batch.write(data, 0, 3, i * STORAGE_BYTES, lambda error, i=i: heard.append((i, error)))
+    batch.flush()
+    assert engine.ops() == [Op.WRITE, Op.WRITE] and batch.waiting_writes == 3
+    batch.read(STORAGE_BYTES, 0, 3, 0, lambda error, data, event: heard.append(("read", error)))
+    batch.flush()
+    assert engine.ops() == [Op.WRITE, Op.WRITE, Op.READ], "a read waited behind writes not yet sent"
+    assert engine.complete(Op.WRITE) == 2
+    assert heard[:2] == [(0, None), (1, None)]
+    assert engine.ops().count(Op.WRITE) == 4 and batch.waiting_writes == 1
+    engine.complete(Op.WRITE)
+    engine.complete(Op.WRITE)
+    assert [i for i, _ in heard if i != "read"] == [0, 1, 2, 3, 4] and batch.waiting_writes == 0
+
+
+def test_unwanted_writes_are_never_sent_and_give_their_room_to_the_next():
+    """Every write the first refill takes is unwanted, with nothing in the engine: the wanted ones behind
+    them must still go out (no completion would ever send them otherwise)."""
+    engine, heard = HeldEngine(), {}
+    batch = _batch(engine, 2 * STORAGE_BYTES)
+    storages = [torch.zeros(STORAGE_BYTES, dtype=torch.uint8) for _ in range(6)]
+    for i, data in enumerate(storages):
+        batch.write(data, 0, 3, i * STORAGE_BYTES, lambda error, i=i: heard.setdefault(i, error),
+                    wanted=lambda i=i: i >= 4)
+    batch.flush()
+    assert [r.offset // STORAGE_BYTES for r, _ in engine.sent] == [4, 5]
+    assert all(heard[i] is WRITE_NOT_NEEDED for i in range(4)) and 4 not in heard
+    engine.complete(Op.WRITE)
+    assert heard[4] is None and heard[5] is None
+
+
+def test_closing_drops_the_waiting_writes():
+    engine, heard = HeldEngine(), []
+    batch = _batch(engine, STORAGE_BYTES)
+    for i in range(3):
+        batch.write(torch.zeros(STORAGE_BYTES, dtype=torch.uint8), 0, 3, i * STORAGE_BYTES,
+                    lambda error, i=i: heard.append((i, error)))
+    batch.flush()
+    batch.drop_waiting_writes()
+    assert heard == [(1, WRITE_NOT_NEEDED), (2, WRITE_NOT_NEEDED)]
+    engine.complete(Op.WRITE)
+    assert heard[-1] == (0, None) and engine.ops() == [Op.WRITE], "a write was sent after closing"
+
+
+def test_host_writes_backward_took_from_memory_are_skipped_and_exact(spill_dir, monkeypatch):
+    """Forward saves faster than the disk writes (the engine's writes wait for a gate): backward takes
+    the storages whose writes are still waiting in tba's queue from memory, and they are never written;
+    a second backward through the retained graph still finds them, exactly."""
+    monkeypatch.setattr(_host_io, "HOST_WRITE_AHEAD_BYTES", 2 * STORAGE_BYTES)
+    gate = threading.Event()
+    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(12)]
+    off = tba.Offloader(spill_dir, backend=FaultyEngine(gate=gate), min_offload_bytes=0)
+    losses = backward_twice_past_held_writes(off, xs, gate, min_skipped=len(xs) - 3)
+    assert off.stats.bytes_written <= 3 * STORAGE_BYTES, str(off.stats.as_dict())
+    del losses
+    off.close()
+
+
+def test_writes_of_storages_the_window_holds_for_backward_are_skipped(spill_dir, monkeypatch):
+    """At the end of forward the prefetch window holds the last storages in memory for backward: their
+    writes, still waiting, serve nothing and are skipped before backward starts; backward stays exact."""
+    monkeypatch.setattr(_host_io, "HOST_WRITE_AHEAD_BYTES", 2 * STORAGE_BYTES)
+    gate = threading.Event()
+    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(12)]
+    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+    off = tba.Offloader(spill_dir, backend=FaultyEngine(gate=gate), min_offload_bytes=0)
+    with off:
+        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+    gate.set()
+    off.flush()
+    assert off.stats.writes_skipped >= len(xs) - 3, str(off.stats.as_dict())
+    torch.autograd.backward(losses)
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    off.close()
