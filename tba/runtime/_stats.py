@@ -29,10 +29,10 @@ class OffloadStats:
         bytes_deduplicated: Bytes not written again because their storage was already saved.
         tensors_kept_on_error / bytes_kept_on_error: Storages whose write failed (for example
             a full disk) and which stayed in memory instead.
-        writes_skipped / bytes_write_skipped: Device storages whose queued write never started
-            because the storage had died or backward had already used it from memory (Note [A
-            write nobody needs is not started] in ``tba/device/_protocol.py``); a live one stayed
-            in memory for its remaining views.
+        writes_skipped / bytes_write_skipped: Storages whose queued write never started because
+            the storage had died, backward had already used it from memory, or the prefetch window
+            held it in memory for backward (Note [A write nobody needs is not started] in
+            ``tba/device/_protocol.py``); a live one stayed in memory for its remaining views.
         unpacks_from_memory: Unpacks served without a read (write still in flight, prefetched
             copy resident, or kept).
         unpacks_waited: Unpacks that had to wait for a read to finish.
