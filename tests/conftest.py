@@ -60,6 +60,19 @@ def no_shared_runtimes():
 
 
 @pytest.fixture
+def read_back_always(monkeypatch):
+    """Every unpack of a written host storage reads the file, even while the test still holds the storage.
+
+    Tests of the file's round trip (odd sizes and phases, checksums, read counters) keep their tensors
+    alive to compare with; without this, backward would use that memory instead (Note [A storage the
+    program still holds is not read back] in ``tba/runtime/_reads.py``) and the file would go unread.
+    """
+    from tba.runtime._reads import StoreReads
+
+    monkeypatch.setattr(StoreReads, "_live_bytes", lambda self, entry: None)
+
+
+@pytest.fixture
 def spill_dir(tmp_path) -> str:
     """An empty directory for spill files; the test fails if anything is left in it."""
     path = tmp_path / "spill"

@@ -61,7 +61,9 @@ class StoreReads:
     _prefetch_to: StorageEntry | None
 
     def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
-        """``entry``'s bytes and event when they are in memory now, else ``(None, None)``; changes nothing.
+        """``entry``'s bytes and event when they are in memory now, else ``(None, None)``.
+
+        In memory: held by tba, or still held by the program (:meth:`_live_bytes`).
 
         Note: [An unpack holds its own reference]
         The caller rebuilds its view outside the lock. Handing it ``entry.data`` itself left the
@@ -72,7 +74,35 @@ class StoreReads:
         """
         with self.lock:
             data = entry.data
-            return (data.detach(), entry.ready_event) if data is not None else (None, None)
+            if data is not None:
+                return data.detach(), entry.ready_event
+            data = self._live_bytes(entry)
+            if data is not None:
+                self.stats.unpacks_from_live_storage += 1
+            return data, None
+
+    def _live_bytes(self, entry: StorageEntry) -> torch.Tensor | None:
+        """The bytes of a written host storage that is still alive with its memory, else None (under the lock).
+
+        Note: [A storage the program still holds is not read back]
+        Writing a storage releases tba's reference to it, but the program may still hold it (a list of
+        outputs, a tensor kept for logging, a hook's copy of an activation) until backward. Reading it
+        back then moved bytes that were still in memory, and held them twice. The entry's weak
+        reference tells whether the storage is alive; if it still has the memory it had when saved
+        (same address and size: nothing resized or swapped it), backward uses it, exactly as autograd
+        would without tba. An in-place change through the saved tensor, its base or any view of them
+        is still caught by the version check before this; a change through a tensor with a version
+        counter of its own would go unnoticed by autograd without tba too. The lookup is under the
+        store's lock, like the sweep that hands a lingering storage's pages back only once tba alone
+        holds it (``tba/runtime/_release.py``), so the two never overlap. Device storages are always
+        read back (their memory's stream order is not tba's to prove).
+        """
+        if entry.state is not State.ON_DISK or self.routes is None or entry.route is not self.routes.host:
+            return None
+        storage = torch.UntypedStorage._new_with_weak_ptr(entry.ref.cdata)
+        if storage is None or storage.data_ptr() != entry.address or storage.nbytes() != entry.nbytes:
+            return None
+        return torch.empty((0,), dtype=torch.uint8).set_(storage)
 
     def served_from_memory(self, entry: StorageEntry, view_id: int) -> None:
         """After an unpack found ``entry`` resident: count it, release what is done, move the window.
@@ -228,5 +258,8 @@ class StoreReads:
             for held in to_hold:
                 held.hold_for_backward = True
             for target in to_read:
+                if self._live_bytes(target) is not None:
+                    self.window.discount(target)  # Note [A storage the program still holds is not read back]
+                    continue
                 self._start_read(target)
             self._host.flush()

@@ -34,7 +34,10 @@ class OffloadStats:
             held it in memory for backward (Note [A write nobody needs is not started] in
             ``tba/device/_protocol.py``); a live one stayed in memory for its remaining views.
         unpacks_from_memory: Unpacks served without a read (write still in flight, prefetched
-            copy resident, or kept).
+            copy resident, kept, or the storage still held by the program).
+        unpacks_from_live_storage: Of those, unpacks of written storages the program still held,
+            served from their own memory instead of read back (Note [A storage the program still
+            holds is not read back] in ``tba/runtime/_reads.py``).
         unpacks_waited: Unpacks that had to wait for a read to finish.
         unpack_wait_s: Total seconds backward waited on reads.
         resident_bytes / peak_resident_bytes: Bytes of offload-path storages tba held in memory
@@ -63,6 +66,7 @@ class OffloadStats:
     writes_skipped: int = 0
     bytes_write_skipped: int = 0
     unpacks_from_memory: int = 0
+    unpacks_from_live_storage: int = 0
     unpacks_waited: int = 0
     unpack_wait_s: float = 0.0
     resident_bytes: int = 0

@@ -172,6 +172,7 @@ class StorageStore(StoreReads, StoreRelease):
             layer=layer,
             nbytes=storage.nbytes(),
             phase_bytes=route.phase_bytes(storage.data_ptr()),
+            address=storage.data_ptr(),
             version=version,
             ref=StorageRef(storage),
             data=data,

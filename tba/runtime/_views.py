@@ -97,6 +97,9 @@ class StorageEntry:
     """CRC-32C of the bytes written (``verify=True``, host storages); None when not checked."""
     window_gen: int = -1
     """The prefetch window's walk generation that counts this entry against the budget (-1: none)."""
+    address: int = 0
+    """The storage's data pointer when it was saved (Note [A storage the program still holds is not read
+    back] in ``tba/runtime/_reads.py``)."""
     own_memory: bool = False
     """The storage's memory came from torch's own allocator and is not shared (Note [Whose pages tba may
     discard] in ``tba/runtime/_trim.py``): only then may its pages go back to the kernel early."""

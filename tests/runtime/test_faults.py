@@ -58,9 +58,8 @@ def test_failed_read_raises_naming_tensor_file_and_offset(spill_dir, fault):
 
 def test_failed_read_never_returns_data(spill_dir):
     engine = FaultyEngine(read_errno=errno.EIO)
-    x = torch.randn(1 << 16)
     with tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0) as off:
-        packed = off.pack(x)
+        packed = off.pack(torch.randn(1 << 16))  # nothing else holds it: unpack must read the file
         off.flush()
         for _ in range(2):
             with pytest.raises(TbaReadError):

@@ -14,6 +14,9 @@ import tba
 from tba.errors import TbaError
 from tba.io._memory import aligned_empty, storage_view
 
+# These tests hold what they pack, to compare with; what they check is the file's round trip.
+pytestmark = pytest.mark.usefixtures("read_back_always")
+
 
 def offloader(directory: str, backend="threads", **options) -> tba.Offloader:
     """An offloader that writes everything, in small blocks so that one storage spans many requests."""

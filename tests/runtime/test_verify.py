@@ -33,6 +33,7 @@ def saved_then_changed(off: tba.Offloader, x: torch.Tensor):
     return packed
 
 
+@pytest.mark.usefixtures("read_back_always")
 def test_verify_raises_naming_the_storage_when_bytes_changed_underneath(spill_dir, backend):
     x = torch.randn(1 << 16)
     with tba.Offloader(spill_dir, backend=backend, min_offload_bytes=0, verify=True) as off:

@@ -76,6 +76,7 @@ def test_layer_saved_bytes_are_keyed_by_discovered_layer(spill_dir):
     offloader.close()
 
 
+@pytest.mark.usefixtures("read_back_always")
 def test_reset_stats_gives_per_step_counters(spill_dir):
     offloader = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0)
     model = make_model()

@@ -1,0 +1,85 @@
+"""A written storage the program still holds is served from its own memory, not read back.
+
+Note [A storage the program still holds is not read back] in ``tba/runtime/_reads.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tba
+
+KIB = 1 << 10
+
+
+def _grads(xs):
+    return [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+
+
+def test_outputs_the_program_holds_are_not_read_back_and_exact(spill_dir, backend):
+    xs = [torch.randn(16 * KIB, requires_grad=True) for _ in range(8)]
+    want = _grads(xs)
+    off = tba.Offloader(spill_dir, backend=backend, min_offload_bytes=0)
+    with off:
+        ys = [torch.tanh(x) for x in xs]  # held by the program through backward
+        off.flush()  # written before forward ends, so the prefetch window holds none of them
+    assert off.stats.bytes_written == sum(y.nbytes for y in ys)
+    torch.autograd.backward([y.pow(2).sum() for y in ys])
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    assert off.stats.bytes_read == 0, str(off.stats.as_dict())
+    assert off.stats.unpacks_from_live_storage == len(xs)
+    del ys
+    off.close()
+
+
+def test_outputs_the_program_dropped_are_read_back(spill_dir, backend):
+    xs = [torch.randn(16 * KIB, requires_grad=True) for _ in range(8)]
+    want = _grads(xs)
+    off = tba.Offloader(spill_dir, backend=backend, min_offload_bytes=0)
+    with off:
+        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+        off.flush()
+    torch.autograd.backward(losses)
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    assert off.stats.bytes_read == off.stats.bytes_written > 0
+    assert off.stats.unpacks_from_live_storage == 0
+    off.close()
+
+
+def test_a_storage_given_new_memory_is_read_back_from_the_file(spill_dir):
+    """The program resized the saved storage away and back (as code that frees activations by hand does):
+    its memory is no longer what was saved, so the file's copy is used."""
+    x = torch.randn(16 * KIB)
+    saved = x.clone()
+    off = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0)
+    with off:
+        packed = off.pack(x)
+        off.flush()
+    storage = x.untyped_storage()
+    nbytes, address = storage.nbytes(), storage.data_ptr()
+    storage.resize_(0)
+    blocker = torch.empty(nbytes, dtype=torch.uint8)  # takes the freed block, so new memory lies elsewhere
+    storage.resize_(nbytes)
+    storage.fill_(0)
+    assert storage.data_ptr() != address
+    got = off.unpack(packed)
+    assert torch.equal(got, saved)
+    assert off.stats.unpacks_from_live_storage == 0 and off.stats.bytes_read == x.nbytes
+    del packed, got, blocker
+    off.close()
+
+
+def test_an_in_place_change_of_a_held_output_is_still_caught(spill_dir):
+    x = torch.randn(16 * KIB, requires_grad=True)
+    off = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0)
+    with off:
+        y = torch.tanh(x)
+    off.flush()
+    loss = y.pow(2).sum()
+    with torch.no_grad():
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    del y, loss
+    off.close()
