@@ -2,7 +2,12 @@
 
 The loop is the one a user would time: ``n`` leaf tensors (``requires_grad=True``) each go
 through ``torch.tanh`` (which saves its output, one storage per leaf), then one
-``torch.autograd.backward`` runs over all ``n`` outputs. With tba the forward runs inside a bare
+``torch.autograd.backward`` runs over all ``n`` results. By default each output is reduced by
+``sum()`` at once, so that only autograd (and so tba) holds the saved outputs, as it holds a
+model's activations: tba writes each and reads each back. With ``hold_outputs`` the loop keeps
+the ``n`` outputs themselves until backward, and tba serves them from the program's memory
+instead of reading them back (Note [A storage the program still holds is not read back] in
+``tba/runtime/_reads.py``): what is left is the write and the bookkeeping. With tba the forward runs inside a bare
 ``with tba.offload_activations(directory=d):``. Forward time covers the ``with`` block (entry,
 the loop, exit); backward time covers ``backward`` and dropping the outputs, until tba's
 bookkeeping of the freed views has run (so that one repetition's work never lands in the next
@@ -46,6 +51,8 @@ class HookCase:
     """What the directory is (``"disk"``, ``"ram"``)."""
     path: str = "offload"
     """``"offload"`` (the storages go to the file) or ``"keep"`` (inside ``tba.keep_in_memory()``)."""
+    hold_outputs: bool = False
+    """The loop keeps its outputs until backward (else it keeps only their sums)."""
 
 
 @dataclasses.dataclass
@@ -85,15 +92,19 @@ def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
     return tba.offload_activations(directory=case.directory)
 
 
-def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None) -> tuple[float, float]:
+def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
+          hold_outputs: bool = False) -> tuple[float, float]:
     """One forward and backward of the loop; returns their seconds."""
     for leaf in leaves:
         leaf.grad = None
     start = time.perf_counter()
     with _context(case):
-        outputs = [torch.tanh(leaf) for leaf in leaves]
+        if hold_outputs:
+            outputs = [torch.tanh(leaf) for leaf in leaves]
+        else:
+            outputs = [torch.tanh(leaf).sum() for leaf in leaves]
     middle = time.perf_counter()
-    torch.autograd.backward(outputs, [grad] * len(outputs))
+    torch.autograd.backward(outputs, [grad] * len(outputs) if hold_outputs else None)
     del outputs
     _control.settle()
     return middle - start, time.perf_counter() - middle
@@ -108,7 +119,7 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3) -> HookResult:
     gc.collect()
     for rep in range(warmups + repeats):
         for name, which in (("base", None), ("tba", case)):
-            forward_s, backward_s = _step(leaves, grad, which)
+            forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs)
             if rep >= warmups:
                 best[name][0] = min(best[name][0], forward_s)
                 best[name][1] = min(best[name][1], backward_s)

@@ -1,7 +1,10 @@
 """Host microseconds tba adds per saved storage in forward and in backward, against the same loop without tba.
 
 Each of ``n`` leaf tensors goes through ``torch.tanh`` inside a bare ``with
-tba.offload_activations(directory=d):`` and one backward runs over all outputs; the same loop
+tba.offload_activations(directory=d):`` and one backward runs over all of them; each output is
+reduced by ``sum()`` at once, so only autograd holds the saved outputs and tba reads each back
+(``--hold-outputs`` keeps the outputs themselves until backward instead, and tba then serves them
+from the program's memory: the write and the bookkeeping without the read); the same loop
 without tba runs interleaved in the same process. Every figure is the best of ``--repeats`` after
 ``--warmups``. Rows: each size (``--sizes``) and count (``--counts``, capped so that a row holds at
 most ``--max-bytes``) on a disk directory and a RAM-backed one, plus the keep path (the same loop
@@ -61,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'none' skips those rows")
     parser.add_argument("--no-disk", action="store_true", help="skip the disk rows")
     parser.add_argument("--no-keep", action="store_true", help="skip the keep-path rows")
+    parser.add_argument("--hold-outputs", action="store_true",
+                        help="the loop keeps its outputs until backward (tba then does not read them back); "
+                             "default: it keeps only their sums")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
@@ -83,11 +89,11 @@ def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[
                 count = max(1, min(count, args.max_bytes // size))
                 if (size, count, label) not in seen:
                     seen.add((size, count, label))
-                    cases.append(HookCase(size, count, directory, label))
+                    cases.append(HookCase(size, count, directory, label, hold_outputs=args.hold_outputs))
     if not args.no_keep:
         keep_dir = ram or disk
         for count in args.counts:
-            cases.append(HookCase(args.sizes[0], count, keep_dir, "keep", path="keep"))
+            cases.append(HookCase(args.sizes[0], count, keep_dir, "keep", path="keep", hold_outputs=args.hold_outputs))
     return cases
 
 
@@ -142,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update)
         progress.done()
+    print("loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
+                              else "reduced by sum() at once (only autograd holds them; tba reads each back)"))
     print(format_table(results))
     if many is not None:
         print(format_many(many))

@@ -43,3 +43,26 @@ def test_rows_are_capped_by_max_bytes():
 def test_registered_with_help():
     assert COMMANDS["bench-hooks"][0] == "tba.cli.bench_hooks"
     assert "--many" in build_parser()._subparsers._group_actions[0].choices["bench-hooks"].format_help()
+
+
+def test_the_default_loop_reads_back_and_hold_outputs_does_not(tmp_path, capsys, monkeypatch):
+    """The default loop keeps only sums, so tba reads every saved output back; --hold-outputs keeps the
+    outputs, which tba then serves from the program's memory. Both say which loop ran."""
+    from tba.bench import hooks
+    from tba.runtime._reads import StoreReads
+
+    read_counts = []
+    real_start_read = StoreReads._start_read
+
+    def counting(self, entry, watched=False):
+        read_counts[-1] += 1
+        return real_start_read(self, entry, watched)
+
+    monkeypatch.setattr(StoreReads, "_start_read", counting)
+    for hold in (False, True):
+        read_counts.append(0)
+        hooks.measure(hooks.HookCase(64 * 1024, 256, str(tmp_path), "ram", hold_outputs=hold), warmups=0, repeats=1)
+    assert read_counts[0] > 0 and read_counts[1] == 0, read_counts  # 16 MiB: more than the window holds
+    args = _args(["--quick", "--no-keep", "--no-disk", "--ram-dir", str(tmp_path), "--hold-outputs"])
+    assert bench_hooks.run(args) == 0
+    assert "held until backward" in capsys.readouterr().out
