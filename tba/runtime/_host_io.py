@@ -45,6 +45,7 @@ import torch
 from tba import _control
 from tba.defaults import ALIGN_BYTES, HOST_WRITE_AHEAD_BYTES
 from tba.device import WRITE_NOT_NEEDED, Countdown
+from tba.errors import EngineClosedError
 from tba.io import BufferPool, Engine, Op, Request, round_up
 
 Callback = Callable[[BaseException | None], None]
@@ -90,6 +91,8 @@ class HostBatch:
         self._engine_write_bytes = 0
         """Bytes of writes handed to the engine and not yet completed."""
         self._closed = False
+        self._local = threading.local()
+        """``sending``: this thread is inside :meth:`_send_writes`; ``again``: a completion asked for more meanwhile."""
 
     @property
     def waiting_writes(self) -> int:
@@ -99,12 +102,16 @@ class HostBatch:
     def write(self, data: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
               wanted: Callable[[], bool] | None = None) -> None:
         """Queue the write of the storage ``data`` at ``offset + phase_bytes``; ``wanted()`` is asked
-        before it goes to the engine (None: always written)."""
+        before it goes to the engine (None: always written). After closing it hears ``WRITE_NOT_NEEDED``."""
         extent_bytes = round_up(phase_bytes + data.numel(), ALIGN_BYTES)
         write = _Write(data, data.data_ptr() - phase_bytes, extent_bytes, fd, offset, on_done, wanted)
         with self._lock:
-            self._waiting.append(write)
-        if not self._flush_scheduled:
+            closed = self._closed
+            if not closed:
+                self._waiting.append(write)
+        if closed:
+            on_done(WRITE_NOT_NEEDED)
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             _control.after_batch(self.flush)
 
@@ -141,7 +148,28 @@ class HostBatch:
         Runs on the control thread (:meth:`flush`) or an engine thread (:meth:`_write_done`). The
         store's lock may be held by the caller; ``wanted()`` takes it, so this object's lock is never
         held while asking. Writes found unwanted give their room back to the next ones at once.
+        A completion heard inside the submit on this thread (an engine that failed the batch, or
+        ran it inline) does not send more itself: this call goes round again instead, so a long
+        queue never becomes a deep recursion.
         """
+        local = self._local
+        outer = getattr(local, "sending", False)
+        if outer and not requests:
+            local.again = True
+            return
+        local.sending = True
+        try:
+            while True:
+                local.again = False
+                self._send_round(requests, callbacks)
+                if not local.again:
+                    return
+                requests, callbacks = [], []
+        finally:
+            local.sending = outer
+
+    def _send_round(self, requests: list[Request], callbacks: list[Callback]) -> None:
+        reads = len(requests)
         skipped: list[_Write] = []
         while True:
             with self._lock:
@@ -167,15 +195,18 @@ class HostBatch:
             try:
                 self.engine.submit_calls(requests, callbacks)
             except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
-                for callback in callbacks:
-                    callback(err)
+                # Writes taken just before closing (their wanted() waited on the store's lock that
+                # close held) meet the closed engine: they were not needed, they did not fail.
+                closed = self._closed and isinstance(err, EngineClosedError)
+                for index, callback in enumerate(callbacks):
+                    callback(WRITE_NOT_NEEDED if closed and index >= reads else err)
         for write in skipped:
             write.on_done(WRITE_NOT_NEEDED)
 
     def _write_done(self, extent_bytes: int, on_done: Callback, error: BaseException | None) -> None:
         with self._lock:
             self._engine_write_bytes -= extent_bytes
-            refill = bool(self._waiting) and self._engine_write_bytes < self.write_ahead_bytes * REFILL_FRACTION
+            refill = bool(self._waiting) and self._engine_write_bytes <= self.write_ahead_bytes * REFILL_FRACTION
         on_done(error)
         if refill:
             self._send_writes([], [])

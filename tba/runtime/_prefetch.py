@@ -180,7 +180,8 @@ class PrefetchWindow:
         index = self._scan
         while index > 0:
             entry = order[index - 1]
-            if entry.state is State.DEAD or entry.state is State.KEPT or entry.fully_unpacked:
+            if entry.state is State.DEAD or entry.fully_unpacked or (entry.state is State.KEPT and not entry.hold_for_backward):
+                # A held storage whose write was skipped is KEPT but still in memory for backward: it counts.
                 index -= 1
                 continue
             if layer is not None and entry.layer is not None and entry.layer < layer - self.depth_layers:

@@ -92,12 +92,16 @@ class StoreReads:
         (same address and size: nothing resized or swapped it), backward uses it, exactly as autograd
         would without tba. An in-place change through the saved tensor, its base or any view of them
         is still caught by the version check before this; a change through a tensor with a version
-        counter of its own would go unnoticed by autograd without tba too. The lookup is under the
-        store's lock, like the sweep that hands a lingering storage's pages back only once tba alone
-        holds it (``tba/runtime/_release.py``), so the two never overlap. Device storages are always
-        read back (their memory's stream order is not tba's to prove).
+        counter of its own would go unnoticed by autograd without tba too. Under glibc tba hands a
+        written storage's pages back to the kernel once it alone holds the storage
+        (``tba/runtime/_release.py``); a reference of tba's own that is not counted as an owner (the
+        write being sent, in another thread) can keep such a storage alive with pages that now read
+        as zeros, so a storage whose pages were handed back is never served live
+        (``entry.pages_discarded``, set under the same lock). Device storages are always read back
+        (their memory's stream order is not tba's to prove).
         """
-        if entry.state is not State.ON_DISK or self.routes is None or entry.route is not self.routes.host:
+        if (entry.state is not State.ON_DISK or entry.pages_discarded or self.routes is None
+                or entry.route is not self.routes.host):
             return None
         storage = torch.UntypedStorage._new_with_weak_ptr(entry.ref.cdata)
         if storage is None or storage.data_ptr() != entry.address or storage.nbytes() != entry.nbytes:

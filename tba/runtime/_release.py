@@ -26,8 +26,6 @@ from tba.runtime._trim import discard_pages, sole_owner, trimmer
 from tba.runtime._views import State, StorageEntry
 
 if TYPE_CHECKING:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     from tba.device import Routes
     from tba.io import SpillFile
     from tba.runtime._prefetch import PrefetchWindow
@@ -50,7 +48,7 @@ class StoreRelease:
     routes: Routes | None
     verify: bool
     _warned_verify_device: bool
-    _lingering: collections.deque[tuple[StorageWeakRef, torch.Tensor]]
+    _lingering: collections.deque[tuple[StorageEntry, torch.Tensor]]
     pages_discarded_bytes: int
 
     def _release_written(self, entry: StorageEntry) -> None:
@@ -64,9 +62,10 @@ class StoreRelease:
         data = entry.data
         if data is not None and entry.own_memory and self.routes is not None and entry.route is self.routes.host:
             if sole_owner(entry.ref):
+                entry.pages_discarded = True
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
             else:
-                self._lingering.append((entry.ref, data))
+                self._lingering.append((entry, data))
         self.release(entry)
 
     # Note: [Release after unpack]
@@ -88,8 +87,9 @@ class StoreRelease:
         lingering = self._lingering
         count = len(lingering) if limit is None else min(limit, len(lingering))
         for _ in range(count):
-            ref, data = held = lingering.popleft()
-            if sole_owner(ref):
+            entry, data = held = lingering.popleft()
+            if sole_owner(entry.ref):
+                entry.pages_discarded = True
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
             else:
                 lingering.append(held)

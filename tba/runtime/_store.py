@@ -27,7 +27,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba._control import wait
 from tba._trace import nvtx_range
@@ -83,7 +82,7 @@ class StorageStore(StoreReads, StoreRelease):
         self._idle_waiters: list[Future] = []
         """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
-        self._lingering: collections.deque[tuple[StorageWeakRef, torch.Tensor]] = collections.deque()
+        self._lingering: collections.deque[tuple[StorageEntry, torch.Tensor]] = collections.deque()
         self.pages_discarded_bytes = 0
         """Bytes of storage pages handed back to the kernel early (storages tba proved its own)."""
         self._next_seq = 0

@@ -100,6 +100,9 @@ class StorageEntry:
     address: int = 0
     """The storage's data pointer when it was saved (Note [A storage the program still holds is not read
     back] in ``tba/runtime/_reads.py``)."""
+    pages_discarded: bool = False
+    """The storage's pages were handed back to the kernel (they read as zeros now): it is never served
+    live again, whoever still holds it (Note [A storage the program still holds is not read back])."""
     own_memory: bool = False
     """The storage's memory came from torch's own allocator and is not shared (Note [Whose pages tba may
     discard] in ``tba/runtime/_trim.py``): only then may its pages go back to the kernel early."""

@@ -11,6 +11,7 @@ import torch
 from utils import FaultyEngine, backward_twice_past_held_writes
 
 import tba
+from tba import _control
 from tba.device import WRITE_NOT_NEEDED
 from tba.io import BufferPool, Engine, Op
 from tba.runtime import _host_io
@@ -134,3 +135,58 @@ def test_writes_of_storages_the_window_holds_for_backward_are_skipped(spill_dir,
     torch.autograd.backward(losses)
     assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
     off.close()
+
+
+class RefusingEngine(HeldEngine):
+    """Refuses every batch, as a failed or closed engine does."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def submit_calls(self, requests, on_done) -> None:
+        raise self.error
+
+
+def test_an_engine_that_refuses_every_batch_fails_every_waiting_write_without_recursing():
+    """Each failed write's completion asks for the next ones: that must loop, not nest one call per batch
+    (thousands of waiting writes reached Python's recursion limit and stranded the rest)."""
+    error = OSError(5, "engine failed")
+    batch = _batch(RefusingEngine(error), 4096)
+    heard = []
+    count = 3000
+    def save_all():  # on the control thread, so that every write waits for the batch's one flush
+        for i in range(count):
+            batch.write(torch.zeros(4096, dtype=torch.uint8), 0, 3, i * 4096, heard.append)
+
+    _control.call(save_all)
+    _control.settle()
+    assert len(heard) == count and all(e is error for e in heard) and batch.waiting_writes == 0
+
+
+def test_a_zero_allowance_sends_one_write_at_a_time_and_strands_none():
+    engine, heard = HeldEngine(), []
+    batch = _batch(engine, 0)
+    for i in range(3):
+        batch.write(torch.zeros(STORAGE_BYTES, dtype=torch.uint8), 0, 3, i * STORAGE_BYTES, heard.append)
+    batch.flush()
+    for sent in (1, 2, 3):
+        assert engine.ops() == [Op.WRITE] * sent
+        engine.complete(Op.WRITE)
+    assert heard == [None] * 3
+
+
+def test_after_closing_writes_are_not_needed_even_those_the_closed_engine_refuses():
+    from tba.errors import EngineClosedError
+
+    batch = _batch(RefusingEngine(EngineClosedError("engine is closed")), STORAGE_BYTES)
+    heard = []
+    batch.drop_waiting_writes()
+    batch.write(torch.zeros(STORAGE_BYTES, dtype=torch.uint8), 0, 3, 0, heard.append)
+    assert heard == [WRITE_NOT_NEEDED] and batch.waiting_writes == 0
+    # Taken before closing, sent after it: the closed engine's refusal is not a failed write.
+    batch = _batch(RefusingEngine(EngineClosedError("engine is closed")), STORAGE_BYTES)
+    batch.write(torch.zeros(STORAGE_BYTES, dtype=torch.uint8), 0, 3, 0, heard.append,
+                wanted=lambda: batch.drop_waiting_writes() or True)
+    batch.flush()
+    assert heard[-1] is WRITE_NOT_NEEDED

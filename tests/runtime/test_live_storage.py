@@ -83,3 +83,42 @@ def test_an_in_place_change_of_a_held_output_is_still_caught(spill_dir):
         loss.backward()
     del y, loss
     off.close()
+
+
+def test_a_storage_whose_pages_tba_handed_back_is_never_served_live(spill_dir, monkeypatch):
+    """Under glibc tba hands a written storage's pages back once it alone holds it. A reference of tba's
+    own that is not counted as an owner (here: the engine keeps the request, as the thread sending it
+    does for a moment) keeps the storage alive with pages that read as zeros: unpack must read the file."""
+    from tba.io import Engine, ThreadEngine
+    from tba.runtime import _store
+
+    monkeypatch.setattr(_store, "hands_back_pages", lambda: True)
+
+    class Keeping(Engine):
+        name = "keeping"
+
+        def __init__(self):
+            self.inner, self.kept = ThreadEngine(workers=1), []
+
+        def submit_many(self, requests):
+            self.kept.extend(requests)
+            return self.inner.submit_many(requests)
+
+        def close(self):
+            self.inner.close()
+
+    engine = Keeping()
+    off = tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0)
+    with off:
+        packed = off.pack(torch.randn(64 * KIB))
+        off.flush()
+    assert off.stats.as_dict()["tensors_offloaded"] == 1
+    entry = packed.entry
+    assert entry.pages_discarded and not entry.ref.expired(), "the test needs a discarded storage kept alive"
+    got = off.unpack(packed)
+    assert off.stats.unpacks_from_live_storage == 0 and off.stats.bytes_read > 0
+    assert got.abs().sum() > 0, "served the discarded (zeroed) pages"
+    del packed, got
+    engine.kept.clear()
+    off.close()
+    engine.close()

@@ -112,3 +112,14 @@ def test_the_walk_resumes_and_counts_each_entry_once():
     assert picked == list(range(98, -1, -1))
     window.select(entries[50])  # the cursor never moves up
     assert window._cursor_seq == 0
+
+
+def test_a_held_storage_whose_write_was_skipped_still_counts_against_the_budget():
+    """Held for backward, its write skipped (KEPT), it is still in memory until unpacked: a new walk
+    (here the start of backward) counts it, so it does not let another budget's worth be read."""
+    entries = [entry(i, None) for i in range(4)]
+    entries[3].state = State.KEPT
+    entries[3].hold_for_backward = True
+    window = window_of(entries, prefetch_budget_bytes=2 * MIB)
+    to_read, _ = window.select(None)
+    assert seqs(to_read) == [2]
