@@ -122,7 +122,8 @@ class StoreRelease:
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
         entry.state = State.KEPT
-        self.window.discount(entry)
+        if not entry.hold_for_backward:  # a held one stays counted until unpacked, as in _skip_unwritten
+            self.window.discount(entry)
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes

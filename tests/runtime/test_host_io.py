@@ -5,6 +5,7 @@ Note [Writes wait in tba's queue, not the engine's] in ``tba/runtime/_host_io.py
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import torch
@@ -190,3 +191,33 @@ def test_after_closing_writes_are_not_needed_even_those_the_closed_engine_refuse
                 wanted=lambda: batch.drop_waiting_writes() or True)
     batch.flush()
     assert heard[-1] is WRITE_NOT_NEEDED
+
+
+class FailAfterGate(FaultyEngine):
+    """Writes wait for the gate, then fail with ENOSPC (a disk that filled up after forward)."""
+
+    def _gated_write(self, request):
+        self.gate.wait()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_held_storage_whose_write_failed_still_counts_against_the_window(spill_dir):
+    """Held for backward while its write was in the engine, then the write failed: the storage is
+    kept in memory until unpacked, and the prefetch window must keep counting it (a walk that stopped
+    counting it read another budget's worth beside it)."""
+    gate = threading.Event()
+    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(6)]
+    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+    off = tba.Offloader(spill_dir, backend=FailAfterGate(gate=gate), min_offload_bytes=0)
+    with off:
+        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+    window = off._store.window
+    held = window._held
+    assert held > 0
+    gate.set()
+    off.flush()
+    assert off.stats.tensors_kept_on_error > 0
+    assert window._held == held, "a held storage kept after a failed write stopped counting"
+    torch.autograd.backward(losses)
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    off.close()
