@@ -120,16 +120,23 @@ def test_host_writes_backward_took_from_memory_are_skipped_and_exact(spill_dir, 
     off.close()
 
 
+def _forward_behind_gate(spill_dir, engine, count: int):
+    """Forward ``tanh(x).pow(2).sum()`` of ``count`` leaves under an offloader on ``engine`` (whose writes
+    wait for the caller's gate); returns the leaves, their gradients without tba, the offloader and the losses."""
+    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(count)]
+    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
+    off = tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0)
+    with off:
+        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+    return xs, want, off, losses
+
+
 def test_writes_of_storages_the_window_holds_for_backward_are_skipped(spill_dir, monkeypatch):
     """At the end of forward the prefetch window holds the last storages in memory for backward: their
     writes, still waiting, serve nothing and are skipped before backward starts; backward stays exact."""
     monkeypatch.setattr(_host_io, "HOST_WRITE_AHEAD_BYTES", 2 * STORAGE_BYTES)
     gate = threading.Event()
-    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(12)]
-    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
-    off = tba.Offloader(spill_dir, backend=FaultyEngine(gate=gate), min_offload_bytes=0)
-    with off:
-        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+    xs, want, off, losses = _forward_behind_gate(spill_dir, FaultyEngine(gate=gate), 12)
     gate.set()
     off.flush()
     assert off.stats.writes_skipped >= len(xs) - 3, str(off.stats.as_dict())
@@ -206,11 +213,7 @@ def test_a_held_storage_whose_write_failed_still_counts_against_the_window(spill
     kept in memory until unpacked, and the prefetch window must keep counting it (a walk that stopped
     counting it read another budget's worth beside it)."""
     gate = threading.Event()
-    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(6)]
-    want = [torch.autograd.grad(torch.tanh(x).pow(2).sum(), x)[0] for x in xs]
-    off = tba.Offloader(spill_dir, backend=FailAfterGate(gate=gate), min_offload_bytes=0)
-    with off:
-        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+    xs, want, off, losses = _forward_behind_gate(spill_dir, FailAfterGate(gate=gate), 6)
     window = off._store.window
     held = window._held
     assert held > 0
