@@ -57,6 +57,7 @@ class StrategyResult:
             "fit": None if fit is None else {"a_bytes": fit[0], "b_bytes_per_sample": fit[1]},
             "predicted_max_batch": search.predicted if search is not None else None,
             "confirmed": search.confirmed if search is not None else False,
+            "next_over_batch": search.next_over if search is not None else None,
             "capped": search.capped if search is not None else False,
             "same_loss_at_keep_max": self.same_loss_at_keep_max,
             "points": [] if search is None else [
@@ -97,11 +98,19 @@ def _number(value: float | int | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _confirmation(row: dict[str, Any]) -> str:
+    """``yes`` (one sample more is over), ``over at N`` (the smallest batch measured over, within the
+    search's tolerance), or ``no``."""
+    if row["confirmed"]:
+        return "yes"
+    return f"over at {row['next_over_batch']}" if row["next_over_batch"] else "no"
+
+
 def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int | None) -> str:
     """One row per strategy; a failed strategy's row gives its reason instead of figures."""
     at_keep = f"tok/s at b={keep_max}" if keep_max else "tok/s at keep max"
     header = (f"{'strategy':<22} {'max batch':>9} {'x keep':>6} {'peak MiB':>9} {'tok/s at max':>12} "
-              f"{at_keep:>17} {'confirmed':>9}")
+              f"{at_keep:>17} {'confirmed':>11}")
     lines = [header, "-" * len(header)]
     keep_batch = keep_max
     for result in results:
@@ -115,7 +124,7 @@ def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int 
             f"{_number(result.max_batch / keep_batch if keep_batch and result.max_batch is not None else None, '.2f'):>6} "
             f"{_number(peak / MIB if peak is not None else None, '.1f'):>9} "
             f"{_number(row['tokens_per_s_at_max'], '.0f'):>12} {_number(row['tokens_per_s_at_keep_max'], '.0f'):>17} "
-            f"{'yes' if row['confirmed'] else 'no':>9}")
+            f"{_confirmation(row):>11}")
     return "\n".join(lines)
 
 

@@ -8,14 +8,19 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    reported as failed and nothing else runs; once a probe is over the budget, larger probes are
    skipped);
 2. fits the line by least squares over every successful point and predicts the maximum
-   ``m = floor((budget - a) / b)``;
-3. confirms by measuring ``m`` and ``m + 1``: done when ``m`` fits and ``m + 1`` does not;
+   ``m = floor((budget - a) / b)`` (or takes the caller's ``first_guess``: an adaptive plan spends
+   the budget at every batch, so its peaks draw no line);
+3. confirms by measuring ``m`` and, when ``m`` fits, ``m + 1``: done when ``m`` fits and ``m + 1``
+   does not;
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
-   does not: with such a bracket (wider than one sample) it interpolates between the two
-   bracketing points (regula falsi), or bisects when the upper end is a failed run (no peak to
-   interpolate with); without one it refits and extrapolates, to at most :data:`MAX_GROWTH` times
-   the largest batch that fitted. After at most ``rounds`` rounds the
-   largest batch that fitted is reported, marked unconfirmed.
+   does not (or, with a ``tolerance``, within that fraction of it): with such a bracket it
+   interpolates between the two bracketing points (regula falsi); when the upper end is a failed
+   run that said how much memory it needed (:attr:`MeasureError.needed_bytes`, an adaptive plan's
+   refusal), it scales that batch by ``budget / needed``; else it bisects. Without an upper end it
+   refits and extrapolates, to at most :data:`MAX_GROWTH` times the largest batch that fitted;
+   a flat or falling line (an adaptive plan's peaks) doubles that batch instead. A guess at or
+   below the largest batch that fitted moves one step above it: one sample, or the tolerance.
+   After at most ``rounds`` rounds the largest batch that fitted is reported, marked unconfirmed.
 
 A run that fails (the child process raised, for instance a budget an adaptive plan cannot meet)
 counts as a batch that does not fit, and its reason is kept with the point. Peaks that are not
@@ -43,7 +48,15 @@ confirming. A prediction off by a few percent takes two or three; bisecting belo
 
 
 class MeasureError(Exception):
-    """Raised by a measure function when the run failed; the message is the reason, shown as is."""
+    """Raised by a measure function when the run failed; the message is the reason, shown as is.
+
+    ``needed_bytes``: the least activation memory the run said it needed at that batch (an adaptive
+    plan refusing the budget), when it said so.
+    """
+
+    def __init__(self, reason: str, needed_bytes: int | None = None) -> None:
+        super().__init__(reason)
+        self.needed_bytes = needed_bytes
 
 
 @dataclasses.dataclass
@@ -55,6 +68,7 @@ class Point:
     step_s: float | None = None
     error: str | None = None
     losses: list[float] = dataclasses.field(default_factory=list)
+    needed_bytes: int | None = None
 
     def fits(self, budget_bytes: int) -> bool:
         return self.error is None and self.peak_bytes is not None and self.peak_bytes <= budget_bytes
@@ -67,7 +81,8 @@ class Search:
     ``max_batch`` is None when the strategy failed at its first probe (``error`` says why), 0 when
     not even the smallest batch fits. ``fit`` is ``(a_bytes, b_bytes_per_sample)``; ``predicted``
     the first prediction; ``confirmed`` True when ``max_batch`` fits and ``max_batch + 1`` was
-    measured not to; ``capped`` True when the search stopped at ``MAX_BATCH``.
+    measured not to; ``next_over`` the smallest batch above ``max_batch`` measured not to fit (None
+    when none was); ``capped`` True when the search stopped at ``MAX_BATCH``.
     """
 
     budget_bytes: int
@@ -76,6 +91,7 @@ class Search:
     fit: tuple[float, float] | None = None
     predicted: int | None = None
     confirmed: bool = False
+    next_over: int | None = None
     capped: bool = False
     error: str | None = None
 
@@ -117,28 +133,52 @@ def _bracket(points: Sequence[Point], budget_bytes: int) -> tuple[Point | None, 
     return (max(under, key=lambda p: p.batch) if under else None), hi
 
 
-def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int) -> int:
+def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tolerance: float = 0.0) -> int:
     lo, hi = _bracket(points, budget_bytes)
     lo_batch = lo.batch if lo else 0
+    step = max(1, math.floor(tolerance * lo_batch))
     if hi is None:
         fit = linear_fit(points)
-        guess = predict(fit, budget_bytes, max_batch) if fit else lo_batch + 1
+        if fit is None or fit[1] <= 0:
+            guess = 2 * lo_batch
+        else:
+            guess = predict(fit, budget_bytes, max_batch)
+            if guess <= lo_batch:
+                guess = lo_batch + step
         return min(max(guess, lo_batch + 1), max(MAX_GROWTH * lo_batch, 1), max_batch)
     if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
         share = (budget_bytes - lo.peak_bytes) / (hi.peak_bytes - lo.peak_bytes)
         guess = lo.batch + math.floor(share * (hi.batch - lo.batch))
+    elif hi.needed_bytes and hi.needed_bytes > budget_bytes:
+        guess = math.floor(hi.batch * budget_bytes / hi.needed_bytes)
+        if guess <= lo_batch:
+            guess = lo_batch + step
     else:
         guess = (lo_batch + hi.batch) // 2
     return min(max(guess, lo_batch + 1), hi.batch - 1)
 
 
+def _settled(lo: Point | None, hi: Point | None, max_batch: int, tolerance: float) -> bool:
+    """True when no further measurement is wanted: the bracket is one sample wide (or within
+    ``tolerance`` of its lower end), or the largest fitting batch is the cap."""
+    if lo is not None and lo.batch >= max_batch:
+        return True
+    if hi is None:
+        return False
+    lo_batch = lo.batch if lo else 0
+    return hi.batch - lo_batch <= max(1, math.floor(tolerance * lo_batch))
+
+
 def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes: Sequence[int] = (1, 2),
-                   max_batch: int = MAX_BATCH, rounds: int = MAX_ROUNDS,
-                   on_point: Callable[[Search], None] | None = None) -> Search:
+                   max_batch: int = MAX_BATCH, rounds: int = MAX_ROUNDS, first_guess: int | None = None,
+                   tolerance: float = 0.0, on_point: Callable[[Search], None] | None = None) -> Search:
     """Search the largest batch whose measured peak is at most ``budget_bytes`` (see the module's description).
 
     ``measure(batch)`` returns a :class:`Point` or raises :class:`MeasureError`; ``on_point(search)``
-    is called after every measurement (to save partial results).
+    is called after every measurement (to save partial results). ``first_guess`` replaces the line's
+    prediction in the first round. ``tolerance`` (a fraction) ends the search once the smallest batch
+    that does not fit is within ``tolerance`` times the largest that does of it (noisy peaks make the
+    last sample's verdict a coin toss); 0 searches to one sample.
     """
     search = Search(budget_bytes)
 
@@ -146,7 +186,7 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
         try:
             point = measure(batch)
         except MeasureError as err:
-            point = Point(batch, error=str(err))
+            point = Point(batch, error=str(err), needed_bytes=err.needed_bytes)
         search.points.append(point)
         search.fit = linear_fit(search.points)
         if on_point is not None:
@@ -163,17 +203,22 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
         search.predicted = predict(search.fit, budget_bytes, max_batch)
     for round_number in range(rounds):
         lo, hi = _bracket(search.points, budget_bytes)
-        if (hi is not None and hi.batch == (lo.batch if lo else 0) + 1) or (lo is not None and lo.batch >= max_batch):
+        if _settled(lo, hi, max_batch, tolerance):
             break
-        guess = _next_guess(search.points, budget_bytes, max_batch)
+        guess = _next_guess(search.points, budget_bytes, max_batch, tolerance)
+        if round_number == 0 and first_guess is not None:
+            guess = min(max(first_guess, 1), max_batch)
         candidates = (guess, guess + 1) if round_number == 0 else (guess,)
         wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None]
         if not wanted:
             break
         for batch in wanted:
             run(batch)
+            if not search.points[-1].fits(budget_bytes):
+                break
     lo, hi = _bracket(search.points, budget_bytes)
     search.max_batch = lo.batch if lo else 0
     search.capped = search.max_batch >= max_batch
+    search.next_over = hi.batch if hi is not None else None
     search.confirmed = hi is not None and hi.batch == search.max_batch + 1
     return search

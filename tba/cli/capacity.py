@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -50,6 +51,16 @@ STRATEGIES = (("keep", "keep-all", "keep"), ("recompute", "full recompute", "rec
               ("offload", "offload-all", "tba"), ("offloaded_recompute", "offloaded recompute", "offloaded_recompute"),
               ("adaptive", "adaptive", "adaptive"))
 """(name in the JSON, label in the table, harness mode)."""
+
+TOLERANCE = 0.02
+"""The search stops once the smallest batch over the budget is within this fraction of the largest
+that fits (always at one sample below 50): on this 2-core VM offload-all's peak at about 200
+samples varied from 399 to 565 MiB between runs of neighbouring batches (the write backlog follows
+the disk), so the last sample's verdict is noise, and each such run takes 15 s."""
+
+NEEDS = re.compile(r"needs at least ([0-9.]+) MiB")
+"""Finds the least memory in an adaptive plan's refusal (``TbaConfigError`` from
+:mod:`tba.policy._adaptive`), which the search scales the refused batch by."""
 
 ADAPTIVE_PROFILE_STEPS = 1
 """Steps the adaptive runs profile before planning (tba's default is 2): each one is a whole
@@ -108,6 +119,9 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
     for result in results:
         measure = _measurer(settings, result, lines)
         probes = (1, 2) if result.name == "keep" or not keep_max else (keep_max, 2 * keep_max)
+        first_guess = None
+        if result.name == "adaptive":
+            probes, first_guess = _adaptive_start(results, keep_max)
         result.status = "running"
 
         def on_point(search: Search, result: StrategyResult = result) -> None:
@@ -115,7 +129,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
             save()
 
         result.search = find_max_batch(measure, settings.budget_bytes, probes=probes, max_batch=settings.max_batch,
-                                       on_point=on_point)
+                                       first_guess=first_guess, tolerance=TOLERANCE, on_point=on_point)
         if result.search.max_batch is None:
             result.status = "failed"
             lines.say(f"{result.label}: unavailable: {result.search.error}")
@@ -142,6 +156,20 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
     return results, doc
 
 
+def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tuple[tuple[int, ...], int | None]:
+    """Probes and first guess for the adaptive strategy.
+
+    Its plan spends the budget at every batch, so its peaks draw no line to extrapolate. It can
+    reach at most what its placements reach alone, so the search starts at the largest batch
+    offload-all or offloaded recompute reached (measured before it), after keep-all's batch (whose
+    speed the table compares); a refusal there says how much memory the plan needed, which scales
+    the next guess.
+    """
+    reached = [r.max_batch for r in results if r.name in ("offload", "offloaded_recompute") and r.max_batch]
+    probe = keep_max or 1
+    return (probe,), (max(reached) if reached and max(reached) > probe else None)
+
+
 def _measurer(settings: Settings, result: StrategyResult, lines: _Lines):
     options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
         if result.name == "adaptive" else None
@@ -156,7 +184,8 @@ def _measurer(settings: Settings, result: StrategyResult, lines: _Lines):
         except IsolatedRunError as err:
             logger.debug("%s", err.stderr)
             lines.say(f"{result.label}: batch {batch} failed: {err.reason}")
-            raise MeasureError(err.reason) from None
+            needs = NEEDS.search(err.reason)
+            raise MeasureError(err.reason, needed_bytes=round(float(needs.group(1)) * MIB) if needs else None) from None
         fits = "fits" if run.footprint_bytes <= settings.budget_bytes else "over"
         lines.say(f"{result.label}: batch {batch}: peak {run.footprint_bytes / MIB:.1f} MiB ({fits}), "
                   f"{run.median_step_s:.2f} s/step")

@@ -9,10 +9,13 @@ import sys
 import pytest
 import torch
 
+import tba
+
 from tba.cli import main
 from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
 from tba.cli._capacity_search import Point, Search
 
+MIB = 1 << 20
 PER_STRATEGY = ("max_batch", "tokens_per_s_at_max", "tokens_per_s_at_keep_max", "status", "points", "fit")
 
 
@@ -89,3 +92,16 @@ def test_table_summary_and_chart(tmp_path):
     assert results[2].as_dict(10)["tokens_per_s_at_max"] == pytest.approx(20 * 10 / 12.0)
     path = tmp_path / "c.png"
     assert plot_png(results, str(path), seq_len=10, title="t") and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_search_reads_the_least_memory_from_an_adaptive_refusal():
+    from tba.cli.capacity import NEEDS
+    from tba.policy import plan
+
+    layer = tba.LayerProfile(forward_s=1.0, saved_bytes=100 * MIB, input_bytes=10 * MIB, backward_s=2.0)
+    profile = tba.Profile(layers=(layer,) * 4, write_bytes_per_s=50 * MIB, read_bytes_per_s=100 * MIB,
+                          max_storage_bytes=10 * MIB)
+    with pytest.raises(tba.TbaConfigError) as refusal:
+        plan(profile, memory_budget_bytes=MIB)
+    needs = NEEDS.search(f"tba.errors.TbaConfigError: {refusal.value}")
+    assert needs and float(needs.group(1)) * MIB > MIB

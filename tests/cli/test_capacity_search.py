@@ -115,3 +115,48 @@ def test_a_flat_peak_grows_the_batch_geometrically_instead_of_jumping_to_the_cap
         assert batch <= 8 * max(fitted, 1) + 1 or batch <= 26, calls
         if batch <= 100:
             fitted = max(fitted, batch)
+
+
+def test_a_flat_fit_that_predicts_below_a_fitting_batch_doubles_it():
+    calls = []
+
+    def measure(batch):  # adaptive peaks, noisy and falling: the line predicts nothing fits
+        calls.append(batch)
+        if batch > 100:
+            raise MeasureError("TbaConfigError: memory_budget cannot be met")
+        return Point(batch, peak_bytes=(480 if batch == 13 else 400) * MIB)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
+    assert calls[:4] == [13, 26, 52, 53], calls  # not 27, 28, ... one sample a round
+    assert calls[4] == 106 and search.max_batch <= 100
+
+
+def test_a_first_guess_replaces_the_prediction_and_an_over_guess_skips_its_neighbour():
+    calls = []
+
+    def measure(batch):
+        calls.append(batch)
+        if batch > 160:
+            raise MeasureError("TbaConfigError: memory_budget=512.0 MiB cannot be met", needed_bytes=16 * batch * MIB // 5)
+        return Point(batch, peak_bytes=500 * MIB)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13,), first_guess=267)
+    # 267 refused, needing 3.2 MiB a sample: 267 x 512 / 854.4 = 160, which fits, and 161 does not
+    assert calls == [13, 267, 160, 161]
+    assert search.max_batch == 160 and search.confirmed and search.point(267).needed_bytes == 16 * 267 * MIB // 5
+
+
+def test_a_tolerance_ends_the_search_within_that_fraction():
+    calls = []
+
+    def noisy(batch):  # over the budget from 205, with peaks that do not say so clearly
+        calls.append(batch)
+        return Point(batch, peak_bytes=(600 if batch >= 205 else 2 * batch) * MIB)
+
+    exact = find_max_batch(noisy, 512 * MIB, probes=(13, 26))
+    assert exact.max_batch == 204 and exact.confirmed and exact.next_over == 205
+    rounds_exact = len(calls)
+    calls.clear()
+    loose = find_max_batch(noisy, 512 * MIB, probes=(13, 26), tolerance=0.02)
+    assert not loose.confirmed and loose.next_over - loose.max_batch <= 0.02 * loose.max_batch
+    assert 200 <= loose.max_batch <= 204 and len(calls) < rounds_exact
