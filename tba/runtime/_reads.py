@@ -182,6 +182,8 @@ class StoreReads:
         with self.lock:
             entry.transfer_in_flight = False
             self._reading -= 1
+            if self._reading == 0:
+                self.window.note_reads_idle()
             self._transfer_ended()
             done, entry.read_done = entry.read_done, None
             waited = done is not UNWATCHED

@@ -23,17 +23,34 @@ def test_starts_at_initial_and_is_capped_by_forward_bytes():
     assert c.budget_bytes == 64 * MIB
 
 
-def test_grows_on_each_wait_up_to_the_fraction_of_forward():
+def test_grows_on_each_wait_after_reads_idled_up_to_the_fraction_of_forward():
     c = controller()
     c.start_pass(forward_bytes=1024 * MIB)
     c.note_wait()
     assert c.budget_bytes == 96 * MIB
+    c.note_reads_idle()
     c.note_wait()
     assert c.budget_bytes == 144 * MIB
     for _ in range(10):
+        c.note_reads_idle()
         c.note_wait()
     assert c.budget_bytes == 256 * MIB
     assert c.waits == 12
+
+
+def test_waits_while_the_disk_reads_all_along_do_not_grow():
+    c = controller()
+    c.start_pass(forward_bytes=1024 * MIB)
+    c.note_wait()  # the pass starts after forward's reads idled: one grow
+    for _ in range(10):
+        c.note_wait()  # reads in flight throughout: the disk, not the window, is behind
+    assert c.budget_bytes == 96 * MIB
+    c.note_reads_idle()
+    c.note_wait()
+    assert c.budget_bytes == 144 * MIB
+    c.start_pass(forward_bytes=1024 * MIB)
+    c.note_wait()
+    assert c.budget_bytes == 216 * MIB
 
 
 def test_shrinks_after_a_pass_whose_reads_sat_idle_and_never_below_min():
@@ -108,3 +125,5 @@ def test_tolerated_waits_neither_grow_nor_prevent_shrinking():
     c.note_wait()
     c.note_wait()
     assert c.budget_bytes == 48 * MIB
+    c.note_wait()
+    assert c.budget_bytes == 48 * MIB, "no read idled since the last grow"
