@@ -7,7 +7,9 @@ With ``malloc_env`` (default) the child runs under :data:`~tba.bench.meters.MALL
 Note [Why measured processes fix glibc's mmap threshold] in ``tba/bench/meters.py``. ``allocator``
 (``system`` by default, or ``auto``, ``jemalloc``, ``tcmalloc``, ``mimalloc``) is preloaded into
 the child (:func:`tba.allocator.launch_env`), the same for every mode; the child reports the
-allocator it found serving it, and a mismatch (a preload the loader refused) is an error.
+allocator it found serving it, and a mismatch (a preload the loader refused) is an error. Many
+measurements under one environment can share a :func:`fork_server`, which forks each child from a
+process that has imported torch already (``tba/bench/_forkserver.py``) instead of starting Python.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tba.allocator import CACHING, detect, launch_env, resolve
+from tba.bench._forkserver import ForkServer
 from tba.bench.harness import ModeResult, run_mode, run_steps
 from tba.bench.meters import MALLOC_ENV
 from tba.bench.models import PRESETS
@@ -66,14 +69,26 @@ class IsolatedRunError(RuntimeError):
         super().__init__(f"mode {mode} failed:\n{stderr[-4000:]}")
 
 
+def _environment(allocator: str, malloc_env: bool) -> dict[str, str]:
+    env, _ = launch_env(allocator, dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
+    return env
+
+
+def fork_server(*, malloc_env: bool = True, allocator: str = "system") -> ForkServer:
+    """A :class:`~tba.bench._forkserver.ForkServer` for :func:`run_isolated` calls with these same
+    ``malloc_env`` and ``allocator``; use it as a context manager."""
+    return ForkServer(_environment(allocator, malloc_env))
+
+
 def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allocator: str = "system",
-                 **kwargs: Any) -> ModeResult:
+                 server: ForkServer | None = None, **kwargs: Any) -> ModeResult:
     """:func:`run_mode` in a fresh Python process; keyword arguments as for :func:`run_mode`.
 
     With ``malloc_env`` (default) the process runs under :data:`~tba.bench.meters.MALLOC_ENV`;
     without it, in a plain environment as a user's training would (glibc's adaptive mmap threshold).
     ``allocator`` is preloaded into the process (an ``--allocator`` value, see :mod:`tba.allocator`);
-    the result's ``allocator`` is the one the process found serving it.
+    the result's ``allocator`` is the one the process found serving it. With ``server`` (from
+    :func:`fork_server`, given the same ``malloc_env`` and ``allocator``), the process is forked from it.
 
     With ``preset=None``, pass ``model_factory`` and ``batch_factory`` (callables defined at
     module level, or their :func:`factory_spec` strings) to measure any model with :func:`run_steps`.
@@ -82,17 +97,21 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
         if key in kwargs:
             kwargs[key] = factory_spec(kwargs[key])
     request = json.dumps({"mode": mode, "preset": preset, **kwargs})
-    env, _ = launch_env(allocator, dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
-    proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
-                          env=env)
-    if proc.returncode != 0:
-        raise IsolatedRunError(mode, proc.stderr)
-    _relay_warnings(proc.stderr)
-    result = ModeResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    if server is not None:
+        returncode, stdout, stderr = server.run(request)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
+                              env=_environment(allocator, malloc_env))
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode != 0:
+        raise IsolatedRunError(mode, stderr)
+    _relay_warnings(stderr)
+    result = ModeResult(**json.loads(stdout.strip().splitlines()[-1]))
     wanted = resolve(allocator)[0]
     if result.allocator != wanted and not (wanted == "system" and result.allocator not in CACHING):
         raise RuntimeError(f"mode {mode} was to run under {wanted} but {result.allocator} served it "
-                           f"(LD_PRELOAD={env.get('LD_PRELOAD', '')!r}):\n{proc.stderr[-2000:]}")
+                           f"(LD_PRELOAD={_environment(allocator, malloc_env).get('LD_PRELOAD', '')!r}):\n"
+                           f"{stderr[-2000:]}")
     return result
 
 

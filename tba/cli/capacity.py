@@ -5,7 +5,7 @@ length and, for keep-all, full recompute (non-reentrant checkpoint on every laye
 (tba), offloaded recompute (tba: every layer recomputed in backward, its input written to the
 spill file) and adaptive (tba's planner given the budget), finds the largest batch whose
 activation peak stays within the budget. Each measurement is a fresh process (a warm-up step, then
-the measured steps). The peak is the run's footprint: the most memory above what the process held
+the measured steps), forked from a server that imported torch once (``tba/bench/_forkserver.py``). The peak is the run's footprint: the most memory above what the process held
 before its first step (weights, gradients, batch), over every step, so a caching malloc's retained
 memory counts; on CUDA, allocated device memory above the same point.
 
@@ -30,12 +30,14 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
-from tba.bench.isolated import IsolatedRunError, run_isolated
+from tba.bench._forkserver import ForkServer
+from tba.bench.isolated import IsolatedRunError, fork_server, run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
@@ -115,9 +117,24 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
         return doc
 
     save()
+    with fork_server(allocator=settings.allocator) as server:
+        _search_all(settings, results, lines, server, save)
+    doc = save()
+    if png_path is not None:
+        title = f"capacity within {settings.budget_bytes / MIB:.0f} MiB: {settings.preset}, seq {settings.seq_len}, " \
+                f"{settings.device}, {malloc.split(' (')[0]}"
+        if not plot_png(results, png_path, seq_len=settings.seq_len, title=title):
+            logger.warning("tba: matplotlib is not installed, so no %s; pip install 'tba-offload[plot]' to get it",
+                           png_path)
+    return results, doc
+
+
+def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines, server: ForkServer,
+                save: Callable[[], Any]) -> None:
+    """Search every strategy in turn, each measurement a child of ``server``; ``save()`` after each."""
     keep_max: int | None = None
     for result in results:
-        measure = _measurer(settings, result, lines)
+        measure = _measurer(settings, result, lines, server)
         probes = (1, 2) if result.name == "keep" or not keep_max else (keep_max, 2 * keep_max)
         first_guess = None
         if result.name == "adaptive":
@@ -146,14 +163,6 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
         lines.say(f"{result.label}: largest batch {result.search.max_batch}"
                   f"{'' if result.search.confirmed else ' (not confirmed)'}")
         save()
-    doc = save()
-    if png_path is not None:
-        title = f"capacity within {settings.budget_bytes / MIB:.0f} MiB: {settings.preset}, seq {settings.seq_len}, " \
-                f"{settings.device}, {malloc.split(' (')[0]}"
-        if not plot_png(results, png_path, seq_len=settings.seq_len, title=title):
-            logger.warning("tba: matplotlib is not installed, so no %s; pip install 'tba-offload[plot]' to get it",
-                           png_path)
-    return results, doc
 
 
 def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tuple[tuple[int, ...], int | None]:
@@ -170,7 +179,7 @@ def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tupl
     return (probe,), (max(reached) if reached and max(reached) > probe else None)
 
 
-def _measurer(settings: Settings, result: StrategyResult, lines: _Lines):
+def _measurer(settings: Settings, result: StrategyResult, lines: _Lines, server: ForkServer | None = None):
     options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
         if result.name == "adaptive" else None
 
@@ -180,7 +189,8 @@ def _measurer(settings: Settings, result: StrategyResult, lines: _Lines):
             run = run_isolated(result.mode, settings.preset, steps=settings.steps, warmup=settings.warmup,
                                directory=settings.directory, backend=settings.backend, device=settings.device,
                                threads=settings.threads, allocator=settings.allocator, offload_options=options,
-                               prime=True, config_overrides={"batch_size": batch, "seq_len": settings.seq_len})
+                               prime=True, config_overrides={"batch_size": batch, "seq_len": settings.seq_len},
+                               server=server)
         except IsolatedRunError as err:
             logger.debug("%s", err.stderr)
             lines.say(f"{result.label}: batch {batch} failed: {err.reason}")

@@ -160,3 +160,4 @@ def test_a_tolerance_ends_the_search_within_that_fraction():
     loose = find_max_batch(noisy, 512 * MIB, probes=(13, 26), tolerance=0.02)
     assert not loose.confirmed and loose.next_over - loose.max_batch <= 0.02 * loose.max_batch
     assert 200 <= loose.max_batch <= 204 and len(calls) < rounds_exact
+

@@ -1,0 +1,156 @@
+"""A server process that imports torch once and forks a fresh child for every measurement.
+
+A search that measures tens of batch sizes (``python -m tba capacity``) would otherwise start a
+Python process per measurement and spend about 1.5 s of each importing torch: a quarter of the
+capacity run on the 2-core VM. :class:`ForkServer` starts one process under the measurements'
+environment (the preloaded allocator and ``MALLOC_*`` settings are fixed at exec, so they are the
+same for every child), which imports torch and nothing of tba, then waits for requests. Each
+request is served by a child forked from it: a new address space whose memory counters
+(``VmHWM``, reset through ``/proc/self/clear_refs``, see ``tba/bench/meters.py``) and malloc
+state are its own, which imports tba, runs :func:`tba.bench.isolated._worker` exactly as
+``python -m tba.bench.isolated`` would, and exits. Its stdout and stderr go to files the caller
+reads back, as ``subprocess.run(capture_output=True)`` would give them.
+
+Note: [Why the server imports torch and nothing else]
+Forking a process that runs threads copies only the forking thread; a lock another thread held
+stays locked in the child. Importing torch starts no thread that the child needs; importing tba
+starts its control thread (``tba/_control.py``), so the server leaves tba to the child. The
+server never runs a torch operator either, so no intra-op thread pool exists to be lost across
+the fork, and a child's ``torch.get_num_threads()`` is what a fresh process gets
+(``tests/bench/test_forkserver.py`` checks it).
+
+Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "out": path, "err":
+path, "target": spec}`` (``target``: a :func:`tba.bench.isolated.factory_spec` string naming the
+function the child calls with ``request``; None for the isolated worker); the server answers one line with the child's exit status (negative: killed by that
+signal). EOF on stdin ends the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import IO
+
+
+class ForkServerError(RuntimeError):
+    """The server process died or answered nonsense; its stderr is in the message."""
+
+
+class ForkServer:
+    """Runs ``python -m tba.bench.isolated``'s worker in children forked from one process.
+
+    Use as a context manager; :meth:`run` is safe from one thread at a time (a lock serialises it).
+
+    Args:
+        env: The environment the server (and so every child) runs under.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "tba.bench._forkserver"], env=env, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._lock = threading.Lock()
+        self._dir = tempfile.TemporaryDirectory(prefix="tba-forkserver-")
+
+    def __repr__(self) -> str:
+        return f"ForkServer(pid={self._proc.pid}, running={self._proc.poll() is None})"
+
+    def run(self, request_json: str, target: str | None = None) -> tuple[int, str, str]:
+        """Serve one request; returns ``(exit status, stdout, stderr)`` of the child.
+
+        ``target`` (``"module:function"`` or ``"file.py:function"``) is what the child calls with
+        ``request_json``; None: the isolated worker, as ``python -m tba.bench.isolated`` runs it.
+        """
+        with self._lock:
+            out, err = (os.path.join(self._dir.name, name) for name in ("out", "err"))
+            line = json.dumps({"request": request_json, "out": out, "err": err, "target": target})
+            try:
+                self._proc.stdin.write(line + "\n")
+                self._proc.stdin.flush()
+                answer = self._proc.stdout.readline()
+                status = int(answer)
+            except (OSError, ValueError):
+                raise ForkServerError(f"the fork server (pid {self._proc.pid}) stopped: "
+                                      f"{self._stderr_after_exit()}") from None
+            return status, _read(out), _read(err)
+
+    def close(self) -> None:
+        """Stop the server (it exits at EOF on its stdin) and remove its files."""
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for pipe in (self._proc.stdout, self._proc.stderr):
+            pipe.close()
+        self._dir.cleanup()
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stderr_after_exit(self) -> str:
+        self._proc.kill()
+        self._proc.wait()
+        return self._proc.stderr.read()[-2000:] or f"exit status {self._proc.returncode}"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _child(request_json: str, out: str, err: str, target: str | None = None) -> int:
+    """In the forked child: output to the files, run the worker (or ``target``), exit status 0 or 1."""
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    status = 0
+    try:
+        from tba.bench.isolated import _worker, load_factory
+
+        (load_factory(target) if target else _worker)(request_json)
+    except BaseException:  # the child reports every failure through its exit status and stderr
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    return status
+
+
+def _serve(requests: IO[str], answers: IO[str]) -> None:
+    import torch  # noqa: F401 (imported once here, shared by every child; see the module docstring)
+
+    for line in requests:
+        message = json.loads(line)
+        answers.flush()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_child(message["request"], message["out"], message["err"], message.get("target")))
+        _, wait_status = os.waitpid(pid, 0)
+        answers.write(f"{os.waitstatus_to_exitcode(wait_status)}\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin, sys.stdout)

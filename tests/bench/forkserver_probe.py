@@ -1,0 +1,16 @@
+"""Run in a fork server's child (and in a fresh process, to compare): facts about the process, as JSON."""
+
+import json
+import os
+import sys
+
+import torch
+
+
+def facts(request_json: str) -> None:
+    print(json.dumps({"pid": os.getpid(), "threads": torch.get_num_threads(), "request": request_json,
+                      "tasks": len(os.listdir("/proc/self/task"))}))
+
+
+if __name__ == "__main__":
+    facts(sys.argv[1])

@@ -1,0 +1,54 @@
+"""The fork server: its children run the isolated worker as a fresh process would; failures come back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tba.bench.isolated import IsolatedRunError, fork_server, run_isolated
+
+PROBE = os.path.join(os.path.dirname(__file__), "forkserver_probe.py")
+
+
+def test_children_measure_what_fresh_processes_measure(spill_dir):
+    options = dict(steps=1, warmup=0, directory=spill_dir, backend="threads", prime=True)
+    fresh = run_isolated("tba", "tiny", **options)
+    with fork_server() as server:
+        forked = [run_isolated("tba", "tiny", server=server, **options) for _ in range(2)]
+        with pytest.raises(IsolatedRunError) as failed:
+            run_isolated("no-such-mode", "tiny", server=server, **options)
+        after = run_isolated("keep", "tiny", server=server, **options)
+    assert [r.losses for r in forked] == [fresh.losses] * 2 and forked[0].allocator == fresh.allocator
+    assert all(r.offload_stats["bytes_written"] == fresh.offload_stats["bytes_written"] for r in forked)
+    assert "no-such-mode" in failed.value.stderr  # the failure ended only that child
+    assert after.losses == fresh.losses
+    assert os.listdir(spill_dir) == []
+
+
+def test_a_child_is_a_new_process_with_a_fresh_process_threads():
+    fresh = json.loads(subprocess.run([sys.executable, PROBE, "x"], capture_output=True, text=True,
+                                      check=True).stdout)
+    torch_only = subprocess.run([sys.executable, "-c", "import os, torch; print(len(os.listdir('/proc/self/task')))"],
+                                capture_output=True, text=True, check=True).stdout
+    with fork_server() as server:
+        answers = [server.run(f"request {i}", target=f"{PROBE}:facts") for i in range(2)]
+        server_threads = len(os.listdir(f"/proc/{server._proc.pid}/task"))
+    children = [json.loads(stdout) for status, stdout, _ in answers if status == 0]
+    assert len(children) == 2, answers
+    assert children[0]["pid"] != children[1]["pid"] and children[1]["request"] == "request 1"
+    assert [c["threads"] for c in children] == [fresh["threads"]] * 2
+    assert server_threads == int(torch_only)  # no tba thread in the server: they start in each child
+
+
+def test_a_failing_child_reports_its_status_and_stderr_and_a_dead_server_is_an_error():
+    with fork_server() as server:
+        status, stdout, stderr = server.run("not json")
+        assert status == 1 and "JSONDecodeError" in stderr and stdout == ""
+        server._proc.kill()
+        server._proc.wait()
+        with pytest.raises(RuntimeError, match="fork server .* stopped"):
+            server.run("{}")
