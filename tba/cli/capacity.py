@@ -36,8 +36,7 @@ from typing import Any
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
-from tba.bench._forkserver import ForkServer
-from tba.bench.isolated import IsolatedRunError, fork_server, run_isolated
+from tba.bench.isolated import ForkServer, IsolatedRunError, fork_server, run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary

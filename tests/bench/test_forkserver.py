@@ -23,7 +23,7 @@ def test_children_measure_what_fresh_processes_measure(spill_dir):
             run_isolated("no-such-mode", "tiny", server=server, **options)
         after = run_isolated("keep", "tiny", server=server, **options)
     assert [r.losses for r in forked] == [fresh.losses] * 2 and forked[0].allocator == fresh.allocator
-    assert all(r.offload_stats["bytes_written"] == fresh.offload_stats["bytes_written"] for r in forked)
+    assert all(r.offload_stats["tensors_offloaded"] == fresh.offload_stats["tensors_offloaded"] > 0 for r in forked)
     assert "no-such-mode" in failed.value.stderr  # the failure ended only that child
     assert after.losses == fresh.losses
     assert os.listdir(spill_dir) == []
