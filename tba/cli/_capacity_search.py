@@ -10,8 +10,8 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
 2. fits the line by least squares over every successful point and predicts the maximum
    ``m = floor((budget - a) / b)`` (or takes the caller's ``first_guess``: an adaptive plan spends
    the budget at every batch, so its peaks draw no line);
-3. confirms by measuring ``m`` and, when ``m`` fits, ``m + 1``: done when ``m`` fits and ``m + 1``
-   does not;
+3. confirms by measuring ``m`` and, when ``m`` fits, ``m + 1`` (with a ``tolerance``, ``m`` plus
+   that fraction of it): done when ``m`` fits and the second does not;
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
    does not (or, with a ``tolerance``, within that fraction of it): with such a bracket it
    interpolates between the two bracketing points (regula falsi); when the upper end is a failed
@@ -208,7 +208,7 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
         guess = _next_guess(search.points, budget_bytes, max_batch, tolerance)
         if round_number == 0 and first_guess is not None:
             guess = min(max(first_guess, 1), max_batch)
-        candidates = (guess, guess + 1) if round_number == 0 else (guess,)
+        candidates = (guess, guess + max(1, math.floor(tolerance * guess))) if round_number == 0 else (guess,)
         wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None]
         if not wanted:
             break

@@ -161,3 +161,9 @@ def test_a_tolerance_ends_the_search_within_that_fraction():
     assert not loose.confirmed and loose.next_over - loose.max_batch <= 0.02 * loose.max_batch
     assert 200 <= loose.max_batch <= 204 and len(calls) < rounds_exact
 
+
+
+def test_with_a_tolerance_the_confirmation_steps_by_it():
+    calls = []
+    search = find_max_batch(linear(0, 2 * MIB, calls), 512 * MIB, probes=(13, 26), tolerance=0.02)
+    assert calls == [13, 26, 208, 212, 256, 261] and search.max_batch == 256 and search.next_over == 261
