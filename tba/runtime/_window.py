@@ -20,8 +20,10 @@ A wait has two causes. The window may have held reads back: the engine had nothi
 some moment, so a read issued earlier would have been ready. Or the disk reads slower than
 backward consumes: reads were in flight all along, and a larger window would read no faster, only
 hold more read-back bytes longer. The controller grows only after the first: the store reports
-each moment the read engine runs out of reads (:meth:`WindowController.note_reads_idle`), and a
-grow uses that report up. On the ``deep`` preset at 185 samples (7 GB read back at about 1 GB/s,
+each moment the read engine runs out of reads (:meth:`WindowController.note_reads_idle`), counted
+once the pass has unpacked something, and a grow uses that report up. A pass starts with none, so
+a disk-bound backward does not grow the window once per step either (a review found it reaching
+its cap of a quarter of forward's bytes after 13 such steps). On the ``deep`` preset at 185 samples (7 GB read back at about 1 GB/s,
 backward consuming faster) every wait used to grow the window by 1.5x: 8 or 10 waits, depending on
 the disk's pace, left it at 134 or 301 MiB, and the step's peak at 432 or 605-628 MiB, in
 otherwise identical runs.
@@ -71,8 +73,9 @@ class WindowController:
         """Bytes written by the forward whose backward is running (set by :meth:`start_pass`)."""
         self.waits = 0
         """Unpacks that waited in the current pass."""
-        self.reads_idled = True
-        """The read engine ran out of reads since the last grow (or this pass began): a wait may grow."""
+        self.reads_idled = False
+        """The read engine ran out of reads, after this pass's first unpack, since the last grow: a
+        wait may grow the window."""
         self.served_prefetched = 0
         """Unpacks served from prefetched memory in the current pass."""
         self.passes = 0
@@ -88,11 +91,14 @@ class WindowController:
         self.forward_bytes = forward_bytes
         self.waits = 0
         self.served_prefetched = 0
-        self.reads_idled = True
+        self.reads_idled = False
 
     def note_reads_idle(self) -> None:
-        """The read engine has nothing in flight: the window, not the disk, is what holds reads back."""
-        self.reads_idled = True
+        """The read engine has nothing in flight: once backward has unpacked something, the window,
+        not the disk, is what holds reads back (before that, forward's last reads merely finished
+        ahead of a backward that had not started)."""
+        if self.waits or self.served_prefetched:
+            self.reads_idled = True
 
     def note_wait(self) -> None:
         """An unpack had to wait for its read: grow now (within the cap), if reads idled since the last grow."""

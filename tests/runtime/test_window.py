@@ -26,11 +26,12 @@ def test_starts_at_initial_and_is_capped_by_forward_bytes():
 def test_grows_on_each_wait_after_reads_idled_up_to_the_fraction_of_forward():
     c = controller()
     c.start_pass(forward_bytes=1024 * MIB)
-    c.note_wait()
-    assert c.budget_bytes == 96 * MIB
     c.note_reads_idle()
     c.note_wait()
-    assert c.budget_bytes == 144 * MIB
+    assert c.budget_bytes == 64 * MIB, "reads that idle before backward unpacked anything say nothing"
+    c.note_reads_idle()
+    c.note_wait()
+    assert c.budget_bytes == 96 * MIB
     for _ in range(10):
         c.note_reads_idle()
         c.note_wait()
@@ -41,16 +42,22 @@ def test_grows_on_each_wait_after_reads_idled_up_to_the_fraction_of_forward():
 def test_waits_while_the_disk_reads_all_along_do_not_grow():
     c = controller()
     c.start_pass(forward_bytes=1024 * MIB)
-    c.note_wait()  # the pass starts after forward's reads idled: one grow
     for _ in range(10):
         c.note_wait()  # reads in flight throughout: the disk, not the window, is behind
-    assert c.budget_bytes == 96 * MIB
+    assert c.budget_bytes == 64 * MIB
     c.note_reads_idle()
     c.note_wait()
-    assert c.budget_bytes == 144 * MIB
-    c.start_pass(forward_bytes=1024 * MIB)
-    c.note_wait()
-    assert c.budget_bytes == 216 * MIB
+    assert c.budget_bytes == 96 * MIB
+
+
+def test_disk_bound_steps_do_not_ratchet_the_window():
+    c = WindowController()
+    for _ in range(10):
+        c.start_pass(7000 * MIB)
+        for _ in range(10):
+            c.note_wait()
+        c.end_pass()
+    assert c.budget_bytes == c.min_bytes
 
 
 def test_shrinks_after_a_pass_whose_reads_sat_idle_and_never_below_min():
@@ -70,6 +77,7 @@ def test_a_pass_with_a_wait_does_not_shrink():
     c = controller()
     c.start_pass(forward_bytes=1024 * MIB)
     c.note_served_prefetched()
+    c.note_reads_idle()
     c.note_wait()
     c.end_pass()
     assert c.budget_bytes == 96 * MIB
@@ -94,6 +102,8 @@ def test_prefetch_window_uses_the_controller_unless_a_budget_was_given():
     c = controller()
     window = PrefetchWindow(1, None, c)
     assert window.budget_bytes == 64 * MIB
+    c.note_served_prefetched()
+    window.note_reads_idle()
     c.note_wait()
     assert window.budget_bytes == 96 * MIB
     assert PrefetchWindow(1, 5 * MIB, c).budget_bytes == 5 * MIB
@@ -123,6 +133,7 @@ def test_tolerated_waits_neither_grow_nor_prevent_shrinking():
     assert c.budget_bytes == 32 * MIB
     c.start_pass(forward_bytes=1024 * MIB)
     c.note_wait()
+    c.note_reads_idle()
     c.note_wait()
     assert c.budget_bytes == 48 * MIB
     c.note_wait()
