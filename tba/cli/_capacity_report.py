@@ -58,6 +58,7 @@ class StrategyResult:
             "predicted_max_batch": search.predicted if search is not None else None,
             "confirmed": search.confirmed if search is not None else False,
             "next_over_batch": search.next_over if search is not None else None,
+            "settled": search.settled if search is not None else False,
             "capped": search.capped if search is not None else False,
             "same_loss_at_keep_max": self.same_loss_at_keep_max,
             "points": [] if search is None else [
@@ -103,7 +104,7 @@ def _confirmation(row: dict[str, Any]) -> str:
     search's tolerance), or ``no``."""
     if row["confirmed"]:
         return "yes"
-    return f"over at {row['next_over_batch']}" if row["next_over_batch"] else "no"
+    return f"over at {row['next_over_batch']}" if row["settled"] and row["next_over_batch"] else "no"
 
 
 def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int | None) -> str:

@@ -14,7 +14,8 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    that fraction of it): done when ``m`` fits and the second does not;
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
    does not (or, with a ``tolerance``, within that fraction of it): with such a bracket it
-   interpolates between the two bracketing points (regula falsi); when the upper end is a failed
+   interpolates between the two bracketing points (regula falsi; after two rounds that moved only
+   the lower end, it bisects, since a peak far over the budget drags the interpolation down); when the upper end is a failed
    run that said how much memory it needed (:attr:`MeasureError.needed_bytes`, an adaptive plan's
    refusal), it scales that batch by ``budget / needed``; else it bisects. Without an upper end it
    refits and extrapolates, to at most :data:`MAX_GROWTH` times the largest batch that fitted;
@@ -81,8 +82,9 @@ class Search:
     ``max_batch`` is None when the strategy failed at its first probe (``error`` says why), 0 when
     not even the smallest batch fits. ``fit`` is ``(a_bytes, b_bytes_per_sample)``; ``predicted``
     the first prediction; ``confirmed`` True when ``max_batch`` fits and ``max_batch + 1`` was
-    measured not to; ``next_over`` the smallest batch above ``max_batch`` measured not to fit (None
-    when none was); ``capped`` True when the search stopped at ``MAX_BATCH``.
+    measured not to; ``settled`` True when the search ended on its stopping rule (``confirmed``, or
+    ``next_over`` within the tolerance, or the cap), not on its round limit; ``next_over`` the
+    smallest batch above ``max_batch`` measured not to fit (None when none was); ``capped`` True when the search stopped at ``MAX_BATCH``.
     """
 
     budget_bytes: int
@@ -91,6 +93,7 @@ class Search:
     fit: tuple[float, float] | None = None
     predicted: int | None = None
     confirmed: bool = False
+    settled: bool = False
     next_over: int | None = None
     capped: bool = False
     error: str | None = None
@@ -146,9 +149,12 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
             if guess <= lo_batch:
                 guess = lo_batch + step
         return min(max(guess, lo_batch + 1), max(MAX_GROWTH * lo_batch, 1), max_batch)
-    if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
+    creeping = len(points) >= 2 and all(p.fits(budget_bytes) and p.batch < hi.batch for p in points[-2:])
+    if creeping:  # interpolation moved only the lower end twice in a row: halve the bracket instead
+        guess = (lo_batch + hi.batch) // 2
+    elif lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
         share = (budget_bytes - lo.peak_bytes) / (hi.peak_bytes - lo.peak_bytes)
-        guess = lo.batch + math.floor(share * (hi.batch - lo.batch))
+        guess = max(lo.batch + math.floor(share * (hi.batch - lo.batch)), lo.batch + step)
     elif hi.needed_bytes and hi.needed_bytes > budget_bytes:
         guess = math.floor(hi.batch * budget_bytes / hi.needed_bytes)
         if guess <= lo_batch:
@@ -206,8 +212,9 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
         if _settled(lo, hi, max_batch, tolerance):
             break
         guess = _next_guess(search.points, budget_bytes, max_batch, tolerance)
-        if round_number == 0 and first_guess is not None:
-            guess = min(max(first_guess, 1), max_batch)
+        if round_number == 0 and first_guess is not None and (lo.batch if lo else 0) < first_guess <= max_batch \
+                and (hi is None or first_guess < hi.batch):
+            guess = first_guess
         candidates = (guess, guess + max(1, math.floor(tolerance * guess))) if round_number == 0 else (guess,)
         wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None]
         if not wanted:
@@ -221,4 +228,5 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
     search.capped = search.max_batch >= max_batch
     search.next_over = hi.batch if hi is not None else None
     search.confirmed = hi is not None and hi.batch == search.max_batch + 1
+    search.settled = _settled(lo, hi, max_batch, tolerance)
     return search

@@ -167,3 +167,23 @@ def test_with_a_tolerance_the_confirmation_steps_by_it():
     calls = []
     search = find_max_batch(linear(0, 2 * MIB, calls), 512 * MIB, probes=(13, 26), tolerance=0.02)
     assert calls == [13, 26, 208, 212, 256, 261] and search.max_batch == 256 and search.next_over == 261
+
+
+def test_a_first_guess_outside_the_bracket_is_not_run():
+    calls = []
+
+    def measure(batch):  # the probe at keep-all's batch comes in just over the budget
+        calls.append(batch)
+        return Point(batch, peak_bytes=(520 if batch == 13 else 400) * MIB)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13,), first_guess=200, tolerance=0.02)
+    assert 200 not in calls and search.max_batch < 13
+
+
+def test_over_at_is_claimed_only_when_the_search_settled():
+    def measure(batch):  # gentle up to 200, then far over: interpolation alone would creep
+        return Point(batch, peak_bytes=(400 * MIB + batch * MIB // 2) if batch <= 200 else 4096 * MIB)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(100, 400), tolerance=0.02)
+    assert search.settled == (search.next_over - search.max_batch <= max(1, int(0.02 * search.max_batch)))
+    assert search.max_batch >= 180, search.points  # each round moves at least the tolerance's step
