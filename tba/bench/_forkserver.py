@@ -14,15 +14,18 @@ reads back, as ``subprocess.run(capture_output=True)`` would give them.
 Note: [Why the server imports torch and nothing else]
 Forking a process that runs threads copies only the forking thread; a lock another thread held
 stays locked in the child. Importing torch starts no thread that the child needs; importing tba
-starts its control thread (``tba/_control.py``), so the server leaves tba to the child. The
-server never runs a torch operator either, so no intra-op thread pool exists to be lost across
+starts its control thread (``tba/_control.py``), so the server leaves tba to the child: it is
+this file loaded by path (``python -c`` with :data:`_BOOT`), not ``python -m tba.bench...``, which
+would import the ``tba`` package first (a review caught the server doing so). The server never
+runs a torch operator either, so no intra-op thread pool exists to be lost across
 the fork, and a child's ``torch.get_num_threads()`` is what a fresh process gets
 (``tests/bench/test_forkserver.py`` checks it).
 
 Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "out": path, "err":
 path, "target": spec}`` (``target``: a :func:`tba.bench.isolated.factory_spec` string naming the
-function the child calls with ``request``; None for the isolated worker); the server answers one line with the child's exit status (negative: killed by that
-signal). EOF on stdin ends the server.
+function the child calls with ``request``; None for the isolated worker); the server answers
+``ready`` once torch is imported, then one line per request with the child's exit status
+(negative: killed by that signal). EOF on stdin ends the server; its own stderr goes to a file.
 """
 
 from __future__ import annotations
@@ -40,55 +43,77 @@ class ForkServerError(RuntimeError):
     """The server process died or answered nonsense; its stderr is in the message."""
 
 
+_BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('tba_forkserver', sys.argv[1]); "
+         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+         "module._serve(sys.stdin, sys.stdout)")
+"""The server's command: this file loaded by path, so that the ``tba`` package is not imported
+(Note [Why the server imports torch and nothing else])."""
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The directory holding ``tba/``, put first on the children's ``PYTHONPATH`` so that they import
+this same tba."""
+
+
 class ForkServer:
     """Runs ``python -m tba.bench.isolated``'s worker in children forked from one process.
 
     Use as a context manager; :meth:`run` is safe from one thread at a time (a lock serialises it).
+    A server that died is started again at the next :meth:`run`.
 
     Args:
         env: The environment the server (and so every child) runs under.
     """
 
     def __init__(self, env: dict[str, str]) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "tba.bench._forkserver"], env=env, text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p))
         self._lock = threading.Lock()
         self._dir = tempfile.TemporaryDirectory(prefix="tba-forkserver-")
+        self._stderr_path = os.path.join(self._dir.name, "server.err")
+        self._proc: subprocess.Popen | None = None
+        self._start()
 
     def __repr__(self) -> str:
-        return f"ForkServer(pid={self._proc.pid}, running={self._proc.poll() is None})"
+        pid = self._proc.pid if self._proc is not None else None
+        return f"ForkServer(pid={pid}, running={self._proc is not None and self._proc.poll() is None})"
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id (None between a death and the restart)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:
+        with open(self._stderr_path, "w") as stderr:
+            self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, os.path.abspath(__file__)], env=self._env,
+                                          text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+        if self._proc.stdout.readline().strip() != "ready":
+            raise ForkServerError(f"the fork server did not start: {self._stop()}")
 
     def run(self, request_json: str, target: str | None = None) -> tuple[int, str, str]:
         """Serve one request; returns ``(exit status, stdout, stderr)`` of the child.
 
         ``target`` (``"module:function"`` or ``"file.py:function"``) is what the child calls with
         ``request_json``; None: the isolated worker, as ``python -m tba.bench.isolated`` runs it.
+        Raises :class:`ForkServerError` when the server died (the next call starts a new one).
         """
         with self._lock:
+            if self._proc is None:
+                self._start()
             out, err = (os.path.join(self._dir.name, name) for name in ("out", "err"))
             line = json.dumps({"request": request_json, "out": out, "err": err, "target": target})
             try:
                 self._proc.stdin.write(line + "\n")
                 self._proc.stdin.flush()
-                answer = self._proc.stdout.readline()
-                status = int(answer)
+                status = int(self._proc.stdout.readline())
             except (OSError, ValueError):
-                raise ForkServerError(f"the fork server (pid {self._proc.pid}) stopped: "
-                                      f"{self._stderr_after_exit()}") from None
+                raise ForkServerError(f"the fork server (pid {self._proc.pid}) stopped: {self._stop()}") from None
             return status, _read(out), _read(err)
 
     def close(self) -> None:
         """Stop the server (it exits at EOF on its stdin) and remove its files."""
-        if self._proc.poll() is None:
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        for pipe in (self._proc.stdout, self._proc.stderr):
-            pipe.close()
-        self._dir.cleanup()
+        with self._lock:
+            if self._proc is not None:
+                self._stop(timeout_s=30)
+            self._dir.cleanup()
 
     def __enter__(self) -> ForkServer:
         return self
@@ -96,10 +121,20 @@ class ForkServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _stderr_after_exit(self) -> str:
-        self._proc.kill()
-        self._proc.wait()
-        return self._proc.stderr.read()[-2000:] or f"exit status {self._proc.returncode}"
+    def _stop(self, timeout_s: float = 0) -> str:
+        """End the server (EOF first, then kill after ``timeout_s``), close its pipes; its stderr's tail."""
+        proc, self._proc = self._proc, None
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        return _read(self._stderr_path)[-2000:] or f"exit status {proc.returncode}"
 
 
 def _read(path: str) -> str:
@@ -141,16 +176,19 @@ def _child(request_json: str, out: str, err: str, target: str | None = None) -> 
 def _serve(requests: IO[str], answers: IO[str]) -> None:
     import torch  # noqa: F401 (imported once here, shared by every child; see the module docstring)
 
+    answers.write("ready\n")
+    answers.flush()
     for line in requests:
         message = json.loads(line)
-        answers.flush()
         pid = os.fork()
         if pid == 0:
-            os._exit(_child(message["request"], message["out"], message["err"], message.get("target")))
+            status = 70
+            try:
+                status = _child(message["request"], message["out"], message["err"], message.get("target"))
+            finally:  # never return into the server's loop, whatever happened before the child's own handler
+                os._exit(status)
         _, wait_status = os.waitpid(pid, 0)
         answers.write(f"{os.waitstatus_to_exitcode(wait_status)}\n")
         answers.flush()
 
 
-if __name__ == "__main__":
-    _serve(sys.stdin, sys.stdout)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tba.allocator import CACHING, detect, launch_env, resolve
-from tba.bench._forkserver import ForkServer
+from tba.bench._forkserver import ForkServer, ForkServerError
 from tba.bench.harness import ModeResult, run_mode, run_steps
 from tba.bench.meters import MALLOC_ENV
 from tba.bench.models import PRESETS
@@ -98,7 +98,10 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
             kwargs[key] = factory_spec(kwargs[key])
     request = json.dumps({"mode": mode, "preset": preset, **kwargs})
     if server is not None:
-        returncode, stdout, stderr = server.run(request)
+        try:
+            returncode, stdout, stderr = server.run(request)
+        except ForkServerError as err:
+            raise IsolatedRunError(mode, str(err)) from None
     else:
         proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
                               env=_environment(allocator, malloc_env))

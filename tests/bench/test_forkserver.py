@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -35,8 +36,8 @@ def test_a_child_is_a_new_process_with_a_fresh_process_threads():
     torch_only = subprocess.run([sys.executable, "-c", "import os, torch; print(len(os.listdir('/proc/self/task')))"],
                                 capture_output=True, text=True, check=True).stdout
     with fork_server() as server:
+        server_threads = len(os.listdir(f"/proc/{server.pid}/task"))  # ready: torch imported, nothing forked yet
         answers = [server.run(f"request {i}", target=f"{PROBE}:facts") for i in range(2)]
-        server_threads = len(os.listdir(f"/proc/{server._proc.pid}/task"))
     children = [json.loads(stdout) for status, stdout, _ in answers if status == 0]
     assert len(children) == 2, answers
     assert children[0]["pid"] != children[1]["pid"] and children[1]["request"] == "request 1"
@@ -44,11 +45,18 @@ def test_a_child_is_a_new_process_with_a_fresh_process_threads():
     assert server_threads == int(torch_only)  # no tba thread in the server: they start in each child
 
 
-def test_a_failing_child_reports_its_status_and_stderr_and_a_dead_server_is_an_error():
+def test_a_failing_child_reports_its_status_and_a_dead_server_fails_one_run_then_restarts(spill_dir):
+    options = dict(steps=1, warmup=0, directory=spill_dir, backend="threads", prime=True)
     with fork_server() as server:
         status, stdout, stderr = server.run("not json")
         assert status == 1 and "JSONDecodeError" in stderr and stdout == ""
-        server._proc.kill()
-        server._proc.wait()
-        with pytest.raises(RuntimeError, match="fork server .* stopped"):
-            server.run("{}")
+        first = server.pid
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(IsolatedRunError, match="fork server .* stopped"):
+            run_isolated("keep", "tiny", server=server, **options)
+        assert run_isolated("keep", "tiny", server=server, **options).losses  # a new server
+        assert server.pid != first
+        files = os.listdir(server._dir.name)
+    assert not os.path.exists(server._dir.name) and "server.err" in files
+    with pytest.raises(OSError):
+        os.kill(first, 0)  # reaped, not a zombie of this process
