@@ -8,8 +8,9 @@ same for every child), which imports torch and nothing of tba, then waits for re
 request is served by a child forked from it: a new address space whose memory counters
 (``VmHWM``, reset through ``/proc/self/clear_refs``, see ``tba/bench/meters.py``) and malloc
 state are its own, which imports tba, runs :func:`tba.bench.isolated._worker` exactly as
-``python -m tba.bench.isolated`` would, and exits. Its stdout and stderr go to files the caller
-reads back, as ``subprocess.run(capture_output=True)`` would give them.
+``python -m tba.bench.isolated`` would, and exits. Its stdout and stderr go to unlinked temporary
+files the server reads back and answers with, as ``subprocess.run(capture_output=True)`` would
+give them; nothing is named on disk, so a killed run leaves no file.
 
 Note: [Why the server imports torch and nothing else]
 Forking a process that runs threads copies only the forking thread; a lock another thread held
@@ -21,11 +22,12 @@ runs a torch operator either, so no intra-op thread pool exists to be lost acros
 the fork, and a child's ``torch.get_num_threads()`` is what a fresh process gets
 (``tests/bench/test_forkserver.py`` checks it).
 
-Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "out": path, "err":
-path, "target": spec}`` (``target``: a :func:`tba.bench.isolated.factory_spec` string naming the
-function the child calls with ``request``; None for the isolated worker); the server answers
-``ready`` once torch is imported, then one line per request with the child's exit status
-(negative: killed by that signal). EOF on stdin ends the server; its own stderr goes to a file.
+Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "target": spec}``
+(``target``: a :func:`tba.bench.isolated.factory_spec` string naming the function the child calls
+with ``request``; None for the isolated worker); the server answers ``ready`` once torch is
+imported, then one JSON line per request, ``{"status": ..., "out": ..., "err": ...}`` (the child's
+exit status, negative when a signal killed it, and its output). EOF on stdin ends the server; its
+own stderr goes to an unlinked temporary file.
 """
 
 from __future__ import annotations
@@ -67,14 +69,12 @@ class ForkServer:
     def __init__(self, env: dict[str, str]) -> None:
         self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p))
         self._lock = threading.Lock()
-        self._dir = tempfile.TemporaryDirectory(prefix="tba-forkserver-")
-        self._stderr_path = os.path.join(self._dir.name, "server.err")
         self._proc: subprocess.Popen | None = None
+        self._stderr: IO[str] | None = None
         self._start()
 
     def __repr__(self) -> str:
-        pid = self._proc.pid if self._proc is not None else None
-        return f"ForkServer(pid={pid}, running={self._proc is not None and self._proc.poll() is None})"
+        return f"ForkServer(pid={self.pid}, running={self._proc is not None and self._proc.poll() is None})"
 
     @property
     def pid(self) -> int | None:
@@ -82,9 +82,9 @@ class ForkServer:
         return self._proc.pid if self._proc is not None else None
 
     def _start(self) -> None:
-        with open(self._stderr_path, "w") as stderr:
-            self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, os.path.abspath(__file__)], env=self._env,
-                                          text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+        self._stderr = tempfile.TemporaryFile("w+")  # unlinked: nothing is left on disk, whatever kills us
+        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, os.path.abspath(__file__)], env=self._env,
+                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
         if self._proc.stdout.readline().strip() != "ready":
             raise ForkServerError(f"the fork server did not start: {self._stop()}")
 
@@ -98,22 +98,19 @@ class ForkServer:
         with self._lock:
             if self._proc is None:
                 self._start()
-            out, err = (os.path.join(self._dir.name, name) for name in ("out", "err"))
-            line = json.dumps({"request": request_json, "out": out, "err": err, "target": target})
             try:
-                self._proc.stdin.write(line + "\n")
+                self._proc.stdin.write(json.dumps({"request": request_json, "target": target}) + "\n")
                 self._proc.stdin.flush()
-                status = int(self._proc.stdout.readline())
+                answer = json.loads(self._proc.stdout.readline())
             except (OSError, ValueError):
                 raise ForkServerError(f"the fork server (pid {self._proc.pid}) stopped: {self._stop()}") from None
-            return status, _read(out), _read(err)
+            return answer["status"], answer["out"], answer["err"]
 
     def close(self) -> None:
-        """Stop the server (it exits at EOF on its stdin) and remove its files."""
+        """Stop the server (it exits at EOF on its stdin)."""
         with self._lock:
             if self._proc is not None:
                 self._stop(timeout_s=30)
-            self._dir.cleanup()
 
     def __enter__(self) -> ForkServer:
         return self
@@ -134,23 +131,17 @@ class ForkServer:
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        return _read(self._stderr_path)[-2000:] or f"exit status {proc.returncode}"
+        self._stderr.seek(0)
+        text = self._stderr.read()[-2000:]
+        self._stderr.close()
+        return text or f"exit status {proc.returncode}"
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
-def _child(request_json: str, out: str, err: str, target: str | None = None) -> int:
-    """In the forked child: output to the files, run the worker (or ``target``), exit status 0 or 1."""
-    for fd, path in ((1, out), (2, err)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(opened, fd)
-        os.close(opened)
+def _child(request_json: str, out: int, err: int, target: str | None = None) -> int:
+    """In the forked child: output to the descriptors ``out`` and ``err``, run the worker (or
+    ``target``), exit status 0 or 1."""
+    os.dup2(out, 1)
+    os.dup2(err, 2)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -180,15 +171,19 @@ def _serve(requests: IO[str], answers: IO[str]) -> None:
     answers.flush()
     for line in requests:
         message = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            status = 70
-            try:
-                status = _child(message["request"], message["out"], message["err"], message.get("target"))
-            finally:  # never return into the server's loop, whatever happened before the child's own handler
-                os._exit(status)
-        _, wait_status = os.waitpid(pid, 0)
-        answers.write(f"{os.waitstatus_to_exitcode(wait_status)}\n")
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            pid = os.fork()
+            if pid == 0:
+                status = 70
+                try:
+                    status = _child(message["request"], out.fileno(), err.fileno(), message.get("target"))
+                finally:  # never return into the server's loop, whatever happened before the child's handler
+                    os._exit(status)
+            _, wait_status = os.waitpid(pid, 0)
+            texts = []
+            for stream in (out, err):
+                stream.seek(0)
+                texts.append(stream.read().decode(errors="replace"))
+        answers.write(json.dumps({"status": os.waitstatus_to_exitcode(wait_status), "out": texts[0],
+                                  "err": texts[1]}) + "\n")
         answers.flush()
-
-
