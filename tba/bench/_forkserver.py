@@ -32,13 +32,18 @@ own stderr goes to an unlinked temporary file.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal a process gets when its parent dies (linux/prctl.h)."""
 
 
 class ForkServerError(RuntimeError):
@@ -47,13 +52,13 @@ class ForkServerError(RuntimeError):
 
 _BOOT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('tba_forkserver', sys.argv[1]); "
          "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-         "module._serve(sys.stdin, sys.stdout)")
+         "module._serve(sys.stdin, sys.stdout, sys.argv[2])")
 """The server's command: this file loaded by path, so that the ``tba`` package is not imported
 (Note [Why the server imports torch and nothing else])."""
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The directory holding ``tba/``, put first on the children's ``PYTHONPATH`` so that they import
-this same tba."""
+"""The directory holding ``tba/``: a child that would find another tba (or none) puts it first on
+its own ``sys.path``, so that it imports this same tba (the environment is left as it is)."""
 
 
 class ForkServer:
@@ -67,7 +72,7 @@ class ForkServer:
     """
 
     def __init__(self, env: dict[str, str]) -> None:
-        self._env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p))
+        self._env = dict(env)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._stderr: IO[str] | None = None
@@ -83,8 +88,9 @@ class ForkServer:
 
     def _start(self) -> None:
         self._stderr = tempfile.TemporaryFile("w+")  # unlinked: nothing is left on disk, whatever kills us
-        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, os.path.abspath(__file__)], env=self._env,
-                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, os.path.abspath(__file__), PACKAGE_ROOT],
+                                      env=self._env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr)
         if self._proc.stdout.readline().strip() != "ready":
             raise ForkServerError(f"the fork server did not start: {self._stop()}")
 
@@ -137,6 +143,25 @@ class ForkServer:
         return text or f"exit status {proc.returncode}"
 
 
+def _die_with(server_pid: int) -> None:
+    """Have the kernel kill this child when the server dies (Linux), so that a killed run leaves no
+    measurement running on; a server already gone ends the child at once."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != server_pid:
+        os._exit(70)
+
+
+def _use_package(root: str) -> None:
+    spec = importlib.util.find_spec("tba")
+    if spec is None or not spec.origin or os.path.dirname(os.path.dirname(spec.origin)) != root:
+        sys.path.insert(0, root)
+
+
 def _child(request_json: str, out: int, err: int, target: str | None = None) -> int:
     """In the forked child: output to the descriptors ``out`` and ``err``, run the worker (or
     ``target``), exit status 0 or 1."""
@@ -164,9 +189,10 @@ def _child(request_json: str, out: int, err: int, target: str | None = None) -> 
     return status
 
 
-def _serve(requests: IO[str], answers: IO[str]) -> None:
+def _serve(requests: IO[str], answers: IO[str], root: str = PACKAGE_ROOT) -> None:
     import torch  # noqa: F401 (imported once here, shared by every child; see the module docstring)
 
+    server_pid = os.getpid()
     answers.write("ready\n")
     answers.flush()
     for line in requests:
@@ -176,6 +202,8 @@ def _serve(requests: IO[str], answers: IO[str]) -> None:
             if pid == 0:
                 status = 70
                 try:
+                    _die_with(server_pid)
+                    _use_package(root)
                     status = _child(message["request"], out.fileno(), err.fileno(), message.get("target"))
                 finally:  # never return into the server's loop, whatever happened before the child's handler
                     os._exit(status)

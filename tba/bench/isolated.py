@@ -100,8 +100,11 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
     if server is not None:
         try:
             returncode, stdout, stderr = server.run(request)
-        except ForkServerError as err:
-            raise IsolatedRunError(mode, str(err)) from None
+        except ForkServerError:  # the server died (not the measurement): once more, on a new server
+            try:
+                returncode, stdout, stderr = server.run(request)
+            except ForkServerError as err:
+                raise IsolatedRunError(mode, str(err)) from None
     else:
         proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
                               env=_environment(allocator, malloc_env))

@@ -14,9 +14,10 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    that fraction of it): done when ``m`` fits and the second does not;
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
    does not (or, with a ``tolerance``, within that fraction of it): with such a bracket it
-   interpolates between the two bracketing points (regula falsi; after two rounds that moved only
-   the lower end, it bisects, since a peak far over the budget drags the interpolation down); when the upper end is a failed
-   run that said how much memory it needed (:attr:`MeasureError.needed_bytes`, an adaptive plan's
+   interpolates between the two bracketing points (regula falsi; after two measurements in a row
+   that moved only the lower end, it bisects, since a peak far over the budget drags the
+   interpolation down); when the upper end is a failed run that said how much memory it needed
+   (:attr:`MeasureError.needed_bytes`, an adaptive plan's
    refusal), it scales that batch by ``budget / needed``; else it bisects. Without an upper end it
    refits and extrapolates, to at most :data:`MAX_GROWTH` times the largest batch that fitted;
    a flat or falling line (an adaptive plan's peaks) doubles that batch instead. A guess at or
@@ -84,7 +85,8 @@ class Search:
     the first prediction; ``confirmed`` True when ``max_batch`` fits and ``max_batch + 1`` was
     measured not to; ``settled`` True when the search ended on its stopping rule (``confirmed``, or
     ``next_over`` within the tolerance, or the cap), not on its round limit; ``next_over`` the
-    smallest batch above ``max_batch`` measured not to fit (None when none was); ``capped`` True when the search stopped at ``MAX_BATCH``.
+    smallest batch above ``max_batch`` measured not to fit (None when none was); ``capped`` True
+    when the search stopped at ``MAX_BATCH``.
     """
 
     budget_bytes: int
@@ -216,7 +218,8 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
                 and (hi is None or first_guess < hi.batch):
             guess = first_guess
         candidates = (guess, guess + max(1, math.floor(tolerance * guess))) if round_number == 0 else (guess,)
-        wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None]
+        wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None
+                  and (hi is None or b < hi.batch)]
         if not wanted:
             break
         for batch in wanted:

@@ -5,9 +5,10 @@ length and, for keep-all, full recompute (non-reentrant checkpoint on every laye
 (tba), offloaded recompute (tba: every layer recomputed in backward, its input written to the
 spill file) and adaptive (tba's planner given the budget), finds the largest batch whose
 activation peak stays within the budget. Each measurement is a fresh process (a warm-up step, then
-the measured steps), forked from a server that imported torch once (``tba/bench/_forkserver.py``). The peak is the run's footprint: the most memory above what the process held
-before its first step (weights, gradients, batch), over every step, so a caching malloc's retained
-memory counts; on CUDA, allocated device memory above the same point.
+the measured steps), forked from a server that imported torch once (``tba/bench/_forkserver.py``).
+The peak is the run's footprint: the most memory above what the process held before its first
+step (weights, gradients, batch), over every step, so a caching malloc's retained memory counts;
+on CUDA, allocated device memory above the same point.
 
 The search (``tba/cli/_capacity_search.py``) measures the peak at two small batches (keep-all: 1
 and 2; the others: keep-all's largest batch and twice it), fits ``peak = a + b * batch``, predicts

@@ -84,8 +84,13 @@ class PrefetchWindow:
         self.controller.note_wait()
 
     def note_reads_idle(self) -> None:
-        """No read is in flight (the self-sizing budget may grow on the next wait)."""
-        self.controller.note_reads_idle()
+        """No read is in flight (in backward, the self-sizing budget may grow on the next wait).
+
+        Not in forward: unpacks inside the ``with`` block (a gradient penalty's ``autograd.grad``)
+        would otherwise grow a window that no forward's bytes cap yet.
+        """
+        if self._in_backward:
+            self.controller.note_reads_idle()
 
     def note_served_from_memory(self) -> None:
         """An unpack in backward found its bytes resident (the self-sizing budget may shrink after the pass)."""

@@ -23,9 +23,10 @@ hold more read-back bytes longer. The controller grows only after the first: the
 each moment the read engine runs out of reads (:meth:`WindowController.note_reads_idle`), counted
 once the pass has unpacked something, and a grow uses that report up. A pass starts with none, so
 a disk-bound backward does not grow the window once per step either (a review found it reaching
-its cap of a quarter of forward's bytes after 13 such steps). On the ``deep`` preset at 185 samples (7 GB read back at about 1 GB/s,
-backward consuming faster) every wait used to grow the window by 1.5x: 8 or 10 waits, depending on
-the disk's pace, left it at 134 or 301 MiB, and the step's peak at 432 or 605-628 MiB, in
+its cap of a quarter of forward's bytes after 13 such steps). On the ``deep`` preset at 185
+samples (7 GB read back at about 1 GB/s, backward consuming faster) every wait used to grow the
+window by 1.5x: 8 or 10 waits, depending on the disk's pace, left it at 134 or 301 MiB, and the
+step's peak at 432 or 605-628 MiB, in
 otherwise identical runs.
 
 The controller only computes a number of bytes; :class:`tba.runtime._prefetch.PrefetchWindow`

@@ -7,9 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
+from tba.bench._forkserver import ForkServerError
 from tba.bench.isolated import IsolatedRunError, fork_server, run_isolated
 
 PROBE = os.path.join(os.path.dirname(__file__), "forkserver_probe.py")
@@ -52,13 +55,50 @@ def test_a_failing_child_reports_its_status_and_a_dead_server_fails_one_run_then
         assert status == 1 and "JSONDecodeError" in stderr and stdout == ""
         first = server.pid
         os.kill(first, signal.SIGKILL)
-        with pytest.raises(IsolatedRunError, match="fork server .* stopped"):
-            run_isolated("keep", "tiny", server=server, **options)
+        with pytest.raises(ForkServerError, match="fork server .* stopped"):
+            server.run("{}")
         assert run_isolated("keep", "tiny", server=server, **options).losses  # a new server
-        assert server.pid != first
+        second = server.pid
+        os.kill(second, signal.SIGKILL)  # run_isolated tries once more on a new server: no failed point
+        assert run_isolated("keep", "tiny", server=server, **options).losses
+        assert len({first, second, server.pid}) == 3
         named = [os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")]
         # what a killed run could leave behind: only pipes, devices and unlinked files are open
         assert all(not os.path.isfile(target) or target.endswith("(deleted)")
                    or target.startswith(sys.prefix) or target.startswith(sys.base_prefix) for target in named), named
     with pytest.raises(OSError):
         os.kill(first, 0)  # reaped, not a zombie of this process
+
+
+def test_a_child_dies_with_its_server(tmp_path):
+    with fork_server() as server:
+        pid_file = tmp_path / "child"
+        answers = []
+
+        def measure():
+            try:
+                server.run(str(pid_file), f"{PROBE}:sleep_forever")
+            except ForkServerError as err:
+                answers.append(err)
+
+        runner = threading.Thread(target=measure)
+        runner.start()
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        os.kill(server.pid, signal.SIGKILL)
+        runner.join(30)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the measurement went on after its server was killed"
+        assert len(answers) == 1  # the caller heard that the server stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import tba
-
 from tba.cli import main
 from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
 from tba.cli._capacity_search import Point, Search

@@ -105,6 +105,12 @@ def test_prefetch_window_uses_the_controller_unless_a_budget_was_given():
     c.note_served_prefetched()
     window.note_reads_idle()
     c.note_wait()
+    assert window.budget_bytes == 64 * MIB, "reads idling in forward (unpacks inside the block) grow nothing"
+    window.forward_bytes = 1024 * MIB
+    window.end_forward()
+    c.note_served_prefetched()
+    window.note_reads_idle()
+    c.note_wait()
     assert window.budget_bytes == 96 * MIB
     assert PrefetchWindow(1, 5 * MIB, c).budget_bytes == 5 * MIB
 
