@@ -187,3 +187,9 @@ def test_over_at_is_claimed_only_when_the_search_settled():
     search = find_max_batch(measure, 512 * MIB, probes=(100, 400), tolerance=0.02)
     assert search.settled == (search.next_over - search.max_batch <= max(1, int(0.02 * search.max_batch)))
     assert search.max_batch >= 180, search.points  # each round moves at least the tolerance's step
+
+
+def test_the_confirmation_never_measures_above_a_batch_known_over():
+    calls = []
+    search = find_max_batch(linear(0, 5 * MIB // 2, calls), 499 * MIB, probes=(100, 200), tolerance=0.02)
+    assert calls == [100, 200, 199] and search.max_batch == 199 and search.confirmed  # 202 was not run
