@@ -14,10 +14,10 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    that fraction of it): done when ``m`` fits and the second does not;
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
    does not (or, with a ``tolerance``, within that fraction of it): with such a bracket it
-   interpolates between the two bracketing points (regula falsi; after two measurements in a row
-   that moved only the lower end, it bisects, since a peak far over the budget drags the
-   interpolation down); when the upper end is a failed run that said how much memory it needed
-   (:attr:`MeasureError.needed_bytes`, an adaptive plan's
+   interpolates between the two bracketing points (regula falsi, Illinois variant: when the same
+   end moved in several measurements in a row, the other end's weight halves each time, since a
+   peak far from the budget drags the interpolation towards it); when the upper end is a failed
+   run that said how much memory it needed (:attr:`MeasureError.needed_bytes`, an adaptive plan's
    refusal), it scales that batch by ``budget / needed``; else it bisects. Without an upper end it
    refits and extrapolates, to at most :data:`MAX_GROWTH` times the largest batch that fitted;
    a flat or falling line (an adaptive plan's peaks) doubles that batch instead. A guess at or
@@ -151,11 +151,15 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
             if guess <= lo_batch:
                 guess = lo_batch + step
         return min(max(guess, lo_batch + 1), max(MAX_GROWTH * lo_batch, 1), max_batch)
-    creeping = len(points) >= 2 and all(p.fits(budget_bytes) and p.batch < hi.batch for p in points[-2:])
-    if creeping:  # interpolation moved only the lower end twice in a row: halve the bracket instead
-        guess = (lo_batch + hi.batch) // 2
-    elif lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
-        share = (budget_bytes - lo.peak_bytes) / (hi.peak_bytes - lo.peak_bytes)
+    if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
+        under, over = budget_bytes - lo.peak_bytes, hi.peak_bytes - budget_bytes
+        fits, run = _last_run(points, budget_bytes)
+        if run >= 2:  # Illinois: one end moved ``run`` times in a row, so the other end's weight halves each time
+            if fits:
+                over /= 2 ** (run - 1)
+            else:
+                under /= 2 ** (run - 1)
+        share = under / (under + over)
         guess = max(lo.batch + math.floor(share * (hi.batch - lo.batch)), lo.batch + step)
     elif hi.needed_bytes and hi.needed_bytes > budget_bytes:
         guess = math.floor(hi.batch * budget_bytes / hi.needed_bytes)
@@ -164,6 +168,17 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
     else:
         guess = (lo_batch + hi.batch) // 2
     return min(max(guess, lo_batch + 1), hi.batch - 1)
+
+
+def _last_run(points: Sequence[Point], budget_bytes: int) -> tuple[bool, int]:
+    """Whether the last measurement fitted, and how many measurements in a row, up to it, did the same."""
+    fits = points[-1].fits(budget_bytes)
+    run = 0
+    for point in reversed(points):
+        if point.fits(budget_bytes) != fits:
+            break
+        run += 1
+    return fits, run
 
 
 def _settled(lo: Point | None, hi: Point | None, max_batch: int, tolerance: float) -> bool:

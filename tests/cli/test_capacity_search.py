@@ -193,3 +193,19 @@ def test_the_confirmation_never_measures_above_a_batch_known_over():
     calls = []
     search = find_max_batch(linear(0, 5 * MIB // 2, calls), 499 * MIB, probes=(100, 200), tolerance=0.02)
     assert calls == [100, 200, 199] and search.max_batch == 199 and search.confirmed  # 202 was not run
+
+
+def test_illinois_interpolation_does_not_crawl_from_one_end():
+    import numpy as np
+
+    measured = [(13, 39.1), (26, 59.3), (208, 399.5), (212, 407.2), (236, 511.7), (237, 513.9), (240, 520.2),
+                (246, 533.1), (268, 579.5)]  # offloaded recompute on the deep preset: steep near the budget
+    calls = []
+
+    def measure(batch):
+        calls.append(batch)
+        return Point(batch, peak_bytes=int(np.interp(batch, *zip(*measured)) * MIB))
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13, 26), tolerance=0.02)
+    assert calls == [13, 26, 208, 212, 268, 246, 236, 240] and search.max_batch == 236 and search.settled
+    # plain regula falsi crawled down from the upper end: 268, 246, 240, 237, 236
