@@ -157,6 +157,7 @@ def _die_with(server_pid: int) -> None:
 
 
 def _use_package(root: str) -> None:
+    """Put ``root`` first on ``sys.path`` unless ``tba`` is found there already (finding does not import it)."""
     spec = importlib.util.find_spec("tba")
     if spec is None or not spec.origin or os.path.dirname(os.path.dirname(spec.origin)) != root:
         sys.path.insert(0, root)
@@ -193,6 +194,7 @@ def _serve(requests: IO[str], answers: IO[str], root: str = PACKAGE_ROOT) -> Non
     import torch  # noqa: F401 (imported once here, shared by every child; see the module docstring)
 
     server_pid = os.getpid()
+    _use_package(root)  # once, for every child
     answers.write("ready\n")
     answers.flush()
     for line in requests:
@@ -203,7 +205,6 @@ def _serve(requests: IO[str], answers: IO[str], root: str = PACKAGE_ROOT) -> Non
                 status = 70
                 try:
                     _die_with(server_pid)
-                    _use_package(root)
                     status = _child(message["request"], out.fileno(), err.fileno(), message.get("target"))
                 finally:  # never return into the server's loop, whatever happened before the child's handler
                     os._exit(status)

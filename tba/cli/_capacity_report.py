@@ -99,14 +99,6 @@ def _number(value: float | int | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _confirmation(row: dict[str, Any]) -> str:
-    """``yes`` (one sample more is over), ``over at N`` (the smallest batch measured over, within the
-    search's tolerance), or ``no``."""
-    if row["confirmed"]:
-        return "yes"
-    return f"over at {row['next_over_batch']}" if row["settled"] and row["next_over_batch"] else "no"
-
-
 def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int | None) -> str:
     """One row per strategy; a failed strategy's row gives its reason instead of figures."""
     at_keep = f"tok/s at b={keep_max}" if keep_max else "tok/s at keep max"
@@ -125,7 +117,7 @@ def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int 
             f"{_number(result.max_batch / keep_batch if keep_batch and result.max_batch is not None else None, '.2f'):>6} "
             f"{_number(peak / MIB if peak is not None else None, '.1f'):>9} "
             f"{_number(row['tokens_per_s_at_max'], '.0f'):>12} {_number(row['tokens_per_s_at_keep_max'], '.0f'):>17} "
-            f"{_confirmation(row):>11}")
+            f"{result.search.verdict if result.search is not None else 'no':>11}")
     return "\n".join(lines)
 
 

@@ -100,6 +100,14 @@ class Search:
     capped: bool = False
     error: str | None = None
 
+    @property
+    def verdict(self) -> str:
+        """``yes`` (``max_batch + 1`` was measured over), ``over at N`` (the search settled within its
+        tolerance, N the smallest batch measured over), or ``no`` (it ran out of rounds)."""
+        if self.confirmed:
+            return "yes"
+        return f"over at {self.next_over}" if self.settled and self.next_over else "no"
+
     def point(self, batch: int | None) -> Point | None:
         """The measurement at ``batch``, if one was made."""
         return next((p for p in self.points if p.batch == batch), None)
@@ -141,7 +149,7 @@ def _bracket(points: Sequence[Point], budget_bytes: int) -> tuple[Point | None, 
 def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tolerance: float = 0.0) -> int:
     lo, hi = _bracket(points, budget_bytes)
     lo_batch = lo.batch if lo else 0
-    step = max(1, math.floor(tolerance * lo_batch))
+    step = _step(lo_batch, tolerance)
     if hi is None:
         fit = linear_fit(points)
         if fit is None or fit[1] <= 0:
@@ -170,6 +178,12 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
     return min(max(guess, lo_batch + 1), hi.batch - 1)
 
 
+def _step(batch: int, tolerance: float) -> int:
+    """How far above ``batch`` the search looks next, and how wide a bracket above it may stay: the
+    tolerance's share of it, at least one sample."""
+    return max(1, math.floor(tolerance * batch))
+
+
 def _last_run(points: Sequence[Point], budget_bytes: int) -> tuple[bool, int]:
     """Whether the last measurement fitted, and how many measurements in a row, up to it, did the same."""
     fits = points[-1].fits(budget_bytes)
@@ -189,7 +203,7 @@ def _settled(lo: Point | None, hi: Point | None, max_batch: int, tolerance: floa
     if hi is None:
         return False
     lo_batch = lo.batch if lo else 0
-    return hi.batch - lo_batch <= max(1, math.floor(tolerance * lo_batch))
+    return hi.batch - lo_batch <= _step(lo_batch, tolerance)
 
 
 def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes: Sequence[int] = (1, 2),
@@ -232,7 +246,7 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
         if round_number == 0 and first_guess is not None and (lo.batch if lo else 0) < first_guess <= max_batch \
                 and (hi is None or first_guess < hi.batch):
             guess = first_guess
-        candidates = (guess, guess + max(1, math.floor(tolerance * guess))) if round_number == 0 else (guess,)
+        candidates = (guess, guess + _step(guess, tolerance)) if round_number == 0 else (guess,)
         wanted = [b for b in candidates if 1 <= b <= max_batch and search.point(b) is None
                   and (hi is None or b < hi.batch)]
         if not wanted:

@@ -160,10 +160,9 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
             if result.keep_max_point.error is None and keep_point is not None:
                 result.same_loss_at_keep_max = same_losses(result.keep_max_point.losses, keep_point.losses)
         result.status = "ok"
-        search = result.search
-        note = "" if search.confirmed else f" (over at {search.next_over})" if search.settled and search.next_over \
-            else " (not confirmed)"
-        lines.say(f"{result.label}: largest batch {search.max_batch}{note}")
+        verdict = result.search.verdict
+        note = "" if verdict == "yes" else " (not confirmed)" if verdict == "no" else f" ({verdict})"
+        lines.say(f"{result.label}: largest batch {result.search.max_batch}{note}")
         save()
 
 

@@ -26,8 +26,7 @@ a disk-bound backward does not grow the window once per step either (a review fo
 its cap of a quarter of forward's bytes after 13 such steps). On the ``deep`` preset at 185
 samples (7 GB read back at about 1 GB/s, backward consuming faster) every wait used to grow the
 window by 1.5x: 8 or 10 waits, depending on the disk's pace, left it at 134 or 301 MiB, and the
-step's peak at 432 or 605-628 MiB, in
-otherwise identical runs.
+step's peak at 432 or 605-628 MiB, in otherwise identical runs.
 
 The controller only computes a number of bytes; :class:`tba.runtime._prefetch.PrefetchWindow`
 applies it. It is pure, and unit-tested without any file or clock.
