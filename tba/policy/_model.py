@@ -288,17 +288,23 @@ def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes:
     return tuple(caps)
 
 
-def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | None = None) -> Estimate:
+def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | None = None,
+             backlog_bytes: int | None = None) -> Estimate:
     """Predicted step time and activation peak of ``decisions`` under ``profile``.
 
     Args:
         profile: The measured or synthetic profile.
         decisions: One of ``"keep"``, ``"offload"``, ``"recompute"``, ``"offloaded_recompute"`` per layer.
         window_bytes: Prefetch window in bytes; None means ``profile.max_window_bytes``.
+        backlog_bytes: The write backlog at the end of forward as measured, instead of the model's
+            (the profile's calibration: Note [Slack is calibrated on the measured backlog] in
+            ``tba/runtime/_profiling.py``); None: the model's.
     """
     decisions = check_decisions(decisions, len(profile.layers))
     window = profile.max_window_bytes if window_bytes is None else window_bytes
     forward_end, backlog, hidden = _forward(profile, decisions)
+    if backlog_bytes is not None:
+        backlog = backlog_bytes
     backward = _backward(profile, decisions, window)
     compute = sum(layer.backward_s + (layer.forward_s if d in RECOMPUTED else 0.0)
                   for layer, d in zip(profile.layers, decisions))

@@ -23,15 +23,35 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
 * ``s_i``: the offloader's ``layer_saved_bytes`` growth over the last sample; the last layer's count
   includes what runs after it (the head and loss), since tba tags storages with the last layer
   entered;
-* ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the samples;
+* ``W``, ``R``: bytes over busy seconds of the offloader's write and read clocks over the samples,
+  ``W`` lowered where the last sample's forward left more unwritten than the model would (Note
+  [Slack is calibrated on the measured backlog]);
   the largest storage is read from the offloader's live entries at the end of forward;
 * ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``), taken
   :data:`tba.defaults.PEAK_HEADROOM` higher (peaks vary from step to step with the disk), minus the
-  model's prediction for the profiled placement (offload-all at the window in force), never below
-  zero: what the model leaves out (compute's transient buffers, gradients, allocator slack), added
-  to every prediction. The calibration holds at the profiled window, not above it (a larger
+  model's prediction for the profiled placement (offload-all at the window in force, with the
+  write backlog measured at the end of that step's forward), never below zero: what the model
+  leaves out (compute's transient buffers, gradients, allocator slack), added to every
+  prediction. The calibration holds at the profiled window, not above it (a larger
   window measured more than the model adds for it), so plans use windows up to the profiled one
   (at least two of the largest storage).
+
+Note: [Slack is calibrated on the measured backlog]
+The model's write backlog (bytes not yet written when forward ends) is its least certain term:
+forward times are the training thread's CPU seconds, a lower bound, and the write bandwidth is
+bytes over the seconds writes were busy, not the rate forward saw them drain. On a model whose
+layers run in a few milliseconds the model could put nearly every offloaded byte of offload-all
+in the backlog, or none. Calibrated against that guess, the slack came out near zero although the
+step's transient buffers were several MiB, and placements with less backlog were predicted that
+much too low: on the ROK test model (3 layers of about 10 MiB) the plan ``OKK`` was predicted at
+28.0 MiB for a 28.8 MiB budget and measured 32.8-34.5 MiB, in about one run in ten. So the
+offloader reports the bytes still unwritten when a profiled forward ends, and
+
+* the slack is calibrated against the model with that backlog in place of its own;
+* the profile's write bandwidth is lowered, when needed, to the one at which the model leaves
+  at least that backlog for offload-all, so that every plan's backlog comes from a write queue
+  that drains no faster than the one measured (the write bandwidth enters only the backlog,
+  which writes are hidden, and the write caps; never a step time).
 
 Note: [The rest of the step]
 A period is known only once the next step enters, so a loop that does other work between steps
@@ -56,12 +76,16 @@ sequence length or batch size is another shape, profiled and planned on its own
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
 
 from tba.defaults import PEAK_HEADROOM
 from tba.policy import OFFLOAD, LayerProfile, Profile, estimate
+
+_BISECTIONS = 40
+"""Halvings, then bisection steps, of the search for the write bandwidth forward saw (2^-40: exact enough)."""
 
 
 def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -135,6 +159,9 @@ class Samples:
         )
         last = samples[-1]
         window = max(last.get("window_bytes", 0), profile.max_storage_bytes)
+        if last.get("backlog_bytes") is not None:
+            # Note: [Slack is calibrated on the measured backlog]
+            profile = dataclasses.replace(profile, write_bytes_per_s=_forward_write_bps(profile, last["backlog_bytes"]))
         # One prediction of the profiled placement (offload-all at the window in force) calibrates
         # both time and memory: neither part of it depends on what the other calibration adds.
         profiled = estimate(profile, (OFFLOAD,) * layer_count, window)
@@ -143,9 +170,35 @@ class Samples:
         if last.get("peak_bytes") is None:
             return profile
         measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
-        slack = max(0, measured - profiled.memory_bytes)
+        # Note: [Slack is calibrated on the measured backlog]
+        modelled = estimate(profile, (OFFLOAD,) * layer_count, window, backlog_bytes=last.get("backlog_bytes"))
+        slack = max(0, measured - modelled.memory_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
+
+
+def _forward_write_bps(profile: Profile, backlog_bytes: int) -> float:
+    """The write bandwidth (bytes/s) at which the model leaves at least ``backlog_bytes`` of offload-all
+    unwritten when forward ends, at most ``profile``'s (the measured one): a geometric bisection."""
+    offload_all = (OFFLOAD,) * len(profile.layers)
+
+    def backlog(write_bps: float) -> int:
+        return estimate(dataclasses.replace(profile, write_bytes_per_s=write_bps), offload_all).backlog_bytes
+
+    high = profile.write_bytes_per_s
+    if not math.isfinite(high) or backlog(high) >= backlog_bytes:
+        return high
+    low = high
+    for _ in range(_BISECTIONS):
+        low /= 2
+        if backlog(low) >= backlog_bytes:
+            break
+    else:
+        return low  # more than offload-all writes (storages outside the layers): the slowest tried
+    for _ in range(_BISECTIONS):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if backlog(middle) >= backlog_bytes else (low, middle)
+    return low
 
 
 def _outside(samples: list[dict[str, Any]], cpu: bool) -> float:

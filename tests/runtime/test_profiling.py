@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from tba.defaults import PEAK_HEADROOM
 from tba.policy._model import OFFLOAD, estimate
 from tba.runtime._profiling import Samples
 
@@ -67,3 +68,41 @@ def test_on_the_cpu_the_rest_is_the_training_threads_cpu_time_and_the_first_step
     first = _sample(1.1, period_s=5.0, span_cpu_s=0.6, period_cpu_s=4.6, first=True)  # lazy optimiser state
     assert _profile(first).outside_s == 0.0
     assert _profile(first, _sample(1.1, period_s=1.6, span_cpu_s=0.6, period_cpu_s=0.9)).outside_s == pytest.approx(0.3)
+
+
+def test_memory_slack_is_calibrated_against_the_backlog_measured_at_the_end_of_forward():
+    # A slow disk (100 MiB/s) behind 0.1 s layers: the model puts about 180 of the 200 MiB offloaded in
+    # the write backlog, where the step measured 20 MiB still unwritten when forward ended. Against the
+    # model's own backlog the slack would come out 0, and a placement with no backlog (keep-all, 200 MiB
+    # saved) would be predicted below the 300 MiB offload-all measured.
+    sample = {**_sample(1.1), "write_s": 2.0, "peak_bytes": 300 * MIB, "backlog_bytes": 20 * MIB}
+    profile = _profile(sample)
+    bare = dataclasses.replace(profile, memory_slack_bytes=0)
+    assert estimate(bare, (OFFLOAD, OFFLOAD)).backlog_bytes > 150 * MIB
+    measured = int(300 * MIB * (1 + PEAK_HEADROOM))
+    assert estimate(bare, (OFFLOAD, OFFLOAD)).memory_bytes > measured  # the old calibration: no slack
+    calibrated = estimate(bare, (OFFLOAD, OFFLOAD), backlog_bytes=20 * MIB).memory_bytes
+    assert calibrated == 220 * MIB  # 20 MiB backlog + the 200 MiB read window held idle
+    assert profile.memory_slack_bytes == measured - calibrated
+    assert estimate(profile, ("keep", "keep")).memory_bytes >= 300 * MIB
+    # Without a measured backlog (older samples, other callers) the model's own is used, as before.
+    del sample["backlog_bytes"]
+    assert _profile(sample).memory_slack_bytes == 0
+
+
+def test_the_write_bandwidth_drains_no_faster_than_the_backlog_measured_and_is_never_raised():
+    # A 10 GB/s disk behind two 0.1 s layers: the model writes everything within forward, but the step
+    # measured 50 MiB unwritten when forward ended. Plans then get a write queue that leaves as much.
+    fast = {**_sample(1.1), "peak_bytes": 300 * MIB}
+    assert _profile(fast).write_bytes_per_s == pytest.approx(200 * MIB / 0.02)
+    assert estimate(_profile(fast), (OFFLOAD, OFFLOAD)).backlog_bytes == 0
+    profile = _profile({**fast, "backlog_bytes": 50 * MIB})
+    assert profile.write_bytes_per_s < 200 * MIB / 0.02
+    backlog = estimate(profile, (OFFLOAD, OFFLOAD)).backlog_bytes
+    assert 50 * MIB <= backlog <= 50.01 * MIB
+    # Less measured than the model leaves (a slow disk, nothing unwritten): the measured bandwidth stays.
+    slow = {**fast, "write_s": 2.0, "backlog_bytes": 0}
+    assert _profile(slow).write_bytes_per_s == pytest.approx(200 * MIB / 2.0)
+    # More measured than offload-all writes at all (storages outside the layers): the slowest rate tried.
+    beyond = _profile({**fast, "backlog_bytes": 500 * MIB})
+    assert estimate(beyond, (OFFLOAD, OFFLOAD)).backlog_bytes == pytest.approx(200 * MIB, abs=MIB)

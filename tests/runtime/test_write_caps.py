@@ -131,3 +131,28 @@ def test_a_budgets_plan_carries_caps_that_follow_its_own_write_queue():
     assert caps[0] < caps[1] < caps[2] < caps[3], "the caps do not follow the model's growing write queue"
     assert plan(fast).write_caps_bytes == (), "only a memory budget holds writes back"
     assert Plan.from_json(budgeted.to_json()) == budgeted
+
+
+def test_a_profiled_step_records_the_bytes_still_unwritten_when_forward_ends(spill_dir):
+    """The slack calibration's measured backlog (Note [Slack is calibrated on the measured backlog])."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(3))
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB per saved tensor, 6 storages: 120 ms of writes
+    engine = SlowWrites()
+    off = tba.Offloader(spill_dir, layers=list(blocks), policy="adaptive", backend=engine, min_offload_bytes=0,
+                        profile_steps=1)
+    try:
+        for _ in range(2):  # the profiled step, then the entry that collects it and plans
+            with off:
+                h = x
+                for block in blocks:
+                    h = block(h)
+                loss = h.sum()
+            loss.backward()
+        with off:
+            pass
+        (sample,) = next(iter(off.policy_runner._samples.by_shape.values()))
+    finally:
+        off.close()
+        engine.close()
+    assert 2 * MIB <= sample["backlog_bytes"] <= 12 * MIB, sample["backlog_bytes"]
