@@ -100,7 +100,7 @@ class Adaptive(Policy):
 
     def plan(self, profile: Profile) -> Plan:
         if self.memory_budget_bytes is not None:
-            return self._fastest_within(profile, self.memory_budget_bytes)
+            return self._fastest_within(profile.for_budget(), self.memory_budget_bytes)
         return self._smallest_within(profile, self.overhead_bound)
 
     def _fastest_within(self, profile: Profile, budget: int) -> Plan:

@@ -68,6 +68,11 @@ class Profile:
             thread's CPU seconds for a model on the CPU, wall-clock seconds on a GPU).
             Added to every placement's step time and to keep-all's alike, so that an overhead bound
             holds for the whole step, as a user times it.
+        drain_bytes_per_s: The write bandwidth at which the model leaves as much of offload-all
+            unwritten at the end of forward as the profiled step measured (at most
+            ``write_bytes_per_s``); None when not measured. A memory budget plans against it, so
+            that its contract errs toward memory; other goals use ``write_bytes_per_s`` (Note
+            [Slack is calibrated on the measured backlog] in ``tba/runtime/_profiling.py``).
     """
 
     layers: tuple[LayerProfile, ...]
@@ -79,6 +84,7 @@ class Profile:
     memory_slack_bytes: int = 0
     io_overhead_s_per_byte: float = 0.0
     outside_s: float = 0.0
+    drain_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -89,8 +95,16 @@ class Profile:
         if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
             raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
                              f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
+        if self.drain_bytes_per_s is not None and self.drain_bytes_per_s <= 0:
+            raise ValueError(f"drain_bytes_per_s must be > 0 or None, got {self.drain_bytes_per_s}")
         if self.outside_s < 0:
             raise ValueError(f"outside_s must be >= 0 (seconds of a step outside the layers), got {self.outside_s}")
+
+    def for_budget(self) -> Profile:
+        """This profile with the write bandwidth a memory budget plans against (``drain_bytes_per_s``)."""
+        if self.drain_bytes_per_s is None or self.drain_bytes_per_s >= self.write_bytes_per_s:
+            return self
+        return dataclasses.replace(self, write_bytes_per_s=self.drain_bytes_per_s)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -214,3 +214,22 @@ def test_a_recomputed_top_layer_rebuilds_on_top_of_the_write_backlog():
     cost = estimate(crawl, ["offload", "offload", "recompute"], 10 * MIB)
     assert cost.backlog_bytes > 190 * MIB
     assert cost.memory_bytes == cost.backlog_bytes + 10 * MIB + 100 * MIB  # backlog, its input, its rebuilt internals
+
+
+def test_only_a_memory_budget_plans_with_the_drain_bandwidth():
+    from tba.policy import LayerProfile, Profile
+
+    # Writes hide at 6 GB/s; at the drain bandwidth (the backlog the profiled step measured) the
+    # first layers' bytes are still in memory when backward starts, so offloading them saves less.
+    layers = tuple(LayerProfile(forward_s=0.01, backward_s=0.02, saved_bytes=10 * MIB, input_bytes=2 * MIB)
+                   for _ in range(4))
+    profile = Profile(layers=layers, write_bytes_per_s=6000 * MIB, read_bytes_per_s=9000 * MIB,
+                      max_storage_bytes=2 * MIB, drain_bytes_per_s=200 * MIB)
+    budget = 32 * MIB
+    optimistic = plan(dataclasses.replace(profile, drain_bytes_per_s=None), memory_budget_bytes=budget)
+    careful = plan(profile, memory_budget_bytes=budget)
+    assert careful.predicted_memory_bytes <= budget
+    assert careful.decisions != optimistic.decisions or careful.predicted_memory_bytes > optimistic.predicted_memory_bytes
+    assert plan(profile) == plan(dataclasses.replace(profile, drain_bytes_per_s=None))
+    with pytest.raises(ValueError, match="drain_bytes_per_s must be > 0"):
+        dataclasses.replace(profile, drain_bytes_per_s=0.0)

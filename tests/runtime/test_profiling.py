@@ -90,19 +90,22 @@ def test_memory_slack_is_calibrated_against_the_backlog_measured_at_the_end_of_f
     assert _profile(sample).memory_slack_bytes == 0
 
 
-def test_the_write_bandwidth_drains_no_faster_than_the_backlog_measured_and_is_never_raised():
+def test_budgets_plan_with_a_write_queue_that_drains_no_faster_than_the_backlog_measured():
     # A 10 GB/s disk behind two 0.1 s layers: the model writes everything within forward, but the step
-    # measured 50 MiB unwritten when forward ended. Plans then get a write queue that leaves as much.
+    # measured 50 MiB unwritten when forward ended. Budgets then plan with a queue that leaves as much;
+    # other goals keep the measured bandwidth.
     fast = {**_sample(1.1), "peak_bytes": 300 * MIB}
-    assert _profile(fast).write_bytes_per_s == pytest.approx(200 * MIB / 0.02)
+    assert _profile(fast).drain_bytes_per_s is None
     assert estimate(_profile(fast), (OFFLOAD, OFFLOAD)).backlog_bytes == 0
     profile = _profile({**fast, "backlog_bytes": 50 * MIB})
-    assert profile.write_bytes_per_s < 200 * MIB / 0.02
-    backlog = estimate(profile, (OFFLOAD, OFFLOAD)).backlog_bytes
+    assert profile.write_bytes_per_s == pytest.approx(200 * MIB / 0.02)
+    assert profile.drain_bytes_per_s < profile.write_bytes_per_s
+    assert estimate(profile, (OFFLOAD, OFFLOAD)).backlog_bytes == 0
+    backlog = estimate(profile.for_budget(), (OFFLOAD, OFFLOAD)).backlog_bytes
     assert 50 * MIB <= backlog <= 50.01 * MIB
     # Less measured than the model leaves (a slow disk, nothing unwritten): the measured bandwidth stays.
-    slow = {**fast, "write_s": 2.0, "backlog_bytes": 0}
-    assert _profile(slow).write_bytes_per_s == pytest.approx(200 * MIB / 2.0)
+    slow = _profile({**fast, "write_s": 2.0, "backlog_bytes": 0})
+    assert slow.for_budget().write_bytes_per_s == pytest.approx(200 * MIB / 2.0)
     # More measured than offload-all writes at all (storages outside the layers): the slowest rate tried.
-    beyond = _profile({**fast, "backlog_bytes": 500 * MIB})
+    beyond = _profile({**fast, "backlog_bytes": 500 * MIB}).for_budget()
     assert estimate(beyond, (OFFLOAD, OFFLOAD)).backlog_bytes == pytest.approx(200 * MIB, abs=MIB)
