@@ -283,7 +283,9 @@ def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes:
             write_free = max(max(write_free, layer_start) + nbytes / write_bps, layer_start + layer.forward_s)
             queue.append((write_free, nbytes))
         layer_start += layer.forward_s
-        queued = sum(int(min(max((end - layer_start) * write_bps, 0.0), nbytes)) for end, nbytes in queue)
+        # Only writes still running count (``end > layer_start``): at an infinite bandwidth (no write
+        # finished while profiling) the others would make 0 x inf.
+        queued = sum(int(min((end - layer_start) * write_bps, nbytes)) for end, nbytes in queue if end > layer_start)
         caps.append(queued + allowance)
     return tuple(caps)
 

@@ -381,7 +381,7 @@ class Offloader(SavedTensorHooks):
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
         self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
-                                self._store.window.budget_bytes, self._store.unwritten_bytes)
+                                self._store.window.budget_bytes, self._store.unwritten_layer_bytes)
         if self._phase is _Phase.CLOSED:
             return
         if failed:

@@ -186,25 +186,33 @@ class Samples:
 
 def _forward_write_bps(profile: Profile, backlog_bytes: int) -> float:
     """The write bandwidth (bytes/s) at which the model leaves at least ``backlog_bytes`` of offload-all
-    unwritten when forward ends, at most ``profile``'s (the measured one): a geometric bisection."""
+    unwritten when forward ends, at most ``profile``'s (the measured one): a geometric bisection.
+
+    An infinite measured bandwidth (no write finished while profiling) starts from one at which each
+    layer's bytes are written within the shortest layer's forward. The model's backlog is whole
+    bytes per layer, so it may fall short of a measured backlog of everything by one byte a layer.
+    """
     offload_all = (OFFLOAD,) * len(profile.layers)
+    total = sum(layer.saved_bytes for layer in profile.layers)
+    target = min(backlog_bytes, total) - len(profile.layers)
 
     def backlog(write_bps: float) -> int:
         return estimate(dataclasses.replace(profile, write_bytes_per_s=write_bps), offload_all).backlog_bytes
 
     high = profile.write_bytes_per_s
-    if not math.isfinite(high) or backlog(high) >= backlog_bytes:
+    if not math.isfinite(high):
+        shortest = min((layer.forward_s for layer in profile.layers if layer.forward_s > 0), default=1.0)
+        high = max(total, 1) / shortest
+    if target <= 0 or backlog(high) >= target:
         return high
     low = high
     for _ in range(_BISECTIONS):
         low /= 2
-        if backlog(low) >= backlog_bytes:
+        if backlog(low) >= target:
             break
-    else:
-        return low  # more than offload-all writes (storages outside the layers): the slowest tried
     for _ in range(_BISECTIONS):
         middle = math.sqrt(low * high)
-        low, high = (middle, high) if backlog(middle) >= backlog_bytes else (low, middle)
+        low, high = (middle, high) if backlog(middle) >= target else (low, middle)
     return low
 
 

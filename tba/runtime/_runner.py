@@ -266,12 +266,13 @@ class PolicyRunner:
 
     def exit(self, failed: bool, largest_live_storage_bytes: Callable[[], int],
              found_layers: list[nn.Module] | None = None, ran_a_layer: bool = True,
-             window_bytes: int = 0, backlog_bytes: int = 0) -> None:
+             window_bytes: int = 0, backlog_bytes: Callable[[], int] | None = None) -> None:
         """Undo per-step changes (called by the offloader's exit, after the hooks are removed).
 
         ``found_layers``: what discovery found in this step (a learning runner takes them);
         ``ran_a_layer``: whether the forward ran one of the layers handed out at entry;
-        ``backlog_bytes``: bytes saved in this forward whose write has not finished yet.
+        ``backlog_bytes()``: bytes saved in the layers whose write has not finished yet (asked in
+        profiled steps only).
         """
         if self._shape_hook is not None:
             self._shape_hook.remove()
@@ -291,7 +292,7 @@ class PolicyRunner:
                 self._pending["input_bytes"] = list(self._timer.input_bytes)
                 self._pending["max_storage"] = largest_live_storage_bytes()
                 self._pending["window_bytes"] = window_bytes
-                self._pending["backlog_bytes"] = backlog_bytes
+                self._pending["backlog_bytes"] = backlog_bytes() if backlog_bytes is not None else None
         if not self.learns or failed:
             return
         if not self._layer_refs and found_layers:

@@ -140,6 +140,13 @@ class StorageStore(StoreReads, StoreRelease):
         with self.lock:
             return max((entry.nbytes for entry in self._by_storage.values()), default=0)
 
+    def unwritten_layer_bytes(self) -> int:
+        """Bytes of the storages saved in a layer whose write has not finished (one scan of the live
+        entries: the profiled steps' measured backlog, once per step)."""
+        with self.lock:
+            return sum(entry.nbytes for entry in self._by_storage.values()
+                       if entry.transfer_in_flight and entry.layer is not None)
+
     # ----------------------------------------------------------------- write
     def save(self, tensor: torch.Tensor, layer: int | None, version: int, ready: Any = None) -> tuple[StorageEntry, bool]:
         """The entry holding ``tensor``'s storage at ``version``, and whether it was created (and its write started).

@@ -137,7 +137,7 @@ def test_a_profiled_step_records_the_bytes_still_unwritten_when_forward_ends(spi
     """The slack calibration's measured backlog (Note [Slack is calibrated on the measured backlog])."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block() for _ in range(3))
-    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB per saved tensor, 6 storages: 120 ms of writes
+    x = torch.randn(512, 1024, requires_grad=True)  # 6 storages of 2 MiB: 120 ms of writes, far more than forward
     engine = SlowWrites()
     off = tba.Offloader(spill_dir, layers=list(blocks), policy="adaptive", backend=engine, min_offload_bytes=0,
                         profile_steps=1)
