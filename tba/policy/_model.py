@@ -261,7 +261,8 @@ def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes:
 
     Note: [A budget holds back forward's writes]
     The model hides a layer's write behind the forward of the layers after it, at the write
-    bandwidth measured while profiling. A disk that is slower in a later step (another process
+    bandwidth of the profile (for a budget, the rate at which the profiled forward drained its
+    writes: ``Profile.for_budget``). A disk that is slower in a later step (another process
     writing, a loaded machine) leaves those bytes in memory longer, on top of the layers kept
     after them: on the ROK test model the plan ``OKK`` for a 28.8 MiB budget, predicted at 28.0,
     measured 33.9 MiB in one CI run. So under a budget the offloader holds forward back (each
