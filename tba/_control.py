@@ -52,6 +52,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from tba import _sched
+
 logger = logging.getLogger("tba")
 
 
@@ -92,6 +94,7 @@ class _Control:
                     self.thread = thread
 
     def run(self) -> None:
+        _sched.background()
         while True:
             try:
                 item = self.jobs.get(timeout=FINALIZER_POLL_S if self.finalizers or self.deferred else None)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from tba import _sched
 from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, TbaCheckpointError, TbaConfigError
 from tba.checkpoint._writer import ImagePool, TbaStorageWriter
 
@@ -239,6 +240,7 @@ class LazyCheckpointer:
         return handle
 
     def _run(self, state_dict: dict[str, Any], handle: LazyCheckpoint) -> None:
+        _sched.background()
         error = None
         try:
             dcp.save(state_dict, storage_writer=self._writer, no_dist=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tba import _sched
 from tba.defaults import ALIGN_BYTES
 from tba.device._cuda import cuda_api
 from tba.device._ops import CudaOps
@@ -106,7 +107,8 @@ class KvikioRoute(Route):
         self._files_lock = threading.Lock()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiters = ThreadPoolExecutor(max_workers=KVIKIO_WAITERS, thread_name_prefix="tba-kvikio-wait")
+        self._waiters = ThreadPoolExecutor(max_workers=KVIKIO_WAITERS, thread_name_prefix="tba-kvikio-wait",
+                                           initializer=_sched.background)
         self._threads = [
             threading.Thread(target=self._loop, args=(self._writes,), name="tba-kvikio-write", daemon=True),
             threading.Thread(target=self._loop, args=(self._reads,), name="tba-kvikio-read", daemon=True),
@@ -172,6 +174,7 @@ class KvikioRoute(Route):
 
     @staticmethod
     def _loop(jobs: queue.SimpleQueue) -> None:
+        _sched.background()
         while True:
             job = jobs.get()
             if job is None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tba import _sched
 from tba.device._cuda import cuda_api
 from tba.device._protocol import Callback
 
@@ -121,6 +122,7 @@ class _Waiter:
         self._queue.put((event, callback))
 
     def _run(self) -> None:
+        _sched.background()
         while True:
             item = self._queue.get()
             if item is None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tba import _sched
 from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
@@ -177,6 +178,7 @@ class StagedRoute(Route):
         self.pool.release(block)
 
     def _run(self) -> None:
+        _sched.background()
         # A job that raises before it handed out any piece fails its transfer through ``fail``, so
         # the waiter sees the error instead of waiting forever; the stager thread lives on.
         while True:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+from tba import _sched
 from tba.defaults import MAX_QUEUE_DEPTH, QUEUE_DEPTH
 from tba.errors import EngineClosedError, ShortTransferError
 from tba.io._engine import Engine, Op, Request
@@ -156,6 +157,7 @@ class IoUringEngine(Engine):
             target.set_result(0) if isinstance(target, Future) else target(None)
 
     def _reap_loop(self) -> None:
+        _sched.background()
         try:
             while True:
                 finished, _ = self._ring.reap()

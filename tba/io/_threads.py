@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import thread as _futures_thread
 
+from tba import _sched
 from tba.defaults import QUEUE_DEPTH
 from tba.errors import EngineClosedError, ShortTransferError
 from tba.io._engine import Engine, Op, Request
@@ -102,7 +103,8 @@ class ThreadEngine(Engine):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tba-io")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tba-io",
+                                        initializer=_sched.background)
         self._lock = threading.Lock()
         self._closed = False
 

@@ -36,7 +36,7 @@ import threading
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tba import defaults
+from tba import _sched, defaults
 from tba.allocator import detect
 
 logger = logging.getLogger("tba")
@@ -213,6 +213,7 @@ class HeapTrimmer:
         self._wake.set()
 
     def _run(self) -> None:
+        _sched.background()
         wake = self._wake
         while True:
             wake.wait()
