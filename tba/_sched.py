@@ -17,7 +17,9 @@ Alternating processes (reusable offload-all on ``bench``, jemalloc, median of st
 keep-all in the same round): six rounds gave 1.00-1.12x (mean 1.08x) under ``batch`` against
 1.07-1.21x (mean 1.13x) under ``normal``, ``batch`` ahead in five; an earlier probe that moved the
 threads after the first step, 1.03-1.13x (mean 1.07x) against 1.08-1.15x (mean 1.12x), ahead in all
-five. (An earlier session found ``nice 10`` and ``SCHED_IDLE`` within noise: 1.06x and 1.05x
+five. With the bare adaptive context (``tools/bench_e2e.py --usage bare``, six pairs) the two were
+within noise: 1.06-1.16x (mean 1.11x) under ``batch``, 1.05-1.24x (mean 1.12x) under ``normal``;
+there the plan, which varies from run to run, moves the step time more. (An earlier session found ``nice 10`` and ``SCHED_IDLE`` within noise: 1.06x and 1.05x
 against 1.08x, docs/cpu-memory.md.)
 Nothing waits longer for I/O than it would for a busy core: when training blocks on a read, its
 core is idle and the tba thread runs there.
