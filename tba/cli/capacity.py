@@ -68,6 +68,12 @@ ADAPTIVE_PROFILE_STEPS = 1
 """Steps the adaptive runs profile before planning (tba's default is 2): each one is a whole
 offloading step, the longest kind at the largest batches."""
 
+KEEP_MAX_STEPS = 3
+"""Measured steps (the median is kept) of every run at keep-all's largest batch, where the table
+compares the strategies' speed: one step's time varied by up to 40% between runs there (full
+recompute of ``deep`` at 13 samples: 0.87-1.26 s), as much as the ratios compared. The search's
+other runs measure ``--steps`` (default 1): they look at the peak."""
+
 REQUIRED = ("keep", "recompute", "offload")
 """Strategies that exist in every version of tba: the exit status is 1 when one of them failed."""
 
@@ -134,7 +140,7 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
     """Search every strategy in turn, each measurement a child of ``server``; ``save()`` after each."""
     keep_max: int | None = None
     for result in results:
-        measure = _measurer(settings, result, lines, server)
+        measure = _measurer(settings, result, lines, server, keep_max)
         probes = (1, 2) if result.name == "keep" or not keep_max else (keep_max, 2 * keep_max)
         first_guess = None
         if result.name == "adaptive":
@@ -154,7 +160,10 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
             continue
         if result.name == "keep":
             keep_max = result.search.max_batch
-        if keep_max:
+            if settings.steps < KEEP_MAX_STEPS:  # found with fewer steps: measured again for the speed
+                measure = _measurer(settings, result, lines, server, keep_max)
+                result.keep_max_point = _extra_point(measure, keep_max)
+        if keep_max and result.keep_max_point is None:
             result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
             keep_point = results[0].search.point(keep_max) if results[0].name == "keep" else None
             if result.keep_max_point.error is None and keep_point is not None:
@@ -180,14 +189,17 @@ def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tupl
     return (probe,), (max(reached) if reached and max(reached) > probe else None)
 
 
-def _measurer(settings: Settings, result: StrategyResult, lines: _Lines, server: ForkServer | None = None):
+def _measurer(settings: Settings, result: StrategyResult, lines: _Lines, server: ForkServer | None = None,
+              keep_max: int | None = None):
+    """``measure(batch)`` for ``result``'s strategy; at ``keep_max`` it takes :data:`KEEP_MAX_STEPS` steps."""
     options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
         if result.name == "adaptive" else None
 
     def measure(batch: int) -> Point:
         lines.say(f"{result.label}: batch {batch} ...")
         try:
-            run = run_isolated(result.mode, settings.preset, steps=settings.steps, warmup=settings.warmup,
+            steps = max(settings.steps, KEEP_MAX_STEPS) if batch == keep_max else settings.steps
+            run = run_isolated(result.mode, settings.preset, steps=steps, warmup=settings.warmup,
                                directory=settings.directory, backend=settings.backend, device=settings.device,
                                threads=settings.threads, allocator=settings.allocator, offload_options=options,
                                prime=True, config_overrides={"batch_size": batch, "seq_len": settings.seq_len},

@@ -104,3 +104,32 @@ def test_the_search_reads_the_least_memory_from_an_adaptive_refusal():
         plan(profile, memory_budget_bytes=MIB)
     needs = NEEDS.search(f"tba.errors.TbaConfigError: {refusal.value}")
     assert needs and float(needs.group(1)) * MIB > MIB
+
+
+def test_runs_at_keep_alls_batch_take_the_median_of_several_steps(monkeypatch):
+    """The speed columns compare strategies at keep-all's largest batch: those runs measure
+    KEEP_MAX_STEPS steps, the search's other runs ``--steps``; keep-all is measured again there."""
+    from types import SimpleNamespace
+
+    from tba.cli import capacity
+
+    calls: list[tuple[str, int, int]] = []
+
+    def fake_run(mode, preset, *, steps, config_overrides, **_):
+        batch = config_overrides["batch_size"]
+        calls.append((mode, batch, steps))
+        peak = (40 if mode == "keep" else 2) * MIB * batch  # keep-all fits 12 samples in 512 MiB
+        return SimpleNamespace(footprint_bytes=peak, median_step_s=0.01 * batch, losses=[1.0] * steps)
+
+    monkeypatch.setattr(capacity, "run_isolated", fake_run)
+    settings = capacity.Settings(preset="tiny", budget_bytes=512 * MIB, seq_len=8, strategies=("keep", "recompute"))
+    results = [StrategyResult(name, label, mode) for name, label, mode in capacity.STRATEGIES[:2]]
+    capacity._search_all(settings, results, capacity._Lines(False), None, lambda: None)
+    keep_max = results[0].max_batch
+    assert keep_max == 12
+    assert {steps for mode, batch, steps in calls if batch == keep_max and mode != "keep"} == {capacity.KEEP_MAX_STEPS}
+    assert {steps for mode, batch, steps in calls if batch != keep_max} == {1}
+    # keep-all found its largest batch with one step, then measured it again for the speed columns
+    assert [steps for mode, batch, steps in calls if (mode, batch) == ("keep", keep_max)] == [1, capacity.KEEP_MAX_STEPS]
+    assert all(r.keep_max_point is not None and len(r.keep_max_point.losses) == capacity.KEEP_MAX_STEPS
+               for r in results)
