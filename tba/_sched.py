@@ -4,7 +4,11 @@ Every thread tba starts (the control thread, the I/O engines' reapers and worker
 the heap trimmer, the checkpoint writer) calls :func:`background` first. Under the default
 policy ``batch`` the thread runs under ``SCHED_BATCH``: the same share of CPU as any other thread
 (same nice value), but a wake-up does not preempt a thread that is running. The policy is read
-from ``$TBA_THREAD_POLICY`` (``batch`` or ``normal``) when each thread starts.
+from ``$TBA_THREAD_POLICY`` (``batch`` or ``normal``) when each thread starts; the control thread
+starts when tba is imported, so set it before that. Threads and processes inherit the policy of
+the thread that starts them, so user code that tba calls on its own threads (a checkpoint's
+``on_done``) runs under the ordinary policy again (:func:`ordinary`); io_uring's kernel workers,
+started by the control thread's submissions, run under ``SCHED_BATCH`` too.
 
 Note: [tba's threads do not preempt compute]
 On a CPU training machine whose cores torch's threads fill, every completion or deferred save that
@@ -19,16 +23,18 @@ keep-all in the same round): six rounds gave 1.00-1.12x (mean 1.08x) under ``bat
 threads after the first step, 1.03-1.13x (mean 1.07x) against 1.08-1.15x (mean 1.12x), ahead in all
 five. With the bare adaptive context (``tools/bench_e2e.py --usage bare``, six pairs) the two were
 within noise: 1.06-1.16x (mean 1.11x) under ``batch``, 1.05-1.24x (mean 1.12x) under ``normal``;
-there the plan, which varies from run to run, moves the step time more. (An earlier session found ``nice 10`` and ``SCHED_IDLE`` within noise: 1.06x and 1.05x
-against 1.08x, docs/cpu-memory.md.)
-Nothing waits longer for I/O than it would for a busy core: when training blocks on a read, its
+there the plan, which varies from run to run, moves the step time more. (An earlier session
+found ``nice 10`` and ``SCHED_IDLE`` within noise: 1.06x and 1.05x against 1.08x,
+docs/cpu-memory.md.) Nothing waits longer for I/O than it would for a busy core: when training blocks on a read, its
 core is idle and the tba thread runs there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 logger = logging.getLogger("tba")
 
@@ -52,13 +58,39 @@ def thread_policy() -> str:
 
 
 def background() -> None:
-    """Put the calling thread under :func:`thread_policy` (a no-op where the platform has no ``SCHED_BATCH``)."""
+    """Put the calling thread under :func:`thread_policy` (a no-op where the platform has no ``SCHED_BATCH``).
+
+    Only a thread under the ordinary policy (``SCHED_OTHER``) moves: one the user started under
+    ``SCHED_IDLE`` (never raised) or a real-time policy (never demoted) stays as it is.
+    """
     if thread_policy() != "batch" or not hasattr(os, "SCHED_BATCH"):
         return
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except OSError as err:  # a sandbox that forbids it: the thread runs as before
         logger.debug("tba: SCHED_BATCH refused for a tba thread: %s", err)
+
+
+@contextlib.contextmanager
+def ordinary() -> Iterator[None]:
+    """Run the user's code (a callback on a tba thread) under the ordinary policy: whatever it
+    starts (threads, processes) inherits the policy of the thread that starts it."""
+    moved = False
+    try:
+        if hasattr(os, "SCHED_BATCH") and os.sched_getscheduler(0) == os.SCHED_BATCH:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            moved = True
+    except OSError as err:
+        logger.debug("tba: could not leave SCHED_BATCH for a user callback: %s", err)
+    try:
+        yield
+    finally:
+        if moved:
+            try:
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            except OSError:
+                pass
 
 
 def current_policy() -> str:

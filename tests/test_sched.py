@@ -71,3 +71,32 @@ def test_background_changes_only_the_calling_thread():
     worker.join()
     assert seen["worker"] == "batch"
     assert _sched.current_policy() == "normal"
+
+
+def test_only_an_ordinary_thread_moves_and_user_callbacks_run_ordinary():
+    seen = {}
+
+    def idle() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            seen["idle"] = "skipped"
+            return
+        _sched.background()
+        seen["idle"] = os.sched_getscheduler(0) == os.SCHED_IDLE  # never raised to SCHED_BATCH
+
+    def callback_thread() -> None:
+        _sched.background()
+        with _sched.ordinary():
+            child = threading.Thread(target=lambda: seen.setdefault("child", _sched.current_policy()))
+            child.start()
+            child.join()
+            seen["inside"] = _sched.current_policy()
+        seen["after"] = _sched.current_policy()
+
+    for target in (idle, callback_thread):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert seen["idle"] in (True, "skipped")
+    assert (seen["inside"], seen["child"], seen["after"]) == ("normal", "normal", "batch")

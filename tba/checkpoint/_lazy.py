@@ -125,7 +125,8 @@ class LazyCheckpoint:
         self._done.set()
         if self._on_done is not None:
             try:
-                self._on_done(self)
+                with _sched.ordinary():  # what the user's callback starts must not inherit SCHED_BATCH
+                    self._on_done(self)
             except Exception:  # noqa: BLE001 - a user callback must not kill the writer thread
                 logger.exception("tba: on_done callback of checkpoint %s failed", self.path)
 

@@ -45,13 +45,17 @@ class StrategyResult:
     def as_dict(self, seq_len: int) -> dict[str, Any]:
         search = self.search
         at_max = search.point(search.max_batch) if search is not None else None
+        speed_at_max = at_max
+        again = self.keep_max_point
+        if at_max is not None and again is not None and again.error is None and again.batch == at_max.batch:
+            speed_at_max = again  # keep-all's largest batch, measured again with more steps
         fit = search.fit if search is not None else None
         return {
             "label": self.label, "mode": self.mode, "status": self.status,
             "error": search.error if search is not None else None,
             "max_batch": self.max_batch,
             "tokens_at_max": None if not self.max_batch else self.max_batch * seq_len,
-            "tokens_per_s_at_max": self.tokens_per_s(at_max, seq_len),
+            "tokens_per_s_at_max": self.tokens_per_s(speed_at_max, seq_len),
             "tokens_per_s_at_keep_max": self.tokens_per_s(self.keep_max_point, seq_len),
             "peak_bytes_at_max": at_max.peak_bytes if at_max is not None else None,
             "fit": None if fit is None else {"a_bytes": fit[0], "b_bytes_per_sample": fit[1]},

@@ -160,14 +160,15 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
             continue
         if result.name == "keep":
             keep_max = result.search.max_batch
-            if settings.steps < KEEP_MAX_STEPS:  # found with fewer steps: measured again for the speed
-                measure = _measurer(settings, result, lines, server, keep_max)
-                result.keep_max_point = _extra_point(measure, keep_max)
-        if keep_max and result.keep_max_point is None:
-            result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
-            keep_point = results[0].search.point(keep_max) if results[0].name == "keep" else None
-            if result.keep_max_point.error is None and keep_point is not None:
-                result.same_loss_at_keep_max = same_losses(result.keep_max_point.losses, keep_point.losses)
+            if keep_max and settings.steps < KEEP_MAX_STEPS:  # found with fewer steps: measured again for the speed
+                again = _extra_point(_measurer(settings, result, lines, server, keep_max), keep_max)
+                result.keep_max_point = again if again.error is None else None  # else the search's own point
+        if keep_max:
+            if result.keep_max_point is None:
+                result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
+            reference = results[0].keep_max_point if results[0].name == "keep" else None
+            if result.keep_max_point.error is None and reference is not None and reference.error is None:
+                result.same_loss_at_keep_max = same_losses(result.keep_max_point.losses, reference.losses)
         result.status = "ok"
         verdict = result.search.verdict
         note = "" if verdict == "yes" else " (not confirmed)" if verdict == "no" else f" ({verdict})"

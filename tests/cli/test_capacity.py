@@ -133,3 +133,26 @@ def test_runs_at_keep_alls_batch_take_the_median_of_several_steps(monkeypatch):
     assert [steps for mode, batch, steps in calls if (mode, batch) == ("keep", keep_max)] == [1, capacity.KEEP_MAX_STEPS]
     assert all(r.keep_max_point is not None and len(r.keep_max_point.losses) == capacity.KEEP_MAX_STEPS
                for r in results)
+    assert [r.same_loss_at_keep_max for r in results] == [True, True]  # against keep-all's 3-step run
+    keep_row = results[0].as_dict(8)
+    assert keep_row["tokens_per_s_at_max"] == keep_row["tokens_per_s_at_keep_max"]  # one speed for one batch
+
+
+def test_a_failed_remeasure_of_keep_all_falls_back_to_its_search_point(monkeypatch):
+    from types import SimpleNamespace
+
+    from tba.bench.isolated import IsolatedRunError
+    from tba.cli import capacity
+
+    def fake_run(mode, preset, *, steps, config_overrides, **_):
+        if steps == capacity.KEEP_MAX_STEPS:
+            raise IsolatedRunError(mode, "killed")
+        batch = config_overrides["batch_size"]
+        return SimpleNamespace(footprint_bytes=40 * MIB * batch, median_step_s=0.01 * batch, losses=[1.0] * steps)
+
+    monkeypatch.setattr(capacity, "run_isolated", fake_run)
+    settings = capacity.Settings(preset="tiny", budget_bytes=512 * MIB, seq_len=8, strategies=("keep",))
+    results = [StrategyResult(*capacity.STRATEGIES[0])]
+    capacity._search_all(settings, results, capacity._Lines(False), None, lambda: None)
+    assert results[0].keep_max_point is results[0].search.point(12)
+    assert results[0].as_dict(8)["tokens_per_s_at_keep_max"] is not None
