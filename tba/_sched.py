@@ -1,10 +1,11 @@
-"""Scheduling of tba's own threads: they yield to compute instead of preempting it (Linux).
+"""Scheduling of tba's own threads: opt in to have them yield to compute instead of preempting it (Linux).
 
 Every thread tba starts (the control thread, the I/O engines' reapers and workers, the stagers,
-the heap trimmer, the checkpoint writer) calls :func:`background` first. Under the default
-policy ``batch`` the thread runs under ``SCHED_BATCH``: the same share of CPU as any other thread
-(same nice value), but a wake-up does not preempt a thread that is running. The policy is read
-from ``$TBA_THREAD_POLICY`` (``batch`` or ``normal``) when each thread starts; the control thread
+the heap trimmer, the checkpoint writer) calls :func:`background` first. Under the policy
+``batch`` (``TBA_THREAD_POLICY=batch``; the default is ``normal``, which changes nothing) the
+thread runs under ``SCHED_BATCH``: the same share of CPU as any other thread (same nice value),
+but a wake-up does not preempt a thread that is running. The policy is read from
+``$TBA_THREAD_POLICY`` (``batch`` or ``normal``) when each thread starts; the control thread
 starts when tba is imported, so set it before that. Threads and processes inherit the policy of
 the thread that starts them, so user code that tba calls on its own threads (a checkpoint's
 ``on_done``) runs under the ordinary policy again (:func:`ordinary`); io_uring's kernel workers,
@@ -25,8 +26,13 @@ five. With the bare adaptive context (``tools/bench_e2e.py --usage bare``, six p
 within noise: 1.06-1.16x (mean 1.11x) under ``batch``, 1.05-1.24x (mean 1.12x) under ``normal``;
 there the plan, which varies from run to run, moves the step time more. (An earlier session
 found ``nice 10`` and ``SCHED_IDLE`` within noise: 1.06x and 1.05x against 1.08x,
-docs/cpu-memory.md.) Nothing waits longer for I/O than it would for a busy core: when training blocks on a read, its
-core is idle and the tba thread runs there.
+docs/cpu-memory.md.)
+
+Why it is not the default: on a model whose forward and backward take a few milliseconds, with
+every core busy, a batch control thread may not run at all before backward has used the saved
+tensors, so that step writes nothing and saves nothing (``tests/policy/test_adaptive_default.py``
+saw steps with no byte written in about half its runs); and with the bare adaptive context,
+what ``make demo`` and the benchmarks run, the gain was within noise.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ logger = logging.getLogger("tba")
 
 ENV = "TBA_THREAD_POLICY"
 POLICIES = ("batch", "normal")
-DEFAULT_POLICY = "batch"
+DEFAULT_POLICY = "normal"
 
 _warned = False
 

@@ -1,4 +1,4 @@
-"""tba's threads run under SCHED_BATCH by default (tba/_sched.py, Note [tba's threads do not preempt compute])."""
+"""TBA_THREAD_POLICY=batch runs tba's threads under SCHED_BATCH (tba/_sched.py, Note [tba's threads do not preempt compute])."""
 
 from __future__ import annotations
 
@@ -37,29 +37,31 @@ def _threads(directory: str, policy: str | None) -> tuple[dict[str, bool], str]:
 
 
 def test_tba_threads_start_under_sched_batch_and_the_training_thread_is_left_alone(spill_dir):
-    threads, main = _threads(spill_dir, None)
+    threads, main = _threads(spill_dir, "batch")
     assert "tba-control" in threads and any(name.startswith("tba-io") for name in threads), threads
     assert all(threads.values()), threads
     assert main == "main False"
 
 
-def test_normal_policy_leaves_every_thread_as_it_was(spill_dir):
-    threads, main = _threads(spill_dir, "normal")
-    assert threads and not any(threads.values()), threads
-    assert main == "main False"
+def test_the_default_and_normal_leave_every_thread_as_it_was(spill_dir):
+    for policy in (None, "normal"):
+        threads, main = _threads(spill_dir, policy)
+        assert threads and not any(threads.values()), (policy, threads)
+        assert main == "main False"
 
 
 def test_an_unknown_policy_warns_once_and_uses_the_default(monkeypatch, caplog):
     monkeypatch.setenv(_sched.ENV, "fifo")
     monkeypatch.setattr(_sched, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="tba"):
-        assert _sched.thread_policy() == "batch"
-        assert _sched.thread_policy() == "batch"
+        assert _sched.thread_policy() == "normal"
+        assert _sched.thread_policy() == "normal"
     assert [r.getMessage() for r in caplog.records].count(
-        "tba: TBA_THREAD_POLICY='fifo' is not one of batch, normal; using 'batch'") == 1
+        "tba: TBA_THREAD_POLICY='fifo' is not one of batch, normal; using 'normal'") == 1
 
 
-def test_background_changes_only_the_calling_thread():
+def test_background_changes_only_the_calling_thread(monkeypatch):
+    monkeypatch.setenv(_sched.ENV, "batch")
     seen = {}
 
     def run() -> None:
@@ -73,7 +75,8 @@ def test_background_changes_only_the_calling_thread():
     assert _sched.current_policy() == "normal"
 
 
-def test_only_an_ordinary_thread_moves_and_user_callbacks_run_ordinary():
+def test_only_an_ordinary_thread_moves_and_user_callbacks_run_ordinary(monkeypatch):
+    monkeypatch.setenv(_sched.ENV, "batch")
     seen = {}
 
     def idle() -> None:

@@ -61,11 +61,14 @@ and, during backward through layer ``i``, what layers below it still hold plus i
 Note: [A recomputed top layer rebuilds on top of forward's leftovers]
 Backward starts with the top layer. When that layer is recomputed, its internals ``s_{L-1}`` are
 rebuilt while everything counted in ``A`` (kept layers, recomputed layers' inputs, and the write
-backlog, which has had no time to drain) is still in memory: the peak is at least
-``A - max_O w_i + s_{L-1}``. Without it the model put the plan ``OOR`` of the tiny ROK test model
-(3 layers of about 10 MiB, keep-all 32 MiB) at 24-27 MiB where it measured up to 32.5 MiB: its two
-offloaded layers were still unwritten when layer 2 was rebuilt, and the 90% budget's contract
-failed about one run in four.
+backlog, which has had no time to drain) is still in memory, and so are the reads that backward's
+start issued for the topmost spilled layers (up to the window): the peak is at least
+``A - max_O w_i + s_{L-1} + early reads``. Without the first part the model put the plan ``OOR``
+of the tiny ROK test model (3 layers of about 10 MiB, keep-all 32 MiB) at 24-27 MiB where it
+measured up to 32.5 MiB: its two offloaded layers were still unwritten when layer 2 was rebuilt,
+and the 90% budget's contract failed about one run in four. Without the early reads, ``ORR`` was
+predicted at 26.3 MiB for a 28.8 MiB budget and measured 31.0 MiB in a CI run: layer 0's 8 MiB
+window was read back while layer 2 was rebuilt.
 
 An ``R`` layer's input stays in memory from its forward to its backward (as under plain
 checkpoint); an ``S`` layer's goes to the spill file, so between forward and backward the layer
@@ -237,7 +240,7 @@ def _memory(profile: Profile, decisions: tuple[str, ...], window_bytes: int, bac
     top = len(layers) - 1
     if top >= 0 and decisions[top] in RECOMPUTED:
         # Note: [A recomputed top layer rebuilds on top of forward's leftovers]
-        peak = max(peak, start + layers[top].saved_bytes)
+        peak = max(peak, start + layers[top].saved_bytes + _early_reads(profile, decisions, window_bytes))
     return max(peak, start + _idle_read_buffers(profile, decisions, window_bytes))
 
 
@@ -248,6 +251,17 @@ def _read_window(profile: Profile, decisions: tuple[str, ...], i: int, window_by
     if i > 0 and decisions[i - 1] in SPILLED and profile.prefetch_depth_layers:
         pair += spilled_bytes(layers[i - 1], decisions[i - 1])
     return min(max(window_bytes, profile.max_storage_bytes), pair)
+
+
+def _early_reads(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:
+    """Bytes read back as soon as backward starts: the spilled layers within the prefetch depth of the
+    topmost spilled one, up to the window (0 when nothing is spilled or nothing is read ahead)."""
+    spilled = [i for i, d in enumerate(decisions) if d in SPILLED]
+    depth = profile.prefetch_depth_layers
+    if not spilled or not depth:
+        return 0
+    total = sum(spilled_bytes(profile.layers[i], decisions[i]) for i in spilled if i > spilled[-1] - depth)
+    return min(max(window_bytes, profile.max_storage_bytes), total)
 
 
 def _idle_read_buffers(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:

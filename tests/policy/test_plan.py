@@ -166,7 +166,9 @@ def test_cost_model_offloaded_recompute():
 
 
 @pytest.mark.parametrize("goal, code, memory_mib", [
-    ({"memory_budget_bytes": 150 * MIB}, "OOOORRRR", 150),  # recompute's inputs still fit
+    # recompute's inputs still fit; the top layer is kept, since rebuilding it would overlap the reads
+    # backward starts with (Note [A recomputed top layer rebuilds on top of forward's leftovers])
+    ({"memory_budget_bytes": 150 * MIB}, "OOOORRRK", 150),
     ({"memory_budget_bytes": 125 * MIB}, "OOOSSSSK", 125),  # they do not: write them too
     ({"overhead_bound": 0.34}, "OOOSSSSK", 120),
 ])
@@ -209,11 +211,15 @@ def test_the_rest_of_the_step_counts_in_every_placement_and_in_the_overhead_rati
 
 def test_a_recomputed_top_layer_rebuilds_on_top_of_the_write_backlog():
     """Note [A recomputed top layer rebuilds on top of forward's leftovers]: writes at 1 MiB/s leave
-    almost all of both offloaded layers' 200 MiB unwritten when backward starts rebuilding the top layer."""
+    almost all of both offloaded layers' 200 MiB unwritten when backward starts rebuilding the top layer,
+    and backward's start has read a window of the topmost offloaded layer back already."""
     crawl = profile(1, 1000, layers=3)
     cost = estimate(crawl, ["offload", "offload", "recompute"], 10 * MIB)
     assert cost.backlog_bytes > 190 * MIB
-    assert cost.memory_bytes == cost.backlog_bytes + 10 * MIB + 100 * MIB  # backlog, its input, its rebuilt internals
+    # backlog, its input, its rebuilt internals, the 10 MiB window read back at backward's start
+    assert cost.memory_bytes == cost.backlog_bytes + 10 * MIB + 100 * MIB + 10 * MIB
+    kept_top = estimate(crawl, ["offload", "offload", "keep"], 10 * MIB)
+    assert kept_top.memory_bytes < cost.memory_bytes
 
 
 def test_only_a_memory_budget_plans_with_the_drain_bandwidth():
