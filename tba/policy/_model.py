@@ -181,13 +181,7 @@ def _backward(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -
     layers = profile.layers
     depth = profile.prefetch_depth_layers
     spill = [spilled_bytes(layer, d) for layer, d in zip(layers, decisions)]
-    offloaded = [i for i, d in enumerate(decisions) if d in SPILLED]
-    issue: dict[int, float] = {}
-    if offloaded and depth:
-        top = offloaded[-1]
-        for j in offloaded:
-            if j > top - depth:
-                issue[j] = 0.0
+    issue: dict[int, float] = dict.fromkeys(_read_at_start(decisions, depth), 0.0)
     read_free = 0.0
     read_end: dict[int, float] = {}
     now = 0.0
@@ -253,15 +247,18 @@ def _read_window(profile: Profile, decisions: tuple[str, ...], i: int, window_by
     return min(max(window_bytes, profile.max_storage_bytes), pair)
 
 
-def _early_reads(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:
-    """Bytes read back as soon as backward starts: the spilled layers within the prefetch depth of the
-    topmost spilled one, up to the window (0 when nothing is spilled or nothing is read ahead)."""
+def _read_at_start(decisions: tuple[str, ...], depth: int) -> list[int]:
+    """The spilled layers read back as soon as backward starts: those within ``depth`` layers of the
+    topmost spilled one (tba prefetches them when forward ends)."""
     spilled = [i for i, d in enumerate(decisions) if d in SPILLED]
-    depth = profile.prefetch_depth_layers
-    if not spilled or not depth:
-        return 0
-    total = sum(spilled_bytes(profile.layers[i], decisions[i]) for i in spilled if i > spilled[-1] - depth)
-    return min(max(window_bytes, profile.max_storage_bytes), total)
+    return [i for i in spilled if i > spilled[-1] - depth] if spilled and depth else []
+
+
+def _early_reads(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:
+    """Bytes of :func:`_read_at_start`'s layers in memory while backward's first layer runs, up to the window."""
+    total = sum(spilled_bytes(profile.layers[i], decisions[i])
+                for i in _read_at_start(decisions, profile.prefetch_depth_layers))
+    return min(max(window_bytes, profile.max_storage_bytes), total) if total else 0
 
 
 def _idle_read_buffers(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:

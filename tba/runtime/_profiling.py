@@ -169,17 +169,16 @@ class Samples:
         if last.get("backlog_bytes") is not None:
             # Note: [Slack is calibrated on the measured backlog]
             profile = dataclasses.replace(profile, drain_bytes_per_s=_forward_write_bps(profile, last["backlog_bytes"]))
-        # One prediction of the profiled placement (offload-all at the window in force) calibrates
-        # both time and memory: neither part of it depends on what the other calibration adds.
-        profiled = estimate(profile, (OFFLOAD,) * layer_count, window)
+        # One prediction of the profiled placement (offload-all at the window in force, with the backlog
+        # measured: Note [Slack is calibrated on the measured backlog]) calibrates both time and memory:
+        # neither part of it depends on what the other calibration adds, nor the time on the backlog.
+        profiled = estimate(profile, (OFFLOAD,) * layer_count, window, backlog_bytes=last.get("backlog_bytes"))
         profile = dataclasses.replace(profile, io_overhead_s_per_byte=_io_overhead(profile, samples, profiled.step_s),
                                       outside_s=_outside(samples, cpu))
         if last.get("peak_bytes") is None:
             return profile
         measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
-        # Note: [Slack is calibrated on the measured backlog]
-        modelled = estimate(profile, (OFFLOAD,) * layer_count, window, backlog_bytes=last.get("backlog_bytes"))
-        slack = max(0, measured - modelled.memory_bytes)
+        slack = max(0, measured - profiled.memory_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
 
