@@ -100,7 +100,7 @@ def ordinary() -> Iterator[None]:
 
 
 def current_policy() -> str:
-    """``batch`` when the calling thread runs under ``SCHED_BATCH``, else ``normal`` (for tests and doctor)."""
+    """``batch`` when the calling thread runs under ``SCHED_BATCH``, else ``normal`` (what the tests check)."""
     if not hasattr(os, "SCHED_BATCH"):
         return "normal"
     return "batch" if os.sched_getscheduler(0) == os.SCHED_BATCH else "normal"

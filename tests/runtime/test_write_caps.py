@@ -59,6 +59,14 @@ class Block(nn.Module):
         return (x * self.scale).sin().exp()
 
 
+def _loss(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """The blocks' forward over ``x``, summed."""
+    h = x
+    for block in blocks:
+        h = block(h)
+    return h.sum()
+
+
 def _run(directory: str, caps: tuple[int, ...]) -> tuple[list[torch.Tensor], int]:
     """Gradients, and the most bytes tba held in memory during forward (backward's reads left out)."""
     forward_peak = [0]
@@ -79,10 +87,7 @@ def _run(directory: str, caps: tuple[int, ...]) -> tuple[list[torch.Tensor], int
     StorageStore._resident = resident
     try:
         with off:
-            h = x
-            for block in blocks:
-                h = block(h)
-            loss = h.sum()
+            loss = _loss(blocks, x)
             tba._control.settle()
             in_forward[0] = False
         loss.backward()
@@ -97,10 +102,7 @@ def test_caps_bound_what_forward_holds_unwritten_and_stay_exact(spill_dir):
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block() for _ in range(3))
     x = torch.randn(512, 1024, requires_grad=True)
-    h = x
-    for block in blocks:
-        h = block(h)
-    h.sum().backward()
+    _loss(blocks, x).backward()
     want = [x.grad, *(b.scale.grad for b in blocks)]
 
     free_grads, free = _run(spill_dir, ())
@@ -144,10 +146,7 @@ def test_a_profiled_step_records_the_bytes_still_unwritten_when_forward_ends(spi
     try:
         for _ in range(2):  # the profiled step, then the entry that collects it and plans
             with off:
-                h = x
-                for block in blocks:
-                    h = block(h)
-                loss = h.sum()
+                loss = _loss(blocks, x)
             loss.backward()
         with off:
             pass
