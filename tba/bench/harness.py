@@ -148,94 +148,135 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     started) is not counted as activation memory; gradients are zeroed at every step and each step
     seeds the RNG, so losses are unchanged.
     """
-    if usage not in USAGES:
-        raise ValueError(f"unknown usage {usage!r}; choose one of {', '.join(USAGES)}")
-    if mode not in ALL_MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ALL_MODES)}")
-    if compile_mode not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode {compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    model = model.to(device)
-    if compile_mode == "per-block":
-        compile_blocks(resolve_layers(model), model)
-    batch = tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    for param in model.parameters():
-        if param.requires_grad and param.grad is None:
-            param.grad = torch.zeros_like(param)
-    if prime_batch is not None:
-        loss_of(model(*(b.to(device) if isinstance(b, torch.Tensor) else b for b in prime_batch))).backward()
-    baseline_bytes = usage_bytes(device)
-    bare = mode in ("tba", "tba-verify") and usage == "bare"
-    bare_options = {"verify": True} if mode == "tba-verify" else {}
-    bare_stats: list[Offloader] = []
-    offloader = None
-    options = dict(offload_options or {})
-    if mode == "adaptive":
-        options["policy"] = "adaptive"
-        warmup += options.get("profile_steps", 2)
-    if mode in ("tba", "tba-verify") and not bare:
-        options.setdefault("policy", "offload")
-    if mode == "tba-verify":
-        options["verify"] = True
-    if mode == "offloaded_recompute":
-        window = options.get("prefetch_budget_bytes") or OFFLOADED_RECOMPUTE_WINDOW_BYTES
-        options["policy"] = Plan((Placement.OFFLOADED_RECOMPUTE,) * len(resolve_layers(model)), window_bytes=window)
-    if mode in ("adaptive", "offloaded_recompute") or (mode in ("tba", "tba-verify") and not bare):
-        offloader = Offloader(directory, backend=backend, layers=model, **options)
-    recompute = RecomputeLayers(resolve_layers(model)) if mode == "recompute" else contextlib.nullcontext()
-    on_cuda = torch.device(device).type == "cuda"
-    result = ModeResult(mode, [], [], [])
-    memory_peaks: list[int] = []
-    with recompute:
-        for step in range(warmup + steps + memory_steps):
-            torch.manual_seed(seed + step)
-            optimizer.zero_grad(set_to_none=False)
-            held_before = offloader.pool_idle_bytes if offloader is not None else idle_pool_bytes() if bare else 0
-            held_before = 0 if on_cuda else held_before
-            with CudaPeak() if on_cuda else PeakRSS(release=step >= warmup + steps) as peak:
-                start = time.perf_counter()
-                if mode == "save_on_cpu":
-                    with torch.autograd.graph.save_on_cpu(pin_memory=torch.device(device).type == "cuda"):
-                        loss = model(*batch)
-                elif offloader is not None:
-                    with offloader:
-                        loss = model(*batch)
-                elif bare:
-                    with offload_activations(directory=directory, **bare_options) as context:
-                        loss = model(*batch)
-                    bare_stats.append(context)
-                else:
+    run = ModeRun(mode, model, batch, directory=directory, backend=backend, seed=seed,
+                  offload_options=offload_options, device=device, threads=threads, compile_mode=compile_mode,
+                  usage=usage, prime_batch=prime_batch, warmup=warmup)
+    try:
+        for step in range(run.warmup + steps + memory_steps):
+            run.step(step, release=step >= run.warmup + steps, measured=step >= run.warmup,
+                     memory_only=step >= run.warmup + steps)
+    except BaseException:
+        run.unwrap()
+        raise
+    run.finish()
+    return run.result
+
+
+class ModeRun:
+    """One mode's model, optimiser and tba context, stepped by :meth:`step` (:func:`run_steps` is its loop).
+
+    Several runs in one process can be stepped in turn (``tba/bench/interleaved.py``); each keeps
+    its own model, so a recomputed model or an offloader never touches another mode's steps.
+    ``warmup`` is the caller's; :attr:`warmup` adds an adaptive run's profiled steps.
+    """
+
+    def __init__(self, mode: str, model: nn.Module, batch: tuple, *, directory: str | None = None,
+                 backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
+                 device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
+                 usage: str = "reusable", prime_batch: tuple | None = None, warmup: int = 0) -> None:
+        if usage not in USAGES:
+            raise ValueError(f"unknown usage {usage!r}; choose one of {', '.join(USAGES)}")
+        if mode not in ALL_MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ALL_MODES)}")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.mode, self.device, self.seed, self.directory = mode, device, seed, directory
+        self.model = model = model.to(device)
+        if compile_mode == "per-block":
+            compile_blocks(resolve_layers(model), model)
+        self.batch = tuple(b.to(device) if isinstance(b, torch.Tensor) else b for b in batch)
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+        for param in model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if prime_batch is not None:
+            loss_of(model(*(b.to(device) if isinstance(b, torch.Tensor) else b for b in prime_batch))).backward()
+        self.baseline_bytes = usage_bytes(device)
+        self.bare = mode in ("tba", "tba-verify") and usage == "bare"
+        self.bare_options = {"verify": True} if mode == "tba-verify" else {}
+        self.bare_stats: list[Offloader] = []
+        self.offloader: Offloader | None = None
+        options = dict(offload_options or {})
+        self.warmup = warmup
+        if mode == "adaptive":
+            options["policy"] = "adaptive"
+            self.warmup += options.get("profile_steps", 2)
+        if mode in ("tba", "tba-verify") and not self.bare:
+            options.setdefault("policy", "offload")
+        if mode == "tba-verify":
+            options["verify"] = True
+        if mode == "offloaded_recompute":
+            window = options.get("prefetch_budget_bytes") or OFFLOADED_RECOMPUTE_WINDOW_BYTES
+            options["policy"] = Plan((Placement.OFFLOADED_RECOMPUTE,) * len(resolve_layers(model)), window_bytes=window)
+        if mode in ("adaptive", "offloaded_recompute") or (mode in ("tba", "tba-verify") and not self.bare):
+            self.offloader = Offloader(directory, backend=backend, layers=model, **options)
+        self._exits = contextlib.ExitStack()
+        if mode == "recompute":
+            self._exits.enter_context(RecomputeLayers(resolve_layers(model)))
+        self.on_cuda = torch.device(device).type == "cuda"
+        self.result = ModeResult(mode, [], [], [])
+        self._memory_peaks: list[int] = []
+
+    def step(self, index: int, *, release: bool = False, measured: bool = True, memory_only: bool = False) -> None:
+        """Train step ``index`` (it seeds the RNG); ``measured``: record its time and peak (``memory_only``: its
+        peak alone, after the allocator's free memory was handed back when ``release``)."""
+        model, batch, offloader, result = self.model, self.batch, self.offloader, self.result
+        torch.manual_seed(self.seed + index)
+        self.optimizer.zero_grad(set_to_none=False)
+        held_before = offloader.pool_idle_bytes if offloader is not None else idle_pool_bytes() if self.bare else 0
+        held_before = 0 if self.on_cuda else held_before
+        with CudaPeak() if self.on_cuda else PeakRSS(release=release) as peak:
+            start = time.perf_counter()
+            if self.mode == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu(pin_memory=self.on_cuda):
                     loss = model(*batch)
-                loss = loss_of(loss)
-                loss.backward()
-                optimizer.step()
-                # The device finishes the step before the clock is read (CUDA work is asynchronous).
-                peak.synchronize()
-                elapsed = time.perf_counter() - start
-            result.losses.append(loss.item())
-            result.reserved_bytes = max(result.reserved_bytes, peak.reserved_bytes)
-            result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
-            result.footprint_bytes = max(result.footprint_bytes, peak.peak_bytes - baseline_bytes)
-            del loss
-            if step >= warmup + steps:
-                memory_peaks.append(peak.delta_bytes + held_before)
-            elif step >= warmup:
-                result.step_s.append(elapsed)
-                result.activation_peak_bytes.append(peak.delta_bytes + held_before)
-    if memory_peaks:
-        result.activation_peak_bytes = memory_peaks
-    if bare_stats:
-        result.offload_stats = _summed_stats([context.stats.as_dict() for context in bare_stats])
-        plan = bare_stats[-1].plan
-        result.plan = {**dataclasses.asdict(plan), "code": plan.code} if plan is not None else None
-    if offloader is not None:
-        offloader.close()
-        result.offload_stats = offloader.stats.as_dict()
-        if offloader.plan is not None:
-            result.plan = {**dataclasses.asdict(offloader.plan), "code": offloader.plan.code}
-    return result
+            elif offloader is not None:
+                with offloader:
+                    loss = model(*batch)
+            elif self.bare:
+                with offload_activations(directory=self.directory, **self.bare_options) as context:
+                    loss = model(*batch)
+                self.bare_stats.append(context)
+            else:
+                loss = model(*batch)
+            loss = loss_of(loss)
+            loss.backward()
+            self.optimizer.step()
+            # The device finishes the step before the clock is read (CUDA work is asynchronous).
+            peak.synchronize()
+            elapsed = time.perf_counter() - start
+        result.losses.append(loss.item())
+        result.reserved_bytes = max(result.reserved_bytes, peak.reserved_bytes)
+        result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
+        result.footprint_bytes = max(result.footprint_bytes, peak.peak_bytes - self.baseline_bytes)
+        del loss
+        if memory_only:
+            self._memory_peaks.append(peak.delta_bytes + held_before)
+        elif measured:
+            result.step_s.append(elapsed)
+            result.activation_peak_bytes.append(peak.delta_bytes + held_before)
+
+    def unwrap(self) -> None:
+        """Undo the recompute wrapping of the model's layers (idempotent)."""
+        self._exits.close()
+
+    def finish(self) -> None:
+        """Close the offloader and undo the recompute wrapping; fills the result's stats and plan."""
+        result = self.result
+        self.unwrap()
+        if self._memory_peaks:
+            result.activation_peak_bytes = self._memory_peaks
+        if self.bare_stats:
+            result.offload_stats = _summed_stats([context.stats.as_dict() for context in self.bare_stats])
+            plan = self.bare_stats[-1].plan
+            result.plan = {**dataclasses.asdict(plan), "code": plan.code} if plan is not None else None
+        if self.offloader is not None:
+            self.offloader.close()
+            result.offload_stats = self.offloader.stats.as_dict()
+            if self.offloader.plan is not None:
+                result.plan = {**dataclasses.asdict(self.offloader.plan), "code": self.offloader.plan.code}
 
 
 def _summed_stats(per_step: list[dict[str, Any]]) -> dict[str, Any]:

@@ -69,7 +69,8 @@ class IsolatedRunError(RuntimeError):
         super().__init__(f"mode {mode} failed:\n{stderr[-4000:]}")
 
 
-def _environment(allocator: str, malloc_env: bool) -> dict[str, str]:
+def process_environment(allocator: str, malloc_env: bool) -> dict[str, str]:
+    """The environment of a measured process: ``allocator`` preloaded, glibc tuned by ``malloc_env``."""
     env, _ = launch_env(allocator, dict(os.environ, **MALLOC_ENV) if malloc_env else _plain_env())
     return env
 
@@ -77,7 +78,7 @@ def _environment(allocator: str, malloc_env: bool) -> dict[str, str]:
 def fork_server(*, malloc_env: bool = True, allocator: str = "system") -> ForkServer:
     """A :class:`~tba.bench._forkserver.ForkServer` for :func:`run_isolated` calls with these same
     ``malloc_env`` and ``allocator``; use it as a context manager."""
-    return ForkServer(_environment(allocator, malloc_env))
+    return ForkServer(process_environment(allocator, malloc_env))
 
 
 def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allocator: str = "system",
@@ -107,7 +108,7 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
                 raise IsolatedRunError(mode, str(err)) from None
     else:
         proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
-                              env=_environment(allocator, malloc_env))
+                              env=process_environment(allocator, malloc_env))
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     if returncode != 0:
         raise IsolatedRunError(mode, stderr)
@@ -116,7 +117,7 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
     wanted = resolve(allocator)[0]
     if result.allocator != wanted and not (wanted == "system" and result.allocator not in CACHING):
         raise RuntimeError(f"mode {mode} was to run under {wanted} but {result.allocator} served it "
-                           f"(LD_PRELOAD={_environment(allocator, malloc_env).get('LD_PRELOAD', '')!r}):\n"
+                           f"(LD_PRELOAD={process_environment(allocator, malloc_env).get('LD_PRELOAD', '')!r}):\n"
                            f"{stderr[-2000:]}")
     return result
 

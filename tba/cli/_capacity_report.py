@@ -30,12 +30,21 @@ class StrategyResult:
     mode: str
     search: Search | None = None
     keep_max_point: Point | None = None
+    """This strategy's run at keep-all's largest batch, in a process of its own."""
+    speed_point: Point | None = None
+    """Its steps at keep-all's largest batch taken in turn with every other strategy's, in one process
+    (Note [Speeds are compared step by step] in ``tba/bench/interleaved.py``); None when not measured."""
     same_loss_at_keep_max: bool | None = None
     status: str = "pending"
 
     @property
     def max_batch(self) -> int | None:
         return None if self.search is None else self.search.max_batch
+
+    @property
+    def speed_at_keep_max(self) -> Point | None:
+        """The point the speeds at keep-all's largest batch come from: the run by turns, else this strategy's own."""
+        return self.speed_point if self.speed_point is not None else self.keep_max_point
 
     def tokens_per_s(self, point: Point | None, seq_len: int) -> float | None:
         if point is None or point.error is not None or not point.step_s:
@@ -46,9 +55,9 @@ class StrategyResult:
         search = self.search
         at_max = search.point(search.max_batch) if search is not None else None
         speed_at_max = at_max
-        again = self.keep_max_point
+        again = self.speed_at_keep_max
         if at_max is not None and again is not None and again.error is None and again.batch == at_max.batch:
-            speed_at_max = again  # keep-all's largest batch, measured again with more steps
+            speed_at_max = again  # keep-all's largest batch, measured again (by turns, or with more steps)
         fit = search.fit if search is not None else None
         return {
             "label": self.label, "mode": self.mode, "status": self.status,
@@ -56,7 +65,9 @@ class StrategyResult:
             "max_batch": self.max_batch,
             "tokens_at_max": None if not self.max_batch else self.max_batch * seq_len,
             "tokens_per_s_at_max": self.tokens_per_s(speed_at_max, seq_len),
-            "tokens_per_s_at_keep_max": self.tokens_per_s(self.keep_max_point, seq_len),
+            "tokens_per_s_at_keep_max": self.tokens_per_s(self.speed_at_keep_max, seq_len),
+            "tokens_per_s_at_keep_max_own_process": self.tokens_per_s(self.keep_max_point, seq_len),
+            "speeds_in_one_process": self.speed_point is not None,
             "peak_bytes_at_max": at_max.peak_bytes if at_max is not None else None,
             "fit": None if fit is None else {"a_bytes": fit[0], "b_bytes_per_sample": fit[1]},
             "predicted_max_batch": search.predicted if search is not None else None,
@@ -94,8 +105,8 @@ def summary(results: Sequence[StrategyResult], seq_len: int) -> dict[str, Any]:
         "best_tba_max_batch_over_keep": ratio(best and best.max_batch, by_name["keep"].max_batch if "keep" in by_name
                                               else None),
         "offload_over_recompute_tokens_per_s_at_keep_max": ratio(
-            offload and offload.tokens_per_s(offload.keep_max_point, seq_len),
-            recompute and recompute.tokens_per_s(recompute.keep_max_point, seq_len)),
+            offload and offload.tokens_per_s(offload.speed_at_keep_max, seq_len),
+            recompute and recompute.tokens_per_s(recompute.speed_at_keep_max, seq_len)),
     }
 
 
@@ -122,6 +133,9 @@ def format_table(results: Sequence[StrategyResult], seq_len: int, keep_max: int 
             f"{_number(peak / MIB if peak is not None else None, '.1f'):>9} "
             f"{_number(row['tokens_per_s_at_max'], '.0f'):>12} {_number(row['tokens_per_s_at_keep_max'], '.0f'):>17} "
             f"{result.search.verdict if result.search is not None else 'no':>11}")
+    if keep_max and any(r.speed_point is not None for r in results):
+        lines.append(f"tok/s at b={keep_max}: every strategy in one process, one step of each in turn, the median of "
+                     "its steps (speeds from separate processes would also compare the host's state in each)")
     return "\n".join(lines)
 
 

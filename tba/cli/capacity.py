@@ -14,7 +14,9 @@ The search (``tba/cli/_capacity_search.py``) measures the peak at two small batc
 and 2; the others: keep-all's largest batch and twice it), fits ``peak = a + b * batch``, predicts
 the largest batch and confirms it by measuring there and one sample above, adjusting when the
 confirmation disagrees. It reports tokens/s at each strategy's largest batch and, for every
-strategy, at keep-all's largest batch (the same work, so the speeds compare). A strategy whose run
+strategy, at keep-all's largest batch (the same work, so the speeds compare). Those last speeds
+come from one more process in which every strategy takes a step in turn (Note [Speeds are compared
+step by step] in ``tba/bench/interleaved.py``), with losses that must match keep-all's step for step. A strategy whose run
 fails at its first batch (an unknown placement on this version of tba, a budget an adaptive plan
 cannot meet) is reported as unavailable with the reason instead of ending the run. The JSON file is
 rewritten after every measurement, so a killed run leaves its partial results; ``--png`` draws the
@@ -37,6 +39,7 @@ from typing import Any
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
+from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import ForkServer, IsolatedRunError, fork_server, run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
@@ -73,6 +76,11 @@ KEEP_MAX_STEPS = 3
 compares the strategies' speed: one step's time varied by up to 40% between runs there (full
 recompute of ``deep`` at 13 samples: 0.87-1.26 s), as much as the ratios compared. The search's
 other runs measure ``--steps`` (default 1): they look at the peak."""
+
+SPEED_ROUNDS = 3
+"""Measured steps of each strategy in the run that compares their speeds at keep-all's largest batch
+(after one warm-up step each), all in one process by turns (Note [Speeds are compared step by step]
+in ``tba/bench/interleaved.py``)."""
 
 REQUIRED = ("keep", "recompute", "offload")
 """Strategies that exist in every version of tba: the exit status is 1 when one of them failed."""
@@ -174,6 +182,42 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
         note = "" if verdict == "yes" else " (not confirmed)" if verdict == "no" else f" ({verdict})"
         lines.say(f"{result.label}: largest batch {result.search.max_batch}{note}")
         save()
+    if keep_max:
+        _compare_speeds(settings, results, lines, server, keep_max)
+
+
+def _compare_speeds(settings: Settings, results: list[StrategyResult], lines: _Lines, server: ForkServer,
+                    keep_max: int) -> None:
+    """Every strategy that ran, at keep-all's largest batch, one step of each in turn in one process:
+    the speeds the table compares (Note [Speeds are compared step by step] in ``tba/bench/interleaved.py``).
+
+    Losses must match keep-all's step for step. When this run fails, the table keeps each
+    strategy's speed from its own process (``tokens_per_s_at_keep_max_own_process``).
+    """
+    done = [r for r in results if r.status == "ok"]
+    if len(done) < 2:
+        return
+    options = {"adaptive": {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS}}
+    lines.say(f"speeds at batch {keep_max}: {', '.join(r.label for r in done)}, one step each in turn ...")
+    try:
+        runs = run_interleaved_isolated([r.mode for r in done], settings.preset, server=server,
+                                        allocator=settings.allocator, rounds=SPEED_ROUNDS, warmup=1,
+                                        config_overrides={"batch_size": keep_max, "seq_len": settings.seq_len},
+                                        directory=settings.directory, backend=settings.backend, device=settings.device,
+                                        threads=settings.threads, offload_options=options)
+    except IsolatedRunError as err:
+        logger.debug("%s", err.stderr)
+        lines.say(f"speeds in one process failed ({err.reason}); the table shows each strategy's own run")
+        return
+    reference = runs.get("keep")
+    for result in done:
+        run = runs[result.mode]
+        result.speed_point = Point(keep_max, step_s=run.median_step_s, losses=run.losses)
+        if reference is not None and result.name != "keep":
+            common = min(len(run.losses), len(reference.losses))
+            same = same_losses(run.losses[:common], reference.losses[:common])
+            result.same_loss_at_keep_max = same and result.same_loss_at_keep_max is not False
+        lines.say(f"{result.label}: {run.median_step_s:.2f} s/step at batch {keep_max} (median of {SPEED_ROUNDS})")
 
 
 def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tuple[tuple[int, ...], int | None]:

@@ -106,6 +106,12 @@ def test_the_search_reads_the_least_memory_from_an_adaptive_refusal():
     assert needs and float(needs.group(1)) * MIB > MIB
 
 
+def _no_run_by_turns(*args, **kwargs):
+    from tba.bench.isolated import IsolatedRunError
+
+    raise IsolatedRunError("keep+recompute", "not in this test")
+
+
 def test_runs_at_keep_alls_batch_take_the_median_of_several_steps(monkeypatch):
     """The speed columns compare strategies at keep-all's largest batch: those runs measure
     KEEP_MAX_STEPS steps, the search's other runs ``--steps``; keep-all is measured again there."""
@@ -122,6 +128,7 @@ def test_runs_at_keep_alls_batch_take_the_median_of_several_steps(monkeypatch):
         return SimpleNamespace(footprint_bytes=peak, median_step_s=0.01 * batch, losses=[1.0] * steps)
 
     monkeypatch.setattr(capacity, "run_isolated", fake_run)
+    monkeypatch.setattr(capacity, "run_interleaved_isolated", _no_run_by_turns)
     settings = capacity.Settings(preset="tiny", budget_bytes=512 * MIB, seq_len=8, strategies=("keep", "recompute"))
     results = [StrategyResult(name, label, mode) for name, label, mode in capacity.STRATEGIES[:2]]
     capacity._search_all(settings, results, capacity._Lines(False), None, lambda: None)
@@ -151,8 +158,60 @@ def test_a_failed_remeasure_of_keep_all_falls_back_to_its_search_point(monkeypat
         return SimpleNamespace(footprint_bytes=40 * MIB * batch, median_step_s=0.01 * batch, losses=[1.0] * steps)
 
     monkeypatch.setattr(capacity, "run_isolated", fake_run)
+    monkeypatch.setattr(capacity, "run_interleaved_isolated", _no_run_by_turns)
     settings = capacity.Settings(preset="tiny", budget_bytes=512 * MIB, seq_len=8, strategies=("keep",))
     results = [StrategyResult(*capacity.STRATEGIES[0])]
     capacity._search_all(settings, results, capacity._Lines(False), None, lambda: None)
     assert results[0].keep_max_point is results[0].search.point(12)
     assert results[0].as_dict(8)["tokens_per_s_at_keep_max"] is not None
+
+
+def test_speeds_at_keep_alls_batch_come_from_one_process_by_turns(monkeypatch):
+    """Note [Speeds are compared step by step]: the speed columns and the issue's ratio use the run in
+    which every strategy took a step in turn; each strategy's own run stays in the JSON; losses that
+    differ from keep-all's in that run are reported; a failed run by turns leaves the own-process speeds."""
+    from types import SimpleNamespace
+
+    from tba.bench.isolated import IsolatedRunError
+    from tba.cli import capacity
+
+    def fake_run(mode, preset, *, steps, config_overrides, **_):
+        batch = config_overrides["batch_size"]
+        peak = (40 if mode == "keep" else 2) * MIB * batch
+        return SimpleNamespace(footprint_bytes=peak, median_step_s=0.01 * batch, losses=[1.0] * steps)
+
+    asked = []
+
+    def by_turns(modes, preset, *, config_overrides, rounds, offload_options, **_):
+        asked.append((tuple(modes), config_overrides["batch_size"], rounds, offload_options["adaptive"]))
+        step_s = {"keep": 0.5, "recompute": 1.0, "tba": 0.8}
+        return {mode: SimpleNamespace(median_step_s=step_s[mode], losses=[2.0, 1.5 if mode != "tba" else 1.25])
+                for mode in modes}
+
+    monkeypatch.setattr(capacity, "run_isolated", fake_run)
+    monkeypatch.setattr(capacity, "run_interleaved_isolated", by_turns)
+    settings = capacity.Settings(preset="tiny", budget_bytes=512 * MIB, seq_len=8,
+                                 strategies=("keep", "recompute", "offload"))
+    results = [StrategyResult(name, label, mode) for name, label, mode in capacity.STRATEGIES[:3]]
+    capacity._search_all(settings, results, capacity._Lines(False), None, lambda: None)
+    assert asked == [(("keep", "recompute", "tba"), 12, capacity.SPEED_ROUNDS,
+                      {"memory_budget_bytes": 512 * MIB, "profile_steps": capacity.ADAPTIVE_PROFILE_STEPS})]
+    rows = {r.name: r.as_dict(8) for r in results}
+    assert rows["offload"]["tokens_per_s_at_keep_max"] == pytest.approx(12 * 8 / 0.8)
+    assert rows["offload"]["tokens_per_s_at_keep_max_own_process"] == pytest.approx(12 * 8 / 0.12)
+    assert rows["keep"]["tokens_per_s_at_max"] == rows["keep"]["tokens_per_s_at_keep_max"] == pytest.approx(12 * 8 / 0.5)
+    assert all(row["speeds_in_one_process"] for row in rows.values())
+    assert summary(results, 8)["offload_over_recompute_tokens_per_s_at_keep_max"] == pytest.approx(1.0 / 0.8)
+    assert [r.same_loss_at_keep_max for r in results] == [True, True, False]  # tba's second loss differs
+    assert "one step of each in turn" in format_table(results, 8, 12)
+
+    def failing(*args, **kwargs):
+        raise IsolatedRunError("keep+recompute+tba", "killed")
+
+    monkeypatch.setattr(capacity, "run_interleaved_isolated", failing)
+    results = [StrategyResult(name, label, mode) for name, label, mode in capacity.STRATEGIES[:3]]
+    capacity._search_all(settings, results, capacity._Lines(False), None, lambda: None)
+    rows = {r.name: r.as_dict(8) for r in results}
+    assert rows["offload"]["tokens_per_s_at_keep_max"] == rows["offload"]["tokens_per_s_at_keep_max_own_process"]
+    assert not any(row["speeds_in_one_process"] for row in rows.values())
+    assert "one step of each in turn" not in format_table(results, 8, 12)

@@ -1,0 +1,71 @@
+"""Modes measured by turns in one process: each its own model, steps alternating, losses step for step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tba.bench import interleaved
+from tba.bench.harness import ModeRun
+from tba.bench.isolated import IsolatedRunError, fork_server
+from tba.bench.models import PRESETS
+
+TINY = PRESETS["tiny"]
+
+
+def test_modes_take_turns_and_exact_ones_lose_alike(spill_dir, monkeypatch):
+    order: list[tuple[str, int, bool]] = []
+    real_step = ModeRun.step
+
+    def recording_step(self, index, **kwargs):
+        order.append((self.mode, index, kwargs.get("measured", True)))
+        return real_step(self, index, **kwargs)
+
+    monkeypatch.setattr(ModeRun, "step", recording_step)
+    results = interleaved.run_interleaved(["keep", "recompute", "tba"], TINY, rounds=2, warmup=1,
+                                          directory=spill_dir, backend="threads")
+    assert order == [(mode, step, step >= 1) for step in range(3) for mode in ("keep", "recompute", "tba")]
+    assert [len(r.step_s) for r in results.values()] == [2, 2, 2]
+    assert results["recompute"].losses == results["tba"].losses == results["keep"].losses
+    assert len(results["keep"].losses) == 3 and results["tba"].offload_stats["tensors_offloaded"] > 0
+
+
+def test_an_adaptive_mode_profiles_first_and_still_loses_alike(spill_dir):
+    results = interleaved.run_interleaved(["keep", "adaptive"], TINY, rounds=1, warmup=1, directory=spill_dir,
+                                          backend="threads", offload_options={"adaptive": {"profile_steps": 2}})
+    assert len(results["keep"].losses) == 2 and len(results["adaptive"].losses) == 4  # 1 + 2 profiled + 1
+    assert results["adaptive"].losses[:2] == results["keep"].losses
+    assert len(results["adaptive"].step_s) == 1
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        interleaved.run_interleaved(["keep"], TINY, rounds=0)
+
+
+def test_a_failed_mode_unwraps_the_others(spill_dir, monkeypatch):
+    models = []
+    real_make = interleaved.make_gpt
+
+    def recording_make(config, seed=0):
+        models.append(real_make(config, seed=seed))
+        return models[-1]
+
+    monkeypatch.setattr(interleaved, "make_gpt", recording_make)
+    with pytest.raises(ValueError, match="unknown mode"):
+        interleaved.run_interleaved(["recompute", "no-such-mode"], TINY, rounds=1, directory=spill_dir)
+    assert len(models) == 2 and all("forward" not in vars(block) for block in models[0].blocks)
+
+
+def test_in_a_fresh_process_and_in_a_forked_child(spill_dir):
+    config = {"batch_size": 3}
+    options = dict(rounds=1, warmup=1, directory=spill_dir, backend="threads", config_overrides=config)
+    fresh = interleaved.run_interleaved_isolated(["keep", "tba"], "tiny", **options)
+    with fork_server() as server:
+        forked = interleaved.run_interleaved_isolated(["keep", "tba"], "tiny", server=server, **options)
+        with pytest.raises(IsolatedRunError, match="unknown mode"):
+            interleaved.run_interleaved_isolated(["keep", "no-such-mode"], "tiny", server=server, **options)
+    here = interleaved.run_interleaved(["keep"], dataclasses.replace(TINY, **config), rounds=1, warmup=1)
+    assert fresh["keep"].losses == fresh["tba"].losses == forked["tba"].losses == here["keep"].losses
+    assert list(fresh) == ["keep", "tba"] and len(fresh["tba"].step_s) == 1
