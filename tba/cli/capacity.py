@@ -71,12 +71,6 @@ ADAPTIVE_PROFILE_STEPS = 1
 """Steps the adaptive runs profile before planning (tba's default is 2): each one is a whole
 offloading step, the longest kind at the largest batches."""
 
-KEEP_MAX_STEPS = 3
-"""Measured steps (the median is kept) of every run at keep-all's largest batch, where the table
-compares the strategies' speed: one step's time varied by up to 40% between runs there (full
-recompute of ``deep`` at 13 samples: 0.87-1.26 s), as much as the ratios compared. The search's
-other runs measure ``--steps`` (default 1): they look at the peak."""
-
 SPEED_ROUNDS = 3
 """Measured steps of each strategy in the run that compares their speeds at keep-all's largest batch
 (after one warm-up step each), all in one process by turns (Note [Speeds are compared step by step]
@@ -148,7 +142,7 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
     """Search every strategy in turn, each measurement a child of ``server``; ``save()`` after each."""
     keep_max: int | None = None
     for result in results:
-        measure = _measurer(settings, result, lines, server, keep_max)
+        measure = _measurer(settings, result, lines, server)
         probes = (1, 2) if result.name == "keep" or not keep_max else (keep_max, 2 * keep_max)
         first_guess = None
         if result.name == "adaptive":
@@ -168,12 +162,8 @@ def _search_all(settings: Settings, results: list[StrategyResult], lines: _Lines
             continue
         if result.name == "keep":
             keep_max = result.search.max_batch
-            if keep_max and settings.steps < KEEP_MAX_STEPS:  # found with fewer steps: measured again for the speed
-                again = _extra_point(_measurer(settings, result, lines, server, keep_max), keep_max)
-                result.keep_max_point = again if again.error is None else None  # else the search's own point
         if keep_max:
-            if result.keep_max_point is None:
-                result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
+            result.keep_max_point = result.search.point(keep_max) or _extra_point(measure, keep_max)
             reference = results[0].keep_max_point if results[0].name == "keep" else None
             if result.keep_max_point.error is None and reference is not None and reference.error is None:
                 result.same_loss_at_keep_max = same_losses(result.keep_max_point.losses, reference.losses)
@@ -234,17 +224,15 @@ def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tupl
     return (probe,), (max(reached) if reached and max(reached) > probe else None)
 
 
-def _measurer(settings: Settings, result: StrategyResult, lines: _Lines, server: ForkServer | None = None,
-              keep_max: int | None = None):
-    """``measure(batch)`` for ``result``'s strategy; at ``keep_max`` it takes :data:`KEEP_MAX_STEPS` steps."""
+def _measurer(settings: Settings, result: StrategyResult, lines: _Lines, server: ForkServer | None = None):
+    """``measure(batch)`` for ``result``'s strategy."""
     options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
         if result.name == "adaptive" else None
 
     def measure(batch: int) -> Point:
         lines.say(f"{result.label}: batch {batch} ...")
         try:
-            steps = max(settings.steps, KEEP_MAX_STEPS) if batch == keep_max else settings.steps
-            run = run_isolated(result.mode, settings.preset, steps=steps, warmup=settings.warmup,
+            run = run_isolated(result.mode, settings.preset, steps=settings.steps, warmup=settings.warmup,
                                directory=settings.directory, backend=settings.backend, device=settings.device,
                                threads=settings.threads, allocator=settings.allocator, offload_options=options,
                                prime=True, config_overrides={"batch_size": batch, "seq_len": settings.seq_len},
