@@ -23,6 +23,11 @@ Examples:
     python tools/bench_e2e.py --preset bench --usage bare --allocator system --steps 4
     python tools/bench_e2e.py --preset bench --steps 5 --measure controlled
 
+After the modes, ``keep_io`` (unless ``--no-io-baseline``) runs keep-all again while another
+process writes and reads in the spill directory at the rates tba's row measured: what that disk
+traffic alone costs this machine's compute (``tba/bench/io_load.py``, Note [What the traffic alone
+costs]). tba's step time over ``keep_io``'s is what tba's own work adds.
+
 With ``--compile per-block`` every mode runs the model with each block under ``torch.compile``
 (inductor), so ratios are against compiled keep-all; compilation happens in the warm-up step.
 """
@@ -40,6 +45,7 @@ from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES, USAGES
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli._report import comparison_rows, format_table
+from tba.defaults import MIB
 from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every mode's process: auto = best caching allocator found "
                              "(default), system = the C library's (glibc)")
+    parser.add_argument("--no-io-baseline", dest="io_baseline", action="store_false",
+                        help="skip the keep_io row (keep-all beside tba's disk traffic from another process)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and raw results as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -80,18 +88,32 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if "keep" not in modes:
         modes.insert(0, "keep")
+    if args.io_baseline and "tba" in modes and "keep_io" not in modes:
+        modes.append("keep_io")
     results = []
     for index, mode in enumerate(modes, 1):
+        io_rates = None
+        if mode == "keep_io":
+            io_rates = next((r.io_rates() for r in results if r.mode == "tba"), None)
+            if io_rates is None:
+                logger.info("[%d/%d] keep_io: skipped (no tba row measured its traffic)", index, len(modes))
+                continue
+            logger.info("        keep_io's load: %.0f MiB/s written, %.0f MiB/s read (tba's rates)",
+                        io_rates[0] / MIB, io_rates[1] / MIB)
         logger.info("[%d/%d] %s: %d warm-up + %d measured steps ...", index, len(modes), mode, warmup, args.steps)
         results.append(run_isolated(mode, args.preset, steps=args.steps, warmup=warmup, directory=args.directory,
                                     backend=args.backend, compile_mode=args.compile, usage=args.usage,
-                                    malloc_env=not user, allocator=args.allocator))
+                                    malloc_env=not user, allocator=args.allocator, io_rates=io_rates))
         logger.info("        median step %.3f s", results[-1].median_step_s)
     rows = comparison_rows(results, peak="max" if user else "median")
     print(format_table(rows))
     how = "plain process, peak over all measured steps" if user else "fixed mmap threshold, median peak"
     print(f"measure: {args.measure} ({how}), usage: {args.usage}, {warmup} warm-up + {args.steps} measured steps, "
           f"malloc: {malloc}")
+    by_mode = {r.mode: r for r in results}
+    if "keep_io" in by_mode and "tba" in by_mode:
+        print(f"keep_io: keep-all beside tba's disk traffic from another process; tba's step time is "
+              f"{by_mode['tba'].median_step_s / by_mode['keep_io'].median_step_s:.2f}x keep_io's")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "usage": args.usage,

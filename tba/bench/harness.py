@@ -13,6 +13,9 @@ Each strategy runs the same model, batch and seed:
   with its input offloaded (``Placement.OFFLOADED_RECOMPUTE``), window ``prefetch_budget_bytes``
   from ``offload_options`` or :data:`OFFLOADED_RECOMPUTE_WINDOW_BYTES`;
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (on a CPU-only build this is a copy);
+* ``keep_io``: keep-all while another process writes and reads ``io_rates`` (bytes per second) in
+  ``directory``, the traffic a tba run moved (``tba/bench/io_load.py``, Note [What the traffic
+  alone costs]);
 * ``adaptive``: a reused :class:`tba.Offloader` with ``policy="adaptive"`` and the goal given in
   ``offload_options`` (``memory_budget_bytes`` or ``overhead_bound``); its profiled steps come
   on top of the warm-up steps and are never measured.
@@ -48,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tba.bench.io_load import BackgroundIO
 from tba.bench.meters import CudaPeak, PeakRSS, usage_bytes
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.defaults import MIB
@@ -57,7 +61,7 @@ from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_by
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
 USAGES = ("reusable", "bare")
-ALL_MODES = (*MODES, "adaptive", "tba-verify", "offloaded_recompute")
+ALL_MODES = (*MODES, "adaptive", "tba-verify", "offloaded_recompute", "keep_io")
 OFFLOADED_RECOMPUTE_WINDOW_BYTES = 8 * MIB
 """Prefetch window of the ``offloaded_recompute`` mode: tba's smallest self-sized window."""
 
@@ -84,6 +88,18 @@ class ModeResult:
     """The malloc that served the process (:func:`tba.allocator.detect`), where recorded."""
     footprint_bytes: int = 0
     """Most memory above what the process held before its first step, over every step, warm-up included."""
+    written_bytes: list[int] = dataclasses.field(default_factory=list)
+    """Bytes tba wrote in each measured step (the ``step_s`` steps); empty without tba."""
+    read_bytes: list[int] = dataclasses.field(default_factory=list)
+    """Bytes tba read back in each measured step; empty without tba."""
+
+    def io_rates(self) -> tuple[float, float] | None:
+        """Median bytes per second tba wrote and read over the measured steps (the ``keep_io`` mode's load),
+        None without tba."""
+        if not self.written_bytes:
+            return None
+        return (statistics.median(b / s for b, s in zip(self.written_bytes, self.step_s)),
+                statistics.median(b / s for b, s in zip(self.read_bytes, self.step_s)))
 
     @property
     def median_step_s(self) -> float:
@@ -114,7 +130,8 @@ def loss_of(output: Any) -> torch.Tensor:
 def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, directory: str | None = None,
              backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
              device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
-             usage: str = "reusable", memory_steps: int = 0, prime: bool = False) -> ModeResult:
+             usage: str = "reusable", memory_steps: int = 0, prime: bool = False,
+             io_rates: tuple[float, float] | None = None) -> ModeResult:
     """Train ``steps + warmup`` steps of the built-in GPT under ``mode`` in this process.
 
     ``prime``: first run one plain forward and backward on a batch of one short sequence
@@ -125,14 +142,15 @@ def run_mode(mode: str, config: GPTConfig, *, steps: int = 5, warmup: int = 1, d
     return run_steps(mode, model, make_batch(config, seed=seed), steps=steps, warmup=warmup, directory=directory,
                      backend=backend, seed=seed, offload_options=offload_options, device=device, threads=threads,
                      compile_mode=compile_mode, usage=usage, memory_steps=memory_steps,
-                     prime_batch=small if prime else None)
+                     prime_batch=small if prime else None, io_rates=io_rates)
 
 
 def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warmup: int = 1,
               directory: str | None = None, backend: str = "auto", seed: int = 0,
               offload_options: dict[str, Any] | None = None, device: str = "cpu",
               threads: int | None = None, compile_mode: str = "none", usage: str = "reusable",
-              memory_steps: int = 0, prime_batch: tuple | None = None) -> ModeResult:
+              memory_steps: int = 0, prime_batch: tuple | None = None,
+              io_rates: tuple[float, float] | None = None) -> ModeResult:
     """Train ``model`` (``model(*batch)`` returns the loss) for ``warmup + steps + memory_steps`` steps under ``mode``.
 
     With ``memory_steps``, the activation peaks come from that many steps after the timed ones, each
@@ -150,7 +168,7 @@ def run_steps(mode: str, model: nn.Module, batch: tuple, *, steps: int = 5, warm
     """
     run = ModeRun(mode, model, batch, directory=directory, backend=backend, seed=seed,
                   offload_options=offload_options, device=device, threads=threads, compile_mode=compile_mode,
-                  usage=usage, prime_batch=prime_batch, warmup=warmup)
+                  usage=usage, prime_batch=prime_batch, warmup=warmup, io_rates=io_rates)
     try:
         for step in range(run.warmup + steps + memory_steps):
             run.step(step, release=step >= run.warmup + steps, measured=step >= run.warmup,
@@ -173,7 +191,8 @@ class ModeRun:
     def __init__(self, mode: str, model: nn.Module, batch: tuple, *, directory: str | None = None,
                  backend: str = "auto", seed: int = 0, offload_options: dict[str, Any] | None = None,
                  device: str = "cpu", threads: int | None = None, compile_mode: str = "none",
-                 usage: str = "reusable", prime_batch: tuple | None = None, warmup: int = 0) -> None:
+                 usage: str = "reusable", prime_batch: tuple | None = None, warmup: int = 0,
+                 io_rates: tuple[float, float] | None = None) -> None:
         if usage not in USAGES:
             raise ValueError(f"unknown usage {usage!r}; choose one of {', '.join(USAGES)}")
         if mode not in ALL_MODES:
@@ -215,9 +234,17 @@ class ModeRun:
         self._exits = contextlib.ExitStack()
         if mode == "recompute":
             self._exits.enter_context(RecomputeLayers(resolve_layers(model)))
+        if mode == "keep_io":
+            if io_rates is None:
+                raise ValueError("mode keep_io needs io_rates: (bytes written, bytes read) per second")
+            self._exits.enter_context(BackgroundIO(directory, *io_rates))
         self.on_cuda = torch.device(device).type == "cuda"
         self.result = ModeResult(mode, [], [], [])
         self._memory_peaks: list[int] = []
+        self._moved = (0, 0)
+        """Bytes tba had written and read after the previous step."""
+        self._bare_total = (0, 0)
+        """Bytes the one-shot contexts of the steps so far wrote and read (usage ``bare``)."""
 
     def step(self, index: int, *, release: bool = False, measured: bool = True, memory_only: bool = False) -> None:
         """Train step ``index`` (it seeds the RNG); ``measured``: record its time and peak (``memory_only``: its
@@ -252,11 +279,28 @@ class ModeRun:
         result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
         result.footprint_bytes = max(result.footprint_bytes, peak.peak_bytes - self.baseline_bytes)
         del loss
+        moved = self._moved_bytes()
         if memory_only:
             self._memory_peaks.append(peak.delta_bytes + held_before)
         elif measured:
             result.step_s.append(elapsed)
             result.activation_peak_bytes.append(peak.delta_bytes + held_before)
+            if moved is not None:
+                result.written_bytes.append(moved[0] - self._moved[0])
+                result.read_bytes.append(moved[1] - self._moved[1])
+        if moved is not None:
+            self._moved = moved
+
+    def _moved_bytes(self) -> tuple[int, int] | None:
+        """Bytes tba has written and read so far in this run (after the step: outside its clock), None without tba."""
+        if self.offloader is not None:
+            stats = self.offloader.stats
+            return stats.bytes_written, stats.bytes_read
+        if not self.bare_stats:
+            return None
+        stats = self.bare_stats[-1].stats  # this step's one-shot context
+        self._bare_total = (self._bare_total[0] + stats.bytes_written, self._bare_total[1] + stats.bytes_read)
+        return self._bare_total
 
     def unwrap(self) -> None:
         """Undo the recompute wrapping of the model's layers (idempotent)."""
