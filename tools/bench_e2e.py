@@ -23,6 +23,12 @@ Examples:
     python tools/bench_e2e.py --preset bench --usage bare --allocator system --steps 4
     python tools/bench_e2e.py --preset bench --steps 5 --measure controlled
 
+Then, unless ``--no-turns``, every mode (but ``keep_io``) runs once more, all in one process, one
+step of each in turn (``tba/bench/interleaved.py``): the ``turns s`` columns. On a VM one
+process can run the same steps up to 25% slower than another (Note [Speeds are compared step by
+step]), so step-time ratios between separate processes also compare the host's state in each; by
+turns they do not. Peaks come only from the separate processes.
+
 After the modes, ``keep_io`` (unless ``--no-io-baseline``) runs keep-all again while another
 process writes and reads in the spill directory at the rates tba's row measured: what that disk
 traffic alone costs this machine's compute (``tba/bench/io_load.py``, Note [What the traffic alone
@@ -42,6 +48,7 @@ import sys
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
 from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES, USAGES
+from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli._report import comparison_rows, format_table
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every mode's process: auto = best caching allocator found "
                              "(default), system = the C library's (glibc)")
+    parser.add_argument("--no-turns", dest="turns", action="store_false",
+                        help="skip the run in which every mode takes a step in turn in one process (the turns columns)")
     parser.add_argument("--no-io-baseline", dest="io_baseline", action="store_false",
                         help="skip the keep_io row (keep-all beside tba's disk traffic from another process)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and raw results as JSON")
@@ -105,12 +114,23 @@ def main(argv: list[str] | None = None) -> int:
                                     backend=args.backend, compile_mode=args.compile, usage=args.usage,
                                     malloc_env=not user, allocator=args.allocator, io_rates=io_rates))
         logger.info("        median step %.3f s", results[-1].median_step_s)
-    rows = comparison_rows(results, peak="max" if user else "median")
+    turns = None
+    turn_modes = [r.mode for r in results if r.mode != "keep_io"]
+    if args.turns and len(turn_modes) > 1:
+        logger.info("[turns] %s: %d warm-up + %d measured steps each, one step of each in turn, in one process ...",
+                    ", ".join(turn_modes), warmup, args.steps)
+        turns = run_interleaved_isolated(turn_modes, args.preset, rounds=args.steps, warmup=warmup,
+                                         directory=args.directory, backend=args.backend, usage=args.usage,
+                                         compile_mode=args.compile, malloc_env=not user, allocator=args.allocator)
+    rows = comparison_rows(results, peak="max" if user else "median", turns=turns)
     print(format_table(rows))
     how = "plain process, peak over all measured steps" if user else "fixed mmap threshold, median peak"
     print(f"measure: {args.measure} ({how}), usage: {args.usage}, {warmup} warm-up + {args.steps} measured steps, "
           f"malloc: {malloc}")
     by_mode = {r.mode: r for r in results}
+    if turns is not None:
+        print("turns s: the median step of each mode in one process, the modes taking one step each in turn; "
+              "its x keep against keep-all's steps there")
     if "keep_io" in by_mode and "tba" in by_mode:
         print(f"keep_io: keep-all beside tba's disk traffic from another process; tba's step time is "
               f"{by_mode['tba'].median_step_s / by_mode['keep_io'].median_step_s:.2f}x keep_io's")
@@ -118,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "usage": args.usage,
                        "allocator": malloc, "measure": args.measure, "warmup": warmup, "rows": rows,
-                       "results": [r.__dict__ for r in results]}, f, indent=2)
-    return 0 if all(row["losses_equal"] for row in rows) else 1
+                       "results": [r.__dict__ for r in results],
+                       "turns": None if turns is None else {m: r.__dict__ for m, r in turns.items()}}, f, indent=2)
+    return 0 if all(row["losses_equal"] and row.get("turns_losses_equal", True) for row in rows) else 1
 
 
 if __name__ == "__main__":

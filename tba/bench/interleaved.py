@@ -38,12 +38,13 @@ TARGET = "tba.bench.interleaved:_worker"
 
 def run_interleaved(modes: Sequence[str], config: GPTConfig, *, rounds: int = 3, warmup: int = 1,
                     directory: str | None = None, backend: str = "auto", seed: int = 0, device: str = "cpu",
-                    threads: int | None = None, offload_options: dict[str, dict[str, Any]] | None = None
-                    ) -> dict[str, ModeResult]:
+                    threads: int | None = None, offload_options: dict[str, dict[str, Any]] | None = None,
+                    usage: str = "reusable", compile_mode: str = "none") -> dict[str, ModeResult]:
     """Train the built-in GPT under each of ``modes`` in this process, one step of each in turn.
 
     Each mode takes ``warmup`` unmeasured steps (an adaptive mode also its profiled ones), then
-    ``rounds`` measured ones; ``offload_options`` maps a mode to its options. Returns each mode's
+    ``rounds`` measured ones; ``offload_options`` maps a mode to its options; ``usage`` and
+    ``compile_mode`` are as for :func:`tba.bench.harness.run_steps`. Returns each mode's
     step times and losses (warm-up steps' losses included); its peaks mean nothing here.
     """
     if rounds < 1:
@@ -53,7 +54,8 @@ def run_interleaved(modes: Sequence[str], config: GPTConfig, *, rounds: int = 3,
         for mode in modes:
             runs[mode] = ModeRun(mode, make_gpt(config, seed=seed), make_batch(config, seed=seed), directory=directory,
                                  backend=backend, seed=seed, offload_options=(offload_options or {}).get(mode),
-                                 device=device, threads=threads, warmup=warmup)
+                                 device=device, threads=threads, warmup=warmup, usage=usage,
+                                 compile_mode=compile_mode)
         for step in range(max(run.warmup for run in runs.values()) + rounds):
             for run in runs.values():
                 if step < run.warmup + rounds:

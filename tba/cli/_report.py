@@ -8,12 +8,17 @@ from tba.bench.harness import ModeResult
 from tba.defaults import MIB
 
 
-def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak: str = "median") -> list[dict[str, float | str]]:
+def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak: str = "median",
+                    turns: dict[str, ModeResult] | None = None) -> list[dict[str, float | str]]:
     """One dict per result with median step time, activation peak and their ratios to ``baseline``'s.
 
     ``peak`` is ``"median"`` (median of the measured steps' peaks), ``"max"`` (the worst measured
     step) or ``"footprint"`` (the run's peak over every step, warm-up included, above what the process
     held before its first step: :attr:`ModeResult.footprint_bytes`).
+
+    ``turns``: the same modes' steps taken in turn in one process (``tba/bench/interleaved.py``,
+    Note [Speeds are compared step by step]); each row present there gains ``turns_step_s``,
+    ``turns_step_ratio`` and ``turns_losses_equal``.
     """
     base = next(r for r in results if r.mode == baseline)
 
@@ -38,19 +43,33 @@ def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak:
             "write_gbps": stats.get("write_gbps", 0.0),
             "read_gbps": stats.get("read_gbps", 0.0),
         })
+        by_turns = (turns or {}).get(r.mode)
+        if by_turns is not None and baseline in (turns or {}):
+            base_turns = turns[baseline]
+            rows[-1].update(turns_step_s=by_turns.median_step_s,
+                            turns_step_ratio=by_turns.median_step_s / base_turns.median_step_s,
+                            turns_losses_equal=by_turns.losses == base_turns.losses)
     return rows
 
 
 def format_table(rows: Sequence[dict[str, float | str]]) -> str:
-    """Rows from :func:`comparison_rows` as an aligned table."""
+    """Rows from :func:`comparison_rows` as an aligned table; with steps by turns, two more columns
+    (their median step time and its ratio to the baseline's, in one process)."""
+    turns = any("turns_step_s" in row for row in rows)
     header = (f"{'mode':<12} {'malloc':<9} {'step s':>8} {'x keep':>7} {'act peak MiB':>13} {'x keep':>7} "
-              f"{'same loss':>9} {'written MiB':>12} {'read MiB':>9} {'write GB/s':>10} {'read GB/s':>9}")
+              f"{'same loss':>9} {'written MiB':>12} {'read MiB':>9} {'write GB/s':>10} {'read GB/s':>9}"
+              + (f" {'turns s':>8} {'x keep':>7}" if turns else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(
+        same = row["losses_equal"] and row.get("turns_losses_equal", True)
+        line = (
             f"{row['mode']:<12} {row.get('allocator', ''):<9} {row['step_s']:>8.3f} {row['step_ratio']:>7.2f} "
             f"{row['activation_peak_mib']:>13.1f} "
-            f"{row['peak_ratio']:>7.2f} {'yes' if row['losses_equal'] else 'NO':>9} {row['written_mib']:>12.1f} "
+            f"{row['peak_ratio']:>7.2f} {'yes' if same else 'NO':>9} {row['written_mib']:>12.1f} "
             f"{row['read_mib']:>9.1f} {row['write_gbps']:>10.2f} {row['read_gbps']:>9.2f}"
         )
+        if turns:
+            line += (f" {row['turns_step_s']:>8.3f} {row['turns_step_ratio']:>7.2f}" if "turns_step_s" in row
+                     else f" {'-':>8} {'-':>7}")
+        lines.append(line)
     return "\n".join(lines)
