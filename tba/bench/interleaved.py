@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tba.bench._forkserver import ForkServer, ForkServerError
-from tba.bench.harness import ModeResult, ModeRun
 from tba.bench.isolated import IsolatedRunError, process_environment
+from tba.bench.mode_run import ModeResult, ModeRun
 from tba.bench.models import PRESETS, GPTConfig, make_batch, make_gpt
 
 TARGET = "tba.bench.interleaved:_worker"
