@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from tba.bench import interleaved
-from tba.bench.mode_run import ModeRun
 from tba.bench.isolated import IsolatedRunError, fork_server
+from tba.bench.mode_run import ModeRun
 from tba.bench.models import PRESETS
 
 TINY = PRESETS["tiny"]

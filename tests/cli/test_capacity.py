@@ -94,7 +94,7 @@ def test_table_summary_and_chart(tmp_path):
 
 
 def test_the_search_reads_the_least_memory_from_an_adaptive_refusal():
-    from tba.cli.capacity import NEEDS
+    from tba.cli._capacity_run import NEEDS
     from tba.policy import plan
 
     layer = tba.LayerProfile(forward_s=1.0, saved_bytes=100 * MIB, input_bytes=10 * MIB, backward_s=2.0)
@@ -117,7 +117,7 @@ def test_runs_at_keep_alls_batch_take_the_searchs_steps(monkeypatch):
     speeds there come from the run by turns, which fails here: each strategy's own run is shown)."""
     from types import SimpleNamespace
 
-    from tba.cli import capacity
+    from tba.cli import _capacity_run as capacity
 
     calls: list[tuple[str, int, int]] = []
 
@@ -149,7 +149,7 @@ def test_speeds_at_keep_alls_batch_come_from_one_process_by_turns(monkeypatch):
     from types import SimpleNamespace
 
     from tba.bench.isolated import IsolatedRunError
-    from tba.cli import capacity
+    from tba.cli import _capacity_run as capacity
 
     def fake_run(mode, preset, *, steps, config_overrides, **_):
         batch = config_overrides["batch_size"]
