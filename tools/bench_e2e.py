@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if "keep" not in modes:
         modes.insert(0, "keep")
-    if args.io_baseline and "tba" in modes and "keep_io" not in modes:
-        modes.append("keep_io")
+    if "keep_io" in modes or (args.io_baseline and "tba" in modes):  # last: it takes the tba row's rates
+        modes = [mode for mode in modes if mode != "keep_io"] + ["keep_io"]
     results = []
     for index, mode in enumerate(modes, 1):
         io_rates = None
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
               "its x keep against keep-all's steps there")
     if "keep_io" in by_mode and "tba" in by_mode:
         print(f"keep_io: keep-all beside tba's disk traffic from another process; tba's step time is "
-              f"{by_mode['tba'].median_step_s / by_mode['keep_io'].median_step_s:.2f}x keep_io's")
+              f"{by_mode['tba'].median_step_s / by_mode['keep_io'].median_step_s:.2f}x keep_io's "
+              "(separate processes: compare with care)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "backend": args.backend, "compile": args.compile, "usage": args.usage,

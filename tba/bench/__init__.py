@@ -5,5 +5,8 @@
   :class:`~tba.bench.meters.CudaPeak`);
 * :mod:`tba.bench.harness`: training steps under one placement strategy (keep, tba, recompute,
   ``save_on_cpu``, adaptive) and what they measured;
-* :mod:`tba.bench.isolated`: the same in a fresh process.
+* :mod:`tba.bench.mode_run`: one mode's model, optimiser and context, stepped one step at a time;
+* :mod:`tba.bench.isolated`: the same in a fresh process;
+* :mod:`tba.bench.interleaved`: several modes in one process, one step of each in turn (speeds);
+* :mod:`tba.bench.io_load`: disk traffic from another process (the ``keep_io`` baseline).
 """

@@ -27,8 +27,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tba.allocator import detect
 from tba.bench._forkserver import ForkServer, ForkServerError
-from tba.bench.isolated import IsolatedRunError, process_environment
+from tba.bench.isolated import IsolatedRunError, check_allocator, process_environment
 from tba.bench.mode_run import ModeResult, ModeRun
 from tba.bench.models import PRESETS, GPTConfig, make_batch, make_gpt
 
@@ -49,6 +50,8 @@ def run_interleaved(modes: Sequence[str], config: GPTConfig, *, rounds: int = 3,
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"each mode once: got {list(modes)}")
     runs: dict[str, ModeRun] = {}
     try:
         for mode in modes:
@@ -56,13 +59,17 @@ def run_interleaved(modes: Sequence[str], config: GPTConfig, *, rounds: int = 3,
                                  backend=backend, seed=seed, offload_options=(offload_options or {}).get(mode),
                                  device=device, threads=threads, warmup=warmup, usage=usage,
                                  compile_mode=compile_mode)
-        for step in range(max(run.warmup for run in runs.values()) + rounds):
+        # A mode with more warm-up steps (an adaptive one profiles) starts that many turns earlier,
+        # so that every mode's measured steps share their turns; each counts its own steps.
+        longest = max(run.warmup for run in runs.values())
+        for turn in range(longest + rounds):
             for run in runs.values():
-                if step < run.warmup + rounds:
+                step = turn - (longest - run.warmup)
+                if step >= 0:
                     run.step(step, measured=step >= run.warmup)
     except BaseException:
         for run in runs.values():
-            run.unwrap()
+            run.abandon()
         raise
     for run in runs.values():
         run.finish()
@@ -85,15 +92,21 @@ def run_interleaved_isolated(modes: Sequence[str], preset: str, *, allocator: st
         proc = subprocess.run([sys.executable, "-m", "tba.bench.interleaved", request], capture_output=True, text=True,
                               env=process_environment(allocator, malloc_env))
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    if returncode != 0:
-        raise IsolatedRunError(label, stderr)
-    return {mode: ModeResult(**fields) for mode, fields in json.loads(stdout.strip().splitlines()[-1]).items()}
+    lines = stdout.strip().splitlines()
+    if returncode != 0 or not lines:
+        raise IsolatedRunError(label, stderr or f"exit status {returncode} and no result")
+    results = {mode: ModeResult(**fields) for mode, fields in json.loads(lines[-1]).items()}
+    for result in results.values():
+        check_allocator(result, allocator, malloc_env, stderr)
+    return results
 
 
 def _worker(request_json: str) -> None:
     request = json.loads(request_json)
     config = dataclasses.replace(PRESETS[request.pop("preset")], **request.pop("config_overrides"))
     results = run_interleaved(request.pop("modes"), config, **request)
+    for result in results.values():
+        result.allocator = detect().name
     print(json.dumps({mode: dataclasses.asdict(result) for mode, result in results.items()}))
 
 

@@ -114,12 +114,17 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
         raise IsolatedRunError(mode, stderr)
     _relay_warnings(stderr)
     result = ModeResult(**json.loads(stdout.strip().splitlines()[-1]))
+    check_allocator(result, allocator, malloc_env, stderr)
+    return result
+
+
+def check_allocator(result: ModeResult, allocator: str, malloc_env: bool, stderr: str) -> None:
+    """Raise when the malloc that served a measured process is not the one asked for (a preload the loader refused)."""
     wanted = resolve(allocator)[0]
     if result.allocator != wanted and not (wanted == "system" and result.allocator not in CACHING):
-        raise RuntimeError(f"mode {mode} was to run under {wanted} but {result.allocator} served it "
+        raise RuntimeError(f"mode {result.mode} was to run under {wanted} but {result.allocator} served it "
                            f"(LD_PRELOAD={process_environment(allocator, malloc_env).get('LD_PRELOAD', '')!r}):\n"
                            f"{stderr[-2000:]}")
-    return result
 
 
 _relayed: set[str] = set()

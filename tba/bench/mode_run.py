@@ -214,8 +214,15 @@ class ModeRun:
         return self._bare_total
 
     def unwrap(self) -> None:
-        """Undo the recompute wrapping of the model's layers (idempotent)."""
+        """Undo the recompute wrapping of the model's layers and stop an I/O load (idempotent)."""
         self._exits.close()
+
+    def abandon(self) -> None:
+        """After a failure elsewhere: :meth:`unwrap`, and close the offloader, whatever it raises."""
+        self.unwrap()
+        if self.offloader is not None:
+            with contextlib.suppress(Exception):
+                self.offloader.close()
 
     def finish(self) -> None:
         """Close the offloader and undo the recompute wrapping; fills the result's stats and plan."""

@@ -155,10 +155,11 @@ def _compare_speeds(settings: Settings, results: list[StrategyResult], lines: _L
     """Every strategy that ran, at keep-all's largest batch, one step of each in turn in one process:
     the speeds the table compares (Note [Speeds are compared step by step] in ``tba/bench/interleaved.py``).
 
-    Losses must match keep-all's step for step. When this run fails, the table keeps each
+    Losses must match keep-all's step for step. A strategy whose own run failed at that batch is
+    left out (one failure would end the run for all). When this run fails, the table keeps each
     strategy's speed from its own process (``tokens_per_s_at_keep_max_own_process``).
     """
-    done = [r for r in results if r.status == "ok"]
+    done = [r for r in results if r.status == "ok" and (r.keep_max_point is None or r.keep_max_point.error is None)]
     if len(done) < 2:
         return
     options = {"adaptive": {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS}}

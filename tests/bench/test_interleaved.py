@@ -31,12 +31,27 @@ def test_modes_take_turns_and_exact_ones_lose_alike(spill_dir, monkeypatch):
     assert len(results["keep"].losses) == 3 and results["tba"].offload_stats["tensors_offloaded"] > 0
 
 
-def test_an_adaptive_mode_profiles_first_and_still_loses_alike(spill_dir):
-    results = interleaved.run_interleaved(["keep", "adaptive"], TINY, rounds=1, warmup=1, directory=spill_dir,
+def test_an_adaptive_mode_profiles_first_and_its_measured_steps_share_the_turns(spill_dir, monkeypatch):
+    order: list[tuple[str, int, bool]] = []
+    real_step = ModeRun.step
+
+    def recording_step(self, index, **kwargs):
+        order.append((self.mode, index, kwargs.get("measured", True)))
+        return real_step(self, index, **kwargs)
+
+    monkeypatch.setattr(ModeRun, "step", recording_step)
+    results = interleaved.run_interleaved(["keep", "adaptive"], TINY, rounds=2, warmup=1, directory=spill_dir,
                                           backend="threads", offload_options={"adaptive": {"profile_steps": 2}})
-    assert len(results["keep"].losses) == 2 and len(results["adaptive"].losses) == 4  # 1 + 2 profiled + 1
-    assert results["adaptive"].losses[:2] == results["keep"].losses
-    assert len(results["adaptive"].step_s) == 1
+    # adaptive warms up for 3 steps (1 + 2 profiled), keep for 1: adaptive starts two turns earlier
+    assert order == [("adaptive", 0, False), ("adaptive", 1, False), ("keep", 0, False), ("adaptive", 2, False),
+                     ("keep", 1, True), ("adaptive", 3, True), ("keep", 2, True), ("adaptive", 4, True)]
+    assert results["adaptive"].losses[:3] == results["keep"].losses
+    assert len(results["adaptive"].step_s) == len(results["keep"].step_s) == 2
+
+
+def test_each_mode_once():
+    with pytest.raises(ValueError, match="each mode once"):
+        interleaved.run_interleaved(["keep", "keep"], TINY)
 
 
 def test_rounds_must_be_positive():
@@ -44,18 +59,20 @@ def test_rounds_must_be_positive():
         interleaved.run_interleaved(["keep"], TINY, rounds=0)
 
 
-def test_a_failed_mode_unwraps_the_others(spill_dir, monkeypatch):
-    models = []
-    real_make = interleaved.make_gpt
+def test_a_failed_mode_unwraps_and_closes_the_others(spill_dir, monkeypatch):
+    runs = []
+    real_init = ModeRun.__init__
 
-    def recording_make(config, seed=0):
-        models.append(real_make(config, seed=seed))
-        return models[-1]
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        runs.append(self)
 
-    monkeypatch.setattr(interleaved, "make_gpt", recording_make)
+    monkeypatch.setattr(ModeRun, "__init__", recording_init)
     with pytest.raises(ValueError, match="unknown mode"):
-        interleaved.run_interleaved(["recompute", "no-such-mode"], TINY, rounds=1, directory=spill_dir)
-    assert len(models) == 2 and all("forward" not in vars(block) for block in models[0].blocks)
+        interleaved.run_interleaved(["recompute", "tba", "no-such-mode"], TINY, rounds=1, directory=spill_dir)
+    recompute, offloading = runs
+    assert all("forward" not in vars(block) for block in recompute.model.blocks)
+    assert repr(offloading.offloader).endswith(", closed)")
 
 
 def test_in_a_fresh_process_and_in_a_forked_child(spill_dir):

@@ -31,42 +31,60 @@ def _children() -> set[int]:
     return found
 
 
+SMALL_FILE = 16 * MIB
+
+
 def test_the_load_runs_at_its_rate_and_leaves_nothing(tmp_path):
     before = _children()
-    with io_load.BackgroundIO(str(tmp_path), 64 * MIB, 32 * MIB) as load:
-        assert "64 MiB/s" in repr(load) and _children() - before
+    with io_load.BackgroundIO(str(tmp_path), 24 * MIB, 12 * MIB, file_bytes=SMALL_FILE) as load:
+        assert "24 MiB/s" in repr(load) and _children() - before
         time.sleep(1.0)
-        proc = load._proc
-    assert proc.returncode == 0 and not _children() - before
+    assert not _children() - before
     assert os.listdir(tmp_path) == []  # its file never had a name
+    summary = load.summary
+    for moved, rate in (("written_bytes", 24 * MIB), ("read_bytes", 12 * MIB)):
+        # paced per block: never more than one block ahead of the rate, and not far behind it
+        assert 0.5 * rate * summary["seconds"] <= summary[moved] <= rate * summary["seconds"] + io_load.BLOCK_BYTES
 
 
-def test_the_load_reports_bytes_near_its_rates(tmp_path):
+def test_the_load_is_even_and_one_rate_may_be_zero(tmp_path):
     read_end, write_end = os.pipe()
     result = {}
     worker = threading.Thread(target=lambda: result.update(
-        io_load.serve(str(tmp_path), 80 * MIB, 40 * MIB, stop_fd=read_end)))
+        io_load.serve(str(tmp_path), 16 * MIB, 0, file_bytes=SMALL_FILE, stop_fd=read_end)))
     worker.start()
-    time.sleep(1.5)
+    time.sleep(1.3)
     os.close(write_end)
     worker.join(30)
     os.close(read_end)
-    seconds = result["seconds"]
-    # paced per 4 MiB block: never more than one block ahead of the rate (and not far behind it)
-    assert 0.5 * 80 * MIB * seconds <= result["written_bytes"] <= 80 * MIB * seconds + io_load.BLOCK_BYTES
-    assert 0.5 * 40 * MIB * seconds <= result["read_bytes"] <= 40 * MIB * seconds + io_load.BLOCK_BYTES
-    assert os.listdir(tmp_path) == []
+    assert result["read_bytes"] == 0
+    assert 0.5 * 16 * MIB * result["seconds"] <= result["written_bytes"] <= 16 * MIB * result["seconds"] + io_load.BLOCK_BYTES
+
+
+def test_a_load_that_cannot_start_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="did not start"):
+        io_load.BackgroundIO("/proc/self", MIB, MIB).__enter__()
+
+
+def test_a_load_that_falls_short_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr(io_load, "SHORTFALL_FRACTION", 100.0)  # no disk can move 100x its rate
+    with pytest.raises(RuntimeError, match="could not keep up"):
+        with io_load.BackgroundIO(str(tmp_path), 16 * MIB, 0, file_bytes=SMALL_FILE):
+            time.sleep(1.0)
 
 
 def test_the_load_stops_when_its_parent_dies(tmp_path):
     code = ("import sys, time; from tba.bench.io_load import BackgroundIO; "
-            f"BackgroundIO({str(tmp_path)!r}, 8 << 20, 8 << 20).__enter__(); print('in', flush=True); time.sleep(60)")
+            f"BackgroundIO({str(tmp_path)!r}, 8 << 20, 8 << 20, file_bytes={SMALL_FILE}).__enter__(); "
+            "print('in', flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout.readline().strip() == "in"
-    load_pid = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent_of(int(pid)) == parent.pid)
-    parent.kill()
-    parent.wait()
-    parent.stdout.close()
+    try:
+        assert parent.stdout.readline().strip() == "in"
+        load_pid = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent_of(int(pid)) == parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
     deadline = time.monotonic() + 20
     while os.path.exists(f"/proc/{load_pid}") and _state(load_pid) != "Z" and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -95,12 +113,22 @@ def test_negative_rates_are_refused(tmp_path):
         io_load.BackgroundIO(str(tmp_path), -1, 0)
 
 
-def test_keep_io_trains_as_keep_all(spill_dir):
+def test_keep_io_trains_as_keep_all_beside_the_load(spill_dir, monkeypatch):
+    loads = []
+    real_enter = io_load.BackgroundIO.__enter__
+
+    def recording_enter(self):
+        loads.append(self)
+        self.file_bytes = SMALL_FILE
+        return real_enter(self)
+
+    monkeypatch.setattr(io_load.BackgroundIO, "__enter__", recording_enter)
     tiny = PRESETS["tiny"]
     keep = run_mode("keep", tiny, steps=2, warmup=1)
     assert keep.io_rates() is None and keep.written_bytes == []
     keep_io = run_mode("keep_io", tiny, steps=2, warmup=1, directory=spill_dir, io_rates=(16 * MIB, 8 * MIB))
     assert keep_io.losses == keep.losses and keep_io.written_bytes == [] and len(keep_io.step_s) == 2
+    assert len(loads) == 1 and loads[0].directory == spill_dir and loads[0].summary["seconds"] > 0
     with pytest.raises(ValueError, match="keep_io needs io_rates"):
         run_mode("keep_io", tiny, steps=1, directory=spill_dir)
 
