@@ -9,6 +9,11 @@ exactly as a new user writes it: a bare ``with tba.offload_activations(directory
 step's forward, nothing else passed, so adaptive: the three warm-up steps are its layer-finding
 step and its two profiled steps (keep-all runs them too), the measured steps follow its plan.
 
+Then both modes run once more in one process, one step of each in turn, and the step-time ratio
+printed last comes from there (Note [Speeds are compared step by step] in
+``tba/bench/interleaved.py``: on a VM one process can run the same steps up to 25% slower than
+another); ``--no-turns`` skips it. The peaks come only from the separate processes.
+
 Both modes run under ``--allocator`` (default ``auto``: the best caching allocator found, as
 ``python -m tba run`` picks it) and then again under the C library's malloc (``system``, glibc), so
 that both are shown: under glibc, freed activations' memory is not reused and tba hands pages back
@@ -22,6 +27,7 @@ import logging
 import tempfile
 
 from tba.allocator import CHOICES, INSTALL_HINTS, launch_env
+from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
@@ -38,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="unmeasured steps first (default: 3, the adaptive context's layer-finding and profiled steps)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
+    parser.add_argument("--no-turns", dest="turns", action="store_false",
+                        help="skip the run in which both modes take a step in turn in one process")
     parser.add_argument("--allocator", choices=CHOICES, default="auto",
                         help="malloc preloaded into both modes: auto = best caching allocator found (default); "
                              "the C library's (system) rows follow unless it is system already")
@@ -66,16 +74,27 @@ def run(args: argparse.Namespace) -> int:
             logger.info("running %s: %d warm-up + %d measured steps in a fresh process ...", mode, args.warmup, args.steps)
             group.append(run_isolated(mode, args.preset, steps=args.steps, warmup=args.warmup, directory=directory,
                                       backend=args.backend, usage="bare", malloc_env=False, allocator=choice))
-        rows += comparison_rows(group, peak="footprint")
+        turns = None
+        if args.turns:
+            logger.info("running keep and tba in one process, one step of each in turn ...")
+            turns = run_interleaved_isolated(["keep", "tba"], args.preset, rounds=args.steps, warmup=args.warmup,
+                                             directory=directory, backend=args.backend, usage="bare",
+                                             malloc_env=False, allocator=choice)
+        rows += comparison_rows(group, peak="footprint", turns=turns)
         results.append(group)
     print(format_table(rows))
-    same = all(row["losses_equal"] for row in rows) and all(g[0].losses == results[0][0].losses for g in results)
+    same = (all(row["losses_equal"] and row.get("turns_losses_equal", True) for row in rows)
+            and all(g[0].losses == results[0][0].losses for g in results))
     print(f"\nlosses per step (keep): {results[0][0].losses}")
     print(f"losses per step (tba):  {results[0][1].losses}")
     print(f"losses identical: {'yes' if same else 'NO'}")
     for group, tba_row in zip(results, rows[1::2]):
-        print(f"under {group[1].allocator}: tba activation peak is {tba_row['peak_ratio']:.0%} of keep-all "
-              f"at {tba_row['step_ratio']:.2f}x its step time")
+        if "turns_step_ratio" in tba_row:
+            speed = (f"{tba_row['turns_step_ratio']:.2f}x its step time (steps taken in turn in one process; "
+                     f"{tba_row['step_ratio']:.2f}x between the separate processes)")
+        else:
+            speed = f"{tba_row['step_ratio']:.2f}x its step time"
+        print(f"under {group[1].allocator}: tba activation peak is {tba_row['peak_ratio']:.0%} of keep-all at {speed}")
     if len(results) > 1:
         print("(glibc's malloc does not reuse freed activations' memory; run training under "
               "`python -m tba run script.py`, see docs/cpu-memory.md)")

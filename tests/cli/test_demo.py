@@ -1,0 +1,27 @@
+"""python -m tba demo: both modes in fresh processes, then by turns in one process; losses compared."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _demo(spill_dir: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tba", "demo", "--preset", "tiny", "--steps", "1", "--allocator",
+                           "system", "--directory", spill_dir, "--backend", "threads", *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_demo_prints_the_steps_by_turns(spill_dir):
+    done = _demo(spill_dir)
+    assert done.returncode == 0, done.stderr
+    assert "turns s" in done.stdout and "losses identical: yes" in done.stdout
+    assert "steps taken in turn in one process" in done.stdout
+    assert "one step of each in turn" in done.stderr  # progress
+
+
+def test_no_turns_skips_them(spill_dir):
+    done = _demo(spill_dir, "--no-turns")
+    assert done.returncode == 0, done.stderr
+    assert "turns s" not in done.stdout and "steps taken in turn" not in done.stdout
+    assert "its step time" in done.stdout
