@@ -1,7 +1,10 @@
 """Command line: ``python -m tba <command>``.
 
 Each command lives in its own module, which provides ``add_arguments(parser)`` and
-``run(args) -> int``; this module only wires them to ``argparse``.
+``run(args) -> int``; this module only wires them to ``argparse``. :func:`main` imports the
+module of the command it runs and no other (the others' one-line help comes from
+:data:`COMMANDS`), so ``python -m tba --help`` and ``python -m tba run`` do not pay for every
+command's imports (0.6 s of a 2.2 s start measured here).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import importlib
 import logging
 import re
 import sys
+from collections.abc import Iterable
 from typing import NoReturn
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,9 +56,12 @@ def _add_verbose(parser: argparse.ArgumentParser, default: object) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", default=default, help="log at DEBUG level")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(full: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``python -m tba`` parser; the commands in ``full`` (default: all) get their options, the
+    others only their name and one-line help (their modules are not imported)."""
     from tba import __version__
 
+    full = set(COMMANDS) if full is None else set(full)
     parser = _Parser(
         prog="python -m tba",
         description="tba: offload PyTorch activations to NVMe files and prefetch them for backward.",
@@ -64,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
+        if name not in full:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=plain_text(module.__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,8 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option (the top-level options take no value)."""
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = command_in(argv)
+    parser = build_parser(full=[command] if command else [])
     args = parser.parse_args(argv)
     if args.command is None:
         # Bare `python -m tba`: the help a user is looking for, and the usage-error status.

@@ -87,3 +87,22 @@ def test_doctor_names_the_malloc_and_the_caching_allocators_found(tmp_path, caps
     assert rows["caching allocators found"] == "mimalloc (/x/libmimalloc.so.3)"
     if serving.name == "glibc":
         assert "python -m tba run" in rows["malloc in this process"]
+
+
+def test_a_command_imports_its_own_module_only():
+    """``python -m tba --help`` lists every command without importing their modules; a command
+    imports its own and no other's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom tba.cli import main\n"
+            "for argv in ([\"--help\"], [\"doctor\", \"--help\"]):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        main(argv)\n"
+            "    loaded = sorted(m for m in sys.modules if m.startswith('tba.cli.') and not m.startswith('tba.cli._'))\n"
+            "    print(argv[0], 'capacity' in out.getvalue(), ','.join(loaded))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first == "--help True "  # every command listed, none imported
+    assert second == "doctor False tba.cli.doctor"
