@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from tba.allocator import detect
-from tba.bench._forkserver import ForkServer, ForkServerError
-from tba.bench.isolated import IsolatedRunError, check_allocator, process_environment
+from tba.bench._forkserver import ForkServer
+from tba.bench.isolated import check_allocator, run_request
 from tba.bench.mode_run import ModeResult, ModeRun
 from tba.bench.models import PRESETS, GPTConfig, make_batch, make_gpt
 
@@ -80,22 +79,12 @@ def run_interleaved_isolated(modes: Sequence[str], preset: str, *, allocator: st
                              malloc_env: bool = True, server: ForkServer | None = None,
                              config_overrides: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, ModeResult]:
     """:func:`run_interleaved` in a fresh process (forked from ``server`` when given, as
-    :func:`tba.bench.isolated.run_isolated` does); raises :class:`IsolatedRunError` when it fails."""
+    :func:`tba.bench.isolated.run_isolated` does); raises
+    :class:`~tba.bench.isolated.IsolatedRunError` when it fails."""
     request = json.dumps({"modes": list(modes), "preset": preset, "config_overrides": config_overrides or {}, **kwargs})
-    label = "+".join(modes)
-    if server is not None:
-        try:
-            returncode, stdout, stderr = server.run(request, target=TARGET)
-        except ForkServerError as err:
-            raise IsolatedRunError(label, str(err)) from None
-    else:
-        proc = subprocess.run([sys.executable, "-m", "tba.bench.interleaved", request], capture_output=True, text=True,
-                              env=process_environment(allocator, malloc_env))
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    lines = stdout.strip().splitlines()
-    if returncode != 0 or not lines:
-        raise IsolatedRunError(label, stderr or f"exit status {returncode} and no result")
-    results = {mode: ModeResult(**fields) for mode, fields in json.loads(lines[-1]).items()}
+    last_line, stderr = run_request(request, "+".join(modes), module="tba.bench.interleaved", target=TARGET,
+                                    server=server, allocator=allocator, malloc_env=malloc_env)
+    results = {mode: ModeResult(**fields) for mode, fields in json.loads(last_line).items()}
     for result in results.values():
         check_allocator(result, allocator, malloc_env, stderr)
     return results

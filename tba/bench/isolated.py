@@ -98,24 +98,37 @@ def run_isolated(mode: str, preset: str | None, *, malloc_env: bool = True, allo
         if key in kwargs:
             kwargs[key] = factory_spec(kwargs[key])
     request = json.dumps({"mode": mode, "preset": preset, **kwargs})
-    if server is not None:
-        try:
-            returncode, stdout, stderr = server.run(request)
-        except ForkServerError:  # the server died (not the measurement): once more, on a new server
-            try:
-                returncode, stdout, stderr = server.run(request)
-            except ForkServerError as err:
-                raise IsolatedRunError(mode, str(err)) from None
-    else:
-        proc = subprocess.run([sys.executable, "-m", "tba.bench.isolated", request], capture_output=True, text=True,
-                              env=process_environment(allocator, malloc_env))
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    if returncode != 0:
-        raise IsolatedRunError(mode, stderr)
+    last_line, stderr = run_request(request, mode, module="tba.bench.isolated", server=server, allocator=allocator,
+                                    malloc_env=malloc_env)
     _relay_warnings(stderr)
-    result = ModeResult(**json.loads(stdout.strip().splitlines()[-1]))
+    result = ModeResult(**json.loads(last_line))
     check_allocator(result, allocator, malloc_env, stderr)
     return result
+
+
+def run_request(request: str, label: str, *, module: str, target: str | None = None, server: ForkServer | None = None,
+                allocator: str = "system", malloc_env: bool = True) -> tuple[str, str]:
+    """Run ``python -m module request`` in a fresh process, or ``target(request)`` in a child of ``server``
+    (None: its default worker, :func:`_worker`); returns the last line of its output and its standard error.
+
+    Raises :class:`IsolatedRunError` (named ``label``) when the process fails or prints nothing.
+    """
+    if server is not None:
+        try:
+            returncode, stdout, stderr = server.run(request, target)
+        except ForkServerError:  # the server died (not the measurement): once more, on a new server
+            try:
+                returncode, stdout, stderr = server.run(request, target)
+            except ForkServerError as err:
+                raise IsolatedRunError(label, str(err)) from None
+    else:
+        proc = subprocess.run([sys.executable, "-m", module, request], capture_output=True, text=True,
+                              env=process_environment(allocator, malloc_env))
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    lines = stdout.strip().splitlines()
+    if returncode != 0 or not lines:
+        raise IsolatedRunError(label, stderr or f"exit status {returncode} and no result")
+    return lines[-1], stderr
 
 
 def check_allocator(result: ModeResult, allocator: str, malloc_env: bool, stderr: str) -> None:
