@@ -126,8 +126,7 @@ def serve(directory: str, write_bytes_per_s: float, read_bytes_per_s: float, *, 
             for index in range(blocks):
                 os.pwritev(fd, [buffer], index * BLOCK_BYTES)
         print("ready", flush=True)
-        rates = [(rate, "written") for rate in (write_bytes_per_s,) if rate > 0]
-        rates += [(rate, "read") for rate in (read_bytes_per_s,) if rate > 0]
+        rates = [(rate, kind) for rate, kind in ((write_bytes_per_s, "written"), (read_bytes_per_s, "read")) if rate > 0]
         moved = {"written": 0, "read": 0}
         start = time.perf_counter()
         while True:

@@ -33,7 +33,6 @@ OFFLOADED_RECOMPUTE_WINDOW_BYTES = 8 * MIB
 LEARNING_RATE = 1e-3
 
 
-
 @dataclasses.dataclass
 class ModeResult:
     """What one strategy measured; times in seconds, memory in bytes."""
@@ -153,9 +152,7 @@ class ModeRun:
         self.result = ModeResult(mode, [], [], [])
         self._memory_peaks: list[int] = []
         self._moved = (0, 0)
-        """Bytes tba had written and read after the previous step."""
-        self._bare_total = (0, 0)
-        """Bytes the one-shot contexts of the steps so far wrote and read (usage ``bare``)."""
+        """Bytes the reused offloader had written and read after the previous step."""
 
     def step(self, index: int, *, release: bool = False, measured: bool = True, memory_only: bool = False) -> None:
         """Train step ``index`` (it seeds the RNG); ``measured``: record its time and peak (``memory_only``: its
@@ -190,28 +187,26 @@ class ModeRun:
         result.pinned_bytes = max(result.pinned_bytes, peak.pinned_bytes)
         result.footprint_bytes = max(result.footprint_bytes, peak.peak_bytes - self.baseline_bytes)
         del loss
-        moved = self._moved_bytes()
+        moved = self._step_bytes()
         if memory_only:
             self._memory_peaks.append(peak.delta_bytes + held_before)
         elif measured:
             result.step_s.append(elapsed)
             result.activation_peak_bytes.append(peak.delta_bytes + held_before)
             if moved is not None:
-                result.written_bytes.append(moved[0] - self._moved[0])
-                result.read_bytes.append(moved[1] - self._moved[1])
-        if moved is not None:
-            self._moved = moved
+                result.written_bytes.append(moved[0])
+                result.read_bytes.append(moved[1])
 
-    def _moved_bytes(self) -> tuple[int, int] | None:
-        """Bytes tba has written and read so far in this run (after the step: outside its clock), None without tba."""
-        if self.offloader is not None:
+    def _step_bytes(self) -> tuple[int, int] | None:
+        """Bytes tba wrote and read in the step just taken (read after it: outside its clock), None without tba."""
+        if self.offloader is not None:  # counts since it was built: the step's are the growth
             stats = self.offloader.stats
-            return stats.bytes_written, stats.bytes_read
+            before, self._moved = self._moved, (stats.bytes_written, stats.bytes_read)
+            return self._moved[0] - before[0], self._moved[1] - before[1]
         if not self.bare_stats:
             return None
-        stats = self.bare_stats[-1].stats  # this step's one-shot context
-        self._bare_total = (self._bare_total[0] + stats.bytes_written, self._bare_total[1] + stats.bytes_read)
-        return self._bare_total
+        stats = self.bare_stats[-1].stats  # this step's one-shot context counts this step alone
+        return stats.bytes_written, stats.bytes_read
 
     def unwrap(self) -> None:
         """Undo the recompute wrapping of the model's layers and stop an I/O load (idempotent)."""

@@ -162,7 +162,7 @@ def _compare_speeds(settings: Settings, results: list[StrategyResult], lines: _L
     done = [r for r in results if r.status == "ok" and (r.keep_max_point is None or r.keep_max_point.error is None)]
     if len(done) < 2:
         return
-    options = {"adaptive": {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS}}
+    options = {"adaptive": _adaptive_options(settings)}
     lines.say(f"speeds at batch {keep_max}: {', '.join(r.label for r in done)}, one step each in turn ...")
     try:
         runs = run_interleaved_isolated([r.mode for r in done], settings.preset, server=server,
@@ -199,10 +199,14 @@ def _adaptive_start(results: list[StrategyResult], keep_max: int | None) -> tupl
     return (probe,), (max(reached) if reached and max(reached) > probe else None)
 
 
+def _adaptive_options(settings: Settings) -> dict[str, Any]:
+    """The adaptive strategy's offloader options, in its search runs and in the run by turns alike."""
+    return {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS}
+
+
 def _measurer(settings: Settings, result: StrategyResult, lines: _Lines, server: ForkServer | None = None):
     """``measure(batch)`` for ``result``'s strategy."""
-    options = {"memory_budget_bytes": settings.budget_bytes, "profile_steps": ADAPTIVE_PROFILE_STEPS} \
-        if result.name == "adaptive" else None
+    options = _adaptive_options(settings) if result.name == "adaptive" else None
 
     def measure(batch: int) -> Point:
         lines.say(f"{result.label}: batch {batch} ...")

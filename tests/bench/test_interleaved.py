@@ -14,15 +14,21 @@ from tba.bench.models import PRESETS
 TINY = PRESETS["tiny"]
 
 
-def test_modes_take_turns_and_exact_ones_lose_alike(spill_dir, monkeypatch):
-    order: list[tuple[str, int, bool]] = []
+@pytest.fixture
+def order(monkeypatch) -> list[tuple[str, int, bool]]:
+    """Every step taken, in order: (mode, step index, measured)."""
+    taken: list[tuple[str, int, bool]] = []
     real_step = ModeRun.step
 
     def recording_step(self, index, **kwargs):
-        order.append((self.mode, index, kwargs.get("measured", True)))
+        taken.append((self.mode, index, kwargs.get("measured", True)))
         return real_step(self, index, **kwargs)
 
     monkeypatch.setattr(ModeRun, "step", recording_step)
+    return taken
+
+
+def test_modes_take_turns_and_exact_ones_lose_alike(spill_dir, order):
     results = interleaved.run_interleaved(["keep", "recompute", "tba"], TINY, rounds=2, warmup=1,
                                           directory=spill_dir, backend="threads")
     assert order == [(mode, step, step >= 1) for step in range(3) for mode in ("keep", "recompute", "tba")]
@@ -31,15 +37,7 @@ def test_modes_take_turns_and_exact_ones_lose_alike(spill_dir, monkeypatch):
     assert len(results["keep"].losses) == 3 and results["tba"].offload_stats["tensors_offloaded"] > 0
 
 
-def test_an_adaptive_mode_profiles_first_and_its_measured_steps_share_the_turns(spill_dir, monkeypatch):
-    order: list[tuple[str, int, bool]] = []
-    real_step = ModeRun.step
-
-    def recording_step(self, index, **kwargs):
-        order.append((self.mode, index, kwargs.get("measured", True)))
-        return real_step(self, index, **kwargs)
-
-    monkeypatch.setattr(ModeRun, "step", recording_step)
+def test_an_adaptive_mode_profiles_first_and_its_measured_steps_share_the_turns(spill_dir, order):
     results = interleaved.run_interleaved(["keep", "adaptive"], TINY, rounds=2, warmup=1, directory=spill_dir,
                                           backend="threads", offload_options={"adaptive": {"profile_steps": 2}})
     # adaptive warms up for 3 steps (1 + 2 profiled), keep for 1: adaptive starts two turns earlier
