@@ -4,7 +4,7 @@ For every usable backend the benchmark writes a file of ``--size`` bytes as ``--
 requests kept ``--queue-depth`` deep, then reads it back, and reports GB/s (10^9 bytes per
 second). All backends share one aligned buffer that is allocated and touched once, up front.
 Every pass writes a fresh file, preallocated as fio does, that has no name (``O_TMPFILE``, or
-unlinked right after opening, via :func:`tba.io._spill.open_anonymous`), so it disappears with its
+unlinked right after opening, via :func:`tba.io._directory.open_anonymous`), so it disappears with its
 descriptor. When ``fio`` is on ``PATH`` it runs in the same invocation with the same parameters
 (``ioengine=io_uring``, ``direct=1``, ``rw=write`` then ``rw=read``) on a named file that is
 deleted afterwards, and each backend's ratio to fio is printed. With ``--repeat N`` every column

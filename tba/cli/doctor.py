@@ -2,7 +2,7 @@
 
 Each check only reports; none of them makes the command fail. The checks are: the io_uring
 engine (extension built, kernel allows it, see :func:`tba.io._io_uring.probe`), ``O_DIRECT``
-in the offload directory (:func:`tba.io._spill.probe_direct_io`), whether CUDA is available, whether
+in the offload directory (:func:`tba.io._directory.probe_direct_io`), whether CUDA is available, whether
 kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
 with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
 (fixed) buffers, the malloc serving this process and the caching allocators ``python -m tba run``

@@ -72,7 +72,7 @@ def measure_bandwidth(directory: str, *, backend: str = "auto", block_size_bytes
                       queue_depth: int = QUEUE_DEPTH, probe_bytes: int = PROBE_BYTES) -> tuple[float, float]:
     """Write then read ``probe_bytes`` in ``directory`` as ``python -m tba bench-io`` does; (write, read) in bytes/s.
 
-    The probe file has no name (see ``tba/io/_spill.py``): nothing is left in the directory.
+    The probe file has no name (see ``tba/io/_directory.py``): nothing is left in the directory.
     """
     size = max(block_size_bytes, probe_bytes - probe_bytes % block_size_bytes)
     buffer = filled_buffer(block_size_bytes * max(1, min(queue_depth, size // block_size_bytes)))

@@ -2,7 +2,8 @@
 
 The engine interface is in ``_engine.py`` (requests in, futures out), with two engines: the native
 io_uring engine (``_io_uring.py`` over ``native/``) and the portable thread pool (``_threads.py``).
-``_spill.py`` opens the spill file (no name, ``O_DIRECT`` when the file system takes it) and
+``_directory.py`` opens files with no name in the offload directory (``O_DIRECT`` when the file
+system takes it), ``_spill.py`` makes the spill file of one and holds its disk space, and
 ``_extents.py`` hands out aligned ranges of it; ``_memory.py`` makes aligned host memory and
 ``_read_pool.py`` reuses it for reads; ``_bandwidth.py`` is the disk-bandwidth probe.
 
@@ -23,18 +24,12 @@ from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
 from tba.errors import TbaConfigError
 from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
+from tba.io._directory import probe_direct_io, resolve_directory
 from tba.io._engine import Engine, Op, Request
 from tba.io._fs import filesystem_type, memory_backed
 from tba.io._memory import aligned_empty, host_buffer, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
-from tba.io._spill import (
-    OutOfDescriptorsError,
-    SpillFile,
-    create_preallocated,
-    probe_direct_io,
-    release_idle_space,
-    resolve_directory,
-)
+from tba.io._spill import OutOfDescriptorsError, SpillFile, create_preallocated, release_idle_space
 from tba.io._threads import ThreadEngine
 
 logger = logging.getLogger("tba")

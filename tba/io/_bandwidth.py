@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from tba.io._directory import open_anonymous
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import host_buffer
-from tba.io._spill import open_anonymous
 
 
 def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:

@@ -1,75 +1,41 @@
-"""Spill files: where offloaded bytes live, invisible to everyone but their owner.
+"""Spill files: where offloaded bytes live, and the disk space they hold.
 
-Each offload context opens one spill file in its directory and never gives it a name that anyone
-else could open:
-
-* ``O_TMPFILE`` creates an inode with no directory entry. Nothing appears in the directory, and
-  the kernel frees the space when the last descriptor closes, including when the process is killed.
-* Where the file system refuses ``O_TMPFILE``, a uniquely named file is created with ``O_EXCL``
-  and unlinked immediately after ``open``, which gives the same guarantees after that instant.
-
-Two processes, ranks or contexts sharing a directory therefore never see each other's data: each
-has its own inode. Space inside the file is handed out by :class:`tba.io._extents.ExtentAllocator`.
-
-``O_DIRECT`` is used when the file system supports it (bypassing the page cache, so offloaded
-bytes leave host memory as well); it is probed with a real aligned write and read, since some
-file systems accept the flag at ``open`` and fail later.
+A :class:`SpillFile` is one file with no name in the offload directory (``O_TMPFILE`` or unlinked
+at once, ``O_DIRECT`` where it works: ``tba/io/_directory.py``) plus the allocator of its space,
+:class:`tba.io._extents.ExtentAllocator`. Space is reserved with ``fallocate`` ahead of the writes
+that use it (Note [Reserve file space ahead of writes]), except on file systems held in memory
+(Note [No reservation in memory]), and an idle file gives it back (Note [Idle spill files hold no
+disk space]): every open spill file of the process is registered, so that a new file that finds the
+disk full (:func:`create_preallocated`, used by checkpoints too) first asks the idle ones for
+their space (:func:`release_idle_space`) and then tries again. :class:`SpillFile` calls the
+directory's functions by this module's names (``open_anonymous``, ``probe_direct_io``,
+``resolve_directory`` are importable from here as they were before ``_directory.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import resource
-import tempfile
 import threading
-import uuid
 
 from tba._weak import WeakRegistry
 from tba.defaults import ALIGN_BYTES, IDLE_SPACE_MIN_FREE_FRACTION, SPILL_RESERVE_MIN_BYTES
 from tba.errors import TbaConfigError, TbaError
+from tba.io._directory import (
+    check_writable,
+    open_anonymous,
+    prepare_directory,
+    probe_direct_io,
+    resolve_directory,
+    warn_buffered_once,
+    warn_if_memory_backed,
+)
 from tba.io._extents import ExtentAllocator
 from tba.io._fs import memory_backed
-from tba.io._memory import aligned_empty, memory_view
 
 logger = logging.getLogger("tba")
-
-_NO_TMPFILE_ERRNOS = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)
-
-
-def resolve_directory(directory: str | os.PathLike | None) -> str:
-    """The directory to use: ``directory``, else ``$TBA_DIR``, else the system temp directory."""
-    if directory is None:
-        directory = os.environ.get("TBA_DIR") or tempfile.gettempdir()
-    return os.path.abspath(os.fspath(directory))
-
-
-def open_anonymous(directory: str, *, direct: bool) -> int:
-    """Open a read-write file in ``directory`` that has no name; returns its descriptor.
-
-    Raises:
-        OSError: the directory cannot hold a file (permissions, missing, read-only).
-    """
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    try:
-        return os.open(directory, flags | os.O_TMPFILE, 0o600)
-    except OSError as err:
-        if err.errno not in _NO_TMPFILE_ERRNOS or not os.path.isdir(directory):
-            raise
-    path = os.path.join(directory, f".tba-{os.getpid()}-{uuid.uuid4().hex}")
-    # Note: [A failed open can leave its name]
-    # ``open(O_CREAT | O_DIRECT)`` on a file system without O_DIRECT (ramfs) creates the inode and
-    # then fails the open with EINVAL, so the name exists although no descriptor does: remove it.
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        raise
-    os.unlink(path)
-    return fd
 
 
 def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
@@ -86,7 +52,7 @@ def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
-        _warn_buffered_once(os.path.dirname(path), f"O_DIRECT refused ({err.strerror})")
+        warn_buffered_once(os.path.dirname(path), f"O_DIRECT refused ({err.strerror})")
         fd, direct = os.open(path, flags, 0o644), False
     try:
         if size_bytes:
@@ -132,84 +98,8 @@ def release_idle_space() -> int:
     return sum(spill.release_space() for spill in spills)
 
 
-def _direct_round_trip(fd: int) -> None:
-    buf = aligned_empty(2 * ALIGN_BYTES)
-    buf[:ALIGN_BYTES].fill_(0x5A)
-    view = memory_view(buf.data_ptr(), 2 * ALIGN_BYTES)
-    if os.pwrite(fd, view[:ALIGN_BYTES], 0) != ALIGN_BYTES:
-        raise OSError(errno.EIO, "short O_DIRECT probe write")
-    if os.preadv(fd, [view[ALIGN_BYTES:]], 0) != ALIGN_BYTES or not bool((buf[ALIGN_BYTES:] == 0x5A).all()):
-        raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
-
-
-def probe_direct_io(directory: str) -> str | None:
-    """None when ``O_DIRECT`` reads and writes work in ``directory``, else the reason they do not."""
-    try:
-        fd = open_anonymous(directory, direct=True)
-    except OSError as err:
-        return f"opening a file with O_DIRECT in {directory} failed: {err.strerror}"
-    try:
-        _direct_round_trip(fd)
-    except OSError as err:
-        return f"O_DIRECT I/O in {directory} failed: {err.strerror or err}"
-    finally:
-        os.close(fd)
-    return None
-
-
 class OutOfDescriptorsError(TbaError):
     """The process has no file descriptor left for a spill file (``EMFILE``/``ENFILE``)."""
-
-
-def check_writable(directory: str) -> None:
-    """Raise :class:`TbaConfigError` when the existing ``directory`` cannot be written."""
-    if os.path.isdir(directory) and not os.access(directory, os.W_OK | os.X_OK):
-        raise TbaConfigError(
-            f"offload directory {directory} is not writable; pass directory= (or set TBA_DIR) "
-            "to a writable directory on a fast local disk"
-        )
-
-
-def _prepare_directory(directory: str) -> None:
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise TbaConfigError(
-            f"offload directory {directory} exists but is not a directory; pass directory= "
-            "(or set TBA_DIR) to a directory"
-        )
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as err:
-        raise TbaConfigError(
-            f"cannot create the offload directory {directory}: {err.strerror}; pass "
-            "directory= (or set TBA_DIR) to a writable directory on a fast local disk"
-        ) from err
-
-
-_warned: set[tuple[int, str, str]] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(kind: str, directory: str, message: str, *args: object) -> None:
-    """Log ``message`` at WARNING once per process, directory and ``kind`` (not once per context)."""
-    key = (os.getpid(), directory, kind)
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    logger.warning(message, *args)
-
-
-def _warn_buffered_once(directory: str, reason: str) -> None:
-    _warn_once("buffered", directory, "tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
-
-
-def warn_if_memory_backed(directory: str) -> None:
-    """Warn once when ``directory`` is on a file system held in RAM: offloading there saves nothing."""
-    fs_type = memory_backed(directory)
-    if fs_type is not None:
-        _warn_once("memory", directory, "tba: the offload directory %s is on %s, which keeps its files in RAM, so "
-                   "offloading saves no memory; pass directory= (or set TBA_DIR) to a directory on a disk", directory,
-                   fs_type)
 
 
 class SpillFile:
@@ -223,7 +113,7 @@ class SpillFile:
 
     def __init__(self, directory: str | os.PathLike | None = None, *, direct: bool | None = None) -> None:
         self.directory = resolve_directory(directory)
-        _prepare_directory(self.directory)
+        prepare_directory(self.directory)
         check_writable(self.directory)
         warn_if_memory_backed(self.directory)
         reason = probe_direct_io(self.directory) if direct is not False else "disabled by direct_io=False"
@@ -233,7 +123,7 @@ class SpillFile:
                 "or pass direct_io=None to fall back to buffered I/O"
             )
         if reason is not None and direct is None:
-            _warn_buffered_once(self.directory, reason)
+            warn_buffered_once(self.directory, reason)
         self.direct = reason is None
         try:
             self.fd = open_anonymous(self.directory, direct=self.direct)

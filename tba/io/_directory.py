@@ -1,0 +1,148 @@
+"""The offload directory, and files in it that nobody else can open.
+
+Each offload context opens its spill file (``tba/io/_spill.py``) in its directory and never gives
+it a name that anyone else could open:
+
+* ``O_TMPFILE`` creates an inode with no directory entry. Nothing appears in the directory, and
+  the kernel frees the space when the last descriptor closes, including when the process is killed.
+* Where the file system refuses ``O_TMPFILE``, a uniquely named file is created with ``O_EXCL``
+  and unlinked immediately after ``open``, which gives the same guarantees after that instant.
+
+Two processes, ranks or contexts sharing a directory therefore never see each other's data: each
+has its own inode.
+
+``O_DIRECT`` is used when the file system supports it (bypassing the page cache, so offloaded
+bytes leave host memory as well); :func:`probe_direct_io` tries it with a real aligned write and
+read, since some file systems accept the flag at ``open`` and fail later. The directory is
+resolved (``directory=``, ``$TBA_DIR``, the temp directory), created and checked here, and what is
+wrong with it (buffered I/O, a file system held in RAM) is logged once per process and directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import tempfile
+import threading
+import uuid
+
+from tba.defaults import ALIGN_BYTES
+from tba.errors import TbaConfigError
+from tba.io._fs import memory_backed
+from tba.io._memory import aligned_empty, memory_view
+
+logger = logging.getLogger("tba")
+
+_NO_TMPFILE_ERRNOS = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)
+
+
+def resolve_directory(directory: str | os.PathLike | None) -> str:
+    """The directory to use: ``directory``, else ``$TBA_DIR``, else the system temp directory."""
+    if directory is None:
+        directory = os.environ.get("TBA_DIR") or tempfile.gettempdir()
+    return os.path.abspath(os.fspath(directory))
+
+
+def open_anonymous(directory: str, *, direct: bool) -> int:
+    """Open a read-write file in ``directory`` that has no name; returns its descriptor.
+
+    Raises:
+        OSError: the directory cannot hold a file (permissions, missing, read-only).
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    try:
+        return os.open(directory, flags | os.O_TMPFILE, 0o600)
+    except OSError as err:
+        if err.errno not in _NO_TMPFILE_ERRNOS or not os.path.isdir(directory):
+            raise
+    path = os.path.join(directory, f".tba-{os.getpid()}-{uuid.uuid4().hex}")
+    # Note: [A failed open can leave its name]
+    # ``open(O_CREAT | O_DIRECT)`` on a file system without O_DIRECT (ramfs) creates the inode and
+    # then fails the open with EINVAL, so the name exists although no descriptor does: remove it.
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    os.unlink(path)
+    return fd
+
+
+def _direct_round_trip(fd: int) -> None:
+    buf = aligned_empty(2 * ALIGN_BYTES)
+    buf[:ALIGN_BYTES].fill_(0x5A)
+    view = memory_view(buf.data_ptr(), 2 * ALIGN_BYTES)
+    if os.pwrite(fd, view[:ALIGN_BYTES], 0) != ALIGN_BYTES:
+        raise OSError(errno.EIO, "short O_DIRECT probe write")
+    if os.preadv(fd, [view[ALIGN_BYTES:]], 0) != ALIGN_BYTES or not bool((buf[ALIGN_BYTES:] == 0x5A).all()):
+        raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
+
+
+def probe_direct_io(directory: str) -> str | None:
+    """None when ``O_DIRECT`` reads and writes work in ``directory``, else the reason they do not."""
+    try:
+        fd = open_anonymous(directory, direct=True)
+    except OSError as err:
+        return f"opening a file with O_DIRECT in {directory} failed: {err.strerror}"
+    try:
+        _direct_round_trip(fd)
+    except OSError as err:
+        return f"O_DIRECT I/O in {directory} failed: {err.strerror or err}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def check_writable(directory: str) -> None:
+    """Raise :class:`TbaConfigError` when the existing ``directory`` cannot be written."""
+    if os.path.isdir(directory) and not os.access(directory, os.W_OK | os.X_OK):
+        raise TbaConfigError(
+            f"offload directory {directory} is not writable; pass directory= (or set TBA_DIR) "
+            "to a writable directory on a fast local disk"
+        )
+
+
+def prepare_directory(directory: str) -> None:
+    """Create ``directory`` if it is missing; raise :class:`TbaConfigError` when that fails or it is a file."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise TbaConfigError(
+            f"offload directory {directory} exists but is not a directory; pass directory= "
+            "(or set TBA_DIR) to a directory"
+        )
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise TbaConfigError(
+            f"cannot create the offload directory {directory}: {err.strerror}; pass "
+            "directory= (or set TBA_DIR) to a writable directory on a fast local disk"
+        ) from err
+
+
+_warned: set[tuple[int, str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(kind: str, directory: str, message: str, *args: object) -> None:
+    """Log ``message`` at WARNING once per process, directory and ``kind`` (not once per context)."""
+    key = (os.getpid(), directory, kind)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(message, *args)
+
+
+def warn_buffered_once(directory: str, reason: str) -> None:
+    _warn_once("buffered", directory, "tba: using buffered I/O (page cache) instead of O_DIRECT: %s", reason)
+
+
+def warn_if_memory_backed(directory: str) -> None:
+    """Warn once when ``directory`` is on a file system held in RAM: offloading there saves nothing."""
+    fs_type = memory_backed(directory)
+    if fs_type is not None:
+        _warn_once("memory", directory, "tba: the offload directory %s is on %s, which keeps its files in RAM, so "
+                   "offloading saves no memory; pass directory= (or set TBA_DIR) to a directory on a disk", directory,
+                   fs_type)
