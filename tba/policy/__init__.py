@@ -2,6 +2,8 @@
 
 * :mod:`tba.policy._profile`: what is measured per layer (forward and backward time, saved and
   input bytes) and the disk's bandwidth (plain data);
+* :mod:`tba.policy._placement`: the placements (keep, offload, recompute, offloaded-recompute) and
+  the bytes each spills;
 * :mod:`tba.policy._model`: the cost model, predicted step time and activation peak of a placement;
 * :mod:`tba.policy._plan`: :class:`Plan` and the fixed policies; :mod:`tba.policy._adaptive`: the
   adaptive planner (:func:`plan`, pure).
@@ -11,7 +13,8 @@ offloader is the runtime's (``tba/runtime/_runner.py``, ``tba/runtime/_timer.py`
 """
 
 from tba.policy._adaptive import Adaptive, plan
-from tba.policy._model import DECISIONS, KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Estimate, Placement, estimate
+from tba.policy._model import Estimate, estimate
+from tba.policy._placement import DECISIONS, KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Placement
 from tba.policy._plan import KeepAll, OffloadAll, OffloadedRecomputeAll, Plan, Policy, RecomputeAll, min_window_bytes, shapes
 from tba.policy._profile import LayerProfile, Profile
 

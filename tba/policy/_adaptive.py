@@ -36,7 +36,8 @@ from typing import Any
 
 from tba.defaults import ADAPTIVE_OVERHEAD_BOUND, MIB
 from tba.errors import TbaConfigError
-from tba.policy._model import OFFLOAD, RECOMPUTE, estimate, forward_write_caps
+from tba.policy._model import estimate, forward_write_caps
+from tba.policy._placement import OFFLOAD, RECOMPUTE
 from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes, shapes
 from tba.policy._profile import Profile
 

@@ -1,7 +1,8 @@
 """Cost model: predicted step time and activation memory of a per-layer placement.
 
 Each layer ``i`` (forward order, ``L`` layers) is kept (``K``), offloaded (``O``), recomputed
-(``R``) or recomputed with its input offloaded (``S``). From a :class:`~tba.policy._profile.Profile`
+(``R``) or recomputed with its input offloaded (``S``): the placements of ``tba/policy/_placement.py``,
+importable from here too. From a :class:`~tba.policy._profile.Profile`
 the model uses ``f_i`` (forward seconds), ``b_i`` (backward seconds, measured or estimated as
 ``2 f_i``), ``s_i`` (distinct bytes saved), ``x_i`` (input bytes), write and read bandwidth ``W``
 and ``R`` (bytes/s), the prefetch depth ``D`` and the largest storage ``m``; a plan also fixes the
@@ -82,46 +83,26 @@ prediction.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 
-from tba.policy._profile import LayerProfile, Profile
+from tba.policy._placement import (
+    DECISIONS,
+    KEEP,
+    OFFLOAD,
+    OFFLOADED_RECOMPUTE,
+    RECOMPUTE,
+    RECOMPUTED,
+    SPILLED,
+    Placement,
+    check_decisions,
+    spilled_bytes,
+)
+from tba.policy._profile import Profile
 
-
-class Placement(str, enum.Enum):
-    """Where one layer's saved activations live between its forward and its backward.
-
-    A ``str`` enum: each member equals its name in plans, JSON files and logs (``"offload"``).
-    """
-
-    KEEP = "keep"
-    """In memory, as without tba."""
-    OFFLOAD = "offload"
-    """Written to the spill file during forward, read back (prefetched) for backward."""
-    RECOMPUTE = "recompute"
-    """Not saved: the layer runs forward again in backward; only its input is kept, in memory."""
-    OFFLOADED_RECOMPUTE = "offloaded_recompute"
-    """Recomputed in backward, and its input is written to the spill file (read back, prefetched,
-    for the recomputation): the layer holds nothing in memory between forward and backward."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-KEEP, OFFLOAD, RECOMPUTE = Placement.KEEP, Placement.OFFLOAD, Placement.RECOMPUTE
-OFFLOADED_RECOMPUTE = Placement.OFFLOADED_RECOMPUTE
-DECISIONS = tuple(Placement)
-SPILLED = frozenset({OFFLOAD, OFFLOADED_RECOMPUTE})
-"""Placements that write to the spill file and read back in backward."""
-RECOMPUTED = frozenset({RECOMPUTE, OFFLOADED_RECOMPUTE})
-"""Placements that run the layer's forward again in backward."""
-
-
-def spilled_bytes(layer: LayerProfile, decision: str) -> int:
-    """Bytes ``decision`` writes for ``layer`` (and reads back): ``s_i`` for O, ``x_i`` for S, else 0."""
-    if decision == OFFLOAD:
-        return layer.saved_bytes
-    return layer.input_bytes if decision == OFFLOADED_RECOMPUTE else 0
+__all__ = [
+    "DECISIONS", "KEEP", "OFFLOAD", "OFFLOADED_RECOMPUTE", "RECOMPUTE", "RECOMPUTED", "SPILLED", "Estimate", "Placement",
+    "check_decisions", "estimate", "forward_write_caps", "spilled_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,18 +120,6 @@ class Estimate:
     def overhead(self) -> float:
         """Predicted step time over keep-all's, minus 1 (0.1 means 10% slower)."""
         return self.step_s / self.keep_step_s - 1.0 if self.keep_step_s else 0.0
-
-
-def check_decisions(decisions: Sequence[str], layer_count: int) -> tuple[str, ...]:
-    """``decisions`` as a tuple, after checking its length and values."""
-    decisions = tuple(decisions)
-    if len(decisions) != layer_count:
-        raise ValueError(f"a plan for {len(decisions)} layers cannot drive a model with {layer_count} layers")
-    try:
-        return tuple(Placement(decision) for decision in decisions)
-    except ValueError:
-        bad = next(d for d in decisions if d not in {p.value for p in Placement})
-        raise ValueError(f"unknown decision {bad!r}; use one of {', '.join(p.value for p in Placement)}") from None
 
 
 def _forward(profile: Profile, decisions: tuple[str, ...]) -> tuple[float, int, tuple[bool, ...]]:

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
-from tba.policy._model import KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Placement, check_decisions, estimate, spilled_bytes
+from tba.policy._model import estimate
+from tba.policy._placement import KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Placement, check_decisions, spilled_bytes
 from tba.policy._profile import Profile
 
 logger = logging.getLogger("tba")
