@@ -161,12 +161,21 @@ class IoUringEngine(Engine):
         try:
             while True:
                 finished, _ = self._ring.reap()
+                done = []
                 with self._lock:
-                    done = [(self._take(tag), result, moved) for tag, result, moved in finished]
-                for (future, request), result, moved in done:
-                    _resolve(future, request, result, moved)
+                    pop = self._requests.pop
+                    for tag, result, moved in finished:
+                        # The transfer is over: its request, and the memory's owner with it, is let go here.
+                        target, request = pop(tag)
+                        done.append((target, request.op, request.nbytes, request.offset, result, moved))
+                    request = None
+                for target, op, nbytes, offset, result, moved in done:
+                    if type(result) is int and not isinstance(target, Future):
+                        target(None)
+                    else:
+                        _resolve(target, op, nbytes, offset, result, moved)
                 # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
-                done = future = request = finished = None
+                done = target = finished = None
                 with self._lock:
                     if self._closing and not self._requests:
                         return
@@ -183,11 +192,6 @@ class IoUringEngine(Engine):
                 self._ring.close()
                 self._ring_closed = True
 
-    def _take(self, tag: int) -> tuple[Future | Callable, Request]:
-        """Forget request ``tag``: its future, and the request without its memory's owner (the transfer is over)."""
-        future, request = self._requests.pop(tag)
-        return future, request._replace(owner=None)
-
     def close(self) -> None:
         """Wait for every submitted request to finish, then free the ring. Idempotent."""
         with self._close_lock:
@@ -201,11 +205,12 @@ class IoUringEngine(Engine):
                 self._reaper.join()
 
 
-def _resolve(target: Future | Callable, request: Request, result: int | OSError | None, moved: int) -> None:
+def _resolve(target: Future | Callable, op: Op, nbytes: int, offset: int, result: int | OSError | None,
+             moved: int) -> None:
     if isinstance(result, OSError):
         error: BaseException | None = result
     elif result is None:
-        error = ShortTransferError(request.op.value, moved, request.nbytes, request.offset)
+        error = ShortTransferError(op.value, moved, nbytes, offset)
     else:
         error = None
     if not isinstance(target, Future):
