@@ -13,7 +13,8 @@ For ``policy="adaptive"`` (the default):
    the runner keeps them (weakly) and hands them back at every entry, so from then on storages are
    tagged by a :class:`~tba.runtime._layers.LayerTracker`, which is what a plan needs.
 2. The next ``profile_steps`` steps offload everything (the placement with the least memory, so
-   no early step peaks above a later one) and are profiled (``tba/runtime/_profiling.py``).
+   no early step peaks above a later one) and are profiled: ``tba/runtime/_profiled_step.py``
+   measures each, ``tba/runtime/_profiling.py`` builds the profile from them.
 3. At the next entry the runner plans (:func:`tba.policy.plan`) and from then on applies the plan:
    kept layers go into ``Offloader.keep_layers``, recomputed layers are wrapped with non-reentrant
    checkpoint (:class:`~tba.runtime._recompute.RecomputeLayers`) from ``enter`` to ``exit``
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -53,10 +53,9 @@ from torch import nn
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
 from tba.policy import Adaptive, Placement, Plan, Policy, Profile
-from tba.runtime._peak import StepPeak
+from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters, signature
 from tba.runtime._recompute import RecomputeLayers
-from tba.runtime._timer import LayerTimer
 
 logger = logging.getLogger("tba")
 
@@ -128,8 +127,8 @@ class PolicyRunner:
         """The profile of the last plan made."""
         self._plans: dict[tuple | None, Plan] = {}
         self._samples = Samples()
-        self._peak = StepPeak()
-        self._pending: dict[str, Any] | None = None
+        self._step = ProfiledStep()
+        """The profiled step being measured, if any."""
         self._entries = 0
         """Steps entered so far; the first one's period holds one-off costs (Note [The rest of the step])."""
         self._recompute: RecomputeLayers | None = None
@@ -138,12 +137,11 @@ class PolicyRunner:
         self._shape_hook: Any = None
         self._reapply: Callable[[frozenset], None] | None = None
         self._layer_refs: list[weakref.ref] = []
-        self._timer = LayerTimer([])
         self._set_layers(layers)
 
     def _set_layers(self, layers: list[nn.Module]) -> None:
         self._layer_refs = [weakref.ref(layer) for layer in layers]
-        self._timer = LayerTimer(layers)
+        self._step.set_layers(layers)
         self._plans.clear()
         self._samples.clear()
         self._shape = None
@@ -198,16 +196,8 @@ class PolicyRunner:
             return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned,
                                  plan.write_caps_bytes or None)
         if self.profiling:
-            self._timer.reset()
-            self._timer.synchronize = self._stream_sync()
-            self._timer.attach()
-            start = counters()
-            # The step's own counters: a one-shot context's next step counts in a new offloader.
-            self._pending = {"start": start, "shape": self._shape, "counters": counters,
-                             "entered_at": (time.perf_counter(), _thread_cpu_s(thread), thread),
-                             "first": self._entries == 1}
-            self._peak.start(start.pool_idle_bytes, cuda=self._on_cuda(),
-                             release=self._samples.count(self._shape) == self.profile_steps - 1)
+            self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
+                             cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
 
@@ -220,17 +210,8 @@ class PolicyRunner:
         return self._cuda_device() is not None
 
     def _stream_sync(self) -> Callable[[], None] | None:
-        """What the timer calls before each stamp: the current stream's synchronisation on a GPU
-        (Note [Layer time on a GPU] in ``tba/runtime/_timer.py``), nothing on the CPU."""
-        device = self._cuda_device()
-        if device is None:
-            return None
-
-        def synchronize() -> None:
-            if not torch.cuda.is_current_stream_capturing():  # a graph being captured may not synchronise
-                torch.cuda.current_stream(device).synchronize()
-
-        return synchronize
+        """What the timer calls before each stamp (:func:`~tba.runtime._profiled_step.stream_sync`)."""
+        return stream_sync(self._cuda_device())
 
     def _attach_shape_hook(self) -> None:
         # A step that an exception ended before exit (a signal handler's) may have left its hook on;
@@ -243,9 +224,8 @@ class PolicyRunner:
         """First layer's forward pre-hook: note the step's input shape; on a new one, offload the rest of the step."""
         self._shape_hook.remove()
         shape = signature(args, kwargs)
-        if self._pending is not None:
-            self._pending["shape"] = shape
-            self._watch_backward_end(args, kwargs)
+        if self._step.pending is not None:
+            self._step.note_shape(shape, args, kwargs)
         elif shape != self._shape and self._step_plan is not None and self.pinned is None:
             logger.info("tba: new input shape; this step offloads every layer, the next one %s",
                         "follows its plan" if shape in self._plans else "starts profiling it")
@@ -258,11 +238,6 @@ class PolicyRunner:
                         del layer.forward
                 self._recompute.layers = running
         self._shape = shape
-
-    def _watch_backward_end(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad), None)
-        if first is not None:
-            first.register_hook(self._peak.stop_after_backward)
 
     def exit(self, failed: bool, largest_live_storage_bytes: Callable[[], int],
              found_layers: list[nn.Module] | None = None, ran_a_layer: bool = True,
@@ -281,18 +256,7 @@ class PolicyRunner:
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
-        if self._pending is not None:
-            self._timer.detach()
-            if failed:
-                self._pending = None
-            else:
-                self._pending["forward_s"] = list(self._timer.forward_s)
-                self._pending["forward_cpu_s"] = list(self._timer.forward_cpu_s)
-                self._pending["cpu_times"] = not self._on_cuda()
-                self._pending["input_bytes"] = list(self._timer.input_bytes)
-                self._pending["max_storage"] = largest_live_storage_bytes()
-                self._pending["window_bytes"] = window_bytes
-                self._pending["backlog_bytes"] = backlog_bytes() if backlog_bytes is not None else None
+        self._step.end_forward(failed, self._on_cuda, largest_live_storage_bytes, window_bytes, backlog_bytes)
         if not self.learns or failed:
             return
         if not self._layer_refs and found_layers:
@@ -300,38 +264,16 @@ class PolicyRunner:
             logger.debug("tba: the adaptive policy plans for the %d layers found", len(found_layers))
         elif self._layer_refs and not ran_a_layer:
             logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
-            self._pending = None
+            self._step.pending = None
             self._set_layers([])
 
     def _collect(self, thread: int | None = None) -> None:
         """Finish the pending profiled step from its offloader's counters: its backward has run by now.
 
         ``thread``: the training thread entering the next step."""
-        pending, self._pending = self._pending, None
-        if pending is None or "forward_s" not in pending:
-            return
-        self._peak.stop()
-        pending["backward_s"] = self._timer.backward_s()
-        pending["backward_cpu_s"] = self._timer.backward_s(cpu=True)
-        pending["span_s"] = self._timer.span_s()
-        pending["span_cpu_s"] = self._timer.span_cpu_s()
-        wall, cpu, entered_by = pending.pop("entered_at")
-        pending["period_s"] = time.perf_counter() - wall
-        now = _thread_cpu_s(thread) if thread == entered_by else None  # one thread's clock, or none
-        pending["period_cpu_s"] = now - cpu if now is not None and cpu is not None else None
-        pending["peak_bytes"] = self._peak.peak_bytes
-        self._samples.collect(pending, pending.pop("counters")(), len(self._layer_refs))
-
-
-def _thread_cpu_s(thread: int | None) -> float | None:
-    """CPU seconds of thread ``thread`` (a :func:`threading.get_ident`) so far, read from any thread;
-    None when unknown (no thread given, no per-thread clock on this platform, the thread is gone)."""
-    if thread is None or not hasattr(time, "pthread_getcpuclockid"):
-        return None
-    try:
-        return time.clock_gettime(time.pthread_getcpuclockid(thread))
-    except (OSError, OverflowError):
-        return None
+        sample = self._step.finish(thread)
+        if sample is not None:
+            self._samples.collect(sample, sample.pop("counters")(), len(self._layer_refs))
 
 
 def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,

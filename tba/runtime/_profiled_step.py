@@ -1,0 +1,128 @@
+"""One profiled step of the adaptive policy, measured from its entry to the next entry.
+
+While a :class:`~tba.runtime._runner.PolicyRunner` profiles, every step offloads every layer and
+its :class:`ProfiledStep` measures it, in four calls:
+
+1. :meth:`~ProfiledStep.start`, as the offloader is entered: a
+   :class:`~tba.runtime._timer.LayerTimer` goes on the layers (on a GPU each stamp waits for the
+   current stream, :func:`stream_sync`, Note [Layer time on a GPU] in ``tba/runtime/_timer.py``),
+   the offloader's counters are read, the wall clock and the entering thread's CPU clock are noted
+   and the :class:`~tba.runtime._peak.StepPeak` starts.
+2. :meth:`~ProfiledStep.note_shape`, from the first layer's forward pre-hook: the step's input
+   shape, and a hook on its first input that requires grad, where backward ends and the peak stops.
+3. :meth:`~ProfiledStep.end_forward`, as the offloader exits: the timer comes off the layers and
+   forward's times, the layers' input bytes, the largest live storage, the window and the bytes
+   still unwritten are noted (a step that failed is dropped).
+4. :meth:`~ProfiledStep.finish`, at the next entry (that step's backward has run by then): its
+   backward times, its span, its period since the entry (wall-clock, and CPU seconds when the
+   same thread enters again: Note [The rest of the step] in ``tba/runtime/_profiling.py``) and its
+   peak complete the sample, which :meth:`~tba.runtime._profiling.Samples.collect` takes with the
+   offloader's counters of that moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tba.runtime._peak import StepPeak
+from tba.runtime._profiling import StepCounters
+from tba.runtime._timer import LayerTimer
+
+
+class ProfiledStep:
+    """The profiled step of one runner that is still being measured (at most one at a time)."""
+
+    def __init__(self) -> None:
+        self.timer = LayerTimer([])
+        self.peak = StepPeak()
+        self.pending: dict[str, Any] | None = None
+        """The step's sample: begun at entry, None when no profiled step is being measured."""
+
+    def set_layers(self, layers: list[nn.Module]) -> None:
+        """Time these layers from the next profiled step on."""
+        self.timer = LayerTimer(layers)
+
+    def start(self, counters: Callable[[], StepCounters], shape: tuple | None, thread: int | None, *, first: bool,
+              synchronize: Callable[[], None] | None, cuda: bool, release: bool) -> None:
+        """Begin measuring a step (``first``: the runner's first step; ``release``: its last profiled one)."""
+        self.timer.reset()
+        self.timer.synchronize = synchronize
+        self.timer.attach()
+        start = counters()
+        # The step's own counters: a one-shot context's next step counts in a new offloader.
+        self.pending = {"start": start, "shape": shape, "counters": counters,
+                        "entered_at": (time.perf_counter(), thread_cpu_s(thread), thread),
+                        "first": first}
+        self.peak.start(start.pool_idle_bytes, cuda=cuda, release=release)
+
+    def note_shape(self, shape: tuple, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The first layer's inputs: the step's shape, and where its backward will end."""
+        self.pending["shape"] = shape
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        if first is not None:
+            first.register_hook(self.peak.stop_after_backward)
+
+    def end_forward(self, failed: bool, on_cuda: Callable[[], bool], largest_live_storage_bytes: Callable[[], int],
+                    window_bytes: int, backlog_bytes: Callable[[], int] | None) -> None:
+        """Note forward's measurements as the offloader exits (a failed step is dropped)."""
+        if self.pending is None:
+            return
+        self.timer.detach()
+        if failed:
+            self.pending = None
+            return
+        self.pending["forward_s"] = list(self.timer.forward_s)
+        self.pending["forward_cpu_s"] = list(self.timer.forward_cpu_s)
+        self.pending["cpu_times"] = not on_cuda()
+        self.pending["input_bytes"] = list(self.timer.input_bytes)
+        self.pending["max_storage"] = largest_live_storage_bytes()
+        self.pending["window_bytes"] = window_bytes
+        self.pending["backlog_bytes"] = backlog_bytes() if backlog_bytes is not None else None
+
+    def finish(self, thread: int | None = None) -> dict[str, Any] | None:
+        """The step's sample, complete, once its backward has run; None when no step reached its exit.
+
+        ``thread``: the training thread entering the next step."""
+        pending, self.pending = self.pending, None
+        if pending is None or "forward_s" not in pending:
+            return None
+        self.peak.stop()
+        pending["backward_s"] = self.timer.backward_s()
+        pending["backward_cpu_s"] = self.timer.backward_s(cpu=True)
+        pending["span_s"] = self.timer.span_s()
+        pending["span_cpu_s"] = self.timer.span_cpu_s()
+        wall, cpu, entered_by = pending.pop("entered_at")
+        pending["period_s"] = time.perf_counter() - wall
+        now = thread_cpu_s(thread) if thread == entered_by else None  # one thread's clock, or none
+        pending["period_cpu_s"] = now - cpu if now is not None and cpu is not None else None
+        pending["peak_bytes"] = self.peak.peak_bytes
+        return pending
+
+
+def stream_sync(device: torch.device | None) -> Callable[[], None] | None:
+    """What the timer calls before each stamp: the current stream's synchronisation on a GPU
+    (Note [Layer time on a GPU] in ``tba/runtime/_timer.py``), nothing on the CPU (``device`` None)."""
+    if device is None:
+        return None
+
+    def synchronize() -> None:
+        if not torch.cuda.is_current_stream_capturing():  # a graph being captured may not synchronise
+            torch.cuda.current_stream(device).synchronize()
+
+    return synchronize
+
+
+def thread_cpu_s(thread: int | None) -> float | None:
+    """CPU seconds of thread ``thread`` (a :func:`threading.get_ident`) so far, read from any thread;
+    None when unknown (no thread given, no per-thread clock on this platform, the thread is gone)."""
+    if thread is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread))
+    except (OSError, OverflowError):
+        return None
