@@ -41,124 +41,17 @@ submitted to the engine at once).
 from __future__ import annotations
 
 import atexit
-import collections
-import logging
 import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from tba import _sched
+from tba._control_loop import STOP, WAKE, Control, Finalizer, run_queued
 
-logger = logging.getLogger("tba")
-
-
-FINALIZER_POLL_S = 0.01
-"""While finalizers are registered, the control thread looks for fired ones at least this often (seconds)."""
-
-
-class _Finalizer(weakref.ref):
-    """A weak reference that, once its referent dies, asks the control thread to run ``fn(*args)``."""
-
-    __slots__ = ("fn", "args")
-
-
-class _Control:
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.deferred: collections.deque = collections.deque()
-        """``(fn, args)`` to run before the next job (Note [Deferred jobs])."""
-        self.defer_append = self.deferred.append
-        """The finalizers' callback, made once: ``deferred.append`` builds a new bound method at each use."""
-        self.wake_pending = False
-        """A wake-up is queued and the control thread has not started draining for it (:func:`wake`)."""
-        self.batch_end: list[Callable[[], None]] = []
-        """Callbacks to run once the deferred jobs have run (:func:`after_batch`)."""
-        self.finalizers: dict[int, _Finalizer] = {}
-        """Finalizers not fired yet, by identity (a weak reference alone would be collected first)."""
-        self.thread: threading.Thread | None = None
-        self.start_lock = threading.Lock()
-        self.stopped = False
-        """Set at interpreter exit: from then on jobs run inline in the caller."""
-
-    def ensure_started(self) -> None:
-        if self.thread is None:
-            with self.start_lock:
-                if self.thread is None:
-                    thread = threading.Thread(target=self.run, name="tba-control", daemon=True)
-                    thread.start()
-                    self.thread = thread
-
-    def run(self) -> None:
-        _sched.background()
-        while True:
-            try:
-                item = self.jobs.get(timeout=FINALIZER_POLL_S if self.finalizers or self.deferred else None)
-            except queue.Empty:
-                item = _WAKE
-            if item is _STOP:
-                return
-            self.process(item)
-            item = None  # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py
-
-    def run_deferred(self) -> None:
-        """Run every deferred job, then the batch-end callbacks (errors are logged)."""
-        deferred = self.deferred
-        while deferred:
-            item = deferred.popleft()
-            try:
-                if isinstance(item, _Finalizer):
-                    self.finalizers.pop(id(item), None)
-                    item.fn(*item.args)
-                else:
-                    item[0](*item[1])
-            except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
-                logger.exception("tba: a deferred job on the control thread failed")
-        self.run_batch_end()
-
-    def run_batch_end(self) -> None:
-        while self.batch_end:
-            callback = self.batch_end.pop(0)
-            try:
-                callback()
-            except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
-                logger.exception("tba: a batch callback on the control thread failed")
-
-    def process(self, item: Any) -> None:
-        # Cleared before draining: a job deferred from now on is either drained below or wakes again.
-        self.wake_pending = False
-        self.run_deferred()
-        if item is _WAKE:
-            return
-        try:
-            if isinstance(item, _Finalizer):
-                self.finalizers.pop(id(item), None)
-                item.fn(*item.args)
-                self.run_batch_end()
-                return
-            reply, fn, args = item
-            try:
-                result = fn(*args)
-                self.run_batch_end()
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                self.run_batch_end()
-                if reply is None:
-                    raise
-                reply.put((err, None))
-            else:
-                if reply is not None:
-                    reply.put((None, result))
-        except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
-            logger.exception("tba: a job on the control thread failed")
-
-
-_STOP = object()
-_WAKE = object()
-_control = _Control()
+_control = Control()
 
 
 def in_control_thread() -> bool:
@@ -239,7 +132,7 @@ def wake() -> None:
             and not control.stopped):
         control.wake_pending = True
         control.ensure_started()
-        control.jobs.put(_WAKE)
+        control.jobs.put(WAKE)
 
 
 def after_batch(callback: Callable[[], None]) -> None:
@@ -288,18 +181,18 @@ def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
     ``args`` must not refer to ``obj``. The callback that fires at collection is
     ``deque.append`` itself: no Python code runs in the thread that drops ``obj``. The finalizer
     runs with the deferred jobs (Note [Deferred jobs]): at the next job or wake-up, and within
-    :data:`FINALIZER_POLL_S` otherwise, so that a backward freeing thousands of views does not wake
+    :data:`~tba._control_loop.FINALIZER_POLL_S` otherwise, so that a backward freeing thousands of views does not wake
     the control thread thousands of times.
     """
     _control.ensure_started()
-    ref = _Finalizer(obj, _control.defer_append)
+    ref = Finalizer(obj, _control.defer_append)
     ref.fn, ref.args = fn, args
     _control.finalizers[id(ref)] = ref
 
 
 def run_pending() -> None:
     """On the control thread: run what is queued now (finalizers fired by a ``gc.collect()``)."""
-    _run_queued(_control)
+    run_queued(_control)
 
 
 def settle() -> None:
@@ -318,22 +211,10 @@ def _stop_at_exit() -> None:
     control = _control
     if control.thread is None or in_control_thread():
         return
-    control.jobs.put(_STOP)
+    control.jobs.put(STOP)
     control.thread.join()
     control.stopped = True
-    _run_queued(control)
-
-
-def _run_queued(control: _Control) -> None:
-    """Run what is queued in ``control`` now, in the calling thread."""
-    while True:
-        try:
-            item = control.jobs.get_nowait()
-        except queue.Empty:
-            control.run_deferred()
-            return
-        if item is not _STOP:
-            control.process(item)
+    run_queued(control)
 
 
 atexit.register(_stop_at_exit)
@@ -341,7 +222,7 @@ atexit.register(_stop_at_exit)
 
 def _after_fork_in_child() -> None:
     global _control
-    _control = _Control()
+    _control = Control()
     _control.ensure_started()
 
 

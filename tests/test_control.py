@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from tba import _control
+from tba import _control, _control_loop
 
 
 def test_a_control_thread_that_falls_behind_gets_one_wake_up_and_runs_every_deferred_job():
@@ -36,12 +36,12 @@ def test_a_job_deferred_after_the_drain_loop_still_wakes_the_control_thread():
         helper.start()
         helper.join()
 
-    poll_s = _control.FINALIZER_POLL_S
-    _control.FINALIZER_POLL_S = 3600.0  # only a wake-up can run the job, not the control thread's poll
+    poll_s = _control_loop.FINALIZER_POLL_S
+    _control_loop.FINALIZER_POLL_S = 3600.0  # only a wake-up can run the job, not the control thread's poll
     try:
         _control.defer(_control.after_batch, defer_from_another_thread)
         _control.wake()
         assert ran.wait(5), "the job deferred after the drain was stranded until the next poll"
     finally:
-        _control.FINALIZER_POLL_S = poll_s
+        _control_loop.FINALIZER_POLL_S = poll_s
         _control.settle()  # the control thread waits with the usual poll again
