@@ -1,7 +1,8 @@
 """The offload context: saved-tensor hooks that move activations to a file and back.
 
 This module holds the offloader's life (options, entry, exit, close); its hooks, the per-tensor
-hot path, are in ``tba/runtime/_hooks.py``, and the one-shot context
+hot path, are in ``tba/runtime/_hooks.py``, what its store runs on and reports in
+``tba/runtime/_store_owner.py``, and the one-shot context
 :func:`~tba.runtime._oneshot.offload_activations` in ``tba/runtime/_oneshot.py``.
 ``with offload_activations(...)`` installs :func:`torch.autograd.graph.saved_tensors_hooks`.
 Autograd calls :meth:`Offloader.pack` for every tensor it saves during forward and
@@ -32,8 +33,6 @@ autograd graph holds the views.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import logging
 import os
 import threading
@@ -46,23 +45,24 @@ from torch import nn
 from tba import _control
 from tba.allocator import detect as detect_allocator
 from tba.config import OffloadConfig, signature_with_options
-from tba.device import DeviceOps, Routes, cuda_api, host_engine_backend
+from tba.device import DeviceOps, cuda_api, host_engine_backend
 from tba.errors import TbaConfigError, TbaError
-from tba.io import BufferPool, Engine, SpillFile, load_crc32c, make_engine, resolve_backend
-from tba.runtime import _at_fork, _shared
+from tba.io import Engine, load_crc32c, resolve_backend
+from tba.runtime import _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
 from tba.runtime._hooks import SavedTensorHooks, Waker, _Phase
 from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
 from tba.runtime._prefetch import PrefetchWindow
-from tba.runtime._runner import StepCounters, StepPlacement, shared_runner
+from tba.runtime._runner import StepPlacement, shared_runner
 from tba.runtime._stats import OffloadStats
 from tba.runtime._store import StorageStore
+from tba.runtime._store_owner import StoreOwner
 
 logger = logging.getLogger("tba")
 
 
-class Offloader(SavedTensorHooks):
+class Offloader(SavedTensorHooks, StoreOwner):
     """Offloads saved activations to a file while active; see :func:`offload_activations`.
 
     An ``Offloader`` built directly can be entered once per training step: its spill file and
@@ -155,46 +155,9 @@ class Offloader(SavedTensorHooks):
         return self._finder.layers if self._finder is not None else []
 
     @property
-    def prefetch_window_bytes(self) -> int:
-        """The prefetch budget in force: ``prefetch_budget_bytes`` when given, else the self-sized window."""
-        return self._store.window.budget_bytes
-
-    @property
     def plan(self) -> Any:
         """The :class:`tba.Plan` in force (None while profiling, or without a placement policy)."""
         return self.policy_runner.plan
-
-    def set_prefetch_budget(self, nbytes: int) -> None:
-        """Bound on bytes read ahead or held for backward from now on (a plan's window)."""
-        self._store.set_prefetch_budget(nbytes)
-
-    def largest_live_storage_bytes(self) -> int:
-        """Bytes of the largest storage held for backward now (the adaptive policy reads it after forward)."""
-        return self._store.largest_live_storage_bytes()
-
-    @property
-    def stats(self) -> OffloadStats:
-        """Counters since the offloader was built or :meth:`reset_stats` was last called (see
-        :class:`OffloadStats`); bandwidths include transfers still running."""
-        _control.settle()
-        self._store.update_stats()
-        return self._stats if self._stats_base is None else self._stats.since(self._stats_base)
-
-    def reset_stats(self) -> OffloadStats:
-        """Start counting afresh (for example once per step of a reusable offloader); returns the
-        counters up to now. The peak of resident bytes restarts from what is resident now."""
-        so_far = self.stats
-        with self._store.lock:
-            self._stats_base = dataclasses.replace(self._stats, kept_by_reason=dict(self._stats.kept_by_reason),
-                                                   bytes_kept_by_reason=dict(self._stats.bytes_kept_by_reason))
-            self._stats.peak_resident_bytes = self._stats.resident_bytes
-        return so_far
-
-    @property
-    def resolved_direct_io(self) -> bool | None:
-        """Whether the spill file uses ``O_DIRECT`` (None until the offloader is first entered)."""
-        spill = self.spill
-        return None if spill is None else spill.direct
 
     def __repr__(self) -> str:
         direct = self.resolved_direct_io
@@ -203,18 +166,6 @@ class Offloader(SavedTensorHooks):
                 f"{self.resolved_backend}, direct_io={self.config.direct_io!r}"
                 f"{'' if direct is None else f' -> {direct}'}, {layers}, "
                 f"{'reusable' if self.reusable else 'one-shot'}, {self._phase.value})")
-
-    @property
-    def pool_idle_bytes(self) -> int:
-        """Bytes of read buffers kept for reuse while no tensor uses them (held by tba all the same)."""
-        _control.settle()
-        return self._store.read_pool.idle_bytes
-
-    @property
-    def spill(self) -> SpillFile | None:
-        """The spill file, once the offloader has been entered."""
-        _control.settle()
-        return self._store.spill
 
     # ----------------------------------------------------------------- context
     def __enter__(self) -> Offloader:
@@ -264,14 +215,6 @@ class Offloader(SavedTensorHooks):
             self._abandon_entry_job(claim)
             raise
 
-    def _counters(self) -> StepCounters:
-        _control.settle()
-        self._store.update_stats()
-        stats = self._stats
-        return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
-                            stats.bytes_read, stats.read_busy_s, self._store.read_pool.idle_bytes,
-                            self._store.window.budget_bytes)
-
     def _apply(self, placement: StepPlacement) -> None:
         if placement.layers is not None and self._finder is not None:
             if [id(layer) for layer in placement.layers] != [id(layer) for layer in self._tracker.layers]:
@@ -303,53 +246,6 @@ class Offloader(SavedTensorHooks):
             self._phase = _Phase.IDLE
             if not self.reusable:
                 self._close_job()
-
-    def _collect_leftovers(self) -> None:
-        """Free entries of earlier steps whose graphs were dropped but are held by reference cycles.
-
-        Graphs still referenced (a loss kept for a later backward) are untouched: only garbage goes.
-        """
-        before = self._store.live_entries
-        gc.collect()
-        _control.run_pending()
-        if before != self._store.live_entries:
-            logger.debug("tba: entering again freed %d entries of dropped graphs", before - self._store.live_entries)
-
-    def _open(self) -> None:
-        if self._shared_key is not None:
-            self._runtime = runtime = _shared.checkout(self._shared_key, self._open_parts)
-            self._store.window.controller = runtime.controller
-            self._store.open(runtime.spill, runtime.engine, runtime.routes, runtime.read_pool)
-            _at_fork.track(self)
-            self._log_open(runtime.spill, runtime.engine)
-            return
-        spill, engine, routes, _ = self._open_parts()
-        self._store.open(spill, engine, routes)
-        _at_fork.track(self)
-        self._log_open(spill, engine)
-
-    def _log_open(self, spill: SpillFile, engine: Engine) -> None:
-        if logger.isEnabledFor(logging.DEBUG):
-            given = self.config.prefetch_budget_bytes
-            logger.debug("tba: offloading to %s with %r (backend=%r), %s, prefetch window %s; layers: %s", spill.directory,
-                         engine, self.backend, "O_DIRECT" if spill.direct else "buffered I/O (page cache)",
-                         f"{given} bytes (prefetch_budget_bytes)" if given is not None else
-                         f"self-sized from {self._store.window.budget_bytes} bytes",
-                         f"{len(self.layers)} given" if self.layers else "found during the first forward")
-
-    def _open_parts(self) -> tuple[SpillFile, Engine, Routes, Any]:
-        """A new spill file, engine, routes and read pool (the pool is the store's unless shared)."""
-        spill = SpillFile(self.directory, direct=self.direct_io)
-        try:
-            engine = make_engine(self.backend if isinstance(self.backend, Engine) else host_engine_backend(self.backend),
-                                 queue_depth=self.queue_depth)
-        except BaseException:
-            spill.close()
-            raise
-        pool = BufferPool(self._store.read_pool.prefetch_budget_bytes) if self._shared_key is not None else self._store.read_pool
-        routes = Routes(self.backend, engine, pool, self.staging_bytes, self.block_size_bytes,
-                        self._device_ops, self._staged_devices)
-        return spill, engine, routes, pool
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
@@ -393,14 +289,6 @@ class Offloader(SavedTensorHooks):
         if self._phase is _Phase.EXITED and self._store.live_entries == 0:
             self.close()
 
-    def flush(self) -> None:
-        """Block until every write queued so far has completed (or failed over to memory).
-
-        Views and read buffers dropped before the call are released first.
-        """
-        _control.settle()
-        self._store.flush()
-
     def close(self) -> None:
         """Wait for in-flight I/O, then close the engine and the spill file. Idempotent.
 
@@ -413,14 +301,7 @@ class Offloader(SavedTensorHooks):
     def _close_job(self) -> None:
         if self._phase is not _Phase.DISCARDED:
             self._phase = _Phase.CLOSED
-        if self._shared_key is None:
-            self._store.close(engine_owned=not isinstance(self.backend, Engine))
-            return
-        runtime, self._runtime = self._runtime, None
-        if runtime is not None:
-            self._store.detach()
-            self._store.window.end_backward()
-            _shared.checkin(runtime)
+        self._close_store()
 
 
 Offloader.__init__.__signature__ = signature_with_options(Offloader.__init__)  # type: ignore[attr-defined]

@@ -1,0 +1,179 @@
+"""The half of an offloader that owns its storage store: what the store runs on, and what it reports.
+
+:class:`StoreOwner` is a base of :class:`tba.Offloader` (``tba/runtime/_offloader.py`` holds its
+life: options, entry, exit, close), which sets every attribute declared here. At the first entry
+``_open`` opens the :class:`~tba.runtime._store.StorageStore` on a spill file, an engine, the
+device routes and a read pool: the offloader's own (``_open_parts``) when it is reusable or was
+given an engine or device operations, else checked out from the per-directory runtime
+(``tba/runtime/_shared.py``), which builds them with the same ``_open_parts`` when none is idle.
+``_close_store`` closes its own, or checks the shared ones back in for the next context.
+
+The store's public reads are here too: the counters (``stats``, ``reset_stats``), the prefetch
+window, the spill file and the idle read buffers, and ``flush``, which waits for its writes.
+``_counters`` is the snapshot the placement policy's runner takes at each entry
+(``tba/runtime/_runner.py``), and ``_collect_leftovers`` frees, at entry, the entries of graphs
+that were dropped but are held by reference cycles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from typing import Any
+
+from tba import _control
+from tba.config import OffloadConfig
+from tba.device import DeviceOps, Routes, host_engine_backend
+from tba.io import BufferPool, Engine, SpillFile, make_engine
+from tba.runtime import _at_fork, _shared
+from tba.runtime._profiling import StepCounters
+from tba.runtime._stats import OffloadStats
+from tba.runtime._store import StorageStore
+
+logger = logging.getLogger("tba")
+
+
+class StoreOwner:
+    """Opens, closes and reads the storage store of :class:`tba.Offloader`, which sets every attribute."""
+
+    config: OffloadConfig
+    directory: str | None
+    backend: Any
+    direct_io: bool | None
+    queue_depth: int
+    staging_bytes: int
+    block_size_bytes: int
+    layers: list
+    layer_saved_bytes: dict[int | None, int]
+    _store: StorageStore
+    _stats: OffloadStats
+    _stats_base: OffloadStats | None
+    _shared_key: tuple | None
+    _runtime: _shared.Runtime | None
+    _device_ops: DeviceOps | None
+    _staged_devices: tuple[str, ...]
+
+    @property
+    def prefetch_window_bytes(self) -> int:
+        """The prefetch budget in force: ``prefetch_budget_bytes`` when given, else the self-sized window."""
+        return self._store.window.budget_bytes
+
+    def set_prefetch_budget(self, nbytes: int) -> None:
+        """Bound on bytes read ahead or held for backward from now on (a plan's window)."""
+        self._store.set_prefetch_budget(nbytes)
+
+    def largest_live_storage_bytes(self) -> int:
+        """Bytes of the largest storage held for backward now (the adaptive policy reads it after forward)."""
+        return self._store.largest_live_storage_bytes()
+
+    @property
+    def stats(self) -> OffloadStats:
+        """Counters since the offloader was built or :meth:`reset_stats` was last called (see
+        :class:`OffloadStats`); bandwidths include transfers still running."""
+        _control.settle()
+        self._store.update_stats()
+        return self._stats if self._stats_base is None else self._stats.since(self._stats_base)
+
+    def reset_stats(self) -> OffloadStats:
+        """Start counting afresh (for example once per step of a reusable offloader); returns the
+        counters up to now. The peak of resident bytes restarts from what is resident now."""
+        so_far = self.stats
+        with self._store.lock:
+            self._stats_base = dataclasses.replace(self._stats, kept_by_reason=dict(self._stats.kept_by_reason),
+                                                   bytes_kept_by_reason=dict(self._stats.bytes_kept_by_reason))
+            self._stats.peak_resident_bytes = self._stats.resident_bytes
+        return so_far
+
+    @property
+    def resolved_direct_io(self) -> bool | None:
+        """Whether the spill file uses ``O_DIRECT`` (None until the offloader is first entered)."""
+        spill = self.spill
+        return None if spill is None else spill.direct
+
+    @property
+    def pool_idle_bytes(self) -> int:
+        """Bytes of read buffers kept for reuse while no tensor uses them (held by tba all the same)."""
+        _control.settle()
+        return self._store.read_pool.idle_bytes
+
+    @property
+    def spill(self) -> SpillFile | None:
+        """The spill file, once the offloader has been entered."""
+        _control.settle()
+        return self._store.spill
+
+    def flush(self) -> None:
+        """Block until every write queued so far has completed (or failed over to memory).
+
+        Views and read buffers dropped before the call are released first.
+        """
+        _control.settle()
+        self._store.flush()
+
+    def _counters(self) -> StepCounters:
+        """The snapshot the placement policy's runner takes at each entry (``tba/runtime/_runner.py``)."""
+        _control.settle()
+        self._store.update_stats()
+        stats = self._stats
+        return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
+                            stats.bytes_read, stats.read_busy_s, self._store.read_pool.idle_bytes,
+                            self._store.window.budget_bytes)
+
+    def _collect_leftovers(self) -> None:
+        """Free entries of earlier steps whose graphs were dropped but are held by reference cycles.
+
+        Graphs still referenced (a loss kept for a later backward) are untouched: only garbage goes.
+        """
+        before = self._store.live_entries
+        gc.collect()
+        _control.run_pending()
+        if before != self._store.live_entries:
+            logger.debug("tba: entering again freed %d entries of dropped graphs", before - self._store.live_entries)
+
+    def _open(self) -> None:
+        if self._shared_key is not None:
+            self._runtime = runtime = _shared.checkout(self._shared_key, self._open_parts)
+            self._store.window.controller = runtime.controller
+            self._store.open(runtime.spill, runtime.engine, runtime.routes, runtime.read_pool)
+            _at_fork.track(self)
+            self._log_open(runtime.spill, runtime.engine)
+            return
+        spill, engine, routes, _ = self._open_parts()
+        self._store.open(spill, engine, routes)
+        _at_fork.track(self)
+        self._log_open(spill, engine)
+
+    def _log_open(self, spill: SpillFile, engine: Engine) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            given = self.config.prefetch_budget_bytes
+            logger.debug("tba: offloading to %s with %r (backend=%r), %s, prefetch window %s; layers: %s", spill.directory,
+                         engine, self.backend, "O_DIRECT" if spill.direct else "buffered I/O (page cache)",
+                         f"{given} bytes (prefetch_budget_bytes)" if given is not None else
+                         f"self-sized from {self._store.window.budget_bytes} bytes",
+                         f"{len(self.layers)} given" if self.layers else "found during the first forward")
+
+    def _open_parts(self) -> tuple[SpillFile, Engine, Routes, Any]:
+        """A new spill file, engine, routes and read pool (the pool is the store's unless shared)."""
+        spill = SpillFile(self.directory, direct=self.direct_io)
+        try:
+            engine = make_engine(self.backend if isinstance(self.backend, Engine) else host_engine_backend(self.backend),
+                                 queue_depth=self.queue_depth)
+        except BaseException:
+            spill.close()
+            raise
+        pool = BufferPool(self._store.read_pool.prefetch_budget_bytes) if self._shared_key is not None else self._store.read_pool
+        routes = Routes(self.backend, engine, pool, self.staging_bytes, self.block_size_bytes,
+                        self._device_ops, self._staged_devices)
+        return spill, engine, routes, pool
+
+    def _close_store(self) -> None:
+        """Close the spill file and engine, or check the shared runtime's back in (a one-shot offloader's)."""
+        if self._shared_key is None:
+            self._store.close(engine_owned=not isinstance(self.backend, Engine))
+            return
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            self._store.detach()
+            self._store.window.end_backward()
+            _shared.checkin(runtime)
