@@ -11,7 +11,9 @@ The store owns every :class:`StorageEntry` of an offloader and moves their bytes
   (:class:`~tba.runtime._reads.StoreReads`); releasing bytes, discarding pages and keeping a storage
   whose write failed in ``_release.py`` (:class:`~tba.runtime._release.StoreRelease`). Host
   storages' transfers go to the engine in batches (``_host_io.py``).
-* :meth:`StorageStore.drop_view` frees an entry's file extent once autograd has freed its last view.
+* :meth:`~tba.runtime._store_lifetime.StoreLifetime.drop_view` frees an entry's file extent once
+  autograd has freed its last view; closing, detaching from a shared runtime and forgetting the
+  parent's entries after a fork are there too (``_store_lifetime.py``).
 
 Every state change happens under one lock. Completion callbacks run on engine or device threads;
 none of them waits for anything while holding the lock.
@@ -37,6 +39,7 @@ from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._reads import StoreReads
 from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
+from tba.runtime._store_lifetime import StoreLifetime
 from tba.runtime._trim import hands_back_pages, owns_its_memory
 from tba.runtime._views import State, StorageEntry, StorageRef
 
@@ -52,7 +55,7 @@ logger = logging.getLogger("tba")
 # a new snapshot and gets a new entry.
 
 
-class StorageStore(StoreReads, StoreRelease):
+class StorageStore(StoreReads, StoreRelease, StoreLifetime):
     """Entries, their I/O and their lifetime, for one offloader.
 
     Args:
@@ -265,100 +268,3 @@ class StorageStore(StoreReads, StoreRelease):
     def hold_back_writes(self, cap_bytes: int) -> None:
         """Block until at most ``cap_bytes`` of storages are being written (none, when ``cap_bytes`` is 0)."""
         self._wait_until(lambda: self.unwritten_bytes <= cap_bytes or self._writing == 0)
-
-    # ----------------------------------------------------------------- lifetime
-    def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
-        """A view of ``entry`` was freed; returns True when no entry is left alive."""
-        with self.lock:
-            if self._lingering:
-                self._sweep_written()
-            entry.live_views -= 1
-            if entry.unpacked_views:
-                entry.unpacked_views.discard(view_id)
-            if entry.live_views > 0:
-                return False
-            if self._by_storage.get(entry.ref.cdata) is entry:
-                del self._by_storage[entry.ref.cdata]
-            entry.state = State.DEAD
-            self.release(entry)
-            self.window.forget(entry)
-            if not entry.transfer_in_flight:
-                self._free_extent(entry)
-            self.live_entries -= 1
-            if self.live_entries:
-                return False
-            # Note: [Nothing lingers past the step]
-            # A written storage that the program still used when its write completed lingers until a
-            # sweep finds tba its only owner (Note [A bounded sweep per tensor]); a reusable offloader
-            # saw no sweep between the last view's death and the next step's first save, so such a
-            # storage stayed alive through the optimizer step (test_no_retention, racing writes).
-            # When the last entry dies, what can be discarded is, and tba lets go of the rest.
-            self._sweep_written(limit=None)
-            self._lingering.clear()
-            return True
-
-    def close(self, engine_owned: bool) -> None:
-        """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""
-        with self.lock:
-            if self._host is not None:
-                self._host.drop_waiting_writes()
-                self._host.flush()
-            engine, self.engine = self.engine, None
-        if self.routes is not None:
-            self.routes.stop()
-        if engine is not None and engine_owned:
-            engine.close()
-        elif engine is not None:
-            # A shared engine outlives this store: its requests on our file must end before the file
-            # closes, or the descriptor number, reused by the next open, would receive them.
-            self._wait_until(lambda: self._writing == 0 and self._reading == 0)
-        if self.routes is not None:
-            self.routes.close()
-        if self.spill is not None:
-            self.spill.close()
-        with self.lock:
-            for entry in self._by_storage.values():
-                self.release(entry)
-            self._by_storage.clear()
-            self._lingering.clear()
-            self.read_pool.clear()
-
-    def detach(self) -> None:
-        """Stop using a spill file, engine and read pool that others share, without closing them.
-
-        Transfers still in flight complete into this store: a dead entry's extent is then given
-        back to the shared file, whose allocator is thread-safe.
-        """
-        with self.lock:
-            if self._host is not None:
-                self._host.drop_waiting_writes()
-                self._host.flush()
-            self.engine = None
-            self.routes = None
-            for entry in self._by_storage.values():
-                self.release(entry)
-            self._lingering.clear()
-            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes  # the pool outlives this store
-            self.read_pool = BufferPool(0)
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: drop the parent's file, engine and entries without any I/O.
-
-        Locks are replaced (a parent thread may have held one at the fork); the engine is dropped
-        unused (its threads do not exist here, its ring is the parent's); the child's copy of the
-        file descriptor is closed, so the next entry opens a file of the child's own.
-        """
-        self.lock = threading.RLock()
-        self._writing = self.unwritten_bytes = 0
-        self._reading = 0
-        self._prefetch_to = None
-        self._idle_waiters = []
-        self.fork_seq = self._next_seq
-        self._by_storage.clear()
-        self._lingering.clear()
-        self.live_entries = 0
-        self.window.clear()
-        if self.spill is not None:
-            self.spill.forget_after_fork()
-        self.spill = self.engine = self.routes = self._host = None
-

@@ -1,0 +1,153 @@
+"""The end of entries and of a store: a view's death, closing, detaching, forgetting after a fork.
+
+The lifetime half of :class:`tba.runtime._store.StorageStore`, which sets every attribute used here:
+
+* :meth:`StoreLifetime.drop_view` runs when autograd frees a saved view (on the control thread,
+  through ``tba._control.on_death``); the last view of a storage frees its entry, and the extent once
+  no transfer uses it;
+* :meth:`StoreLifetime.close` ends the store's I/O and closes what it owns;
+* :meth:`StoreLifetime.detach` stops using a shared spill file, engine and read pool without closing them;
+* :meth:`StoreLifetime.forget_after_fork` drops, in a forked child, everything that is the parent's.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tba.io import BufferPool
+from tba.runtime._views import State, StorageEntry
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from tba.device import Routes
+    from tba.io import Engine, SpillFile
+    from tba.runtime._host_io import HostBatch
+    from tba.runtime._prefetch import PrefetchWindow
+
+
+class StoreLifetime:
+    """Ends of entries and of the store; mixed into :class:`~tba.runtime._store.StorageStore`."""
+
+    lock: threading.RLock
+    window: PrefetchWindow
+    spill: SpillFile | None
+    engine: Engine | None
+    routes: Routes | None
+    read_pool: BufferPool
+    live_entries: int
+    unwritten_bytes: int
+    fork_seq: int
+    _host: HostBatch | None
+    _by_storage: dict[int, StorageEntry]
+    _lingering: collections.deque[tuple[StorageEntry, torch.Tensor]]
+    _writing: int
+    _reading: int
+    _next_seq: int
+    _prefetch_to: StorageEntry | None
+    _idle_waiters: list[Future]
+    _sweep_written: Callable[..., None]
+    release: Callable[[StorageEntry], None]
+    _free_extent: Callable[[StorageEntry], None]
+    _wait_until: Callable[[Callable[[], bool]], None]
+
+    def drop_view(self, entry: StorageEntry, view_id: int) -> bool:
+        """A view of ``entry`` was freed; returns True when no entry is left alive."""
+        with self.lock:
+            if self._lingering:
+                self._sweep_written()
+            entry.live_views -= 1
+            if entry.unpacked_views:
+                entry.unpacked_views.discard(view_id)
+            if entry.live_views > 0:
+                return False
+            if self._by_storage.get(entry.ref.cdata) is entry:
+                del self._by_storage[entry.ref.cdata]
+            entry.state = State.DEAD
+            self.release(entry)
+            self.window.forget(entry)
+            if not entry.transfer_in_flight:
+                self._free_extent(entry)
+            self.live_entries -= 1
+            if self.live_entries:
+                return False
+            # Note: [Nothing lingers past the step]
+            # A written storage that the program still used when its write completed lingers until a
+            # sweep finds tba its only owner (Note [A bounded sweep per tensor]); a reusable offloader
+            # saw no sweep between the last view's death and the next step's first save, so such a
+            # storage stayed alive through the optimizer step (test_no_retention, racing writes).
+            # When the last entry dies, what can be discarded is, and tba lets go of the rest.
+            self._sweep_written(limit=None)
+            self._lingering.clear()
+            return True
+
+    def close(self, engine_owned: bool) -> None:
+        """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""
+        with self.lock:
+            if self._host is not None:
+                self._host.drop_waiting_writes()
+                self._host.flush()
+            engine, self.engine = self.engine, None
+        if self.routes is not None:
+            self.routes.stop()
+        if engine is not None and engine_owned:
+            engine.close()
+        elif engine is not None:
+            # A shared engine outlives this store: its requests on our file must end before the file
+            # closes, or the descriptor number, reused by the next open, would receive them.
+            self._wait_until(lambda: self._writing == 0 and self._reading == 0)
+        if self.routes is not None:
+            self.routes.close()
+        if self.spill is not None:
+            self.spill.close()
+        with self.lock:
+            for entry in self._by_storage.values():
+                self.release(entry)
+            self._by_storage.clear()
+            self._lingering.clear()
+            self.read_pool.clear()
+
+    def detach(self) -> None:
+        """Stop using a spill file, engine and read pool that others share, without closing them.
+
+        Transfers still in flight complete into this store: a dead entry's extent is then given
+        back to the shared file, whose allocator is thread-safe.
+        """
+        with self.lock:
+            if self._host is not None:
+                self._host.drop_waiting_writes()
+                self._host.flush()
+            self.engine = None
+            self.routes = None
+            for entry in self._by_storage.values():
+                self.release(entry)
+            self._lingering.clear()
+            self.read_pool.prefetch_budget_bytes = self.window.budget_bytes  # the pool outlives this store
+            self.read_pool = BufferPool(0)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's file, engine and entries without any I/O.
+
+        Locks are replaced (a parent thread may have held one at the fork); the engine is dropped
+        unused (its threads do not exist here, its ring is the parent's); the child's copy of the
+        file descriptor is closed, so the next entry opens a file of the child's own.
+        """
+        self.lock = threading.RLock()
+        self._writing = self.unwritten_bytes = 0
+        self._reading = 0
+        self._prefetch_to = None
+        self._idle_waiters = []
+        self.fork_seq = self._next_seq
+        self._by_storage.clear()
+        self._lingering.clear()
+        self.live_entries = 0
+        self.window.clear()
+        if self.spill is not None:
+            self.spill.forget_after_fork()
+        self.spill = self.engine = self.routes = self._host = None
+
