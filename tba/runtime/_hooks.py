@@ -29,7 +29,7 @@ from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
 from tba.errors import EngineClosedError, TbaError
 from tba.runtime._keep import KeepReason, in_keep_region
 from tba.runtime._trim import note_host_offload
-from tba.runtime._views import SavedView, StorageEntry
+from tba.runtime._views import Kept, SavedView, StorageEntry
 
 if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
@@ -134,7 +134,9 @@ class SavedTensorHooks:
             # dropped loss would keep the whole graph, and every offloaded entry, alive. A detached
             # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
             # unpack from the metadata it recorded at save. It shares the version counter.
-            return tensor.detach() if tensor.grad_fn is not None else tensor
+            # It is returned with its version, checked at unpack (Note [In-place after saving] in
+            # tba/runtime/_views.py): autograd checks none of what a pack hook returns.
+            return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version)
         layer = self._tracker.current
         stack = self._discovery.stack if self._discovery is not None else None
         view = SavedView(None, tensor)
@@ -213,6 +215,8 @@ class SavedTensorHooks:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit."""
+        if type(packed) is Kept:
+            return packed.get()
         if not isinstance(packed, SavedView):
             return packed
         with nvtx_range("unpack"):
@@ -223,6 +227,12 @@ class SavedTensorHooks:
             _control.settle()  # its save was deferred (Note [A save is deferred])
         entry = packed.entry
         if entry is None:
+            if packed.kept is None:
+                # Its deferred save never ran: the process forked while it was queued (the child has
+                # none of the parent's control thread), or the save job itself failed (logged).
+                raise TbaError("cannot unpack a saved tensor whose save never ran: the process was forked inside "
+                               "the with block, before tba's control thread had saved it, or the save failed "
+                               "(see the log); run forward again")
             packed.check_version()
             return packed.kept
         if self._phase is _Phase.DISCARDED:

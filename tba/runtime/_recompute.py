@@ -25,8 +25,14 @@ the ``with`` block. So:
   (``torch.utils._pytree``), passes every tensor leaf as a top-level argument and rebuilds the call
   inside, so each one is saved, and offloaded, on its own; a view stays a view of its storage (tba
   writes the storage once and rebuilds the view).
-* ``recompute`` pushes a pass-through pair around the checkpoint call, so its inputs are held by
-  autograd as without tba (the cost model counts them as held; tba's stats do not see them).
+* ``recompute`` pushes a pair of its own around the checkpoint call, so its inputs are held by
+  autograd as without tba (the cost model counts them as held; tba's stats do not see them); the
+  pair checks their versions at unpack, as autograd does without hooks.
+* When the pair on top is not tba's (the user's own non-reentrant checkpoint around the layer, or
+  another hooks context inside tba's), an ``offloaded_recompute`` layer runs as ``recompute``: its
+  inputs would be saved into the outer pair's frame, whose recomputation then saw the saves in
+  another order (silently wrong gradients with a checkpointed block whose first save had the
+  input's shape, torch's metadata error otherwise).
 
 Note: [Side effects of a recomputed forward]
 The second forward must not change the model a second time. Buffers a forward updates in place
@@ -58,6 +64,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError
+from tba.runtime._hooks import SavedTensorHooks
+from tba.runtime._views import Kept
 
 _PLAIN_TYPES = (int, float, bool, str, bytes, type(None))
 
@@ -126,7 +134,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         calls: list[int] = [0]
         first_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        if not offload_inputs:
+        if not offload_inputs or not _tba_pair_on_top():
             with _inputs_in_memory():
                 return checkpoint(first_or_again, calls, first_states, *args, use_reentrant=False, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -149,14 +157,26 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     return run
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _tba_pair_on_top() -> bool:
+    """Whether the saved-tensor pair autograd uses now is tba's (Note [Hook nesting of a recomputed layer])."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and isinstance(getattr(top[0], "__self__", None), SavedTensorHooks)
+
+
+def _keep(tensor: torch.Tensor) -> Kept:
+    return Kept(tensor, tensor._version)
+
+
+def _kept(packed: Kept) -> torch.Tensor:
+    return packed.get()
 
 
 def _inputs_in_memory() -> contextlib.AbstractContextManager:
-    """A pass-through saved-tensor pair on top: a ``recompute`` layer's inputs bypass tba (Note [Hook nesting of a
-    recomputed layer])."""
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    """A saved-tensor pair on top that keeps a ``recompute`` layer's inputs in memory, bypassing tba (Note [Hook
+    nesting of a recomputed layer]), and checks their versions at unpack as autograd would without hooks: an
+    input changed in place after forward raises torch's in-place error instead of being recomputed from
+    (Note [In-place after saving] in ``tba/runtime/_views.py``)."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _kept)
 
 
 def _generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:

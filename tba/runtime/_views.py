@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +53,62 @@ class StorageRef(StorageWeakRef):
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.cdata = storage._weak_ref()
+
+
+_NO_BYTES = torch.empty(0)
+
+
+def version_watch(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``tensor``'s version counter and holds none of its bytes.
+
+    Note: [In-place after saving]
+    Without hooks autograd compares the saved tensor's version counter at unpack with the one it
+    recorded at save. A tensor returned by a pack hook is not checked by autograd, so tba records
+    the version itself and checks it at unpack. Every alias of the storage that can change it in
+    place without torch noticing at save (the tensor, its base, its other views, a ``detach()`` of
+    any of them) shares one version counter, and the change counts whether or not the saved tensor
+    is still alive at unpack: a forward that modified its activation in place and then dropped it
+    gave wrong gradients when tba only looked at a weak reference to the tensor. So the check reads
+    a *watch*: a ``detach()`` of the tensor (which shares the counter) whose data is then replaced by
+    an empty tensor (``set_data`` keeps the counter and does not bump it), so it holds no bytes of
+    the storage tba offloads. A tensor tba keeps in memory is checked through the alias it keeps
+    (:class:`Kept`).
+    """
+    watch = tensor.detach()
+    watch.data = _NO_BYTES
+    return watch
+
+
+def check_version(watch: torch.Tensor, version: int, dtype: torch.dtype, size: tuple[int, ...]) -> None:
+    """Raise torch's in-place error when ``watch``'s version counter moved past ``version``."""
+    if watch._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{dtype} {list(size)}] is at version {watch._version}; expected version {version} "
+            "instead. Hint: the tensor was saved by tba's hooks; clone it before changing it in place, or "
+            "change it after backward."
+        )
+
+
+class Kept:
+    """What a pack hook returns for a tensor that stays in memory: the tensor, and its version at save.
+
+    Unpack (:meth:`get`) raises torch's in-place error when the tensor changed in place since
+    (Note [In-place after saving]); it shares the version counter of the saved tensor.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor = tensor
+        self.version = version
+
+    def get(self) -> torch.Tensor:
+        """The kept tensor, after the version check."""
+        tensor = self.tensor
+        if tensor._version != self.version:
+            check_version(tensor, self.version, tensor.dtype, tuple(tensor.shape))
+        return tensor
 
 
 class State(enum.Enum):
@@ -126,8 +181,7 @@ class SavedView:
     (Note [Asynchronous exceptions] in ``tba/_control.py``).
     """
 
-    __slots__ = ("entry", "kept", "dtype", "size", "stride", "storage_offset", "tensor_ref", "base_ref", "version",
-                 "__weakref__")
+    __slots__ = ("entry", "kept", "dtype", "size", "stride", "storage_offset", "watch", "version", "__weakref__")
 
     def __init__(self, entry: StorageEntry | None, tensor: torch.Tensor) -> None:
         self.entry = entry
@@ -138,8 +192,8 @@ class SavedView:
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
         self.storage_offset = tensor.storage_offset()
-        self.tensor_ref = weakref.ref(tensor)
-        self.base_ref = weakref.ref(tensor._base) if tensor._is_view() else None
+        self.watch = version_watch(tensor)
+        """Shares ``tensor``'s version counter and holds none of its bytes (Note [In-place after saving])."""
         self.version = tensor._version
 
     def keep(self, tensor: torch.Tensor) -> None:
@@ -147,27 +201,8 @@ class SavedView:
         self.kept = tensor.detach() if tensor.grad_fn is not None else tensor
 
     def check_version(self) -> None:
-        """Raise torch's in-place error when the saved tensor is alive and was modified after pack.
-
-        Note: [In-place after saving]
-        Without hooks autograd compares the saved tensor's version counter at unpack with the one it
-        recorded at save. A tensor returned by pack is not checked by autograd, so tba records the
-        version itself. A view shares its version counter with its base, and every view holds its base
-        alive, so for a saved view the base is watched too: an in-place change through the base or any
-        other view shows there even after the saved view itself is gone. Once neither is alive nothing
-        can change the bytes any more, and the check passes.
-        """
-        tensor = self.tensor_ref()
-        if tensor is None and self.base_ref is not None:
-            tensor = self.base_ref()
-        if tensor is not None and tensor._version != self.version:
-            grad_fn = f", which is output {tensor.output_nr} of {tensor.grad_fn.name()}" if tensor.grad_fn is not None else ""
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{tensor.type()} {list(tensor.shape)}]{grad_fn}, is at version {tensor._version}; "
-                f"expected version {self.version} instead. Hint: the tensor was saved by tba's offload hooks; "
-                "clone it before changing it in place, or change it after backward."
-            )
+        """Raise torch's in-place error when the saved tensor was modified in place after pack."""
+        check_version(self.watch, self.version, self.dtype, self.size)
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
         """The saved tensor, as a view on ``data`` (a ``uint8`` tensor holding the storage bytes)."""

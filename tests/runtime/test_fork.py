@@ -136,3 +136,36 @@ def test_fork_parent_and_child_train_exactly(spill_dir, backend, script):
     done = subprocess.run([sys.executable, "-c", script, backend, spill_dir], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+PENDING_SAVE = textwrap.dedent(
+    """
+    import os, sys, torch, tba
+    torch.set_num_threads(1)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(512, 256)
+    with tba.offload_activations(sys.argv[2], backend=sys.argv[1], policy="offload"):
+        loss = lin(x).sum()  # the last save may still wait for the control thread at the fork
+        pid = os.fork()
+        if pid == 0:
+            try:
+                loss.backward()
+                print("child: no error")
+            except tba.TbaError as err:
+                print("child: TbaError", "fork" in str(err) or "saved before" in str(err))
+            except BaseException as err:
+                print("child: unexpected", type(err).__name__, err)
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    loss.backward()
+    print("parent:", bool(lin.weight.grad.isfinite().all()))
+    """
+)
+
+
+def test_a_child_forked_mid_block_gets_a_tba_error_for_saves_still_queued(spill_dir, backend):
+    done = subprocess.run([sys.executable, "-c", PENDING_SAVE, backend, spill_dir], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child: TbaError True" in done.stdout and "parent: True" in done.stdout, done.stdout + done.stderr[-2000:]

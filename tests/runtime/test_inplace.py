@@ -45,3 +45,96 @@ def test_unchanged_tensor_still_exact(spill_dir, backend):
         y, z = step(a)
     z.backward()
     assert torch.equal(a.grad, want)
+
+
+# Regression tests for what the version check used to miss (Note [In-place after saving] in
+# tba/runtime/_views.py): tensors kept in memory, tensors that died after the change, detached aliases.
+def linear_step(lin: torch.nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = torch.relu(x * 3.0)
+    return h, lin(h).sum()
+
+
+@pytest.mark.parametrize("width", [16, 256], ids=["kept-small", "offloaded"])
+@pytest.mark.parametrize("keep", [False, True], ids=["offload", "keep_in_memory"])
+def test_inplace_on_a_live_saved_tensor_raises_kept_or_offloaded(spill_dir, width, keep):
+    lin = torch.nn.Linear(width, width)
+    x = torch.randn(2 * width, width, requires_grad=True)
+    with tba.offload_activations(spill_dir, policy="offload"):
+        if keep:
+            with tba.keep_in_memory():
+                h, loss = linear_step(lin, x)
+        else:
+            h, loss = linear_step(lin, x)
+    h.mul_(2.0)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
+
+
+def test_a_parameter_updated_between_forward_and_backward_raises(spill_dir):
+    lin = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(32, 64, requires_grad=True)
+    with tba.offload_activations(spill_dir):
+        loss = lin(torch.tanh(x)).square().sum()
+    loss.backward(retain_graph=True)
+    optimizer.step()  # changes the weight the retained graph saved
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
+
+
+@pytest.mark.parametrize("min_offload_bytes", [0, None], ids=["offloaded", "default"])
+def test_a_saved_tensor_changed_in_place_and_then_dropped_raises(spill_dir, min_offload_bytes):
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(512, 256, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        h = torch.relu(x * 3.0)
+        out = lin(h)
+        h.mul_(2.0)  # h dies with this frame: only its version counter knows
+        return out.sum()
+
+    options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+    with tba.offload_activations(spill_dir, policy="offload", **options):
+        loss = forward()
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
+
+
+def test_a_change_through_a_detached_alias_raises(spill_dir):
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(512, 256, requires_grad=True)
+    with tba.offload_activations(spill_dir, policy="offload", min_offload_bytes=0):
+        h = torch.relu(x * 3.0)
+        loss = lin(h).sum()
+    alias = h.detach()
+    del h
+    alias.mul_(2.0)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
+
+
+@pytest.mark.parametrize("placement", ["RECOMPUTE", "OFFLOADED_RECOMPUTE"])
+def test_a_recomputed_layers_input_changed_after_forward_raises(spill_dir, placement):
+    """Without tba the block saves relu(x), not x: changing x is legal there, but a recomputation
+    would read the changed x. torch's own checkpoint raises its in-place error; so does tba."""
+    blocks = torch.nn.ModuleList([torch.nn.Linear(128, 128) for _ in range(2)])
+
+    class Block(torch.nn.Module):
+        def __init__(self, lin: torch.nn.Linear) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.relu(x))
+
+    layers = [Block(lin) for lin in blocks]
+    x = torch.randn(256, 128, requires_grad=True)
+    plan = tba.Plan(decisions=(getattr(tba.Placement, placement),) * 2, window_bytes=8 << 20)
+    with tba.Offloader(spill_dir, layers=layers, policy=plan) as off:
+        h = x * 1.0
+        middle = layers[0](h)
+        loss = layers[1](middle).sum()
+    middle.mul_(2.0)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        loss.backward()
+    off.close()

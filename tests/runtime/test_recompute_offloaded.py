@@ -163,3 +163,43 @@ def test_recompute_inputs_stay_in_memory(spill_dir):
     assert not any(ref.expired() for ref in model.seen[1]), "R holds its inputs, as plain checkpoint does"
     loss.backward()
     offloader.close()
+
+
+@pytest.mark.parametrize("placement", ["OFFLOADED_RECOMPUTE", "RECOMPUTE", "OFFLOAD", "KEEP"])
+def test_the_users_own_checkpoint_around_tba_layers_is_exact(spill_dir, placement):
+    """HF's gradient checkpointing wraps each block in a non-reentrant checkpoint of its own: an
+    offloaded-recompute layer then runs as recompute (Note [Hook nesting of a recomputed layer]);
+    its inputs saved into the user's frame gave silently wrong gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(128, 256), nn.Linear(256, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.l2(torch.relu(self.l1(torch.tanh(x))))  # tanh saves an output of x's shape
+
+    def run(use_tba: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = nn.ModuleList([Block() for _ in range(2)])
+        x = torch.randn(256, 128, requires_grad=True)
+
+        def forward() -> torch.Tensor:
+            h = x
+            for block in blocks:
+                h = checkpoint(block, h, use_reentrant=False)
+            return h.square().mean()
+
+        if use_tba:
+            plan = tba.Plan(decisions=(getattr(tba.Placement, placement),) * 2, window_bytes=8 << 20)
+            with tba.Offloader(spill_dir, layers=list(blocks), policy=plan) as off:
+                loss = forward()
+            loss.backward()
+            off.close()
+        else:
+            forward().backward()
+        return [p.grad for p in blocks.parameters()] + [x.grad]
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
