@@ -19,6 +19,7 @@ from utils import finish_rank, run_step, steps_equal
 
 import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.runtime._views import SavedView
 
 
 class ParameterWatch(tba.Offloader):
@@ -38,7 +39,7 @@ class ParameterWatch(tba.Offloader):
             storages.add(local.untyped_storage()._cdata)
         is_parameter = tensor.untyped_storage()._cdata in storages
         self.parameters_saved += is_parameter
-        self.parameters_written += is_parameter and not isinstance(packed, torch.Tensor)
+        self.parameters_written += is_parameter and isinstance(packed, SavedView)
         return packed
 
 
