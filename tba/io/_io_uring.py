@@ -170,10 +170,7 @@ class IoUringEngine(Engine):
                         done.append((target, request.op, request.nbytes, request.offset, result, moved))
                     request = None
                 for target, op, nbytes, offset, result, moved in done:
-                    if type(result) is int and not isinstance(target, Future):
-                        target(None)
-                    else:
-                        _resolve(target, op, nbytes, offset, result, moved)
+                    _resolve(target, op, nbytes, offset, result, moved)
                 # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
                 done = target = finished = None
                 with self._lock:

@@ -158,8 +158,9 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
 
 
 def _tba_pair_on_top() -> bool:
-    """Whether the saved-tensor pair autograd uses now is tba's (Note [Hook nesting of a recomputed layer])."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    """Whether the saved-tensor pair on top is tba's (Note [Hook nesting of a recomputed layer]); as the
+    offloader's own check on entry, whether or not a tracer has set the pairs aside."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return top is not None and isinstance(getattr(top[0], "__self__", None), SavedTensorHooks)
 
 
@@ -167,16 +168,12 @@ def _keep(tensor: torch.Tensor) -> Kept:
     return Kept(tensor, tensor._version)
 
 
-def _kept(packed: Kept) -> torch.Tensor:
-    return packed.get()
-
-
 def _inputs_in_memory() -> contextlib.AbstractContextManager:
     """A saved-tensor pair on top that keeps a ``recompute`` layer's inputs in memory, bypassing tba (Note [Hook
     nesting of a recomputed layer]), and checks their versions at unpack as autograd would without hooks: an
     input changed in place after forward raises torch's in-place error instead of being recomputed from
     (Note [In-place after saving] in ``tba/runtime/_views.py``)."""
-    return torch.autograd.graph.saved_tensors_hooks(_keep, _kept)
+    return torch.autograd.graph.saved_tensors_hooks(_keep, Kept.get)
 
 
 def _generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:

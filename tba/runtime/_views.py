@@ -79,15 +79,14 @@ def version_watch(tensor: torch.Tensor) -> torch.Tensor:
     return watch
 
 
-def check_version(watch: torch.Tensor, version: int, dtype: torch.dtype, size: tuple[int, ...]) -> None:
-    """Raise torch's in-place error when ``watch``'s version counter moved past ``version``."""
-    if watch._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{dtype} {list(size)}] is at version {watch._version}; expected version {version} "
-            "instead. Hint: the tensor was saved by tba's hooks; clone it before changing it in place, or "
-            "change it after backward."
-        )
+def inplace_error(current: int, version: int, dtype: torch.dtype, size: tuple[int, ...]) -> RuntimeError:
+    """Torch's in-place error for a saved tensor at version ``current`` that was saved at ``version``."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{dtype} {list(size)}] is at version {current}; expected version {version} "
+        "instead. Hint: the tensor was saved by tba's hooks; clone it before changing it in place, or "
+        "change it after backward."
+    )
 
 
 class Kept:
@@ -107,7 +106,7 @@ class Kept:
         """The kept tensor, after the version check."""
         tensor = self.tensor
         if tensor._version != self.version:
-            check_version(tensor, self.version, tensor.dtype, tuple(tensor.shape))
+            raise inplace_error(tensor._version, self.version, tensor.dtype, tuple(tensor.shape))
         return tensor
 
 
@@ -202,7 +201,8 @@ class SavedView:
 
     def check_version(self) -> None:
         """Raise torch's in-place error when the saved tensor was modified in place after pack."""
-        check_version(self.watch, self.version, self.dtype, self.size)
+        if self.watch._version != self.version:
+            raise inplace_error(self.watch._version, self.version, self.dtype, self.size)
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
         """The saved tensor, as a view on ``data`` (a ``uint8`` tensor holding the storage bytes)."""
