@@ -51,7 +51,7 @@ from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES, USAGES
 from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
-from tba.cli._report import comparison_rows, format_table
+from tba.cli._report import comparison_rows, format_table, losses_match
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                        "allocator": malloc, "measure": args.measure, "warmup": warmup, "rows": rows,
                        "results": [r.__dict__ for r in results],
                        "turns": None if turns is None else {m: r.__dict__ for m, r in turns.items()}}, f, indent=2)
-    return 0 if all(row["losses_equal"] and row.get("turns_losses_equal", True) for row in rows) else 1
+    return 0 if all(losses_match(row) for row in rows) else 1
 
 
 if __name__ == "__main__":

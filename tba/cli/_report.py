@@ -27,6 +27,8 @@ def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak:
             return result.footprint_bytes
         return result.max_peak_bytes if peak == "max" else result.median_peak_bytes
 
+    turns = turns or {}
+    base_turns = turns.get(baseline)
     rows = []
     for r in results:
         stats = r.offload_stats or {}
@@ -43,13 +45,17 @@ def comparison_rows(results: Sequence[ModeResult], baseline: str = "keep", peak:
             "write_gbps": stats.get("write_gbps", 0.0),
             "read_gbps": stats.get("read_gbps", 0.0),
         })
-        by_turns = (turns or {}).get(r.mode)
-        if by_turns is not None and baseline in (turns or {}):
-            base_turns = turns[baseline]
+        by_turns = turns.get(r.mode)
+        if by_turns is not None and base_turns is not None:
             rows[-1].update(turns_step_s=by_turns.median_step_s,
                             turns_step_ratio=by_turns.median_step_s / base_turns.median_step_s,
                             turns_losses_equal=by_turns.losses == base_turns.losses)
     return rows
+
+
+def losses_match(row: dict[str, float | str]) -> bool:
+    """Whether a row's losses equal the baseline's step for step, in its own process and by turns."""
+    return bool(row["losses_equal"] and row.get("turns_losses_equal", True))
 
 
 def format_table(rows: Sequence[dict[str, float | str]]) -> str:
@@ -61,7 +67,7 @@ def format_table(rows: Sequence[dict[str, float | str]]) -> str:
               + (f" {'turns s':>8} {'x keep':>7}" if turns else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
-        same = row["losses_equal"] and row.get("turns_losses_equal", True)
+        same = losses_match(row)
         line = (
             f"{row['mode']:<12} {row.get('allocator', ''):<9} {row['step_s']:>8.3f} {row['step_ratio']:>7.2f} "
             f"{row['activation_peak_mib']:>13.1f} "

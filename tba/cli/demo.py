@@ -31,7 +31,7 @@ from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
-from tba.cli._report import comparison_rows, format_table
+from tba.cli._report import comparison_rows, format_table, losses_match
 from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         rows += comparison_rows(group, peak="footprint", turns=turns)
         results.append(group)
     print(format_table(rows))
-    same = (all(row["losses_equal"] and row.get("turns_losses_equal", True) for row in rows)
+    same = (all(losses_match(row) for row in rows)
             and all(g[0].losses == results[0][0].losses for g in results))
     print(f"\nlosses per step (keep): {results[0][0].losses}")
     print(f"losses per step (tba):  {results[0][1].losses}")
