@@ -3,7 +3,9 @@
 ``python -m tba gpu-report --out DIR`` writes ``DIR/gpu-report.md`` and ``DIR/gpu-report.json``:
 
 * doctor: CUDA driver, GPUDirect Storage (kvikio), the locked-memory limit that bounds pinned memory;
-* the CUDA tests (``tests/device/test_cuda.py``) under ``TORCH_CUDA_SANITIZER=1``;
+* the CUDA tests (``tests/device/test_cuda.py``) under ``TORCH_CUDA_SANITIZER=1``, first, since they
+  are the cheapest check that decides whether the rest can be trusted (their whole output goes to
+  ``DIR/cuda-tests.log``);
 * GPT bf16 steps under keep-all, tba staged, tba kvikio, adaptive, recompute and
   ``save_on_cpu(pin_memory=True)``: step time, activation peak, reserved and pinned bytes, ratios to keep-all;
 * the ROK curve (``python -m tba rok``), Megatron without ``--cpu``, and an nsys trace if nsys exists.
@@ -75,24 +77,36 @@ def _doctor(simulated: bool) -> dict[str, Any]:
     return info
 
 
-def _run_text(command: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> str:
-    """The last lines a command printed, or why it could not run."""
+def _run_text(command: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+              log: str | None = None) -> str:
+    """The last lines a command printed, or why it could not run; ``log``, if given, gets all of it."""
     if shutil.which(command[0]) is None and not os.path.exists(command[0]):
         return f"{command[0]} not found"
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=SUBPROCESS_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
+        if log is not None:
+            with open(log, "w") as f:
+                f.write(_text(err.stdout) + _text(err.stderr))
         return f"timed out after {SUBPROCESS_TIMEOUT_S} s"
+    if log is not None:
+        with open(log, "w") as f:
+            f.write(done.stdout + done.stderr)
     text = (done.stdout + done.stderr).strip().splitlines()
     return f"exit {done.returncode}: " + " | ".join(text[-3:])
 
 
-def _cuda_tests() -> str:
+def _cuda_tests(out: str) -> str:
     tests = REPO / "tests" / "device" / "test_cuda.py"
     if not tests.exists():
         return "tests/device/test_cuda.py not found (tba installed without its tests)"
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    return _run_text([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], env=env, cwd=str(REPO))
+    return _run_text([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(tests)], env=env,
+                     cwd=str(REPO), log=os.path.join(out, "cuda-tests.log"))
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _gpt_rows(config: GPTConfig, device: str, steps: int, directory: str | None, fake: Any,
@@ -175,7 +189,8 @@ def _markdown(report: dict[str, Any]) -> str:
     took = f"{seconds:.0f} s" if seconds is not None else "unfinished"
     lines = ["# tba GPU report", "", f"Command: `{report['command']}`, {took}.", "", "## Doctor", ""]
     lines += [f"- {key}: {value}" for key, value in report.get("doctor", {}).items()]
-    lines += ["", "## CUDA tests under TORCH_CUDA_SANITIZER=1", "", report.get("cuda_tests", NOT_YET), "",
+    lines += ["", "## CUDA tests under TORCH_CUDA_SANITIZER=1 (whole output: cuda-tests.log)", "",
+              report.get("cuda_tests", NOT_YET), "",
               f"## GPT bf16 ({report.get('model', '')})", "",
               "| row | step s | x keep | activation peak MiB | x keep | reserved MiB | pinned MiB | losses = keep | plan |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -222,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         report["doctor"] = _doctor(args.simulate)
         report["model"] = f"{'simulated, ' if args.simulate else ''}{config}"
         _write(report, args.out)
+        report["cuda_tests"] = _cuda_tests(args.out) if not args.simulate else (
+            "skipped: the sanitizer tests need a real GPU (tests/device runs the simulated suite in CI)")
+        _write(report, args.out)
         directory = args.directory or tempfile.gettempdir()
 
         def rows_so_far(rows: list[dict[str, Any]]) -> None:
@@ -233,9 +251,6 @@ def run(args: argparse.Namespace) -> int:
         if args.simulate:
             report["simulator_problems"] = sim.problems()
     report["rok"] = "skipped (--skip-rok)" if args.skip_rok else _rok(preset, device, directory, args.out)
-    _write(report, args.out)
-    report["cuda_tests"] = _cuda_tests() if not args.simulate else (
-        "skipped: the sanitizer tests need a real GPU (tests/device runs the simulated suite in CI)")
     _write(report, args.out)
     report["megatron"] = _megatron(args.simulate)
     report["nsys"] = _nsys(args.simulate, args.out)
