@@ -10,6 +10,8 @@ what survives a step, on the CPU and on the simulated device.
 from __future__ import annotations
 
 import gc
+import threading
+import types
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tba
 from tba import _control
+from tba.device import CudaOps
 from tba.device.sim import fake_kvikio
 
 
@@ -104,3 +107,42 @@ def test_a_storage_the_program_held_when_its_write_ended_does_not_outlive_the_st
     _control.settle()
     assert watched.expired(), "tba still holds the storage after the program dropped it and backward ended"
     offloader.close()
+
+
+class _Done:
+    """A kvikio future that has already finished and holds nothing."""
+
+    def get(self) -> int:
+        return 0
+
+
+class _NoWait:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_kvikio_write_holds_its_source_no_longer_than_its_completion(sim):
+    """Found on an H200 (``test_no_leak_over_twenty_steps[kvikio]`` under the CUDA sanitizer): the
+    waiter pool's work item held the source of a finished write until after its completion had
+    been reported, so ``flush()`` could return while tba still held a written activation."""
+    from tba.device._kvikio import KvikioRoute
+
+    with fake_kvikio(sim, gds=True):
+        route = KvikioRoute(CudaOps(torch.device("cpu")))
+        route._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset: _Done())
+        try:
+            for _ in range(20):  # the write thread may still be inside its job when a completion is reported
+                src = torch.randn(1024)
+                watched, seen, done = StorageWeakRef(src.untyped_storage()), [], threading.Event()
+
+                def on_done(error, watched=watched, seen=seen, done=done):
+                    seen.append((error, watched.expired()))
+                    done.set()
+
+                route.write(src, 0, -1, 0, on_done, _NoWait())
+                del src
+                assert done.wait(10)
+                assert seen == [(None, True)], "the route still held the written source when it reported the write"
+        finally:
+            route.stop()
+            route.close()
