@@ -95,7 +95,7 @@ class KvikioRoute(Route):
     Note: [kvikio gets writes a few at a time]
     kvikio queues whatever it is handed, so a write thread that handed over each write as soon as
     its producer finished had queued a whole forward's writes before backward began, and no write
-    could then be skipped (Note [A write nobody needs is not started] in ``_protocol.py``): an
+    could then be skipped (Note [A write nobody needs is not started] in ``tba/device/_protocol.py``): an
     offload-all step of a 1.3B GPT took 18.8 s on an H200 through kvikio against 0.51 s staged, where
     the pinned pool bounds what is in transfer. The write thread now waits until fewer than
     :data:`KVIKIO_WRITE_BYTES_IN_FLIGHT` bytes are in kvikio's hands, and asks whether the write is
@@ -153,7 +153,7 @@ class KvikioRoute(Route):
             wrote = functools.partial(self._wrote, nbytes, on_done)
             if wanted is not None and not wanted():
                 held.clear()
-                wrote(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
+                wrote(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in tba/device/_protocol.py
                 return
             try:
                 ready.synchronize()
@@ -198,13 +198,14 @@ class KvikioRoute(Route):
                 failed: Callable[[BaseException], None]) -> None:
         """Wait for kvikio's transfer, let go of its buffer (``held``), then report.
 
-        Note [A finished write lets go of its source]: ``held`` is the one place the route keeps
-        a write's source from the submission to the completion (the store may drop its own
-        reference meanwhile, and kvikio must not lose the memory under its DMA). It is emptied
-        before the completion is reported: a ``ThreadPoolExecutor`` keeps a job's arguments until
-        after the job returns, and the write thread keeps its job until it returns, so a source
-        passed to either directly was still held when ``flush()`` saw the write finished
-        (``test_no_leak_over_twenty_steps[kvikio]`` on an H200 under the CUDA sanitizer).
+        Note: [A finished write lets go of its source]
+        ``held`` is the one place the route keeps a write's source from the submission to the
+        completion (the store may drop its own reference meanwhile, and kvikio must not lose the
+        memory under its DMA). It is emptied before the completion is reported: a
+        ``ThreadPoolExecutor`` keeps a job's arguments until after the job returns, and the write
+        thread keeps its job until it returns, so a source passed to either directly could still be
+        held when ``flush()`` saw the write finished (found while looking into an H200 failure of
+        ``test_no_leak_over_twenty_steps[kvikio]``, which this did not explain: docs/gpu.md).
         """
         try:
             future.get()
