@@ -47,11 +47,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
-from tba._control_loop import STOP, WAKE, Control, Finalizer, run_queued
+from tba._control_loop import STOP, WAKE, CallFinalizer, Control, Finalizer, run_queued
 
 _control = Control()
+F = TypeVar("F", bound=Finalizer)
 
 
 def in_control_thread() -> bool:
@@ -184,10 +185,20 @@ def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
     :data:`~tba._control_loop.FINALIZER_POLL_S` otherwise, so that a backward freeing thousands of views does not wake
     the control thread thousands of times.
     """
-    _control.ensure_started()
-    ref = Finalizer(obj, _control.defer_append)
+    ref = finalizer(CallFinalizer, obj)
     ref.fn, ref.args = fn, args
+
+
+def finalizer(kind: type[F], obj: object) -> F:
+    """A new ``kind`` of :class:`Finalizer` of ``obj``, registered; the caller fills its slots at once.
+
+    Its :meth:`~Finalizer.fire` runs on the control thread once ``obj`` has been collected, as
+    :func:`on_death`'s ``fn(*args)`` does, and must not refer to ``obj``.
+    """
+    _control.ensure_started()
+    ref = kind(obj, _control.defer_append)
     _control.finalizers[id(ref)] = ref
+    return ref
 
 
 def run_pending() -> None:

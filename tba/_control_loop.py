@@ -29,9 +29,25 @@ FINALIZER_POLL_S = 0.01
 
 
 class Finalizer(weakref.ref):
-    """A weak reference that, once its referent dies, asks the control thread to run ``fn(*args)``."""
+    """A weak reference that, once its referent dies, asks the control thread to run :meth:`fire`.
+
+    Subclasses keep what :meth:`fire` needs in slots of their own, so that a finalizer is one object
+    for the cycle collector, not two (an arguments tuple that holds objects stays tracked).
+    """
+
+    __slots__ = ()
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+
+class CallFinalizer(Finalizer):
+    """Runs ``fn(*args)`` (:func:`tba._control.on_death`)."""
 
     __slots__ = ("fn", "args")
+
+    def fire(self) -> None:
+        self.fn(*self.args)
 
 
 class Control:
@@ -80,7 +96,7 @@ class Control:
             try:
                 if isinstance(item, Finalizer):
                     self.finalizers.pop(id(item), None)
-                    item.fn(*item.args)
+                    item.fire()
                 else:
                     item[0](*item[1])
             except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
@@ -104,7 +120,7 @@ class Control:
         try:
             if isinstance(item, Finalizer):
                 self.finalizers.pop(id(item), None)
-                item.fn(*item.args)
+                item.fire()
                 self.run_batch_end()
                 return
             reply, fn, args = item

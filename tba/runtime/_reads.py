@@ -103,7 +103,7 @@ class StoreReads:
         if (entry.state is not State.ON_DISK or entry.pages_discarded or self.routes is None
                 or entry.route is not self.routes.host):
             return None
-        storage = torch.UntypedStorage._new_with_weak_ptr(entry.ref.cdata)
+        storage = torch.UntypedStorage._new_with_weak_ptr(entry.cdata)
         if storage is None or storage.data_ptr() != entry.address or storage.nbytes() != entry.nbytes:
             return None
         return torch.empty((0,), dtype=torch.uint8).set_(storage)

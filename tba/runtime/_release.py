@@ -61,7 +61,7 @@ class StoreRelease:
         """
         data = entry.data
         if data is not None and entry.own_memory and self.routes is not None and entry.route is self.routes.host:
-            if sole_owner(entry.ref):
+            if sole_owner(entry.cdata):
                 entry.pages_discarded = True
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
             else:
@@ -88,7 +88,7 @@ class StoreRelease:
         count = len(lingering) if limit is None else min(limit, len(lingering))
         for _ in range(count):
             entry, data = held = lingering.popleft()
-            if sole_owner(entry.ref):
+            if sole_owner(entry.cdata):
                 entry.pages_discarded = True
                 self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
             else:

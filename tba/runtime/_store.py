@@ -41,7 +41,7 @@ from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._store_lifetime import StoreLifetime
 from tba.runtime._trim import hands_back_pages, owns_its_memory
-from tba.runtime._views import State, StorageEntry, StorageRef
+from tba.runtime._views import State, StorageEntry
 
 logger = logging.getLogger("tba")
 
@@ -162,7 +162,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             if self._lingering:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
-            fresh = entry is None or entry.version != version or entry.state is State.DEAD or entry.ref.expired()
+            fresh = entry is None or entry.version != version or entry.state is State.DEAD or entry.expired()
             if fresh:
                 entry = self._start_write(tensor, storage, layer, version, ready)
             else:
@@ -183,7 +183,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             phase_bytes=route.phase_bytes(storage.data_ptr()),
             address=storage.data_ptr(),
             version=version,
-            ref=StorageRef(storage),
+            cdata=storage._weak_ref(),
             data=data,
             device=device,
             route=route,

@@ -66,8 +66,8 @@ class StoreLifetime:
                 entry.unpacked_views.discard(view_id)
             if entry.live_views > 0:
                 return False
-            if self._by_storage.get(entry.ref.cdata) is entry:
-                del self._by_storage[entry.ref.cdata]
+            if self._by_storage.get(entry.cdata) is entry:
+                del self._by_storage[entry.cdata]
             entry.state = State.DEAD
             self.release(entry)
             self.window.forget(entry)

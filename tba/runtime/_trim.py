@@ -156,9 +156,9 @@ def _sole_use_count() -> int:
 _SOLE_USE_COUNT = _sole_use_count()
 
 
-def sole_owner(ref: StorageWeakRef) -> bool:
-    """Whether exactly one tensor (tba's own) still refers to the storage behind ``ref``."""
-    return torch._C._storage_Use_Count(ref.cdata) == _SOLE_USE_COUNT
+def sole_owner(cdata: int) -> bool:
+    """Whether exactly one tensor (tba's own) still refers to the storage behind the weak reference ``cdata``."""
+    return torch._C._storage_Use_Count(cdata) == _SOLE_USE_COUNT
 
 
 def _load_malloc_trim():

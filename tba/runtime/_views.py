@@ -31,7 +31,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba.defaults import ALIGN_BYTES
 from tba.io import round_up
@@ -40,19 +39,9 @@ if TYPE_CHECKING:
     from tba.device import Route
 
 
-class StorageRef(StorageWeakRef):
-    """A :class:`StorageWeakRef` without the bound method each of those stores in itself.
-
-    Its ``_free_weak_ref`` is the class's (it outlives the ``torch`` module at shutdown as well):
-    one object less per saved storage for the cycle collector, whose full collections a step's
-    thousands of long-lived objects trigger (docs/host-cost.md).
-    """
-
-    __slots__ = ()
-    _free_weak_ref = torch.UntypedStorage._free_weak_ref
-
-    def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.cdata = storage._weak_ref()
+_FREE_WEAK_REF = torch.UntypedStorage._free_weak_ref
+"""Held here: the ``torch`` module may be cleared at interpreter shutdown before the last entry dies."""
+_EXPIRED = torch.UntypedStorage._expired
 
 
 _NO_BYTES = torch.empty(0)
@@ -126,7 +115,11 @@ class StorageEntry:
     nbytes: int
     phase_bytes: int
     version: int
-    ref: StorageWeakRef
+    cdata: int
+    """A weak reference to the storage (``storage._weak_ref()``, what torch's ``StorageWeakRef`` holds),
+    held by the entry itself and freed by its ``__del__``: one object less per saved storage for the
+    cycle collector, whose full collections a step's thousands of long-lived objects trigger
+    (docs/host-cost.md)."""
     data: torch.Tensor | None
     state: State = State.WRITING
     offset: int = -1
@@ -160,6 +153,13 @@ class StorageEntry:
     own_memory: bool = False
     """The storage's memory came from torch's own allocator and is not shared (Note [Whose pages tba may
     discard] in ``tba/runtime/_trim.py``): only then may its pages go back to the kernel early."""
+
+    def expired(self) -> bool:
+        """Whether the storage itself is gone."""
+        return _EXPIRED(self.cdata)
+
+    def __del__(self) -> None:
+        _FREE_WEAK_REF(self.cdata)
 
     @property
     def extent_bytes(self) -> int:

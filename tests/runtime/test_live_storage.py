@@ -114,7 +114,7 @@ def test_a_storage_whose_pages_tba_handed_back_is_never_served_live(spill_dir, m
         off.flush()
     assert off.stats.as_dict()["tensors_offloaded"] == 1
     entry = packed.entry
-    assert entry.pages_discarded and not entry.ref.expired(), "the test needs a discarded storage kept alive"
+    assert entry.pages_discarded and not entry.expired(), "the test needs a discarded storage kept alive"
     got = off.unpack(packed)
     assert off.stats.unpacks_from_live_storage == 0 and off.stats.bytes_read > 0
     assert got.abs().sum() > 0, "served the discarded (zeroed) pages"

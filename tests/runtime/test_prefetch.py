@@ -13,7 +13,8 @@ MIB = 1 << 20
 
 
 def entry(seq: int, layer: int | None, nbytes: int = MIB, state: State = State.ON_DISK) -> StorageEntry:
-    e = StorageEntry(seq=seq, layer=layer, nbytes=nbytes, phase_bytes=0, version=0, ref=None, data=None, state=state)
+    e = StorageEntry(seq=seq, layer=layer, nbytes=nbytes, phase_bytes=0, version=0,
+                     cdata=torch.UntypedStorage(0)._weak_ref(), data=None, state=state)
     e.live_views = 1
     return e
 

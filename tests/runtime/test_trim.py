@@ -28,9 +28,9 @@ def test_sole_owner_counts_tensors_not_weak_references():
     t = torch.ones(1024)
     ref = StorageWeakRef(t.untyped_storage())
     holder = torch.empty((0,), dtype=torch.uint8).set_(t.untyped_storage())
-    assert not _trim.sole_owner(ref)
+    assert not _trim.sole_owner(ref.cdata)
     del t
-    assert _trim.sole_owner(ref)
+    assert _trim.sole_owner(ref.cdata)
     del holder
 
 
