@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import queue
 import threading
@@ -27,6 +28,8 @@ from tba.defaults import ALIGN_BYTES
 from tba.device._cuda import cuda_api
 from tba.device._ops import CudaOps
 from tba.device._protocol import WRITE_NOT_NEEDED, Callback, ReadCallback, Route
+
+logger = logging.getLogger("tba")
 
 
 @functools.cache
@@ -80,6 +83,20 @@ def gds_unavailable_reason() -> str | None:
     except (RuntimeError, AttributeError, KeyError) as err:
         return f"cannot query GDS support (kvikio 25.04 or later is needed): {err}"
     return None
+
+
+FAILED_TRANSFER_BUFFERS: list[torch.Tensor] = []
+"""Buffers of kvikio transfers that failed, never freed (Note [A failed transfer's buffer is never freed])."""
+_failed_lock = threading.Lock()
+
+
+def keep_failed_buffers(buffers: list[torch.Tensor]) -> None:
+    """Keep ``buffers`` for the life of the process, with a warning naming how much that holds."""
+    with _failed_lock:
+        FAILED_TRANSFER_BUFFERS.extend(buffers)
+        held_bytes = sum(buffer.nbytes for buffer in FAILED_TRANSFER_BUFFERS)
+    logger.warning("tba: a kvikio transfer failed; its buffer stays allocated for good, since kvikio may still "
+                   "be moving its other pieces (%d bytes held so)", held_bytes)
 
 
 class KvikioRoute(Route):
@@ -151,18 +168,18 @@ class KvikioRoute(Route):
             nbytes = held[0].numel()
             self._hand_over(nbytes)  # Note [kvikio gets writes a few at a time]
             wrote = functools.partial(self._wrote, nbytes, on_done)
-            if wanted is not None and not wanted():
-                held.clear()
-                wrote(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in tba/device/_protocol.py
-                return
             try:
+                if wanted is not None and not wanted():
+                    held.clear()
+                    wrote(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in tba/device/_protocol.py
+                    return
                 ready.synchronize()
                 future = self._file(fd).pwrite(held[0], nbytes, offset + phase_bytes)
             except BaseException as error:
                 held.clear()
                 wrote(error)
                 return
-            self._waiters.submit(self._finish, future, held, wrote, wrote)
+            self._waiters.submit(self._finish_write, future, held, wrote)
 
         self._writes.put(start)
 
@@ -188,15 +205,12 @@ class KvikioRoute(Route):
             except BaseException as error:
                 on_done(error, None, None)
                 return
-            self._waiters.submit(self._finish, future, [dst], lambda _none: on_done(None, dst, None),
-                                 lambda error: on_done(error, None, None))
+            self._waiters.submit(self._finish_read, future, [dst], on_done)
 
         self._reads.put(start)
 
-    @staticmethod
-    def _finish(future: Any, held: list[torch.Tensor], ok: Callable[[None], None],
-                failed: Callable[[BaseException], None]) -> None:
-        """Wait for kvikio's transfer, let go of its buffer (``held``), then report.
+    def _finish_write(self, future: Any, held: list[torch.Tensor], wrote: Callback) -> None:
+        """Wait for kvikio's write, let go of its source (``held``), then report.
 
         Note: [A finished write lets go of its source]
         ``held`` is the one place the route keeps a write's source from the submission to the
@@ -206,16 +220,39 @@ class KvikioRoute(Route):
         thread keeps its job until it returns, so a source passed to either directly could still be
         held when ``flush()`` saw the write finished (found while looking into an H200 failure of
         ``test_no_leak_over_twenty_steps[kvikio]``, which this did not explain: docs/gpu.md).
+
+        Note: [A failed transfer's buffer is never freed]
+        kvikio splits a transfer into task-size pieces on its threads, and ``future.get()`` raises
+        the first piece's error while other pieces may still be moving bytes; kvikio offers no way
+        to wait for them. Freeing the buffer would let the allocator hand memory that kvikio still
+        writes (a read) or reads (a write) to the next tensor, and nothing tells when that is safe
+        (the simulated device flags a buffer freed even at :meth:`stop`). So a failed transfer's
+        buffer is kept for the life of the process (:data:`FAILED_TRANSFER_BUFFERS`), with a
+        warning: an I/O error already fails the step loudly, and a few leaked buffers are the price
+        of never corrupting memory.
         """
+        error = self._failure(future, held)
+        held.clear()
+        wrote(error)
+
+    def _finish_read(self, future: Any, held: list[torch.Tensor], on_done: ReadCallback) -> None:
+        """Wait for kvikio's read, then hand its buffer to ``on_done`` (or the error)."""
+        error = self._failure(future, held)
+        if error is not None:
+            on_done(error, None, None)
+        else:
+            on_done(None, held.pop(), None)
+
+    def _failure(self, future: Any, held: list[torch.Tensor]) -> OSError | None:
+        """None once kvikio's transfer succeeded; else its error (the buffer is then kept for good)."""
         try:
             future.get()
         except BaseException as error:
+            keep_failed_buffers(held)  # Note [A failed transfer's buffer is never freed]
             held.clear()
             # kvikio raises RuntimeError for I/O failures; the store turns OSError into TbaReadError.
-            failed(error if isinstance(error, OSError) else OSError(errno.EIO, f"kvikio: {error}"))
-            return
-        held.clear()
-        ok(None)
+            return error if isinstance(error, OSError) else OSError(errno.EIO, f"kvikio: {error}")
+        return None
 
     @staticmethod
     def _loop(jobs: queue.SimpleQueue) -> None:
@@ -224,7 +261,10 @@ class KvikioRoute(Route):
             job = jobs.get()
             if job is None:
                 return
-            job()
+            try:
+                job()
+            except BaseException:  # noqa: BLE001 - a callback that raised must not stop every later transfer
+                logger.exception("tba: a kvikio transfer's job failed")
             job = None  # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py
 
     def consume(self, event: Any, tensor: torch.Tensor) -> None:

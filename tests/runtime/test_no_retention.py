@@ -109,10 +109,14 @@ def test_a_storage_the_program_held_when_its_write_ended_does_not_outlive_the_st
     offloader.close()
 
 
-class _Done:
-    """A kvikio future that has already finished and holds nothing."""
+class _Gated:
+    """A kvikio future that finishes once ``gate`` is set and holds nothing."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
 
     def get(self) -> int:
+        assert self.gate.wait(10)
         return 0
 
 
@@ -129,9 +133,11 @@ def test_a_kvikio_write_holds_its_source_no_longer_than_its_completion(sim):
 
     with fake_kvikio(sim, gds=True):
         route = KvikioRoute(CudaOps(torch.device("cpu")))
-        route._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset: _Done())
+        gate = threading.Event()
+        route._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset: _Gated(gate))
         try:
             for _ in range(20):  # the write thread may still be inside its job when a completion is reported
+                gate.clear()
                 src = torch.randn(1024)
                 watched, seen, done = StorageWeakRef(src.untyped_storage()), [], threading.Event()
 
@@ -141,6 +147,7 @@ def test_a_kvikio_write_holds_its_source_no_longer_than_its_completion(sim):
 
                 route.write(src, 0, -1, 0, on_done, _NoWait())
                 del src
+                gate.set()  # only now: the test's own reference is gone
                 assert done.wait(10)
                 assert seen == [(None, True)], "the route still held the written source when it reported the write"
         finally:
