@@ -183,13 +183,13 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             phase_bytes=route.phase_bytes(storage.data_ptr()),
             address=storage.data_ptr(),
             version=version,
-            cdata=storage._weak_ref(),
             data=data,
             device=device,
             route=route,
             # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in
             # tba/runtime/_trim.py): under a caching allocator nothing lingers and nothing is discarded.
             own_memory=hands_back_pages() and owns_its_memory(data),
+            cdata=storage._weak_ref(),  # last: nothing may raise between taking it and the entry owning it
         )
         self._next_seq += 1
         self.live_entries += 1

@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from tba.device import Route
 
 
-_FREE_WEAK_REF = torch.UntypedStorage._free_weak_ref
-"""Held here: the ``torch`` module may be cleared at interpreter shutdown before the last entry dies."""
 _EXPIRED = torch.UntypedStorage._expired
 
 
@@ -158,8 +156,18 @@ class StorageEntry:
         """Whether the storage itself is gone."""
         return _EXPIRED(self.cdata)
 
-    def __del__(self) -> None:
-        _FREE_WEAK_REF(self.cdata)
+    def __del__(self, _free: Any = torch.UntypedStorage._free_weak_ref) -> None:
+        # ``_free`` is bound at definition: at interpreter shutdown module globals are cleared to None
+        # before the last entries die. An entry whose ``__init__`` failed has no ``cdata``.
+        cdata = getattr(self, "cdata", None)
+        if cdata is not None:
+            _free(cdata)
+
+    def __copy__(self) -> StorageEntry:
+        raise TypeError("a StorageEntry owns its storage's weak reference and cannot be copied")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StorageEntry:
+        return self.__copy__()
 
     @property
     def extent_bytes(self) -> int:
