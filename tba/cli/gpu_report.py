@@ -164,10 +164,10 @@ def _rok(preset: str, device: str, directory: str | None, out: str) -> str:
 def _megatron(simulated: bool) -> str:
     if simulated:
         return "skipped: Megatron runs in its own process, which the simulated device does not reach"
-    script = REPO / "integrations" / "megatron" / "pretrain_gpt.py"
+    script = REPO / "examples" / "megatron" / "pretrain_gpt.py"
     if not script.exists():
-        return "integrations/megatron/pretrain_gpt.py not found"
-    return _run_text([sys.executable, str(script)], cwd=str(REPO))
+        return "examples/megatron/pretrain_gpt.py not found (tba installed without its examples)"
+    return _run_text([sys.executable, str(script), "--steps", "3", "--tba-offload-activations"], cwd=str(REPO))
 
 
 def _nsys(simulated: bool, out: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -36,3 +37,15 @@ def test_a_rok_baseline_too_small_to_measure_is_reported_as_skipped(tmp_path, sp
     from tba.cli.gpu_report import _rok
 
     assert _rok("tiny", "cpu", spill_dir, str(tmp_path)).startswith("skipped: keep-all's activation peak measured")
+
+
+def test_the_megatron_part_runs_the_example_script(monkeypatch):
+    """The first H200 report said 'integrations/megatron/pretrain_gpt.py not found': the script lives in examples/."""
+    from tba.cli import gpu_report
+
+    ran = []
+    monkeypatch.setattr(gpu_report, "_run_text", lambda command, **kwargs: ran.append(command) or "exit 0")
+    assert gpu_report._megatron(simulated=False) == "exit 0"
+    script = ran[0][1]
+    assert pathlib.Path(script).is_file(), script
+    assert "--cpu" not in ran[0] and "--tba-offload-activations" in ran[0]
