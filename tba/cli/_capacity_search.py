@@ -18,7 +18,8 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    end moved in several measurements in a row, the other end's weight halves each time, since a
    peak far from the budget drags the interpolation towards it); when the upper end is a failed
    run that said how much memory it needed (:attr:`MeasureError.needed_bytes`, an adaptive plan's
-   refusal), it scales that batch by ``budget / needed``; else it bisects. Without an upper end it
+   refusal), it scales that batch by ``budget / needed`` (bisecting instead once a batch above that
+   estimate has fitted, which disproves it); else it bisects. Without an upper end it
    refits and extrapolates, to at most :data:`MAX_GROWTH` times the largest batch that fitted;
    a flat or falling line (an adaptive plan's peaks) doubles that batch instead. A guess at or
    below the largest batch that fitted moves one step above it: one sample, or the tolerance.
@@ -171,8 +172,10 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
         guess = max(lo.batch + math.floor(share * (hi.batch - lo.batch)), lo.batch + step)
     elif hi.needed_bytes and hi.needed_bytes > budget_bytes:
         guess = math.floor(hi.batch * budget_bytes / hi.needed_bytes)
-        if guess <= lo_batch:
-            guess = lo_batch + step
+        if guess == lo_batch:
+            guess = lo_batch + step  # the estimate fitted: the batch above it
+        elif guess < lo_batch:
+            guess = (lo_batch + hi.batch) // 2  # a batch above the estimate fitted: it is wrong, so bisect
     else:
         guess = (lo_batch + hi.batch) // 2
     return min(max(guess, lo_batch + 1), hi.batch - 1)

@@ -209,3 +209,22 @@ def test_illinois_interpolation_does_not_crawl_from_one_end():
     search = find_max_batch(measure, 512 * MIB, probes=(13, 26), tolerance=0.02)
     assert calls == [13, 26, 208, 212, 268, 246, 236, 240] and search.max_batch == 236 and search.settled
     # plain regula falsi crawled down from the upper end: 268, 246, 240, 237, 236
+
+
+def test_a_refusal_whose_estimate_a_fitting_batch_disproved_is_bisected_not_crawled():
+    """Seen on `capacity --preset deep --budget 512M`: adaptive at 255 refused, needing 1285.6 MiB, so
+    the guess was 101; 101 fitted at 332 MiB, and the search then crept up 2 samples a round (103, 105,
+    ... 113) until its rounds ran out, unconfirmed. Once a batch above the refusal's estimate fits,
+    the estimate is wrong, and the bracket is bisected."""
+    calls = []
+
+    def measure(batch):
+        calls.append(batch)
+        if batch > 180:
+            raise MeasureError("TbaConfigError: memory_budget=512.0 MiB cannot be met", needed_bytes=1285 * MIB)
+        return Point(batch, peak_bytes=(480 if batch == 13 else 300) * MIB)
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13,), first_guess=255, tolerance=0.02)
+    # 255 x 512 / 1285 = 101.6: 101 fits, so its neighbour; 103 fits too, so (103 + 255) // 2
+    assert calls[:5] == [13, 255, 101, 103, 179], calls
+    assert 176 <= search.max_batch <= 180 and search.next_over - search.max_batch <= 4, (calls, search)
