@@ -118,12 +118,7 @@ class Control:
         if item is WAKE:
             return
         try:
-            if isinstance(item, Finalizer):
-                self.finalizers.pop(id(item), None)
-                item.fire()
-                self.run_batch_end()
-                return
-            reply, fn, args = item
+            reply, fn, args = item  # finalizers fire into the deferred jobs, never into this queue
             try:
                 result = fn(*args)
                 self.run_batch_end()
