@@ -37,7 +37,10 @@ where ``e_i = (s_i / R) max(0, 1 - P / s_i) / 2`` is the read latency a window s
 layer exposes (the window can run only ``P`` bytes ahead of backward; on average half of the rest
 of the layer's read time waits; fitted to the ``small`` preset on a 2-core VM, where 4, 8, 16 and
 32 MiB windows cost 17, 12, 6 and 0 ms per 36 MiB layer).
-Step time ``T = T_f + T_b + c sum o_i + u`` with ``T_b`` the end of layer 0's backward, ``c`` the
+Step time ``T = T_f + C_b + max(0, T_b - C_b - e sum o_i) + c sum o_i + u`` with ``T_b`` the end
+of layer 0's backward, ``C_b`` backward's compute (``sum d_i``: ``T_b - C_b`` is the read stall),
+``e`` the profile's ``read_stall_credit_s_per_byte`` (what the modelled stall of the profiled
+steps exceeded all their measured I/O time by, per spilled byte), ``c`` the
 profile's ``io_overhead_s_per_byte``: what the profiled steps took beyond this model, per byte
 they spilled (on few cores, tba's I/O threads take CPU from compute), and ``u`` its ``outside_s``:
 the measured rest of the step (head, loss, optimiser, the loop), the same for every placement;
@@ -293,11 +296,12 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
                   for layer, d in zip(profile.layers, decisions))
     keep_step = sum(layer.forward_s + layer.backward_s for layer in profile.layers) + profile.outside_s
     spilled = sum(spilled_bytes(layer, d) for layer, d in zip(profile.layers, decisions))
+    stall = max(0.0, backward - compute - profile.read_stall_credit_s_per_byte * spilled)
     return Estimate(
-        step_s=forward_end + backward + profile.io_overhead_s_per_byte * spilled + profile.outside_s,
+        step_s=forward_end + compute + stall + profile.io_overhead_s_per_byte * spilled + profile.outside_s,
         keep_step_s=keep_step,
         memory_bytes=_memory(profile, decisions, window, backlog) + profile.memory_slack_bytes,
-        read_stall_s=max(0.0, backward - compute),
+        read_stall_s=stall,
         backlog_bytes=backlog,
         hidden_writes=hidden,
     )

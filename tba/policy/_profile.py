@@ -62,6 +62,11 @@ class Profile:
             them, per spilled byte (never negative): what offloading costs that the model leaves out
             (CPU taken from compute by tba's threads), added per spilled byte to every time
             prediction.
+        read_stall_credit_s_per_byte: Seconds per spilled byte by which the model's read stall for
+            the profiled steps exceeded all the I/O time they measured (Note [I/O time is measured
+            within one step] in ``tba/runtime/_profiling.py``), taken off every placement's stall
+            (never below zero), so that a smaller window still costs what the model adds for it;
+            0 when the stall was within the measurement or nothing was measured.
         outside_s: Seconds of a step spent outside what the model times (the head and the loss between
             forward and backward, the optimiser, data loading, the loop until the next step): the
             shortest profiled step's time from one entry to the next, minus its span (the training
@@ -83,6 +88,7 @@ class Profile:
     max_window_bytes: int = POLICY_MAX_WINDOW_BYTES
     memory_slack_bytes: int = 0
     io_overhead_s_per_byte: float = 0.0
+    read_stall_credit_s_per_byte: float = 0.0
     outside_s: float = 0.0
     drain_bytes_per_s: float | None = None
 
@@ -95,6 +101,9 @@ class Profile:
         if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
             raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
                              f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
+        if self.read_stall_credit_s_per_byte < 0:
+            raise ValueError(f"read_stall_credit_s_per_byte must be >= 0 (modelled minus measured, never below "
+                             f"zero), got {self.read_stall_credit_s_per_byte}")
         if self.drain_bytes_per_s is not None and self.drain_bytes_per_s <= 0:
             raise ValueError(f"drain_bytes_per_s must be > 0 or None, got {self.drain_bytes_per_s}")
         if self.outside_s < 0:

@@ -146,6 +146,8 @@ def test_bad_profiles():
         dataclasses.replace(FAST, memory_slack_bytes=-1)
     with pytest.raises(ValueError, match="outside_s must be >= 0"):
         dataclasses.replace(FAST, outside_s=-0.1)
+    with pytest.raises(ValueError, match="read_stall_credit_s_per_byte must be >= 0"):
+        dataclasses.replace(FAST, read_stall_credit_s_per_byte=-1e-12)
 
 
 def test_backward_estimated_when_not_measured():

@@ -124,3 +124,33 @@ def test_no_write_finished_while_profiling_still_gives_budgets_a_finite_drain_an
     budget = estimate(without, (OFFLOAD, OFFLOAD)).memory_bytes + MIB
     assert len(plan(without, memory_budget_bytes=budget).write_caps_bytes) == 2
     assert len(plan(stuck, memory_budget_bytes=budget + 50 * MIB).write_caps_bytes) == 2
+
+
+def test_on_the_cpu_io_time_is_each_steps_wall_clock_beyond_its_own_compute():
+    # Note [I/O time is measured within one step]: spans of 1.3 and 1.1 s whose training thread
+    # computed 1.2 and 0.7 s; the per-layer minima add up to 0.6 s. The I/O time is the least of
+    # 0.1 and 0.4 s, not the 0.5 s the fastest span takes beyond the minima.
+    profile = _profile(_sample(1.3, span_cpu_s=1.2), _sample(1.1, span_cpu_s=0.7))
+    assert profile.io_overhead_s_per_byte == pytest.approx(0.1 / (200 * MIB))
+    assert profile.read_stall_credit_s_per_byte == 0.0
+    assert estimate(profile, (OFFLOAD, OFFLOAD)).step_s == pytest.approx(0.7)
+    assert _profile(_sample(1.1, span_cpu_s=1.2)).io_overhead_s_per_byte == 0.0  # never below zero
+
+
+def test_a_read_stall_longer_than_the_measured_io_time_is_credited_back_but_a_smaller_window_still_costs():
+    # A 40 MiB window on 100 MiB layers: the model's exposure is 2 x 60 MiB / (10 GB/s) / 2 = 6 ms of
+    # read stall, where the steps measured 2 ms of I/O time in all.
+    sample = {**_sample(0.602, span_cpu_s=0.6), "window_bytes": 40 * MIB}
+    profile = _profile(sample)
+    windowed = dataclasses.replace(profile, memory_slack_bytes=0)
+    stall = estimate(dataclasses.replace(windowed, read_stall_credit_s_per_byte=0.0), (OFFLOAD, OFFLOAD),
+                     40 * MIB).read_stall_s
+    assert stall == pytest.approx(2 * 60 * MIB / (200 * MIB / 0.02) / 2)
+    assert profile.io_overhead_s_per_byte == 0.0
+    assert profile.read_stall_credit_s_per_byte == pytest.approx((stall - 0.002) / (200 * MIB))
+    at_profiled = estimate(profile, (OFFLOAD, OFFLOAD), 40 * MIB)
+    assert at_profiled.read_stall_s == pytest.approx(0.002)
+    assert at_profiled.step_s == pytest.approx(0.602)
+    # 20 MiB less window: the model's extra stall for it counts in full
+    smaller = estimate(profile, (OFFLOAD, OFFLOAD), 20 * MIB)
+    assert smaller.read_stall_s == pytest.approx(0.002 + 2 * 20 * MIB / (200 * MIB / 0.02) / 2)
