@@ -96,6 +96,7 @@ class ProfiledStep:
         pending["backward_cpu_s"] = self.timer.backward_s(cpu=True)
         pending["span_s"] = self.timer.span_s()
         pending["span_cpu_s"] = self.timer.span_cpu_s()
+        pending["span_preempted_s"] = self.timer.span_preempted_s()
         wall, cpu, entered_by = pending.pop("entered_at")
         pending["period_s"] = time.perf_counter() - wall
         now = thread_cpu_s(thread) if thread == entered_by else None  # one thread's clock, or none

@@ -15,7 +15,8 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   left out (Note [Layer time on a GPU]);
 * ``io_overhead_s_per_byte`` and ``read_stall_credit_s_per_byte``: the time offloading adds that is not
   compute. On the CPU, measured within each profiled step as its span's wall-clock less the
-  training thread's CPU seconds over it (Note [I/O time is measured within one step]); the
+  training thread's CPU seconds over it, plus what the other compute threads waited for a core
+  (Note [I/O time is measured within one step]); the
   shortest of these is the model's read stall first (``read_stall_credit_s_per_byte``: what the
   stall the model predicts for the profiled steps exceeds all of it by), the rest per spilled byte: CPU
   taken from compute by tba's threads, memory bandwidth. On a GPU: what the fastest profiled step
@@ -71,9 +72,12 @@ step's span less the model's prediction for it, which also counted the step-to-s
 compute: a sum of per-layer minima is shorter than any one step's compute. On the ``bench`` preset
 (8 layers, about 3.3 s a step on the 2-core VM) the fastest span was 0.27 s beyond the compute
 minima, of which the step's own wall-clock less its training thread's CPU seconds was 0.14 s; a
-keep-all step's is 3-12 ms. The model put offload-all at +7.8% where steps measured 0.99-1.04x
-keep-all's, and the default goal (+5%) kept two or three layers in memory (0.29x keep-all's peak
-instead of 0.18x), one run in two. The within-step difference leaves the noise of compute out.
+keep-all step's is 3-12 ms. The within-step difference leaves the noise of compute out. It misses
+what a preempted OpenMP partner costs, which the training thread spends spinning at a barrier
+(CPU seconds, not a gap): that is measured as the partner's run-queue wait (Note [A preempted
+partner costs the training thread CPU time] in ``tba/runtime/_preempted.py``). With both, the
+I/O time of an offload-all step came to 0.20-0.29 s (6-9%), as much as it measured slower than
+keep-all's steps alternating with it.
 It is also an upper bound on the read stall: where the model's stall for the profiled steps is
 longer (it was 0.21 s, from the window exposure fitted on the ``small`` preset's 36 MiB layers,
 on 120 MiB layers whose reads run 3x faster than backward consumes them), the excess is a credit
@@ -251,7 +255,9 @@ def _io_time(profile: Profile, samples: list[dict[str, Any]], profiled: Estimate
     steps and the model's prediction for them, ``profiled``.
 
     On the CPU, the I/O time of a step is its span's wall-clock less the training thread's CPU
-    seconds over it (Note [I/O time is measured within one step]); the shortest over the steps is
+    seconds over it, plus the run-queue wait of the other compute threads (Note [I/O time is
+    measured within one step], Note [A preempted partner costs the training thread CPU time] in
+    ``tba/runtime/_preempted.py``); the shortest over the steps is
     first the model's read stall (what the stall alone exceeds it by is the credit), the rest is
     per spilled byte. Elsewhere, or without CPU spans: the shortest span beyond ``profiled``'s step
     time, per spilled byte. Never below zero; ``(0, 0)`` when no step was timed whole."""
@@ -259,7 +265,8 @@ def _io_time(profile: Profile, samples: list[dict[str, Any]], profiled: Estimate
     if not spilled:
         return 0.0, 0.0
     if cpu:
-        gaps = [s["span_s"] - s["span_cpu_s"] for s in samples
+        # Note [A preempted partner costs the training thread CPU time] in tba/runtime/_preempted.py
+        gaps = [s["span_s"] - s["span_cpu_s"] + (s.get("span_preempted_s") or 0.0) for s in samples
                 if s.get("span_s") is not None and s.get("span_cpu_s") is not None]
         if gaps:
             measured = max(0.0, min(gaps))

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from tba._control import waited_s
+from tba.runtime import _preempted
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -86,6 +87,13 @@ class LayerTimer:
         self._ended = [(0.0, 0.0, 0.0)] * count
         self._grad_at_output: list[tuple[float, float, float] | None] = [None] * count
         self._grad_at_input: list[tuple[float, float, float] | None] = [None] * count
+        self._marks: dict[str, _preempted.Snapshot | None] = {}
+        """Other compute threads' clocks at the span's ends: forward's start and end, backward's (CPU only)."""
+
+    def _mark(self, key: str) -> None:
+        # Note [A preempted partner costs the training thread CPU time] in tba/runtime/_preempted.py
+        if self.synchronize is None:
+            self._marks[key] = _preempted.snapshot()
 
     def _stamp_now(self) -> tuple[float, float, float]:
         """(wall-clock, thread CPU, seconds waited in tba) now, after the device's queue ran."""
@@ -112,6 +120,8 @@ class LayerTimer:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
+            if index == 0:
+                self._mark("forward_start")
             self._started[index] = self._stamp_now()
 
         return hook
@@ -120,6 +130,8 @@ class LayerTimer:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             start = self._started[index]
             self._ended[index] = now = self._stamp_now()
+            if index == len(self._layer_refs) - 1:
+                self._mark("forward_end")
             self.forward_s[index] = _own_s(start, now)
             self.forward_cpu_s[index] = now[1] - start[1]
             first = output if isinstance(output, torch.Tensor) else None
@@ -131,9 +143,16 @@ class LayerTimer:
         return hook
 
     def _stamp(self, slots: list, index: int):
+        start = slots is self._grad_at_output and index == len(self._layer_refs) - 1
+        end = slots is self._grad_at_input and index == 0
+
         def hook(grad: torch.Tensor) -> None:
             if slots[index] is None:
+                if start:
+                    self._mark("backward_start")
                 slots[index] = self._stamp_now()
+                if end:
+                    self._mark("backward_end")
 
         return hook
 
@@ -164,6 +183,19 @@ class LayerTimer:
         the first layer's input (what runs between, the head and the loss, left out); None when a stamp
         is missing."""
         return self._span(0)
+
+    def span_preempted_s(self) -> float | None:
+        """Seconds the process's other compute threads waited for a CPU over :meth:`span_s`'s two
+        parts (Note [A preempted partner costs the training thread CPU time] in
+        ``tba/runtime/_preempted.py``); None when not measured (a GPU, no schedstats, a part missing)."""
+        if self._span(0) is None:
+            return None
+        marks = self._marks
+        forward = _preempted.waited_s(marks.get("forward_start"), marks.get("forward_end"),
+                                      self._ended[-1][0] - self._started[0][0])
+        backward = _preempted.waited_s(marks.get("backward_start"), marks.get("backward_end"),
+                                       self._grad_at_input[0][0] - self._grad_at_output[-1][0])
+        return None if forward is None or backward is None else forward + backward
 
     def _span(self, clock: int) -> float | None:
         if not self._started or self.forward_s[0] is None or self.forward_s[-1] is None:

@@ -154,3 +154,12 @@ def test_a_read_stall_longer_than_the_measured_io_time_is_credited_back_but_a_sm
     # 20 MiB less window: the model's extra stall for it counts in full
     smaller = estimate(profile, (OFFLOAD, OFFLOAD), 20 * MIB)
     assert smaller.read_stall_s == pytest.approx(0.002 + 2 * 20 * MIB / (200 * MIB / 0.02) / 2)
+
+
+def test_the_other_compute_threads_run_queue_waits_are_io_time_too():
+    # Note [A preempted partner costs the training thread CPU time]: 0.1 s of the training thread's
+    # own gap and 0.15 s its OpenMP partner waited for a core.
+    profile = _profile({**_sample(1.3, span_cpu_s=1.2), "span_preempted_s": 0.15})
+    assert profile.io_overhead_s_per_byte == pytest.approx(0.25 / (200 * MIB))
+    assert _profile({**_sample(1.3, span_cpu_s=1.2), "span_preempted_s": None}).io_overhead_s_per_byte == \
+        pytest.approx(0.1 / (200 * MIB))
