@@ -212,20 +212,32 @@ def settle() -> None:
         call(int)
 
 
+_at_stop: list[Callable[[], None]] = []
+
+
+def at_stop(fn: Callable[[], None]) -> None:
+    """Have ``fn()`` run at interpreter exit, once the control thread has stopped and what was queued
+    for it has run: the last of tba's work that may start transfers (Note [No transfer ends during
+    finalization] in ``tba/io/_io_uring.py``)."""
+    _at_stop.append(fn)
+
+
 def _stop_at_exit() -> None:
     """Finish queued work and end the control thread before the interpreter finalizes.
 
     A daemon thread that wakes during finalization is ended by ``pthread_exit`` wherever it is; in
     the middle of torch's C++ code that aborts the process ("terminate called without an active
-    exception"). So the thread is stopped while the interpreter is still whole.
+    exception"). So the thread is stopped while the interpreter is still whole, and then the
+    :func:`at_stop` callbacks wait for the transfers that would wake other threads.
     """
     control = _control
-    if control.thread is None or in_control_thread():
-        return
-    control.jobs.put(STOP)
-    control.thread.join()
-    control.stopped = True
-    run_queued(control)
+    if control.thread is not None and not in_control_thread():
+        control.jobs.put(STOP)
+        control.thread.join()
+        control.stopped = True
+        run_queued(control)
+    for fn in _at_stop:
+        fn()
 
 
 atexit.register(_stop_at_exit)

@@ -95,6 +95,11 @@ DEFER_WAKE_BYTES = 1 * MIB
 """Bytes of storages whose deferred save or unpack bookkeeping wakes the control thread at once,
 whatever the count: a large storage's write starts without waiting for others."""
 
+EXIT_IO_WAIT_S = 10.0
+"""At interpreter exit, the longest tba waits for transfers still in flight before it lets the
+process end anyway (Note [No transfer ends during finalization] in ``tba/io/_io_uring.py``): a disk
+that never answers must not hang the exit."""
+
 RUNTIME_IDLE_CLOSE_S = 30.0
 """A spill file, engine and read pool shared by one-shot contexts (``tba/runtime/_shared.py``) is
 closed after this many seconds unused."""

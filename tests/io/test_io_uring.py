@@ -116,3 +116,47 @@ def test_requests_outlive_the_submitting_thread(tmp_path):
     finally:
         engine.close()
         os.close(fd)
+
+
+@pytest.mark.requires_io_uring
+def test_exit_waits_for_transfers_in_flight_but_not_forever():
+    # Note [No transfer ends during finalization]: a read of an empty pipe stays in flight until
+    # bytes arrive, as a slow disk's request would.
+    r, w = os.pipe()
+    engine = io_uring_module.IoUringEngine(queue_depth=4)
+    buf = np.zeros(16, dtype=np.uint8)
+    try:
+        future = engine.submit_many([Request(Op.READ, r, buf.ctypes.data, buf.size, 0)])[0]
+        assert not engine._wait_idle(0.05)  # in flight: waits the whole timeout, then gives up
+        os.write(w, b"x" * buf.size)
+        assert future.result(timeout=10) == buf.size
+        assert engine._wait_idle(10.0)
+    finally:
+        engine.close()
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.requires_io_uring
+def test_a_script_exits_after_its_transfers_or_after_the_bounded_wait(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import os, sys, threading, time\n"
+        "import numpy as np\n"
+        "from tba.io import _io_uring as m\n"
+        "from tba.io._engine import Op, Request\n"
+        "m.EXIT_IO_WAIT_S = 0.3\n"
+        "r, w = os.pipe()\n"
+        "engine = m.IoUringEngine(queue_depth=4)\n"
+        "buf = np.zeros(16, dtype=np.uint8)\n"
+        "engine.submit_many([Request(Op.READ, r, buf.ctypes.data, 16, 0)])\n"
+        "if sys.argv[1] == 'answered':\n"
+        "    threading.Timer(0.1, os.write, (w, b'x' * 16)).start()\n"
+    )
+    for case, warned in (("answered", False), ("never", True)):
+        done = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert ("still in flight" in done.stderr) is warned, done.stderr
