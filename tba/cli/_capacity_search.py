@@ -20,7 +20,8 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    run that said how much memory it needed (:attr:`MeasureError.needed_bytes`, an adaptive plan's
    refusal), it scales that batch by ``budget / needed`` (bisecting instead once a batch above that
    estimate has fitted, which disproves it); else it bisects. Without an upper end it
-   refits and extrapolates, to at most :data:`MAX_GROWTH` times the largest batch that fitted;
+   refits and extrapolates (Note [Gallop while everything fits]), to at most :data:`MAX_GROWTH`
+   times the largest batch that fitted;
    a flat or falling line (an adaptive plan's peaks) doubles that batch instead. A guess at or
    below the largest batch that fitted moves one step above it: one sample, or the tolerance.
    After at most ``rounds`` rounds the largest batch that fitted is reported, marked unconfirmed.
@@ -29,6 +30,16 @@ A run that fails (the child process raised, for instance a budget an adaptive pl
 counts as a batch that does not fit, and its reason is kept with the point. Peaks that are not
 monotonic in the batch (measurement noise) are handled by taking the smallest batch that did not
 fit as the upper end and the largest batch below it that fitted as the lower end.
+
+Note: [Gallop while everything fits]
+Near the budget the refitted line predicts little more than the batch that just fitted: its
+points there sit a few MiB under the budget, and their noise is as large as a step. On
+``capacity --preset deep --budget 512M`` offloaded recompute crept 206, 210, 236, 247, 253, 257,
+262, 267 (each fitting, about 18 s a run) before 272 was over. So while every measurement fits,
+a line that still predicts more room is taken at least ``step * 2^(k - 2)`` above the largest
+fitting batch, ``k`` the measurements in a row that fitted (probes included): the step doubles
+each round until a batch is over, and the interpolation between the two ends takes over from
+there. A line whose maximum is the batch that just fitted is confirmed one step above, as before.
 """
 
 from __future__ import annotations
@@ -158,7 +169,9 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
         else:
             guess = predict(fit, budget_bytes, max_batch)
             if guess <= lo_batch:
-                guess = lo_batch + step
+                guess = lo_batch + step  # the line's maximum fitted: confirm the batch above it
+            else:  # Note [Gallop while everything fits]
+                guess = max(guess, lo_batch + step * 2 ** max(0, _last_run(points, budget_bytes)[1] - 2))
         return min(max(guess, lo_batch + 1), max(MAX_GROWTH * lo_batch, 1), max_batch)
     if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
         under, over = budget_bytes - lo.peak_bytes, hi.peak_bytes - budget_bytes

@@ -228,3 +228,23 @@ def test_a_refusal_whose_estimate_a_fitting_batch_disproved_is_bisected_not_craw
     # 255 x 512 / 1285 = 101.6: 101 fits, so its neighbour; 103 fits too, so (103 + 255) // 2
     assert calls[:5] == [13, 255, 101, 103, 179], calls
     assert 176 <= search.max_batch <= 180 and search.next_over - search.max_batch <= 4, (calls, search)
+
+
+def test_a_line_that_keeps_predicting_a_little_more_is_galloped_not_crept():
+    """Seen on `capacity --preset deep --budget 512M`: offloaded recompute's peaks near the budget sat
+    a few MiB under it, each refit predicted a few samples more, and the search crept 206, 210, 236,
+    247, 253, 257, 262, 267 (about 18 s a run) before 272 was over (Note [Gallop while everything
+    fits])."""
+    import numpy as np
+
+    measured = [(13, 38.0), (26, 69.9), (206, 448.0), (210, 456.8), (236, 453.1), (247, 473.9), (253, 485.1),
+                (257, 508.3), (262, 501.8), (267, 511.1), (272, 537.4), (400, 800.0)]
+    calls = []
+
+    def measure(batch):
+        calls.append(batch)
+        return Point(batch, peak_bytes=int(np.interp(batch, *zip(*measured)) * MIB))
+
+    search = find_max_batch(measure, 512 * MIB, probes=(13, 26), tolerance=0.02)
+    assert search.settled and 262 <= search.max_batch <= 271 and search.next_over - search.max_batch <= 5
+    assert len(calls) <= 8, calls  # crept: 11
