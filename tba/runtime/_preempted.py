@@ -18,8 +18,10 @@ So a profiled step also adds the run-queue wait (``/proc/self/task/<tid>/schedst
 field: nanoseconds runnable but not running) of the process's other *compute* threads: those that
 ran for at least :data:`COMPUTE_SHARE` of the interval, leaving out tba's own threads (named
 ``tba-*``) and the kernel's io_uring workers (``iou-*``). A keep-all step's figure is a few
-milliseconds. Where the kernel keeps no schedstats, :func:`snapshot` returns None and only the
-training thread's gap counts.
+milliseconds. The waits are summed: with one partner (the 2-core VM) that is the delay; with many
+workers preempted at the same moments it counts those moments more than once, an upper bound
+(the training thread waits for the last partner back, not for each in turn). Where the kernel
+keeps no schedstats, :func:`snapshot` returns None and only the training thread's gap counts.
 """
 
 from __future__ import annotations
