@@ -37,7 +37,7 @@ points there sit a few MiB under the budget, and their noise is as large as a st
 ``capacity --preset deep --budget 512M`` offloaded recompute crept 206, 210, 236, 247, 253, 257,
 262, 267 (each fitting, about 18 s a run) before 272 was over. So while every measurement fits,
 a line that still predicts more room is taken at least ``step * 2^(k - 2)`` above the largest
-fitting batch, ``k`` the measurements in a row that fitted (probes included): the step doubles
+fitting batch, ``k`` the measurements so far (probes included; all of them fitted): the step doubles
 each round until a batch is over, and the interpolation between the two ends takes over from
 there. A line whose maximum is the batch that just fitted is confirmed one step above, as before.
 """
@@ -171,7 +171,7 @@ def _next_guess(points: Sequence[Point], budget_bytes: int, max_batch: int, tole
             if guess <= lo_batch:
                 guess = lo_batch + step  # the line's maximum fitted: confirm the batch above it
             else:  # Note [Gallop while everything fits]
-                guess = max(guess, lo_batch + step * 2 ** max(0, _last_run(points, budget_bytes)[1] - 2))
+                guess = max(guess, lo_batch + step * 2 ** max(0, len(points) - 2))  # no upper end: all fitted
         return min(max(guess, lo_batch + 1), max(MAX_GROWTH * lo_batch, 1), max_batch)
     if lo is not None and hi.error is None and hi.peak_bytes is not None and hi.peak_bytes > lo.peak_bytes:
         under, over = budget_bytes - lo.peak_bytes, hi.peak_bytes - budget_bytes
