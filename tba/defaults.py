@@ -82,6 +82,11 @@ HEAP_TRIM_EVERY_BYTES = 256 * MIB
 """After this many bytes of offloaded storages are released, glibc's free heap pages are handed
 back to the kernel (``tba/runtime/_trim.py``), so that resident memory follows memory in use."""
 
+DISCARD_MIN_BYTES = 256 * KIB
+"""Under glibc, only written storages of at least this many bytes have their pages handed back to the
+kernel at once (Note [Small storages keep their pages] in ``tba/runtime/_trim.py``); smaller ones are only
+freed, and the heap trim returns what the heap does not reuse."""
+
 LINGER_SWEEP_PER_CALL = 2
 """Written storages still used by the program that each save, unpack and freed view re-checks
 (``tba/runtime/_release.py``, Note [A bounded sweep per tensor]): at most one storage starts lingering

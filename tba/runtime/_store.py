@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tba import defaults
 from tba._control import wait
 from tba._trace import nvtx_range
 from tba.device import WRITE_NOT_NEEDED, Routes
@@ -176,10 +177,11 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         device = tensor.device
         route = self.routes.for_device(device)
         data = torch.empty((0,), dtype=torch.uint8, device=device).set_(storage)
+        nbytes = storage.nbytes()
         entry = StorageEntry(
             seq=self._next_seq,
             layer=layer,
-            nbytes=storage.nbytes(),
+            nbytes=nbytes,
             phase_bytes=route.phase_bytes(storage.data_ptr()),
             address=storage.data_ptr(),
             version=version,
@@ -188,7 +190,8 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             route=route,
             # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in
             # tba/runtime/_trim.py): under a caching allocator nothing lingers and nothing is discarded.
-            own_memory=hands_back_pages() and owns_its_memory(data),
+            # Nor is a small storage (Note [Small storages keep their pages] in tba/runtime/_trim.py).
+            own_memory=hands_back_pages() and nbytes >= defaults.DISCARD_MIN_BYTES and owns_its_memory(data),
             cdata=storage._weak_ref(),  # last: nothing may raise between taking it and the entry owning it
         )
         self._next_seq += 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import tba
+from tba import defaults
 from tba.runtime import _trim
 
 
@@ -58,3 +60,24 @@ def test_the_trimmer_trims_after_enough_bytes():
             break
         time.sleep(0.01)
     assert trimmer.trims == 1
+
+
+def test_only_storages_of_discard_min_bytes_give_their_pages_back(spill_dir):
+    """Note [Small storages keep their pages]: a 64 KiB storage is only freed, a 1 MiB one is discarded first."""
+    if not _trim.hands_back_pages():
+        pytest.skip("a caching allocator: tba discards no pages")
+    assert 64 * 1024 < defaults.DISCARD_MIN_BYTES <= 1 << 20
+    small = torch.randn(16 * 1024, requires_grad=True)
+    large = torch.randn(256 * 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as off:
+        store = off._store
+        a = small.exp().sum()  # exp saves its output, which only autograd (through tba) holds
+        off.flush()
+        after_small = store.pages_discarded_bytes
+        b = large.exp().sum()
+        off.flush()
+        after_large = store.pages_discarded_bytes
+    (a + b).backward()
+    assert after_small == 0, "a storage below DISCARD_MIN_BYTES had its pages handed back"
+    assert after_large >= (1 << 20) - 4096, "a 1 MiB storage tba alone held kept its pages"
+    assert torch.equal(small.grad, small.detach().exp()) and torch.equal(large.grad, large.detach().exp())
