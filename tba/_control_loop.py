@@ -101,6 +101,9 @@ class Control:
                     item[0](*item[1])
             except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
                 logger.exception("tba: a deferred job on the control thread failed")
+        # The last job (a save holds its tensor) must not outlive it while the batch's writes go out:
+        # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
+        item = None
         self.run_batch_end()
 
     def run_batch_end(self) -> None:

@@ -25,7 +25,7 @@ from tba._control import after_batch, wait
 from tba._trace import nvtx_range
 from tba.errors import TbaReadError
 from tba.io import checksum
-from tba.runtime._views import State, StorageEntry
+from tba.runtime._views import State, StorageEntry, storage_bytes
 
 if TYPE_CHECKING:
     from tba.device import Routes
@@ -106,7 +106,7 @@ class StoreReads:
         storage = torch.UntypedStorage._new_with_weak_ptr(entry.cdata)
         if storage is None or storage.data_ptr() != entry.address or storage.nbytes() != entry.nbytes:
             return None
-        return torch.empty((0,), dtype=torch.uint8).set_(storage)
+        return storage_bytes(storage)
 
     def served_from_memory(self, entry: StorageEntry, view_id: int) -> None:
         """After an unpack found ``entry`` resident: count it, release what is done, move the window.

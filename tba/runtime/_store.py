@@ -42,7 +42,7 @@ from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._store_lifetime import StoreLifetime
 from tba.runtime._trim import hands_back_pages, owns_its_memory
-from tba.runtime._views import State, StorageEntry
+from tba.runtime._views import State, StorageEntry, storage_bytes
 
 logger = logging.getLogger("tba")
 
@@ -176,7 +176,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
                      version: int, ready: Any) -> StorageEntry:
         device = tensor.device
         route = self.routes.for_device(device)
-        data = torch.empty((0,), dtype=torch.uint8, device=device).set_(storage)
+        data = storage_bytes(storage)
         nbytes = storage.nbytes()
         entry = StorageEntry(
             seq=self._next_seq,

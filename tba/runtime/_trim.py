@@ -51,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba import _sched, defaults
 from tba.allocator import detect
+from tba.runtime._views import storage_bytes
 
 logger = logging.getLogger("tba")
 
@@ -159,7 +160,7 @@ def _sole_use_count() -> int:
     """
     tensor = torch.ones(1)
     ref = StorageWeakRef(tensor.untyped_storage())
-    holder = torch.empty((0,), dtype=torch.uint8).set_(tensor.untyped_storage())
+    holder = storage_bytes(tensor.untyped_storage())  # as the store holds a storage
     del tensor
     count = torch._C._storage_Use_Count(ref.cdata)
     del holder

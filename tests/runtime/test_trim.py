@@ -72,12 +72,11 @@ def test_only_storages_of_discard_min_bytes_give_their_pages_back(spill_dir):
     with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as off:
         store = off._store
         a = small.exp().sum()  # exp saves its output, which only autograd (through tba) holds
-        off.flush()
-        after_small = store.pages_discarded_bytes
         b = large.exp().sum()
         off.flush()
-        after_large = store.pages_discarded_bytes
+    discarded = store.pages_discarded_bytes  # the end of forward has swept any written storage left lingering
     (a + b).backward()
-    assert after_small == 0, "a storage below DISCARD_MIN_BYTES had its pages handed back"
-    assert after_large >= (1 << 20) - 4096, "a 1 MiB storage tba alone held kept its pages"
+    # The 1 MiB storage gives 255 or 256 whole pages (its alignment), the 64 KiB one would add 15 or 16 more.
+    assert discarded >= (1 << 20) - 4096, f"a 1 MiB storage tba alone held kept its pages ({discarded} bytes given)"
+    assert discarded <= 1 << 20, f"a storage below DISCARD_MIN_BYTES had its pages handed back ({discarded} bytes given)"
     assert torch.equal(small.grad, small.detach().exp()) and torch.equal(large.grad, large.detach().exp())
