@@ -78,9 +78,11 @@ DISCOVERY_REFINE_SHARE = 0.75
 decoder's blocks inside two stacks of one class) replace that group as the layers when they hold at
 least this share of its saved bytes."""
 
-HEAP_TRIM_EVERY_BYTES = 256 * MIB
+HEAP_TRIM_EVERY_BYTES = 0
 """After this many bytes of offloaded storages are released, glibc's free heap pages are handed
-back to the kernel (``tba/runtime/_trim.py``), so that resident memory follows memory in use."""
+back to the kernel with ``malloc_trim`` (``tba/runtime/_trim.py``). 0, the default, never trims:
+the pages of each written storage are handed back on their own, and the trim only made the next
+allocations fault (Note [The heap trim is off] in ``tba/runtime/_trim.py``)."""
 
 DISCARD_MIN_BYTES = 256 * KIB
 """Under glibc, only written storages of at least this many bytes have their pages handed back to the

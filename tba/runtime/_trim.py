@@ -9,12 +9,25 @@ at its top for every activation, and the process's resident memory ends up where
 activation would have put it. (A fixed ``MALLOC_MMAP_THRESHOLD_`` avoids this, but users do not
 run with one.)
 
-:class:`HeapTrimmer` counts the bytes tba releases and, every
-:data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`, wakes a background thread that calls glibc's
-``malloc_trim(0)``, which hands the free pages inside the heap back to the kernel
-(``MADV_DONTNEED``). Resident memory then follows the memory in use. The call runs with the GIL
-released, off the training thread and off the I/O threads. Where the C library has no
-``malloc_trim`` (musl, macOS) it does nothing.
+So the pages of a written storage that tba alone holds are handed back to the kernel
+(:func:`discard_pages`, ``MADV_DONTNEED``) before tba drops it: the hole then holds no memory.
+:class:`HeapTrimmer` can also count the bytes tba releases and, every
+:data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`, wake a background thread that calls glibc's
+``malloc_trim(0)``, which hands every free page inside the heap back to the kernel; it is off by
+default (Note [The heap trim is off]). Where the C library has no ``malloc_trim`` (musl, macOS) it
+does nothing.
+
+Note: [The heap trim is off]
+The trim came first; the per-storage discard came later and does the same for tba's own storages,
+at the moment each is freed. With both, the trim mostly handed back pages that the next
+allocations then faulted in again, the program's own as much as tba's: 3.7 minor faults per
+64 KiB storage in forward on ``bench-hooks``' loop (2000 storages, glibc), none without it; and
+offload-all's worst-step peak was the same with and without it (``bench`` GPT 914 / 917 and
+986 / 975 MiB, ``deep`` 367 / 365 and 379 / 376 MiB, trimming every 256 MiB against never, two
+rounds alternating, glibc, a fresh process each). Storages below
+:data:`tba.defaults.DISCARD_MIN_BYTES` are not discarded either (Note [Small storages keep their
+pages]): glibc reuses their blocks for the next tensors of their size, which a forward of repeated
+layers allocates in the same order.
 
 Note: [Only glibc's malloc needs pages handed back]
 Both workarounds exist for glibc's malloc (Note [Why tba cares which malloc serves the process] in

@@ -50,13 +50,13 @@ def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
     Note: [Holding a storage without releasing the GIL]
     The store holds each saved storage through such a tensor, made on the control thread once per
-    storage. ``torch.empty((0,), dtype=torch.uint8).set_(storage)`` is two dispatched operators,
-    and each releases the GIL: when the training thread waits for the GIL at that moment, it takes
-    it, and the control thread waits in turn, two hand-overs per save on a 2-core VM where each
-    costs a futex wake and a context switch (docs/host-cost.md). For a CPU storage, the legacy
-    constructor ``torch.ByteTensor(storage)`` builds the same tensor (offset 0, one element per byte,
-    the storage's own reference) without dispatching or releasing the GIL, in 1 µs instead of 2.
-    Other devices take the dispatched path.
+    storage. ``torch.empty((0,), dtype=torch.uint8).set_(storage)`` is two calls through torch's
+    Python bindings, and each releases the GIL around its operator: when the training thread waits
+    for the GIL at that moment, it takes it, and the control thread waits in turn, two hand-overs per
+    save on a 2-core VM where each costs a futex wake and a context switch (docs/host-cost.md). For a
+    CPU storage, the legacy constructor ``torch.ByteTensor(storage)`` builds the same tensor (offset
+    0, one element per byte, the storage's own reference) with the same two operators called from
+    C++, holding the GIL throughout, in 1 µs instead of 2. Other devices take the bindings.
     """
     if storage.device.type == "cpu":
         return torch.ByteTensor(storage)
@@ -77,10 +77,10 @@ def version_watch(tensor: torch.Tensor) -> torch.Tensor:
     a *watch*: a detached alias of the tensor (which shares the counter) whose data is then replaced
     by an empty tensor (``set_data`` keeps the counter and does not bump it), so it holds no bytes of
     the storage tba offloads. A tensor tba keeps in memory is checked through the alias it keeps
-    (:class:`Kept`). The alias comes from ``Tensor._make_subclass``, which detaches in C++ without
-    dispatching; ``tensor.detach()`` is a dispatched operator that releases the GIL, one more point
-    per saved tensor where the training thread hands the GIL to tba's threads and waits to get it
-    back (Note [Holding a storage without releasing the GIL]).
+    (:class:`Kept`). The alias comes from ``Tensor._make_subclass``, which calls ``detach`` from C++
+    holding the GIL; ``tensor.detach()`` goes through the Python binding, which releases the GIL
+    around the operator: one more point per saved tensor where the training thread hands the GIL to
+    tba's threads and waits to get it back (Note [Holding a storage without releasing the GIL]).
     """
     watch = torch.Tensor._make_subclass(torch.Tensor, tensor)
     watch.data = _NO_BYTES

@@ -19,9 +19,16 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tba
-from tba import _control
+from tba import _control, defaults
 from tba.device import CudaOps
 from tba.device.sim import fake_kvikio
+
+
+@pytest.fixture(autouse=True)
+def _discard_small_storages(monkeypatch):
+    """These cases use 64 KiB storages, which tba would not discard (Note [Small storages keep their
+    pages] in tba/runtime/_trim.py); the lingering and discard paths under test need them to be."""
+    monkeypatch.setattr(defaults, "DISCARD_MIN_BYTES", 0)
 
 
 class Watched(nn.Module):
