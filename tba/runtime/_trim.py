@@ -74,10 +74,11 @@ GLIBC_WARNING = (
     "peak %s of keep-all at %s its step time, against %s at %s under tcmalloc). Run under a caching allocator: "
     "`python -m tba run script.py ...` (or LD_PRELOAD=libtcmalloc_minimal.so.4; see docs/cpu-memory.md)"
 )
-GLIBC_COST = ("0.19-0.22x", "1.26x", "0.18x", "1.04-1.13x")
+GLIBC_COST = ("0.57-0.64x", "1.15-1.33x", "0.20-0.25x", "0.99-1.13x")
 """Figures the glibc warning quotes: tba's peak and step time against keep-all under glibc, then under
-tcmalloc (``tools/bench_e2e.py --preset bench --usage bare --allocator system|tcmalloc``, quiet machine,
-docs/cpu-memory.md)."""
+tcmalloc (``tools/bench_e2e.py --preset bench --usage bare --allocator system|tcmalloc --steps 4``, the
+bare adaptive context, 2026-11-26: three glibc runs, two tcmalloc; docs/cpu-memory.md). Under glibc the
+plan keeps more layers: re-faulting the pages handed back makes offloading cost more there."""
 
 _hand_back: bool | None = None
 _noted = False
