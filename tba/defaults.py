@@ -87,7 +87,7 @@ allocations fault (Note [The heap trim is off] in ``tba/runtime/_trim.py``)."""
 DISCARD_MIN_BYTES = 256 * KIB
 """Under glibc, only written storages of at least this many bytes have their pages handed back to the
 kernel at once (Note [Small storages keep their pages] in ``tba/runtime/_trim.py``); smaller ones are only
-freed, and the heap trim returns what the heap does not reuse."""
+freed, for glibc to reuse (the heap trim, which would return what it does not, is off by default)."""
 
 LINGER_SWEEP_PER_CALL = 2
 """Written storages still used by the program that each save, unpack and freed view re-checks

@@ -45,10 +45,11 @@ small. On ``python -m tba bench-hooks`` (glibc, 2000 storages of 64 KiB on ``/de
 discards took 22 µs per storage on the I/O thread and the refaults were a fifth of the training
 thread's samples under ``perf``; without them the training thread's forward CPU fell from
 121-135 to 95-97 µs per storage, three runs each, alternating. So only storages of at least
-:data:`tba.defaults.DISCARD_MIN_BYTES` (256 KiB) are discarded; a smaller one is only freed, glibc
-reuses its block for the next tensor of its size, and :class:`HeapTrimmer` returns what it does not
-reuse. The ``deep`` preset's 512 KiB activations stay above the line: skipping those (a 1 MiB line)
-raised its bare activation peak from 0.77-0.81x to 0.82-0.87x of keep-all under glibc.
+:data:`tba.defaults.DISCARD_MIN_BYTES` (256 KiB) are discarded; a smaller one is only freed, and
+glibc reuses its block for the next tensor of its size (what it does not reuse stays resident: the
+heap trim that would return it is off, Note [The heap trim is off]). The ``deep`` preset's 512 KiB
+activations stay above the line: skipping those (a 1 MiB line) raised its bare activation peak from
+0.77-0.81x to 0.82-0.87x of keep-all under glibc.
 """
 
 from __future__ import annotations
