@@ -80,7 +80,8 @@ least this share of its saved bytes."""
 
 HEAP_TRIM_EVERY_BYTES = 0
 """After this many bytes of offloaded storages are released, glibc's free heap pages are handed
-back to the kernel with ``malloc_trim`` (``tba/runtime/_trim.py``). 0, the default, never trims:
+back to the kernel with ``malloc_trim`` (``tba/runtime/_trim.py``; ``$TBA_HEAP_TRIM_EVERY_BYTES`` overrides it,
+read at each release). 0, the default, never trims:
 the pages of each written storage are handed back on their own, and the trim only made the next
 allocations fault (Note [The heap trim is off] in ``tba/runtime/_trim.py``)."""
 

@@ -12,7 +12,8 @@ run with one.)
 So the pages of a written storage that tba alone holds are handed back to the kernel
 (:func:`discard_pages`, ``MADV_DONTNEED``) before tba drops it: the hole then holds no memory.
 :class:`HeapTrimmer` can also count the bytes tba releases and, every
-:data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`, wake a background thread that calls glibc's
+:func:`heap_trim_every_bytes` (``$TBA_HEAP_TRIM_EVERY_BYTES``, else
+:data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`), wake a background thread that calls glibc's
 ``malloc_trim(0)``, which hands every free page inside the heap back to the kernel; it is off by
 default (Note [The heap trim is off]). Where the C library has no ``malloc_trim`` (musl, macOS) it
 does nothing.
@@ -64,6 +65,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba import _sched, defaults
+from tba._units import SizeError, parse_size
 from tba.allocator import detect
 from tba.runtime._views import storage_bytes
 
@@ -201,15 +203,44 @@ def _load_malloc_trim():
     return trim
 
 
+HEAP_TRIM_ENV = "TBA_HEAP_TRIM_EVERY_BYTES"
+"""Environment variable that turns the heap trim on for the process: bytes released between two trims, a
+size string (``256M``) or a plain number; 0 or unset: :data:`tba.defaults.HEAP_TRIM_EVERY_BYTES` (off)."""
+
+
+def heap_trim_every_bytes() -> int:
+    """Bytes released between two heap trims of the process's trimmer (0: never), read at each release.
+
+    ``$TBA_HEAP_TRIM_EVERY_BYTES`` when set, else :data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`. A value that is
+    not a size logs one warning and leaves the default (it is read on tba's I/O thread, where raising would
+    reach no caller), as ``$TBA_THREAD_POLICY`` does (``tba/_sched.py``).
+    """
+    global _warned_env
+    text = os.environ.get(HEAP_TRIM_ENV, "").strip()
+    if not text:
+        return defaults.HEAP_TRIM_EVERY_BYTES
+    try:
+        return parse_size(text)
+    except SizeError as err:
+        if not _warned_env:
+            _warned_env = True
+            logger.warning("tba: %s: %s; the heap trim stays at its default (%d: off)", HEAP_TRIM_ENV, err,
+                           defaults.HEAP_TRIM_EVERY_BYTES)
+        return defaults.HEAP_TRIM_EVERY_BYTES
+
+
+_warned_env = False
+
+
 class HeapTrimmer:
     """Calls ``malloc_trim(0)`` on a background thread after every ``every_bytes`` released.
 
     Args:
-        every_bytes: Bytes released between two trims. Default :data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`;
-            0 disables trimming.
+        every_bytes: Bytes released between two trims; 0 disables trimming. None (the process's
+            trimmer): :func:`heap_trim_every_bytes`, read at each release.
     """
 
-    def __init__(self, every_bytes: int = defaults.HEAP_TRIM_EVERY_BYTES) -> None:
+    def __init__(self, every_bytes: int | None = None) -> None:
         self.every_bytes = every_bytes
         self.trims = 0
         """``malloc_trim`` calls made so far."""
@@ -227,11 +258,14 @@ class HeapTrimmer:
 
     def note_released(self, nbytes: int) -> None:
         """``nbytes`` of memory were just released; trims once enough has accumulated."""
-        if self._trim is None or self.every_bytes <= 0 or not hands_back_pages():
+        if self._trim is None or not hands_back_pages():
+            return
+        every_bytes = heap_trim_every_bytes() if self.every_bytes is None else self.every_bytes
+        if every_bytes <= 0:
             return
         with self._lock:
             self._pending_bytes += nbytes
-            if self._pending_bytes < self.every_bytes:
+            if self._pending_bytes < every_bytes:
                 return
             self._pending_bytes = 0
             if self._thread is None or self._pid != os.getpid():

@@ -62,6 +62,31 @@ def test_the_trimmer_trims_after_enough_bytes():
     assert trimmer.trims == 1
 
 
+def test_the_process_trimmer_reads_its_interval_from_the_environment(monkeypatch, caplog):
+    """The process's trimmer follows $TBA_HEAP_TRIM_EVERY_BYTES at each release; off (0) when unset."""
+    monkeypatch.delenv(_trim.HEAP_TRIM_ENV, raising=False)
+    assert _trim.heap_trim_every_bytes() == defaults.HEAP_TRIM_EVERY_BYTES == 0
+    monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "256M")
+    assert _trim.heap_trim_every_bytes() == 256 << 20
+    monkeypatch.setattr(_trim, "_hand_back", True)
+    trimmer = _trim.HeapTrimmer()
+    if not trimmer.available:
+        pytest.skip("this C library has no malloc_trim")
+    monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "1K")
+    trimmer.note_released(1024)
+    for _ in range(200):
+        if trimmer.trims:
+            break
+        time.sleep(0.01)
+    assert trimmer.trims == 1
+    monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "lots")
+    monkeypatch.setattr(_trim, "_warned_env", False)
+    with caplog.at_level("WARNING", logger="tba"):
+        assert _trim.heap_trim_every_bytes() == 0
+        assert _trim.heap_trim_every_bytes() == 0
+    assert len([r for r in caplog.records if _trim.HEAP_TRIM_ENV in r.getMessage()]) == 1
+
+
 def test_only_storages_of_discard_min_bytes_give_their_pages_back(spill_dir):
     """Note [Small storages keep their pages]: a 64 KiB storage is only freed, a 1 MiB one is discarded first."""
     if not _trim.hands_back_pages():
