@@ -1,0 +1,163 @@
+"""A recomputed layer runs the forward its first call ran, or raises (Notes [Side effects of a recomputed
+forward] and [A recomputed layer's parameters must not change before backward] in tba/runtime/_recompute.py).
+
+Each case compares ``recompute`` and ``offloaded_recompute`` with training without tba: a forward that
+reads state it also updates (an exponential average it subtracts, a call counter it divides by, spectral
+norm's power iteration), a block applied twice under double backward, and parameters or buffers changed in
+place between forward and backward, which must raise instead of recomputing another forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+import tba
+from tba import TbaError
+
+RECOMPUTED = ("recompute", "offloaded_recompute")
+
+
+class Centering(nn.Module):
+    """Updates a running mean in place, then subtracts it: the recomputation must start from the old one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("mean", torch.zeros(64))
+        self.register_buffer("table", torch.randn(64))  # read, never changed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x) + self.table
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return torch.tanh(h - self.mean) + x
+
+
+class Counting(nn.Module):
+    """Reads a plain attribute it increments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.linear(x) / self.calls) + x
+
+
+class Normed(nn.Module):
+    """torch's spectral norm: each forward advances the power iteration's vectors, and uses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = spectral_norm(nn.Linear(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) + x
+
+
+def _train(block: type[nn.Module], directory: str | None, decision: str | None, steps: int = 2):
+    torch.manual_seed(0)
+    model = nn.Sequential(block(), block())
+    offloader = None if decision is None else tba.Offloader(
+        directory, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20), min_offload_bytes=0)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        if offloader is None:
+            loss = model(x).pow(2).mean()
+        else:
+            with offloader:
+                loss = model(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    if offloader is not None:
+        offloader.close()
+    return losses, [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()], model
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+@pytest.mark.parametrize("block", [Centering, Counting, Normed])
+def test_a_forward_reading_the_state_it_updates_is_recomputed_exactly(spill_dir, block, decision):
+    want = _train(block, None, None)
+    got = _train(block, spill_dir, decision)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])), "losses differ"
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "gradients differ: recomputed from another state"
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2])), "buffers differ after training"
+    if block is Counting:
+        assert [m.calls for m in got[3]] == [m.calls for m in want[3]] == [2, 2]
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.norm = nn.BatchNorm1d(64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.norm(torch.tanh(self.a(x))))
+
+
+def _twice(directory: str | None, code: str):
+    torch.manual_seed(0)
+    blocks = [Shared(), Shared()]
+    x = torch.randn(32, 64)
+    names = {"R": "recompute", "S": "offloaded_recompute"}
+    offloader = None if directory is None else tba.Offloader(
+        directory, layers=blocks, policy=tba.Plan(tuple(names[c] for c in code), window_bytes=1 << 20))
+    if offloader is not None:
+        offloader.__enter__()
+    for block in blocks:
+        x = block(block(x))
+    loss = x.pow(2).mean()
+    if offloader is not None:
+        offloader.__exit__(None, None, None)
+    grads = torch.autograd.grad(loss, list(blocks[1].b.parameters()), create_graph=True)
+    (loss + sum(g.pow(2).sum() for g in grads)).backward()
+    if offloader is not None:
+        offloader.close()
+    return [p.grad for b in blocks for p in b.parameters()], [t.clone() for b in blocks for t in b.buffers()]
+
+
+@pytest.mark.parametrize("code", ["RR", "SS", "RS"])
+def test_a_block_applied_twice_under_double_backward_is_exact(spill_dir, code):
+    """Restoring the running statistics after a recomputation keeps their version counters: nodes the
+    recomputation built under create_graph saved them, and a bump made their unpack raise torch's in-place error."""
+    want_grads, want_buffers = _twice(None, code)
+    grads, buffers = _twice(spill_dir, code)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, want_buffers))
+
+
+def _changed_before_backward(directory: str, decision: str, change) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Centering(), Centering())
+    offloader = tba.Offloader(directory, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20))
+    try:
+        with offloader:
+            loss = model(torch.randn(32, 64)).pow(2).mean()
+        with torch.no_grad():
+            change(model)
+        loss.backward()
+    finally:
+        offloader.close()
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+@pytest.mark.parametrize("what", ["parameter", "unchanged buffer"])
+def test_a_parameter_changed_before_backward_raises_instead_of_recomputing(spill_dir, decision, what):
+    """Without tba the gradient would come from the first forward; a recomputation would read the new values."""
+    change = (lambda m: m[0].linear.weight.mul_(0.5)) if what == "parameter" else (lambda m: m[0].table.add_(1))
+    with pytest.raises(TbaError, match="modified in place after its forward"):
+        _changed_before_backward(spill_dir, decision, change)
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_a_buffer_the_forward_updates_may_change_before_backward(spill_dir, decision):
+    """The recomputation starts from the kept copy of what the forward updates, whatever the buffer holds now."""
+    _changed_before_backward(spill_dir, decision, lambda m: m[0].mean.zero_())
