@@ -81,8 +81,22 @@ def _direct_round_trip(fd: int) -> None:
         raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
 
 
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""A probe write failing with these says the disk (or the user's quota) is full, nothing about ``O_DIRECT``."""
+
+
 def probe_direct_io(directory: str) -> str | None:
-    """None when ``O_DIRECT`` reads and writes work in ``directory``, else the reason they do not."""
+    """None when ``O_DIRECT`` reads and writes work in ``directory`` (or cannot be told from a full disk),
+    else the reason they do not.
+
+    Note: [A full disk says nothing about O_DIRECT]
+    The probe writes one aligned block. On a full file system (or one another process fills at that
+    moment) that write fails with ``ENOSPC``, whatever the I/O mode: buffered writes would fail too.
+    Taken as "no O_DIRECT", it made tba warn that it fell back to the page cache, blame the file
+    system, and run the whole process on buffered I/O (activations back in memory, through the page
+    cache) once space came back. So a full disk counts as O_DIRECT working: the spill file's own
+    writes then fail, and the store keeps those tensors in memory with its one disk-full warning.
+    """
     try:
         fd = open_anonymous(directory, direct=True)
     except OSError as err:
@@ -90,6 +104,10 @@ def probe_direct_io(directory: str) -> str | None:
     try:
         _direct_round_trip(fd)
     except OSError as err:
+        if err.errno in _FULL_ERRNOS:
+            logger.debug("tba: the O_DIRECT probe in %s found the disk full (%s); assuming O_DIRECT works", directory,
+                         err.strerror)
+            return None
         return f"O_DIRECT I/O in {directory} failed: {err.strerror or err}"
     finally:
         os.close(fd)

@@ -1,0 +1,41 @@
+"""The O_DIRECT probe tells a full disk from a file system without O_DIRECT (Note [A full disk says nothing
+about O_DIRECT] in tba/io/_directory.py)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import pytest
+import torch
+
+import tba
+from tba.io import _directory
+
+
+def _failing(code: int):
+    def round_trip(fd: int) -> None:
+        raise OSError(code, "probe failed")
+    return round_trip
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_keeps_o_direct_and_warns_only_of_the_full_disk(spill_dir, monkeypatch, caplog, code):
+    if _directory.probe_direct_io(spill_dir) is not None:
+        pytest.skip("this directory has no O_DIRECT")
+    monkeypatch.setattr(_directory, "_direct_round_trip", _failing(code))
+    assert _directory.probe_direct_io(spill_dir) is None
+    x = torch.randn(256, 1024, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        with tba.offload_activations(spill_dir, policy="offload", direct_io=True) as off:
+            loss = x.exp().sin().sum()
+        loss.backward()
+    assert off.resolved_direct_io is True
+    assert not [r for r in caplog.records if "O_DIRECT" in r.getMessage() or "buffered" in r.getMessage()]
+    assert torch.equal(x.grad, x.detach().exp().cos() * x.detach().exp())
+
+
+def test_an_o_direct_failure_that_is_not_a_full_disk_is_reported(spill_dir, monkeypatch):
+    monkeypatch.setattr(_directory, "_direct_round_trip", _failing(errno.EINVAL))
+    reason = _directory.probe_direct_io(spill_dir)
+    assert reason is not None and "O_DIRECT I/O" in reason
