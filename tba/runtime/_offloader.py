@@ -196,9 +196,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
                 raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
                                "build one Offloader per thread")
             if self._phase is not _Phase.IDLE:
-                raise TbaError(f"this offloader cannot be entered now (it is {self._phase.value}): "
-                               "tba.offload_activations() is one-shot, make a new one each step, or build one "
-                               "tba.Offloader(...) and enter it every step")
+                raise TbaError(self._not_idle_message())
             self._phase = _Phase.ENTERING
             self._claim = claim
         try:
@@ -262,6 +260,17 @@ class Offloader(SavedTensorHooks, StoreOwner):
             torch._C._autograd._pop_saved_tensors_default_hooks()
         finally:
             _control.call_whole(self._exit_job, exc_type is not None)
+
+    def _not_idle_message(self) -> str:
+        """Why an offloader that is not idle cannot be entered, and what to do instead."""
+        if self._phase is _Phase.DISCARDED:
+            return ("this offloader cannot be entered again: an exception left its previous with block, so the "
+                    "tensors that block saved were dropped and its spill file closed; build a new tba.Offloader(...) "
+                    "(or tba.offload_activations()) for the next step")
+        if self._phase is _Phase.CLOSED:
+            return "this offloader is closed; build a new tba.Offloader(...) to offload again"
+        return (f"this offloader cannot be entered now (it is {self._phase.value}): tba.offload_activations() is "
+                "one-shot, make a new one each step, or build one tba.Offloader(...) and enter it every step")
 
     def _exit_job(self, failed: bool) -> None:
         if self._phase is not _Phase.ACTIVE and not (self._phase is _Phase.CLOSED and self._claim is not None):

@@ -150,3 +150,21 @@ def test_two_rank_ddp_job_sharing_one_directory(spill_dir, tmp_path):
     assert all(r["bytes_written"] > 0 for r in ranks), ranks
     assert ranks[0]["grad_checksum"] == ranks[1]["grad_checksum"]
     assert ranks[0]["loss"] != ranks[1]["loss"], "the ranks saw the same batch; the test proves little"
+
+
+def test_entering_a_reusable_offloader_after_its_block_raised_names_the_cause_and_the_fix(spill_dir):
+    offloader = tba.Offloader(spill_dir, policy="offload")
+    layer = nn.Linear(64, 64)
+    with pytest.raises(ValueError):
+        with offloader:
+            layer(torch.randn(32, 64)).relu()
+            raise ValueError("a bad batch")
+    with pytest.raises(TbaError, match="an exception left its previous with block.*build a new tba.Offloader"):
+        with offloader:
+            pass
+    offloader.close()
+    closed = tba.Offloader(spill_dir, policy="offload")
+    closed.close()
+    with pytest.raises(TbaError, match="is closed; build a new tba.Offloader"):
+        with closed:
+            pass
