@@ -8,6 +8,7 @@
  * ``(tag, result, done_bytes)``: ``result`` is the byte count, an ``OSError`` instance carrying
  * the errno, or ``None`` for a read that met end of file early. Both release the GIL around every
  * syscall. ``close`` frees the ring; it refuses while another thread is inside the ring.
+ * ``forget_after_fork`` frees it in a forked child, where the threads that were inside it are gone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -216,6 +217,17 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* In a child of fork(): the parent's threads that were inside the ring do not exist here, and the
+ * ring's lock may have been held by one of them. Forget their marks, leave the lock as it is
+ * (destroying a mutex another thread held is undefined), and unmap and close the inherited ring. */
+static PyObject *Ring_forget_after_fork(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    self->users = 0;
+    self->ring.lock_ready = 0;
+    free_ring(self);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_get_in_flight(RingObject *self, void *Py_UNUSED(closure))
 {
     return PyLong_FromUnsignedLong(self->open ? tba_ring_in_flight(&self->ring) : 0);
@@ -238,6 +250,8 @@ static PyMethodDef Ring_methods[] = {
      "reap() -> (list of (tag, result, done_bytes), woke): wait for finished requests."},
     {"wake", (PyCFunction)Ring_wake, METH_NOARGS, "wake(): make a blocked reap() return."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "close(): free the ring (idempotent)."},
+    {"forget_after_fork", (PyCFunction)Ring_forget_after_fork, METH_NOARGS,
+     "forget_after_fork(): in a forked child, close the inherited ring without the parent's threads."},
     {NULL, NULL, 0, NULL},
 };
 

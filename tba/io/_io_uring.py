@@ -34,6 +34,7 @@ import errno
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -236,7 +237,35 @@ class IoUringEngine(Engine):
 
 
 _engines = WeakRegistry()
-"""Live io_uring engines, for :func:`_wait_idle_at_exit`."""
+"""Live io_uring engines, for :func:`_wait_idle_at_exit` and :func:`_forget_after_fork`."""
+
+
+def _forget_after_fork() -> None:
+    """In a forked child, close every io_uring instance inherited from the parent.
+
+    Note: [A forked child closes the parent's rings]
+    A child of ``fork`` inherits the parent's ring descriptors and mappings, but not the completion
+    thread blocked in ``reap()``: the ring stays marked in use, ``close()`` refuses, and the thread
+    object still refers to the engine, so the descriptor (``anon_inode:[io_uring]``) stayed open for
+    the child's whole life, and its children's, whatever the child closed. The parent's requests are
+    not the child's to finish. So each inherited engine is failed here without taking its locks (a
+    parent thread may have held them at the fork): its ring is unmapped and closed at once, its
+    requests forgotten, and any later use raises, as the runtime and the offloaders drop it anyway
+    (``tba/runtime/_shared.py``, ``tba/runtime/_store_lifetime.py``).
+    """
+    for engine in _engines.alive():
+        engine._lock = threading.Lock()
+        engine._close_lock = threading.Lock()
+        engine._requests = {}
+        engine._resolving = False
+        engine._closing = True
+        engine._failure = RuntimeError("this io_uring engine belongs to the parent process (inherited by fork)")
+        if not engine._ring_closed:
+            engine._ring.forget_after_fork()
+            engine._ring_closed = True
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _wait_idle_at_exit() -> None:

@@ -164,3 +164,43 @@ def test_a_script_exits_after_its_transfers_or_after_the_bounded_wait(tmp_path):
         assert done.returncode == 0, done.stderr
         assert ("still in flight" in done.stderr) is warned, done.stderr
         assert ("read done" in done.stdout) is not warned, (done.stdout, done.stderr)
+
+
+def _io_uring_descriptors() -> int:
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += "io_uring" in os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_closes_the_rings_it_inherited():
+    """Note [A forked child closes the parent's rings]: the completion thread is blocked in reap() at the fork."""
+    before = _io_uring_descriptors()
+    engine = make_engine("io_uring")
+    assert _io_uring_descriptors() == before + 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            left = _io_uring_descriptors()
+            try:
+                engine.submit_many([Request(Op.READ, 0, 0, 4096, 0)])
+                loud = False
+            except RuntimeError:
+                loud = True
+            engine.close()
+            os.write(write, f"{left} {loud}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    left, loud = os.read(read, 100).decode().split()
+    os.close(read)
+    assert int(left) == 0, "the child kept the parent's io_uring descriptor"
+    assert loud == "True", "the inherited engine accepted a request in the child"
+    engine.close()
+    assert _io_uring_descriptors() == before
