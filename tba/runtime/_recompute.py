@@ -61,10 +61,12 @@ when one moved. Loud where torch may be silent (a weight that no saved tensor al
 
 Note: [Generators of a recomputed layer]
 Checkpoint preserves the global RNG states only. A layer that draws from a ``torch.Generator`` of
-its own (held as an attribute of one of its modules) would draw a different mask in the
+its own (held as an attribute of one of its modules, or in a dict, list or tuple attribute) would draw a different mask in the
 recomputation, so its gradients would be those of another forward, and the generator would end
 advanced twice. The wrapper records each such generator's state before the first forward, sets it
-back before the recomputation and, afterwards, restores the state the first forward left.
+back before the recomputation and, afterwards, restores the state the first forward left. A
+generator the layer reaches any other way (a module-level global) is not found: as under plain
+checkpoint, keep or offload such a layer instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -107,7 +109,15 @@ class RecomputeLayers:
         layers = list(layers)
         indices = list(indices) if indices is not None else list(range(len(layers)))
         offload = [offload_inputs] * len(layers) if isinstance(offload_inputs, bool) else list(offload_inputs)
+        index_of = {id(layer): index for index, layer in zip(indices, layers)}
         for index, layer in zip(indices, layers):
+            inner = next((module for module in layer.modules() if module is not layer and id(module) in index_of), None)
+            if inner is not None:
+                raise TbaConfigError(
+                    f"layers {index} ({type(layer).__name__}) and {index_of[id(inner)]} ({type(inner).__name__}) are "
+                    f"both recomputed, and layer {index_of[id(inner)]} is inside layer {index}: one recomputation would "
+                    "run inside the other; recompute only one of them (keep or offload the other), or pass layers= "
+                    "that do not nest")
             if "forward" in vars(layer):
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) has a forward set on the instance, which the plan "
@@ -198,12 +208,15 @@ def _inputs_in_memory() -> contextlib.AbstractContextManager:
 
 
 def _generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
-    """Each ``torch.Generator`` held by ``layer``'s modules, with its state (Note [Generators of a recomputed layer])."""
+    """Each ``torch.Generator`` held by ``layer``'s modules, directly or in a dict, list or tuple attribute,
+    with its state (Note [Generators of a recomputed layer])."""
     states = {}
     for module in layer.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Generator) and id(value) not in states:
-                states[id(value)] = (value, value.get_state())
+            held = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in held:
+                if isinstance(item, torch.Generator) and id(item) not in states:
+                    states[id(item)] = (item, item.get_state())
     return states
 
 

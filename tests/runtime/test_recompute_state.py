@@ -161,3 +161,34 @@ def test_a_parameter_changed_before_backward_raises_instead_of_recomputing(spill
 def test_a_buffer_the_forward_updates_may_change_before_backward(spill_dir, decision):
     """The recomputation starts from the kept copy of what the forward updates, whatever the buffer holds now."""
     _changed_before_backward(spill_dir, decision, lambda m: m[0].mean.zero_())
+
+
+class Drawing(nn.Module):
+    """Draws its mask from a generator it keeps in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.rng = {"dropout": torch.Generator().manual_seed(2)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = (torch.rand(x.shape, generator=self.rng["dropout"]) > 0.3).to(x.dtype)
+        return torch.tanh(self.linear(x) * keep) + x
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_a_generator_held_in_a_dict_draws_the_same_mask_again(spill_dir, decision):
+    want = _train(Drawing, None, None)
+    got = _train(Drawing, spill_dir, decision)
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "the recomputation drew another mask"
+    assert all(torch.equal(a.rng["dropout"].get_state(), b.rng["dropout"].get_state()) for a, b in zip(got[3], want[3]))
+
+
+def test_nested_recomputed_layers_are_a_config_error(spill_dir):
+    model = nn.Sequential(nn.Sequential(Centering(), Centering()), Centering())
+    offloader = tba.Offloader(spill_dir, layers=[model[0], model[0][1], model[1]],
+                              policy=tba.Plan(("recompute", "offloaded_recompute", "keep"), window_bytes=1 << 20))
+    with pytest.raises(tba.TbaConfigError, match="layer 1 is inside layer 0"):
+        with offloader:
+            pass
+    offloader.close()
