@@ -3,13 +3,14 @@
 Each case is drawn from one integer seed (:func:`draw_case`): a stack of 2-5 blocks built from a
 menu (linear, layer norm, batch norm with running statistics, dropout, dropout on a generator of
 its own, views and transposes, in-place activations, a weight shared between two blocks, frozen
-weights), a dtype, an input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a placement
-(the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with its input
-offloaded each block), a backend, a minimum offload size, and an event (a normal step, an exception raised inside the block, or a
-dropped loss). :func:`run_case` runs the same steps twice from the same seed, once without tba
-and once with it, and compares losses, gradients, buffers, SGD-with-momentum state and the input
-tensors with ``torch.equal``; it also checks that no descriptor, thread or file is left once tba
-has shut its runtimes down. :func:`reproducer` prints the case as Python.
+weights, a running mean and a call counter that the forward updates and then reads), a dtype, an
+input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a
+placement (the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with
+its input offloaded each block), a backend, a minimum offload size, and an event (a normal step, an
+exception raised inside the block, or a dropped loss). :func:`run_case` runs the same steps twice
+from the same seed, once without tba and once with it, and compares losses, gradients, buffers,
+SGD-with-momentum state and the input tensors with ``torch.equal``; it also checks that no
+descriptor, thread or file is left once tba has shut its runtimes down. :func:`reproducer` prints the case as Python.
 
 Note: [Custom generators under recompute]
 A dropout drawn from a ``torch.Generator`` of the model's own is not covered by checkpoint's RNG
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen")
+BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering")
 EVENTS = ("step", "step", "step", "raise", "drop")
 
 
@@ -76,6 +77,8 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(width) if "layernorm" in parts else None
         self.batchnorm = nn.BatchNorm1d(width) if "batchnorm" in parts else None
         self.generator = torch.Generator().manual_seed(seed) if "generator_dropout" in parts else None
+        self.register_buffer("center", torch.zeros(width) if "centering" in parts else None)
+        self.calls = 0
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
@@ -95,6 +98,11 @@ class Block(nn.Module):
                 h = h.t().contiguous().t()[:, : h.shape[1]].reshape(h.shape)
             elif part == "inplace":
                 h = (h * 2).relu_()
+            elif part == "centering":  # Note [Side effects of a recomputed forward] in tba/runtime/_recompute.py
+                self.calls += 1
+                with torch.no_grad():
+                    self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype), alpha=0.5)
+                h = (h - self.center) / self.calls
         return torch.sin(h) + x
 
 
