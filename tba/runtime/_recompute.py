@@ -43,7 +43,9 @@ another forward, and gradients differ from training without tba. So the wrapper 
 call of ``forward`` from the recomputation (checkpoint calls the same function again during
 backward). Before the first call it copies every buffer and plain attribute of the layer's modules;
 right after it, the copies of buffers the call did not change (same version counter, same tensor)
-are dropped, so only what the forward updates (usually a few small vectors) is held until backward.
+are dropped, so only what the forward updates (usually a few small vectors) is held until backward;
+the copy itself costs one memcpy of the layer's buffers per step (a causal mask of 16-64 KiB in the
+``tba.bench`` GPTs).
 The recomputation then copies the state as it is, loads the state the first call started from, runs
 the forward, and restores what it copied, bit for bit. The copy back keeps each buffer's version
 counter: the recomputed forward's in-place update already bumped it, and nodes it built (under
