@@ -178,12 +178,13 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         route = self.routes.for_device(device)
         data = storage_bytes(storage)
         nbytes = storage.nbytes()
+        address = storage.data_ptr()
         entry = StorageEntry(
             seq=self._next_seq,
             layer=layer,
             nbytes=nbytes,
-            phase_bytes=route.phase_bytes(storage.data_ptr()),
-            address=storage.data_ptr(),
+            phase_bytes=route.phase_bytes(address),
+            address=address,
             version=version,
             data=data,
             device=device,
