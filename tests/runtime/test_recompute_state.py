@@ -192,3 +192,155 @@ def test_nested_recomputed_layers_are_a_config_error(spill_dir):
         with offloader:
             pass
     offloader.close()
+
+
+class Keeping(nn.Module):
+    """Keeps its state in a plain tensor attribute and a list, both updated and read by forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.count = torch.zeros(())
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        self.seen.append(len(self.seen))
+        return x + torch.tanh(self.linear(x)) * self.count / len(self.seen) ** 0.5
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_tensor_and_list_attributes_the_forward_updates_are_recomputed_from_their_first_state(spill_dir, decision):
+    want = _train(Keeping, None, None)
+    got = _train(Keeping, spill_dir, decision)
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "gradients differ: recomputed from another state"
+    for a, b in zip(got[3], want[3]):
+        assert torch.equal(a.count, b.count) and a.seen == b.seen == [0, 1], "the state advanced twice"
+
+
+class ThroughData(nn.Module):
+    """Updates a running mean through ``.data`` (VQ-VAE's EMA codebooks do): no version bump."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("mean", torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        out = torch.tanh(h - self.mean)
+        self.mean.data.mul_(0.5).add_(h.detach().mean(0), alpha=0.5)
+        return out + x
+
+
+class Lazily(nn.Module):
+    """A buffer that is None until the first forward fills it, replaced by each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        out = torch.tanh(h * (1.0 if self.scale is None else self.scale))
+        with torch.no_grad():
+            self.scale = h.std(0) + 1.0
+        return out + x
+
+
+class Renormed(nn.Module):
+    """An embedding with max_norm renormalises its weight in place in every forward, the recomputation's too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(64, 64, max_norm=1.0)
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = (x.abs() * 10).long().clamp(max=63)[:, 0]
+        return x + torch.tanh(self.linear(self.embedding(index)))
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+@pytest.mark.parametrize("block", [ThroughData, Lazily])
+def test_state_changed_without_a_version_bump_or_from_none_is_recomputed_exactly(spill_dir, block, decision):
+    want = _train(block, None, None, steps=3)
+    got = _train(block, spill_dir, decision, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "gradients differ: recomputed from another state"
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_a_parameter_the_recomputation_itself_changes_is_no_false_alarm_on_a_second_backward(spill_dir, decision):
+    def run(directory):
+        torch.manual_seed(0)
+        model = nn.Sequential(Renormed())
+        offloader = None if directory is None else tba.Offloader(
+            directory, layers=list(model), policy=tba.Plan((decision,), window_bytes=1 << 20), min_offload_bytes=0)
+        if offloader is not None:
+            offloader.__enter__()
+        loss = model(torch.randn(16, 64)).pow(2).mean()
+        if offloader is not None:
+            offloader.__exit__(None, None, None)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        if offloader is not None:
+            offloader.close()
+        return [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(run(spill_dir), run(None)))
+
+
+class Growing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "extra"):
+            self.extra = nn.Identity()
+        return self.extra(torch.tanh(self.linear(x))) + x
+
+
+def test_a_forward_that_adds_submodules_raises(spill_dir):
+    model = nn.Sequential(Growing(), Growing())
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20))
+    with pytest.raises(TbaError, match="added or removed submodules"):
+        with offloader:
+            model(torch.randn(8, 64))
+    offloader.close()
+
+
+class Masking(nn.Module):
+    """A large constant buffer, and one that changes only when told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("mask", torch.rand(64, 64) > 0.5)
+        self.register_buffer("shift", torch.zeros(64))
+        self.bump = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bump:
+            with torch.no_grad():
+                self.shift.add_(1)
+        return torch.tanh(self.linear(x) @ self.mask.to(x.dtype) + self.shift) + x
+
+
+def test_a_buffer_its_first_watched_forward_left_alone_is_not_copied_again_and_a_later_change_is_loud(spill_dir):
+    from tba.runtime._layer_state import learned_for
+
+    model = nn.Sequential(Masking(), Masking())
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20))
+    for _ in range(2):
+        with offloader:
+            loss = model(torch.randn(8, 64)).pow(2).mean()
+        loss.backward()
+    learned = learned_for(model[0])
+    assert (id(model[0]), "mask") in learned.unchanged and not learned.changed
+    model[0].bump = True
+    with pytest.raises(TbaError, match="which earlier forwards left alone"):
+        with offloader:
+            model(torch.randn(8, 64))
+    offloader.close()

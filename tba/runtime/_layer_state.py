@@ -1,0 +1,293 @@
+"""The state a recomputed layer's forward reads and changes besides its inputs, copied and put back.
+
+``tba/runtime/_recompute.py`` runs a recomputed layer's forward a second time in backward. That
+forward must compute what the first one computed, from the same state, and leave the model as one
+forward would. This module holds what that takes: :func:`snapshot` copies the state of a layer's
+modules, :func:`restore` puts a copy back, :class:`FirstCall` keeps what the first call started from
+and checks before the recomputation that nothing it did not keep has moved, and
+:func:`generator_states` finds the layer's own random generators.
+
+The state of a module, for this purpose, is its buffers, its public attributes that hold a tensor,
+a plain value (number, string, bytes, tuple, None) or a list, dict or set (copied one level deep:
+the container and which objects it holds), and the generators it holds. Its parameters are checked,
+not copied. Private attributes (``_name``) are left alone: modules and the frameworks around them
+(FSDP, torch.compile, hooks) keep their own bookkeeping there.
+
+Note: [Side effects of a recomputed forward]
+The recomputation must run the forward the first call ran, and must not change the model a second
+time. A forward may update buffers or tensor attributes in place (BatchNorm's running statistics,
+spectral norm's power iteration vectors, an exponential average it then subtracts), assign plain
+attributes (a call counter) and append to a list; when it also *reads* them, a recomputation from
+the state the first call left computes another forward, and gradients differ from training without
+tba. So the wrapper tells the first call of ``forward`` from the recomputation (checkpoint calls the
+same function again during backward). Before the first call it copies the layer's state; right
+after it, the copies of tensors the call did not change (same object, same version counter and same
+bytes: BatchNorm's kernel updates its running statistics without bumping their version, and so does
+any update through ``.data``) are dropped, so only what the forward updates (usually a few small
+vectors) is held until backward. What a layer's first watched forward left alone (a causal mask,
+say) is remembered (:class:`Learned`, for as long as the layer lives) and not copied again: later
+steps copy only what a forward was seen to change, and watch the rest through its version counter,
+raising :class:`~tba.errors.TbaError` when a forward changes it after all (there is no copy to
+recompute from; the next forward copies it). A change of such a tensor that bumps no version goes
+unseen: the price of not copying every buffer of every recomputed layer every step (a float causal
+mask of a 1024-token model is 4 MiB per layer, and comparing it would synchronise a GPU).
+The recomputation then copies the state as it is, loads the state the first call
+started from, runs the forward, and restores what it copied, bit for bit: each tensor and container
+goes back into the same object the module held, so other references to it see the values too. The
+copy back keeps each tensor's version counter: the recomputed forward's in-place update already
+bumped it, and nodes it built (under ``create_graph``) saved the tensor at that version; another bump
+would make their unpack raise the in-place error on a program torch runs.
+
+Note: [A recomputed layer's parameters must not change before backward]
+Without tba, a parameter autograd saved and the optimiser (or the user) changed in place before
+backward makes unpack raise torch's in-place error; one it did not save is not read again. A
+recomputation reads every parameter of the layer again, so a change between forward and backward
+would silently give the gradients of another forward. :class:`FirstCall` records each parameter's
+version counter (and each state tensor's that the first call left unchanged, whose value it does not
+keep) when the first call ends, and before the recomputation raises :class:`~tba.errors.TbaError`
+naming the tensor when one moved. Loud where torch may be silent (a weight that no saved tensor
+aliases), never wrong.
+
+Note: [Generators of a recomputed layer]
+Checkpoint preserves the global RNG states only. A layer that draws from a ``torch.Generator`` of
+its own (held as an attribute of one of its modules, or in a dict, list or tuple attribute) would
+draw a different mask in the recomputation, so its gradients would be those of another forward, and
+the generator would end advanced twice. The wrapper records each such generator's state before the
+first forward, sets it back before the recomputation and, afterwards, restores the state the first
+forward left. A generator the layer reaches any other way (a module-level global) is not found, nor
+is any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
+layer instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+from tba.errors import TbaError
+
+_PLAIN_TYPES = (int, float, bool, str, bytes, tuple, type(None))
+_CONTAINER_TYPES = (list, dict, set)
+
+Key = tuple[int, str]
+"""A state tensor: the identity of its module, and its name there."""
+
+
+@dataclasses.dataclass
+class TensorCopy:
+    """One state tensor of a module: the object, a copy of its bytes (:data:`NOT_COPIED` when none was taken), its
+    version counter then, and whether it is a buffer (else a plain attribute)."""
+
+    tensor: torch.Tensor
+    value: torch.Tensor
+    version: int
+    is_buffer: bool
+
+
+@dataclasses.dataclass
+class ModuleState:
+    """The state of one module (the module's docstring says what counts)."""
+
+    module: nn.Module
+    tensors: dict[str, TensorCopy]
+    buffer_names: set[str]
+    """Every name registered as a buffer then, ``None`` ones included."""
+    none_buffers: set[str]
+    """The buffers registered as ``None`` then."""
+    plain: dict[str, Any]
+    containers: dict[str, tuple[Any, Any]]
+    """Name to ``(container, shallow copy of its contents)``."""
+
+
+NOT_COPIED = torch.empty(0)
+"""Stands for the bytes of a tensor that was not copied: one the layer's forward is known to leave alone."""
+
+
+@dataclasses.dataclass
+class Learned:
+    """What the forwards of one recomputed layer were seen to do to its state tensors (Note [Side effects of a
+    recomputed forward]); empty until its first forward has been watched."""
+
+    changed: set[Key] = dataclasses.field(default_factory=set)
+    unchanged: set[Key] = dataclasses.field(default_factory=set)
+
+    def copies(self, key: Key) -> bool:
+        """Whether a snapshot copies this tensor's bytes: unless a forward was seen to leave it alone."""
+        return key not in self.unchanged
+
+
+_learned: dict[int, tuple[weakref.ref, Learned]] = {}
+
+
+def learned_for(layer: nn.Module) -> Learned:
+    """The :class:`Learned` of ``layer``, kept while it lives (plain weak references, no callbacks)."""
+    found = _learned.get(id(layer))
+    if found is not None and found[0]() is layer:
+        return found[1]
+    for key in [key for key, (ref, _) in _learned.items() if ref() is None]:
+        del _learned[key]
+    learned = Learned()
+    _learned[id(layer)] = (weakref.ref(layer), learned)
+    return learned
+
+
+def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
+    """The state of each of ``layer``'s modules (Note [Side effects of a recomputed forward])."""
+    states = []
+    for module in layer.modules():
+        tensors = {}
+        for name, value in module._buffers.items():
+            if value is not None and not value.is_inference():  # one made under inference_mode cannot change in place
+                tensors[name] = _copy(value, learned.copies((id(module), name)), True)
+        plain, containers = {}, {}
+        for name, value in vars(module).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, torch.Tensor):
+                if not value.is_inference():
+                    tensors[name] = _copy(value, learned.copies((id(module), name)), False)
+            elif isinstance(value, _PLAIN_TYPES):
+                plain[name] = value
+            elif type(value) in _CONTAINER_TYPES:
+                containers[name] = (value, value.copy())
+        none_buffers = {name for name, value in module._buffers.items() if value is None}
+        states.append(ModuleState(module, tensors, set(module._buffers), none_buffers, plain, containers))
+    return states
+
+
+def _copy(tensor: torch.Tensor, copies: bool, is_buffer: bool) -> TensorCopy:
+    return TensorCopy(tensor, tensor.detach().clone() if copies else NOT_COPIED, tensor._version, is_buffer)
+
+
+def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
+    """Put ``target``'s state back into its modules; ``current`` is a snapshot of the state now."""
+    now_of = {id(state.module): state for state in current}
+    with torch.no_grad():
+        for then in target:
+            module, now = then.module, now_of.get(id(then.module))
+            if now is not None:
+                for name in (now.plain.keys() | now.containers.keys() | _attribute_tensors(now)) - (
+                        then.plain.keys() | then.containers.keys() | _attribute_tensors(then)):
+                    delattr(module, name)  # set by the forward after ``target`` was taken
+            for name in [name for name in module._buffers if name not in then.buffer_names]:
+                del module._buffers[name]  # registered by the forward after ``target`` was taken
+            for name in then.none_buffers:
+                module._buffers[name] = None
+            for name, copied in then.tensors.items():
+                _put_tensor(module, name, copied)
+            for name, value in then.plain.items():
+                setattr(module, name, value)
+            for name, (container, contents) in then.containers.items():
+                if getattr(module, name, None) is not container:
+                    setattr(module, name, container)
+                if isinstance(container, list):
+                    container[:] = contents
+                else:
+                    container.clear()
+                    container.update(contents)
+
+
+def _attribute_tensors(state: ModuleState) -> set[str]:
+    return {name for name, copied in state.tensors.items() if not copied.is_buffer}
+
+
+def _put_tensor(module: nn.Module, name: str, copied: TensorCopy) -> None:
+    tensor, value = copied.tensor, copied.value
+    if value is NOT_COPIED:
+        if tensor._version != copied.version:  # left alone by earlier forwards, changed by this one
+            raise TbaError(f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r} of {type(module).__name__} "
+                           "was changed by a recomputation although the layer's first forward left it alone, and tba "
+                           "kept no copy to restore; keep or offload this layer instead of recomputing it")
+    elif tensor.shape != value.shape or tensor.dtype != value.dtype:
+        tensor = value.clone()  # resized in place: a new tensor holds the bytes
+    else:
+        # Note [Side effects of a recomputed forward]: the copy keeps the version counter.
+        with _unsafe_preserve_version_counter(tensor):
+            tensor.copy_(value)
+    if copied.is_buffer:
+        module._buffers[name] = tensor
+    else:
+        setattr(module, name, tensor)
+
+
+def generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+    """Each ``torch.Generator`` held by ``layer``'s modules, directly or in a dict, list or tuple attribute,
+    with its state (Note [Generators of a recomputed layer])."""
+    states = {}
+    for module in layer.modules():
+        for value in vars(module).values():
+            held = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in held:
+                if isinstance(item, torch.Generator) and id(item) not in states:
+                    states[id(item)] = (item, item.get_state())
+    return states
+
+
+class FirstCall:
+    """What the first call of a recomputed layer's forward left for its recomputation: the generators' states and
+    the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
+    recomputed layer's parameters must not change before backward])."""
+
+    __slots__ = ("generators", "before", "versions")
+
+    def __init__(self) -> None:
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.before: list[ModuleState] = []
+        self.versions: list[tuple[str, torch.Tensor, int]] = []
+
+    def settle(self, layer: nn.Module, learned: Learned) -> None:
+        """After the first call: learn what it changed, keep copies of that only, and record the versions to check.
+
+        Raises:
+            TbaError: the call added or removed submodules, or changed a state tensor earlier forwards left alone.
+        """
+        if [id(m) for m in layer.modules()] != [id(state.module) for state in self.before]:
+            raise TbaError(f"the forward of a recomputed layer ({type(layer).__name__}) added or removed submodules: "
+                           "its recomputation would run another model; keep or offload this layer, or run one forward "
+                           "of the model before offloading with a plan that recomputes it")
+        for state in self.before:
+            module = state.module
+            for name, copied in state.tensors.items():
+                now = module._buffers.get(name) if copied.is_buffer else vars(module).get(name)
+                key, what = (id(module), name), f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r}"
+                # Some kernels update a tensor without bumping its version (BatchNorm's running statistics, and any
+                # update through ``.data``), so the bytes are compared too, on the first forward watched.
+                same = now is copied.tensor and now._version == copied.version
+                if copied.value is NOT_COPIED:
+                    if not same:
+                        learned.unchanged.discard(key)
+                        raise TbaError(f"{what} of a recomputed layer ({type(layer).__name__}) was changed by this "
+                                       "forward, which earlier forwards left alone, and tba kept no copy to recompute "
+                                       "from; from the next forward on tba copies it: run the step again (with a new "
+                                       "Offloader, since this block raised), or keep or offload the layer")
+                    self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                elif key in learned.changed:
+                    continue
+                elif same and torch.equal(now, copied.value):
+                    learned.unchanged.add(key)
+                    self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                    copied.value = NOT_COPIED
+                else:
+                    learned.changed.add(key)
+        self.versions += [(f"parameter {name!r}", p, p._version) for name, p in layer.named_parameters()]
+
+    def check_unchanged(self, layer: nn.Module) -> None:
+        """Raise :class:`TbaError` when a parameter (or a state tensor whose value was not kept) changed in place
+        since the first call (Note [A recomputed layer's parameters must not change before backward])."""
+        for what, tensor, version in self.versions:
+            if tensor._version != version:
+                raise TbaError(
+                    f"{what} of a recomputed layer ({type(layer).__name__}) was modified in place after its "
+                    f"forward (version {version}, now {tensor._version}): recomputing the layer in backward would "
+                    "give the gradients of another forward. Change it after backward (optimizer.step() after "
+                    "loss.backward()), or keep or offload this layer instead of recomputing it")
+
+    def recomputed(self) -> None:
+        """After a recomputation: what it bumped itself (an embedding's ``max_norm`` renormalises its weight in every
+        forward) is not a change made outside, which only a later recomputation (``retain_graph``) would check."""
+        self.versions = [(what, tensor, tensor._version) for what, tensor, _ in self.versions]
