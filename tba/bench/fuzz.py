@@ -98,7 +98,7 @@ class Block(nn.Module):
                 h = h.t().contiguous().t()[:, : h.shape[1]].reshape(h.shape)
             elif part == "inplace":
                 h = (h * 2).relu_()
-            elif part == "centering":  # Note [Side effects of a recomputed forward] in tba/runtime/_recompute.py
+            elif part == "centering":  # Note [Side effects of a recomputed forward] in tba/runtime/_layer_state.py
                 self.calls += 1
                 with torch.no_grad():
                     self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype), alpha=0.5)
