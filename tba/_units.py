@@ -2,7 +2,7 @@
 
 A bare suffix and the ``iB`` suffixes are binary, ``B`` suffixes are decimal (SI), as in fio and
 ``numfmt``: ``512K`` = ``512KiB`` = 512 * 2**10, ``2G`` = ``2GiB`` = 2 * 2**30, but ``2GB`` =
-2 * 10**9. A plain number is bytes; fractions are allowed (``1.5G``).
+2 * 10**9. A plain number is whole bytes; fractions need a unit (``1.5G``).
 """
 
 from __future__ import annotations
@@ -29,5 +29,7 @@ def parse_size(text: str) -> int:
         raise SizeError(f"not a size: {text!r} (write bytes, or a number with K, M, G, T, KiB .. TiB, KB .. TB; "
                         "for example 512M or 2GiB)")
     number, prefix, suffix = match.group(1), (match.group(2) or "").upper(), (match.group(3) or "")
+    if not prefix and "." in number:
+        raise SizeError(f"not a whole number of bytes: {text!r} (a fraction needs a unit, for example 1.5G)")
     base = 1000 if suffix.upper() == "B" else 1024
     return int(float(number) * base ** _POWERS[prefix])

@@ -35,6 +35,12 @@ def test_parse_size_rejects_garbage():
         parse_size("lots")
 
 
+@pytest.mark.parametrize("text", ["1.5", "1.5B", "0.5 B"])
+def test_parse_size_rejects_a_fraction_of_a_byte(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number of bytes"):
+        parse_size(text)
+
+
 def test_bench_small_json(tmp_path, capsys):
     args = _args(bench_io, ["--size", "8M", "--block-size", "1M", "--queue-depth", "4",
                             "--directory", str(tmp_path), "--no-fio", "--json"])
