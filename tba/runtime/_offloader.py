@@ -263,11 +263,11 @@ class Offloader(SavedTensorHooks, StoreOwner):
 
     def _not_idle_message(self) -> str:
         """Why an offloader that is not idle cannot be entered, and what to do instead."""
-        if self._phase is _Phase.DISCARDED:
+        if self._phase is _Phase.DISCARDED and self.reusable:
             return ("this offloader cannot be entered again: an exception left its previous with block, so the "
                     "tensors that block saved were dropped and its spill file closed; build a new tba.Offloader(...) "
                     "(or tba.offload_activations()) for the next step")
-        if self._phase is _Phase.CLOSED:
+        if self._phase is _Phase.CLOSED and self.reusable:
             return "this offloader is closed; build a new tba.Offloader(...) to offload again"
         return (f"this offloader cannot be entered now (it is {self._phase.value}): tba.offload_activations() is "
                 "one-shot, make a new one each step, or build one tba.Offloader(...) and enter it every step")
