@@ -129,8 +129,8 @@ def learned_for(layer: nn.Module) -> Learned:
     found = _learned.get(id(layer))
     if found is not None and found[0]() is layer:
         return found[1]
-    for key in [key for key, (ref, _) in _learned.items() if ref() is None]:
-        del _learned[key]
+    for key in [key for key, (ref, _) in list(_learned.items()) if ref() is None]:
+        _learned.pop(key, None)  # backward may recompute on another thread (a GPU's autograd worker)
     learned = Learned()
     _learned[id(layer)] = (weakref.ref(layer), learned)
     return learned
