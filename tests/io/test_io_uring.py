@@ -178,10 +178,15 @@ def _io_uring_descriptors() -> int:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_closes_the_rings_it_inherited():
-    """Note [A forked child closes the parent's rings]: the completion thread is blocked in reap() at the fork."""
+    """Note [A forked child closes the parent's rings]: the completion thread is blocked in reap() at the fork.
+
+    Other libraries may hold rings of their own (libuv's, behind torch.distributed's TCPStore): the child
+    keeps those, and only those."""
     before = _io_uring_descriptors()
     engine = make_engine("io_uring")
     assert _io_uring_descriptors() == before + 1
+    tba_rings = sum(1 for e in io_uring_module._engines.alive() if not e._ring_closed)
+    others = _io_uring_descriptors() - tba_rings
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -200,7 +205,7 @@ def test_a_forked_child_closes_the_rings_it_inherited():
     os.waitpid(pid, 0)
     left, loud = os.read(read, 100).decode().split()
     os.close(read)
-    assert int(left) == 0, "the child kept the parent's io_uring descriptor"
+    assert int(left) == others, f"the child kept {int(left) - others} of the parent's io_uring descriptors"
     assert loud == "True", "the inherited engine accepted a request in the child"
     engine.close()
     assert _io_uring_descriptors() == before
