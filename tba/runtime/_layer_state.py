@@ -8,8 +8,10 @@ and checks before the recomputation that nothing it did not keep has moved, and
 :func:`generator_states` finds the layer's own random generators.
 
 The state of a module, for this purpose, is its buffers, its public attributes that hold a tensor,
-a plain value (number, string, bytes, tuple, None) or a list, dict or set (copied one level deep:
-the container and which objects it holds), and the generators it holds. Its parameters are checked,
+a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
+any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
+the bytes of the tensors among them), and the generators it holds. A container nested in a
+container is not copied: its changes are replayed twice, silently, as under plain checkpoint. Its parameters are checked,
 not copied. Private attributes (``_name``) are left alone: modules and the frameworks around them
 (FSDP, torch.compile, hooks) keep their own bookkeeping there.
 
@@ -25,7 +27,8 @@ after it, the copies of tensors the call did not change (same object, same versi
 bytes: BatchNorm's kernel updates its running statistics without bumping their version, and so does
 any update through ``.data``) are dropped, so only what the forward updates (usually a few small
 vectors) is held until backward. What a layer's first watched forward left alone (a causal mask,
-say) is remembered (:class:`Learned`, for as long as the layer lives) and not copied again: later
+say) is remembered (:class:`Learned`, for as long as the layer lives, per training mode: a norm
+layer validated in eval mode first leaves its statistics alone only there) and not copied again: later
 steps copy only what a forward was seen to change, and watch the rest through its version counter,
 raising :class:`~tba.errors.TbaError` when a forward changes it after all (there is no copy to
 recompute from; the next forward copies it). A change of such a tensor that bumps no version goes
@@ -61,10 +64,13 @@ layer instead of recomputing it.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
@@ -72,10 +78,11 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from tba.errors import TbaError
 
 _PLAIN_TYPES = (int, float, bool, str, bytes, tuple, type(None))
-_CONTAINER_TYPES = (list, dict, set)
+_CONTAINER_TYPES = (list, dict, set, collections.deque)
 
-Key = tuple[int, str]
-"""A state tensor: the identity of its module, and its name there."""
+Key = tuple[int, str, bool]
+"""A state tensor: the identity of its module, its name there, and whether the module was training (a norm layer
+updates its statistics in training mode only)."""
 
 
 @dataclasses.dataclass
@@ -102,6 +109,12 @@ class ModuleState:
     plain: dict[str, Any]
     containers: dict[str, tuple[Any, Any]]
     """Name to ``(container, shallow copy of its contents)``."""
+    items: list[tuple[Key, TensorCopy]]
+    """Tensors held in those containers (one level), restored in place."""
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]]
+    """numpy array attributes, always copied (they have no version counter to watch)."""
+    training: bool
+    """The module's mode when the state was taken: part of each tensor's :data:`Key`."""
 
 
 NOT_COPIED = torch.empty(0)
@@ -140,23 +153,32 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
     """The state of each of ``layer``'s modules (Note [Side effects of a recomputed forward])."""
     states = []
     for module in layer.modules():
+        mode = module.training
         tensors = {}
         for name, value in module._buffers.items():
             if value is not None and not value.is_inference():  # one made under inference_mode cannot change in place
-                tensors[name] = _copy(value, learned.copies((id(module), name)), True)
-        plain, containers = {}, {}
+                tensors[name] = _copy(value, learned.copies((id(module), name, mode)), True)
+        plain, containers, items, arrays = {}, {}, [], {}
         for name, value in vars(module).items():
             if name.startswith("_"):
                 continue
             if isinstance(value, torch.Tensor):
                 if not value.is_inference():
-                    tensors[name] = _copy(value, learned.copies((id(module), name)), False)
+                    tensors[name] = _copy(value, learned.copies((id(module), name, mode)), False)
             elif isinstance(value, _PLAIN_TYPES):
                 plain[name] = value
-            elif type(value) in _CONTAINER_TYPES:
-                containers[name] = (value, value.copy())
+            elif isinstance(value, _CONTAINER_TYPES):
+                containers[name] = (value, copy.copy(value))
+                held = value.values() if isinstance(value, dict) else value
+                for index, item in enumerate(held):
+                    if isinstance(item, torch.Tensor) and not item.is_inference():
+                        key = (id(module), f"{name}[{index}]", mode)
+                        items.append((key, _copy(item, learned.copies(key), False)))
+            elif isinstance(value, np.ndarray):
+                arrays[name] = (value, value.copy())
         none_buffers = {name for name, value in module._buffers.items() if value is None}
-        states.append(ModuleState(module, tensors, set(module._buffers), none_buffers, plain, containers))
+        states.append(ModuleState(module, tensors, set(module._buffers), none_buffers, plain, containers, items, arrays,
+                                  mode))
     return states
 
 
@@ -185,11 +207,20 @@ def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
             for name, (container, contents) in then.containers.items():
                 if getattr(module, name, None) is not container:
                     setattr(module, name, container)
-                if isinstance(container, list):
-                    container[:] = contents
-                else:
-                    container.clear()
+                container.clear()
+                if isinstance(container, (dict, set)):
                     container.update(contents)
+                else:
+                    container.extend(contents)
+            for (_, name, _), copied in then.items:
+                _put_bytes(copied, f"tensor {name} of {type(module).__name__}")
+            for name, (array, contents) in then.arrays.items():
+                if getattr(module, name, None) is not array:
+                    setattr(module, name, array)
+                if array.shape == contents.shape and array.dtype == contents.dtype:
+                    array[...] = contents
+                else:
+                    setattr(module, name, contents.copy())
 
 
 def _attribute_tensors(state: ModuleState) -> set[str]:
@@ -197,22 +228,28 @@ def _attribute_tensors(state: ModuleState) -> set[str]:
 
 
 def _put_tensor(module: nn.Module, name: str, copied: TensorCopy) -> None:
-    tensor, value = copied.tensor, copied.value
-    if value is NOT_COPIED:
-        if tensor._version != copied.version:  # left alone by earlier forwards, changed by this one
-            raise TbaError(f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r} of {type(module).__name__} "
-                           "was changed by a recomputation although the layer's first forward left it alone, and tba "
-                           "kept no copy to restore; keep or offload this layer instead of recomputing it")
-    elif tensor.shape != value.shape or tensor.dtype != value.dtype:
-        tensor = value.clone()  # resized in place: a new tensor holds the bytes
-    else:
-        # Note [Side effects of a recomputed forward]: the copy keeps the version counter.
-        with _unsafe_preserve_version_counter(tensor):
-            tensor.copy_(value)
+    kind = "buffer" if copied.is_buffer else "tensor attribute"
+    tensor = _put_bytes(copied, f"{kind} {name!r} of {type(module).__name__}")
     if copied.is_buffer:
         module._buffers[name] = tensor
     else:
         setattr(module, name, tensor)
+
+
+def _put_bytes(copied: TensorCopy, what: str) -> torch.Tensor:
+    """Copy ``copied``'s bytes back into its tensor (keeping its version counter); the tensor that holds them."""
+    tensor, value = copied.tensor, copied.value
+    if value is NOT_COPIED:
+        if tensor._version != copied.version:  # left alone by earlier forwards, changed by this one
+            raise TbaError(f"{what} was changed by a recomputation although the layer's first forward left it alone, "
+                           "and tba kept no copy to restore; keep or offload this layer instead of recomputing it")
+        return tensor
+    if tensor.shape != value.shape or tensor.dtype != value.dtype:
+        return value.clone()  # resized in place: a new tensor holds the bytes
+    # Note [Side effects of a recomputed forward]: the copy keeps the version counter.
+    with _unsafe_preserve_version_counter(tensor):
+        tensor.copy_(value)
+    return tensor
 
 
 def generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
@@ -252,9 +289,11 @@ class FirstCall:
                            "of the model before offloading with a plan that recomputes it")
         for state in self.before:
             module = state.module
-            for name, copied in state.tensors.items():
-                now = module._buffers.get(name) if copied.is_buffer else vars(module).get(name)
-                key, what = (id(module), name), f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r}"
+            found = [((module._buffers.get(name) if copied.is_buffer else vars(module).get(name)), copied,
+                      (id(module), name, state.training), f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r}")
+                     for name, copied in state.tensors.items()]
+            found += [(copied.tensor, copied, key, f"tensor {key[1]}") for key, copied in state.items]
+            for now, copied, key, what in found:
                 # Some kernels update a tensor without bumping its version (BatchNorm's running statistics, and any
                 # update through ``.data``), so the bytes are compared too, on the first forward watched.
                 same = now is copied.tensor and now._version == copied.version

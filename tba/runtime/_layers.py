@@ -68,6 +68,11 @@ def state_storage_keys(modules: Iterable[nn.Module]) -> dict[int, StorageWeakRef
     keys: dict[int, StorageWeakRef] = {}
     for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
+            if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+                raise TbaConfigError(
+                    f"{type(module).__name__} has lazy parameters or buffers that are not materialised yet "
+                    f"({type(tensor).__name__}); run one forward of the model (torch.no_grad() is enough) before "
+                    "building the offloader")
             storage = tensor.untyped_storage()
             keys[storage._cdata] = StorageWeakRef(storage)
     return keys
