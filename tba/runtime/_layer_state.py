@@ -174,7 +174,7 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
                     if isinstance(item, torch.Tensor) and not item.is_inference():
                         key = (id(module), f"{name}[{index}]", mode)
                         items.append((key, _copy(item, learned.copies(key), False)))
-            elif isinstance(value, np.ndarray):
+            elif isinstance(value, np.ndarray) and value.flags.writeable:  # a read-only one cannot change in place
                 arrays[name] = (value, value.copy())
         none_buffers = {name for name, value in module._buffers.items() if value is None}
         states.append(ModuleState(module, tensors, set(module._buffers), none_buffers, plain, containers, items, arrays,

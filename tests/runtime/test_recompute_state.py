@@ -371,13 +371,15 @@ class Holding(nn.Module):
         self.state = {"scale": torch.ones(64)}
         self.counts: collections.defaultdict = collections.defaultdict(int)
         self.steps = np.zeros(1)
+        self.table = np.frombuffer(b"\x01" * 64, dtype=np.uint8)  # read-only: nothing to put back
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             self.state["scale"].mul_(1.5)
         self.counts["n"] += 1
         self.steps += 1
-        return x + torch.tanh(self.linear(x) * self.state["scale"]) * self.counts["n"] / float(self.steps[0])
+        scale = self.counts["n"] / float(self.steps[0]) * float(self.table[0])
+        return x + torch.tanh(self.linear(x) * self.state["scale"]) * scale
 
 
 @pytest.mark.parametrize("decision", RECOMPUTED)
