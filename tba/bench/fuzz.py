@@ -10,7 +10,8 @@ its input offloaded each block), a backend, a minimum offload size, and an event
 exception raised inside the block, or a dropped loss). :func:`run_case` runs the same steps twice
 from the same seed, once without tba and once with it, and compares losses, gradients, buffers,
 SGD-with-momentum state and the input tensors with ``torch.equal``; it also checks that no
-descriptor, thread or file is left once tba has shut its runtimes down. :func:`reproducer` prints the case as Python.
+descriptor, thread or file is left once tba has shut its runtimes down. :func:`reproducer` prints
+the case as Python.
 
 Note: [Custom generators under recompute]
 A dropout drawn from a ``torch.Generator`` of the model's own is not covered by checkpoint's RNG

@@ -11,8 +11,8 @@ The state of a module, for this purpose, is its buffers, its public attributes t
 a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
 any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
 the bytes of the tensors among them), and the generators it holds. A container nested in a
-container is not copied: its changes are replayed twice, silently, as under plain checkpoint. Its parameters are checked,
-not copied. Private attributes (``_name``) are left alone: modules and the frameworks around them
+container is not copied: its changes are replayed twice, silently, as under plain checkpoint. Its
+parameters are checked, not copied. Private attributes (``_name``) are left alone: modules and the frameworks around them
 (FSDP, torch.compile, hooks) keep their own bookkeeping there.
 
 Note: [Side effects of a recomputed forward]
@@ -28,8 +28,8 @@ bytes: BatchNorm's kernel updates its running statistics without bumping their v
 any update through ``.data``) are dropped, so only what the forward updates (usually a few small
 vectors) is held until backward. What a layer's first watched forward left alone (a causal mask,
 say) is remembered (:class:`Learned`, for as long as the layer lives, per training mode: a norm
-layer validated in eval mode first leaves its statistics alone only there) and not copied again: later
-steps copy only what a forward was seen to change, and watch the rest through its version counter,
+layer validated in eval mode first leaves its statistics alone only there) and not copied again:
+later steps copy only what a forward was seen to change, and watch the rest through its version counter,
 raising :class:`~tba.errors.TbaError` when a forward changes it after all (there is no copy to
 recompute from; the next forward copies it). A change of such a tensor that bumps no version goes
 unseen: the price of not copying every buffer of every recomputed layer every step (a float causal
@@ -169,8 +169,7 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
                 plain[name] = value
             elif isinstance(value, _CONTAINER_TYPES):
                 containers[name] = (value, copy.copy(value))
-                held = value.values() if isinstance(value, dict) else value
-                for index, item in enumerate(held):
+                for index, item in enumerate(_held(value)):
                     if isinstance(item, torch.Tensor) and not item.is_inference():
                         key = (id(module), f"{name}[{index}]", mode)
                         items.append((key, _copy(item, learned.copies(key), False)))
@@ -252,14 +251,18 @@ def _put_bytes(copied: TensorCopy, what: str) -> torch.Tensor:
     return tensor
 
 
+def _held(container: Any) -> Any:
+    """What a container attribute holds: a dict's values, else its items."""
+    return container.values() if isinstance(container, dict) else container
+
+
 def generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
     """Each ``torch.Generator`` held by ``layer``'s modules, directly or in a dict, list or tuple attribute,
     with its state (Note [Generators of a recomputed layer])."""
     states = {}
     for module in layer.modules():
         for value in vars(module).values():
-            held = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-            for item in held:
+            for item in _held(value) if isinstance(value, (dict, list, tuple)) else (value,):
                 if isinstance(item, torch.Generator) and id(item) not in states:
                     states[id(item)] = (item, item.get_state())
     return states

@@ -63,11 +63,17 @@ class Normed(nn.Module):
         return torch.tanh(self.linear(x)) + x
 
 
+def _pinned(directory: str | None, layers: list[nn.Module], decisions: tuple[str, ...]) -> tba.Offloader | None:
+    """An offloader following ``decisions`` over ``layers``; None without a directory (training without tba)."""
+    if directory is None:
+        return None
+    return tba.Offloader(directory, layers=layers, policy=tba.Plan(decisions, window_bytes=1 << 20), min_offload_bytes=0)
+
+
 def _train(block: type[nn.Module], directory: str | None, decision: str | None, steps: int = 2):
     torch.manual_seed(0)
     model = nn.Sequential(block(), block())
-    offloader = None if decision is None else tba.Offloader(
-        directory, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20), min_offload_bytes=0)
+    offloader = None if decision is None else _pinned(directory, list(model), (decision,) * 2)
     losses = []
     for step in range(steps):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
@@ -111,8 +117,7 @@ def _twice(directory: str | None, code: str):
     blocks = [Shared(), Shared()]
     x = torch.randn(32, 64)
     names = {"R": "recompute", "S": "offloaded_recompute"}
-    offloader = None if directory is None else tba.Offloader(
-        directory, layers=blocks, policy=tba.Plan(tuple(names[c] for c in code), window_bytes=1 << 20))
+    offloader = _pinned(directory, blocks, tuple(names[c] for c in code))
     if offloader is not None:
         offloader.__enter__()
     for block in blocks:
@@ -279,8 +284,7 @@ def test_a_parameter_the_recomputation_itself_changes_is_no_false_alarm_on_a_sec
     def run(directory):
         torch.manual_seed(0)
         model = nn.Sequential(Renormed())
-        offloader = None if directory is None else tba.Offloader(
-            directory, layers=list(model), policy=tba.Plan((decision,), window_bytes=1 << 20), min_offload_bytes=0)
+        offloader = _pinned(directory, list(model), (decision,))
         if offloader is not None:
             offloader.__enter__()
         loss = model(torch.randn(16, 64)).pow(2).mean()
@@ -398,8 +402,7 @@ def test_statistics_left_alone_in_eval_are_copied_again_in_training(spill_dir, d
     def run(directory):
         torch.manual_seed(0)
         model = nn.Sequential(Statistics(), Statistics())
-        offloader = None if directory is None else tba.Offloader(
-            directory, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20), min_offload_bytes=0)
+        offloader = _pinned(directory, list(model), (decision,) * 2)
         for step in range(3):
             model.train(step > 0)
             x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))

@@ -48,6 +48,15 @@ def test_a_tensor_the_program_still_uses_is_never_discarded(spill_dir, backend):
     assert torch.equal(x.grad, (x.detach().exp().cos() * x.detach().exp()))
 
 
+def _trims_once(trimmer: _trim.HeapTrimmer) -> bool:
+    """Whether the trimmer's background thread has trimmed exactly once within 2 s."""
+    for _ in range(200):
+        if trimmer.trims:
+            break
+        time.sleep(0.01)
+    return trimmer.trims == 1
+
+
 def test_the_trimmer_trims_after_enough_bytes():
     trimmer = _trim.HeapTrimmer(every_bytes=1024)
     if not trimmer.available:
@@ -55,11 +64,7 @@ def test_the_trimmer_trims_after_enough_bytes():
     trimmer.note_released(512)
     assert trimmer.trims == 0
     trimmer.note_released(512)
-    for _ in range(200):
-        if trimmer.trims:
-            break
-        time.sleep(0.01)
-    assert trimmer.trims == 1
+    assert _trims_once(trimmer)
 
 
 def test_the_process_trimmer_reads_its_interval_from_the_environment(monkeypatch, caplog):
@@ -74,11 +79,7 @@ def test_the_process_trimmer_reads_its_interval_from_the_environment(monkeypatch
         pytest.skip("this C library has no malloc_trim")
     monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "1K")
     trimmer.note_released(1024)
-    for _ in range(200):
-        if trimmer.trims:
-            break
-        time.sleep(0.01)
-    assert trimmer.trims == 1
+    assert _trims_once(trimmer)
     monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "lots")
     monkeypatch.setattr(_trim, "_warned_env", False)
     with caplog.at_level("WARNING", logger="tba"):
