@@ -1,9 +1,10 @@
-"""Build hook for the optional native io_uring extension ``tba._uring``.
+"""Build hook for the optional native extensions ``tba._uring`` (io_uring) and ``tba._shield``.
 
 All package metadata lives in ``pyproject.toml``; this file only declares the C extension. The
 extension is optional: when it cannot be compiled (no C compiler, no Python or kernel headers),
-the build prints a warning and installation carries on without it, and ``backend="auto"`` then
-uses the portable thread engine, logging why.
+the build prints a warning and installation carries on without it: ``backend="auto"`` then
+uses the portable thread engine, logging why, and without ``tba._shield`` an offloader's exit is
+plain Python (``tba/_whole_exit.py`` says what that leaves open).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,13 @@ URING_EXTENSION = Extension(
     "tba._uring",
     sources=["native/tba_uring.c", "native/uring_ring.c", "native/uring_io.c"],
     depends=["native/uring_ring.h"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    optional=True,
+)
+
+SHIELD_EXTENSION = Extension(
+    "tba._shield",
+    sources=["native/tba_shield.c"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
     optional=True,
 )
@@ -36,9 +44,9 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(err: Exception) -> None:
         print(
-            f"WARNING: tba's native io_uring extension was not built ({err}); "
-            "the portable thread engine will be used instead."
+            f"WARNING: a native extension of tba was not built ({err}); tba runs without it "
+            "(see setup.py)."
         )
 
 
-setup(ext_modules=[URING_EXTENSION], cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION], cmdclass={"build_ext": OptionalBuildExt})

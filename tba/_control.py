@@ -21,7 +21,10 @@ drops it (a swallowed Ctrl-C). Three rules keep every state change whole:
   over (``tba/io/_engine.py``), whatever happens to the caller.
 
 Work that only waits (``flush``, waiting for a read) stays in the caller's thread: an exception
-while waiting leaves nothing half done.
+while waiting leaves nothing half done, since the wait holds no Python-level lock (Note [Waiting
+without a Python lock] in ``tba/_outcome.py``). The offloader's ``__exit__``, which a handler could
+otherwise skip before its first line, is C (Note [An exit that always runs] in
+``tba/_whole_exit.py``).
 
 Note: [Deferred jobs]
 A hop to the control thread and back costs a thread wake-up and two hand-overs of the GIL: tens
@@ -46,10 +49,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from tba._control_loop import STOP, WAKE, CallFinalizer, Control, Finalizer, run_queued
+from tba._outcome import Outcome
 
 _control = Control()
 F = TypeVar("F", bound=Finalizer)
@@ -58,6 +61,14 @@ F = TypeVar("F", bound=Finalizer)
 def in_control_thread() -> bool:
     """Whether the caller is the control thread itself."""
     return threading.current_thread() is _control.thread
+
+
+def takes_jobs() -> bool:
+    """Whether a job queued now (on ``_control.jobs``, as ``native/tba_shield.c`` does) is run by the
+    control thread: the caller is another thread, and the control thread has not stopped (at
+    interpreter exit)."""
+    control = _control
+    return control.thread is not None and not control.stopped and threading.current_thread() is not control.thread
 
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -76,22 +87,16 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def wait(future: Future) -> Any:
-    """``future.result()``, waiting on a :class:`queue.SimpleQueue` instead of the future's condition.
-
-    ``Condition.wait`` releases its lock and re-acquires it in two steps; an asynchronous exception
-    between them turns into ``RuntimeError: cannot release un-acquired lock`` and the user's
-    exception is lost. A simple queue's ``get`` is one C call that either returns or raises.
-    """
-    if not future.done():
-        arrived: queue.SimpleQueue = queue.SimpleQueue()
-        future.add_done_callback(arrived.put)
-        started = time.perf_counter()
-        try:
-            arrived.get()
-        finally:
-            _waits.seconds = getattr(_waits, "seconds", 0.0) + time.perf_counter() - started
-    return future.result()
+def wait(outcome: Outcome) -> Any:
+    """``outcome.wait()``, adding the time blocked to :func:`waited_s` (Note [Waiting without a Python
+    lock] in ``tba/_outcome.py`` says why tba's waits are not on a ``Future``)."""
+    if outcome.done():
+        return outcome.wait()
+    started = time.perf_counter()
+    try:
+        return outcome.wait()
+    finally:
+        _waits.seconds = getattr(_waits, "seconds", 0.0) + time.perf_counter() - started
 
 
 _waits = threading.local()

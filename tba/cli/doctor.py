@@ -1,7 +1,8 @@
 """Report what this machine offers tba: I/O backends and why not, GPU paths, limits, bandwidth.
 
 Each check only reports; none of them makes the command fail. The checks are: the io_uring
-engine (extension built, kernel allows it, see :func:`tba.io._io_uring.probe`), ``O_DIRECT``
+engine (extension built, kernel allows it, see :func:`tba.io._io_uring.probe`), whether the offloader's
+exit is the native one that no signal handler can skip (``tba/_whole_exit.py``), ``O_DIRECT``
 in the offload directory (:func:`tba.io._directory.probe_direct_io`), whether CUDA is available, whether
 kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
 with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
@@ -20,6 +21,7 @@ import resource
 import torch
 
 from tba._units import parse_size
+from tba._whole_exit import exit_block
 from tba.allocator import CACHING, detect, find_library
 from tba.defaults import MIB
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
@@ -130,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("io_uring engine", _status(backends["io_uring"])),
         ("threads engine", _status(backends["threads"])),
+        ("exit safe from signals", "yes (tba._shield)" if exit_block is not None else
+                                   "no: the native extension tba._shield was not built (reinstall with a C compiler)"),
         ("backend 'auto' uses", resolve_backend("auto")),
         (f"O_DIRECT in {directory}", _status(direct_reason)),
         (f"file system of {directory}", _filesystem_row(directory)),

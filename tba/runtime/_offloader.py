@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from tba import _control
+from tba._whole_exit import WholeExit
 from tba.allocator import detect as detect_allocator
 from tba.config import OffloadConfig, signature_with_options
 from tba.device import DeviceOps, cuda_api, host_engine_backend
@@ -253,13 +254,16 @@ class Offloader(SavedTensorHooks, StoreOwner):
         self._runtime = None
         self._store.forget_after_fork()
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+    def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         # The hooks come off first and in one C call; the rest runs whole even when an asynchronous
         # exception arrives meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
         try:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         finally:
             _control.call_whole(self._exit_job, exc_type is not None)
+
+    # The same in C where the extension is built: Note [An exit that always runs] in tba/_whole_exit.py.
+    __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks, "_exit_job")
 
     def _not_idle_message(self) -> str:
         """Why an offloader that is not idle cannot be entered, and what to do instead."""

@@ -16,12 +16,12 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tba._control import after_batch, wait
+from tba._outcome import Outcome
 from tba._trace import nvtx_range
 from tba.errors import TbaReadError
 from tba.io import checksum
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 
 # Note: [A read nobody waits for has no future]
 # Most reads are prefetched: the unpack that needs the bytes finds them resident and never waits. A
-# Future per read (with its condition and locks) was a measurable part of backward's cost per
+# waitable outcome per read was a measurable part of backward's cost per
 # storage (docs/host-cost.md), so a read in flight is marked UNWATCHED, and start_load replaces the
-# mark with a Future only when an unpack must wait for that read. A failed read nobody waited for
+# mark with an Outcome (tba/_outcome.py) only when an unpack must wait for that read. A failed read nobody waited for
 # leaves the entry on disk: the unpack that needs it reads again and sees the error itself.
 UNWATCHED: Any = object()
 """``entry.read_done`` of a read in flight that no unpack waits for yet."""
@@ -138,7 +138,7 @@ class StoreReads:
         if entry is not None:
             self.prefetch(entry)
 
-    def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Future | None]:
+    def start_load(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any, Outcome | None]:
         """``(bytes, event, None)`` when resident, else ``(None, None, read)`` for :meth:`wait_read`.
 
         Starts the read if needed and moves the prefetch window; never waits. The caller counts
@@ -152,7 +152,7 @@ class StoreReads:
                 done = self._start_read(entry, watched=True)
                 self._host.flush()
             elif data is None and done is UNWATCHED:
-                done = entry.read_done = Future()
+                done = entry.read_done = Outcome()
         self.prefetch(entry)
         if data is not None:
             with self.lock:
@@ -161,9 +161,9 @@ class StoreReads:
                 return data, entry.ready_event, None
         return None, None, done
 
-    def _start_read(self, entry: StorageEntry, watched: bool = False) -> Future | None:
+    def _start_read(self, entry: StorageEntry, watched: bool = False) -> Outcome | None:
         """Queue the read of ``entry``; ``watched``: the caller waits for it, through the future returned."""
-        done = entry.read_done = Future() if watched else UNWATCHED
+        done = entry.read_done = Outcome() if watched else UNWATCHED
         entry.transfer_in_flight = True
         self._reading += 1
         self.read_clock.start()
@@ -216,7 +216,7 @@ class StoreReads:
             "hole, a failing disk); its gradients cannot be computed, run the step again"
         )
 
-    def wait_read(self, entry: StorageEntry, done: Future) -> tuple[torch.Tensor, Any]:
+    def wait_read(self, entry: StorageEntry, done: Outcome) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
         try:
             with nvtx_range("wait_read"):

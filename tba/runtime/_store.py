@@ -25,13 +25,13 @@ import collections
 import functools
 import logging
 import threading
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from tba import defaults
 from tba._control import wait
+from tba._outcome import Outcome
 from tba._trace import nvtx_range
 from tba.device import WRITE_NOT_NEEDED, Routes
 from tba.io import BufferPool, Engine, SpillFile
@@ -83,8 +83,8 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         self._prefetch_to: StorageEntry | None = None
         """The deepest storage unpacked from memory since the window last moved (Note [One window move
         per batch of unpacks] in ``tba/runtime/_reads.py``)."""
-        self._idle_waiters: list[Future] = []
-        """Futures set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
+        self._idle_waiters: list[Outcome] = []
+        """Outcomes set whenever a transfer ends; :meth:`_wait_until` re-checks its condition then."""
         self._by_storage: dict[int, StorageEntry] = {}
         self._lingering: collections.deque[tuple[StorageEntry, torch.Tensor]] = collections.deque()
         self.pages_discarded_bytes = 0
@@ -261,7 +261,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             with self.lock:
                 if done():
                     return
-                ended: Future = Future()
+                ended = Outcome()
                 self._idle_waiters.append(ended)
             wait(ended)
 

@@ -23,8 +23,7 @@ from tba.io import BufferPool
 from tba.runtime._views import State, StorageEntry
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
+    from tba._outcome import Outcome
     from tba.device import Routes
     from tba.io import Engine, SpillFile
     from tba.runtime._host_io import HostBatch
@@ -50,7 +49,7 @@ class StoreLifetime:
     _reading: int
     _next_seq: int
     _prefetch_to: StorageEntry | None
-    _idle_waiters: list[Future]
+    _idle_waiters: list[Outcome]
     _sweep_written: Callable[..., None]
     release: Callable[[StorageEntry], None]
     _free_extent: Callable[[StorageEntry], None]

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tba._outcome import Outcome
 from tba.defaults import ALIGN_BYTES
 from tba.io import round_up
 
@@ -153,7 +153,7 @@ class StorageEntry:
     """Every live view was unpacked: backward needs the bytes no more."""
     transfer_in_flight: bool = False
     io_error: BaseException | None = None
-    read_done: Future | None = None
+    read_done: Outcome | None = None
     """The read in flight (``tba/runtime/_reads.py``'s ``UNWATCHED`` until an unpack waits for it), else None."""
     device: torch.device = torch.device("cpu")
     route: Route | None = None

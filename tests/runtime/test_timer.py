@@ -55,11 +55,10 @@ class WaitsInTba(nn.Module):
         self.linear = nn.Linear(8, 8)
 
     def _block(self) -> None:
-        from concurrent.futures import Future
-
         from tba._control import wait
+        from tba._outcome import Outcome
 
-        future: Future = Future()
+        future = Outcome()
         threading.Timer(self.seconds, future.set_result, (None,)).start()
         wait(future)
 
@@ -86,15 +85,14 @@ def test_seconds_blocked_in_tba_are_not_layer_time_but_are_in_the_span():
 
 
 def test_waited_s_counts_only_the_calling_thread():
-    from concurrent.futures import Future
-
     from tba._control import wait, waited_s
+    from tba._outcome import Outcome
 
     before = waited_s()
     other: list[float] = []
 
     def block_elsewhere() -> None:
-        future: Future = Future()
+        future = Outcome()
         threading.Timer(0.05, future.set_result, (None,)).start()
         start = waited_s()
         wait(future)
