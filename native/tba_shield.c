@@ -1,9 +1,9 @@
 /*
  * tba._shield: a context manager's exit that an asynchronous exception cannot skip.
  *
- * ``exit_block(pop, control, reply, job, exc_type, exc, tb)`` is what ``with`` calls when it leaves
- * a block of ``tba.Offloader`` (``tba/_whole_exit.py`` binds the first four arguments). In this
- * order, and without running any Python frame of its own:
+ * ``exit_block(pop, control, reply, job, fallback, exc_type, exc, tb)`` is what ``with`` calls when
+ * it leaves a block of ``tba.Offloader`` (``tba/_whole_exit.py`` binds the first five arguments).
+ * Without running any Python frame of its own, in this order:
  *
  *   1. ``pop()``: takes the offloader's saved-tensor hooks off the calling thread;
  *   2. ``control._control.jobs.put((reply, job, (failed,)))``: queues ``job(failed)`` for tba's
@@ -12,17 +12,25 @@
  *      forked child has a control thread (and a queue) of its own;
  *   3. ``reply.get()`` until it returns ``(error, result)``, the job's outcome.
  *
+ * Where no control thread would run the job (the caller is the control thread itself, or it has
+ * stopped at interpreter exit) or the call has keyword arguments, it calls ``fallback(exc_type,
+ * exc, tb)``, the same exit in Python, which runs the job inline.
+ *
  * A Python ``__exit__`` cannot promise this: CPython runs pending signal handlers when a Python
  * frame starts, so a handler's exception (Ctrl-C, a timer) could strike before its first line, and
  * the hooks stayed pushed and the offloader open for good. Here ``pop``, the attribute reads and
  * ``put`` are C calls (no handler runs inside them), and a handler's exception raised while
  * ``get`` waits is kept and raised once the job has run. The first such exception wins over the
- * job's own error, which is raised otherwise; an error of ``pop`` is raised last.
+ * job's own error (chained to the block's exception, as ``raise`` in an ``__exit__`` would be),
+ * which is raised otherwise; an error of ``pop`` is raised last.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pythread.h>
 
-static PyObject *put_name, *get_name; /* interned "put" and "get" */
+#define BOUND_ARGS 5 /* pop, control, reply, job, fallback */
+
+static PyObject *put_name, *get_name, *control_name, *jobs_name, *stopped_name, *ident_name;
 
 struct kept_error {
     PyObject *type, *value, *traceback;
@@ -50,14 +58,45 @@ static void drop_kept(struct kept_error *kept)
     Py_XDECREF(kept->traceback);
 }
 
-static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The control thread's state (``control._control``) when it takes jobs from this thread now, else
+ * NULL (no error set) or NULL with an error set. */
+static PyObject *taking_state(PyObject *control)
 {
-    (void)module;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "exit_block() takes 7 arguments (%zd given)", nargs);
+    PyObject *state = PyObject_GetAttr(control, control_name);
+    if (state == NULL)
+        return NULL;
+    PyObject *stopped = PyObject_GetAttr(state, stopped_name);
+    PyObject *ident = stopped == NULL ? NULL : PyObject_GetAttr(state, ident_name);
+    int takes = ident != NULL && stopped == Py_False && PyLong_Check(ident)
+                && PyLong_AsUnsignedLong(ident) != PyThread_get_thread_ident();
+    Py_XDECREF(stopped);
+    Py_XDECREF(ident);
+    if (PyErr_Occurred() || !takes) {
+        Py_DECREF(state);
         return NULL;
     }
-    PyObject *pop = args[0], *control = args[1], *reply = args[2], *job = args[3], *exc_type = args[4];
+    return state;
+}
+
+static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    (void)module;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < BOUND_ARGS) {
+        PyErr_Format(PyExc_TypeError, "exit_block() takes at least %d arguments (%zd given)", BOUND_ARGS, nargs);
+        return NULL;
+    }
+    PyObject *pop = args[0], *control = args[1], *reply = args[2], *job = args[3], *fallback = args[4];
+    Py_ssize_t given = nargs - BOUND_ARGS;
+    if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) || given != 3)
+        return PyObject_Vectorcall(fallback, args + BOUND_ARGS, given, kwnames);
+    PyObject *exc_type = args[5], *exc = args[6];
+    PyObject *state = taking_state(control);
+    if (state == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return PyObject_Vectorcall(fallback, args + BOUND_ARGS, given, NULL);
+    }
     struct kept_error asynchronous = {NULL, NULL, NULL}, popping = {NULL, NULL, NULL};
 
     PyObject *done = PyObject_CallNoArgs(pop);
@@ -65,15 +104,14 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
         keep_first(&popping);
     Py_XDECREF(done);
 
-    PyObject *state = PyObject_GetAttrString(control, "_control");
-    PyObject *jobs = state == NULL ? NULL : PyObject_GetAttrString(state, "jobs");
+    PyObject *jobs = PyObject_GetAttr(state, jobs_name);
+    Py_DECREF(state);
     PyObject *item = jobs == NULL ? NULL : Py_BuildValue("(OO(O))", reply, job, exc_type == Py_None ? Py_False : Py_True);
     done = item == NULL ? NULL : PyObject_CallMethodObjArgs(jobs, put_name, item, NULL);
     Py_XDECREF(item);
     Py_XDECREF(jobs);
-    Py_XDECREF(state);
     if (done == NULL) {
-        /* Nothing was queued (out of memory, or no control state): there is nothing to wait for. */
+        /* Nothing was queued (out of memory): there is nothing to wait for. */
         drop_kept(&popping);
         return NULL;
     }
@@ -82,10 +120,9 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
     PyObject *outcome;
     while ((outcome = PyObject_CallMethodNoArgs(reply, get_name)) == NULL)
         keep_first(&asynchronous);
+    int well_formed = PyTuple_Check(outcome) && PyTuple_GET_SIZE(outcome) == 2;
     PyObject *error = NULL;
-    if (!PyTuple_Check(outcome) || PyTuple_GET_SIZE(outcome) != 2)
-        error = PyObject_CallFunction(PyExc_RuntimeError, "s", "tba: the control thread's reply is not (error, result)");
-    else if (PyTuple_GET_ITEM(outcome, 0) != Py_None)
+    if (well_formed && PyTuple_GET_ITEM(outcome, 0) != Py_None)
         error = Py_NewRef(PyTuple_GET_ITEM(outcome, 0));
     Py_DECREF(outcome);
 
@@ -94,8 +131,17 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
         Py_XDECREF(error);
         return raise_kept(&asynchronous);
     }
+    if (!well_formed) {
+        drop_kept(&popping);
+        PyErr_SetString(PyExc_RuntimeError, "tba: the control thread's reply is not (error, result)");
+        return NULL;
+    }
     if (error != NULL) {
         drop_kept(&popping);
+        PyObject *context = PyException_GetContext(error);
+        if (context == NULL && exc != error && PyExceptionInstance_Check(exc))
+            PyException_SetContext(error, Py_NewRef(exc));
+        Py_XDECREF(context);
         PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(error)), error, PyException_GetTraceback(error));
         return NULL;
     }
@@ -105,9 +151,11 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
 }
 
 static PyMethodDef shield_methods[] = {
-    {"exit_block", (PyCFunction)(void (*)(void))exit_block, METH_FASTCALL,
-     "exit_block(pop, control, reply, job, exc_type, exc, tb): pop(), then control._control.jobs.put(\n"
-     "(reply, job, (failed,))), then reply.get() until it returns; see native/tba_shield.c."},
+    {"exit_block", (PyCFunction)(void (*)(void))exit_block, METH_FASTCALL | METH_KEYWORDS,
+     "exit_block($module, pop, control, reply, job, fallback, /, *args, **kwargs)\n--\n\n"
+     "pop(), then control._control.jobs.put((reply, job, (failed,))), then reply.get() until it\n"
+     "returns; fallback(*args, **kwargs) where the control thread cannot take the job. See\n"
+     "native/tba_shield.c."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -121,9 +169,11 @@ static struct PyModuleDef shield_module = {
 
 PyMODINIT_FUNC PyInit__shield(void)
 {
-    put_name = PyUnicode_InternFromString("put");
-    get_name = PyUnicode_InternFromString("get");
-    if (put_name == NULL || get_name == NULL)
+    if ((put_name = PyUnicode_InternFromString("put")) == NULL || (get_name = PyUnicode_InternFromString("get")) == NULL
+        || (control_name = PyUnicode_InternFromString("_control")) == NULL
+        || (jobs_name = PyUnicode_InternFromString("jobs")) == NULL
+        || (stopped_name = PyUnicode_InternFromString("stopped")) == NULL
+        || (ident_name = PyUnicode_InternFromString("thread_ident")) == NULL)
         return NULL;
     return PyModule_Create(&shield_module);
 }

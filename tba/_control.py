@@ -63,14 +63,6 @@ def in_control_thread() -> bool:
     return threading.current_thread() is _control.thread
 
 
-def takes_jobs() -> bool:
-    """Whether a job queued now (on ``_control.jobs``, as ``native/tba_shield.c`` does) is run by the
-    control thread: the caller is another thread, and the control thread has not stopped (at
-    interpreter exit)."""
-    control = _control
-    return control.thread is not None and not control.stopped and threading.current_thread() is not control.thread
-
-
 def call(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` on the control thread and return its result (or raise its exception).
 

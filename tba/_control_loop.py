@@ -64,6 +64,8 @@ class Control:
         self.finalizers: dict[int, Finalizer] = {}
         """Finalizers not fired yet, by identity (a weak reference alone would be collected first)."""
         self.thread: threading.Thread | None = None
+        self.thread_ident: int | None = None
+        """``thread.ident`` as a plain attribute (``native/tba_shield.c`` reads it without running Python)."""
         self.start_lock = threading.Lock()
         self.stopped = False
         """Set at interpreter exit: from then on jobs run inline in the caller."""
@@ -74,6 +76,7 @@ class Control:
                 if self.thread is None:
                     thread = threading.Thread(target=self.run, name="tba-control", daemon=True)
                     thread.start()
+                    self.thread_ident = thread.ident
                     self.thread = thread
 
     def run(self) -> None:

@@ -17,8 +17,13 @@ queues the exit job for the control thread (a C queue put, on the queue of the c
 running then: a block entered before ``os.fork()`` exits in the child through the child's), and
 waits for the job's reply; a handler's exception raised while it waits is raised once the job has
 run (``native/tba_shield.c``). Read from the class (``type(cm).__exit__``, as ``contextlib.ExitStack``
-does) it is the plain Python exit, as it also is without the extension or where the control
-thread cannot take jobs (it is the caller, or it has stopped at interpreter exit).
+does) it is the plain Python exit, as it also is without the extension. The C exit calls the
+Python one where the control thread cannot take the job when the block ends (the caller is the
+control thread itself, finalizing a generator suspended in a block, or it has stopped at
+interpreter exit): that one runs the job inline.
+
+What is left open: a block left through ``contextlib.ExitStack`` (whose own exit is Python), and
+a second handler's exception while an entry that failed is being undone.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class WholeExit:
     def __get__(self, obj: object, owner: type | None = None) -> Callable[..., Any]:
         if obj is None:
             return self.python_exit
-        if exit_block is None or not _control.takes_jobs():
-            return types.MethodType(self.python_exit, obj)
-        return functools.partial(exit_block, self.pop, _control, queue.SimpleQueue(), getattr(obj, self.job))
+        method = types.MethodType(self.python_exit, obj)
+        if exit_block is None:
+            return method
+        return functools.partial(exit_block, self.pop, _control, queue.SimpleQueue(), getattr(obj, self.job), method)

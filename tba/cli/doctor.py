@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("io_uring engine", _status(backends["io_uring"])),
         ("threads engine", _status(backends["threads"])),
-        ("exit safe from signals", "yes (tba._shield)" if exit_block is not None else
+        ("exit safe from signals", "yes (tba._shield; a with statement, not contextlib.ExitStack)" if exit_block is not None else
                                    "no: the native extension tba._shield was not built (reinstall with a C compiler)"),
         ("backend 'auto' uses", resolve_backend("auto")),
         (f"O_DIRECT in {directory}", _status(direct_reason)),

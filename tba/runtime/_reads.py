@@ -23,7 +23,7 @@ import torch
 from tba._control import after_batch, wait
 from tba._outcome import Outcome
 from tba._trace import nvtx_range
-from tba.errors import TbaReadError
+from tba.errors import TbaError, TbaReadError
 from tba.io import checksum
 from tba.runtime._views import State, StorageEntry, storage_bytes
 
@@ -189,8 +189,8 @@ class StoreReads:
             waited = done is not UNWATCHED
             if entry.state is State.DEAD:
                 self._free_extent(entry)
-                if waited:
-                    done.cancel()
+                if waited:  # nobody waits any more (its view is gone), but a waiter must not hang
+                    done.set_exception(TbaError(f"{entry.describe()} was freed while it was being read back"))
             elif error is not None:
                 if waited:
                     done.set_exception(error)

@@ -1,0 +1,151 @@
+"""The offloader's exit in C (Note [An exit that always runs] in tba/_whole_exit.py) behaves as the
+Python one: where the control thread cannot take its job, with keywords, with the job's own error,
+and for a read that ends after an interrupted unpack let its storage die."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import tba
+from tba import _control, _whole_exit
+from tba.io import Engine, Op, ThreadEngine
+
+needs_extension = pytest.mark.skipif(_whole_exit.exit_block is None, reason="the native extension tba._shield is not built")
+
+
+class Injected(BaseException):
+    pass
+
+
+@pytest.fixture(params=["c", "python"])
+def exit_kind(request, monkeypatch) -> str:
+    if request.param == "c" and _whole_exit.exit_block is None:
+        pytest.skip("the native extension tba._shield is not built")
+    if request.param == "python":
+        monkeypatch.setattr(_whole_exit, "exit_block", None)
+    return request.param
+
+
+# torch's pop on the control thread, whose hooks stack is empty, asserts (an unraisable error in the
+# generator's finalization): what matters here is that nothing waits for itself.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_block_finalized_on_the_control_thread_exits_there(spill_dir, exit_kind):
+    """A generator suspended in a block, freed by a collection the control thread runs: the exit
+    job runs inline there instead of waiting for the control thread's own reply."""
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+
+    def steps():
+        with off:
+            yield
+
+    suspended = steps()
+    next(suspended)
+    torch._C._autograd._pop_saved_tensors_default_hooks()  # the generator's hooks, off this thread
+    cycle: list = [suspended]
+    cycle.append(cycle)
+    del suspended, cycle
+    collected = threading.Event()
+    threading.Thread(target=lambda: (_control.call(gc.collect), collected.set()), daemon=True).start()
+    assert collected.wait(30), "the control thread waited for itself"
+    _control.settle()
+    off.close()
+
+
+def test_the_exit_jobs_error_is_chained_to_the_blocks_exception(spill_dir, exit_kind):
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    exit_job = off._exit_job
+
+    def failing(failed: bool) -> None:
+        exit_job(failed)
+        raise RuntimeError("exit job failed")
+
+    off._exit_job = failing
+    with pytest.raises(RuntimeError, match="exit job failed") as raised:
+        with off:
+            raise KeyError("the user's error")
+    assert isinstance(raised.value.__context__, KeyError)
+    off.close()
+
+
+@needs_extension
+def test_the_exit_called_by_hand_takes_keywords_and_has_a_signature(spill_dir):
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    off.__enter__()
+    assert off.__exit__(exc_type=None, exc=None, tb=None) is None
+    assert "exc_type" in str(__import__("inspect").signature(type(off).__exit__))
+    off.close()
+
+
+class _GatedReads(Engine):
+    """Threads engine whose reads wait for ``gate``."""
+
+    name = "gated-reads"
+
+    def __init__(self) -> None:
+        self.inner = ThreadEngine(workers=2)
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.gate = threading.Event()
+
+    def _held(self, request):
+        self.gate.wait()
+        return self.inner.submit_many([request])[0].result()
+
+    def submit_many(self, requests):
+        return [self.pool.submit(self._held, r) if r.op is Op.READ else self.inner.submit_many([r])[0] for r in requests]
+
+    def close(self) -> None:
+        self.gate.set()
+        self.pool.shutdown(wait=True)
+        self.inner.close()
+
+
+def test_a_read_that_ends_after_its_interrupted_unpack_let_the_storage_die(spill_dir, caplog):
+    """The unpack is interrupted as it starts to wait; the graph is freed; the read then ends for a
+    dead entry. Nothing is logged, and the next step is exact."""
+    engine = _GatedReads()
+    off = tba.Offloader(spill_dir, backend=engine, layers=[], policy="offload", min_offload_bytes=0,
+                        prefetch_budget_bytes=0)
+    x = torch.randn(256, 1024, requires_grad=True)
+    with off:
+        loss = (x.tanh() * 2).sigmoid().sum()
+    off.flush()
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("_control.py"):
+            raise Injected
+
+    with pytest.raises(Injected):
+        try:
+            sys.settrace(trace)
+            loss.backward()
+        finally:
+            sys.settrace(None)
+    del loss
+    gc.collect()
+    _control.settle()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        engine.gate.set()
+        deadline = time.monotonic() + 30
+        while off._store._reading and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _control.settle()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    x.grad = None
+    with off:
+        loss = (x.tanh() * 2).sigmoid().sum()
+    loss.backward()
+    got = x.grad.clone()
+    x.grad = None
+    (x.tanh() * 2).sigmoid().sum().backward()
+    assert torch.equal(got, x.grad)
+    off.close()
+    engine.close()
