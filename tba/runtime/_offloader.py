@@ -242,6 +242,9 @@ class Offloader(SavedTensorHooks, StoreOwner):
             self._tracker.detach()
             if self._discovery is not None:
                 self._discovery.detach()
+            # The runner's per-step changes (recomputed layers' wrapped forwards, the shape hook, a
+            # profiled step's timer) come off as after a failed block.
+            self.policy_runner.exit(True, self._store.largest_live_storage_bytes)
             self._phase = _Phase.IDLE
             if not self.reusable:
                 self._close_job()

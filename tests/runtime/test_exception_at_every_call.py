@@ -113,3 +113,29 @@ def test_the_python_exit_is_what_an_exception_at_its_first_line_skips(spill_dir,
     """Without the extension the exit is Python, and this test's method finds the gap it leaves."""
     monkeypatch.setattr(_whole_exit, "exit_block", None)
     assert _every_call(spill_dir, "threads", until_skipped=True) > 0
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_an_entry_undone_by_an_exception_unwraps_the_recomputed_layers(spill_dir, decision):
+    """An exception as the hooks go on (the entry's last step) undoes the entry, and with it the
+    plan's wrapped forwards: the next step used to raise that the layer's forward was patched."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    plan = tba.Plan(("offload", decision), window_bytes=0)
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_qualname == "saved_tensors_hooks.__enter__":
+            raise Injected
+
+    with pytest.raises(Injected):
+        try:
+            sys.settrace(trace)
+            with tba.offload_activations(spill_dir, backend="threads", layers=list(model), policy=plan):
+                pass
+        finally:
+            sys.settrace(None)
+    assert all("forward" not in vars(layer) for layer in model)
+    with tba.offload_activations(spill_dir, backend="threads", layers=list(model), policy=plan):
+        model(x).sum().backward()
