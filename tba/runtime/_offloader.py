@@ -257,16 +257,32 @@ class Offloader(SavedTensorHooks, StoreOwner):
         self._runtime = None
         self._store.forget_after_fork()
 
-    def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        # The hooks come off first and in one C call; the rest runs whole even when an asynchronous
-        # exception arrives meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
-        try:
+    @property
+    def _hook_pair(self) -> tuple:
+        """This offloader's saved-tensor hooks, as ``torch._C._autograd._top_saved_tensors_default_hooks`` shows them."""
+        return self.pack, self.unpack
+
+    def _pop_hooks(self) -> None:
+        """Pop the pair on top; when it was not ours and ours is on top now, ours too (``pop_ours`` in
+        native/tba_shield.c says why)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is None:
+            return
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        if top != self._hook_pair and torch._C._autograd._top_saved_tensors_default_hooks(True) == self._hook_pair:
             torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        # The hooks come off first; the rest runs whole even when an asynchronous exception arrives
+        # meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
+        try:
+            self._pop_hooks()
         finally:
             _control.call_whole(self._exit_job, exc_type is not None)
 
     # The same in C where the extension is built: Note [An exit that always runs] in tba/_whole_exit.py.
-    __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks, "_exit_job")
+    __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks,
+                         torch._C._autograd._top_saved_tensors_default_hooks, "_hook_pair", "_exit_job")
 
     def _not_idle_message(self) -> str:
         """Why an offloader that is not idle cannot be entered, and what to do instead."""

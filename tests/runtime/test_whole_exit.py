@@ -34,9 +34,6 @@ def exit_kind(request, monkeypatch) -> str:
     return request.param
 
 
-# torch's pop on the control thread, whose hooks stack is empty, asserts (an unraisable error in the
-# generator's finalization): what matters here is that nothing waits for itself.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_block_finalized_on_the_control_thread_exits_there(spill_dir, exit_kind):
     """A generator suspended in a block, freed by a collection the control thread runs: the exit
     job runs inline there instead of waiting for the control thread's own reply."""
@@ -149,3 +146,32 @@ def test_a_read_that_ends_after_its_interrupted_unpack_let_the_storage_die(spill
     assert torch.equal(got, x.grad)
     off.close()
     engine.close()
+
+
+def _top() -> object:
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def test_the_exit_pops_the_pair_an_inner_skipped_exit_left_above_its_own(spill_dir, exit_kind):
+    """An inner context whose Python exit a handler skipped (torch's checkpoint) left its pair on top."""
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    outer = torch.autograd.graph.saved_tensors_hooks(keep, keep)
+    with outer:  # a pair below the offloader's stays
+        below = _top()
+        off = tba.Offloader(spill_dir, backend="threads", layers=[])
+        with off:
+            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)  # never popped by its owner
+        assert _top() == below
+        with off:  # two pairs left above its own: only the top one goes (never more than one not its own)
+            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)
+            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)
+        left = [_top()]
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        left.append(_top())
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        assert left == [(keep, keep), (off.pack, off.unpack)]
+        assert _top() == below
+        off.close()
+    assert _top() is None
