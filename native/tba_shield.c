@@ -1,12 +1,12 @@
 /*
  * tba._shield: a context manager's exit that an asynchronous exception cannot skip.
  *
- * ``exit_block(pop, top, ours, control, reply, job, fallback, exc_type, exc, tb)`` is what ``with``
- * calls when it leaves a block of ``tba.Offloader`` (``tba/_whole_exit.py`` binds the first seven).
+ * ``exit_block(pop, top, control, reply, job, fallback, exc_type, exc, tb)`` is what ``with`` calls
+ * when it leaves a block of ``tba.Offloader`` (``tba/_whole_exit.py`` binds the first six).
  * Without running any Python frame of its own, in this order:
  *
- *   1. ``pop()``: takes the offloader's saved-tensor hooks (``ours``, as ``top(True)`` shows them)
- *      off the calling thread (``pop_ours`` below);
+ *   1. ``pop()``: takes the offloader's saved-tensor hooks off the calling thread, unless
+ *      ``top(True)`` shows the stack empty (``pop_top`` below);
  *   2. ``control._control.jobs.put((reply, job, (failed,)))``: queues ``job(failed)`` for tba's
  *      control thread, where ``failed`` says whether the block raised. ``control`` is the module
  *      ``tba._control``; its attributes are read now, not when the block was entered, since a
@@ -29,7 +29,7 @@
 #include <Python.h>
 #include <pythread.h>
 
-#define BOUND_ARGS 7 /* pop, top, ours, control, reply, job, fallback */
+#define BOUND_ARGS 6 /* pop, top, control, reply, job, fallback */
 
 static PyObject *put_name, *get_name, *control_name, *jobs_name, *stopped_name, *ident_name;
 
@@ -79,30 +79,24 @@ static PyObject *taking_state(PyObject *control)
     return state;
 }
 
-/* Pop the pair on top of the thread's saved-tensor hooks (none when the stack is empty). When it was
- * not ``ours`` and ours is on top after it, pop ours too: an inner context whose Python exit a
- * handler skipped (torch's checkpoint, in a recomputed layer) left its pair above ours. Never more
- * than one pair that is not ours. */
-static int pop_ours(PyObject *pop, PyObject *top, PyObject *ours)
+/* Pop the pair on top of the thread's saved-tensor hooks, if any (torch asserts on an empty stack:
+ * a block finalized on a thread that has none, the control thread collecting a generator). Only
+ * the top one, whoever pushed it: a pair that an inner context left above the offloader's (its
+ * exit skipped) cannot be told from one whose owner pops it later (a generator suspended across
+ * the block's end), and popping both unbalanced the latter. */
+static int pop_top(PyObject *pop, PyObject *top)
 {
-    for (int round = 0; round < 2; round++) {
-        PyObject *pair = PyObject_CallOneArg(top, Py_True);
-        if (pair == NULL)
-            return -1;
-        int mine = pair == Py_None ? 0 : PyObject_RichCompareBool(pair, ours, Py_EQ);
-        int empty = pair == Py_None;
-        Py_DECREF(pair);
-        if (mine < 0)
-            return -1;
-        if (empty || (round == 1 && !mine))
-            return 0;
-        PyObject *popped = PyObject_CallNoArgs(pop);
-        if (popped == NULL)
-            return -1;
-        Py_DECREF(popped);
-        if (mine)
-            return 0;
-    }
+    PyObject *pair = PyObject_CallOneArg(top, Py_True);
+    if (pair == NULL)
+        return -1;
+    int empty = pair == Py_None;
+    Py_DECREF(pair);
+    if (empty)
+        return 0;
+    PyObject *popped = PyObject_CallNoArgs(pop);
+    if (popped == NULL)
+        return -1;
+    Py_DECREF(popped);
     return 0;
 }
 
@@ -114,8 +108,8 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyErr_Format(PyExc_TypeError, "exit_block() takes at least %d arguments (%zd given)", BOUND_ARGS, nargs);
         return NULL;
     }
-    PyObject *pop = args[0], *top = args[1], *ours = args[2], *control = args[3], *reply = args[4], *job = args[5];
-    PyObject *fallback = args[6];
+    PyObject *pop = args[0], *top = args[1], *control = args[2], *reply = args[3], *job = args[4];
+    PyObject *fallback = args[5];
     Py_ssize_t given = nargs - BOUND_ARGS;
     if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) || given != 3)
         return PyObject_Vectorcall(fallback, args + BOUND_ARGS, given, kwnames);
@@ -128,7 +122,7 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     struct kept_error asynchronous = {NULL, NULL, NULL}, popping = {NULL, NULL, NULL};
 
-    if (pop_ours(pop, top, ours) < 0)
+    if (pop_top(pop, top) < 0)
         keep_first(&popping);
     PyObject *done;
 
@@ -180,7 +174,7 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef shield_methods[] = {
     {"exit_block", (PyCFunction)(void (*)(void))exit_block, METH_FASTCALL | METH_KEYWORDS,
-     "exit_block($module, pop, top, ours, control, reply, job, fallback, /, *args, **kwargs)\n--\n\n"
+     "exit_block($module, pop, top, control, reply, job, fallback, /, *args, **kwargs)\n--\n\n"
      "pop(), then control._control.jobs.put((reply, job, (failed,))), then reply.get() until it\n"
      "returns; fallback(*args, **kwargs) where the control thread cannot take the job. See\n"
      "native/tba_shield.c."},

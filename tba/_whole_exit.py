@@ -48,18 +48,17 @@ class WholeExit:
     Args:
         python_exit: The same exit in Python: the class's ``__exit__`` and the fallback.
         pop: Called first, on the exiting thread, with no arguments (a C function, to be whole).
-        top: ``top(True)`` is the pair on top of the thread's stack, or None (a C function).
-        ours: The name of the instance's attribute with its own pair, as ``top`` shows it.
+        top: ``top(True)`` is the pair on top of the thread's stack, or None (a C function): ``pop``
+            is not called on an empty stack.
         job: The name of the instance's method that runs on the control thread with one argument:
             whether the block raised.
     """
 
     def __init__(self, python_exit: Callable[..., Any], pop: Callable[[], Any], top: Callable[[bool], Any],
-                 ours: str, job: str) -> None:
+                 job: str) -> None:
         self.python_exit = python_exit
         self.pop = pop
         self.top = top
-        self.ours = ours
         self.job = job
         functools.update_wrapper(self, python_exit)  # type: ignore[arg-type]
 
@@ -69,5 +68,5 @@ class WholeExit:
         method = types.MethodType(self.python_exit, obj)
         if exit_block is None:
             return method
-        return functools.partial(exit_block, self.pop, self.top, getattr(obj, self.ours), _control, queue.SimpleQueue(),
-                                 getattr(obj, self.job), method)
+        return functools.partial(exit_block, self.pop, self.top, _control, queue.SimpleQueue(), getattr(obj, self.job),
+                                 method)

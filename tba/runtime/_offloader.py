@@ -147,6 +147,8 @@ class Offloader(SavedTensorHooks, StoreOwner):
         self._waker = Waker()
         self._phase = _Phase.IDLE
         self._claim: object | None = None
+        self._runner_claim: object | None = None
+        """The claim of the entry whose ``policy_runner.enter`` has run (what an undone entry undoes)."""
         self._forked_mid_block = False
         self._enter_lock = threading.Lock()
 
@@ -206,7 +208,9 @@ class Offloader(SavedTensorHooks, StoreOwner):
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
-            self._apply(self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread))
+            placement = self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread)
+            self._runner_claim = claim
+            self._apply(placement)
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)
@@ -239,15 +243,21 @@ class Offloader(SavedTensorHooks, StoreOwner):
         """
         if self._claim is claim and self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
             self._claim = None
-            self._tracker.detach()
-            if self._discovery is not None:
-                self._discovery.detach()
-            # The runner's per-step changes (recomputed layers' wrapped forwards, the shape hook, a
-            # profiled step's timer) come off as after a failed block.
-            self.policy_runner.exit(True, self._store.largest_live_storage_bytes)
-            self._phase = _Phase.IDLE
-            if not self.reusable:
-                self._close_job()
+            entered, self._runner_claim = self._runner_claim is claim, None
+            try:
+                self._tracker.detach()
+                if self._discovery is not None:
+                    self._discovery.detach()
+                # The runner's per-step changes (recomputed layers' wrapped forwards, the shape hook,
+                # a profiled step's timer) come off as after a failed block, once its enter has run
+                # for this entry: before, they belong to the previous step (a profiled step's sample
+                # waits for this entry to collect it), or to another context sharing the runner.
+                if entered:
+                    self.policy_runner.exit(True, self._store.largest_live_storage_bytes)
+            finally:
+                self._phase = _Phase.IDLE
+                if not self.reusable:
+                    self._close_job()
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
@@ -257,19 +267,11 @@ class Offloader(SavedTensorHooks, StoreOwner):
         self._runtime = None
         self._store.forget_after_fork()
 
-    @property
-    def _hook_pair(self) -> tuple:
-        """This offloader's saved-tensor hooks, as ``torch._C._autograd._top_saved_tensors_default_hooks`` shows them."""
-        return self.pack, self.unpack
-
-    def _pop_hooks(self) -> None:
-        """Pop the pair on top; when it was not ours and ours is on top now, ours too (``pop_ours`` in
-        native/tba_shield.c says why)."""
-        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if top is None:
-            return
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        if top != self._hook_pair and torch._C._autograd._top_saved_tensors_default_hooks(True) == self._hook_pair:
+    @staticmethod
+    def _pop_hooks() -> None:
+        """Pop the pair on top, unless the stack is empty (``pop_top`` in native/tba_shield.c says why
+        only the top one)."""
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
 
     def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
@@ -282,7 +284,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
 
     # The same in C where the extension is built: Note [An exit that always runs] in tba/_whole_exit.py.
     __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks,
-                         torch._C._autograd._top_saved_tensors_default_hooks, "_hook_pair", "_exit_job")
+                         torch._C._autograd._top_saved_tensors_default_hooks, "_exit_job")
 
     def _not_idle_message(self) -> str:
         """Why an offloader that is not idle cannot be entered, and what to do instead."""

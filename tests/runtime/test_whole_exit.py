@@ -152,26 +152,50 @@ def _top() -> object:
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
-def test_the_exit_pops_the_pair_an_inner_skipped_exit_left_above_its_own(spill_dir, exit_kind):
-    """An inner context whose Python exit a handler skipped (torch's checkpoint) left its pair on top."""
+def test_a_pair_pushed_in_the_block_and_popped_after_it_leaves_the_stack_balanced(spill_dir, exit_kind):
+    """Not last in, first out: the exit pops the top pair, whoever's, and the user's later pop takes
+    the offloader's; nothing more (an exit that also popped its own pair unbalanced this)."""
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    outer = torch.autograd.graph.saved_tensors_hooks(keep, keep)
-    with outer:  # a pair below the offloader's stays
+    with torch.autograd.graph.save_on_cpu():
         below = _top()
         off = tba.Offloader(spill_dir, backend="threads", layers=[])
         with off:
-            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)  # never popped by its owner
-        assert _top() == below
-        with off:  # two pairs left above its own: only the top one goes (never more than one not its own)
-            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)
-            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)
-        left = [_top()]
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        left.append(_top())
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        assert left == [(keep, keep), (off.pack, off.unpack)]
+            user = torch.autograd.graph.saved_tensors_hooks(keep, keep)
+            user.__enter__()
+        user.__exit__(None, None, None)
         assert _top() == below
         off.close()
     assert _top() is None
+
+
+def test_an_entry_that_fails_keeps_the_previous_steps_profile(tmp_path):
+    """A one-shot entry that fails before its runner's enter (the directory became a file) leaves
+    the shared adaptive runner alone: the previous step's sample is still collected."""
+    import shutil
+
+    from torch import nn
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)))
+    x = torch.randn(32, 64)
+    good, bad = tmp_path / "spill", tmp_path / "gone"
+    good.mkdir()
+    bad.mkdir()
+
+    def step(directory: str) -> tba.Offloader:
+        ctx = tba.offload_activations(directory, backend="threads", layers=list(model), min_offload_bytes=0,
+                                      profile_steps=3)
+        with ctx as off:
+            model(x).sum().backward()
+        return off
+
+    runner = step(str(good)).policy_runner
+    ctx = tba.offload_activations(str(bad), backend="threads", layers=list(model), min_offload_bytes=0, profile_steps=3)
+    shutil.rmtree(bad)
+    bad.write_text("")
+    with pytest.raises(tba.TbaError):
+        with ctx:
+            pass
+    assert step(str(good)).policy_runner is runner
+    assert runner._samples.count(runner._shape) == 1
