@@ -59,6 +59,7 @@ class SavedTensorHooks:
     """The pack and unpack hooks of :class:`tba.Offloader`, which sets every attribute they read."""
 
     _phase: _Phase
+    _claim: object | None
     _forked_mid_block: bool
     _store: StorageStore
     _stats: OffloadStats
@@ -116,6 +117,8 @@ class SavedTensorHooks:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not _Phase.ACTIVE:
+            if self._claim is None and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
+                return self._orphaned(tensor)
             raise TbaError(self._not_active_message())
         if self._forked_mid_block:
             raise TbaError("this with block of tba was entered before os.fork(): its spill file belongs to the "
@@ -205,6 +208,25 @@ class SavedTensorHooks:
     def _keep_unsaved(view: SavedView, tensor: torch.Tensor, error: Exception) -> None:
         view.keep(tensor)
         logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error)
+
+    def _orphaned(self, tensor: torch.Tensor) -> Kept:
+        """The pack of hooks left installed after their block ended: the tensor stays in memory.
+
+        Note: [Hooks left installed after their block]
+        The offloader's exit pops the pair on top of the thread's stack. When a context inside the
+        block had its own Python exit skipped by a signal handler's exception (torch's checkpoint,
+        in a recomputed layer), its pair was the one on top, and the offloader's stays installed
+        (``tba/_whole_exit.py`` says why the exit cannot pop both). Every tensor saved on this thread
+        afterwards comes here: it is kept as without tba, with one warning, instead of raising
+        at every later forward.
+        """
+        global _WARNED_ORPHANED
+        if not _WARNED_ORPHANED:
+            _WARNED_ORPHANED = True
+            logger.warning("tba: the saved-tensor hooks of an offloader whose with block has ended are still installed "
+                           "on this thread (an exception skipped the exit of a context inside that block, such as "
+                           "torch.utils.checkpoint's); tensors saved outside tba stay in memory, as without tba")
+        return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version)
 
     def _not_active_message(self) -> str:
         if self._phase is _Phase.CLOSED:
@@ -309,6 +331,7 @@ class Waker:
 
 
 _WARNED_SUBCLASSES: set[type] = set()
+_WARNED_ORPHANED = False
 
 
 def _warn_subclass_kept(kind: type) -> None:

@@ -199,3 +199,31 @@ def test_an_entry_that_fails_keeps_the_previous_steps_profile(tmp_path):
             pass
     assert step(str(good)).policy_runner is runner
     assert runner._samples.count(runner._shape) == 1
+
+
+def test_hooks_left_installed_after_their_block_keep_later_saves_in_memory(spill_dir, exit_kind, caplog):
+    """A pair an inner context left (its exit skipped) is what the exit pops; the offloader's own
+    stays installed, and tensors saved afterwards stay in memory, exactly, with one warning
+    (Note [Hooks left installed after their block])."""
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    x = torch.randn(64, 64, requires_grad=True)
+    (x.tanh() * x).sum().backward()
+    want, x.grad = x.grad.clone(), None
+    off = tba.Offloader(spill_dir, backend="threads", layers=[], min_offload_bytes=0)
+    try:
+        with off:
+            torch._C._autograd._push_saved_tensors_default_hooks(keep, keep)  # never popped by its owner
+        assert _top() == (off.pack, off.unpack)
+        with caplog.at_level(logging.WARNING, logger="tba"):
+            for _ in range(2):
+                (x.tanh() * x).sum().backward()
+                assert torch.equal(x.grad, want)
+                x.grad = None
+        assert caplog.text.count("still installed") <= 1
+        assert off.stats.tensors_offloaded == 0
+    finally:
+        while _top() is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        off.close()
