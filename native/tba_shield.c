@@ -124,12 +124,11 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
 
     if (pop_top(pop, top) < 0)
         keep_first(&popping);
-    PyObject *done;
 
     PyObject *jobs = PyObject_GetAttr(state, jobs_name);
     Py_DECREF(state);
     PyObject *item = jobs == NULL ? NULL : Py_BuildValue("(OO(O))", reply, job, exc_type == Py_None ? Py_False : Py_True);
-    done = item == NULL ? NULL : PyObject_CallMethodObjArgs(jobs, put_name, item, NULL);
+    PyObject *done = item == NULL ? NULL : PyObject_CallMethodObjArgs(jobs, put_name, item, NULL);
     Py_XDECREF(item);
     Py_XDECREF(jobs);
     if (done == NULL) {

@@ -52,13 +52,14 @@ def _raise_at_call(k: int) -> tuple:
     return trace, started
 
 
-def _step(directory: str, backend: str, x: torch.Tensor, w: torch.Tensor, trace: object) -> tuple:
-    ctx = tba.offload_activations(directory, backend=backend, policy="offload", min_offload_bytes=0, prefetch_budget_bytes=0)
+def _traced_step(ctx: tba.Offloader, trace: object, forward: Callable[[], torch.Tensor]) -> tuple:
+    """``forward()`` in ``ctx``, its writes flushed, then backward, under ``trace``; returns the
+    offloader, the :class:`Injected` caught (or None) and the loss (None when forward did not end)."""
     caught = loss = None
     try:
         sys.settrace(trace)
         with ctx:
-            loss = (x.tanh() * w).sigmoid().sum()
+            loss = forward()
         ctx.flush()  # the writes end and the bytes leave memory: backward waits for reads
         loss.backward()
     except Injected as err:
@@ -67,6 +68,21 @@ def _step(directory: str, backend: str, x: torch.Tensor, w: torch.Tensor, trace:
     finally:
         sys.settrace(None)
     return ctx, caught, loss
+
+
+def _assert_released(ctx: tba.Offloader, k: int) -> None:
+    """Once what the step left is freed: ``ctx`` ended, and its shared runtime was given back."""
+    _control.settle()
+    if ctx._phase is _Phase.EXITED:  # a graph held by a reference cycle
+        gc.collect()
+        _control.settle()
+    assert ctx._phase in (_Phase.IDLE, _Phase.CLOSED, _Phase.DISCARDED), f"call {k}: left {ctx._phase.value}"
+    assert not _shared._busy, f"call {k}: the shared runtime was not given back"
+
+
+def _step(directory: str, backend: str, x: torch.Tensor, w: torch.Tensor, trace: object) -> tuple:
+    ctx = tba.offload_activations(directory, backend=backend, policy="offload", min_offload_bytes=0, prefetch_budget_bytes=0)
+    return _traced_step(ctx, trace, lambda: (x.tanh() * w).sigmoid().sum())
 
 
 def _every_call(directory: str, backend: str, until_skipped: bool = False) -> int:
@@ -93,12 +109,7 @@ def _every_call(directory: str, backend: str, until_skipped: bool = False) -> in
         injected = started[0] >= k
         assert (caught is not None) == injected, f"call {k}: the exception was swallowed"
         del loss, caught
-        _control.settle()
-        if ctx._phase is _Phase.EXITED:  # a graph held by a reference cycle (the traceback's frames)
-            gc.collect()
-            _control.settle()
-        assert ctx._phase in (_Phase.IDLE, _Phase.CLOSED, _Phase.DISCARDED), f"call {k}: left {ctx._phase.value}"
-        assert not _shared._busy, f"call {k}: the shared runtime was not given back"
+        _assert_released(ctx, k)
         if not injected:
             assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
             break
@@ -189,19 +200,7 @@ def test_an_exception_at_each_distinct_call_of_a_mixed_plan_step_leaves_training
         torch.manual_seed(1)
         ctx = tba.offload_activations(spill_dir, backend="threads", layers=list(model), policy=plan,
                                       min_offload_bytes=0)
-        caught = loss = None
-        try:
-            sys.settrace(trace)
-            with ctx:
-                loss = model(x).square().mean()
-            ctx.flush()
-            loss.backward()
-        except Injected as err:
-            caught = err
-            err.__traceback__ = None  # no cycle through the frames: dropping the loss frees the graph at once
-        finally:
-            sys.settrace(None)
-        return ctx, caught, loss
+        return _traced_step(ctx, trace, lambda: model(x).square().mean())
 
     step(None)
     want = [p.grad.clone() for p in model.parameters()]
@@ -220,12 +219,7 @@ def test_an_exception_at_each_distinct_call_of_a_mixed_plan_step_leaves_training
         assert not injected or caught is not None or [m for m in dropped if not m.startswith("tba")], f"call {k}: swallowed"
         assert not [m for m in dropped if m.startswith("tba")], f"call {k}: dropped in {dropped}"
         del loss, caught
-        _control.settle()
-        if ctx._phase is _Phase.EXITED:
-            gc.collect()
-            _control.settle()
-        assert ctx._phase in (_Phase.IDLE, _Phase.CLOSED, _Phase.DISCARDED), f"call {k}: left {ctx._phase.value}"
-        assert not _shared._busy, f"call {k}: the shared runtime was not given back"
+        _assert_released(ctx, k)
         if n % 8 == 0 or n == len(points) - 1:
             _, caught, loss = step(None)
             assert caught is None and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want)), f"after {k}"
