@@ -12,7 +12,9 @@ instead of reading them back (Note [A storage the program still holds is not rea
 the loop, exit); backward time covers ``backward`` and dropping the outputs, until tba's
 bookkeeping of the freed views has run (so that one repetition's work never lands in the next
 one's clock). Each figure is the best of ``repeats`` after ``warmups``, and the baseline runs
-interleaved with tba in the same process, so both see the same machine.
+interleaved with tba in the same process, so both see the same machine. On a GPU (``device``) the
+forward clock stops without a synchronisation, as a training loop's host would go on, and each
+step ends with one, so that no step's kernels run into the next one's clock.
 
 The *keep* path runs the same loop inside ``tba.keep_in_memory()`` under the offload context:
 every tensor goes through the pack hook and stays in memory.
@@ -53,6 +55,8 @@ class HookCase:
     """``"offload"`` (the storages go to the file) or ``"keep"`` (inside ``tba.keep_in_memory()``)."""
     hold_outputs: bool = False
     """The loop keeps its outputs until backward (else it keeps only their sums)."""
+    device: str = "cpu"
+    """Where the leaves live (``"cuda"``: each step ends with a device synchronisation, in both loops)."""
 
 
 @dataclasses.dataclass
@@ -93,7 +97,7 @@ def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
 
 
 def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
-          hold_outputs: bool = False) -> tuple[float, float]:
+          hold_outputs: bool = False, device: str = "cpu") -> tuple[float, float]:
     """One forward and backward of the loop; returns their seconds."""
     for leaf in leaves:
         leaf.grad = None
@@ -107,19 +111,21 @@ def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
     torch.autograd.backward(outputs, [grad] * len(outputs) if hold_outputs else None)
     del outputs
     _control.settle()
+    if device != "cpu":
+        torch.cuda.synchronize(device)
     return middle - start, time.perf_counter() - middle
 
 
 def measure(case: HookCase, warmups: int = 2, repeats: int = 3) -> HookResult:
     """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``."""
     numel = case.size_bytes // 4
-    leaves = [torch.randn(numel, requires_grad=True) for _ in range(case.count)]
-    grad = torch.ones(numel)
+    leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
+    grad = torch.ones(numel, device=case.device)
     best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
     gc.collect()
     for rep in range(warmups + repeats):
         for name, which in (("base", None), ("tba", case)):
-            forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs)
+            forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs, case.device)
             if rep >= warmups:
                 best[name][0] = min(best[name][0], forward_s)
                 best[name][1] = min(best[name][1], backward_s)

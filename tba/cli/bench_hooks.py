@@ -24,6 +24,8 @@ import os
 import sys
 import tempfile
 
+import torch
+
 from tba._units import parse_size
 from tba.bench.hooks import HookCase, HookResult, ManyResult, measure, measure_many
 from tba.cli._progress import Progress
@@ -67,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-outputs", action="store_true",
                         help="the loop keeps its outputs until backward (tba then does not read them back); "
                              "default: it keeps only their sums")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the leaves live (default cpu); cuda times the host cost of the device path")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
@@ -89,11 +93,13 @@ def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[
                 count = max(1, min(count, args.max_bytes // size))
                 if (size, count, label) not in seen:
                     seen.add((size, count, label))
-                    cases.append(HookCase(size, count, directory, label, hold_outputs=args.hold_outputs))
+                    cases.append(HookCase(size, count, directory, label, hold_outputs=args.hold_outputs,
+                                          device=args.device))
     if not args.no_keep:
         keep_dir = ram or disk
         for count in args.counts:
-            cases.append(HookCase(args.sizes[0], count, keep_dir, "keep", path="keep", hold_outputs=args.hold_outputs))
+            cases.append(HookCase(args.sizes[0], count, keep_dir, "keep", path="keep", hold_outputs=args.hold_outputs,
+                                  device=args.device))
     return cases
 
 
@@ -131,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
     if args.warmups < 0 or args.repeats < 1:
         print("bench-hooks: error: --warmups must be >= 0 and --repeats >= 1", file=sys.stderr)
         return 2
+    if args.device == "cuda" and args.many:
+        print("bench-hooks: error: --many runs on the CPU only; drop --many or --device cuda", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench-hooks: error: --device cuda needs a CUDA build of torch and a GPU; use --device cpu",
+              file=sys.stderr)
+        return 2
     with contextlib.ExitStack() as stack:
         def fresh(given: str | None, default: str) -> str:
             parent = given or (default if os.path.isdir(default) else tempfile.gettempdir())
@@ -148,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update)
         progress.done()
-    print("loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
+    print(f"device: {args.device}; loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
                               else "reduced by sum() at once (only autograd holds them; tba reads each back)"))
     print(format_table(results))
     if many is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from tba.cli import COMMANDS, bench_hooks, build_parser
 
 
@@ -38,6 +40,16 @@ def test_rows_are_capped_by_max_bytes():
     args = _args(["--sizes", "16M", "--counts", "400,2000", "--max-bytes", "64M", "--no-keep"])
     cases = bench_hooks._cases(args, "/d", "/r")
     assert {(c.label, c.count) for c in cases} == {("ram", 4), ("disk", 4)}
+
+
+def test_device_reaches_every_case_and_cuda_needs_a_gpu(capsys):
+    args = _args(["--device", "cuda", "--counts", "4"])
+    assert {c.device for c in bench_hooks._cases(args, "/d", "/r")} == {"cuda"}
+    assert bench_hooks.run(_args(["--device", "cuda", "--many"])) == 2
+    assert "--many runs on the CPU only" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench_hooks.run(args) == 2
+        assert "needs a CUDA build" in capsys.readouterr().err
 
 
 def test_registered_with_help():
