@@ -4,7 +4,8 @@ A recomputed layer saves only its inputs during forward; its internals are compu
 backward. Where its inputs live is the placement's: a ``recompute`` layer keeps them in memory, as
 plain checkpoint does; an ``offloaded_recompute`` layer saves them through tba, which writes them
 to the spill file and reads them back (prefetched) for the recomputation (Note [Hook nesting of a
-recomputed layer]). RNG state is preserved, so dropout masks are identical in the recomputation.
+recomputed layer]). RNG state is preserved, so dropout masks are identical in the recomputation, and each recomputation
+runs the layer to its end (Note [Recomputation runs to the end] in ``tba/runtime/_early_stop.py``).
 
 Note: [Hook nesting of a recomputed layer]
 Saved-tensor hooks form a per-thread stack and autograd uses only the top pair. Non-reentrant
@@ -50,6 +51,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError
+from tba.runtime._early_stop import RUN_TO_END
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import FirstCall, generator_states, learned_for, restore, snapshot
 from tba.runtime._views import Kept
@@ -135,7 +137,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         first = FirstCall()
         if not offload_inputs or not _tba_pair_on_top():
             with _inputs_in_memory():
-                return checkpoint(first_or_again, calls, first, *args, use_reentrant=False, **kwargs)
+                return _checkpoint(first_or_again, calls, first, *args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in at]
@@ -151,9 +153,16 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             call_args, call_kwargs = pytree.tree_unflatten(rebuilt, spec)
             return first_or_again(calls, first, *call_args, **call_kwargs)
 
-        return checkpoint(call, calls, first, *tensors, use_reentrant=False)
+        return _checkpoint(call, calls, first, *tensors)
 
     return run
+
+
+def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Non-reentrant checkpoint of ``function``, run to its end (Note [Recomputation runs to the end] in
+    ``tba/runtime/_early_stop.py``)."""
+    with RUN_TO_END:
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def _tba_pair_on_top() -> bool:
