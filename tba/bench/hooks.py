@@ -37,6 +37,8 @@ import torch
 
 import tba
 from tba import _control
+from tba.bench.thread_cpu import by_name as cpu_by_name
+from tba.bench.thread_cpu import snapshot as thread_cpu_snapshot
 
 LEAVES_IN_MANY = 64
 """Distinct leaf tensors the many-storage loop cycles through."""
@@ -68,6 +70,10 @@ class HookResult:
     base_backward_s: float
     tba_forward_s: float
     tba_backward_s: float
+    thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    """CPU microseconds per storage of each thread during the measured steps with tba (``thread_cpu=True``)."""
+    base_thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The same during the steps without tba."""
 
     @property
     def extra_forward_us(self) -> float:
@@ -81,7 +87,8 @@ class HookResult:
         return {**dataclasses.asdict(self.case), "base_forward_s": self.base_forward_s,
                 "base_backward_s": self.base_backward_s, "tba_forward_s": self.tba_forward_s,
                 "tba_backward_s": self.tba_backward_s, "extra_forward_us": self.extra_forward_us,
-                "extra_backward_us": self.extra_backward_us}
+                "extra_backward_us": self.extra_backward_us, "thread_cpu_us": self.thread_cpu_us,
+                "base_thread_cpu_us": self.base_thread_cpu_us}
 
 
 def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
@@ -116,20 +123,32 @@ def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
     return middle - start, time.perf_counter() - middle
 
 
-def measure(case: HookCase, warmups: int = 2, repeats: int = 3) -> HookResult:
-    """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``."""
+def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool = False) -> HookResult:
+    """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``; with
+    ``thread_cpu``, also each thread's CPU time per storage over the measured steps (``thread_cpu.py``)."""
     numel = case.size_bytes // 4
     leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
     grad = torch.ones(numel, device=case.device)
     best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
+    spent: dict[str, dict[str, int]] = {"base": {}, "tba": {}}
     gc.collect()
     for rep in range(warmups + repeats):
         for name, which in (("base", None), ("tba", case)):
+            before = thread_cpu_snapshot() if thread_cpu and rep >= warmups else None
             forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs, case.device)
+            if before is not None:
+                for thread, ns in cpu_by_name(before, thread_cpu_snapshot()).items():
+                    spent[name][thread] = spent[name].get(thread, 0) + ns
             if rep >= warmups:
                 best[name][0] = min(best[name][0], forward_s)
                 best[name][1] = min(best[name][1], backward_s)
-    return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1])
+
+    def per_storage_us(ns_by_thread: dict[str, int]) -> dict[str, float]:
+        return {thread: ns / 1e3 / (repeats * case.count) for thread, ns in
+                sorted(ns_by_thread.items(), key=lambda item: -item[1])}
+
+    return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
+                      per_storage_us(spent["tba"]), per_storage_us(spent["base"]))
 
 
 @dataclasses.dataclass

@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: it keeps only their sums")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the leaves live (default cpu); cuda times the host cost of the device path")
+    parser.add_argument("--thread-cpu", action="store_true",
+                        help="also print each thread's CPU microseconds per storage (Linux /proc), with and without tba")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
@@ -124,6 +126,20 @@ def format_table(results: list[HookResult]) -> str:
     return "\n".join(lines)
 
 
+def format_thread_cpu(results: list[HookResult]) -> str:
+    """Per row, each thread's CPU microseconds per storage with tba (without tba in brackets), and the totals."""
+    lines = ["CPU us per storage by thread, with tba (without):"]
+    for r in results:
+        names = list(r.thread_cpu_us) + [name for name in r.base_thread_cpu_us if name not in r.thread_cpu_us]
+        parts = [f"{name} {r.thread_cpu_us.get(name, 0.0):.1f} ({r.base_thread_cpu_us.get(name, 0.0):.1f})"
+                 for name in names if max(r.thread_cpu_us.get(name, 0.0), r.base_thread_cpu_us.get(name, 0.0)) >= 0.5]
+        total, base = sum(r.thread_cpu_us.values()), sum(r.base_thread_cpu_us.values())
+        where = "keep" if r.case.path == "keep" else r.case.label
+        lines.append(f"  {r.case.count} x {_size_text(r.case.size_bytes)} {where}: total {total:.1f} ({base:.1f}); "
+                     + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def format_many(result: ManyResult) -> str:
     return (f"{result.count} x {_size_text(result.size_bytes)} in {result.directory}: backward "
             f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
@@ -156,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         results = []
         for case in cases:
             progress.update(f"{case.count} x {_size_text(case.size_bytes)} {case.label}")
-            results.append(measure(case, args.warmups, args.repeats))
+            results.append(measure(case, args.warmups, args.repeats, thread_cpu=args.thread_cpu))
         many = None
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update)
@@ -164,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"device: {args.device}; loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
                               else "reduced by sum() at once (only autograd holds them; tba reads each back)"))
     print(format_table(results))
+    if args.thread_cpu:
+        print(format_thread_cpu(results))
     if many is not None:
         print(format_many(many))
     if args.json:

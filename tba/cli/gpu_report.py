@@ -8,6 +8,7 @@
   ``DIR/cuda-tests.log``);
 * GPT bf16 steps under keep-all, tba staged, tba kvikio, adaptive, recompute and
   ``save_on_cpu(pin_memory=True)``: step time, activation peak, reserved and pinned bytes, ratios to keep-all;
+* the host cost per saved storage on the GPU (``bench-hooks --device cuda --thread-cpu``);
 * the ROK curve (``python -m tba rok``), Megatron without ``--cpu``, and an nsys trace if nsys exists.
 
 Without CUDA it says so in one line and exits 2. ``--simulate`` runs the same report on the
@@ -161,6 +162,19 @@ def _rok(preset: str, device: str, directory: str | None, out: str) -> str:
     return format_points(result.points)
 
 
+def _host_cost(simulated: bool, out: str) -> str:
+    """bench-hooks on the GPU with each thread's CPU per storage (whole output: DIR/host-cost.log)."""
+    if simulated:
+        return "skipped: the simulated device's host costs are not a GPU's"
+    log = os.path.join(out, "host-cost.log")
+    status = _run_text([sys.executable, "-m", "tba", "bench-hooks", "--device", "cuda", "--sizes", "64K,1M",
+                        "--counts", "400,2000", "--no-disk", "--max-bytes", "256M", "--thread-cpu",
+                        "--json", os.path.join(out, "host-cost.json")], cwd=str(REPO), log=log)
+    with open(log) as f:
+        printed = [line for line in f.read().splitlines() if not line.startswith(("[", "tba: "))]
+    return "\n".join([status.split(":", 1)[0], *printed[-16:]])
+
+
 def _megatron(simulated: bool) -> str:
     if simulated:
         return "skipped: Megatron runs in its own process, which the simulated device does not reach"
@@ -202,6 +216,8 @@ def _markdown(report: dict[str, Any]) -> str:
                          f"{row['activation_peak_bytes'] / 2**20:.1f} | {row.get('peak_ratio', float('nan')):.2f} | "
                          f"{row['reserved_bytes'] / 2**20:.1f} | {row['pinned_bytes'] / 2**20:.1f} | "
                          f"{row.get('losses_equal', '')} | {row.get('plan') or ''} |")
+    lines += ["", "## Host cost per storage (bench-hooks --device cuda --thread-cpu; host-cost.log)", "", "```",
+              report.get("host_cost", NOT_YET), "```"]
     lines += ["", "## ROK curve", "", "```", report.get("rok", NOT_YET), "```", "", "## Megatron (no --cpu)", "",
               report.get("megatron", NOT_YET), "", "## nsys", "", report.get("nsys", NOT_YET), ""]
     return "\n".join(lines)
@@ -250,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
         _write(report, args.out)
         if args.simulate:
             report["simulator_problems"] = sim.problems()
+    report["host_cost"] = _host_cost(args.simulate, args.out)
+    _write(report, args.out)
     report["rok"] = "skipped (--skip-rok)" if args.skip_rok else _rok(preset, device, directory, args.out)
     _write(report, args.out)
     report["megatron"] = _megatron(args.simulate)

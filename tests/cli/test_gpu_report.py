@@ -31,6 +31,18 @@ def test_simulated_report_is_written(tmp_path, spill_dir):
     assert report["doctor"]["simulated"] is True
     markdown = (tmp_path / "gpu-report.md").read_text()
     assert "| tba kvikio |" in markdown and "## Megatron" in markdown
+    assert "## Host cost per storage" in markdown and report["host_cost"].startswith("skipped")
+
+
+def test_host_cost_part_runs_bench_hooks_on_cuda_and_keeps_its_output(tmp_path):
+    """Without a GPU the part's bench-hooks run is refused: the report carries that exit and its reason."""
+    from tba.cli.gpu_report import _host_cost
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without a GPU")
+    text = _host_cost(False, str(tmp_path))
+    assert text.splitlines()[0] == "exit 2" and "--device cuda needs a CUDA build" in text
+    assert "--device cuda needs a CUDA build" in (tmp_path / "host-cost.log").read_text()
 
 
 def test_a_rok_baseline_too_small_to_measure_is_reported_as_skipped(tmp_path, spill_dir):
