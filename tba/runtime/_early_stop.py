@@ -1,4 +1,4 @@
-"""tba's recomputations run each layer to its end: torch's early stop is off while tba calls checkpoint.
+"""When tba's recomputations run each layer to its end: only under CUDA tools that break torch's early stop.
 
 Note: [Recomputation runs to the end]
 Non-reentrant ``torch.utils.checkpoint`` stops a recomputation early: once the last tensor the layer
@@ -10,49 +10,43 @@ allocation) or under ``TORCH_CUDA_SANITIZER=1`` (its trace hooks are Python), th
 without an exception (``SystemError`` in backward) in 200 of 200 steps of a checkpointed dropout layer on
 an H200, without tba, and a checkpoint frame stayed alive with the recomputed tensors (docs/gpu.md, the
 third run). A user debugging memory with the history on would meet it in a layer the adaptive plan chose
-to recompute. So tba turns early stop off around its own checkpoint calls (the setting is read when
-checkpoint is called, in forward): a recomputation then also runs the operators after the layer's last
-saved tensor, usually a residual add.
+to recompute.
 
-torch keeps the setting in one module global, and ``set_checkpoint_early_stop`` restores the value it
-found, so two threads interleaving it can leave it off for good. :data:`RUN_TO_END` counts the calls in
-flight on all threads under a lock: the first turns early stop off and the last puts back what it found.
-Another thread's own checkpoint called meanwhile also runs to its end, which changes no result.
+So while either tool is on (:func:`run_to_end_needed`), tba calls checkpoint with ``early_stop=False``:
+no exception crosses an operator. Only then, because early stop is worth keeping otherwise (helper-22's
+review of an always-on version): a Linear's pack hook runs before its matmul, so running to the end
+recomputes the block's last projection too (a pre-norm MLP block's backward went from 10.5 to 12.6
+MFLOP); the operators after the last saved tensor run twice (a private counter, a forward hook, a
+draw from a generator the layer does not hold), and a recomputation that saves more tensors than the
+first call raises checkpoint's error instead of being cut short. These are torch's
+``early_stop=False`` behaviours, met here only under those two tools. The keyword goes to this call
+only: torch's module global (``set_checkpoint_early_stop``) is left alone, and a user's setting of it
+takes precedence, as torch defines. torch releases without the keyword keep early stop.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+import inspect
+import sys
 
-import torch.utils.checkpoint as torch_checkpoint
+import torch
+from torch.utils.checkpoint import checkpoint
 
-
-class _RunToEnd:
-    """Context manager: early stop off while any tba recomputation is being set up (Note above)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._found: Any = None
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._depth == 0:
-                self._found = torch_checkpoint._enable_checkpoint_early_stop
-                torch_checkpoint._enable_checkpoint_early_stop = False
-            self._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._depth -= 1
-            if self._depth == 0:
-                torch_checkpoint._enable_checkpoint_early_stop = self._found
-                self._found = None
-
-    def __repr__(self) -> str:
-        return f"RunToEnd(in_flight={self._depth})"
+HAS_EARLY_STOP_KEYWORD = "early_stop" in inspect.signature(checkpoint).parameters
+"""Whether this torch's ``checkpoint`` takes ``early_stop=``."""
 
 
-RUN_TO_END = _RunToEnd()
-"""Entered around each of tba's ``checkpoint`` calls."""
+def run_to_end_needed() -> bool:
+    """Whether CUDA memory-history recording or the CUDA sanitizer is on (Note [Recomputation runs to the end])."""
+    if not torch.cuda.is_initialized():
+        return False
+    history_enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if history_enabled is not None and history_enabled():
+        return True
+    sanitizer = sys.modules.get("torch.cuda._sanitizer")
+    return bool(getattr(getattr(sanitizer, "cuda_sanitizer", None), "enabled", False))
+
+
+def checkpoint_keywords() -> dict[str, bool]:
+    """The keywords tba adds to its ``checkpoint`` calls: ``early_stop=False`` when it must run to the end."""
+    return {"early_stop": False} if HAS_EARLY_STOP_KEYWORD and run_to_end_needed() else {}

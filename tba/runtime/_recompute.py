@@ -4,8 +4,9 @@ A recomputed layer saves only its inputs during forward; its internals are compu
 backward. Where its inputs live is the placement's: a ``recompute`` layer keeps them in memory, as
 plain checkpoint does; an ``offloaded_recompute`` layer saves them through tba, which writes them
 to the spill file and reads them back (prefetched) for the recomputation (Note [Hook nesting of a
-recomputed layer]). RNG state is preserved, so dropout masks are identical in the recomputation, and each recomputation
-runs the layer to its end (Note [Recomputation runs to the end] in ``tba/runtime/_early_stop.py``).
+recomputed layer]). RNG state is preserved, so dropout masks are identical in the recomputation. Under CUDA memory history
+or the CUDA sanitizer, each recomputation runs the layer to its end (Note [Recomputation runs to the end]
+in ``tba/runtime/_early_stop.py``).
 
 Note: [Hook nesting of a recomputed layer]
 Saved-tensor hooks form a per-thread stack and autograd uses only the top pair. Non-reentrant
@@ -51,7 +52,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError
-from tba.runtime._early_stop import RUN_TO_END
+from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import FirstCall, generator_states, learned_for, restore, snapshot
 from tba.runtime._views import Kept
@@ -159,10 +160,9 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
 
 
 def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """Non-reentrant checkpoint of ``function``, run to its end (Note [Recomputation runs to the end] in
-    ``tba/runtime/_early_stop.py``)."""
-    with RUN_TO_END:
-        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    """Non-reentrant checkpoint of ``function``, run to its end under CUDA memory history or the sanitizer
+    (Note [Recomputation runs to the end] in ``tba/runtime/_early_stop.py``)."""
+    return checkpoint(function, *args, use_reentrant=False, **checkpoint_keywords(), **kwargs)
 
 
 def _tba_pair_on_top() -> bool:

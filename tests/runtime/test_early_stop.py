@@ -1,10 +1,12 @@
-"""tba's recomputations run each layer to its end (Note [Recomputation runs to the end] in
-tba/runtime/_early_stop.py): no ``_StopRecomputationError`` is raised through an operator, torch's
-setting is put back afterwards, and threads interleaving the switch leave it as they found it."""
+"""Under CUDA memory history or the CUDA sanitizer, tba's recomputations run each layer to its end
+(Note [Recomputation runs to the end] in tba/runtime/_early_stop.py): no ``_StopRecomputationError`` is
+raised through an operator and results stay exact. Otherwise early stop is kept, and torch's module
+global is never touched."""
 
 from __future__ import annotations
 
-import threading
+import sys
+import types
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import tba
-from tba.runtime._early_stop import RUN_TO_END
+from tba.runtime import _early_stop
 
 
 def _model() -> nn.Sequential:
@@ -35,72 +37,55 @@ def stops(monkeypatch):
     return raised
 
 
-def test_plain_checkpoint_stops_early_so_the_counter_sees_it(stops):
+def _train(directory: str | None, decision: str | None):
     model = _model()
-    x = torch.randn(4, 32)
-    torch_checkpoint.checkpoint(model, x, use_reentrant=False).sum().backward()
-    assert len(stops) == 1
-
-
-@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
-def test_tba_recomputation_raises_no_early_stop_and_is_exact(spill_dir, stops, decision):
-    def train(offloader):
-        model = _model()
-        torch.manual_seed(1)
-        x = torch.randn(4, 32)
-        context = offloader if offloader is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with context:
-            loss = model(x).pow(2).sum()
-        loss.backward()
-        return loss.detach(), [p.grad for p in model.parameters()], model
-
-    want_loss, want_grads, _ = train(None)
-    model = _model()
-    offloader = tba.Offloader(spill_dir, layers=list(model), min_offload_bytes=0,
-                              policy=tba.Plan((decision,) * 2, window_bytes=1 << 20))
+    offloader = None
+    if directory is not None:
+        offloader = tba.Offloader(directory, layers=list(model), min_offload_bytes=0,
+                                  policy=tba.Plan((decision,) * 2, window_bytes=1 << 20))
     torch.manual_seed(1)
     x = torch.randn(4, 32)
-    with offloader:
+    if offloader is None:
         loss = model(x).pow(2).sum()
+    else:
+        with offloader:
+            loss = model(x).pow(2).sum()
     loss.backward()
-    offloader.close()
-    assert stops == [], "a tba recomputation stopped early through an operator"
-    assert torch.equal(loss.detach(), want_loss)
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want_grads))
-    assert torch_checkpoint._enable_checkpoint_early_stop is None, "torch's setting was not put back"
+    if offloader is not None:
+        offloader.close()
+    return loss.detach(), [p.grad for p in model.parameters()]
 
 
-def test_a_user_setting_is_kept():
+@pytest.mark.skipif(not _early_stop.HAS_EARLY_STOP_KEYWORD, reason="this torch's checkpoint has no early_stop=")
+@pytest.mark.parametrize("needed", [True, False], ids=["under-cuda-tools", "otherwise"])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_early_stop_only_where_it_breaks(spill_dir, stops, monkeypatch, decision, needed):
+    want_loss, want_grads = _train(None, None)
+    monkeypatch.setattr(_early_stop, "run_to_end_needed", lambda: needed)
+    loss, grads = _train(spill_dir, decision)
+    assert len(stops) == (0 if needed else 2), "early stop raised under the tools, or not kept otherwise"
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert torch_checkpoint._enable_checkpoint_early_stop is None, "torch's module global was touched"
+
+
+def test_a_user_setting_of_the_global_takes_precedence(spill_dir, stops, monkeypatch):
+    monkeypatch.setattr(_early_stop, "run_to_end_needed", lambda: True)
     with torch_checkpoint.set_checkpoint_early_stop(True):
-        with RUN_TO_END:
-            assert torch_checkpoint._enable_checkpoint_early_stop is False
-        assert torch_checkpoint._enable_checkpoint_early_stop is True
-    assert torch_checkpoint._enable_checkpoint_early_stop is None
+        _train(spill_dir, "recompute")
+    assert len(stops) == 2
 
 
-def test_interleaved_threads_put_back_what_they_found():
-    """A enters, B enters, A leaves, B leaves: torch's own context manager would leave early stop off."""
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
-    seen = []
-
-    def a():
-        with RUN_TO_END:
-            a_in.set()
-            b_in.wait(5)
-        a_out.set()
-
-    def b():
-        a_in.wait(5)
-        with RUN_TO_END:
-            b_in.set()
-            a_out.wait(5)
-            seen.append(torch_checkpoint._enable_checkpoint_early_stop)
-
-    threads = [threading.Thread(target=a), threading.Thread(target=b)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert seen == [False], "early stop came back on while B's recomputation was being set up"
-    assert torch_checkpoint._enable_checkpoint_early_stop is None
-    assert "in_flight=0" in repr(RUN_TO_END)
+def test_needed_only_with_cuda_and_one_of_the_tools(monkeypatch):
+    assert not _early_stop.run_to_end_needed()  # no CUDA initialised in this process
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    monkeypatch.setitem(sys.modules, "torch.cuda._sanitizer",
+                        types.SimpleNamespace(cuda_sanitizer=types.SimpleNamespace(enabled=False)))
+    assert not _early_stop.run_to_end_needed()
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: True, raising=False)
+    assert _early_stop.run_to_end_needed()
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    sys.modules["torch.cuda._sanitizer"].cuda_sanitizer.enabled = True
+    assert _early_stop.run_to_end_needed()
+    assert _early_stop.checkpoint_keywords() == ({"early_stop": False} if _early_stop.HAS_EARLY_STOP_KEYWORD else {})
