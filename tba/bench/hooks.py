@@ -162,6 +162,8 @@ class ManyResult:
     tba_backward_s: float
     base_forward_s: float
     tba_forward_s: float
+    thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    """CPU microseconds per storage of each thread over the step with tba, forward and backward (``thread_cpu``)."""
 
     @property
     def backward_ratio(self) -> float:
@@ -186,17 +188,24 @@ def _many_step(leaves: list[torch.Tensor], count: int, directory: str | None) ->
 
 
 def measure_many(count: int, size_bytes: int, directory: str, repeats: int = 1,
-                 progress: Callable[[str], None] | None = None) -> ManyResult:
+                 progress: Callable[[str], None] | None = None, thread_cpu: bool = False) -> ManyResult:
     """Backward over ``count`` storages of ``size_bytes`` written to ``directory``, with and without tba."""
     leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(LEAVES_IN_MANY)]
     best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
+    spent: dict[str, int] = {}
     gc.collect()
     for rep in range(repeats):
         for name, where in (("base", None), ("tba", directory)):
             if progress is not None:
                 progress(f"many: {name} {rep + 1}/{repeats}")
+            before = thread_cpu_snapshot() if thread_cpu and where is not None else None
             forward_s, backward_s = _many_step(leaves, count, where)
+            if before is not None:
+                for thread, ns in cpu_by_name(before, thread_cpu_snapshot()).items():
+                    spent[thread] = spent.get(thread, 0) + ns
             best[name][0] = min(best[name][0], forward_s)
             best[name][1] = min(best[name][1], backward_s)
             gc.collect()
-    return ManyResult(count, size_bytes, directory, best["base"][1], best["tba"][1], best["base"][0], best["tba"][0])
+    per_storage = {thread: ns / 1e3 / (repeats * count) for thread, ns in sorted(spent.items(), key=lambda item: -item[1])}
+    return ManyResult(count, size_bytes, directory, best["base"][1], best["tba"][1], best["base"][0], best["tba"][0],
+                      per_storage)

@@ -141,9 +141,13 @@ def format_thread_cpu(results: list[HookResult]) -> str:
 
 
 def format_many(result: ManyResult) -> str:
-    return (f"{result.count} x {_size_text(result.size_bytes)} in {result.directory}: backward "
+    text = (f"{result.count} x {_size_text(result.size_bytes)} in {result.directory}: backward "
             f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
             f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
+    if result.thread_cpu_us:
+        text += "\n  CPU us per storage by thread, with tba: " + ", ".join(
+            f"{name} {us:.1f}" for name, us in result.thread_cpu_us.items() if us >= 0.5)
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
             results.append(measure(case, args.warmups, args.repeats, thread_cpu=args.thread_cpu))
         many = None
         if args.many:
-            many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update)
+            many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update,
+                                thread_cpu=args.thread_cpu)
         progress.done()
     print(f"device: {args.device}; loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
                               else "reduced by sum() at once (only autograd holds them; tba reads each back)"))

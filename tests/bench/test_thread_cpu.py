@@ -57,11 +57,16 @@ def test_bench_hooks_reports_thread_cpu(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench_hooks.add_arguments(parser)
     out = tmp_path / "h.json"
-    args = parser.parse_args(["--quick", "--no-disk", "--ram-dir", str(tmp_path), "--thread-cpu", "--json", str(out)])
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = parser.parse_args(["--quick", "--no-disk", "--many", "--disk-dir", str(disk), "--ram-dir", str(tmp_path),
+                              "--thread-cpu", "--json", str(out)])
     assert bench_hooks.run(args) == 0
     printed = capsys.readouterr().out
     assert "CPU us per storage by thread" in printed and "MainThread" in printed
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["many"]["thread_cpu_us"].get("MainThread", 0) > 0
     assert all(row["thread_cpu_us"].get("MainThread", 0) > 0 for row in rows)
     assert all(row["base_thread_cpu_us"].get("MainThread", 0) > 0 for row in rows)
     offload = [row for row in rows if row["path"] == "offload"]
