@@ -170,6 +170,8 @@ def _host_cost(simulated: bool, out: str) -> str:
     status = _run_text([sys.executable, "-m", "tba", "bench-hooks", "--device", "cuda", "--sizes", "64K,1M",
                         "--counts", "400,2000", "--no-disk", "--max-bytes", "256M", "--thread-cpu",
                         "--json", os.path.join(out, "host-cost.json")], cwd=str(REPO), log=log)
+    if not os.path.exists(log):
+        return status
     with open(log) as f:
         printed = [line for line in f.read().splitlines() if not line.startswith(("[", "tba: "))]
     return "\n".join([status.split(":", 1)[0], *printed[-16:]])
