@@ -1,0 +1,38 @@
+"""tools/soak.py tells the expected refusal to re-enter a retired offloader from a real failure: its
+text once drifted from the offloader's message, and every reopen after a signal counted as a failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import tba
+from tba.errors import TbaError
+
+SOAK = pathlib.Path(__file__).resolve().parents[1] / "tools" / "soak.py"
+
+
+def _soak():
+    spec = importlib.util.spec_from_file_location("tba_soak_tool", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_expects_the_offloaders_own_refusal(spill_dir):
+    soak = _soak()
+    x = torch.randn(64, 64, requires_grad=True)
+    offloader = tba.Offloader(spill_dir, min_offload_bytes=0)
+    with pytest.raises(RuntimeError, match="a signal's exception"):
+        with offloader:
+            torch.tanh(x)
+            raise RuntimeError("a signal's exception")
+    with pytest.raises(TbaError) as refused:
+        with offloader:
+            pass
+    offloader.close()
+    assert soak.is_discarded_reentry(refused.value), str(refused.value)
+    assert not soak.is_discarded_reentry(TbaError("this Offloader cannot be entered now: it is already entered"))
