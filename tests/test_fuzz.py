@@ -48,3 +48,27 @@ def test_the_fuzzer_sees_a_changed_gradient(monkeypatch):
     monkeypatch.setattr(tba.Offloader, "unpack", unpack)
     seed = next(s for s in range(200) if draw_case(s).events.count("step") and draw_case(s).min_offload_bytes == 0)
     assert run_case(draw_case(seed))
+
+
+def test_a_flush_event_makes_backward_read_the_file(monkeypatch):
+    """The "flush" event is live: with every write done before backward, tba reads storages back."""
+    from tba.runtime._reads import StoreReads
+
+    reads = []
+    original = StoreReads._start_read
+
+    def counting(self, entry, watched=False):
+        reads.append(entry.nbytes)
+        return original(self, entry, watched)
+
+    monkeypatch.setattr(StoreReads, "_start_read", counting)
+    import tba
+
+    flushes = []
+    original_flush = tba.Offloader.flush
+    monkeypatch.setattr(tba.Offloader, "flush", lambda self: flushes.append(1) or original_flush(self))
+    seed = next(s for s in range(2000) if draw_case(s).events == ("flush",) and draw_case(s).min_offload_bytes == 0
+                and draw_case(s).placement is not None and "offload" in draw_case(s).placement)
+    assert not run_case(draw_case(seed))
+    assert flushes == [1], "the flush event did not wait for the writes"
+    assert reads, f"case {seed} read nothing back"

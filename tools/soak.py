@@ -9,6 +9,9 @@ Faults, drawn at random for each step:
   step (forward, backward, or tba's own bookkeeping);
 * dropped losses: forward runs, backward never does.
 
+Every layer is offloaded (``policy="offload"``), and half the steps wait for their writes before
+backward (``flush()``), so that backward reads the file and read faults can strike.
+
 Checked: every step that completed has gradients ``torch.equal`` to a reference computed without
 tba; no spill file and no descriptor is left once the offloader and engine are closed; RSS at the
 end is within a tolerance of RSS after warm-up. Prints progress, then one summary line per backend;
@@ -111,11 +114,13 @@ def soak(backend: str, args: argparse.Namespace) -> bool:
     model = make_gpt(config)
     batches = [make_batch(config, seed=i) for i in range(BATCHES)]
 
-    def step(index: int, ctx: object, drop: bool = False) -> list[torch.Tensor] | None:
+    def step(index: int, ctx: object, drop: bool = False, written_first: bool = False) -> list[torch.Tensor] | None:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(index % BATCHES)
         with ctx:
             loss = model(*batches[index % BATCHES])
+            if written_first:
+                ctx.flush()  # every write done before backward, which then reads the file
         if drop:
             return None
         loss.backward()
@@ -129,7 +134,10 @@ def soak(backend: str, args: argparse.Namespace) -> bool:
     engine = FlakyEngine(make_engine(backend), args.write_fault_rate, args.read_fault_rate, args.seed)
 
     def new_offloader() -> tba.Offloader:
-        return tba.Offloader(directory, backend=engine, layers=list(model.blocks), min_offload_bytes=0)
+        # Offload-all: the adaptive default plans keep-all for so small a model, and nothing would be
+        # written or read back.
+        return tba.Offloader(directory, backend=engine, layers=list(model.blocks), min_offload_bytes=0,
+                             policy="offload")
 
     off = new_offloader()
     step(0, off)
@@ -144,11 +152,12 @@ def soak(backend: str, args: argparse.Namespace) -> bool:
     warmup = max(1, args.steps // 10)
     for index in range(args.steps):
         drop = rng.random() < args.drop_rate
+        written_first = rng.random() < 0.5
         timer_s = rng.uniform(0.0001, 1.5 * step_s) if rng.random() < args.signal_rate else 0.0
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, timer_s)
-                grads = step(index, off, drop)
+                grads = step(index, off, drop, written_first)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             if drop:

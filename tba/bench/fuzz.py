@@ -6,8 +6,10 @@ its own, views and transposes, in-place activations, a weight shared between two
 weights, a running mean and a call counter that the forward updates and then reads), a dtype, an
 input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a
 placement (the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with
-its input offloaded each block), a backend, a minimum offload size, and an event (a normal step, an
-exception raised inside the block, or a dropped loss). :func:`run_case` runs the same steps twice
+its input offloaded each block), a backend, a minimum offload size, and an event (a normal step, a
+step that waits for its writes before backward (``flush()``), so that backward reads the file instead
+of memory the writes had not yet freed, an exception raised inside the block, or a dropped loss).
+:func:`run_case` runs the same steps twice
 from the same seed, once without tba and once with it, and compares losses, gradients, buffers,
 SGD-with-momentum state and the input tensors with ``torch.equal``; it also checks that no
 descriptor, thread or file is left once tba has shut its runtimes down. :func:`reproducer` prints
@@ -35,7 +37,7 @@ from torch import nn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering")
-EVENTS = ("step", "step", "step", "raise", "drop")
+EVENTS = ("step", "step", "flush", "step", "raise", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +172,8 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
                 del x  # as in a training loop: only autograd (and tba) hold the input now
                 if event == "raise":
                     raise _Raised
+                if event == "flush" and directory is not None:
+                    context.flush()
         except _Raised:
             if offloader is not None:
                 offloader = new_offloader()
