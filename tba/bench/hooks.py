@@ -71,9 +71,10 @@ class HookResult:
     tba_forward_s: float
     tba_backward_s: float
     thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
-    """CPU microseconds per storage of each thread during the measured steps with tba (``thread_cpu=True``)."""
+    """CPU microseconds per storage of each thread in the measured step with tba whose forward and backward
+    took least, as the times are best-of (``thread_cpu=True``)."""
     base_thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
-    """The same during the steps without tba."""
+    """The same for the best measured step without tba."""
 
     @property
     def extra_forward_us(self) -> float:
@@ -130,25 +131,23 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
     leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
     grad = torch.ones(numel, device=case.device)
     best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
-    spent: dict[str, dict[str, int]] = {"base": {}, "tba": {}}
+    spent: dict[str, tuple[float, dict[str, int]]] = {"base": (float("inf"), {}), "tba": (float("inf"), {})}
     gc.collect()
     for rep in range(warmups + repeats):
         for name, which in (("base", None), ("tba", case)):
             before = thread_cpu_snapshot() if thread_cpu and rep >= warmups else None
             forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs, case.device)
-            if before is not None:
-                for thread, ns in cpu_by_name(before, thread_cpu_snapshot()).items():
-                    spent[name][thread] = spent[name].get(thread, 0) + ns
+            if before is not None and forward_s + backward_s < spent[name][0]:
+                spent[name] = (forward_s + backward_s, cpu_by_name(before, thread_cpu_snapshot()))
             if rep >= warmups:
                 best[name][0] = min(best[name][0], forward_s)
                 best[name][1] = min(best[name][1], backward_s)
-
-    def per_storage_us(ns_by_thread: dict[str, int]) -> dict[str, float]:
-        return {thread: ns / 1e3 / (repeats * case.count) for thread, ns in
-                sorted(ns_by_thread.items(), key=lambda item: -item[1])}
-
     return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
-                      per_storage_us(spent["tba"]), per_storage_us(spent["base"]))
+                      _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count))
+
+
+def _per_storage_us(ns_by_thread: dict[str, int], count: int) -> dict[str, float]:
+    return {thread: ns / 1e3 / count for thread, ns in sorted(ns_by_thread.items(), key=lambda item: -item[1])}
 
 
 @dataclasses.dataclass
@@ -163,7 +162,8 @@ class ManyResult:
     base_forward_s: float
     tba_forward_s: float
     thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
-    """CPU microseconds per storage of each thread over the step with tba, forward and backward (``thread_cpu``)."""
+    """CPU microseconds per storage of each thread over the steps with tba, forward and backward, a mean of
+    ``repeats`` (``thread_cpu``; the loop without tba is not split)."""
 
     @property
     def backward_ratio(self) -> float:
@@ -206,6 +206,6 @@ def measure_many(count: int, size_bytes: int, directory: str, repeats: int = 1,
             best[name][0] = min(best[name][0], forward_s)
             best[name][1] = min(best[name][1], backward_s)
             gc.collect()
-    per_storage = {thread: ns / 1e3 / (repeats * count) for thread, ns in sorted(spent.items(), key=lambda item: -item[1])}
+    per_storage = _per_storage_us({thread: ns // repeats for thread, ns in spent.items()}, count)
     return ManyResult(count, size_bytes, directory, best["base"][1], best["tba"][1], best["base"][0], best["tba"][0],
                       per_storage)

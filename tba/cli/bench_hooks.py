@@ -28,6 +28,7 @@ import torch
 
 from tba._units import parse_size
 from tba.bench.hooks import HookCase, HookResult, ManyResult, measure, measure_many
+from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli._progress import Progress
 from tba.defaults import GIB, KIB, MIB
 
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the leaves live (default cpu); cuda times the host cost of the device path")
     parser.add_argument("--thread-cpu", action="store_true",
-                        help="also print each thread's CPU microseconds per storage (Linux /proc), with and without tba")
+                        help="also print each thread's CPU microseconds per storage (Linux /proc) in the best "
+                             "step with and without tba (--many: the mean over its steps with tba)")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
@@ -128,7 +130,7 @@ def format_table(results: list[HookResult]) -> str:
 
 def format_thread_cpu(results: list[HookResult]) -> str:
     """Per row, each thread's CPU microseconds per storage with tba (without tba in brackets), and the totals."""
-    lines = ["CPU us per storage by thread, with tba (without):"]
+    lines = [f"CPU us per storage by thread in the best step, with tba (without); clock: {THREAD_CLOCK}:"]
     for r in results:
         names = list(r.thread_cpu_us) + [name for name in r.base_thread_cpu_us if name not in r.thread_cpu_us]
         parts = [f"{name} {r.thread_cpu_us.get(name, 0.0):.1f} ({r.base_thread_cpu_us.get(name, 0.0):.1f})"
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,
+                       "thread_cpu_clock": THREAD_CLOCK if args.thread_cpu else None,
                        "warmups": args.warmups, "repeats": args.repeats}, out, indent=2)
     return 0
 

@@ -49,6 +49,35 @@ def test_busy_threads_add_up_under_their_pool_name_and_an_idle_one_costs_nothing
     assert spent.get("probe-idle", 0) < 20_000_000, spent
 
 
+def test_a_native_thread_keeps_its_kernel_name_and_an_ended_one_is_still_counted():
+    """A thread Python did not start is not reported as 'Dummy' once it ran Python code; a thread that ended
+    between two readings shows up as their remainder."""
+    import _thread
+
+    before = thread_cpu.snapshot()
+    ready, release = threading.Event(), threading.Event()
+
+    def native():
+        threading.current_thread()  # makes a threading._DummyThread for this thread
+        _spin(0.05)
+        ready.set()
+        release.wait()
+
+    _thread.start_new_thread(native, ())
+    assert ready.wait(10)
+    live = thread_cpu.by_name(before, thread_cpu.snapshot())
+    release.set()
+    assert not any(name.startswith("Dummy") for name in live), live
+    ended = threading.Thread(target=_spin, args=(0.05,), name="probe-ended")
+    middle = thread_cpu.snapshot()
+    ended.start()
+    ended.join()
+    time.sleep(0.05)  # the kernel reaps the task
+    spent = thread_cpu.by_name(middle, thread_cpu.snapshot())
+    if thread_cpu.CLOCK == "schedstat":
+        assert spent.get(thread_cpu.EXITED, 0) >= 40_000_000, spent
+
+
 def test_bench_hooks_reports_thread_cpu(tmp_path, capsys):
     import argparse
     import json
