@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import os
 import sys
 
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "history":
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     extra = {"early_stop": False} if args.early_stop_off else {}
+    if extra and "early_stop" not in inspect.signature(checkpoint).parameters:
+        print("checkpoint_early_stop: this torch's checkpoint takes no early_stop= (tba keeps early stop there)")
+        return 2
     layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64),
                                 torch.nn.Dropout(0.1)).cuda()
     failures, first = 0, None

@@ -173,8 +173,9 @@ def _host_cost(simulated: bool, out: str) -> str:
     if not os.path.exists(log):
         return status
     with open(log) as f:
-        printed = [line for line in f.read().splitlines() if not line.startswith(("[", "tba: "))]
-    return "\n".join([status.split(":", 1)[0], *printed[-16:]])
+        printed = f.read().splitlines()
+    start = next((i for i, line in enumerate(printed) if line.startswith("device: ")), max(0, len(printed) - 16))
+    return "\n".join([status.split(":", 1)[0], *printed[start:start + 16]])
 
 
 def _megatron(simulated: bool) -> str:
