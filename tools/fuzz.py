@@ -2,7 +2,8 @@
 """Differential fuzzer: random small models and steps with and without tba, compared bit for bit.
 
 Each case is one seed (see ``tba/bench/fuzz.py`` for what is drawn). Prints progress every 50
-cases, a reproducer for every case that differs or leaks, and a summary; exits 1 on any finding.
+cases, a reproducer for every case that differs or leaks (with the traceback of one that raised), and
+a summary; exits 1 on any finding.
 
 Example:
     python tools/fuzz.py --cases 5000 --seed 0
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 
 from tba.bench.fuzz import draw_case, reproducer, run_case
 
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             problems = run_case(case)
         except Exception as err:  # noqa: BLE001 - a crash is a finding too, reported with its reproducer
-            problems = [f"raised {type(err).__name__}: {err}"]
+            problems = [f"raised {type(err).__name__}: {err}\n{traceback.format_exc()}"]
         done += 1
         if problems:
             findings += 1
