@@ -67,6 +67,8 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
+import threading
 import weakref
 from typing import Any
 
@@ -135,17 +137,30 @@ class Learned:
 
 
 _learned: dict[int, tuple[weakref.ref, Learned]] = {}
+_learned_lock = [threading.Lock(), os.getpid()]
 
 
 def learned_for(layer: nn.Module) -> Learned:
-    """The :class:`Learned` of ``layer``, kept while it lives (plain weak references, no callbacks)."""
+    """The :class:`Learned` of ``layer``, kept while it lives (plain weak references, no callbacks).
+
+    Backward may recompute on another thread (a GPU's autograd worker) while forward runs: the dict is
+    rebuilt under a lock and swapped in, never changed in place, as in Note [A registry that threads
+    and the collector can share] in ``tba/_weak.py``.
+    """
+    global _learned
     found = _learned.get(id(layer))
     if found is not None and found[0]() is layer:
         return found[1]
-    for key in [key for key, (ref, _) in list(_learned.items()) if ref() is None]:
-        _learned.pop(key, None)  # backward may recompute on another thread (a GPU's autograd worker)
-    learned = Learned()
-    _learned[id(layer)] = (weakref.ref(layer), learned)
+    if _learned_lock[1] != os.getpid():  # a fork's child: the parent's lock may be held for good
+        _learned_lock[:] = [threading.Lock(), os.getpid()]
+    with _learned_lock[0]:
+        found = _learned.get(id(layer))
+        if found is not None and found[0]() is layer:
+            return found[1]
+        learned = Learned()
+        fresh = {key: value for key, value in _learned.items() if value[0]() is not None}
+        fresh[id(layer)] = (weakref.ref(layer), learned)
+        _learned = fresh
     return learned
 
 
