@@ -126,7 +126,7 @@ def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
 
 def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool = False) -> HookResult:
     """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``; with
-    ``thread_cpu``, also each thread's CPU time per storage over the measured steps (``thread_cpu.py``)."""
+    ``thread_cpu``, also each thread's CPU time per storage in the best measured step (``thread_cpu.py``)."""
     numel = case.size_bytes // 4
     leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
     grad = torch.ones(numel, device=case.device)
