@@ -67,9 +67,6 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import os
-import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -78,14 +75,10 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from tba.errors import TbaError
+from tba.runtime._learned import Key, Learned
 
 _PLAIN_TYPES = (int, float, bool, str, bytes, tuple, type(None))
 _CONTAINER_TYPES = (list, dict, set, collections.deque)
-
-Key = tuple[int, str, bool]
-"""A state tensor: the identity of its module, its name there, and whether the module was training (a norm layer
-updates its statistics in training mode only)."""
-
 
 @dataclasses.dataclass
 class TensorCopy:
@@ -121,47 +114,6 @@ class ModuleState:
 
 NOT_COPIED = torch.empty(0)
 """Stands for the bytes of a tensor that was not copied: one the layer's forward is known to leave alone."""
-
-
-@dataclasses.dataclass
-class Learned:
-    """What the forwards of one recomputed layer were seen to do to its state tensors (Note [Side effects of a
-    recomputed forward]); empty until its first forward has been watched."""
-
-    changed: set[Key] = dataclasses.field(default_factory=set)
-    unchanged: set[Key] = dataclasses.field(default_factory=set)
-
-    def copies(self, key: Key) -> bool:
-        """Whether a snapshot copies this tensor's bytes: unless a forward was seen to leave it alone."""
-        return key not in self.unchanged
-
-
-_learned: dict[int, tuple[weakref.ref, Learned]] = {}
-_learned_lock = [threading.Lock(), os.getpid()]
-
-
-def learned_for(layer: nn.Module) -> Learned:
-    """The :class:`Learned` of ``layer``, kept while it lives (plain weak references, no callbacks).
-
-    Backward may recompute on another thread (a GPU's autograd worker) while forward runs: the dict is
-    rebuilt under a lock and swapped in, never changed in place, as in Note [A registry that threads
-    and the collector can share] in ``tba/_weak.py``.
-    """
-    global _learned
-    found = _learned.get(id(layer))
-    if found is not None and found[0]() is layer:
-        return found[1]
-    if _learned_lock[1] != os.getpid():  # a fork's child: the parent's lock may be held for good
-        _learned_lock[:] = [threading.Lock(), os.getpid()]
-    with _learned_lock[0]:
-        found = _learned.get(id(layer))
-        if found is not None and found[0]() is layer:
-            return found[1]
-        learned = Learned()
-        fresh = {key: value for key, value in _learned.items() if value[0]() is not None}
-        fresh[id(layer)] = (weakref.ref(layer), learned)
-        _learned = fresh
-    return learned
 
 
 def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:

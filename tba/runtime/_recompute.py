@@ -54,7 +54,8 @@ from torch.utils.checkpoint import checkpoint
 from tba.errors import TbaConfigError
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._hooks import SavedTensorHooks
-from tba.runtime._layer_state import FirstCall, generator_states, learned_for, restore, snapshot
+from tba.runtime._layer_state import FirstCall, generator_states, restore, snapshot
+from tba.runtime._learned import learned_for
 from tba.runtime._views import Kept
 
 

@@ -337,7 +337,7 @@ class Masking(nn.Module):
 
 
 def test_a_buffer_its_first_watched_forward_left_alone_is_not_copied_again_and_a_later_change_is_loud(spill_dir):
-    from tba.runtime._layer_state import learned_for
+    from tba.runtime._learned import learned_for
 
     model = nn.Sequential(Masking(), Masking())
     offloader = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20))
@@ -443,7 +443,7 @@ def test_learned_for_is_shared_by_threads_while_layers_die():
     import gc
     import threading
 
-    from tba.runtime._layer_state import learned_for
+    from tba.runtime._learned import learned_for
 
     kept = nn.Linear(2, 2)
     mine = learned_for(kept)
