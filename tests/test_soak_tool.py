@@ -3,11 +3,11 @@ text once drifted from the offloader's message, and every reopen after a signal 
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
 import torch
+from utils import load_script
 
 import tba
 from tba.errors import TbaError
@@ -15,15 +15,8 @@ from tba.errors import TbaError
 SOAK = pathlib.Path(__file__).resolve().parents[1] / "tools" / "soak.py"
 
 
-def _soak():
-    spec = importlib.util.spec_from_file_location("tba_soak_tool", SOAK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_soak_expects_the_offloaders_own_refusal(spill_dir):
-    soak = _soak()
+    soak = load_script(SOAK)
     x = torch.randn(64, 64, requires_grad=True)
     offloader = tba.Offloader(spill_dir, min_offload_bytes=0)
     with pytest.raises(RuntimeError, match="a signal's exception"):

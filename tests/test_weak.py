@@ -4,12 +4,10 @@ iteration", dead objects pruned, and a fork's child can add although another thr
 
 from __future__ import annotations
 
-import gc
 import os
-import threading
-import time
 
 import pytest
+from utils import threads_under_the_collector
 
 from tba._weak import WeakRegistry
 
@@ -18,45 +16,22 @@ class _Member:
     pass
 
 
-class _Cyclic:
-    """Cyclic garbage whose finalizer lets another thread run while the collector works."""
-
-    def __init__(self) -> None:
-        self.me = self
-
-    def __del__(self) -> None:
-        time.sleep(0)
-
-
 def test_threads_adding_while_the_collector_runs_finalizers():
-    registry, errors = WeakRegistry(), []
-    stop = time.monotonic() + 1.5
+    registry = WeakRegistry()
 
-    def worker() -> None:
+    def new_body():
         held = []
-        try:
-            while time.monotonic() < stop:
-                member = _Member()
-                registry.add(member)
-                held.append(member)
-                if len(held) > 50:
-                    held.clear()
-                _Cyclic()
-                registry.alive()
-        except Exception as err:  # noqa: BLE001 - any error is the failure
-            errors.append(repr(err))
 
-    thresholds = gc.get_threshold()
-    gc.set_threshold(50, 1, 1)
-    try:
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        gc.set_threshold(*thresholds)
-    assert errors == []
+        def body() -> None:
+            member = _Member()
+            registry.add(member)
+            held.append(member)
+            if len(held) > 50:
+                held.clear()
+            registry.alive()
+        return body
+
+    assert threads_under_the_collector(new_body) == []
 
 
 def test_dead_members_are_pruned_and_live_ones_kept():

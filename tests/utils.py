@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import errno
+import gc
 import importlib.util
 import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +39,45 @@ def load_script(path: Path) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class _Finalizing:
+    """Cyclic garbage whose finalizer lets another thread run while the collector works."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        time.sleep(0)
+
+
+def threads_under_the_collector(new_body: Callable[[], Callable[[], None]], seconds: float = 1.5,
+                                threads: int = 4) -> list[str]:
+    """Run ``threads`` threads for ``seconds``, each calling its own ``new_body()`` in a loop beside cyclic
+    garbage whose finalizers switch threads, with the collector run often; returns the errors raised."""
+    errors: list[str] = []
+    stop = time.monotonic() + seconds
+
+    def worker() -> None:
+        body = new_body()
+        try:
+            while time.monotonic() < stop:
+                body()
+                _Finalizing()
+        except Exception as err:  # noqa: BLE001 - any error is the failure
+            errors.append(repr(err))
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 1, 1)
+    try:
+        running = [threading.Thread(target=worker) for _ in range(threads)]
+        for thread in running:
+            thread.start()
+        for thread in running:
+            thread.join()
+    finally:
+        gc.set_threshold(*thresholds)
+    return errors
 
 
 def run_step(model: nn.Module, forward: Callable[[nn.Module], torch.Tensor], offloader=None, *,

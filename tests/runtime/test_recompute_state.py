@@ -10,7 +10,6 @@ place between forward and backward, which must raise instead of recomputing anot
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 import pytest
@@ -427,45 +426,18 @@ def test_lazy_parameters_not_materialised_are_a_config_error(spill_dir):
     tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("recompute", "keep"), window_bytes=1 << 20)).close()
 
 
-class _Finalizing:
-    """Cyclic garbage whose finalizer lets another thread run while the collector works."""
-
-    def __init__(self) -> None:
-        self.me = self
-
-    def __del__(self) -> None:
-        time.sleep(0)
-
-
 def test_learned_for_is_shared_by_threads_while_layers_die():
     """Forward and a GPU's autograd worker both look layers up (Note [A registry that threads and the
     collector can share] in tba/_weak.py): no error, and a live layer keeps its one Learned."""
-    import gc
-    import threading
+    from utils import threads_under_the_collector
 
     from tba.runtime._learned import learned_for
 
     kept = nn.Linear(2, 2)
     mine = learned_for(kept)
-    errors, stop = [], time.monotonic() + 1.5
 
-    def worker() -> None:
-        try:
-            while time.monotonic() < stop:
-                learned_for(nn.Identity())  # dies at once: pruned by a later lookup
-                _Finalizing()
-                assert learned_for(kept) is mine
-        except Exception as err:  # noqa: BLE001 - any error is the failure
-            errors.append(repr(err))
+    def body() -> None:
+        learned_for(nn.Identity())  # dies at once: pruned by a later lookup
+        assert learned_for(kept) is mine
 
-    thresholds = gc.get_threshold()
-    gc.set_threshold(50, 1, 1)
-    try:
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        gc.set_threshold(*thresholds)
-    assert errors == []
+    assert threads_under_the_collector(lambda: body) == []
