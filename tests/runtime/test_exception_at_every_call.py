@@ -88,6 +88,9 @@ def _step(directory: str, backend: str, x: torch.Tensor, w: torch.Tensor, trace:
 def _every_call(directory: str, backend: str, until_skipped: bool = False) -> int:
     """Run the step with the exception at each call in turn; returns how many exits it skipped
     (stops at the first one with ``until_skipped``)."""
+    # Garbage earlier tests left in cycles (torch.compile's) holds weak references whose Python callbacks
+    # would run inside a traced step when the collector frees it, and drop the exception there.
+    gc.collect()
     x = torch.randn(64, 256, requires_grad=True)
     w = torch.randn(64, 256, requires_grad=True)
     (x.tanh() * w).sigmoid().sum().backward()
