@@ -153,8 +153,13 @@ def _relay_warnings(stderr: str) -> None:
 
 
 def _plain_env() -> dict[str, str]:
-    """The environment without any glibc malloc tuning."""
-    return {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    """The environment without any glibc malloc tuning (``MALLOC_*_`` variables such as
+    ``MALLOC_MMAP_THRESHOLD_``, and ``MALLOC_ARENA_MAX``).
+
+    jemalloc's ``MALLOC_CONF`` is not glibc's and stays: it is the caching allocator's own setting,
+    which the benchmark's header names, and every mode runs under it alike.
+    """
+    return {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_") or key == "MALLOC_CONF"}
 
 
 def _worker(request_json: str) -> None:
