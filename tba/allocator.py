@@ -39,8 +39,8 @@ CACHING = ("jemalloc", "tcmalloc", "mimalloc")
 AUTO_ORDER = ("tcmalloc", "jemalloc", "mimalloc")
 """What ``--allocator auto`` picks, first found wins. Measured on the ``bench`` GPT (docs/cpu-memory.md):
 under tcmalloc keep-all and tba ran fastest in absolute time (tba 2.7 s a step at 0.18x keep-all's
-activation peak); jemalloc gave a slightly lower peak (0.15-0.16x) but every mode ran about 1.3x
-slower than under tcmalloc, keep-all included."""
+activation peak); jemalloc with its defaults gave a slightly lower peak (0.15-0.16x) but every mode
+ran about 1.3x slower, keep-all included (Note [jemalloc keeps its dirty pages])."""
 
 CHOICES = ("auto", *CACHING, "system")
 """Values of every ``--allocator`` option; ``system`` is the C library's malloc (glibc on Linux)."""
@@ -58,10 +58,26 @@ INSTALL_HINTS = {
     "mimalloc": "pip install cmeel-mimalloc (or pip install 'tba-offload[cpu]'), or apt-get install libmimalloc2.0",
 }
 
-SETTINGS: dict[str, dict[str, str]] = {}
-"""Environment set with each preloaded allocator unless the user already set it. Empty by measurement:
-jemalloc's defaults gave tba the lowest activation peak; ``background_thread:true`` raised it from
-0.15x to 0.21x of keep-all (docs/cpu-memory.md)."""
+SETTINGS: dict[str, dict[str, str]] = {"jemalloc": {"MALLOC_CONF": "dirty_decay_ms:-1"}}
+"""Environment set with each preloaded allocator unless the user already set it (a ``MALLOC_CONF`` of
+the user's own replaces tba's whole). jemalloc keeps freed pages instead of returning them to the
+kernel every step: Note [jemalloc keeps its dirty pages]. tcmalloc and mimalloc need nothing.
+
+Note: [jemalloc keeps its dirty pages]
+With its defaults (pages unused for 10 s handed back, and those of blocks over 8 MiB at once),
+jemalloc gave the pages of a step's freed activations back to the kernel and the next step faulted
+them in again: on the ``bench`` GPT keep-all took 640 thousand minor faults a step (2.5 GB of
+first touches, at about 0.9 GB/s here), and every mode ran 1.3x slower than under tcmalloc.
+``dirty_decay_ms:-1`` (never hand back a freed page; jemalloc still reuses it) took keep-all from
+3.1-3.3 s to 2.4-2.5 s a step with 0-1 faults, as fast as tcmalloc (2.45 s, 875 faults); tba and
+full recompute gained as much (``tools/bench_e2e.py --preset bench --usage bare --allocator jemalloc``:
+3.37 to 2.80 s and 4.80 to 3.39 s). Longer decays (``dirty_decay_ms:60000``), routing large blocks
+through the ordinary arenas (``oversize_threshold``) and PyTorch's own launcher settings still
+faulted 570-660 thousand times a step. What it costs: the resident set never shrinks while the
+process lives, as under tcmalloc, and offload-all's first step on ``bench`` peaked at 0.20-0.22x of
+keep-all's activations instead of 0.13-0.17x (later steps 0.08-0.10x). ``background_thread:true``
+raised tba's peak to 0.21x in every step and is not set (docs/cpu-memory.md).
+"""
 
 SETTING_PREFIXES = {"jemalloc": ("MALLOC_CONF",), "tcmalloc": ("TCMALLOC_",), "mimalloc": ("MIMALLOC_",)}
 """Environment variables each allocator reads; those set are named in :func:`launch_env`'s description."""
@@ -157,6 +173,18 @@ def detect() -> Allocator:
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         return Allocator("glibc", None, libc.gnu_get_libc_version().decode())
     return Allocator("system")
+
+
+def jemalloc_dirty_decay_ms() -> int | None:
+    """jemalloc's ``opt.dirty_decay_ms`` in this process (-1: freed pages are never handed back), or
+    None when jemalloc does not serve it (Note [jemalloc keeps its dirty pages])."""
+    if detect().name != "jemalloc":
+        return None
+    value, size = ctypes.c_ssize_t(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+    mallctl = ctypes.CDLL(None).mallctl
+    if mallctl(b"opt.dirty_decay_ms", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return None
+    return value.value
 
 
 def _environment_dirs() -> list[str]:

@@ -22,7 +22,7 @@ import torch
 
 from tba._units import parse_size
 from tba._whole_exit import exit_block
-from tba.allocator import CACHING, detect, find_library
+from tba.allocator import CACHING, detect, find_library, jemalloc_dirty_decay_ms
 from tba.defaults import MIB
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.io import (
@@ -113,7 +113,12 @@ def _malloc_rows() -> list[tuple[str, str]]:
     allocator = detect()
     found = {name: find_library(name) for name in CACHING}
     listed = ", ".join(f"{name} ({path})" for name, path in found.items() if path) or "none"
-    if allocator.caching:
+    decay_ms = jemalloc_dirty_decay_ms()
+    if decay_ms is not None and decay_ms >= 0:
+        serving = (f"{allocator} ({allocator.path or 'linked in'}) with dirty_decay_ms={decay_ms}: freed activations' "
+                   "pages go back to the kernel and fault in again every step; set MALLOC_CONF=dirty_decay_ms:-1, "
+                   "as `python -m tba run` does (docs/cpu-memory.md)")
+    elif allocator.caching:
         serving = f"{allocator} ({allocator.path or 'linked in'}): freed activations are reused, nothing handed back"
     elif allocator.name == "glibc":
         serving = (f"glibc {allocator.version}: freed activations' pages are handed back and fault in again every "

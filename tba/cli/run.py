@@ -3,7 +3,7 @@
 ``python -m tba run [--allocator auto|jemalloc|tcmalloc|mimalloc|system] script.py args...``
 (or ``... run -m package.module args...``) replaces itself with ``python script.py args...``
 whose environment has the allocator's library first in ``LD_PRELOAD`` (plus
-:data:`tba.allocator.SETTINGS` where unset; none today: jemalloc's defaults measured best). One
+:data:`tba.allocator.SETTINGS` where unset: ``MALLOC_CONF=dirty_decay_ms:-1`` for jemalloc). One
 line on stderr names the allocator, its library and the allocator variables set (``MALLOC_CONF``,
 ...). Arguments, standard streams, signals and the exit status are the script's own: the launcher
 execs it, nothing stays in between.

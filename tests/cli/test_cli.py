@@ -112,3 +112,24 @@ def test_a_command_imports_its_own_module_only():
     first, second = done.stdout.splitlines()
     assert first == "--help True "  # every command listed, none imported
     assert second == "doctor False tba.cli.doctor"
+
+
+@pytest.mark.parametrize("conf", ["", "dirty_decay_ms:-1"])
+def test_doctor_says_when_jemalloc_hands_freed_pages_back(tmp_path, conf):
+    # Note [jemalloc keeps its dirty pages] in tba/allocator.py.
+    import os
+
+    from tba import allocator
+
+    path = allocator.find_library("jemalloc")
+    if path is None:
+        pytest.skip("jemalloc is not installed here")
+    env = dict(os.environ, LD_PRELOAD=path, MALLOC_CONF=conf)
+    proc = subprocess.run([sys.executable, "-m", "tba", "doctor", "--directory", str(tmp_path), "--no-bandwidth"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("malloc in this process"))
+    assert "jemalloc" in line
+    assert ("fault in again every step; set MALLOC_CONF=dirty_decay_ms:-1" in line) == (conf == "")
+    if allocator.detect().name != "jemalloc":
+        assert allocator.jemalloc_dirty_decay_ms() is None

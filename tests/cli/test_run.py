@@ -43,6 +43,31 @@ def test_arguments_and_exit_status_pass_through_under_each_allocator(tmp_path, c
     assert len(said) == 1 and said[0].startswith(f"tba run: malloc {expected}")
 
 
+DECAY_SCRIPT = """\
+import ctypes
+value, size = ctypes.c_ssize_t(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
+assert ctypes.CDLL(None).mallctl(b"opt.dirty_decay_ms", ctypes.byref(value), ctypes.byref(size), None, 0) == 0
+print(value.value)
+"""
+
+
+@pytest.mark.parametrize("user_conf, expected", [(None, -1), ("dirty_decay_ms:5000", 5000)])
+def test_jemalloc_keeps_its_dirty_pages_unless_the_user_configured_it(tmp_path, monkeypatch, user_conf, expected):
+    # Note [jemalloc keeps its dirty pages] in tba/allocator.py: read back from jemalloc itself.
+    if allocator.find_library("jemalloc") is None:
+        pytest.skip("jemalloc is not installed here")
+    if user_conf is None:
+        monkeypatch.delenv("MALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("MALLOC_CONF", user_conf)
+    script = tmp_path / "decay.py"
+    script.write_text(DECAY_SCRIPT)
+    proc = _tba_run("--allocator", "jemalloc", str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) == expected
+    assert f"MALLOC_CONF={user_conf or 'dirty_decay_ms:-1'}" in proc.stderr
+
+
 def test_a_module_runs_with_its_arguments(tmp_path):
     (tmp_path / "tba_run_probe.py").write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "tba", "run", "-m", "tba_run_probe", "3", "--flag"],
