@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, TbaError
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import FirstCall, generator_states, restore, snapshot
@@ -117,7 +117,9 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         if calls[0] == 1:
             first.generators = generator_states(layer)
             first.before = snapshot(layer, learned)
+            inputs = _tensor_versions(args, kwargs)
             out = forward(*args, **kwargs)
+            _check_inputs_unchanged(layer, inputs)
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
@@ -158,6 +160,31 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         return _checkpoint(call, calls, first, *tensors)
 
     return run
+
+
+def _tensor_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor, int]]:
+    """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [(i, leaf, leaf._version) for i, leaf in enumerate(t for t in leaves if isinstance(t, torch.Tensor))]
+
+
+def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]]) -> None:
+    """Raise :class:`TbaError` when the first call of a recomputed layer changed one of its own inputs in place.
+
+    Note: [A recomputed layer must not change its input]
+    Checkpoint keeps a recomputed layer's inputs, not copies of them: a forward that changes its
+    input in place (``x.mul_(0.9)`` before any operation saves ``x``, legal without tba) leaves the
+    recomputation a changed input, and backward failed with torch's in-place error, whose hint
+    blamed the user's code, many steps into an adaptive run whose profiled steps had offloaded the
+    layer without trouble. The change is seen here, in forward, right after the call.
+    """
+    for position, tensor, version in inputs:
+        if tensor._version != version:
+            raise TbaError(
+                f"the forward of a recomputed layer ({type(layer).__name__}) changed its own input in place (tensor "
+                f"argument {position}, version {version}, now {tensor._version}): its recomputation in backward would "
+                "start from the changed input. Keep or offload this layer (policy='offload', or a tba.Plan that does "
+                "not recompute it), or make the change out of place (x = x * 0.9 instead of x.mul_(0.9))")
 
 
 def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

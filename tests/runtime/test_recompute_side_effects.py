@@ -115,3 +115,32 @@ def test_a_recomputed_layer_drawing_from_its_own_generator_is_exact(spill_dir) -
     assert all(torch.equal(a, b) for a, b in zip(losses, got_losses)), "losses differ"
     assert all(torch.equal(a, b) for a, b in zip(grads, got_grads)), "gradients differ: the recomputation drew another mask"
     assert torch.equal(state, got_state), "the model's generator ended advanced twice"
+
+
+class ScalesItsInput(nn.Module):
+    """Changes its own input in place before any operation saves it: legal without tba."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        mask.mul_(0.9)
+        return x + torch.tanh(self.linear(x * mask))
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_recomputed_layer_changing_its_own_input_raises_in_forward(spill_dir, decision):
+    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: torch's in-place
+    # error in backward, blaming the user, before.
+    torch.manual_seed(0)
+    model = nn.ModuleList([ScalesItsInput() for _ in range(2)])
+    x, mask = torch.randn(16, 32), torch.ones(16, 32)
+    with pytest.raises(tba.TbaError, match=r"changed its own input in place \(tensor argument 1"):
+        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20)):
+            for layer in model:
+                x = layer(x, mask=mask)
+    plain = ScalesItsInput()
+    with tba.offload_activations(spill_dir, layers=[plain], policy=tba.Plan(("offload",), window_bytes=1 << 20)):
+        loss = plain(torch.randn(16, 32), mask=torch.ones(16, 32)).sum()
+    loss.backward()
