@@ -37,7 +37,7 @@ from typing import Any
 from tba.defaults import ADAPTIVE_OVERHEAD_BOUND, MIB
 from tba.errors import TbaConfigError
 from tba.policy._model import estimate, forward_write_caps
-from tba.policy._placement import OFFLOAD, RECOMPUTE
+from tba.policy._placement import OFFLOAD, RECOMPUTE, RECOMPUTED
 from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes, shapes
 from tba.policy._profile import Profile
 
@@ -45,6 +45,12 @@ logger = logging.getLogger("tba")
 
 Candidate = tuple[Any, tuple[str, ...], int]
 """``(sort key, decisions, window bytes)``: a placement the search has costed."""
+
+
+def allowed_shapes(profile: Profile) -> list[tuple[str, ...]]:
+    """The placement shapes that recompute no layer the profile marks as not recomputable."""
+    return [decisions for decisions in shapes(len(profile.layers))
+            if all(layer.recomputable or decision not in RECOMPUTED for layer, decision in zip(profile.layers, decisions))]
 
 
 def _lower(current: Candidate | None, candidate: Candidate) -> Candidate:
@@ -63,7 +69,7 @@ def _search(profile: Profile, goal: str, rank: Rank, warning: Callable[[Plan], N
     low, high = min_window_bytes(profile), profile.max_window_bytes
     best: Candidate | None = None
     fallback: Candidate | None = None
-    for decisions in shapes(len(profile.layers)):
+    for decisions in allowed_shapes(profile):
         option, met = rank(decisions, low, high)
         fallback = _lower(fallback, option)
         if met is not None:
@@ -154,7 +160,7 @@ class Adaptive(Policy):
             return fastest, (key, decisions, window)
 
         floor = min(estimate(profile, decisions, profile.max_window_bytes).step_s
-                    for decisions in shapes(len(profile.layers)))
+                    for decisions in allowed_shapes(profile))
         return _search(profile, f"overhead_bound={bound:g}", rank, lambda _: logger.warning(
             "tba: no placement is within overhead_bound=%g; using the fastest one", bound))
 

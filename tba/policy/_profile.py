@@ -38,6 +38,9 @@ class LayerProfile:
     input_bytes: int = 0
     backward_s: float | None = None
     backward_measured: bool = False
+    recomputable: bool = True
+    """False when the layer's forward changed one of its inputs in place while profiled: a plan never
+    recomputes it (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``)."""
 
     def __post_init__(self) -> None:
         if self.backward_s is None:

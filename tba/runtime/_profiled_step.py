@@ -80,6 +80,7 @@ class ProfiledStep:
         self.pending["forward_cpu_s"] = list(self.timer.forward_cpu_s)
         self.pending["cpu_times"] = not on_cuda()
         self.pending["input_bytes"] = list(self.timer.input_bytes)
+        self.pending["changes_input"] = list(self.timer.changes_input)
         self.pending["max_storage"] = largest_live_storage_bytes()
         self.pending["window_bytes"] = window_bytes
         self.pending["backlog_bytes"] = backlog_bytes() if backlog_bytes is not None else None

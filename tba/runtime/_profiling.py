@@ -177,6 +177,7 @@ class Samples:
                 input_bytes=samples[-1]["input_bytes"][i],
                 backward_s=min(backward) if backward else None,
                 backward_measured=bool(backward),
+                recomputable=not any(s.get("changes_input", [False] * layer_count)[i] for s in samples),
             ))
         written, write_s = sum(s["written"] for s in samples), sum(s["write_s"] for s in samples)
         read, read_s = sum(s["read"] for s in samples), sum(s["read_s"] for s in samples)

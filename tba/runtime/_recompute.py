@@ -176,7 +176,10 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     input in place (``x.mul_(0.9)`` before any operation saves ``x``, legal without tba) leaves the
     recomputation a changed input, and backward failed with torch's in-place error, whose hint
     blamed the user's code, many steps into an adaptive run whose profiled steps had offloaded the
-    layer without trouble. The change is seen here, in forward, right after the call.
+    layer without trouble. The change is seen here, in forward, right after the call. The profiled
+    steps watch for it too (the layer timer compares its positional tensor arguments' versions
+    around each layer's forward, ``tba/runtime/_timer.py``): such a layer's profile is marked
+    ``recomputable=False`` and the adaptive planner never recomputes it.
     """
     for position, tensor, version in inputs:
         if tensor._version != version:

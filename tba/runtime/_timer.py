@@ -83,6 +83,9 @@ class LayerTimer:
         self.forward_s: list[float | None] = [None] * count
         self.forward_cpu_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
+        self.changes_input = [False] * count
+        """Per layer: its forward changed one of its tensor arguments in place (it cannot be recomputed)."""
+        self._input_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(count)]
         self._started = [(0.0, 0.0, 0.0)] * count
         self._ended = [(0.0, 0.0, 0.0)] * count
         self._grad_at_output: list[tuple[float, float, float] | None] = [None] * count
@@ -113,10 +116,13 @@ class LayerTimer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._input_versions = [[] for _ in self._input_versions]  # a forward that raised left its inputs here
 
     def _pre(self, index: int):
         def hook(module: nn.Module, args: tuple) -> None:
             self.input_bytes[index] = tensor_bytes(args)
+            if not torch.compiler.is_compiling():
+                self._input_versions[index] = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
@@ -133,6 +139,9 @@ class LayerTimer:
             if index == len(self._layer_refs) - 1:
                 self._mark("forward_end")
             self.forward_s[index] = _own_s(start, now)
+            versions, self._input_versions[index] = self._input_versions[index], []
+            if any(tensor._version != version for tensor, version in versions):
+                self.changes_input[index] = True
             self.forward_cpu_s[index] = now[1] - start[1]
             first = output if isinstance(output, torch.Tensor) else None
             if isinstance(output, (tuple, list)):

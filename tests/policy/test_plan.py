@@ -241,3 +241,15 @@ def test_only_a_memory_budget_plans_with_the_drain_bandwidth():
     assert plan(profile) == plan(dataclasses.replace(profile, drain_bytes_per_s=None))
     with pytest.raises(ValueError, match="drain_bytes_per_s must be > 0"):
         dataclasses.replace(profile, drain_bytes_per_s=0.0)
+
+
+def test_a_layer_that_changes_its_input_is_never_recomputed():
+    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py.
+    fixed = dataclasses.replace(SLOW, layers=tuple(dataclasses.replace(layer, recomputable=i != 2)
+                                                   for i, layer in enumerate(SLOW.layers)))
+    assert plan(SLOW, memory_budget_bytes=150 * MIB).code == "OORK"
+    with pytest.raises(tba.TbaConfigError, match="cannot be met"):
+        plan(fixed, memory_budget_bytes=150 * MIB)
+    assert plan(SLOW, overhead_bound=0.5).code == "OSSK"
+    assert plan(fixed, overhead_bound=0.5).code[2] not in "RS"
+    assert tba.Profile.from_dict(fixed.to_dict()) == fixed
