@@ -76,7 +76,7 @@ through the ordinary arenas (``oversize_threshold``) and PyTorch's own launcher 
 faulted 570-660 thousand times a step. What it costs: the resident set never shrinks while the
 process lives, as under tcmalloc, and offload-all's first step on ``bench`` peaked at 0.20-0.22x of
 keep-all's activations instead of 0.13-0.17x (later steps 0.08-0.10x). ``background_thread:true``
-raised tba's peak to 0.21x in every step and is not set (docs/cpu-memory.md).
+let tba's peak grow step by step to 0.21x and is not set (docs/cpu-memory.md).
 """
 
 SETTING_PREFIXES = {"jemalloc": ("MALLOC_CONF",), "tcmalloc": ("TCMALLOC_",), "mimalloc": ("MIMALLOC_",)}
