@@ -27,9 +27,12 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(128, 128), *[Block() for _ in range(3)])
 
 
-def step(offloader: tba.Offloader, model: nn.Module) -> None:
+def step(offloader: tba.Offloader, model: nn.Module, *, flush: bool = False) -> None:
+    """One step; with ``flush``, every write completes before backward, which then reads each storage back."""
     with offloader:
         loss = model(torch.randn(128, 128)).sum()
+    if flush:
+        offloader.flush()
     loss.backward()
 
 
@@ -79,18 +82,19 @@ def test_layer_saved_bytes_are_keyed_by_discovered_layer(spill_dir):
 @pytest.mark.usefixtures("read_back_always")
 def test_reset_stats_gives_per_step_counters(spill_dir):
     # Every layer offloaded in every step: the adaptive default may keep some once it has a plan,
-    # depending on the machine's load, and each step would write a different amount.
+    # depending on the machine's load, and each step would write a different amount. Each step
+    # flushes before backward, so that every step writes and reads back, whatever the timing.
     offloader = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0, policy="offload")
     model = make_model()
-    step(offloader, model)
+    step(offloader, model, flush=True)
     after_one = offloader.stats.tensors_offloaded
-    step(offloader, model)
+    step(offloader, model, flush=True)
     second = offloader.stats.tensors_offloaded - after_one
     so_far = offloader.reset_stats()
     assert so_far.tensors_offloaded == after_one + second and so_far.bytes_written > 0
     assert offloader.stats.bytes_written == 0 and offloader.stats.tensors_offloaded == 0
     assert offloader.stats.peak_resident_bytes == offloader.stats.resident_bytes
-    step(offloader, model)
+    step(offloader, model, flush=True)
     stats = offloader.stats
     assert stats.tensors_offloaded == second
     assert 0 < stats.bytes_written < so_far.bytes_written and 0 < stats.bytes_read < so_far.bytes_read
