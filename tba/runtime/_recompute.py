@@ -163,9 +163,12 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
 
 
 def _tensor_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor, int]]:
-    """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    return [(i, leaf, leaf._version) for i, leaf in enumerate(t for t in leaves if isinstance(t, torch.Tensor))]
+    """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments; none
+    when no recomputation can follow (grad disabled, or inference mode, whose tensors have no version)."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return []
+    tensors = (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]
 
 
 def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]]) -> None:
@@ -177,9 +180,12 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     recomputation a changed input, and backward failed with torch's in-place error, whose hint
     blamed the user's code, many steps into an adaptive run whose profiled steps had offloaded the
     layer without trouble. The change is seen here, in forward, right after the call. The profiled
-    steps watch for it too (the layer timer compares its positional tensor arguments' versions
-    around each layer's forward, ``tba/runtime/_timer.py``): such a layer's profile is marked
-    ``recomputable=False`` and the adaptive planner never recomputes it.
+    steps watch for it too (the layer timer compares the versions of every tensor of the call,
+    keyword and nested arguments included, around each layer's forward, ``tba/runtime/_timer.py``):
+    such a layer's profile is marked ``recomputable=False`` and the adaptive planner never
+    recomputes it. Neither looks with grad disabled (checkpoint then recomputes nothing) nor in
+    inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
+    on its own, whose recomputation still raises here.
     """
     for position, tensor, version in inputs:
         if tensor._version != version:

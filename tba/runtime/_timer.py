@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from tba._control import waited_s
 from tba.runtime import _preempted
@@ -109,7 +110,7 @@ class LayerTimer:
             layer = ref()
             if layer is None:
                 continue
-            self._handles.append(layer.register_forward_pre_hook(self._pre(index)))
+            self._handles.append(layer.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._post(index)))
 
     def detach(self) -> None:
@@ -119,10 +120,9 @@ class LayerTimer:
         self._input_versions = [[] for _ in self._input_versions]  # a forward that raised left its inputs here
 
     def _pre(self, index: int):
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.input_bytes[index] = tensor_bytes(args)
-            if not torch.compiler.is_compiling():
-                self._input_versions[index] = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
+            self._input_versions[index] = _versions(args, kwargs)
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
@@ -214,3 +214,16 @@ class LayerTimer:
             return None
         forward = self._ended[-1][clock] - self._started[0][clock]
         return forward + backward_end[clock] - backward_start[clock]
+
+
+def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+    """Every tensor of a layer's call (nested and keyword arguments too) with its version, as the recompute
+    check sees them (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``).
+
+    None are read while a compiled graph is traced (a layer compiled on its own runs its hooks inside
+    its graph: such a layer is not watched here, and its recomputation still raises at once), with
+    grad disabled (nothing is recomputed), or in inference mode (its tensors have no version).
+    """
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return []
+    return [(t, t._version) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_inference()]

@@ -144,3 +144,20 @@ def test_a_recomputed_layer_changing_its_own_input_raises_in_forward(spill_dir, 
     with tba.offload_activations(spill_dir, layers=[plain], policy=tba.Plan(("offload",), window_bytes=1 << 20)):
         loss = plain(torch.randn(16, 32), mask=torch.ones(16, 32)).sum()
     loss.backward()
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_without_grad_a_recomputed_layer_may_change_its_input(spill_dir, mode, decision):
+    # Nothing is recomputed without grad, and inference tensors have no version to read.
+    torch.manual_seed(0)
+    model = nn.ModuleList([ScalesItsInput() for _ in range(2)])
+    with mode():
+        x, mask = torch.randn(16, 32), torch.ones(16, 32)
+        expected = x
+        for layer in model:
+            expected = layer(expected, mask=mask.clone())
+        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20)):
+            for layer in model:
+                x = layer(x, mask=mask.clone())
+    assert torch.equal(x, expected)
