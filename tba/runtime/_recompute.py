@@ -56,7 +56,7 @@ from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import FirstCall, generator_states, restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._views import Kept
+from tba.runtime._views import Kept, call_tensor_versions
 
 
 class RecomputeLayers:
@@ -117,7 +117,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         if calls[0] == 1:
             first.generators = generator_states(layer)
             first.before = snapshot(layer, learned)
-            inputs = _tensor_versions(args, kwargs)
+            inputs = call_tensor_versions(args, kwargs)
             out = forward(*args, **kwargs)
             _check_inputs_unchanged(layer, inputs)
             first.settle(layer, learned)
@@ -160,15 +160,6 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         return _checkpoint(call, calls, first, *tensors)
 
     return run
-
-
-def _tensor_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor, int]]:
-    """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments; none
-    when no recomputation can follow (grad disabled, or inference mode, whose tensors have no version)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return []
-    tensors = (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-    return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]
 
 
 def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]]) -> None:

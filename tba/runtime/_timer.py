@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from tba._control import waited_s
 from tba.runtime import _preempted
+from tba.runtime._views import call_tensor_versions
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -217,13 +217,10 @@ class LayerTimer:
 
 
 def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
-    """Every tensor of a layer's call (nested and keyword arguments too) with its version, as the recompute
-    check sees them (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``).
-
-    None are read while a compiled graph is traced (a layer compiled on its own runs its hooks inside
-    its graph: such a layer is not watched here, and its recomputation still raises at once), with
-    grad disabled (nothing is recomputed), or in inference mode (its tensors have no version).
-    """
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+    """The tensors of a layer's call with their versions, as the recompute check sees them
+    (:func:`~tba.runtime._views.call_tensor_versions`); none while a compiled graph is traced (a layer
+    compiled on its own runs its hooks inside its graph: it is not watched here, and its recomputation
+    still raises at once)."""
+    if torch.compiler.is_compiling():
         return []
-    return [(t, t._version) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_inference()]
+    return [(tensor, version) for _, tensor, version in call_tensor_versions(args, kwargs)]

@@ -30,6 +30,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from tba._outcome import Outcome
 from tba.defaults import ALIGN_BYTES
@@ -241,3 +242,14 @@ class SavedView:
             raise AssertionError(f"storage bytes at offset {base_bytes} are misaligned for {self.dtype}")
         out = torch.empty((0,), dtype=self.dtype, device=data.device)
         return out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
+
+
+def call_tensor_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor, int]]:
+    """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments, nested and
+    keyword ones too; none when no recomputation can follow (grad disabled, or inference mode, whose tensors
+    have no version). What Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``
+    compares around a layer's forward."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return []
+    tensors = (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]
