@@ -22,6 +22,13 @@ runs a torch operator either, so no intra-op thread pool exists to be lost acros
 the fork, and a child's ``torch.get_num_threads()`` is what a fresh process gets
 (``tests/bench/test_forkserver.py`` checks it).
 
+Note: [The server imports dynamo too]
+Every measurement builds an optimizer, and ``torch.optim``'s constructors import ``torch._dynamo``
+on first use: 1.0-1.4 s of each child on the 2-core VM, most of the overhead of a one-step
+measurement (``capacity --preset deep`` makes about 27). The server imports it once. It starts no
+thread and runs no operator (``tests/bench/test_forkserver.py`` checks the child's threads and
+thread count as before).
+
 Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "target": spec}``
 (``target``: a :func:`tba.bench.isolated.factory_spec` string naming the function the child calls
 with ``request``; None for the isolated worker); the server answers ``ready`` once torch is
@@ -192,6 +199,7 @@ def _child(request_json: str, out: int, err: int, target: str | None = None) -> 
 
 def _serve(requests: IO[str], answers: IO[str], root: str = PACKAGE_ROOT) -> None:
     import torch  # noqa: F401 (imported once here, shared by every child; see the module docstring)
+    import torch._dynamo  # noqa: F401 (Note [The server imports dynamo too])
 
     server_pid = os.getpid()
     _use_package(root)  # once, for every child

@@ -11,7 +11,8 @@ tba's buffers or the logits' workspace; ``b``: bytes per sample). :func:`find_ma
    ``m = floor((budget - a) / b)`` (or takes the caller's ``first_guess``: an adaptive plan spends
    the budget at every batch, so its peaks draw no line);
 3. confirms by measuring ``m`` and, when ``m`` fits, ``m + 1`` (with a ``tolerance``, ``m`` plus
-   that fraction of it): done when ``m`` fits and the second does not;
+   that fraction of it): done when ``m`` fits and the second does not; when ``m`` fits far below the
+   budget (:data:`CONFIRM_MARGIN`) and the refitted line predicts more, it goes on to the next round;
 4. otherwise adjusts, one measurement a round, until a batch that fits sits right below one that
    does not (or, with a ``tolerance``, within that fraction of it): with such a bracket it
    interpolates between the two bracketing points (regula falsi, Illinois variant: when the same
@@ -59,6 +60,14 @@ grows) extrapolates to :data:`MAX_BATCH`, whose offloading step filled 65 GB of 
 MAX_ROUNDS = 8
 """Rounds (the confirmation's two measurements, then one each) before the search gives up
 confirming. A prediction off by a few percent takes two or three; bisecting below a failed run up to eight."""
+
+
+CONFIRM_MARGIN = 0.10
+"""A guess whose peak is further than this fraction of the budget below it is not confirmed one step
+above (that would only fit too; the refitted line guesses next). On ``capacity --preset deep --budget
+512M`` offloaded recompute's first guess, 204, peaked at 393 MiB, and the confirmation at 208 cost 15 s
+for 400 MiB. Within the margin, near the budget, peaks vary by more than a step between neighbouring
+batches (:data:`tba.cli._capacity_run.TOLERANCE`), and the confirmation runs as before."""
 
 
 class MeasureError(Exception):
@@ -222,6 +231,16 @@ def _settled(lo: Point | None, hi: Point | None, max_batch: int, tolerance: floa
     return hi.batch - lo_batch <= _step(lo_batch, tolerance)
 
 
+def _far_below(search: Search, batch: int, budget_bytes: int, max_batch: int, tolerance: float) -> bool:
+    """True when the measurement at ``batch`` fitted with more than :data:`CONFIRM_MARGIN` of the
+    budget to spare and the refitted line predicts more than one step above it: measuring the batch
+    one step above (the confirmation) would only fit too, so the next round extrapolates instead."""
+    point = search.point(batch)
+    if point is None or not point.fits(budget_bytes) or point.peak_bytes > budget_bytes * (1 - CONFIRM_MARGIN):
+        return False
+    return search.fit is not None and predict(search.fit, budget_bytes, max_batch) > batch + _step(batch, tolerance)
+
+
 def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes: Sequence[int] = (1, 2),
                    max_batch: int = MAX_BATCH, rounds: int = MAX_ROUNDS, first_guess: int | None = None,
                    tolerance: float = 0.0, on_point: Callable[[Search], None] | None = None) -> Search:
@@ -269,7 +288,7 @@ def find_max_batch(measure: Callable[[int], Point], budget_bytes: int, *, probes
             break
         for batch in wanted:
             run(batch)
-            if not search.points[-1].fits(budget_bytes):
+            if not search.points[-1].fits(budget_bytes) or _far_below(search, batch, budget_bytes, max_batch, tolerance):
                 break
     lo, hi = _bracket(search.points, budget_bytes)
     search.max_batch = lo.batch if lo else 0

@@ -20,7 +20,8 @@ def test_linear_peaks_are_found_with_probes_a_capped_guess_and_one_confirmation(
     calls = []
     search = find_max_batch(linear(10 * MIB, 3 * MIB, calls), 100 * MIB, probes=(1, 2))
     assert search.max_batch == 30 and search.confirmed and not search.capped  # 10 + 3 * 30 = 100
-    assert calls == [1, 2, 16, 17, 30, 31]  # 8x the largest batch measured, then the line's prediction
+    # 8x the largest batch measured (far below the budget: no confirmation at 17), then the line's prediction
+    assert calls == [1, 2, 16, 30, 31]
     assert search.predicted == 30 and search.fit == pytest.approx((10 * MIB, 3 * MIB))
 
 
@@ -34,7 +35,7 @@ def test_a_confirmation_that_disagrees_is_adjusted():
     search = find_max_batch(convex, 100 * MIB, probes=(1, 2))
     truth = max(b for b in range(1, 100) if convex(b).peak_bytes <= 100 * MIB)
     assert search.max_batch == truth and search.confirmed
-    assert calls[:4] == [1, 2, 16, 17] and len(calls) <= 4 + 2 * 3 + 100  # probes, confirmations, truth scan
+    assert calls[:3] == [1, 2, 16] and len(calls) <= 4 + 2 * 3 + 100  # probes, confirmations, truth scan
 
 
 def test_a_confirmation_above_the_prediction_that_still_fits_moves_up():
@@ -48,7 +49,15 @@ def test_a_confirmation_above_the_prediction_that_still_fits_moves_up():
 
     search = find_max_batch(measure, 21 * MIB, probes=(1, 2))
     assert search.max_batch == 40 and search.confirmed  # 0.5 MiB * 40 + 1 MiB = 21 MiB
-    assert calls[2:4] == [16, 17]
+    assert calls[2] == 16 and 17 not in calls  # 9 MiB at 16: far below the budget, so not confirmed
+
+
+def test_a_guess_near_the_budget_is_confirmed_and_one_far_below_it_is_not():
+    near, far = [], []
+    find_max_batch(linear(0, 4.5 * MIB, near), 512 * MIB, probes=(13, 26))
+    assert near[:4] == [13, 26, 113, 114]  # 508.5 MiB at 113: within CONFIRM_MARGIN of the budget
+    search = find_max_batch(linear(0, 3 * MIB, far), 300 * MIB, probes=(13, 26), first_guess=60)
+    assert far[:4] == [13, 26, 60, 100] and search.max_batch == 100 and search.confirmed  # 180 MiB at 60
 
 
 def test_a_strategy_that_raises_at_its_first_probe_is_reported_failed():
@@ -96,7 +105,8 @@ def test_after_the_confirmation_each_round_measures_one_batch():
 
     search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
     assert search.max_batch == 170 and search.confirmed  # 3 MiB * 170 = 510 MiB
-    assert calls[:4] == [13, 26, 128, 129] and len(calls) == len(set(calls)) <= 4 + 3
+    # 384 MiB at 128: far below the budget, so the refitted line guesses next instead of confirming 129
+    assert calls[:4] == [13, 26, 128, 172] and len(calls) == len(set(calls)) <= 4 + 3
 
 
 def test_a_flat_peak_grows_the_batch_geometrically_instead_of_jumping_to_the_cap():
@@ -127,8 +137,8 @@ def test_a_flat_fit_that_predicts_below_a_fitting_batch_doubles_it():
         return Point(batch, peak_bytes=(480 if batch == 13 else 400) * MIB)
 
     search = find_max_batch(measure, 512 * MIB, probes=(13, 26))
-    assert calls[:4] == [13, 26, 52, 53], calls  # not 27, 28, ... one sample a round
-    assert calls[4] == 106 and search.max_batch <= 100
+    assert calls[:4] == [13, 26, 52, 104], calls  # not 27, 28, ... one sample a round
+    assert search.max_batch <= 100 and len(calls) <= 4 + 6
 
 
 def test_a_first_guess_replaces_the_prediction_and_an_over_guess_skips_its_neighbour():
@@ -165,8 +175,8 @@ def test_a_tolerance_ends_the_search_within_that_fraction():
 
 def test_with_a_tolerance_the_confirmation_steps_by_it():
     calls = []
-    search = find_max_batch(linear(0, 2 * MIB, calls), 512 * MIB, probes=(13, 26), tolerance=0.02)
-    assert calls == [13, 26, 208, 212, 256, 261] and search.max_batch == 256 and search.next_over == 261
+    search = find_max_batch(linear(0, 2 * MIB, calls), 512 * MIB, probes=(100, 200), tolerance=0.02)
+    assert calls == [100, 200, 256, 261] and search.max_batch == 256 and search.next_over == 261
 
 
 def test_a_first_guess_outside_the_bracket_is_not_run():
@@ -207,7 +217,8 @@ def test_illinois_interpolation_does_not_crawl_from_one_end():
         return Point(batch, peak_bytes=int(np.interp(batch, *zip(*measured)) * MIB))
 
     search = find_max_batch(measure, 512 * MIB, probes=(13, 26), tolerance=0.02)
-    assert calls == [13, 26, 208, 212, 268, 246, 236, 240] and search.max_batch == 236 and search.settled
+    # 400 MiB at 208 is far below the budget: no confirmation at 212, the refitted line guesses 268
+    assert calls == [13, 26, 208, 268, 245, 235, 239] and search.max_batch == 235 and search.settled
     # plain regula falsi crawled down from the upper end: 268, 246, 240, 237, 236
 
 
