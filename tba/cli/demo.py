@@ -94,7 +94,11 @@ def run(args: argparse.Namespace) -> int:
                      f"{tba_row['step_ratio']:.2f}x between the separate processes)")
         else:
             speed = f"{tba_row['step_ratio']:.2f}x its step time"
-        print(f"under {group[1].allocator}: tba activation peak is {tba_row['peak_ratio']:.0%} of keep-all at {speed}")
+        plan = f" (plan {group[1].plan['code']})" if group[1].plan else ""
+        print(f"under {group[1].allocator}: tba{plan} activation peak is {tba_row['peak_ratio']:.0%} of keep-all at {speed}")
+    if any(group[1].plan for group in results):
+        print("(plan: what tba chose for each layer after profiling, K keep, O offload, R recompute, S offloaded "
+              "recompute; docs/policies.md)")
     if len(results) > 1:
         print("(glibc's malloc does not reuse freed activations' memory; run training under "
               "`python -m tba run script.py`, see docs/cpu-memory.md)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ def test_the_demo_prints_the_steps_by_turns(spill_dir):
     assert done.returncode == 0, done.stderr
     assert "turns s" in done.stdout and "losses identical: yes" in done.stdout
     assert "steps taken in turn in one process" in done.stdout
+    assert re.search(r"under glibc: tba \(plan [KORS]+\) activation peak is", done.stdout), done.stdout  # the plan chosen
     assert "one step of each in turn" in done.stderr  # progress
 
 
