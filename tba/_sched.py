@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 logger = logging.getLogger("tba")
@@ -68,7 +69,19 @@ def background() -> None:
 
     Only a thread under the ordinary policy (``SCHED_OTHER``) moves: one the user started under
     ``SCHED_IDLE`` (never raised) or a real-time policy (never demoted) stays as it is.
+
+    Note: [A dead thread object of tba's runs no Python]
+    ``threading.Thread.__init__`` adds every thread object to the module's ``_dangling`` weak set,
+    whose weak-reference callback is Python code. A tba thread's object often dies with its owner
+    (an engine, an offloader) when the cycle collector frees them, in whatever thread of the user's
+    allocates at that moment, and a Ctrl-C landing in that callback was printed as "Exception
+    ignored" and dropped (Note [Asynchronous exceptions] in ``tba/_control.py``): an adversarial
+    review swallowed 99 of 100. The set only serves CPython's own test suite, so each tba thread
+    takes itself out of it here, first thing (a pool's workers too, through their initializer).
     """
+    dangling = getattr(threading, "_dangling", None)
+    if dangling is not None:
+        dangling.discard(threading.current_thread())
     if thread_policy() != "batch" or not hasattr(os, "SCHED_BATCH"):
         return
     try:

@@ -33,7 +33,7 @@ from tba.runtime._views import Kept, SavedView, StorageEntry
 
 if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
-    from tba.runtime._layers import LayerTracker
+    from tba.runtime._layers import LayerTracker, StateKeys
     from tba.runtime._stats import OffloadStats
     from tba.runtime._store import StorageStore
 
@@ -65,7 +65,7 @@ class SavedTensorHooks:
     _stats: OffloadStats
     _tracker: LayerTracker
     _discovery: LayerDiscovery | None
-    _state_keys: set[int]
+    _state_keys: StateKeys
     _staged_devices: tuple[str, ...]
     min_offload_bytes: int
     keep_layers: set[int | None]

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from tba import _control
 from tba.errors import TbaConfigError
 from tba.runtime._compile import is_compiled_module, saved_by_compiled_graph
 
@@ -57,25 +57,58 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
     return found
 
 
-def state_storage_keys(modules: Iterable[nn.Module]) -> dict[int, StorageWeakRef]:
-    """Storage identities of every parameter and buffer of ``modules``, to keep them off disk.
+class StateKeys:
+    """Storage identities of every parameter and buffer of some modules (``key in keys``), to keep them off disk.
 
     Each key comes with a weak reference to its StorageImpl, which keeps the address from being
     handed to a new storage after the parameter's storage is replaced (ZeRO-3 swaps a partitioned
     parameter's ``.data`` during forward): a freed key reused by an activation would keep that
     activation in memory.
+
+    Note: [State keys are freed on the control thread]
+    The weak references are torch's raw ones (``storage._weak_ref()``), freed by the control thread
+    once this object is collected (:func:`tba._control.on_death`), not by a ``__del__``. They were
+    ``StorageWeakRef`` objects, whose ``__del__`` is Python code: an offloader is freed by the cycle
+    collector, in whatever thread of the user's allocates at that moment, and a Ctrl-C landing in
+    one of those ``__del__`` calls was printed as "Exception ignored" and dropped (Note
+    [Asynchronous exceptions] in ``tba/_control.py``).
     """
-    keys: dict[int, StorageWeakRef] = {}
-    for module in modules:
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
-                raise TbaConfigError(
-                    f"{type(module).__name__} has lazy parameters or buffers that are not materialised yet "
-                    f"({type(tensor).__name__}); run one forward of the model (torch.no_grad() is enough) before "
-                    "building the offloader")
-            storage = tensor.untyped_storage()
-            keys[storage._cdata] = StorageWeakRef(storage)
-    return keys
+
+    __slots__ = ("_refs", "__weakref__")
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        storages: dict[int, torch.UntypedStorage] = {}
+        for module in modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+                    raise TbaConfigError(
+                        f"{type(module).__name__} has lazy parameters or buffers that are not materialised yet "
+                        f"({type(tensor).__name__}); run one forward of the model (torch.no_grad() is enough) "
+                        "before building the offloader")
+                storage = tensor.untyped_storage()
+                storages[storage._cdata] = storage
+        self._refs = {key: storage._weak_ref() for key, storage in storages.items()}
+        if self._refs:
+            _control.on_death(self, _free_weak_refs, tuple(self._refs.values()))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._refs
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __repr__(self) -> str:
+        return f"StateKeys({len(self._refs)} storages)"
+
+
+def _free_weak_refs(refs: tuple[int, ...]) -> None:
+    for ref in refs:
+        torch.UntypedStorage._free_weak_ref(ref)
+
+
+def state_storage_keys(modules: Iterable[nn.Module]) -> StateKeys:
+    """The :class:`StateKeys` of ``modules``' parameters and buffers."""
+    return StateKeys(modules)
 
 
 class LayerTracker:

@@ -50,3 +50,39 @@ def test_a_swallowed_interrupt_is_attributed_to_the_module_owning_the_callback()
 
     assert _owner(_runner._SHARED_RUNNERS._remove) == "tba.runtime._runner"
     assert _owner(json.JSONDecoder) == "json.decoder"
+
+
+def test_collecting_a_closed_offloader_runs_no_python_in_the_collecting_thread(spill_dir, backend):
+    """A dead offloader is freed by the cycle collector in whatever thread allocates then: a Python
+    ``__del__`` or weak-reference callback run there would swallow a Ctrl-C landing in it (Notes [State
+    keys are freed on the control thread] in tba/runtime/_layers.py and [A dead thread object of tba's
+    runs no Python] in tba/_sched.py). An adversarial review swallowed 99 Ctrl-C of 100 there."""
+    import gc
+
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        offloader = tba.Offloader(spill_dir, layers=list(model), policy="offload", backend=backend)
+        with offloader:
+            loss = model(x).sum()
+        loss.backward()
+        offloader.close()
+
+    step()
+    gc.collect()
+    step()
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        freed = gc.collect()
+    finally:
+        sys.setprofile(None)
+    assert freed > 0 and calls == [], calls
