@@ -23,10 +23,10 @@ the ``with`` block. So:
   saved tensor (below ``min_offload_bytes``, or parameters, they stay in memory), tagged with the
   layer (its forward pre-hook has run), and read back when backward reaches the layer. Checkpoint
   saves only *top-level* tensor arguments; tensors in keyword arguments or nested in tuples would
-  stay referenced by its closure, in memory. The wrapper therefore flattens ``(args, kwargs)``
-  (``torch.utils._pytree``), passes every tensor leaf as a top-level argument and rebuilds the call
-  inside, so each one is saved, and offloaded, on its own; a view stays a view of its storage (tba
-  writes the storage once and rebuilds the view).
+  stay referenced by its closure, in memory. The wrapper therefore passes every tensor argument,
+  keyword ones and those in plain tuples too, as a top-level argument and rebuilds the call inside,
+  so each one is saved, and offloaded, on its own (Note [An offloaded recompute rebuilds only
+  tuples]); a view stays a view of its storage (tba writes the storage once and rebuilds the view).
 * ``recompute`` pushes a pair of its own around the checkpoint call, so its inputs are held by
   autograd as without tba (the cost model counts them as held; tba's stats do not see them); the
   pair checks their versions at unpack, as autograd does without hooks.
@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError, TbaError
@@ -142,24 +141,69 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         if not offload_inputs or not _tba_pair_on_top():
             with _inputs_in_memory():
                 return _checkpoint(first_or_again, calls, first, *args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        tensors = [leaves[i] for i in at]
-        # The closure keeps the call's structure and non-tensor leaves only: a tensor held here would
-        # stay in memory until backward (Note [Hook nesting of a recomputed layer]).
-        for i in at:
-            leaves[i] = None
+        tensors: list[torch.Tensor] = []
+        # The closure keeps the call's structure and other values only: a tensor held here would stay
+        # in memory until backward (Note [Hook nesting of a recomputed layer]).
+        arg_slots = tuple(_slots(arg, tensors) for arg in args)
+        kwarg_slots = {name: _slots(value, tensors) for name, value in kwargs.items()}
 
         def call(calls: list[int], first: FirstCall, *saved: torch.Tensor) -> Any:
-            rebuilt = list(leaves)
-            for i, tensor in zip(at, saved):
-                rebuilt[i] = tensor
-            call_args, call_kwargs = pytree.tree_unflatten(rebuilt, spec)
-            return first_or_again(calls, first, *call_args, **call_kwargs)
+            return first_or_again(calls, first, *(_filled(slot, saved) for slot in arg_slots),
+                                  **{name: _filled(slot, saved) for name, slot in kwarg_slots.items()})
 
         return _checkpoint(call, calls, first, *tensors)
 
     return run
+
+
+class _Slot:
+    """Where a tensor argument goes back in a call rebuilt by :func:`_filled`: ``saved[index]``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _TupleSlots:
+    """A plain tuple argument holding tensors, rebuilt by :func:`_filled` from its items' slots."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple) -> None:
+        self.items = items
+
+
+def _slots(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with its tensors moved to ``tensors`` (Note [An offloaded recompute rebuilds only tuples]).
+
+    Note: [An offloaded recompute rebuilds only tuples]
+    The tensors an ``offloaded_recompute`` layer is called with become checkpoint's top-level
+    arguments, so that each is saved, and offloaded, on its own (Note [Hook nesting of a recomputed
+    layer]); the call is rebuilt around them inside. Only a tensor argument and a plain ``tuple`` are
+    rebuilt: a new tuple of the same items is the same value. Any other value is passed as it was,
+    the very object: a list the layer appends an auxiliary loss to (a rebuilt copy lost every append,
+    and the loss changed), a ``torch.Size`` (rebuilt as a plain tuple, it lost ``numel()``), a dict, a
+    namedtuple, the user's own objects. Their tensors stay in memory until backward, as under plain
+    checkpoint. (A review found the first two with ``torch.utils._pytree``, which rebuilt them all.)
+    """
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if type(value) is tuple:
+        items = tuple(_slots(item, tensors) for item in value)
+        if any(type(item) in (_Slot, _TupleSlots) for item in items):
+            return _TupleSlots(items)
+    return value
+
+
+def _filled(slot: Any, saved: tuple[torch.Tensor, ...]) -> Any:
+    """The argument :func:`_slots` took apart, with the tensors checkpoint hands back."""
+    if type(slot) is _Slot:
+        return saved[slot.index]
+    if type(slot) is _TupleSlots:
+        return tuple(_filled(item, saved) for item in slot.items)
+    return slot
 
 
 def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]]) -> None:

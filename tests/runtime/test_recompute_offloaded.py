@@ -152,6 +152,47 @@ def test_view_keyword_and_nested_inputs_are_offloaded_and_exact(spill_dir):
     offloader.close()
 
 
+class AuxBlock(nn.Module):
+    """Appends an auxiliary loss to a list it is called with, and reshapes by a ``torch.Size`` argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, aux: list, shape: torch.Size, pair: tuple) -> torch.Tensor:
+        h = torch.tanh(self.linear(x.flatten(0, 1))).view(shape)  # AttributeError-free only for a torch.Size
+        aux.append(h.square().mean() * shape.numel() / 1e3)
+        return x + h * pair[0] + pair[1][0]
+
+
+class AuxNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([AuxBlock() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        aux: list[torch.Tensor] = []
+        scale = torch.full((32,), 0.5)
+        for block in self.blocks:
+            x = block(x, aux, x.shape, (scale, (x[0, 0],)))
+        assert len(aux) == len(self.blocks)
+        return x.square().mean() + sum(aux)
+
+
+@pytest.mark.parametrize("code", ["SSSS", "OSRK"])
+def test_a_list_a_size_and_nested_tuples_reach_the_layer_as_they_were(spill_dir, code):
+    """Note [An offloaded recompute rebuilds only tuples]: the list the layer appends to is the caller's
+    own (a rebuilt copy lost the appends and the loss changed), a torch.Size stays one, and the
+    tensors inside plain tuples still reach the layer (and are written)."""
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(3))
+    reference, model = AuxNet(), AuxNet()
+    model.load_state_dict(reference.state_dict())
+    want = _step(reference, (x,))
+    offloader = _offloader(spill_dir, model, code)
+    _assert_same(_step(model, (x,), offloader), want)
+    offloader.close()
+
+
 def test_recompute_inputs_stay_in_memory(spill_dir):
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(3))
     model = ViewChain()
