@@ -16,8 +16,10 @@ import abc
 import dataclasses
 import json
 import logging
+import numbers
 from collections.abc import Sequence
 
+from tba._units import SizeError, parse_size
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
 from tba.policy._model import estimate
@@ -29,6 +31,21 @@ logger = logging.getLogger("tba")
 SHORT = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", OFFLOADED_RECOMPUTE: "S"}
 
 
+def _window_bytes(value: object) -> int:
+    """``Plan.window_bytes`` as bytes: a whole number, or a size string such as ``"64M"`` (as every other size)."""
+    if isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except SizeError as err:
+            raise TbaConfigError(f"Plan window_bytes: {err}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TbaConfigError(f"Plan window_bytes must be a whole number of bytes or a size such as '64M', "
+                             f"got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise TbaConfigError(f"Plan window_bytes must be >= 0, got {value}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A per-layer placement and what the model predicts for it.
@@ -36,7 +53,8 @@ class Plan:
     Attributes:
         decisions: A :class:`Placement` per layer (``"keep"`` / ``"offload"`` / ``"recompute"`` /
             ``"offloaded_recompute"``), in forward order.
-        window_bytes: Prefetch window (the offloader's prefetch budget while this plan runs).
+        window_bytes: Prefetch window (the offloader's prefetch budget while this plan runs): bytes, or a
+            size string such as ``"64M"``.
         goal: What it was planned for, e.g. ``"memory_budget_bytes=104857600"``.
         fits: False when no placement met the goal (this one comes closest).
         predicted_step_s / predicted_keep_step_s / predicted_memory_bytes: the model's numbers.
@@ -60,8 +78,7 @@ class Plan:
         object.__setattr__(self, "write_caps_bytes", tuple(int(cap) for cap in self.write_caps_bytes))
         if self.write_caps_bytes and len(self.write_caps_bytes) != len(decisions):
             raise ValueError(f"write_caps_bytes has {len(self.write_caps_bytes)} entries for {len(decisions)} layers")
-        if self.window_bytes < 0:
-            raise ValueError(f"window_bytes must be >= 0, got {self.window_bytes}")
+        object.__setattr__(self, "window_bytes", _window_bytes(self.window_bytes))
 
     def layers(self, decision: str) -> list[int]:
         """Indices of the layers with ``decision``."""

@@ -52,12 +52,15 @@ naming the tensor when one moved. Loud where torch may be silent (a weight that 
 aliases), never wrong.
 
 Note: [Generators of a recomputed layer]
-Checkpoint preserves the global RNG states only. A layer that draws from a ``torch.Generator`` of
-its own (held as an attribute of one of its modules, or in a dict, list or tuple attribute) would
-draw a different mask in the recomputation, so its gradients would be those of another forward, and
-the generator would end advanced twice. The wrapper records each such generator's state before the
-first forward, sets it back before the recomputation and, afterwards, restores the state the first
-forward left. A generator the layer reaches any other way (a module-level global) is not found, nor
+Checkpoint preserves torch's global RNG states only. A layer that draws from a ``torch.Generator``
+of its own (held as an attribute of one of its modules, or in a dict, list or tuple attribute, or
+passed in its call's arguments, as diffusers-style code passes ``generator=``), or from Python's
+``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
+draw differently in the recomputation, so its gradients would be those of another forward (a
+review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
+advanced twice. The wrapper records each such generator's state before the first forward, sets it
+back before the recomputation and, afterwards, restores the state the recomputation started from.
+A generator the layer reaches any other way (a module-level ``torch.Generator``) is not found, nor
 is any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
 layer instead of recomputing it.
 """
@@ -67,6 +70,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import random
 from typing import Any
 
 import numpy as np
@@ -223,16 +227,30 @@ def _held(container: Any) -> Any:
     return container.values() if isinstance(container, dict) else container
 
 
-def generator_states(layer: nn.Module) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
     """Each ``torch.Generator`` held by ``layer``'s modules, directly or in a dict, list or tuple attribute,
-    with its state (Note [Generators of a recomputed layer])."""
-    states = {}
-    for module in layer.modules():
-        for value in vars(module).values():
-            for item in _held(value) if isinstance(value, (dict, list, tuple)) else (value,):
-                if isinstance(item, torch.Generator) and id(item) not in states:
-                    states[id(item)] = (item, item.get_state())
+    or passed in the call's arguments (directly or in such a container), with its state, and the state of
+    Python's and numpy's global generators (Note [Generators of a recomputed layer]); :func:`set_states`
+    puts them back."""
+    states: dict[int, tuple[Any, Any]] = {id(random): (random, random.getstate()),
+                                          id(np.random): (np.random, np.random.get_state())}
+    values = [value for module in layer.modules() for value in vars(module).values()]
+    for value in [*values, *args, *(kwargs or {}).values()]:
+        for item in _held(value) if isinstance(value, (dict, list, tuple)) else (value,):
+            if isinstance(item, torch.Generator) and id(item) not in states:
+                states[id(item)] = (item, item.get_state())
     return states
+
+
+def set_states(states: dict[int, tuple[Any, Any]]) -> None:
+    """Put back the generator states :func:`generator_states` took."""
+    for generator, state in states.values():
+        if generator is random:
+            random.setstate(state)
+        elif generator is np.random:
+            np.random.set_state(state)
+        else:
+            generator.set_state(state)
 
 
 class FirstCall:
@@ -243,7 +261,7 @@ class FirstCall:
     __slots__ = ("generators", "before", "versions")
 
     def __init__(self) -> None:
-        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.generators: dict[int, tuple[Any, Any]] = {}
         self.before: list[ModuleState] = []
         self.versions: list[tuple[str, torch.Tensor, int]] = []
 

@@ -50,10 +50,15 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
         raise TbaConfigError(f"layers must be a module or a list of modules, got {type(layers).__name__} {layers!r}; "
                              "pass layers=model, layers=list_of_blocks, or leave it out to find them during forward")
     found = list(layers)
-    for layer in found:
+    seen: dict[int, int] = {}
+    for index, layer in enumerate(found):
         if not isinstance(layer, nn.Module):
             raise TbaConfigError(f"layers must contain nn.Module objects, got {type(layer).__name__} {layer!r}; "
                                  "pass layers=model or a list of the model's blocks")
+        if id(layer) in seen:
+            raise TbaConfigError(f"layers lists the same {type(layer).__name__} twice (at {seen[id(layer)]} and {index}): "
+                                 "a layer has one placement and one index; pass each block once")
+        seen[id(layer)] = index
     return found
 
 

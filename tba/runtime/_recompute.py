@@ -4,7 +4,9 @@ A recomputed layer saves only its inputs during forward; its internals are compu
 backward. Where its inputs live is the placement's: a ``recompute`` layer keeps them in memory, as
 plain checkpoint does; an ``offloaded_recompute`` layer saves them through tba, which writes them
 to the spill file and reads them back (prefetched) for the recomputation (Note [Hook nesting of a
-recomputed layer]). RNG state is preserved, so dropout masks are identical in the recomputation. Under CUDA memory history
+recomputed layer]). RNG state is preserved (torch's, Python's and numpy's global generators, and
+the layer's own: Note [Generators of a recomputed layer]), so dropout masks are identical in the
+recomputation. Under CUDA memory history
 or the CUDA sanitizer, each recomputation runs the layer to its end (Note [Recomputation runs to the end]
 in ``tba/runtime/_early_stop.py``).
 
@@ -53,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from tba.errors import TbaConfigError, TbaError
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._hooks import SavedTensorHooks
-from tba.runtime._layer_state import FirstCall, generator_states, restore, snapshot
+from tba.runtime._layer_state import FirstCall, generator_states, restore, set_states, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._views import Kept, call_tensor_versions
 
@@ -114,7 +116,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         calls[0] += 1
         learned = learned_for(layer)
         if calls[0] == 1:
-            first.generators = generator_states(layer)
+            first.generators = generator_states(layer, args, kwargs)
             first.before = snapshot(layer, learned)
             inputs = call_tensor_versions(args, kwargs)
             out = forward(*args, **kwargs)
@@ -123,16 +125,14 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             return out
         first.check_unchanged(layer)
         after = snapshot(layer, learned)
-        after_generators = generator_states(layer)
+        after_generators = generator_states(layer, args, kwargs)
         restore(after, first.before)
-        for generator, state in first.generators.values():
-            generator.set_state(state)
+        set_states(first.generators)
         try:
             return forward(*args, **kwargs)
         finally:
             restore(after, after)
-            for generator, state in after_generators.values():
-                generator.set_state(state)
+            set_states(after_generators)
             first.recomputed()
 
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,8 @@ place between forward and backward, which must raise instead of recomputing anot
 from __future__ import annotations
 
 import collections
+import contextlib
+import random
 
 import numpy as np
 import pytest
@@ -190,6 +192,54 @@ def test_a_generator_held_in_a_dict_draws_the_same_mask_again(spill_dir, decisio
     got = _train(Drawing, spill_dir, decision)
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), "the recomputation drew another mask"
     assert all(torch.equal(a.rng["dropout"].get_state(), b.rng["dropout"].get_state()) for a, b in zip(got[3], want[3]))
+
+
+class HostRandomDepth(nn.Module):
+    """Stochastic depth drawn from Python's and numpy's global generators, and a mask from a generator argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        scale = (0.0 if random.random() < 0.5 else 2.0) + float(np.random.rand())
+        keep = (torch.rand(x.shape, generator=generator) > 0.3).to(x.dtype)
+        return torch.tanh(self.linear(x) * keep * scale + self.linear(x)) + x
+
+
+@pytest.mark.parametrize("code", ["RRRR", "SSSS", "RSKO"])
+def test_python_numpy_and_argument_generators_draw_the_same_again(spill_dir, code):
+    """Note [Generators of a recomputed layer]: without the replay each recomputation drew again from
+    ``random``, numpy and the generator argument (another branch, another mask, silently)."""
+    decisions = tuple({"R": "recompute", "S": "offloaded_recompute", "K": "keep", "O": "offload"}[c] for c in code)
+
+    def train(directory: str | None):
+        torch.manual_seed(0)
+        model = nn.ModuleList([HostRandomDepth() for _ in range(4)])
+        offloader = _pinned(directory, list(model), decisions)
+        generator = torch.Generator().manual_seed(5)
+        random.seed(1)
+        np.random.seed(1)
+        grads, losses = [], []
+        for step in range(3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+            with offloader if offloader is not None else contextlib.nullcontext():
+                h = x
+                for block in model:
+                    h = block(h, generator)
+                loss = h.pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in model.parameters()])
+        if offloader is not None:
+            offloader.close()
+        return losses, grads, random.getstate(), np.random.get_state()[1].copy(), generator.get_state()
+
+    want, got = train(None), train(spill_dir)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])), "losses differ"
+    assert all(torch.equal(a, b) for step_a, step_b in zip(got[1], want[1]) for a, b in zip(step_a, step_b)), \
+        "the recomputation drew differently"
+    assert got[2] == want[2] and (got[3] == want[3]).all() and torch.equal(got[4], want[4]), "a generator ended elsewhere"
 
 
 def test_nested_recomputed_layers_are_a_config_error(spill_dir):
