@@ -135,6 +135,23 @@ def test_bad_goals_and_plans():
         estimate(FAST, ["keep"] * 3)
 
 
+def test_plan_window_takes_sizes_and_names_itself_when_bad():
+    assert Plan(("keep",), window_bytes="8M").window_bytes == 8 << 20
+    assert Plan(("keep",), window_bytes=4096).window_bytes == 4096
+    for bad, message in (("8 parsecs", "window_bytes: not a size"), (1.5, "whole number of bytes"),
+                         (True, "whole number of bytes"), (-1, "must be >= 0")):
+        with pytest.raises(tba.TbaConfigError, match=message):
+            Plan(("keep",), window_bytes=bad)
+
+
+def test_a_module_listed_twice_in_layers_is_a_config_error(tmp_path):
+    from torch import nn
+
+    block = nn.Linear(8, 8)
+    with pytest.raises(tba.TbaConfigError, match=r"the same Linear twice \(at 0 and 2\)"):
+        tba.Offloader(str(tmp_path), layers=[block, nn.Linear(8, 8), block], policy="offload")
+
+
 def test_bad_profiles():
     with pytest.raises(ValueError, match="at least one layer"):
         tba.Profile((), MIB, MIB)
