@@ -32,11 +32,20 @@ the ``with`` block. So:
 * ``recompute`` pushes a pair of its own around the checkpoint call, so its inputs are held by
   autograd as without tba (the cost model counts them as held; tba's stats do not see them); the
   pair checks their versions at unpack, as autograd does without hooks.
-* When the pair on top is not tba's (the user's own non-reentrant checkpoint around the layer, or
-  another hooks context inside tba's), an ``offloaded_recompute`` layer runs as ``recompute``: its
-  inputs would be saved into the outer pair's frame, whose recomputation then saw the saves in
-  another order (silently wrong gradients with a checkpointed block whose first save had the
-  input's shape, torch's metadata error otherwise).
+* Without a pair (recomputation without an offloader, as ``python -m tba`` benchmarks' full
+  recompute runs it), an ``offloaded_recompute`` layer runs as ``recompute``.
+
+Note: [Inside another pair a recomputed layer runs as it is]
+When the pair on top is not tba's (the user's own non-reentrant checkpoint around the layer, or
+another hooks context inside tba's), a recomputed layer runs its forward as it is, unwrapped: what
+it saves goes to that pair, which decides, as without tba. The user's checkpoint recomputes its
+segment in backward, usually after the ``with`` block has ended and tba's wrapper is gone, and
+matches the recomputation's saves to forward's by their order: a forward that ran tba's checkpoint
+(its inputs kept by tba's pair, its internals dropped) saved in another order than the plain
+recomputation. Two blocks in one user segment with the first recomputed by tba (``RKKK``) gave
+silently wrong gradients (a review found it), torch's metadata error when shapes differed; an
+``offloaded_recompute`` layer's inputs saved into the user's frame did the same. The user's
+checkpoint already drops the layer's internals, so nothing is held that tba's would not hold.
 
 What a recomputed layer's forward reads and changes besides its inputs (buffers, attributes, generators)
 is copied and put back by ``tba/runtime/_layer_state.py``.
@@ -136,9 +145,12 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.recomputed()
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is not None and not _is_tba_pair(top):
+            return forward(*args, **kwargs)  # Note [Inside another pair a recomputed layer runs as it is]
         calls: list[int] = [0]
         first = FirstCall()
-        if not offload_inputs or not _tba_pair_on_top():
+        if not offload_inputs or top is None:
             with _inputs_in_memory():
                 return _checkpoint(first_or_again, calls, first, *args, **kwargs)
         tensors: list[torch.Tensor] = []
@@ -237,11 +249,11 @@ def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(function, *args, use_reentrant=False, **checkpoint_keywords(), **kwargs)
 
 
-def _tba_pair_on_top() -> bool:
-    """Whether the saved-tensor pair on top is tba's (Note [Hook nesting of a recomputed layer]); as the
-    offloader's own check on entry, whether or not a tracer has set the pairs aside."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return top is not None and isinstance(getattr(top[0], "__self__", None), SavedTensorHooks)
+def _is_tba_pair(top: tuple[Any, Any]) -> bool:
+    """Whether the saved-tensor pair ``top`` (the one on top, read as the offloader's own check on entry
+    reads it, whether or not a tracer has set the pairs aside) is tba's (Note [Hook nesting of a
+    recomputed layer])."""
+    return isinstance(getattr(top[0], "__self__", None), SavedTensorHooks)
 
 
 def _keep(tensor: torch.Tensor) -> Kept:
