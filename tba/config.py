@@ -261,6 +261,10 @@ def _check_ranges(config: OffloadConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 0:
             raise TbaConfigError(f"{name} must be >= 0, got {value}")
+    for name in ("memory_budget", "memory_budget_bytes"):
+        if getattr(config, name) == 0:
+            raise TbaConfigError(f"{name} must be > 0 (bytes of activation memory; no model needs none), got 0; "
+                                 "give a budget such as '2G', or leave it out for the default goal")
     if not 1 <= config.queue_depth <= defaults.MAX_QUEUE_DEPTH:
         raise TbaConfigError(f"queue_depth must be in 1..{defaults.MAX_QUEUE_DEPTH}, got {config.queue_depth}")
     if config.profile_steps < 1:

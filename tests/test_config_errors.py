@@ -22,6 +22,8 @@ from tba.io import available_backends
         ({"prefetch_budget_bytes": -5}, "prefetch_budget_bytes must be >= 0"),
         ({"prefetch_depth_layers": -1}, "prefetch_depth_layers must be >= 0"),
         ({"block_size_bytes": 1000}, "block_size_bytes must be a positive multiple of 4096"),
+        ({"memory_budget": 0}, "memory_budget must be > 0 .*leave it out for the default goal"),
+        ({"memory_budget_bytes": "0M"}, "memory_budget_bytes must be > 0"),
     ],
 )
 def test_bad_options_raise_before_forward(spill_dir, options, match):
