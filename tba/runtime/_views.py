@@ -30,6 +30,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from tba._outcome import Outcome
@@ -253,3 +254,14 @@ def call_tensor_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Ten
         return []
     tensors = (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]
+
+
+def private_tensor_versions(layer: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, tensor, version) of every tensor held in a private attribute (``_name``) of ``layer``'s modules:
+    state a recomputation can neither put back nor replay (Note [A recomputed layer must not change its
+    input] in ``tba/runtime/_recompute.py``); none when no recomputation can follow."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return []
+    return [(f"{type(module).__name__}.{name}", value, value._version) for module in layer.modules()
+            for name, value in vars(module).items()
+            if name.startswith("_") and isinstance(value, torch.Tensor) and not value.is_inference()]

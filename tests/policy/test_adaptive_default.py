@@ -148,26 +148,27 @@ class _KwargsModel(torch.nn.Module):
 
 
 class _Scaling(torch.nn.Module):
-    """Scales its input (``x``, or the keyword argument ``scale`` when ``keyword``) in place when ``in_place``,
-    before anything saves it: legal without tba."""
+    """Scales its input (``x``, the keyword argument ``scale``, or a tensor it keeps in a private attribute,
+    by ``where``) in place when ``in_place``, before anything saves it: legal without tba."""
 
-    def __init__(self, in_place: bool, keyword: bool) -> None:
+    def __init__(self, in_place: bool, where: str) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(32, 32)
         self.in_place = in_place
-        self.keyword = keyword
+        self.where = where
+        self._ema = torch.ones(32)
 
     def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
         if self.in_place:
-            (scale if self.keyword else x).mul_(0.9)
-        return x + torch.tanh(self.linear(x * scale))
+            {"input": x, "keyword": scale, "private": self._ema}[self.where].mul_(0.9)
+        return x + torch.tanh(self.linear(x * scale * self._ema))
 
 
 class _ScalingModel(torch.nn.Module):
-    def __init__(self, keyword: bool) -> None:
+    def __init__(self, where: str) -> None:
         super().__init__()
         torch.manual_seed(5)
-        self.blocks = torch.nn.ModuleList([_Scaling(i in (1, 2), keyword) for i in range(4)])
+        self.blocks = torch.nn.ModuleList([_Scaling(i in (1, 2), where) for i in range(4)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x * 1.0
@@ -176,13 +177,14 @@ class _ScalingModel(torch.nn.Module):
         return x.pow(2).mean()
 
 
-@pytest.mark.parametrize("keyword", [False, True])
-def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, keyword):
+@pytest.mark.parametrize("where", ["input", "keyword", "private"])
+def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, where):
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
-    # recomputation, but never of the two layers that scale their input (or a keyword argument) in place.
+    # recomputation, but never of the two layers that scale their input (a keyword argument, or a tensor in
+    # a private attribute, which tba does not put back) in place.
     batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
-    reference, _ = train(_ScalingModel(keyword), batches)
-    result, contexts = train(_ScalingModel(keyword), batches, bare(spill_dir, overhead_bound=10.0))
+    reference, _ = train(_ScalingModel(where), batches)
+    result, contexts = train(_ScalingModel(where), batches, bare(spill_dir, overhead_bound=10.0))
     assert_same(reference, result)
     profile = contexts[-1].policy_runner.profile
     assert [layer.recomputable for layer in profile.layers] == [True, False, False, True]

@@ -146,6 +146,30 @@ def test_a_recomputed_layer_changing_its_own_input_raises_in_forward(spill_dir, 
     loss.backward()
 
 
+class PrivateAverage(nn.Module):
+    """Keeps a running average in a private tensor attribute, updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self._ema = torch.zeros(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._ema.mul_(0.9).add_(x.detach().mean(0) * 0.1)
+        return x + torch.tanh(self.linear(x - self._ema))
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_recomputed_layer_changing_a_private_tensor_attribute_raises_in_forward(spill_dir, decision):
+    # A recomputation started from the updated average, silently: tba puts back buffers and public attributes only.
+    model = nn.ModuleList([PrivateAverage() for _ in range(2)])
+    x = torch.randn(16, 32)
+    with pytest.raises(tba.TbaError, match=r"changed the tensor in its private attribute PrivateAverage._ema in place"):
+        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20)):
+            for layer in model:
+                x = layer(x)
+
+
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
 def test_without_grad_a_recomputed_layer_may_change_its_input(spill_dir, mode, decision):
