@@ -3,7 +3,8 @@
 Each case is drawn from one integer seed (:func:`draw_case`): a stack of 2-5 blocks built from a
 menu (linear, layer norm, batch norm with running statistics, dropout, dropout on a generator of
 its own, views and transposes, in-place activations, a weight shared between two blocks, frozen
-weights, a running mean and a call counter that the forward updates and then reads), a dtype, an
+weights, a running mean and a call counter that the forward updates and then reads, a scale drawn
+from Python's and numpy's global generators, as stochastic depth is often written), a dtype, an
 input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a
 placement (the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with
 its input offloaded each block), a backend, a minimum offload size, and an event (a normal step, a
@@ -36,7 +37,8 @@ import torch
 from torch import nn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering")
+BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering",
+          "host_random")
 EVENTS = ("step", "step", "flush", "step", "raise", "drop")
 
 
@@ -101,6 +103,8 @@ class Block(nn.Module):
                 h = h.t().contiguous().t()[:, : h.shape[1]].reshape(h.shape)
             elif part == "inplace":
                 h = (h * 2).relu_()
+            elif part == "host_random":  # Note [Generators of a recomputed layer] in tba/runtime/_layer_state.py
+                h = h * (1.0 + (random.random() < 0.5) + float(np.random.rand()))
             elif part == "centering":  # Note [Side effects of a recomputed forward] in tba/runtime/_layer_state.py
                 self.calls += 1
                 with torch.no_grad():
@@ -155,6 +159,8 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
     offloader = new_offloader()
     losses, inputs = [], []
     torch.manual_seed(case.seed + 7)
+    random.seed(case.seed + 7)
+    np.random.seed((case.seed + 7) % 2**32)
     for step, event in enumerate(case.events):
         x, owner = _input(case, step)
         before = _owner_values(owner)
@@ -191,7 +197,8 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
     return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()},
             "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
             "momentum": [optimizer.state[p].get("momentum_buffer") for p in optimizer.param_groups[0]["params"]],
-            "generators": [block.generator.get_state() for block in model if block.generator is not None],
+            "generators": [block.generator.get_state() for block in model if block.generator is not None]
+            + [torch.tensor([random.random(), float(np.random.rand())], dtype=torch.float64)],
             "inputs_unchanged": all(torch.equal(before, _owner_values(owner)) for before, owner in inputs)}
 
 
