@@ -103,7 +103,7 @@ class Block(nn.Module):
                 h = h.t().contiguous().t()[:, : h.shape[1]].reshape(h.shape)
             elif part == "inplace":
                 h = (h * 2).relu_()
-            elif part == "host_random":  # Note [Generators of a recomputed layer] in tba/runtime/_layer_state.py
+            elif part == "host_random":  # Note [Generators of a recomputed layer] in tba/runtime/_generators.py
                 h = h * (1.0 + (random.random() < 0.5) + float(np.random.rand()))
             elif part == "centering":  # Note [Side effects of a recomputed forward] in tba/runtime/_layer_state.py
                 self.calls += 1

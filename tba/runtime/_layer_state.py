@@ -5,7 +5,7 @@ forward must compute what the first one computed, from the same state, and leave
 forward would. This module holds what that takes: :func:`snapshot` copies the state of a layer's
 modules, :func:`restore` puts a copy back, :class:`FirstCall` keeps what the first call started from
 and checks before the recomputation that nothing it did not keep has moved, and
-:func:`generator_states` finds the layer's own random generators.
+:mod:`tba.runtime._generators` finds the generators it draws from.
 
 The state of a module, for this purpose, is its buffers, its public attributes that hold a tensor,
 a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
@@ -50,19 +50,6 @@ version counter (and each state tensor's that the first call left unchanged, who
 keep) when the first call ends, and before the recomputation raises :class:`~tba.errors.TbaError`
 naming the tensor when one moved. Loud where torch may be silent (a weight that no saved tensor
 aliases), never wrong.
-
-Note: [Generators of a recomputed layer]
-Checkpoint preserves torch's global RNG states only. A layer that draws from a ``torch.Generator``
-of its own (held as an attribute of one of its modules, or in a dict, list or tuple attribute, or
-passed in its call's arguments, as diffusers-style code passes ``generator=``), or from Python's
-``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
-draw differently in the recomputation, so its gradients would be those of another forward (a
-review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
-advanced twice. The wrapper records each such generator's state before the first forward, sets it
-back before the recomputation and, afterwards, restores the state the recomputation started from.
-A generator the layer reaches any other way (a module-level ``torch.Generator``) is not found, nor
-is any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
-layer instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -70,7 +57,6 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import random
 from typing import Any
 
 import numpy as np
@@ -140,7 +126,7 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
                 plain[name] = value
             elif isinstance(value, _CONTAINER_TYPES):
                 containers[name] = (value, copy.copy(value))
-                for index, item in enumerate(_held(value)):
+                for index, item in enumerate(held_items(value)):
                     if isinstance(item, torch.Tensor) and not item.is_inference():
                         key = (id(module), f"{name}[{index}]", mode)
                         items.append((key, _copy(item, learned.copies(key), False)))
@@ -222,35 +208,9 @@ def _put_bytes(copied: TensorCopy, what: str) -> torch.Tensor:
     return tensor
 
 
-def _held(container: Any) -> Any:
+def held_items(container: Any) -> Any:
     """What a container attribute holds: a dict's values, else its items."""
     return container.values() if isinstance(container, dict) else container
-
-
-def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
-    """Each ``torch.Generator`` held by ``layer``'s modules, directly or in a dict, list or tuple attribute,
-    or passed in the call's arguments (directly or in such a container), with its state, and the state of
-    Python's and numpy's global generators (Note [Generators of a recomputed layer]); :func:`set_states`
-    puts them back."""
-    states: dict[int, tuple[Any, Any]] = {id(random): (random, random.getstate()),
-                                          id(np.random): (np.random, np.random.get_state())}
-    values = [value for module in layer.modules() for value in vars(module).values()]
-    for value in [*values, *args, *(kwargs or {}).values()]:
-        for item in _held(value) if isinstance(value, (dict, list, tuple)) else (value,):
-            if isinstance(item, torch.Generator) and id(item) not in states:
-                states[id(item)] = (item, item.get_state())
-    return states
-
-
-def set_states(states: dict[int, tuple[Any, Any]]) -> None:
-    """Put back the generator states :func:`generator_states` took."""
-    for generator, state in states.values():
-        if generator is random:
-            random.setstate(state)
-        elif generator is np.random:
-            np.random.set_state(state)
-        else:
-            generator.set_state(state)
 
 
 class FirstCall:

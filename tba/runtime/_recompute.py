@@ -63,8 +63,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError, TbaError
 from tba.runtime._early_stop import checkpoint_keywords
+from tba.runtime._generators import generator_states, moved, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
-from tba.runtime._layer_state import FirstCall, generator_states, restore, set_states, snapshot
+from tba.runtime._layer_state import FirstCall, restore, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._views import Kept, call_tensor_versions, private_tensor_versions
 
@@ -130,11 +131,12 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             inputs, private = call_tensor_versions(args, kwargs), private_tensor_versions(layer)
             out = forward(*args, **kwargs)
             _check_inputs_unchanged(layer, inputs, private)
+            first.generators = moved(first.generators)
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
         after = snapshot(layer, learned)
-        after_generators = generator_states(layer, args, kwargs)
+        after_generators = states_now(first.generators)
         restore(after, first.before)
         set_states(first.generators)
         try:
