@@ -26,26 +26,31 @@ the ``with`` block. So:
   layer (its forward pre-hook has run), and read back when backward reaches the layer. Checkpoint
   saves only *top-level* tensor arguments; tensors in keyword arguments or nested in tuples would
   stay referenced by its closure, in memory. The wrapper therefore passes every tensor argument,
-  keyword ones and those in plain tuples too, as a top-level argument and rebuilds the call inside,
-  so each one is saved, and offloaded, on its own (Note [An offloaded recompute rebuilds only
-  tuples]); a view stays a view of its storage (tba writes the storage once and rebuilds the view).
+  keyword ones and those in lists, tuples and dicts too, as a top-level argument and rebuilds the
+  call inside, so each one is saved, and offloaded, on its own (Note [A recomputation gets the call
+  as it was] in ``tba/runtime/_call_args.py``); a view stays a view of its storage (tba writes the
+  storage once and rebuilds the view). A ``recompute`` layer's are taken apart the same way.
 * ``recompute`` pushes a pair of its own around the checkpoint call, so its inputs are held by
   autograd as without tba (the cost model counts them as held; tba's stats do not see them); the
   pair checks their versions at unpack, as autograd does without hooks.
-* Without a pair (recomputation without an offloader, as ``python -m tba`` benchmarks' full
-  recompute runs it), an ``offloaded_recompute`` layer runs as ``recompute``.
+* When the pair on top is neither tba's nor a checkpoint's (another hooks context inside tba's, such
+  as ``save_on_cpu`` or a memory meter), or there is none (recomputation without an offloader, as
+  ``python -m tba`` benchmarks' full recompute runs it), an ``offloaded_recompute`` layer runs as
+  ``recompute``: its inputs go to that pair, its internals are dropped as planned.
 
-Note: [Inside another pair a recomputed layer runs as it is]
-When the pair on top is not tba's (the user's own non-reentrant checkpoint around the layer, or
-another hooks context inside tba's), a recomputed layer runs its forward as it is, unwrapped: what
-it saves goes to that pair, which decides, as without tba. The user's checkpoint recomputes its
-segment in backward, usually after the ``with`` block has ended and tba's wrapper is gone, and
+Note: [Inside a user's checkpoint a recomputed layer runs as it is]
+When the pair on top is torch's non-reentrant checkpoint's (the user's own checkpoint around the
+layer, in its forward or in its recomputation), a recomputed layer runs its forward as it is,
+unwrapped: what it saves goes to that checkpoint, as without tba. The user's checkpoint recomputes
+its segment in backward, usually after the ``with`` block has ended and tba's wrapper is gone, and
 matches the recomputation's saves to forward's by their order: a forward that ran tba's checkpoint
 (its inputs kept by tba's pair, its internals dropped) saved in another order than the plain
 recomputation. Two blocks in one user segment with the first recomputed by tba (``RKKK``) gave
 silently wrong gradients (a review found it), torch's metadata error when shapes differed; an
 ``offloaded_recompute`` layer's inputs saved into the user's frame did the same. The user's
 checkpoint already drops the layer's internals, so nothing is held that tba's would not hold.
+Under any other pair tba still recomputes (a review found a pass-through pair, unwrapped, holding a
+whole all-``R`` plan's internals: 7.5 MB instead of 131 kB).
 
 What a recomputed layer's forward reads and changes besides its inputs (buffers, attributes, generators)
 is copied and put back by ``tba/runtime/_layer_state.py``.
@@ -62,6 +67,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError, TbaError
+from tba.runtime._call_args import Template
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._generators import generator_states, moved, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
@@ -148,76 +154,24 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if top is not None and not _is_tba_pair(top):
-            return forward(*args, **kwargs)  # Note [Inside another pair a recomputed layer runs as it is]
+        if top is not None and _is_checkpoint_pair(top):
+            return forward(*args, **kwargs)  # Note [Inside a user's checkpoint a recomputed layer runs as it is]
         calls: list[int] = [0]
         first = FirstCall()
-        if not offload_inputs or top is None:
-            with _inputs_in_memory():
-                return _checkpoint(first_or_again, calls, first, *args, **kwargs)
-        tensors: list[torch.Tensor] = []
-        # The closure keeps the call's structure and other values only: a tensor held here would stay
-        # in memory until backward (Note [Hook nesting of a recomputed layer]).
-        arg_slots = tuple(_slots(arg, tensors) for arg in args)
-        kwarg_slots = {name: _slots(value, tensors) for name, value in kwargs.items()}
+        template = Template(args, kwargs)  # Note [A recomputation gets the call as it was]
+        tensors, originals = template.tensors, [(args, kwargs)]
+        template.release()
+        del args, kwargs
 
         def call(calls: list[int], first: FirstCall, *saved: torch.Tensor) -> Any:
-            return first_or_again(calls, first, *(_filled(slot, saved) for slot in arg_slots),
-                                  **{name: _filled(slot, saved) for name, slot in kwarg_slots.items()})
+            call_args, call_kwargs = originals.pop() if originals else template.call(saved)
+            return first_or_again(calls, first, *call_args, **call_kwargs)
 
-        return _checkpoint(call, calls, first, *tensors)
+        keep = not offload_inputs or top is None or not _is_tba_pair(top)
+        with _inputs_in_memory() if keep else contextlib.nullcontext():
+            return _checkpoint(call, calls, first, *tensors)
 
     return run
-
-
-class _Slot:
-    """Where a tensor argument goes back in a call rebuilt by :func:`_filled`: ``saved[index]``."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-class _TupleSlots:
-    """A plain tuple argument holding tensors, rebuilt by :func:`_filled` from its items' slots."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: tuple) -> None:
-        self.items = items
-
-
-def _slots(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with its tensors moved to ``tensors`` (Note [An offloaded recompute rebuilds only tuples]).
-
-    Note: [An offloaded recompute rebuilds only tuples]
-    The tensors an ``offloaded_recompute`` layer is called with become checkpoint's top-level
-    arguments, so that each is saved, and offloaded, on its own (Note [Hook nesting of a recomputed
-    layer]); the call is rebuilt around them inside. Only a tensor argument and a plain ``tuple`` are
-    rebuilt: a new tuple of the same items is the same value. Any other value is passed as it was,
-    the very object: a list the layer appends an auxiliary loss to (a rebuilt copy lost every append,
-    and the loss changed), a ``torch.Size`` (rebuilt as a plain tuple, it lost ``numel()``), a dict, a
-    namedtuple, the user's own objects. Their tensors stay in memory until backward, as under plain
-    checkpoint. (A review found the first two with ``torch.utils._pytree``, which rebuilt them all.)
-    """
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1)
-    if type(value) is tuple:
-        items = tuple(_slots(item, tensors) for item in value)
-        if any(type(item) in (_Slot, _TupleSlots) for item in items):
-            return _TupleSlots(items)
-    return value
-
-
-def _filled(slot: Any, saved: tuple[torch.Tensor, ...]) -> Any:
-    """The argument :func:`_slots` took apart, with the tensors checkpoint hands back."""
-    if type(slot) is _Slot:
-        return saved[slot.index]
-    if type(slot) is _TupleSlots:
-        return tuple(_filled(item, saved) for item in slot.items)
-    return slot
 
 
 def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]],
@@ -265,6 +219,12 @@ def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """Non-reentrant checkpoint of ``function``, run to its end under CUDA memory history or the sanitizer
     (Note [Recomputation runs to the end] in ``tba/runtime/_early_stop.py``)."""
     return checkpoint(function, *args, use_reentrant=False, **checkpoint_keywords(), **kwargs)
+
+
+def _is_checkpoint_pair(top: tuple[Any, Any]) -> bool:
+    """Whether the saved-tensor pair ``top`` is torch's non-reentrant checkpoint's, of its forward or of its
+    recomputation (Note [Inside a user's checkpoint a recomputed layer runs as it is])."""
+    return getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def _is_tba_pair(top: tuple[Any, Any]) -> bool:

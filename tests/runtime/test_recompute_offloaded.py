@@ -179,9 +179,9 @@ class AuxNet(nn.Module):
         return x.square().mean() + sum(aux)
 
 
-@pytest.mark.parametrize("code", ["SSSS", "OSRK"])
+@pytest.mark.parametrize("code", ["SSSS", "OSRK", "RRRR"])
 def test_a_list_a_size_and_nested_tuples_reach_the_layer_as_they_were(spill_dir, code):
-    """Note [An offloaded recompute rebuilds only tuples]: the list the layer appends to is the caller's
+    """Note [A recomputation gets the call as it was]: the list the layer appends to is the caller's
     own (a rebuilt copy lost the appends and the loss changed), a torch.Size stays one, and the
     tensors inside plain tuples still reach the layer (and are written)."""
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(3))
@@ -258,7 +258,7 @@ class Residual(nn.Module):
 @pytest.mark.parametrize("code", ["RKKK", "SKKK", "KKRK", "KSKK", "RSRS"])
 @pytest.mark.parametrize("backward_inside", [False, True])
 def test_tba_layers_inside_a_user_checkpoint_of_two_blocks_are_exact(spill_dir, code, backward_inside):
-    """Note [Inside another pair a recomputed layer runs as it is]: the user's checkpoint of two blocks
+    """Note [Inside a user's checkpoint a recomputed layer runs as it is]: the user's checkpoint of two blocks
     recomputed its segment after tba's wrapper was gone, matched the saves by order, and a first
     block recomputed by tba gave silently wrong gradients (BatchNorm's statistics too)."""
     from torch.utils.checkpoint import checkpoint
@@ -289,3 +289,96 @@ def test_tba_layers_inside_a_user_checkpoint_of_two_blocks_are_exact(spill_dir, 
 
     want, got = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class StateBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, state: list) -> torch.Tensor:
+        state.append(None)  # the recomputation's own append must not reach the caller's list
+        return torch.tanh(self.linear(state[0])) * state[1]
+
+
+class StateNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([StateBlock() for _ in range(4)])
+        self.lengths: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = [x, torch.full((16,), 0.5)]
+        for block in self.blocks:
+            state[0] = block(state)  # the caller reuses its argument list after each call
+            del state[2:]
+        self.state = state
+        return state[0].square().sum()
+
+
+@pytest.mark.parametrize("code", ["SKKK", "RKKK", "SSSS", "RSRS"])
+def test_a_list_the_caller_changes_after_the_call_is_recomputed_as_it_was(spill_dir, code):
+    """Note [A recomputation gets the call as it was]: the recomputation read the caller's list as it
+    was in backward (a review found SKKK and RKKK silently wrong), and appended to it again."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    reference, model = StateNet(), StateNet()
+    model.load_state_dict(reference.state_dict())
+    want = _step(reference, (x,))
+    offloader = _offloader(spill_dir, model, code)
+    _assert_same(_step(model, (x,), offloader), want)
+    assert len(model.state) == 2, "the recomputation appended to the caller's list"
+    offloader.close()
+
+
+@pytest.mark.parametrize("code", ["RRR", "SSS"])
+def test_under_another_pair_within_tbas_a_planned_layer_is_still_recomputed(spill_dir, code):
+    """Note [Inside a user's checkpoint a recomputed layer runs as it is]: only a checkpoint's pair makes
+    a layer run unwrapped; under a memory meter's pass-through pair its internals are still dropped."""
+    held: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        held.append(tensor.nbytes)
+        return tensor
+
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    reference, model = ViewChain(), ViewChain()
+    model.load_state_dict(reference.state_dict())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        want = _step(reference, (x,))
+    everything, held[:] = sum(held), []
+    offloader = _offloader(spill_dir, model, code)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    with offloader, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(x)
+    loss.backward()
+    _assert_same((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}), want)
+    assert sum(held) < everything / 2, f"{sum(held)} of {everything} bytes held by the pair: the layers ran unwrapped"
+    offloader.close()
+
+
+@pytest.mark.parametrize("code", ["R", "S"])
+def test_a_tensor_in_a_list_argument_changed_after_forward_raises(spill_dir, code):
+    class ListBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, pair: list) -> torch.Tensor:
+            return torch.tanh(self.linear(pair[0])) * pair[1]
+
+    block = ListBlock()
+    scale = torch.full((16,), 0.5, requires_grad=True)
+    offloader = _offloader(spill_dir, nn.ModuleList([block]), code)
+    with offloader:
+        loss = block([torch.randn(8, 16), scale * 1.0]).sum()
+    with torch.no_grad():
+        scale.add_(1.0)  # not saved by anything; the list's own tensor below is
+    loss.backward()
+    pair = [torch.randn(8, 16), scale * 1.0]
+    with offloader:
+        loss = block(pair).sum()
+    pair[1].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    offloader.close()
