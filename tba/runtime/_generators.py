@@ -1,17 +1,20 @@
 """The random generators a recomputed layer draws from, their states taken and put back.
 
 Note: [Generators of a recomputed layer]
-Checkpoint preserves torch's global RNG states only. A layer that draws from a ``torch.Generator``
-of its own (held as an attribute of one of its modules, or in a dict, list or tuple attribute, or
-passed in its call's arguments, as diffusers-style code passes ``generator=``), or from Python's
-``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
+Checkpoint preserves torch's global RNG states only. A layer that draws from a generator of its
+own (a ``torch.Generator``, ``random.Random``, numpy ``Generator`` or ``RandomState``, held as an
+attribute of one of its modules, or in a dict, list or tuple attribute, or passed in its call's
+arguments, as diffusers-style code passes ``generator=``), or from Python's ``random`` or numpy's
+global generator (stochastic depth written with ``random.random()``), would
 draw differently in the recomputation, so its gradients would be those of another forward (a
 review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
 advanced twice. The wrapper records each such generator's state before the first forward, sets it
 back before the recomputation and, afterwards, restores the state the recomputation started from.
 A generator the layer reaches any other way (a module-level ``torch.Generator``) is not found, nor
 is any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
-layer instead of recomputing it.
+layer instead of recomputing it. The global generators are the process's: another thread drawing
+from them while a layer is recomputed sees its draws rewound (torch's own CPU generator under
+checkpoint shares the exposure), so draw from a generator of the thread's own there.
 """
 
 from __future__ import annotations
@@ -25,18 +28,21 @@ from torch import nn
 
 from tba.runtime._layer_state import held_items
 
+GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
+"""What a layer's modules may hold, or its call pass, that :func:`generator_states` replays."""
+
 
 def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
-    """Each ``torch.Generator`` held by ``layer``'s modules, directly or in a dict, list or tuple attribute,
-    or passed in the call's arguments (directly or in such a container), with its state, and the state of
-    Python's and numpy's global generators (Note [Generators of a recomputed layer]); :func:`set_states`
-    puts them back."""
+    """Each generator (:data:`GENERATOR_TYPES`) held by ``layer``'s modules, directly or in a dict, list or
+    tuple attribute, or passed in the call's arguments (directly or in such a container), with its state,
+    and the state of Python's and numpy's global generators (Note [Generators of a recomputed layer]);
+    :func:`set_states` puts them back."""
     states: dict[int, tuple[Any, Any]] = {id(random): (random, _state(random)), id(np.random): (np.random, _state(np.random))}
     values = [value for module in layer.modules() for value in vars(module).values()]
     for value in [*values, *args, *(kwargs or {}).values()]:
         for item in held_items(value) if isinstance(value, (dict, list, tuple)) else (value,):
-            if isinstance(item, torch.Generator) and id(item) not in states:
-                states[id(item)] = (item, item.get_state())
+            if isinstance(item, GENERATOR_TYPES) and id(item) not in states:
+                states[id(item)] = (item, _state(item))
     return states
 
 
@@ -54,25 +60,28 @@ def moved(states: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
 def set_states(states: dict[int, tuple[Any, Any]]) -> None:
     """Put back the generator states :func:`generator_states` took."""
     for generator, state in states.values():
-        if generator is random:
-            random.setstate(state)
-        elif generator is np.random:
-            np.random.set_state(state)
-        else:
+        if isinstance(generator, np.random.Generator):
+            generator.bit_generator.state = state
+        elif hasattr(generator, "set_state"):  # torch's, numpy's RandomState and the np.random module
             generator.set_state(state)
+        else:  # Python's: the random module, a random.Random
+            generator.setstate(state)
 
 
 def _state(generator: Any) -> Any:
-    if generator is random:
-        return random.getstate()
-    if generator is np.random:
-        return np.random.get_state()
-    return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return generator.get_state() if hasattr(generator, "get_state") else generator.getstate()
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether two generator states are equal (tensors, arrays, and tuples or dicts of them and of plain values)."""
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
-    if isinstance(a, tuple) and a and a[0] == "MT19937":  # numpy's: (name, key array, position, has_gauss, gauss)
-        return a[2:] == b[2:] and np.array_equal(a[1], b[1])
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
     return a == b

@@ -147,24 +147,30 @@ def test_a_recomputed_layer_changing_its_own_input_raises_in_forward(spill_dir, 
 
 
 class PrivateAverage(nn.Module):
-    """Keeps a running average in a private tensor attribute, updated in place."""
+    """Keeps a running average in a private tensor attribute (or in a private dict), updated in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_dict: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(32, 32)
         self._ema = torch.zeros(32)
+        if in_dict:
+            self._meta = {"ema": self._ema}
+            del self._ema
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._ema.mul_(0.9).add_(x.detach().mean(0) * 0.1)
-        return x + torch.tanh(self.linear(x - self._ema))
+        ema = self._meta["ema"] if hasattr(self, "_meta") else self._ema
+        ema.mul_(0.9).add_(x.detach().mean(0) * 0.1)
+        return x + torch.tanh(self.linear(x - ema))
 
 
+@pytest.mark.parametrize("in_dict", [False, True])
 @pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
-def test_a_recomputed_layer_changing_a_private_tensor_attribute_raises_in_forward(spill_dir, decision):
+def test_a_recomputed_layer_changing_a_private_tensor_attribute_raises_in_forward(spill_dir, decision, in_dict):
     # A recomputation started from the updated average, silently: tba puts back buffers and public attributes only.
-    model = nn.ModuleList([PrivateAverage() for _ in range(2)])
+    model = nn.ModuleList([PrivateAverage(in_dict) for _ in range(2)])
     x = torch.randn(16, 32)
-    with pytest.raises(tba.TbaError, match=r"changed the tensor in its private attribute PrivateAverage._ema in place"):
+    name = r"PrivateAverage._meta\['ema'\]" if in_dict else "PrivateAverage._ema"
+    with pytest.raises(tba.TbaError, match=rf"changed the tensor in its private attribute {name} in place"):
         with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20)):
             for layer in model:
                 x = layer(x)

@@ -200,9 +200,11 @@ class HostRandomDepth(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(64, 64)
+        self.own = [random.Random(3), np.random.default_rng(4), np.random.RandomState(5)]
 
     def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         scale = (0.0 if random.random() < 0.5 else 2.0) + float(np.random.rand())
+        scale += self.own[0].random() + float(self.own[1].random()) + float(self.own[2].rand())
         keep = (torch.rand(x.shape, generator=generator) > 0.3).to(x.dtype)
         return torch.tanh(self.linear(x) * keep * scale + self.linear(x)) + x
 
@@ -210,7 +212,8 @@ class HostRandomDepth(nn.Module):
 @pytest.mark.parametrize("code", ["RRRR", "SSSS", "RSKO"])
 def test_python_numpy_and_argument_generators_draw_the_same_again(spill_dir, code):
     """Note [Generators of a recomputed layer]: without the replay each recomputation drew again from
-    ``random``, numpy and the generator argument (another branch, another mask, silently)."""
+    ``random``, numpy, the generator argument and the layer's own Python and numpy generators (another
+    branch, another mask, silently)."""
     decisions = tuple({"R": "recompute", "S": "offloaded_recompute", "K": "keep", "O": "offload"}[c] for c in code)
 
     def train(directory: str | None):
@@ -233,13 +236,15 @@ def test_python_numpy_and_argument_generators_draw_the_same_again(spill_dir, cod
             grads.append([p.grad.clone() for p in model.parameters()])
         if offloader is not None:
             offloader.close()
-        return losses, grads, random.getstate(), np.random.get_state()[1].copy(), generator.get_state()
+        own = [(o.random(), float(g.random()), float(r.rand())) for o, g, r in (block.own for block in model)]
+        return losses, grads, random.getstate(), np.random.get_state()[1].copy(), generator.get_state(), own
 
     want, got = train(None), train(spill_dir)
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])), "losses differ"
     assert all(torch.equal(a, b) for step_a, step_b in zip(got[1], want[1]) for a, b in zip(step_a, step_b)), \
         "the recomputation drew differently"
     assert got[2] == want[2] and (got[3] == want[3]).all() and torch.equal(got[4], want[4]), "a generator ended elsewhere"
+    assert got[5] == want[5], "a generator the layer holds ended elsewhere"
 
 
 def test_nested_recomputed_layers_are_a_config_error(spill_dir):
