@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     if turns is not None:
         print("turns s: the median step of each mode in one process, the modes taking one step each in turn; "
               "its x keep against keep-all's steps there")
+    if "tba" in by_mode and by_mode["tba"].plan:
+        print(f"tba's plan: {by_mode['tba'].plan['code']} (per layer after profiling: K keep, O offload, R recompute, "
+              "S offloaded recompute)")
     if "keep_io" in by_mode and "tba" in by_mode:
         print(f"keep_io: keep-all beside tba's disk traffic from another process; tba's step time is "
               f"{by_mode['tba'].median_step_s / by_mode['keep_io'].median_step_s:.2f}x keep_io's "
