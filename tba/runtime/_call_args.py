@@ -60,22 +60,23 @@ class _Mapping:
 
 
 class Template:
-    """A call's ``(args, kwargs)`` with its tensors moved to :attr:`tensors` (Note [A recomputation gets the
-    call as it was]); :meth:`call` rebuilds it around the tensors checkpoint hands back."""
+    """A call's ``(args, kwargs)`` without its tensors (Note [A recomputation gets the call as it was]):
+    :func:`take_apart` makes one, :meth:`call` rebuilds the call around the tensors checkpoint hands back."""
 
-    __slots__ = ("_structure", "tensors")
+    __slots__ = ("_structure",)
 
-    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self._structure = _take_apart((args, kwargs), self.tensors)
+    def __init__(self, structure: Any) -> None:
+        self._structure = structure
 
     def call(self, saved: tuple[torch.Tensor, ...]) -> tuple[tuple, dict[str, Any]]:
         """``(args, kwargs)`` as they were, with ``saved`` in the tensors' places."""
         return _rebuild(self._structure, saved)
 
-    def release(self) -> None:
-        """Forget the tensors (checkpoint holds them from here on, through the saved-tensor pair)."""
-        self.tensors = []
+
+def take_apart(args: tuple, kwargs: dict[str, Any]) -> tuple[Template, list[torch.Tensor]]:
+    """The call's :class:`Template` and its tensors, in the order :meth:`Template.call` expects them."""
+    tensors: list[torch.Tensor] = []
+    return Template(_take_apart((args, kwargs), tensors)), tensors
 
 
 def _take_apart(value: Any, tensors: list[torch.Tensor]) -> Any:

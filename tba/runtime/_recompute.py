@@ -67,7 +67,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError, TbaError
-from tba.runtime._call_args import Template
+from tba.runtime._call_args import take_apart
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._generators import generator_states, moved, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
@@ -158,9 +158,8 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             return forward(*args, **kwargs)  # Note [Inside a user's checkpoint a recomputed layer runs as it is]
         calls: list[int] = [0]
         first = FirstCall()
-        template = Template(args, kwargs)  # Note [A recomputation gets the call as it was]
-        tensors, originals = template.tensors, [(args, kwargs)]
-        template.release()
+        template, tensors = take_apart(args, kwargs)  # Note [A recomputation gets the call as it was]
+        originals = [(args, kwargs)]  # the first call's, dropped by it
         del args, kwargs
 
         def call(calls: list[int], first: FirstCall, *saved: torch.Tensor) -> Any:
