@@ -3,18 +3,22 @@
 Note: [Generators of a recomputed layer]
 Checkpoint preserves torch's global RNG states only. A layer that draws from a generator of its
 own (a ``torch.Generator``, ``random.Random``, numpy ``Generator`` or ``RandomState``, held as an
-attribute of one of its modules, or in a dict, list or tuple attribute, or passed in its call's
-arguments, as diffusers-style code passes ``generator=``), or from Python's ``random`` or numpy's
-global generator (stochastic depth written with ``random.random()``), would
+attribute of one of its modules or passed in its call's arguments, as diffusers-style code passes
+``generator=``, directly or in dicts, lists and tuples up to three deep), or from Python's
+``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
 draw differently in the recomputation, so its gradients would be those of another forward (a
 review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
 advanced twice. The wrapper records each such generator's state before the first forward, sets it
 back before the recomputation and, afterwards, restores the state the recomputation started from.
-A generator the layer reaches any other way (a module-level ``torch.Generator``) is not found, nor
-is any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
-layer instead of recomputing it. The global generators are the process's: another thread drawing
-from them while a layer is recomputed sees its draws rewound (torch's own CPU generator under
-checkpoint shares the exposure), so draw from a generator of the thread's own there.
+Every generator found is replayed, whether or not the first forward left it moved: one that drew
+and then put its own state back (a fixed noise per step) still drew, and a later layer may move it
+before backward (a review found skipping those wrong; numpy's ``get_state`` is most of the cost,
+about 30 µs a call). A generator the layer reaches any other way (a module-level
+``torch.Generator``, an attribute of a plain object) is not found, nor is any other state outside
+the layer's modules: as under plain checkpoint, keep or offload such a layer instead of
+recomputing it. The global generators are the process's: another thread drawing from them while
+a layer is recomputed sees its draws rewound (torch's own CPU generator under checkpoint shares the
+exposure), so draw from a generator of the thread's own there.
 """
 
 from __future__ import annotations
@@ -33,28 +37,33 @@ GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.rando
 
 
 def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
-    """Each generator (:data:`GENERATOR_TYPES`) held by ``layer``'s modules, directly or in a dict, list or
-    tuple attribute, or passed in the call's arguments (directly or in such a container), with its state,
-    and the state of Python's and numpy's global generators (Note [Generators of a recomputed layer]);
-    :func:`set_states` puts them back."""
+    """Each generator (:data:`GENERATOR_TYPES`) held by ``layer``'s modules or passed in the call's arguments,
+    directly or in dicts, lists and tuples (:data:`SEARCH_DEPTH` deep), with its state, and the state of
+    Python's and numpy's global generators (Note [Generators of a recomputed layer]); :func:`set_states`
+    puts them back."""
     states: dict[int, tuple[Any, Any]] = {id(random): (random, _state(random)), id(np.random): (np.random, _state(np.random))}
     values = [value for module in layer.modules() for value in vars(module).values()]
     for value in [*values, *args, *(kwargs or {}).values()]:
-        for item in held_items(value) if isinstance(value, (dict, list, tuple)) else (value,):
-            if isinstance(item, GENERATOR_TYPES) and id(item) not in states:
-                states[id(item)] = (item, _state(item))
+        _collect(value, states, SEARCH_DEPTH)
     return states
+
+
+SEARCH_DEPTH = 3
+"""Containers (dict, list, tuple) searched for generators, nested in one another up to this deep."""
+
+
+def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int) -> None:
+    if isinstance(value, GENERATOR_TYPES):
+        if id(value) not in states:
+            states[id(value)] = (value, _state(value))
+    elif depth and isinstance(value, (dict, list, tuple)):
+        for item in held_items(value):
+            _collect(item, states, depth - 1)
 
 
 def states_now(states: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
     """The current state of each generator in ``states``."""
     return {key: (generator, _state(generator)) for key, (generator, _) in states.items()}
-
-
-def moved(states: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
-    """The entries of ``states`` whose generator has drawn since (a forward that drew nothing needs no
-    replay: the recomputation then neither reads nor sets a state, about 80 µs less per layer, most of it numpy's)."""
-    return {key: (generator, state) for key, (generator, state) in states.items() if not _same(_state(generator), state)}
 
 
 def set_states(states: dict[int, tuple[Any, Any]]) -> None:
@@ -72,16 +81,3 @@ def _state(generator: Any) -> Any:
     if isinstance(generator, np.random.Generator):
         return generator.bit_generator.state
     return generator.get_state() if hasattr(generator, "get_state") else generator.getstate()
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two generator states are equal (tensors, arrays, and tuples or dicts of them and of plain values)."""
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return np.array_equal(a, b)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
-    return a == b

@@ -69,7 +69,7 @@ from torch.utils.checkpoint import checkpoint
 from tba.errors import TbaConfigError, TbaError
 from tba.runtime._call_args import take_apart
 from tba.runtime._early_stop import checkpoint_keywords
-from tba.runtime._generators import generator_states, moved, set_states, states_now
+from tba.runtime._generators import generator_states, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import FirstCall, restore, snapshot
 from tba.runtime._learned import learned_for
@@ -137,7 +137,6 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             inputs, private = call_tensor_versions(args, kwargs), private_tensor_versions(layer)
             out = forward(*args, **kwargs)
             _check_inputs_unchanged(layer, inputs, private)
-            first.generators = moved(first.generators)
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
