@@ -22,7 +22,11 @@ The two calls get different objects:
 Only exact ``list``, ``tuple`` and ``dict`` objects are taken apart. Any other object is passed as
 it is, the very object, its tensors held in memory until backward as under plain checkpoint: a
 ``torch.Size`` (rebuilt by ``torch.utils._pytree`` as a plain tuple, it lost ``numel()``), a
-namedtuple, an ``OrderedDict``, the user's own classes. (Two reviews found these cases.)
+namedtuple, an ``OrderedDict``, the user's own classes. The tensors ``torch.utils._pytree`` finds
+inside them (a namedtuple's, an ``OrderedDict``'s) are version-checked before the recomputation,
+raising torch's in-place error as torch does without checkpoint. A tensor or container met twice
+in the call is one object twice in the rebuilt call too (``block(h, h, h)`` keeps attention's
+``query is key`` path; a list passed twice stays one list). (Three reviews found these cases.)
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
+
+from tba.runtime._views import inplace_error
 
 
 class _Slot:
@@ -63,40 +70,71 @@ class Template:
     """A call's ``(args, kwargs)`` without its tensors (Note [A recomputation gets the call as it was]):
     :func:`take_apart` makes one, :meth:`call` rebuilds the call around the tensors checkpoint hands back."""
 
-    __slots__ = ("_structure",)
+    __slots__ = ("_structure", "_unsaved")
 
-    def __init__(self, structure: Any) -> None:
+    def __init__(self, structure: Any, unsaved: list[tuple[torch.Tensor, int]]) -> None:
         self._structure = structure
+        self._unsaved = unsaved
+        """Tensors inside objects passed as they are, with their versions at the call."""
 
     def call(self, saved: tuple[torch.Tensor, ...]) -> tuple[tuple, dict[str, Any]]:
-        """``(args, kwargs)`` as they were, with ``saved`` in the tensors' places."""
-        return _rebuild(self._structure, saved)
+        """``(args, kwargs)`` as they were, with ``saved`` in the tensors' places.
+
+        Raises:
+            RuntimeError: torch's in-place error, when a tensor inside an object passed as it is (a
+                namedtuple's) was changed in place since the call, as torch raises without checkpoint.
+        """
+        for tensor, version in self._unsaved:
+            if tensor._version != version:
+                raise inplace_error(tensor._version, version, tensor.dtype, tuple(tensor.shape))
+        return _rebuild(self._structure, saved, {})
 
 
 def take_apart(args: tuple, kwargs: dict[str, Any]) -> tuple[Template, list[torch.Tensor]]:
-    """The call's :class:`Template` and its tensors, in the order :meth:`Template.call` expects them."""
+    """The call's :class:`Template` and its tensors, each once, in the order :meth:`Template.call` expects them."""
     tensors: list[torch.Tensor] = []
-    return Template(_take_apart((args, kwargs), tensors)), tensors
+    unsaved: list[tuple[torch.Tensor, int]] = []
+    structure = _take_apart((args, kwargs), tensors, {}, {}, unsaved)
+    return Template(structure, unsaved), tensors
 
 
-def _take_apart(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _take_apart(value: Any, tensors: list[torch.Tensor], slots: dict[int, _Slot], nodes: dict[int, Any],
+                unsaved: list[tuple[torch.Tensor, int]]) -> Any:
+    """``value``'s template; ``slots`` and ``nodes`` (by ``id``) give a tensor or container met twice one
+    place, so that the rebuilt call has the same object twice too (``block(h, h, h)``: attention's
+    ``query is key`` path)."""
+    key = id(value)
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1)
+        if key not in slots:
+            tensors.append(value)
+            slots[key] = _Slot(len(tensors) - 1)
+        return slots[key]
+    if key in nodes:
+        return nodes[key]
     kind = type(value)
     if kind is tuple or kind is list:
-        return _Sequence(kind, tuple(_take_apart(item, tensors) for item in value))
+        node = nodes[key] = _Sequence(kind, ())
+        node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved) for item in value)
+        return node
     if kind is dict:
-        return _Mapping(tuple(value), tuple(_take_apart(item, tensors) for item in value.values()))
+        node = nodes[key] = _Mapping(tuple(value), ())
+        node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved) for item in value.values())
+        return node
+    unsaved += [(leaf, leaf._version) for leaf in pytree.tree_leaves(value)
+                if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
     return value
 
 
-def _rebuild(template: Any, saved: tuple[torch.Tensor, ...]) -> Any:
+def _rebuild(template: Any, saved: tuple[torch.Tensor, ...], built: dict[int, Any]) -> Any:
     kind = type(template)
     if kind is _Slot:
         return saved[template.index]
-    if kind is _Sequence:
-        return template.kind(_rebuild(item, saved) for item in template.items)
-    if kind is _Mapping:
-        return dict(zip(template.keys, (_rebuild(item, saved) for item in template.items)))
-    return template
+    if kind is not _Sequence and kind is not _Mapping:
+        return template
+    key = id(template)
+    if key not in built:
+        if kind is _Sequence:
+            built[key] = template.kind(_rebuild(item, saved, built) for item in template.items)
+        else:
+            built[key] = dict(zip(template.keys, (_rebuild(item, saved, built) for item in template.items)))
+    return built[key]
