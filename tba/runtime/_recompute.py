@@ -73,7 +73,8 @@ from tba.runtime._generators import generator_states, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import FirstCall, restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._views import Kept, call_tensor_versions, private_tensor_versions
+from tba.runtime._private_state import first_change, private_state
+from tba.runtime._views import Kept, call_tensor_versions
 
 
 class RecomputeLayers:
@@ -134,9 +135,9 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         if calls[0] == 1:
             first.generators = generator_states(layer, args, kwargs)
             first.before = snapshot(layer, learned)
-            inputs, private = call_tensor_versions(args, kwargs), private_tensor_versions(layer)
+            inputs, private = call_tensor_versions(args, kwargs), private_state(layer)
             out = forward(*args, **kwargs)
-            _check_inputs_unchanged(layer, inputs, private)
+            _check_inputs_unchanged(layer, inputs, first_change(private, private_state(layer)) if private else None)
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
@@ -173,9 +174,10 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
 
 
 def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]],
-                            private: list[tuple[str, torch.Tensor, int]] = ()) -> None:
-    """Raise :class:`TbaError` when the first call of a recomputed layer changed one of its own inputs, or a
-    tensor in a private attribute of its modules, in place.
+                            private_change: str | None = None) -> None:
+    """Raise :class:`TbaError` when the first call of a recomputed layer changed one of its own inputs in place,
+    or private state of its modules (``private_change``: the changed value's label; Note [Private state of a
+    recomputed layer] in ``tba/runtime/_private_state.py``).
 
     Note: [A recomputed layer must not change its input]
     Checkpoint keeps a recomputed layer's inputs, not copies of them: a forward that changes its
@@ -189,21 +191,13 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     recomputes it. Neither looks with grad disabled (checkpoint then recomputes nothing) nor in
     inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
     on its own, whose recomputation still raises here.
-
-    A tensor held in a private attribute (``self._ema``) that the forward updates in place is the
-    same kind of state: tba copies and puts back buffers and public attributes (Note [Side effects
-    of a recomputed forward] in ``tba/runtime/_layer_state.py``) but leaves private ones alone
-    (frameworks keep their bookkeeping there), so a recomputation would start from the updated
-    value, silently (a review found the adaptive default recomputing such a layer: ``OOSS``). Both
-    checks watch those too.
     """
-    for name, tensor, version in private:
-        if tensor._version != version:
-            raise TbaError(
-                f"the forward of a recomputed layer ({type(layer).__name__}) changed the tensor in its private "
-                f"attribute {name} in place: tba cannot put it back for the recomputation in backward. Register it "
-                "as a buffer (module.register_buffer) or make it a public attribute, which tba restores, or keep or "
-                "offload this layer")
+    if private_change is not None:
+        raise TbaError(
+            f"the forward of a recomputed layer ({type(layer).__name__}) changed private state of its modules "
+            f"({private_change}), which tba does not put back for the recomputation in backward. Register a tensor "
+            "as a buffer (module.register_buffer) or make the attribute public, which tba restores, or keep or "
+            "offload this layer")
     for position, tensor, version in inputs:
         if tensor._version != version:
             raise TbaError(

@@ -43,7 +43,8 @@ from torch import nn
 
 from tba._control import waited_s
 from tba.runtime import _preempted
-from tba.runtime._views import call_tensor_versions, private_tensor_versions
+from tba.runtime._private_state import Signature, first_change, private_state
+from tba.runtime._views import call_tensor_versions
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -85,9 +86,11 @@ class LayerTimer:
         self.forward_cpu_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
         self.changes_input = [False] * count
-        """Per layer: its forward changed one of its tensor arguments, or a tensor in a private attribute of its
-        modules, in place (it cannot be recomputed)."""
+        """Per layer: its forward changed one of its tensor arguments in place, or private state of its modules
+        (it cannot be recomputed)."""
         self._input_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(count)]
+        self._private: list[Signature] = [[] for _ in range(count)]
+        """Per layer: its modules' private state when its forward started (Note [Private state of a recomputed layer])."""
         self._started = [(0.0, 0.0, 0.0)] * count
         self._ended = [(0.0, 0.0, 0.0)] * count
         self._grad_at_output: list[tuple[float, float, float] | None] = [None] * count
@@ -119,11 +122,13 @@ class LayerTimer:
             handle.remove()
         self._handles.clear()
         self._input_versions = [[] for _ in self._input_versions]  # a forward that raised left its inputs here
+        self._private = [[] for _ in self._private]
 
     def _pre(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.input_bytes[index] = tensor_bytes(args)
-            self._input_versions[index] = _versions(module, args, kwargs)
+            self._input_versions[index] = _versions(args, kwargs)
+            self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
@@ -141,7 +146,9 @@ class LayerTimer:
                 self._mark("forward_end")
             self.forward_s[index] = _own_s(start, now)
             versions, self._input_versions[index] = self._input_versions[index], []
-            if any(tensor._version != version for tensor, version in versions):
+            private, self._private[index] = self._private[index], []
+            if any(tensor._version != version for tensor, version in versions) or (
+                    private and first_change(private, private_state(module)) is not None):
                 self.changes_input[index] = True
             self.forward_cpu_s[index] = now[1] - start[1]
             first = output if isinstance(output, torch.Tensor) else None
@@ -217,13 +224,11 @@ class LayerTimer:
         return forward + backward_end[clock] - backward_start[clock]
 
 
-def _versions(layer: nn.Module, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
-    """The tensors of a layer's call, and those in its modules' private attributes, with their versions, as
-    the recompute check sees them (:func:`~tba.runtime._views.call_tensor_versions`,
-    :func:`~tba.runtime._views.private_tensor_versions`); none while a compiled graph is traced (a layer
+def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of a layer's call with their versions, as the recompute check sees them
+    (:func:`~tba.runtime._views.call_tensor_versions`); none while a compiled graph is traced (a layer
     compiled on its own runs its hooks inside its graph: it is not watched here, and its recomputation
     still raises at once)."""
     if torch.compiler.is_compiling():
         return []
-    return [(tensor, version) for _, tensor, version in [*call_tensor_versions(args, kwargs),
-                                                         *private_tensor_versions(layer)]]
+    return [(tensor, version) for _, tensor, version in call_tensor_versions(args, kwargs)]

@@ -30,7 +30,6 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
 from tba._outcome import Outcome
@@ -254,30 +253,3 @@ def call_tensor_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Ten
         return []
     tensors = (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]
-
-
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-"""Private attributes every module has (``_parameters``, ``_buffers``, hooks): torch's own bookkeeping."""
-
-
-def private_tensor_versions(layer: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
-    """(name, tensor, version) of every tensor held in a private attribute (``_name``) of ``layer``'s modules,
-    directly or in a dict, list or tuple there (one level): state a recomputation can neither put back nor
-    replay (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``); none when
-    no recomputation can follow. torch's own attributes of every module are left out."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return []
-    found = []
-    for module in layer.modules():
-        for name, value in vars(module).items():
-            if not name.startswith("_") or name in _MODULE_INTERNALS:
-                continue
-            if isinstance(value, dict):
-                items = [(f"{name}[{key!r}]", item) for key, item in value.items()]
-            elif isinstance(value, (list, tuple)):
-                items = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-            else:
-                items = [(name, value)]
-            found += [(f"{type(module).__name__}.{label}", item, item._version) for label, item in items
-                      if isinstance(item, torch.Tensor) and not item.is_inference()]
-    return found

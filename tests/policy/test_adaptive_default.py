@@ -159,7 +159,9 @@ class _Scaling(torch.nn.Module):
         self._ema = torch.ones(32)
 
     def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
-        if self.in_place:
+        if self.in_place and self.where == "rebound":
+            self._ema = self._ema * 0.9
+        elif self.in_place:
             {"input": x, "keyword": scale, "private": self._ema}[self.where].mul_(0.9)
         return x + torch.tanh(self.linear(x * scale * self._ema))
 
@@ -177,7 +179,7 @@ class _ScalingModel(torch.nn.Module):
         return x.pow(2).mean()
 
 
-@pytest.mark.parametrize("where", ["input", "keyword", "private"])
+@pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound"])
 def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, where):
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
     # recomputation, but never of the two layers that scale their input (a keyword argument, or a tensor in
