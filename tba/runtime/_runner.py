@@ -123,6 +123,7 @@ class PolicyRunner:
         self.profile_steps = profile_steps
         self.learns = self.policy is not None and not layers
         """Whether the layers come from the offloader's discovery (adaptive without ``layers=``)."""
+        self._said_none_found = False
         self.profile: Profile | None = None
         """The profile of the last plan made."""
         self._plans: dict[tuple | None, Plan] = {}
@@ -262,6 +263,13 @@ class PolicyRunner:
         if not self._layer_refs and found_layers:
             self._set_layers(found_layers)
             logger.debug("tba: the adaptive policy plans for the %d layers found", len(found_layers))
+        elif not self._layer_refs and found_layers is not None and not self._said_none_found:
+            # A model without repeated blocks, or whose blocks are each compiled (their saves carry no
+            # module stack, tba/runtime/_discover.py): nothing to plan for, so every step offloads all.
+            self._said_none_found = True
+            logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
+                           "compiled on its own), so every step offloads every saved tensor; pass layers=[...] "
+                           "(the model's blocks) to have a placement planned per block")
         elif self._layer_refs and not ran_a_layer:
             logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
             self._step.pending = None

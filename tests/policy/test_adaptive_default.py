@@ -192,3 +192,22 @@ def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_ex
     assert [layer.recomputable for layer in profile.layers] == [True, False, False, True]
     code = contexts[-1].plan.code
     assert code[1] not in "RS" and code[2] not in "RS"
+
+
+def test_a_model_without_repeated_blocks_warns_once_and_offloads_every_step(spill_dir, caplog):
+    class Single(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(2)
+            self.first, self.second = torch.nn.Linear(32, 64), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x)).square().mean()
+
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
+    reference, _ = train(Single(), batches)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        result, contexts = train(Single(), batches, bare(spill_dir))
+    assert_same(reference, result)
+    assert all(context.step_plan is None for context in contexts)
+    assert caplog.text.count("found no repeated blocks") == 1
