@@ -263,9 +263,11 @@ class PolicyRunner:
         if not self._layer_refs and found_layers:
             self._set_layers(found_layers)
             logger.debug("tba: the adaptive policy plans for the %d layers found", len(found_layers))
-        elif not self._layer_refs and found_layers is not None and not self._said_none_found:
-            # A model without repeated blocks, or whose blocks are each compiled (their saves carry no
-            # module stack, tba/runtime/_discover.py): nothing to plan for, so every step offloads all.
+        elif (not self._layer_refs and found_layers is not None and not self._said_none_found
+              and largest_live_storage_bytes() > 0):
+            # A forward that saved tensors, in a model without repeated blocks or whose blocks are each
+            # compiled (their saves carry no module stack, tba/runtime/_discover.py): nothing to plan
+            # for, so every step offloads all.
             self._said_none_found = True
             logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
                            "compiled on its own), so every step offloads every saved tensor; pass layers=[...] "
