@@ -12,8 +12,10 @@ a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dic
 any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
 the bytes of the tensors among them), and the generators it holds. A container nested in a
 container is not copied: its changes are replayed twice, silently, as under plain checkpoint. Its
-parameters are checked, not copied. Private attributes (``_name``) are left alone: modules and the frameworks around them
-(FSDP, torch.compile, hooks) keep their own bookkeeping there.
+parameters are checked, not copied. Private attributes (``_name``) are left alone: modules and the
+frameworks around them (FSDP, torch.compile, hooks) keep their own bookkeeping there; a forward that
+changes them raises instead (Note [Private state of a recomputed layer] in
+``tba/runtime/_private_state.py``).
 
 Note: [Side effects of a recomputed forward]
 The recomputation must run the forward the first call ran, and must not change the model a second
