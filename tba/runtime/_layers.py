@@ -111,11 +111,6 @@ def _free_weak_refs(refs: tuple[int, ...]) -> None:
         torch.UntypedStorage._free_weak_ref(ref)
 
 
-def state_storage_keys(modules: Iterable[nn.Module]) -> StateKeys:
-    """The :class:`StateKeys` of ``modules``' parameters and buffers."""
-    return StateKeys(modules)
-
-
 class LayerTracker:
     """Knows the index of the layer whose forward is running (None outside any layer)."""
 

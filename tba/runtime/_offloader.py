@@ -53,7 +53,7 @@ from tba.runtime import _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
 from tba.runtime._hooks import SavedTensorHooks, Waker, _Phase
-from tba.runtime._layers import LayerTracker, resolve_layers, state_storage_keys
+from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._runner import StepPlacement, shared_runner
 from tba.runtime._stats import OffloadStats
@@ -134,7 +134,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
         self._stats = OffloadStats(allocator=detect_allocator().name)
         self._stats_base: OffloadStats | None = None
         self._tracker = LayerTracker(self.layers)
-        self._state_keys = state_storage_keys(self.layers)
+        self._state_keys = StateKeys(self.layers)
         self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable, directory=self.directory,
                                            memory_budget_bytes=config.memory_budget_bytes,
                                            overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
@@ -222,7 +222,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
         if placement.layers is not None and self._finder is not None:
             if [id(layer) for layer in placement.layers] != [id(layer) for layer in self._tracker.layers]:
                 self._tracker = LayerTracker(placement.layers)
-                self._state_keys = state_storage_keys(placement.layers)
+                self._state_keys = StateKeys(placement.layers)
                 self._finder.layers = list(placement.layers) or self._finder.layers
             self._discovery = None if placement.layers else self._finder
         if placement.keep_layers is not None:

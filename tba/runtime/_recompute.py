@@ -36,7 +36,8 @@ the ``with`` block. So:
 * When the pair on top is neither tba's nor a checkpoint's (another hooks context inside tba's, such
   as ``save_on_cpu`` or a memory meter), or there is none (recomputation without an offloader, as
   ``python -m tba`` benchmarks' full recompute runs it), an ``offloaded_recompute`` layer runs as
-  ``recompute``: its inputs go to that pair, its internals are dropped as planned.
+  ``recompute``: its inputs are kept in memory by the pair ``recompute`` pushes on top, and its
+  internals are dropped as planned.
 
 Note: [Inside a user's checkpoint a recomputed layer runs as it is]
 When the pair on top is torch's non-reentrant checkpoint's (the user's own checkpoint around the
