@@ -15,7 +15,8 @@ tba works through saved-tensor hooks. How they meet ``torch.compile`` depends on
   (reading everything back at once raised it: 1153 MiB against 836 MiB keep-all for the
   compiled ``bench`` GPT on CPU). torch 2.13 inlines only traceable hooks (``torch.fx.GraphModule`` pack and unpack, see
   ``torch._functorch.config.saved_tensors_hooks_filtering_mode``); tba's hooks do file I/O and
-  cannot be traced.
+  cannot be traced. A layer a plan recomputes is traced as it is, not recomputed (Note [Inside an
+  enclosing compiled graph a recomputed layer runs as it is] in ``tba/runtime/_recompute.py``).
 
 Detection needs ``layers`` (``tba/layers.py``), and uses two signs, checked when forward ends:
 

@@ -69,6 +69,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError, TbaError
 from tba.runtime._call_args import take_apart
+from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._generators import generator_states, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
@@ -153,7 +154,20 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             set_states(after_generators)
             first.recomputed()
 
+    compiled_itself = is_compiled_module(layer)
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        if not compiled_itself and torch.compiler.is_compiling():
+            # Note: [Inside an enclosing compiled graph a recomputed layer runs as it is]
+            # Under a whole-model torch.compile, Dynamo traces this wrapper as part of the model's
+            # graph. The checkpoint below is not traceable: the graph broke here, the layer ran
+            # outside it, and its kernels differed from those of the same model compiled without
+            # tba (gradients 1e-8 apart on the tiny GPT, the loss too). Such a graph saves every
+            # activation when the whole forward has run, so recomputing one layer lowered no peak
+            # anyway (tba/runtime/_compile.py); the layer is traced as it is, the graph is the one
+            # compiled without tba, and what it saves reaches tba as any whole-model graph's does.
+            # A layer compiled on its own (block.compile()) is traced here too, but recomputes.
+            return forward(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top is not None and _is_checkpoint_pair(top):
             return forward(*args, **kwargs)  # Note [Inside a user's checkpoint a recomputed layer runs as it is]

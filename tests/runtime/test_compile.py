@@ -87,3 +87,21 @@ def test_whole_model_compile_traced_with_tba_hooks_is_warned(spill_dir, caplog):
     loss.backward()
     assert len(whole_model_warnings(caplog)) == 1
     assert_exact(compiled, forward, spill_dir, layers=compiled)
+
+
+def test_whole_model_compile_with_recomputed_layers_is_exact(spill_dir, monkeypatch):
+    """Note [Inside an enclosing compiled graph a recomputed layer runs as it is]: a pinned plan that recomputes
+    layers of a model compiled whole (inductor) gives the loss and gradients of that model compiled without tba.
+
+    The graph used to break at tba's checkpoint wrapper, and every gradient differed by about 1e-8. One
+    thread and eager RNG keep inductor's kernels deterministic from run to run.
+    """
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_gpt(CONFIG)
+        plan = tba.Plan(("recompute", "offloaded_recompute"), 8 << 20)
+        assert_exact(torch.compile(model), forward, spill_dir, layers=list(model.blocks), policy=plan)
+    finally:
+        torch.set_num_threads(threads)
