@@ -54,6 +54,19 @@ logger = logging.getLogger("tba")
 # from being reused for as long as the entry exists, so a key match always means the same storage.
 # The tensor's version counter is recorded too: a storage modified in place after it was saved is
 # a new snapshot and gets a new entry.
+#
+# Note: [One entry per version counter]
+# A version is a number on one counter, and one storage can carry several counters: the pieces of
+# `unsafe_chunk` and `unsafe_split`, which ATen's LSTM cell uses for its gates, share their storage
+# but not their counter. The cell saves the first gate after its in-place sigmoid, then applies the
+# next one to another piece of the same storage, and saves that piece at the same version number
+# on its own counter. Matched by storage and number, the second save shared the first one's entry,
+# whose write had sometimes already taken the bytes from before the second sigmoid: an LSTMCell, or
+# an LSTM over a PackedSequence, got wrong gradients now and then with no error. So an entry is
+# shared only by tensors of one view family, which share one counter: the saved tensor's root (its
+# `_base` when it is a view, else itself) must be the entry's. Another family gets an entry and a
+# write of its own, each taken after its save. A `detach()` alias is a family of its own although
+# it shares its counter: its storage is written twice, which costs time, never exactness.
 
 
 class StorageStore(StoreReads, StoreRelease, StoreLifetime):
@@ -159,13 +172,17 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         (None for host tensors); the write's copy is ordered after it.
         """
         storage = tensor.untyped_storage()
+        base = tensor._base
+        root = (tensor if base is None else base)._cdata  # Note [One entry per version counter]
         with self.lock:
             if self._lingering:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
-            fresh = entry is None or entry.version != version or entry.state is State.DEAD or entry.expired()
+            fresh = (entry is None or entry.version != version or entry.root != root or entry.state is State.DEAD
+                     or entry.expired())
             if fresh:
                 entry = self._start_write(tensor, storage, layer, version, ready)
+                entry.root = root
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1

@@ -141,6 +141,10 @@ class StorageEntry:
     cycle collector, whose full collections a step's thousands of long-lived objects trigger
     (docs/host-cost.md)."""
     data: torch.Tensor | None
+    root: int = 0
+    """The address of the saved tensor's root (its ``_base``, else itself): only tensors of that view family,
+    which share one version counter, share this entry (Note [One entry per version counter] in
+    ``tba/runtime/_store.py``)."""
     state: State = State.WRITING
     offset: int = -1
     live_views: int = 0

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from utils import assert_exact
 
+import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
 
 
@@ -119,3 +120,47 @@ def test_non_contiguous_inputs(spill_dir, backend):
 
     assert not x.is_contiguous()
     assert_exact(model, forward, spill_dir, backend)
+
+
+def test_pieces_of_one_storage_with_counters_of_their_own(spill_dir, backend):
+    """Note [One entry per version counter]: ``unsafe_chunk``'s pieces (an LSTM cell's gates) share a storage but
+    not a version counter. The second piece, changed in place after the first one was saved and written, and then
+    saved at the same version number on its own counter, gets its own entry: its bytes are the changed ones."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 32)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(8))
+
+    def forward(flush) -> torch.Tensor:
+        first, second = linear(x).unsafe_chunk(2, 1)
+        first = first.sigmoid_()
+        flush()
+        second = second.sigmoid_()
+        return (first * second).sum()
+
+    want_loss = forward(lambda: None)
+    want_loss.backward()
+    want = [p.grad.clone() for p in linear.parameters()]
+    linear.zero_grad()
+    offloader = tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0, policy="offload")
+    with offloader:
+        loss = forward(offloader.flush)
+    loss.backward()
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(p.grad, g) for p, g in zip(linear.parameters(), want))
+    assert offloader.stats.storages_written >= 2 and offloader.stats.bytes_deduplicated == 0
+
+
+def test_lstm_cell(spill_dir, backend):
+    """ATen's LSTM cell changes its gates in place, piece by piece, between saves (Note [One entry per version
+    counter])."""
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(32, 32)
+    xs = torch.randn(6, 16, 32, generator=torch.Generator().manual_seed(9))
+
+    def forward(m: nn.Module) -> torch.Tensor:
+        h = c = torch.zeros(16, 32)
+        for x in xs:
+            h, c = m(x, (h, c))
+        return h.square().sum()
+
+    assert_exact(cell, forward, spill_dir, backend, flush=False)
