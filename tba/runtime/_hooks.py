@@ -98,13 +98,17 @@ class SavedTensorHooks:
         base = tensor._base if tensor._is_view() else tensor
         if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
             return KeepReason.PARAMETER
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+        except (NotImplementedError, RuntimeError):
+            return KeepReason.NO_STORAGE
         if storage._cdata in self._state_keys:
             return KeepReason.MODULE_STATE
         nbytes = storage.nbytes()
         if nbytes == 0 or nbytes < self.min_offload_bytes:
             return KeepReason.SMALL
-        if device_type not in self._staged_devices and storage.data_ptr() % 64:
+        if device_type not in self._staged_devices and address % 64:
             return KeepReason.UNALIGNED
         if self._tracker.current in self.keep_layers:
             return KeepReason.LAYER_KEPT

@@ -28,6 +28,8 @@ class KeepReason(str, enum.Enum):
     """Not a plain ``torch.Tensor`` (Float8Tensor, DTensor, ...): its bytes are not one storage tba can rebuild."""
     NOT_STRIDED = "not a plain strided tensor"
     """Sparse, nested, quantized or meta."""
+    NO_STORAGE = "no storage of its own"
+    """Its storage cannot be read: ``torch.vmap``'s batched tensors, forward-mode AD's dual tensors."""
     LAZY_VIEW = "lazy conjugate or negative view"
     """``is_conj()`` or ``is_neg()``: rebuilding would lose the lazy bit."""
     UNSUPPORTED_DEVICE = "device not supported"

@@ -90,6 +90,8 @@ class StateKeys:
                         f"{type(module).__name__} has lazy parameters or buffers that are not materialised yet "
                         f"({type(tensor).__name__}); run one forward of the model (torch.no_grad() is enough) "
                         "before building the offloader")
+                if tensor.layout is not torch.strided:
+                    continue  # a sparse buffer has no storage of its own, and its saves are kept anyway (NOT_STRIDED)
                 storage = tensor.untyped_storage()
                 storages[storage._cdata] = storage
         self._refs = {key: storage._weak_ref() for key, storage in storages.items()}

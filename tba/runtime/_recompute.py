@@ -78,6 +78,9 @@ from tba.runtime._learned import learned_for
 from tba.runtime._private_state import first_change, private_state
 from tba.runtime._views import Kept, call_tensor_versions
 
+_functorch_level = torch._C._functorch.maybe_current_level
+"""The level of the innermost torch.func transform running (None outside every one)."""
+
 
 class RecomputeLayers:
     """Wraps ``layers``' forward with checkpoint until :meth:`remove` (or the ``with`` block ends).
@@ -157,7 +160,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     compiled_itself = is_compiled_module(layer)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not compiled_itself and torch.compiler.is_compiling():
+        if (not compiled_itself and torch.compiler.is_compiling()) or _functorch_level() is not None:
             # Note: [Inside an enclosing compiled graph a recomputed layer runs as it is]
             # Under a whole-model torch.compile, Dynamo traces this wrapper as part of the model's
             # graph. The checkpoint below is not traceable: the graph broke here, the layer ran
@@ -167,6 +170,9 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             # anyway (tba/runtime/_compile.py); the layer is traced as it is, the graph is the one
             # compiled without tba, and what it saves reaches tba as any whole-model graph's does.
             # A layer compiled on its own (block.compile()) is traced here too, but recomputes.
+            # Inside a torch.func transform (torch.vmap) the same holds for another reason: the
+            # recomputation would run in backward, outside the transform, on batched tensors that
+            # exist only inside it (functorch's "escaped" error, as under plain checkpoint).
             return forward(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top is not None and _is_checkpoint_pair(top):

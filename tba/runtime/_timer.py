@@ -52,7 +52,11 @@ def tensor_bytes(values: Sequence[Any]) -> int:
     seen: dict[int, int] = {}
     for value in values:
         if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
+            try:
+                storage = value.untyped_storage()
+            except NotImplementedError:  # a batched tensor of torch.vmap: its logical size
+                seen[id(value)] = value.numel() * value.element_size()
+                continue
             seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
