@@ -131,7 +131,8 @@ class LayerTimer:
     def _pre(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.input_bytes[index] = tensor_bytes(args)
-            self._input_versions[index] = _versions(args, kwargs)
+            # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_layer_state.py.
+            self._input_versions[index] = _versions(args, kwargs) + [(p, p._version) for p in module.parameters()]
             self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:

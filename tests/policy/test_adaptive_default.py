@@ -161,6 +161,9 @@ class _Scaling(torch.nn.Module):
     def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
         if self.in_place and self.where == "rebound":
             self._ema = self._ema * 0.9
+        elif self.in_place and self.where == "parameter":
+            with torch.no_grad():
+                self.linear.weight.mul_(0.9)
         elif self.in_place:
             {"input": x, "keyword": scale, "private": self._ema}[self.where].mul_(0.9)
         return x + torch.tanh(self.linear(x * scale * self._ema))
@@ -179,11 +182,12 @@ class _ScalingModel(torch.nn.Module):
         return x.pow(2).mean()
 
 
-@pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound"])
+@pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound", "parameter"])
 def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, where):
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
     # recomputation, but never of the two layers that scale their input (a keyword argument, or a tensor in
-    # a private attribute, which tba does not put back) in place.
+    # a private attribute, which tba does not put back) or their own weight (Note [A recomputed layer that
+    # changes its own parameters] in tba/runtime/_layer_state.py) in place.
     batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
     reference, _ = train(_ScalingModel(where), batches)
     result, contexts = train(_ScalingModel(where), batches, bare(spill_dir, overhead_bound=10.0))
