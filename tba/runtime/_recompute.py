@@ -71,9 +71,10 @@ from tba.errors import TbaConfigError, TbaError
 from tba.runtime._call_args import take_apart
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
+from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import generator_states, set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
-from tba.runtime._layer_state import FirstCall, restore, snapshot
+from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._private_state import first_change, private_state
 from tba.runtime._views import Kept, call_tensor_versions
@@ -111,6 +112,10 @@ class RecomputeLayers:
                     f"both recomputed, and layer {index_of[id(inner)]} is inside layer {index}: one recomputation would "
                     "run inside the other; recompute only one of them (keep or offload the other), or pass layers= "
                     "that do not nest")
+            if getattr(vars(layer).get("forward"), "tba_recomputes", False):
+                raise TbaConfigError(
+                    f"layer {index} ({type(layer).__name__}) is recomputed by another tba context that is active: "
+                    "offload contexts over the same layers do not nest; enter one context around the whole forward")
             if "forward" in vars(layer):
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) has a forward set on the instance, which the plan "
@@ -195,6 +200,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         with _inputs_in_memory() if keep else contextlib.nullcontext():
             return _checkpoint(call, calls, first, *tensors)
 
+    run.tba_recomputes = True  # type: ignore[attr-defined]  # what RecomputeLayers tells from a user's own forward
     return run
 
 

@@ -131,7 +131,7 @@ class LayerTimer:
     def _pre(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.input_bytes[index] = tensor_bytes(args)
-            # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_layer_state.py.
+            # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
             self._input_versions[index] = _versions(args, kwargs) + [(p, p._version) for p in module.parameters()]
             self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)

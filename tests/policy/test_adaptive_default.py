@@ -187,7 +187,7 @@ def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_ex
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
     # recomputation, but never of the two layers that scale their input (a keyword argument, or a tensor in
     # a private attribute, which tba does not put back) or their own weight (Note [A recomputed layer that
-    # changes its own parameters] in tba/runtime/_layer_state.py) in place.
+    # changes its own parameters] in tba/runtime/_first_call.py) in place.
     batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
     reference, _ = train(_ScalingModel(where), batches)
     result, contexts = train(_ScalingModel(where), batches, bare(spill_dir, overhead_bound=10.0))

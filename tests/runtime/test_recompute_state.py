@@ -1,5 +1,6 @@
-"""A recomputed layer runs the forward its first call ran, or raises (Notes [Side effects of a recomputed
-forward] and [A recomputed layer's parameters must not change before backward] in tba/runtime/_layer_state.py).
+"""A recomputed layer runs the forward its first call ran, or raises (Note [Side effects of a recomputed
+forward] in tba/runtime/_layer_state.py, Note [A recomputed layer's parameters must not change before backward]
+in tba/runtime/_first_call.py).
 
 Each case compares ``recompute`` and ``offloaded_recompute`` with training without tba: a forward that
 reads state it also updates (an exponential average it subtracts, a call counter it divides by, spectral

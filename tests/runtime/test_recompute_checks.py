@@ -1,5 +1,6 @@
-"""Note [A recomputed layer that changes its own parameters] (tba/runtime/_layer_state.py): a layer whose forward
-changes its weights in place is recomputed exactly when the change is idempotent, else backward raises."""
+"""What the checks around a recomputed layer catch: weights its own forward changes in place (Note [A recomputed
+layer that changes its own parameters] in tba/runtime/_first_call.py), a layer frozen between forward and backward,
+and two active contexts recomputing the same layers."""
 
 from __future__ import annotations
 
@@ -64,3 +65,28 @@ def test_a_forward_changing_its_weight_the_same_way_again_is_exact(spill_dir, de
 def test_a_forward_changing_its_weight_another_way_again_raises(spill_dir, decision):
     with pytest.raises(TbaError, match="changes its parameter 'linear.weight' in place"):
         _grads(MaxNorm, spill_dir, decision)
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_a_layer_frozen_between_forward_and_backward_raises(spill_dir, decision):
+    """Its recomputation would save fewer tensors than its first forward: torch's CheckpointError, which named no
+    cause, before this check."""
+    torch.manual_seed(0)
+    model = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)) for _ in range(2))
+    h = torch.randn(8, 16)
+    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision, "keep"), 1 << 20)):
+        for layer in model:
+            h = h + layer(h)
+    model[0].requires_grad_(False)
+    with pytest.raises(TbaError, match=r"parameter '0.weight' of a recomputed layer \(Sequential\) was frozen"):
+        h.sum().backward()
+
+
+def test_nested_contexts_recomputing_the_same_layers_say_so(spill_dir):
+    model = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+    plan = tba.Plan(("recompute", "recompute"), 1 << 20)
+    with tba.offload_activations(spill_dir, layers=list(model), policy=plan):
+        with pytest.raises(tba.TbaConfigError, match="recomputed by another tba context that is active"):
+            with tba.offload_activations(spill_dir, layers=list(model), policy=plan):
+                pass
+    assert all("forward" not in vars(layer) for layer in model)

@@ -1,0 +1,139 @@
+"""What the first call of a recomputed layer's forward leaves for its recomputation, and the checks before and after it.
+
+:class:`FirstCall` holds the generators' states and the state the call started from (Note [Side effects
+of a recomputed forward] in ``tba/runtime/_layer_state.py``), and checks that nothing the recomputation
+reads moved in between.
+
+Note: [A recomputed layer's parameters must not change before backward]
+Without tba, a parameter autograd saved and the optimiser (or the user) changed in place before
+backward makes unpack raise torch's in-place error; one it did not save is not read again. A
+recomputation reads every parameter of the layer again, so a change between forward and backward
+would silently give the gradients of another forward. :class:`FirstCall` records each parameter's
+version counter (and each state tensor's that the first call left unchanged, whose value it does not
+keep) when the first call ends, and before the recomputation raises :class:`~tba.errors.TbaError`
+naming the tensor when one moved. Loud where torch may be silent (a weight that no saved tensor
+aliases), never wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+from tba.errors import TbaError
+from tba.runtime._layer_state import NOT_COPIED, ModuleState
+from tba.runtime._learned import Learned
+
+
+class FirstCall:
+    """What the first call of a recomputed layer's forward left for its recomputation: the generators' states and
+    the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
+    recomputed layer's parameters must not change before backward])."""
+
+    __slots__ = ("generators", "before", "versions", "changed", "requires_grad")
+
+    def __init__(self) -> None:
+        self.generators: dict[int, tuple[Any, Any]] = {}
+        self.before: list[ModuleState] = []
+        self.versions: list[tuple[str, torch.Tensor, int]] = []
+        self.changed: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        """``(name, parameter, its value after the first call)`` for each parameter that call changed in place."""
+        self.requires_grad: list[tuple[str, torch.Tensor, bool]] = []
+        """``(name, parameter, requires_grad)`` when the first call ended."""
+
+    def note_parameters(self, before: list[tuple[str, torch.Tensor, int]]) -> None:
+        """After the first call: keep the values of the parameters it changed in place (``before``: name, parameter,
+        version before the call; Note [A recomputed layer that changes its own parameters])."""
+        self.changed = [(name, p, p.detach().clone()) for name, p, version in before if p._version != version]
+
+    def check_recomputed_parameters(self, layer: nn.Module) -> None:
+        """After the recomputation: raise :class:`TbaError` when it left a parameter the first call changed at
+        another value, which it then computed with; that value is put back first.
+
+        Note: [A recomputed layer that changes its own parameters]
+        A forward may change its own weights in place before using them: a clamp, a max-norm
+        constraint that divides a weight, ``nn.Embedding(max_norm=...)``, which renormalises the rows
+        it looks up. The recomputation starts from the weights the first call left, and changes them
+        again. When the second change leaves every value as it was (a clamp), the recomputation
+        computes with the values the first call computed with, and gradients are exact; when it does
+        not (a weight divided by its norm times 1.01, or an embedding row whose renormalised norm
+        rounds to just above ``max_norm``), it computes another forward, and gradients were wrong
+        without a word. The first call copies only the parameters it changed, and the recomputation
+        compares them when it is done. The adaptive default never plans to recompute such a layer
+        (its profiled steps see the change: ``tba/runtime/_timer.py``).
+        """
+        for name, parameter, value in self.changed:
+            if not torch.equal(parameter, value):
+                with torch.no_grad(), _unsafe_preserve_version_counter(parameter):
+                    parameter.copy_(value)
+                raise TbaError(
+                    f"the forward of a recomputed layer ({type(layer).__name__}) changes its parameter {name!r} in "
+                    "place, and its recomputation changed it to another value than the first forward did (a max-norm "
+                    "constraint that is not idempotent, say): it would compute another forward than the one being "
+                    "differentiated; keep or offload this layer instead of recomputing it")
+
+    def settle(self, layer: nn.Module, learned: Learned) -> None:
+        """After the first call: learn what it changed, keep copies of that only, and record the versions to check.
+
+        Raises:
+            TbaError: the call added or removed submodules, or changed a state tensor earlier forwards left alone.
+        """
+        if [id(m) for m in layer.modules()] != [id(state.module) for state in self.before]:
+            raise TbaError(f"the forward of a recomputed layer ({type(layer).__name__}) added or removed submodules: "
+                           "its recomputation would run another model; keep or offload this layer, or run one forward "
+                           "of the model before offloading with a plan that recomputes it")
+        for state in self.before:
+            module = state.module
+            found = [((module._buffers.get(name) if copied.is_buffer else vars(module).get(name)), copied,
+                      (id(module), name, state.training), f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r}")
+                     for name, copied in state.tensors.items()]
+            found += [(copied.tensor, copied, key, f"tensor {key[1]}") for key, copied in state.items]
+            for now, copied, key, what in found:
+                # Some kernels update a tensor without bumping its version (BatchNorm's running statistics, and any
+                # update through ``.data``), so the bytes are compared too, on the first forward watched.
+                same = now is copied.tensor and now._version == copied.version
+                if copied.value is NOT_COPIED:
+                    if not same:
+                        learned.unchanged.discard(key)
+                        raise TbaError(f"{what} of a recomputed layer ({type(layer).__name__}) was changed by this "
+                                       "forward, which earlier forwards left alone, and tba kept no copy to recompute "
+                                       "from; from the next forward on tba copies it: run the step again (with a new "
+                                       "Offloader, since this block raised), or keep or offload the layer")
+                    self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                elif key in learned.changed:
+                    continue
+                elif same and torch.equal(now, copied.value):
+                    learned.unchanged.add(key)
+                    self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                    copied.value = NOT_COPIED
+                else:
+                    learned.changed.add(key)
+        parameters = list(layer.named_parameters())
+        self.versions += [(f"parameter {name!r}", p, p._version) for name, p in parameters]
+        self.requires_grad = [(name, p, p.requires_grad) for name, p in parameters]
+
+    def check_unchanged(self, layer: nn.Module) -> None:
+        """Raise :class:`TbaError` when a parameter (or a state tensor whose value was not kept) changed in place
+        since the first call (Note [A recomputed layer's parameters must not change before backward])."""
+        for name, parameter, flag in self.requires_grad:
+            if parameter.requires_grad != flag:
+                raise TbaError(
+                    f"parameter {name!r} of a recomputed layer ({type(layer).__name__}) was "
+                    f"{'frozen' if flag else 'unfrozen'} (requires_grad={not flag}) between its forward and backward: "
+                    "its recomputation would save other tensors than the first forward did, which torch's checkpoint "
+                    "refuses; change requires_grad after backward, or keep or offload this layer")
+        for what, tensor, version in self.versions:
+            if tensor._version != version:
+                raise TbaError(
+                    f"{what} of a recomputed layer ({type(layer).__name__}) was modified in place after its "
+                    f"forward (version {version}, now {tensor._version}): recomputing the layer in backward would "
+                    "give the gradients of another forward. Change it after backward (optimizer.step() after "
+                    "loss.backward()), or keep or offload this layer instead of recomputing it")
+
+    def recomputed(self) -> None:
+        """After a recomputation: what it bumped itself (an embedding's ``max_norm`` renormalises its weight in every
+        forward) is not a change made outside, which only a later recomputation (``retain_graph``) would check."""
+        self.versions = [(what, tensor, tensor._version) for what, tensor, _ in self.versions]
