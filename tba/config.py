@@ -20,6 +20,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -94,11 +95,20 @@ class OffloadConfig:
         check_names(options)
         environ = os.environ if environ is None else environ
         values = dict(options)
+        from_environ: dict[str, str] = {}
         for field in dataclasses.fields(cls):
             variable = env_name(field.name)
             if field.name not in values and environ.get(variable, "") != "":
                 values[field.name] = _from_env(field, variable, environ[variable])
-        return cls(**values)
+                from_environ[field.name] = variable
+        try:
+            return cls(**values)
+        except TbaConfigError as err:
+            # A range error names the option; name the variable the user set too (the same error, re-raised).
+            named = [f"${variable}" for name, variable in from_environ.items() if re.search(rf"\b{name}\b", str(err))]
+            if named:
+                err.args = (f"{err} (from {', '.join(named)})", *err.args[1:])
+            raise
 
     def replace(self, **options: Any) -> OffloadConfig:
         """A copy with ``options`` changed (validated again)."""

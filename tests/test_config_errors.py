@@ -112,3 +112,18 @@ def test_entering_a_one_shot_context_twice_names_the_reusable_offloader(spill_di
     with pytest.raises(TbaError, match=r"one-shot.*tba\.Offloader\(\.\.\.\)"):
         with ctx:
             pass
+
+
+@pytest.mark.parametrize("variable, value, option", [
+    ("TBA_PROFILE_STEPS", "-1", "profile_steps"), ("TBA_QUEUE_DEPTH", "0", "queue_depth"),
+    ("TBA_BLOCK_SIZE_BYTES", "1000", "block_size_bytes"), ("TBA_OVERHEAD_BOUND", "-1", "overhead_bound"),
+    ("TBA_STAGING_BYTES", "0", "staging_bytes"), ("TBA_PREFETCH_DEPTH_LAYERS", "-1", "prefetch_depth_layers"),
+])
+def test_out_of_range_environment_value_names_the_variable(variable, value, option):
+    from tba.config import OffloadConfig
+
+    with pytest.raises(TbaConfigError, match=rf"{option}.*\(from \${variable}\)$"):
+        OffloadConfig.from_env({variable: value})
+    with pytest.raises(TbaConfigError) as raised:  # an argument is not blamed on the environment
+        OffloadConfig.from_env({}, **{option: int(value)})
+    assert "from $" not in str(raised.value)
