@@ -25,6 +25,8 @@ def parse_size(text: str) -> int:
         SizeError: ``text`` is not a size; the message gives examples.
     """
     match = _SIZE.fullmatch(str(text))
+    if not match and _SIZE.fullmatch(str(text).strip().removeprefix("-")):
+        raise SizeError(f"{text!r} is negative; pass a positive size, for example 512M or 2GiB")
     if not match:
         raise SizeError(f"not a size: {text!r} (write bytes, or a number with K, M, G, T, KiB .. TiB, KB .. TB; "
                         "for example 512M or 2GiB)")

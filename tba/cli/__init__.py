@@ -31,12 +31,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """A parser whose usage errors are one line (``prog: error: message``) and exit status 2."""
+    """A parser whose usage errors are one line (``prog: error: message``) and exit status 2.
+
+    A word such as ``-1M`` or ``-2G`` is taken as an option's value, as argparse takes ``-1``, so that
+    ``--size -1M`` gets the option's own error ("must be positive") instead of "expected one argument".
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+_NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)([KMGT]i?B?|B)?$", re.IGNORECASE)
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
 

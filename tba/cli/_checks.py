@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -27,6 +28,76 @@ def queue_depth(text: str) -> int:
     if not 1 <= value <= MAX_QUEUE_DEPTH:
         raise argparse.ArgumentTypeError(f"{value} is out of range; pass a queue depth in 1..{MAX_QUEUE_DEPTH}")
     return value
+
+
+def int_at_least(least: int) -> Callable[[str], int]:
+    """A type for a whole number ``>= least`` (a count of steps, cases, storages)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass one >= {least}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is too small; pass a whole number >= {least}")
+        return value
+
+    return parse
+
+
+def why_unwritable(directory: str) -> str | None:
+    """Why a file cannot be created in ``directory`` (a real try, removed at once: root passes os.access
+    on /proc), or None when it can."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tba-probe-", dir=directory)
+    except OSError as err:
+        return f"{directory} is not writable ({err.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def output_file(option: str, path: str) -> str:
+    """Check, before any work, that ``path`` can be written as a file; raises ValueError naming the fix."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a directory; pass a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: no directory {parent}; create it or pass another path")
+    problem = why_unwritable(parent)
+    if problem is None and os.path.exists(path) and not os.access(path, os.W_OK):
+        problem = f"{path} is not writable"
+    if problem:
+        raise ValueError(f"{option} {path}: {problem}; pass another path")
+    return path
+
+
+def existing_directory(option: str, path: str) -> str:
+    """Check, before any work, that ``path`` is an existing directory a file can be created in; raises
+    ValueError naming the fix (a missing one is refused, not created: nothing is left behind)."""
+    if not os.path.exists(path):
+        raise ValueError(f"{option} {path} does not exist; create it or pass an existing directory")
+    if not os.path.isdir(path):
+        raise ValueError(f"{option} {path} is not a directory; pass a directory")
+    problem = why_unwritable(path)
+    if problem:
+        raise ValueError(f"{option} {problem}; pass a writable directory")
+    return path
+
+
+def output_directory(option: str, path: str) -> str:
+    """Check, before any work, that ``path`` is a directory files can be written in, creating it when
+    missing (the command writes its results there); raises ValueError naming the fix."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a file; pass a directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create {option} {path}: {err.strerror}; pass a writable directory") from None
+    problem = why_unwritable(path)
+    if problem:
+        raise ValueError(f"{option} {problem}; pass a writable directory")
+    return path
 
 
 def backend_name(text: str) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
@@ -49,18 +48,6 @@ REQUIRED = ("keep", "recompute", "offload")
 
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
-
-
-def _output_file(option: str, path: str) -> str:
-    """Check that ``path`` can be written as a file, before any measurement; raises ValueError naming the fix."""
-    if os.path.isdir(path):
-        raise ValueError(f"{option} {path} is a directory; pass a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{option} {path}: no directory {parent}; create it or pass another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: {parent} is not writable; pass another path")
-    return path
 
 
 def _strategy_list(text: str) -> tuple[str, ...]:
@@ -108,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{option} must be at least {least}, got {value}")
         launch_env(args.allocator)
         check_setup(None, args.device)
-        json_path = _output_file("--json", args.json)
-        png_path = _output_file("--png", args.png) if args.png else None
+        json_path = cli_checks.output_file("--json", args.json)
+        png_path = cli_checks.output_file("--png", args.png) if args.png else None
     except (ValueError, TbaConfigError) as err:
         cli_checks.usage_error("capacity", str(err))
     seq_len = args.seq or PRESETS[args.preset].seq_len

@@ -39,10 +39,11 @@ logger = logging.getLogger("tba")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size (default: small)")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per mode (default: 4)")
-    parser.add_argument("--warmup", type=int, default=3,
+    parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=4, help="measured steps per mode (default: 4)")
+    parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=3,
                         help="unmeasured steps first (default: 3, the adaptive context's layer-finding and profiled steps)")
-    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--directory", default=None,
+                        help="spill directory, an existing one (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
     parser.add_argument("--no-turns", dest="turns", action="store_false",
                         help="skip the run in which both modes take a step in turn in one process")
@@ -55,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
     config = PRESETS[args.preset]
     try:
         _, malloc = launch_env(args.allocator)
-    except TbaConfigError as err:
-        logger.error("python -m tba demo: error: %s", err)
-        return 2
+        if args.directory is not None:
+            cli_checks.existing_directory("--directory", args.directory)
+    except (TbaConfigError, ValueError) as err:
+        cli_checks.usage_error("demo", str(err))
     logger.info("model: GPT preset %r (%d layers, width %d, sequence %d, batch %d)", args.preset,
                 config.layers, config.width, config.seq_len, config.batch_size)
     if malloc.startswith("system") and args.allocator == "auto":

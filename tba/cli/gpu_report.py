@@ -39,6 +39,7 @@ import torch
 
 from tba.bench.harness import run_steps
 from tba.bench.models import PRESETS, GPTConfig, make_batch, make_gpt
+from tba.cli import _checks as cli_checks
 from tba.cli._rok_points import same_losses
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory for gpu-report.md and gpu-report.json")
     parser.add_argument("--simulate", action="store_true",
                         help="run on the simulated CUDA device (CPU machines; small sizes)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per row (default: 3, 1 simulated)")
+    parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=None,
+                        help="measured steps per row (default: 3, 1 simulated)")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--skip-rok", action="store_true", help="leave out the ROK curve")
 
@@ -239,8 +241,11 @@ def run(args: argparse.Namespace) -> int:
         print("gpu-report: no CUDA GPU here (torch.cuda.is_available() is False); "
               "--simulate runs the report on a simulated device")
         return 2
+    try:
+        cli_checks.output_directory("--out", args.out)
+    except ValueError as err:
+        cli_checks.usage_error("gpu-report", str(err))
     started = time.perf_counter()
-    os.makedirs(args.out, exist_ok=True)
     steps = args.steps or (1 if args.simulate else 3)
     report: dict[str, Any] = {"command": " ".join(["python -m tba gpu-report", *sys.argv[2:]])}
     with contextlib.ExitStack() as stack:

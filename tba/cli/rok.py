@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,14 +147,7 @@ def check_setup(out_dir: str | None, device: str) -> None:
         raise ValueError(f"--device {device}: {build} (torch {torch.__version__}); pass --device cpu")
     if out_dir is None:
         return
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"--out {out_dir} is a file; pass a directory (it is created if missing)")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"cannot create --out {out_dir}: {err.strerror}; pass a writable directory") from None
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out_dir} is not writable; pass a writable directory")
+    cli_checks.output_directory("--out", out_dir)
 
 
 def factory_title(make_model: Any) -> str:
@@ -168,8 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=cli_checks.factory, metavar="MODULE:FUNC",
                         help="your model factory, e.g. mypkg.train:make_model")
     parser.add_argument("--batch", type=cli_checks.factory, metavar="MODULE:FUNC", help="your batch factory (with --model)")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per configuration (default: 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default: 1)")
+    parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=5,
+                        help="measured steps per configuration (default: 5)")
+    parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=1, help="unmeasured steps first (default: 1)")
     parser.add_argument("--budgets", type=cli_checks.positive_list("--budgets"),
                         default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
                         help="adaptive budgets as fractions of keep-all's peak (default: %(default)s)")

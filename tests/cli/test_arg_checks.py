@@ -1,0 +1,64 @@
+"""Bad command-line values are refused before any work: one line naming the fix, exit status 2, nothing left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tba.cli import main
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The one error line ``argv`` gets; fails unless the command exits 2 with exactly one line on stderr."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["demo", "--steps", "0"], "argument --steps: 0 is too small; pass a whole number >= 1"),
+    (["demo", "--steps", "-2"], "argument --steps: -2 is too small"),
+    (["demo", "--warmup", "-1"], "argument --warmup: -1 is too small; pass a whole number >= 0"),
+    (["demo", "--steps", "x"], "argument --steps: 'x' is not a whole number"),
+    (["rok", "--steps", "0"], "argument --steps: 0 is too small"),
+    (["rok", "--warmup", "-1"], "argument --warmup: -1 is too small"),
+    (["gpu-report", "--out", "x", "--steps", "-1"], "argument --steps: -1 is too small"),
+    (["bench-io", "--size", "-1M"], "argument --size: '-1M' is negative; pass a positive size"),
+    (["capacity", "--budget", "-1M"], "argument --budget: '-1M' is negative; pass a positive size"),
+])
+def test_bad_counts_and_sizes_are_refused_at_parse_time(argv, match, capsys):
+    assert match in refused(argv, capsys)
+
+
+def test_demo_directory_must_be_a_writable_directory(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert f"--directory {afile} is not a directory" in refused(["demo", "--directory", str(afile)], capsys)
+    missing = tmp_path / "missing"
+    assert "does not exist; create it" in refused(["demo", "--directory", str(missing)], capsys)
+    assert "/proc is not writable" in refused(["demo", "--directory", "/proc"], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("option", ["--json", "--png"])
+def test_capacity_output_in_an_unwritable_folder_is_refused_up_front(option, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = refused(["capacity", "--preset", "tiny", "--budget", "1M", option, "/proc/x.out"], capsys)
+    assert f"{option} /proc/x.out: /proc is not writable" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out, match", [
+    ("{file}", "is a file; pass a directory"),
+    ("/proc/x", "cannot create --out /proc/x"),
+    ("/proc", "--out /proc is not writable"),
+])
+def test_gpu_report_out_is_checked_up_front(out, match, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    line = refused(["gpu-report", "--simulate", "--skip-rok", "--out", out.replace("{file}", str(tmp_path / "afile"))],
+                   capsys)
+    assert match in line
