@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tba._units import parse_size
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.checkpoint import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, LazyCheckpointer, TbaStorageReader, TbaStorageWriter
+from tba.cli import _checks as cli_checks
 from tba.cli.bench_io import bench_fio
 from tba.io import resolve_directory
 
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--size", default="1G", help="state dict bytes, e.g. 256M or 1G (default 1G)")
     parser.add_argument("--directory", default=None,
-                        help="where checkpoints go (default $TBA_DIR or the system temp dir)")
+                        help="where checkpoints go, an existing directory (default $TBA_DIR or the system temp dir)")
     parser.add_argument("--rounds", type=int, default=2, help="measured checkpoints per method (default 2)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
@@ -87,12 +88,12 @@ def _validate(args: argparse.Namespace) -> str | None:
     if args.rounds < 1:
         return "--rounds must be >= 1"
     args.directory = resolve_directory(args.directory)
-    try:
-        os.makedirs(args.directory, exist_ok=True)
-    except OSError as err:
-        return f"cannot create --directory {args.directory}: {err.strerror}; pass a writable directory"
-    if not os.path.isdir(args.directory) or not os.access(args.directory, os.W_OK):
-        return f"--directory {args.directory} is not a writable directory"
+    try:  # a missing directory is refused, as bench-io and bench-hooks do: nothing is left behind
+        cli_checks.existing_directory("--directory", args.directory)
+        if getattr(args, "json", None):
+            cli_checks.output_file("--json", args.json)
+    except ValueError as err:
+        return str(err)
     free = shutil.disk_usage(args.directory).free
     if free < 3 * args.size_bytes:
         return f"--directory {args.directory} has {free >> 20} MiB free; needs 3x --size"
@@ -256,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
     report["tba_write_gbps"] = report.pop("tba_lazy_write_gbps")
     report["step_s"] = sorted(trainer.step_s)[len(trainer.step_s) // 2]
-    logger.info("bench-ckpt: fio write, %d MiB", args.size_bytes >> 20)
+    if not args.no_fio:
+        logger.info("bench-ckpt: fio write, %d MiB", args.size_bytes >> 20)
     report["fio_write_gbps"] = _fio(args)
     print(_table(report))
     if args.json:

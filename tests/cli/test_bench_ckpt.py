@@ -17,22 +17,31 @@ from tba.cli.bench_ckpt import gpt_config
     (["--size", "12X"], "not a size"),
     (["--size", "1M"], "at least 16M"),
     (["--rounds", "0"], "--rounds"),
-    (["--directory", "{file}/dir"], "cannot create --directory"),
+    (["--directory", "{file}/dir"], "--directory {file}/dir does not exist; create it"),
+    (["--directory", "{file}"], "is not a directory"),
+    (["--directory", "/proc"], "--directory /proc is not writable"),
+    (["--json", "{tmp}"], "is a directory; pass a file path"),
+    (["--json", "{tmp}/nodir/x.json"], "no directory"),
+    (["--json", "/proc/x.json"], "/proc is not writable"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message, caplog, tmp_path):
     json_path = tmp_path / "out.json"
     (tmp_path / "file").write_text("")
-    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    argv = [a.replace("{file}", str(tmp_path / "file")).replace("{tmp}", str(tmp_path)) for a in argv]
+    message = message.replace("{file}", str(tmp_path / "file"))
     assert main(["bench-ckpt", "--json", str(json_path), *argv]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert not json_path.exists()
 
 
-def test_a_missing_directory_is_created(tmp_path):
-    args = argparse.Namespace(size="16M", rounds=1, directory=str(tmp_path / "new" / "ckpt"))
+def test_a_missing_directory_is_refused_not_created(tmp_path):
+    args = argparse.Namespace(size="16M", rounds=1, directory=str(tmp_path / "new" / "ckpt"), json=None)
+    assert "does not exist; create it" in bench_ckpt._validate(args)
+    assert not (tmp_path / "new").exists()
+    args.directory = str(tmp_path)
     assert bench_ckpt._validate(args) is None
-    assert (tmp_path / "new" / "ckpt").is_dir()
 
 
 def test_fio_line_is_labelled_bench_ckpt(tmp_path, monkeypatch, caplog):
