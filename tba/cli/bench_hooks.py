@@ -29,6 +29,7 @@ import torch
 from tba._units import parse_size
 from tba.bench.hooks import HookCase, HookResult, ManyResult, measure, measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
+from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
 from tba.defaults import GIB, KIB, MIB
 
@@ -43,22 +44,40 @@ DEFAULT_MANY_COUNT = 100_000
 MANY_SIZE_BYTES = 64 * KIB
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number; pass counts such as 400,2000") from None
+
+
 def _csv(parse):
+    """A comma-separated list of positive values, each read by ``parse``."""
     def convert(text: str) -> list:
         try:
-            return [parse(item) for item in text.split(",") if item]
+            values = [parse(item) for item in text.split(",") if item]
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+        if not values or any(value < 1 for value in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: pass values > 0, comma separated")
+        return values
     return convert
+
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive; pass a size such as 1G")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--sizes", type=_csv(parse_size), default=DEFAULT_SIZES,
                         help=f"storage sizes, comma separated (default {DEFAULT_SIZES})")
-    parser.add_argument("--counts", type=_csv(int), default=DEFAULT_COUNTS,
+    parser.add_argument("--counts", type=_csv(_whole), default=DEFAULT_COUNTS,
                         help=f"storages per step, comma separated (default {DEFAULT_COUNTS})")
-    parser.add_argument("--max-bytes", type=parse_size, default=DEFAULT_MAX_BYTES,
+    parser.add_argument("--max-bytes", type=_positive_size, default=DEFAULT_MAX_BYTES,
                         help="cap on count x size per row; a row's count is lowered to fit (default 1G)")
     parser.add_argument("--disk-dir", default=None,
                         help=f"the disk directory (default a fresh one under {DEFAULT_DISK_DIR})")
@@ -165,6 +184,15 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench-hooks: error: --device cuda needs a CUDA build of torch and a GPU; use --device cpu",
               file=sys.stderr)
+        return 2
+    try:
+        for option, given in (("--disk-dir", args.disk_dir), ("--ram-dir", args.ram_dir)):
+            if given is not None and given != "none":
+                cli_checks.existing_directory(option, given)
+        if args.json:
+            cli_checks.output_file("--json", args.json)
+    except ValueError as err:
+        print(f"bench-hooks: error: {err}", file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:
         def fresh(given: str | None, default: str) -> str:

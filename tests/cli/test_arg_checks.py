@@ -62,3 +62,38 @@ def test_gpu_report_out_is_checked_up_front(out, match, tmp_path, capsys):
     line = refused(["gpu-report", "--simulate", "--skip-rok", "--out", out.replace("{file}", str(tmp_path / "afile"))],
                    capsys)
     assert match in line
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--sizes", "0"], "argument --sizes: '0': pass values > 0"),
+    (["--counts", "0"], "argument --counts: '0': pass values > 0"),
+    (["--counts=-5"], "argument --counts: '-5': pass values > 0"),
+    (["--counts", "abc"], "argument --counts: 'abc' is not a whole number; pass counts such as 400,2000"),
+    (["--max-bytes", "0"], "argument --max-bytes: '0' is not positive"),
+    (["--disk-dir", "/nonexistent"], "--disk-dir /nonexistent does not exist; create it"),
+    (["--disk-dir", "{file}"], "is not a directory"),
+    (["--disk-dir", "/proc"], "--disk-dir /proc is not writable"),
+    (["--ram-dir", "{file}"], "--ram-dir {file} is not a directory"),
+    (["--json", "{tmp}"], "is a directory; pass a file path"),
+    (["--json", "{tmp}/nodir/x.json"], "no directory"),
+    (["--json", "/proc/x.json"], "/proc is not writable"),
+])
+def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    fill = {"{file}": str(tmp_path / "afile"), "{tmp}": str(tmp_path)}
+    for key, value in fill.items():
+        argv, match = [a.replace(key, value) for a in argv], match.replace(key, value)
+    assert match in refused(["bench-hooks", "--no-keep", "--ram-dir", "none", "--sizes", "64K", "--counts", "2",
+                             "--warmups", "0", "--repeats", "1", *argv], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--size", "99999999T"], "GiB free in"),
+    (["--size", "4M", "--repeat", "0"], "--repeat must be >= 1, got 0"),
+])
+def test_bench_io_refuses_bad_values_before_measuring(argv, match, tmp_path, caplog):
+    assert main(["bench-io", "--no-fio", "--directory", str(tmp_path), *argv]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and match in errors[0] and "queue-depth" not in errors[0], errors
+    assert list(tmp_path.iterdir()) == []
