@@ -30,6 +30,9 @@ from tba.io import Op, available_backends, filled_buffer, make_engine, open_scra
 
 logger = logging.getLogger("tba")
 
+MAX_SIZE_BYTES = 1 << 62
+"""No file is larger (posix_fallocate takes a signed 64-bit length)."""
+
 DEFAULT_SIZE_BYTES = 2 * GIB
 DEFAULT_BLOCK_SIZE_BYTES = MIB
 BENCH_QUEUE_DEPTH = 32
@@ -117,8 +120,14 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"--block-size must be a positive multiple of {ALIGN_BYTES}"
     if args.size < args.block_size or args.size % args.block_size:
         return "--size must be a positive multiple of --block-size"
-    if args.queue_depth < 1 or args.repeat < 1:
-        return "--queue-depth and --repeat must be >= 1"
+    if args.queue_depth < 1:
+        return "--queue-depth must be >= 1"
+    if args.repeat < 1:
+        return f"--repeat must be >= 1, got {args.repeat}"
+    free = shutil.disk_usage(args.directory).free if os.path.isdir(args.directory) else MAX_SIZE_BYTES
+    if args.size > min(free, MAX_SIZE_BYTES):
+        return (f"--size {args.size / GIB:.1f} GiB is more than the {min(free, MAX_SIZE_BYTES) / GIB:.1f} GiB free in "
+                f"{args.directory}; pass a smaller --size or another --directory")
     return None
 
 
