@@ -42,6 +42,7 @@ import torch
 import tba
 from tba._control import settle
 from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.cli import _checks as cli_checks
 from tba.errors import TbaError, TbaReadError
 from tba.io import Engine, Op, Request, available_backends, make_engine
 
@@ -128,10 +129,10 @@ def soak(backend: str, args: argparse.Namespace) -> bool:
 
     want = [step(i, contextlib.nullcontext()) for i in range(BATCHES)]
     rng = random.Random(args.seed)
-    directory = tempfile.mkdtemp(prefix="tba-soak-", dir=args.directory)
     settle()
     fds_before = set(os.listdir("/proc/self/fd"))
     engine = FlakyEngine(make_engine(backend), args.write_fault_rate, args.read_fault_rate, args.seed)
+    directory = tempfile.mkdtemp(prefix="tba-soak-", dir=args.directory)  # after the engine: nothing left if it fails
 
     def new_offloader() -> tba.Offloader:
         # Offload-all: the adaptive default plans keep-all for so small a model, and nothing would be
@@ -211,7 +212,7 @@ def soak(backend: str, args: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=500, help="steps per backend (default: 500)")
+    parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=500, help="steps per backend (default: 500)")
     parser.add_argument("--backend", default="all", help="io_uring, threads, or all available (default: all)")
     parser.add_argument("--directory", default=None, help="where the spill directory is made (default: temp dir)")
     parser.add_argument("--write-fault-rate", type=float, default=0.01,
@@ -223,11 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop-rate", type=float, default=0.1, help="fraction of steps whose loss is dropped (default: 0.1)")
     parser.add_argument("--rss-tolerance-mib", type=float, default=32.0,
                         help="allowed RSS growth after warm-up, MiB (or 5%% of RSS if larger; default: 32)")
-    parser.add_argument("--progress-every", type=int, default=50, help="steps between progress lines (default: 50)")
+    parser.add_argument("--progress-every", type=cli_checks.int_at_least(1), default=50,
+                        help="steps between progress lines (default: 50)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the faults (default: 0)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     usable = [name for name, reason in available_backends().items() if reason is None]
+    if args.backend not in ("all", "auto", *usable):
+        parser.error(f"--backend {args.backend!r} is not usable here; choose all or one of {', '.join(usable)}")
+    if args.directory is not None:
+        try:
+            cli_checks.existing_directory("--directory", args.directory)
+        except ValueError as err:
+            parser.error(str(err))
+    torch.set_num_threads(1)
     backends = usable if args.backend == "all" else [args.backend]
     results = [soak(backend, args) for backend in backends]
     return 0 if all(results) else 1

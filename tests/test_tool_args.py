@@ -1,0 +1,54 @@
+"""tools/soak.py, tools/fuzz.py and tools/bench_e2e.py refuse bad values before any work: exit 2, one line, nothing left."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from utils import load_script
+
+TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
+
+
+def refused(tool: str, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        load_script(TOOLS / f"{tool}.py").main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and lines, lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--steps", "0"], "argument --steps: 0 is too small"),
+    (["--steps", "-3"], "argument --steps: -3 is too small"),
+    (["--steps", "1", "--backend", "bogus"], "--backend 'bogus' is not usable here; choose all or one of"),
+    (["--steps", "1", "--directory", "/nonexistent"], "--directory /nonexistent does not exist"),
+    (["--progress-every", "0"], "argument --progress-every: 0 is too small"),
+])
+def test_soak_refuses_bad_values(argv, match, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # a tba-soak-* folder made by mistake would show here
+    assert match in refused("soak", argv, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--cases", "-1"], "argument --cases: -1 is too small"),
+    (["--cases", "0"], "argument --cases: 0 is too small"),
+    (["--cases", "1", "--time-budget-s", "-5"], "--time-budget-s must be > 0, got -5.0"),
+    (["--cases", "1", "--time-budget-s", "0"], "--time-budget-s must be > 0"),
+])
+def test_fuzz_refuses_bad_values(argv, match, capsys):
+    assert match in refused("fuzz", argv, capsys)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--modes", "bogus"], "argument --modes: unknown mode 'bogus'; choose from"),
+    (["--steps", "0"], "argument --steps: 0 is too small"),
+    (["--warmup", "-1"], "argument --warmup: -1 is too small"),
+    (["--json", "/proc/x.json"], "--json /proc/x.json: /proc is not writable"),
+    (["--directory", "{tmp}/not/there"], "does not exist; create it"),
+])
+def test_bench_e2e_refuses_bad_values(argv, match, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert match in refused("bench_e2e", ["--preset", "tiny", *argv], capsys)
+    assert list(tmp_path.iterdir()) == []
