@@ -17,14 +17,17 @@ import time
 import traceback
 
 from tba.bench.fuzz import draw_case, reproducer, run_case
+from tba.cli import _checks as cli_checks
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=int, default=200, help="number of cases (default 200)")
+    parser.add_argument("--cases", type=cli_checks.int_at_least(1), default=200, help="number of cases (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="first seed; case i uses seed + i (default 0)")
     parser.add_argument("--time-budget-s", type=float, default=None, help="stop after this many seconds")
     args = parser.parse_args(argv)
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        parser.error(f"--time-budget-s must be > 0, got {args.time_budget_s}; leave it out for no limit")
     start, findings, done = time.monotonic(), 0, 0
     for index in range(args.cases):
         if args.time_budget_s is not None and time.monotonic() - start > args.time_budget_s:
