@@ -51,6 +51,7 @@ from tba.bench.harness import ALL_MODES, COMPILE_MODES, MODES, USAGES
 from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import run_isolated
 from tba.bench.models import PRESETS
+from tba.cli import _checks as cli_checks
 from tba.cli._report import comparison_rows, format_table, losses_match
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
@@ -58,14 +59,22 @@ from tba.errors import TbaConfigError
 logger = logging.getLogger("tba")
 
 
+def _mode_list(text: str) -> list[str]:
+    modes = [mode.strip() for mode in text.split(",")]
+    unknown = [mode for mode in modes if mode not in ALL_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(unknown)!r}; choose from {', '.join(ALL_MODES)}")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="bench",
                         help="model: bench = 8 layers, width 512, sequence 256, batch 8 (default)")
-    parser.add_argument("--modes", default=",".join(MODES),
+    parser.add_argument("--modes", type=_mode_list, default=",".join(MODES),
                         help=f"comma-separated subset of {','.join(ALL_MODES)} (tba-verify: tba with verify=True)")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (default: 5)")
-    parser.add_argument("--warmup", type=int, default=None,
+    parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=5, help="measured steps per mode (default: 5)")
+    parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=None,
                         help="unmeasured steps first (default: 0 with --measure user, 1 with controlled)")
     parser.add_argument("--usage", choices=USAGES, default="reusable",
                         help="how tba is entered: reusable = tba.Offloader(d, layers=model) entered every step "
@@ -73,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", choices=("user", "controlled"), default="user",
                         help="user = plain process, peak over every measured step, first included (default); "
                              "controlled = fixed glibc mmap threshold, median peak of the measured steps")
-    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--directory", default=None,
+                        help="spill directory, an existing one (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--compile", choices=COMPILE_MODES, default="none",
                         help="none (eager, default) or per-block: torch.compile each repeated block")
@@ -89,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         _, malloc = launch_env(args.allocator)
-    except TbaConfigError as err:
+        if args.directory is not None:
+            cli_checks.existing_directory("--directory", args.directory)
+        if args.json:
+            cli_checks.output_file("--json", args.json)
+    except (TbaConfigError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     logger.info("malloc: %s, the same for every mode", malloc)
     user = args.measure == "user"
     warmup = args.warmup if args.warmup is not None else (0 if user else 1)
-    modes = args.modes.split(",")
+    modes = list(args.modes)
     if "keep" not in modes:
         modes.insert(0, "keep")
     if "keep_io" in modes or (args.io_baseline and "tba" in modes):  # last: it takes the tba row's rates
