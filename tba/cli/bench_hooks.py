@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -102,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"storages in the --many case (default {DEFAULT_MANY_COUNT})")
     parser.add_argument("--quick", action="store_true",
                         help="tiny counts, one warm-up and one repeat (a smoke test; its figures mean nothing)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() before measuring, as a training script can once its model is built: the "
+                             "cycle collector's full collections then skip every object alive before (a tuned mode; "
+                             "compare with a run without it, docs/host-cost.md)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH as JSON")
 
 
@@ -203,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         ram_dir = None if args.ram_dir == "none" else fresh(args.ram_dir, DEFAULT_RAM_DIR)
         cases = _cases(args, None if args.no_disk else disk_dir, ram_dir)
         progress = Progress(len(cases) + (2 if args.many else 0))
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         results = []
         for case in cases:
             progress.update(f"{case.count} x {_size_text(case.size_bytes)} {case.label}")
@@ -213,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
                                 thread_cpu=args.thread_cpu)
         progress.done()
     print(f"device: {args.device}; loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
-                              else "reduced by sum() at once (only autograd holds them; tba reads each back)"))
+                              else "reduced by sum() at once (only autograd holds them; tba reads each back)")
+          + ("; gc.freeze() before measuring" if args.gc_freeze else ""))
     print(format_table(results))
     if args.thread_cpu:
         print(format_thread_cpu(results))
@@ -223,6 +232,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as out:
             json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,
                        "thread_cpu_clock": THREAD_CLOCK if args.thread_cpu else None,
-                       "warmups": args.warmups, "repeats": args.repeats}, out, indent=2)
+                       "warmups": args.warmups, "repeats": args.repeats, "gc_freeze": args.gc_freeze}, out, indent=2)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -78,3 +79,15 @@ def test_the_default_loop_reads_back_and_hold_outputs_does_not(tmp_path, capsys,
     args = _args(["--quick", "--no-keep", "--no-disk", "--ram-dir", str(tmp_path), "--hold-outputs"])
     assert bench_hooks.run(args) == 0
     assert "held until backward" in capsys.readouterr().out
+
+
+def test_gc_freeze_freezes_before_measuring_and_says_so(tmp_path, capsys):
+    out = tmp_path / "hooks.json"
+    args = _args(["--quick", "--no-keep", "--no-disk", "--ram-dir", str(tmp_path), "--gc-freeze", "--json", str(out)])
+    try:
+        assert bench_hooks.run(args) == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert "gc.freeze() before measuring" in capsys.readouterr().out
+    assert json.loads(out.read_text())["gc_freeze"] is True
