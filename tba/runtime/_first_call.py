@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from tba.errors import TbaError
 from tba.runtime._layer_state import NOT_COPIED, ModuleState
@@ -33,47 +32,38 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "versions", "changed", "requires_grad")
+    __slots__ = ("generators", "before", "versions", "requires_grad")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
         self.before: list[ModuleState] = []
         self.versions: list[tuple[str, torch.Tensor, int]] = []
-        self.changed: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        """``(name, parameter, its value after the first call)`` for each parameter that call changed in place."""
         self.requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         """``(name, parameter, requires_grad)`` when the first call ended."""
 
-    def note_parameters(self, before: list[tuple[str, torch.Tensor, int]]) -> None:
-        """After the first call: keep the values of the parameters it changed in place (``before``: name, parameter,
-        version before the call; Note [A recomputed layer that changes its own parameters])."""
-        self.changed = [(name, p, p.detach().clone()) for name, p, version in before if p._version != version]
-
-    def check_recomputed_parameters(self, layer: nn.Module) -> None:
-        """After the recomputation: raise :class:`TbaError` when it left a parameter the first call changed at
-        another value, which it then computed with; that value is put back first.
+    def check_parameters_unchanged(self, layer: nn.Module, before: list[tuple[str, torch.Tensor, int]]) -> None:
+        """After the first call: raise :class:`TbaError` when it changed one of the layer's parameters in place
+        (``before``: name, parameter and version before the call).
 
         Note: [A recomputed layer that changes its own parameters]
-        A forward may change its own weights in place before using them: a clamp, a max-norm
-        constraint that divides a weight, ``nn.Embedding(max_norm=...)``, which renormalises the rows
-        it looks up. The recomputation starts from the weights the first call left, and changes them
-        again. When the second change leaves every value as it was (a clamp), the recomputation
-        computes with the values the first call computed with, and gradients are exact; when it does
-        not (a weight divided by its norm times 1.01, or an embedding row whose renormalised norm
-        rounds to just above ``max_norm``), it computes another forward, and gradients were wrong
-        without a word. The first call copies only the parameters it changed, and the recomputation
-        compares them when it is done. The adaptive default never plans to recompute such a layer
+        A forward may change its own weights in place: a clamp or a max-norm constraint before or
+        after the weight is used, ``nn.Embedding(max_norm=...)``, which renormalises the rows it
+        looks up. The recomputation starts from the weights the first call left. Whether it then
+        computes what the first call computed depends on the change (a clamp before use repeats
+        exactly; one after use, a division by the norm times 1.01, or an embedding row whose
+        renormalised norm rounds to just above ``max_norm`` do not), and torch's early stop may end
+        the recomputation before the change is made again, so nothing after it can tell. Such a
+        layer gave wrong gradients without a word. Its first call now raises, right after the
+        forward, naming the parameter; the adaptive default never plans to recompute such a layer
         (its profiled steps see the change: ``tba/runtime/_timer.py``).
         """
-        for name, parameter, value in self.changed:
-            if not torch.equal(parameter, value):
-                with torch.no_grad(), _unsafe_preserve_version_counter(parameter):
-                    parameter.copy_(value)
+        for name, parameter, version in before:
+            if parameter._version != version:
                 raise TbaError(
-                    f"the forward of a recomputed layer ({type(layer).__name__}) changes its parameter {name!r} in "
-                    "place, and its recomputation changed it to another value than the first forward did (a max-norm "
-                    "constraint that is not idempotent, say): it would compute another forward than the one being "
-                    "differentiated; keep or offload this layer instead of recomputing it")
+                    f"the forward of a recomputed layer ({type(layer).__name__}) changed its parameter {name!r} in "
+                    f"place (version {version}, now {parameter._version}; a clamp, a max-norm constraint, "
+                    "nn.Embedding(max_norm=...)): its recomputation in backward would start from the changed "
+                    "weights and could compute another forward. Keep or offload this layer instead of recomputing it")
 
     def settle(self, layer: nn.Module, learned: Learned) -> None:
         """After the first call: learn what it changed, keep copies of that only, and record the versions to check.

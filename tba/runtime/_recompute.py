@@ -149,7 +149,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             parameters = [(name, p, p._version) for name, p in layer.named_parameters()]
             out = forward(*args, **kwargs)
             _check_inputs_unchanged(layer, inputs, first_change(private, private_state(layer)) if private else None)
-            first.note_parameters(parameters)  # Note [A recomputed layer that changes its own parameters]
+            first.check_parameters_unchanged(layer, parameters)  # Note [A recomputed layer that changes its own parameters]
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
@@ -163,8 +163,6 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             restore(after, after)
             set_states(after_generators)
             first.recomputed()
-            # Also after torch's early stop, which ends a recomputation once it has what backward needs.
-            first.check_recomputed_parameters(layer)
 
     compiled_itself = is_compiled_module(layer)
 

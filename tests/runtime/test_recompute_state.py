@@ -365,7 +365,7 @@ class Lazily(nn.Module):
 
 
 class Renormed(nn.Module):
-    """An embedding with max_norm renormalises its weight in place in every forward, the recomputation's too."""
+    """An embedding with max_norm renormalises its weight in place in every forward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -387,22 +387,15 @@ def test_state_changed_without_a_version_bump_or_from_none_is_recomputed_exactly
 
 
 @pytest.mark.parametrize("decision", RECOMPUTED)
-def test_a_parameter_the_recomputation_itself_changes_is_no_false_alarm_on_a_second_backward(spill_dir, decision):
-    def run(directory):
-        torch.manual_seed(0)
-        model = nn.Sequential(Renormed())
-        offloader = _pinned(directory, list(model), (decision,))
-        if offloader is not None:
-            offloader.__enter__()
-        loss = model(torch.randn(16, 64)).pow(2).mean()
-        if offloader is not None:
-            offloader.__exit__(None, None, None)
-        loss.backward(retain_graph=True)
-        loss.backward()
-        if offloader is not None:
-            offloader.close()
-        return [p.grad for p in model.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(run(spill_dir), run(None)))
+def test_an_embedding_that_renormalises_its_weight_raises_at_its_first_forward(spill_dir, decision):
+    """Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py: a renormalised row
+    whose norm rounds to just above max_norm is renormalised again by the recomputation, which then computes with
+    other weights; it used to pass here only because this model's rows did not round that way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Renormed())
+    with pytest.raises(TbaError, match="changed its parameter 'embedding.weight' in place"):
+        with _pinned(spill_dir, list(model), (decision,)):
+            model(torch.randn(16, 64))
 
 
 class Growing(nn.Module):
