@@ -25,6 +25,7 @@ import collections
 import functools
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -66,7 +67,10 @@ logger = logging.getLogger("tba")
 # shared only by tensors of one view family, which share one counter: the saved tensor's root (its
 # `_base` when it is a view, else itself) must be the entry's. Another family gets an entry and a
 # write of its own, each taken after its save. A `detach()` alias is a family of its own although
-# it shares its counter: its storage is written twice, which costs time, never exactness.
+# it shares its counter: its storage is written twice, which costs time, never exactness. The entry
+# holds its root through a weak reference, not by address: a root that died (its storage kept alive
+# by the program) left its address to the next tensor made, and a `.data` alias of the same storage
+# made after it was saved at the same version number shared the dead root's entry and its bytes.
 
 
 class StorageStore(StoreReads, StoreRelease, StoreLifetime):
@@ -173,16 +177,15 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         """
         storage = tensor.untyped_storage()
         base = tensor._base
-        root = (tensor if base is None else base)._cdata  # Note [One entry per version counter]
+        root = tensor if base is None else base  # Note [One entry per version counter]
         with self.lock:
             if self._lingering:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
-            fresh = (entry is None or entry.version != version or entry.root != root or entry.state is State.DEAD
+            fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
                      or entry.expired())
             if fresh:
-                entry = self._start_write(tensor, storage, layer, version, ready)
-                entry.root = root
+                entry = self._start_write(tensor, storage, layer, version, ready, weakref.ref(root))
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1
@@ -190,7 +193,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         return entry, fresh
 
     def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None,
-                     version: int, ready: Any) -> StorageEntry:
+                     version: int, ready: Any, root: weakref.ref) -> StorageEntry:
         device = tensor.device
         route = self.routes.for_device(device)
         data = storage_bytes(storage)
@@ -204,6 +207,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             address=address,
             version=version,
             data=data,
+            root=root,
             device=device,
             route=route,
             # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in

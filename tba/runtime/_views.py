@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -141,8 +142,8 @@ class StorageEntry:
     cycle collector, whose full collections a step's thousands of long-lived objects trigger
     (docs/host-cost.md)."""
     data: torch.Tensor | None
-    root: int = 0
-    """The address of the saved tensor's root (its ``_base``, else itself): only tensors of that view family,
+    root: Callable[[], torch.Tensor | None] = lambda: None
+    """A weak reference to the saved tensor's root (its ``_base``, else itself): only tensors of that view family,
     which share one version counter, share this entry (Note [One entry per version counter] in
     ``tba/runtime/_store.py``)."""
     state: State = State.WRITING

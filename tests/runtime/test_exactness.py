@@ -164,3 +164,27 @@ def test_lstm_cell(spill_dir, backend):
         return h.square().sum()
 
     assert_exact(cell, forward, spill_dir, backend, flush=False)
+
+
+def test_a_dead_roots_address_taken_by_another_family_is_not_its_entry(spill_dir, backend):
+    """Note [One entry per version counter]: ``a`` (a ``.data`` alias, a counter of its own) is saved, written and
+    dropped; ``b``, a new alias of the same storage, often gets ``a``'s freed address and is saved at the same
+    version number. Matched by address, ``b`` shared ``a``'s entry and its bytes."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(10))
+    want_first, want_second = 2 * x, 2 * x + 1
+    w1, w2 = torch.ones(4096, requires_grad=True), torch.ones(4096, requires_grad=True)
+    offloader = tba.offload_activations(spill_dir, backend=backend, min_offload_bytes=0, policy="offload")
+    with offloader:
+        first = x.data
+        first.mul_(2)
+        out1 = first * w1
+        offloader.flush()
+        del first
+        second = x.data
+        second.add_(1)
+        out2 = second * w2
+        del second
+        offloader.flush()
+    del x
+    (out1 + out2).sum().backward()
+    assert torch.equal(w1.grad, want_first) and torch.equal(w2.grad, want_second)
