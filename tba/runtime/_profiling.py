@@ -162,8 +162,9 @@ class Samples:
         self.by_shape.setdefault(pending.pop("shape"), []).append(pending)
 
     def profile(self, shape: tuple | None, layer_count: int, prefetch_depth_layers: int,
-                max_window_bytes: int) -> Profile:
-        """The profile of ``shape`` from its samples (see the module docstring)."""
+                max_window_bytes: int, wrappable: list[bool] | None = None) -> Profile:
+        """The profile of ``shape`` from its samples (see the module docstring); ``wrappable[i]`` False marks
+        layer ``i`` not recomputable whatever it did (a ``torch.compile(block)`` wrapper)."""
         samples = self.by_shape[shape]
         cpu = all(s.get("cpu_times") for s in samples)
         forward_key, backward_key = ("forward_cpu_s", "backward_cpu_s") if cpu else ("forward_s", "backward_s")
@@ -177,7 +178,8 @@ class Samples:
                 input_bytes=samples[-1]["input_bytes"][i],
                 backward_s=min(backward) if backward else None,
                 backward_measured=bool(backward),
-                recomputable=not any(s.get("changes_input", [False] * layer_count)[i] for s in samples),
+                recomputable=(wrappable is None or wrappable[i])
+                and not any(s.get("changes_input", [False] * layer_count)[i] for s in samples),
             ))
         written, write_s = sum(s["written"] for s in samples), sum(s["write_s"] for s in samples)
         read, read_s = sum(s["read"] for s in samples), sum(s["read_s"] for s in samples)

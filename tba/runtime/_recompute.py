@@ -116,6 +116,11 @@ class RecomputeLayers:
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) is recomputed by another tba context that is active: "
                     "offload contexts over the same layers do not nest; enter one context around the whole forward")
+            if isinstance(layer, torch._dynamo.eval_frame.OptimizedModule):
+                raise TbaConfigError(
+                    f"layer {index} ({type(layer).__name__}) is a torch.compile wrapper, which the plan would "
+                    "recompute: tba wraps a layer's forward for recomputation and cannot wrap a compiled one; compile "
+                    "the block in place (block.compile(), whose recomputation tba wraps), or keep or offload that layer")
             if "forward" in vars(layer):
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) has a forward set on the instance, which the plan "
@@ -136,6 +141,12 @@ class RecomputeLayers:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def can_recompute(layer: nn.Module) -> bool:
+    """Whether :class:`RecomputeLayers` can wrap ``layer``: not when its forward is set on the instance (a
+    ``torch.compile(block)`` wrapper, a patched forward); the adaptive planner never recomputes such a layer."""
+    return "forward" not in vars(layer)
 
 
 def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:

@@ -55,7 +55,7 @@ from tba.errors import TbaConfigError, TbaError
 from tba.policy import Adaptive, Placement, Plan, Policy, Profile
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters, signature
-from tba.runtime._recompute import RecomputeLayers
+from tba.runtime._recompute import RecomputeLayers, can_recompute
 
 logger = logging.getLogger("tba")
 
@@ -181,7 +181,7 @@ class PolicyRunner:
         learned = self.layers if self.learns else None
         if self.profiling and self._samples.count(self._shape) >= self.profile_steps:
             self.profile = self._samples.profile(self._shape, len(self._layer_refs), self._prefetch_depth_layers,
-                                                 self._max_window_bytes)
+                                                 self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
             self._plans[self._shape] = self.policy.plan(self.profile)
             logger.info("tba: %s", self._plans[self._shape])
         self._reapply = reapply
