@@ -29,7 +29,7 @@ class KeepReason(str, enum.Enum):
     NOT_STRIDED = "not a plain strided tensor"
     """Sparse, nested, quantized or meta."""
     NO_STORAGE = "no storage of its own"
-    """Its storage cannot be read: ``torch.vmap``'s batched tensors, forward-mode AD's dual tensors."""
+    """Its storage cannot be read: ``torch.vmap``'s batched tensors, some of forward-mode AD's."""
     LAZY_VIEW = "lazy conjugate or negative view"
     """``is_conj()`` or ``is_neg()``: rebuilding would lose the lazy bit."""
     UNSUPPORTED_DEVICE = "device not supported"

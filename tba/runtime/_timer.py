@@ -54,7 +54,7 @@ def tensor_bytes(values: Sequence[Any]) -> int:
         if isinstance(value, torch.Tensor):
             try:
                 storage = value.untyped_storage()
-            except NotImplementedError:  # a batched tensor of torch.vmap: its logical size
+            except (NotImplementedError, RuntimeError):  # a batched tensor of torch.vmap: its logical size
                 seen[id(value)] = value.numel() * value.element_size()
                 continue
             seen[storage._cdata] = storage.nbytes()
