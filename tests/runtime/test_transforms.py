@@ -21,9 +21,22 @@ PLANS = {
 }
 
 
+class Block(nn.Module):
+    """``tanh(h @ w + b)`` written out: DeepSpeed's ZeRO-3 tests in the same process replace ``F.linear`` with an
+    autograd Function that has no forward-mode derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+        self.bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.weight + self.bias)
+
+
 def blocks() -> nn.ModuleList:
     torch.manual_seed(0)
-    return nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+    return nn.ModuleList(Block() for _ in range(3))
 
 
 def grads_of(model: nn.ModuleList, loss_of, spill_dir=None, steps: int = 4, **options) -> list[list[torch.Tensor]]:
