@@ -1,4 +1,4 @@
-"""What the first call of a recomputed layer's forward leaves for its recomputation, and the checks before and after it.
+"""What the first call of a recomputed layer's forward leaves for its recomputation, and the checks in between.
 
 :class:`FirstCall` holds the generators' states and the state the call started from (Note [Side effects
 of a recomputed forward] in ``tba/runtime/_layer_state.py``), and checks that nothing the recomputation
@@ -124,6 +124,6 @@ class FirstCall:
                     "loss.backward()), or keep or offload this layer instead of recomputing it")
 
     def recomputed(self) -> None:
-        """After a recomputation: what it bumped itself (an embedding's ``max_norm`` renormalises its weight in every
-        forward) is not a change made outside, which only a later recomputation (``retain_graph``) would check."""
+        """After a recomputation: what it bumped itself (a buffer it updates and tba puts back, keeping the bumped
+        version) is not a change made outside, which only a later recomputation (``retain_graph``) would check."""
         self.versions = [(what, tensor, tensor._version) for what, tensor, _ in self.versions]
