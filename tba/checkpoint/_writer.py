@@ -220,17 +220,19 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             # DCP builds a writer per save and never closes it (dcp.save(sd, storage_writer=W(p))),
             # so an engine kept by the writer leaked a ring descriptor and a thread per save. The
             # engine lives exactly as long as one save's writes; an Engine passed in is the caller's.
-            engine = self._backend if isinstance(self._backend, Engine) else make_engine(
-                self._backend, queue_depth=self._queue_depth)
+            # The file first: a full disk fails it before any engine (its ring and thread) exists to leak.
             fd, _ = create_preallocated(path, align_up(file_bytes))
+            engine = None
             try:
+                engine = self._backend if isinstance(self._backend, Engine) else make_engine(
+                    self._backend, queue_depth=self._queue_depth)
                 _layout.write_image(engine, fd, image, entries, file_bytes,
                                     chunk_bytes=self.chunk_bytes, on_snapshot=snapshot_done)
                 os.ftruncate(fd, file_bytes)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-                if engine is not self._backend:
+                if engine is not None and engine is not self._backend:
                     engine.close()
             self.last_write_s = time.perf_counter() - start
             self.last_write_bytes = file_bytes

@@ -119,3 +119,24 @@ def test_a_failing_write_removes_its_staging_directory(tmp_path, monkeypatch):
         handle.wait()
     assert os.listdir(tmp_path) == ["ckpt"]
     assert_state_equal(load_state(path, first, TbaStorageReader(path)), first)
+
+
+def test_saves_a_full_disk_fails_leave_no_engine_behind(tiny_disk):
+    """The checkpoint file is reserved before the engine is made: each save the full disk failed left a ring
+    descriptor and a completion thread (helper-36)."""
+    import threading
+
+    def engine_threads() -> int:
+        return sum(thread.name.startswith("tba-io") for thread in threading.enumerate())
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    path = os.path.join(tiny_disk, "ckpt")
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.save({"a": torch.ones(4)}, path).wait()
+        threads, fds = engine_threads(), descriptors()
+        for _ in range(3):
+            with pytest.raises(TbaCheckpointError, match="No space left"):
+                checkpointer.save({"a": torch.ones(8 * MIB)}, path).wait()
+        assert engine_threads() == threads and descriptors() == fds
