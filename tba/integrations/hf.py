@@ -38,7 +38,8 @@ class TbaTrainerMixin:
     Args:
         tba_options: Keyword arguments for :class:`tba.Offloader` (``directory``, ``backend``,
             any :class:`tba.OffloadConfig` field); ``{}`` uses the defaults, None (default) turns
-            tba off. ``layers`` defaults to the model.
+            tba off. ``layers`` defaults to the model, and ``policy`` to ``"offload"``, as in every
+            integration (docs/policies.md); ``"adaptive"`` plans per block after profiling.
         *args, **kwargs: As for the Trainer.
 
     Attributes:
@@ -56,7 +57,7 @@ class TbaTrainerMixin:
         stack = super().compute_loss_context_manager()
         if self.tba_options is not None and torch.is_grad_enabled() and self.model.training:
             if self.offloader is None:
-                self.offloader = Offloader(**{"layers": self.model, **self.tba_options})
+                self.offloader = Offloader(**{"layers": self.model, "policy": "offload", **self.tba_options})
             stack.enter_context(self.offloader)
         return stack
 

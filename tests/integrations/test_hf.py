@@ -110,8 +110,13 @@ def test_trainer_example_matches_training_without_tba(spill_dir, tmp_path):
     assert runs[False][1].tba_stats is None
 
 
-def test_trainer_from_the_library_closes_its_offloader(spill_dir, tmp_path, open_fds):
+def test_trainer_from_the_library_closes_its_offloader(spill_dir, tmp_path, open_fds, monkeypatch):
+    from tba.integrations import hf
     from tba.integrations.hf import TbaTrainer, TbaTrainerMixin
+
+    built: list[dict] = []
+    real = hf.Offloader
+    monkeypatch.setattr(hf, "Offloader", lambda **options: built.append(options) or real(**options))
 
     assert issubclass(TbaTrainer, TbaTrainerMixin) and issubclass(TbaTrainer, transformers.Trainer)
     example = load_example()
@@ -124,6 +129,9 @@ def test_trainer_from_the_library_closes_its_offloader(spill_dir, tmp_path, open
     trainer = TbaTrainer(model=model, args=training_args, train_dataset=data, eval_dataset=data,
                          tba_options={"directory": spill_dir, "backend": "threads"})
     trainer.train()
+    # Every step offloads, as docs/policies.md says of every integration (the adaptive default, which the mixin
+    # used to get, may keep every block of a small model after its profiled steps: helper-37).
+    assert [options["policy"] for options in built] == ["offload"]
     assert trainer.offloader is None and trainer.tba_stats.bytes_written > 0
     assert trainer.tba_stats.bytes_read > 0
     written = trainer.tba_stats.bytes_written
