@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from tba import _sched
 from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, TbaCheckpointError, TbaConfigError
+from tba.checkpoint._publish import begin_save, end_save
 from tba.checkpoint._writer import ImagePool, TbaStorageWriter
 
 logger = logging.getLogger("tba")
@@ -123,6 +124,7 @@ class LazyCheckpoint:
         self.total_s = time.perf_counter() - self._start
         self._mark_snapshot()
         self._done.set()
+        end_save(self.path, self._done)
         if self._on_done is not None:
             try:
                 with _sched.ordinary():  # what the user's callback starts must not inherit SCHED_BATCH
@@ -227,6 +229,7 @@ class LazyCheckpointer:
                 logger.info("tba: checkpoint %s waits for %s to finish", path, previous.path)
                 previous._done.wait()
             handle = LazyCheckpoint(path, on_done)
+            begin_save(path, handle._done)  # Note [A load waits for the saves to its path]
             self._writer.reset(path)
             self._writer.prepare_local_plan(None)
             self._writer.on_snapshot = handle._mark_snapshot

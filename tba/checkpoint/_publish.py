@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 
 from tba.checkpoint._io import TbaCheckpointError
 
@@ -117,3 +118,40 @@ def swap_into_place(staging: str, target: str) -> str | None:
         os.rename(staging, target)
     fsync_path(parent)
     return aside
+
+
+# Note: [A load waits for the saves to its path]
+# A lazy save returns before its checkpoint is published; a load of the same path in the same
+# process meanwhile read the checkpoint before it, with no word (helper-36). Each lazy save is
+# registered here under its path until it has published or failed, and a reader of that path
+# waits for it first. Saves of other processes publish atomically (swap_into_place): a reader
+# gets the old checkpoint or the new one, whole.
+_saves_lock = threading.Lock()
+_saves: dict[str, list[threading.Event]] = {}
+
+
+def begin_save(path: str, done: threading.Event) -> None:
+    """Register a lazy save to ``path`` (absolute) that sets ``done`` once published or failed."""
+    with _saves_lock:
+        _saves.setdefault(path, []).append(done)
+
+
+def end_save(path: str, done: threading.Event) -> None:
+    """The save registered with ``done`` has ended."""
+    with _saves_lock:
+        pending = _saves.get(path, [])
+        if done in pending:
+            pending.remove(done)
+        if not pending:
+            _saves.pop(path, None)
+
+
+def wait_for_saves(path: str) -> None:
+    """Wait until every lazy save of this process to ``path`` has ended (Note [A load waits for the saves to its
+    path])."""
+    with _saves_lock:
+        pending = list(_saves.get(os.path.abspath(path), []))
+    if pending:
+        logger.info("tba: reading %s waits for the lazy save to it to finish", path)
+    for done in pending:
+        done.wait()

@@ -36,7 +36,7 @@ from tba.checkpoint._io import (
     host_buffer,
     make_engine,
 )
-from tba.checkpoint._publish import METADATA_NAME
+from tba.checkpoint._publish import METADATA_NAME, wait_for_saves
 
 DEFAULT_BATCH_BYTES = 256 << 20
 """Most bytes read into memory before they are handed to the planner (bytes)."""
@@ -85,6 +85,7 @@ class TbaStorageReader(StorageReader):
         return "://" not in str(checkpoint_id) and os.path.isdir(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        wait_for_saves(self.path)  # Note [A load waits for the saves to its path]
         metadata_path = os.path.join(self.path, METADATA_NAME)
         try:
             with open(metadata_path, "rb") as stream:

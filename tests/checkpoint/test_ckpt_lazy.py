@@ -98,3 +98,33 @@ def test_modules_and_optimizers_are_taken_as_state_dicts(tmp_path):
     handle = save_lazy({"model": model, "optim": optimizer}, tmp_path / "c")
     handle.wait()
     assert_state_equal(load_state(handle.path, expected, TbaStorageReader(handle.path)), expected)
+
+
+def test_a_load_waits_for_a_lazy_save_to_its_path(tmp_path, monkeypatch):
+    """Note [A load waits for the saves to its path]: it read the checkpoint before the save, silently (helper-36).
+    The save's writes are slowed down, so that the load starts while it runs."""
+    import time
+
+    import tba.checkpoint as tc
+    from tba.checkpoint import _layout
+
+    write_image = _layout.write_image
+
+    def slow_write_image(*args, **kwargs):
+        time.sleep(0.5)
+        return write_image(*args, **kwargs)
+
+    monkeypatch.setattr(_layout, "write_image", slow_write_image)
+    path = str(tmp_path / "latest")
+    model = torch.nn.Linear(2048, 2048)
+    with tc.LazyCheckpointer() as checkpointer:
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        checkpointer.save(tc.state_dict(model), path).wait()
+        with torch.no_grad():
+            model.weight.fill_(2.0)
+        handle = checkpointer.save(tc.state_dict(model), path)
+        fresh = torch.nn.Linear(2048, 2048)
+        tc.load(path, fresh)
+        assert handle.done()
+    assert torch.equal(fresh.weight, model.weight)
