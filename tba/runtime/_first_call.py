@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from tba.errors import TbaError
-from tba.runtime._layer_state import NOT_COPIED, ModuleState
+from tba.runtime._generators import generator_states
+from tba.runtime._layer_state import NOT_COPIED, ModuleState, snapshot
 from tba.runtime._learned import Learned
 
 
@@ -32,18 +33,25 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "versions", "requires_grad")
+    __slots__ = ("generators", "before", "parameters_before", "versions", "requires_grad")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
         self.before: list[ModuleState] = []
+        self.parameters_before: list[tuple[str, torch.Tensor, int]] = []
+        """``(name, parameter, version)`` when the first call began."""
         self.versions: list[tuple[str, torch.Tensor, int]] = []
         self.requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         """``(name, parameter, requires_grad)`` when the first call ended."""
 
-    def check_parameters_unchanged(self, layer: nn.Module, before: list[tuple[str, torch.Tensor, int]]) -> None:
-        """After the first call: raise :class:`TbaError` when it changed one of the layer's parameters in place
-        (``before``: name, parameter and version before the call).
+    def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:
+        """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""
+        self.generators = generator_states(layer, args, kwargs)
+        self.before = snapshot(layer, learned)
+        self.parameters_before = [(name, p, p._version) for name, p in layer.named_parameters()]
+
+    def _check_parameters_kept(self, layer: nn.Module) -> None:
+        """After the first call: raise :class:`TbaError` when it changed one of the layer's parameters in place.
 
         Note: [A recomputed layer that changes its own parameters]
         A forward may change its own weights in place: a clamp or a max-norm constraint before or
@@ -57,7 +65,7 @@ class FirstCall:
         forward, naming the parameter; the adaptive default never plans to recompute such a layer
         (its profiled steps see the change: ``tba/runtime/_timer.py``).
         """
-        for name, parameter, version in before:
+        for name, parameter, version in self.parameters_before:
             if parameter._version != version:
                 raise TbaError(
                     f"the forward of a recomputed layer ({type(layer).__name__}) changed its parameter {name!r} in "
@@ -69,8 +77,10 @@ class FirstCall:
         """After the first call: learn what it changed, keep copies of that only, and record the versions to check.
 
         Raises:
-            TbaError: the call added or removed submodules, or changed a state tensor earlier forwards left alone.
+            TbaError: the call changed one of the layer's parameters in place, added or removed submodules, or
+                changed a state tensor earlier forwards left alone.
         """
+        self._check_parameters_kept(layer)  # Note [A recomputed layer that changes its own parameters]
         if [id(m) for m in layer.modules()] != [id(state.module) for state in self.before]:
             raise TbaError(f"the forward of a recomputed layer ({type(layer).__name__}) added or removed submodules: "
                            "its recomputation would run another model; keep or offload this layer, or run one forward "

@@ -72,7 +72,7 @@ from tba.runtime._call_args import take_apart
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
-from tba.runtime._generators import generator_states, set_states, states_now
+from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
@@ -154,13 +154,10 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         calls[0] += 1
         learned = learned_for(layer)
         if calls[0] == 1:
-            first.generators = generator_states(layer, args, kwargs)
-            first.before = snapshot(layer, learned)
+            first.start(layer, args, kwargs, learned)
             inputs, private = call_tensor_versions(args, kwargs), private_state(layer)
-            parameters = [(name, p, p._version) for name, p in layer.named_parameters()]
             out = forward(*args, **kwargs)
             _check_inputs_unchanged(layer, inputs, first_change(private, private_state(layer)) if private else None)
-            first.check_parameters_unchanged(layer, parameters)  # Note [A recomputed layer that changes its own parameters]
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
