@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 from tba._control_loop import STOP, WAKE, CallFinalizer, Control, Finalizer, run_queued
 from tba._outcome import Outcome
+from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_JOBS
 
 _control = Control()
 F = TypeVar("F", bound=Finalizer)
@@ -131,6 +132,28 @@ def wake() -> None:
         control.wake_pending = True
         control.ensure_started()
         control.jobs.put(WAKE)
+
+
+class Waker:
+    """Wakes the control thread once enough deferred work has piled up (Note [Deferred jobs]).
+
+    Few wake-ups keep the GIL with the training thread; waking after ``jobs`` deferred jobs or
+    ``nbytes`` of storages bounds the bytes whose write (or whose window move) waits meanwhile.
+    """
+
+    __slots__ = ("jobs", "nbytes", "_bytes")
+
+    def __init__(self, jobs: int = DEFER_WAKE_JOBS, nbytes: int = DEFER_WAKE_BYTES) -> None:
+        self.jobs = jobs
+        self.nbytes = nbytes
+        self._bytes = 0
+
+    def note(self, deferred: int, nbytes: int) -> None:
+        """``deferred`` jobs wait now, the last one about ``nbytes`` of storage."""
+        self._bytes += nbytes
+        if deferred >= self.jobs or self._bytes >= self.nbytes:
+            self._bytes = 0
+            wake()
 
 
 def after_batch(callback: Callable[[], None]) -> None:

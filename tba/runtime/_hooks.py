@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tba import _control, defaults
+from tba import _control
 from tba._trace import nvtx_range
 from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
 from tba.errors import EngineClosedError, TbaError
-from tba.runtime._keep import KeepReason, in_keep_region
+from tba.runtime._keep import KeepReason, in_keep_region, kept_after_block, warn_subclass_kept
 from tba.runtime._trim import note_host_offload
 from tba.runtime._views import Kept, SavedView, StorageEntry
 
@@ -71,7 +71,7 @@ class SavedTensorHooks:
     keep_layers: set[int | None]
     layer_saved_bytes: dict[int | None, int]
 
-    _waker: Waker
+    _waker: _control.Waker
 
     def close(self) -> None:
         """Overridden by :class:`tba.Offloader`."""
@@ -87,7 +87,7 @@ class SavedTensorHooks:
         if type(tensor) is not torch.Tensor:
             if isinstance(tensor, nn.Parameter):
                 return KeepReason.PARAMETER
-            _warn_subclass_kept(type(tensor))
+            warn_subclass_kept(type(tensor))
             return KeepReason.TENSOR_SUBCLASS
         if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
             return KeepReason.NOT_STRIDED
@@ -122,7 +122,7 @@ class SavedTensorHooks:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not _Phase.ACTIVE:
             if self._claim is None and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
-                return self._orphaned(tensor)
+                return kept_after_block(tensor)
             raise TbaError(self._not_active_message())
         if self._forked_mid_block:
             raise TbaError("this with block of tba was entered before os.fork(): its spill file belongs to the "
@@ -213,25 +213,6 @@ class SavedTensorHooks:
         view.keep(tensor)
         logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error)
 
-    def _orphaned(self, tensor: torch.Tensor) -> Kept:
-        """The pack of hooks left installed after their block ended: the tensor stays in memory.
-
-        Note: [Hooks left installed after their block]
-        The offloader's exit pops the pair on top of the thread's stack. When a context inside the
-        block had its own Python exit skipped by a signal handler's exception (torch's checkpoint,
-        in a recomputed layer), its pair was the one on top, and the offloader's stays installed
-        (``tba/_whole_exit.py`` says why the exit cannot pop both). Every tensor saved on this thread
-        afterwards comes here: it is kept as without tba, with one warning, instead of raising
-        at every later forward.
-        """
-        global _WARNED_ORPHANED
-        if not _WARNED_ORPHANED:
-            _WARNED_ORPHANED = True
-            logger.warning("tba: the saved-tensor hooks of an offloader whose with block has ended are still installed "
-                           "on this thread (an exception skipped the exit of a context inside that block, such as "
-                           "torch.utils.checkpoint's); tensors saved outside tba stay in memory, as without tba")
-        return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version)
-
     def _not_active_message(self) -> str:
         if self._phase is _Phase.CLOSED:
             return ("Offloader.pack: the offloader was closed inside its with block; call close() only "
@@ -310,37 +291,3 @@ class _ViewDied(_control.Finalizer):
 
     def fire(self) -> None:
         self.owner.drop_view(self.entry, self.view_id)
-
-
-class Waker:
-    """Wakes the control thread once enough deferred work has piled up (Note [Deferred jobs]).
-
-    Few wake-ups keep the GIL with the training thread; waking after ``jobs`` deferred jobs or
-    ``nbytes`` of storages bounds the bytes whose write (or whose window move) waits meanwhile.
-    """
-
-    __slots__ = ("jobs", "nbytes", "_bytes")
-
-    def __init__(self, jobs: int = defaults.DEFER_WAKE_JOBS, nbytes: int = defaults.DEFER_WAKE_BYTES) -> None:
-        self.jobs = jobs
-        self.nbytes = nbytes
-        self._bytes = 0
-
-    def note(self, deferred: int, nbytes: int) -> None:
-        """``deferred`` jobs wait now, the last one about ``nbytes`` of storage."""
-        self._bytes += nbytes
-        if deferred >= self.jobs or self._bytes >= self.nbytes:
-            self._bytes = 0
-            _control.wake()
-
-
-_WARNED_SUBCLASSES: set[type] = set()
-_WARNED_ORPHANED = False
-
-
-def _warn_subclass_kept(kind: type) -> None:
-    """Say once per tensor subclass (Float8Tensor, DTensor, ...) that its saved tensors stay in memory."""
-    if kind not in _WARNED_SUBCLASSES:
-        _WARNED_SUBCLASSES.add(kind)
-        logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
-                       "tba writes plain tensors only", kind.__module__, kind.__qualname__)

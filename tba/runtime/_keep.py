@@ -6,15 +6,22 @@ add reasons of their own by overriding ``Offloader.keep_reason``, never the hook
 
 :func:`keep_in_memory` opts a region out of offloading, as torchtune's ``NoOpManager`` does: inside
 it, every tensor autograd saves stays in memory, whatever the offloader's plan. It is per thread
-and nests.
+and nests. :func:`kept_after_block` keeps what hooks left installed after their block still see.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import threading
 from collections.abc import Iterator
+
+import torch
+
+from tba.runtime._views import Kept
+
+logger = logging.getLogger("tba")
 
 
 class KeepReason(str, enum.Enum):
@@ -80,3 +87,37 @@ def keep_in_memory() -> Iterator[None]:
 def in_keep_region() -> bool:
     """True inside :func:`keep_in_memory` on this thread."""
     return getattr(_region, "depth", 0) > 0
+
+
+_WARNED_SUBCLASSES: set[type] = set()
+
+
+def warn_subclass_kept(kind: type) -> None:
+    """Say once per tensor subclass (Float8Tensor, DTensor, ...) that its saved tensors stay in memory."""
+    if kind not in _WARNED_SUBCLASSES:
+        _WARNED_SUBCLASSES.add(kind)
+        logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
+                       "tba writes plain tensors only", kind.__module__, kind.__qualname__)
+
+
+_warned_orphaned = False
+
+
+def kept_after_block(tensor: torch.Tensor) -> Kept:
+    """The pack of hooks left installed after their block ended: the tensor stays in memory.
+
+    Note: [Hooks left installed after their block]
+    The offloader's exit pops the pair on top of the thread's stack. When a context inside the
+    block had its own Python exit skipped by a signal handler's exception (torch's checkpoint,
+    in a recomputed layer), its pair was the one on top, and the offloader's stays installed
+    (``tba/_whole_exit.py`` says why the exit cannot pop both). Every tensor saved on this thread
+    afterwards comes here: it is kept as without tba, with one warning, instead of raising
+    at every later forward.
+    """
+    global _warned_orphaned
+    if not _warned_orphaned:
+        _warned_orphaned = True
+        logger.warning("tba: the saved-tensor hooks of an offloader whose with block has ended are still installed "
+                       "on this thread (an exception skipped the exit of a context inside that block, such as "
+                       "torch.utils.checkpoint's); tensors saved outside tba stay in memory, as without tba")
+    return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version)

@@ -52,7 +52,7 @@ from tba.io import Engine, load_crc32c, resolve_backend
 from tba.runtime import _shared
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
-from tba.runtime._hooks import SavedTensorHooks, Waker, _Phase
+from tba.runtime._hooks import SavedTensorHooks, _Phase
 from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._runner import StepPlacement, shared_runner
@@ -144,7 +144,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._waker = Waker()
+        self._waker = _control.Waker()
         self._phase = _Phase.IDLE
         self._claim: object | None = None
         self._runner_claim: object | None = None
