@@ -14,12 +14,20 @@ offloader is the runtime's (``tba/runtime/_runner.py``, ``tba/runtime/_timer.py`
 
 from tba.policy._adaptive import Adaptive, plan
 from tba.policy._model import Estimate, estimate
-from tba.policy._placement import DECISIONS, KEEP, OFFLOAD, OFFLOADED_RECOMPUTE, RECOMPUTE, Placement
+from tba.policy._placement import (
+    DECISIONS,
+    KEEP,
+    OFFLOAD,
+    OFFLOADED_RECOMPUTE,
+    RECOMPUTE,
+    Placement,
+    holds_layers_through_forward,
+)
 from tba.policy._plan import KeepAll, OffloadAll, OffloadedRecomputeAll, Plan, Policy, RecomputeAll, min_window_bytes, shapes
 from tba.policy._profile import LayerProfile, Profile
 
 __all__ = [
     "DECISIONS", "KEEP", "OFFLOAD", "OFFLOADED_RECOMPUTE", "RECOMPUTE", "Adaptive", "Estimate", "KeepAll",
     "LayerProfile", "OffloadAll", "OffloadedRecomputeAll", "Placement", "Plan", "Policy", "Profile", "RecomputeAll",
-    "estimate", "min_window_bytes", "plan", "shapes",
+    "estimate", "holds_layers_through_forward", "min_window_bytes", "plan", "shapes",
 ]

@@ -25,11 +25,12 @@ recomputed, ``R`` or ``S``). Reads form one FIFO queue at ``R``. ``O`` and ``S``
 their ``o_i`` bytes (below, "offloaded" means either and ``s`` their ``o``). An offloaded layer's
 read is issued
 
-* at the start of backward when it is within ``D`` layers of the topmost offloaded layer (tba
-  prefetches the last layers when forward ends);
-* while backward runs through offloaded layer ``i`` for layers ``i-1 .. i-D``: at the start of
-  layer ``i`` if the window holds both layers (``P >= s_i + s_{i-1}``), otherwise at
-  ``start_i + d_i (1 - P / (s_i + s_{i-1}))`` (a smaller window reads later);
+* at the start of backward when it is within ``D`` layers of the top layer (tba prefetches the
+  last layers when forward ends);
+* while backward runs through layer ``i`` (of any placement: Note [Backward through kept layers]
+  in ``tba/runtime/_prefetch.py``) for layers ``i-1 .. i-D``: at the start of layer ``i`` if the
+  window holds both layers (``P >= s_i + s_{i-1}``, with ``s_i = 0`` unless ``i`` is offloaded),
+  otherwise at ``start_i + d_i (1 - P / (s_i + s_{i-1}))`` (a smaller window reads later);
 * otherwise when backward reaches it (on demand).
 
 Reads stream within a layer, so offloaded layer ``i`` ends at ``max(start_i + d_i + e_i, read_end_i)``,
@@ -47,40 +48,7 @@ the measured rest of the step (head, loss, optimiser, the loop), the same for ev
 keep-all gives ``sum f + sum b + u``. Overheads are ratios of these whole-step times: the layers'
 time alone would make offloading look dearer than a user's step shows it to be.
 
-Memory (activation bytes; storages saved outside the layers are left out, they are the same for
-every plan). The peak is the larger of the start of backward::
-
-    A = sum_{K} s_j + sum_{R} x_j + backlog + max_{O} w_i
-
-(a reusable offloader keeps the read buffers of one backward for the next, up to the window, so
-the largest offloaded working set ``w_i`` below is held through forward too)
-
-and, during backward through layer ``i``, what layers below it still hold plus its working set::
-
-    B_i = sum_{K, j<i} s_j + sum_{R, j<i} x_j + w_i
-    w_i = s_i (K),  s_i + x_i (R: internals rebuilt, input held),
-          v_i = min(max(P, m), o_i + o_{i-1} [i-1 offloaded]) (O: the prefetch window),
-          s_i + v_i (S: internals rebuilt, input read back through the window)
-
-Note: [A recomputed top layer rebuilds on top of forward's leftovers]
-Backward starts with the top layer. When that layer is recomputed, its internals ``s_{L-1}`` are
-rebuilt while everything counted in ``A`` (kept layers, recomputed layers' inputs, and the write
-backlog, which has had no time to drain) is still in memory, and so are the reads that backward's
-start issued for the topmost spilled layers (up to the window): the peak is at least
-``A - max_O w_i + s_{L-1} + early reads``. Without the first part the model put the plan ``OOR``
-of the tiny ROK test model (3 layers of about 10 MiB, keep-all 32 MiB) at 24-27 MiB where it
-measured up to 32.5 MiB: its two offloaded layers were still unwritten when layer 2 was rebuilt,
-and the 90% budget's contract failed about one run in four. Without the early reads, ``ORR`` was
-predicted at 26.3 MiB for a 28.8 MiB budget and measured 31.0 MiB in a CI run: layer 0's 8 MiB
-window was read back while layer 2 was rebuilt.
-
-An ``R`` layer's input stays in memory from its forward to its backward (as under plain
-checkpoint); an ``S`` layer's goes to the spill file, so between forward and backward the layer
-holds nothing beyond the write backlog and the window. ``S`` costs the recomputation plus reading
-``x_i``, which is hidden behind the backward of the layers above it like an offloaded layer's read.
-The profile's ``memory_slack_bytes`` (measured peak minus this model's prediction for the
-profiled steps: compute's transient buffers, gradients, allocator slack) is added to every
-prediction.
+Memory: ``tba/policy/_memory.py``, whose activation peak :func:`estimate` returns with the time.
 """
 
 from __future__ import annotations
@@ -88,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from tba.policy._memory import activation_peak, read_at_start
 from tba.policy._placement import (
     DECISIONS,
     KEEP,
@@ -153,20 +122,18 @@ def _backward(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -
     layers = profile.layers
     depth = profile.prefetch_depth_layers
     spill = [spilled_bytes(layer, d) for layer, d in zip(layers, decisions)]
-    issue: dict[int, float] = dict.fromkeys(_read_at_start(decisions, depth), 0.0)
+    issue: dict[int, float] = dict.fromkeys(read_at_start(decisions, depth), 0.0)
     read_free = 0.0
     read_end: dict[int, float] = {}
     now = 0.0
     for i in range(len(layers) - 1, -1, -1):
         layer, decision = layers[i], decisions[i]
         duration = layer.backward_s + (layer.forward_s if decision in RECOMPUTED else 0.0)
-        if decision not in SPILLED:
-            now += duration
-            continue
-        issue.setdefault(i, now)
-        if i not in read_end:
-            read_free = max(read_free, issue[i]) + spill[i] / profile.read_bytes_per_s
-            read_end[i] = read_free
+        if decision in SPILLED:
+            issue.setdefault(i, now)
+            if i not in read_end:
+                read_free = max(read_free, issue[i]) + spill[i] / profile.read_bytes_per_s
+                read_end[i] = read_free
         for j in range(i - 1, max(i - depth, 0) - 1, -1):
             if decisions[j] not in SPILLED or j in issue:
                 continue
@@ -175,68 +142,14 @@ def _backward(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -
             issue[j] = now + delay
             read_free = max(read_free, issue[j]) + spill[j] / profile.read_bytes_per_s
             read_end[j] = read_free
+        if decision not in SPILLED:
+            now += duration
+            continue
         exposed = 0.0
         if spill[i] > window_bytes:
             exposed = (spill[i] - window_bytes) / profile.read_bytes_per_s / 2
         now = max(now + duration + exposed, read_end[i])
     return now
-
-
-def _memory(profile: Profile, decisions: tuple[str, ...], window_bytes: int, backlog: int) -> int:
-    layers = profile.layers
-    below = 0
-    start = backlog
-    for layer, decision in zip(layers, decisions):
-        if decision == KEEP:
-            start += layer.saved_bytes
-        elif decision == RECOMPUTE:
-            start += layer.input_bytes
-    peak = start
-    for i, (layer, decision) in enumerate(zip(layers, decisions)):
-        if decision == KEEP:
-            working = layer.saved_bytes
-        elif decision == RECOMPUTE:
-            working = layer.saved_bytes + layer.input_bytes
-        else:
-            working = _read_window(profile, decisions, i, window_bytes)
-            if decision == OFFLOADED_RECOMPUTE:
-                working += layer.saved_bytes
-        peak = max(peak, below + working)
-        below += layer.saved_bytes if decision == KEEP else layer.input_bytes if decision == RECOMPUTE else 0
-    top = len(layers) - 1
-    if top >= 0 and decisions[top] in RECOMPUTED:
-        # Note: [A recomputed top layer rebuilds on top of forward's leftovers]
-        peak = max(peak, start + layers[top].saved_bytes + _early_reads(profile, decisions, window_bytes))
-    return max(peak, start + _idle_read_buffers(profile, decisions, window_bytes))
-
-
-def _read_window(profile: Profile, decisions: tuple[str, ...], i: int, window_bytes: int) -> int:
-    """Bytes read back for spilled layer ``i`` at once: its own and the layer below's, up to the window."""
-    layers = profile.layers
-    pair = spilled_bytes(layers[i], decisions[i])
-    if i > 0 and decisions[i - 1] in SPILLED and profile.prefetch_depth_layers:
-        pair += spilled_bytes(layers[i - 1], decisions[i - 1])
-    return min(max(window_bytes, profile.max_storage_bytes), pair)
-
-
-def _read_at_start(decisions: tuple[str, ...], depth: int) -> list[int]:
-    """The spilled layers read back as soon as backward starts: those within ``depth`` layers of the
-    topmost spilled one (tba prefetches them when forward ends)."""
-    spilled = [i for i, d in enumerate(decisions) if d in SPILLED]
-    return [i for i in spilled if i > spilled[-1] - depth] if spilled and depth else []
-
-
-def _early_reads(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:
-    """Bytes of :func:`_read_at_start`'s layers in memory while backward's first layer runs, up to the window."""
-    total = sum(spilled_bytes(profile.layers[i], decisions[i])
-                for i in _read_at_start(decisions, profile.prefetch_depth_layers))
-    return min(max(window_bytes, profile.max_storage_bytes), total) if total else 0
-
-
-def _idle_read_buffers(profile: Profile, decisions: tuple[str, ...], window_bytes: int) -> int:
-    """Read buffers kept from one backward for the next (the largest spilled working set)."""
-    return max((_read_window(profile, decisions, i, window_bytes) for i, d in enumerate(decisions) if d in SPILLED),
-               default=0)
 
 
 def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes: int, budget_bytes: int) -> tuple[int, ...]:
@@ -300,7 +213,7 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
     return Estimate(
         step_s=forward_end + compute + stall + profile.io_overhead_s_per_byte * spilled + profile.outside_s,
         keep_step_s=keep_step,
-        memory_bytes=_memory(profile, decisions, window, backlog) + profile.memory_slack_bytes,
+        memory_bytes=activation_peak(profile, decisions, window, backlog) + profile.memory_slack_bytes,
         read_stall_s=stall,
         backlog_bytes=backlog,
         hidden_writes=hidden,

@@ -46,6 +46,13 @@ RECOMPUTED = frozenset({RECOMPUTE, OFFLOADED_RECOMPUTE})
 """Placements that run the layer's forward again in backward."""
 
 
+def holds_layers_through_forward(decisions: Sequence[str]) -> bool:
+    """Whether a placement holds something of a layer in memory from its forward to its backward (``K`` or
+    ``R``): its peak is then at backward's start, and tba frees its idle read buffers before forward (Note [Idle
+    read buffers and kept layers] in ``tba/policy/_memory.py``)."""
+    return any(decision in (KEEP, RECOMPUTE) for decision in decisions)
+
+
 def spilled_bytes(layer: LayerProfile, decision: str) -> int:
     """Bytes ``decision`` writes for ``layer`` (and reads back): ``s_i`` for O, ``x_i`` for S, else 0."""
     if decision == OFFLOAD:

@@ -72,6 +72,8 @@ class SavedTensorHooks:
     layer_saved_bytes: dict[int | None, int]
 
     _waker: _control.Waker
+    _kept_layer: int | None
+    """The layer of the last kept tensor unpacked since this block was entered."""
 
     def close(self) -> None:
         """Overridden by :class:`tba.Offloader`."""
@@ -143,7 +145,7 @@ class SavedTensorHooks:
             # unpack from the metadata it recorded at save. It shares the version counter.
             # It is returned with its version, checked at unpack (Note [In-place after saving] in
             # tba/runtime/_views.py): autograd checks none of what a pack hook returns.
-            return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version)
+            return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version, self._tracker.current)
         layer = self._tracker.current
         stack = self._discovery.stack if self._discovery is not None else None
         view = SavedView(None, tensor)
@@ -223,6 +225,10 @@ class SavedTensorHooks:
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit."""
         if type(packed) is Kept:
+            layer = packed.layer
+            if layer is not None and layer != self._kept_layer:
+                self._kept_layer = layer  # Note [Backward through kept layers] in tba/runtime/_prefetch.py
+                self._waker.note(_control.defer(self._store.backward_reached, layer), 0)
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed

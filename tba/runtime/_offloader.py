@@ -145,6 +145,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
         self._store.verify = config.verify
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._waker = _control.Waker()
+        self._kept_layer: int | None = None
         self._phase = _Phase.IDLE
         self._claim: object | None = None
         self._runner_claim: object | None = None
@@ -208,6 +209,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
+            self._kept_layer = None
             placement = self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread)
             self._runner_claim = claim
             self._apply(placement)
@@ -229,6 +231,8 @@ class Offloader(SavedTensorHooks, StoreOwner):
             self.keep_layers = set(placement.keep_layers)
         if placement.window_bytes is not None:
             self._store.set_prefetch_budget(placement.window_bytes)
+        if placement.release_idle_reads:
+            self._store.read_pool.clear()
         self._write_caps = placement.write_caps
 
     def _offload_all_but(self, keep: frozenset[int | None]) -> None:
@@ -319,7 +323,7 @@ class Offloader(SavedTensorHooks, StoreOwner):
             self.close()
             return
         self._phase = _Phase.IDLE if self.reusable else _Phase.EXITED
-        self._store.end_forward()
+        self._store.end_forward(self._tracker.current)
         if self._phase is _Phase.EXITED and self._store.live_entries == 0:
             self.close()
 

@@ -14,6 +14,17 @@ unpack it walks down from the cursor and picks storages to bring into memory:
   feeds with the bytes forward wrote, the unpacks that waited and those served from prefetched
   memory.
 
+Note: [Backward through kept layers]
+The window holds offloaded storages only; a kept layer's tensors never reach it. Its first walk,
+when forward ends, took the layer backward starts in from the last storage it holds: with the last
+layers kept (a plan ``OKKKKK``), that was the last offloaded layer's, so the walk read layer 0
+back at once, and backward ran through five kept layers with it in memory: the step's peak was
+keep-all's (0.94x on the demo's ``small`` preset under tcmalloc). Now the offloader tells the window
+the last layer forward ran (:meth:`StorageStore.end_forward`), and each kept tensor carries its
+layer: the first unpack of a kept tensor of another layer tells the window that backward is in that
+layer (:meth:`StorageStore.backward_reached`), which then reads the layer below it, as an unpack of
+an offloaded storage does.
+
 A storage whose write is still in flight is not read: it is marked *hold_for_backward*, which keeps its memory
 after the write completes (forwarding). The window decides only; the offloader does the I/O. It is
 pure book-keeping, unit-tested without any file.
@@ -97,6 +108,11 @@ class PrefetchWindow:
         if self._in_backward:
             self.controller.note_served_prefetched()
 
+    @property
+    def in_backward(self) -> bool:
+        """Between the end of a forward and the start of the next one (or the end of its backward)."""
+        return self._in_backward
+
     def __len__(self) -> int:
         return len(self._order) - self._dead
 
@@ -157,8 +173,11 @@ class PrefetchWindow:
         self._scan = self._walk_top = top
         self._held = 0
 
-    def select(self, unpacked: StorageEntry | None) -> tuple[list[StorageEntry], list[StorageEntry]]:
-        """Move the cursor to ``unpacked`` (None: the end) and pick work.
+    def select(self, unpacked: StorageEntry | None, layer: int | None = None) -> tuple[list[StorageEntry], list[StorageEntry]]:
+        """Move the cursor to ``unpacked`` (None: leave it, at the end before backward's first unpack) and pick work.
+
+        ``layer`` (with ``unpacked`` None): the layer backward is in, known from outside the window (Note [Backward
+        through kept layers]); storages of layers below ``layer - depth_layers`` are not picked yet.
 
         Returns:
             ``(to_read, to_hold)``: on-disk storages to read now, and storages whose write is in
@@ -178,8 +197,9 @@ class PrefetchWindow:
                     entry.window_gen = -1
                     self._held -= entry.nbytes
             self._walk_top = top
-        layer = unpacked.layer if unpacked is not None else None
-        if layer is None and unpacked is None:
+        if unpacked is not None:
+            layer = unpacked.layer
+        elif layer is None:
             layer = self._last_layer(top)
             layer = None if layer is None else layer + 1
         to_read: list[StorageEntry] = []

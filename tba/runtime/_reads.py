@@ -255,12 +255,18 @@ class StoreReads:
                 # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
                 self._release_written(entry)
 
-    def prefetch(self, entry: StorageEntry | None) -> None:
-        """Move the prefetch window to ``entry`` (None: the end of forward) and queue its work."""
+    def backward_reached(self, layer: int) -> None:
+        """Backward unpacked a kept tensor of ``layer``: read what the layers below it need next
+        (Note [Backward through kept layers] in ``tba/runtime/_prefetch.py``). Nothing in forward."""
+        if self.window.in_backward:
+            self.prefetch(None, layer)
+
+    def prefetch(self, entry: StorageEntry | None, layer: int | None = None) -> None:
+        """Move the prefetch window to ``entry`` (None: the end of forward, or ``layer``'s backward) and queue its work."""
         with self.lock, nvtx_range("prefetch"):
             if not self.is_open:
                 return
-            to_read, to_hold = self.window.select(entry)
+            to_read, to_hold = self.window.select(entry, layer)
             for held in to_hold:
                 held.hold_for_backward = True
             for target in to_read:

@@ -52,7 +52,7 @@ from torch import nn
 
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import Adaptive, Placement, Plan, Policy, Profile
+from tba.policy import Adaptive, Placement, Plan, Policy, Profile, holds_layers_through_forward
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters, signature
 from tba.runtime._recompute import RecomputeLayers, can_recompute
@@ -78,6 +78,9 @@ class StepPlacement:
     write_caps: tuple[int, ...] | None = None
     """Per layer, the most offloaded bytes forward may hold unwritten (Note [A budget holds back
     forward's writes] in ``tba/policy/_model.py``); None: writes never hold forward back."""
+    release_idle_reads: bool = False
+    """Free the read buffers kept idle since the last backward before forward starts (Note [Idle read
+    buffers and kept layers] in ``tba/policy/_memory.py``)."""
 
 
 class PolicyRunner:
@@ -195,7 +198,7 @@ class PolicyRunner:
             offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
             self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
             return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned,
-                                 plan.write_caps_bytes or None)
+                                 plan.write_caps_bytes or None, holds_layers_through_forward(plan.decisions))
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
                              cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)

@@ -130,13 +130,17 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         """The prefetch budget in force (the window's): the read pool's capacity."""
         return self.window.budget_bytes
 
-    def end_forward(self) -> None:
-        """Forward is over: size the window for backward, then hold or read what backward needs first."""
+    def end_forward(self, last_layer: int | None = None) -> None:
+        """Forward is over: size the window for backward, then hold or read what backward needs first.
+
+        ``last_layer``: the last layer forward ran, kept or not (None: unknown; the window takes the last
+        one it holds a storage of). Note [Backward through kept layers] in ``tba/runtime/_prefetch.py``.
+        """
         with self.lock:
             self._sweep_written(limit=None)
             self.window.end_forward()
             self.read_pool.trim()
-        self.prefetch(None)
+        self.prefetch(None, None if last_layer is None else last_layer + 1)
 
     @property
     def is_open(self) -> bool:

@@ -106,11 +106,13 @@ class Kept:
     (Note [In-place after saving]); it shares the version counter of the saved tensor.
     """
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "layer")
 
-    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+    def __init__(self, tensor: torch.Tensor, version: int, layer: int | None = None) -> None:
         self.tensor = tensor
         self.version = version
+        self.layer = layer
+        """The layer whose forward saved it (Note [Backward through kept layers] in ``tba/runtime/_prefetch.py``)."""
 
     def get(self) -> torch.Tensor:
         """The kept tensor, after the version check."""

@@ -3,7 +3,9 @@
 Units: sizes in MiB, bandwidths in MiB/s, so that every number below can be checked by hand
 against the model in ``tba/policy/_model.py``. Four layers, f = 1 s, b = 2 s, s = 100 MiB, x = 10 MiB,
 largest storage 10 MiB (so the smallest window is 20 MiB); keep-all takes 12 s and 400 MiB.
-An offloading plan also holds its read buffers (up to the window) through the next forward.
+A plan that spills every layer also holds its read buffers (up to the window) through the next forward;
+one that keeps or recomputes a layer frees them first (Note [Idle read buffers and kept layers]), and a
+kept layer's backward reads the spilled layer below it (Note [Backward through kept layers]).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def test_cost_model_slow_disk_backlog_and_small_window():
 
 @pytest.mark.parametrize("budget_mib, code, window_mib, step_s, memory_mib", [
     (500, "KKKK", 512, 12.0, 400),
-    (250, "OOOK", 150, 12.0, 250),  # OOOO fits too, equally fast, but moves more bytes; OOKK is slower
+    (250, "OOKK", 512, 12.0, 200),  # layer 1 is read while layer 2's backward runs; OOOK and OOOO move more bytes
     (150, "OOOO", 150, 12.0, 150),  # window shrunk to fit; reads still hide
     (50, "OOOO", 50, 12.1, 50),  # recompute cannot fit: its rebuilt layer alone is 110 MiB
 ])
@@ -65,8 +67,9 @@ def test_memory_budget_fast_disk(budget_mib, code, window_mib, step_s, memory_mi
 
 
 @pytest.mark.parametrize("budget_mib, code, window_mib, step_s, memory_mib", [
-    (250, "OOKK", 50, 12.5, 250),  # the TBA placement: layer 2's write would not finish in forward
-    (150, "OORK", 40, 13.6, 150),  # layer 2 cannot hide its I/O and is over budget: recompute it
+    (250, "OOKK", 512, 12.0, 200),  # the TBA placement: layer 2's write would not finish in forward
+    # layer 2 cannot hide its I/O and is over budget: recompute it, its 10 MiB input written (OORK: 13.6 s at 40 MiB)
+    (150, "OOSK", 50, 13.5, 150),
 ])
 def test_memory_budget_slow_disk(budget_mib, code, window_mib, step_s, memory_mib):
     result = plan(SLOW, memory_budget_bytes=budget_mib * MIB)
@@ -92,8 +95,8 @@ def test_default_goal_is_least_memory_within_five_percent_of_the_fastest():
 
 
 @pytest.mark.parametrize("bound, code, window_mib, memory_mib", [
-    (0.0, "OOKK", 100, 300),  # a window under 100 MiB would expose read time
-    (0.101, "OORK", 79, 189),  # 13 s + (100 - P) / 100 s of exposed reads <= 12 x 1.101 s
+    (0.0, "OOKK", 100, 200),  # a window under 100 MiB would expose read time
+    (0.101, "OOSK", 79, 179),  # 13 s + exposed reads <= 12 x 1.101 s; OORK holds its 10 MiB input too
 ])
 def test_overhead_bound_slow_disk(bound, code, window_mib, memory_mib):
     result = plan(SLOW, overhead_bound=bound)
@@ -120,7 +123,7 @@ def test_plan_json_round_trip_and_printing(tmp_path):
     result.save(str(path))
     assert Plan.load(str(path)) == result
     text = str(result)
-    assert "plan OORK" in text and "recompute layers 2" in text and "offload   layers 0-1" in text
+    assert "plan OOSK" in text and "offload   layers 0-1" in text
     assert tba.Profile.from_json(SLOW.to_json()) == SLOW
 
 
@@ -185,9 +188,9 @@ def test_cost_model_offloaded_recompute():
 
 
 @pytest.mark.parametrize("goal, code, memory_mib", [
-    # recompute's inputs still fit; the top layer is kept, since rebuilding it would overlap the reads
-    # backward starts with (Note [A recomputed top layer rebuilds on top of forward's leftovers])
-    ({"memory_budget_bytes": 150 * MIB}, "OOOORRRK", 150),
+    # the top layer is kept, since rebuilding it would overlap the reads backward starts with (Note [A
+    # recomputed top layer rebuilds on top of forward's leftovers]); OOOORRRK fits too, 0.2 s slower
+    ({"memory_budget_bytes": 150 * MIB}, "OOOOSSSK", 150),
     ({"memory_budget_bytes": 125 * MIB}, "OOOSSSSK", 125),  # they do not: write them too
     ({"overhead_bound": 0.34}, "OOOSSSSK", 120),
 ])
@@ -264,9 +267,9 @@ def test_a_layer_that_changes_its_input_is_never_recomputed():
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py.
     fixed = dataclasses.replace(SLOW, layers=tuple(dataclasses.replace(layer, recomputable=i != 2)
                                                    for i, layer in enumerate(SLOW.layers)))
-    assert plan(SLOW, memory_budget_bytes=150 * MIB).code == "OORK"
+    assert plan(SLOW, memory_budget_bytes=150 * MIB).code == "OOSK"
     with pytest.raises(tba.TbaConfigError, match="cannot be met"):
         plan(fixed, memory_budget_bytes=150 * MIB)
-    assert plan(SLOW, overhead_bound=0.5).code == "OSSK"
+    assert plan(SLOW, overhead_bound=0.5).code == "OOSK"
     assert plan(fixed, overhead_bound=0.5).code[2] not in "RS"
     assert tba.Profile.from_dict(fixed.to_dict()) == fixed

@@ -74,6 +74,20 @@ def test_writing_entries_are_held_not_read_and_end_of_forward_holds_the_last_lay
     assert to_read == []
 
 
+def test_backward_through_kept_layers_reads_the_offloaded_layer_below_only_when_it_gets_there():
+    """Note [Backward through kept layers]: plan OKKK holds layer 0's storages only."""
+    entries = [entry(i, layer=0) for i in range(3)]
+    window = window_of(entries, depth_layers=1, prefetch_budget_bytes=100 * MIB)
+    assert window.select(None, layer=4) == ([], [])  # forward's last layer was 3: backward starts above it
+    assert window.select(None, layer=3) == ([], [])
+    assert window.select(None, layer=2) == ([], [])
+    to_read, _ = window.select(None, layer=1)
+    assert seqs(to_read) == [2, 1, 0]
+    assert window.select(None, layer=0) == ([], [])  # already picked
+    unknown = window_of([entry(i, layer=0) for i in range(3)], depth_layers=1, prefetch_budget_bytes=100 * MIB)
+    assert seqs(unknown.select(None)[0]) == [2, 1, 0]  # no layer given: the last one the window holds, as before
+
+
 def test_cursor_only_moves_down_and_skips_consumed_dead_and_kept():
     entries = [entry(i, layer=None) for i in range(6)]
     entries[3].fully_unpacked = True
