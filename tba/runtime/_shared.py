@@ -231,8 +231,19 @@ def shutdown() -> None:
     queued (graphs just freed) are finished first, so a context whose backward has ended counts as
     idle.
     """
-    global _reaper, _generation
     _control.settle()
+    _control.call_whole(_shutdown_job)
+
+
+def _shutdown_job() -> None:
+    """:func:`shutdown`'s closes, on the control thread: idempotent, and never cut short.
+
+    Note: [Shutdown closes on the control thread]
+    Run in the caller's thread, a signal handler's exception (Ctrl-C) landing between taking the
+    idle runtimes out of ``_idle`` and closing them (or inside ``Runtime.close``, between the engine
+    and the file) left spill file descriptors open, referenced by nothing, until the process ended.
+    """
+    global _reaper, _generation
     with _lock:
         _generation += 1
         stale = [r for idle in _idle.values() for r in idle]
