@@ -223,10 +223,16 @@ class SpillFile:
             return True
 
     def _truncate_locked(self) -> None:
-        os.ftruncate(self.fd, 0)
+        # Note: [The file is truncated last]
+        # release_idle_space() runs in the caller's thread, where a signal handler's exception
+        # (Ctrl-C) can land between two statements. Truncated first, a file interrupted before its
+        # counters were reset kept counting its 256 MiB reservation: the next steps skipped
+        # fallocate and grew the file with extending writes. Reset first, an interrupted file
+        # holds space it no longer counts, which its next reservation and truncation take again.
         self._allocator = ExtentAllocator(ALIGN_BYTES)
         self.size_bytes = self.reserved_bytes = 0
         self._release_when_idle = False
+        os.ftruncate(self.fd, 0)
 
     def forget_after_fork(self) -> None:
         """In a forked child: close this process's copy of the descriptor; the parent's stays open."""

@@ -1,0 +1,61 @@
+"""The spill file's bookkeeping stays true to the file when an asynchronous exception (Ctrl-C)
+lands while it gives its space back (Note [The file is truncated last] in ``tba/io/_spill.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tba.io import SpillFile, release_idle_space
+
+
+def _interrupt_right_after_the_truncation() -> list[int]:
+    """Trace this thread; raise ``KeyboardInterrupt`` (as a SIGINT handler would) at the first event of
+    ``_truncate_locked`` after its ``os.ftruncate`` line has run. Returns a list that is non-empty once it struck."""
+    struck: list[int] = []
+    state = {"after": False}
+
+    def local(frame, event, arg):
+        if struck:
+            return None
+        if state["after"]:
+            struck.append(frame.f_lineno)
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        if event == "line":
+            import linecache
+
+            state["after"] = "os.ftruncate" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code.co_name == "_truncate_locked" else None
+
+    sys.settrace(trace)
+    return struck
+
+
+def test_an_interrupted_release_leaves_the_reservation_true_to_the_file(tmp_path):
+    spill = SpillFile(str(tmp_path), direct=False)
+    if not spill._reserve:
+        spill.close()
+        pytest.skip("this file system takes no reservation (memory-backed)")
+    try:
+        spill.free(spill.allocate(1 << 20))
+        assert spill.reserved_bytes > 0 and os.fstat(spill.fd).st_size >= spill.reserved_bytes
+        struck = _interrupt_right_after_the_truncation()
+        try:
+            release_idle_space()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert struck, "the interrupt never landed"
+        assert os.fstat(spill.fd).st_size >= spill.reserved_bytes, (
+            "the file was truncated but its reservation is still counted: later steps skip fallocate")
+        spill.allocate(1 << 20)
+        assert os.fstat(spill.fd).st_size >= spill.reserved_bytes > 0
+    finally:
+        spill.close()
