@@ -136,15 +136,7 @@ class SavedTensorHooks:
                 self._stats.count_kept(reason, 0 if reason.is_state else tensor.numel() * tensor.element_size())
             if self._write_caps is not None and reason is KeepReason.LAYER_KEPT:
                 self._hold_back(self._tracker.current)
-            # Note: [Kept tensors are returned detached]
-            # Autograd keeps what pack returns with a strong reference from the node. When the saved
-            # tensor is the node's own output, the tensor itself would point back at the node
-            # (node -> tensor -> grad_fn -> node): a cycle that only the cycle collector frees, and a
-            # dropped loss would keep the whole graph, and every offloaded entry, alive. A detached
-            # alias has no grad_fn; autograd re-attaches the node (or the accumulator of a leaf) at
-            # unpack from the metadata it recorded at save. It shares the version counter.
-            # It is returned with its version, checked at unpack (Note [In-place after saving] in
-            # tba/runtime/_views.py): autograd checks none of what a pack hook returns.
+            # Note [Kept tensors are returned detached] in tba/runtime/_views.py
             return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version, self._tracker.current)
         layer = self._tracker.current
         stack = self._discovery.stack if self._discovery is not None else None
@@ -225,10 +217,8 @@ class SavedTensorHooks:
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit."""
         if type(packed) is Kept:
-            layer = packed.layer
-            if layer is not None and layer != self._kept_layer:
-                self._kept_layer = layer  # Note [Backward through kept layers] in tba/runtime/_prefetch.py
-                self._waker.note(_control.defer(self._store.backward_reached, layer), 0)
+            if packed.layer is not None and packed.layer != self._kept_layer:
+                self.reached_layer(packed.layer)
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed
@@ -277,6 +267,19 @@ class SavedTensorHooks:
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
         return tensor
+
+    @property
+    def current_layer(self) -> int | None:
+        """The layer whose forward is running (None outside every layer)."""
+        return self._tracker.current
+
+    def reached_layer(self, layer: int) -> None:
+        """Backward is in ``layer``, which tba does not spill: read what the layers below need next (Note [Backward
+        through kept layers] in ``tba/runtime/_prefetch.py``). Told by the unpack of a kept tensor and by a
+        recomputation."""
+        if layer != self._kept_layer:
+            self._kept_layer = layer
+            self._waker.note(_control.defer(self._store.backward_reached, layer), 0)
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""

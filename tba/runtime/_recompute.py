@@ -60,7 +60,8 @@ is copied and put back by ``tba/runtime/_layer_state.py``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -197,8 +198,11 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         template, tensors = take_apart(args, kwargs)  # Note [A recomputation gets the call as it was]
         originals = [(args, kwargs)]  # the first call's, dropped by it
         del args, kwargs
+        announce = _backward_announcer(top)
 
         def call(calls: list[int], first: FirstCall, *saved: torch.Tensor) -> Any:
+            if calls[0] and announce is not None:
+                announce()
             call_args, call_kwargs = originals.pop() if originals else template.call(saved)
             return first_or_again(calls, first, *call_args, **call_kwargs)
 
@@ -261,6 +265,17 @@ def _is_tba_pair(top: tuple[Any, Any]) -> bool:
     reads it, whether or not a tracer has set the pairs aside) is tba's (Note [Hook nesting of a
     recomputed layer])."""
     return isinstance(getattr(top[0], "__self__", None), SavedTensorHooks)
+
+
+def _backward_announcer(top: tuple[Any, Any] | None) -> Callable[[], None] | None:
+    """What a recomputation calls to tell tba's offloader (``top``'s, if it is tba's) that backward is in this
+    layer, whose inputs never reach that offloader's unpack: the layer below is read now (Note [Backward through
+    kept layers] in ``tba/runtime/_prefetch.py``)."""
+    if top is None or not _is_tba_pair(top):
+        return None
+    hooks = top[0].__self__
+    layer = hooks.current_layer
+    return None if layer is None else functools.partial(hooks.reached_layer, layer)
 
 
 def _keep(tensor: torch.Tensor) -> Kept:

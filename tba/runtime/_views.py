@@ -104,6 +104,15 @@ class Kept:
 
     Unpack (:meth:`get`) raises torch's in-place error when the tensor changed in place since
     (Note [In-place after saving]); it shares the version counter of the saved tensor.
+
+    Note: [Kept tensors are returned detached]
+    Autograd keeps what pack returns with a strong reference from the node. When the saved
+    tensor is the node's own output, the tensor itself would point back at the node
+    (node -> tensor -> grad_fn -> node): a cycle that only the cycle collector frees, and a
+    dropped loss would keep the whole graph, and every offloaded entry, alive. So ``Offloader.pack``
+    keeps a detached alias, which has no grad_fn; autograd re-attaches the node (or the accumulator
+    of a leaf) at unpack from the metadata it recorded at save. It shares the version counter, and
+    it is kept with its version, checked at unpack: autograd checks none of what a pack hook returns.
     """
 
     __slots__ = ("tensor", "version", "layer")

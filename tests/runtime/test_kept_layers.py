@@ -12,7 +12,7 @@ from torch import nn
 import tba
 
 MIB = 1 << 20
-CODES = {"O": "offload", "K": "keep"}
+CODES = {"O": "offload", "K": "keep", "R": "recompute"}
 
 
 class Block(nn.Module):
@@ -32,9 +32,9 @@ def model_and_input() -> tuple[nn.Sequential, torch.Tensor]:
     return nn.Sequential(*[Block() for _ in range(3)]), torch.randn(256, 256)
 
 
-def grads_without_tba() -> list[torch.Tensor]:
+def grads_without_tba(steps: int = 2) -> list[torch.Tensor]:
     model, x = model_and_input()
-    for _ in range(2):
+    for _ in range(steps):
         model(x).square().sum().backward()
     return [p.grad for p in model.parameters()]
 
@@ -58,6 +58,33 @@ def test_an_offloaded_layer_under_kept_ones_is_read_when_backward_reaches_the_la
     finally:
         offloader.close()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_without_tba()))
+
+
+def test_a_recomputed_layer_tells_backward_where_it_is(tmp_path):
+    """Plan ORK: the recomputed layer's inputs never reach tba's unpack; its recomputation starts the read of
+    layer 0, which is done by the time the gradient reaches layer 0's output."""
+    model, x = model_and_input()
+    plan = tba.Plan(tuple(CODES[c] for c in "ORK"), window_bytes=64 * MIB)
+    offloader = tba.Offloader(str(tmp_path), layers=list(model), policy=plan)
+    read_then = []
+
+    def at_layer_0_output(grad: torch.Tensor) -> None:
+        time.sleep(0.2)
+        read_then.append(offloader.stats.bytes_read)
+
+    try:
+        with offloader:
+            h = model[0](x)
+            h.register_hook(at_layer_0_output)
+            loss = model[2](model[1](h)).square().sum()
+            offloader.flush()
+        time.sleep(0.2)
+        assert offloader.stats.bytes_read == 0
+        loss.backward()
+        assert read_then == [256 * 256 * 4]
+    finally:
+        offloader.close()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_without_tba(steps=1)))
 
 
 def test_a_plan_that_keeps_a_layer_frees_the_idle_read_buffers_before_forward(tmp_path):
