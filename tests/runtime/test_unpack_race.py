@@ -67,7 +67,7 @@ def test_a_write_completing_between_start_load_and_rebuild_keeps_the_bytes(spill
         return original(self, data)
 
     monkeypatch.setattr(SavedView, "rebuild", rebuild)
-    monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry: None)
+    monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry, layer=None: None)
     x = torch.randn(512, 1024, requires_grad=True)
 
     def forward() -> torch.Tensor:
