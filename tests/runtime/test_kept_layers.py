@@ -98,6 +98,7 @@ def test_a_plan_that_keeps_a_layer_frees_the_idle_read_buffers_before_forward(tm
                 with offloader:
                     idle.setdefault(code, []).append(offloader.pool_idle_bytes)
                     loss = model(x).square().sum()
+                    offloader.flush()  # written: backward reads layer 0 back into a pooled buffer
                 loss.backward()
                 del loss
                 offloader.flush()  # the read buffers backward dropped are back in the pool
