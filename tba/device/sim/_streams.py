@@ -126,6 +126,8 @@ class Scheduler:
         self._stopping = False
         self.held = False
         self.operations = 0
+        self.running: SimStream | None = None
+        """The stream whose operation the scheduler thread is running now (popped from its queue)."""
         self._thread = threading.Thread(target=self._run, name="tba-sim-scheduler", daemon=True)
         self._thread.start()
 
@@ -170,16 +172,36 @@ class Scheduler:
                     self._cond.wait(0.002)
                     picked = self._pick()
                 stream, op = picked
+                self.running = stream
                 delay = self._rng.random() * self.max_delay_s
                 if self._rng.random() < self.lag_probability:
                     stream.paused_until = time.monotonic() + self._rng.random() * self.max_lag_s
-            if not isinstance(op, Token):
-                op()
-            self.operations += 1
-            with self._cond:
-                self._cond.notify_all()
+            try:
+                if not isinstance(op, Token):
+                    op()
+            finally:
+                with self._cond:
+                    self.running = None
+                    self.operations += 1
+                    self._cond.notify_all()
             if delay:
                 time.sleep(delay)
+
+    def catch_up(self, stream: SimStream) -> None:
+        """Block the calling host thread until everything queued on ``stream`` so far has run.
+
+        Not a synchronisation the race checker sees (the host learns nothing): it stands in for the
+        device running a kernel launched on ``stream`` only after the work queued before it there.
+        """
+        if stream.synchronous:
+            return
+        with self._cond:
+            if not stream.queue and self.running is not stream:
+                return
+        token = Token(self, None)
+        self.launch(stream, token.fire)
+        if not token.fired.wait(HANG_TIMEOUT_S):
+            raise RuntimeError(f"simulated device hung: {stream.name} did not run its queue within {HANG_TIMEOUT_S} s")
 
     def idle(self) -> bool:
         with self._cond:
