@@ -171,6 +171,8 @@ class CudaOps(DeviceOps):
         self.compute_stream = self.cuda.current_stream(device)
         self._waiters = {"side": _Waiter("tba-d2h-wait"), "prefetch": _Waiter("tba-h2d-wait")}
         self._closed = False
+        self._read_streams: list[Any] = []
+        """Every stream a read-back buffer was allocated on (Note [A read buffer's own stream])."""
 
     def mark_ready(self) -> Any:
         self.compute_stream = current = self.cuda.current_stream(self.device)
@@ -196,10 +198,13 @@ class CudaOps(DeviceOps):
 
     def _allocate(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
         cuda = self.cuda
-        with cuda.device(self.device), cuda.stream(self.compute_stream):
+        stream = self.compute_stream
+        with cuda.device(self.device), cuda.stream(stream):
             tensor = cuda.empty(nbytes, device)
             allocated = cuda.Event(blocking=True)
-            allocated.record(self.compute_stream)
+            allocated.record(stream)
+        if not any(known == stream for known in self._read_streams):
+            self._read_streams.append(stream)
         return tensor, allocated
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -224,11 +229,24 @@ class CudaOps(DeviceOps):
     def when_done(self, event: Any, callback: Callback) -> None:
         self._waiters[getattr(event, "_tba_stream", "side")].put(event, callback)
 
+    # Note: [A read buffer's own stream]
+    # ``compute_stream`` follows the stream of the latest pack, so it can change between a read's
+    # allocation and its unpack: a forward under ``torch.cuda.stream(s)`` whose loss is computed on
+    # the default stream ends with a default-stream pack, the reads prefetched then are allocated on
+    # the default stream, and a second forward under ``s`` (gradient accumulation) moves
+    # ``compute_stream`` back to ``s`` before backward unpacks them on ``s``. Comparing the consumer
+    # with ``compute_stream`` then skipped the ``record_stream``, and a buffer freed after backward
+    # went back to the default stream's pool while ``s`` still read it (the simulated device's race
+    # checker: the next kernel on the freed block not ordered after ``aten::mm`` on ``s``). The
+    # consumer is now compared with every stream a read buffer was allocated on: ``record_stream``
+    # is skipped only when all of them (and the producers' stream) are the consumer itself. Torch
+    # ignores a ``record_stream`` on the allocation stream, so a needless one costs only its call.
+
     def consume(self, event: Any, tensor: torch.Tensor) -> None:
         current = self.cuda.current_stream(self.device)
         if event is not None:
             current.wait_event(event)
-        if current != self.compute_stream:
+        if current != self.compute_stream or any(stream != current for stream in self._read_streams):
             self.cuda.record_stream(tensor, current)
 
     def drain(self) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import pytest
 import torch
 from model_cases import SharedStorage, ViewsModel
+from torch import nn
 from utils import run_step, steps_equal
 
 import tba
@@ -83,3 +84,36 @@ def test_user_streams_around_forward_and_backward_are_exact(sim, tmp_path, backe
                 assert offloader.stats.bytes_written > 0
             finally:
                 offloader.close()
+
+
+def test_a_read_allocated_before_the_compute_stream_moved_is_recorded_on_its_consumer(sim, tmp_path):
+    """Note [A read buffer's own stream] in tba/device/_ops.py.
+
+    Two micro-batches, the model under a side stream and the first loss on the default stream:
+    the reads prefetched at the end of the first block are allocated on the default stream, the
+    second block's packs move ``compute_stream`` to the side stream, and backward (under the side
+    stream) consumes those buffers there. Without a ``record_stream`` they went back to the default
+    stream's pool when freed while the side stream still read them.
+    """
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)])
+    xa, xc = torch.randn(32, 64), torch.randn(32, 64)
+    (net(xa).pow(2).sum() + net(xc).pow(2).sum()).backward()
+    reference = {name: p.grad.clone() for name, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    side = sim.Stream()
+    offloader = tba.Offloader(tmp_path, block_size_bytes=BLOCK, staging_bytes=8 * BLOCK, min_offload_bytes=0)
+    try:
+        with offloader:
+            with on_stream(sim, side):
+                h = net(xa)
+            first = h.pow(2).sum()  # saved on the default stream
+            offloader.flush()
+        assert sim.allocator.allocations_by_stream.get(sim.default_stream.name, 0) > 0, "nothing was prefetched"
+        with offloader, on_stream(sim, side):
+            second = net(xc).pow(2).sum()
+        with on_stream(sim, side):
+            (first + second).backward()
+        assert all(torch.equal(reference[name], p.grad) for name, p in net.named_parameters())
+    finally:
+        offloader.close()
