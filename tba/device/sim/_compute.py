@@ -36,15 +36,18 @@ class ComputeAccesses(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        schema = func._schema
+        touches_data = not (func.is_view or schema.name in _NOT_ACCESSES)
         # Note: [A kernel on a side stream runs after that stream's queue]
         # The model's operators run on the host at once. On the compute stream that is the device
         # keeping up with the host; on an asynchronous stream (``with torch.cuda.stream(s):`` around
         # forward or backward) the operator must first wait for what is queued there before it (a
-        # ``wait_event`` on a read's copy, say), or it reads bytes no copy has written yet.
-        self.sim.scheduler.catch_up(self.sim.current_stream())
+        # ``wait_event`` on a read's copy, say), or it reads bytes no copy has written yet. Views
+        # and allocations touch no data and do not wait (the simulated allocator slices its arena).
+        if touches_data:
+            self.sim.scheduler.catch_up(self.sim.current_stream())
         out = func(*args, **kwargs)
-        schema = func._schema
-        if not self.sim.checking_compute or func.is_view or schema.name in _NOT_ACCESSES:
+        if not self.sim.checking_compute or not touches_data:
             return out
         written = set()
         for argument, value in zip(schema.arguments, args):

@@ -47,6 +47,10 @@ class SimConfig:
     """Size of the simulated device memory (the caching allocator's arena)."""
     track_compute: bool = True
     """Check the model's own operators (a dispatch mode on the entering thread) as compute-stream accesses."""
+    lagging_compute: bool = True
+    """The compute stream is a queue the scheduler runs, as the others (only with ``track_compute``):
+    tba's records, copies and the allocator's poison on it run when the device gets to them, and a
+    model operator runs after what is queued before it (Note [The compute stream lags too])."""
 
 
 class SimulatedCuda:
@@ -66,7 +70,15 @@ class SimulatedCuda:
         self._names = 0
         self.scheduler = Scheduler(self.config.seed, self.config.max_delay_s, self.config.lag_probability,
                                    self.config.max_lag_s)
-        self.default_stream = self._new_stream("compute", synchronous=True)
+        # Note: [The compute stream lags too]
+        # A GPU runs the compute stream behind the host. With a synchronous compute stream, memory
+        # freed on it was already "overwritten by the next kernel" when the host got it back, so a
+        # writer outside stream order (kvikio) that skipped waiting for the allocation's point on
+        # the stream could not be caught. The model's operators still run on the host, each after
+        # what is queued before it on its stream (``_compute.py``); without ``track_compute`` no
+        # dispatch mode sees them, and the compute stream stays synchronous.
+        lagging = self.config.lagging_compute and self.config.track_compute
+        self.default_stream = self._new_stream("compute", synchronous=not lagging)
         self.allocator = CachingAllocator(self, self.config.memory_bytes)
         self.pinned = PinnedHost()
         self._capture: SimStream | None = None
