@@ -73,6 +73,7 @@ class ProfiledStep:
         if self.pending is None:
             return
         self.timer.detach()
+        self.timer.check_inputs_after_forward()
         if failed:
             self.pending = None
             return
@@ -93,6 +94,7 @@ class ProfiledStep:
         if pending is None or "forward_s" not in pending:
             return None
         self.peak.stop()
+        pending["changes_input"] = list(self.timer.changes_input)  # as backward found them too
         pending["backward_s"] = self.timer.backward_s()
         pending["backward_cpu_s"] = self.timer.backward_s(cpu=True)
         pending["span_s"] = self.timer.span_s()

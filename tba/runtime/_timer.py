@@ -93,6 +93,11 @@ class LayerTimer:
         """Per layer: its forward changed one of its tensor arguments in place, or private state of its modules
         (it cannot be recomputed)."""
         self._input_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(count)]
+        self._inputs_after: list[tuple[int, weakref.ref, int]] = []
+        """Layer index, a tensor of its call (or its base), weakly, and its version when the forward ended (Note [A
+        recomputed layer's input changed after its forward])."""
+        self._last_inputs: list[tuple[int, torch.Tensor, int]] = []
+        """The same for the layer that ran last, held until the next layer's call or the offloader's exit."""
         self._private: list[Signature] = [[] for _ in range(count)]
         """Per layer: its modules' private state when its forward started (Note [Private state of a recomputed layer])."""
         self._started = [(0.0, 0.0, 0.0)] * count
@@ -130,6 +135,7 @@ class LayerTimer:
 
     def _pre(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.check_inputs_after_forward()
             self.input_bytes[index] = tensor_bytes(args)
             # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
             self._input_versions[index] = _versions(args, kwargs) + [(p, p._version) for p in module.parameters()]
@@ -155,6 +161,9 @@ class LayerTimer:
             if any(tensor._version != version for tensor, version in versions) or (
                     private and first_change(private, private_state(module)) is not None):
                 self.changes_input[index] = True
+            parameters = {id(p) for p in module.parameters()}
+            self._last_inputs = [(index, t, t._version) for tensor, _ in versions
+                                 if id(tensor) not in parameters for t in (tensor, tensor._base) if t is not None]
             self.forward_cpu_s[index] = now[1] - start[1]
             first = output if isinstance(output, torch.Tensor) else None
             if isinstance(output, (tuple, list)):
@@ -169,6 +178,8 @@ class LayerTimer:
         end = slots is self._grad_at_input and index == 0
 
         def hook(grad: torch.Tensor) -> None:
+            if slots is self._grad_at_output:
+                self.check_inputs_after_forward()
             if slots[index] is None:
                 if start:
                     self._mark("backward_start")
@@ -177,6 +188,36 @@ class LayerTimer:
                     self._mark("backward_end")
 
         return hook
+
+    def check_inputs_after_forward(self) -> None:
+        """Mark each layer one of whose call's tensors, still alive, was changed in place after its forward ended
+        as changing its input.
+
+        Note: [A recomputed layer's input changed after its forward]
+        Checkpoint keeps a recomputed layer's inputs and checks their versions at unpack. A model that
+        changes a layer's input in place after the layer returned (``h += block(h)`` in its loop, legal
+        without tba when the block saves no tensor sharing ``h``'s version counter, a block starting
+        with dropout) made the adaptive default plan ``R`` for that block, and the first planned step's
+        backward raised torch's in-place error, for a recomputation the user never asked for. The
+        timer keeps each call's tensors with their versions when the forward ended, and looks again at
+        every later layer's call, as the offloader exits and as backward reaches each layer's output: a
+        change marks the layer not recomputable. It holds them weakly (holding every layer's input
+        would raise the profiled peak to full recompute's; one no longer referenced anywhere cannot
+        change) except the last call's, held until the next call or the exit: the last block's input
+        changed by the model's loop dies before the exit (found by a review: ``OOOR`` still raised).
+        A change after backward (an input buffer refilled for the next step) is not one.
+        """
+        held, self._last_inputs = self._last_inputs, []
+        alive = []
+        for index, ref, version in [*self._inputs_after, *((i, weakref.ref(t), v) for i, t, v in held)]:
+            tensor = ref()
+            if tensor is None:
+                continue
+            if tensor._version != version:
+                self.changes_input[index] = True
+            else:
+                alive.append((index, ref, version))
+        self._inputs_after = alive
 
     def backward_s(self, cpu: bool = False) -> list[float | None]:
         """Per layer: seconds from the gradient reaching its output to reaching its input, or None.
