@@ -74,7 +74,14 @@ class ProfiledStep:
             return
         self.timer.detach()
         self.timer.check_inputs_after_forward()
-        if failed:
+        if failed or not self.timer.ran_with_grad:
+            # Note: [A forward without grad is no sample]
+            # A forward under torch.no_grad() or inference mode (a validation pass, a trainer's sanity
+            # check before training) saves nothing and has no backward. Counted as a profiled step, it
+            # gave every layer 0 saved bytes: a memory budget of 40 MiB then planned keep-all for a
+            # model whose training steps kept 27 MiB beside 16 MiB of transient buffers, silently over
+            # the contract (a review found it with two no-grad passes before training). It is dropped,
+            # like a failed step, and the next step is profiled instead.
             self.pending = None
             return
         self.pending["forward_s"] = list(self.timer.forward_s)

@@ -90,6 +90,9 @@ class LayerTimer:
         self.forward_cpu_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
         self.changes_input = [False] * count
+        self.ran_with_grad = False
+        """Whether a layer's forward ran with grad enabled (Note [A forward without grad is no sample] in
+        ``tba/runtime/_profiled_step.py``)."""
         """Per layer: its forward changed one of its tensor arguments in place, or private state of its modules
         (it cannot be recomputed)."""
         self._input_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(count)]
@@ -136,6 +139,7 @@ class LayerTimer:
     def _pre(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.check_inputs_after_forward()
+            self.ran_with_grad = self.ran_with_grad or torch.is_grad_enabled()
             self.input_bytes[index] = tensor_bytes(args)
             # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
             self._input_versions[index] = _versions(args, kwargs) + [(p, p._version) for p in module.parameters()]

@@ -126,6 +126,27 @@ def test_the_profile_measures_the_rest_of_the_step(model, spill_dir):
 
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_forwards_without_grad_are_not_profiled_steps(model, spill_dir, mode):
+    # Note [A forward without grad is no sample] in tba/runtime/_profiled_step.py: two validation passes
+    # before training (a trainer's sanity check) were the profiled steps, and the plan kept every layer.
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              policy="adaptive", profile_steps=2, memory_budget_bytes=1 << 40)
+    tokens, targets = make_batch(CONFIG, seed=4)
+    for _ in range(2):
+        with getattr(torch, mode)(), offloader:
+            model(tokens, targets)
+    plans = []
+    for _ in range(3):
+        with offloader:
+            plans.append(offloader.plan)
+            loss = model(tokens, targets)
+        loss.backward()
+    offloader.close()
+    assert plans[:2] == [None, None] and plans[2] is not None  # the training steps were profiled
+    assert all(layer.saved_bytes > 0 and layer.backward_measured for layer in offloader.policy_runner.profile.layers)
+
+
 def test_budget_below_the_least_the_model_needs_raises_when_planning(model, spill_dir):
     tokens, targets = make_batch(CONFIG, seed=4)
     offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
