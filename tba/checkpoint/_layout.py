@@ -149,6 +149,7 @@ def write_image(
     file_bytes: int,
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    check_snapshot: Callable[[], None] | None = None,
     on_snapshot: Callable[[], None] | None = None,
 ) -> None:
     """Build the file image in ``image`` and write it to ``fd`` at offset 0.
@@ -160,7 +161,8 @@ def write_image(
         entries: Placed entries (see :func:`place`), in file order.
         file_bytes: Logical size of the file (bytes); the last block is padded with zeros.
         chunk_bytes: Bytes per write request, a multiple of 4096.
-        on_snapshot: Called once every tensor has been copied into ``image``.
+        check_snapshot: Called once every tensor has been copied, before ``on_snapshot``; may raise.
+        on_snapshot: Called once every tensor has been copied into ``image`` (or the copy failed).
 
     Raises:
         OSError: The first failed write (``ENOSPC`` for a full disk).
@@ -192,6 +194,8 @@ def write_image(
         for entry in entries:
             _copy_tensor(image, entry)
             submit_until(entry.offset + entry.length - (entry.offset + entry.length) % ALIGN_BYTES)
+        if check_snapshot is not None:
+            check_snapshot()
     except BaseException:
         concurrent.futures.wait(futures)
         raise

@@ -23,8 +23,6 @@ step hook: call ``wait_snapshot()`` before the forward pass if the state dict ho
 
 from __future__ import annotations
 
-import copy
-import io
 import logging
 import os
 import tempfile
@@ -36,35 +34,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tba import _sched
+from tba.checkpoint._frozen import check_unchanged, freeze
 from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, TbaCheckpointError, TbaConfigError
 from tba.checkpoint._publish import begin_save, end_save
 from tba.checkpoint._writer import ImagePool, TbaStorageWriter
 
 logger = logging.getLogger("tba")
-
-
-def _snapshot_structure(value: Any, key: str) -> Any:
-    """Containers rebuilt, tensors kept by reference, everything else deep-copied and checked."""
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_meta or value.is_nested:
-            raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
-                                 "only dense tensors can be saved: convert it with .to_dense() or drop it")
-        return value
-    if isinstance(value, dict):
-        return {k: _snapshot_structure(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        items = [_snapshot_structure(v, f"{key}.{i}") for i, v in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    try:
-        copied = copy.deepcopy(value)
-        torch.save(copied, io.BytesIO())
-    except Exception as err:
-        raise TbaConfigError(f"state_dict[{key}] ({type(value).__name__}) cannot be saved by DCP: "
-                             f"{err}; keep only tensors and picklable values in the state dict") from err
-    return copied
 
 
 class LazyCheckpoint:
@@ -131,6 +110,12 @@ class LazyCheckpoint:
                     self._on_done(self)
             except Exception:  # noqa: BLE001 - a user callback must not kill the writer thread
                 logger.exception("tba: on_done callback of checkpoint %s failed", self.path)
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """tba's own error from inside DCP's ``CheckpointException`` (which wraps each rank's), else ``err``."""
+    failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+    return next((failure[0] for failure in failures if isinstance(failure[0], TbaCheckpointError)), err)
 
 
 _warmed_up = False
@@ -219,8 +204,7 @@ class LazyCheckpointer:
         """
         if not isinstance(state_dict, dict):
             raise TbaConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        frozen = _snapshot_structure(
-            {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}, "")
+        frozen, watched = freeze({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()})
         path = os.path.abspath(os.fspath(path))
         _warm_up_in_caller(*self._settings)
         with self._lock:
@@ -233,6 +217,8 @@ class LazyCheckpointer:
             self._writer.reset(path)
             self._writer.prepare_local_plan(None)
             self._writer.on_snapshot = handle._mark_snapshot
+            # Note [A tensor changed before the lazy copy read it]
+            self._writer.check_snapshot = lambda: check_unchanged(watched, path)
             self._latest = handle
         # Note: [A checkpoint started is finished at exit]
         # The save thread is not a daemon: the interpreter joins it before it exits, so a script
@@ -251,7 +237,7 @@ class LazyCheckpointer:
             handle.bytes_written = self._writer.last_write_bytes
             handle.write_s = self._writer.last_write_s
         except BaseException as err:  # noqa: BLE001 - reported through the handle
-            error = err
+            error = _unwrap(err)
             logger.error("tba: checkpoint %s failed: %s", handle.path, err)
         handle._finish(error)
 

@@ -107,6 +107,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         image_pool: Host buffer to reuse across saves; a private one by default.
         cache_staged_state_dict: Passed to DCP's ``BlockingAsyncStager`` for ``async_save``.
         on_snapshot: Called from ``write_data`` once every tensor was copied to host memory.
+        check_snapshot: Called once every tensor was copied, before ``on_snapshot``; raising fails the save.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         image_pool: ImagePool | None = None,
         cache_staged_state_dict: bool = False,
         on_snapshot: Callable[[], None] | None = None,
+        check_snapshot: Callable[[], None] | None = None,
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
@@ -129,6 +131,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         self.overwrite = overwrite
         self.chunk_bytes = chunk_bytes
         self.on_snapshot = on_snapshot
+        self.check_snapshot = check_snapshot
         self._backend = backend
         self._queue_depth = queue_depth
         self._pool = image_pool or ImagePool()
@@ -227,7 +230,8 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
                 engine = self._backend if isinstance(self._backend, Engine) else make_engine(
                     self._backend, queue_depth=self._queue_depth)
                 _layout.write_image(engine, fd, image, entries, file_bytes,
-                                    chunk_bytes=self.chunk_bytes, on_snapshot=snapshot_done)
+                                    chunk_bytes=self.chunk_bytes,
+                                    check_snapshot=self.check_snapshot, on_snapshot=snapshot_done)
                 os.ftruncate(fd, file_bytes)
                 os.fsync(fd)
             finally:

@@ -1,0 +1,79 @@
+"""What a lazy save takes in the caller's thread: the state's structure, and each tensor's version.
+
+Note: [A tensor changed before the lazy copy read it]
+A lazy save returns before its tensors are copied; the docs bracket it with
+``LazyCheckpointer.guard(optimizer)`` (the next ``optimizer.step()`` waits for the copy) or
+``wait_snapshot()``. A save followed at once by an unguarded ``optimizer.step()`` wrote the
+post-step weights under the pre-step checkpoint's name, silently (helper-41). Every in-place
+change to a tensor (an optimizer step, BatchNorm's running statistics in forward, ``p.add_()``
+under ``no_grad``) bumps its version counter, which views and ``detach()`` share. :func:`freeze`
+records each tensor's ``_version`` at the save call; once the last tensor has been copied, and
+before the snapshot is announced, :func:`check_unchanged` compares them: a tensor changed since
+the save call fails the save with a :class:`TbaCheckpointError` naming the fix, and the earlier
+checkpoint at the path stays. The check reads one integer per tensor. It cannot see a change made
+through ``.data`` (which has its own version counter), to an inference tensor (which has none), or
+by a kernel that does not bump it: ``batch_norm`` updates ``running_mean`` and ``running_var`` so,
+but the ``num_batches_tracked`` saved beside them is bumped by the same forward. A change still
+running in another thread when the check runs can escape it; ``guard`` leaves no such window.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import torch
+
+from tba.checkpoint._io import TbaCheckpointError, TbaConfigError
+
+Watched = list[tuple[str, torch.Tensor, int]]
+"""(key, tensor, version at the save call) of every tensor a lazy save holds by reference."""
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def _freeze(value: Any, key: str, watched: Watched) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_meta or value.is_nested:
+            raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
+                                 "only dense tensors can be saved: convert it with .to_dense() or drop it")
+        version = _version(value)
+        if version is not None:
+            watched.append((key, value, version))
+        return value
+    if isinstance(value, dict):
+        return {k: _freeze(v, f"{key}.{k}" if key else str(k), watched) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        items = [_freeze(v, f"{key}.{i}", watched) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    try:
+        copied = copy.deepcopy(value)
+        torch.save(copied, io.BytesIO())
+    except Exception as err:
+        raise TbaConfigError(f"state_dict[{key}] ({type(value).__name__}) cannot be saved by DCP: "
+                             f"{err}; keep only tensors and picklable values in the state dict") from err
+    return copied
+
+
+def freeze(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Watched]:
+    """Containers rebuilt, tensors kept by reference (their versions recorded), other values deep-copied and checked."""
+    watched: Watched = []
+    return _freeze(state_dict, "", watched), watched
+
+
+def check_unchanged(watched: Watched, path: str) -> None:
+    """Raise if a tensor changed since the save call (Note [A tensor changed before the lazy copy read it])."""
+    changed = [key for key, tensor, version in watched if tensor._version != version]
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        raise TbaCheckpointError(
+            f"checkpoint {path}: {shown} changed after save() returned and before the lazy copy had read it, "
+            "so the checkpoint would not hold the state of the save call; call checkpointer.guard(optimizer) "
+            "once (optimizer.step() then waits for the copy), or handle.wait_snapshot() before changing saved "
+            "tensors (forward changes BatchNorm running statistics); the earlier checkpoint at the path is unchanged")
