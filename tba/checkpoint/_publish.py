@@ -4,13 +4,16 @@ A save writes under a staging directory beside the checkpoint (``.<name>.tba-par
 and publishes it with :func:`swap_into_place`: one ``rename`` when nothing is at the target, else
 ``renameat2(RENAME_EXCHANGE)``, which swaps the two directories in one atomic step, so the name
 always holds a whole checkpoint. :func:`fsync_path` makes files and directory entries durable;
-:func:`remove_stale_partials` removes staging directories of processes that died mid-save.
+:func:`remove_stale_partials` removes staging directories of processes that died mid-save
+(:func:`hold_staging` marks a live one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -49,26 +52,89 @@ def is_checkpoint_dir(path: str) -> bool:
     return all(n == METADATA_NAME or n.endswith(DATA_SUFFIX) for n in names)
 
 
-def remove_stale_partials(parent: str, name: str) -> None:
-    """Remove staging directories of saves to ``parent/name`` whose process is gone."""
-    for entry in os.listdir(parent):
+def hold_staging(staging: str) -> int:
+    """Open ``staging`` and ``flock`` it for as long as the save runs; returns the fd to close when it has ended.
+
+    Note: [Whose partial directory is dead]
+    A save killed mid-write leaves its staging directory; the next save to the *same* name removed
+    it, so per-step names (``ckpt/step100``, never saved again) kept theirs for ever (helper-41).
+    Every save and load now removes the dead partial directories of *every* name in its directory,
+    so "dead" must never be wrong: a directory is removed only when its owner's pid is gone (or is
+    this process and the save is not in progress) *and* the ``flock`` its owner holds can be taken.
+    The lock is what protects a live save of another host or PID namespace sharing the directory,
+    whose pid means nothing here; a kernel frees it the moment its owner dies. Where the file system
+    has no ``flock``, only partial directories of the name being saved are removed, by pid, as before.
+    """
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                raise
+        held, named = os.fstat(fd), os.stat(staging)
+        if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):  # removed before it was locked
+            raise OSError(errno.ENOENT, "the staging directory was removed by another process", staging)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pid_gone(parent: str, entry: str, pid: int) -> bool:
+    if pid == os.getpid():
+        return os.path.join(parent, entry.removesuffix(".old")) not in ACTIVE_STAGING
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _lock_free(path: str) -> bool | None:
+    """Whether nobody holds ``path``'s flock (True), somebody does (False), or it cannot be told (None)."""
+    if os.path.islink(path):
+        return True  # a staging directory is never a link: a replaced symlink, owned by the pid alone
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def remove_stale_partials(parent: str, name: str | None = None) -> None:
+    """Remove the staging directories in ``parent`` whose save died (Note [Whose partial directory is dead]).
+
+    ``name``: the checkpoint being saved, whose dead partials go even where ``flock`` is unsupported.
+    """
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
         match = _PARTIAL.match(entry)
-        if not match or match.group("name") != name:
+        if not match or not _pid_gone(parent, entry, int(match.group("pid"))):
             continue
-        pid = int(match.group("pid"))
-        if pid == os.getpid():
-            alive = os.path.join(parent, entry.removesuffix(".old")) in ACTIVE_STAGING
+        path = os.path.join(parent, entry)
+        free = _lock_free(path)
+        if free is False or (free is None and match.group("name") != name):
+            continue
+        logger.info("tba: removing %s left by a save that did not finish", entry)
+        if os.path.islink(path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         else:
-            try:
-                os.kill(pid, 0)
-                alive = True
-            except ProcessLookupError:
-                alive = False
-            except PermissionError:
-                alive = True
-        if not alive:
-            logger.info("tba: removing %s left by a save that did not finish", entry)
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def fsync_path(path: str) -> None:

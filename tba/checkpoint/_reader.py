@@ -36,7 +36,7 @@ from tba.checkpoint._io import (
     host_buffer,
     make_engine,
 )
-from tba.checkpoint._publish import METADATA_NAME, wait_for_saves
+from tba.checkpoint._publish import METADATA_NAME, remove_stale_partials, wait_for_saves
 
 DEFAULT_BATCH_BYTES = 256 << 20
 """Most bytes read into memory before they are handed to the planner (bytes)."""
@@ -86,6 +86,7 @@ class TbaStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         wait_for_saves(self.path)  # Note [A load waits for the saves to its path]
+        remove_stale_partials(os.path.dirname(os.path.abspath(self.path)))  # Note [Whose partial directory is dead]
         metadata_path = os.path.join(self.path, METADATA_NAME)
         try:
             with open(metadata_path, "rb") as stream:

@@ -15,7 +15,7 @@ to the staging directory, ``fsync``\\ s it and the directory, and only then rena
 directory into place (exchanging it atomically with an existing checkpoint, which is then
 deleted) and ``fsync``\\ s the parent. A process killed at any moment therefore leaves the old
 checkpoint (or none) under the name, never a partial one; partial directories of dead processes
-are removed by the next save to the same path.
+are removed by the next save or load in the same directory (Note [Whose partial directory is dead]).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from tba.checkpoint._publish import (
     METADATA_NAME,
     checkpoint_error,
     fsync_path,
+    hold_staging,
     is_checkpoint_dir,
     remove_stale_partials,
     swap_into_place,
@@ -138,6 +139,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self._staging = ""
+        self._staging_fd = -1
         self.last_write_bytes = 0
         """Bytes of the data file of the latest ``write_data`` (padding included)."""
         self.last_write_s = 0.0
@@ -180,13 +182,16 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         parent, name = os.path.split(self.path)
-        remove_stale_partials(parent, name)
+        remove_stale_partials(parent, name)  # Note [Whose partial directory is dead]
         staging = os.path.join(parent, f".{name}.tba-partial-{os.getpid()}-{self.save_id[:12]}")
         self._staging = staging
         ACTIVE_STAGING.add(staging)
         try:
             os.mkdir(staging)
+            self._staging_fd = hold_staging(staging)
         except OSError as err:
+            self._release_staging()
+            shutil.rmtree(staging, ignore_errors=True)
             raise checkpoint_error(err, "creating the staging directory", parent) from err
         return [dataclasses.replace(plan, storage_data=_FilePlan(f"__{i}_", staging))
                 for i, plan in enumerate(plans)]
@@ -243,6 +248,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         except BaseException as err:
             shutil.rmtree(file_plan.staging, ignore_errors=True)
             ACTIVE_STAGING.discard(file_plan.staging)
+            self._release_staging()
             if isinstance(err, OSError):
                 raise checkpoint_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
             raise
@@ -275,9 +281,17 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             raise checkpoint_error(err, "publishing the checkpoint", parent) from err
         finally:
             ACTIVE_STAGING.discard(staging)
+            self._release_staging()
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         logger.debug("tba: checkpoint %s published", self.path)
+
+    def _release_staging(self) -> None:
+        """Drop the staging directory's lock (Note [Whose partial directory is dead]) once the save has ended."""
+        ACTIVE_STAGING.discard(self._staging)
+        fd, self._staging_fd = self._staging_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def close(self) -> None:
         """Release the staging copy kept for ``async_save`` (engines are closed by each save itself)."""

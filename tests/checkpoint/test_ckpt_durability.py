@@ -140,3 +140,47 @@ def test_saves_a_full_disk_fails_leave_no_engine_behind(tiny_disk):
             with pytest.raises(TbaCheckpointError, match="No space left"):
                 checkpointer.save({"a": torch.ones(8 * MIB)}, path).wait()
         assert engine_threads() == threads and descriptors() == fds
+
+
+KILLED_MID_WRITE = textwrap.dedent("""
+    import sys, time, warnings
+    import torch, torch.distributed.checkpoint as dcp
+    from tba.checkpoint import TbaStorageWriter, _layout
+    warnings.simplefilter("ignore")
+    def stalled(*args, **kwargs):
+        print("writing", flush=True)
+        time.sleep(600)
+    _layout.write_image = stalled
+    dcp.save({"w": torch.ones(1000)}, storage_writer=TbaStorageWriter(sys.argv[1]), no_dist=True)
+""")
+
+
+def test_partials_of_killed_saves_to_other_names_are_removed_and_live_ones_kept(tmp_path):
+    """Note [Whose partial directory is dead]: a per-step name's partial stayed for ever (helper-41)."""
+    import fcntl
+
+    child = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path / "step1")],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    (killed,) = os.listdir(tmp_path)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        alive = tmp_path / f".step3.tba-partial-{live.pid}-0123456789ab"  # a live process's save
+        alive.mkdir()
+        elsewhere = tmp_path / f".step4.tba-partial-{child.pid}-0123456789ab"  # a dead pid here, locked elsewhere
+        elsewhere.mkdir()
+        lock = os.open(elsewhere, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(str(tmp_path / "step2")), no_dist=True)
+            assert sorted(os.listdir(tmp_path)) == sorted([alive.name, elsewhere.name, "step2"]), killed
+        finally:
+            os.close(lock)
+        load_state(str(tmp_path / "step2"), {"w": torch.zeros(8)}, TbaStorageReader(str(tmp_path / "step2")))
+        assert sorted(os.listdir(tmp_path)) == sorted([alive.name, "step2"]), "a load removes them too"
+    finally:
+        live.kill()
+        live.wait()
