@@ -130,11 +130,7 @@ def remove_stale_partials(parent: str, name: str | None = None) -> None:
         if free is False or (free is None and match.group("name") != name):
             continue
         logger.info("tba: removing %s left by a save that did not finish", entry)
-        if os.path.islink(path):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        remove_replaced(path)
 
 
 def fsync_path(path: str) -> None:
@@ -184,6 +180,20 @@ def swap_into_place(staging: str, target: str) -> str | None:
         os.rename(staging, target)
     fsync_path(parent)
     return aside
+
+
+def remove_replaced(path: str) -> None:
+    """Remove what :func:`swap_into_place` moved aside: the old checkpoint, or a symlink that named it.
+
+    A symlink at the target (a ``latest`` pointer to a checkpoint) is exchanged like a directory;
+    ``shutil.rmtree`` refuses links and its error was ignored, so the link stayed behind under the
+    staging name (helper-41). The link goes; the checkpoint it pointed to stays.
+    """
+    if os.path.islink(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # Note: [A load waits for the saves to its path]

@@ -59,6 +59,7 @@ from tba.checkpoint._publish import (
     fsync_path,
     hold_staging,
     is_checkpoint_dir,
+    remove_replaced,
     remove_stale_partials,
     swap_into_place,
 )
@@ -283,7 +284,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             ACTIVE_STAGING.discard(staging)
             self._release_staging()
         if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+            remove_replaced(replaced)
         logger.debug("tba: checkpoint %s published", self.path)
 
     def _release_staging(self) -> None:

@@ -89,6 +89,26 @@ def test_overwrite_replaces_whole_checkpoint_and_leaves_no_staging(tmp_path):
     assert_state_equal(load_state(path, second, TbaStorageReader(path)), second)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["dcp.save", "save_lazy"])
+def test_saving_over_a_latest_symlink_replaces_the_link_and_leaves_nothing_behind(tmp_path, lazy):
+    """A stray `.latest.tba-partial-*` symlink stayed beside the new checkpoint (helper-41)."""
+    from tba.checkpoint import save_lazy
+
+    first, second = {"a": torch.ones(100)}, {"a": torch.full((100,), 7.0)}
+    dcp.save(first, storage_writer=TbaStorageWriter(str(tmp_path / "step1")), no_dist=True)
+    os.symlink("step1", tmp_path / "latest")
+    latest = str(tmp_path / "latest")
+    if lazy:
+        save_lazy(second, latest).wait()
+    else:
+        dcp.save(second, storage_writer=TbaStorageWriter(latest), no_dist=True)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step1"]
+    assert not os.path.islink(latest)
+    assert_state_equal(load_state(latest, second, TbaStorageReader(latest)), second)
+    step1 = str(tmp_path / "step1")
+    assert_state_equal(load_state(step1, first, TbaStorageReader(step1)), first)
+
+
 def test_refuses_to_replace_a_directory_with_other_files(tmp_path):
     path = tmp_path / "precious"
     path.mkdir()
