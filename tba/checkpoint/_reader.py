@@ -38,9 +38,23 @@ from tba.checkpoint._io import (
 )
 from tba.checkpoint._publish import METADATA_NAME, remove_stale_partials, wait_for_saves
 
+_TRIES = 3
+"""Attempts at reading ``.metadata`` while other processes' saves replace the directory."""
+
 DEFAULT_BATCH_BYTES = 256 << 20
 """Most bytes read into memory before they are handed to the planner (bytes)."""
 
+
+
+class CheckpointReplaced(TbaCheckpointError):
+    """The checkpoint was replaced by another save while a load read it; nothing was loaded."""
+
+
+def _close_all(files: dict[str, tuple[int, int]]) -> None:
+    for fds in files.values():
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -74,6 +88,7 @@ class TbaStorageReader(StorageReader):
         self._backend = backend
         self._queue_depth = queue_depth
         self._batch_bytes = batch_bytes
+        self._metadata_bytes: bytes | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -88,12 +103,16 @@ class TbaStorageReader(StorageReader):
         wait_for_saves(self.path)  # Note [A load waits for the saves to its path]
         remove_stale_partials(os.path.dirname(os.path.abspath(self.path)))  # Note [Whose partial directory is dead]
         metadata_path = os.path.join(self.path, METADATA_NAME)
-        try:
-            with open(metadata_path, "rb") as stream:
-                metadata = pickle.load(stream)
-        except FileNotFoundError as err:
-            raise TbaCheckpointError(f"no checkpoint at {self.path}: {METADATA_NAME} is missing; "
-                                     "pass the directory a save completed to") from err
+        for attempt in range(_TRIES):
+            try:
+                with open(metadata_path, "rb") as stream:
+                    self._metadata_bytes = stream.read()
+                break
+            except FileNotFoundError as err:  # a save of another process may have just replaced the directory
+                if attempt == _TRIES - 1 or not os.path.exists(metadata_path):
+                    raise TbaCheckpointError(f"no checkpoint at {self.path}: {METADATA_NAME} is missing; "
+                                             "pass the directory a save completed to") from err
+        metadata = pickle.loads(self._metadata_bytes)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -117,13 +136,59 @@ class TbaStorageReader(StorageReader):
                 raise TbaCheckpointError(f"{self.path} uses stream transforms "
                                          f"{info.transform_descriptors}; load it with FileSystemReader")
             per_file.setdefault(info.relative_path, []).append(item)
-        with make_engine(self._backend, queue_depth=self._queue_depth) as engine:
-            for relative_path, items in per_file.items():
-                items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-                self._read_file(engine, os.path.join(self.path, relative_path), items, planner)
+        files = self._open_files(list(per_file))
+        try:
+            with make_engine(self._backend, queue_depth=self._queue_depth) as engine:
+                for relative_path, items in per_file.items():
+                    items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+                    self._read_file(engine, os.path.join(self.path, relative_path), files[relative_path],
+                                    items, planner)
+        finally:
+            _close_all(files)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _open_files(self, names: list[str]) -> dict[str, tuple[int, int]]:
+        """Open the data files of the checkpoint whose metadata was read, ``(buffered fd, O_DIRECT fd or -1)`` each.
+
+        Note: [A load racing another process's save]
+        ``read_metadata`` and ``read_data`` each named files by the checkpoint's path; a save of
+        another process exchanging the directory in between gave a read of the new data file at the
+        old metadata's offsets, a miniz error (helper-41). The directory is opened once here, its
+        ``.metadata`` read again through it and compared with the bytes ``read_metadata`` parsed
+        (a tba save's metadata holds its unique ``save_id``), and every data file is opened through
+        the same directory before a byte is loaded; an open file stays readable when the replaced
+        checkpoint is deleted. A mismatch, or a file already deleted, raises
+        :class:`CheckpointReplaced` before anything is loaded; :func:`tba.checkpoint.load` retries.
+        """
+        opened: dict[str, tuple[int, int]] = {}
+        replaced = CheckpointReplaced(f"the checkpoint at {self.path} was replaced by another save while this "
+                                      "load read it, and nothing was loaded; load again (tba.checkpoint.load "
+                                      "does, a few times)")
+        try:
+            directory = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError as err:
+            raise replaced from err
+        try:
+            with open(METADATA_NAME, "rb", opener=lambda name, flags: os.open(name, flags, dir_fd=directory)) as stream:
+                if self._metadata_bytes is not None and stream.read() != self._metadata_bytes:
+                    raise replaced
+            for name in names:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=directory)
+                opened[name] = (fd, -1)
+                try:
+                    opened[name] = (fd, os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT, dir_fd=directory))
+                except OSError:
+                    pass
+        except BaseException as err:
+            _close_all(opened)
+            if isinstance(err, FileNotFoundError):
+                raise replaced from err
+            raise
+        finally:
+            os.close(directory)
+        return opened
 
     def _batches(self, items: list[ReadItem]) -> list[list[ReadItem]]:
         batches: list[list[ReadItem]] = [[]]
@@ -138,30 +203,22 @@ class TbaStorageReader(StorageReader):
             batches[-1].append(item)
         return [b for b in batches if b]
 
-    def _read_file(self, engine: Engine, path: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        try:
-            direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError:
-            direct_fd = -1
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            for batch in self._batches(items):
-                infos = [self.storage_data[i.storage_index] for i in batch]
-                start = infos[0].offset - infos[0].offset % ALIGN_BYTES
-                end = max(i.offset + i.length for i in infos)
-                if end > size:
-                    raise TbaCheckpointError(f"{path} is shorter ({size} bytes) than its metadata says "
-                                             f"({end}); the checkpoint is damaged")
-                buffer = host_buffer(align_up(end) - start)
-                self._fill(engine, direct_fd, fd, buffer, start, end, size)
-                for item, info in zip(batch, infos):
-                    blob = buffer[info.offset - start : info.offset - start + info.length]
-                    self._deliver(item, blob, planner)
-        finally:
-            os.close(fd)
-            if direct_fd >= 0:
-                os.close(direct_fd)
+    def _read_file(self, engine: Engine, path: str, fds: tuple[int, int], items: list[ReadItem],
+                   planner: LoadPlanner) -> None:
+        fd, direct_fd = fds
+        size = os.fstat(fd).st_size
+        for batch in self._batches(items):
+            infos = [self.storage_data[i.storage_index] for i in batch]
+            start = infos[0].offset - infos[0].offset % ALIGN_BYTES
+            end = max(i.offset + i.length for i in infos)
+            if end > size:
+                raise TbaCheckpointError(f"{path} is shorter ({size} bytes) than its metadata says "
+                                         f"({end}); the checkpoint is damaged")
+            buffer = host_buffer(align_up(end) - start)
+            self._fill(engine, direct_fd, fd, buffer, start, end, size)
+            for item, info in zip(batch, infos):
+                blob = buffer[info.offset - start : info.offset - start + info.length]
+                self._deliver(item, blob, planner)
 
     @staticmethod
     def _fill(engine: Engine, direct_fd: int, fd: int, buffer: torch.Tensor, start: int, end: int, size: int) -> None:

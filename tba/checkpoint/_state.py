@@ -24,10 +24,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from tba.checkpoint._io import TbaCheckpointError
-from tba.checkpoint._reader import TbaStorageReader
+from tba.checkpoint._reader import CheckpointReplaced, TbaStorageReader
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optim"
+LOAD_TRIES = 3
+"""Loads attempted while saves of other processes replace the checkpoint between a load's reads."""
 
 
 def state_dict(model: nn.Module, optimizer: Optimizer | None = None, **extra: Any) -> dict[str, Any]:
@@ -76,10 +78,22 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
     """
     state = state_dict(model, optimizer, **extra)
     try:
-        dcp.load(state, storage_reader=TbaStorageReader(path, backend=backend), planner=_StrictPlanner(), no_dist=True)
+        for attempt in range(LOAD_TRIES):  # Note [A load racing another process's save]
+            try:
+                dcp.load(state, storage_reader=TbaStorageReader(path, backend=backend), planner=_StrictPlanner(),
+                         no_dist=True)
+                break
+            except CheckpointException as err:
+                replaced = any(isinstance(f[0], CheckpointReplaced) for f in err.failures.values())
+                if not replaced or attempt == LOAD_TRIES - 1:
+                    raise
     except TbaCheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps errors in its own BaseException
+        failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+        tba_error = next((f[0] for f in failures if isinstance(f[0], TbaCheckpointError)), None)
+        if tba_error is not None:
+            raise tba_error from None
         text = str(err)
         ours = next((line for line in text.splitlines() if "TbaCheckpointError: " in line), None)
         if ours is not None:
