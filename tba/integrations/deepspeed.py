@@ -167,6 +167,17 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     )
 
 
+def _missing_directories(directory: str | None) -> list[str]:
+    """``directory`` and its ancestors that do not exist yet, deepest first (Note [TbaDeepSpeed removes the
+    directories it made])."""
+    missing: list[str] = []
+    path = os.path.abspath(directory) if directory is not None else None
+    while path is not None and not os.path.lexists(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 class TbaDeepSpeed:
     """tba for one DeepSpeed engine: ``with`` it around each micro-step's forward, ``close()`` at the end.
 
@@ -188,14 +199,13 @@ class TbaDeepSpeed:
         self.engine = engine
         self.settings = parse_config(engine.config if config is None else config)
         self.offloader: Offloader | None = None
-        self._made_directory: str | None = None
+        self._made_directories: list[str] = []
         self._first_step: tuple[int, float, int] | None = None
         self._check_pending = False
         settings = self.settings
         if settings is None or not settings.enabled or settings.policy == "keep":
             return
-        if settings.directory is not None and not os.path.exists(settings.directory):
-            self._made_directory = settings.directory
+        self._made_directories = _missing_directories(settings.directory)
         try:
             self.offloader = Offloader(settings.directory, layers=engine.module if layers is None else layers,
                                        **{"policy": settings.policy, **settings.offloader_options})
@@ -228,16 +238,26 @@ class TbaDeepSpeed:
             return self.engine(*args, **kwargs)
 
     def close(self) -> None:
-        """Close the offloader (its file goes away) and remove tba's directory if this created it and it is empty."""
+        """Close the offloader (its file goes away) and remove the directories tba made, those left empty.
+
+        Note: [TbaDeepSpeed removes the directories it made]
+        tba's directory defaults to ``<nvme_path>/tba``; where ``nvme_path`` did not exist either (ZeRO-1/2
+        with ``device: "nvme"`` make nothing there), tba's first spill made both, and only ``tba`` was
+        removed, leaving an empty ``nvme_path`` (helper-41). Every directory missing when this was built
+        (``directory`` and the ancestors it made) is removed deepest first while empty; one that holds
+        anything (DeepSpeed's swap folders) and everything above it stays.
+        """
         if self.offloader is None:
             return
         self._watch_first_step()
         self.offloader.close()
-        if self._made_directory is not None:
+        for directory in self._made_directories:
             try:
-                os.rmdir(self._made_directory)
+                os.rmdir(directory)
+            except FileNotFoundError:
+                continue  # never made (nothing was spilled), or already removed
             except OSError:
-                pass
+                break
 
     def _traffic_bytes(self) -> int:
         stats = self.offloader.stats

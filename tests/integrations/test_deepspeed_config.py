@@ -178,3 +178,22 @@ def test_measure_bandwidth_leaves_nothing(spill_dir):
     write_rate, read_rate = shared_disk.measure_bandwidth(spill_dir, backend="threads", probe_bytes=4 << 20)
     assert write_rate > 0 and read_rate > 0
     assert shared_disk.same_device(spill_dir, os.path.join(spill_dir, "not", "yet"))
+
+
+def test_close_removes_the_nvme_path_it_made_and_nothing_else(tmp_path):
+    """Note [TbaDeepSpeed removes the directories it made]: an empty nvme_path stayed (helper-41)."""
+    nvme = tmp_path / "disk" / "nvme"
+    engine = FakeEngine(nvme_config(str(nvme), backend="threads", min_offload_bytes=0, check_bandwidth=False))
+    offload = tba_ds.TbaDeepSpeed(engine)
+    train_fake(engine, offload, 2)
+    assert offload.stats.bytes_written > 0
+    assert os.listdir(tmp_path) == [], "directories tba made were left behind"
+    engine = FakeEngine(nvme_config(str(nvme), backend="threads", min_offload_bytes=0, check_bandwidth=False))
+    offload = tba_ds.TbaDeepSpeed(engine)
+    train_fake(engine, offload, 1)  # close() included; now a swap folder appears before the second close
+    offload = tba_ds.TbaDeepSpeed(engine)
+    with offload:
+        engine(*make_batch(PRESETS["tiny"]))
+    (nvme / "zero_stage_3").mkdir()
+    offload.close()
+    assert sorted(os.listdir(nvme)) == ["zero_stage_3"], "a directory holding DeepSpeed's files was removed"
