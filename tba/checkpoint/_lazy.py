@@ -212,10 +212,10 @@ class LazyCheckpointer:
             if previous is not None and not previous.done():
                 logger.info("tba: checkpoint %s waits for %s to finish", path, previous.path)
                 previous._done.wait()
+            self._writer.reset(path)
+            self._writer.prepare_local_plan(None)  # refuses a bad destination before the save is registered
             handle = LazyCheckpoint(path, on_done)
             begin_save(path, handle._done)  # Note [A load waits for the saves to its path]
-            self._writer.reset(path)
-            self._writer.prepare_local_plan(None)
             self._writer.on_snapshot = handle._mark_snapshot
             # Note [A tensor changed before the lazy copy read it]
             self._writer.check_snapshot = lambda: check_unchanged(watched, path)
@@ -226,7 +226,11 @@ class LazyCheckpointer:
         # middle of torch's C++ code during finalization ("terminate called without an active
         # exception", abort) and left a partial directory.
         thread = threading.Thread(target=self._run, args=(frozen, handle), name="tba-ckpt", daemon=False)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException as err:  # no thread to finish it: the loads waiting for it must not wait for ever
+            handle._finish(err)
+            raise
         return handle
 
     def _run(self, state_dict: dict[str, Any], handle: LazyCheckpoint) -> None:

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from ckpt_helpers import assert_state_equal, clone_state, full_state, load_state, make_model, train_step
 from torch.distributed.checkpoint import FileSystemReader
 
-from tba.checkpoint import LazyCheckpointer, TbaStorageReader, TbaStorageWriter, save_lazy
+from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, TbaStorageWriter, save_lazy
 from tba.errors import TbaConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
@@ -128,3 +128,23 @@ def test_a_load_waits_for_a_lazy_save_to_its_path(tmp_path, monkeypatch):
         tc.load(path, fresh)
         assert handle.done()
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_save_refused_at_once_does_not_make_loads_of_its_path_wait(tmp_path):
+    """A save refused by save() stayed registered (Note [A load waits for the saves to its path]): every later load
+    of that path waited for it for ever (helper-41)."""
+    import tba.checkpoint as tc
+
+    path = tmp_path / "precious"
+    path.mkdir()
+    (path / "notes.txt").write_text("keep me")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TbaConfigError, match="not a checkpoint directory"):
+        save_lazy(tc.state_dict(model), path)
+    outcome = []
+    loader = threading.Thread(target=lambda: outcome.append(pytest.raises(TbaCheckpointError, tc.load, path, model)),
+                              daemon=True)
+    loader.start()
+    loader.join(timeout=30)
+    assert outcome, "the load waited for a save that was never started"
+    assert (path / "notes.txt").read_text() == "keep me"
