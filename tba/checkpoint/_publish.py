@@ -206,6 +206,18 @@ _saves_lock = threading.Lock()
 _saves: dict[str, list[threading.Event]] = {}
 
 
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's save threads: it waits for none of their saves (helper-41: its load
+    of a path the parent was saving to waited for ever) and owns none of their staging directories."""
+    global _saves_lock
+    _saves_lock = threading.Lock()
+    _saves.clear()
+    ACTIVE_STAGING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def begin_save(path: str, done: threading.Event) -> None:
     """Register a lazy save to ``path`` (absolute) that sets ``done`` once published or failed."""
     with _saves_lock:

@@ -33,6 +33,27 @@ FORK = textwrap.dedent("""
     sys.exit(os.waitstatus_to_exitcode(status))
 """)
 
+FORK_LOAD = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    from torch import nn
+    import tba.checkpoint as ck
+    from tba.checkpoint import _layout
+    path, model = sys.argv[1] + "/c", nn.Linear(256, 256)
+    ck.save_lazy(ck.state_dict(model), path).wait()
+    write_image = _layout.write_image
+    _layout.write_image = lambda *a, **k: (time.sleep(3), write_image(*a, **k))[1]
+    handle = ck.save_lazy(ck.state_dict(model), path)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        torch.set_num_threads(1)  # GNU OpenMP hangs a child's first parallel region after the parent's, tba or not
+        ck.load(path, nn.Linear(256, 256))
+        os._exit(0 if not handle.done() else 3)
+    _, status = os.waitpid(pid, 0)
+    handle.wait()
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
 
 def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -55,3 +76,11 @@ def test_save_lazy_in_a_forked_child_does_not_wait_for_the_parent(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("parent", "child", "parent2"):
         assert (tmp_path / name / ".metadata").exists(), name
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_loads_a_path_the_parent_is_saving_to_without_waiting(tmp_path):
+    """The child inherited the parent's registry of lazy saves (Note [A load waits for the saves to its path]) and
+    its load waited for ever for a save thread it does not have (helper-41)."""
+    result = _run(FORK_LOAD, str(tmp_path), timeout=90)
+    assert result.returncode == 0, f"child status {result.returncode} (-14: hung until SIGALRM)\n{result.stderr[-2000:]}"
