@@ -8,11 +8,11 @@ and backward run, and writes them to disk with O_DIRECT while training goes on; 
 optimizer step waits, and only for what is not yet copied.
 """
 
-from tba.checkpoint._io import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, TbaCheckpointError
+from tba.checkpoint._io import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError
 from tba.checkpoint._lazy import LazyCheckpoint, LazyCheckpointer, save_lazy
 from tba.checkpoint._reader import TbaStorageReader
 from tba.checkpoint._state import load, state_dict
-from tba.checkpoint._writer import ImagePool, TbaStorageWriter
+from tba.checkpoint._writer import TbaStorageWriter
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

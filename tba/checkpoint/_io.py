@@ -16,6 +16,8 @@ adds the sizes of checkpoint host buffers; staging directories and atomic public
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
@@ -33,7 +35,7 @@ DEFAULT_CHUNK_BYTES = BLOCK_SIZE_BYTES
 
 
 __all__ = [
-    "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "Op", "Request",
+    "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "ImagePool", "Op", "Request",
     "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "create_preallocated",
     "host_buffer", "make_engine", "resolve_directory",
 ]
@@ -51,3 +53,23 @@ def align_up(nbytes: int) -> int:
 def host_buffer(nbytes: int) -> torch.Tensor:
     """:func:`tba.io.host_buffer` of at least ``nbytes``, rounded up to :data:`HUGE_PAGE_BYTES`."""
     return io_host_buffer(round_up(max(nbytes, 1), HUGE_PAGE_BYTES))
+
+
+class ImagePool:
+    """One reusable page-aligned host buffer for file images, grown on demand.
+
+    Reusing it matters: fresh memory is first touched at ~1 GB/s here, ten times slower than a
+    copy into memory touched before.
+    """
+
+    def __init__(self, reserve_bytes: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = host_buffer(reserve_bytes) if reserve_bytes else None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes``; callers must not use it from two saves at once."""
+        with self._lock:
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = None
+                self._buffer = host_buffer(nbytes + nbytes // 8)
+            return self._buffer

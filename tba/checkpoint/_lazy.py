@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from tba import _sched
 from tba.checkpoint._frozen import check_unchanged, freeze
-from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, TbaCheckpointError, TbaConfigError
-from tba.checkpoint._publish import begin_save, end_save
-from tba.checkpoint._writer import ImagePool, TbaStorageWriter
+from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError
+from tba.checkpoint._publish import begin_save, end_save, wait_for_earlier_saves
+from tba.checkpoint._writer import TbaStorageWriter
 
 logger = logging.getLogger("tba")
 
@@ -219,6 +219,8 @@ class LazyCheckpointer:
             self._writer.on_snapshot = handle._mark_snapshot
             # Note [A tensor changed before the lazy copy read it]
             self._writer.check_snapshot = lambda: check_unchanged(watched, path)
+            # Note [Lazy saves to one path publish in call order]
+            self._writer.before_publish = lambda: wait_for_earlier_saves(path, handle._done)
             self._latest = handle
         # Note: [A checkpoint started is finished at exit]
         # The save thread is not a daemon: the interpreter joins it before it exits, so a script

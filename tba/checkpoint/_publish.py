@@ -234,6 +234,22 @@ def end_save(path: str, done: threading.Event) -> None:
             _saves.pop(path, None)
 
 
+def wait_for_earlier_saves(path: str, done: threading.Event) -> None:
+    """Wait for the lazy saves to ``path`` registered before the one that sets ``done``.
+
+    Note: [Lazy saves to one path publish in call order]
+    Two checkpointers saving to one path ran side by side, and whichever finished last was
+    published: the earlier call's state could replace the later one's after the later handle's
+    ``wait()`` had returned, silently (helper-41). A save publishes only once the saves to its path
+    registered before it have ended, so the path ends with the state of the last ``save`` call.
+    """
+    with _saves_lock:
+        pending = _saves.get(path, [])
+        earlier = pending[: pending.index(done)] if done in pending else []
+    for event in earlier:
+        event.wait()
+
+
 def wait_for_saves(path: str) -> None:
     """Wait until every lazy save of this process to ``path`` has ended (Note [A load waits for the saves to its
     path])."""

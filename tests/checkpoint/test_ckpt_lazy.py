@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -148,3 +149,30 @@ def test_a_save_refused_at_once_does_not_make_loads_of_its_path_wait(tmp_path):
     loader.join(timeout=30)
     assert outcome, "the load waited for a save that was never started"
     assert (path / "notes.txt").read_text() == "keep me"
+
+
+def test_two_checkpointers_saving_to_one_path_publish_in_call_order(tmp_path, monkeypatch):
+    """Note [Lazy saves to one path publish in call order]: the earlier, slower save replaced the later one (helper-41)."""
+    import time
+
+    from tba.checkpoint import _layout
+
+    write_image, calls = _layout.write_image, []
+
+    def first_one_slow(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(1.0)
+        return write_image(*args, **kwargs)
+
+    path = str(tmp_path / "c")
+    with LazyCheckpointer() as first, LazyCheckpointer() as second:
+        first.save({"w": torch.zeros(4)}, str(tmp_path / "warm")).wait()
+        monkeypatch.setattr(_layout, "write_image", first_one_slow)
+        earlier = first.save({"w": torch.full((1000,), 1.0)}, path)
+        later = second.save({"w": torch.full((1000,), 2.0)}, path)
+        later.wait()
+        assert earlier.done(), "the later save was published before the earlier one ended"
+        earlier.wait()
+    assert torch.equal(load_state(path, {"w": torch.zeros(1000)}, TbaStorageReader(path))["w"], torch.full((1000,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["c", "warm"]
