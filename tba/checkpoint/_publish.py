@@ -1,6 +1,6 @@
 """Staging directories and atomic publication of a checkpoint.
 
-A save writes under a staging directory beside the checkpoint (``.<name>.tba-partial-<pid>-<id>``)
+A save writes under a staging directory beside the checkpoint (``.<name>.tba-partial-m<machine>-<pid>-<id>``)
 and publishes it with :func:`swap_into_place`: one ``rename`` when nothing is at the target, else
 ``renameat2(RENAME_EXCHANGE)``, which swaps the two directories in one atomic step, so the name
 always holds a whole checkpoint. :func:`fsync_path` makes files and directory entries durable;
@@ -14,10 +14,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
 import shutil
+import socket
 import threading
 
 from tba.checkpoint._io import TbaCheckpointError
@@ -28,7 +30,26 @@ METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 ACTIVE_STAGING: set[str] = set()
 """Staging directories of saves in progress in this process (never removed as stale)."""
-_PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?:m(?P<machine>[0-9a-f]{8})-)?(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
+
+
+def _machine_tag() -> str:
+    """8 hex digits naming this kernel (its boot id; else the host name): pids mean something only there."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as stream:
+            identity = stream.read().strip()
+    except OSError:
+        identity = socket.gethostname().encode()
+    return hashlib.sha1(identity).hexdigest()[:8]
+
+
+MACHINE = _machine_tag()
+"""Part of every staging directory's name: partials of other machines are never judged by pid here."""
+
+
+def staging_name(name: str, save_id: str) -> str:
+    """The staging directory's name for a save of ``name``: ``.<name>.tba-partial-m<machine>-<pid>-<id>``."""
+    return f".{name}.tba-partial-m{MACHINE}-{os.getpid()}-{save_id[:12]}"
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -61,8 +82,9 @@ def hold_staging(staging: str) -> int:
     Every save and load now removes the dead partial directories of *every* name in its directory,
     so "dead" must never be wrong: a directory is removed only when its owner's pid is gone (or is
     this process and the save is not in progress) *and* the ``flock`` its owner holds can be taken.
-    The lock is what protects a live save of another host or PID namespace sharing the directory,
-    whose pid means nothing here; a kernel frees it the moment its owner dies. Where the file system
+    The staging name carries a tag of the machine (its boot id), and partials of other machines
+    are left to them; the lock protects a live save of another PID namespace on this machine,
+    whose pid means nothing here, and a kernel frees it the moment its owner dies. Where the file system
     has no ``flock``, only partial directories of the name being saved are removed, by pid, as before.
     """
     fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -123,7 +145,9 @@ def remove_stale_partials(parent: str, name: str | None = None) -> None:
         return
     for entry in entries:
         match = _PARTIAL.match(entry)
-        if not match or not _pid_gone(parent, entry, int(match.group("pid"))):
+        if not match or match.group("machine") not in (None, MACHINE):
+            continue  # another machine's save: its pid means nothing here
+        if not _pid_gone(parent, entry, int(match.group("pid"))):
             continue
         path = os.path.join(parent, entry)
         free = _lock_free(path)

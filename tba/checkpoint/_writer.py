@@ -8,7 +8,7 @@ start on 4096-byte boundaries inside the data file (see :mod:`tba.checkpoint._la
 file is written from one aligned host image with ``O_DIRECT`` and many requests in flight.
 
 Durability and atomicity: nothing is written under the checkpoint's own path. The coordinator
-picks a staging directory beside it (``.<name>.tba-partial-<pid>-<id>``) in
+picks a staging directory beside it (``.<name>.tba-partial-m<machine>-<pid>-<id>``) in
 ``prepare_global_plan``; every rank writes its data file there, then ``ftruncate``\\ s it to its
 logical size and ``fsync``\\ s it before ``write_data`` completes. ``finish`` writes the metadata
 to the staging directory, ``fsync``\\ s it and the directory, and only then renames the staging
@@ -59,6 +59,7 @@ from tba.checkpoint._publish import (
     is_checkpoint_dir,
     remove_replaced,
     remove_stale_partials,
+    staging_name,
     swap_into_place,
 )
 
@@ -164,7 +165,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         parent, name = os.path.split(self.path)
         remove_stale_partials(parent, name)  # Note [Whose partial directory is dead]
-        staging = os.path.join(parent, f".{name}.tba-partial-{os.getpid()}-{self.save_id[:12]}")
+        staging = os.path.join(parent, staging_name(name, self.save_id))
         self._staging = staging
         ACTIVE_STAGING.add(staging)
         try:

@@ -172,15 +172,17 @@ def test_partials_of_killed_saves_to_other_names_are_removed_and_live_ones_kept(
         alive.mkdir()
         elsewhere = tmp_path / f".step4.tba-partial-{child.pid}-0123456789ab"  # a dead pid here, locked elsewhere
         elsewhere.mkdir()
+        other_machine = tmp_path / f".step5.tba-partial-m{'0' * 8}-{child.pid}-0123456789ab"  # its pid means nothing
+        other_machine.mkdir()
         lock = os.open(elsewhere, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(str(tmp_path / "step2")), no_dist=True)
-            assert sorted(os.listdir(tmp_path)) == sorted([alive.name, elsewhere.name, "step2"]), killed
+            assert sorted(os.listdir(tmp_path)) == sorted([alive.name, elsewhere.name, other_machine.name, "step2"]), killed
         finally:
             os.close(lock)
         load_state(str(tmp_path / "step2"), {"w": torch.zeros(8)}, TbaStorageReader(str(tmp_path / "step2")))
-        assert sorted(os.listdir(tmp_path)) == sorted([alive.name, "step2"]), "a load removes them too"
+        assert sorted(os.listdir(tmp_path)) == sorted([alive.name, other_machine.name, "step2"]), "a load removes them too"
     finally:
         live.kill()
         live.wait()
