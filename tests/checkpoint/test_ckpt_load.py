@@ -75,3 +75,17 @@ def test_a_writer_per_save_leaks_no_descriptor_or_thread(tmp_path):
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fds
     assert threading.active_count() <= threads
+
+
+def test_a_model_of_other_sizes_gets_a_checkpoint_error_that_except_exception_catches(tmp_path):
+    """Note [A shape mismatch escaped except Exception]: DCP's CheckpointException is a BaseException (helper-41)."""
+    path = str(tmp_path / "c")
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.save(state_dict(nn.Linear(32, 32)), path).wait()
+    caught = None
+    try:
+        load(path, nn.Linear(32, 33))
+    except Exception as err:  # noqa: BLE001 - what a caller writes
+        caught = err
+    assert isinstance(caught, TbaCheckpointError), type(caught)
+    assert "model.weight" in str(caught) and "same sizes" in str(caught)
