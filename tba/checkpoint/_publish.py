@@ -28,6 +28,8 @@ logger = logging.getLogger("tba")
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
+HELD_FDS: set[int] = set()
+"""Descriptors holding the ``flock`` of this process's staging directories (:func:`hold_staging`)."""
 ACTIVE_STAGING: set[str] = set()
 """Staging directories of saves in progress in this process (never removed as stale)."""
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.tba-partial-(?:m(?P<machine>[0-9a-f]{8})-)?(?P<pid>\d+)-[0-9a-f]+(\.old)?$")
@@ -100,7 +102,15 @@ def hold_staging(staging: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+    HELD_FDS.add(fd)
     return fd
+
+
+def release_staging(fd: int) -> None:
+    """Close a descriptor from :func:`hold_staging` (one a forked child has closed already is left alone)."""
+    if fd in HELD_FDS:
+        HELD_FDS.discard(fd)
+        os.close(fd)
 
 
 def _pid_gone(parent: str, entry: str, pid: int) -> bool:
@@ -237,6 +247,10 @@ def _forget_in_child() -> None:
     _saves_lock = threading.Lock()
     _saves.clear()
     ACTIVE_STAGING.clear()
+    for fd in HELD_FDS:  # the lock is the parent's: held here too, it kept a killed parent's partial "alive"
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    HELD_FDS.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

@@ -57,6 +57,7 @@ from tba.checkpoint._publish import (
     fsync_path,
     hold_staging,
     is_checkpoint_dir,
+    release_staging,
     remove_replaced,
     remove_stale_partials,
     staging_name,
@@ -275,7 +276,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         ACTIVE_STAGING.discard(self._staging)
         fd, self._staging_fd = self._staging_fd, -1
         if fd >= 0:
-            os.close(fd)
+            release_staging(fd)
 
     def close(self) -> None:
         """Release the staging copy kept for ``async_save`` (engines are closed by each save itself)."""

@@ -3,6 +3,7 @@ take its own lazy checkpoints while the parent's is in flight (item 7)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -84,3 +85,50 @@ def test_a_forked_child_loads_a_path_the_parent_is_saving_to_without_waiting(tmp
     its load waited for ever for a save thread it does not have (helper-41)."""
     result = _run(FORK_LOAD, str(tmp_path), timeout=90)
     assert result.returncode == 0, f"child status {result.returncode} (-14: hung until SIGALRM)\n{result.stderr[-2000:]}"
+
+
+FORK_THEN_KILLED = textwrap.dedent("""
+    import os, sys, time, torch
+    import tba.checkpoint as ck
+    from tba.checkpoint import _layout
+    ck.save_lazy({"w": torch.ones(100)}, sys.argv[1] + "/step0").wait()
+    _layout.write_image = lambda *a, **k: (print("writing", flush=True), time.sleep(600))
+    ck.save_lazy({"w": torch.ones(100)}, sys.argv[1] + "/step1")
+    while not [n for n in os.listdir(sys.argv[1]) if "tba-partial" in n]:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(pid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_partial_of_a_killed_parent_is_removed_while_its_forked_child_lives(tmp_path):
+    """The child inherited the staging directory's flock, so a killed parent's partial counted as live as long as
+    the child lived (helper-41)."""
+    import signal
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tba.checkpoint import TbaStorageWriter
+
+    parent = subprocess.Popen([sys.executable, "-c", FORK_THEN_KILLED, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        assert parent.stdout.readline().strip() == "writing"
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(str(tmp_path / "step2")), no_dist=True)
+        assert sorted(os.listdir(tmp_path)) == ["step0", "step2"]
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(child, signal.SIGKILL)
