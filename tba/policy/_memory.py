@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from tba.policy._placement import (
     KEEP,
-    OFFLOADED_RECOMPUTE,
+    OFFLOAD,
     RECOMPUTE,
     RECOMPUTED,
     SPILLED,
@@ -79,37 +79,28 @@ def activation_peak(profile: Profile, decisions: tuple[str, ...], window_bytes: 
             start += layer.input_bytes
     peak = start
     for i, (layer, decision) in enumerate(zip(layers, decisions)):
-        if decision in (KEEP, RECOMPUTE):
-            working = layer.saved_bytes + (layer.input_bytes if decision == RECOMPUTE else 0)
-            working += _reads_below(profile, decisions, i, window_bytes)
-        else:
-            working = _read_window(profile, decisions, i, window_bytes)
-            if decision == OFFLOADED_RECOMPUTE:
-                working += layer.saved_bytes
+        working = _read_window(profile, decisions, i, window_bytes)
+        if decision != OFFLOAD:
+            working += layer.saved_bytes + (layer.input_bytes if decision == RECOMPUTE else 0)
         peak = max(peak, below + working)
         below += layer.saved_bytes if decision == KEEP else layer.input_bytes if decision == RECOMPUTE else 0
+    early = _early_reads(profile, decisions, window_bytes)
     top = len(layers) - 1
     if top >= 0 and decisions[top] in RECOMPUTED:
         # Note: [A recomputed top layer rebuilds on top of forward's leftovers]
-        peak = max(peak, start + layers[top].saved_bytes + _early_reads(profile, decisions, window_bytes))
+        peak = max(peak, start + layers[top].saved_bytes + early)
     held = 0 if holds_layers_through_forward(decisions) else _idle_read_buffers(profile, decisions, window_bytes)
-    return max(peak, start + max(held, _early_reads(profile, decisions, window_bytes)))
+    return max(peak, start + max(held, early))
 
 
 def _read_window(profile: Profile, decisions: tuple[str, ...], i: int, window_bytes: int) -> int:
-    """Bytes read back for spilled layer ``i`` at once: its own and the layer below's, up to the window."""
+    """Bytes read back while layer ``i``'s backward runs: its own spilled bytes (none when it is kept or recomputed)
+    and the spilled layer below's, up to the window."""
     layers = profile.layers
     pair = spilled_bytes(layers[i], decisions[i])
     if i > 0 and decisions[i - 1] in SPILLED and profile.prefetch_depth_layers:
         pair += spilled_bytes(layers[i - 1], decisions[i - 1])
     return min(max(window_bytes, profile.max_storage_bytes), pair)
-
-
-def _reads_below(profile: Profile, decisions: tuple[str, ...], i: int, window_bytes: int) -> int:
-    """Bytes read back for the spilled layer below a kept or recomputed layer ``i`` while ``i``'s backward runs."""
-    if i == 0 or decisions[i - 1] not in SPILLED or not profile.prefetch_depth_layers:
-        return 0
-    return min(max(window_bytes, profile.max_storage_bytes), spilled_bytes(profile.layers[i - 1], decisions[i - 1]))
 
 
 def read_at_start(decisions: tuple[str, ...], depth: int) -> list[int]:

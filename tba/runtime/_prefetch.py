@@ -23,7 +23,8 @@ keep-all's (0.94x on the demo's ``small`` preset under tcmalloc). Now the offloa
 the last layer forward ran (:meth:`StorageStore.end_forward`), and each kept tensor carries its
 layer: the first unpack of a kept tensor of another layer tells the window that backward is in that
 layer (:meth:`StorageStore.backward_reached`), which then reads the layer below it, as an unpack of
-an offloaded storage does.
+an offloaded storage does. A recomputed layer's inputs bypass tba's unpack, so its recomputation
+tells the window the same (``_backward_announcer`` in ``tba/runtime/_recompute.py``).
 
 A storage whose write is still in flight is not read: it is marked *hold_for_backward*, which keeps its memory
 after the write completes (forwarding). The window decides only; the offloader does the I/O. It is
