@@ -17,6 +17,10 @@ TORCH_SPEC ?= torch==2.13.0
 # venv, so no other checkout's build can leave it waiting, and the target below clears its own.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 DEEPSPEED_AIO_TIMEOUT_S ?= 900
+# The suite runs in two worker processes (pytest-xdist): most tests wait on subprocesses, threads and
+# files, so on CI's two cores it takes about half the time of one process (333 s against 649 s here).
+# PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test deepspeed-aio clean
 
@@ -38,7 +42,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 
 # DeepSpeed's async_io op (its NVMe swap) JIT-builds against libaio (Debian: libaio-dev) in about
 # 3 minutes, cached under .venv/torch_extensions; tests/integrations/test_deepspeed_nvme.py is
