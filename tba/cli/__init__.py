@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",
     )
+    # A command that re-executes its process (bench-hooks under --allocator) does so only when run from here.
+    args.command_line = True
     return int(args._run(args) or 0)
 
 

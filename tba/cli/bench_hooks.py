@@ -11,7 +11,10 @@ most ``--max-bytes``) on a disk directory and a RAM-backed one, plus the keep pa
 inside ``tba.keep_in_memory()``, so every tensor goes through the pack hook and stays in memory).
 ``--many`` adds the large-count check: ``--many-count`` storages of 64 KiB on the disk directory,
 backward time with tba against without. Progress goes to stderr, the table to stdout, ``--json
-PATH`` writes every figure. See docs/host-cost.md.
+PATH`` writes every figure. ``--allocator`` (default ``auto``: the best caching malloc found, as
+``python -m tba run`` picks it; ``system``: the C library's) re-executes the command once with that
+malloc preloaded, so that both loops, with and without tba, run under it; the header names the
+malloc that served the run. See docs/host-cost.md.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ import tempfile
 import torch
 
 from tba._units import parse_size
+from tba.allocator import CHOICES as ALLOCATORS
+from tba.allocator import detect, run_script_under
 from tba.bench.hooks import HookCase, HookResult, ManyResult, measure, measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
 from tba.defaults import GIB, KIB, MIB
+from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
 
@@ -107,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gc.freeze() before measuring, as a training script can once its model is built: the "
                              "cycle collector's full collections then skip every object alive before (a tuned mode; "
                              "compare with a run without it, docs/host-cost.md)")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc to measure under, both loops alike (re-executes the command once): auto = best "
+                             "caching one found (default), system = the C library's")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH as JSON")
 
 
@@ -191,14 +200,19 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        if getattr(args, "command_line", False):
+            # From the command line only: called as a function (the tests), it measures under the malloc
+            # already serving the process, which the header names.
+            run_script_under(args.allocator)
         for option, given in (("--disk-dir", args.disk_dir), ("--ram-dir", args.ram_dir)):
             if given is not None and given != "none":
                 cli_checks.existing_directory(option, given)
         if args.json:
             cli_checks.output_file("--json", args.json)
-    except ValueError as err:
+    except (ValueError, TbaConfigError) as err:
         print(f"bench-hooks: error: {err}", file=sys.stderr)
         return 2
+    malloc = detect()
     with contextlib.ExitStack() as stack:
         def fresh(given: str | None, default: str) -> str:
             parent = given or (default if os.path.isdir(default) else tempfile.gettempdir())
@@ -220,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update,
                                 thread_cpu=args.thread_cpu)
         progress.done()
-    print(f"device: {args.device}; loop: outputs " + ("held until backward (tba does not read them back)" if args.hold_outputs
-                              else "reduced by sum() at once (only autograd holds them; tba reads each back)")
+    loop = ("held until backward (tba does not read them back)" if args.hold_outputs
+            else "reduced by sum() at once (only autograd holds them; tba reads each back)")
+    print(f"malloc: {malloc}; device: {args.device}; loop: outputs {loop}"
           + ("; gc.freeze() before measuring" if args.gc_freeze else ""))
     print(format_table(results))
     if args.thread_cpu:
@@ -232,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as out:
             json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,
                        "thread_cpu_clock": THREAD_CLOCK if args.thread_cpu else None,
-                       "warmups": args.warmups, "repeats": args.repeats, "gc_freeze": args.gc_freeze}, out, indent=2)
+                       "malloc": str(malloc), "warmups": args.warmups, "repeats": args.repeats,
+                       "gc_freeze": args.gc_freeze}, out, indent=2)
     return 0
 

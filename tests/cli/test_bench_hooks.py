@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from tba.cli import COMMANDS, bench_hooks, build_parser
@@ -91,3 +95,30 @@ def test_gc_freeze_freezes_before_measuring_and_says_so(tmp_path, capsys):
         gc.unfreeze()
     assert "gc.freeze() before measuring" in capsys.readouterr().out
     assert json.loads(out.read_text())["gc_freeze"] is True
+
+
+def test_the_command_line_runs_under_the_allocator_asked_for(tmp_path):
+    from tba import allocator
+
+    choice = next((name for name in allocator.CACHING if allocator.find_library(name) is not None), None)
+    if choice is None:
+        pytest.skip("no caching allocator is installed here")
+    out = tmp_path / "hooks.json"
+    proc = subprocess.run([sys.executable, "-m", "tba", "bench-hooks", "--quick", "--no-disk", "--no-keep", "--ram-dir",
+                           str(tmp_path), "--allocator", choice, "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"malloc: {choice}")
+    assert json.loads(out.read_text())["malloc"].startswith(choice)
+
+
+def test_called_as_a_function_it_measures_under_the_malloc_serving_the_process(tmp_path, monkeypatch, capsys):
+    def no_exec(*args):
+        raise AssertionError("bench_hooks.run re-executed the calling process")
+
+    monkeypatch.setattr(os, "execve", no_exec)
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", str(tmp_path), "--allocator", "auto"])
+    assert bench_hooks.run(args) == 0
+    from tba.allocator import detect
+
+    assert capsys.readouterr().out.startswith(f"malloc: {detect()}")
