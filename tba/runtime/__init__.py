@@ -1,6 +1,7 @@
 """The saved-tensor path: what happens to each tensor autograd saves inside an offload context.
 
-``_offloader.py`` holds :class:`~tba.Offloader`'s life (entry, exit, close), ``_store_owner.py``
+``_offloader.py`` holds :class:`~tba.Offloader`'s options and ``close``, ``_step_cycle.py`` its
+entry and exit, ``_store_owner.py``
 what its store runs on and reports (spill file, engine, counters), ``_oneshot.py`` the one-shot
 context and ``_hooks.py`` its hooks (pack decides keep or offload, unpack rebuilds the tensor);
 ``_views.py`` the saved views and the per-storage entry; ``_store.py`` the entries' I/O and lifetime (dedup by storage, writes,

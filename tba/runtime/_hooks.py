@@ -1,9 +1,9 @@
 """The saved-tensor hooks of an offloader: what happens to each tensor autograd saves, and at unpack.
 
 :class:`SavedTensorHooks` is the hot half of :class:`tba.Offloader` (``tba/runtime/_offloader.py``
-holds its life: options, entry, exit, close). ``pack`` runs once per saved tensor during forward,
-``unpack`` once per saved tensor during backward, both on the training thread; every
-microsecond spent here is host time a GPU's queue waits for (``docs/host-cost.md``).
+holds its options and ``close``, ``tba/runtime/_step_cycle.py`` its entry and exit). ``pack`` runs
+once per saved tensor during forward, ``unpack`` once per saved tensor during backward, both on
+the training thread; every microsecond spent here is host time a GPU's queue waits for (``docs/host-cost.md``).
 
 * :meth:`SavedTensorHooks.keep_reason` says why a tensor stays in memory (None: it goes to disk).
 * ``pack`` of a tensor that goes to disk hands the storage to the store

@@ -1,7 +1,8 @@
 """The offload context: saved-tensor hooks that move activations to a file and back.
 
-This module holds the offloader's life (options, entry, exit, close); its hooks, the per-tensor
-hot path, are in ``tba/runtime/_hooks.py``, what its store runs on and reports in
+This module holds the offloader's options, fork handling and ``close``; its steps (entering and
+leaving the ``with`` block) are in ``tba/runtime/_step_cycle.py``, its hooks, the per-tensor hot
+path, in ``tba/runtime/_hooks.py``, what its store runs on and reports in
 ``tba/runtime/_store_owner.py``, and the one-shot context
 :func:`~tba.runtime._oneshot.offload_activations` in ``tba/runtime/_oneshot.py``.
 ``with offload_activations(...)`` installs :func:`torch.autograd.graph.saved_tensors_hooks`.
@@ -43,27 +44,26 @@ import torch
 from torch import nn
 
 from tba import _control
-from tba._whole_exit import WholeExit
 from tba.allocator import detect as detect_allocator
 from tba.config import OffloadConfig, signature_with_options
 from tba.device import DeviceOps, cuda_api, host_engine_backend
-from tba.errors import TbaConfigError, TbaError
+from tba.errors import TbaConfigError
 from tba.io import Engine, load_crc32c, resolve_backend
 from tba.runtime import _shared
-from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._discover import LayerDiscovery
 from tba.runtime._hooks import SavedTensorHooks, _Phase
 from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers
 from tba.runtime._prefetch import PrefetchWindow
-from tba.runtime._runner import StepPlacement, shared_runner
+from tba.runtime._runner import shared_runner
 from tba.runtime._stats import OffloadStats
+from tba.runtime._step_cycle import StepCycle
 from tba.runtime._store import StorageStore
 from tba.runtime._store_owner import StoreOwner
 
 logger = logging.getLogger("tba")
 
 
-class Offloader(SavedTensorHooks, StoreOwner):
+class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
     """Offloads saved activations to a file while active; see :func:`offload_activations`.
 
     An ``Offloader`` built directly can be entered once per training step: its spill file and
@@ -171,98 +171,6 @@ class Offloader(SavedTensorHooks, StoreOwner):
                 f"{'' if direct is None else f' -> {direct}'}, {layers}, "
                 f"{'reusable' if self.reusable else 'one-shot'}, {self._phase.value})")
 
-    # ----------------------------------------------------------------- context
-    def __enter__(self) -> Offloader:
-        # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
-        # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
-        claim = object()
-        try:
-            _control.call(self._enter_job, claim, threading.get_ident())
-        except BaseException:
-            _control.call_whole(self._abandon_entry_job, claim)
-            raise
-        try:
-            self._hooks.__enter__()
-            self._phase = _Phase.ACTIVE
-        except BaseException:
-            if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            _control.call_whole(self._abandon_entry_job, claim)
-            raise
-        return self
-
-    def _enter_job(self, claim: object, thread: int) -> None:
-        # Note: [One entry at a time]
-        # The phase check and the claim happen under one lock: two threads entering at once would
-        # otherwise both see IDLE, open two spill files and share one store's extents.
-        with self._enter_lock:
-            if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
-                raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
-                               "build one Offloader per thread")
-            if self._phase is not _Phase.IDLE:
-                raise TbaError(self._not_idle_message())
-            self._phase = _Phase.ENTERING
-            self._claim = claim
-        try:
-            if self._store.live_entries:
-                self._collect_leftovers()
-            if not self._store.is_open:
-                self._open()
-            self._store.window.reset_cursor()
-            self._kept_layer = None
-            placement = self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread)
-            self._runner_claim = claim
-            self._apply(placement)
-            self._tracker.attach()
-            if self._discovery is not None:
-                self._discovery.attach(thread)
-        except BaseException:
-            self._abandon_entry_job(claim)
-            raise
-
-    def _apply(self, placement: StepPlacement) -> None:
-        if placement.layers is not None and self._finder is not None:
-            if [id(layer) for layer in placement.layers] != [id(layer) for layer in self._tracker.layers]:
-                self._tracker = LayerTracker(placement.layers)
-                self._state_keys = StateKeys(placement.layers)
-                self._finder.layers = list(placement.layers) or self._finder.layers
-            self._discovery = None if placement.layers else self._finder
-        if placement.keep_layers is not None:
-            self.keep_layers = set(placement.keep_layers)
-        if placement.window_bytes is not None:
-            self._store.set_prefetch_budget(placement.window_bytes)
-        if placement.release_idle_reads:
-            self._store.read_pool.clear()
-        self._write_caps = placement.write_caps
-
-    def _offload_all_but(self, keep: frozenset[int | None]) -> None:
-        """Mid-step, the runner's fallback to another placement (a new input shape): no plan's caps."""
-        self.keep_layers = set(keep)
-        self._write_caps = None
-
-    def _abandon_entry_job(self, claim: object) -> None:
-        """Undo an entry that did not reach the ``with`` body (idempotent: only this ``claim``'s).
-
-        A one-shot offloader is closed: nobody could enter it again to use its file.
-        """
-        if self._claim is claim and self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
-            self._claim = None
-            entered, self._runner_claim = self._runner_claim is claim, None
-            try:
-                self._tracker.detach()
-                if self._discovery is not None:
-                    self._discovery.detach()
-                # The runner's per-step changes (recomputed layers' wrapped forwards, the shape hook,
-                # a profiled step's timer) come off as after a failed block, once its enter has run
-                # for this entry: before, they belong to the previous step (a profiled step's sample
-                # waits for this entry to collect it), or to another context sharing the runner.
-                if entered:
-                    self.policy_runner.exit(True, self._store.largest_live_storage_bytes)
-            finally:
-                self._phase = _Phase.IDLE
-                if not self.reusable:
-                    self._close_job()
-
     def _after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
         self._enter_lock = threading.Lock()
@@ -270,62 +178,6 @@ class Offloader(SavedTensorHooks, StoreOwner):
             self._forked_mid_block = True
         self._runtime = None
         self._store.forget_after_fork()
-
-    @staticmethod
-    def _pop_hooks() -> None:
-        """Pop the pair on top, unless the stack is empty (``pop_top`` in native/tba_shield.c says why
-        only the top one)."""
-        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-
-    def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        # The hooks come off first; the rest runs whole even when an asynchronous exception arrives
-        # meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
-        try:
-            self._pop_hooks()
-        finally:
-            _control.call_whole(self._exit_job, exc_type is not None)
-
-    # The same in C where the extension is built: Note [An exit that always runs] in tba/_whole_exit.py.
-    __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks,
-                         torch._C._autograd._top_saved_tensors_default_hooks, "_exit_job")
-
-    def _not_idle_message(self) -> str:
-        """Why an offloader that is not idle cannot be entered, and what to do instead."""
-        if self._phase is _Phase.DISCARDED and self.reusable:
-            return ("this offloader cannot be entered again: an exception left its previous with block, so the "
-                    "tensors that block saved were dropped and its spill file closed; build a new tba.Offloader(...) "
-                    "(or tba.offload_activations()) for the next step")
-        if self._phase is _Phase.CLOSED and self.reusable:
-            return "this offloader is closed; build a new tba.Offloader(...) to offload again"
-        return (f"this offloader cannot be entered now (it is {self._phase.value}): tba.offload_activations() is "
-                "one-shot, make a new one each step, or build one tba.Offloader(...) and enter it every step")
-
-    def _exit_job(self, failed: bool) -> None:
-        if self._phase is not _Phase.ACTIVE and not (self._phase is _Phase.CLOSED and self._claim is not None):
-            return
-        self._claim = None
-        self._forked_mid_block = False
-        self._tracker.detach()
-        found = None
-        if self._discovery is not None:
-            self._discovery.detach()
-            found = self._discovery.finish()
-            self._discovery.retag(self.layer_saved_bytes)
-        if self._tracker.in_whole_model_graph:
-            warn_whole_model_compile(self.layers)
-        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
-                                self._store.window.budget_bytes, self._store.unwritten_layer_bytes)
-        if self._phase is _Phase.CLOSED:
-            return
-        if failed:
-            self._phase = _Phase.DISCARDED
-            self.close()
-            return
-        self._phase = _Phase.IDLE if self.reusable else _Phase.EXITED
-        self._store.end_forward(self._tracker.current)
-        if self._phase is _Phase.EXITED and self._store.live_entries == 0:
-            self.close()
 
     def close(self) -> None:
         """Wait for in-flight I/O, then close the engine and the spill file. Idempotent.

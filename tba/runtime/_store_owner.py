@@ -1,11 +1,12 @@
 """The half of an offloader that owns its storage store: what the store runs on, and what it reports.
 
 :class:`StoreOwner` is a base of :class:`tba.Offloader` (``tba/runtime/_offloader.py`` holds its
-life: options, entry, exit, close), which sets every attribute declared here. At the first entry
-``_open`` opens the :class:`~tba.runtime._store.StorageStore` on a spill file, an engine, the
-device routes and a read pool: the offloader's own (``_open_parts``) when it is reusable or was
-given an engine or device operations, else checked out from the per-directory runtime
-(``tba/runtime/_shared.py``), which builds them with the same ``_open_parts`` when none is idle.
+options and ``close``, ``tba/runtime/_step_cycle.py`` its entry and exit), which sets every
+attribute declared here. At the first entry ``_open`` opens the
+:class:`~tba.runtime._store.StorageStore` on a spill file, an engine, the device routes and a read
+pool: the offloader's own (``_open_parts``) when it is reusable or was given an engine or device
+operations, else checked out from the per-directory runtime (``tba/runtime/_shared.py``), which
+builds them with the same ``_open_parts`` when none is idle.
 ``_close_store`` closes its own, or checks the shared ones back in for the next context.
 
 The store's public reads are here too: the counters (``stats``, ``reset_stats``), the prefetch

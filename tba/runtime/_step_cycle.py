@@ -1,0 +1,201 @@
+"""An offloader's steps: entering its ``with`` block, leaving it, and undoing an entry that failed.
+
+:class:`StepCycle` is a base of :class:`tba.Offloader` (``tba/runtime/_offloader.py`` holds its
+options, its fork handling and ``close``), which sets every attribute declared here. Entering
+claims the offloader on the control thread (Note [One entry at a time]), opens the store on the
+first entry, asks the placement policy's runner (``tba/runtime/_runner.py``) for the step's
+placement and applies it, then pushes the saved-tensor hooks on the entering thread. Leaving pops
+them and runs the rest whole (Note [Asynchronous exceptions] in ``tba/_control.py``): the layer
+finder's results, the runner's step end, and the store's end of forward, or, after an exception,
+the discarding of what the block saved. An entry that fails before the body is undone
+(``_abandon_entry_job``), and a one-shot offloader is closed then.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tba import _control
+from tba._whole_exit import WholeExit
+from tba.errors import TbaError
+from tba.runtime._compile import warn_whole_model_compile
+from tba.runtime._hooks import _Phase
+from tba.runtime._layers import LayerTracker, StateKeys
+
+if TYPE_CHECKING:
+    from tba.runtime._discover import LayerDiscovery
+    from tba.runtime._runner import PolicyRunner, StepPlacement
+    from tba.runtime._store import StorageStore
+
+
+class StepCycle:
+    """Entry and exit of :class:`tba.Offloader`'s ``with`` block, which sets every attribute."""
+
+    reusable: bool
+    layers: list
+    keep_layers: set[int | None]
+    layer_saved_bytes: dict[int | None, int]
+    policy_runner: PolicyRunner
+    _phase: _Phase
+    _claim: object | None
+    _runner_claim: object | None
+    _forked_mid_block: bool
+    _enter_lock: threading.Lock
+    _store: StorageStore
+    _tracker: LayerTracker
+    _state_keys: StateKeys
+    _finder: LayerDiscovery | None
+    _discovery: LayerDiscovery | None
+    _kept_layer: int | None
+    _write_caps: tuple[int, ...] | None
+    _hooks: Any
+
+    def __enter__(self) -> Any:
+        # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
+        # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
+        claim = object()
+        try:
+            _control.call(self._enter_job, claim, threading.get_ident())
+        except BaseException:
+            _control.call_whole(self._abandon_entry_job, claim)
+            raise
+        try:
+            self._hooks.__enter__()
+            self._phase = _Phase.ACTIVE
+        except BaseException:
+            if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            _control.call_whole(self._abandon_entry_job, claim)
+            raise
+        return self
+
+    def _enter_job(self, claim: object, thread: int) -> None:
+        # Note: [One entry at a time]
+        # The phase check and the claim happen under one lock: two threads entering at once would
+        # otherwise both see IDLE, open two spill files and share one store's extents.
+        with self._enter_lock:
+            if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+                raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
+                               "build one Offloader per thread")
+            if self._phase is not _Phase.IDLE:
+                raise TbaError(self._not_idle_message())
+            self._phase = _Phase.ENTERING
+            self._claim = claim
+        try:
+            if self._store.live_entries:
+                self._collect_leftovers()
+            if not self._store.is_open:
+                self._open()
+            self._store.window.reset_cursor()
+            self._kept_layer = None
+            placement = self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread)
+            self._runner_claim = claim
+            self._apply(placement)
+            self._tracker.attach()
+            if self._discovery is not None:
+                self._discovery.attach(thread)
+        except BaseException:
+            self._abandon_entry_job(claim)
+            raise
+
+    def _apply(self, placement: StepPlacement) -> None:
+        if placement.layers is not None and self._finder is not None:
+            if [id(layer) for layer in placement.layers] != [id(layer) for layer in self._tracker.layers]:
+                self._tracker = LayerTracker(placement.layers)
+                self._state_keys = StateKeys(placement.layers)
+                self._finder.layers = list(placement.layers) or self._finder.layers
+            self._discovery = None if placement.layers else self._finder
+        if placement.keep_layers is not None:
+            self.keep_layers = set(placement.keep_layers)
+        if placement.window_bytes is not None:
+            self._store.set_prefetch_budget(placement.window_bytes)
+        if placement.release_idle_reads:
+            self._store.read_pool.clear()
+        self._write_caps = placement.write_caps
+
+    def _offload_all_but(self, keep: frozenset[int | None]) -> None:
+        """Mid-step, the runner's fallback to another placement (a new input shape): no plan's caps."""
+        self.keep_layers = set(keep)
+        self._write_caps = None
+
+    def _abandon_entry_job(self, claim: object) -> None:
+        """Undo an entry that did not reach the ``with`` body (idempotent: only this ``claim``'s).
+
+        A one-shot offloader is closed: nobody could enter it again to use its file.
+        """
+        if self._claim is claim and self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+            self._claim = None
+            entered, self._runner_claim = self._runner_claim is claim, None
+            try:
+                self._tracker.detach()
+                if self._discovery is not None:
+                    self._discovery.detach()
+                # The runner's per-step changes (recomputed layers' wrapped forwards, the shape hook,
+                # a profiled step's timer) come off as after a failed block, once its enter has run
+                # for this entry: before, they belong to the previous step (a profiled step's sample
+                # waits for this entry to collect it), or to another context sharing the runner.
+                if entered:
+                    self.policy_runner.exit(True, self._store.largest_live_storage_bytes)
+            finally:
+                self._phase = _Phase.IDLE
+                if not self.reusable:
+                    self._close_job()
+
+    @staticmethod
+    def _pop_hooks() -> None:
+        """Pop the pair on top, unless the stack is empty (``pop_top`` in native/tba_shield.c says why
+        only the top one)."""
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        # The hooks come off first; the rest runs whole even when an asynchronous exception arrives
+        # meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
+        try:
+            self._pop_hooks()
+        finally:
+            _control.call_whole(self._exit_job, exc_type is not None)
+
+    # The same in C where the extension is built: Note [An exit that always runs] in tba/_whole_exit.py.
+    __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks,
+                         torch._C._autograd._top_saved_tensors_default_hooks, "_exit_job")
+
+    def _not_idle_message(self) -> str:
+        """Why an offloader that is not idle cannot be entered, and what to do instead."""
+        if self._phase is _Phase.DISCARDED and self.reusable:
+            return ("this offloader cannot be entered again: an exception left its previous with block, so the "
+                    "tensors that block saved were dropped and its spill file closed; build a new tba.Offloader(...) "
+                    "(or tba.offload_activations()) for the next step")
+        if self._phase is _Phase.CLOSED and self.reusable:
+            return "this offloader is closed; build a new tba.Offloader(...) to offload again"
+        return (f"this offloader cannot be entered now (it is {self._phase.value}): tba.offload_activations() is "
+                "one-shot, make a new one each step, or build one tba.Offloader(...) and enter it every step")
+
+    def _exit_job(self, failed: bool) -> None:
+        if self._phase is not _Phase.ACTIVE and not (self._phase is _Phase.CLOSED and self._claim is not None):
+            return
+        self._claim = None
+        self._forked_mid_block = False
+        self._tracker.detach()
+        found = None
+        if self._discovery is not None:
+            self._discovery.detach()
+            found = self._discovery.finish()
+            self._discovery.retag(self.layer_saved_bytes)
+        if self._tracker.in_whole_model_graph:
+            warn_whole_model_compile(self.layers)
+        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
+                                self._store.window.budget_bytes, self._store.unwritten_layer_bytes)
+        if self._phase is _Phase.CLOSED:
+            return
+        if failed:
+            self._phase = _Phase.DISCARDED
+            self.close()
+            return
+        self._phase = _Phase.IDLE if self.reusable else _Phase.EXITED
+        self._store.end_forward(self._tracker.current)
+        if self._phase is _Phase.EXITED and self._store.live_entries == 0:
+            self.close()
