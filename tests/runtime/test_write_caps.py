@@ -1,13 +1,15 @@
 """Under a memory budget's plan, forward waits while more is unwritten than the plan's caps allow.
 
 Note [A budget holds back forward's writes] in ``tba/policy/_model.py``: a disk slower than the one
-profiled must not take a budgeted step above its budget. The engine here writes at about 100 MB/s
-in one queue, so every layer's bytes would still be in memory at the end of forward without caps.
+profiled must not take a budgeted step above its budget. The engines here write at about 100 MB/s
+in one queue, or not at all until the test lets them (:class:`GatedWrites`), so every layer's bytes
+would still be in memory at the end of forward without caps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +52,34 @@ class SlowWrites(Engine):
         self.inner.close()
 
 
+class GatedWrites(SlowWrites):
+    """Reads at once; a write starts only while :attr:`gate` is set, one at a time.
+
+    Note: [A disk that writes only while forward waits]
+    With ``SlowWrites`` the test depended on forward outrunning a 100 MB/s disk: on a loaded machine
+    (two pytest-xdist workers on two cores) forward took longer than the writes, the run without caps
+    left 4-6 MiB unwritten instead of the whole forward, and the test failed its own precondition
+    (about one run in eight under load). This disk writes nothing while forward runs, whatever the
+    machine's speed: the run without caps holds every storage at the end of forward, and the capped
+    run's writes move only while forward is held back by a cap (``_run`` opens the gate for the
+    duration of :meth:`StorageStore.hold_back_writes`), so each cap is reached by the slowest disk there is.
+    """
+
+    name = "gated-writes"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _slow_write(self, request):
+        self.gate.wait()
+        return self.inner.submit_many([request])[0].result()
+
+    def close(self) -> None:
+        self.gate.set()
+        super().close()
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -71,28 +101,37 @@ def _run(directory: str, caps: tuple[int, ...]) -> tuple[list[torch.Tensor], int
     """Gradients, and the most bytes tba held in memory during forward (backward's reads left out)."""
     forward_peak = [0]
     in_forward = [True]
-    original = StorageStore._resident
+    original, original_hold_back = StorageStore._resident, StorageStore.hold_back_writes
+    engine = GatedWrites()
 
     def resident(self, delta_bytes):
         original(self, delta_bytes)
         if in_forward[0]:
             forward_peak[0] = max(forward_peak[0], self.stats.resident_bytes)
 
+    def hold_back_writes(self, cap_bytes):  # Note [A disk that writes only while forward waits]
+        engine.gate.set()
+        try:
+            original_hold_back(self, cap_bytes)
+        finally:
+            engine.gate.clear()
+
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block() for _ in range(3))
     x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB per saved tensor
     plan = Plan(("offload",) * 3, window_bytes=8 * MIB, write_caps_bytes=caps)
-    engine = SlowWrites()
     off = tba.Offloader(directory, layers=list(blocks), policy=plan, backend=engine, min_offload_bytes=0)
-    StorageStore._resident = resident
+    StorageStore._resident, StorageStore.hold_back_writes = resident, hold_back_writes
     try:
         with off:
             loss = _loss(blocks, x)
             tba._control.settle()
             in_forward[0] = False
+            engine.gate.set()
         loss.backward()
     finally:
-        StorageStore._resident = original
+        StorageStore._resident, StorageStore.hold_back_writes = original, original_hold_back
+        engine.gate.set()
         off.close()
         engine.close()
     return [x.grad, *(b.scale.grad for b in blocks)], forward_peak[0]
