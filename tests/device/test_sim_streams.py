@@ -109,6 +109,11 @@ def test_a_read_allocated_before_the_compute_stream_moved_is_recorded_on_its_con
                 h = net(xa)
             first = h.pow(2).sum()  # saved on the default stream
             offloader.flush()
+        # The route allocates each read's buffer on its own thread, on the compute stream of that moment: wait for
+        # the reads the end of forward started, or on a loaded machine they were allocated after the second block
+        # had moved the compute stream (the assert below failed, 'nothing was prefetched', in a full run with -n 2).
+        store = offloader._store
+        store._wait_until(lambda: store._reading == 0)
         assert sim.allocator.allocations_by_stream.get(sim.default_stream.name, 0) > 0, "nothing was prefetched"
         with offloader, on_stream(sim, side):
             second = net(xc).pow(2).sum()
