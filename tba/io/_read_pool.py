@@ -28,6 +28,21 @@ steps in one process). Malloc could not give this: under a caching allocator the
 ``madvise``-d ranges with huge pages. A mapping's pages go back to the kernel as soon as its last
 view dies, so a buffer the pool does not keep never lingers in the allocator's free lists.
 
+Note: [Reads reuse what kept layers free]
+A mapping never reuses memory malloc holds. Under a plan that keeps or recomputes layers, backward
+first frees the kept layers' activations (or a recomputation's), and the reads of the offloaded
+layers below come after: a caching allocator (tcmalloc, jemalloc) keeps the freed memory for its
+next allocations, so reads into fresh mappings came on top of it. A pinned ``OKK`` plan on a
+3-layer test model peaked at keep-all's 32.0 MiB in 12 of 12 steps under tcmalloc (its reads, 8 MiB,
+allocated above memory backward had just freed), where the planner predicted 28.6 MiB for it from a
+model that assumes reads fit into freed memory: a budget of 28.8 MiB was missed now and then
+(``tests/cli/test_rok.py``, helper-42). So a pool whose ``huge_pages`` is off takes every buffer
+from malloc (:func:`~tba.io._memory.aligned_empty`), which hands such plans' reads the blocks the
+kept layers freed. The offloader turns it off for the steps of such plans
+(``StepPlacement.release_idle_reads``, Note [Idle read buffers and kept layers] in
+``tba/policy/_memory.py``); plans that offload every layer keep huge pages, and reuse their buffers
+from step to step.
+
 Note: [Huge pages do not survive a fork]
 ``fork()`` makes every private page copy-on-write, huge ones included. The parent's next
 ``O_DIRECT`` read into a shared huge page breaks the sharing 4 KiB at a time, and the buffer stays
@@ -67,6 +82,9 @@ class BufferPool:
 
     def __init__(self, prefetch_budget_bytes: int | Callable[[], int]) -> None:
         self.prefetch_budget_bytes = prefetch_budget_bytes
+        self.huge_pages = True
+        """New buffers from :data:`~tba.defaults.HUGE_PAGE_BYTES` up are mappings on huge pages; False: every
+        new buffer comes from malloc (Note [Reads reuse what kept layers free])."""
         self.idle_bytes = 0
         self.reused = 0
         self.allocated = 0
@@ -76,7 +94,7 @@ class BufferPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An aligned buffer of ``nbytes``: an idle one of that size, else a new one (on huge pages from
-        :data:`~tba.defaults.HUGE_PAGE_BYTES` up, Note [Read buffers on huge pages])."""
+        :data:`~tba.defaults.HUGE_PAGE_BYTES` up while :attr:`huge_pages`, Note [Read buffers on huge pages])."""
         with self._lock:
             idle = self._idle.get(nbytes)
             if idle:
@@ -84,7 +102,7 @@ class BufferPool:
                 self.reused += 1
                 return idle.pop()
             self.allocated += 1
-        return mapped_empty(nbytes) if nbytes >= HUGE_PAGE_BYTES else aligned_empty(nbytes)
+        return mapped_empty(nbytes) if self.huge_pages and nbytes >= HUGE_PAGE_BYTES else aligned_empty(nbytes)
 
     @property
     def capacity_bytes(self) -> int:

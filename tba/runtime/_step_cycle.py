@@ -114,6 +114,8 @@ class StepCycle:
             self._store.set_prefetch_budget(placement.window_bytes)
         if placement.release_idle_reads:
             self._store.read_pool.clear()
+        # Note [Reads reuse what kept layers free] in tba/io/_read_pool.py
+        self._store.read_pool.huge_pages = not placement.release_idle_reads
         self._write_caps = placement.write_caps
 
     def _offload_all_but(self, keep: frozenset[int | None]) -> None:

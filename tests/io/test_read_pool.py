@@ -66,6 +66,17 @@ def test_only_buffers_of_a_huge_page_or_more_are_mapped(monkeypatch):
     assert mapped == [HUGE_PAGE_BYTES]
 
 
+def test_without_huge_pages_every_buffer_comes_from_malloc(monkeypatch):
+    # Note [Reads reuse what kept layers free]: the plans that keep layers read into malloc's memory.
+    mapped = []
+    monkeypatch.setattr(_read_pool, "mapped_empty", lambda nbytes: mapped.append(nbytes))
+    pool = BufferPool(0)
+    pool.huge_pages = False
+    buffer = pool.take(4 * HUGE_PAGE_BYTES)
+    assert mapped == [] and buffer.numel() == 4 * HUGE_PAGE_BYTES and buffer.data_ptr() % ALIGN_BYTES == 0
+    assert buffer._base is not None  # a view of a torch.empty block: malloc's memory
+
+
 def test_buffers_are_reused_by_exact_size_up_to_the_budget():
     pool = BufferPool(8 * MIB)
     first = pool.take(4 * MIB)
