@@ -9,6 +9,15 @@ operations, else checked out from the per-directory runtime (``tba/runtime/_shar
 builds them with the same ``_open_parts`` when none is idle.
 ``_close_store`` closes its own, or checks the shared ones back in for the next context.
 
+Note: [An offloader dropped without close]
+A reusable offloader owns its spill file and engine (with its threads) until :meth:`~tba.Offloader.close`.
+A training function that raises (a NaN check, an interrupted block: "build a new one") loses the
+offloader before it gets there, and nothing could close them any more: each such offloader kept a
+descriptor of a deleted file, with its disk space, and the engine's threads for the rest of the
+process. So ``_open`` has the control thread close the store once the offloader is collected
+(:func:`tba._control.on_death`), as a file object closes itself. Saved views refer to their
+offloader, so that happens only once no graph can unpack from it any more.
+
 The store's public reads are here too: the counters (``stats``, ``reset_stats``), the prefetch
 window, the spill file and the idle read buffers, and ``flush``, which waits for its writes.
 ``_counters`` is the snapshot the placement policy's runner takes at each entry
@@ -33,6 +42,12 @@ from tba.runtime._stats import OffloadStats
 from tba.runtime._store import StorageStore
 
 logger = logging.getLogger("tba")
+
+
+def _close_abandoned(store: StorageStore, engine_owned: bool) -> None:
+    """Close the store of an offloader collected without :meth:`~tba.Offloader.close` (unless it was closed)."""
+    if store.spill is not None and not store.spill.closed:
+        store.close(engine_owned)
 
 
 class StoreOwner:
@@ -143,6 +158,8 @@ class StoreOwner:
         spill, engine, routes, _ = self._open_parts()
         self._store.open(spill, engine, routes)
         _at_fork.track(self)
+        # Note [An offloader dropped without close]
+        _control.on_death(self, _close_abandoned, self._store, not isinstance(self.backend, Engine))
         self._log_open(spill, engine)
 
     def _log_open(self, spill: SpillFile, engine: Engine) -> None:

@@ -205,6 +205,36 @@ def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
     assert open_fds() == fds and off.pool_idle_bytes == 0
 
 
+def test_reusable_offloader_dropped_without_close_gives_back_its_file_and_threads(spill_dir, open_fds, backend):
+    # A training function that raises (a NaN check) loses its offloader before close(): once it is
+    # collected, its spill file and engine threads must go too, as a file object's do.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+    x = torch.randn(128, 64)
+    model(x).sum().backward()
+    expected = model[0].weight.grad.clone()
+    fds, threads = open_fds(), threading.active_count()
+
+    def train() -> torch.Tensor:
+        off = offloader(spill_dir, backend=backend, policy="offload")
+        for _ in range(2):
+            model.zero_grad()
+            with off:
+                loss = model(x).sum()
+            loss.backward()
+        with off:
+            return model(x).sum()  # the offloader goes out of scope, this step's graph saved in it
+
+    for _ in range(3):
+        loss = train()
+        model.zero_grad()
+        loss.backward()  # the graph keeps its offloader alive until backward has released it
+        assert torch.equal(model[0].weight.grad, expected)
+        del loss
+    open_fds()  # the last views' finalizers, run on the control thread, let go of the last offloader
+    assert open_fds() == fds and threading.active_count() == threads
+
+
 def test_unpack_after_close_raises(spill_dir):
     with offloader(spill_dir) as off:
         packed = off.pack(torch.randn(1000))
