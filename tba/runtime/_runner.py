@@ -182,6 +182,8 @@ class PolicyRunner:
         if self.learns and not self._layer_refs:
             return StepPlacement(frozenset(), layers=[])
         learned = self.layers if self.learns else None
+        if self.policy is not None and self._cannot_follow(self._plans.get(self._shape)):
+            del self._plans[self._shape]  # Note [A plan made before a layer's forward was patched]
         if self.profiling and self._samples.count(self._shape) >= self.profile_steps:
             self.profile = self._samples.profile(self._shape, len(self._layer_refs), self._prefetch_depth_layers,
                                                  self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
@@ -204,6 +206,19 @@ class PolicyRunner:
                              cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
+
+    def _cannot_follow(self, plan: Plan | None) -> bool:
+        """Whether ``plan`` recomputes a layer that can no longer be wrapped for recomputation.
+
+        Note: [A plan made before a layer's forward was patched]
+        The planner never recomputes a layer whose ``forward`` is set on the instance (``can_recompute``),
+        but a loop may set one after the plan was made (a hook library's wrapper, added after warm-up);
+        ``RecomputeLayers`` then refuses the layer, and the default would raise at every later step
+        for a placement the user never chose. An adaptive runner plans that shape again instead, from
+        its profiled samples, with that layer marked as not recomputable. A pinned plan still raises.
+        """
+        return plan is not None and any(decision in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)
+                                        and not can_recompute(layer) for decision, layer in zip(plan.decisions, self.layers))
 
     def _cuda_device(self) -> torch.device | None:
         """The CUDA device of the model's first parameter, or None (a CPU model, or no parameter)."""

@@ -3,6 +3,7 @@ through a change of input shape, on the built-in GPT and on Hugging Face GPT-2."
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -247,3 +248,30 @@ def test_a_layer_whose_input_the_model_changes_after_its_forward_is_not_recomput
     profile = contexts[-1].policy_runner.profile
     assert [layer.recomputable for layer in profile.layers] == [True, False, True, False]
     assert contexts[-1].plan.code[1] not in "RS" and contexts[-1].plan.code[3] not in "RS"
+
+
+def test_a_layer_whose_forward_is_patched_after_planning_is_planned_again_not_refused(spill_dir):
+    # A loop that sets a block's forward on the instance once the plan is made (a hook library's
+    # wrapper, added after warm-up): the adaptive plan chose to recompute that block, which tba
+    # can no longer wrap; the default must plan again without it, not raise at every later step.
+    batches = [make_batch(CONFIG, seed=step) for step in range(8)]
+
+    def patch(model, step):
+        if step == 5:
+            for block in model.blocks:
+                block.forward = functools.partial(type(block).forward, block)
+
+    def train_patched(model, context=None):
+        out, contexts = [], []
+        for step, batch in enumerate(batches):
+            patch(model, step)
+            step_out, step_contexts = train(model, [batch], context)
+            out += step_out
+            contexts += step_contexts
+        return out, contexts
+
+    reference, _ = train_patched(make_gpt(CONFIG, seed=3))
+    result, contexts = train_patched(make_gpt(CONFIG, seed=3), bare(spill_dir, overhead_bound=10.0))
+    assert_same(reference, result)
+    assert set(contexts[4].step_plan.code) & {"R", "S"}, "the loose bound should recompute some block"
+    assert all(set(c.step_plan.code) <= {"K", "O"} for c in contexts[5:])
