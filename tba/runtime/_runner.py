@@ -175,6 +175,8 @@ class PolicyRunner:
         ``thread``: the identity of the training thread that enters (its CPU clock times the rest of
         a profiled step, Note [The rest of the step] in ``tba/runtime/_profiling.py``).
         """
+        if self._recompute is not None:  # Note [A runner shared by contexts at once]
+            return StepPlacement(frozenset(), layers=[] if self.learns else None)
         self._collect(thread)
         self._entries += 1
         if self.learns and self._layer_refs and any(ref() is None for ref in self._layer_refs):
@@ -206,6 +208,15 @@ class PolicyRunner:
                              cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
+
+    # Note: [A runner shared by contexts at once]
+    # One-shot contexts on one directory share a runner, and contexts in two threads can be inside
+    # their steps at once. The runner's per-step state (the wrapped forwards of the recomputed layers,
+    # the shape hook) is one slot: a second entry that planned without recomputation set it to None
+    # and the first step's wrappers stayed on its model's blocks for good (a review found them after
+    # both steps had ended). While one step has layers wrapped, another entry offloads everything,
+    # as a step with a new input shape does: exact, the least memory. Its exit may unwrap the first
+    # step's layers early; those not run yet then save through tba instead, exact too.
 
     def _cannot_follow(self, plan: Plan | None) -> bool:
         """Whether ``plan`` recomputes a layer that can no longer be wrapped for recomputation.

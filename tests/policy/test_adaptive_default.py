@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import pytest
 import torch
@@ -275,3 +276,32 @@ def test_a_layer_whose_forward_is_patched_after_planning_is_planned_again_not_re
     assert_same(reference, result)
     assert set(contexts[4].step_plan.code) & {"R", "S"}, "the loose bound should recompute some block"
     assert all(set(c.step_plan.code) <= {"K", "O"} for c in contexts[5:])
+
+
+def test_a_context_entered_while_another_thread_recomputes_leaves_no_wrapper(spill_dir):
+    # Two threads train on one directory, so their one-shot contexts share a runner: one enters while
+    # the other is inside a planned step with blocks wrapped for recomputation.
+    config = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2, dropout=0.0)
+    first, second = make_gpt(config, seed=1), make_gpt(config, seed=2)
+    context = bare(spill_dir, overhead_bound=10.0)
+    train(first, [make_batch(config, seed=step) for step in range(4)], context)
+    entered, go_on, results = threading.Event(), threading.Event(), {}
+
+    def step_of_first():
+        with context() as offloader:
+            results["plan"] = offloader.plan.code
+            entered.set()
+            go_on.wait()
+            loss = first(*make_batch(config, seed=9))
+        loss.backward()
+
+    thread = threading.Thread(target=step_of_first)
+    thread.start()
+    entered.wait()
+    results["second"], _ = train(second, [make_batch(config, seed=5)], context)
+    go_on.set()
+    thread.join()
+    assert set(results["plan"]) & {"R", "S"}, "the loose bound should recompute some block"
+    assert all("forward" not in vars(block) for model in (first, second) for block in model.blocks)
+    reference, _ = train(make_gpt(config, seed=2), [make_batch(config, seed=5)])
+    assert_same(reference, results["second"])
