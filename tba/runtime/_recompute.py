@@ -120,8 +120,13 @@ class RecomputeLayers:
             if isinstance(layer, torch._dynamo.eval_frame.OptimizedModule):
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) is a torch.compile wrapper, which the plan would "
-                    "recompute: tba wraps a layer's forward for recomputation and cannot wrap a compiled one; compile "
-                    "the block in place (block.compile(), whose recomputation tba wraps), or keep or offload that layer")
+                    "recompute: tba wraps a layer's forward for recomputation and cannot wrap a compiled one (neither "
+                    "torch.compile(block) nor block.compile()); keep or offload that layer")
+            if is_compiled_module(layer):  # Note [A block compiled in place is not recomputed]
+                raise TbaConfigError(
+                    f"layer {index} ({type(layer).__name__}) was compiled in place (block.compile()), and the plan "
+                    "would recompute it: its compiled graph would trace tba's wrapper and break into other kernels, "
+                    "whose gradients differ from the block's; keep or offload that layer")
             if "forward" in vars(layer):
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) has a forward set on the instance, which the plan "
@@ -146,8 +151,17 @@ class RecomputeLayers:
 
 def can_recompute(layer: nn.Module) -> bool:
     """Whether :class:`RecomputeLayers` can wrap ``layer``: not when its forward is set on the instance (a
-    ``torch.compile(block)`` wrapper, a patched forward); the adaptive planner never recomputes such a layer."""
-    return "forward" not in vars(layer)
+    ``torch.compile(block)`` wrapper, a patched forward) or it was compiled in place (``block.compile()``);
+    the adaptive planner never recomputes such a layer.
+
+    Note: [A block compiled in place is not recomputed]
+    ``block.compile()`` compiles the module's call, which calls ``forward``: tba's wrapper, traced into
+    the block's graph. Its Python (checkpoint, the call taken apart, the state checks) breaks that
+    graph into pieces, and inductor's kernels for the pieces round otherwise than the whole block's:
+    gradients differed from the same compiled model without tba (a review found it on the tiny GPT,
+    inductor's RNG set to eager's). So such a block is kept or offloaded, never recomputed.
+    """
+    return "forward" not in vars(layer) and not is_compiled_module(layer)
 
 
 def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
@@ -185,7 +199,6 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             # activation when the whole forward has run, so recomputing one layer lowered no peak
             # anyway (tba/runtime/_compile.py); the layer is traced as it is, the graph is the one
             # compiled without tba, and what it saves reaches tba as any whole-model graph's does.
-            # A layer compiled on its own (block.compile()) is traced here too, but recomputes.
             # Inside a torch.func transform (torch.vmap) the same holds for another reason: the
             # recomputation would run in backward, outside the transform, on batched tensors that
             # exist only inside it (functorch's "escaped" error, as under plain checkpoint).

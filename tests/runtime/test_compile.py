@@ -127,3 +127,29 @@ def test_blocks_wrapped_by_torch_compile_are_never_planned_for_recomputation(spi
     with pytest.raises(tba.TbaConfigError, match=r"torch.compile wrapper.*block.compile\(\)"):
         with pinned:
             pass
+
+
+def test_a_block_compiled_in_place_is_not_recomputed(spill_dir):
+    """A recomputed ``block.compile()`` block traced tba's wrapper into its graph, which broke it into other
+    kernels: gradients differed from the same compiled model without tba (found by a review, with
+    inductor's RNG set to eager's, where the loss agreed and the gradients did not). The adaptive
+    planner marks such a block not recomputable and stays exact; a pinned plan that recomputes it is a
+    config error."""
+    model = make_gpt(CONFIG)
+    for block in model.blocks:
+        block.compile()
+    # A loose bound recomputes eager blocks of this model; assert_exact runs one step, so profile first.
+    offloader = tba.Offloader(spill_dir, layers=model, overhead_bound=10.0, min_offload_bytes=0, backend="threads")
+    for _ in range(3):
+        with offloader:
+            loss = forward(model)
+        loss.backward()
+    offloader.close()
+    model.zero_grad(set_to_none=True)
+    assert not set(offloader.plan.code) & set("RS"), offloader.plan.code
+    plan = tba.Plan(("recompute", "keep"), 1 << 20)
+    assert_exact(model, forward, spill_dir, layers=model, policy=tba.Plan(("keep", "offload"), 1 << 20))
+    with pytest.raises(tba.TbaConfigError, match=r"compiled in place"):
+        with tba.offload_activations(spill_dir, layers=model, policy=plan):
+            pass
+    assert all("forward" not in vars(block) for block in model.blocks)
