@@ -2,4 +2,4 @@ import sys
 
 from tba.cli import main
 
-sys.exit(main())
+sys.exit(main(command_line=True))

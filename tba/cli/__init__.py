@@ -101,7 +101,13 @@ def command_in(argv: list[str]) -> str | None:
     return first if first in COMMANDS else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
+    """Run the command ``argv`` names (default: this process's arguments); its exit status.
+
+    ``command_line``: this process is ``python -m tba`` itself (``tba/__main__.py``), so a command may
+    run it again under another malloc (``bench-hooks --allocator``); a call from a program or a test
+    never replaces the calling process.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = command_in(argv)
     parser = build_parser(full=[command] if command else [])
@@ -114,10 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",
     )
-    # A command that re-executes its process (bench-hooks under --allocator) does so only when run from here.
-    args.command_line = True
+    args.command_line = command_line
     return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(command_line=True))

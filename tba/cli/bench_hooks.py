@@ -200,15 +200,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        if getattr(args, "command_line", False):
-            # From the command line only: called as a function (the tests), it measures under the malloc
-            # already serving the process, which the header names.
-            run_script_under(args.allocator)
         for option, given in (("--disk-dir", args.disk_dir), ("--ram-dir", args.ram_dir)):
             if given is not None and given != "none":
                 cli_checks.existing_directory(option, given)
         if args.json:
             cli_checks.output_file("--json", args.json)
+        if getattr(args, "command_line", False):
+            # As `python -m tba bench-hooks` only, once its arguments are known good: called from a program
+            # or a test (cli.main, run), it measures under the malloc already serving the process, which the
+            # header names, and never replaces the calling process.
+            run_script_under(args.allocator)
     except (ValueError, TbaConfigError) as err:
         print(f"bench-hooks: error: {err}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tba.cli import COMMANDS, bench_hooks, build_parser
+from tba.cli import COMMANDS, bench_hooks, build_parser, main
 
 
 def _args(argv):
@@ -117,8 +117,12 @@ def test_called_as_a_function_it_measures_under_the_malloc_serving_the_process(t
         raise AssertionError("bench_hooks.run re-executed the calling process")
 
     monkeypatch.setattr(os, "execve", no_exec)
-    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", str(tmp_path), "--allocator", "auto"])
-    assert bench_hooks.run(args) == 0
+    argv = ["--quick", "--no-disk", "--no-keep", "--ram-dir", str(tmp_path), "--allocator", "auto"]
+    assert bench_hooks.run(_args(argv)) == 0
     from tba.allocator import detect
 
+    assert capsys.readouterr().out.startswith(f"malloc: {detect()}")
+    # Through the command line's entry point too: only `python -m tba` itself may run again (a worker of
+    # pytest-xdist that called main() was replaced by a new pytest process, and the run lost the worker).
+    assert main(["bench-hooks", *argv]) == 0
     assert capsys.readouterr().out.startswith(f"malloc: {detect()}")
