@@ -14,7 +14,7 @@ the discarding of what the block saved. An entry that fails before the body is u
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
     from tba.runtime._runner import PolicyRunner, StepPlacement
     from tba.runtime._store import StorageStore
+
+_Self = TypeVar("_Self", bound="StepCycle")
 
 
 class StepCycle:
@@ -53,7 +55,7 @@ class StepCycle:
     _write_caps: tuple[int, ...] | None
     _hooks: Any
 
-    def __enter__(self) -> Any:
+    def __enter__(self: _Self) -> _Self:
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()
