@@ -52,37 +52,56 @@ def test_a_swallowed_interrupt_is_attributed_to_the_module_owning_the_callback()
     assert _owner(json.JSONDecoder) == "json.decoder"
 
 
+_COLLECT = """
+import gc, json, sys
+import torch
+import tba
+
+spill_dir, backend = sys.argv[1], sys.argv[2]
+model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+x = torch.randn(4, 8)
+
+
+def step():
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy="offload", backend=backend)
+    with offloader:
+        loss = model(x).sum()
+    loss.backward()
+    offloader.close()
+
+
+step()
+gc.collect()
+step()
+calls = []
+
+
+def profile(frame, event, arg):
+    if event == "call":
+        calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+
+sys.setprofile(profile)
+try:
+    freed = gc.collect()
+finally:
+    sys.setprofile(None)
+print(json.dumps({"freed": freed, "calls": calls}))
+"""
+
+
 def test_collecting_a_closed_offloader_runs_no_python_in_the_collecting_thread(spill_dir, backend):
     """A dead offloader is freed by the cycle collector in whatever thread allocates then: a Python
     ``__del__`` or weak-reference callback run there would swallow a Ctrl-C landing in it (Notes [State
     keys are freed on the control thread] in tba/runtime/_layers.py and [A dead thread object of tba's
-    runs no Python] in tba/_sched.py). An adversarial review swallowed 99 Ctrl-C of 100 there."""
-    import gc
+    runs no Python] in tba/_sched.py). An adversarial review swallowed 99 Ctrl-C of 100 there.
 
-    import torch
-
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
-    x = torch.randn(4, 8)
-
-    def step() -> None:
-        offloader = tba.Offloader(spill_dir, layers=list(model), policy="offload", backend=backend)
-        with offloader:
-            loss = model(x).sum()
-        loss.backward()
-        offloader.close()
-
-    step()
-    gc.collect()
-    step()
-    calls = []
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    try:
-        freed = gc.collect()
-    finally:
-        sys.setprofile(None)
-    assert freed > 0 and calls == [], calls
+    In a fresh process: in pytest's, the collection also freed what earlier tests had left (a thread pool of
+    torch.compile's, whose dead threads the standard library's weak dictionary removes in Python), which
+    failed the test in whichever pytest-xdist worker ran it after those tests."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _COLLECT, spill_dir, backend], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["freed"] > 0 and result["calls"] == [], result
