@@ -20,6 +20,7 @@ from tba.policy._placement import (
     OFFLOAD,
     OFFLOADED_RECOMPUTE,
     RECOMPUTE,
+    RECOMPUTED,
     Placement,
     holds_layers_through_forward,
 )
@@ -27,7 +28,7 @@ from tba.policy._plan import KeepAll, OffloadAll, OffloadedRecomputeAll, Plan, P
 from tba.policy._profile import LayerProfile, Profile
 
 __all__ = [
-    "DECISIONS", "KEEP", "OFFLOAD", "OFFLOADED_RECOMPUTE", "RECOMPUTE", "Adaptive", "Estimate", "KeepAll",
+    "DECISIONS", "KEEP", "OFFLOAD", "OFFLOADED_RECOMPUTE", "RECOMPUTE", "RECOMPUTED", "Adaptive", "Estimate", "KeepAll",
     "LayerProfile", "OffloadAll", "OffloadedRecomputeAll", "Placement", "Plan", "Policy", "Profile", "RecomputeAll",
     "estimate", "holds_layers_through_forward", "min_window_bytes", "plan", "shapes",
 ]

@@ -52,7 +52,7 @@ from torch import nn
 
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import Adaptive, Placement, Plan, Policy, Profile, holds_layers_through_forward
+from tba.policy import RECOMPUTED, Adaptive, Placement, Plan, Policy, Profile, holds_layers_through_forward
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters, signature
 from tba.runtime._recompute import RecomputeLayers, can_recompute
@@ -198,7 +198,7 @@ class PolicyRunner:
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
         self._step_plan = plan = self.plan
         if plan is not None:
-            indices = [i for i, d in enumerate(plan.decisions) if d in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)]
+            indices = [i for i, d in enumerate(plan.decisions) if d in RECOMPUTED]
             offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
             self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
             return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned,
@@ -228,8 +228,8 @@ class PolicyRunner:
         for a placement the user never chose. An adaptive runner plans that shape again instead, from
         its profiled samples, with that layer marked as not recomputable. A pinned plan still raises.
         """
-        return plan is not None and any(decision in (Placement.RECOMPUTE, Placement.OFFLOADED_RECOMPUTE)
-                                        and not can_recompute(layer) for decision, layer in zip(plan.decisions, self.layers))
+        return plan is not None and any(decision in RECOMPUTED and not can_recompute(layer)
+                                        for decision, layer in zip(plan.decisions, self.layers))
 
     def _cuda_device(self) -> torch.device | None:
         """The CUDA device of the model's first parameter, or None (a CPU model, or no parameter)."""
