@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from tba.allocator import CACHING, detect, find_library
 from tba.cli import COMMANDS, bench_hooks, build_parser, main
 
 
@@ -98,9 +99,7 @@ def test_gc_freeze_freezes_before_measuring_and_says_so(tmp_path, capsys):
 
 
 def test_the_command_line_runs_under_the_allocator_asked_for(tmp_path):
-    from tba import allocator
-
-    choice = next((name for name in allocator.CACHING if allocator.find_library(name) is not None), None)
+    choice = next((name for name in CACHING if find_library(name) is not None), None)
     if choice is None:
         pytest.skip("no caching allocator is installed here")
     out = tmp_path / "hooks.json"
@@ -119,8 +118,6 @@ def test_called_as_a_function_it_measures_under_the_malloc_serving_the_process(t
     monkeypatch.setattr(os, "execve", no_exec)
     argv = ["--quick", "--no-disk", "--no-keep", "--ram-dir", str(tmp_path), "--allocator", "auto"]
     assert bench_hooks.run(_args(argv)) == 0
-    from tba.allocator import detect
-
     assert capsys.readouterr().out.startswith(f"malloc: {detect()}")
     # Through the command line's entry point too: only `python -m tba` itself may run again (a worker of
     # pytest-xdist that called main() was replaced by a new pytest process, and the run lost the worker).

@@ -24,11 +24,15 @@ WORKER = Path(__file__).with_name("async_exc_worker.py")
 ROOT = str(Path(tba.__file__).resolve().parents[1])
 
 
+def _env() -> dict[str, str]:
+    """This environment, with this checkout of tba first on the path of a child Python."""
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 @pytest.mark.parametrize(("kind", "steps"), [("alarm", 120), ("int", 40)], ids=["exception", "sigint"])
 def test_exceptions_from_signal_handlers_leave_training_exact_and_clean(spill_dir, backend, kind, steps):
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(["timeout", "-s", "KILL", "60", sys.executable, str(WORKER), backend, spill_dir, str(steps), kind],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=_env())
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
     assert "Exception ignored" not in done.stderr, done.stderr[-4000:]
     result = json.loads(done.stdout.splitlines()[-1])
@@ -99,9 +103,8 @@ def test_collecting_a_closed_offloader_runs_no_python_in_the_collecting_thread(s
     In a fresh process: in pytest's, the collection also freed what earlier tests had left (a thread pool of
     torch.compile's, whose dead threads the standard library's weak dictionary removes in Python), which
     failed the test in whichever pytest-xdist worker ran it after those tests."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", _COLLECT, spill_dir, backend], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["freed"] > 0 and result["calls"] == [], result
