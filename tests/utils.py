@@ -233,11 +233,17 @@ class FakeDeviceOps(DeviceOps):
         self.producer_gate = producer_gate
         self.log: list[str] = []
         self.consumed: list[Future] = []
-        self._lock = threading.Lock()
+        self._noted = threading.Condition()
 
     def _note(self, what: str) -> None:
-        with self._lock:
+        with self._noted:
             self.log.append(what)
+            self._noted.notify_all()
+
+    def wait_for(self, what: str, timeout_s: float) -> bool:
+        """Block until ``what`` is in ``log`` or ``timeout_s`` passes; whether it is there."""
+        with self._noted:
+            return self._noted.wait_for(lambda: what in self.log, timeout=timeout_s)
 
     def mark_ready(self) -> Future:
         event: Future = Future()
