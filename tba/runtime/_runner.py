@@ -26,12 +26,13 @@ For ``policy="adaptive"`` (the default):
    :class:`~tba.errors.TbaConfigError` at that entry, naming the least the model needs.
 
 Each input shape (see :func:`~tba.runtime._profiling.signature`) has its own profile and plan. A
-forward pre-hook on the first layer reads the shape; when it is not the one the step was entered
-with, the step falls back, from that layer on, to offloading everything (no layer kept, the
-recompute wrappers of the layers not yet run removed), which is exact under any plan and uses the
-least memory, and the next entry applies the plan of the new shape or profiles it. A forward that
-runs none of the runner's layers (another model in the same context) makes the runner forget them
-and find them again.
+step is entered with the shape expected next; a forward pre-hook on the first layer reads the real
+one. When that differs, the step follows the real shape's plan from that layer on where it can
+(Note [A step whose shape has a plan follows it] in ``tba/runtime/_input_shapes.py``), else falls
+back to offloading everything (no layer kept, the recompute wrappers of the layers not yet run
+removed), which is exact under any plan and uses the least memory. A forward that runs none of the
+runner's layers (another model in the same context) makes the runner forget them and find them
+again.
 
 ``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared: a
 weak-keyed registry maps the first layer module and the goal to the runner (with ``layers=``), a
@@ -41,7 +42,6 @@ only weakly, so it lives no longer than needed and never keeps a model alive.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable
@@ -52,10 +52,12 @@ from torch import nn
 
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import RECOMPUTED, Adaptive, Placement, Plan, Policy, Profile, holds_layers_through_forward
+from tba.policy import RECOMPUTED, Adaptive, Placement, Plan, Policy, Profile
+from tba.runtime._input_shapes import InputShapes
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
-from tba.runtime._profiling import Samples, StepCounters, signature
+from tba.runtime._profiling import Samples, StepCounters
 from tba.runtime._recompute import RecomputeLayers, can_recompute
+from tba.runtime._step_placement import StepPlacement, placement_of
 
 logger = logging.getLogger("tba")
 
@@ -65,25 +67,7 @@ _SHARED_BARE_RUNNERS: dict[tuple, PolicyRunner] = {}
 __all__ = ["PolicyRunner", "StepCounters", "StepPlacement", "shared_runner"]
 
 
-@dataclasses.dataclass(frozen=True)
-class StepPlacement:
-    """What the coming step applies: layers whose tensors stay in memory, and the prefetch window."""
-
-    keep_layers: frozenset[int | None] | None = None
-    """None: leave the offloader's ``keep_layers`` as they are (no placement policy)."""
-    window_bytes: int | None = None
-    """None: leave the window as it is."""
-    layers: list[nn.Module] | None = None
-    """Layers learned by the runner for an offloader given none (None: the offloader's own)."""
-    write_caps: tuple[int, ...] | None = None
-    """Per layer, the most offloaded bytes forward may hold unwritten (Note [A budget holds back
-    forward's writes] in ``tba/policy/_model.py``); None: writes never hold forward back."""
-    release_idle_reads: bool = False
-    """Free the read buffers kept idle since the last backward before forward starts (Note [Idle read
-    buffers and kept layers] in ``tba/policy/_memory.py``)."""
-
-
-class PolicyRunner:
+class PolicyRunner(InputShapes):
     """Profiles, plans and applies a placement across the steps of one model.
 
     Args:
@@ -136,10 +120,7 @@ class PolicyRunner:
         self._entries = 0
         """Steps entered so far; the first one's period holds one-off costs (Note [The rest of the step])."""
         self._recompute: RecomputeLayers | None = None
-        self._shape: tuple | None = None
-        self._step_plan: Plan | None = None
-        self._shape_hook: Any = None
-        self._reapply: Callable[[frozenset], None] | None = None
+        InputShapes.__init__(self)
         self._layer_refs: list[weakref.ref] = []
         self._set_layers(layers)
 
@@ -148,7 +129,7 @@ class PolicyRunner:
         self._step.set_layers(layers)
         self._plans.clear()
         self._samples.clear()
-        self._shape = None
+        self._forget_shapes()
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -168,10 +149,11 @@ class PolicyRunner:
         return self.policy is not None and self.plan is None
 
     def enter(self, counters: Callable[[], StepCounters],
-              reapply: Callable[[frozenset], None] | None = None, thread: int | None = None) -> StepPlacement:
+              reapply: Callable[[StepPlacement], None] | None = None, thread: int | None = None) -> StepPlacement:
         """The placement of the coming step (called by the offloader as it is entered).
 
-        ``reapply(keep_layers)`` changes the kept layers during the step (a new input shape);
+        ``reapply(placement)`` changes the step's placement during the step (a new input shape; its
+        ``layers`` is None);
         ``thread``: the identity of the training thread that enters (its CPU clock times the rest of
         a profiled step, Note [The rest of the step] in ``tba/runtime/_profiling.py``).
         """
@@ -184,6 +166,7 @@ class PolicyRunner:
         if self.learns and not self._layer_refs:
             return StepPlacement(frozenset(), layers=[])
         learned = self.layers if self.learns else None
+        self._expect_shape()
         if self.policy is not None and self._cannot_follow(self._plans.get(self._shape)):
             del self._plans[self._shape]  # Note [A plan made before a layer's forward was patched]
         if self.profiling and self._samples.count(self._shape) >= self.profile_steps:
@@ -201,8 +184,7 @@ class PolicyRunner:
             indices = [i for i, d in enumerate(plan.decisions) if d in RECOMPUTED]
             offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
             self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
-            return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, learned,
-                                 plan.write_caps_bytes or None, holds_layers_through_forward(plan.decisions))
+            return placement_of(plan, learned)
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
                              cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)
@@ -218,8 +200,9 @@ class PolicyRunner:
     # as a step with a new input shape does: exact, the least memory. Its exit may unwrap the first
     # step's layers early; those not run yet then save through tba instead, exact too.
 
-    def _cannot_follow(self, plan: Plan | None) -> bool:
-        """Whether ``plan`` recomputes a layer that can no longer be wrapped for recomputation.
+    def _cannot_follow(self, plan: Plan | None, wrapped: list[nn.Module] = ()) -> bool:
+        """Whether ``plan`` recomputes a layer that can no longer be wrapped for recomputation (those of
+        ``wrapped`` are, by this step already).
 
         Note: [A plan made before a layer's forward was patched]
         The planner never recomputes a layer whose ``forward`` is set on the instance (``can_recompute``),
@@ -229,7 +212,8 @@ class PolicyRunner:
         its profiled samples, with that layer marked as not recomputable. A pinned plan still raises.
         """
         return plan is not None and any(decision in RECOMPUTED and not can_recompute(layer)
-                                        for decision, layer in zip(plan.decisions, self.layers))
+                                        for decision, layer in zip(plan.decisions, self.layers)
+                                        if not any(layer is done for done in wrapped))
 
     def _cuda_device(self) -> torch.device | None:
         """The CUDA device of the model's first parameter, or None (a CPU model, or no parameter)."""
@@ -242,32 +226,6 @@ class PolicyRunner:
     def _stream_sync(self) -> Callable[[], None] | None:
         """What the timer calls before each stamp (:func:`~tba.runtime._profiled_step.stream_sync`)."""
         return stream_sync(self._cuda_device())
-
-    def _attach_shape_hook(self) -> None:
-        # A step that an exception ended before exit (a signal handler's) may have left its hook on;
-        # two would remove each other's handle mid-forward and torch would call one without kwargs.
-        if self._shape_hook is not None:
-            self._shape_hook.remove()
-        self._shape_hook = self.layers[0].register_forward_pre_hook(self._check_shape, with_kwargs=True)
-
-    def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """First layer's forward pre-hook: note the step's input shape; on a new one, offload the rest of the step."""
-        self._shape_hook.remove()
-        shape = signature(args, kwargs)
-        if self._step.pending is not None:
-            self._step.note_shape(shape, args, kwargs)
-        elif shape != self._shape and self._step_plan is not None and self.pinned is None:
-            logger.info("tba: new input shape; this step offloads every layer, the next one %s",
-                        "follows its plan" if shape in self._plans else "starts profiling it")
-            if self._reapply is not None:
-                self._reapply(frozenset())
-            if self._recompute is not None:  # the first layer's forward is already bound: it stays as it is
-                running = [layer for layer in self._recompute.layers if layer is module]
-                for layer in self._recompute.layers:
-                    if layer is not module:
-                        del layer.forward
-                self._recompute.layers = running
-        self._shape = shape
 
     def exit(self, failed: bool, largest_live_storage_bytes: Callable[[], int],
              found_layers: list[nn.Module] | None = None, ran_a_layer: bool = True,

@@ -93,7 +93,7 @@ class StepCycle:
                 self._open()
             self._store.window.reset_cursor()
             self._kept_layer = None
-            placement = self.policy_runner.enter(self._counters, self._offload_all_but, thread=thread)
+            placement = self.policy_runner.enter(self._counters, self._reapply, thread=thread)
             self._runner_claim = claim
             self._apply(placement)
             self._tracker.attach()
@@ -120,10 +120,9 @@ class StepCycle:
         self._store.read_pool.huge_pages = not placement.release_idle_reads
         self._write_caps = placement.write_caps
 
-    def _offload_all_but(self, keep: frozenset[int | None]) -> None:
-        """Mid-step, the runner's fallback to another placement (a new input shape): no plan's caps."""
-        self.keep_layers = set(keep)
-        self._write_caps = None
+    def _reapply(self, placement: StepPlacement) -> None:
+        """Mid-step, from the first layer's pre-hook, the runner's change of placement (a new input shape)."""
+        _control.call(self._apply, placement)
 
     def _abandon_entry_job(self, claim: object) -> None:
         """Undo an entry that did not reach the ``with`` body (idempotent: only this ``claim``'s).

@@ -18,8 +18,9 @@ OTHER_SHAPE = GPTConfig(vocab_size=64, seq_len=12, width=32, layers=4, heads=2, 
 
 
 def train(model, batches, context=None):
-    """Per step: the loss and every gradient; forward inside ``context()`` when given (one per step, its
-    plan in force during the step recorded as ``context.step_plan``)."""
+    """Per step: the loss and every gradient; forward inside ``context()`` when given (one per step, the
+    plan it was entered with recorded as ``context.step_plan``, the one of its input shape as
+    ``context.plan_followed``)."""
     out, contexts = [], []
     for step, batch in enumerate(batches):
         model.zero_grad(set_to_none=True)
@@ -30,6 +31,7 @@ def train(model, batches, context=None):
             with context() as offloader:
                 offloader.step_plan = offloader.plan
                 loss = model(*batch)
+                offloader.plan_followed = offloader.plan
             contexts.append(offloader)
         loss = loss if isinstance(loss, torch.Tensor) else loss.loss
         loss.backward()
@@ -82,11 +84,84 @@ def test_new_input_shape_offloads_that_step_then_profiles_it_and_stays_exact(spi
     assert_same(reference, result)
     planned = [c.step_plan is not None for c in contexts]
     # 0: find layers; 1-2: profile; 3: plan; 4: new shape, offload all; 5-6: profile it; 7: its plan;
-    # 8 and 9: entered with the other shape's plan, so offloading everything.
+    # 8: entered with the other shape's plan (it followed itself so far), it switches to its own at the
+    # first layer; 9: entered with its own (the shape that followed the first one last time).
     assert planned == [False, False, False, True, True, False, False, True, True, True]
-    assert caplog.text.count("new input shape") == 3
+    assert caplog.text.count("new input shape; this step offloads every layer") == 1
+    assert caplog.text.count("new input shape; this step follows its plan") == 1
     runner = contexts[-1].policy_runner
     assert len(runner._plans) == 2
+    assert contexts[8].step_plan is contexts[7].plan_followed and contexts[8].plan_followed is contexts[3].plan_followed
+    assert contexts[9].step_plan is contexts[9].plan_followed is contexts[7].plan_followed
+
+
+class PlansInTurn(tba.Policy):
+    """The given plans' decisions, one per shape in the order the shapes are planned."""
+
+    def __init__(self, *decisions):
+        self.decisions = list(decisions)
+
+    def plan(self, profile):
+        return tba.Plan(self.decisions.pop(0), window_bytes=profile.max_window_bytes, goal="in turn")
+
+
+def kept_by_plan(offloader):
+    return offloader.stats.bytes_kept_by_reason.get(tba.KeepReason.LAYER_KEPT.value, 0)
+
+
+def train_in_turn(spill_dir, batches, *plans):
+    """``train`` under bare contexts whose runner plans ``plans`` (codes such as ``"OROK"``) in turn, checked
+    exact against a run without tba; returns the contexts."""
+    codes = {"O": "offload", "K": "keep", "R": "recompute", "S": "offloaded_recompute"}
+    policy = PlansInTurn(*[[codes[c] for c in plan] for plan in plans])
+    reference, _ = train(make_gpt(CONFIG, seed=3), batches)
+    model = make_gpt(CONFIG, seed=3)
+    context = bare(spill_dir)
+
+    def with_policy():
+        offloader = context()
+        offloader.policy_runner.policy = policy
+        return offloader
+
+    result, contexts = train(model, batches, with_policy)
+    assert_same(reference, result)
+    assert all("forward" not in vars(block) for block in model.blocks), "a recompute wrapper was left on a layer"
+    return contexts
+
+
+def codes_followed(contexts):
+    return [c.plan_followed.code if c.plan_followed else None for c in contexts]
+
+
+@pytest.mark.parametrize("plans", [("OROK", "OKRS"), ("OROK", "OSKR"), ("SOKO", "SKOR"), ("OROK", "RKOO")],
+                         ids=["first-offloaded", "first-offloaded-others-recomputed", "first-recomputed-alike",
+                              "first-recomputed-in-one"])
+def test_a_step_entered_with_another_shapes_plan_switches_to_its_own(spill_dir, caplog, plans):
+    one, two = plans
+    first, other = make_batch(CONFIG, seed=1), make_batch(OTHER_SHAPE, seed=2)
+    with caplog.at_level(logging.INFO, logger="tba"):
+        contexts = train_in_turn(spill_dir, [first] * 4 + [other] * 4 + [first, other] * 2, one, two)
+    kept = [kept_by_plan(c) for c in contexts]
+    assert kept[3] > 0 and kept[7] > 0
+    # Step 8 is entered with the other shape's plan (each shape so far followed itself).
+    assert contexts[8].step_plan.code == two
+    if two == "RKOO":  # the first layer is recomputed under one plan only: that step offloads everything
+        assert kept[8] == 0 and "this step follows its plan" not in caplog.text
+    else:  # it keeps what its shape's plan keeps, as a step entered with that plan does
+        assert kept[8] == kept[3] and codes_followed(contexts)[8] == one
+        assert caplog.text.count("this step follows its plan") == 1
+    # From step 9 on each step is entered with its own shape's plan: the shape that followed last time.
+    assert [c.step_plan.code for c in contexts[9:]] == codes_followed(contexts)[9:] == [two, one, two]
+    assert kept[9:] == [kept[7], kept[3], kept[7]]
+
+
+def test_shapes_alternating_from_the_first_step_are_both_profiled_and_planned(spill_dir):
+    first, other = make_batch(CONFIG, seed=1), make_batch(OTHER_SHAPE, seed=2)
+    contexts = train_in_turn(spill_dir, [first, other] * 7, "OROK", "OKRO")
+    followed = codes_followed(contexts)
+    assert followed[-4:] == followed[-2:] * 2 and set(followed[-2:]) == {"OROK", "OKRO"}, followed
+    assert [c.step_plan for c in contexts[-4:]] == [c.plan_followed for c in contexts[-4:]]
+
 
 
 def test_budget_below_what_the_model_needs_fails_when_planning(spill_dir):
