@@ -6,7 +6,8 @@ The lifetime half of :class:`tba.runtime._store.StorageStore`:
 * a written host storage that tba alone holds has its pages handed back to the kernel first
   (``tba/runtime/_trim.py``, Note [Whose pages tba may discard]); one the program still uses
   lingers until a bounded sweep finds it unused (Note [A bounded sweep per tensor]);
-* a write that failed (a full disk) keeps its storage in memory, warned about once per directory.
+* a write that failed (a full disk) keeps its storage in memory, warned about once per directory and
+  cause (Note [A file-size limit is one cause]).
 
 Every method runs under the store's lock.
 """
@@ -14,7 +15,9 @@ Every method runs under the store's lock.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import resource
 import threading
 from typing import TYPE_CHECKING
 
@@ -127,20 +130,17 @@ class StoreRelease:
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
-        key = (self.spill.directory, getattr(error, "errno", None))
+        cause, fix = write_error_cause(error)
+        key = (self.spill.directory, cause)
         with _WARNED_LOCK:
             first = key not in _WARNED_WRITE_ERRORS
             _WARNED_WRITE_ERRORS.add(key)
         if not first:
             logger.debug("tba: write to %s failed again (%s); kept in memory", self.spill.directory, error)
         else:
-            logger.warning(
-                "tba: writing activations to %s failed (%s); keeping them in memory instead and "
-                "training goes on (stats.bytes_kept_on_error counts them). Free space there or "
-                "pass another directory.",
-                self.spill.directory,
-                error,
-            )
+            logger.warning("tba: writing activations to %s failed (%s); keeping them in memory instead and training "
+                           "goes on (stats.bytes_kept_on_error counts them). %s", self.spill.directory, error, fix)
+
 
     def _checksum_written(self, entry: StorageEntry) -> None:
         """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""
@@ -161,3 +161,20 @@ class StoreRelease:
         if entry.offset >= 0:
             self.spill.free(entry.offset)
             entry.offset = -1
+
+
+def write_error_cause(error: BaseException | None) -> tuple[int | None, str]:
+    """The cause a failed write is warned about once for (an errno), and the fix the warning names.
+
+    Note: [A file-size limit is one cause]
+    Under a file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``) the kernel cuts a write that crosses the
+    limit to end there, which under ``O_DIRECT`` is an unaligned size and fails with ``EINVAL``; the
+    writes past the limit fail with ``EFBIG``. Both are the limit: one warning naming it, not two
+    naming "Invalid argument" and "File too large" and telling the user to free space.
+    """
+    number = getattr(error, "errno", None)
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if number in (errno.EFBIG, errno.EINVAL) and limit != resource.RLIM_INFINITY:
+        return errno.EFBIG, (f"This process has a file-size limit of {limit} bytes (ulimit -f), which stops the spill "
+                             "file there: raise it (ulimit -f unlimited) or pass another directory.")
+    return number, "Free space there or pass another directory."
