@@ -276,13 +276,27 @@ class PolicyRunner(InputShapes):
 def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,
                   **goal: Any) -> PolicyRunner:
     """A runner; with ``shared``, the one that successive one-shot offloaders of these layers (or,
-    without layers, of this directory) and this goal share."""
-    if not shared or not isinstance(policy, str) or policy != "adaptive":
+    without layers, of this directory), this goal and this :class:`~tba.policy.Policy` object share
+    (an adaptive or a custom policy profiles steps before planning: a runner per step never would)."""
+    adaptive = isinstance(policy, str) and policy == "adaptive"
+    if not shared or not (adaptive or isinstance(policy, Policy)):
         return PolicyRunner(layers, policy, **goal)
     key = (len(layers), *sorted(goal.items()))
+    if not adaptive:
+        key = (*key, _policy_key(policy))
     runners = _SHARED_RUNNERS.setdefault(layers[0], {}) if layers else _SHARED_BARE_RUNNERS
     if not layers:
         key = (directory, *key)
     if key not in runners:
         runners[key] = PolicyRunner(layers, policy, **goal)
     return runners[key]
+
+
+def _policy_key(policy: Policy) -> object:
+    """The policy itself where it is hashable (a frozen dataclass: equal policies share), else its id: the
+    registered runner holds the object, so no other takes that id while the runner is registered."""
+    try:
+        hash(policy)
+    except TypeError:
+        return id(policy)
+    return policy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -183,6 +184,50 @@ def test_adaptive_one_shot_contexts_share_a_runner(model, spill_dir):
     assert [sorted(o.layer_saved_bytes, key=str) for o in offloaders] == [[0, 1, 2, 3, None]] + [[None]] * 3
     assert len({id(o.policy_runner) for o in offloaders}) == 1
     assert not [name for name in vars(model.blocks[0]) if name.startswith("_tba")], "the model was modified"
+
+
+class KeepFirstOffloadRest(tba.Policy):
+    def __init__(self):
+        self.profiles = []
+
+    def plan(self, profile):
+        self.profiles.append(profile)
+        return tba.Plan(("keep",) + ("offload",) * (len(profile.layers) - 1), window_bytes=profile.max_window_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAllFrozen(tba.Policy):
+    window_bytes: int = 1 << 20
+
+    def plan(self, profile):
+        return tba.Plan(("keep",) * len(profile.layers), window_bytes=self.window_bytes)
+
+
+@pytest.mark.parametrize("with_layers", [True, False], ids=["layers", "bare"])
+def test_a_policy_object_given_to_one_shot_contexts_profiles_once_then_plans(model, spill_dir, with_layers):
+    # A runner per one-shot context never got past profiling: a custom policy silently offloaded all.
+    reference = train(model, steps=5)
+    policy, offloaders = KeepFirstOffloadRest(), []
+
+    def make():
+        layers = {"layers": model} if with_layers else {}
+        offloaders.append(tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0, policy=policy,
+                                                  profile_steps=1, **layers))
+        return offloaders[-1]
+
+    assert_same(reference, train(model, make, steps=5))
+    assert len({id(o.policy_runner) for o in offloaders}) == 1 and len(policy.profiles) == 1
+    assert offloaders[-1].plan.code == "KOOO"
+    assert offloaders[-1].stats.bytes_kept_by_reason.get(tba.KeepReason.LAYER_KEPT.value, 0) > 0
+
+
+def test_equal_frozen_policies_share_a_runner_and_distinct_objects_do_not(model, spill_dir):
+    def runner(policy):
+        return tba.offload_activations(spill_dir, layers=model, policy=policy).policy_runner
+
+    assert runner(KeepAllFrozen()) is runner(KeepAllFrozen())
+    assert runner(KeepAllFrozen()) is not runner(KeepAllFrozen(window_bytes=2 << 20))
+    assert runner(KeepFirstOffloadRest()) is not runner(KeepFirstOffloadRest())
 
 
 def test_recompute_wrapper_removed_at_exit_backward_still_recomputes(model, spill_dir):
