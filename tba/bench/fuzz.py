@@ -7,7 +7,9 @@ weights, a running mean and a call counter that the forward updates and then rea
 from Python's and numpy's global generators, as stochastic depth is often written), a dtype, an
 input that lives in torch memory, numpy memory (directly or through DLPack) or a bytearray, a
 placement (the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with
-its input offloaded each block), a backend, a minimum offload size, and an event (a normal step, a
+its input offloaded each block; or the bare context under a policy object that plans given placements,
+one per input shape, over more steps), a backend, a minimum offload size, the input's batch size per
+step (a changing input shape), and an event per step (a normal step, a
 step that waits for its writes before backward (``flush()``), so that backward reads the file instead
 of memory the writes had not yet freed, an exception raised inside the block, or a dropped loss).
 :func:`run_case` runs the same steps twice
@@ -40,6 +42,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering",
           "host_random")
 EVENTS = ("step", "step", "flush", "step", "raise", "drop")
+PLACEMENTS = ("keep", "offload", "recompute", "offloaded_recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,11 @@ class Case:
     min_offload_bytes: int
     shared_weight: bool
     events: tuple[str, ...]
+    batches: tuple[int, ...] = ()
+    """Per step, the input's batch size (a new input shape); empty: ``batch`` every step."""
+    plans_in_turn: tuple[tuple[str, ...], ...] = ()
+    """With the bare context: a policy object whose plans are these, one per input shape in the order
+    the shapes are planned (Note [A step whose shape has a plan follows it]); empty: the default policy."""
 
 
 def draw_case(seed: int) -> Case:
@@ -64,12 +72,21 @@ def draw_case(seed: int) -> Case:
     rng = random.Random(seed)
     count = rng.randint(2, 5)
     blocks = tuple(tuple(rng.sample(BLOCKS, rng.randint(1, 3))) for _ in range(count))
-    placement = None if rng.random() < 0.4 else tuple(
-        rng.choice(("keep", "offload", "recompute", "offloaded_recompute")) for block in blocks)
-    return Case(seed=seed, blocks=blocks, width=rng.choice((16, 64, 96)), batch=rng.choice((8, 32, 64, 512)),
+    placement = None if rng.random() < 0.4 else tuple(rng.choice(PLACEMENTS) for block in blocks)
+    case = Case(seed=seed, blocks=blocks, width=rng.choice((16, 64, 96)), batch=rng.choice((8, 32, 64, 512)),
                 dtype=rng.choice(DTYPES), source=rng.choice(("torch", "numpy", "dlpack", "bytearray")), placement=placement,
                 backend=rng.choice(("auto", "threads")), min_offload_bytes=rng.choice((0, 4096, 65536)),
                 shared_weight=rng.random() < 0.3, events=tuple(rng.choice(EVENTS) for _ in range(rng.randint(1, 3))))
+    # Drawn last, so that the fields above stay what they were for every seed.
+    events, plans = case.events, ()
+    if placement is None and rng.random() < 0.5:  # enough steps to find the layers, profile and follow plans
+        events += tuple(rng.choice(EVENTS) for _ in range(rng.randint(4, 6)))
+        plans = tuple(tuple(rng.choice(PLACEMENTS) for _ in blocks) for _ in range(2))
+    batches = ()
+    if rng.random() < 0.4:
+        other = rng.choice([size for size in (8, 32, 64) if size != case.batch])
+        batches = tuple(rng.choice((case.batch, other)) for _ in events)
+    return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans)
 
 
 class Block(nn.Module):
@@ -124,7 +141,8 @@ def build(case: Case) -> nn.Sequential:
 
 def _input(case: Case, step: int) -> tuple[torch.Tensor, Any]:
     """The step's input and the object that owns its memory (numpy array, bytearray or the tensor)."""
-    values = np.random.default_rng(case.seed * 131 + step).standard_normal((case.batch, case.width)).astype(np.float32)
+    batch = case.batches[step] if case.batches else case.batch
+    values = np.random.default_rng(case.seed * 131 + step).standard_normal((batch, case.width)).astype(np.float32)
     if case.source in ("numpy", "dlpack"):
         padded = np.empty(values.size + 16, dtype=np.float32)
         start = next(i for i in range(16) if padded[i:].ctypes.data % 64 == 0)
@@ -134,7 +152,7 @@ def _input(case: Case, step: int) -> tuple[torch.Tensor, Any]:
         return (tensor.to(case.dtype) if case.dtype != torch.float32 else tensor), owner
     if case.source == "bytearray":
         owner = bytearray(values.tobytes())
-        tensor = torch.frombuffer(owner, dtype=torch.float32).view(case.batch, case.width)
+        tensor = torch.frombuffer(owner, dtype=torch.float32).view(batch, case.width)
         return (tensor.to(case.dtype) if case.dtype != torch.float32 else tensor), owner
     tensor = torch.from_numpy(values.copy()).to(case.dtype)
     return tensor, tensor
@@ -157,6 +175,7 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
                 if directory is not None and plan is not None else None)
 
     offloader = new_offloader()
+    bare = {"policy": _plans_in_turn(case.plans_in_turn), "profile_steps": 1} if case.plans_in_turn else {}
     losses, inputs = [], []
     torch.manual_seed(case.seed + 7)
     random.seed(case.seed + 7)
@@ -171,7 +190,8 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
         elif offloader is not None:
             context = offloader
         else:
-            context = tba.offload_activations(directory, backend=case.backend, min_offload_bytes=case.min_offload_bytes)
+            context = tba.offload_activations(directory, backend=case.backend, min_offload_bytes=case.min_offload_bytes,
+                                              **bare)
         try:
             with context:
                 loss = model(x).float().pow(2).mean()
@@ -200,6 +220,25 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
             "generators": [block.generator.get_state() for block in model if block.generator is not None]
             + [torch.tensor([random.random(), float(np.random.rand())], dtype=torch.float64)],
             "inputs_unchanged": all(torch.equal(before, _owner_values(owner)) for before, owner in inputs)}
+
+
+def _plans_in_turn(plans: tuple[tuple[str, ...], ...]) -> Any:
+    """A :class:`tba.Policy` whose plans are ``plans`` in turn, one per shape planned (repeated or cut to the
+    number of layers the profile has)."""
+    import tba
+
+    class InTurn(tba.Policy):
+        def __init__(self) -> None:
+            self.made = 0
+
+        def plan(self, profile: Any) -> Any:
+            # As many decisions as the layers found (blocks that save nothing are not layers to discovery).
+            drawn = plans[self.made % len(plans)]
+            self.made += 1
+            decisions = tuple(drawn[i % len(drawn)] for i in range(len(profile.layers)))
+            return tba.Plan(decisions, window_bytes=1 << 20, goal="plans in turn")
+
+    return InTurn()
 
 
 def _owner_values(owner: Any) -> torch.Tensor:

@@ -172,7 +172,7 @@ class PolicyRunner(InputShapes):
         if self.profiling and self._samples.count(self._shape) >= self.profile_steps:
             self.profile = self._samples.profile(self._shape, len(self._layer_refs), self._prefetch_depth_layers,
                                                  self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
-            self._plans[self._shape] = self.policy.plan(self.profile)
+            self._plans[self._shape] = self._checked(self.policy.plan(self.profile))
             logger.info("tba: %s", self._plans[self._shape])
         self._reapply = reapply
         if self.policy is not None:
@@ -214,6 +214,15 @@ class PolicyRunner(InputShapes):
         return plan is not None and any(decision in RECOMPUTED and not can_recompute(layer)
                                         for decision, layer in zip(plan.decisions, self.layers)
                                         if not any(layer is done for done in wrapped))
+
+    def _checked(self, plan: Plan) -> Plan:
+        """``plan`` as the policy returned it, when it is a plan for these layers."""
+        if not isinstance(plan, Plan) or len(plan.decisions) != len(self._layer_refs):
+            got = f"a plan of {len(plan.decisions)} layers" if isinstance(plan, Plan) else repr(plan)
+            raise TbaConfigError(f"policy {self.name}.plan(profile) returned {got} for a profile of "
+                                 f"{len(self._layer_refs)} layers; return a tba.Plan with one decision per "
+                                 "profile.layers entry")
+        return plan
 
     def _cuda_device(self) -> torch.device | None:
         """The CUDA device of the model's first parameter, or None (a CPU model, or no parameter)."""

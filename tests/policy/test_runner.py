@@ -230,6 +230,23 @@ def test_equal_frozen_policies_share_a_runner_and_distinct_objects_do_not(model,
     assert runner(KeepFirstOffloadRest()) is not runner(KeepFirstOffloadRest())
 
 
+@pytest.mark.parametrize("returned", ["short", "not a plan"])
+def test_a_policy_returning_a_plan_that_does_not_fit_the_layers_is_a_clear_error(model, spill_dir, returned):
+    class Wrong(tba.Policy):
+        def plan(self, profile):
+            return tba.Plan(("keep",), window_bytes=1 << 20) if returned == "short" else "keep"
+
+    policy = Wrong()
+    tokens, targets = make_batch(CONFIG, seed=4)
+    with tba.offload_activations(spill_dir, layers=model, policy=policy, profile_steps=1):
+        loss = model(tokens, targets)
+    loss.backward()
+    with pytest.raises(tba.TbaConfigError, match=r"policy Wrong.plan\(profile\) returned .* for a profile of 4 "
+                                                 r"layers; return a tba.Plan with one decision per profile.layers"):
+        with tba.offload_activations(spill_dir, layers=model, policy=policy, profile_steps=1):
+            pass
+
+
 def test_recompute_wrapper_removed_at_exit_backward_still_recomputes(model, spill_dir):
     tokens, targets = make_batch(CONFIG, seed=4)
     torch.manual_seed(0)
