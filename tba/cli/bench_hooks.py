@@ -113,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gc.freeze() before measuring, as a training script can once its model is built: the "
                              "cycle collector's full collections then skip every object alive before (a tuned mode; "
                              "compare with a run without it, docs/host-cost.md)")
+    parser.add_argument("--intra-op-threads", type=cli_checks.int_at_least(1), default=None, metavar="N",
+                        help="torch.set_num_threads(N) before measuring, both loops alike (default: torch's own, one "
+                             "per core). On few cores torch's threads and the kernel's copies for tba's I/O take "
+                             "turns on the same cores; 1 leaves a core to the I/O, as compute on a GPU does")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc to measure under, both loops alike (re-executes the command once): auto = best "
                              "caching one found (default), system = the C library's")
@@ -226,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
         if args.gc_freeze:
             gc.collect()
             gc.freeze()
+        if args.intra_op_threads is not None:
+            torch.set_num_threads(args.intra_op_threads)
         results = []
         for case in cases:
             progress.update(f"{case.count} x {_size_text(case.size_bytes)} {case.label}")
@@ -237,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         progress.done()
     loop = ("held until backward (tba does not read them back)" if args.hold_outputs
             else "reduced by sum() at once (only autograd holds them; tba reads each back)")
-    print(f"malloc: {malloc}; device: {args.device}; loop: outputs {loop}"
+    print(f"malloc: {malloc}; device: {args.device}; torch intra-op threads: {torch.get_num_threads()}"
+          f"{'' if args.intra_op_threads else ' (its default)'}; loop: outputs {loop}"
           + ("; gc.freeze() before measuring" if args.gc_freeze else ""))
     print(format_table(results))
     if args.thread_cpu:
@@ -249,6 +256,6 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,
                        "thread_cpu_clock": THREAD_CLOCK if args.thread_cpu else None,
                        "malloc": str(malloc), "warmups": args.warmups, "repeats": args.repeats,
-                       "gc_freeze": args.gc_freeze}, out, indent=2)
+                       "gc_freeze": args.gc_freeze, "intra_op_threads": torch.get_num_threads()}, out, indent=2)
     return 0
 

@@ -123,3 +123,20 @@ def test_called_as_a_function_it_measures_under_the_malloc_serving_the_process(t
     # pytest-xdist that called main() was replaced by a new pytest process, and the run lost the worker).
     assert main(["bench-hooks", *argv]) == 0
     assert capsys.readouterr().out.startswith(f"malloc: {detect()}")
+
+
+def test_intra_op_threads_are_set_before_measuring_and_said(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "hooks.json"
+    args = _args(["--quick", "--no-keep", "--no-disk", "--ram-dir", str(tmp_path), "--intra-op-threads", "1",
+                  "--json", str(out)])
+    before, seen, measure = torch.get_num_threads(), [], bench_hooks.measure
+    monkeypatch.setattr(bench_hooks, "measure", lambda *a, **k: (seen.append(torch.get_num_threads()), measure(*a, **k))[1])
+    try:
+        assert bench_hooks.run(args) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert "torch intra-op threads: 1;" in capsys.readouterr().out
+    assert json.loads(out.read_text())["intra_op_threads"] == 1
+    with pytest.raises(SystemExit):
+        _args(["--intra-op-threads", "0"])
