@@ -54,7 +54,7 @@ from tba.runtime._discover import LayerDiscovery
 from tba.runtime._hooks import SavedTensorHooks, _Phase
 from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers
 from tba.runtime._prefetch import PrefetchWindow
-from tba.runtime._runner import shared_runner
+from tba.runtime._shared_runners import shared_runner
 from tba.runtime._stats import OffloadStats
 from tba.runtime._step_cycle import StepCycle
 from tba.runtime._store import StorageStore

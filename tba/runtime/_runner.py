@@ -34,10 +34,7 @@ removed), which is exact under any plan and uses the least memory. A forward tha
 runner's layers (another model in the same context) makes the runner forget them and find them
 again.
 
-``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared: a
-weak-keyed registry maps the first layer module and the goal to the runner (with ``layers=``), a
-plain one maps the spill directory and the goal to it (without); the runner holds its layers
-only weakly, so it lives no longer than needed and never keeps a model alive.
+One-shot contexts share runners: ``tba/runtime/_shared_runners.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -61,10 +57,8 @@ from tba.runtime._step_placement import StepPlacement, placement_of
 
 logger = logging.getLogger("tba")
 
-_SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
-_SHARED_BARE_RUNNERS: dict[tuple, PolicyRunner] = {}
 
-__all__ = ["PolicyRunner", "StepCounters", "StepPlacement", "shared_runner"]
+__all__ = ["PolicyRunner", "StepCounters", "StepPlacement"]
 
 
 class PolicyRunner(InputShapes):
@@ -101,6 +95,8 @@ class PolicyRunner(InputShapes):
         elif memory_budget_bytes is not None or overhead_bound is not None:
             raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not {policy!r}")
         self.name = policy if isinstance(policy, str) else type(policy).__name__
+        self.policy_attributes: dict | None = None
+        """A shared policy object's attributes as given (Note [A policy object in one-shot contexts])."""
         if (self.name == "keep" or self.pinned is not None) and not layers:
             raise TbaConfigError(f"policy {self.name} needs the model's layers: pass layers=model or a list of blocks")
         if self.pinned is not None and len(self.pinned.decisions) != len(layers):
@@ -280,32 +276,3 @@ class PolicyRunner(InputShapes):
         sample = self._step.finish(thread)
         if sample is not None:
             self._samples.collect(sample, sample.pop("counters")(), len(self._layer_refs))
-
-
-def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,
-                  **goal: Any) -> PolicyRunner:
-    """A runner; with ``shared``, the one that successive one-shot offloaders of these layers (or,
-    without layers, of this directory), this goal and this :class:`~tba.policy.Policy` object share
-    (an adaptive or a custom policy profiles steps before planning: a runner per step never would)."""
-    adaptive = isinstance(policy, str) and policy == "adaptive"
-    if not shared or not (adaptive or isinstance(policy, Policy)):
-        return PolicyRunner(layers, policy, **goal)
-    key = (len(layers), *sorted(goal.items()))
-    if not adaptive:
-        key = (*key, _policy_key(policy))
-    runners = _SHARED_RUNNERS.setdefault(layers[0], {}) if layers else _SHARED_BARE_RUNNERS
-    if not layers:
-        key = (directory, *key)
-    if key not in runners:
-        runners[key] = PolicyRunner(layers, policy, **goal)
-    return runners[key]
-
-
-def _policy_key(policy: Policy) -> object:
-    """The policy itself where it is hashable (a frozen dataclass: equal policies share), else its id: the
-    registered runner holds the object, so no other takes that id while the runner is registered."""
-    try:
-        hash(policy)
-    except TypeError:
-        return id(policy)
-    return policy

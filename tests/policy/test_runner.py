@@ -204,30 +204,36 @@ class KeepAllFrozen(tba.Policy):
 
 
 @pytest.mark.parametrize("with_layers", [True, False], ids=["layers", "bare"])
-def test_a_policy_object_given_to_one_shot_contexts_profiles_once_then_plans(model, spill_dir, with_layers):
+@pytest.mark.parametrize("same_object", [True, False], ids=["one-object", "object-per-step"])
+def test_a_policy_object_given_to_one_shot_contexts_profiles_once_then_plans(model, spill_dir, with_layers,
+                                                                             same_object):
     # A runner per one-shot context never got past profiling: a custom policy silently offloaded all.
     reference = train(model, steps=5)
     policy, offloaders = KeepFirstOffloadRest(), []
 
     def make():
         layers = {"layers": model} if with_layers else {}
-        offloaders.append(tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0, policy=policy,
-                                                  profile_steps=1, **layers))
+        offloaders.append(tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0, profile_steps=1,
+                                                  policy=policy if same_object else KeepFirstOffloadRest(), **layers))
         return offloaders[-1]
 
     assert_same(reference, train(model, make, steps=5))
-    assert len({id(o.policy_runner) for o in offloaders}) == 1 and len(policy.profiles) == 1
+    assert len({id(o.policy_runner) for o in offloaders}) == 1
+    assert len(offloaders[-1].policy_runner.policy.profiles) == 1
     assert offloaders[-1].plan.code == "KOOO"
     assert offloaders[-1].stats.bytes_kept_by_reason.get(tba.KeepReason.LAYER_KEPT.value, 0) > 0
 
 
-def test_equal_frozen_policies_share_a_runner_and_distinct_objects_do_not(model, spill_dir):
+def test_a_policy_object_built_every_step_shares_the_runner_another_one_replaces_it(model, spill_dir):
+    # Note [A policy object in one-shot contexts]: policy=MyPolicy() in the with line builds one per step.
     def runner(policy):
         return tba.offload_activations(spill_dir, layers=model, policy=policy).policy_runner
 
-    assert runner(KeepAllFrozen()) is runner(KeepAllFrozen())
-    assert runner(KeepAllFrozen()) is not runner(KeepAllFrozen(window_bytes=2 << 20))
-    assert runner(KeepFirstOffloadRest()) is not runner(KeepFirstOffloadRest())
+    first = runner(KeepAllFrozen())
+    assert runner(KeepAllFrozen()) is first and runner(KeepFirstOffloadRest()) is runner(KeepFirstOffloadRest())
+    other = runner(KeepAllFrozen(window_bytes=2 << 20))
+    assert other is not first and runner(KeepAllFrozen(window_bytes=2 << 20)) is other
+    assert runner(KeepAllFrozen()) is not first, "the slot holds the last policy only: nothing accumulates"
 
 
 @pytest.mark.parametrize("returned", ["short", "not a plan"])

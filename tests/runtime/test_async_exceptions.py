@@ -50,9 +50,9 @@ def test_a_swallowed_interrupt_is_attributed_to_the_module_owning_the_callback()
         from async_exc_worker import _owner
     finally:
         sys.path.remove(str(WORKER.parent))
-    from tba.runtime import _runner
+    from tba.runtime import _shared_runners
 
-    assert _owner(_runner._SHARED_RUNNERS._remove) == "tba.runtime._runner"
+    assert _owner(_shared_runners._SHARED_RUNNERS._remove) == "tba.runtime._shared_runners"
     assert _owner(json.JSONDecoder) == "json.decoder"
 
 

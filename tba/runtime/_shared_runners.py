@@ -1,0 +1,75 @@
+"""The runners that successive one-shot contexts share.
+
+``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared: a
+weak-keyed registry maps the first layer module and the goal (and a policy object's class, Note [A
+policy object in one-shot contexts]) to the runner (with ``layers=``), a plain one maps the spill
+directory and the goal to it (without); the runner holds its layers only weakly, so it lives no
+longer than needed and never keeps a model alive.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+from torch import nn
+
+from tba.policy import Policy
+from tba.runtime._runner import PolicyRunner
+
+_SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
+_SHARED_BARE_RUNNERS: dict[tuple, PolicyRunner] = {}
+
+__all__ = ["shared_runner"]
+
+
+def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directory: str | None = None,
+                  **goal: Any) -> PolicyRunner:
+    """A runner; with ``shared``, the one that successive one-shot offloaders of these layers (or,
+    without layers, of this directory) and this goal share.
+
+    Note: [A policy object in one-shot contexts]
+    A :class:`~tba.policy.Policy` object profiles and plans across steps, as ``"adaptive"`` does, so
+    its one-shot contexts share a runner too: given a new runner every step, it profiled every step
+    and never planned, silently offloading everything for good (found twice, by the fuzzer's new
+    cases and by a review). One slot per policy class holds it; the same object, or one of its class
+    with the attributes that one was given with (``policy=MyPolicy()`` written in the ``with`` line
+    builds one every step; what the policy records in itself later does not count) reuses it; another
+    replaces it, so objects built per step leave nothing behind.
+    """
+    is_object = isinstance(policy, Policy)
+    if not shared or not (is_object or (isinstance(policy, str) and policy == "adaptive")):
+        return PolicyRunner(layers, policy, **goal)
+    key = (len(layers), *sorted(goal.items()))
+    if is_object:
+        key = (*key, type(policy))
+    runners = _SHARED_RUNNERS.setdefault(layers[0], {}) if layers else _SHARED_BARE_RUNNERS
+    if not layers:
+        key = (directory, *key)
+    if key not in runners or (is_object and not _same_policy(runners[key], policy)):
+        runners[key] = PolicyRunner(layers, policy, **goal)
+        if is_object:
+            runners[key].policy_attributes = _attributes(policy)
+    return runners[key]
+
+
+def _attributes(policy: Policy) -> dict | None:
+    """A copy of ``policy``'s attributes as given (what it records of its own later does not count), or None."""
+    try:
+        return copy.deepcopy(vars(policy))
+    except Exception:  # noqa: BLE001 - no __dict__ (slots), or attributes that cannot be copied: only the object matches
+        return None
+
+
+def _same_policy(runner: PolicyRunner, policy: Policy) -> bool:
+    """Whether ``policy`` is the runner's, or an object of its class with the attributes it was given with."""
+    if runner.policy is policy:
+        return True
+    given = runner.policy_attributes
+    if type(runner.policy) is not type(policy) or given is None:
+        return False
+    try:
+        return bool(vars(policy) == given)
+    except Exception:  # noqa: BLE001 - attributes that do not compare (tensors): not the same
+        return False
