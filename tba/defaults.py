@@ -90,6 +90,12 @@ DISCARD_MIN_BYTES = 256 * KIB
 kernel at once (Note [Small storages keep their pages] in ``tba/runtime/_trim.py``); smaller ones are only
 freed, for glibc to reuse (the heap trim, which would return what it does not, is off by default)."""
 
+RECOMPUTE_STATE_ALWAYS_COPIED_BYTES = 64 * KIB
+"""A recomputed layer's state tensors (buffers, tensor attributes) of at most this many bytes are copied
+before each of its forwards and put back for the recomputation, whatever earlier forwards did to them;
+larger ones are copied only once a forward was seen to change them (Note [Side effects of a recomputed
+forward] in ``tba/runtime/_layer_state.py``)."""
+
 LINGER_SWEEP_PER_CALL = 2
 """Written storages still used by the program that each save, unpack and freed view re-checks
 (``tba/runtime/_release.py``, Note [A bounded sweep per tensor]): at most one storage starts lingering

@@ -24,7 +24,7 @@ from torch import nn
 
 from tba.errors import TbaError
 from tba.runtime._generators import generator_states
-from tba.runtime._layer_state import NOT_COPIED, ModuleState, snapshot
+from tba.runtime._layer_state import NOT_COPIED, ModuleState, always_copied, snapshot
 from tba.runtime._learned import Learned
 
 
@@ -104,6 +104,10 @@ class FirstCall:
                                        "Offloader, since this block raised), or keep or offload the layer")
                     self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
                 elif key in learned.changed:
+                    continue
+                elif always_copied(copied.value):  # its copy stays until the recomputation puts it back
+                    if same:  # left alone, or changed without a version bump: a change before backward is loud
+                        self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
                     continue
                 elif same and torch.equal(now, copied.value):
                     learned.unchanged.add(key)

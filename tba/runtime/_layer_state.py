@@ -35,7 +35,13 @@ later steps copy only what a forward was seen to change, and watch the rest thro
 raising :class:`~tba.errors.TbaError` when a forward changes it after all (there is no copy to
 recompute from; the next forward copies it). A change of such a tensor that bumps no version goes
 unseen: the price of not copying every buffer of every recomputed layer every step (a float causal
-mask of a 1024-token model is 4 MiB per layer, and comparing it would synchronise a GPU).
+mask of a 1024-token model is 4 MiB per layer, and comparing it would synchronise a GPU). So that
+applies to large tensors only: one of at most
+:data:`~tba.defaults.RECOMPUTE_STATE_ALWAYS_COPIED_BYTES` (running statistics, counters, scales) is
+copied before every forward and put back for the recomputation, never compared: a forward that
+updates it only on some inputs, through a kernel that bumps no version (``F.batch_norm`` on the
+layer's own buffers once the batch is large enough; a review found its statistics updated twice,
+silently), recomputes exactly too.
 The recomputation then copies the state as it is, loads the state the first call
 started from, runs the forward, and restores what it copied, bit for bit: each tensor and container
 goes back into the same object the module held, so other references to it see the values too. The
@@ -56,6 +62,7 @@ import torch
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from tba import defaults
 from tba.errors import TbaError
 from tba.runtime._learned import Key, Learned
 
@@ -106,14 +113,14 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
         tensors = {}
         for name, value in module._buffers.items():
             if value is not None and not value.is_inference():  # one made under inference_mode cannot change in place
-                tensors[name] = _copy(value, learned.copies((id(module), name, mode)), True)
+                tensors[name] = _copy(value, learned, (id(module), name, mode), True)
         plain, containers, items, arrays = {}, {}, [], {}
         for name, value in vars(module).items():
             if name.startswith("_"):
                 continue
             if isinstance(value, torch.Tensor):
                 if not value.is_inference():
-                    tensors[name] = _copy(value, learned.copies((id(module), name, mode)), False)
+                    tensors[name] = _copy(value, learned, (id(module), name, mode), False)
             elif isinstance(value, _PLAIN_TYPES):
                 plain[name] = value
             elif isinstance(value, _CONTAINER_TYPES):
@@ -121,7 +128,7 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
                 for index, item in enumerate(held_items(value)):
                     if isinstance(item, torch.Tensor) and not item.is_inference():
                         key = (id(module), f"{name}[{index}]", mode)
-                        items.append((key, _copy(item, learned.copies(key), False)))
+                        items.append((key, _copy(item, learned, key, False)))
             elif isinstance(value, np.ndarray) and value.flags.writeable:  # a read-only one cannot change in place
                 arrays[name] = (value, value.copy())
         none_buffers = {name for name, value in module._buffers.items() if value is None}
@@ -130,8 +137,14 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
     return states
 
 
-def _copy(tensor: torch.Tensor, copies: bool, is_buffer: bool) -> TensorCopy:
+def _copy(tensor: torch.Tensor, learned: Learned, key: Key, is_buffer: bool) -> TensorCopy:
+    copies = learned.copies(key) or always_copied(tensor)
     return TensorCopy(tensor, tensor.detach().clone() if copies else NOT_COPIED, tensor._version, is_buffer)
+
+
+def always_copied(tensor: torch.Tensor) -> bool:
+    """Whether a state tensor is copied before every forward, whatever earlier forwards did to it: a small one."""
+    return tensor.nbytes <= defaults.RECOMPUTE_STATE_ALWAYS_COPIED_BYTES
 
 
 def restore(current: list[ModuleState], target: list[ModuleState]) -> None:

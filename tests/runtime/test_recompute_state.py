@@ -419,20 +419,21 @@ def test_a_forward_that_adds_submodules_raises(spill_dir):
 
 
 class Masking(nn.Module):
-    """A large constant buffer, and one that changes only when told to."""
+    """A large constant buffer, and a large one that changes only when told to (small ones are always copied:
+    tba.defaults.RECOMPUTE_STATE_ALWAYS_COPIED_BYTES)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(64, 64)
-        self.register_buffer("mask", torch.rand(64, 64) > 0.5)
-        self.register_buffer("shift", torch.zeros(64))
+        self.register_buffer("mask", torch.rand(512, 512) > 0.5)
+        self.register_buffer("shift", torch.zeros(1024, 64))
         self.bump = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bump:
             with torch.no_grad():
                 self.shift.add_(1)
-        return torch.tanh(self.linear(x) @ self.mask.to(x.dtype) + self.shift) + x
+        return torch.tanh(self.linear(x) @ self.mask[:64, :64].to(x.dtype) + self.shift[0]) + x
 
 
 def test_a_buffer_its_first_watched_forward_left_alone_is_not_copied_again_and_a_later_change_is_loud(spill_dir):
@@ -541,3 +542,53 @@ def test_learned_for_is_shared_by_threads_while_layers_die():
         assert learned_for(kept) is mine
 
     assert threads_under_the_collector(lambda: body) == []
+
+
+class NormalisesLongBatches(nn.Module):
+    """Updates its own small running statistics (F.batch_norm: no version bump) only when the batch is large
+    enough: the first forwards leave them alone, later ones change them."""
+
+    def __init__(self, through: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.through = through
+        if through == "instance_norm":
+            self.norm = nn.InstanceNorm1d(8, track_running_stats=True)
+        else:
+            self.register_buffer("mean", torch.zeros(8))
+            self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if x.shape[0] > 4:
+            if self.through == "instance_norm":
+                h = self.norm(h.t().unsqueeze(0)).squeeze(0).t()
+            else:
+                h = nn.functional.batch_norm(h, self.mean, self.var, training=True, momentum=0.1)
+        return torch.tanh(h) + x
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+@pytest.mark.parametrize("through", ["batch_norm", "instance_norm"])
+def test_small_statistics_a_later_forward_starts_to_update_are_recomputed_exactly(spill_dir, decision, through):
+    # A review found F.batch_norm's statistics updated twice, silently, once the batch grew: the first forward
+    # left them alone, so they were no longer copied, and the update bumps no version.
+    def run(directory):
+        torch.manual_seed(0)
+        model = nn.Sequential(NormalisesLongBatches(through), NormalisesLongBatches(through))
+        offloader = _pinned(directory, list(model), (decision,) * 2)
+        losses = []
+        for step, batch in enumerate([4, 4, 8, 8]):
+            x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(step))
+            with offloader if offloader is not None else contextlib.nullcontext():
+                loss = model(x).pow(2).sum()
+            loss.backward()
+            losses.append(loss.detach())
+        if offloader is not None:
+            offloader.close()
+        return losses, [p.grad for p in model.parameters()], model.state_dict()
+
+    (want_losses, want_grads, want_state), (losses, grads, state) = run(None), run(spill_dir)
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), "losses differ"
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads)), "gradients differ"
+    assert [k for k in want_state if not torch.equal(state[k], want_state[k])] == [], "statistics differ"
