@@ -51,8 +51,9 @@ class OffloadConfig:
     policy: Any = _option("adaptive", _NAME, "Placement per layer: adaptive (profile the first steps offloading "
                           "everything, then keep, offload or recompute each layer of the found or given layers to "
                           "meet the goal), offload (every layer to disk), keep (nothing to disk), a tba.Plan to "
-                          "pin, or a tba.Policy object whose plan(profile) chooses after profiling (pass the same "
-                          "object every step). keep and plans need layers=.")
+                          "pin, or a tba.Policy object whose plan(profile) chooses after profiling (one-shot "
+                          "contexts share its plans: the same object, or one of its class with the same attributes). "
+                          "keep and plans need layers=.")
     memory_budget: int | None = _option(None, _SIZE, "Adaptive goal: at most this many activation bytes (an int "
                                         "or a size such as 512M or 1.5GiB), fastest placement first; planning "
                                         "fails with TbaConfigError when the model cannot fit.", optional=True)
