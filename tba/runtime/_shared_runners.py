@@ -13,6 +13,7 @@ import copy
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from tba.policy import Policy
@@ -55,9 +56,18 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
 
 
 def _attributes(policy: Policy) -> dict | None:
-    """A copy of ``policy``'s attributes as given (what it records of its own later does not count), or None."""
+    """A copy of ``policy``'s attributes as given (what it records of its own later does not count), or None.
+
+    Modules and tensors (held directly or in a list, tuple or dict attribute) are held as they are and
+    compared by identity: a policy that holds the model had its weights copied at every new slot, and
+    the copy, never equal to the model, gave a policy built per step a new runner every step."""
     try:
-        return copy.deepcopy(vars(policy))
+        attributes = vars(policy)
+        held = [*attributes.values()]
+        held += [item for value in attributes.values() if isinstance(value, (list, tuple, dict))
+                 for item in (value.values() if isinstance(value, dict) else value)]
+        memo = {id(value): value for value in held if isinstance(value, (nn.Module, torch.Tensor))}
+        return copy.deepcopy(attributes, memo)
     except Exception:  # noqa: BLE001 - no __dict__ (slots), or attributes that cannot be copied: only the object matches
         return None
 

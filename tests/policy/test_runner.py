@@ -236,6 +236,26 @@ def test_a_policy_object_built_every_step_shares_the_runner_another_one_replaces
     assert runner(KeepAllFrozen()) is not first, "the slot holds the last policy only: nothing accumulates"
 
 
+class HoldsTheModel(tba.Policy):
+    def __init__(self, model):
+        self.model, self.blocks = model, list(model.blocks)
+
+    def plan(self, profile):
+        return tba.Plan(("keep",) * len(profile.layers), window_bytes=profile.max_window_bytes)
+
+
+def test_a_policy_object_holding_the_model_built_every_step_shares_the_runner_without_copying_the_model(model,
+                                                                                                      spill_dir):
+    # Its attributes were deep-copied: the model's weights copied at every step, and the copy never equal to
+    # the model, so every step built a new runner and profiled, silently offloading everything.
+    def runner():
+        return tba.offload_activations(spill_dir, layers=model, policy=HoldsTheModel(model)).policy_runner
+
+    first = runner()
+    assert first.policy_attributes["model"] is model and first.policy_attributes["blocks"][0] is model.blocks[0]
+    assert runner() is first
+
+
 @pytest.mark.parametrize("returned", ["short", "not a plan"])
 def test_a_policy_returning_a_plan_that_does_not_fit_the_layers_is_a_clear_error(model, spill_dir, returned):
     class Wrong(tba.Policy):
