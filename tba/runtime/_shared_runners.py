@@ -10,6 +10,7 @@ longer than needed and never keeps a model alive.
 from __future__ import annotations
 
 import copy
+import logging
 import weakref
 from typing import Any
 
@@ -21,6 +22,10 @@ from tba.runtime._runner import PolicyRunner
 
 _SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
 _SHARED_BARE_RUNNERS: dict[tuple, PolicyRunner] = {}
+_WARNED_REPLACED: weakref.WeakSet[type] = weakref.WeakSet()
+"""Policy classes whose object replaced one that had not planned yet (warned about once per class)."""
+
+logger = logging.getLogger("tba")
 
 __all__ = ["shared_runner"]
 
@@ -49,6 +54,12 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
     if not layers:
         key = (directory, *key)
     if key not in runners or (is_object and not _same_policy(runners[key], policy)):
+        if key in runners and runners[key].profile is None and type(policy) not in _WARNED_REPLACED:
+            _WARNED_REPLACED.add(type(policy))
+            logger.warning("tba: a new %s object replaced the one the last step was given before it planned (their "
+                           "attributes differ, or do not compare equal), so its profile starts again and the step "
+                           "offloads everything; if it is built per step, build the policy once, outside the training "
+                           "loop, and pass that object", type(policy).__name__)
         runners[key] = PolicyRunner(layers, policy, **goal)
         if is_object:
             runners[key].policy_attributes = _attributes(policy)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import pytest
@@ -254,6 +255,23 @@ def test_a_policy_object_holding_the_model_built_every_step_shares_the_runner_wi
     first = runner()
     assert first.policy_attributes["model"] is model and first.policy_attributes["blocks"][0] is model.blocks[0]
     assert runner() is first
+
+
+class WrapsAdaptive(tba.Policy):
+    def __init__(self):
+        self.inner = tba.Adaptive(overhead_bound=10.0)  # no __eq__: a new one never equals the last
+
+    def plan(self, profile):
+        return self.inner.plan(profile)
+
+
+def test_a_policy_object_per_step_that_never_matches_the_last_one_is_warned_about(model, spill_dir, caplog):
+    # A runner per step never plans: every step profiled and offloaded everything, without a word.
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        train(model, lambda: tba.offload_activations(spill_dir, layers=model, policy=WrapsAdaptive(), profile_steps=1,
+                                                     min_offload_bytes=0), steps=3)
+    assert caplog.text.count("build the policy once, outside the training loop") == 1
+    assert "WrapsAdaptive" in caplog.text
 
 
 @pytest.mark.parametrize("returned", ["short", "not a plan"])
