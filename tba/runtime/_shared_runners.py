@@ -69,18 +69,33 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
 def _attributes(policy: Policy) -> dict | None:
     """A copy of ``policy``'s attributes as given (what it records of its own later does not count), or None.
 
-    Modules and tensors (held directly or in a list, tuple or dict attribute) are held as they are and
-    compared by identity: a policy that holds the model had its weights copied at every new slot, and
-    the copy, never equal to the model, gave a policy built per step a new runner every step."""
+    Modules and tensors (held directly or in a list, tuple or dict attribute) are not copied: each is
+    stood for by a :class:`_Same`, equal to that object only and holding it weakly. Deep-copied, a policy
+    that holds the model had its weights copied at every new slot, and the copy, never equal to the model,
+    gave a policy built per step a new runner every step."""
     try:
         attributes = vars(policy)
         held = [*attributes.values()]
         held += [item for value in attributes.values() if isinstance(value, (list, tuple, dict))
                  for item in (value.values() if isinstance(value, dict) else value)]
-        memo = {id(value): value for value in held if isinstance(value, (nn.Module, torch.Tensor))}
+        memo = {id(value): _Same(value) for value in held if isinstance(value, (nn.Module, torch.Tensor))}
         return copy.deepcopy(attributes, memo)
     except Exception:  # noqa: BLE001 - no __dict__ (slots), or attributes that cannot be copied: only the object matches
         return None
+
+
+class _Same:
+    """Stands for a module or tensor among a policy's attributes as given: equal to that object only, which
+    it holds weakly (the registries must not keep a model alive)."""
+
+    __slots__ = ("ref",)
+    __hash__ = None
+
+    def __init__(self, value: Any) -> None:
+        self.ref = weakref.ref(value)
+
+    def __eq__(self, other: object) -> bool:
+        return self.ref() is other
 
 
 def _same_policy(runner: PolicyRunner, policy: Policy) -> bool:
@@ -91,6 +106,6 @@ def _same_policy(runner: PolicyRunner, policy: Policy) -> bool:
     if type(runner.policy) is not type(policy) or given is None:
         return False
     try:
-        return bool(vars(policy) == given)
+        return bool(given == vars(policy))  # given's _Same compare first
     except Exception:  # noqa: BLE001 - attributes that do not compare (tensors): not the same
         return False
