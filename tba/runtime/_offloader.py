@@ -140,6 +140,8 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
                                            overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
                                            prefetch_depth_layers=config.prefetch_depth_layers,
                                            prefetch_budget_bytes=config.prefetch_budget_bytes)
+        self._policy = self.policy_runner.policy
+        """The runner's policy object, which a shared runner holds weakly (Note [A policy object in one-shot contexts])."""
         self._store = StorageStore(self._stats, PrefetchWindow(config.prefetch_depth_layers,
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify

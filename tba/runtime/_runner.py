@@ -79,7 +79,7 @@ class PolicyRunner(InputShapes):
                  prefetch_budget_bytes: int | None = None) -> None:
         self._prefetch_depth_layers = prefetch_depth_layers
         self._max_window_bytes = max(prefetch_budget_bytes or POLICY_MAX_WINDOW_BYTES, 1)
-        self.policy: Policy | None = None
+        self._policy: Policy | weakref.ref | None = None
         self.pinned: Plan | None = None
         if isinstance(policy, Plan):
             self.pinned = policy
@@ -126,6 +126,23 @@ class PolicyRunner(InputShapes):
         self._plans.clear()
         self._samples.clear()
         self._forget_shapes()
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy that plans (None: finding layers only, a pinned plan, ``offload``, ``keep``)."""
+        return self._policy() if isinstance(self._policy, weakref.ref) else self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy | None) -> None:
+        self._policy = policy
+
+    def hold_policy_weakly(self, policy: Policy) -> None:
+        """Plan with ``policy``, held weakly: by the registry of shared runners, which must not keep alive a
+        model the policy holds (Note [A policy object in one-shot contexts]); each offloader holds it."""
+        try:
+            self._policy = weakref.ref(policy)
+        except TypeError:  # __slots__ without __weakref__: held as it is
+            self._policy = policy
 
     @property
     def layers(self) -> list[nn.Module]:

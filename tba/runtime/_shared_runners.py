@@ -42,7 +42,9 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
     cases and by a review). One slot per policy class holds it; the same object, or one of its class
     with the attributes that one was given with (``policy=MyPolicy()`` written in the ``with`` line
     builds one every step; what the policy records in itself later does not count) reuses it; another
-    replaces it, so objects built per step leave nothing behind.
+    replaces it, so objects built per step leave nothing behind. The runner holds its policy weakly and
+    each offloader strongly (a policy may hold the model, which the registries must not keep alive);
+    once that object is gone, the next one of its class with its attributes takes its place.
     """
     is_object = isinstance(policy, Policy)
     if not shared or not (is_object or (isinstance(policy, str) and policy == "adaptive")):
@@ -63,6 +65,8 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
         runners[key] = PolicyRunner(layers, policy, **goal)
         if is_object:
             runners[key].policy_attributes = _attributes(policy)
+    if is_object and (runners[key].policy is None or runners[key].policy is policy):  # None: its object is gone
+        runners[key].hold_policy_weakly(policy)
     return runners[key]
 
 
@@ -100,10 +104,11 @@ class _Same:
 
 def _same_policy(runner: PolicyRunner, policy: Policy) -> bool:
     """Whether ``policy`` is the runner's, or an object of its class with the attributes it was given with."""
-    if runner.policy is policy:
+    held = runner.policy
+    if held is policy:
         return True
     given = runner.policy_attributes
-    if type(runner.policy) is not type(policy) or given is None:
+    if (held is not None and type(held) is not type(policy)) or given is None:  # None: gone, of the slot's class
         return False
     try:
         return bool(given == vars(policy))  # given's _Same compare first

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
+import weakref
 
 import pytest
 import torch
 from utils import run_step
 
 import tba
+from tba import _control
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
@@ -258,6 +261,34 @@ def test_a_policy_object_holding_the_model_built_every_step_shares_the_runner_wi
                                                                      *first.policy_attributes["blocks"]])
     other = make_gpt(CONFIG)
     assert tba.offload_activations(spill_dir, layers=model, policy=HoldsTheModel(other)).policy_runner is not first
+
+
+@pytest.mark.parametrize("with_layers", [True, False], ids=["layers", "bare"])
+@pytest.mark.parametrize("same_object", [True, False], ids=["one-object", "object-per-step"])
+def test_a_policy_object_holding_the_model_does_not_keep_it_alive_through_the_shared_runner(spill_dir, with_layers,
+                                                                                          same_object):
+    # The registries held the runner, the runner the policy, the policy the model: the weak-keyed entry
+    # never died and the model (its weights) lived for good.
+    held = {"model": make_gpt(CONFIG, seed=1)}
+    held["policy"] = HoldsTheModel(held["model"])
+    offloaders = []
+
+    def make():
+        model = held["model"]
+        offloaders[:] = [tba.offload_activations(spill_dir, profile_steps=1, min_offload_bytes=0,
+                                                 policy=held["policy"] if same_object else HoldsTheModel(model),
+                                                 **({"layers": model} if with_layers else {}))]
+        return offloaders[0]
+
+    train(held["model"], make, steps=3)
+    assert offloaders[0].plan is not None and offloaders[0].plan.code == "KKKK"
+    freed = weakref.ref(held["model"])
+    held.clear()
+    offloaders.clear()
+    gc.collect()
+    _control.settle()  # the last one-shot offloader closes on the control thread
+    gc.collect()
+    assert freed() is None, "the model was kept alive"
 
 
 class WrapsAdaptive(tba.Policy):
