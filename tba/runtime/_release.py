@@ -127,10 +127,11 @@ class StoreRelease:
         entry.state = State.KEPT
         if not entry.hold_for_backward:  # a held one stays counted until unpacked, as in _skip_unwritten
             self.window.discount(entry)
+        end_bytes = entry.offset + entry.extent_bytes
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
-        cause, fix = write_error_cause(error)
+        cause, fix = write_error_cause(error, end_bytes)
         key = (self.spill.directory, cause)
         with _WARNED_LOCK:
             first = key not in _WARNED_WRITE_ERRORS
@@ -163,8 +164,9 @@ class StoreRelease:
             entry.offset = -1
 
 
-def write_error_cause(error: BaseException | None) -> tuple[int | None, str]:
-    """The cause a failed write is warned about once for (an errno), and the fix the warning names.
+def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int | None, str]:
+    """The cause a failed write that would have ended ``end_bytes`` into the file is warned about once for
+    (an errno), and the fix the warning names.
 
     Note: [A file-size limit is one cause]
     Under a file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``) the kernel cuts a write that crosses the
@@ -174,7 +176,7 @@ def write_error_cause(error: BaseException | None) -> tuple[int | None, str]:
     """
     number = getattr(error, "errno", None)
     limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if number in (errno.EFBIG, errno.EINVAL) and limit != resource.RLIM_INFINITY:
+    if number in (errno.EFBIG, errno.EINVAL) and limit != resource.RLIM_INFINITY and end_bytes > limit:
         return errno.EFBIG, (f"This process has a file-size limit of {limit} bytes (ulimit -f), which stops the spill "
-                             "file there: raise it (ulimit -f unlimited) or pass another directory.")
+                             "file there, in any directory: raise it (ulimit -f unlimited) before starting training.")
     return number, "Free space there or pass another directory."

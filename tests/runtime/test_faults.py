@@ -124,4 +124,15 @@ def test_a_file_size_limit_keeps_tensors_in_memory_with_one_warning_naming_it(sp
     assert done.returncode == 0 and "exact" in done.stdout, done.stderr[-3000:]
     warnings = [line for line in done.stderr.splitlines() if "failed" in line]
     assert len(warnings) == 1, done.stderr[-3000:]
-    assert "file-size limit of 3000000 bytes (ulimit -f)" in warnings[0] and "Free space" not in warnings[0]
+    assert "file-size limit of 3000000 bytes (ulimit -f)" in warnings[0] and "ulimit -f unlimited" in warnings[0]
+    assert "Free space" not in warnings[0]
+
+
+def test_only_a_write_crossing_the_file_size_limit_is_blamed_on_it(monkeypatch):
+    from tba.runtime import _release
+
+    monkeypatch.setattr(_release.resource, "getrlimit", lambda which: (1 << 20, _release.resource.RLIM_INFINITY))
+    einval = OSError(errno.EINVAL, "Invalid argument")
+    assert _release.write_error_cause(einval, (1 << 20) + 4096)[0] == errno.EFBIG
+    cause, fix = _release.write_error_cause(einval, 1 << 19)  # below the limit: another cause (alignment, say)
+    assert cause == errno.EINVAL and "ulimit" not in fix
