@@ -59,6 +59,14 @@ class InputShapes:
         """At entry: the step expects the shape that followed the last one seen, the last time it was seen."""
         self._shape = self._next_shape.get(self._seen, self._seen)
 
+    def _wrap_recomputed(self, plan: Plan, start: int = 0) -> RecomputeLayers | None:
+        """Wrap the layers ``plan`` recomputes, from layer ``start`` on, for recomputation; None when none is."""
+        indices = [i for i, decision in enumerate(plan.decisions) if decision in RECOMPUTED and i >= start]
+        if not indices:
+            return None
+        offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
+        return RecomputeLayers([self.layers[i] for i in indices], indices, offload)
+
     def _attach_shape_hook(self) -> None:
         # A step that an exception ended before exit (a signal handler's) may have left its hook on;
         # two would remove each other's handle mid-forward and torch would call one without kwargs.
@@ -120,10 +128,8 @@ class InputShapes:
             return False
         if self._reapply is None or self._cannot_follow(plan, running):
             return False
-        indices = [i for i, decision in enumerate(plan.decisions) if decision in RECOMPUTED and i > 0]
-        if indices:
-            offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
-            wrapped = RecomputeLayers([self.layers[i] for i in indices], indices, offload)
+        wrapped = self._wrap_recomputed(plan, start=1)
+        if wrapped is not None:
             wrapped.layers = running + wrapped.layers
             self._recompute = wrapped
         self._step_plan = plan

@@ -48,7 +48,7 @@ from torch import nn
 
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import RECOMPUTED, Adaptive, Placement, Plan, Policy, Profile
+from tba.policy import RECOMPUTED, Adaptive, Plan, Policy, Profile
 from tba.runtime._input_shapes import InputShapes
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters
@@ -194,9 +194,7 @@ class PolicyRunner(InputShapes):
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
         self._step_plan = plan = self.plan
         if plan is not None:
-            indices = [i for i, d in enumerate(plan.decisions) if d in RECOMPUTED]
-            offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
-            self._recompute = RecomputeLayers([self.layers[i] for i in indices], indices, offload) if indices else None
+            self._recompute = self._wrap_recomputed(plan)
             return placement_of(plan, learned)
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
