@@ -93,7 +93,7 @@ class StepCycle:
                 self._open()
             self._store.window.reset_cursor()
             self._kept_layer = None
-            placement = self.policy_runner.enter(self._counters, self._reapply, thread=thread)
+            placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread)
             self._runner_claim = claim
             self._apply(placement)
             self._tracker.attach()

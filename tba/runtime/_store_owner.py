@@ -20,9 +20,10 @@ offloader, so that happens only once no graph can unpack from it any more.
 
 The store's public reads are here too: the counters (``stats``, ``reset_stats``), the prefetch
 window, the spill file and the idle read buffers, and ``flush``, which waits for its writes.
-``_counters`` is the snapshot the placement policy's runner takes at each entry
-(``tba/runtime/_runner.py``), and ``_collect_leftovers`` frees, at entry, the entries of graphs
-that were dropped but are held by reference cycles.
+``_counters`` is what the placement policy's runner reads at each entry
+(``tba/runtime/_runner.py``; Note [A profiled step holds the store, not the offloader]), and
+``_collect_leftovers`` frees, at entry, the entries of graphs that were dropped but are held by
+reference cycles.
 """
 
 from __future__ import annotations
@@ -127,14 +128,9 @@ class StoreOwner:
         _control.settle()
         self._store.flush()
 
-    def _counters(self) -> StepCounters:
-        """The snapshot the placement policy's runner takes at each entry (``tba/runtime/_runner.py``)."""
-        _control.settle()
-        self._store.update_stats()
-        stats = self._stats
-        return StepCounters(dict(self.layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
-                            stats.bytes_read, stats.read_busy_s, self._store.read_pool.idle_bytes,
-                            self._store.window.budget_bytes)
+    def _counters(self) -> StoreCounters:
+        """What the placement policy's runner reads at each entry (``tba/runtime/_runner.py``)."""
+        return StoreCounters(self._store, self._stats, self.layer_saved_bytes)
 
     def _collect_leftovers(self) -> None:
         """Free entries of earlier steps whose graphs were dropped but are held by reference cycles.
@@ -195,3 +191,28 @@ class StoreOwner:
             self._store.detach()
             self._store.window.end_backward()
             _shared.checkin(runtime)
+
+
+class StoreCounters:
+    """Called, the :class:`StepCounters` snapshot of one offloader's store, stats and bytes per layer.
+
+    Note: [A profiled step holds the store, not the offloader]
+    A profiled step keeps its counters until the next entry reads them, and a bare context's runner
+    lives in a registry for the rest of the process. The counters were a bound method of the
+    offloader, which holds the model's layers: the last profiled step of every model trained on a
+    fresh directory (a sweep, a test suite) kept that model's blocks alive for good, with their
+    parameters and gradients. These read the same numbers through the store and the stats alone.
+    """
+
+    __slots__ = ("_store", "_stats", "_layer_saved_bytes")
+
+    def __init__(self, store: StorageStore, stats: OffloadStats, layer_saved_bytes: dict[int | None, int]) -> None:
+        self._store, self._stats, self._layer_saved_bytes = store, stats, layer_saved_bytes
+
+    def __call__(self) -> StepCounters:
+        _control.settle()
+        self._store.update_stats()
+        stats = self._stats
+        return StepCounters(dict(self._layer_saved_bytes), stats.bytes_written, stats.write_busy_s,
+                            stats.bytes_read, stats.read_busy_s, self._store.read_pool.idle_bytes,
+                            self._store.window.budget_bytes)
