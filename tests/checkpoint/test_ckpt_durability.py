@@ -24,6 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"
 
 MIB = 1 << 20
 KILL_ROUNDS = 4
+MAX_KILL_ROUNDS = 24
+"""Kills go on past KILL_ROUNDS until one has landed inside a save (a random instant can miss every save:
+it did once in CI, under load)."""
 
 SAVER = textwrap.dedent("""
     import sys, warnings
@@ -49,7 +52,7 @@ def test_sigkill_at_random_points_leaves_a_whole_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     rng = random.Random(15)
     version = interrupted = 0
-    for _ in range(KILL_ROUNDS):
+    for rounds in range(1, MAX_KILL_ROUNDS + 1):
         child = subprocess.Popen([sys.executable, "-c", SAVER, path, str(version + 1)],
                                  stdout=subprocess.PIPE, text=True)
         completed = int(child.stdout.readline())
@@ -63,7 +66,9 @@ def test_sigkill_at_random_points_leaves_a_whole_checkpoint(tmp_path):
         assert found in (completed, completed + 1)
         assert_state_equal(load_state(path, versioned_state(0), TbaStorageReader(path)), versioned_state(found))
         version = found
-    assert interrupted >= 1, "no kill landed inside a save; the test proved nothing"
+        if rounds >= KILL_ROUNDS and interrupted:
+            break
+    assert interrupted >= 1, f"no kill in {rounds} landed inside a save; the test proved nothing"
     dcp.save(versioned_state(99), storage_writer=TbaStorageWriter(path), no_dist=True)
     assert os.listdir(tmp_path) == ["ckpt"], "partial directories of killed saves were not removed"
 
