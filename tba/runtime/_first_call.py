@@ -95,6 +95,7 @@ class FirstCall:
                 # Some kernels update a tensor without bumping its version (BatchNorm's running statistics, and any
                 # update through ``.data``), so the bytes are compared too, on the first forward watched.
                 same = now is copied.tensor and now._version == copied.version
+                watch = (f"{what} of {type(module).__name__}", now, copied.version)
                 if copied.value is NOT_COPIED:
                     if not same:
                         learned.unchanged.discard(key)
@@ -102,16 +103,16 @@ class FirstCall:
                                        "forward, which earlier forwards left alone, and tba kept no copy to recompute "
                                        "from; from the next forward on tba copies it: run the step again (with a new "
                                        "Offloader, since this block raised), or keep or offload the layer")
-                    self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                    self.versions.append(watch)
                 elif key in learned.changed:
                     continue
                 elif always_copied(copied.value):  # its copy stays until the recomputation puts it back
                     if same:  # left alone, or changed without a version bump: a change before backward is loud
-                        self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                        self.versions.append(watch)
                     continue
                 elif same and torch.equal(now, copied.value):
                     learned.unchanged.add(key)
-                    self.versions.append((f"{what} of {type(module).__name__}", now, copied.version))
+                    self.versions.append(watch)
                     copied.value = NOT_COPIED
                 else:
                     learned.changed.add(key)

@@ -142,7 +142,6 @@ class StoreRelease:
             logger.warning("tba: writing activations to %s failed (%s); keeping them in memory instead and training "
                            "goes on (stats.bytes_kept_on_error counts them). %s", self.spill.directory, error, fix)
 
-
     def _checksum_written(self, entry: StorageEntry) -> None:
         """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""
         data = entry.data

@@ -104,11 +104,10 @@ class _Same:
 
 def _same_policy(runner: PolicyRunner, policy: Policy) -> bool:
     """Whether ``policy`` is the runner's, or an object of its class with the attributes it was given with."""
-    held = runner.policy
-    if held is policy:
+    if runner.policy is policy:
         return True
-    given = runner.policy_attributes
-    if (held is not None and type(held) is not type(policy)) or given is None:  # None: gone, of the slot's class
+    given = runner.policy_attributes  # the slot's key holds the class: only the attributes can differ
+    if given is None:
         return False
     try:
         return bool(given == vars(policy))  # given's _Same compare first
