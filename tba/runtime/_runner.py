@@ -153,6 +153,12 @@ class PolicyRunner(InputShapes):
         return layers
 
     @property
+    def model_freed(self) -> bool:
+        """Whether the model whose layers this runner learned was freed: its next entry finds layers again,
+        as a new runner would (what it had planned went with them)."""
+        return self.learns and any(ref() is None for ref in self._layer_refs)
+
+    @property
     def plan(self) -> Plan | None:
         """The plan in force for the current input shape (None while finding layers or profiling)."""
         return self.pinned if self.pinned is not None else self._plans.get(self._shape)
@@ -174,7 +180,7 @@ class PolicyRunner(InputShapes):
             return StepPlacement(frozenset(), layers=[] if self.learns else None)
         self._collect(thread)
         self._entries += 1
-        if self.learns and self._layer_refs and any(ref() is None for ref in self._layer_refs):
+        if self.model_freed:
             self._set_layers([])  # the model was freed: find the next one's layers
         if self.learns and not self._layer_refs:
             return StepPlacement(frozenset(), layers=[])

@@ -2,9 +2,9 @@
 
 ``offload_activations()`` builds a new one-shot offloader every step, so its runner is shared: a
 weak-keyed registry maps the first layer module and the goal (and a policy object's class, Note [A
-policy object in one-shot contexts]) to the runner (with ``layers=``), a plain one maps the spill
-directory and the goal to it (without); the runner holds its layers only weakly, so it lives no
-longer than needed and never keeps a model alive.
+policy object in one-shot contexts]) to the runner (with ``layers=``), a bounded one maps the spill
+directory and the goal to it (without; Note [Bare contexts' runners are bounded]); the runner holds
+its layers only weakly, so it lives no longer than needed and never keeps a model alive.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from tba.runtime._runner import PolicyRunner
 
 _SHARED_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PolicyRunner]] = weakref.WeakKeyDictionary()
 _SHARED_BARE_RUNNERS: dict[tuple, PolicyRunner] = {}
+"""Keyed by directory and goal, least recently used first (Note [Bare contexts' runners are bounded])."""
+MAX_BARE_RUNNERS = 32
+"""Runners of bare contexts (no ``layers=``) kept at most, each for one directory, goal and policy class."""
 _WARNED_REPLACED: weakref.WeakSet[type] = weakref.WeakSet()
 """Policy classes whose object replaced one that had not planned yet (warned about once per class)."""
 
@@ -55,6 +58,8 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
     runners = _SHARED_RUNNERS.setdefault(layers[0], {}) if layers else _SHARED_BARE_RUNNERS
     if not layers:
         key = (directory, *key)
+        if key in runners:
+            runners[key] = runners.pop(key)  # the most recently used goes last
     if key not in runners or (is_object and not _same_policy(runners[key], policy)):
         if key in runners and runners[key].profile is None and type(policy) not in _WARNED_REPLACED:
             _WARNED_REPLACED.add(type(policy))
@@ -65,9 +70,28 @@ def shared_runner(layers: list[nn.Module], policy: Any, *, shared: bool, directo
         runners[key] = PolicyRunner(layers, policy, **goal)
         if is_object:
             runners[key].policy_attributes = _attributes(policy)
+        if not layers:
+            _bound_bare_runners(key)
     if is_object and (runners[key].policy is None or runners[key].policy is policy):  # None: its object is gone
         runners[key].hold_policy_weakly(policy)
     return runners[key]
+
+
+def _bound_bare_runners(new_key: tuple) -> None:
+    """Forget bare contexts' runners whose model was freed, then the least recently used beyond the bound.
+
+    Note: [Bare contexts' runners are bounded]
+    A bare context's runner is found by its directory and goal, for as long as the process lives: a
+    sweep or a test suite that trains each model in a directory of its own added a runner per model,
+    each with its profiles and plans, and none ever went. A runner whose model was freed holds nothing
+    a new runner would not (its next entry finds layers again), so it goes as soon as a new runner
+    comes; beyond :data:`MAX_BARE_RUNNERS`, the least recently used goes too. A context that used
+    that one profiles again, as it did on its first steps: slower for a few steps, never inexact.
+    """
+    for key in [key for key, runner in _SHARED_BARE_RUNNERS.items() if key != new_key and runner.model_freed]:
+        del _SHARED_BARE_RUNNERS[key]
+    while len(_SHARED_BARE_RUNNERS) > MAX_BARE_RUNNERS:
+        del _SHARED_BARE_RUNNERS[next(key for key in _SHARED_BARE_RUNNERS if key != new_key)]
 
 
 def _attributes(policy: Policy) -> dict | None:
