@@ -2,15 +2,17 @@
 expects, and what a step does when its first layer sees another.
 
 Each input shape (:func:`~tba.runtime._profiling.signature`: the shapes and dtypes the first layer
-receives) has its own profile and plan in the runner. A step is entered with the plan of the shape
-expected next; a forward pre-hook on the first layer reads the real one and, when it differs,
-switches the rest of the step to that shape's plan, or to offloading everything (Note [A step whose
-shape has a plan follows it]).
+receives) that recurs has its own profile and plan in the runner; a new one follows the plan of a
+larger shape that covers it (Note [A new input shape follows a larger one's plan]). A step is entered
+with the plan of the shape expected next; a forward pre-hook on the first layer reads the real one
+and, when it differs, switches the rest of the step to that shape's plan, or to offloading everything
+(Note [A step whose shape has a plan follows it]).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tba")
 
-__all__ = ["InputShapes"]
+__all__ = ["InputShapes", "covers"]
+
+RECURRING_SIGHTINGS = 2
+"""Sightings after which an input shape is profiled and planned on its own instead of following a covering plan."""
+
+
+def covers(big: tuple, small: tuple) -> bool:
+    """Whether input shape ``big`` is at least ``small`` in every dimension of every tensor (the same
+    tensors, dtypes and ranks)."""
+    return len(big) == len(small) and all(
+        big_dtype == small_dtype and len(big_size) == len(small_size) and all(b >= s for b, s in zip(big_size, small_size))
+        for (big_size, big_dtype), (small_size, small_dtype) in zip(big, small))
+
+
+def _elements(shape: tuple) -> int:
+    return sum(math.prod(size) for size, _ in shape)
 
 
 class InputShapes:
@@ -47,6 +64,8 @@ class InputShapes:
         """The input shape the last step's first layer saw."""
         self._next_shape: dict[tuple | None, tuple | None] = {}
         """Per input shape, the one the step after it saw last."""
+        self._sightings: dict[tuple | None, int] = {}
+        """Per input shape, the steps whose first layer saw it."""
         self._step_plan: Plan | None = None
         self._shape_hook: Any = None
         self._reapply: Callable[[StepPlacement], None] | None = None
@@ -54,6 +73,33 @@ class InputShapes:
     def _forget_shapes(self) -> None:
         self._shape = self._seen = None
         self._next_shape.clear()
+        self._sightings.clear()
+
+    def _plan_for(self, shape: tuple | None, *, profiling: bool) -> Plan | None:
+        """The plan a step that sees ``shape`` at its first layer follows: the shape's own; else that of the
+        smallest planned shape covering it, unless the step is ``profiling`` and the shape recurs (it is
+        profiled instead); else None.
+
+        Note: [A new input shape follows a larger one's plan]
+        Inputs padded per batch (a collator that pads to the longest sequence of each batch) bring a
+        new shape at almost every step. Each shape was profiled and planned on its own, so such a
+        shape rarely got its two profiled steps: a 4-layer GPT fed lengths from 64 to 128 at random
+        profiled 28 steps before its first plan, offloading everything the whole time, and then
+        planned only the one shape that had come twice. Now a step whose shape has no plan of its own
+        follows the plan of the smallest planned shape that covers it (:func:`covers`: every dimension
+        at least as large): the step saves no more in any layer, so it keeps and writes no more than
+        that plan was made for, and a memory budget holds for it too. A step entered to profile the
+        shape expected next (one without a plan) and seeing another does so too, and stops
+        profiling, unless its shape was seen :data:`RECURRING_SIGHTINGS` times before: a shape that
+        recurs is profiled then and gets a plan of its own. A shape that no plan covers is profiled
+        or offloads everything, as before.
+        """
+        plan = self._plans.get(shape)
+        if plan is not None or shape is None or (profiling and self._sightings.get(shape, 0) >= RECURRING_SIGHTINGS):
+            return plan
+        covering = [(planned, plan) for planned, plan in self._plans.items()
+                    if planned is not None and covers(planned, shape) and not self._cannot_follow(plan)]
+        return min(covering, key=lambda item: _elements(item[0]))[1] if covering else None
 
     def _expect_shape(self) -> None:
         """At entry: the step expects the shape that followed the last one seen, the last time it was seen."""
@@ -76,24 +122,37 @@ class InputShapes:
 
     def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """First layer's forward pre-hook: note the step's input shape; on another one than expected, follow
-        its plan or offload the rest of the step."""
+        its plan (or a covering one), else profile it (a profiled step) or offload the rest of the step."""
         self._shape_hook.remove()
         shape = signature(args, kwargs)
+        profiled = self._step.pending is not None
+        if shape != self._shape and (profiled or self._step_plan is not None) and self.pinned is None:
+            self._follow(shape, module)
         if self._step.pending is not None:
             self._step.note_shape(shape, args, kwargs)
-        elif shape != self._shape and self._step_plan is not None and self.pinned is None:
-            running = self._unwrap_all_but(module)
-            plan = self._plans.get(shape)
-            if plan is not None and self._switch(plan, running):
-                logger.info("tba: new input shape; this step follows its plan from the first layer on")
-            else:
-                logger.info("tba: new input shape; this step offloads every layer, the next one %s",
-                            "follows its plan" if plan is not None else "starts profiling it")
-                if self._reapply is not None:
-                    self._reapply(StepPlacement(frozenset()))
         if self._seen is not None:
             self._next_shape[self._seen] = shape
         self._shape = self._seen = shape
+        self._sightings[shape] = self._sightings.get(shape, 0) + 1
+
+    def _follow(self, shape: tuple, first: nn.Module) -> None:
+        """The step's first layer saw ``shape``, not the one the step was entered with: follow its plan or
+        a covering one where the step can; else a profiled step goes on profiling (now ``shape``) and
+        a planned one offloads every layer."""
+        profiled = self._step.pending is not None
+        running = self._unwrap_all_but(first)
+        plan = self._plan_for(shape, profiling=profiled)
+        if plan is not None and self._switch(plan, running):
+            if profiled:
+                self._step.cancel()
+            logger.info("tba: new input shape; this step follows %s from the first layer on",
+                        "its plan" if plan is self._plans.get(shape) else "the plan of a larger one")
+        elif not profiled:
+            logger.info("tba: new input shape; this step offloads every layer, the next one %s",
+                        "follows its plan" if plan is not None else "starts profiling it")
+            self._step_plan = None
+            if self._reapply is not None:
+                self._reapply(StepPlacement(frozenset()))
 
     def _unwrap_all_but(self, first: nn.Module) -> list[nn.Module]:
         """Remove the recompute wrappers of the layers not run yet; the first layer's forward is already
@@ -124,7 +183,8 @@ class InputShapes:
         (the same placement, or neither recomputes it); otherwise the step offloads every layer.
         """
         first = plan.decisions[0]
-        if (first in RECOMPUTED or self._step_plan.decisions[0] in RECOMPUTED) and first != self._step_plan.decisions[0]:
+        current = self._step_plan.decisions[0] if self._step_plan is not None else Placement.OFFLOAD  # profiled
+        if (first in RECOMPUTED or current in RECOMPUTED) and first != current:
             return False
         if self._reapply is None or self._cannot_follow(plan, running):
             return False

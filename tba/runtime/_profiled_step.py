@@ -67,6 +67,11 @@ class ProfiledStep:
         if first is not None:
             first.register_hook(self.peak.stop_after_backward)
 
+    def cancel(self) -> None:
+        """Stop measuring the step, which leaves no sample (its first layer found a shape with a plan to follow)."""
+        self.timer.detach()
+        self.pending = None
+
     def end_forward(self, failed: bool, on_cuda: Callable[[], bool], largest_live_storage_bytes: Callable[[], int],
                     window_bytes: int, backlog_bytes: Callable[[], int] | None) -> None:
         """Note forward's measurements as the offloader exits (a failed step is dropped)."""

@@ -27,8 +27,9 @@ For ``policy="adaptive"`` (the default):
 
 Each input shape (see :func:`~tba.runtime._profiling.signature`) has its own profile and plan. A
 step is entered with the shape expected next; a forward pre-hook on the first layer reads the real
-one. When that differs, the step follows the real shape's plan from that layer on where it can
-(Note [A step whose shape has a plan follows it] in ``tba/runtime/_input_shapes.py``), else falls
+one. When that differs, the step follows the real shape's plan, or that of a larger shape covering
+it, from that layer on where it can (Notes [A step whose shape has a plan follows it] and [A new
+input shape follows a larger one's plan] in ``tba/runtime/_input_shapes.py``), else falls
 back to offloading everything (no layer kept, the recompute wrappers of the layers not yet run
 removed), which is exact under any plan and uses the least memory. A forward that runs none of the
 runner's layers (another model in the same context) makes the runner forget them and find them
@@ -160,12 +161,14 @@ class PolicyRunner(InputShapes):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan in force for the current input shape (None while finding layers or profiling)."""
-        return self.pinned if self.pinned is not None else self._plans.get(self._shape)
+        """The plan in force: that of the current (or last) step, its input shape's own or a larger shape's
+        (Note [A new input shape follows a larger one's plan]); None while finding layers or profiling."""
+        return self.pinned if self.pinned is not None else self._step_plan
 
     @property
     def profiling(self) -> bool:
-        return self.policy is not None and self.plan is None
+        """Whether the input shape expected next has no plan of its own yet (its steps are profiled)."""
+        return self.policy is not None and self.pinned is None and self._plans.get(self._shape) is None
 
     def enter(self, counters: Callable[[], StepCounters],
               reapply: Callable[[StepPlacement], None] | None = None, thread: int | None = None) -> StepPlacement:
@@ -180,6 +183,7 @@ class PolicyRunner(InputShapes):
             return StepPlacement(frozenset(), layers=[] if self.learns else None)
         self._collect(thread)
         self._entries += 1
+        self._step_plan = None
         if self.model_freed:
             self._set_layers([])  # the model was freed: find the next one's layers
         if self.learns and not self._layer_refs:
@@ -194,11 +198,18 @@ class PolicyRunner(InputShapes):
             self._plans[self._shape] = self._checked(self.policy.plan(self.profile))
             logger.info("tba: %s", self._plans[self._shape])
         self._reapply = reapply
+        placement = self._placement(counters, thread, learned)
         if self.policy is not None:
+            # After the profiled step's timer: its first layer's hooks have run when this one stops them.
             self._attach_shape_hook()
+        return placement
+
+    def _placement(self, counters: Callable[[], StepCounters], thread: int | None,
+                   learned: list[nn.Module] | None) -> StepPlacement:
+        """The entered step's placement: kept, planned (its shape's own plan), profiled or as configured."""
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
-        self._step_plan = plan = self.plan
+        self._step_plan = plan = self.pinned if self.pinned is not None else self._plans.get(self._shape)
         if plan is not None:
             self._recompute = self._wrap_recomputed(plan)
             return placement_of(plan, learned)

@@ -155,6 +155,69 @@ def test_a_step_entered_with_another_shapes_plan_switches_to_its_own(spill_dir, 
     assert kept[9:] == [kept[7], kept[3], kept[7]]
 
 
+SMALLER = GPTConfig(vocab_size=64, seq_len=12, width=32, layers=4, heads=2, batch_size=2)
+"""Covered by CONFIG's shape (batch 2, sequence 16): Note [A new input shape follows a larger one's plan]."""
+
+
+def profiled(offloader):
+    return offloader.policy_runner._step.pending is not None
+
+
+@pytest.fixture
+def profiled_at_exit(monkeypatch):
+    """Records, per step, whether it was still a profiled step when forward ended."""
+    from tba.runtime._profiled_step import ProfiledStep
+
+    seen = []
+    end_forward = ProfiledStep.end_forward
+
+    def recording(self, *args, **kwargs):
+        seen.append(self.pending is not None)
+        return end_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProfiledStep, "end_forward", recording)
+    return seen
+
+
+def test_a_new_smaller_shape_follows_the_plan_of_a_larger_one(spill_dir, caplog, profiled_at_exit):
+    big, small = make_batch(CONFIG, seed=1), make_batch(SMALLER, seed=2)
+    with caplog.at_level(logging.INFO, logger="tba"):
+        contexts = train_in_turn(spill_dir, [big] * 4 + [small, big] + [small] * 4, "OKKO", "KOOK")
+    kept = [kept_by_plan(c) for c in contexts]
+    # 0: find layers; 1-2: profile the big shape; 3: its plan. 4: a new, smaller shape follows that plan
+    # (unprofiled). 5: entered profiling the small shape (expected after the big one); the big one came,
+    # so it stops profiling and follows its own plan. 6: the small shape, expected: profiled. 7: entered
+    # with the big shape's plan (expected after the small one), the small shape follows it. 8: profiled
+    # again; 9: the small shape's own plan.
+    assert codes_followed(contexts) == [None, None, None, "OKKO", "OKKO", "OKKO", None, "OKKO", None, "KOOK"]
+    assert profiled_at_exit == [False, True, True, False, False, False, True, False, True, False]
+    assert kept[4] == kept[7] > 0 and kept[5] == kept[3] and kept[6] == kept[8] == 0 and kept[9] > 0
+    assert caplog.text.count("this step follows the plan of a larger one") == 2
+    assert caplog.text.count("this step follows its plan") == 1
+
+
+@pytest.mark.parametrize("first", ["recomputed", "offloaded"])
+def test_a_profiled_step_whose_shape_has_a_plan_follows_it_where_its_first_layer_allows(spill_dir, first,
+                                                                                        profiled_at_exit):
+    # Step 5 is entered profiling the small shape and sees the big one: it follows the big shape's plan,
+    # unless that plan recomputes the first layer, whose forward a profiled step has already bound.
+    big, small = make_batch(CONFIG, seed=1), make_batch(SMALLER, seed=2)
+    plan = "RKKO" if first == "recomputed" else "OKKR"
+    contexts = train_in_turn(spill_dir, [big] * 4 + [small, big], plan)
+    assert profiled_at_exit[5] == (first == "recomputed")
+    assert codes_followed(contexts)[5] == (None if first == "recomputed" else plan)
+
+
+def test_inputs_padded_per_batch_follow_plans_and_stay_exact(spill_dir):
+    # A collator that pads to each batch's longest sequence: a new length at most steps.
+    lengths = [16, 16, 16, 16, 12, 14, 9, 16, 11, 13, 15, 10]
+    batches = [make_batch(GPTConfig(vocab_size=64, seq_len=n, width=32, layers=4, heads=2, batch_size=2), seed=i)
+               for i, n in enumerate(lengths)]
+    contexts = train_in_turn(spill_dir, batches, "OKKO")
+    followed = codes_followed(contexts)
+    assert followed[3:] == ["OKKO"] * 9, followed
+
+
 def test_shapes_alternating_from_the_first_step_are_both_profiled_and_planned(spill_dir):
     first, other = make_batch(CONFIG, seed=1), make_batch(OTHER_SHAPE, seed=2)
     contexts = train_in_turn(spill_dir, [first, other] * 7, "OROK", "OKRO")
