@@ -1,0 +1,56 @@
+"""A recomputed layer called through ``torch.func.functional_call`` (fast weights, as in MAML or a weight
+ensemble): the call swaps the given tensors into the modules' ``_parameters`` for the forward and swaps the
+model's own back when it returns, before backward. The recomputation must run with the tensors the first
+call ran with (Note [A recomputation runs with the parameters its first call ran with] in
+tba/runtime/_first_call.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import tba
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(32, 32)
+        self.l2 = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.l2(torch.tanh(self.l1(x)))
+
+
+def _grads(directory: str | None, decision: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    fast = {name: p * 1.5 for name, p in model.named_parameters()}  # a function of the parameters
+    options = {"layers": list(model), "policy": tba.Plan((decision,) * 3, 1 << 20), "min_offload_bytes": 0}
+    with tba.offload_activations(directory, **options) if directory else torch.enable_grad():
+        loss = functional_call(model, fast, (x,)).pow(2).mean()
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("decision", ["keep", "offload", "recompute", "offloaded_recompute"])
+def test_functional_call_fast_weights_are_exact(spill_dir, decision):
+    want_loss, want = _grads(None, decision)
+    got_loss, got = _grads(spill_dir, decision)
+    assert torch.equal(want_loss, got_loss)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_the_layers_own_parameters_are_back_after_the_recomputation(spill_dir):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    own = {name: p for name, p in model.named_parameters()}
+    fast = {name: p * 0.5 for name, p in model.named_parameters()}
+    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, 1 << 20)):
+        loss = functional_call(model, fast, (torch.randn(4, 32),)).sum()
+    loss.backward()
+    assert all(p is own[name] for name, p in model.named_parameters())
+    assert all(own[name].grad is not None for name in own)
