@@ -13,6 +13,18 @@ version counter (and each state tensor's that the first call left unchanged, who
 keep) when the first call ends, and before the recomputation raises :class:`~tba.errors.TbaError`
 naming the tensor when one moved. Loud where torch may be silent (a weight that no saved tensor
 aliases), never wrong.
+
+Note: [A recomputation runs with the parameters its first call ran with]
+``torch.func.functional_call(model, params, args)`` (fast weights in MAML, a weight ensemble,
+``torch.nn.utils.stateless``) puts the given tensors into the modules' ``_parameters`` for the
+forward and puts the model's own back when the call returns, before backward. The recomputation
+then read the model's own weights: the gradients of another forward, silently (an adversarial
+review found it, 0.05 apart on a three-block model; the adaptive default plans recompute for such a
+model). :class:`FirstCall` records which tensor each parameter slot of the layer's modules held when
+the first call began, and the recomputation runs with those (:meth:`FirstCall.put_parameters`), then
+puts back what the slots hold now (:meth:`FirstCall.take_back`). A slot that holds the same object
+(the usual case, FSDP2's and DeepSpeed's too: they change a parameter's data, not the object) is
+left alone. The tensors are those ``parameters_before`` already holds: nothing more is kept.
 """
 
 from __future__ import annotations
@@ -27,19 +39,25 @@ from tba.runtime._generators import generator_states
 from tba.runtime._layer_state import NOT_COPIED, ModuleState, always_copied, snapshot
 from tba.runtime._learned import Learned
 
+_MISSING = object()
+"""A parameter slot that a module no longer has."""
+
 
 class FirstCall:
     """What the first call of a recomputed layer's forward left for its recomputation: the generators' states and
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "parameters_before", "versions", "requires_grad")
+    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
         self.before: list[ModuleState] = []
         self.parameters_before: list[tuple[str, torch.Tensor, int]] = []
         """``(name, parameter, version)`` when the first call began."""
+        self.slots: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+        """``(module, name, tensor)`` for every parameter slot of the layer's modules when the first call began
+        (Note [A recomputation runs with the parameters its first call ran with])."""
         self.versions: list[tuple[str, torch.Tensor, int]] = []
         self.requires_grad: list[tuple[str, torch.Tensor, bool]] = []
         """``(name, parameter, requires_grad)`` when the first call ended."""
@@ -49,6 +67,28 @@ class FirstCall:
         self.generators = generator_states(layer, args, kwargs)
         self.before = snapshot(layer, learned)
         self.parameters_before = [(name, p, p._version) for name, p in layer.named_parameters()]
+        self.slots = [(module, name, p) for module in layer.modules() for name, p in module._parameters.items()]
+
+    def put_parameters(self) -> list[tuple[nn.Module, str, Any]]:
+        """Before a recomputation: put back into each parameter slot the tensor the first call ran with, where the slot
+        holds another one now (Note [A recomputation runs with the parameters its first call ran with]); returns what
+        they held, for :meth:`take_back`."""
+        displaced: list[tuple[nn.Module, str, Any]] = []
+        for module, name, tensor in self.slots:
+            now = module._parameters.get(name, _MISSING)
+            if now is not tensor:
+                displaced.append((module, name, now))
+                module._parameters[name] = tensor
+        return displaced
+
+    @staticmethod
+    def take_back(displaced: list[tuple[nn.Module, str, Any]]) -> None:
+        """After a recomputation: put back what :meth:`put_parameters` displaced."""
+        for module, name, now in reversed(displaced):
+            if now is _MISSING:
+                module._parameters.pop(name, None)
+            else:
+                module._parameters[name] = now
 
     def _check_parameters_kept(self, layer: nn.Module) -> None:
         """After the first call: raise :class:`TbaError` when it changed one of the layer's parameters in place.

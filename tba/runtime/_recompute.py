@@ -180,9 +180,11 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         after_generators = states_now(first.generators)
         restore(after, first.before)
         set_states(first.generators)
+        displaced = first.put_parameters()  # Note [A recomputation runs with the parameters its first call ran with]
         try:
             return forward(*args, **kwargs)
         finally:
+            first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
             first.recomputed()
