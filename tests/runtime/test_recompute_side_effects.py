@@ -199,3 +199,39 @@ def test_without_grad_a_recomputed_layer_may_change_its_input(spill_dir, mode, d
             for layer in model:
                 x = layer(x, mask=mask.clone())
     assert torch.equal(x, expected)
+
+
+class PrivateScale(nn.Module):
+    """Reads a private scale (a float or a tensor) that its forward leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self._scale = 1.0
+        self._shift = torch.zeros(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) * self._scale + self._shift)
+
+
+@pytest.mark.parametrize(("how", "label"), [("plain", "PrivateScale._scale"), ("rebound", "PrivateScale._shift"),
+                                            ("in place", "PrivateScale._shift")])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_private_state_changed_between_forward_and_backward_raises(spill_dir, decision, how, label):
+    # Note [Private state of a recomputed layer]: the user's change after forward (a schedule setting a private
+    # scale) was read by the recomputation, silently: gradients of another forward. Without tba backward uses what
+    # forward saved (the in-place change raises torch's error there).
+    model = nn.ModuleList([PrivateScale() for _ in range(2)])
+    x = torch.randn(16, 32)
+    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20)):
+        for layer in model:
+            x = layer(x)
+        loss = x.sum()
+    if how == "plain":
+        model[1]._scale = 2.0
+    elif how == "rebound":
+        model[1]._shift = model[1]._shift + 1
+    else:
+        model[1]._shift.add_(1)
+    with pytest.raises(tba.TbaError, match=rf"private state .*\({label}\) .*between its forward and backward"):
+        loss.backward()
