@@ -48,7 +48,7 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad")
+    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad", "private")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
@@ -60,6 +60,9 @@ class FirstCall:
         (Note [A recomputation runs with the parameters its first call ran with])."""
         self.versions: list[tuple[str, torch.Tensor, int]] = []
         self.requires_grad: list[tuple[str, torch.Tensor, bool]] = []
+        self.private: list = []
+        """The signature of the layer's private state when the first call ended (Note [Private state of a recomputed
+        layer] in ``tba/runtime/_private_state.py``), checked before the recomputation; empty: nothing to check."""
         """``(name, parameter, requires_grad)`` when the first call ended."""
 
     def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:

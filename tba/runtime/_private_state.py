@@ -14,6 +14,12 @@ call and :func:`first_change` compares it after: a recomputed layer then raises
 recomputable, so the adaptive default never recomputes it (reviews found ``OOSS`` and ``OSSS``
 planned for such layers, silently wrong). torch's own attributes of every module are left out. A
 change of a value two levels deep, or inside a plain object, is not seen.
+The same signature, taken when the first call ends, is compared again before the recomputation:
+private state changed *between* forward and backward (a schedule setting ``block._scale`` after
+forward, a private tensor updated in place or rebound) was read by the recomputation, silently the
+gradients of another forward where torch without tba uses what forward saved (an adversarial review
+found it); it raises :class:`~tba.errors.TbaError` there instead. The profiled steps do not look for
+such a change: a plan that recomputes the layer raises at its first backward.
 """
 
 from __future__ import annotations
