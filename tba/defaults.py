@@ -134,6 +134,11 @@ fresh directory per step must not pile up one per directory until the idle time 
 RUNTIME_IDLE_PER_KEY = 2
 """Idle shared runtimes kept per directory and option set (more appear only with concurrent contexts)."""
 
+LEFTOVER_COLLECT_MAX_GAP = 64
+"""A reusable offloader entered while earlier graphs are alive runs a full ``gc.collect()`` for dropped
+ones; after collections that found none, it waits twice as many such entries before the next one, at
+most this many (Note [Collecting dropped graphs costs a full collection] in ``tba/runtime/_store_owner.py``)."""
+
 SPILL_RESERVE_MIN_BYTES = 256 * MIB
 """The spill file grows by ``fallocate`` in steps of at least this (and at least its size so far),
 so writes land in allocated space instead of extending the file."""
