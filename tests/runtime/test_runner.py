@@ -1,0 +1,62 @@
+"""A placement runner told of layers that the forward never runs says so, once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+
+def make_model() -> nn.Sequential:
+    return nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)))
+
+
+def not_run_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "tba" and r.levelno == logging.WARNING and "ran none of the" in r.getMessage()]
+
+
+POLICIES = {
+    "adaptive": {},
+    "recompute-plan": {"policy": tba.Plan(("recompute",) * 4, "4M")},
+    "offload": {"policy": "offload"},
+}
+
+
+@pytest.mark.parametrize("options", POLICIES.values(), ids=POLICIES.keys())
+@pytest.mark.parametrize("reusable", [False, True], ids=["one-shot", "reusable"])
+def test_layers_of_another_model_are_named_once(spill_dir, caplog, options, reusable):
+    """``layers=`` naming another model's blocks (a copy, the model of an earlier trial) used to be silent:
+    an adaptive context never profiled nor planned, a pinned plan recomputed nothing, every step offloaded
+    everything untagged, and nothing said why."""
+    torch.manual_seed(0)
+    model, other = make_model(), make_model()
+    x = torch.randn(512, 256)
+    caplog.set_level(logging.WARNING, logger="tba")
+    off = tba.Offloader(spill_dir, layers=list(other), **options) if reusable else None
+    for _ in range(4):
+        with off if reusable else tba.offload_activations(spill_dir, layers=list(other), **options):
+            loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+    if off is not None:
+        off.close()
+    said = not_run_warnings(caplog)
+    assert len(said) == 1, said
+    assert "layers=" in said[0] and "Sequential" in said[0], said[0]
+
+
+@pytest.mark.parametrize("options", POLICIES.values(), ids=POLICIES.keys())
+def test_layers_of_the_model_that_runs_say_nothing(spill_dir, caplog, options):
+    torch.manual_seed(0)
+    model = make_model()
+    x = torch.randn(512, 256)
+    caplog.set_level(logging.WARNING, logger="tba")
+    for _ in range(4):
+        with tba.offload_activations(spill_dir, layers=list(model), **options):
+            loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+    assert not not_run_warnings(caplog)
