@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tba._weak import WeakRegistry
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
 from tba.policy import RECOMPUTED, Adaptive, Plan, Policy, Profile
@@ -60,6 +61,9 @@ logger = logging.getLogger("tba")
 
 
 __all__ = ["PolicyRunner", "StepCounters", "StepPlacement"]
+
+_SAID_NOT_RUN = WeakRegistry()
+"""First layers of ``layers=`` lists whose forward-less steps were reported (Note [Layers the forward never runs])."""
 
 
 class PolicyRunner(InputShapes):
@@ -282,6 +286,8 @@ class PolicyRunner(InputShapes):
             self._recompute.remove()
             self._recompute = None
         self._step.end_forward(failed, self._on_cuda, largest_live_storage_bytes, window_bytes, backlog_bytes)
+        if not self.learns and not failed and not ran_a_layer and self._layer_refs:
+            self._say_layers_not_run(largest_live_storage_bytes)
         if not self.learns or failed:
             return
         if not self._layer_refs and found_layers:
@@ -300,6 +306,33 @@ class PolicyRunner(InputShapes):
             logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
             self._step.pending = None
             self._set_layers([])
+
+    def _say_layers_not_run(self, largest_live_storage_bytes: Callable[[], int]) -> None:
+        """Warn, once per ``layers=`` list, that a step which saved tensors ran none of its layers.
+
+        Note: [Layers the forward never runs]
+        ``layers=`` naming blocks of another model than the one the context runs (a copy, the model of an
+        earlier trial, a list built before the model was rebuilt) was silent: no layer's hook ever ran, so
+        an adaptive runner never finished a profiled step nor planned, a pinned plan recomputed nothing,
+        and every step offloaded every saved tensor untagged. A step may legitimately run none of them
+        (a context around another part of the model), so this is a warning, once per first layer.
+        """
+        first = self._layer_refs[0]()
+        if first is None or largest_live_storage_bytes() <= 0:
+            return
+        said = _SAID_NOT_RUN.value_for(first, list)
+        if said:
+            return
+        said.append(True)
+        if self.pinned is not None:
+            effect = "the pinned plan was not followed and every saved tensor was offloaded"
+        elif self.policy is not None:
+            effect = f"the {self.name} policy can neither profile nor plan, and every saved tensor was offloaded"
+        else:
+            effect = "every saved tensor was offloaded without a layer to prefetch it by"
+        logger.warning("tba: this forward saved tensors but ran none of the %d layers given as layers= (the first "
+                       "is a %s): %s; pass the blocks of the model this context runs (layers=model finds them), "
+                       "not those of another model or of a copy", len(self._layer_refs), type(first).__name__, effect)
 
     def _collect(self, thread: int | None = None) -> None:
         """Finish the pending profiled step from its offloader's counters: its backward has run by now.
