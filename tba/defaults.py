@@ -149,6 +149,11 @@ PREFETCH_DEPTH_LAYERS = 1
 STAGING_BYTES = 256 * MIB
 """Pinned host staging pool of the CUDA staged route."""
 
+INPUT_SHAPES_KEPT = 256
+"""Input shapes whose profiled samples, plan and successor a placement runner keeps (the least recently seen
+goes first; seen again, it is profiled again): Note [What is kept per input shape is bounded] in
+``tba/runtime/_input_shapes.py``."""
+
 PROFILE_STEPS = 2
 """Steps the adaptive policy profiles before it plans."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
 from tba.runtime._profiling import signature
 from tba.runtime._recompute import RecomputeLayers
@@ -25,6 +26,7 @@ from tba.runtime._step_placement import StepPlacement, placement_of
 
 if TYPE_CHECKING:
     from tba.runtime._profiled_step import ProfiledStep
+    from tba.runtime._profiling import Samples
 
 logger = logging.getLogger("tba")
 
@@ -52,6 +54,7 @@ class InputShapes:
     layers: list[nn.Module]
     pinned: Plan | None
     _plans: dict[tuple | None, Plan]
+    _samples: Samples
     _recompute: RecomputeLayers | None
     _step: ProfiledStep
     _cannot_follow: Callable[..., bool]
@@ -65,7 +68,8 @@ class InputShapes:
         self._next_shape: dict[tuple | None, tuple | None] = {}
         """Per input shape, the one the step after it saw last."""
         self._sightings: dict[tuple | None, int] = {}
-        """Per input shape, the steps whose first layer saw it."""
+        """Per input shape, the steps whose first layer saw it; least recently seen first (Note [What is kept
+        per input shape is bounded])."""
         self._step_plan: Plan | None = None
         self._shape_hook: Any = None
         self._reapply: Callable[[StepPlacement], None] | None = None
@@ -101,6 +105,24 @@ class InputShapes:
                     if planned is not None and covers(planned, shape) and not self._cannot_follow(plan)]
         return min(covering, key=lambda item: _elements(item[0]))[1] if covering else None
 
+    def _note_seen(self, shape: tuple | None) -> None:
+        """Count a sighting of ``shape``; forget the least recently seen shapes past :data:`~tba.defaults.INPUT_SHAPES_KEPT`.
+
+        Note: [What is kept per input shape is bounded]
+        A runner kept each input shape's profiled samples, plan and successor for good, so inputs with a
+        new shape at every step (sequences of any length, not padded to buckets) grew it without bound:
+        about 7 KiB per step with 24 layers, objects that every full collection walks. Only the shapes
+        seen most recently are kept now; one forgotten and seen again is profiled again, as a new one is,
+        and follows a covering plan meanwhile (Note [A new input shape follows a larger one's plan]).
+        """
+        self._sightings[shape] = self._sightings.pop(shape, 0) + 1
+        while len(self._sightings) > max(1, defaults.INPUT_SHAPES_KEPT):
+            old = next(iter(self._sightings))
+            del self._sightings[old]
+            self._plans.pop(old, None)
+            self._samples.by_shape.pop(old, None)
+            self._next_shape.pop(old, None)
+
     def _expect_shape(self) -> None:
         """At entry: the step expects the shape that followed the last one seen, the last time it was seen."""
         self._shape = self._next_shape.get(self._seen, self._seen)
@@ -133,7 +155,7 @@ class InputShapes:
         if self._seen is not None:
             self._next_shape[self._seen] = shape
         self._shape = self._seen = shape
-        self._sightings[shape] = self._sightings.get(shape, 0) + 1
+        self._note_seen(shape)
 
     def _follow(self, shape: tuple, first: nn.Module) -> None:
         """The step's first layer saw ``shape``, not the one the step was entered with: follow its plan or
