@@ -21,7 +21,7 @@ from torch import nn
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
 from tba.runtime._profiling import signature
-from tba.runtime._recompute import RecomputeLayers
+from tba.runtime._recompute import RecomputeLayers, can_recompute
 from tba.runtime._step_placement import StepPlacement, placement_of
 
 if TYPE_CHECKING:
@@ -57,8 +57,6 @@ class InputShapes:
     _samples: Samples
     _recompute: RecomputeLayers | None
     _step: ProfiledStep
-    _cannot_follow: Callable[..., bool]
-    """The runner's check that a plan's recomputed layers can still be wrapped (``wrapped``: those already are)."""
 
     def __init__(self) -> None:
         self._shape: tuple | None = None
@@ -122,6 +120,21 @@ class InputShapes:
             self._plans.pop(old, None)
             self._samples.by_shape.pop(old, None)
             self._next_shape.pop(old, None)
+
+    def _cannot_follow(self, plan: Plan | None, wrapped: list[nn.Module] = ()) -> bool:
+        """Whether ``plan`` recomputes a layer that can no longer be wrapped for recomputation (those of
+        ``wrapped`` are, by this step already).
+
+        Note: [A plan made before a layer's forward was patched]
+        The planner never recomputes a layer whose ``forward`` is set on the instance (``can_recompute``),
+        but a loop may set one after the plan was made (a hook library's wrapper, added after warm-up);
+        ``RecomputeLayers`` then refuses the layer, and the default would raise at every later step
+        for a placement the user never chose. An adaptive runner plans that shape again instead, from
+        its profiled samples, with that layer marked as not recomputable. A pinned plan still raises.
+        """
+        return plan is not None and any(decision in RECOMPUTED and not can_recompute(layer)
+                                        for decision, layer in zip(plan.decisions, self.layers)
+                                        if not any(layer is done for done in wrapped))
 
     def _expect_shape(self) -> None:
         """At entry: the step expects the shape that followed the last one seen, the last time it was seen."""

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tba.errors import TbaError
+
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 """Private attributes every module has (``_parameters``, ``_buffers``, hooks): torch's own bookkeeping."""
 
@@ -87,3 +89,17 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, tuple):
         return len(a) == len(b)
     return isinstance(a, _PLAIN) and a == b
+
+
+def check_private_unchanged(layer: nn.Module, after_first: list) -> None:
+    """Before a recomputation: raise :class:`TbaError` when private state of the layer's modules changed since its first
+    call ended (``after_first``: its signature then; Note [Private state of a recomputed layer])."""
+    if not after_first:
+        return
+    change = first_change(after_first, private_state(layer))
+    if change is not None:
+        raise TbaError(
+            f"private state of a recomputed layer ({type(layer).__name__}) changed ({change}) between its forward and "
+            "backward, and tba does not put private state back for the recomputation, which would compute another "
+            "forward. Change it after backward, register a tensor as a buffer or make the attribute public (tba "
+            "restores those), or keep or offload this layer")

@@ -77,7 +77,7 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._private_state import first_change, private_state
+from tba.runtime._private_state import check_private_unchanged, first_change, private_state
 from tba.runtime._views import Kept, call_tensor_versions
 
 _functorch_level = torch._C._functorch.maybe_current_level
@@ -177,7 +177,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
-        _check_private_unchanged(layer, first.private)
+        check_private_unchanged(layer, first.private)
         after = snapshot(layer, learned)
         after_generators = states_now(first.generators)
         restore(after, first.before)
@@ -263,21 +263,6 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
                 f"argument {position}, version {version}, now {tensor._version}): its recomputation in backward would "
                 "start from the changed input. Keep or offload this layer (policy='offload', or a tba.Plan that does "
                 "not recompute it), or make the change out of place (x = x * 0.9 instead of x.mul_(0.9))")
-
-
-def _check_private_unchanged(layer: nn.Module, after_first: list) -> None:
-    """Before a recomputation: raise :class:`TbaError` when private state of the layer's modules changed since its first
-    call ended (``after_first``: its signature then; Note [Private state of a recomputed layer] in
-    ``tba/runtime/_private_state.py``)."""
-    if not after_first:
-        return
-    change = first_change(after_first, private_state(layer))
-    if change is not None:
-        raise TbaError(
-            f"private state of a recomputed layer ({type(layer).__name__}) changed ({change}) between its forward and "
-            "backward, and tba does not put private state back for the recomputation, which would compute another "
-            "forward. Change it after backward, register a tensor as a buffer or make the attribute public (tba "
-            "restores those), or keep or offload this layer")
 
 
 def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

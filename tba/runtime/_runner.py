@@ -47,11 +47,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tba._weak import WeakRegistry
 from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import RECOMPUTED, Adaptive, Plan, Policy, Profile
+from tba.policy import Adaptive, Plan, Policy, Profile
 from tba.runtime._input_shapes import InputShapes
+from tba.runtime._layer_notices import say_layers_not_run, say_no_repeated_blocks
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters
 from tba.runtime._recompute import RecomputeLayers, can_recompute
@@ -61,10 +61,6 @@ logger = logging.getLogger("tba")
 
 
 __all__ = ["PolicyRunner", "StepCounters", "StepPlacement"]
-
-_SAID_NOT_RUN = WeakRegistry()
-"""First layers of ``layers=`` lists whose forward-less steps were reported (Note [Layers the forward never runs])."""
-
 
 class PolicyRunner(InputShapes):
     """Profiles, plans and applies a placement across the steps of one model.
@@ -232,21 +228,6 @@ class PolicyRunner(InputShapes):
     # as a step with a new input shape does: exact, the least memory. Its exit may unwrap the first
     # step's layers early; those not run yet then save through tba instead, exact too.
 
-    def _cannot_follow(self, plan: Plan | None, wrapped: list[nn.Module] = ()) -> bool:
-        """Whether ``plan`` recomputes a layer that can no longer be wrapped for recomputation (those of
-        ``wrapped`` are, by this step already).
-
-        Note: [A plan made before a layer's forward was patched]
-        The planner never recomputes a layer whose ``forward`` is set on the instance (``can_recompute``),
-        but a loop may set one after the plan was made (a hook library's wrapper, added after warm-up);
-        ``RecomputeLayers`` then refuses the layer, and the default would raise at every later step
-        for a placement the user never chose. An adaptive runner plans that shape again instead, from
-        its profiled samples, with that layer marked as not recomputable. A pinned plan still raises.
-        """
-        return plan is not None and any(decision in RECOMPUTED and not can_recompute(layer)
-                                        for decision, layer in zip(plan.decisions, self.layers)
-                                        if not any(layer is done for done in wrapped))
-
     def _checked(self, plan: Plan) -> Plan:
         """``plan`` as the policy returned it, when it is a plan for these layers."""
         if not isinstance(plan, Plan) or len(plan.decisions) != len(self._layer_refs):
@@ -287,7 +268,8 @@ class PolicyRunner(InputShapes):
             self._recompute = None
         self._step.end_forward(failed, self._on_cuda, largest_live_storage_bytes, window_bytes, backlog_bytes)
         if not self.learns and not failed and not ran_a_layer and self._layer_refs:
-            self._say_layers_not_run(largest_live_storage_bytes)
+            say_layers_not_run(self._layer_refs[0](), len(self._layer_refs), self._effect_of_no_layer(),
+                               largest_live_storage_bytes)
         if not self.learns or failed:
             return
         if not self._layer_refs and found_layers:
@@ -299,40 +281,18 @@ class PolicyRunner(InputShapes):
             # compiled (their saves carry no module stack, tba/runtime/_discover.py): nothing to plan
             # for, so every step offloads all.
             self._said_none_found = True
-            logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
-                           "compiled on its own), so every step offloads every saved tensor; pass layers=[...] "
-                           "(the model's blocks) to have a placement planned per block")
+            say_no_repeated_blocks()
         elif self._layer_refs and not ran_a_layer:
             logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
             self._step.pending = None
             self._set_layers([])
 
-    def _say_layers_not_run(self, largest_live_storage_bytes: Callable[[], int]) -> None:
-        """Warn, once per ``layers=`` list, that a step which saved tensors ran none of its layers.
-
-        Note: [Layers the forward never runs]
-        ``layers=`` naming blocks of another model than the one the context runs (a copy, the model of an
-        earlier trial, a list built before the model was rebuilt) was silent: no layer's hook ever ran, so
-        an adaptive runner never finished a profiled step nor planned, a pinned plan recomputed nothing,
-        and every step offloaded every saved tensor untagged. A step may legitimately run none of them
-        (a context around another part of the model), so this is a warning, once per first layer.
-        """
-        first = self._layer_refs[0]()
-        if first is None or largest_live_storage_bytes() <= 0:
-            return
-        said = _SAID_NOT_RUN.value_for(first, list)
-        if said:
-            return
-        said.append(True)
+    def _effect_of_no_layer(self) -> str:
         if self.pinned is not None:
-            effect = "the pinned plan was not followed and every saved tensor was offloaded"
-        elif self.policy is not None:
-            effect = f"the {self.name} policy can neither profile nor plan, and every saved tensor was offloaded"
-        else:
-            effect = "every saved tensor was offloaded without a layer to prefetch it by"
-        logger.warning("tba: this forward saved tensors but ran none of the %d layers given as layers= (the first "
-                       "is a %s): %s; pass the blocks of the model this context runs (layers=model finds them), "
-                       "not those of another model or of a copy", len(self._layer_refs), type(first).__name__, effect)
+            return "the pinned plan was not followed and every saved tensor was offloaded"
+        if self.policy is not None:
+            return f"the {self.name} policy can neither profile nor plan, and every saved tensor was offloaded"
+        return "every saved tensor was offloaded without a layer to prefetch it by"
 
     def _collect(self, thread: int | None = None) -> None:
         """Finish the pending profiled step from its offloader's counters: its backward has run by now.

@@ -1,0 +1,49 @@
+"""What a placement runner tells the user about the model's layers: none found to plan for, or the ones
+given never run. Each is said once (per runner, or per ``layers=`` list)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from tba._weak import WeakRegistry
+
+logger = logging.getLogger("tba")
+
+__all__ = ["say_layers_not_run", "say_no_repeated_blocks"]
+
+_SAID_NOT_RUN = WeakRegistry()
+"""First layers of ``layers=`` lists whose forward-less steps were reported (Note [Layers the forward never runs])."""
+
+
+def say_no_repeated_blocks() -> None:
+    """A forward saved tensors in a model without repeated blocks, or whose blocks are each compiled (their saves
+    carry no module stack, ``tba/runtime/_discover.py``): nothing to plan for, so every step offloads all."""
+    logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
+                   "compiled on its own), so every step offloads every saved tensor; pass layers=[...] "
+                   "(the model's blocks) to have a placement planned per block")
+
+
+def say_layers_not_run(first: nn.Module | None, count: int, effect: str,
+                       largest_live_storage_bytes: Callable[[], int]) -> None:
+    """Warn, once per ``layers=`` list (its ``first`` layer, of ``count``), that a step which saved tensors ran
+    none of its layers, and what that did (``effect``).
+
+    Note: [Layers the forward never runs]
+    ``layers=`` naming blocks of another model than the one the context runs (a copy, the model of an
+    earlier trial, a list built before the model was rebuilt) was silent: no layer's hook ever ran, so
+    an adaptive runner never finished a profiled step nor planned, a pinned plan recomputed nothing,
+    and every step offloaded every saved tensor untagged. A step may legitimately run none of them
+    (a context around another part of the model), so this is a warning, once per first layer.
+    """
+    if first is None or largest_live_storage_bytes() <= 0:
+        return
+    said = _SAID_NOT_RUN.value_for(first, list)
+    if said:
+        return
+    said.append(True)
+    logger.warning("tba: this forward saved tensors but ran none of the %d layers given as layers= (the first "
+                   "is a %s): %s; pass the blocks of the model this context runs (layers=model finds them), "
+                   "not those of another model or of a copy", count, type(first).__name__, effect)
