@@ -143,6 +143,15 @@ _warned: set[tuple[int, str, str]] = set()
 _warned_lock = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    """A fork that landed while a thread of the parent held the lock must not leave it held in the child."""
+    global _warned_lock
+    _warned_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _warn_once(kind: str, directory: str, message: str, *args: object) -> None:
     """Log ``message`` at WARNING once per process, directory and ``kind`` (not once per context)."""
     key = (os.getpid(), directory, kind)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import resource
 import threading
 from typing import TYPE_CHECKING
@@ -40,6 +41,17 @@ logger = logging.getLogger("tba")
 # one-shot contexts (one per step) would otherwise repeat the same warning every step.
 _WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
 _WARNED_LOCK = threading.Lock()
+
+
+def _fresh_in_child() -> None:
+    """A forked child is a process of its own: it warns for itself, and a fork that landed while a thread of
+    the parent held the lock must not leave it held in the child (the thread is not there to release it)."""
+    global _WARNED_LOCK
+    _WARNED_LOCK = threading.Lock()
+    _WARNED_WRITE_ERRORS.clear()
+
+
+os.register_at_fork(after_in_child=_fresh_in_child)
 
 
 class StoreRelease:

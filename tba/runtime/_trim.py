@@ -88,6 +88,15 @@ _noted = False
 _note_lock = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    """A fork that landed while a thread of the parent held the lock must not leave it held in the child."""
+    global _note_lock
+    _note_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def hands_back_pages() -> bool:
     """Whether tba hands freed activation pages back to the kernel: not under a caching allocator.
 

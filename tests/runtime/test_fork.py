@@ -169,3 +169,22 @@ def test_a_child_forked_mid_block_gets_a_tba_error_for_saves_still_queued(spill_
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "child: TbaError True" in done.stdout and "parent: True" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, lock", [("tba.io._directory", "_warned_lock"), ("tba.runtime._release", "_WARNED_LOCK"),
+                                          ("tba.runtime._trim", "_note_lock")])
+def test_a_warning_lock_held_at_fork_is_free_in_the_child(module, lock):
+    # A thread of the parent holding one of these locks at the fork (it warns at that moment) left it held
+    # in the child for good: the child's first warning of that kind hung (found by a review).
+    script = textwrap.dedent(f"""
+        import importlib, os, sys
+        module = importlib.import_module({module!r})
+        getattr(module, {lock!r}).acquire()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if getattr(module, {lock!r}).acquire(timeout=10) else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"the child found {module}.{lock} held: {result.stderr[-2000:]}"
