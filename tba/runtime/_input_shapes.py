@@ -77,10 +77,11 @@ class InputShapes:
         self._next_shape.clear()
         self._sightings.clear()
 
-    def _plan_for(self, shape: tuple | None, *, profiling: bool) -> Plan | None:
+    def _plan_for(self, shape: tuple | None, *, profiling: bool, wrapped: list[nn.Module]) -> Plan | None:
         """The plan a step that sees ``shape`` at its first layer follows: the shape's own; else that of the
-        smallest planned shape covering it, unless the step is ``profiling`` and the shape recurs (it is
-        profiled instead); else None.
+        smallest planned shape covering it (that can be followed, ``wrapped`` being the layers this step
+        has wrapped for recomputation already), unless the step is ``profiling`` and the shape recurs (it
+        is profiled instead); else None.
 
         Note: [A new input shape follows a larger one's plan]
         Inputs padded per batch (a collator that pads to the longest sequence of each batch) bring a
@@ -100,7 +101,7 @@ class InputShapes:
         if plan is not None or shape is None or (profiling and self._sightings.get(shape, 0) >= RECURRING_SIGHTINGS):
             return plan
         covering = [(planned, plan) for planned, plan in self._plans.items()
-                    if planned is not None and covers(planned, shape) and not self._cannot_follow(plan)]
+                    if planned is not None and covers(planned, shape) and not self._cannot_follow(plan, wrapped)]
         return min(covering, key=lambda item: _elements(item[0]))[1] if covering else None
 
     def _note_seen(self, shape: tuple | None) -> None:
@@ -176,7 +177,7 @@ class InputShapes:
         a planned one offloads every layer."""
         profiled = self._step.pending is not None
         running = self._unwrap_all_but(first)
-        plan = self._plan_for(shape, profiling=profiled)
+        plan = self._plan_for(shape, profiling=profiled, wrapped=running)
         if plan is not None and self._switch(plan, running):
             if profiled:
                 self._step.cancel()

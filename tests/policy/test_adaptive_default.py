@@ -208,6 +208,15 @@ def test_a_profiled_step_whose_shape_has_a_plan_follows_it_where_its_first_layer
     assert codes_followed(contexts)[5] == (None if first == "recomputed" else plan)
 
 
+@pytest.mark.parametrize("plan", ["RKKO", "SRKO", "OROK"])
+def test_a_new_smaller_shape_follows_a_plan_that_recomputes(spill_dir, plan):
+    # Step 4 is entered with the big shape's plan, its first layer wrapped for recomputation where the plan
+    # recomputes it: a wrapper is no reason not to follow that plan (a first run planned nothing here).
+    big, small = make_batch(CONFIG, seed=1), make_batch(SMALLER, seed=2)
+    contexts = train_in_turn(spill_dir, [big] * 4 + [small], plan)
+    assert codes_followed(contexts)[3:] == [plan] * 2
+
+
 def test_inputs_padded_per_batch_follow_plans_and_stay_exact(spill_dir):
     # A collator that pads to each batch's longest sequence: a new length at most steps.
     lengths = [16, 16, 16, 16, 12, 14, 9, 16, 11, 13, 15, 10]
