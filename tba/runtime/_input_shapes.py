@@ -91,11 +91,15 @@ class InputShapes:
         planned only the one shape that had come twice. Now a step whose shape has no plan of its own
         follows the plan of the smallest planned shape that covers it (:func:`covers`: every dimension
         at least as large): the step saves no more in any layer, so it keeps and writes no more than
-        that plan was made for, and a memory budget holds for it too. A step entered to profile the
-        shape expected next (one without a plan) and seeing another does so too, and stops
-        profiling, unless its shape was seen :data:`RECURRING_SIGHTINGS` times before: a shape that
-        recurs is profiled then and gets a plan of its own. A shape that no plan covers is profiled
-        or offloads everything, as before.
+        that plan was made for, and a memory budget holds for it too. At entry, the shape expected next
+        does the same while it is new; once seen :data:`RECURRING_SIGHTINGS` times it recurs, and
+        without a plan of its own the step is profiled, so that it gets one. A profiled step that sees
+        another shape, with a plan of its own or a covering one while it is new, stops profiling and
+        follows it (where the first layer allows: Note [A step whose shape has a plan follows it]). A
+        shape that no plan covers is profiled or offloads everything, as before. Entering with the
+        covering plan rather than profiling matters when that plan recomputes the first layer: a
+        profiled step, its first layer bound to run without recomputation, cannot switch to it (with
+        a memory budget on a 4-layer GPT, plan ``RRRK``, most steps were profiled).
         """
         plan = self._plans.get(shape)
         if plan is not None or shape is None or (profiling and self._sightings.get(shape, 0) >= RECURRING_SIGHTINGS):

@@ -206,10 +206,12 @@ class PolicyRunner(InputShapes):
 
     def _placement(self, counters: Callable[[], StepCounters], thread: int | None,
                    learned: list[nn.Module] | None) -> StepPlacement:
-        """The entered step's placement: kept, planned (its shape's own plan), profiled or as configured."""
+        """The entered step's placement: kept, planned (its expected shape's own plan, or a covering one while
+        that shape is new), profiled or as configured."""
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
-        self._step_plan = plan = self.pinned if self.pinned is not None else self._plans.get(self._shape)
+        self._step_plan = plan = self.pinned if self.pinned is not None else self._plan_for(self._shape, profiling=True,
+                                                                                             wrapped=[])
         if plan is not None:
             self._recompute = self._wrap_recomputed(plan)
             return placement_of(plan, learned)

@@ -182,16 +182,16 @@ def profiled_at_exit(monkeypatch):
 def test_a_new_smaller_shape_follows_the_plan_of_a_larger_one(spill_dir, caplog, profiled_at_exit):
     big, small = make_batch(CONFIG, seed=1), make_batch(SMALLER, seed=2)
     with caplog.at_level(logging.INFO, logger="tba"):
-        contexts = train_in_turn(spill_dir, [big] * 4 + [small, big] + [small] * 4, "OKKO", "KOOK")
+        contexts = train_in_turn(spill_dir, [big] * 4 + [small, big] + [small] * 5, "OKKO", "KOOK")
     kept = [kept_by_plan(c) for c in contexts]
     # 0: find layers; 1-2: profile the big shape; 3: its plan. 4: a new, smaller shape follows that plan
-    # (unprofiled). 5: entered profiling the small shape (expected after the big one); the big one came,
-    # so it stops profiling and follows its own plan. 6: the small shape, expected: profiled. 7: entered
-    # with the big shape's plan (expected after the small one), the small shape follows it. 8: profiled
-    # again; 9: the small shape's own plan.
-    assert codes_followed(contexts) == [None, None, None, "OKKO", "OKKO", "OKKO", None, "OKKO", None, "KOOK"]
-    assert profiled_at_exit == [False, True, True, False, False, False, True, False, True, False]
-    assert kept[4] == kept[7] > 0 and kept[5] == kept[3] and kept[6] == kept[8] == 0 and kept[9] > 0
+    # from its first layer. 5-6: entered expecting the small shape, new still: with the big shape's plan;
+    # 5 sees the big shape (its own plan), 6 the small one. 7: entered with the big shape's plan (expected
+    # after the small one); the small shape follows it. 8-9: the small shape recurs, expected: profiled.
+    # 10: its own plan.
+    assert codes_followed(contexts) == [None, None, None] + ["OKKO"] * 5 + [None, None, "KOOK"]
+    assert profiled_at_exit == [False, True, True] + [False] * 5 + [True, True, False]
+    assert kept[4] == kept[6] == kept[7] > 0 and kept[5] == kept[3] and kept[8] == kept[9] == 0 and kept[10] > 0
     assert caplog.text.count("this step follows the plan of a larger one") == 2
     assert caplog.text.count("this step follows its plan") == 1
 
@@ -199,11 +199,11 @@ def test_a_new_smaller_shape_follows_the_plan_of_a_larger_one(spill_dir, caplog,
 @pytest.mark.parametrize("first", ["recomputed", "offloaded"])
 def test_a_profiled_step_whose_shape_has_a_plan_follows_it_where_its_first_layer_allows(spill_dir, first,
                                                                                         profiled_at_exit):
-    # Step 5 is entered profiling the small shape and sees the big one: it follows the big shape's plan,
-    # unless that plan recomputes the first layer, whose forward a profiled step has already bound.
-    big, small = make_batch(CONFIG, seed=1), make_batch(SMALLER, seed=2)
+    # Step 5 is entered profiling the other shape (no plan covers it) and sees the big one: it follows the
+    # big shape's plan, unless that plan recomputes the first layer, whose forward a profiled step has bound.
+    big, other = make_batch(CONFIG, seed=1), make_batch(OTHER_SHAPE, seed=2)
     plan = "RKKO" if first == "recomputed" else "OKKR"
-    contexts = train_in_turn(spill_dir, [big] * 4 + [small, big], plan)
+    contexts = train_in_turn(spill_dir, [big] * 4 + [other, big], plan)
     assert profiled_at_exit[5] == (first == "recomputed")
     assert codes_followed(contexts)[5] == (None if first == "recomputed" else plan)
 
