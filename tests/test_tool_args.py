@@ -1,4 +1,4 @@
-"""tools/soak.py, tools/fuzz.py and tools/bench_e2e.py refuse bad values before any work: exit 2, one line, nothing left."""
+"""The tools refuse bad values before any work (exit 2, one line, nothing left); tools/bench_shapes.py also runs exact."""
 
 from __future__ import annotations
 
@@ -52,3 +52,14 @@ def test_bench_e2e_refuses_bad_values(argv, match, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert match in refused("bench_e2e", ["--preset", "tiny", *argv], capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_shapes_refuses_bad_values(capsys):
+    assert "--steps must be at least 1" in refused("bench_shapes", ["--steps", "0"], capsys)
+
+
+def test_bench_shapes_runs_exact_on_the_tiny_preset(tmp_path, capsys):
+    code = load_script(TOOLS / "bench_shapes.py").main(["--preset", "tiny", "--steps", "8", "--directory", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "identical to training without tba: yes" in out, out
+    assert out.count("\nstep ") == 8
