@@ -69,6 +69,9 @@ class SavedTensorHooks:
     _staged_devices: tuple[str, ...]
     min_offload_bytes: int
     keep_layers: set[int | None]
+    _keep_caps: tuple[int, ...] | None
+    _kept_this_step: dict[int, int]
+    _kept_storages: set[int]
     layer_saved_bytes: dict[int | None, int]
 
     _waker: _control.Waker
@@ -112,9 +115,23 @@ class SavedTensorHooks:
             return KeepReason.SMALL
         if device_type not in self._staged_devices and address % 64:
             return KeepReason.UNALIGNED
-        if self._tracker.current in self.keep_layers:
+        if self._tracker.current in self.keep_layers and self._within_keep_cap(self._tracker.current, storage._cdata, nbytes):
             return KeepReason.LAYER_KEPT
         return None
+
+    def _within_keep_cap(self, layer: int | None, key: int, nbytes: int) -> bool:
+        """Whether a kept layer may keep one more storage this step: a step following the plan of a larger
+        input shape keeps at most what that shape saved in each layer (Note [A covered step keeps no more
+        than the plan was made for] in ``tba/runtime/_input_shapes.py``); past it, the layer offloads."""
+        caps = self._keep_caps
+        if caps is None or layer is None or not 0 <= layer < len(caps) or key in self._kept_storages:
+            return True  # a storage kept already (saved again) adds nothing
+        total = self._kept_this_step.get(layer, 0) + nbytes
+        if total > caps[layer]:
+            return False
+        self._kept_this_step[layer] = total
+        self._kept_storages.add(key)
+        return True
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself."""

@@ -121,6 +121,11 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         """Indices of layers whose saved tensors stay in memory (set by a placement policy)."""
         self._write_caps: tuple[int, ...] | None = None
         """Per layer, the most bytes forward may hold unwritten (a memory budget's plan), else None."""
+        self._keep_caps: tuple[int, ...] | None = None
+        """Per layer, the most bytes a kept layer keeps this step (a step following a larger shape's plan), else None."""
+        self._kept_this_step: dict[int, int] = {}
+        self._kept_storages: set[int] = set()
+        """The storages kept under ``_keep_caps`` this step (alive while it runs), and their bytes per layer."""
         self._deferred_bytes = 0
         """Bytes of storages whose save was deferred, ever (written by the training thread only)."""
         self._save_jobs_bytes = 0

@@ -125,6 +125,7 @@ class PolicyRunner(InputShapes):
         self._layer_refs = [weakref.ref(layer) for layer in layers]
         self._step.set_layers(layers)
         self._plans.clear()
+        self._saved_by_plan.clear()
         self._samples.clear()
         self._forget_shapes()
 
@@ -196,6 +197,7 @@ class PolicyRunner(InputShapes):
             self.profile = self._samples.profile(self._shape, len(self._layer_refs), self._prefetch_depth_layers,
                                                  self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
             self._plans[self._shape] = self._checked(self.policy.plan(self.profile))
+            self._saved_by_plan[self._shape] = tuple(layer.saved_bytes for layer in self.profile.layers)
             logger.info("tba: %s", self._plans[self._shape])
         self._reapply = reapply
         placement = self._placement(counters, thread, learned)

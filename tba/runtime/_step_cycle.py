@@ -53,6 +53,9 @@ class StepCycle:
     _discovery: LayerDiscovery | None
     _kept_layer: int | None
     _write_caps: tuple[int, ...] | None
+    _keep_caps: tuple[int, ...] | None
+    _kept_this_step: dict[int, int]
+    _kept_storages: set[int]
     _hooks: Any
 
     def __enter__(self: _Self) -> _Self:
@@ -119,6 +122,8 @@ class StepCycle:
         # Note [Reads reuse what kept layers free] in tba/io/_read_pool.py
         self._store.read_pool.huge_pages = not placement.release_idle_reads
         self._write_caps = placement.write_caps
+        self._keep_caps = placement.keep_caps
+        self._kept_this_step, self._kept_storages = {}, set()
 
     def _reapply(self, placement: StepPlacement) -> None:
         """Mid-step, from the first layer's pre-hook, the runner's change of placement (a new input shape)."""
