@@ -80,11 +80,12 @@ class InputShapes:
         self._next_shape.clear()
         self._sightings.clear()
 
-    def _plan_for(self, shape: tuple | None, *, profiling: bool, wrapped: list[nn.Module]) -> Plan | None:
-        """The plan a step that sees ``shape`` at its first layer follows: the shape's own; else that of the
-        smallest planned shape covering it (that can be followed, ``wrapped`` being the layers this step
-        has wrapped for recomputation already), unless the step is ``profiling`` and the shape recurs (it
-        is profiled instead); else None.
+    def _plan_for(self, shape: tuple | None, *, profiling: bool,
+                  wrapped: list[nn.Module]) -> tuple[Plan | None, tuple | None]:
+        """The plan a step that sees ``shape`` at its first layer follows, and the shape it was made for: the
+        shape's own; else that of the smallest planned shape covering it (that can be followed, ``wrapped``
+        being the layers this step has wrapped for recomputation already), unless the step is ``profiling``
+        and the shape recurs (it is profiled instead); else None.
 
         Note: [A new input shape follows a larger one's plan]
         Inputs padded per batch (a collator that pads to the longest sequence of each batch) bring a
@@ -106,14 +107,14 @@ class InputShapes:
         """
         plan = self._plans.get(shape)
         if plan is not None or shape is None or (profiling and self._sightings.get(shape, 0) >= RECURRING_SIGHTINGS):
-            return plan
+            return plan, shape
         covering = [(planned, plan) for planned, plan in self._plans.items()
                     if planned is not None and covers(planned, shape) and not self._cannot_follow(plan, wrapped)]
-        return min(covering, key=lambda item: _elements(item[0]))[1] if covering else None
+        return min(covering, key=lambda item: _elements(item[0]))[::-1] if covering else (None, None)
 
-    def _keep_caps(self, shape: tuple, plan: Plan) -> tuple[int, ...] | None:
-        """What each layer may keep in a step of ``shape`` that follows ``plan``: None for the shape's own plan,
-        else what the covering shape saved per layer when its plan was made.
+    def _keep_caps(self, shape: tuple, planned: tuple | None) -> tuple[int, ...] | None:
+        """What each layer may keep in a step of ``shape`` that follows the plan of ``planned``: no limit under
+        the shape's own plan, else what the covering shape saved per layer when its plan was made.
 
         Note: [A covered step keeps no more than the plan was made for]
         A smaller input saves no more in most models, but not in all: a block that computes dense scores
@@ -122,10 +123,9 @@ class InputShapes:
         was made for. Such a step's kept layers keep at most what the covering shape's profiled step
         saved in them; the rest of their tensors are offloaded, which is exact under any plan.
         """
-        if plan is self._plans.get(shape):
+        if planned == shape:
             return None
-        planned = next((key for key, value in self._plans.items() if value is plan and key in self._saved_by_plan), None)
-        return self._saved_by_plan[planned] if planned is not None else tuple(0 for _ in plan.decisions)
+        return self._saved_by_plan.get(planned, (0,) * len(self.layers))  # unknown: keep nothing
 
     def _note_seen(self, shape: tuple | None) -> None:
         """Count a sighting of ``shape``; forget the least recently seen shapes past :data:`~tba.defaults.INPUT_SHAPES_KEPT`.
@@ -201,8 +201,8 @@ class InputShapes:
         a planned one offloads every layer."""
         profiled = self._step.pending is not None
         running = self._unwrap_all_but(first)
-        plan = self._plan_for(shape, profiling=profiled, wrapped=running)
-        if plan is not None and self._switch(plan, running, self._keep_caps(shape, plan)):
+        plan, planned = self._plan_for(shape, profiling=profiled, wrapped=running)
+        if plan is not None and self._switch(plan, running, self._keep_caps(shape, planned)):
             if profiled:
                 self._step.cancel()
             logger.info("tba: new input shape; this step follows %s from the first layer on",
