@@ -94,8 +94,9 @@ class InputShapes:
         profiled 28 steps before its first plan, offloading everything the whole time, and then
         planned only the one shape that had come twice. Now a step whose shape has no plan of its own
         follows the plan of the smallest planned shape that covers it (:func:`covers`: every dimension
-        at least as large): the step saves no more in any layer, so it keeps and writes no more than
-        that plan was made for, and a memory budget holds for it too. At entry, the shape expected next
+        at least as large): such a step usually saves no more in any layer, and where it does its kept
+        layers keep no more than that plan was made for (Note [A covered step keeps no more than the
+        plan was made for]), so a memory budget holds for it too. At entry, the shape expected next
         does the same while it is new; once seen :data:`RECURRING_SIGHTINGS` times it recurs, and
         without a plan of its own the step is profiled, so that it gets one. A profiled step that sees
         another shape, with a plan of its own or a covering one while it is new, stops profiling and
