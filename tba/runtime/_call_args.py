@@ -138,3 +138,23 @@ def _rebuild(template: Any, saved: tuple[torch.Tensor, ...], built: dict[int, An
         else:
             built[key] = dict(zip(template.keys, (_rebuild(item, saved, built) for item in template.items)))
     return built[key]
+
+
+def updated_cache(args: tuple, kwargs: dict[str, Any]) -> Any | None:
+    """A key/value cache among a layer's top-level arguments (or None): a Hugging Face ``transformers``
+    ``Cache``, which a decoder layer appends its keys and values to.
+
+    Note: [A layer given a key/value cache is not recomputed]
+    Hugging Face decoders build a ``DynamicCache`` per forward while ``use_cache`` is on (GPT-2's default,
+    in training too) and hand it to every block, whose attention appends to it. A recomputation
+    appended a second time and attended over twice the keys: with an attention mask, backward failed
+    with a shape error; without one the gradients came out right only because the causal mask happened
+    to line up (found by a review). Hugging Face turns the cache off under its own gradient
+    checkpointing for this reason. So a layer given one is profiled as not recomputable (the adaptive
+    planner keeps or offloads it), and a plan that recomputes it raises :class:`tba.TbaError` naming
+    the fix.
+    """
+    for value in (*args, *kwargs.values()):
+        if any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__):
+            return value
+    return None

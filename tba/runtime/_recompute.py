@@ -69,7 +69,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaConfigError, TbaError
-from tba.runtime._call_args import take_apart
+from tba.runtime._call_args import take_apart, updated_cache
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
@@ -169,6 +169,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         calls[0] += 1
         learned = learned_for(layer)
         if calls[0] == 1:
+            _refuse_cache(layer, args, kwargs)
             first.start(layer, args, kwargs, learned)
             inputs, private = call_tensor_versions(args, kwargs), private_state(layer)
             out = forward(*args, **kwargs)
@@ -263,6 +264,16 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
                 f"argument {position}, version {version}, now {tensor._version}): its recomputation in backward would "
                 "start from the changed input. Keep or offload this layer (policy='offload', or a tba.Plan that does "
                 "not recompute it), or make the change out of place (x = x * 0.9 instead of x.mul_(0.9))")
+
+
+def _refuse_cache(layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`TbaError` when a key/value cache is among the recomputed layer's arguments (Note [A layer
+    given a key/value cache is not recomputed] in ``tba/runtime/_call_args.py``)."""
+    cache = updated_cache(args, kwargs)
+    if cache is not None:
+        raise TbaError(f"a recomputed layer ({type(layer).__name__}) is given a key/value cache ({type(cache).__name__}), "
+                       "which its recomputation would update a second time; train with use_cache=False (model(..., "
+                       "use_cache=False) or model.config.use_cache = False), or keep or offload this layer")
 
 
 def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -43,6 +43,7 @@ from torch import nn
 
 from tba._control import waited_s
 from tba.runtime import _preempted
+from tba.runtime._call_args import updated_cache
 from tba.runtime._private_state import Signature, first_change, private_state
 from tba.runtime._views import call_tensor_versions
 
@@ -144,6 +145,8 @@ class LayerTimer:
             # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
             self._input_versions[index] = _versions(args, kwargs) + [(p, p._version) for p in module.parameters()]
             self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
+            if updated_cache(args, kwargs) is not None:  # Note [A layer given a key/value cache is not recomputed]
+                self.changes_input[index] = True
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))

@@ -106,3 +106,49 @@ def test_nested_contexts_recomputing_the_same_layers_say_so(spill_dir):
             with tba.offload_activations(spill_dir, layers=list(model), policy=plan):
                 pass
     assert all("forward" not in vars(layer) for layer in model)
+
+
+def _gpt2(use_cache: bool):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2, use_cache=use_cache)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _gpt2_step(net, offloader=None):
+    ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 4:] = 0
+    torch.manual_seed(5)
+    if offloader is None:
+        loss = net(input_ids=ids, attention_mask=mask, labels=ids).loss
+    else:
+        with offloader:
+            loss = net(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_layer_given_a_key_value_cache_is_not_recomputed(spill_dir, decision):
+    # Note [A layer given a key/value cache is not recomputed]: GPT-2 trains with a DynamicCache by default,
+    # and a recomputation appended to it a second time (a shape error in backward with a padding mask).
+    plan = tba.Plan(("keep", decision, "offload"), window_bytes=1 << 20)
+    net = _gpt2(use_cache=True)
+    with pytest.raises(TbaError, match="key/value cache .*use_cache=False"):
+        _gpt2_step(net, tba.Offloader(spill_dir, layers=list(net.transformer.h), policy=plan, min_offload_bytes=0))
+    # Without the cache the same plan is exact.
+    expected = _gpt2_step(_gpt2(use_cache=False))
+    net = _gpt2(use_cache=False)
+    loss, grads = _gpt2_step(net, tba.Offloader(spill_dir, layers=list(net.transformer.h), policy=plan, min_offload_bytes=0))
+    assert torch.equal(loss, expected[0]) and all(torch.equal(a, b) for a, b in zip(grads, expected[1]))
+
+
+def test_the_adaptive_profile_marks_a_layer_given_a_cache_not_recomputable(spill_dir):
+    net = _gpt2(use_cache=True)
+    offloader = tba.Offloader(spill_dir, layers=list(net.transformer.h), min_offload_bytes=0, overhead_bound=100.0)
+    for _ in range(4):
+        _gpt2_step(net, offloader)
+    profile = offloader.policy_runner.profile
+    assert profile is not None and not any(layer.recomputable for layer in profile.layers)
+    assert not any(decision in ("recompute", "offloaded_recompute") for decision in offloader.plan.decisions)
