@@ -115,16 +115,17 @@ class SavedTensorHooks:
             return KeepReason.SMALL
         if device_type not in self._staged_devices and address % 64:
             return KeepReason.UNALIGNED
-        if self._tracker.current in self.keep_layers and self._within_keep_cap(self._tracker.current, storage._cdata, nbytes):
+        layer = self._tracker.current
+        if layer in self.keep_layers and (self._keep_caps is None or self._within_keep_cap(layer, storage._cdata, nbytes)):
             return KeepReason.LAYER_KEPT
         return None
 
     def _within_keep_cap(self, layer: int | None, key: int, nbytes: int) -> bool:
-        """Whether a kept layer may keep one more storage this step: a step following the plan of a larger
+        """Whether a kept layer may keep one more storage this step, when caps are set: a step following the plan of a larger
         input shape keeps at most what that shape saved in each layer (Note [A covered step keeps no more
         than the plan was made for] in ``tba/runtime/_input_shapes.py``); past it, the layer offloads."""
         caps = self._keep_caps
-        if caps is None or layer is None or not 0 <= layer < len(caps) or key in self._kept_storages:
+        if layer is None or not 0 <= layer < len(caps) or key in self._kept_storages:
             return True  # a storage kept already (saved again) adds nothing
         total = self._kept_this_step.get(layer, 0) + nbytes
         if total > caps[layer]:

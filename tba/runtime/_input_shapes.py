@@ -188,7 +188,7 @@ class InputShapes:
         shape = signature(args, kwargs)
         profiled = self._step.pending is not None
         if shape != self._shape and (profiled or self._step_plan is not None) and self.pinned is None:
-            self._follow(shape, module)
+            self._follow(shape, module, profiled)
         if self._step.pending is not None:
             self._step.note_shape(shape, args, kwargs)
         if self._seen is not None:
@@ -196,11 +196,10 @@ class InputShapes:
         self._shape = self._seen = shape
         self._note_seen(shape)
 
-    def _follow(self, shape: tuple, first: nn.Module) -> None:
+    def _follow(self, shape: tuple, first: nn.Module, profiled: bool) -> None:
         """The step's first layer saw ``shape``, not the one the step was entered with: follow its plan or
-        a covering one where the step can; else a profiled step goes on profiling (now ``shape``) and
+        a covering one where the step can; else a ``profiled`` step goes on profiling (now ``shape``) and
         a planned one offloads every layer."""
-        profiled = self._step.pending is not None
         running = self._unwrap_all_but(first)
         plan, planned = self._plan_for(shape, profiling=profiled, wrapped=running)
         if plan is not None and self._switch(plan, running, self._keep_caps(shape, planned)):

@@ -213,13 +213,12 @@ class PolicyRunner(InputShapes):
         that shape is new), profiled or as configured."""
         if self.name == "keep":
             return StepPlacement(frozenset({None, *range(len(self.layers))}))
-        plan, planned = (self.pinned, None) if self.pinned is not None else self._plan_for(self._shape, profiling=True,
-                                                                                           wrapped=[])
+        plan, planned = ((self.pinned, self._shape) if self.pinned is not None  # a pinned plan is every shape's own
+                         else self._plan_for(self._shape, profiling=True, wrapped=[]))
         self._step_plan = plan
         if plan is not None:
             self._recompute = self._wrap_recomputed(plan)
-            caps = self._keep_caps(self._shape, planned) if self.pinned is None else None
-            return dataclasses.replace(placement_of(plan, learned), keep_caps=caps)
+            return dataclasses.replace(placement_of(plan, learned), keep_caps=self._keep_caps(self._shape, planned))
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
                              cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)
