@@ -40,7 +40,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from tba import _control
@@ -150,7 +149,6 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._store = StorageStore(self._stats, PrefetchWindow(config.prefetch_depth_layers,
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._waker = _control.Waker()
         self._kept_layer: int | None = None
         self._phase = _Phase.IDLE

@@ -14,7 +14,7 @@ the discarding of what the block saved. An entry that fails before the body is u
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -56,7 +56,6 @@ class StepCycle:
     _keep_caps: tuple[int, ...] | None
     _kept_this_step: dict[int, int]
     _kept_storages: set[int]
-    _hooks: Any
 
     def __enter__(self: _Self) -> _Self:
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
@@ -68,7 +67,13 @@ class StepCycle:
             _control.call_whole(self._abandon_entry_job, claim)
             raise
         try:
-            self._hooks.__enter__()
+            # Note: [Dropping an offloader frees it]
+            # The hooks are pushed here, not held in a saved_tensors_hooks object: the offloader holding
+            # one that holds its bound pack and unpack is a reference cycle, and the offloader, with the
+            # layers it was given (their parameters and gradients), outlived its user's last reference
+            # until a garbage collection. On an H200 a later test's device memory fell by a dropped
+            # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
+            torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._phase = _Phase.ACTIVE
         except BaseException:
             if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
