@@ -31,6 +31,7 @@ import subprocess
 import sys
 import sysconfig
 
+from tba import _elf
 from tba.errors import TbaConfigError
 
 CACHING = ("jemalloc", "tcmalloc", "mimalloc")
@@ -168,7 +169,8 @@ def detect() -> Allocator:
             name = next((n for n, symbol in markers.items() if _address(process, symbol) is not None), None)
         if name is not None:
             return Allocator(name, path, _version(name, process))
-        return Allocator(os.path.basename(path) if path else "unknown", path)
+        if not _elf.is_executables_import(served, "malloc"):
+            return Allocator(os.path.basename(path) if path else "unknown", path)
     if glibc:
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         return Allocator("glibc", None, libc.gnu_get_libc_version().decode())
