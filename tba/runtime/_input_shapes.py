@@ -166,13 +166,14 @@ class InputShapes:
         """At entry: the step expects the shape that followed the last one seen, the last time it was seen."""
         self._shape = self._next_shape.get(self._seen, self._seen)
 
-    def _wrap_recomputed(self, plan: Plan, start: int = 0) -> RecomputeLayers | None:
-        """Wrap the layers ``plan`` recomputes, from layer ``start`` on, for recomputation; None when none is."""
+    def _wrap_recomputed(self, plan: Plan, start: int = 0, thread: int | None = None) -> RecomputeLayers | None:
+        """Wrap the layers ``plan`` recomputes, from layer ``start`` on, for recomputation (the context of
+        training thread ``thread``, default the calling one); None when none is."""
         indices = [i for i, decision in enumerate(plan.decisions) if decision in RECOMPUTED and i >= start]
         if not indices:
             return None
         offload = [plan.decisions[i] == Placement.OFFLOADED_RECOMPUTE for i in indices]
-        return RecomputeLayers([self.layers[i] for i in indices], indices, offload)
+        return RecomputeLayers([self.layers[i] for i in indices], indices, offload, thread=thread)
 
     def _attach_shape_hook(self) -> None:
         # A step that an exception ended before exit (a signal handler's) may have left its hook on;

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -93,6 +94,8 @@ class RecomputeLayers:
         offload_inputs: Per layer (or one value for all): save its inputs through the hooks below
             (tba's: ``offloaded_recompute``) instead of keeping them in memory (``recompute``).
             Default False.
+        thread: The identity of the training thread whose context this is, for messages. Default: the
+            calling thread.
 
     Raises:
         TbaConfigError: a layer already has a ``forward`` attribute of its own (patched by hand or by
@@ -100,8 +103,9 @@ class RecomputeLayers:
     """
 
     def __init__(self, layers: Iterable[nn.Module], indices: Iterable[int] | None = None,
-                 offload_inputs: bool | Iterable[bool] = False) -> None:
+                 offload_inputs: bool | Iterable[bool] = False, thread: int | None = None) -> None:
         layers = list(layers)
+        thread = threading.get_ident() if thread is None else thread
         indices = list(indices) if indices is not None else list(range(len(layers)))
         offload = [offload_inputs] * len(layers) if isinstance(offload_inputs, bool) else list(offload_inputs)
         index_of = {id(layer): index for index, layer in zip(indices, layers)}
@@ -113,7 +117,14 @@ class RecomputeLayers:
                     f"both recomputed, and layer {index_of[id(inner)]} is inside layer {index}: one recomputation would "
                     "run inside the other; recompute only one of them (keep or offload the other), or pass layers= "
                     "that do not nest")
-            if getattr(vars(layer).get("forward"), "tba_recomputes", False):
+            wrapper = vars(layer).get("forward")
+            if getattr(wrapper, "tba_recomputes", False):
+                if getattr(wrapper, "tba_thread", thread) != thread:
+                    raise TbaConfigError(
+                        f"layer {index} ({type(layer).__name__}) is recomputed by a tba context active in another "
+                        "thread: recomputation wraps the layer object itself, so one model's layers are recomputed by "
+                        "one context at a time; give each thread its own copy of the model, or a plan that keeps or "
+                        "offloads these layers")
                 raise TbaConfigError(
                     f"layer {index} ({type(layer).__name__}) is recomputed by another tba context that is active: "
                     "offload contexts over the same layers do not nest; enter one context around the whole forward")
@@ -135,6 +146,7 @@ class RecomputeLayers:
         self.layers = layers
         for layer, spill in zip(self.layers, offload):
             layer.forward = _checkpointed(layer, layer.forward, spill)
+            layer.forward.tba_thread = thread  # whose context wrapped it, for the message above
 
     def remove(self) -> None:
         for layer in self.layers:

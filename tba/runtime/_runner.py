@@ -217,7 +217,7 @@ class PolicyRunner(InputShapes):
                          else self._plan_for(self._shape, profiling=True, wrapped=[]))
         self._step_plan = plan
         if plan is not None:
-            self._recompute = self._wrap_recomputed(plan)
+            self._recompute = self._wrap_recomputed(plan, thread=thread)
             return dataclasses.replace(placement_of(plan, learned), keep_caps=self._keep_caps(self._shape, planned))
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),

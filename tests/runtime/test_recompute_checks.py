@@ -108,6 +108,36 @@ def test_nested_contexts_recomputing_the_same_layers_say_so(spill_dir):
     assert all("forward" not in vars(layer) for layer in model)
 
 
+def test_a_context_in_another_thread_recomputing_the_same_layers_says_so(tmp_path):
+    # Two threads, one model: the first thread's context wraps the layers; the second thread's, on its
+    # own directory, used to hear that contexts "do not nest", which it had not done.
+    import threading
+
+    model = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+    plan = tba.Plan(("recompute", "recompute"), 1 << 20)
+    entered, leave, errors = threading.Event(), threading.Event(), []
+
+    def first():
+        with tba.offload_activations(tmp_path / "a", layers=list(model), policy=plan):
+            entered.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert entered.wait(30)
+        try:
+            with tba.offload_activations(tmp_path / "b", layers=list(model), policy=plan):
+                pass
+        except tba.TbaConfigError as err:
+            errors.append(str(err))
+    finally:
+        leave.set()
+        thread.join(30)
+    assert len(errors) == 1 and "active in another thread" in errors[0] and "its own copy of the model" in errors[0]
+    assert all("forward" not in vars(layer) for layer in model)
+
+
 def _gpt2(use_cache: bool):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2, use_cache=use_cache)
