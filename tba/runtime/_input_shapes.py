@@ -22,8 +22,9 @@ from torch import nn
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
 from tba.runtime._profiling import signature
-from tba.runtime._recompute import RecomputeLayers, can_recompute
+from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
+from tba.runtime._wrappable import can_recompute
 
 if TYPE_CHECKING:
     from tba.runtime._profiled_step import ProfiledStep

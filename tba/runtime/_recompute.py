@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tba.errors import TbaConfigError, TbaError
+from tba.errors import TbaError
 from tba.runtime._call_args import take_apart, updated_cache
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
@@ -80,6 +80,7 @@ from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._private_state import check_private_unchanged, first_change, private_state
 from tba.runtime._views import Kept, call_tensor_versions
+from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level
 """The level of the innermost torch.func transform running (None outside every one)."""
@@ -98,8 +99,9 @@ class RecomputeLayers:
             calling thread.
 
     Raises:
-        TbaConfigError: a layer already has a ``forward`` attribute of its own (patched by hand or by
-            another tool): wrapping it would hide that one.
+        TbaConfigError: a layer cannot be wrapped (``tba/runtime/_wrappable.py``): it is inside another
+            recomputed one, another context wraps it, it is compiled, or its ``forward`` is set on the
+            instance (patched by hand or by another tool) and wrapping it would hide that one.
     """
 
     def __init__(self, layers: Iterable[nn.Module], indices: Iterable[int] | None = None,
@@ -108,45 +110,11 @@ class RecomputeLayers:
         thread = threading.get_ident() if thread is None else thread
         indices = list(indices) if indices is not None else list(range(len(layers)))
         offload = [offload_inputs] * len(layers) if isinstance(offload_inputs, bool) else list(offload_inputs)
-        index_of = {id(layer): index for index, layer in zip(indices, layers)}
-        for index, layer in zip(indices, layers):
-            inner = next((module for module in layer.modules() if module is not layer and id(module) in index_of), None)
-            if inner is not None:
-                raise TbaConfigError(
-                    f"layers {index} ({type(layer).__name__}) and {index_of[id(inner)]} ({type(inner).__name__}) are "
-                    f"both recomputed, and layer {index_of[id(inner)]} is inside layer {index}: one recomputation would "
-                    "run inside the other; recompute only one of them (keep or offload the other), or pass layers= "
-                    "that do not nest")
-            wrapper = vars(layer).get("forward")
-            if getattr(wrapper, "tba_recomputes", False):
-                if getattr(wrapper, "tba_thread", thread) != thread:
-                    raise TbaConfigError(
-                        f"layer {index} ({type(layer).__name__}) is recomputed by a tba context active in another "
-                        "thread: recomputation wraps the layer object itself, so one model's layers are recomputed by "
-                        "one context at a time; give each thread its own copy of the model, or a plan that keeps or "
-                        "offloads these layers")
-                raise TbaConfigError(
-                    f"layer {index} ({type(layer).__name__}) is recomputed by another tba context that is active: "
-                    "offload contexts over the same layers do not nest; enter one context around the whole forward")
-            if isinstance(layer, torch._dynamo.eval_frame.OptimizedModule):
-                raise TbaConfigError(
-                    f"layer {index} ({type(layer).__name__}) is a torch.compile wrapper, which the plan would "
-                    "recompute: tba wraps a layer's forward for recomputation and cannot wrap a compiled one (neither "
-                    "torch.compile(block) nor block.compile()); keep or offload that layer")
-            if is_compiled_module(layer):  # Note [A block compiled in place is not recomputed]
-                raise TbaConfigError(
-                    f"layer {index} ({type(layer).__name__}) was compiled in place (block.compile()), and the plan "
-                    "would recompute it: its compiled graph would trace tba's wrapper and break into other kernels, "
-                    "whose gradients differ from the block's; keep or offload that layer")
-            if "forward" in vars(layer):
-                raise TbaConfigError(
-                    f"layer {index} ({type(layer).__name__}) has a forward set on the instance, which the plan "
-                    "would recompute: tba wraps the class's forward for recomputation and cannot wrap a patched "
-                    "one; remove the instance attribute (del layer.forward), or keep or offload that layer")
+        check_wrappable(layers, indices, thread)
         self.layers = layers
         for layer, spill in zip(self.layers, offload):
             layer.forward = _checkpointed(layer, layer.forward, spill)
-            layer.forward.tba_thread = thread  # whose context wrapped it, for the message above
+            layer.forward.tba_thread = thread  # whose context wrapped it (check_wrappable's message)
 
     def remove(self) -> None:
         for layer in self.layers:
@@ -159,21 +127,6 @@ class RecomputeLayers:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def can_recompute(layer: nn.Module) -> bool:
-    """Whether :class:`RecomputeLayers` can wrap ``layer``: not when its forward is set on the instance (a
-    ``torch.compile(block)`` wrapper, a patched forward) or it was compiled in place (``block.compile()``);
-    the adaptive planner never recomputes such a layer.
-
-    Note: [A block compiled in place is not recomputed]
-    ``block.compile()`` compiles the module's call, which calls ``forward``: tba's wrapper, traced into
-    the block's graph. Its Python (checkpoint, the call taken apart, the state checks) breaks that
-    graph into pieces, and inductor's kernels for the pieces round otherwise than the whole block's:
-    gradients differed from the same compiled model without tba (a review found it on the tiny GPT,
-    inductor's RNG set to eager's). So such a block is kept or offloaded, never recomputed.
-    """
-    return "forward" not in vars(layer) and not is_compiled_module(layer)
 
 
 def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:

@@ -55,8 +55,9 @@ from tba.runtime._input_shapes import InputShapes
 from tba.runtime._layer_notices import say_layers_not_run, say_no_repeated_blocks
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters
-from tba.runtime._recompute import RecomputeLayers, can_recompute
+from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
+from tba.runtime._wrappable import can_recompute
 
 logger = logging.getLogger("tba")
 
