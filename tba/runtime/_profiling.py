@@ -143,12 +143,32 @@ class Samples:
 
     def __init__(self) -> None:
         self.by_shape: dict[tuple, list[dict[str, Any]]] = {}
+        self.collected = 0
+        """Samples collected since the last :meth:`clear`, of any shape (the first is the runner's warm-up)."""
 
     def count(self, shape: tuple | None) -> int:
         return len(self.by_shape.get(shape, []))
 
+    def plannable(self, shape: tuple | None, profile_steps: int) -> bool:
+        """Whether ``shape``'s samples suffice for a plan: ``profile_steps`` of them, or one taken after the
+        runner's first ``profile_steps`` profiled steps of any shape.
+
+        Note: [A warm step is enough for a new shape]
+        A shape was planned after ``profile_steps`` profiled steps of its own, so that the first step
+        of a process (lazy initialisation, first-touch page faults, thread pools) was never a plan's only
+        measurement. That first step is the process's warm-up, not the shape's: inputs padded per batch
+        to a new length at almost every step had to see one length twice before any plan existed (28
+        profiled steps on a 4-layer GPT fed lengths 64 to 128 at random), although every step after
+        the first was warm. Once the runner has profiled ``profile_steps`` steps of any shapes, one
+        sample taken after its first step plans a shape; a fixed shape is planned as before.
+        """
+        samples = self.by_shape.get(shape, [])
+        return len(samples) >= profile_steps or (
+            self.collected >= profile_steps and any(not sample.get("first") for sample in samples))
+
     def clear(self) -> None:
         self.by_shape.clear()
+        self.collected = 0
 
     def collect(self, pending: dict[str, Any], now: StepCounters, layer_count: int) -> None:
         """Finish a profiled step's sample with the counters taken after its backward."""
@@ -160,6 +180,7 @@ class Samples:
         pending["read"] = now.bytes_read - start.bytes_read
         pending["read_s"] = now.read_busy_s - start.read_busy_s
         self.by_shape.setdefault(pending.pop("shape"), []).append(pending)
+        self.collected += 1
 
     def profile(self, shape: tuple | None, layer_count: int, prefetch_depth_layers: int,
                 max_window_bytes: int, wrappable: list[bool] | None = None) -> Profile:

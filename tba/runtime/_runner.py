@@ -195,18 +195,26 @@ class PolicyRunner(InputShapes):
         self._expect_shape()
         if self.policy is not None and self._cannot_follow(self._plans.get(self._shape)):
             del self._plans[self._shape]  # Note [A plan made before a layer's forward was patched]
-        if self.profiling and self._samples.count(self._shape) >= self.profile_steps:
-            self.profile = self._samples.profile(self._shape, len(self._layer_refs), self._prefetch_depth_layers,
-                                                 self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
-            self._plans[self._shape] = self._checked(self.policy.plan(self.profile))
-            self._saved_by_plan[self._shape] = tuple(layer.saved_bytes for layer in self.profile.layers)
-            logger.info("tba: %s", self._plans[self._shape])
+        if self.policy is not None and self.pinned is None:
+            self._plan_ready_shapes()
         self._reapply = reapply
         placement = self._placement(counters, thread, learned)
         if self.policy is not None:
             # After the profiled step's timer: its first layer's hooks have run when this one stops them.
             self._attach_shape_hook()
         return placement
+
+    def _plan_ready_shapes(self) -> None:
+        """Plan each input shape whose samples now suffice (Note [A warm step is enough for a new shape]);
+        the expected one last, so that :attr:`profile` is its."""
+        ready = [shape for shape in self._samples.by_shape
+                 if shape not in self._plans and self._samples.plannable(shape, self.profile_steps)]
+        for shape in sorted(ready, key=lambda shape: shape == self._shape):
+            self.profile = self._samples.profile(shape, len(self._layer_refs), self._prefetch_depth_layers,
+                                                 self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
+            self._plans[shape] = self._checked(self.policy.plan(self.profile))
+            self._saved_by_plan[shape] = tuple(layer.saved_bytes for layer in self.profile.layers)
+            logger.info("tba: %s", self._plans[shape])
 
     def _placement(self, counters: Callable[[], StepCounters], thread: int | None,
                    learned: list[nn.Module] | None) -> StepPlacement:
@@ -222,7 +230,7 @@ class PolicyRunner(InputShapes):
             return dataclasses.replace(placement_of(plan, learned), keep_caps=self._keep_caps(self._shape, planned))
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
-                             cuda=self._on_cuda(), release=self._samples.count(self._shape) == self.profile_steps - 1)
+                             cuda=self._on_cuda(), release=self._samples.collected >= self.profile_steps - 1)
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
 

@@ -83,10 +83,11 @@ def test_new_input_shape_offloads_that_step_then_profiles_it_and_stays_exact(spi
         result, contexts = train(make_gpt(CONFIG, seed=3), batches, bare(spill_dir, overhead_bound=10.0))
     assert_same(reference, result)
     planned = [c.step_plan is not None for c in contexts]
-    # 0: find layers; 1-2: profile; 3: plan; 4: new shape, offload all; 5-6: profile it; 7: its plan;
-    # 8: entered with the other shape's plan (it followed itself so far), it switches to its own at the
-    # first layer; 9: entered with its own (the shape that followed the first one last time).
-    assert planned == [False, False, False, True, True, False, False, True, True, True]
+    # 0: find layers; 1-2: profile; 3: plan; 4: new shape, offload all; 5: profile it (one warm step is
+    # enough, Note [A warm step is enough for a new shape]); 6-7: its plan; 8: entered with the other
+    # shape's plan (it followed itself so far), it switches to its own at the first layer; 9: entered
+    # with its own (the shape that followed the first one last time).
+    assert planned == [False, False, False, True, True, False, True, True, True, True]
     assert caplog.text.count("new input shape; this step offloads every layer") == 1
     assert caplog.text.count("new input shape; this step follows its plan") == 1
     runner = contexts[-1].policy_runner
@@ -187,13 +188,44 @@ def test_a_new_smaller_shape_follows_the_plan_of_a_larger_one(spill_dir, caplog,
     # 0: find layers; 1-2: profile the big shape; 3: its plan. 4: a new, smaller shape follows that plan
     # from its first layer. 5-6: entered expecting the small shape, new still: with the big shape's plan;
     # 5 sees the big shape (its own plan), 6 the small one. 7: entered with the big shape's plan (expected
-    # after the small one); the small shape follows it. 8-9: the small shape recurs, expected: profiled.
-    # 10: its own plan.
-    assert codes_followed(contexts) == [None, None, None] + ["OKKO"] * 5 + [None, None, "KOOK"]
-    assert profiled_at_exit == [False, True, True] + [False] * 5 + [True, True, False]
-    assert kept[4] == kept[6] == kept[7] > 0 and kept[5] == kept[3] and kept[8] == kept[9] == 0 and kept[10] > 0
+    # after the small one); the small shape follows it. 8: the small shape recurs, expected: profiled.
+    # 9-10: its own plan (Note [A warm step is enough for a new shape]).
+    assert codes_followed(contexts) == [None, None, None] + ["OKKO"] * 5 + [None, "KOOK", "KOOK"]
+    assert profiled_at_exit == [False, True, True] + [False] * 5 + [True, False, False]
+    assert kept[4] == kept[6] == kept[7] > 0 and kept[5] == kept[3] and kept[8] == 0 and kept[9] == kept[10] > 0
     assert caplog.text.count("this step follows the plan of a larger one") == 2
     assert caplog.text.count("this step follows its plan") == 1
+
+
+def test_lengths_that_never_recur_are_planned_after_one_warm_step(spill_dir, profiled_at_exit):
+    # Note [A warm step is enough for a new shape]: every step a new, shorter length (padded per batch).
+    # Step 0 finds the layers (the process's warm-up: the profiled steps after it are warm); steps 1-2 are
+    # profiled, each its own shape; both shapes are planned from their one sample each, and every later
+    # step, shorter, follows the smallest plan covering it, step 2's. Each shape used to need two profiled
+    # steps of its own, so no step here followed a plan.
+    lengths = [16, 15, 14, 13, 12, 11, 10, 9]
+    batches = [make_batch(GPTConfig(vocab_size=64, seq_len=n, width=32, layers=4, heads=2, batch_size=2), seed=n)
+               for n in lengths]
+    contexts = train_in_turn(spill_dir, batches, "OKKO", "KOOK")
+    assert profiled_at_exit == [False, True, True] + [False] * 5
+    assert codes_followed(contexts) == [None, None, None] + ["KOOK"] * 5
+
+
+def test_the_runners_first_profiled_step_alone_plans_no_shape(spill_dir):
+    # With layers= given, step 0 is profiled: the process's first step, its times cold. Its shape, never seen
+    # again, is not planned from it; step 1's shape (a warm sample) is, once two steps were profiled.
+    model = make_gpt(CONFIG, seed=3)
+    policy = PlansInTurn(["offload", "keep", "keep", "offload"])  # one plan only: a second would fail to pop
+    runner = None
+    for step, n in enumerate([16, 15, 14, 13]):
+        batch = make_batch(GPTConfig(vocab_size=64, seq_len=n, width=32, layers=4, heads=2, batch_size=2), seed=n)
+        with tba.offload_activations(spill_dir, backend="threads", layers=list(model.blocks)) as offloader:
+            runner = offloader.policy_runner
+            runner.policy = policy
+            model(*batch).backward()
+        if step == 0:
+            first_shape = runner._seen
+    assert len(runner._plans) == 1 and first_shape not in runner._plans
 
 
 @pytest.mark.parametrize("first", ["recomputed", "offloaded"])
