@@ -180,9 +180,17 @@ class CudaOps(DeviceOps):
         event.record(current)
         return event
 
+    # Note: [A stream context selects its device]
+    # Every copy, allocation and record here runs inside ``cuda.stream(s)`` with a stream of
+    # ``self.device``: ``torch.cuda.stream`` makes ``s`` current on its own device (it switches the
+    # thread's device when ``s`` lives elsewhere and restores it after), and events are recorded
+    # on an explicit stream. The ``cuda.device(self.device)`` entered around each of them as well
+    # was redundant: three more Python calls and two device exchanges in torch per copy, on the
+    # stager and the engine's completion thread (issue 25, docs/gpu.md "The fourth run").
+
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
         cuda = self.cuda
-        with cuda.device(self.device), cuda.stream(self.side_stream):
+        with cuda.stream(self.side_stream):  # Note [A stream context selects its device]
             self.side_stream.wait_event(after)
             cuda.copy_(dst, src)
             done = cuda.Event(blocking=True)
@@ -199,7 +207,7 @@ class CudaOps(DeviceOps):
     def _allocate(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
         cuda = self.cuda
         stream = self.compute_stream
-        with cuda.device(self.device), cuda.stream(stream):
+        with cuda.stream(stream):
             tensor = cuda.empty(nbytes, device)
             allocated = cuda.Event(blocking=True)
             allocated.record(stream)
@@ -219,7 +227,7 @@ class CudaOps(DeviceOps):
 
     def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         cuda = self.cuda
-        with cuda.device(self.device), cuda.stream(self.prefetch_stream):
+        with cuda.stream(self.prefetch_stream):
             cuda.copy_(dst, src)
             done = cuda.Event(blocking=True)
             done.record(self.prefetch_stream)
