@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
 from tba.device._protocol import WRITE_NOT_NEEDED, Callback, Countdown, ReadCallback, Route, pieces
-from tba.io import Engine, round_up
+from tba.io import Engine, Op, Request, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -111,18 +110,21 @@ class StagedRoute(Route):
         del source
         if error is None:
             try:
-                future = self.engine.submit_write(fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset)
+                # Note: [A block's file transfer reports by callback]
+                # ``submit_calls`` rather than a ``Future`` per block (``submit_write``/``submit_read``):
+                # io_uring then runs the callback itself, with no future to build, resolve and chain on
+                # the engine's completion thread for every staged storage (issue 25).
+                request = Request(Op.WRITE, fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset, block)
+                self.engine.submit_calls((request,), (functools.partial(self._written, block, countdown),))
             except BaseException as submit_error:
                 error = submit_error
         if error is not None:
             self.pool.release(block)
             countdown.done(error)
-            return
-        future.add_done_callback(functools.partial(self._written, block, countdown))
 
-    def _written(self, block: torch.Tensor, countdown: Countdown, future: Future) -> None:
+    def _written(self, block: torch.Tensor, countdown: Countdown, error: BaseException | None) -> None:
         self.pool.release(block)
-        countdown.done(future.exception())
+        countdown.done(error)
 
     def read(self, device: torch.device, nbytes: int, phase_bytes: int, fd: int, offset: int,
              on_done: ReadCallback) -> None:
@@ -143,11 +145,11 @@ class StagedRoute(Route):
             return
         for start, length in spans:
             block = self.pool.acquire()
-            future = self.engine.submit_read(fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start)
-            future.add_done_callback(functools.partial(self._block_read, read, block, start, length))
+            # Note [A block's file transfer reports by callback]
+            request = Request(Op.READ, fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start, block)
+            self.engine.submit_calls((request,), (functools.partial(self._block_read, read, block, start, length),))
 
-    def _block_read(self, read: _Read, block: torch.Tensor, start: int, length: int, future: Future) -> None:
-        error = future.exception()
+    def _block_read(self, read: _Read, block: torch.Tensor, start: int, length: int, error: BaseException | None) -> None:
         copied = False
         with read.lock:
             if error is None and read.error is None:
