@@ -18,7 +18,6 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -139,12 +138,18 @@ class KvikioRoute(Route):
         self._files_lock = threading.Lock()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiters = ThreadPoolExecutor(max_workers=KVIKIO_WAITERS, thread_name_prefix="tba-kvikio-wait",
-                                           initializer=_sched.background)
+        # Note: [kvikio's completions are queued to tba's own waiters]
+        # A ThreadPoolExecutor built a Future and a work item for each transfer's completion, which
+        # nobody read (issue 25); the waiters now take plain jobs from one queue, as the workers do.
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._loop, args=(self._writes,), name="tba-kvikio-write", daemon=True),
             threading.Thread(target=self._loop, args=(self._reads,), name="tba-kvikio-read", daemon=True),
         ]
+        self._waiters = [threading.Thread(target=self._loop, args=(self._done,), name=f"tba-kvikio-wait-{i}", daemon=True)
+                         for i in range(KVIKIO_WAITERS)]
+        for thread in self._waiters:
+            thread.start()
         for thread in self._threads:
             thread.start()
 
@@ -179,7 +184,7 @@ class KvikioRoute(Route):
                 held.clear()
                 wrote(error)
                 return
-            self._waiters.submit(self._finish_write, future, held, wrote)
+            self._done.put(functools.partial(self._finish_write, future, held, wrote))
 
         self._writes.put(start)
 
@@ -205,7 +210,7 @@ class KvikioRoute(Route):
             except BaseException as error:
                 on_done(error, None, None)
                 return
-            self._waiters.submit(self._finish_read, future, [dst], on_done)
+            self._done.put(functools.partial(self._finish_read, future, [dst], on_done))
 
         self._reads.put(start)
 
@@ -215,8 +220,8 @@ class KvikioRoute(Route):
         Note: [A finished write lets go of its source]
         ``held`` is the one place the route keeps a write's source from the submission to the
         completion (the store may drop its own reference meanwhile, and kvikio must not lose the
-        memory under its DMA). It is emptied before the completion is reported: a
-        ``ThreadPoolExecutor`` keeps a job's arguments until after the job returns, and the write
+        memory under its DMA). It is emptied before the completion is reported: a waiter (once a
+        ``ThreadPoolExecutor``) keeps a job's arguments until after the job returns, and the write
         thread keeps its job until it returns, so a source passed to either directly could still be
         held when ``flush()`` saw the write finished (found while looking into an H200 failure of
         ``test_no_leak_over_twenty_steps[kvikio]``, which this did not explain: docs/gpu.md).
@@ -275,7 +280,11 @@ class KvikioRoute(Route):
             if thread.is_alive():
                 jobs.put(None)
                 thread.join()
-        self._waiters.shutdown(wait=True)
+        for thread in self._waiters:  # after the workers: no completion is queued any more
+            if thread.is_alive():
+                self._done.put(None)
+        for thread in self._waiters:
+            thread.join()
         with self._files_lock:
             for handle in self._files.values():
                 handle.close()
