@@ -61,12 +61,15 @@ class StepCycle:
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()
+        entered = False
+        # One try around all of it, the return included: an exception raised at any line after the
+        # entry job (a trace function's, at the line between two separate trys or at the return) left
+        # the offloader entering for good, or active with its hooks pushed and no exit to pop them.
+        # ``entered`` is set once the job has run: before that the pair on top, were it this
+        # offloader's, is a block already active (the job refused a second entry), not this entry's.
         try:
             _control.call(self._enter_job, claim, threading.get_ident())
-        except BaseException:
-            _control.call_whole(self._abandon_entry_job, claim)
-            raise
-        try:
+            entered = True
             # Note: [Dropping an offloader frees it]
             # The hooks are pushed here, not held in a saved_tensors_hooks object: the offloader holding
             # one that holds its bound pack and unpack is a reference cycle, and the offloader, with the
@@ -75,12 +78,12 @@ class StepCycle:
             # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._phase = _Phase.ACTIVE
+            return self
         except BaseException:
-            if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
+            if entered and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             _control.call_whole(self._abandon_entry_job, claim)
             raise
-        return self
 
     def _enter_job(self, claim: object, thread: int) -> None:
         # Note: [One entry at a time]

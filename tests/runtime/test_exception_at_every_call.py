@@ -232,3 +232,62 @@ def test_an_exception_at_each_distinct_call_of_a_mixed_plan_step_leaves_training
             _, caught, loss = step(None)
             assert caught is None and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want)), f"after {k}"
             del loss
+
+
+@pytest.mark.parametrize("reusable", [True, False], ids=["reusable", "one-shot"])
+def test_an_exception_at_any_line_of_the_entry_leaves_no_hooks_and_no_entry(spill_dir, reusable):
+    """A trace function's exception at each line of ``StepCycle.__enter__`` in turn, under a user's own
+    hooks: the user's pair is on top again and the offloader is not left entering or active. At the
+    line between the entry job and the push, or at the return, it was: the offloader stayed entering
+    for good (a one-shot one never gave its runtime back), or active with its hooks pushed and no exit."""
+
+    def user_pack(tensor):
+        return tensor
+
+    line = 0
+    for k in range(1, 100):
+        seen = [0]
+
+        def trace(frame, event, arg, k=k, seen=seen):
+            if frame.f_code.co_qualname != "StepCycle.__enter__":
+                return None
+            if event == "line":
+                seen[0] += 1
+                if seen[0] == k:
+                    raise Injected
+            return trace
+
+        ctx = (tba.Offloader if reusable else tba.offload_activations)(spill_dir, backend="threads")
+        with torch.autograd.graph.saved_tensors_hooks(user_pack, user_pack):
+            user = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            try:
+                sys.settrace(trace)
+                with ctx:
+                    pass
+            except Injected:
+                pass
+            finally:
+                sys.settrace(None)
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top != user:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            assert top == user, f"line {k} of the entry left the offloader's hooks on the thread"
+        _control.settle()
+        assert ctx._phase not in (_Phase.ENTERING, _Phase.ACTIVE), f"line {k} of the entry left it {ctx._phase.value}"
+        ctx.close()
+        if seen[0] < k:
+            line = k
+            break
+    assert line > 4, "the trace saw too few lines of the entry"
+    assert not _shared._busy
+
+
+def test_a_second_entry_refused_keeps_the_first_blocks_hooks(spill_dir):
+    offloader = tba.Offloader(spill_dir, backend="threads")
+    with offloader:
+        pair = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        with pytest.raises(tba.TbaError, match="already entered"), offloader:
+            pass
+        assert torch._C._autograd._top_saved_tensors_default_hooks(True) == pair
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    offloader.close()
