@@ -58,9 +58,24 @@ WHOLE_MODEL_COMPILE_WARNING = (
 )
 
 
+def is_optimized_module(module: nn.Module) -> bool:
+    """True when ``module`` is a ``torch.compile(module)`` wrapper.
+
+    Note: [Asking about compiled modules imports nothing]
+    ``torch._dynamo`` is imported lazily, and its first import leaves the frames that triggered it in
+    a reference cycle. Reached through ``torch._dynamo.eval_frame`` from an entry's setup, that
+    made the first offloader of a process (the frame of its entry job holds it, with the layers it
+    was given) outlive its user's last reference until a garbage collection: what Note [Dropping
+    an offloader frees it] in tba/runtime/_step_cycle.py removed for every other one. No wrapper can
+    exist before its module is imported, so an unimported module answers without importing it.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 def is_compiled_module(module: nn.Module) -> bool:
     """True when ``module`` itself is compiled: ``torch.compile(module)`` or ``module.compile()``."""
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    if is_optimized_module(module):
         return True
     return getattr(module, "_compiled_call_impl", None) is not None
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from tba.errors import TbaConfigError
-from tba.runtime._compile import is_compiled_module
+from tba.runtime._compile import is_compiled_module, is_optimized_module
 
 
 def can_recompute(layer: nn.Module) -> bool:
@@ -58,7 +57,7 @@ def check_wrappable(layers: Sequence[nn.Module], indices: Sequence[int], thread:
             raise TbaConfigError(
                 f"layer {index} ({type(layer).__name__}) is recomputed by another tba context that is active: "
                 "offload contexts over the same layers do not nest; enter one context around the whole forward")
-        if isinstance(layer, torch._dynamo.eval_frame.OptimizedModule):
+        if is_optimized_module(layer):
             raise TbaConfigError(
                 f"layer {index} ({type(layer).__name__}) is a torch.compile wrapper, which the plan would "
                 "recompute: tba wraps a layer's forward for recomputation and cannot wrap a compiled one (neither "

@@ -222,3 +222,44 @@ def test_an_offloader_nobody_references_is_freed_without_the_garbage_collector(t
     finally:
         if enabled:
             gc.enable()
+
+
+_FIRST_OFFLOADER = """
+import gc, sys, weakref
+import torch
+from torch import nn
+import tba
+from tba import _control
+
+assert "torch._dynamo" not in sys.modules, "importing tba imported torch._dynamo"
+directory, how = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)), nn.Linear(64, 1))
+x = torch.randn(8, 64)
+block = weakref.ref(model[0])
+gc.disable()
+options = {"policy": tba.Plan(("keep", "offload", "offload"), window_bytes=0)} if how == "plan" else {}
+offloader = tba.Offloader(directory, layers=list(model)[:3], min_offload_bytes=0, **options)
+with offloader:
+    loss = model(x).sum()
+loss.backward()
+offloader.close()
+dropped = weakref.ref(offloader)
+del offloader, model, loss
+_control.settle()
+print("offloader", dropped() is not None, "block", block() is not None, "dynamo", "torch._dynamo" in sys.modules)
+sys.exit(1 if dropped() is not None or block() is not None else 0)
+"""
+
+
+@pytest.mark.parametrize("how", ["layers", "plan"])  # a plan without recompute: torch's checkpoint imports it too
+def test_the_first_offloader_of_a_process_is_freed_without_the_garbage_collector(tmp_path, how):
+    # Note [Asking about compiled modules imports nothing] in tba/runtime/_compile.py: the entry's check for
+    # compiled layers imported torch._dynamo, whose first import leaves its caller's frames in a cycle; the
+    # first offloader of a process (with the layers it was given) stayed until a collection.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FIRST_OFFLOADER, str(tmp_path), how], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
