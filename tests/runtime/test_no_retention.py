@@ -195,7 +195,7 @@ def test_an_offloader_nobody_references_is_freed_without_the_garbage_collector(t
     # previous offloader's 790 KiB when one ran mid-test.
     import weakref
 
-    import torch._dynamo  # noqa: F401 - its first import (from tba's compile check) leaves frames in a cycle
+    import torch._dynamo  # noqa: F401 - its first import leaves frames in a cycle (torch's, the next test covers it)
 
     from tba.bench.models import PRESETS, make_batch, make_gpt
 
