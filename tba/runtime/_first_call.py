@@ -60,10 +60,10 @@ class FirstCall:
         (Note [A recomputation runs with the parameters its first call ran with])."""
         self.versions: list[tuple[str, torch.Tensor, int]] = []
         self.requires_grad: list[tuple[str, torch.Tensor, bool]] = []
+        """``(name, parameter, requires_grad)`` when the first call ended."""
         self.private: list = []
         """The signature of the layer's private state when the first call ended (Note [Private state of a recomputed
         layer] in ``tba/runtime/_private_state.py``), checked before the recomputation; empty: nothing to check."""
-        """``(name, parameter, requires_grad)`` when the first call ended."""
 
     def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:
         """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""

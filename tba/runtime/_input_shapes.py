@@ -11,7 +11,6 @@ and, when it differs, switches the rest of the step to that shape's plan, or to 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -255,5 +254,5 @@ class InputShapes:
             wrapped.layers = running + wrapped.layers
             self._recompute = wrapped
         self._step_plan = plan
-        self._reapply(dataclasses.replace(placement_of(plan), keep_caps=keep_caps))
+        self._reapply(placement_of(plan, keep_caps=keep_caps))
         return True

@@ -40,7 +40,6 @@ One-shot contexts share runners: ``tba/runtime/_shared_runners.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable
@@ -63,6 +62,7 @@ logger = logging.getLogger("tba")
 
 
 __all__ = ["PolicyRunner", "StepCounters", "StepPlacement"]
+
 
 class PolicyRunner(InputShapes):
     """Profiles, plans and applies a placement across the steps of one model.
@@ -209,9 +209,10 @@ class PolicyRunner(InputShapes):
         the expected one last, so that :attr:`profile` is its."""
         ready = [shape for shape in self._samples.by_shape
                  if shape not in self._plans and self._samples.plannable(shape, self.profile_steps)]
+        wrappable = [can_recompute(layer) for layer in self.layers] if ready else []
         for shape in sorted(ready, key=lambda shape: shape == self._shape):
             self.profile = self._samples.profile(shape, len(self._layer_refs), self._prefetch_depth_layers,
-                                                 self._max_window_bytes, [can_recompute(layer) for layer in self.layers])
+                                                 self._max_window_bytes, wrappable)
             self._plans[shape] = self._checked(self.policy.plan(self.profile))
             self._saved_by_plan[shape] = tuple(layer.saved_bytes for layer in self.profile.layers)
             logger.info("tba: %s", self._plans[shape])
@@ -227,7 +228,7 @@ class PolicyRunner(InputShapes):
         self._step_plan = plan
         if plan is not None:
             self._recompute = self._wrap_recomputed(plan, thread=thread)
-            return dataclasses.replace(placement_of(plan, learned), keep_caps=self._keep_caps(self._shape, planned))
+            return placement_of(plan, learned, self._keep_caps(self._shape, planned))
         if self.profiling:
             self._step.start(counters, self._shape, thread, first=self._entries == 1, synchronize=self._stream_sync(),
                              cuda=self._on_cuda(), release=self._samples.collected >= self.profile_steps - 1)

@@ -34,7 +34,9 @@ class StepPlacement:
     ``tba/runtime/_input_shapes.py``); None: no limit."""
 
 
-def placement_of(plan: Plan, layers: list[nn.Module] | None = None) -> StepPlacement:
-    """The placement that applies ``plan``; ``layers``: those learned by the runner, if any."""
+def placement_of(plan: Plan, layers: list[nn.Module] | None = None,
+                 keep_caps: tuple[int, ...] | None = None) -> StepPlacement:
+    """The placement that applies ``plan``; ``layers``: those learned by the runner, if any; ``keep_caps``:
+    see :attr:`StepPlacement.keep_caps`."""
     return StepPlacement(frozenset(plan.layers(Placement.KEEP)), plan.window_bytes, layers,
-                         plan.write_caps_bytes or None, holds_layers_through_forward(plan.decisions))
+                         plan.write_caps_bytes or None, holds_layers_through_forward(plan.decisions), keep_caps)
