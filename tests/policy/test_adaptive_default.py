@@ -3,6 +3,7 @@ through a change of input shape, on the built-in GPT and on Hugging Face GPT-2."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -15,6 +16,11 @@ from tba.bench.models import GPTConfig, make_batch, make_gpt
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
 OTHER_SHAPE = GPTConfig(vocab_size=64, seq_len=12, width=32, layers=4, heads=2, batch_size=3)
+
+
+def of_length(n, seed):
+    """A batch of CONFIG's model at sequence length ``n``."""
+    return make_batch(dataclasses.replace(CONFIG, seq_len=n), seed=seed)
 
 
 def train(model, batches, context=None):
@@ -204,8 +210,7 @@ def test_lengths_that_never_recur_are_planned_after_one_warm_step(spill_dir, pro
     # step, shorter, follows the smallest plan covering it, step 2's. Each shape used to need two profiled
     # steps of its own, so no step here followed a plan.
     lengths = [16, 15, 14, 13, 12, 11, 10, 9]
-    batches = [make_batch(GPTConfig(vocab_size=64, seq_len=n, width=32, layers=4, heads=2, batch_size=2), seed=n)
-               for n in lengths]
+    batches = [of_length(n, seed=n) for n in lengths]
     contexts = train_in_turn(spill_dir, batches, "OKKO", "KOOK")
     assert profiled_at_exit == [False, True, True] + [False] * 5
     assert codes_followed(contexts) == [None, None, None] + ["KOOK"] * 5
@@ -218,7 +223,7 @@ def test_the_runners_first_profiled_step_alone_plans_no_shape(spill_dir):
     policy = PlansInTurn(["offload", "keep", "keep", "offload"])  # one plan only: a second would fail to pop
     runner = None
     for step, n in enumerate([16, 15, 14, 13]):
-        batch = make_batch(GPTConfig(vocab_size=64, seq_len=n, width=32, layers=4, heads=2, batch_size=2), seed=n)
+        batch = of_length(n, seed=n)
         with tba.offload_activations(spill_dir, backend="threads", layers=list(model.blocks)) as offloader:
             runner = offloader.policy_runner
             runner.policy = policy
@@ -252,8 +257,7 @@ def test_a_new_smaller_shape_follows_a_plan_that_recomputes(spill_dir, plan):
 def test_inputs_padded_per_batch_follow_plans_and_stay_exact(spill_dir):
     # A collator that pads to each batch's longest sequence: a new length at most steps.
     lengths = [16, 16, 16, 16, 12, 14, 9, 16, 11, 13, 15, 10]
-    batches = [make_batch(GPTConfig(vocab_size=64, seq_len=n, width=32, layers=4, heads=2, batch_size=2), seed=i)
-               for i, n in enumerate(lengths)]
+    batches = [of_length(n, seed=i) for i, n in enumerate(lengths)]
     contexts = train_in_turn(spill_dir, batches, "OKKO")
     followed = codes_followed(contexts)
     assert followed[3:] == ["OKKO"] * 9, followed
