@@ -25,9 +25,9 @@ import errno
 import logging
 import os
 import tempfile
-import threading
 import uuid
 
+from tba._fork_lock import ForkSafeLock
 from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaConfigError
 from tba.io._fs import memory_backed
@@ -140,16 +140,7 @@ def prepare_directory(directory: str) -> None:
 
 
 _warned: set[tuple[int, str, str]] = set()
-_warned_lock = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    """A fork that landed while a thread of the parent held the lock must not leave it held in the child."""
-    global _warned_lock
-    _warned_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
+_warned_lock = ForkSafeLock()
 
 
 def _warn_once(kind: str, directory: str, message: str, *args: object) -> None:

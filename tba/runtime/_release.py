@@ -19,12 +19,12 @@ import errno
 import logging
 import os
 import resource
-import threading
 from typing import TYPE_CHECKING
 
 import torch
 
 from tba import defaults
+from tba._fork_lock import ForkSafeLock
 from tba.io import checksum
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
 from tba.runtime._views import State, StorageEntry
@@ -40,14 +40,11 @@ logger = logging.getLogger("tba")
 # A full disk is reported once per process, directory and errno, not once per context: successive
 # one-shot contexts (one per step) would otherwise repeat the same warning every step.
 _WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
-_WARNED_LOCK = threading.Lock()
+_WARNED_LOCK = ForkSafeLock()
 
 
 def _fresh_in_child() -> None:
-    """A forked child is a process of its own: it warns for itself, and a fork that landed while a thread of
-    the parent held the lock must not leave it held in the child (the thread is not there to release it)."""
-    global _WARNED_LOCK
-    _WARNED_LOCK = threading.Lock()
+    """A forked child is a process of its own: it warns for itself."""
     _WARNED_WRITE_ERRORS.clear()
 
 

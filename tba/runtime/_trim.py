@@ -65,6 +65,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba import _sched, defaults
+from tba._fork_lock import ForkSafeLock
 from tba._units import SizeError, parse_size
 from tba.allocator import detect
 from tba.runtime._views import storage_bytes
@@ -85,16 +86,7 @@ plan keeps more layers: re-faulting the pages handed back makes offloading cost 
 
 _hand_back: bool | None = None
 _noted = False
-_note_lock = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    """A fork that landed while a thread of the parent held the lock must not leave it held in the child."""
-    global _note_lock
-    _note_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
+_note_lock = ForkSafeLock()
 
 
 def hands_back_pages() -> bool:
