@@ -24,7 +24,6 @@ typedef struct {
     struct tba_done *done_buf; /* reaper's scratch space, one entry per slot */
     int open;
     int users; /* calls currently running with the GIL released (changed only under the GIL) */
-    unsigned long long submit_waits; /* submit() calls that found the lock held and waited without the GIL */
 } RingObject;
 
 static PyObject *make_oserror(int err)
@@ -139,21 +138,10 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
         }
     }
     Py_DECREF(seq);
-    /* Note: [Submitting keeps the GIL when the ring's lock is free]
-     * Queueing takes a microsecond or two (a kick of a blocked reaper is one non-blocking
-     * io_uring_enter). Releasing the GIL around it handed the GIL to whichever thread waited for it
-     * (the training thread, in forward) and then waited to get it back, once per batch of writes:
-     * on 400 x 64 KiB storages the control thread spent 54-62 us of CPU per storage with the
-     * release, 35-36 without. Only a lock held by the completion thread (refilling the ring, whose
-     * io_uring_enter may copy into a file system held in memory) is waited for without the GIL. */
     self->users++;
-    err = tba_ring_try_submit(&self->ring, reqs, (unsigned)n);
-    if (err == TBA_LOCK_BUSY) {
-        self->submit_waits++;
-        Py_BEGIN_ALLOW_THREADS
-        err = tba_ring_submit(&self->ring, reqs, (unsigned)n);
-        Py_END_ALLOW_THREADS
-    }
+    Py_BEGIN_ALLOW_THREADS
+    err = tba_ring_submit(&self->ring, reqs, (unsigned)n);
+    Py_END_ALLOW_THREADS
     self->users--;
     PyMem_RawFree(reqs);
     if (err)
@@ -255,11 +243,6 @@ static PyObject *Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(!self->open);
 }
 
-static PyObject *Ring_get_submit_waits(RingObject *self, void *Py_UNUSED(closure))
-{
-    return PyLong_FromUnsignedLongLong(self->submit_waits);
-}
-
 static PyMethodDef Ring_methods[] = {
     {"submit", (PyCFunction)Ring_submit, METH_O,
      "submit(requests): queue (is_write, fd, address, nbytes, offset, tag) tuples."},
@@ -276,8 +259,6 @@ static PyGetSetDef Ring_getset[] = {
     {"in_flight", (getter)Ring_get_in_flight, NULL, "requests queued or in the kernel, not yet reaped", NULL},
     {"depth", (getter)Ring_get_depth, NULL, "number of request slots", NULL},
     {"closed", (getter)Ring_get_closed, NULL, "whether close() was called", NULL},
-    {"submit_waits", (getter)Ring_get_submit_waits, NULL,
-     "submit() calls that found the ring's lock held (by the reaper) and waited for it without the GIL", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -137,10 +137,9 @@ static int refill_locked(struct tba_ring *ring)
     return flush_sq_locked(ring);
 }
 
-/* Queue ``n`` requests and kick a blocked reaper (caller holds the lock). Nothing in it blocks: the
- * kick is a no-op entry handed to the kernel without waiting for anything. */
-static int submit_locked(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
+int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
 {
+    pthread_mutex_lock(&ring->lock);
     int err = grow_queue_locked(ring, n);
     if (!err) {
         for (unsigned i = 0; i < n; i++)
@@ -154,22 +153,6 @@ static int submit_locked(struct tba_ring *ring, const struct tba_req *reqs, unsi
                 ring->reaper_waiting = 0;
         }
     }
-    return err;
-}
-
-int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
-{
-    pthread_mutex_lock(&ring->lock);
-    int err = submit_locked(ring, reqs, n);
-    pthread_mutex_unlock(&ring->lock);
-    return err;
-}
-
-int tba_ring_try_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
-{
-    if (pthread_mutex_trylock(&ring->lock))
-        return TBA_LOCK_BUSY;
-    int err = submit_locked(ring, reqs, n);
     pthread_mutex_unlock(&ring->lock);
     return err;
 }

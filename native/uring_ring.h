@@ -67,11 +67,6 @@ struct tba_ring {
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
 void tba_ring_close(struct tba_ring *ring);
 int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
-#define TBA_LOCK_BUSY 1 /* tba_ring_try_submit: another thread holds the lock, nothing was queued */
-
-/* tba_ring_submit without waiting for the lock: TBA_LOCK_BUSY when another thread holds it, so that
- * a caller holding Python's GIL can keep it when the lock is free (Ring.submit). */
-int tba_ring_try_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
 int tba_ring_wake(struct tba_ring *ring);
 int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,
                   int *woke);

@@ -118,48 +118,6 @@ def test_requests_outlive_the_submitting_thread(tmp_path):
         os.close(fd)
 
 
-def _submit_from_threads(engine, fd: int, data: np.ndarray, block: int, threads: int) -> list:
-    """Writes ``data`` in ``block``-sized requests, one per submit, from ``threads`` threads at once."""
-    futures: list = []
-    lock = threading.Lock()
-
-    def submit(first: int) -> None:
-        for i in range(first, data.size // block, threads):
-            got = engine.submit_many([Request(Op.WRITE, fd, data.ctypes.data + i * block, block, i * block)])
-            with lock:
-                futures.extend(got)
-
-    workers = [threading.Thread(target=submit, args=(first,)) for first in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    return futures
-
-
-@pytest.mark.requires_io_uring
-def test_submits_that_find_the_lock_held_queue_each_request_once(tmp_path):
-    """Note [Submitting keeps the GIL when the ring's lock is free] in native/tba_uring.c: a submit
-    that finds the lock held by the completion thread (refilling the ring) waits for it without the
-    GIL instead; either way each request is queued once and completes once."""
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
-    engine = io_uring_module.IoUringEngine(queue_depth=2)
-    block = 4096
-    try:
-        for attempt in range(20):
-            data = random_bytes(256 * block, seed=attempt)
-            futures = _submit_from_threads(engine, fd, data, block, threads=4)
-            assert sorted(f.result(timeout=30) for f in futures) == [block] * 256
-            assert os.pread(fd, data.size, 0) == data.tobytes()
-            if engine._ring.submit_waits:
-                break
-        assert engine._ring.submit_waits > 0, "no submit found the lock held: the busy path went untested"
-        assert engine._ring.in_flight == 0
-    finally:
-        engine.close()
-        os.close(fd)
-
-
 @pytest.mark.requires_io_uring
 def test_exit_waits_for_transfers_in_flight_but_not_forever():
     # Note [No transfer ends during finalization]: a read of an empty pipe stays in flight until
