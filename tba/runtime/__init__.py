@@ -7,7 +7,8 @@ context and ``_hooks.py`` its hooks (pack decides keep or offload, unpack rebuil
 ``_views.py`` the saved views and the per-storage entry; ``_store.py`` the entries' I/O and lifetime (dedup by storage, writes,
 reads, release); ``_prefetch.py`` the window of storages read ahead during backward;
 ``_layers.py`` which layer is running; ``_recompute.py`` the checkpoint wrapper of recomputed
-layers; ``_stats.py`` the counters; ``_keep.py`` the reasons a tensor stays in memory;
+layers; ``_stats.py`` the counters; ``_keep.py`` the reasons a tensor stays in memory and which one
+applies;
 ``_runner.py``, ``_profiled_step.py``, ``_profiling.py``, ``_timer.py`` and ``_peak.py`` profile
 steps (time and measured activation peak) and apply a placement plan. Bytes reach the file
 through a device route (:mod:`tba.device`) and an engine (:mod:`tba.io`).

@@ -5,7 +5,8 @@ holds its options and ``close``, ``tba/runtime/_step_cycle.py`` its entry and ex
 once per saved tensor during forward, ``unpack`` once per saved tensor during backward, both on
 the training thread; every microsecond spent here is host time a GPU's queue waits for (``docs/host-cost.md``).
 
-* :meth:`SavedTensorHooks.keep_reason` says why a tensor stays in memory (None: it goes to disk).
+* :meth:`SavedTensorHooks.keep_reason` says why a tensor stays in memory (None: it goes to disk);
+  the decision is :class:`~tba.runtime._keep.KeepDecision`'s, in ``tba/runtime/_keep.py``.
 * ``pack`` of a tensor that goes to disk hands the storage to the store
   (``tba/runtime/_store.py``) as a job of the control thread and returns a :class:`SavedView`.
 * ``unpack`` returns the saved tensor bit for bit: from memory when its bytes are resident, else
@@ -21,19 +22,18 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from tba import _control
 from tba._trace import nvtx_range
-from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
+from tba.device import is_device_tensor
 from tba.errors import EngineClosedError, TbaError
-from tba.runtime._keep import KeepReason, in_keep_region, kept_after_block, warn_subclass_kept
+from tba.runtime._keep import KeepDecision, KeepReason, kept_after_block
 from tba.runtime._trim import note_host_offload
 from tba.runtime._views import Kept, SavedView, StorageEntry
 
 if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
-    from tba.runtime._layers import LayerTracker, StateKeys
+    from tba.runtime._layers import LayerTracker
     from tba.runtime._stats import OffloadStats
     from tba.runtime._store import StorageStore
 
@@ -55,8 +55,9 @@ class _Phase(enum.Enum):
     CLOSED = "closed"
 
 
-class SavedTensorHooks:
-    """The pack and unpack hooks of :class:`tba.Offloader`, which sets every attribute they read."""
+class SavedTensorHooks(KeepDecision):
+    """The pack and unpack hooks of :class:`tba.Offloader`, which sets every attribute they read (those of
+    the keep decision too, :class:`~tba.runtime._keep.KeepDecision`)."""
 
     _phase: _Phase
     _claim: object | None
@@ -65,13 +66,7 @@ class SavedTensorHooks:
     _stats: OffloadStats
     _tracker: LayerTracker
     _discovery: LayerDiscovery | None
-    _state_keys: StateKeys
     _staged_devices: tuple[str, ...]
-    min_offload_bytes: int
-    keep_layers: set[int | None]
-    _keep_caps: tuple[int, ...] | None
-    _kept_this_step: dict[int, int]
-    _kept_storages: set[int]
     layer_saved_bytes: dict[int | None, int]
 
     _waker: _control.Waker
@@ -81,58 +76,6 @@ class SavedTensorHooks:
     def close(self) -> None:
         """Overridden by :class:`tba.Offloader`."""
         raise NotImplementedError
-
-    def keep_reason(self, tensor: torch.Tensor) -> KeepReason | None:
-        """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
-        if in_keep_region():
-            return KeepReason.USER_REGION
-        device_type = tensor.device.type
-        if is_device_tensor(tensor, device_type) and cuda_api().is_current_stream_capturing():
-            return KeepReason.CUDA_GRAPH_CAPTURE
-        if type(tensor) is not torch.Tensor:
-            if isinstance(tensor, nn.Parameter):
-                return KeepReason.PARAMETER
-            warn_subclass_kept(type(tensor))
-            return KeepReason.TENSOR_SUBCLASS
-        if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
-            return KeepReason.NOT_STRIDED
-        if tensor.is_conj() or tensor.is_neg():
-            return KeepReason.LAZY_VIEW
-        if device_type not in DEVICE_TYPES:
-            return KeepReason.UNSUPPORTED_DEVICE
-        base = tensor._base if tensor._is_view() else tensor
-        if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
-            return KeepReason.PARAMETER
-        try:
-            storage = tensor.untyped_storage()
-            address = storage.data_ptr()
-        except (NotImplementedError, RuntimeError):
-            return KeepReason.NO_STORAGE
-        if storage._cdata in self._state_keys:
-            return KeepReason.MODULE_STATE
-        nbytes = storage.nbytes()
-        if nbytes == 0 or nbytes < self.min_offload_bytes:
-            return KeepReason.SMALL
-        if device_type not in self._staged_devices and address % 64:
-            return KeepReason.UNALIGNED
-        layer = self._tracker.current
-        if layer in self.keep_layers and (self._keep_caps is None or self._within_keep_cap(layer, storage._cdata, nbytes)):
-            return KeepReason.LAYER_KEPT
-        return None
-
-    def _within_keep_cap(self, layer: int | None, key: int, nbytes: int) -> bool:
-        """Whether a kept layer may keep one more storage this step, when caps are set: a step following the plan of a larger
-        input shape keeps at most what that shape saved in each layer (Note [A covered step keeps no more
-        than the plan was made for] in ``tba/runtime/_input_shapes.py``); past it, the layer offloads."""
-        caps = self._keep_caps
-        if layer is None or not 0 <= layer < len(caps) or key in self._kept_storages:
-            return True  # a storage kept already (saved again) adds nothing
-        total = self._kept_this_step.get(layer, 0) + nbytes
-        if total > caps[layer]:
-            return False
-        self._kept_this_step[layer] = total
-        self._kept_storages.add(key)
-        return True
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself."""

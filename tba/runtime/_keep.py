@@ -4,6 +4,11 @@
 stats count kept tensors and bytes per reason (``OffloadStats.kept_by_reason``), and integrations
 add reasons of their own by overriding ``Offloader.keep_reason``, never the hook itself.
 
+:class:`KeepDecision` is where that method comes from: a base of the saved-tensor hooks
+(``tba/runtime/_hooks.py``) whose ``keep_reason`` tries the reasons in order (the cheap tests of
+the tensor first, then its storage, then the layer's plan) and returns the first that holds; a kept
+layer past its keep cap (a step following a larger input shape's plan) offloads instead.
+
 :func:`keep_in_memory` opts a region out of offloading, as torchtune's ``NoOpManager`` does: inside
 it, every tensor autograd saves stays in memory, whatever the offloader's plan. It is per thread
 and nests. :func:`kept_after_block` keeps what hooks left installed after their block still see.
@@ -16,10 +21,16 @@ import enum
 import logging
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
 from tba.runtime._views import Kept
+
+if TYPE_CHECKING:
+    from tba.runtime._layers import LayerTracker, StateKeys
 
 logger = logging.getLogger("tba")
 
@@ -98,6 +109,72 @@ def warn_subclass_kept(kind: type) -> None:
         _WARNED_SUBCLASSES.add(kind)
         logger.warning("tba: saved tensors of subclass %s.%s stay in memory (stats.kept_by_reason['tensor subclass']): "
                        "tba writes plain tensors only", kind.__module__, kind.__qualname__)
+
+
+class KeepDecision:
+    """Mixin of the saved-tensor hooks: whether a saved tensor stays in memory, and why. :class:`tba.Offloader`
+    sets every attribute it reads."""
+
+    _state_keys: StateKeys
+    _staged_devices: tuple[str, ...]
+    _tracker: LayerTracker
+    min_offload_bytes: int
+    keep_layers: set[int | None]
+    _keep_caps: tuple[int, ...] | None
+    _kept_this_step: dict[int, int]
+    _kept_storages: set[int]
+
+    def keep_reason(self, tensor: torch.Tensor) -> KeepReason | None:
+        """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
+        if in_keep_region():
+            return KeepReason.USER_REGION
+        device_type = tensor.device.type
+        if is_device_tensor(tensor, device_type) and cuda_api().is_current_stream_capturing():
+            return KeepReason.CUDA_GRAPH_CAPTURE
+        if type(tensor) is not torch.Tensor:
+            if isinstance(tensor, nn.Parameter):
+                return KeepReason.PARAMETER
+            warn_subclass_kept(type(tensor))
+            return KeepReason.TENSOR_SUBCLASS
+        if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
+            return KeepReason.NOT_STRIDED
+        if tensor.is_conj() or tensor.is_neg():
+            return KeepReason.LAZY_VIEW
+        if device_type not in DEVICE_TYPES:
+            return KeepReason.UNSUPPORTED_DEVICE
+        base = tensor._base if tensor._is_view() else tensor
+        if base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter)):
+            return KeepReason.PARAMETER
+        try:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+        except (NotImplementedError, RuntimeError):
+            return KeepReason.NO_STORAGE
+        if storage._cdata in self._state_keys:
+            return KeepReason.MODULE_STATE
+        nbytes = storage.nbytes()
+        if nbytes == 0 or nbytes < self.min_offload_bytes:
+            return KeepReason.SMALL
+        if device_type not in self._staged_devices and address % 64:
+            return KeepReason.UNALIGNED
+        layer = self._tracker.current
+        if layer in self.keep_layers and (self._keep_caps is None or self._within_keep_cap(layer, storage._cdata, nbytes)):
+            return KeepReason.LAYER_KEPT
+        return None
+
+    def _within_keep_cap(self, layer: int | None, key: int, nbytes: int) -> bool:
+        """Whether a kept layer may keep one more storage this step, when caps are set: a step following the plan of a larger
+        input shape keeps at most what that shape saved in each layer (Note [A covered step keeps no more
+        than the plan was made for] in ``tba/runtime/_input_shapes.py``); past it, the layer offloads."""
+        caps = self._keep_caps
+        if layer is None or not 0 <= layer < len(caps) or key in self._kept_storages:
+            return True  # a storage kept already (saved again) adds nothing
+        total = self._kept_this_step.get(layer, 0) + nbytes
+        if total > caps[layer]:
+            return False
+        self._kept_this_step[layer] = total
+        self._kept_storages.add(key)
+        return True
 
 
 _warned_orphaned = False
