@@ -35,7 +35,8 @@ removed), which is exact under any plan and uses the least memory. A forward tha
 runner's layers (another model in the same context) makes the runner forget them and find them
 again.
 
-One-shot contexts share runners: ``tba/runtime/_shared_runners.py``.
+One-shot contexts share runners: ``tba/runtime/_shared_runners.py``. Which policy a runner plans with,
+and how it holds it: ``tba/runtime/_runner_policy.py``.
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tba.defaults import POLICIES, POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
+from tba.defaults import POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE_STEPS
 from tba.errors import TbaConfigError, TbaError
-from tba.policy import Adaptive, Plan, Policy, Profile
+from tba.policy import Plan, Policy, Profile
 from tba.runtime._input_shapes import InputShapes
 from tba.runtime._layer_notices import say_layers_not_run, say_no_repeated_blocks
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters
 from tba.runtime._recompute import RecomputeLayers
+from tba.runtime._runner_policy import RunnerPolicy
 from tba.runtime._step_placement import StepPlacement, placement_of
 from tba.runtime._wrappable import can_recompute
 
@@ -64,7 +66,7 @@ logger = logging.getLogger("tba")
 __all__ = ["PolicyRunner", "StepCounters", "StepPlacement"]
 
 
-class PolicyRunner(InputShapes):
+class PolicyRunner(InputShapes, RunnerPolicy):
     """Profiles, plans and applies a placement across the steps of one model.
 
     Args:
@@ -82,24 +84,7 @@ class PolicyRunner(InputShapes):
                  prefetch_budget_bytes: int | None = None) -> None:
         self._prefetch_depth_layers = prefetch_depth_layers
         self._max_window_bytes = max(prefetch_budget_bytes or POLICY_MAX_WINDOW_BYTES, 1)
-        self._policy: Policy | weakref.ref | None = None
-        self.pinned: Plan | None = None
-        if isinstance(policy, Plan):
-            self.pinned = policy
-        elif isinstance(policy, Policy):
-            self.policy = policy
-        elif policy == "adaptive":
-            try:
-                self.policy = Adaptive(memory_budget_bytes=memory_budget_bytes, overhead_bound=overhead_bound)
-            except ValueError as err:
-                raise TbaConfigError(f"policy='adaptive': {err}") from None
-        elif policy not in POLICIES:
-            raise TbaConfigError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)} or a tba.Plan")
-        elif memory_budget_bytes is not None or overhead_bound is not None:
-            raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not {policy!r}")
-        self.name = policy if isinstance(policy, str) else type(policy).__name__
-        self.policy_attributes: dict | None = None
-        """A shared policy object's attributes as given (Note [A policy object in one-shot contexts])."""
+        RunnerPolicy.__init__(self, policy, memory_budget_bytes, overhead_bound)
         if (self.name == "keep" or self.pinned is not None) and not layers:
             raise TbaConfigError(f"policy {self.name} needs the model's layers: pass layers=model or a list of blocks")
         if self.pinned is not None and len(self.pinned.decisions) != len(layers):
@@ -130,23 +115,6 @@ class PolicyRunner(InputShapes):
         self._saved_by_plan.clear()
         self._samples.clear()
         self._forget_shapes()
-
-    @property
-    def policy(self) -> Policy | None:
-        """The policy that plans (None: finding layers only, a pinned plan, ``offload``, ``keep``)."""
-        return self._policy() if isinstance(self._policy, weakref.ref) else self._policy
-
-    @policy.setter
-    def policy(self, policy: Policy | None) -> None:
-        self._policy = policy
-
-    def hold_policy_weakly(self, policy: Policy) -> None:
-        """Plan with ``policy``, held weakly: by the registry of shared runners, which must not keep alive a
-        model the policy holds (Note [A policy object in one-shot contexts]); each offloader holds it."""
-        try:
-            self._policy = weakref.ref(policy)
-        except TypeError:  # __slots__ without __weakref__: held as it is
-            self._policy = policy
 
     @property
     def layers(self) -> list[nn.Module]:

@@ -1,0 +1,64 @@
+"""Which policy a :class:`~tba.runtime._runner.PolicyRunner` plans with, and how it holds it.
+
+``policy=`` is read once, as the runner is built: a :class:`~tba.policy.Plan` is pinned (every step
+follows it), a :class:`~tba.policy.Policy` object plans on the profile, ``"adaptive"`` builds
+:class:`~tba.policy.Adaptive` for the goal (``memory_budget_bytes`` or ``overhead_bound``), and
+``"offload"`` and ``"keep"`` plan nothing; a goal given with another policy than ``"adaptive"`` is a
+:class:`~tba.errors.TbaConfigError`. The runner's ``name`` is the policy's, or its object's class name.
+
+A runner holds its policy strongly, except one that one-shot contexts share: the registry of shared
+runners must not keep alive a model the policy holds, so such a runner holds its policy weakly and
+each offloader strongly (Note [A policy object in one-shot contexts] in ``tba/runtime/_shared_runners.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from tba.defaults import POLICIES
+from tba.errors import TbaConfigError
+from tba.policy import Adaptive, Plan, Policy
+
+__all__ = ["RunnerPolicy"]
+
+
+class RunnerPolicy:
+    """Mixin of :class:`~tba.runtime._runner.PolicyRunner`: the policy that plans, a pinned plan, and their name."""
+
+    def __init__(self, policy: str | Plan | Policy, memory_budget_bytes: int | None,
+                 overhead_bound: float | None) -> None:
+        self._policy: Policy | weakref.ref | None = None
+        self.pinned: Plan | None = None
+        if isinstance(policy, Plan):
+            self.pinned = policy
+        elif isinstance(policy, Policy):
+            self.policy = policy
+        elif policy == "adaptive":
+            try:
+                self.policy = Adaptive(memory_budget_bytes=memory_budget_bytes, overhead_bound=overhead_bound)
+            except ValueError as err:
+                raise TbaConfigError(f"policy='adaptive': {err}") from None
+        elif policy not in POLICIES:
+            raise TbaConfigError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)} or a tba.Plan")
+        elif memory_budget_bytes is not None or overhead_bound is not None:
+            raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not {policy!r}")
+        self.name = policy if isinstance(policy, str) else type(policy).__name__
+        self.policy_attributes: dict | None = None
+        """A shared policy object's attributes as given (Note [A policy object in one-shot contexts])."""
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy that plans (None: finding layers only, a pinned plan, ``offload``, ``keep``)."""
+        return self._policy() if isinstance(self._policy, weakref.ref) else self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy | None) -> None:
+        self._policy = policy
+
+    def hold_policy_weakly(self, policy: Policy) -> None:
+        """Plan with ``policy``, held weakly: by the registry of shared runners, which must not keep alive a
+        model the policy holds (Note [A policy object in one-shot contexts]); each offloader holds it."""
+        try:
+            self._policy = weakref.ref(policy)
+        except TypeError:  # __slots__ without __weakref__: held as it is
+            self._policy = policy
