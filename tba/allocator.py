@@ -13,9 +13,9 @@ and reuse a freed activation's block for the next one: no hand-back, no re-fault
 
 :func:`detect` names the allocator that serves ``malloc`` in this process: it resolves ``malloc``
 the way the dynamic linker does for the program and asks ``dladdr`` which library holds it (a
-preloaded library interposes its own). :func:`find_library` finds a caching allocator's shared
-library (the Python environment first, where the ``cpu`` extra's ``cmeel-mimalloc`` puts
-``libmimalloc.so.3``, then ``ldconfig``'s cache and the usual library directories), and
+preloaded library interposes its own). :func:`find_library` (``tba/_allocator_search.py``) finds a caching
+allocator's shared library (the Python environment first, where the ``cpu`` extra's ``cmeel-mimalloc``
+puts ``libmimalloc.so.3``, then ``ldconfig``'s cache and the usual library directories), and
 :func:`launch_env` is the environment that preloads it into a new process, as
 ``python -m tba run`` and the benchmarks do.
 """
@@ -26,12 +26,10 @@ import ctypes
 import dataclasses
 import functools
 import os
-import site
-import subprocess
 import sys
-import sysconfig
 
 from tba import _elf
+from tba._allocator_search import find_library, system_dirs
 from tba.errors import TbaConfigError
 
 CACHING = ("jemalloc", "tcmalloc", "mimalloc")
@@ -45,13 +43,6 @@ ran about 1.3x slower, keep-all included (Note [jemalloc keeps its dirty pages])
 
 CHOICES = ("auto", *CACHING, "system")
 """Values of every ``--allocator`` option; ``system`` is the C library's malloc (glibc on Linux)."""
-
-LIBRARY_FILES = {
-    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
-    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
-    "mimalloc": ("libmimalloc.so.3", "libmimalloc.so.2", "libmimalloc.so"),
-}
-"""Shared-library file names of each caching allocator, preferred first."""
 
 INSTALL_HINTS = {
     "jemalloc": "apt-get install libjemalloc2 (Debian/Ubuntu) or dnf install jemalloc",
@@ -82,8 +73,6 @@ let tba's peak grow step by step to 0.21x and is not set (docs/cpu-memory.md).
 
 SETTING_PREFIXES = {"jemalloc": ("MALLOC_CONF",), "tcmalloc": ("TCMALLOC_",), "mimalloc": ("MIMALLOC_",)}
 """Environment variables each allocator reads; those set are named in :func:`launch_env`'s description."""
-
-LIBRARY_DIRS = ("/usr/local/lib", "/usr/lib64", "/usr/lib", "/lib64", "/lib")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,64 +178,6 @@ def jemalloc_dirty_decay_ms() -> int | None:
     return value.value
 
 
-def _environment_dirs() -> list[str]:
-    """Library folders inside the running Python environment (cmeel wheels, conda, a venv's lib)."""
-    roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    try:
-        roots.update(site.getsitepackages())
-    except AttributeError:
-        pass
-    dirs = [os.path.join(root, "cmeel.prefix", "lib") for root in sorted(roots)]
-    return dirs + [os.path.join(sys.prefix, "lib")]
-
-
-def _ldconfig_paths() -> dict[str, str]:
-    """file name -> path from the dynamic linker's cache (``ldconfig -p``), this machine's architecture first."""
-    for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
-        try:
-            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        marker = "x86-64" if os.uname().machine == "x86_64" else ""
-        found: dict[str, str] = {}
-        for line in out.splitlines():
-            name, arrow, path = line.strip().partition(" => ")
-            if arrow and marker in name:
-                found.setdefault(name.split(" (")[0], path.strip())
-        return found
-    return {}
-
-
-def _system_dirs() -> list[str]:
-    multiarch = sysconfig.get_config_var("MULTIARCH")
-    arch_dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
-    return arch_dirs + list(LIBRARY_DIRS)
-
-
-def find_library(name: str) -> str | None:
-    """The path of caching allocator ``name``'s shared library on this machine, or None.
-
-    Searched in order: the Python environment (``<site-packages>/cmeel.prefix/lib``, ``<prefix>/lib``),
-    the dynamic linker's cache (``ldconfig -p``), then ``/usr/lib/<multiarch>`` and the usual library folders.
-    """
-    if name not in LIBRARY_FILES:
-        raise ValueError(f"unknown allocator {name!r}; choose one of {', '.join(CACHING)}")
-    files = LIBRARY_FILES[name]
-    for folder in _environment_dirs():
-        for file in files:
-            if os.path.isfile(os.path.join(folder, file)):
-                return os.path.join(folder, file)
-    cache = _ldconfig_paths()
-    for file in files:
-        if file in cache and os.path.isfile(cache[file]):
-            return cache[file]
-    for folder in _system_dirs():
-        for file in files:
-            if os.path.isfile(os.path.join(folder, file)):
-                return os.path.join(folder, file)
-    return None
-
-
 def resolve(choice: str) -> tuple[str, str | None]:
     """``(name, library path)`` for an ``--allocator`` value; ``("system", None)`` for the C library's malloc.
 
@@ -264,7 +195,7 @@ def resolve(choice: str) -> tuple[str, str | None]:
     if choice == "auto":
         return "system", None
     raise TbaConfigError(f"allocator {choice!r} not found (searched the Python environment, ldconfig and "
-                         f"{', '.join(_system_dirs())}); install it: {INSTALL_HINTS[choice]}, or pass --allocator system")
+                         f"{', '.join(system_dirs())}); install it: {INSTALL_HINTS[choice]}, or pass --allocator system")
 
 
 def launch_env(choice: str, env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
