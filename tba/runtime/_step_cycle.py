@@ -104,7 +104,7 @@ class StepCycle:
                 self._open()
             self._store.window.reset_cursor()
             self._kept_layer = None
-            placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread)
+            placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread, owner=claim)
             self._runner_claim = claim
             self._apply(placement)
             self._tracker.attach()
@@ -154,7 +154,7 @@ class StepCycle:
                 # for this entry: before, they belong to the previous step (a profiled step's sample
                 # waits for this entry to collect it), or to another context sharing the runner.
                 if entered:
-                    self.policy_runner.exit(True, self._store.largest_live_storage_bytes)
+                    self.policy_runner.exit(True, self._store.largest_live_storage_bytes, owner=claim)
             finally:
                 self._phase = _Phase.IDLE
                 if not self.reusable:
@@ -193,7 +193,7 @@ class StepCycle:
     def _exit_job(self, failed: bool) -> None:
         if self._phase is not _Phase.ACTIVE and not (self._phase is _Phase.CLOSED and self._claim is not None):
             return
-        self._claim = None
+        claim, self._claim = self._claim, None
         self._forked_mid_block = False
         self._tracker.detach()
         found = None
@@ -204,7 +204,7 @@ class StepCycle:
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers)
         self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
-                                self._store.window.budget_bytes, self._store.unwritten_layer_bytes)
+                                self._store.window.budget_bytes, self._store.unwritten_layer_bytes, owner=claim)
         if self._phase is _Phase.CLOSED:
             return
         if failed:
