@@ -42,7 +42,6 @@ and how it holds it: ``tba/runtime/_runner_policy.py``.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from collections.abc import Callable
 
@@ -54,6 +53,7 @@ from tba.errors import TbaConfigError, TbaError
 from tba.policy import Plan, Policy, Profile
 from tba.runtime._input_shapes import InputShapes
 from tba.runtime._layer_notices import say_layers_not_run, say_no_repeated_blocks
+from tba.runtime._one_step import OneStepAtATime
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters
 from tba.runtime._recompute import RecomputeLayers
@@ -67,7 +67,7 @@ logger = logging.getLogger("tba")
 __all__ = ["PolicyRunner", "StepCounters", "StepPlacement"]
 
 
-class PolicyRunner(InputShapes, RunnerPolicy):
+class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
     """Profiles, plans and applies a placement across the steps of one model.
 
     Args:
@@ -105,20 +105,14 @@ class PolicyRunner(InputShapes, RunnerPolicy):
         self._entries = 0
         """Steps entered so far; the first one's period holds one-off costs (Note [The rest of the step])."""
         self._recompute: RecomputeLayers | None = None
-        self._owner: object | None = None
-        """The entry whose step holds the per-step state (Note [A runner shared by contexts at once]); None between steps."""
-        self._owner_thread: int | None = None
-        """The training thread of that entry."""
-        self._learned_by: weakref.ref[threading.Thread] | None = None
-        """The training thread whose step found the learned layers (Note [A runner shared by contexts at once]); its
-        object, not its identity, which a thread started after it has ended may be given again."""
+        OneStepAtATime.__init__(self)
         InputShapes.__init__(self)
         self._layer_refs: list[weakref.ref] = []
         self._set_layers(layers)
 
     def _set_layers(self, layers: list[nn.Module]) -> None:
         self._layer_refs = [weakref.ref(layer) for layer in layers]
-        self._learned_by = None
+        self._learner = None
         self._step.set_layers(layers)
         self._plans.clear()
         self._saved_by_plan.clear()
@@ -161,24 +155,13 @@ class PolicyRunner(InputShapes, RunnerPolicy):
         a profiled step, Note [The rest of the step] in ``tba/runtime/_profiling.py``);
         ``owner``: what identifies this entry to :meth:`exit`.
         """
-        if self._owner is not None or self._recompute is not None or self._learned_elsewhere(thread):
+        if not self._claim_step(owner, thread, busy=self._recompute is not None):
             return StepPlacement(frozenset(), layers=[] if self.learns else None)  # Note [A runner shared by contexts at once]
-        self._owner, self._owner_thread = object() if owner is None else owner, thread
         try:
             return self._enter(counters, reapply, thread)
         except BaseException:
-            self._owner = None
+            self._release_step()
             raise
-
-    def _learned_elsewhere(self, thread: int | None) -> bool:
-        """Whether the learned layers are those of a model that another live thread trains."""
-        learned_by = self._learned_by() if self._learned_by is not None else None
-        if not self.learns or learned_by is None or thread is None or not self._layer_refs:
-            return False
-        if learned_by.is_alive():
-            return learned_by.ident != thread
-        self._learned_by = None  # that thread has ended: the model may be trained on here
-        return False
 
     def _enter(self, counters: Callable[[], StepCounters], reapply: Callable[[StepPlacement], None] | None,
                thread: int | None) -> StepPlacement:
@@ -233,27 +216,6 @@ class PolicyRunner(InputShapes, RunnerPolicy):
             return StepPlacement(frozenset(), layers=learned)
         return StepPlacement()
 
-    # Note: [A runner shared by contexts at once]
-    # One-shot contexts on one directory share a runner, and contexts in two threads can be inside
-    # their steps at once. The runner's per-step state (the wrapped forwards of the recomputed layers,
-    # the shape hook, the profiled step's layer timer) is one slot: a second entry that planned without
-    # recomputation set it to None and the first step's wrappers stayed on its model's blocks for good
-    # (a review found them after both steps had ended). So while one step holds that state (from its
-    # entry to its exit: ``_owner``), another entry offloads everything, as a step with a new input
-    # shape does: exact, the least memory; it finds layers of its own (a learning runner's bypassed
-    # entry is handed no layers) and its exit leaves the runner alone. A bypass used to be made only
-    # while layers were wrapped: an entry during another thread's profiled step (two models trained in
-    # two threads on one directory) started the timer and the shape hook again on the *other* model's
-    # blocks and its exit took them off mid-forward there, whose module then called a hook registered
-    # with keyword arguments without them (a TypeError out of the other thread's forward, a review
-    # found it), or its exit asked for that model after the other thread had freed it (a TbaError
-    # saying the model no longer exists). Between the other thread's steps the same happened whenever
-    # this thread's step took the runner: a learning runner's layers were found by one thread's
-    # forward, and hooks put on them for another thread's step fire in, and come off during, the
-    # first thread's forward. So an entry from another thread than the one that found the layers is
-    # bypassed too while that thread lives (``_learned_elsewhere``); once it has ended, the runner
-    # serves the thread that enters (training moved to a new thread). A model trained in turn by two
-    # live threads therefore offloads everything in the second one's steps: exact, unplanned.
 
     def _checked(self, plan: Plan) -> Plan:
         """``plan`` as the policy returned it, when it is a plan for these layers."""
@@ -286,9 +248,8 @@ class PolicyRunner(InputShapes, RunnerPolicy):
         ``backlog_bytes()``: bytes saved in the layers whose write has not finished yet (asked in
         profiled steps only); ``owner``: the entry's, as given to :meth:`enter` (None: the step that holds the runner).
         """
-        if owner is not None and owner is not self._owner:
+        if not self._release_step(owner):
             return  # a bypassed entry: the runner's per-step state is another step's (Note [A runner shared by contexts at once])
-        self._owner = None
         if self._shape_hook is not None:
             self._shape_hook.remove()
             self._shape_hook = None
@@ -304,8 +265,7 @@ class PolicyRunner(InputShapes, RunnerPolicy):
             return
         if not self._layer_refs and found_layers:
             self._set_layers(found_layers)
-            learned_by = next((alive for alive in threading.enumerate() if alive.ident == self._owner_thread), None)
-            self._learned_by = weakref.ref(learned_by) if learned_by is not None else None
+            self._learned_in_this_step()
             logger.debug("tba: the adaptive policy plans for the %d layers found", len(found_layers))
         elif (not self._layer_refs and found_layers is not None and not self._said_none_found
               and largest_live_storage_bytes() > 0):

@@ -1,5 +1,5 @@
 """Two steps of contexts that share one runner, at once: the second leaves the first's per-step state alone (Note
-[A runner shared by contexts at once] in tba/runtime/_runner.py)."""
+[A runner shared by contexts at once] in tba/runtime/_one_step.py)."""
 
 from __future__ import annotations
 
