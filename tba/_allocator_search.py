@@ -70,15 +70,19 @@ def find_library(name: str) -> str | None:
     if name not in LIBRARY_FILES:
         raise ValueError(f"unknown allocator {name!r}; choose one of {', '.join(LIBRARY_FILES)}")
     files = LIBRARY_FILES[name]
-    for folder in _environment_dirs():
-        for file in files:
-            if os.path.isfile(os.path.join(folder, file)):
-                return os.path.join(folder, file)
+    found = _first_file(_environment_dirs(), files)
+    if found is not None:
+        return found
     cache = _ldconfig_paths()
     for file in files:
         if file in cache and os.path.isfile(cache[file]):
             return cache[file]
-    for folder in system_dirs():
+    return _first_file(system_dirs(), files)
+
+
+def _first_file(folders: list[str], files: tuple[str, ...]) -> str | None:
+    """The first of ``files`` found in the first of ``folders`` holding one, folder by folder."""
+    for folder in folders:
         for file in files:
             if os.path.isfile(os.path.join(folder, file)):
                 return os.path.join(folder, file)
