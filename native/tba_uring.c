@@ -2,7 +2,8 @@
  * tba._uring: the Python face of uring_ring.c and uring_io.c.
  *
  * ``Ring(depth)`` owns one io_uring instance with ``depth`` request slots. ``submit`` takes a list
- * of ``(is_write, fd, address, nbytes, offset, tag)`` tuples and queues all of them (the reaping
+ * of ``(is_write, fd, address, nbytes, offset, tag)`` tuples (``address`` an int, or a sequence of
+ * ``(address, nbytes)`` pieces that fill the file range one after another) and queues all of them (the reaping
  * thread issues them as slots free up); ``reap`` blocks until at least one request finished (or
  * ``wake`` was called) and returns ``(finished, woke)`` where ``finished`` is a list of
  * ``(tag, result, done_bytes)``: ``result`` is the byte count, an ``OSError`` instance carrying
@@ -14,6 +15,8 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "uring_ring.h"
@@ -92,25 +95,85 @@ static void Ring_dealloc(RingObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A vectored request's pieces: a sequence of (address, nbytes) pairs whose sizes add up to ``len``. */
+static int parse_pieces(PyObject *pieces, unsigned long long len, struct tba_req *req)
+{
+    PyObject *seq = PySequence_Fast(pieces, "address must be an int or a sequence of (address, nbytes) pairs");
+    if (!seq)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > IOV_MAX) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "a vectored request takes 1 to %d pieces, got %zd", IOV_MAX, n);
+        return -1;
+    }
+    req->iov = malloc((size_t)n * sizeof(*req->iov));
+    if (!req->iov) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    req->iovcnt = (unsigned)n;
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long addr, size;
+        if (!PyArg_Parse(PySequence_Fast_GET_ITEM(seq, i), "(KK);a piece must be (address, nbytes)", &addr, &size))
+            goto fail;
+        if (size == 0) {
+            PyErr_SetString(PyExc_ValueError, "piece of 0 bytes");
+            goto fail;
+        }
+        req->iov[i].iov_base = (void *)(uintptr_t)addr;
+        req->iov[i].iov_len = (size_t)size;
+        total += size;
+    }
+    Py_DECREF(seq);
+    if (total != len) {
+        PyErr_Format(PyExc_ValueError, "pieces add up to %llu bytes, the request says %llu", total, len);
+        tba_req_free(req);
+        return -1;
+    }
+    return 0;
+fail:
+    Py_DECREF(seq);
+    tba_req_free(req);
+    return -1;
+}
+
 static int parse_request(PyObject *item, struct tba_req *req)
 {
     int is_write;
-    unsigned long long addr, len, offset, tag;
+    unsigned long long len, offset, tag;
+    PyObject *address;
 
-    if (!PyArg_ParseTuple(item, "iiKKKK;request must be (is_write, fd, address, nbytes, offset, tag)",
-                          &is_write, &req->fd, &addr, &len, &offset, &tag))
+    memset(req, 0, sizeof(*req));
+    if (!PyArg_ParseTuple(item, "iiOKKK;request must be (is_write, fd, address, nbytes, offset, tag)",
+                          &is_write, &req->fd, &address, &len, &offset, &tag))
         return -1;
     if (len == 0) {
         PyErr_SetString(PyExc_ValueError, "request of 0 bytes");
         return -1;
     }
+    if (PyLong_Check(address)) {
+        req->addr = PyLong_AsUnsignedLongLong(address);
+        if (PyErr_Occurred())
+            return -1;
+    } else if (parse_pieces(address, len, req)) {
+        return -1;
+    }
     req->is_write = is_write != 0;
-    req->addr = addr;
     req->len = len;
     req->offset = offset;
     req->tag = tag;
-    req->done = 0;
     return 0;
+}
+
+/* Free the pieces of ``n`` parsed requests that the ring did not take. */
+static void free_requests(struct tba_req *reqs, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        tba_req_free(&reqs[i]);
+    PyMem_RawFree(reqs);
 }
 
 static PyObject *Ring_submit(RingObject *self, PyObject *arg)
@@ -132,7 +195,7 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (parse_request(PySequence_Fast_GET_ITEM(seq, i), &reqs[i])) {
-            PyMem_RawFree(reqs);
+            free_requests(reqs, i);
             Py_DECREF(seq);
             return NULL;
         }
@@ -143,9 +206,11 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
     err = tba_ring_submit(&self->ring, reqs, (unsigned)n);
     Py_END_ALLOW_THREADS
     self->users--;
-    PyMem_RawFree(reqs);
-    if (err)
+    if (err) {
+        free_requests(reqs, n); /* all or nothing: the ring took none of them */
         return raise_errno(-err);
+    }
+    PyMem_RawFree(reqs); /* the ring owns the pieces now */
     Py_RETURN_NONE;
 }
 

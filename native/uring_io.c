@@ -70,6 +70,11 @@ static int push_sqe_locked(struct tba_ring *ring, uint8_t opcode, int fd, uint64
 static int push_slot_locked(struct tba_ring *ring, unsigned index)
 {
     const struct tba_req *req = &ring->slots[index];
+    if (req->iov) {
+        uint8_t vop = req->is_write ? IORING_OP_WRITEV : IORING_OP_READV;
+        return push_sqe_locked(ring, vop, req->fd, (uint64_t)(uintptr_t)&req->iov[req->iov_first],
+                               req->iovcnt - req->iov_first, req->offset + req->done, index);
+    }
     uint64_t addr = req->addr + req->done, left = req->len - req->done;
     uint32_t len = left > MAX_SQE_BYTES ? MAX_SQE_BYTES : (uint32_t)left;
     uint8_t opcode = req->is_write ? IORING_OP_WRITE : IORING_OP_READ;
@@ -128,8 +133,10 @@ static int refill_locked(struct tba_ring *ring)
         int err = push_slot_locked(ring, index);
         if (err == -EBUSY && !(err = flush_sq_locked(ring)))
             continue;
-        if (err)
+        if (err) {
+            ring->slots[index].iov = NULL; /* still the waiting request's, which keeps its place */
             return err;
+        }
         ring->free_count--;
         ring->queue_head = (ring->queue_head + 1) % ring->queue_cap;
         ring->queue_count--;
@@ -167,10 +174,11 @@ int tba_ring_wake(struct tba_ring *ring)
 
 static void finish_slot(struct tba_ring *ring, unsigned index, int64_t res, struct tba_done *out)
 {
-    const struct tba_req *req = &ring->slots[index];
+    struct tba_req *req = &ring->slots[index];
     out->tag = req->tag;
     out->res = res;
     out->done = req->done;
+    tba_req_free(req);
     pthread_mutex_lock(&ring->lock);
     ring->free_stack[ring->free_count++] = index;
     pthread_mutex_unlock(&ring->lock);
@@ -186,6 +194,21 @@ static int requeue_slot(struct tba_ring *ring, unsigned index, struct tba_done *
     return 1;
 }
 
+/* Cut ``moved`` bytes off the front of a vectored request's pieces (it has more than that left). */
+static void advance_iov(struct tba_req *req, uint64_t moved)
+{
+    while (moved > 0 && req->iov_first < req->iovcnt) {
+        struct iovec *piece = &req->iov[req->iov_first];
+        if (moved < piece->iov_len) {
+            piece->iov_base = (char *)piece->iov_base + moved;
+            piece->iov_len -= moved;
+            return;
+        }
+        moved -= piece->iov_len;
+        req->iov_first++;
+    }
+}
+
 /* Apply one completion to its slot. Returns 1 when the request finished into ``out``, 0 when it
  * was resubmitted. */
 static int complete_one(struct tba_ring *ring, unsigned index, int res, struct tba_done *out)
@@ -198,8 +221,11 @@ static int complete_one(struct tba_ring *ring, unsigned index, int res, struct t
         return 1;
     }
     req->done += (uint64_t)res;
-    if (req->done < req->len)
+    if (req->done < req->len) {
+        if (req->iov)
+            advance_iov(req, (uint64_t)res);
         return requeue_slot(ring, index, out);
+    }
     finish_slot(ring, index, (int64_t)req->done, out);
     return 1;
 }

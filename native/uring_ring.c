@@ -118,12 +118,24 @@ int tba_ring_open(struct tba_ring *ring, unsigned depth)
     return err;
 }
 
+void tba_req_free(struct tba_req *req)
+{
+    free(req->iov);
+    req->iov = NULL;
+    req->iovcnt = req->iov_first = 0;
+}
+
 void tba_ring_close(struct tba_ring *ring)
 {
     unmap_rings(ring);
     if (ring->fd >= 0)
         close(ring->fd);
     ring->fd = -1;
+    /* Requests that never finished (a ring closed in a forked child) still own their pieces. */
+    for (unsigned i = 0; ring->slots && i < ring->nslots; i++)
+        tba_req_free(&ring->slots[i]);
+    for (size_t i = 0; ring->queue && i < ring->queue_count; i++)
+        tba_req_free(&ring->queue[(ring->queue_head + i) % ring->queue_cap]);
     if (ring->lock_ready)
         pthread_mutex_destroy(&ring->lock);
     ring->lock_ready = 0;

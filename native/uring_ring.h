@@ -18,23 +18,32 @@
  * thread has exited can fail with -ECANCELED. Reads and writes are therefore only ever issued by
  * the long-lived reaper; other threads only issue no-ops. Reaping waits without the mutex. All
  * functions return 0 or a negative errno.
+ *
+ * A vectored request (iov set: pieces of memory that fill one contiguous file range, Note [Adjacent
+ * storages, one request] in tba/runtime/_host_io.py) goes out as READV/WRITEV; a short transfer cuts
+ * the moved bytes off the front of its pieces and goes out again. The ring frees the iov when the
+ * request finishes, and at close for requests that never did.
  */
 #ifndef TBA_URING_RING_H
 #define TBA_URING_RING_H
 
 #include <pthread.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #define TBA_RES_SHORT INT64_MIN
 
 struct tba_req {
     uint64_t tag;    /* caller's identifier, handed back on completion */
-    uint64_t addr;   /* memory address of the first byte */
+    uint64_t addr;   /* memory address of the first byte (unused when iov is set) */
     uint64_t len;    /* bytes to move */
     uint64_t offset; /* file offset of the first byte */
     uint64_t done;   /* bytes moved so far */
     int fd;
     int is_write;
+    struct iovec *iov; /* a vectored request's pieces (malloc'd, owned by the request), else NULL */
+    unsigned iovcnt;   /* pieces in iov */
+    unsigned iov_first; /* the first piece not wholly moved; moved bytes of it are cut off its front */
 };
 
 struct tba_done {
@@ -66,6 +75,7 @@ struct tba_ring {
 
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
 void tba_ring_close(struct tba_ring *ring);
+void tba_req_free(struct tba_req *req);
 int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
 int tba_ring_wake(struct tba_ring *ring);
 int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,

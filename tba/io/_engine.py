@@ -43,12 +43,17 @@ class Request(NamedTuple):
     nbytes: int
     offset: int
     owner: object = None
+    pieces: tuple[tuple[int, int], ...] | None = None
+    """A vectored request's ``(address, nbytes)`` pieces, which fill the file range one after another
+    (``address`` is then the first piece's); only for engines whose :attr:`Engine.vectored` is true."""
 
 
 class Engine(abc.ABC):
     """Asynchronous block I/O on raw memory. Subclasses implement :meth:`submit_many` and :meth:`close`."""
 
     name: ClassVar[str] = "abstract"
+    vectored: ClassVar[bool] = False
+    """Whether requests may carry ``pieces`` (one transfer for several memory ranges)."""
 
     @abc.abstractmethod
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:

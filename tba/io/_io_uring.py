@@ -106,6 +106,7 @@ class IoUringEngine(Engine):
     """
 
     name = "io_uring"
+    vectored = True
 
     def __init__(self, queue_depth: int = QUEUE_DEPTH) -> None:
         if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
@@ -161,7 +162,8 @@ class IoUringEngine(Engine):
                 tag = next(self._tags)
                 self._requests[tag] = (target, request)
                 is_write = 1 if request.op is Op.WRITE else 0
-                entries.append((is_write, request.fd, request.address, request.nbytes, request.offset, tag))
+                address = request.address if request.pieces is None else request.pieces
+                entries.append((is_write, request.fd, address, request.nbytes, request.offset, tag))
             try:
                 self._ring.submit(entries)
             except (OSError, TypeError, ValueError, OverflowError, MemoryError):
