@@ -12,7 +12,9 @@ aligned buffers of the same phase, leased back), but:
   step go together too (:meth:`HostBatch.flush`);
 * a completion calls the storage's callback directly, with no future in between;
 * at most ``write_ahead_bytes`` of writes are in the engine at once (Note [Writes wait in tba's
-  queue, not the engine's]).
+  queue, not the engine's]);
+* storages whose extents touch in the file go to an engine that takes vectored requests as one
+  request (Note [Adjacent storages, one request] in ``tba/runtime/_host_requests.py``).
 
 A batch that the engine refuses (closed, failed) completes each of its requests with that error,
 so every entry still hears the end of its transfer.
@@ -30,6 +32,7 @@ engine, ``wanted()`` asks the store whether it still serves anything (Note [A wr
 not started] in ``tba/device/_protocol.py``); when not, the storage hears ``WRITE_NOT_NEEDED`` and
 stays in memory for what is left of its use. Closing drops the writes still waiting
 (:meth:`HostBatch.drop_waiting_writes`): a closed store keeps none of its storages.
+
 """
 
 from __future__ import annotations
@@ -44,11 +47,10 @@ import torch
 
 from tba import _control
 from tba.defaults import ALIGN_BYTES, HOST_WRITE_AHEAD_BYTES
-from tba.device import WRITE_NOT_NEEDED, Countdown
+from tba.device import WRITE_NOT_NEEDED
 from tba.errors import EngineClosedError
 from tba.io import BufferPool, Engine, Op, Request, round_up
-
-Callback = Callable[[BaseException | None], None]
+from tba.runtime._host_requests import Callback, Transfer, add_requests, alone
 
 REFILL_FRACTION = 0.75
 """Writes waiting in tba's queue go to the engine once less than this share of the allowance is there."""
@@ -83,14 +85,15 @@ class HostBatch:
         self.pool = pool
         self.block_size_bytes = block_size_bytes
         self.write_ahead_bytes = HOST_WRITE_AHEAD_BYTES if write_ahead_bytes is None else write_ahead_bytes
-        self._requests: list[Request] = []
-        self._callbacks: list[Callback] = []
+        self._reads: list[Transfer] = []
         self._flush_scheduled = False
         self._lock = threading.Lock()
         self._waiting: collections.deque[_Write] = collections.deque()
         self._engine_write_bytes = 0
         """Bytes of writes handed to the engine and not yet completed."""
         self._closed = False
+        self._retry = self._retry_alone if engine.vectored else None
+        """Adjacent storages go as one request only to an engine that takes vectored ones."""
         self._local = threading.local()
         """``sending``: this thread is inside :meth:`_send_writes`; ``again``: a completion asked for more meanwhile."""
 
@@ -119,27 +122,16 @@ class HostBatch:
              on_done: Callable[[BaseException | None, Any, Any], None]) -> None:
         """Queue the read of ``nbytes`` written at ``offset``; sent at the next :meth:`flush`."""
         buffer = self.pool.take(round_up(phase_bytes + nbytes, ALIGN_BYTES))
-        self._queue(self._requests, self._callbacks, Op.READ, fd, buffer.data_ptr(), buffer.numel(), offset,
-                    functools.partial(self._read_done, buffer, phase_bytes, nbytes, on_done), buffer)
-
-    def _queue(self, requests: list[Request], callbacks: list[Callback], op: Op, fd: int, address: int,
-               nbytes: int, offset: int, on_done: Callback, owner: object) -> None:
-        block = self.block_size_bytes
-        if nbytes <= block:
-            requests.append(Request(op, fd, address, nbytes, offset, owner))
-            callbacks.append(on_done)
-            return
-        starts = range(0, nbytes, block)
-        pieces = Countdown(len(starts), on_done)
-        for start in starts:
-            requests.append(Request(op, fd, address + start, min(block, nbytes - start), offset + start, owner))
-            callbacks.append(pieces.done)
+        self._reads.append(Transfer(Op.READ, fd, buffer.data_ptr(), buffer.numel(), offset,
+                                     functools.partial(self._read_done, buffer, phase_bytes, nbytes, on_done), buffer))
 
     def flush(self) -> None:
         """Send every queued read, then the waiting writes that fit, to the engine in one call."""
         self._flush_scheduled = False
-        requests, callbacks = self._requests, self._callbacks
-        self._requests, self._callbacks = [], []
+        reads, self._reads = self._reads, []
+        requests: list[Request] = []
+        callbacks: list[Callback] = []
+        add_requests(requests, callbacks, reads, self.block_size_bytes, self._retry)
         self._send_writes(requests, callbacks)
 
     def _send_writes(self, requests: list[Request], callbacks: list[Callback]) -> None:
@@ -179,13 +171,15 @@ class HostBatch:
                     self._engine_write_bytes += write.extent_bytes
                     taken.append(write)
             unwanted = []
+            transfers = []
             for write in taken:
                 if write.wanted is not None and not write.wanted():
                     unwanted.append(write)
                     continue
-                self._queue(requests, callbacks, Op.WRITE, write.fd, write.address, write.extent_bytes,
-                            write.offset, functools.partial(self._write_done, write.extent_bytes, write.on_done),
-                            write.data)
+                transfers.append(Transfer(Op.WRITE, write.fd, write.address, write.extent_bytes, write.offset,
+                                           functools.partial(self._write_done, write.extent_bytes, write.on_done),
+                                           write.data))
+            add_requests(requests, callbacks, transfers, self.block_size_bytes, self._retry)
             if not unwanted:
                 break
             with self._lock:
@@ -210,6 +204,15 @@ class HostBatch:
         on_done(error)
         if refill:
             self._send_writes([], [])
+
+    def _retry_alone(self, transfers: list[Transfer]) -> None:
+        """A vectored request failed: each of its storages goes again alone, to hear its own outcome
+        (Note [Adjacent storages, one request] in ``tba/runtime/_host_requests.py``)."""
+        try:
+            self.engine.submit_calls([alone(transfer) for transfer in transfers], [t.on_done for t in transfers])
+        except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
+            for transfer in transfers:
+                transfer.on_done(err)
 
     def drop_waiting_writes(self) -> None:
         """Closing: every write not yet in the engine hears ``WRITE_NOT_NEEDED``; none is sent later."""

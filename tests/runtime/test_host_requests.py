@@ -1,0 +1,129 @@
+"""HostBatch sends storages whose extents touch as one vectored request (Note [Adjacent storages, one
+request] in ``tba/runtime/_host_requests.py``); each storage still hears its own outcome."""
+
+from __future__ import annotations
+
+import errno
+
+import torch
+from test_host_io import HeldEngine
+
+from tba import _control
+from tba.io import BufferPool, Op
+from tba.runtime import _host_requests
+from tba.runtime._host_io import HostBatch
+
+KIB = 1 << 10
+STORAGE_BYTES = 64 * KIB
+BLOCK_BYTES = 1 << 20
+
+
+class VectoredEngine(HeldEngine):
+    vectored = True
+
+    def fail(self, error: BaseException) -> None:
+        sent, self.sent = self.sent, []
+        for _, callback in sent:
+            callback(error)
+
+
+def _writes(batch: HostBatch, offsets: list[int], fd: int = 3, nbytes: int = STORAGE_BYTES) -> tuple[list, dict]:
+    """Queue a write per offset as one batch of deferred saves does: on the control thread, sent together."""
+    storages, heard = [], {}
+    for i, offset in enumerate(offsets):
+        data = torch.full((nbytes,), i, dtype=torch.uint8)
+        storages.append(data)
+        _control.defer(batch.write, data, 0, fd, offset, lambda error, i=i: heard.setdefault(i, []).append(error))
+    _control.settle()
+    return storages, heard
+
+
+def test_adjacent_writes_go_as_one_request_and_each_storage_hears_its_end():
+    engine = VectoredEngine()
+    storages, heard = _writes(HostBatch(engine, BufferPool(0), BLOCK_BYTES), [i * STORAGE_BYTES for i in range(5)])
+    [(request, _)] = engine.sent
+    assert request.op is Op.WRITE and request.offset == 0 and request.nbytes == 5 * STORAGE_BYTES
+    assert request.pieces == tuple((s.data_ptr(), STORAGE_BYTES) for s in storages)
+    assert all(a is b for a, b in zip(request.owner, storages)), "the request must keep every storage alive"
+    engine.complete(Op.WRITE)
+    assert heard == {i: [None] for i in range(5)}
+
+
+def test_a_failed_request_goes_again_one_storage_at_a_time_and_each_hears_its_own_outcome():
+    """The file-size limit's case: the whole request fails, the storages that end below the limit are
+    then written, and only the one that crosses it fails."""
+    engine = VectoredEngine()
+    _, heard = _writes(HostBatch(engine, BufferPool(0), BLOCK_BYTES), [i * STORAGE_BYTES for i in range(3)])
+    engine.fail(OSError(errno.EINVAL, "cut at the limit"))
+    assert [(r.offset, r.pieces) for r, _ in engine.sent] == [(i * STORAGE_BYTES, None) for i in range(3)]
+    assert heard == {}, "a storage heard the whole request's error"
+    too_large = OSError(errno.EFBIG, "past the limit")
+    (*written, (_, last)) = engine.sent
+    engine.sent = []
+    for _, callback in written:
+        callback(None)
+    last(too_large)
+    assert heard == {0: [None], 1: [None], 2: [too_large]}
+
+
+def test_a_retry_the_engine_refuses_fails_each_storage():
+    engine = VectoredEngine()
+    _, heard = _writes(HostBatch(engine, BufferPool(0), BLOCK_BYTES), [i * STORAGE_BYTES for i in range(2)])
+    closed = RuntimeError("engine failed")
+
+    def refuse(requests, on_done):
+        raise closed
+
+    engine.submit_calls = refuse
+    engine.fail(OSError(errno.EIO, "bad block"))
+    assert heard == {0: [closed], 1: [closed]}
+
+
+def test_only_touching_extents_of_one_file_small_enough_are_joined():
+    engine = VectoredEngine()
+    batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
+    _writes(batch, [0, STORAGE_BYTES, 3 * STORAGE_BYTES, 4 * STORAGE_BYTES])  # a gap after the second
+    _writes(batch, [8 * STORAGE_BYTES], fd=4)
+    _writes(batch, [9 * STORAGE_BYTES, 9 * STORAGE_BYTES + BLOCK_BYTES], nbytes=BLOCK_BYTES)
+    _writes(batch, [12 * STORAGE_BYTES + 2 * BLOCK_BYTES + i * STORAGE_BYTES for i in range(20)])
+    sizes = [(r.offset, r.nbytes, len(r.pieces or ())) for r, _ in engine.sent]
+    assert sizes[:3] == [(0, 2 * STORAGE_BYTES, 2), (3 * STORAGE_BYTES, 2 * STORAGE_BYTES, 2),
+                         (8 * STORAGE_BYTES, STORAGE_BYTES, 0)]
+    assert [n for _, n, _ in sizes[3:5]] == [BLOCK_BYTES, BLOCK_BYTES], "two whole blocks are two requests"
+    assert [(n, p) for _, n, p in sizes[5:]] == [(BLOCK_BYTES, 16), (4 * STORAGE_BYTES, 4)], "a request stays within a block"
+
+
+def test_the_piece_cap(monkeypatch):
+    monkeypatch.setattr(_host_requests, "MAX_PIECES", 3)
+    engine = VectoredEngine()
+    _writes(HostBatch(engine, BufferPool(0), BLOCK_BYTES), [i * 4 * KIB for i in range(7)], nbytes=4 * KIB)
+    assert [len(r.pieces or ()) for r, _ in engine.sent] == [3, 3, 0]
+
+
+def test_an_engine_without_vectored_requests_gets_one_per_storage():
+    engine = HeldEngine()
+    _writes(HostBatch(engine, BufferPool(0), BLOCK_BYTES), [i * STORAGE_BYTES for i in range(4)])
+    assert [r.pieces for r, _ in engine.sent] == [None] * 4
+
+
+def test_reads_in_reverse_file_order_go_as_one_request_in_file_order():
+    """Backward reads a forward batch's extents last first: the request's pieces are in file order,
+    each into its own buffer, and each read's callback gets its own bytes."""
+    engine = VectoredEngine()
+    batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
+    heard = {}
+    for i in (3, 2, 1, 0, 7):
+        batch.read(STORAGE_BYTES - 100, 0, 3, i * STORAGE_BYTES, lambda error, data, event, i=i: heard.__setitem__(i, data))
+    batch.flush()
+    (first, _), (second, _) = engine.sent
+    assert (first.offset, first.nbytes, second.pieces) == (0, 4 * STORAGE_BYTES, None)
+    assert [a for a, _ in first.pieces] == [b.data_ptr() for b in reversed(first.owner)][::-1]
+    assert [size for _, size in first.pieces] == [STORAGE_BYTES] * 4
+    for (address, _), buffer in zip(first.pieces, first.owner):
+        assert buffer.data_ptr() == address
+        buffer.fill_(address % 251)
+    engine.complete(Op.READ)
+    assert sorted(heard) == [0, 1, 2, 3, 7]
+    for i in range(4):
+        assert heard[i].numel() == STORAGE_BYTES - 100 and bool((heard[i] == heard[i][0]).all())
+    assert len({int(heard[i][0]) for i in range(4)}) == 4, "two reads got the same buffer's bytes"
