@@ -127,3 +127,10 @@ def test_reads_in_reverse_file_order_go_as_one_request_in_file_order():
     for i in range(4):
         assert heard[i].numel() == STORAGE_BYTES - 100 and bool((heard[i] == heard[i][0]).all())
     assert len({int(heard[i][0]) for i in range(4)}) == 4, "two reads got the same buffer's bytes"
+
+
+def test_a_request_stays_within_the_join_cap_under_a_larger_block():
+    engine = VectoredEngine()
+    _writes(HostBatch(engine, BufferPool(0), 4 * BLOCK_BYTES), [i * STORAGE_BYTES for i in range(20)])
+    assert [(r.nbytes, len(r.pieces)) for r, _ in engine.sent] == [(_host_requests.JOIN_MAX_BYTES, 16),
+                                                                   (4 * STORAGE_BYTES, 4)]
