@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
-from tba.device import Countdown
+from tba.device import Countdown, WriteNotNeeded
 from tba.io import Op, Request
 
 Callback = Callable[[BaseException | None], None]
@@ -93,11 +93,13 @@ def alone(transfer: Transfer) -> Request:
 
 
 def _group_done(group: list[Transfer], retry: Retry, error: BaseException | None) -> None:
-    if error is not None:
+    # WRITE_NOT_NEEDED is no failure of the request but HostBatch's word that its writes were not sent
+    # (taken just before closing, refused by the closed engine): each storage hears it, none goes again.
+    if error is not None and not isinstance(error, WriteNotNeeded):
         retry(group)
         return
     for transfer in group:
-        transfer.on_done(None)
+        transfer.on_done(error)
 
 
 def _add_group(requests: list[Request], callbacks: list[Callback], group: list[Transfer], retry: Retry | None) -> None:

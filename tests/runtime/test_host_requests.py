@@ -9,6 +9,8 @@ import torch
 from test_host_io import HeldEngine
 
 from tba import _control
+from tba.device import WRITE_NOT_NEEDED
+from tba.errors import EngineClosedError
 from tba.io import BufferPool, Op
 from tba.runtime import _host_requests
 from tba.runtime._host_io import HostBatch
@@ -77,6 +79,24 @@ def test_a_retry_the_engine_refuses_fails_each_storage():
     engine.submit_calls = refuse
     engine.fail(OSError(errno.EIO, "bad block"))
     assert heard == {0: [closed], 1: [closed]}
+
+
+def test_adjacent_writes_taken_before_closing_that_the_closed_engine_refuses_are_not_needed():
+    """As for writes sent alone (test_host_io.py): the closed engine's refusal is no failed write, so the
+    joined request's storages hear WRITE_NOT_NEEDED, not a retry's EngineClosedError."""
+    engine = VectoredEngine()
+
+    def refuse(requests, on_done):
+        raise EngineClosedError("engine is closed")
+
+    engine.submit_calls = refuse
+    batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
+    storages, heard = [torch.zeros(STORAGE_BYTES, dtype=torch.uint8) for _ in range(2)], {}
+    for i, data in enumerate(storages):
+        _control.defer(batch.write, data, 0, 3, i * STORAGE_BYTES, lambda error, i=i: heard.setdefault(i, []).append(error),
+                       lambda: batch.drop_waiting_writes() or True)
+    _control.settle()
+    assert heard == {0: [WRITE_NOT_NEEDED], 1: [WRITE_NOT_NEEDED]}
 
 
 def test_only_touching_extents_of_one_file_small_enough_are_joined():
