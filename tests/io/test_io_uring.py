@@ -263,3 +263,34 @@ def test_bad_pieces_are_refused_and_nothing_is_queued(tmp_path, pieces, message)
     finally:
         engine.close()
         os.close(fd)
+
+
+@pytest.mark.requires_io_uring
+def test_a_vectored_read_cut_short_many_times_mid_piece_puts_every_byte_in_its_place():
+    """A pipe hands a read whatever has arrived: the request's transfers end mid-piece again and again
+    (and on a piece's edge), so each one must go on from the right byte of the right piece. A regular
+    file only cuts a read at its end, where nothing is left to go on with."""
+    sizes = (700, 1, 1500, 2300, 3)
+    total = sum(sizes)
+    data = random_bytes(total, seed=5).tobytes()
+    outs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    r, w = os.pipe()
+    engine = io_uring_module.IoUringEngine(queue_depth=2)
+
+    def trickle():
+        for start in range(0, total, 333):
+            os.write(w, data[start:start + 333])
+            threading.Event().wait(0.002)
+
+    writer = threading.Thread(target=trickle)
+    try:
+        future = engine.submit_many([Request(Op.READ, r, outs[0].ctypes.data, total, 0, pieces=_pieces(outs))])[0]
+        writer.start()
+        assert future.result(timeout=30) == total
+        assert b"".join(a.tobytes() for a in outs) == data
+    finally:
+        if writer.ident is not None:
+            writer.join()
+        engine.close()
+        os.close(r)
+        os.close(w)
