@@ -123,6 +123,10 @@ static int parse_pieces(PyObject *pieces, unsigned long long len, struct tba_req
             PyErr_SetString(PyExc_ValueError, "piece of 0 bytes");
             goto fail;
         }
+        if (size > len - total) { /* also keeps the sum from wrapping round to len */
+            PyErr_Format(PyExc_ValueError, "pieces add up to more than the request's %llu bytes", len);
+            goto fail;
+        }
         req->iov[i].iov_base = (void *)(uintptr_t)addr;
         req->iov[i].iov_len = (size_t)size;
         total += size;

@@ -249,6 +249,7 @@ def test_vectored_requests_fill_one_file_range_from_several_buffers(tmp_path):
     (((4096, 0),), "piece of 0 bytes"),
     (((4096, 100),), "add up to 100 bytes, the request says 4096"),
     (("x",), "a piece must be"),
+    (((4096, 2**64 - 4000), (4096, 8096)), "more than the request's 4096 bytes"),  # sums to 4096 mod 2**64
 ])
 def test_bad_pieces_are_refused_and_nothing_is_queued(tmp_path, pieces, message):
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
