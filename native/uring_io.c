@@ -81,15 +81,17 @@ static int push_slot_locked(struct tba_ring *ring, unsigned index)
     return push_sqe_locked(ring, opcode, req->fd, addr, len, req->offset + req->done, index);
 }
 
-/* Push slot ``index`` and hand it to the kernel at once. */
+/* Push slot ``index`` and hand it to the kernel at once. When the kernel does not take it, the SQE
+ * is taken back (it is the last one queued, and the kernel takes them in order): the caller finishes
+ * the slot with the error and frees its pieces, which a later flush must not hand to the kernel. */
 static int push_slot(struct tba_ring *ring, unsigned index)
 {
     pthread_mutex_lock(&ring->lock);
     int err = push_slot_locked(ring, index);
     if (err == -EBUSY && !(err = flush_sq_locked(ring)))
         err = push_slot_locked(ring, index);
-    if (!err)
-        err = flush_sq_locked(ring);
+    if (!err && (err = flush_sq_locked(ring)) && sq_unsubmitted(ring) > 0)
+        __atomic_store_n(ring->sq_tail, *ring->sq_tail - 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&ring->lock);
     return err;
 }

@@ -125,13 +125,22 @@ void tba_req_free(struct tba_req *req)
     req->iovcnt = req->iov_first = 0;
 }
 
+void tba_ring_forget_pieces(struct tba_ring *ring)
+{
+    for (unsigned i = 0; ring->slots && i < ring->nslots; i++)
+        ring->slots[i].iov = NULL;
+    for (size_t i = 0; ring->queue && i < ring->queue_count; i++)
+        ring->queue[(ring->queue_head + i) % ring->queue_cap].iov = NULL;
+}
+
 void tba_ring_close(struct tba_ring *ring)
 {
     unmap_rings(ring);
     if (ring->fd >= 0)
         close(ring->fd);
     ring->fd = -1;
-    /* Requests that never finished (a ring closed in a forked child) still own their pieces. */
+    /* Requests that never finished (a ring closed after its reaper failed) still own their pieces;
+     * in a forked child tba_ring_forget_pieces has dropped them first. */
     for (unsigned i = 0; ring->slots && i < ring->nslots; i++)
         tba_req_free(&ring->slots[i]);
     for (size_t i = 0; ring->queue && i < ring->queue_count; i++)

@@ -76,6 +76,10 @@ struct tba_ring {
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
 void tba_ring_close(struct tba_ring *ring);
 void tba_req_free(struct tba_req *req);
+/* In a forked child: drop, unfreed, the pieces of requests that never finished. A fork can land
+ * while the reaper moves a request from the queue to a slot, when both hold the same pieces, or
+ * inside tba_req_free; the child leaks them (at most the queue's) rather than free them twice. */
+void tba_ring_forget_pieces(struct tba_ring *ring);
 int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
 int tba_ring_wake(struct tba_ring *ring);
 int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,

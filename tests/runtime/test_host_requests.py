@@ -130,15 +130,18 @@ def test_reads_in_reverse_file_order_go_as_one_request_in_file_order():
     """Backward reads a forward batch's extents last first: the request's pieces are in file order,
     each into its own buffer, and each read's callback gets its own bytes."""
     engine = VectoredEngine()
-    batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
+    pool = BufferPool(0)
+    batch = HostBatch(engine, pool, BLOCK_BYTES)
+    taken, take = [], pool.take
+    pool.take = lambda nbytes: taken.append(take(nbytes)) or taken[-1]
     heard = {}
     for i in (3, 2, 1, 0, 7):
         batch.read(STORAGE_BYTES - 100, 0, 3, i * STORAGE_BYTES, lambda error, data, event, i=i: heard.__setitem__(i, data))
     batch.flush()
     (first, _), (second, _) = engine.sent
     assert (first.offset, first.nbytes, second.pieces) == (0, 4 * STORAGE_BYTES, None)
-    assert [a for a, _ in first.pieces] == [b.data_ptr() for b in reversed(first.owner)][::-1]
-    assert [size for _, size in first.pieces] == [STORAGE_BYTES] * 4
+    assert first.pieces == tuple((buffer.data_ptr(), STORAGE_BYTES) for buffer in reversed(taken[:4])), \
+        "the pieces are not the buffers of offsets 0, 1, 2, 3 in file order"
     for (address, _), buffer in zip(first.pieces, first.owner):
         assert buffer.data_ptr() == address
         buffer.fill_(address % 251)
