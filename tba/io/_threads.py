@@ -64,10 +64,20 @@ _TRANSFER = {Op.WRITE: _write_all, Op.READ: _read_all}
 def _transfer(box: list[Request]) -> int:
     """Carry out the request in ``box``, which holds it (and its memory's owner) until the transfer ended.
 
-    The box is emptied before the future resolves, so the owner is not kept past completion.
+    The box is emptied before the future resolves, so the owner is not kept past completion. A
+    vectored request's pieces move one after another, one call each, in the same worker.
     """
     request = box.pop()
-    return _TRANSFER[request.op](request.fd, request.address, request.nbytes, request.offset)
+    move = _TRANSFER[request.op]
+    if request.pieces is None:
+        return move(request.fd, request.address, request.nbytes, request.offset)
+    done = 0
+    for address, nbytes in request.pieces:
+        try:
+            done += move(request.fd, address, nbytes, request.offset + done)
+        except ShortTransferError as err:
+            raise ShortTransferError(request.op.value, done + err.done_bytes, request.nbytes, request.offset) from None
+    return done
 
 
 def _interpreter_shutting_down() -> bool:
@@ -93,6 +103,7 @@ class ThreadEngine(Engine):
     """
 
     name = "threads"
+    vectored = True
 
     # Note: [Transfers during interpreter exit]
     # ``concurrent.futures`` refuses new work once the interpreter has begun to exit, and atexit

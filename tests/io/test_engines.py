@@ -187,3 +187,31 @@ def test_no_fd_leak_after_errors(name, tmp_path):
     os.close(fd)
     eng.close()
     assert open_fd_count() == before
+
+
+def _pieces(arrays):
+    return tuple((a.ctypes.data, a.size) for a in arrays)
+
+
+def test_vectored_requests_fill_one_file_range_from_several_buffers(engine, rw_fd):
+    """Note [Adjacent storages, one request] in tba/runtime/_host_requests.py: a request's pieces land one
+    after another in the file, and a vectored read puts them back; a read that meets the end of the file
+    inside a piece reports the early end with the bytes it moved."""
+    assert engine.vectored
+    sources = [random_bytes(n, seed=n) for n in (512, 4096, 1536)]
+    total = sum(a.size for a in sources)
+    write = Request(Op.WRITE, rw_fd, sources[0].ctypes.data, total, 1024, pieces=_pieces(sources))
+    assert engine.submit_many([write])[0].result(timeout=30) == total
+    assert os.pread(rw_fd, total, 1024) == b"".join(a.tobytes() for a in sources)
+    outs = [np.zeros_like(a) for a in sources]
+    read = Request(Op.READ, rw_fd, outs[0].ctypes.data, total, 1024, pieces=_pieces(outs))
+    assert engine.submit_many([read])[0].result(timeout=30) == total
+    assert all(np.array_equal(a, b) for a, b in zip(sources, outs))
+    tail = [np.zeros(3000, dtype=np.uint8), np.zeros(3000, dtype=np.uint8)]
+    past_end = Request(Op.READ, rw_fd, tail[0].ctypes.data, 6000, 1024 + total - 1000, pieces=_pieces(tail))
+    with pytest.raises(ShortTransferError, match="short read: 1000 of 6000 bytes"):
+        engine.submit_many([past_end])[0].result(timeout=30)
+    assert np.array_equal(tail[0][:1000], sources[2][-1000:])
+    later = Request(Op.READ, rw_fd, tail[0].ctypes.data, 6000, 1024 + total - 4000, pieces=_pieces(tail))
+    with pytest.raises(ShortTransferError, match="short read: 4000 of 6000 bytes"):
+        engine.submit_many([later])[0].result(timeout=30)

@@ -216,34 +216,6 @@ def _pieces(arrays):
 
 
 @pytest.mark.requires_io_uring
-def test_vectored_requests_fill_one_file_range_from_several_buffers(tmp_path):
-    """Note [Adjacent storages, one request]: a request's pieces land one after another in the file, and
-    a vectored read puts them back; a read that meets the end of the file mid-piece goes on from inside
-    that piece, then reports the early end with the bytes it moved."""
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
-    engine = io_uring_module.IoUringEngine(queue_depth=2)
-    try:
-        assert engine.vectored
-        sources = [random_bytes(n, seed=n) for n in (512, 4096, 1536)]
-        total = sum(a.size for a in sources)
-        write = Request(Op.WRITE, fd, sources[0].ctypes.data, total, 1024, pieces=_pieces(sources))
-        assert engine.submit_many([write])[0].result(timeout=30) == total
-        assert os.pread(fd, total, 1024) == b"".join(a.tobytes() for a in sources)
-        outs = [np.zeros_like(a) for a in sources]
-        read = Request(Op.READ, fd, outs[0].ctypes.data, total, 1024, pieces=_pieces(outs))
-        assert engine.submit_many([read])[0].result(timeout=30) == total
-        assert all(np.array_equal(a, b) for a, b in zip(sources, outs))
-        tail = [np.zeros(3000, dtype=np.uint8), np.zeros(3000, dtype=np.uint8)]
-        past_end = Request(Op.READ, fd, tail[0].ctypes.data, 6000, 1024 + total - 1000, pieces=_pieces(tail))
-        with pytest.raises(tba.errors.ShortTransferError, match="1000"):
-            engine.submit_many([past_end])[0].result(timeout=30)
-        assert np.array_equal(tail[0][:1000], sources[2][-1000:])
-    finally:
-        engine.close()
-        os.close(fd)
-
-
-@pytest.mark.requires_io_uring
 @pytest.mark.parametrize("pieces, message", [
     ((), "1 to 1024 pieces"),
     (((4096, 0),), "piece of 0 bytes"),

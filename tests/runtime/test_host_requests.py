@@ -30,13 +30,17 @@ class VectoredEngine(HeldEngine):
 
 
 def _writes(batch: HostBatch, offsets: list[int], fd: int = 3, nbytes: int = STORAGE_BYTES) -> tuple[list, dict]:
-    """Queue a write per offset as one batch of deferred saves does: on the control thread, sent together."""
+    """Queue a write per offset as one batch of deferred saves does: in one control-thread job, so that
+    they are sent together once it ends (deferred one by one, the control thread's poll could split them)."""
     storages, heard = [], {}
-    for i, offset in enumerate(offsets):
-        data = torch.full((nbytes,), i, dtype=torch.uint8)
-        storages.append(data)
-        _control.defer(batch.write, data, 0, fd, offset, lambda error, i=i: heard.setdefault(i, []).append(error))
-    _control.settle()
+    for i in range(len(offsets)):
+        storages.append(torch.full((nbytes,), i, dtype=torch.uint8))
+
+    def queue_all() -> None:
+        for i, (data, offset) in enumerate(zip(storages, offsets)):
+            batch.write(data, 0, fd, offset, lambda error, i=i: heard.setdefault(i, []).append(error))
+
+    _control.call(queue_all)
     return storages, heard
 
 
@@ -92,10 +96,15 @@ def test_adjacent_writes_taken_before_closing_that_the_closed_engine_refuses_are
     engine.submit_calls = refuse
     batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
     storages, heard = [torch.zeros(STORAGE_BYTES, dtype=torch.uint8) for _ in range(2)], {}
-    for i, data in enumerate(storages):
-        _control.defer(batch.write, data, 0, 3, i * STORAGE_BYTES, lambda error, i=i: heard.setdefault(i, []).append(error),
-                       lambda: batch.drop_waiting_writes() or True)
-    _control.settle()
+    sent = []
+
+    def queue_both() -> None:  # one control-thread job: both writes are taken by one flush
+        for i, data in enumerate(storages):
+            batch.write(data, 0, 3, i * STORAGE_BYTES, lambda error, i=i: heard.setdefault(i, []).append(error),
+                        lambda: sent.append(1) or batch.drop_waiting_writes() or True)
+
+    _control.call(queue_both)
+    assert len(sent) == 2, "the two writes were not taken together"
     assert heard == {0: [WRITE_NOT_NEEDED], 1: [WRITE_NOT_NEEDED]}
 
 
