@@ -20,7 +20,7 @@
  * functions return 0 or a negative errno.
  *
  * A vectored request (iov set: pieces of memory that fill one contiguous file range, Note [Adjacent
- * storages, one request] in tba/runtime/_host_io.py) goes out as READV/WRITEV; a short transfer cuts
+ * storages, one request] in tba/runtime/_host_requests.py) goes out as READV/WRITEV; a short transfer cuts
  * the moved bytes off the front of its pieces and goes out again. The ring frees the iov when the
  * request finishes, and at close for requests that never did.
  */

@@ -32,7 +32,6 @@ engine, ``wanted()`` asks the store whether it still serves anything (Note [A wr
 not started] in ``tba/device/_protocol.py``); when not, the storage hears ``WRITE_NOT_NEEDED`` and
 stays in memory for what is left of its use. Closing drops the writes still waiting
 (:meth:`HostBatch.drop_waiting_writes`): a closed store keeps none of its storages.
-
 """
 
 from __future__ import annotations
@@ -92,8 +91,9 @@ class HostBatch:
         self._engine_write_bytes = 0
         """Bytes of writes handed to the engine and not yet completed."""
         self._closed = False
-        self._retry = self._retry_alone if engine.vectored else None
-        """Adjacent storages go as one request only to an engine that takes vectored ones."""
+        self._vectored = engine.vectored
+        """Adjacent storages go as one request only to an engine that takes vectored ones (a bound method
+        kept here instead would make a reference cycle, which holds the pool's buffers until a collection)."""
         self._local = threading.local()
         """``sending``: this thread is inside :meth:`_send_writes`; ``again``: a completion asked for more meanwhile."""
 
@@ -131,7 +131,7 @@ class HostBatch:
         reads, self._reads = self._reads, []
         requests: list[Request] = []
         callbacks: list[Callback] = []
-        add_requests(requests, callbacks, reads, self.block_size_bytes, self._retry)
+        add_requests(requests, callbacks, reads, self.block_size_bytes, self._retry_alone if self._vectored else None)
         self._send_writes(requests, callbacks)
 
     def _send_writes(self, requests: list[Request], callbacks: list[Callback]) -> None:
@@ -179,7 +179,8 @@ class HostBatch:
                 transfers.append(Transfer(Op.WRITE, write.fd, write.address, write.extent_bytes, write.offset,
                                            functools.partial(self._write_done, write.extent_bytes, write.on_done),
                                            write.data))
-            add_requests(requests, callbacks, transfers, self.block_size_bytes, self._retry)
+            add_requests(requests, callbacks, transfers, self.block_size_bytes,
+                         self._retry_alone if self._vectored else None)
             if not unwanted:
                 break
             with self._lock:

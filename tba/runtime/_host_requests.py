@@ -6,7 +6,8 @@ one prefetch step are their extents again, in reverse. Sent one request per stor
 storage cost the io_uring worker a wake-up and the completion thread a return to Python: on
 tmpfs 22 µs of CPU per 64 KiB write against 12 µs per 64 KiB when written 1 MiB at a time
 (``docs/host-cost.md``, thirteenth pass), on a 2-core machine time taken from compute. So when the
-engine takes vectored requests (io_uring's READV/WRITEV), consecutive requests whose extents touch
+engine takes vectored requests (io_uring's READV/WRITEV; the thread engine moves the pieces one
+after another in one worker), consecutive requests whose extents touch
 go as one: its pieces are the storages' memory ranges in file order, at most
 :data:`MAX_PIECES` of them and :data:`JOIN_MAX_BYTES` in all, and its completion calls each storage's
 callback in turn. Nothing else changes: each storage still has its own extent, its own buffer and
@@ -58,9 +59,9 @@ def add_requests(requests: list[Request], callbacks: list[Callback], transfers: 
     """Append the requests for ``transfers`` (in their order) and one callback per request to the lists.
 
     With ``retry`` (the engine takes vectored requests), consecutive transfers of one file whose
-    extents touch (in either order) go as one request of at most :data:`JOIN_MAX_BYTES`, whose failure
-    calls ``retry`` with them. One
-    larger than ``block_size_bytes`` goes as several, its callback heard once all are.
+    extents touch (in either order) go as one request of at most :data:`JOIN_MAX_BYTES`, whose
+    failure calls ``retry`` with them. One larger than ``block_size_bytes`` goes as several, its
+    callback heard once all are.
     """
     group: list[Transfer] = []
     low = high = group_bytes = 0
