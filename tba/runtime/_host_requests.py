@@ -99,8 +99,14 @@ def _group_done(group: list[Transfer], retry: Retry, error: BaseException | None
     if error is not None and not isinstance(error, WriteNotNeeded):
         retry(group)
         return
-    for transfer in group:
-        transfer.on_done(error)
+    # The engine has let go of the request and its owners; so must this callback before the storages
+    # hear their end: a write's completion releases the storage's pages only when tba holds it no more
+    # (Note [A storage the program still holds is not read back] in tba/runtime/_reads.py), and the
+    # group's own reference made every joined storage linger, and backward take it from memory.
+    callbacks = [transfer.on_done for transfer in group]
+    group.clear()
+    for callback in callbacks:
+        callback(error)
 
 
 def _add_group(requests: list[Request], callbacks: list[Callback], group: list[Transfer], retry: Retry | None) -> None:

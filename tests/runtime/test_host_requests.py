@@ -4,6 +4,8 @@ request] in ``tba/runtime/_host_requests.py``); each storage still hears its own
 from __future__ import annotations
 
 import errno
+import functools
+import gc
 
 import torch
 from test_host_io import HeldEngine
@@ -166,3 +168,28 @@ def test_a_request_stays_within_the_join_cap_under_a_larger_block():
     _writes(HostBatch(engine, BufferPool(0), 4 * BLOCK_BYTES), [i * STORAGE_BYTES for i in range(20)])
     assert [(r.nbytes, len(r.pieces)) for r, _ in engine.sent] == [(_host_requests.JOIN_MAX_BYTES, 16),
                                                                    (4 * STORAGE_BYTES, 4)]
+
+
+def test_a_joined_write_lets_go_of_its_storages_before_they_hear_their_end():
+    """As a request sent alone: the engine drops the request (and its owners) before the callback, and a
+    storage whose write completed must find tba holding it no more (its pages go back to the kernel, and
+    backward reads it from the file); the group's list of transfers held every one of them."""
+    engine = VectoredEngine()
+    batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
+    storages = [torch.full((STORAGE_BYTES,), i, dtype=torch.uint8) for i in range(3)]
+    holders = []
+
+    def on_done(error, data):
+        holders.append([type(r).__name__ for r in gc.get_referrers(data) if isinstance(r, (tuple, list))
+                        and any(isinstance(x, _host_requests.Transfer) for x in (r if isinstance(r, list) else [r]))])
+
+    def queue_all() -> None:
+        for i, data in enumerate(storages):
+            batch.write(data, 0, 3, i * STORAGE_BYTES, functools.partial(on_done, data=data))
+
+    _control.call(queue_all)
+    [(request, _)] = engine.sent
+    assert len(request.pieces) == 3
+    del request
+    engine.complete(Op.WRITE)
+    assert holders == [[], [], []], "a transfer of the joined request still held a storage when it heard its end"
