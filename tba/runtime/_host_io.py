@@ -91,9 +91,6 @@ class HostBatch:
         self._engine_write_bytes = 0
         """Bytes of writes handed to the engine and not yet completed."""
         self._closed = False
-        self._vectored = engine.vectored
-        """Adjacent storages go as one request only to an engine that takes vectored ones (a bound method
-        kept here instead would make a reference cycle, which holds the pool's buffers until a collection)."""
         self._local = threading.local()
         """``sending``: this thread is inside :meth:`_send_writes`; ``again``: a completion asked for more meanwhile."""
 
@@ -131,7 +128,7 @@ class HostBatch:
         reads, self._reads = self._reads, []
         requests: list[Request] = []
         callbacks: list[Callback] = []
-        add_requests(requests, callbacks, reads, self.block_size_bytes, self._retry_alone if self._vectored else None)
+        self._add_requests(requests, callbacks, reads)
         self._send_writes(requests, callbacks)
 
     def _send_writes(self, requests: list[Request], callbacks: list[Callback]) -> None:
@@ -179,8 +176,7 @@ class HostBatch:
                 transfers.append(Transfer(Op.WRITE, write.fd, write.address, write.extent_bytes, write.offset,
                                            functools.partial(self._write_done, write.extent_bytes, write.on_done),
                                            write.data))
-            add_requests(requests, callbacks, transfers, self.block_size_bytes,
-                         self._retry_alone if self._vectored else None)
+            self._add_requests(requests, callbacks, transfers)
             if not unwanted:
                 break
             with self._lock:
@@ -205,6 +201,13 @@ class HostBatch:
         on_done(error)
         if refill:
             self._send_writes([], [])
+
+    def _add_requests(self, requests: list[Request], callbacks: list[Callback], transfers: list[Transfer]) -> None:
+        """``transfers`` as requests: adjacent ones joined only for an engine that takes vectored ones. The
+        retry is bound here, per call: kept on ``self`` it would make a reference cycle, which holds the
+        pool's buffers until a collection."""
+        retry = self._retry_alone if self.engine.vectored else None
+        add_requests(requests, callbacks, transfers, self.block_size_bytes, retry)
 
     def _retry_alone(self, transfers: list[Transfer]) -> None:
         """A vectored request failed: each of its storages goes again alone, to hear its own outcome

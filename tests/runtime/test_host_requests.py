@@ -180,8 +180,7 @@ def test_a_joined_write_lets_go_of_its_storages_before_they_hear_their_end():
     holders = []
 
     def on_done(error, data):
-        holders.append([type(r).__name__ for r in gc.get_referrers(data) if isinstance(r, (tuple, list))
-                        and any(isinstance(x, _host_requests.Transfer) for x in (r if isinstance(r, list) else [r]))])
+        holders.append([r for r in gc.get_referrers(data) if isinstance(r, _host_requests.Transfer)])
 
     def queue_all() -> None:
         for i, data in enumerate(storages):
