@@ -88,20 +88,18 @@ def test_a_forked_child_loads_a_path_the_parent_is_saving_to_without_waiting(tmp
 
 
 FORK_THEN_KILLED = textwrap.dedent("""
-    import os, sys, time, torch
+    import os, sys, threading, time, torch
     import tba.checkpoint as ck
     from tba.checkpoint import _layout
     ck.save_lazy({"w": torch.ones(100)}, sys.argv[1] + "/step0").wait()
-    _layout.write_image = lambda *a, **k: (print("writing", flush=True), time.sleep(600))
+    writing = threading.Event()
+    _layout.write_image = lambda *a, **k: (print("writing", flush=True), writing.set(), time.sleep(600))
     ck.save_lazy({"w": torch.ones(100)}, sys.argv[1] + "/step1")
-    while not [n for n in os.listdir(sys.argv[1]) if "tba-partial" in n]:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    pid = os.fork()
-    if pid == 0:
+    writing.wait()  # the staging directory is locked: its descriptor is one the child must close
+    if os.fork() == 0:
+        print(os.getpid(), flush=True)  # after the fork handlers: the inherited lock is closed by now
         time.sleep(600)
         os._exit(0)
-    print(pid, flush=True)
     time.sleep(600)
 """)
 
@@ -109,7 +107,8 @@ FORK_THEN_KILLED = textwrap.dedent("""
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_partial_of_a_killed_parent_is_removed_while_its_forked_child_lives(tmp_path):
     """The child inherited the staging directory's flock, so a killed parent's partial counted as live as long as
-    the child lived (helper-41)."""
+    the child lived (helper-41). The child says its pid only once its fork handlers have run: the parent saying it
+    raced them, and under load the save below found the lock still held (a fresh-clone CI run)."""
     import signal
 
     import torch
