@@ -215,8 +215,10 @@ class HostBatch:
         try:
             self.engine.submit_calls([alone(transfer) for transfer in transfers], [t.on_done for t in transfers])
         except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
+            # As in _send_writes: writes that meet the engine closed by close() were not needed.
+            closed = self._closed and isinstance(err, EngineClosedError)
             for transfer in transfers:
-                transfer.on_done(err)
+                transfer.on_done(WRITE_NOT_NEEDED if closed and transfer.op is Op.WRITE else err)
 
     def drop_waiting_writes(self) -> None:
         """Closing: every write not yet in the engine hears ``WRITE_NOT_NEEDED``; none is sent later."""

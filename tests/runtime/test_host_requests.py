@@ -87,6 +87,22 @@ def test_a_retry_the_engine_refuses_fails_each_storage():
     assert heard == {0: [closed], 1: [closed]}
 
 
+def test_a_joined_write_failing_while_closing_is_not_needed_rather_than_refused_again():
+    """The retry of a joined write that failed during close() meets the closed engine: as for a write sent
+    alone, its storages hear WRITE_NOT_NEEDED, not each an EngineClosedError."""
+    engine = VectoredEngine()
+    batch = HostBatch(engine, BufferPool(0), BLOCK_BYTES)
+    _, heard = _writes(batch, [i * STORAGE_BYTES for i in range(2)])
+    batch.drop_waiting_writes()
+
+    def refuse(requests, on_done):
+        raise EngineClosedError("engine is closed")
+
+    engine.submit_calls = refuse
+    engine.fail(OSError(errno.EIO, "cancelled at close"))
+    assert heard == {0: [WRITE_NOT_NEEDED], 1: [WRITE_NOT_NEEDED]}
+
+
 def test_adjacent_writes_taken_before_closing_that_the_closed_engine_refuses_are_not_needed():
     """As for writes sent alone (test_host_io.py): the closed engine's refusal is no failed write, so the
     joined request's storages hear WRITE_NOT_NEEDED, not a retry's EngineClosedError."""
