@@ -12,12 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* One SQE moves at most this many bytes; larger requests continue like short transfers. */
 #define MAX_SQE_BYTES (1u << 30)
 #define WAKE_TAG UINT64_MAX       /* user_data of the NOP that wake() queues */
 #define KICK_TAG (UINT64_MAX - 1) /* user_data of the NOP that tells the reaper to refill */
+#define DRAIN_POLL_NS 1000000L    /* how often a failed ring looks for its last completions (1 ms) */
 
 static int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags)
 {
@@ -33,7 +35,8 @@ static unsigned sq_unsubmitted(struct tba_ring *ring)
 
 /* Hand every filled SQE to the kernel (caller holds the lock, so the SQEs it filled are the only
  * ones in the queue and they become its thread's requests). Retries EINTR/EAGAIN/EBUSY, which only
- * mean "not yet". */
+ * mean "not yet". On failure the SQEs the kernel did not take stay queued: the caller takes them
+ * back before it lets go of the lock, so that every critical section leaves the SQ empty. */
 static int flush_sq_locked(struct tba_ring *ring)
 {
     unsigned pending;
@@ -45,6 +48,21 @@ static int flush_sq_locked(struct tba_ring *ring)
             return ret;
     }
     return 0;
+}
+
+/* Take back the SQEs the kernel did not take (caller holds the lock; they are all its own). */
+static void take_back_locked(struct tba_ring *ring)
+{
+    __atomic_store_n(ring->sq_tail, __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE), __ATOMIC_RELEASE);
+}
+
+/* The reaper could not hand the kernel its entries: take back what the kernel did not take and
+ * refuse every later submission, wake-up and resubmission (caller holds the lock). */
+static void fail_locked(struct tba_ring *ring, int err)
+{
+    take_back_locked(ring);
+    ring->failed = err;
+    ring->reaper_waiting = 0;
 }
 
 /* Fill the next SQE (caller holds the lock). Returns -EBUSY when the SQ is full. */
@@ -81,17 +99,19 @@ static int push_slot_locked(struct tba_ring *ring, unsigned index)
     return push_sqe_locked(ring, opcode, req->fd, addr, len, req->offset + req->done, index);
 }
 
-/* Push slot ``index`` and hand it to the kernel at once. When the kernel does not take it, the SQE
- * is taken back (it is the last one queued, and the kernel takes them in order): the caller finishes
- * the slot with the error and frees its pieces, which a later flush must not hand to the kernel. */
+/* Push slot ``index`` and hand it to the kernel at once (the reaper's resubmission). When the kernel
+ * does not take it, the SQE is taken back and the ring fails: the caller finishes the slot with the
+ * error and frees its pieces, which a later flush must not hand to the kernel. */
 static int push_slot(struct tba_ring *ring, unsigned index)
 {
     pthread_mutex_lock(&ring->lock);
-    int err = push_slot_locked(ring, index);
-    if (err == -EBUSY && !(err = flush_sq_locked(ring)))
+    int err = ring->failed;
+    if (!err && (err = push_slot_locked(ring, index)) == -EBUSY && !(err = flush_sq_locked(ring)))
         err = push_slot_locked(ring, index);
-    if (!err && (err = flush_sq_locked(ring)) && sq_unsubmitted(ring) > 0)
-        __atomic_store_n(ring->sq_tail, *ring->sq_tail - 1, __ATOMIC_RELEASE);
+    if (!err)
+        err = flush_sq_locked(ring);
+    if (err && !ring->failed)
+        fail_locked(ring, err);
     pthread_mutex_unlock(&ring->lock);
     return err;
 }
@@ -102,7 +122,9 @@ static int push_nop_locked(struct tba_ring *ring, uint64_t tag)
     int err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag);
     if (err == -EBUSY && !(err = flush_sq_locked(ring)))
         err = push_sqe_locked(ring, IORING_OP_NOP, -1, 0, 0, 0, tag);
-    return err ? err : flush_sq_locked(ring);
+    if (!err && (err = flush_sq_locked(ring)))
+        take_back_locked(ring);
+    return err;
 }
 
 /* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
@@ -125,9 +147,30 @@ static int grow_queue_locked(struct tba_ring *ring, size_t more)
     return 0;
 }
 
-/* Move waiting requests into free slots and hand them to the kernel (caller holds the lock). */
+/* Put the requests whose SQEs the kernel did not take back at the front of the queue, in their
+ * order, and free their slots (caller holds the lock, and queued nothing but refilled slots since
+ * the SQ was last empty; the queue has room, as they came out of it). Each request's pieces go with
+ * it: the queue owns them again, and the slot holds none. */
+static void unrefill_locked(struct tba_ring *ring)
+{
+    unsigned head = __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE);
+    for (unsigned tail = *ring->sq_tail; tail != head; tail--) {
+        unsigned index = (unsigned)ring->sqes[(tail - 1) & *ring->sq_mask].user_data;
+        ring->queue_head = (ring->queue_head + ring->queue_cap - 1) % ring->queue_cap;
+        ring->queue[ring->queue_head] = ring->slots[index];
+        ring->queue_count++;
+        ring->slots[index].iov = NULL;
+        ring->free_stack[ring->free_count++] = index;
+    }
+    take_back_locked(ring);
+}
+
+/* Move waiting requests into free slots and hand them to the kernel (caller holds the lock). On
+ * failure the requests the kernel did not take wait in the queue again. */
 static int refill_locked(struct tba_ring *ring)
 {
+    if (ring->failed)
+        return ring->failed;
     while (ring->queue_count > 0 && ring->free_count > 0) {
         unsigned index = ring->free_stack[ring->free_count - 1];
         ring->slots[index] = ring->queue[ring->queue_head];
@@ -137,19 +180,25 @@ static int refill_locked(struct tba_ring *ring)
             continue;
         if (err) {
             ring->slots[index].iov = NULL; /* still the waiting request's, which keeps its place */
+            unrefill_locked(ring);
             return err;
         }
         ring->free_count--;
         ring->queue_head = (ring->queue_head + 1) % ring->queue_cap;
         ring->queue_count--;
     }
-    return flush_sq_locked(ring);
+    int err = flush_sq_locked(ring);
+    if (err)
+        unrefill_locked(ring);
+    return err;
 }
 
 int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n)
 {
     pthread_mutex_lock(&ring->lock);
-    int err = grow_queue_locked(ring, n);
+    int err = ring->failed;
+    if (!err)
+        err = grow_queue_locked(ring, n);
     if (!err) {
         for (unsigned i = 0; i < n; i++)
             ring->queue[(ring->queue_head + ring->queue_count + i) % ring->queue_cap] = reqs[i];
@@ -169,7 +218,8 @@ int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned 
 int tba_ring_wake(struct tba_ring *ring)
 {
     pthread_mutex_lock(&ring->lock);
-    int err = push_nop_locked(ring, WAKE_TAG);
+    /* A failed ring's reaper never blocks on a wake-up (see tba_ring_reap): nothing to hand over. */
+    int err = ring->failed ? 0 : push_nop_locked(ring, WAKE_TAG);
     pthread_mutex_unlock(&ring->lock);
     return err;
 }
@@ -253,13 +303,24 @@ int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, uns
         *nout = n;
         pthread_mutex_lock(&ring->lock);
         int err = refill_locked(ring); /* freed slots go straight back to work, GIL or not */
-        int done = err || n > 0 || *woke;
-        ring->reaper_waiting = !done;
+        if (err)
+            fail_locked(ring, err);
+        int in_kernel = ring->free_count < ring->nslots; /* every taken slot's SQE is the kernel's */
+        int done = n > 0 || *woke || (err && !in_kernel);
+        ring->reaper_waiting = !done && !err;
         pthread_mutex_unlock(&ring->lock);
         if (done)
-            return err;
+            return n > 0 || *woke ? 0 : err;
+        if (err) { /* the kernel may still write to or read from their memory: wait for them */
+            const struct timespec poll = {0, DRAIN_POLL_NS};
+            nanosleep(&poll, NULL);
+            continue;
+        }
         int ret = sys_enter(ring->fd, 0, 1, IORING_ENTER_GETEVENTS);
-        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
-            return ret;
+        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
+            pthread_mutex_lock(&ring->lock);
+            fail_locked(ring, ret);
+            pthread_mutex_unlock(&ring->lock);
+        }
     }
 }

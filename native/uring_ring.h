@@ -19,6 +19,14 @@
  * the long-lived reaper; other threads only issue no-ops. Reaping waits without the mutex. All
  * functions return 0 or a negative errno.
  *
+ * A failure of the reaper to hand the kernel its entries, or to wait for completions, fails the ring
+ * for good: under the lock, the entries the kernel did not take are taken back (their requests wait
+ * in the queue again, untouched) and every later submit, resubmission and refill refuses with that
+ * error, so no thread can hand them over afterwards. Reap goes on reporting the requests the kernel
+ * does hold, as they complete (polling the completion queue, since io_uring_enter may be what
+ * failed), and returns the error only once none is left: from then on the kernel touches no
+ * request's memory, and the caller may fail and release every request it has not heard of.
+ *
  * A vectored request (iov set: pieces of memory that fill one contiguous file range, Note [Adjacent
  * storages, one request] in tba/runtime/_host_requests.py) goes out as READV/WRITEV; a short transfer cuts
  * the moved bytes off the front of its pieces and goes out again. The ring frees the iov when the
@@ -71,6 +79,7 @@ struct tba_ring {
     struct tba_req *queue; /* requests waiting for a free slot: a circular buffer */
     size_t queue_head, queue_count, queue_cap;
     int reaper_waiting; /* the reaper is blocked (or about to block) in io_uring_enter */
+    int failed;         /* 0, or the negative errno that failed the reaper: sticky */
 };
 
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
