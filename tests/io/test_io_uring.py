@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import itertools
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -166,14 +168,19 @@ def test_a_script_exits_after_its_transfers_or_after_the_bounded_wait(tmp_path):
         assert ("read done" in done.stdout) is not warned, (done.stdout, done.stderr)
 
 
-def _io_uring_descriptors() -> int:
-    count = 0
+def _io_uring_fds() -> set[int]:
+    fds = set()
     for name in os.listdir("/proc/self/fd"):
         try:
-            count += "io_uring" in os.readlink(f"/proc/self/fd/{name}")
+            if "io_uring" in os.readlink(f"/proc/self/fd/{name}"):
+                fds.add(int(name))
         except OSError:
             pass
-    return count
+    return fds
+
+
+def _io_uring_descriptors() -> int:
+    return len(_io_uring_fds())
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -267,3 +274,48 @@ def test_a_vectored_read_cut_short_many_times_mid_piece_puts_every_byte_in_its_p
         engine.close()
         os.close(r)
         os.close(w)
+
+
+def _sq_state(ring_fd: int) -> tuple[int, int]:
+    info = dict(line.split(":\t", 1) for line in open(f"/proc/self/fdinfo/{ring_fd}").read().splitlines() if ":\t" in line)
+    return int(info["SqHead"]), int(info["SqTail"])
+
+
+@pytest.mark.requires_io_uring
+def test_a_failed_ring_hands_the_kernel_nothing_more_and_fails_nothing_the_kernel_holds(tmp_path):
+    """Note [A failed ring lets go of nothing the kernel holds]. Two pipe reads hold both slots; a file read waits.
+    The ring's descriptor is replaced, so the completion thread's flush of the waiting read, once the first pipe
+    read completes, fails; then it is put back: a flush would now hand the kernel whatever was left queued."""
+    (path := tmp_path / "f").write_bytes(b"y" * 8)
+    fd = os.open(path, os.O_RDONLY)
+    pipes = [os.pipe() for _ in range(2)]
+    held, spare = [np.zeros(8, dtype=np.uint8) for _ in range(2)], np.zeros(16, dtype=np.uint8)
+    before = _io_uring_fds()
+    engine = io_uring_module.IoUringEngine(queue_depth=2)
+    (ring_fd,) = _io_uring_fds() - before
+    saved, null = os.dup(ring_fd), os.open(os.devnull, os.O_RDONLY)
+    try:
+        in_kernel = engine.submit_many([Request(Op.READ, r, buf.ctypes.data, 8, 0) for (r, _), buf in zip(pipes, held)])
+        deadline = time.monotonic() + 10
+        while (state := _sq_state(ring_fd))[0] < 2 or state[0] != state[1]:  # both reads handed to the kernel
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        waiting = engine.submit_many([Request(Op.READ, fd, spare.ctypes.data, 8, 0)])[0]
+        os.dup2(null, ring_fd)
+        os.write(pipes[0][1], b"x" * 8)
+        assert in_kernel[0].result(timeout=10) == 8  # reaped with the failed flush of the waiting read
+        os.dup2(saved, ring_fd)
+        with pytest.raises(OSError):
+            engine.submit_many([Request(Op.READ, fd, spare.ctypes.data + 8, 8, 0)])
+        time.sleep(0.05)
+        assert not in_kernel[1].done(), "a read the kernel still holds was reported failed"
+        os.write(pipes[1][1], b"z" * 8)
+        assert in_kernel[1].result(timeout=10) == 8 and held[1].tobytes() == b"z" * 8
+        with pytest.raises(RuntimeError, match="io_uring engine failed"):
+            waiting.result(timeout=10)
+        assert not spare.any(), "the kernel read into the memory of a request reported failed"
+    finally:
+        os.dup2(saved, ring_fd)
+        engine.close()
+        for descriptor in (fd, saved, null, *itertools.chain(*pipes)):
+            os.close(descriptor)
