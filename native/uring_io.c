@@ -127,26 +127,6 @@ static int push_nop_locked(struct tba_ring *ring, uint64_t tag)
     return err;
 }
 
-/* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
-static int grow_queue_locked(struct tba_ring *ring, size_t more)
-{
-    size_t need = ring->queue_count + more, cap = ring->queue_cap ? ring->queue_cap : 64;
-    if (need <= ring->queue_cap)
-        return 0;
-    while (cap < need)
-        cap *= 2;
-    struct tba_req *queue = malloc(cap * sizeof(*queue));
-    if (!queue)
-        return -ENOMEM;
-    for (size_t i = 0; i < ring->queue_count; i++)
-        queue[i] = ring->queue[(ring->queue_head + i) % ring->queue_cap];
-    free(ring->queue);
-    ring->queue = queue;
-    ring->queue_cap = cap;
-    ring->queue_head = 0;
-    return 0;
-}
-
 /* Put the requests whose SQEs the kernel did not take back at the front of the queue, in their
  * order, and free their slots (caller holds the lock, and queued nothing but refilled slots since
  * the SQ was last empty; the queue has room, as they came out of it). Each request's pieces go with
@@ -198,7 +178,7 @@ int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned 
     pthread_mutex_lock(&ring->lock);
     int err = ring->failed;
     if (!err)
-        err = grow_queue_locked(ring, n);
+        err = tba_ring_grow_queue_locked(ring, n);
     if (!err) {
         for (unsigned i = 0; i < n; i++)
             ring->queue[(ring->queue_head + ring->queue_count + i) % ring->queue_cap] = reqs[i];
@@ -246,21 +226,6 @@ static int requeue_slot(struct tba_ring *ring, unsigned index, struct tba_done *
     return 1;
 }
 
-/* Cut ``moved`` bytes off the front of a vectored request's pieces (it has more than that left). */
-static void advance_iov(struct tba_req *req, uint64_t moved)
-{
-    while (moved > 0 && req->iov_first < req->iovcnt) {
-        struct iovec *piece = &req->iov[req->iov_first];
-        if (moved < piece->iov_len) {
-            piece->iov_base = (char *)piece->iov_base + moved;
-            piece->iov_len -= moved;
-            return;
-        }
-        moved -= piece->iov_len;
-        req->iov_first++;
-    }
-}
-
 /* Apply one completion to its slot. Returns 1 when the request finished into ``out``, 0 when it
  * was resubmitted. */
 static int complete_one(struct tba_ring *ring, unsigned index, int res, struct tba_done *out)
@@ -275,7 +240,7 @@ static int complete_one(struct tba_ring *ring, unsigned index, int res, struct t
     req->done += (uint64_t)res;
     if (req->done < req->len) {
         if (req->iov)
-            advance_iov(req, (uint64_t)res);
+            tba_req_advance(req, (uint64_t)res);
         return requeue_slot(ring, index, out);
     }
     finish_slot(ring, index, (int64_t)req->done, out);

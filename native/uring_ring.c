@@ -1,5 +1,5 @@
 /*
- * io_uring ring lifetime: setup, mapping of the shared rings, request slots, close.
+ * io_uring ring lifetime: setup, mapping of the shared rings, request slots, the waiting queue, close.
  * See uring_ring.h for the contract; submission and completion live in uring_io.c.
  */
 #define _GNU_SOURCE
@@ -123,6 +123,41 @@ void tba_req_free(struct tba_req *req)
     free(req->iov);
     req->iov = NULL;
     req->iovcnt = req->iov_first = 0;
+}
+
+/* Cut ``moved`` bytes off the front of a vectored request's pieces (it has more than that left). */
+void tba_req_advance(struct tba_req *req, uint64_t moved)
+{
+    while (moved > 0 && req->iov_first < req->iovcnt) {
+        struct iovec *piece = &req->iov[req->iov_first];
+        if (moved < piece->iov_len) {
+            piece->iov_base = (char *)piece->iov_base + moved;
+            piece->iov_len -= moved;
+            return;
+        }
+        moved -= piece->iov_len;
+        req->iov_first++;
+    }
+}
+
+/* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
+int tba_ring_grow_queue_locked(struct tba_ring *ring, size_t more)
+{
+    size_t need = ring->queue_count + more, cap = ring->queue_cap ? ring->queue_cap : 64;
+    if (need <= ring->queue_cap)
+        return 0;
+    while (cap < need)
+        cap *= 2;
+    struct tba_req *queue = malloc(cap * sizeof(*queue));
+    if (!queue)
+        return -ENOMEM;
+    for (size_t i = 0; i < ring->queue_count; i++)
+        queue[i] = ring->queue[(ring->queue_head + i) % ring->queue_cap];
+    free(ring->queue);
+    ring->queue = queue;
+    ring->queue_cap = cap;
+    ring->queue_head = 0;
+    return 0;
 }
 
 void tba_ring_forget_pieces(struct tba_ring *ring)

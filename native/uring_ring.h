@@ -85,6 +85,10 @@ struct tba_ring {
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
 void tba_ring_close(struct tba_ring *ring);
 void tba_req_free(struct tba_req *req);
+/* Cut ``moved`` bytes off the front of a vectored request's pieces (it has more than that left). */
+void tba_req_advance(struct tba_req *req, uint64_t moved);
+/* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
+int tba_ring_grow_queue_locked(struct tba_ring *ring, size_t more);
 /* In a forked child: drop, unfreed, the pieces of requests that never finished. A fork can land
  * while the reaper moves a request from the queue to a slot, when both hold the same pieces, or
  * inside tba_req_free; the child leaks them (at most the queue's) rather than free them twice. */
