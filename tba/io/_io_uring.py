@@ -28,14 +28,9 @@ wait is bounded (:data:`tba.defaults.EXIT_IO_WAIT_S`, with a warning): a disk th
 must not hang the exit, as an unbounded ``close()`` would.
 
 Note: [A failed ring lets go of nothing the kernel holds]
-When the completion thread cannot hand the kernel the requests it moved into slots (``io_uring_enter``
-fails: ``ENOMEM``, ``EBADF``), the engine fails every unfinished request, and their callbacks release
-their memory (a read's pool buffer goes to the next read). Those entries used to stay queued, and a
-submission made before the thread took the lock to mark the engine failed handed them to the kernel,
-with memory already given back. Now the ring fails for good in C, under its lock (``native/uring_ring.h``):
-it takes back what the kernel did not take and refuses every later submission (``OSError``). Requests the
-kernel did take keep being reported as they complete, with their results; ``reap`` raises once the kernel
-holds none, so what is failed then is memory the kernel never saw (a dead disk keeps it as long as ``close()``).
+A submission made while a failed completion thread was failing every request (their memory released)
+handed the kernel the entries it had not taken. Now the ring fails for good in C (``native/uring_ring.h``):
+it takes them back, refuses every later submission, and ``reap`` raises only once the kernel holds none.
 """
 
 from __future__ import annotations
@@ -209,8 +204,7 @@ class IoUringEngine(Engine):
                     if self._closing and not self._requests:
                         return
         except BaseException as err:  # noqa: BLE001 - the ring itself failed; fail every waiter
-            # Note [A failed ring lets go of nothing the kernel holds]: when reap() raised, no request is left in
-            # the kernel. An error of Python's own here (a callback's) fails the ones the kernel still holds.
+            # Note [A failed ring lets go of nothing the kernel holds]; a callback's own error is not covered by it.
             logger.exception("tba: io_uring completion thread failed")
             with self._lock:
                 self._failure = err
