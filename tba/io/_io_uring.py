@@ -1,18 +1,16 @@
 """Native engine: one io_uring instance driven through the ``tba._uring`` C extension.
 
-The extension (``native/``) sets up a ring with raw ``io_uring_setup``/``io_uring_enter``
-syscalls and owns ``queue_depth`` request slots. :meth:`IoUringEngine.submit_many` turns each
-request into a :class:`concurrent.futures.Future` and hands the whole batch to the extension in
-one call, which queues it in C and, if the engine's completion thread is blocked in the kernel,
-kicks it with a no-op ring entry. That one thread sits in ``Ring.reap()`` with the GIL released
-and is the only thread that issues reads and writes: io_uring ties each request to the thread that
-submitted it (its retries run as that thread's task work and can be cancelled when the thread
-exits), so requests from short-lived caller threads would otherwise be at risk. Inside the C loop
-the thread moves queued requests into freed slots as completions arrive, keeping the ring full
-without taking the GIL, and resubmits short transfers and ``EAGAIN``; it returns to Python only
-to hand back finished requests. A request thus surfaces exactly once: with its byte count, with
-an :class:`OSError` built from the kernel's errno, or as a read that met end of file early
-(:class:`tba.errors.ShortTransferError`).
+The extension (``native/``) sets up a ring with raw ``io_uring_setup``/``io_uring_enter`` syscalls and
+owns ``queue_depth`` request slots. :meth:`IoUringEngine.submit_many` turns each request into a
+:class:`concurrent.futures.Future` and hands the batch to the extension in one call, which queues it
+in C and, if the completion thread is blocked in the kernel, kicks it with a no-op ring entry. That
+one thread sits in ``Ring.reap()`` with the GIL released and is the only thread that issues reads
+and writes: io_uring ties each request to the thread that submitted it (its retries run as that
+thread's task work and can be cancelled when the thread exits). Inside the C loop the thread moves
+queued requests into freed slots as completions arrive, without the GIL, and resubmits short
+transfers and ``EAGAIN``; it returns to Python only to hand back finished requests. A request thus
+surfaces exactly once: with its byte count, an :class:`OSError` from the kernel's errno, or as a read
+that met end of file early (:class:`tba.errors.ShortTransferError`).
 
 Note: [No transfer ends during finalization]
 The completion thread is a daemon: it runs the requests' callbacks (the store's bookkeeping, which
