@@ -279,7 +279,7 @@ class TbaDeepSpeed:
         self._check_disk((self._traffic_bytes() - traffic) // (steps - first_steps), (now - began) / (steps - first_steps))
 
     def _check_disk(self, tba_bytes_per_step: int, step_s: float) -> None:
-        settings, options = self.settings, self.settings.offloader_options
+        settings, config = self.settings, self.offloader.config  # parsed values: the block may give "64K"
         params = list(self.engine.module.parameters())
         deepspeed_bytes = shared_disk.deepspeed_swap_bytes_per_step(
             optimizer_on_nvme=settings.optimizer_on_nvme,
@@ -288,8 +288,8 @@ class TbaDeepSpeed:
             param_itemsize_bytes=params[0].element_size() if params else 0,
         )
         write_rate, read_rate = shared_disk.measure_bandwidth(
-            self.offloader.spill.directory, backend=options.get("backend", "auto"),
-            block_size_bytes=options["block_size_bytes"], queue_depth=options["queue_depth"])
+            self.offloader.spill.directory, backend=config.backend,
+            block_size_bytes=config.block_size_bytes, queue_depth=config.queue_depth)
         warning = shared_disk.check_shared_disk(
             tba_bytes_per_step=tba_bytes_per_step, deepspeed_bytes_per_step=deepspeed_bytes, step_s=step_s,
             write_bytes_per_s=write_rate, read_bytes_per_s=read_rate, directory=self.offloader.spill.directory)

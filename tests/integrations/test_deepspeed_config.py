@@ -197,3 +197,17 @@ def test_close_removes_the_nvme_path_it_made_and_nothing_else(tmp_path):
     (nvme / "zero_stage_3").mkdir()
     offload.close()
     assert sorted(os.listdir(nvme)) == ["zero_stage_3"], "a directory holding DeepSpeed's files was removed"
+
+
+def test_shared_disk_check_takes_sizes_written_as_text(tmp_path, monkeypatch):
+    """The block may give sizes as text ("64K"); the check after the first step measured with the raw string
+    and raised TypeError at the second step's ``with``, ending the training."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    calls = []
+    monkeypatch.setattr(shared_disk, "measure_bandwidth", lambda directory, **options: calls.append(options) or (1e12, 1e12))
+    engine = FakeEngine(nvme_config(str(nvme), backend="threads", min_offload_bytes=0, block_size_bytes="64K",
+                                    queue_depth=4))
+    train_fake(engine, tba_ds.TbaDeepSpeed(engine), 3)
+    assert calls == [{"backend": "threads", "block_size_bytes": 64 << 10, "queue_depth": 4}]
+    assert os.listdir(nvme) == []
