@@ -171,7 +171,8 @@ class MegatronOffloader(Offloader):
         model: A megatron-core model (``GPTModel``, a ``TransformerBlock``, a wrapper holding one),
             or a list of model chunks.
         directory: Where the spill file lives (default ``$TBA_DIR``, else the system temp dir).
-        **options: Further :class:`tba.Offloader` options. ``prefetch_depth_layers`` defaults to
+        **options: Further :class:`tba.Offloader` options. ``policy`` defaults to ``"offload"`` (as in
+            every integration; ``TBA_POLICY`` is not read), ``prefetch_depth_layers`` to
             ``recompute_num_layers`` under full uniform recompute, else 1.
 
     Raises:
@@ -184,9 +185,12 @@ class MegatronOffloader(Offloader):
             raise TypeError("MegatronOffloader takes its layers from the model; use tba.Offloader to pass layers=")
         _, self._is_checkpointing = _megatron()
         blocks = transformer_blocks(model)
+        # Integrations offload unless told to plan (docs/policies.md): Offloader's own default, "adaptive",
+        # would also slip past the recompute check below.
+        options.setdefault("policy", "offload")
         for block in blocks:
             check_recompute_config(block.config)
-            if options.get("policy") not in (None, "offload", "keep") and block.config.recompute_granularity:
+            if options["policy"] not in ("offload", "keep") and block.config.recompute_granularity:
                 raise TbaConfigError(
                     f"tba's adaptive policy chooses which layers to recompute itself; Megatron's "
                     f"recompute_granularity={block.config.recompute_granularity!r} would recompute "

@@ -204,6 +204,19 @@ def test_adaptive_policy_is_exact_and_plans_after_profiling(world, spill_dir):
     assert offloader.plan is not None and len(offloader.plan.decisions) == len(offloader.layers)
 
 
+def test_offloader_built_directly_offloads_by_default(world, spill_dir, monkeypatch):
+    """MegatronOffloader(model) took Offloader's default policy, "adaptive" (or $TBA_POLICY), unlike every other
+    integration, and an implicit "adaptive" slipped past the check that refuses it beside Megatron's recompute."""
+    monkeypatch.setenv("TBA_POLICY", "adaptive")
+    for flags in ((), ("--recompute-granularity", "full")):
+        model = pretrain_gpt.build_gpt(parse(*flags), torch.device("cpu"))
+        offloader = MegatronOffloader(model, spill_dir, backend="threads")
+        assert offloader.config.policy == "offload"
+        offloader.close()
+    with pytest.raises(TbaConfigError, match="recompute them twice"):
+        MegatronOffloader(model, spill_dir, backend="threads", policy="adaptive")
+
+
 def test_bad_models_and_settings_are_refused():
     with pytest.raises(TbaConfigError, match="no megatron-core TransformerBlock"):
         MegatronOffloader(nn.Linear(4, 4))
