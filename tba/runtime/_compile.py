@@ -15,7 +15,8 @@ tba works through saved-tensor hooks. How they meet ``torch.compile`` depends on
   (reading everything back at once raised it: 1153 MiB against 836 MiB keep-all for the
   compiled ``bench`` GPT on CPU). torch 2.13 inlines only traceable hooks (``torch.fx.GraphModule`` pack and unpack, see
   ``torch._functorch.config.saved_tensors_hooks_filtering_mode``); tba's hooks do file I/O and
-  cannot be traced. A layer a plan recomputes is traced as it is, not recomputed (Note [Inside an
+  cannot be traced, and Dynamo never compiles them either, even where a graph breaks
+  (:func:`never_traced`). A layer a plan recomputes is traced as it is, not recomputed (Note [Inside an
   enclosing compiled graph a recomputed layer runs as it is] in ``tba/runtime/_recompute.py``).
 
 Detection needs ``layers`` (``tba/layers.py``), and uses two signs, checked when forward ends:
@@ -39,7 +40,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -132,3 +133,21 @@ def warn_whole_model_compile(layers: Sequence[nn.Module]) -> None:
         return
     _warned.add(layers[0])
     logger.warning(WHOLE_MODEL_COMPILE_WARNING)
+
+
+def never_traced(*functions: Callable[..., object]) -> None:
+    """Mark ``functions``' code, and every frame it calls, for Dynamo to skip: they always run eagerly.
+
+    Note [Dynamo never runs tba's hooks] in ``tba/runtime/_hooks.py``. ``torch.compiler.disable`` would
+    wrap each call (about 0.4 µs, twice per saved tensor) and importing it imports ``torch._dynamo``
+    (seconds, which importing tba must not cost); the code object's own execution strategy, which
+    Dynamo's frame callback reads, costs nothing per call. It is torch's private binding: where it
+    is missing the hooks are left as they were (traced after a graph break, as before).
+    """
+    try:
+        from torch._C._dynamo import eval_frame
+        skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+        for function in functions:
+            eval_frame.set_code_exec_strategy(function.__code__, skip)
+    except (ImportError, AttributeError, TypeError) as err:
+        logger.debug("tba: cannot mark the saved-tensor hooks for Dynamo to skip (%s)", err)

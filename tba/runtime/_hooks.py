@@ -27,6 +27,7 @@ from tba import _control
 from tba._trace import nvtx_range
 from tba.device import is_device_tensor
 from tba.errors import EngineClosedError, TbaError
+from tba.runtime._compile import never_traced
 from tba.runtime._keep import KeepDecision, KeepReason, kept_after_block
 from tba.runtime._trim import note_host_offload
 from tba.runtime._views import Kept, SavedView, StorageEntry
@@ -78,7 +79,17 @@ class SavedTensorHooks(KeepDecision):
         raise NotImplementedError
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself."""
+        """Saved-tensor pack hook: a :class:`SavedView` for the disk path, else the tensor itself.
+
+        Note: [Dynamo never runs tba's hooks]
+        After a graph break, the eager rest of a compiled forward runs with Dynamo's frame callback set,
+        and a pack hook called there was compiled as any other Python frame: Dynamo traced tba's
+        bookkeeping, mistraced the version watch's ``set_data`` (``AssertionError: torch.int64 !=
+        torch.float32`` for a 64 KiB batch of token ids saved by the embedding) and graph-broke at
+        each lock (helper-56: ``torch.compile(model)`` passed as ``layers=``, whose layer hooks break
+        the graph). So both hooks' code, and every frame they call, is marked for Dynamo to skip
+        (:func:`tba.runtime._compile.never_traced`): they run eagerly, at no cost per call.
+        """
         with nvtx_range("pack"):
             return self._pack(tensor)
 
@@ -176,7 +187,7 @@ class SavedTensorHooks(KeepDecision):
                 "offloader instead of calling pack directly")
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        """Saved-tensor unpack hook: the saved tensor, bit for bit."""
+        """Saved-tensor unpack hook: the saved tensor, bit for bit (Note [Dynamo never runs tba's hooks])."""
         if type(packed) is Kept:
             if packed.layer is not None and packed.layer != self._kept_layer:
                 self.reached_layer(packed.layer)
@@ -261,3 +272,6 @@ class _ViewDied(_control.Finalizer):
 
     def fire(self) -> None:
         self.owner.drop_view(self.entry, self.view_id)
+
+
+never_traced(SavedTensorHooks.pack, SavedTensorHooks.unpack)
