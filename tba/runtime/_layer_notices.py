@@ -19,11 +19,14 @@ _SAID_NOT_RUN = WeakRegistry()
 
 
 def say_no_repeated_blocks() -> None:
-    """A forward saved tensors in a model without repeated blocks, or whose blocks are each compiled (their saves
-    carry no module stack, ``tba/runtime/_discover.py``): nothing to plan for, so every step offloads all."""
+    """A forward saved tensors in a model without repeated blocks, or whose blocks are each compiled or checkpointed
+    by the model itself (their saves carry no module stack, ``tba/runtime/_discover.py``; helper-56 saw the
+    message name only compiling for GPT-2 under Hugging Face's gradient checkpointing): nothing to plan for,
+    so every step offloads all."""
     logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
-                   "compiled on its own), so every step offloads every saved tensor; pass layers=[...] "
-                   "(the model's blocks) to have a placement planned per block")
+                   "compiled on its own or run under the model's own activation checkpointing), so every "
+                   "step offloads every saved tensor; pass layers=[...] (the model's blocks) to have a "
+                   "placement planned per block")
 
 
 def say_layers_not_run(first: nn.Module | None, count: int, effect: str,
