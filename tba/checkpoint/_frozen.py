@@ -15,15 +15,28 @@ through ``.data`` (which has its own version counter), to an inference tensor (w
 by a kernel that does not bump it: ``batch_norm`` updates ``running_mean`` and ``running_var`` so,
 but the ``num_batches_tracked`` saved beside them is bumped by the same forward. A change still
 running in another thread when the check runs can escape it; ``guard`` leaves no such window.
+
+Note: [A fused optimizer step bumps no version]
+``torch.optim.SGD(fused=True)`` and ``Adam(fused=True)`` update parameters and their states in one
+kernel that bumps no version counter (Adam's ``step`` tensor only), so an unguarded fused step
+right after a save published the post-step weights under the save's name, silently (helper-rev2).
+A :class:`StepWatch` per lazy save, registered from the save call until the check, sees every
+``optimizer.step()`` in the process through torch's global step pre-hook: a step of an optimizer
+holding one of the save's storages (a parameter with a gradient, or its state), unless that
+optimizer is guarded by the saving checkpointer (its own pre-hook waits for the copy, after the
+global one ran), fails the save at the check as a changed version does.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tba.checkpoint._io import TbaCheckpointError, TbaConfigError
 
@@ -67,9 +80,79 @@ def freeze(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Watched]:
     return _freeze(state_dict, "", watched), watched
 
 
-def check_unchanged(watched: Watched, path: str) -> None:
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() else 0
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a functional or wrapped tensor)
+        return 0
+
+
+class StepWatch:
+    """Optimizer steps on a lazy save's tensors before its copy was checked (Note [A fused optimizer step bumps no version])."""
+
+    def __init__(self, watched: Watched, guarded: Callable[[torch.optim.Optimizer], bool]) -> None:
+        self.storages = {_storage_ptr(tensor) for _, tensor, _ in watched} - {0}
+        self.guarded = guarded
+        self.stepped: list[str] = []
+
+    def note_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.storages or self.guarded(optimizer):
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue  # a step leaves a parameter without a gradient and its state as they are
+                state = optimizer.state.get(param, {})
+                tensors = [param, *(v for v in state.values() if isinstance(v, torch.Tensor))]
+                if any(_storage_ptr(t) in self.storages for t in tensors):
+                    self.stepped.append(f"{type(optimizer).__name__}.step()")
+                    return
+
+
+_watches: list[StepWatch] = []
+_watches_lock = threading.Lock()
+_hook_registered = False
+
+
+def _note_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
+    if _watches:
+        with _watches_lock:
+            watches = list(_watches)
+        for watch in watches:
+            watch.note_step(optimizer)
+
+
+def start_watch(watch: StepWatch) -> None:
+    """See every optimizer step from now until :func:`stop_watch` (Note [A fused optimizer step bumps no version])."""
+    global _hook_registered
+    with _watches_lock:
+        if not _hook_registered:
+            register_optimizer_step_pre_hook(_note_step)
+            _hook_registered = True
+        _watches.append(watch)
+
+
+def forget_watches_in_child() -> None:
+    """After fork: the parent's saves are the parent's to check."""
+    global _watches_lock
+    _watches_lock = threading.Lock()
+    _watches.clear()
+
+
+def stop_watch(watch: StepWatch) -> None:
+    with _watches_lock:
+        if watch in _watches:
+            _watches.remove(watch)
+
+
+def check_unchanged(watched: Watched, path: str, watch: StepWatch | None = None) -> None:
     """Raise if a tensor changed since the save call (Note [A tensor changed before the lazy copy read it])."""
+    if watch is not None:
+        stop_watch(watch)
     changed = [key for key, tensor, version in watched if tensor._version != version]
+    if not changed and watch is not None and watch.stepped:
+        changed = [f"tensors stepped by {watch.stepped[0]} (a fused step bumps no version counter)"]
     if changed:
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         raise TbaCheckpointError(

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tba import _sched
-from tba.checkpoint._frozen import check_unchanged, freeze
+from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
 from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError
 from tba.checkpoint._publish import begin_save, end_save, wait_for_earlier_saves
 from tba.checkpoint._writer import TbaStorageWriter
@@ -170,6 +170,7 @@ class LazyCheckpointer:
                                         image_pool=ImagePool(reserve_bytes))
         self._latest: LazyCheckpoint | None = None
         self._lock = threading.Lock()
+        self._guarded: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         _CHECKPOINTERS.add(self)
 
     def _after_fork_in_child(self) -> None:
@@ -218,7 +219,9 @@ class LazyCheckpointer:
             begin_save(path, handle._done)  # Note [A load waits for the saves to its path]
             self._writer.on_snapshot = handle._mark_snapshot
             # Note [A tensor changed before the lazy copy read it]
-            self._writer.check_snapshot = lambda: check_unchanged(watched, path)
+            # and Note [A fused optimizer step bumps no version]
+            watch = StepWatch(watched, self._guards)
+            self._writer.check_snapshot = lambda: check_unchanged(watched, path, watch)
             # Note [Lazy saves to one path publish in call order]
             self._writer.before_publish = lambda: wait_for_earlier_saves(path, handle._done)
             self._latest = handle
@@ -227,15 +230,23 @@ class LazyCheckpointer:
         # whose last act is save_lazy publishes its checkpoint. A daemon thread was ended in the
         # middle of torch's C++ code during finalization ("terminate called without an active
         # exception", abort) and left a partial directory.
-        thread = threading.Thread(target=self._run, args=(frozen, handle), name="tba-ckpt", daemon=False)
+        thread = threading.Thread(target=self._run, args=(frozen, handle, watch), name="tba-ckpt", daemon=False)
+        start_watch(watch)
         try:
             thread.start()
         except BaseException as err:  # no thread to finish it: the loads waiting for it must not wait for ever
+            stop_watch(watch)
             handle._finish(err)
             raise
         return handle
 
-    def _run(self, state_dict: dict[str, Any], handle: LazyCheckpoint) -> None:
+    def _guards(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer.step()`` still runs this checkpointer's :meth:`guard` hook."""
+        handle = self._guarded.get(optimizer)
+        hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        return handle is not None and (hooks is None or handle.id in hooks)
+
+    def _run(self, state_dict: dict[str, Any], handle: LazyCheckpoint, watch: StepWatch) -> None:
         _sched.background()
         error = None
         try:
@@ -245,6 +256,7 @@ class LazyCheckpointer:
         except BaseException as err:  # noqa: BLE001 - reported through the handle
             error = _unwrap(err)
             logger.error("tba: checkpoint %s failed: %s", handle.path, err)
+        stop_watch(watch)
         handle._finish(error)
 
     def wait_snapshot(self) -> float:
@@ -258,7 +270,9 @@ class LazyCheckpointer:
         def wait_before_step(*_: object) -> None:
             self.wait_snapshot()
 
-        return optimizer.register_step_pre_hook(wait_before_step)
+        handle = optimizer.register_step_pre_hook(wait_before_step)
+        self._guarded[optimizer] = handle
+        return handle
 
     def close(self) -> None:
         """Wait for the latest checkpoint, then release the engine and the host buffer."""
@@ -281,6 +295,7 @@ _default_lock = threading.Lock()
 def _reset_in_child() -> None:
     global _default_lock
     _default_lock = threading.Lock()
+    forget_watches_in_child()
     for checkpointer in list(_CHECKPOINTERS):
         checkpointer._after_fork_in_child()
 

@@ -70,3 +70,42 @@ def test_batchnorm_statistics_changed_by_forward_fail_the_save(tmp_path, gate):
         with pytest.raises(TbaCheckpointError, match="num_batches_tracked"):
             handle.wait()
     assert not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+    lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+], ids=["sgd-fused", "adam-fused"])
+def test_an_unguarded_fused_step_fails_the_save(tmp_path, gate, make_optimizer):
+    """A fused step bumps no version of the parameters it updates (Note [A fused optimizer step bumps no version])."""
+    model = torch.nn.Linear(16, 16)
+    optimizer = make_optimizer(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    with LazyCheckpointer() as checkpointer:
+        handle = checkpointer.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, str(tmp_path / "c"))
+        optimizer.step()  # no guard(optimizer)
+        gate.set()
+        with pytest.raises(TbaCheckpointError, match=r"changed after save\(\).*guard\(optimizer\)"):
+            handle.wait()
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_a_guarded_fused_step_and_a_step_on_other_tensors_leave_the_save_exact(tmp_path, gate):
+    model, other = torch.nn.Linear(16, 16), torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    unrelated = torch.optim.SGD(other.parameters(), lr=0.1, fused=True)
+    for p in [*model.parameters(), *other.parameters()]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    path = str(tmp_path / "c")
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.guard(optimizer)
+        at_save = clone_state({"model": model.state_dict()})
+        handle = checkpointer.save({"model": model.state_dict()}, path)
+        unrelated.step()
+        threading.Timer(0.3, gate.set).start()
+        optimizer.step()  # waits for the copy
+        handle.wait()
+    assert_state_equal(load_state(path, at_save, TbaStorageReader(path)), at_save)
