@@ -9,6 +9,17 @@ keys it by parameter name; :func:`state_dict` saves in that form, and :func:`loa
 form for the model and optimizer it is given, checks the checkpoint's keys against it both ways
 (a missing or an unexpected key is a :class:`TbaCheckpointError`), loads, and applies the result
 with ``set_state_dict``.
+
+Note: [A parameter that never had a gradient has no optimizer state]
+``get_state_dict`` initialises a fresh optimizer's state by a step with zero gradients for every
+parameter that requires grad, but the trained optimizer has no state for a parameter that never got
+a gradient (an unused branch, a head not trained yet): its checkpoint has no key for it, and the
+strict key check refused every such checkpoint, naming a fix (save with ``state_dict``) the user had
+already applied (helper-rev2). :class:`_StrictPlanner` drops from the target the state of each
+parameter of which the checkpoint holds no key at all, and :func:`load` removes it before
+``set_state_dict`` (then told ``strict=False``: torch checks for the same state, and every key was
+checked here), so the loaded optimizer has no state for it either, as the saved one had.
+A parameter with some of its state keys in the checkpoint and not others still fails.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from tba.checkpoint._io import TbaCheckpointError
@@ -49,11 +60,28 @@ def state_dict(model: nn.Module, optimizer: Optimizer | None = None, **extra: An
 class _StrictPlanner(DefaultLoadPlanner):
     """DCP's load planner that also refuses keys the checkpoint has and the target lacks."""
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer_state: dict[str, Any] | None = None) -> None:
         super().__init__(allow_partial_load=False)
+        self._optimizer_state = optimizer_state
+        self.stateless: list[str] = []
+        """Parameters the checkpoint holds no optimizer state for (Note [A parameter that never had a gradient has no
+        optimizer state])."""
+
+    def _drop_stateless(self, saved: set[str]) -> None:
+        per_param = (self._optimizer_state or {}).get("state", {})
+        for fqn, entries in per_param.items():
+            prefix = f"{OPTIMIZER_KEY}.state.{fqn}."
+            if not isinstance(entries, dict) or any(prefix + name in saved for name in entries):
+                continue
+            if any(key.startswith(prefix) for key in saved):
+                continue
+            for key in [key for key in self.state_dict if key.startswith(prefix)]:
+                del self.state_dict[key]
+            self.stateless.append(fqn)
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._drop_stateless(set(metadata.state_dict_metadata))
         unexpected = sorted(set(metadata.state_dict_metadata) - set(self.state_dict))
         if unexpected:
             shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
@@ -91,8 +119,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
     state = state_dict(model, optimizer, **extra)
     try:
         for attempt in range(LOAD_TRIES):  # Note [A load racing another process's save]
+            planner = _StrictPlanner(state.get(OPTIMIZER_KEY))
             try:
-                dcp.load(state, storage_reader=TbaStorageReader(path, backend=backend), planner=_StrictPlanner(),
+                dcp.load(state, storage_reader=TbaStorageReader(path, backend=backend), planner=planner,
                          no_dist=True)
                 break
             except CheckpointException as err:
@@ -121,5 +150,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
         if isinstance(err, CheckpointException):
             raise TbaCheckpointError(f"loading the checkpoint at {os.fspath(path)} failed: {_last_line(text)}") from err
         raise
+    for fqn in planner.stateless:  # Note [A parameter that never had a gradient has no optimizer state]
+        del state[OPTIMIZER_KEY]["state"][fqn]
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[MODEL_KEY],
-                   optim_state_dict=state.get(OPTIMIZER_KEY, {}))
+                   optim_state_dict=state.get(OPTIMIZER_KEY, {}),
+                   # every key was checked both ways above; torch's own check refuses a parameter without state
+                   options=StateDictOptions(strict=False) if planner.stateless else None)

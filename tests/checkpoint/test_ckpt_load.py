@@ -89,3 +89,42 @@ def test_a_model_of_other_sizes_gets_a_checkpoint_error_that_except_exception_ca
         caught = err
     assert isinstance(caught, TbaCheckpointError), type(caught)
     assert "model.weight" in str(caught) and "same sizes" in str(caught)
+
+
+class _WithUnusedBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.Adam(params, lr=1e-2),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+], ids=["adam", "sgd-momentum"])
+def test_a_parameter_that_never_had_a_gradient_loads_into_a_fresh_optimizer(tmp_path, make_optimizer):
+    """Note [A parameter that never had a gradient has no optimizer state]: the load was refused, naming a fix already applied."""
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = _WithUnusedBranch()
+        return model, make_optimizer(model.parameters())
+
+    def step(model, optimizer, seed):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = build(0)
+    for seed in range(2):
+        step(model, optimizer, seed)
+    LazyCheckpointer().save(state_dict(model, optimizer), tmp_path / "c").wait()
+    model2, fresh = build(1)
+    load(tmp_path / "c", model2, fresh)
+    assert _optimizer_state_equal(optimizer, fresh)
+    for seed in range(2, 4):
+        step(model, optimizer, seed)
+        step(model2, fresh, seed)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert _optimizer_state_equal(optimizer, fresh)
