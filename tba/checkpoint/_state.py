@@ -20,13 +20,28 @@ parameter of which the checkpoint holds no key at all, and :func:`load` removes 
 ``set_state_dict`` (then told ``strict=False``: torch checks for the same state, and every key was
 checked here), so the loaded optimizer has no state for it either, as the saved one had.
 A parameter with some of its state keys in the checkpoint and not others still fails.
+
+Note: [Saving before the first step changed the optimizer]
+That initialisation is a real ``optimizer.step()`` (lr set to 0): on the optimizer being saved, a
+checkpoint taken before the first step (``step % N == 0`` at step 0) left Adam one step further on
+(bias correction, so every later update differed from training without the checkpoint), created
+SGD's momentum buffers (the next step then dampens the first gradient), bumped the parameters'
+versions and ran the step hooks (helper-rev2). :func:`state_dict` therefore never lets it run:
+when the initialisation would happen (no state, no gradient), a zero gradient is set on the
+smallest parameter for the call (``_init_optim_state`` returns on any gradient) and taken away
+after, and the checkpoint holds no per-parameter state, as the optimizer has none; :func:`load`
+(Note [A parameter that never had a gradient has no optimizer state]) restores it as such. Only the
+optimizer being loaded into is initialised, and its state is then replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -50,7 +65,28 @@ def state_dict(model: nn.Module, optimizer: Optimizer | None = None, **extra: An
     so :func:`load` restores it into a fresh optimizer. Pass it to ``LazyCheckpointer.save``,
     ``save_lazy`` or ``dcp.save``.
     """
-    model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    with _no_state_initialisation(optimizer):
+        model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    return _assemble(model_state, optimizer, optimizer_state, extra)
+
+
+@contextlib.contextmanager
+def _no_state_initialisation(optimizer: Optimizer | None) -> Iterator[None]:
+    """``get_state_dict`` without its optimizer step (Note [Saving before the first step changed the optimizer])."""
+    params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+    if optimizer is None or optimizer.state or not params or any(p.grad is not None for p in params):
+        yield
+        return
+    smallest = min(params, key=lambda p: p.numel())
+    smallest.grad = torch.zeros_like(smallest)
+    try:
+        yield
+    finally:
+        smallest.grad = None
+
+
+def _assemble(model_state: dict[str, Any], optimizer: Optimizer | None, optimizer_state: Any,
+              extra: dict[str, Any]) -> dict[str, Any]:
     state = {MODEL_KEY: model_state, **extra}
     if optimizer is not None:
         state[OPTIMIZER_KEY] = optimizer_state
@@ -116,7 +152,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
         TbaCheckpointError: the checkpoint lacks a key the model or optimizer has, or has one they lack
             (a checkpoint of another model, or one saved without :func:`state_dict`).
     """
-    state = state_dict(model, optimizer, **extra)
+    # the target is initialised (a fresh optimizer has state to load into); its state is replaced below
+    model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = _assemble(model_state, optimizer, optimizer_state, extra)
     try:
         for attempt in range(LOAD_TRIES):  # Note [A load racing another process's save]
             planner = _StrictPlanner(state.get(OPTIMIZER_KEY))

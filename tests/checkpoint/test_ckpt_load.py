@@ -128,3 +128,38 @@ def test_a_parameter_that_never_had_a_gradient_loads_into_a_fresh_optimizer(tmp_
         step(model2, fresh, seed)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     assert _optimizer_state_equal(optimizer, fresh)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.Adam(params, lr=1e-2),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5),
+], ids=["adam", "sgd-momentum-dampening"])
+def test_a_checkpoint_before_the_first_step_changes_nothing_and_resumes_exactly(tmp_path, make_optimizer):
+    """Note [Saving before the first step changed the optimizer]: state_dict() stepped Adam once (lr 0)."""
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Linear(8, 8)
+        return model, make_optimizer(model.parameters())
+
+    def train(model, optimizer, seeds):
+        for seed in seeds:
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    plain, plain_optimizer = build(0)
+    train(plain, plain_optimizer, range(3))
+    model, optimizer = build(0)
+    versions = [p._version for p in model.parameters()]
+    LazyCheckpointer().save(state_dict(model, optimizer), tmp_path / "c").wait()
+    assert len(optimizer.state) == 0 and versions == [p._version for p in model.parameters()]
+    assert all(p.grad is None for p in model.parameters())
+    train(model, optimizer, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+    assert _optimizer_state_equal(plain_optimizer, optimizer)
+    resumed, fresh = build(1)
+    load(tmp_path / "c", resumed, fresh)
+    assert len(fresh.state) == 0
+    train(resumed, fresh, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), resumed.state_dict().values()))
+    assert _optimizer_state_equal(plain_optimizer, fresh)
