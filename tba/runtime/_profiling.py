@@ -119,10 +119,17 @@ _BISECTIONS = 40
 """Halvings, then bisection steps, of the search for the write bandwidth forward saw (2^-40: exact enough)."""
 
 
+def _shape(tensor: torch.Tensor) -> tuple:
+    """A tensor's shape; a nested tensor's (which has no ``shape``: an encoder's fast path in eval) its pieces'."""
+    if tensor.is_nested:
+        return ("nested", *(tuple(piece.shape) for piece in tensor.unbind()))
+    return tuple(tensor.shape)
+
+
 def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
     """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape."""
     values = [*args, *(kwargs[name] for name in sorted(kwargs))]
-    return tuple((tuple(v.shape), v.dtype) for v in values if isinstance(v, torch.Tensor))
+    return tuple((_shape(v), v.dtype) for v in values if isinstance(v, torch.Tensor))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch import nn
 
+import tba
 from tba.defaults import PEAK_HEADROOM
 from tba.policy._model import OFFLOAD, estimate
 from tba.runtime._profiling import Samples
@@ -163,3 +166,24 @@ def test_the_other_compute_threads_run_queue_waits_are_io_time_too():
     assert profile.io_overhead_s_per_byte == pytest.approx(0.25 / (200 * MIB))
     assert _profile({**_sample(1.3, span_cpu_s=1.2), "span_preempted_s": None}).io_overhead_s_per_byte == \
         pytest.approx(0.1 / (200 * MIB))
+
+
+def test_an_encoders_nested_fast_path_in_eval_runs_inside_the_bare_context(spill_dir):
+    """nn.TransformerEncoder in eval under no_grad hands its layers a nested tensor, which has no shape:
+    the first layer's shape hook raised 'NestedTensorImpl doesn't support sizes' (helper-rev2)."""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
+    x = torch.randn(3, 8, 32)
+    padding = torch.zeros(3, 8, dtype=torch.bool)
+    padding[:, -2:] = True
+    for _ in range(4):  # profiled steps, then planned ones, each followed by an evaluation
+        encoder.train()
+        with tba.offload_activations(directory=spill_dir, min_offload_bytes=0):
+            loss = encoder(x, src_key_padding_mask=padding).sum()
+        loss.backward()
+        encoder.eval()
+        with torch.no_grad():
+            expected = encoder(x, src_key_padding_mask=padding)
+            with tba.offload_activations(directory=spill_dir):
+                got = encoder(x, src_key_padding_mask=padding)
+        assert torch.equal(expected, got)
