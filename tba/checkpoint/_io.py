@@ -22,9 +22,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
+from tba._units import SizeError, parse_size
 from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, HUGE_PAGE_BYTES, QUEUE_DEPTH
 from tba.errors import TbaConfigError, TbaError
-from tba.io import Engine, Op, Request, create_preallocated, make_engine, resolve_directory, round_up
+from tba.io import Engine, Op, Request, create_preallocated, make_engine, resolve_backend, resolve_directory, round_up
 from tba.io import host_buffer as io_host_buffer
 
 DEFAULT_QUEUE_DEPTH = QUEUE_DEPTH
@@ -36,13 +37,43 @@ DEFAULT_CHUNK_BYTES = BLOCK_SIZE_BYTES
 
 __all__ = [
     "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "ImagePool", "Op", "Request",
-    "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "create_preallocated",
+    "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "check_engine_settings", "create_preallocated",
+    "size_bytes",
     "host_buffer", "make_engine", "resolve_directory",
 ]
 
 
 class TbaCheckpointError(TbaError):
     """A checkpoint could not be written or read; any earlier checkpoint is left untouched."""
+
+
+def check_engine_settings(backend: str | Engine, queue_depth: int) -> None:
+    """Refuse an unknown or unusable backend and a bad queue depth where they are given.
+
+    Note: [Engine settings are checked at construction]
+    The checkpoint classes made their engine only inside ``dcp.save`` / ``dcp.load``, or in a lazy
+    save's thread: ``TbaStorageWriter(backend="nope")`` or ``LazyCheckpointer(queue_depth=0)`` was
+    accepted and every save then failed with DCP's ``CheckpointException`` (a ``BaseException``
+    that ``except Exception`` does not catch), a lazy one only at ``wait()`` (helper-rev2). The
+    constructors call this, so the ``TbaConfigError`` comes from the line that chose the value.
+    """
+    if isinstance(backend, Engine):
+        return
+    if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
+        raise TbaConfigError(f"queue_depth must be a whole number >= 1, got {queue_depth!r}")
+    resolve_backend(backend)
+
+
+def size_bytes(name: str, value: int | str) -> int:
+    """``value`` as bytes: an int >= 0, or a size string such as ``"2G"`` (as the offloader's options take)."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except SizeError as err:
+            raise TbaConfigError(f"{name}: {err}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TbaConfigError(f"{name} must be bytes >= 0 (an int, or a size such as '2G'), got {value!r}")
+    return value
 
 
 def align_up(nbytes: int) -> int:

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from tba import _sched
 from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
-from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError
+from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError, size_bytes
 from tba.checkpoint._publish import begin_save, end_save, wait_for_earlier_saves
 from tba.checkpoint._writer import TbaStorageWriter
 
@@ -157,14 +157,13 @@ class LazyCheckpointer:
     Args:
         backend: Engine backend (``"auto"``, ``"io_uring"``, ``"threads"``) or an Engine.
         queue_depth: Write requests in flight. Default 8.
-        reserve_bytes: Host buffer to allocate and touch now (bytes), about the checkpoint's
+        reserve_bytes: Host buffer to allocate and touch now (bytes, or a size such as "2G"), about the checkpoint's
             size; otherwise the first save allocates it and its snapshot is slower.
     """
 
     def __init__(self, *, backend: str = "auto", queue_depth: int = DEFAULT_QUEUE_DEPTH,
-                 reserve_bytes: int = 0) -> None:
-        if reserve_bytes < 0:
-            raise TbaConfigError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+                 reserve_bytes: int | str = 0) -> None:
+        reserve_bytes = size_bytes("reserve_bytes", reserve_bytes)
         self._settings = (backend, queue_depth)
         self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth,
                                         image_pool=ImagePool(reserve_bytes))

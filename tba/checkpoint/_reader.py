@@ -32,7 +32,9 @@ from tba.checkpoint._io import (
     Op,
     Request,
     TbaCheckpointError,
+    TbaConfigError,
     align_up,
+    check_engine_settings,
     host_buffer,
     make_engine,
 )
@@ -83,6 +85,9 @@ class TbaStorageReader(StorageReader):
         batch_bytes: int = DEFAULT_BATCH_BYTES,
     ) -> None:
         super().__init__()
+        check_engine_settings(backend, queue_depth)  # Note [Engine settings are checked at construction]
+        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
+            raise TbaConfigError(f"batch_bytes must be a whole number of bytes >= 1, got {batch_bytes!r}")
         self.path = os.fspath(path) if path is not None else None
         self.storage_data: dict[Any, Any] = {}
         self._backend = backend

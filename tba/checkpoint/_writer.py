@@ -46,6 +46,7 @@ from tba.checkpoint._io import (
     StorageInfo,
     TbaConfigError,
     align_up,
+    check_engine_settings,
     create_preallocated,
     make_engine,
 )
@@ -109,6 +110,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if chunk_bytes <= 0 or chunk_bytes % _layout.ALIGN_BYTES:
             raise TbaConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+        check_engine_settings(backend, queue_depth)  # Note [Engine settings are checked at construction]
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
         self.overwrite = overwrite
         self.chunk_bytes = chunk_bytes

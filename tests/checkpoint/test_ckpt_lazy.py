@@ -176,3 +176,25 @@ def test_two_checkpointers_saving_to_one_path_publish_in_call_order(tmp_path, mo
         earlier.wait()
     assert torch.equal(load_state(path, {"w": torch.zeros(1000)}, TbaStorageReader(path))["w"], torch.full((1000,), 2.0))
     assert sorted(os.listdir(tmp_path)) == ["c", "warm"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LazyCheckpointer(backend="nope"),
+    lambda: LazyCheckpointer(queue_depth=0),
+    lambda: TbaStorageWriter("c", backend="nope"),
+    lambda: TbaStorageWriter("c", queue_depth=-1),
+    lambda: TbaStorageReader("c", backend="nope"),
+    lambda: TbaStorageReader("c", queue_depth=0),
+    lambda: TbaStorageReader("c", batch_bytes=0),
+    lambda: LazyCheckpointer(reserve_bytes="lots"),
+], ids=["lazy-backend", "lazy-depth", "writer-backend", "writer-depth", "reader-backend", "reader-depth", "reader-batch",
+        "reserve-text"])
+def test_bad_engine_settings_are_refused_where_they_are_given(make):
+    """Note [Engine settings are checked at construction]: they failed every save later, as a CheckpointException."""
+    with pytest.raises(TbaConfigError, match="backend|queue_depth|batch_bytes|reserve_bytes"):
+        make()
+
+
+def test_reserve_takes_a_size_string():
+    with LazyCheckpointer(reserve_bytes="1M"):
+        pass
