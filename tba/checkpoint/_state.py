@@ -177,6 +177,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
         ours = next((line for line in text.splitlines() if "TbaCheckpointError: " in line), None)
         if ours is not None:
             raise TbaCheckpointError(ours.split("TbaCheckpointError: ", 1)[1]) from None
+        if f"no checkpoint at {os.fspath(path)}" in text:  # not "lacks keys": there is nothing at path
+            raise TbaCheckpointError(f"no checkpoint at {os.fspath(path)} (no .metadata there); pass the directory "
+                                     "a save completed to") from None
         if "Missing key" in text or "missing" in text.lower():
             raise TbaCheckpointError(f"the checkpoint at {os.fspath(path)} lacks keys of this model or optimizer "
                                      f"({text.strip().splitlines()[-1][:300]}); save with "

@@ -163,3 +163,10 @@ def test_a_checkpoint_before_the_first_step_changes_nothing_and_resumes_exactly(
     train(resumed, fresh, range(3))
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), resumed.state_dict().values()))
     assert _optimizer_state_equal(plain_optimizer, fresh)
+
+
+def test_load_from_a_path_without_a_checkpoint_says_so(tmp_path):
+    """It said the checkpoint 'lacks keys of this model' and to save with state_dict(): '.metadata is missing' matched."""
+    with pytest.raises(TbaCheckpointError, match="no checkpoint at") as caught:
+        load(tmp_path / "nothing", nn.Linear(2, 2))
+    assert "lacks keys" not in str(caught.value)
