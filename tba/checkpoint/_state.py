@@ -119,6 +119,10 @@ class _StrictPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._drop_stateless(set(metadata.state_dict_metadata))
         unexpected = sorted(set(metadata.state_dict_metadata) - set(self.state_dict))
+        if unexpected and self._optimizer_state is None and all(k.startswith(f"{OPTIMIZER_KEY}.") for k in unexpected):
+            raise TbaCheckpointError(
+                "the checkpoint holds optimizer state and no optimizer was given; pass it, load(path, model, "
+                "optimizer), a fresh one too (load checks every key both ways, so a model alone is refused)")
         if unexpected:
             shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
             raise TbaCheckpointError(

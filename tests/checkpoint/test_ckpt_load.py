@@ -170,3 +170,11 @@ def test_load_from_a_path_without_a_checkpoint_says_so(tmp_path):
     with pytest.raises(TbaCheckpointError, match="no checkpoint at") as caught:
         load(tmp_path / "nothing", nn.Linear(2, 2))
     assert "lacks keys" not in str(caught.value)
+
+
+def test_a_model_alone_from_a_checkpoint_with_optimizer_state_is_told_to_pass_the_optimizer(tmp_path):
+    """It was told to load into the model it was saved from, which it was."""
+    model, optimizer = make_model()
+    LazyCheckpointer().save(state_dict(model, optimizer), tmp_path / "c").wait()
+    with pytest.raises(TbaCheckpointError, match=r"no optimizer was given; pass it"):
+        load(tmp_path / "c", make_model(seed=1)[0])
