@@ -1,7 +1,7 @@
 """Input shapes across the steps of a :class:`~tba.runtime._runner.PolicyRunner`: which one a step
 expects, and what a step does when its first layer sees another.
 
-Each input shape (:func:`~tba.runtime._profiling.signature`: the shapes and dtypes the first layer
+Each input shape (:func:`signature`: the shapes and dtypes the first layer
 receives) that recurs has its own profile and plan in the runner; a new one follows the plan of a
 larger shape that covers it (Note [A new input shape follows a larger one's plan]). A step is entered
 with the plan of the shape expected next; a forward pre-hook on the first layer reads the real one
@@ -16,11 +16,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
-from tba.runtime._profiling import signature
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
 from tba.runtime._wrappable import can_recompute
@@ -29,12 +29,29 @@ if TYPE_CHECKING:
     from tba.runtime._profiled_step import ProfiledStep
     from tba.runtime._profiling import Samples
 
+
 logger = logging.getLogger("tba")
 
 __all__ = ["InputShapes", "covers"]
 
 RECURRING_SIGHTINGS = 2
 """Sightings after which an input shape is profiled and planned on its own instead of following a covering plan."""
+
+
+def _entry(tensor: torch.Tensor) -> tuple:
+    """A tensor's shape and dtype. A nested tensor has no ``shape`` (an encoder's fast path in eval hands one to its
+    layers): its entry is its number of pieces and their largest size in each dimension, with a dtype entry that
+    tells it from a plain tensor's, so that :func:`covers` never compares the two."""
+    if not tensor.is_nested:
+        return tuple(tensor.shape), tensor.dtype
+    sizes = [tuple(piece.shape) for piece in tensor.unbind()]
+    return (len(sizes), *(max(dims) for dims in zip(*sizes))), ("nested", tensor.dtype)
+
+
+def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape."""
+    values = [*args, *(kwargs[name] for name in sorted(kwargs))]
+    return tuple(_entry(v) for v in values if isinstance(v, torch.Tensor))
 
 
 def covers(big: tuple, small: tuple) -> bool:

@@ -101,7 +101,7 @@ look smaller than they are, since the rest is added to keep-all's time too:
 
 The *shape* of a step is the shapes and dtypes of the tensors the first layer receives: another
 sequence length or batch size is another shape, profiled and planned on its own
-(:func:`signature`).
+(:func:`tba.runtime._input_shapes.signature`).
 """
 
 from __future__ import annotations
@@ -110,26 +110,11 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
-
 from tba.defaults import PEAK_HEADROOM
 from tba.policy import OFFLOAD, Estimate, LayerProfile, Profile, estimate
 
 _BISECTIONS = 40
 """Halvings, then bisection steps, of the search for the write bandwidth forward saw (2^-40: exact enough)."""
-
-
-def _shape(tensor: torch.Tensor) -> tuple:
-    """A tensor's shape; a nested tensor's (which has no ``shape``: an encoder's fast path in eval) its pieces'."""
-    if tensor.is_nested:
-        return ("nested", *(tuple(piece.shape) for piece in tensor.unbind()))
-    return tuple(tensor.shape)
-
-
-def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape."""
-    values = [*args, *(kwargs[name] for name in sorted(kwargs))]
-    return tuple((_shape(v), v.dtype) for v in values if isinstance(v, torch.Tensor))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ For ``policy="adaptive"`` (the default):
    [Hook nesting of a recomputed layer]). A memory budget the model cannot meet raises
    :class:`~tba.errors.TbaConfigError` at that entry, naming the least the model needs.
 
-Each input shape (see :func:`~tba.runtime._profiling.signature`) has its own profile and plan. A
+Each input shape (see :func:`~tba.runtime._input_shapes.signature`) has its own profile and plan. A
 step is entered with the shape expected next; a forward pre-hook on the first layer reads the real
 one. When that differs, the step follows the real shape's plan, or that of a larger shape covering
 it, from that layer on where it can (Notes [A step whose shape has a plan follows it] and [A new

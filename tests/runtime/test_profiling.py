@@ -187,3 +187,16 @@ def test_an_encoders_nested_fast_path_in_eval_runs_inside_the_bare_context(spill
             with tba.offload_activations(directory=spill_dir):
                 got = encoder(x, src_key_padding_mask=padding)
         assert torch.equal(expected, got)
+
+
+def test_a_nested_input_shape_is_never_compared_with_a_plain_one():
+    """A nested input of two pieces against a plain input of the same rank: ``covers`` compared their sizes
+    element by element (a tag against a length), which raised TypeError."""
+    from tba.runtime._input_shapes import covers, signature
+
+    nested = torch.nested.nested_tensor([torch.zeros(6, 32), torch.zeros(5, 32)])
+    plain = torch.zeros(2, 8, 32)
+    assert signature((nested,), {}) == (((2, 6, 32), ("nested", torch.float32)),)
+    assert not covers(signature((plain,), {}), signature((nested,), {}))
+    assert not covers(signature((nested,), {}), signature((plain,), {}))
+    assert covers(signature((nested,), {}), signature((torch.nested.nested_tensor([torch.zeros(4, 32)]),), {}))
