@@ -1,0 +1,86 @@
+"""Lifetimes of the staged route's device buffers on the simulated device, driven directly and deterministically.
+
+Each case stalls the simulated device's asynchronous streams (``SimulatedCuda.stall``) so that the
+route's copies are queued but not run, then drops every reference the caller has: whatever is still
+alive then is held by the route, as it must be until its copy's event completed (the caching
+allocator would otherwise hand the memory to the next allocation under the copy).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import torch
+from sim_helpers import CheckedEngine
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tba.device import CudaOps
+from tba.device._pinned_pool import StagingPool
+from tba.device._staged_route import StagedRoute
+
+BLOCK = 8192
+NBYTES = 3 * BLOCK + 100
+"""Several pieces, the last one partial."""
+
+
+def _expires(ref: StorageWeakRef, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        gc.collect()
+        if ref.expired():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_read_whose_consumer_let_go_keeps_its_buffer_until_the_copies_ran(sim, tmp_path):
+    """A read whose entry died before its host-to-device copies ran (backward no longer needs it).
+
+    ``_block_read`` hands the read (and its destination) to the copy's completion: dropping it there
+    let the destination die with the prefetch stream's copy still queued into it, and the compute
+    stream's next kernel (the allocator's poison) write the block unordered with that copy. The
+    offloader-level tests on the simulator passed with that mutant: their reads' buffers were
+    still held by the store when the copies ran.
+    """
+    device = torch.device("cpu")
+    engine = CheckedEngine(sim)
+    ops = CudaOps(device)
+    pool = StagingPool(4 * BLOCK, BLOCK)
+    route = StagedRoute(ops, engine, pool)
+    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        src = sim.empty(NBYTES)
+        src.copy_(torch.arange(NBYTES, dtype=torch.int64).remainder(251).to(torch.uint8))
+        written, errors = threading.Event(), []
+        route.write(src, 0, fd, 0, lambda error: (errors.append(error), written.set()), ops.mark_ready())
+        assert written.wait(10) and errors == [None]
+        del src
+
+        sim.stall()  # the prefetch stream will not run the copies
+        seen: list = []
+        handed = threading.Event()
+
+        def on_done(error, data, event):
+            seen.append((error, StorageWeakRef(data.untyped_storage()) if data is not None else None))
+            handed.set()  # and lets go of ``data`` at once, as a store whose entry died
+
+        route.read(device, NBYTES, 0, fd, 0, on_done)
+        assert handed.wait(10)
+        error, buffer = seen[0]
+        assert error is None
+        assert not _expires(buffer, 1.0), "the read's buffer was freed with its copies still queued"
+        sim.stall(False)
+        route.stop()
+        assert _expires(buffer, 10.0), "the read's buffer outlived its copies"
+        assert pool.free_blocks == pool.capacity_blocks
+    finally:
+        sim.stall(False)
+        route.stop()
+        route.close()
+        pool.close()
+        engine.close()
+        os.close(fd)
+
