@@ -84,3 +84,36 @@ def test_a_read_whose_consumer_let_go_keeps_its_buffer_until_the_copies_ran(sim,
         engine.close()
         os.close(fd)
 
+
+def test_stop_returns_once_every_queued_copy_has_submitted_its_file_write(sim, tmp_path):
+    """``StagedRoute.stop`` waits for the copy completions it queued (``ops.drain()``).
+
+    The runtime closes the host engine right after ``routes.stop()`` (``Runtime.close``): a copy still
+    queued on a lagging side stream then submitted its file write to a closed engine, and the write
+    failed. Without the drain no other test failed.
+    """
+    device = torch.device("cpu")
+    engine = CheckedEngine(sim)
+    ops = CudaOps(device)
+    pool = StagingPool(4 * BLOCK, BLOCK)
+    route = StagedRoute(ops, engine, pool)
+    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        src = sim.empty(NBYTES)
+        src.fill_(7)
+        done, errors = threading.Event(), []
+        sim.stall()  # the side stream lags: the copies stay queued
+        route.write(src, 0, fd, 0, lambda error: (errors.append(error), done.set()), ops.mark_ready())
+        threading.Timer(0.5, sim.stall, args=(False,)).start()
+        route.stop()
+        engine.close()  # as Runtime.close does next
+        assert done.wait(10)
+        assert errors == [None], f"a write queued before stop() failed: {errors}"
+        assert os.pread(fd, NBYTES, 0) == bytes([7]) * NBYTES
+    finally:
+        sim.stall(False)
+        route.stop()
+        route.close()
+        pool.close()
+        engine.close()
+        os.close(fd)
