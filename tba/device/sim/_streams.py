@@ -1,10 +1,12 @@
 """Simulated streams and events: ordered queues run by one scheduler thread, with adversarial delays.
 
-The compute (default) stream is synchronous: its work runs on the launching thread at launch, as
-if the device kept up with the host, and ``wait_event`` on it blocks the host until the event
-fired. Every other stream is a queue that the scheduler thread runs in order, picking among the
-streams whose head can run, at random, sleeping a little between operations and now and then
-pausing one stream for a long while (a side stream lagging a whole forward). Events are tokens
+By default every stream, the compute (default) stream too, is a queue that the scheduler thread
+runs in order (Note [The compute stream lags too] in ``_device.py``). Only a device without
+``lagging_compute`` has a synchronous compute stream: its work runs on the launching thread at
+launch, as if the device kept up with the host, and ``wait_event`` on it blocks the host until the
+event fired. The scheduler picks among the streams whose head can run, at random, sleeping a
+little between operations and now and then pausing one stream for a long while (a side stream
+lagging a whole forward). Events are tokens
 that fire when the scheduler reaches their record; ``wait_event`` queues a wait on the token the
 event held when it was called (an event never recorded is no wait), as in CUDA.
 """
