@@ -1,7 +1,7 @@
 """Simulated streams and events: ordered queues run by one scheduler thread, with adversarial delays.
 
 By default every stream, the compute (default) stream too, is a queue that the scheduler thread
-runs in order (Note [The compute stream lags too] in ``_device.py``). Only a device without
+runs in order (Note [The compute stream lags too] in ``tba/device/sim/_device.py``). Only a device without
 ``lagging_compute`` has a synchronous compute stream: its work runs on the launching thread at
 launch, as if the device kept up with the host, and ``wait_event`` on it blocks the host until the
 event fired. The scheduler picks among the streams whose head can run, at random, sleeping a
