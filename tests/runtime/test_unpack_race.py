@@ -85,3 +85,52 @@ def test_a_write_completing_between_start_load_and_rebuild_keeps_the_bytes(spill
     offloader.close()
     assert raced and set(raced) == {"ON_DISK"}, "the interleaving under test did not happen"
     assert torch.equal(x.grad, want), "backward read discarded (zeroed) pages"
+
+
+class HeldUntilReleased(HeldWrites):
+    """:class:`HeldWrites` while ``holding``; then an ordinary engine."""
+
+    holding = True
+
+    def submit_many(self, requests):
+        return super().submit_many(requests) if self.holding else self.inner.submit_many(requests)
+
+
+def test_a_storage_unpacked_while_its_write_waits_stays_for_a_retained_graph(spill_dir, monkeypatch):
+    """Mutant: ``note_unpacked`` released an entry whose write had not completed (WRITING, not ON_DISK).
+
+    The first backward of a retained graph unpacks storages whose writes still wait in tba's queue (one
+    write at a time in the engine, and its completion held back). Their writes are then not needed (the
+    storages are fully unpacked) and they stay in memory, KEPT: a release at the first unpack left a KEPT
+    entry with no bytes and no file extent, which the second backward read back from offset -1.
+    """
+    monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
+    monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry, layer=None: None)
+    engine = HeldUntilReleased()
+    x = torch.randn(256, 1024, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            h = (h * 0.5).exp()
+        return h.sum()
+
+    loss = forward()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want, x.grad = x.grad, None
+    offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
+    with offloader:
+        loss = forward()
+    tba._control.settle()
+    assert engine.pending and offloader._store._host.waiting_writes, "no write waited behind the held one"
+    loss.backward(retain_graph=True)
+    tba._control.settle()
+    while engine.pending:  # the held write completes; the waiting ones are found unneeded
+        engine.complete_newest()
+        tba._control.settle()
+    engine.holding = False  # the second backward's reads complete at once
+    loss.backward()
+    del loss
+    offloader.close()
+    assert torch.equal(x.grad, want)
