@@ -134,3 +134,41 @@ def test_a_storage_unpacked_while_its_write_waits_stays_for_a_retained_graph(spi
     del loss
     offloader.close()
     assert torch.equal(x.grad, want)
+
+
+def test_a_held_storage_whose_write_was_skipped_stays_for_a_retained_graph(spill_dir, monkeypatch):
+    """Mutant: a write skipped as not needed (``WRITE_NOT_NEEDED``) marked its storage ON_DISK, not KEPT.
+
+    The prefetch window holds the last storages at the end of forward while their writes wait in tba's
+    queue, so those writes are skipped: the storage has no file extent. Marked ON_DISK, the first
+    backward released its bytes after unpacking it, and the second backward of the retained graph read
+    it back from a freed extent.
+    """
+    monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
+    engine = HeldUntilReleased()
+    x = torch.randn(256, 1024, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            h = (h * 0.5).exp()
+        return h.sum()
+
+    loss = forward()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want, x.grad = x.grad, None
+    offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
+    with offloader:
+        loss = forward()
+    tba._control.settle()
+    while engine.pending:  # each held write completes; the waiting ones the window holds are skipped
+        engine.complete_newest()
+        tba._control.settle()
+    engine.holding = False
+    assert offloader.stats.writes_skipped, "no write was skipped"
+    loss.backward(retain_graph=True)
+    loss.backward()
+    del loss
+    offloader.close()
+    assert torch.equal(x.grad, want)
