@@ -136,3 +136,25 @@ def test_only_a_write_crossing_the_file_size_limit_is_blamed_on_it(monkeypatch):
     assert _release.write_error_cause(einval, (1 << 20) + 4096)[0] == errno.EFBIG
     cause, fix = _release.write_error_cause(einval, 1 << 19)  # below the limit: another cause (alignment, say)
     assert cause == errno.EINVAL and "ulimit" not in fix
+
+
+def test_a_failed_read_nobody_waited_for_leaves_the_storage_on_disk(spill_dir):
+    """Mutant: a prefetched (unwatched) read that failed was taken as read back, with no bytes.
+
+    The entry must stay on disk with nothing counted resident or read; the unpack then reads again and raises.
+    """
+    engine = FaultyEngine(read_errno=errno.EIO)
+    off = tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0)
+    with off:
+        packed = off.pack(torch.randn(1 << 16))
+        off.flush()
+    store = off._store  # leaving the block prefetched the storage: nobody waits for that read
+    store._wait_until(lambda: store._reading == 0)
+    assert engine.failed > 0, "the prefetch did not read"
+    assert packed.entry.data is None and packed.entry.state.name == "ON_DISK"
+    assert off.stats.resident_bytes == 0 and off.stats.bytes_read == 0
+    with pytest.raises(TbaReadError):
+        off.unpack(packed)
+    del packed
+    off.close()
+    engine.close()
