@@ -73,3 +73,26 @@ def test_a_flush_event_makes_backward_read_the_file(monkeypatch):
     assert not run_case(draw_case(seed))
     assert flushes == [1], "the flush event did not wait for the writes"
     assert reads, f"case {seed} read nothing back"
+
+
+def test_some_steps_run_backward_twice_through_a_retained_graph(monkeypatch):
+    """The "retained" draw is live: a retained step's first backward keeps the graph, and a second one follows.
+
+    Found by mutation: a store that released a storage unpacked while its write was still in flight lost it
+    for the second pass, and no case ran one (seed 152 of the fuzzer finds it now).
+    """
+    import torch
+
+    calls = []
+    original = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        calls.append(kwargs.get("retain_graph", False))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    case = next(c for c in map(draw_case, range(200)) if any(c.events[s] in ("step", "flush") for s in c.retained))
+    assert not run_case(case)
+    backwards = sum(event in ("step", "flush") for event in case.events)
+    retained = sum(case.events[s] in ("step", "flush") for s in case.retained)
+    assert calls.count(True) == 2 * retained and len(calls) == 2 * (backwards + retained)

@@ -9,7 +9,8 @@ input that lives in torch memory, numpy memory (directly or through DLPack) or a
 placement (the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with
 its input offloaded each block; or the bare context under a policy object that plans given placements,
 one per input shape, over more steps), a backend, a minimum offload size, the input's batch size per
-step (a changing input shape), and an event per step (a normal step, a
+step (a changing input shape), the steps whose backward runs twice through a retained graph, and an
+event per step (a normal step, a
 step that waits for its writes before backward (``flush()``), so that backward reads the file instead
 of memory the writes had not yet freed, an exception raised inside the block, or a dropped loss).
 :func:`run_case` runs the same steps twice
@@ -65,6 +66,9 @@ class Case:
     plans_in_turn: tuple[tuple[str, ...], ...] = ()
     """With the bare context: a policy object whose plans are these, one per input shape in the order
     the shapes are planned (Note [A step whose shape has a plan follows it]); empty: the default policy."""
+    retained: tuple[int, ...] = ()
+    """Steps whose backward runs twice, the first with ``retain_graph=True``: the second pass needs every storage
+    again, after the first released what it unpacked (writes skipped as not needed, bytes held by the window)."""
 
 
 def draw_case(seed: int) -> Case:
@@ -86,7 +90,8 @@ def draw_case(seed: int) -> Case:
     if rng.random() < 0.4:
         other = rng.choice([size for size in (8, 32, 64) if size != case.batch])
         batches = tuple(rng.choice((case.batch, other)) for _ in events)
-    return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans)
+    retained = tuple(step for step in range(len(events)) if rng.random() < 0.25)
+    return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained)
 
 
 class Block(nn.Module):
@@ -208,6 +213,8 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
             del loss
             continue
         optimizer.zero_grad()
+        if step in case.retained:
+            loss.backward(retain_graph=True)
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
