@@ -162,7 +162,15 @@ class StoreReads:
         return None, None, done
 
     def _start_read(self, entry: StorageEntry, watched: bool = False) -> Outcome | None:
-        """Queue the read of ``entry``; ``watched``: the caller waits for it, through the future returned."""
+        """Queue the read of ``entry``; ``watched``: the caller waits for it, through the future returned.
+
+        An entry whose extent was freed (offset -1) has nothing in the file to read: reading offset -1 gave
+        wrong bytes, silently, under a mutant that kept a skipped write's entry as written (helper-58), so
+        such a read, which only a fault of tba's own bookkeeping can ask for, raises instead.
+        """
+        if entry.offset < 0:
+            raise TbaError(f"cannot read back {entry.describe()}: its bytes are in neither memory nor the spill file "
+                           "(an internal error of tba; please report it); run forward again")
         done = entry.read_done = Outcome() if watched else UNWATCHED
         entry.transfer_in_flight = True
         self._reading += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 import tba
@@ -136,14 +137,10 @@ def test_a_storage_unpacked_while_its_write_waits_stays_for_a_retained_graph(spi
     assert torch.equal(x.grad, want)
 
 
-def test_a_held_storage_whose_write_was_skipped_stays_for_a_retained_graph(spill_dir, monkeypatch):
-    """Mutant: a write skipped as not needed (``WRITE_NOT_NEEDED``) marked its storage ON_DISK, not KEPT.
-
-    The prefetch window holds the last storages at the end of forward while their writes wait in tba's
-    queue, so those writes are skipped: the storage has no file extent. Marked ON_DISK, the first
-    backward released its bytes after unpacking it, and the second backward of the retained graph read
-    it back from a freed extent.
-    """
+def _backward_twice_after_skipped_writes(spill_dir, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefetch window holds the last storages at the end of forward while their writes wait in tba's queue,
+    so those writes are skipped (the storages have no file extent); then two backwards of the retained graph.
+    Returns the gradient with tba and the one without."""
     monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
     engine = HeldUntilReleased()
     x = torch.randn(256, 1024, requires_grad=True)
@@ -167,8 +164,38 @@ def test_a_held_storage_whose_write_was_skipped_stays_for_a_retained_graph(spill
         tba._control.settle()
     engine.holding = False
     assert offloader.stats.writes_skipped, "no write was skipped"
-    loss.backward(retain_graph=True)
-    loss.backward()
-    del loss
-    offloader.close()
-    assert torch.equal(x.grad, want)
+    try:
+        loss.backward(retain_graph=True)
+        loss.backward()
+    finally:
+        del loss
+        offloader.close()
+    return x.grad, want
+
+
+def test_a_held_storage_whose_write_was_skipped_stays_for_a_retained_graph(spill_dir, monkeypatch):
+    """Mutant: a write skipped as not needed (``WRITE_NOT_NEEDED``) marked its storage ON_DISK, not KEPT.
+
+    Marked ON_DISK, the first backward released its bytes after unpacking it, and the second backward of
+    the retained graph read it back from a freed extent.
+    """
+    got, want = _backward_twice_after_skipped_writes(spill_dir, monkeypatch)
+    assert torch.equal(got, want)
+
+
+def test_a_storage_with_no_extent_left_is_never_read_back(spill_dir, monkeypatch):
+    """Should bookkeeping ever take a storage whose extent was freed for one on disk (the mutant above, applied
+    here), the read of offset -1 gave wrong gradients, silently; it raises instead (helper-58)."""
+    from tba.runtime._release import StoreRelease
+    from tba.runtime._views import State
+
+    skip = StoreRelease._skip_unwritten
+
+    def skip_but_call_it_written(self, entry):
+        skip(self, entry)
+        if entry.state is State.KEPT:
+            entry.state = State.ON_DISK
+
+    monkeypatch.setattr(StoreRelease, "_skip_unwritten", skip_but_call_it_written)
+    with pytest.raises(tba.TbaError, match="neither memory nor the spill file"):
+        _backward_twice_after_skipped_writes(spill_dir, monkeypatch)
