@@ -8,10 +8,13 @@ allocator would otherwise hand the memory to the next allocation under the copy)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 from sim_helpers import CheckedEngine
@@ -36,6 +39,37 @@ def _expires(ref: StorageWeakRef, within_s: float) -> bool:
     return False
 
 
+@dataclasses.dataclass
+class _Route:
+    """A staged route on the simulated device, its engine, ops, staging pool and spill file."""
+
+    device: torch.device
+    engine: CheckedEngine
+    ops: CudaOps
+    pool: StagingPool
+    route: StagedRoute
+    fd: int
+
+
+@contextlib.contextmanager
+def _staged_route(sim, tmp_path) -> Iterator[_Route]:
+    device = torch.device("cpu")
+    engine = CheckedEngine(sim)
+    ops = CudaOps(device)
+    pool = StagingPool(4 * BLOCK, BLOCK)
+    route = StagedRoute(ops, engine, pool)
+    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        yield _Route(device, engine, ops, pool, route, fd)
+    finally:
+        sim.stall(False)
+        route.stop()
+        route.close()
+        pool.close()
+        engine.close()
+        os.close(fd)
+
+
 def test_a_read_whose_consumer_let_go_keeps_its_buffer_until_the_copies_ran(sim, tmp_path):
     """A read whose entry died before its host-to-device copies ran (backward no longer needs it).
 
@@ -45,13 +79,8 @@ def test_a_read_whose_consumer_let_go_keeps_its_buffer_until_the_copies_ran(sim,
     offloader-level tests on the simulator passed with that mutant: their reads' buffers were
     still held by the store when the copies ran.
     """
-    device = torch.device("cpu")
-    engine = CheckedEngine(sim)
-    ops = CudaOps(device)
-    pool = StagingPool(4 * BLOCK, BLOCK)
-    route = StagedRoute(ops, engine, pool)
-    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
+    with _staged_route(sim, tmp_path) as staged:
+        device, ops, pool, route, fd = staged.device, staged.ops, staged.pool, staged.route, staged.fd
         src = sim.empty(NBYTES)
         src.copy_(torch.arange(NBYTES, dtype=torch.int64).remainder(251).to(torch.uint8))
         written, errors = threading.Event(), []
@@ -76,13 +105,6 @@ def test_a_read_whose_consumer_let_go_keeps_its_buffer_until_the_copies_ran(sim,
         route.stop()
         assert _expires(buffer, 10.0), "the read's buffer outlived its copies"
         assert pool.free_blocks == pool.capacity_blocks
-    finally:
-        sim.stall(False)
-        route.stop()
-        route.close()
-        pool.close()
-        engine.close()
-        os.close(fd)
 
 
 def test_stop_returns_once_every_queued_copy_has_submitted_its_file_write(sim, tmp_path):
@@ -92,13 +114,8 @@ def test_stop_returns_once_every_queued_copy_has_submitted_its_file_write(sim, t
     queued on a lagging side stream then submitted its file write to a closed engine, and the write
     failed. Without the drain no other test failed.
     """
-    device = torch.device("cpu")
-    engine = CheckedEngine(sim)
-    ops = CudaOps(device)
-    pool = StagingPool(4 * BLOCK, BLOCK)
-    route = StagedRoute(ops, engine, pool)
-    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
+    with _staged_route(sim, tmp_path) as staged:
+        engine, ops, route, fd = staged.engine, staged.ops, staged.route, staged.fd
         src = sim.empty(NBYTES)
         src.fill_(7)
         done, errors = threading.Event(), []
@@ -110,10 +127,3 @@ def test_stop_returns_once_every_queued_copy_has_submitted_its_file_write(sim, t
         assert done.wait(10)
         assert errors == [None], f"a write queued before stop() failed: {errors}"
         assert os.pread(fd, NBYTES, 0) == bytes([7]) * NBYTES
-    finally:
-        sim.stall(False)
-        route.stop()
-        route.close()
-        pool.close()
-        engine.close()
-        os.close(fd)

@@ -11,6 +11,7 @@ race; the test turns holding off and completes each write exactly between the tw
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
@@ -55,6 +56,24 @@ class HeldWrites(Engine):
         self.inner.close()
 
 
+def _exp_chain(rows: int = 256, backwards: int = 2) -> tuple[torch.Tensor, Callable[[], torch.Tensor], torch.Tensor]:
+    """A leaf, a forward of four ``exp`` through it, and its gradient without tba over ``backwards`` backwards of one
+    retained graph."""
+    x = torch.randn(rows, 1024, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            h = (h * 0.5).exp()
+        return h.sum()
+
+    loss = forward()
+    for index in range(backwards):
+        loss.backward(retain_graph=index + 1 < backwards)
+    want, x.grad = x.grad, None
+    return x, forward, want
+
+
 def test_a_write_completing_between_start_load_and_rebuild_keeps_the_bytes(spill_dir, monkeypatch):
     engine = HeldWrites()
     original = SavedView.rebuild
@@ -69,16 +88,7 @@ def test_a_write_completing_between_start_load_and_rebuild_keeps_the_bytes(spill
 
     monkeypatch.setattr(SavedView, "rebuild", rebuild)
     monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry, layer=None: None)
-    x = torch.randn(512, 1024, requires_grad=True)
-
-    def forward() -> torch.Tensor:
-        h = x
-        for _ in range(4):
-            h = (h * 0.5).exp()
-        return h.sum()
-
-    forward().backward()
-    want, x.grad = x.grad, None
+    x, forward, want = _exp_chain(rows=512, backwards=1)
     offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
     with offloader:
         loss = forward()
@@ -108,18 +118,7 @@ def test_a_storage_unpacked_while_its_write_waits_stays_for_a_retained_graph(spi
     monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
     monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry, layer=None: None)
     engine = HeldUntilReleased()
-    x = torch.randn(256, 1024, requires_grad=True)
-
-    def forward() -> torch.Tensor:
-        h = x
-        for _ in range(4):
-            h = (h * 0.5).exp()
-        return h.sum()
-
-    loss = forward()
-    loss.backward(retain_graph=True)
-    loss.backward()
-    want, x.grad = x.grad, None
+    x, forward, want = _exp_chain()
     offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
     with offloader:
         loss = forward()
@@ -143,18 +142,7 @@ def _backward_twice_after_skipped_writes(spill_dir, monkeypatch) -> tuple[torch.
     Returns the gradient with tba and the one without."""
     monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
     engine = HeldUntilReleased()
-    x = torch.randn(256, 1024, requires_grad=True)
-
-    def forward() -> torch.Tensor:
-        h = x
-        for _ in range(4):
-            h = (h * 0.5).exp()
-        return h.sum()
-
-    loss = forward()
-    loss.backward(retain_graph=True)
-    loss.backward()
-    want, x.grad = x.grad, None
+    x, forward, want = _exp_chain()
     offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
     with offloader:
         loss = forward()
