@@ -19,7 +19,7 @@ running in another thread when the check runs can escape it; ``guard`` leaves no
 Note: [A fused optimizer step bumps no version]
 ``torch.optim.SGD(fused=True)`` and ``Adam(fused=True)`` update parameters and their states in one
 kernel that bumps no version counter (Adam's ``step`` tensor only), so an unguarded fused step
-right after a save published the post-step weights under the save's name, silently (helper-rev2).
+right after a save published the post-step weights under the save's name, silently (helper-55).
 A :class:`StepWatch` per lazy save, registered from the save call until the check, sees every
 ``optimizer.step()`` in the process through torch's global step pre-hook: a step of an optimizer
 holding one of the save's storages (a parameter with a gradient, or its state), unless that

@@ -54,7 +54,7 @@ def check_engine_settings(backend: str | Engine, queue_depth: int) -> None:
     The checkpoint classes made their engine only inside ``dcp.save`` / ``dcp.load``, or in a lazy
     save's thread: ``TbaStorageWriter(backend="nope")`` or ``LazyCheckpointer(queue_depth=0)`` was
     accepted and every save then failed with DCP's ``CheckpointException`` (a ``BaseException``
-    that ``except Exception`` does not catch), a lazy one only at ``wait()`` (helper-rev2). The
+    that ``except Exception`` does not catch), a lazy one only at ``wait()`` (helper-55). The
     constructors call this, so the ``TbaConfigError`` comes from the line that chose the value.
     """
     if isinstance(backend, Engine):

@@ -15,7 +15,7 @@ Note: [A parameter that never had a gradient has no optimizer state]
 parameter that requires grad, but the trained optimizer has no state for a parameter that never got
 a gradient (an unused branch, a head not trained yet): its checkpoint has no key for it, and the
 strict key check refused every such checkpoint, naming a fix (save with ``state_dict``) the user had
-already applied (helper-rev2). :class:`_StrictPlanner` drops from the target the state of each
+already applied (helper-55). :class:`_StrictPlanner` drops from the target the state of each
 parameter of which the checkpoint holds no key at all, and :func:`load` removes it before
 ``set_state_dict`` (then told ``strict=False``: torch checks for the same state, and every key was
 checked here), so the loaded optimizer has no state for it either, as the saved one had.
@@ -26,7 +26,7 @@ That initialisation is a real ``optimizer.step()`` (lr set to 0): on the optimiz
 checkpoint taken before the first step (``step % N == 0`` at step 0) left Adam one step further on
 (bias correction, so every later update differed from training without the checkpoint), created
 SGD's momentum buffers (the next step then dampens the first gradient), bumped the parameters'
-versions and ran the step hooks (helper-rev2). :func:`state_dict` therefore never lets it run:
+versions and ran the step hooks (helper-55). :func:`state_dict` therefore never lets it run:
 when the initialisation would happen (no state, no gradient), a zero gradient is set on the
 smallest parameter for the call (``_init_optim_state`` returns on any gradient) and taken away
 after, and the checkpoint holds no per-parameter state, as the optimizer has none; :func:`load`

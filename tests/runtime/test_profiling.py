@@ -170,7 +170,7 @@ def test_the_other_compute_threads_run_queue_waits_are_io_time_too():
 
 def test_an_encoders_nested_fast_path_in_eval_runs_inside_the_bare_context(spill_dir):
     """nn.TransformerEncoder in eval under no_grad hands its layers a nested tensor, which has no shape:
-    the first layer's shape hook raised 'NestedTensorImpl doesn't support sizes' (helper-rev2)."""
+    the first layer's shape hook raised 'NestedTensorImpl doesn't support sizes' (helper-55)."""
     torch.manual_seed(0)
     encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
     x = torch.randn(3, 8, 32)
