@@ -49,6 +49,18 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+_LINEAR = torch.nn.functional.linear
+
+
+@pytest.fixture(autouse=True)
+def torchs_own_linear():
+    """Every test ends with torch's own ``F.linear``: DeepSpeed's ZeRO-3 replaces it process-wide with an autograd
+    Function ("this will persist unless manually reset"), and a later test in the same worker ran through it (a
+    nested tensor failed there: 'Expected both to be nested'; a fresh-clone CI run)."""
+    yield
+    torch.nn.functional.linear = _LINEAR
+
+
 @pytest.fixture(autouse=True)
 def no_shared_runtimes():
     """Every test starts and ends with no idle shared runtime (``tba.shutdown()``), so descriptor counts are its own."""
