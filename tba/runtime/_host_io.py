@@ -186,11 +186,9 @@ class HostBatch:
             try:
                 self.engine.submit_calls(requests, callbacks)
             except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
-                # Writes taken just before closing (their wanted() waited on the store's lock that
-                # close held) meet the closed engine: they were not needed, they did not fail.
-                closed = self._closed and isinstance(err, EngineClosedError)
+                refused = self._refused_write(err)
                 for index, callback in enumerate(callbacks):
-                    callback(WRITE_NOT_NEEDED if closed and index >= reads else err)
+                    callback(refused if index >= reads else err)
         for write in skipped:
             write.on_done(WRITE_NOT_NEEDED)
 
@@ -215,10 +213,15 @@ class HostBatch:
         try:
             self.engine.submit_calls([alone(transfer) for transfer in transfers], [t.on_done for t in transfers])
         except Exception as err:  # noqa: BLE001 - each storage hears it through its callback
-            # As in _send_writes: writes that meet the engine closed by close() were not needed.
-            closed = self._closed and isinstance(err, EngineClosedError)
+            refused = self._refused_write(err)
             for transfer in transfers:
-                transfer.on_done(WRITE_NOT_NEEDED if closed and transfer.op is Op.WRITE else err)
+                transfer.on_done(refused if transfer.op is Op.WRITE else err)
+
+    def _refused_write(self, error: Exception) -> BaseException:
+        """What a write the engine refused with ``error`` hears. Writes taken just before closing (their
+        wanted() waited on the store's lock that close held) meet the engine closed by close(): they were
+        not needed, they did not fail."""
+        return WRITE_NOT_NEEDED if self._closed and isinstance(error, EngineClosedError) else error
 
     def drop_waiting_writes(self) -> None:
         """Closing: every write not yet in the engine hears ``WRITE_NOT_NEEDED``; none is sent later."""
