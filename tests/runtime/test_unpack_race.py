@@ -107,6 +107,28 @@ class HeldUntilReleased(HeldWrites):
         return super().submit_many(requests) if self.holding else self.inner.submit_many(requests)
 
 
+def _forward_one_write_at_a_time(spill_dir, monkeypatch) -> tuple[HeldUntilReleased, torch.Tensor, torch.Tensor,
+                                                                   tba.Offloader, torch.Tensor]:
+    """The exp chain's forward under an offloader whose engine holds its writes' completions and takes one write
+    at a time (the others wait in tba's queue); returns the engine, the leaf, its gradient without tba, the
+    offloader and the loss."""
+    monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
+    engine = HeldUntilReleased()
+    x, forward, want = _exp_chain()
+    offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
+    with offloader:
+        loss = forward()
+    tba._control.settle()
+    return engine, x, want, offloader, loss
+
+
+def _complete_held_writes(engine: HeldUntilReleased) -> None:
+    """Complete each held write in turn, letting the control thread act on each, until none is in the engine."""
+    while engine.pending:
+        engine.complete_newest()
+        tba._control.settle()
+
+
 def test_a_storage_unpacked_while_its_write_waits_stays_for_a_retained_graph(spill_dir, monkeypatch):
     """Mutant: ``note_unpacked`` released an entry whose write had not completed (WRITING, not ON_DISK).
 
@@ -115,20 +137,12 @@ def test_a_storage_unpacked_while_its_write_waits_stays_for_a_retained_graph(spi
     storages are fully unpacked) and they stay in memory, KEPT: a release at the first unpack left a KEPT
     entry with no bytes and no file extent, which the second backward read back from offset -1.
     """
-    monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
     monkeypatch.setattr(StorageStore, "prefetch", lambda self, entry, layer=None: None)
-    engine = HeldUntilReleased()
-    x, forward, want = _exp_chain()
-    offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
-    with offloader:
-        loss = forward()
-    tba._control.settle()
+    engine, x, want, offloader, loss = _forward_one_write_at_a_time(spill_dir, monkeypatch)
     assert engine.pending and offloader._store._host.waiting_writes, "no write waited behind the held one"
     loss.backward(retain_graph=True)
     tba._control.settle()
-    while engine.pending:  # the held write completes; the waiting ones are found unneeded
-        engine.complete_newest()
-        tba._control.settle()
+    _complete_held_writes(engine)  # the waiting ones are found unneeded
     engine.holding = False  # the second backward's reads complete at once
     loss.backward()
     del loss
@@ -140,16 +154,8 @@ def _backward_twice_after_skipped_writes(spill_dir, monkeypatch) -> tuple[torch.
     """The prefetch window holds the last storages at the end of forward while their writes wait in tba's queue,
     so those writes are skipped (the storages have no file extent); then two backwards of the retained graph.
     Returns the gradient with tba and the one without."""
-    monkeypatch.setattr(tba.runtime._host_io, "HOST_WRITE_AHEAD_BYTES", 1)
-    engine = HeldUntilReleased()
-    x, forward, want = _exp_chain()
-    offloader = tba.Offloader(spill_dir, backend=engine, layers=[], min_offload_bytes=0)
-    with offloader:
-        loss = forward()
-    tba._control.settle()
-    while engine.pending:  # each held write completes; the waiting ones the window holds are skipped
-        engine.complete_newest()
-        tba._control.settle()
+    engine, x, want, offloader, loss = _forward_one_write_at_a_time(spill_dir, monkeypatch)
+    _complete_held_writes(engine)  # the waiting ones the window holds are skipped
     engine.holding = False
     assert offloader.stats.writes_skipped, "no write was skipped"
     try:
