@@ -294,9 +294,10 @@ def test_offload_policy_is_the_old_behaviour(spill_dir):
     # Every layer's storages go to the spill file: written, or skipped when backward used them before
     # the write could start (a loaded machine; Note [A write nobody needs is not started] in
     # tba/device/_protocol.py), never kept by a plan.
-    assert all(c.stats.tensors_offloaded > 0 and c.stats.bytes_written + c.stats.bytes_write_skipped > 0
-               and c.stats.bytes_kept == 0 and sorted(c.layer_saved_bytes, key=str) == [0, 1, 2, 3, None]
-               for c in contexts)
+    for step, c in enumerate(contexts):  # one step at a time, so that a failure says which step and what it counted
+        assert (c.stats.tensors_offloaded > 0 and c.stats.bytes_written + c.stats.bytes_write_skipped > 0
+                and c.stats.bytes_kept == 0 and sorted(c.layer_saved_bytes, key=str) == [0, 1, 2, 3, None]), \
+            (step, c.stats, c.layer_saved_bytes)
 
 
 def test_bare_context_on_hf_gpt2_is_exact_through_the_plan_switch(spill_dir):
