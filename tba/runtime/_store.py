@@ -264,6 +264,9 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
         if entry.io_error is WRITE_NOT_NEEDED:
             self._skip_unwritten(entry)
         elif entry.state is State.DEAD:
+            if entry.io_error is None:  # written, though nothing will read it: the bytes did move to the file
+                self.stats.storages_written += 1
+                self.stats.bytes_written += entry.nbytes
             self._free_extent(entry)
         elif entry.io_error is not None:
             self._keep_after_write_error(entry)
