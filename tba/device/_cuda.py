@@ -22,6 +22,12 @@ from typing import Any
 
 import torch
 
+from tba.device import _stream_calls
+
+_FAST_STREAMS = _stream_calls.available()
+"""Whether :class:`TorchCuda` reads and switches streams through torch's C bindings (Note [Stream calls cost
+microseconds in Python] in tba/device/_stream_calls.py)."""
+
 
 class TorchCuda:
     """``torch.cuda`` as tba uses it."""
@@ -39,9 +45,13 @@ class TorchCuda:
         return torch.cuda.Event(blocking=blocking)
 
     def current_stream(self, device: torch.device | None = None) -> Any:
+        if _FAST_STREAMS and torch.cuda.is_initialized():
+            return _stream_calls.current_stream(device)
         return torch.cuda.current_stream(device)
 
     def stream(self, stream: Any) -> Any:
+        if _FAST_STREAMS and torch.cuda.is_initialized():
+            return _stream_calls.StreamContext(stream)
         return torch.cuda.stream(stream)
 
     def device(self, device: torch.device) -> Any:
