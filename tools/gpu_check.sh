@@ -39,10 +39,6 @@ done
 for off in "" --early-stop-off; do
     TORCH_CUDA_SANITIZER=1 timeout 40 python3 tools/checkpoint_early_stop.py sanitizer --steps 50 $off
 done
-# The fourth run's open question (docs/gpu.md): does torch alone keep device memory from step to step
-# when an attention block is checkpointed with early_stop=False under memory history or the sanitizer?
-timeout 40 python3 tools/checkpoint_early_stop.py history --steps 20 --early-stop-off --block gpt
-TORCH_CUDA_SANITIZER=1 timeout 40 python3 tools/checkpoint_early_stop.py sanitizer --steps 20 --early-stop-off --block gpt
 TBA_TEST_MEMORY_HISTORY=1 TORCH_CUDA_SANITIZER=1 timeout 120 python3 -m pytest -q -rA -p no:cacheprovider \
     tests/device/test_cuda.py -k no_leak > "$OUT/no-leak.log" 2>&1
 echo "no-leak under the sanitizer and memory history: exit $? ($((SECONDS - S)) s so far)"
