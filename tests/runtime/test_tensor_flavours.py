@@ -1,0 +1,198 @@
+"""Randomized differential test: exotic flavours of saved tensors, with tba against without it.
+
+Each case builds one activation storage ``h`` from a leaf (float32/64, float16, bfloat16 or complex)
+and reaches it through several flavours at once: slices with a storage offset, transposes and
+permutations, channels_last and channels_last_3d views, stride-0 expansions, overlapping
+``as_strided`` views, 0-dim and zero-size views, the conj and neg bits, ``view_as_real``, and
+dtype-reinterpreting views of a detached alias. Beside it come storages of their own: bool and
+integer tensors, float8 (e4m3fn, e5m2), numpy memory (writable, read-only, unaligned), sparse COO
+and CSR, quantized, and a ``__torch_function__`` subclass sharing ``h``'s storage (a nested tensor is left
+out: torch's own ``Function.apply`` rejects one, 'NestedTensorImpl doesn't support sizes'). Half of
+them are saved by a custom Function (``save_for_backward``), the differentiable ones also by
+``mul``. Backward logs every tensor the Function unpacks (type, dtype, layout, shape, strides,
+offset, lazy bits, memory format and bytes); loss, gradient, log and the program's own tensors after
+backward must match bit for bit. Some cases change a saved tensor in place after forward: then both
+runs must raise (torch's in-place error, or a TbaError). Writes finish before backward or race it, the
+program holds its tensors through backward (served live) or drops them (read back). ``TBA_FLAVOUR_CASES`` sets the number of
+cases (seeded by ``TBA_FLAVOUR_SEED``; the seed and case are in each failure's message).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import tba
+from tba.errors import TbaError
+
+CASES = int(os.environ.get("TBA_FLAVOUR_CASES", "24"))
+SEED = int(os.environ.get("TBA_FLAVOUR_SEED", "62"))
+N = 1024
+
+_LOG: list = []
+STATS: list = []
+
+
+class Save(torch.autograd.Function):
+    """Saves its extra arguments for backward, where it logs them; the gradient of ``x`` passes through."""
+
+    @staticmethod
+    def forward(ctx, x, *extra):
+        ctx.save_for_backward(*extra)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _LOG.extend(describe(t) for t in ctx.saved_tensors)
+        return (grad,) + (None,) * len(ctx.saved_tensors)
+
+
+class Sub(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as bytes (NaN-safe for torch.equal), whatever its flavour."""
+    t = t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+    if t.is_nested:
+        return torch.cat([bits(piece) for piece in t.unbind()])
+    if t.is_quantized:
+        return torch.cat([bits(t.int_repr()), bits(torch.tensor([t.q_scale(), float(t.q_zero_point())]))])
+    if t.layout is not torch.strided:
+        return bits(t.to_dense())
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def describe(t: torch.Tensor) -> tuple:
+    geometry = None
+    if t.layout is torch.strided and not t.is_nested:
+        formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+        geometry = (tuple(t.shape), t.stride(), t.storage_offset(),
+                    t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()]))
+    return (type(t).__name__, t.dtype, t.layout, t.is_nested, geometry,
+            t.is_conj(), t.is_neg(), bits(t))
+
+
+def views(h: torch.Tensor, rng: random.Random) -> list[torch.Tensor]:
+    """Differentiable flavours of the one storage ``h`` (1-D, ``N`` elements)."""
+    a = rng.randrange(1, 64)
+    out = [
+        h[a:a + rng.randrange(0, 300)], h[a::rng.randrange(2, 5)], h[:12 * 40].view(12, 40).t()[3:],
+        h[a:a + 120].view(2, 3, 4, 5).permute(*rng.sample(range(4), 4)),
+        h[a:a + 120].view(2, 4, 5, 3).permute(0, 3, 1, 2),
+        h[a:a + 240].view(2, 4, 5, 2, 3).permute(0, 4, 1, 2, 3),
+        h[a:a + 5].view(5, 1).expand(5, 7), h[a].expand(3, 4),
+        h.as_strided((8, 8), (1, 1), a), h.as_strided((6, 6), (2, 3), a), h[a], h[a:a], h.as_strided((0, 3), (3, 1), a),
+    ]
+    if h.is_complex():
+        out += [h[a:].conj(), h.conj()[::3], torch.view_as_real(h[a:a + 40]), h.imag[a:], torch._neg_view(h.real[a:])]
+    else:
+        out += [torch._neg_view(h[a:a + 50])]
+    return out
+
+
+def others(h: torch.Tensor, rng: random.Random) -> list[torch.Tensor]:
+    """Non-differentiable flavours: aliases of ``h``'s storage of other dtypes, and storages of their own."""
+    d = h.detach()
+    r = d.real if d.is_complex() else d
+    a = rng.randrange(1, 64)
+    array = np.random.RandomState(rng.randrange(1 << 16)).randn(N).astype(np.float32)
+    frozen = array.copy()
+    frozen.setflags(write=False)
+    unaligned = np.frombuffer(array.tobytes() + b"\0", dtype=np.uint8)[1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = [
+            d.view(torch.uint8)[a:], d.view(torch.int16)[::3], d.as_subclass(Sub)[a:],
+            r > 0, (r * 10).long()[a:], (r * 10).to(torch.int8),
+            r.float().to(torch.float8_e4m3fn), r.float().to(torch.float8_e5m2)[a:],
+            torch.from_numpy(array)[a:], torch.from_numpy(frozen).view(32, 32).t(), torch.from_numpy(unaligned)[a:],
+            r[:1024].reshape(32, 32).relu().to_sparse(), r[:1024].reshape(32, 32).relu().to_sparse_csr(),
+            torch.quantize_per_tensor(r.float(), 0.1, 3, torch.quint8),
+            torch.tensor(3.5, dtype=h.dtype), torch.empty(0, 3, dtype=h.dtype).t(),
+        ]
+    return out
+
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
+
+
+def run_case(seed: int, directory: str | None, inplace: bool):
+    """Loss, gradient, backward's log and the program's tensors after backward; or the error class."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dtype, verify, hold, flush = rng.choice(DTYPES), rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.7
+    leaf = torch.randn(N, dtype=torch.float64, generator=gen, requires_grad=True)
+    _LOG.clear()
+
+    def forward():
+        h = leaf.to(dtype) * 1.5
+        made = rng.sample(views(h, rng), rng.randrange(2, 8)) + rng.sample(others(h, rng), rng.randrange(1, 6))
+        saved, squared = [], []
+        for t in made:
+            (squared if t.requires_grad and rng.random() < 0.5 else saved).append(t)
+        out = Save.apply(h, *saved).real.sum().double()
+        for t in squared:
+            out = out + (t * t).real.sum().double()
+        return out, h, made
+
+    try:
+        if directory is None:
+            loss, h, made = forward()
+        else:
+            with tba.offload_activations(directory=directory, min_offload_bytes=0, verify=verify,
+                                         prefetch_budget_bytes=0) as offloader:
+                loss, h, made = forward()
+                if flush:  # every write done before backward (else the writes race it)
+                    offloader.flush()
+        if inplace:
+            h.detach()[rng.randrange(N)] += 1
+        if not hold:  # the storages are read back from the file, not served live
+            del h, made
+            made = []
+        loss.backward()
+    except (RuntimeError, TbaError) as err:
+        return "inplace" if isinstance(err, TbaError) or "modified by an inplace" in str(err) else repr(err)
+    if directory is not None:
+        STATS.append(offloader.stats)
+    return bits(loss), bits(leaf.grad), list(_LOG), [bits(t) for t in made]
+
+
+def test_flavours_match_training_without_tba(spill_dir):
+    master = random.Random(SEED)
+    STATS.clear()
+    for case in range(CASES):
+        seed, inplace = master.randrange(1 << 30), master.random() < 0.2
+        expected = run_case(seed, None, inplace)
+        got = run_case(seed, spill_dir, inplace)
+        where = f"TBA_FLAVOUR_SEED={SEED} case {case} (seed {seed}, inplace={inplace})"
+        if isinstance(expected, str) or isinstance(got, str):
+            assert got == expected, where
+            continue
+        for name, left, right in zip(("loss", "grad"), expected, got):
+            assert torch.equal(left, right), f"{where}: {name}"
+        assert len(expected[2]) == len(got[2]), where
+        for i, (left, right) in enumerate(zip(expected[2], got[2])):
+            assert left[:-1] == right[:-1], f"{where}: saved tensor {i}: {left[:-1]} != {right[:-1]}"
+            assert torch.equal(left[-1], right[-1]), f"{where}: saved tensor {i} {left[:-1]}: bytes"
+        for i, (left, right) in enumerate(zip(expected[3], got[3])):
+            assert torch.equal(left, right), f"{where}: the program's tensor {i} changed"
+    assert sum(stats.bytes_read for stats in STATS) > 0 and sum(stats.storages_written for stats in STATS) > CASES
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_dtype_is_drawn(dtype):
+    """The sample is big enough to reach every dtype (a cheap guard on the draw itself)."""
+    master = random.Random(SEED)
+    drawn = set()
+    for _ in range(CASES):
+        drawn.add(random.Random(master.randrange(1 << 30)).choice(DTYPES))
+        master.random()
+    assert dtype in drawn
