@@ -161,6 +161,9 @@ class SavedTensorHooks(KeepDecision):
 
     def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any, ready: Any) -> None:
         self._save_jobs_bytes += tensor.nbytes
+        view.error = view.swapped(tensor)  # Note [A saved tensor whose data was swapped before its save] in tba/runtime/_views.py
+        if view.error is not None:
+            return
         try:
             entry, fresh = self._store.save(tensor, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
@@ -202,6 +205,9 @@ class SavedTensorHooks(KeepDecision):
             _control.settle()  # its save was deferred (Note [A save is deferred])
         entry = packed.entry
         if entry is None:
+            if packed.error is not None:
+                packed.check_version()
+                raise packed.error
             if packed.kept is None:
                 # Its deferred save never ran: the process forked while it was queued (the child has
                 # none of the parent's control thread), or the save job itself failed (logged).

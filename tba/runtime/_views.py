@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from tba._outcome import Outcome
 from tba.defaults import ALIGN_BYTES
+from tba.errors import TbaError
 from tba.io import round_up
 
 if TYPE_CHECKING:
@@ -226,13 +227,15 @@ class SavedView:
     (Note [Asynchronous exceptions] in ``tba/_control.py``).
     """
 
-    __slots__ = ("entry", "kept", "dtype", "size", "stride", "storage_offset", "watch", "version", "__weakref__")
+    __slots__ = ("entry", "kept", "error", "dtype", "size", "stride", "storage_offset", "watch", "version", "__weakref__")
 
     def __init__(self, entry: StorageEntry | None, tensor: torch.Tensor) -> None:
         self.entry = entry
         """The storage's entry; None until the deferred save has run (or when it failed and ``kept`` is set)."""
         self.kept: torch.Tensor | None = None
         """The tensor itself, when its save could not start and it stays in memory."""
+        self.error: TbaError | None = None
+        """What unpack raises: the deferred save found the tensor no longer the one packed (:meth:`swapped`)."""
         self.dtype = tensor.dtype
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
@@ -244,6 +247,29 @@ class SavedView:
     def keep(self, tensor: torch.Tensor) -> None:
         """Hold ``tensor`` itself instead of an entry (detached: Note [Kept tensors are returned detached])."""
         self.kept = tensor.detach() if tensor.grad_fn is not None else tensor
+
+    def swapped(self, tensor: torch.Tensor) -> TbaError | None:
+        """Why the deferred save cannot write ``tensor`` as packed, else None.
+
+        Note: [A saved tensor whose data was swapped before its save]
+        The save runs after pack (Note [A save is deferred] in ``tba/runtime/_hooks.py``) and writes the
+        storage the tensor has then, while the view is rebuilt with the geometry recorded at pack.
+        ``tensor.data = other`` in between (it bumps no version, so the version check cannot see it)
+        gave the tensor another storage: one too small for the packed geometry was written, and the
+        rebuild read past its bytes into the read buffer's, NaN or stale bytes in backward, no error.
+        Without tba autograd would see the new tensor, shape and all. So a tensor whose geometry
+        changed, or whose storage no longer covers it, is not written: its unpack raises this error.
+        """
+        now = (self.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+        if tensor.dtype is self.dtype and now[1:] == (self.size, self.stride, self.storage_offset):
+            if 0 in self.size:
+                return None
+            last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))
+            if (last + 1) * self.dtype.itemsize <= tensor.untyped_storage().nbytes():
+                return None
+        return TbaError(f"a tensor saved for backward ({self.dtype} {list(self.size)}) had its data replaced "
+                        "(tensor.data = ..., or its storage resized) between its save and tba's write of it; "
+                        "replace it after backward, or clone it before saving")
 
     def check_version(self) -> None:
         """Raise torch's in-place error when the saved tensor was modified in place after pack."""

@@ -196,3 +196,41 @@ def test_each_dtype_is_drawn(dtype):
         drawn.add(random.Random(master.randrange(1 << 30)).choice(DTYPES))
         master.random()
     assert dtype in drawn
+
+
+class SaveSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h):
+        ctx.save_for_backward(h)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return grad * h.sum(), None
+
+
+@pytest.mark.parametrize("replacement", [(10,), (4096,), (32, 32), (1024,)], ids=["smaller", "larger", "2-d", "same"])
+def test_data_replaced_before_the_write_is_exact_or_raises(spill_dir, replacement):
+    """Note [A saved tensor whose data was swapped before its save] in tba/runtime/_views.py: a smaller storage
+    was rebuilt past its end (NaN in the gradient), a larger one cut to the packed shape."""
+    def step(directory):
+        x = torch.ones(4, requires_grad=True)
+        h = torch.ones(N)
+        if directory is None:
+            y = SaveSum.apply(x, h)
+            h.data = torch.full(replacement, 2.0)
+        else:
+            with tba.offload_activations(directory=directory, min_offload_bytes=0):
+                y = SaveSum.apply(x, h)
+                h.data = torch.full(replacement, 2.0)
+        try:
+            y.sum().backward()
+        except TbaError:
+            return None
+        return x.grad
+
+    expected, got = step(None), step(spill_dir)
+    assert got is None or torch.equal(got, expected), (got, expected)
+    if replacement != (N,):
+        assert got is None
