@@ -260,8 +260,8 @@ class SavedView:
         Without tba autograd would see the new tensor, shape and all. So a tensor whose geometry
         changed, or whose storage no longer covers it, is not written: its unpack raises this error.
         """
-        now = (self.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
-        if tensor.dtype is self.dtype and now[1:] == (self.size, self.stride, self.storage_offset):
+        now = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+        if now == (self.dtype, self.size, self.stride, self.storage_offset):
             if 0 in self.size:
                 return None
             last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.size, self.stride))

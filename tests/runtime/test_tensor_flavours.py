@@ -6,14 +6,15 @@ permutations, channels_last and channels_last_3d views, stride-0 expansions, ove
 ``as_strided`` views, 0-dim and zero-size views, the conj and neg bits, ``view_as_real``, and
 dtype-reinterpreting views of a detached alias. Beside it come storages of their own: bool and
 integer tensors, float8 (e4m3fn, e5m2), numpy memory (writable, read-only, unaligned), sparse COO
-and CSR, quantized, and a ``__torch_function__`` subclass sharing ``h``'s storage (a nested tensor is left
-out: torch's own ``Function.apply`` rejects one, 'NestedTensorImpl doesn't support sizes'). Half of
-them are saved by a custom Function (``save_for_backward``), the differentiable ones also by
-``mul``. Backward logs every tensor the Function unpacks (type, dtype, layout, shape, strides,
-offset, lazy bits, memory format and bytes); loss, gradient, log and the program's own tensors after
-backward must match bit for bit. Some cases change a saved tensor in place after forward: then both
-runs must raise (torch's in-place error, or a TbaError). Writes finish before backward or race it, the
-program holds its tensors through backward (served live) or drops them (read back). ``TBA_FLAVOUR_CASES`` sets the number of
+and CSR, quantized, and a ``__torch_function__`` subclass sharing ``h``'s storage (a nested tensor
+is left out: torch's own ``Function.apply`` rejects one, 'NestedTensorImpl doesn't support sizes').
+Half of them are saved by a custom Function (``save_for_backward``), the differentiable ones also
+by ``conv2d``/``conv3d`` (channels_last inputs), ``mm`` or ``mul``. Backward logs every tensor the
+Function unpacks (type, dtype, layout, shape, strides, offset, lazy bits, memory format and bytes);
+loss, gradients, log and the program's own tensors after backward must match bit for bit. Some
+cases change a saved tensor in place after forward: then both runs must raise (torch's in-place
+error, or a TbaError). Writes finish before backward or race it; the program holds its tensors
+through backward (served live) or drops them (read back). ``TBA_FLAVOUR_CASES`` sets the number of
 cases (seeded by ``TBA_FLAVOUR_SEED``; the seed and case are in each failure's message).
 """
 
@@ -26,11 +27,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 import tba
 from tba.errors import TbaError
 
-CASES = int(os.environ.get("TBA_FLAVOUR_CASES", "24"))
+CASES = int(os.environ.get("TBA_FLAVOUR_CASES", "64"))
 SEED = int(os.environ.get("TBA_FLAVOUR_SEED", "62"))
 N = 1024
 
@@ -130,17 +132,27 @@ def run_case(seed: int, directory: str | None, inplace: bool):
     gen = torch.Generator().manual_seed(seed)
     dtype, verify, hold, flush = rng.choice(DTYPES), rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.7
     leaf = torch.randn(N, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = {d: torch.randn((3, 3) + (2,) * (d - 2), dtype=torch.float64, generator=gen).to(dtype).requires_grad_()
+               for d in (2, 4, 5)}
     _LOG.clear()
+
+    def use(t: torch.Tensor) -> torch.Tensor:
+        """``t`` through an operator that saves it: conv2d/conv3d (channels_last), mm, or mul."""
+        if t.dim() in (4, 5) and t.shape[1] == 3 and dtype in (torch.float32, torch.float64) and rng.random() < 0.7:
+            return (F.conv2d if t.dim() == 4 else F.conv3d)(t, weights[t.dim()]).sum().double()
+        if t.dim() == 2 and t.shape[0] >= 3 and dtype in (torch.float32, torch.float64) and rng.random() < 0.5:
+            return (weights[2] @ t[:3]).sum().double()
+        return (t * t).real.sum().double()
 
     def forward():
         h = leaf.to(dtype) * 1.5
         made = rng.sample(views(h, rng), rng.randrange(2, 8)) + rng.sample(others(h, rng), rng.randrange(1, 6))
-        saved, squared = [], []
+        saved, used = [], []
         for t in made:
-            (squared if t.requires_grad and rng.random() < 0.5 else saved).append(t)
+            (used if t.requires_grad and rng.random() < 0.5 else saved).append(t)
         out = Save.apply(h, *saved).real.sum().double()
-        for t in squared:
-            out = out + (t * t).real.sum().double()
+        for t in used:
+            out = out + use(t)
         return out, h, made
 
     try:
@@ -162,7 +174,8 @@ def run_case(seed: int, directory: str | None, inplace: bool):
         return "inplace" if isinstance(err, TbaError) or "modified by an inplace" in str(err) else repr(err)
     if directory is not None:
         STATS.append(offloader.stats)
-    return bits(loss), bits(leaf.grad), list(_LOG), [bits(t) for t in made]
+    grads = [bits(w.grad) for w in weights.values() if w.grad is not None]
+    return bits(loss), torch.cat([bits(leaf.grad)] + grads), list(_LOG), [bits(t) for t in made]
 
 
 def test_flavours_match_training_without_tba(spill_dir):
@@ -213,7 +226,8 @@ class SaveSum(torch.autograd.Function):
 @pytest.mark.parametrize("replacement", [(10,), (4096,), (32, 32), (1024,)], ids=["smaller", "larger", "2-d", "same"])
 def test_data_replaced_before_the_write_is_exact_or_raises(spill_dir, replacement):
     """Note [A saved tensor whose data was swapped before its save] in tba/runtime/_views.py: a smaller storage
-    was rebuilt past its end (NaN in the gradient), a larger one cut to the packed shape."""
+    was rebuilt past its end (NaN in the gradient), a larger one cut to the packed shape. The one small save is
+    still queued (below the waker's thresholds) when ``.data`` is replaced."""
     def step(directory):
         x = torch.ones(4, requires_grad=True)
         h = torch.ones(N)
