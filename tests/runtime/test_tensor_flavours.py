@@ -16,6 +16,9 @@ cases change a saved tensor in place after forward: then both runs must raise (t
 error, or a TbaError). Writes finish before backward or race it; the program holds its tensors
 through backward (served live) or drops them (read back). ``TBA_FLAVOUR_CASES`` sets the number of
 cases (seeded by ``TBA_FLAVOUR_SEED``; the seed and case are in each failure's message).
+
+``tensor.data = other`` between a save and tba's deferred write of it is checked on its own, last: the
+oracle there is torch's result or a TbaError.
 """
 
 from __future__ import annotations
