@@ -29,6 +29,11 @@ from torch import nn
 from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
 from tba.runtime._views import Kept
 
+QUANTIZED_DTYPES = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))
+"""Dtypes whose tensors stay in memory even when ``is_quantized`` is False (``x.view(torch.qint32)``): a
+rebuilt one has no quantizer, and using it crashed the process (segmentation fault, or torch's internal
+assert in Quantizer.cpp)."""
+
 if TYPE_CHECKING:
     from tba.runtime._layers import LayerTracker, StateKeys
 
@@ -45,7 +50,7 @@ class KeepReason(str, enum.Enum):
     TENSOR_SUBCLASS = "tensor subclass"
     """Not a plain ``torch.Tensor`` (Float8Tensor, DTensor, ...): its bytes are not one storage tba can rebuild."""
     NOT_STRIDED = "not a plain strided tensor"
-    """Sparse, nested, quantized or meta."""
+    """Sparse, nested, quantized (or of a quantized dtype) or meta."""
     NO_STORAGE = "no storage of its own"
     """Its storage cannot be read: ``torch.vmap``'s batched tensors, some of forward-mode AD's."""
     LAZY_VIEW = "lazy conjugate or negative view"
@@ -136,7 +141,7 @@ class KeepDecision:
                 return KeepReason.PARAMETER
             warn_subclass_kept(type(tensor))
             return KeepReason.TENSOR_SUBCLASS
-        if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_meta:
+        if tensor.layout is not torch.strided or tensor.is_nested or tensor.dtype in QUANTIZED_DTYPES or tensor.is_meta:
             return KeepReason.NOT_STRIDED
         if tensor.is_conj() or tensor.is_neg():
             return KeepReason.LAZY_VIEW

@@ -23,6 +23,7 @@ oracle there is torch's result or a TbaError.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
@@ -251,3 +252,34 @@ def test_data_replaced_before_the_write_is_exact_or_raises(spill_dir, replacemen
     assert got is None or torch.equal(got, expected), (got, expected)
     if replacement != (N,):
         assert got is None
+
+
+class Saved(torch.autograd.Function):
+    """Saves its second argument for backward and keeps what backward got in ``Saved.got``."""
+
+    got: torch.Tensor
+
+    @staticmethod
+    def forward(ctx, x, kept):
+        ctx.save_for_backward(kept)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (Saved.got,) = ctx.saved_tensors
+        return grad, None
+
+
+def test_a_quantized_dtype_on_an_unquantized_tensor_stays_in_memory(spill_dir):
+    """``int32.view(torch.qint32)`` has a quantized dtype but ``is_quantized`` False: tba offloaded it, and
+    rebuilding it failed in backward with torch's ``INTERNAL ASSERT FAILED`` in Quantizer.cpp (helper-61)."""
+    def step(directory):
+        x = torch.ones(4, requires_grad=True)
+        odd = torch.arange(4096, dtype=torch.int32).view(torch.qint32)
+        with tba.offload_activations(directory=directory, min_offload_bytes=0) if directory else contextlib.nullcontext():
+            y = Saved.apply(x, odd)
+        y.sum().backward()
+        return x.grad, Saved.got.view(torch.int32).clone()
+
+    expected, got = step(None), step(spill_dir)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
