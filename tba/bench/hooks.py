@@ -37,6 +37,7 @@ import torch
 
 import tba
 from tba import _control
+from tba.bench.sampler import StackSampler
 from tba.bench.thread_cpu import by_name as cpu_by_name
 from tba.bench.thread_cpu import snapshot as thread_cpu_snapshot
 
@@ -75,6 +76,8 @@ class HookResult:
     took least, as the times are best-of (``thread_cpu=True``)."""
     base_thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
     """The same for the best measured step without tba."""
+    sample_profile: str = ""
+    """Where each thread stood during one more step with tba (``sample=True``; :class:`~tba.bench.sampler.StackSampler`)."""
 
     @property
     def extra_forward_us(self) -> float:
@@ -89,7 +92,7 @@ class HookResult:
                 "base_backward_s": self.base_backward_s, "tba_forward_s": self.tba_forward_s,
                 "tba_backward_s": self.tba_backward_s, "extra_forward_us": self.extra_forward_us,
                 "extra_backward_us": self.extra_backward_us, "thread_cpu_us": self.thread_cpu_us,
-                "base_thread_cpu_us": self.base_thread_cpu_us}
+                "base_thread_cpu_us": self.base_thread_cpu_us, "sample_profile": self.sample_profile}
 
 
 def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
@@ -124,9 +127,11 @@ def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
     return middle - start, time.perf_counter() - middle
 
 
-def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool = False) -> HookResult:
+def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool = False,
+            sample: bool = False) -> HookResult:
     """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``; with
-    ``thread_cpu``, also each thread's CPU time per storage in the best measured step (``thread_cpu.py``)."""
+    ``thread_cpu``, also each thread's CPU time per storage in the best measured step (``thread_cpu.py``);
+    with ``sample``, one more step with tba, unmeasured, under a :class:`~tba.bench.sampler.StackSampler`."""
     numel = case.size_bytes // 4
     leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
     grad = torch.ones(numel, device=case.device)
@@ -142,8 +147,14 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
             if rep >= warmups:
                 best[name][0] = min(best[name][0], forward_s)
                 best[name][1] = min(best[name][1], backward_s)
+    profile = ""
+    if sample:
+        with StackSampler() as sampler:
+            _step(leaves, grad, case, case.hold_outputs, case.device)
+        profile = sampler.report()
     return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
-                      _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count))
+                      _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count),
+                      profile)
 
 
 def _per_storage_us(ns_by_thread: dict[str, int], count: int) -> dict[str, float]:

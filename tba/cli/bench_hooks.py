@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thread-cpu", action="store_true",
                         help="also print each thread's CPU microseconds per storage (Linux /proc) in the best "
                              "step with and without tba (--many: the mean over its steps with tba)")
+    parser.add_argument("--sample-profile", action="store_true",
+                        help="after each row, one more step with tba under a sampling profiler of every thread's stack; "
+                             "prints where each thread stood (where threads wait and hand the GIL over, not CPU time)")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
@@ -235,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
         results = []
         for case in cases:
             progress.update(f"{case.count} x {_size_text(case.size_bytes)} {case.label}")
-            results.append(measure(case, args.warmups, args.repeats, thread_cpu=args.thread_cpu))
+            results.append(measure(case, args.warmups, args.repeats, thread_cpu=args.thread_cpu,
+                                   sample=args.sample_profile))
         many = None
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update,
@@ -251,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_thread_cpu(results))
     if many is not None:
         print(format_many(many))
+    for result in results if args.sample_profile else ():
+        print(f"sampled stacks, one more step with tba, {result.case.count} x {_size_text(result.case.size_bytes)} "
+              f"{result.case.label} (Note [Samples land where threads give up the GIL] in tba/bench/sampler.py):")
+        print(result.sample_profile)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,

@@ -8,7 +8,7 @@
   ``DIR/cuda-tests.log``);
 * GPT bf16 steps under keep-all, tba staged, tba kvikio, adaptive, recompute and
   ``save_on_cpu(pin_memory=True)``: step time, activation peak, reserved and pinned bytes, ratios to keep-all;
-* the host cost per saved storage on the GPU (``bench-hooks --device cuda --thread-cpu``);
+* the host cost per saved storage on the GPU (``bench-hooks --device cuda --thread-cpu --sample-profile``);
 * the ROK curve (``python -m tba rok``), Megatron without ``--cpu``, and an nsys trace if nsys exists.
 
 Without CUDA it says so in one line and exits 2. ``--simulate`` runs the same report on the
@@ -165,12 +165,12 @@ def _rok(preset: str, device: str, directory: str | None, out: str) -> str:
 
 
 def _host_cost(simulated: bool, out: str) -> str:
-    """bench-hooks on the GPU with each thread's CPU per storage (whole output: DIR/host-cost.log)."""
+    """bench-hooks on the GPU with each thread's CPU per storage and sampled stacks (whole output: DIR/host-cost.log)."""
     if simulated:
         return "skipped: the simulated device's host costs are not a GPU's"
     log = os.path.join(out, "host-cost.log")
     status = _run_text([sys.executable, "-m", "tba", "bench-hooks", "--device", "cuda", "--sizes", "64K,1M",
-                        "--counts", "400,2000", "--no-disk", "--max-bytes", "256M", "--thread-cpu",
+                        "--counts", "400,2000", "--no-disk", "--max-bytes", "256M", "--thread-cpu", "--sample-profile",
                         "--json", os.path.join(out, "host-cost.json")], cwd=str(REPO), log=log)
     if not os.path.exists(log):
         return status

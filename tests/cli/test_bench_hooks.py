@@ -42,6 +42,14 @@ def test_quick_run_writes_every_row_and_cleans_up(tmp_path, capsys):
     assert list(disk.iterdir()) == [] and list(ram.iterdir()) == []
 
 
+def test_sample_profile_prints_where_each_thread_stood(tmp_path, capsys):
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", str(tmp_path), "--sample-profile"])
+    assert bench_hooks.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("sampled stacks, one more step with tba") == 2
+    assert "thread MainThread:" in out and "thread tba-control:" in out
+
+
 def test_rows_are_capped_by_max_bytes():
     args = _args(["--sizes", "16M", "--counts", "400,2000", "--max-bytes", "64M", "--no-keep"])
     cases = bench_hooks._cases(args, "/d", "/r")
