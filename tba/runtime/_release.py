@@ -140,6 +140,10 @@ class StoreRelease:
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
+        self._warn_write_failed(error, end_bytes)
+
+    def _warn_write_failed(self, error: BaseException, end_bytes: int) -> None:
+        """Log a failed write: a warning the first time per directory and cause, else at debug level."""
         cause, fix = write_error_cause(error, end_bytes)
         key = (self.spill.directory, cause)
         with _WARNED_LOCK:

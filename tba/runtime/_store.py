@@ -267,6 +267,13 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             if entry.io_error is None:  # written, though nothing will read it: the bytes did move to the file
                 self.stats.storages_written += 1
                 self.stats.bytes_written += entry.nbytes
+            else:
+                # Note: [A write that fails after its storage died still warns]
+                # Nothing is kept (the storage is gone), but the disk refused a write: a backward faster
+                # than the writes can free every storage first, and then a full disk or a file-size limit
+                # was never reported, step after step (test_faults' ulimit case saw no warning under load).
+                self._warn_write_failed(entry.io_error, entry.offset + entry.extent_bytes)
+                entry.io_error = None
             self._free_extent(entry)
         elif entry.io_error is not None:
             self._keep_after_write_error(entry)

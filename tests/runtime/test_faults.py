@@ -105,10 +105,13 @@ for step in range(2):
         x.grad = None
     with tba.offload_activations(directory=sys.argv[1], policy="offload", backend=sys.argv[2]) as off:
         ys = [torch.tanh(x) for x in xs]
+        if step == 0:
+            off.flush()  # the writes end while their storages live: the failed ones are kept, and counted
     sum(y.sum() for y in ys).backward()
     del ys
     assert all(torch.equal(x.grad, w) for x, w in zip(xs, want)), "gradients differ"
-    assert off.stats.bytes_kept_on_error > 0 and off.stats.bytes_written > 0, off.stats
+    if step == 0:
+        assert off.stats.bytes_kept_on_error > 0 and off.stats.bytes_written > 0, off.stats
 print("exact")
 """
 
@@ -116,7 +119,10 @@ print("exact")
 @pytest.mark.parametrize("backend", ["threads", "io_uring"])
 def test_a_file_size_limit_keeps_tensors_in_memory_with_one_warning_naming_it(spill_dir, backend):
     # Note [A file-size limit is one cause] in tba/runtime/_release.py: the write cut at the limit fails
-    # with EINVAL under O_DIRECT and the later ones with EFBIG; one warning, naming ulimit -f.
+    # with EINVAL under O_DIRECT and the later ones with EFBIG; one warning, naming ulimit -f. The second
+    # step's writes race backward: under load every one of them failed after its storage died, which
+    # counted nothing and, before Note [A write that fails after its storage died still warns] in
+    # tba/runtime/_store.py, warned nothing either.
     if backend not in tba.available_backends():
         pytest.skip(f"{backend} is not available here")
     done = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_STEP, spill_dir, backend], capture_output=True,

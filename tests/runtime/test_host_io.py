@@ -6,6 +6,7 @@ Note [Writes wait in tba's queue, not the engine's] in ``tba/runtime/_host_io.py
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 
 import torch
@@ -223,4 +224,23 @@ def test_a_held_storage_whose_write_failed_still_counts_against_the_window(spill
     assert window._held == held, "a held storage kept after a failed write stopped counting"
     torch.autograd.backward(losses)
     assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    off.close()
+
+
+def test_a_write_that_fails_after_its_storage_died_still_warns_once(spill_dir, caplog):
+    """Note [A write that fails after its storage died still warns] in tba/runtime/_store.py: backward took
+    every storage from memory while the writes waited, the storages died, then the disk refused the writes.
+    Nothing is kept or written, but the full disk is reported, once."""
+    gate = threading.Event()
+    xs, want, off, losses = _forward_behind_gate(spill_dir, FailAfterGate(gate=gate), 6)
+    torch.autograd.backward(losses)
+    del losses
+    _control.settle()  # the storages' deaths are noted on tba's control thread
+    assert all(torch.equal(x.grad, g) for x, g in zip(xs, want))
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        gate.set()
+        off.flush()
+    assert off.stats.tensors_kept_on_error == 0 and off.stats.bytes_written == 0, str(off.stats.as_dict())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0], warned
     off.close()
