@@ -54,6 +54,9 @@ class Engine(abc.ABC):
     name: ClassVar[str] = "abstract"
     vectored: ClassVar[bool] = False
     """Whether requests may carry ``pieces`` (one transfer for several memory ranges)."""
+    write_ahead_bytes: ClassVar[int | None] = None
+    """Most bytes of writes tba hands this engine at once, the others waiting in tba's queue (Note [Writes wait
+    in tba's queue, not the engine's] in ``tba/runtime/_host_io.py``); None: :data:`tba.defaults.HOST_WRITE_AHEAD_BYTES`."""
 
     @abc.abstractmethod
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:

@@ -124,7 +124,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             self.read_pool = read_pool
             self.read_pool.trim()
         host = routes.host
-        self._host = HostBatch(host.engine, host.pool, host.block_size_bytes)
+        self._host = HostBatch(host.engine, host.pool, host.block_size_bytes, host.engine.write_ahead_bytes)
 
     def _budget_bytes(self) -> int:
         """The prefetch budget in force (the window's): the read pool's capacity."""

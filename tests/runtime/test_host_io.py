@@ -107,6 +107,33 @@ def test_closing_drops_the_waiting_writes():
     assert heard[-1] == (0, None) and engine.ops() == [Op.WRITE], "a write was sent after closing"
 
 
+class OneWriteAtATime(HeldEngine):
+    """A :class:`HeldEngine` that asks tba for one write at a time (``Engine.write_ahead_bytes``)."""
+
+    write_ahead_bytes = 1
+
+
+def test_an_engine_sets_the_allowance_of_writes_it_is_handed(spill_dir):
+    """``Engine.write_ahead_bytes`` is the allowance (the fuzzer's late writes use it): with one byte, one storage's
+    write goes to the engine and the others wait in tba's queue; the default engine keeps the default."""
+    engine = OneWriteAtATime()
+    xs = [torch.randn(STORAGE_BYTES // 4, requires_grad=True) for _ in range(3)]
+    off = tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0)
+    with off:
+        losses = [torch.tanh(x).pow(2).sum() for x in xs]
+    _control.settle()
+    assert engine.ops() == [Op.WRITE] and off._store._host.waiting_writes == 2
+    while engine.complete(Op.WRITE):
+        _control.settle()
+    del losses
+    off.close()
+    default = tba.Offloader(spill_dir, backend=HeldEngine(), min_offload_bytes=0)
+    with default:
+        pass
+    assert default._store._host.write_ahead_bytes == _host_io.HOST_WRITE_AHEAD_BYTES
+    default.close()
+
+
 def test_host_writes_backward_took_from_memory_are_skipped_and_exact(spill_dir, monkeypatch):
     """Forward saves faster than the disk writes (the engine's writes wait for a gate): backward takes
     the storages whose writes are still waiting in tba's queue from memory, and they are never written;
