@@ -9,12 +9,12 @@ input that lives in torch memory, numpy memory (directly or through DLPack) or a
 placement (the bare context, or a pinned plan that keeps, offloads, recomputes or recomputes with
 its input offloaded each block; or the bare context under a policy object that plans given placements,
 one per input shape, over more steps), a backend, a minimum offload size, the input's batch size per
-step (a changing input shape), the steps whose backward runs twice through a retained graph, and an
-event per step (a normal step, a
-step that waits for its writes before backward (``flush()``), so that backward reads the file instead
-of memory the writes had not yet freed, an exception raised inside the block, or a dropped loss).
-:func:`run_case` runs the same steps twice
-from the same seed, once without tba and once with it, and compares losses, gradients, buffers,
+step (a changing input shape), the steps whose backward runs twice through a retained graph, an event
+per step (a normal step, a step that waits for its writes before backward (``flush()``), so that backward
+reads the file instead of memory the writes had not yet freed, an exception raised inside the block, or
+a dropped loss), and whether writes queue and start late, in random order (Note [Writes that queue in
+the fuzzer] in ``tba/bench/_fuzz_io.py``). :func:`run_case` runs the same steps twice from the same
+seed, once without tba and once with it, and compares losses, gradients, buffers,
 SGD-with-momentum state and the input tensors with ``torch.equal``; it also checks that no
 descriptor, thread or file is left once tba has shut its runtimes down. :func:`reproducer` prints
 the case as Python.
@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from tba.bench._fuzz_io import LateWrites, draw_late_writes, late_engine
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering",
@@ -69,6 +71,8 @@ class Case:
     retained: tuple[int, ...] = ()
     """Steps whose backward runs twice, the first with ``retain_graph=True``: the second pass needs every storage
     again, after the first released what it unpacked (writes skipped as not needed, bytes held by the window)."""
+    late_writes: LateWrites | None = None
+    """Writes queue in tba and the engine and start late, in random order; None: as the backend runs them."""
 
 
 def draw_case(seed: int) -> Case:
@@ -91,7 +95,8 @@ def draw_case(seed: int) -> Case:
         other = rng.choice([size for size in (8, 32, 64) if size != case.batch])
         batches = tuple(rng.choice((case.batch, other)) for _ in events)
     retained = tuple(step for step in range(len(events)) if rng.random() < 0.25)
-    return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained)
+    return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
+                               late_writes=draw_late_writes(rng))
 
 
 class Block(nn.Module):
@@ -167,7 +172,7 @@ class _Raised(Exception):
     """Raised inside the offload block on purpose."""
 
 
-def _train(case: Case, directory: str | None) -> dict[str, Any]:
+def _train(case: Case, directory: str | None, engine: Any = None) -> dict[str, Any]:
     import tba
 
     model = build(case)
@@ -175,7 +180,7 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
     optimizer = torch.optim.SGD(trainable, lr=0.01, momentum=0.9)
     plan = tba.Plan(case.placement, window_bytes=1 << 20) if case.placement is not None else None
     def new_offloader() -> Any:
-        return (tba.Offloader(directory, layers=list(model), policy=plan, backend=case.backend,
+        return (tba.Offloader(directory, layers=list(model), policy=plan, backend=engine or case.backend,
                               min_offload_bytes=case.min_offload_bytes)
                 if directory is not None and plan is not None else None)
 
@@ -195,7 +200,7 @@ def _train(case: Case, directory: str | None) -> dict[str, Any]:
         elif offloader is not None:
             context = offloader
         else:
-            context = tba.offload_activations(directory, backend=case.backend, min_offload_bytes=case.min_offload_bytes,
+            context = tba.offload_activations(directory, backend=engine or case.backend, min_offload_bytes=case.min_offload_bytes,
                                               **bare)
         try:
             with context:
@@ -276,8 +281,9 @@ def run_case(case: Case) -> list[str]:
     problems = []
     want = _train(case, None)
     fds, threads = _open_fds(), threading.active_count()
-    with tempfile.TemporaryDirectory(prefix="tba-fuzz-") as directory:
-        got = _train(case, directory)
+    with (tempfile.TemporaryDirectory(prefix="tba-fuzz-") as directory,
+          late_engine(case.late_writes, case.seed, case.backend) as engine):
+        got = _train(case, directory, engine)
         tba.shutdown()
         left = os.listdir(directory)
     for key in ("losses", "grads", "state", "momentum", "generators"):
