@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import pytest
+from utils import call_skipped_writes_written
 
 from tba.bench.fuzz import draw_case, reproducer, run_case
 
@@ -142,16 +143,6 @@ def test_late_writes_catch_a_skipped_write_taken_for_written(monkeypatch):
     cases (late writes, a retained step) caught it in 1 to 3 of 6 runs, so one round of the four misses about
     one time in five, and ten rounds about once in ten million.
     """
-    from tba.runtime._release import StoreRelease
-    from tba.runtime._views import State
-
-    skip = StoreRelease._skip_unwritten
-
-    def skip_but_call_it_written(self, entry):
-        skip(self, entry)
-        if entry.state is State.KEPT:
-            entry.state = State.ON_DISK
-
-    monkeypatch.setattr(StoreRelease, "_skip_unwritten", skip_but_call_it_written)
+    call_skipped_writes_written(monkeypatch)
     findings, _, _ = _late_runs(monkeypatch, seeds=(16, 21, 48, 54), rounds=10)
     assert findings

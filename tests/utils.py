@@ -146,6 +146,21 @@ def backward_twice_past_held_writes(offloader: tba.Offloader, xs: Sequence[torch
     return losses
 
 
+def call_skipped_writes_written(monkeypatch) -> None:
+    """Mutant (helper-58): a skipped write marks its live storage ON_DISK instead of KEPT, as if written."""
+    from tba.runtime._release import StoreRelease
+    from tba.runtime._views import State
+
+    skip = StoreRelease._skip_unwritten
+
+    def skip_but_call_it_written(self, entry):
+        skip(self, entry)
+        if entry.state is State.KEPT:
+            entry.state = State.ON_DISK
+
+    monkeypatch.setattr(StoreRelease, "_skip_unwritten", skip_but_call_it_written)
+
+
 def steps_equal(reference: tuple, result: tuple) -> bool:
     """Whether two :func:`run_step` results have ``torch.equal`` losses and gradients."""
     (ref_loss, ref), (loss, got) = reference, result

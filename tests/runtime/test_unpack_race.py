@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from utils import call_skipped_writes_written
 
 import tba
 from tba.io import Engine, ThreadEngine
@@ -180,16 +181,6 @@ def test_a_held_storage_whose_write_was_skipped_stays_for_a_retained_graph(spill
 def test_a_storage_with_no_extent_left_is_never_read_back(spill_dir, monkeypatch):
     """Should bookkeeping ever take a storage whose extent was freed for one on disk (the mutant above, applied
     here), the read of offset -1 gave wrong gradients, silently; it raises instead (helper-58)."""
-    from tba.runtime._release import StoreRelease
-    from tba.runtime._views import State
-
-    skip = StoreRelease._skip_unwritten
-
-    def skip_but_call_it_written(self, entry):
-        skip(self, entry)
-        if entry.state is State.KEPT:
-            entry.state = State.ON_DISK
-
-    monkeypatch.setattr(StoreRelease, "_skip_unwritten", skip_but_call_it_written)
+    call_skipped_writes_written(monkeypatch)
     with pytest.raises(tba.TbaError, match="neither memory nor the spill file"):
         _backward_twice_after_skipped_writes(spill_dir, monkeypatch)
