@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from tba.errors import EngineClosedError
 from tba.io import Engine, Op, Request, make_engine
 
 WRITE_AHEAD_CHOICES_BYTES = (1, 64 * 1024, 1 << 20)
@@ -98,7 +99,7 @@ class LateWriteEngine(Engine):
         reads, read_calls = [], []
         with self._cond:
             if self._closed:
-                raise RuntimeError("engine is closed")
+                raise EngineClosedError("engine is closed")  # as tba's own engines refuse
             for request, callback in zip(requests, on_done):
                 if request.op is Op.WRITE:
                     self._held.append((request, callback))
