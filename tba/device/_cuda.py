@@ -50,7 +50,7 @@ class TorchCuda:
         return torch.cuda.current_stream(device)
 
     def stream(self, stream: Any) -> Any:
-        if _FAST_STREAMS and torch.cuda.is_initialized():
+        if _FAST_STREAMS and stream is not None and torch.cuda.is_initialized():  # torch's stream(None) does nothing
             return _stream_calls.StreamContext(stream)
         return torch.cuda.stream(stream)
 

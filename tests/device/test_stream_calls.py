@@ -98,6 +98,17 @@ def test_torch_cuda_takes_them_once_cuda_is_initialised(fake, monkeypatch):
     assert api.current_stream(torch.device("cuda", 0)) == FakeStream(0, 0)
 
 
+def test_no_stream_selects_nothing_as_in_torch(fake, monkeypatch):
+    """``torch.cuda.stream(None)`` is a no-op; the C-binding context read ``None.device_index`` on entry."""
+    monkeypatch.setattr(_cuda, "_FAST_STREAMS", True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: torch.cuda.StreamContext(stream))
+    fake.current = {0: 5, 1: 9}
+    with _cuda.TorchCuda().stream(None):
+        assert (fake.device, fake.current) == (0, {0: 5, 1: 9})
+    assert (fake.device, fake.current) == (0, {0: 5, 1: 9})
+
+
 def test_a_cpu_build_has_no_bindings_and_keeps_the_wrappers():
     if torch.cuda.is_available():
         pytest.skip("a CUDA build has the bindings")
