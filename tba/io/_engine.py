@@ -55,8 +55,10 @@ class Engine(abc.ABC):
     vectored: ClassVar[bool] = False
     """Whether requests may carry ``pieces`` (one transfer for several memory ranges)."""
     write_ahead_bytes: ClassVar[int | None] = None
-    """Most bytes of writes tba hands this engine at once, the others waiting in tba's queue (Note [Writes wait
-    in tba's queue, not the engine's] in ``tba/runtime/_host_io.py``); None: :data:`tba.defaults.HOST_WRITE_AHEAD_BYTES`."""
+    """Most bytes of host storages' writes tba hands this engine at once, the others waiting in tba's queue (Note
+    [Writes wait in tba's queue, not the engine's] in ``tba/runtime/_host_io.py``); None:
+    :data:`tba.defaults.HOST_WRITE_AHEAD_BYTES`. A device storage's writes go from its staging blocks
+    (``tba/device/_staged_route.py``), as many at once as the staging pool has blocks, whatever this says."""
 
     @abc.abstractmethod
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
