@@ -142,18 +142,21 @@ class StoreRelease:
         self.stats.bytes_kept_on_error += entry.nbytes
         self._warn_write_failed(error, end_bytes)
 
-    def _warn_write_failed(self, error: BaseException, end_bytes: int) -> None:
-        """Log a failed write: a warning the first time per directory and cause, else at debug level."""
+    def _warn_write_failed(self, error: BaseException, end_bytes: int, kept: bool = True) -> None:
+        """Log a failed write: a warning the first time per directory and cause, else at debug level. ``kept``: its
+        storage stays in memory (False: it had died, and nothing is kept or counted)."""
         cause, fix = write_error_cause(error, end_bytes)
         key = (self.spill.directory, cause)
         with _WARNED_LOCK:
             first = key not in _WARNED_WRITE_ERRORS
             _WARNED_WRITE_ERRORS.add(key)
+        outcome = "kept in memory" if kept else "its storage had died, nothing kept"
         if not first:
-            logger.debug("tba: write to %s failed again (%s); kept in memory", self.spill.directory, error)
+            logger.debug("tba: write to %s failed again (%s); %s", self.spill.directory, error, outcome)
         else:
             logger.warning("tba: writing activations to %s failed (%s); keeping them in memory instead and training "
-                           "goes on (stats.bytes_kept_on_error counts them). %s", self.spill.directory, error, fix)
+                           "goes on (stats.bytes_kept_on_error counts them%s). %s", self.spill.directory, error,
+                           "" if kept else "; this one's storage had died, so nothing was kept", fix)
 
     def _checksum_written(self, entry: StorageEntry) -> None:
         """Record the CRC-32C of the bytes just written (a function of its own: no reference outlives it)."""

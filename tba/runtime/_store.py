@@ -272,7 +272,7 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
                 # Nothing is kept (the storage is gone), but the disk refused a write: a backward faster
                 # than the writes can free every storage first, and then a full disk or a file-size limit
                 # was never reported, step after step (test_faults' ulimit case saw no warning under load).
-                self._warn_write_failed(entry.io_error, entry.offset + entry.extent_bytes)
+                self._warn_write_failed(entry.io_error, entry.offset + entry.extent_bytes, kept=False)
                 entry.io_error = None
             self._free_extent(entry)
         elif entry.io_error is not None:

@@ -270,4 +270,5 @@ def test_a_write_that_fails_after_its_storage_died_still_warns_once(spill_dir, c
     assert off.stats.tensors_kept_on_error == 0 and off.stats.bytes_written == 0, str(off.stats.as_dict())
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
     assert len(warned) == 1 and "No space left on device" in warned[0], warned
+    assert "nothing was kept" in warned[0], "the warning claimed stats.bytes_kept_on_error counts what it never kept"
     off.close()
