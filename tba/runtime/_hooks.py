@@ -139,8 +139,11 @@ class SavedTensorHooks(KeepDecision):
         # jobs] in tba/_control.py); the job holds the tensor, so its bytes stay alive until the write
         # starts, and the view, so the view cannot die before its entry exists. The version checked
         # at unpack is the one recorded here.
-        self._waker.note(_control.defer(self._save_job, view, tensor, layer, stack, ready), tensor.nbytes)
-        self._deferred_bytes += tensor.nbytes
+        # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
+        nbytes = tensor.nbytes
+        self._waker.note(_control.defer(self._save_job, view, tensor, tensor.untyped_storage(), nbytes, layer, stack,
+                                        ready), nbytes)
+        self._deferred_bytes += nbytes
         if self._write_caps is not None:
             self._hold_back(layer)
         return view
@@ -159,13 +162,14 @@ class SavedTensorHooks(KeepDecision):
             _control.settle()
         self._store.hold_back_writes(cap)
 
-    def _save_job(self, view: SavedView, tensor: torch.Tensor, layer: int | None, stack: Any, ready: Any) -> None:
-        self._save_jobs_bytes += tensor.nbytes
-        view.error = view.swapped(tensor)  # Note [A saved tensor whose data was swapped before its save] in tba/runtime/_views.py
+    def _save_job(self, view: SavedView, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int,
+                  layer: int | None, stack: Any, ready: Any) -> None:
+        self._save_jobs_bytes += nbytes
+        view.error = view.uncovered(storage)  # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
         if view.error is not None:
             return
         try:
-            entry, fresh = self._store.save(tensor, layer, view.version, ready)
+            entry, fresh = self._store.save(tensor, layer, view.version, ready, storage)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)
             return
@@ -207,7 +211,7 @@ class SavedTensorHooks(KeepDecision):
         if entry is None:
             if packed.error is not None:
                 packed.check_version()
-                raise packed.error
+                raise TbaError(packed.error)  # a fresh one: Note [A save writes the storage its tensor had at pack]
             if packed.kept is None:
                 # Its deferred save never ran: the process forked while it was queued (the child has
                 # none of the parent's control thread), or the save job itself failed (logged).

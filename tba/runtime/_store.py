@@ -173,13 +173,16 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
                        if entry.transfer_in_flight and entry.layer is not None)
 
     # ----------------------------------------------------------------- write
-    def save(self, tensor: torch.Tensor, layer: int | None, version: int, ready: Any = None) -> tuple[StorageEntry, bool]:
+    def save(self, tensor: torch.Tensor, layer: int | None, version: int, ready: Any = None,
+             storage: torch.UntypedStorage | None = None) -> tuple[StorageEntry, bool]:
         """The entry holding ``tensor``'s storage at ``version``, and whether it was created (and its write started).
 
         ``ready``: the route's :meth:`~tba.device.Route.mark_ready`, taken when the tensor was produced
-        (None for host tensors); the write's copy is ordered after it.
+        (None for host tensors); the write's copy is ordered after it. ``storage``: the one ``tensor`` had
+        when it was packed (Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py);
+        None: the one it has now.
         """
-        storage = tensor.untyped_storage()
+        storage = tensor.untyped_storage() if storage is None else storage
         base = tensor._base
         root = tensor if base is None else base  # Note [One entry per version counter]
         with self.lock:
@@ -189,16 +192,16 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
             fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
                      or entry.expired())
             if fresh:
-                entry = self._start_write(tensor, storage, layer, version, ready, weakref.ref(root))
+                entry = self._start_write(storage, layer, version, ready, weakref.ref(root))
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1
             self.stats.tensors_offloaded += 1
         return entry, fresh
 
-    def _start_write(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None,
+    def _start_write(self, storage: torch.UntypedStorage, layer: int | None,
                      version: int, ready: Any, root: weakref.ref) -> StorageEntry:
-        device = tensor.device
+        device = storage.device
         route = self.routes.for_device(device)
         data = storage_bytes(storage)
         nbytes = storage.nbytes()

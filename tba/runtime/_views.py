@@ -35,7 +35,6 @@ from torch.utils import _pytree as pytree
 
 from tba._outcome import Outcome
 from tba.defaults import ALIGN_BYTES
-from tba.errors import TbaError
 from tba.io import round_up
 
 if TYPE_CHECKING:
@@ -234,8 +233,8 @@ class SavedView:
         """The storage's entry; None until the deferred save has run (or when it failed and ``kept`` is set)."""
         self.kept: torch.Tensor | None = None
         """The tensor itself, when its save could not start and it stays in memory."""
-        self.error: TbaError | None = None
-        """What unpack raises: the deferred save found the tensor no longer the one packed (:meth:`swapped`)."""
+        self.error: str | None = None
+        """The message of the TbaError unpack raises: the deferred save found the storage too small (:meth:`uncovered`)."""
         self.dtype = tensor.dtype
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
@@ -248,30 +247,34 @@ class SavedView:
         """Hold ``tensor`` itself instead of an entry (detached: Note [Kept tensors are returned detached])."""
         self.kept = tensor.detach() if tensor.grad_fn is not None else tensor
 
-    def swapped(self, tensor: torch.Tensor) -> TbaError | None:
-        """Why the deferred save cannot write ``tensor`` as packed, else None.
+    def uncovered(self, storage: torch.UntypedStorage) -> str | None:
+        """Why the deferred save cannot write ``storage`` (the one taken at pack) under the packed geometry, else None.
 
-        Note: [A saved tensor whose data was swapped before its save]
-        The save runs after pack (Note [A save is deferred] in ``tba/runtime/_hooks.py``) and writes the
-        storage the tensor has then, while the view is rebuilt with the geometry recorded at pack.
-        ``tensor.data = other`` in between (it bumps no version, so the version check cannot see it)
-        gave the tensor another storage: one too small for the packed geometry was written, and the
-        rebuild read past its bytes into the read buffer's, NaN or stale bytes in backward, no error.
-        Without tba autograd would see the new tensor, shape and all. So a tensor whose geometry
-        changed, or whose storage no longer covers it, is not written: its unpack raises this error.
+        Note: [A save writes the storage its tensor had at pack]
+        The save runs after pack (Note [A save is deferred] in ``tba/runtime/_hooks.py``), and
+        ``tensor.data = other`` in between bumps no version. The save wrote the storage the tensor had
+        then, under the geometry recorded at pack: one too small was read past its end (NaN in
+        backward), and a same-shaped one replaced an output's data, which autograd without tba keeps
+        (it holds the output's old storage): wrong gradients, no error (helper-61, helper-62). So pack
+        takes the storage itself (0.1 µs) and the save writes that one: backward gets the data the
+        tensor had when it was saved, whatever its ``.data`` became, as with torch's own ``save_on_cpu``.
+        Megatron frees a pipeline stage's sent output that way (``deallocate_output_tensor`` swaps its
+        ``.data`` for one element) and relies on it; a saved *input* swapped after its save is the case
+        where autograd without hooks would use the new data (docs/api.md). Only a storage shrunk below
+        the packed geometry before the save (``untyped_storage().resize_``, which no version sees) is not
+        written: unpack raises a TbaError with this message. A message, not the error: raised, an error
+        holds its traceback, whose frames hold the caller's locals (the loss, so the graph, so this view),
+        a cycle through autograd's C++ node that the cycle collector cannot see (helper-62).
         """
-        if (tensor.dtype is self.dtype and tensor.shape == self.size and tensor.stride() == self.stride
-                and tensor.storage_offset() == self.storage_offset):  # 1.0 µs here, where tuples took 1.4
-            if 0 in self.size:
-                return None
-            last = self.storage_offset
-            for size, stride in zip(self.size, self.stride):
-                last += (size - 1) * stride
-            if (last + 1) * self.dtype.itemsize <= tensor.untyped_storage().nbytes():
-                return None
-        return TbaError(f"a tensor saved for backward ({self.dtype} {list(self.size)}) had its data replaced "
-                        "(tensor.data = ..., or its storage resized) between its save and tba's write of it; "
-                        "replace it after backward, or clone it before saving")
+        if 0 in self.size:
+            return None
+        last = self.storage_offset
+        for size, stride in zip(self.size, self.stride):
+            last += (size - 1) * stride
+        if (last + 1) * self.dtype.itemsize <= storage.nbytes():
+            return None
+        return (f"a tensor saved for backward ({self.dtype} {list(self.size)}) had its storage resized below it "
+                "between its save and tba's write of it; resize it after backward, or clone it before saving")
 
     def check_version(self) -> None:
         """Raise torch's in-place error when the saved tensor was modified in place after pack."""
