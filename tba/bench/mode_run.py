@@ -21,7 +21,7 @@ from tba.bench.io_load import BackgroundIO
 from tba.bench.meters import CudaPeak, PeakRSS, usage_bytes
 from tba.defaults import MIB
 from tba.policy import Placement, Plan
-from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_bytes, offload_activations, resolve_layers
+from tba.runtime import Offloader, RecomputeLayers, compile_blocks, idle_pool_bytes, offload_activations, resolve_layers, shutdown
 
 MODES = ("keep", "tba", "recompute", "save_on_cpu")
 COMPILE_MODES = ("none", "per-block")
@@ -126,6 +126,8 @@ class ModeRun:
         self.bare = mode in ("tba", "tba-verify") and usage == "bare"
         self.bare_options = {"verify": True} if mode == "tba-verify" else {}
         self.bare_stats: list[Offloader] = []
+        self._measured_contexts: list[Offloader] = []
+        """The one-shot contexts of the measured steps, whose bytes :meth:`finish` reads."""
         self.offloader: Offloader | None = None
         options = dict(offload_options or {})
         self.warmup = warmup
@@ -196,17 +198,19 @@ class ModeRun:
             if moved is not None:
                 result.written_bytes.append(moved[0])
                 result.read_bytes.append(moved[1])
+            elif self.bare_stats:
+                self._measured_contexts.append(self.bare_stats[-1])
 
     def _step_bytes(self) -> tuple[int, int] | None:
         """Bytes tba wrote and read in the step just taken (read after it: outside its clock), None without tba."""
         if self.offloader is not None:  # counts since it was built: the step's are the growth
+            # A write still in flight (its storage died before it ended) counts when it ends: waited for here,
+            # outside the clock, it counts in its own step's bytes, not the next one's (or none: the last).
+            self.offloader.flush()
             stats = self.offloader.stats
             before, self._moved = self._moved, (stats.bytes_written, stats.bytes_read)
             return self._moved[0] - before[0], self._moved[1] - before[1]
-        if not self.bare_stats:
-            return None
-        stats = self.bare_stats[-1].stats  # this step's one-shot context counts this step alone
-        return stats.bytes_written, stats.bytes_read
+        return None  # a one-shot context counts its step alone, read at finish (its last writes may still be in flight)
 
     def unwrap(self) -> None:
         """Undo the recompute wrapping of the model's layers and stop an I/O load (idempotent)."""
@@ -226,6 +230,9 @@ class ModeRun:
         if self._memory_peaks:
             result.activation_peak_bytes = self._memory_peaks
         if self.bare_stats:
+            shutdown()  # the shared runtime closes once its writes ended: every context's counts are final
+            result.written_bytes = [context.stats.bytes_written for context in self._measured_contexts]
+            result.read_bytes = [context.stats.bytes_read for context in self._measured_contexts]
             result.offload_stats = _summed_stats([context.stats.as_dict() for context in self.bare_stats])
             plan = self.bare_stats[-1].plan
             result.plan = {**dataclasses.asdict(plan), "code": plan.code} if plan is not None else None
