@@ -169,7 +169,7 @@ class SavedTensorHooks(KeepDecision):
         if view.error is not None:
             return
         try:
-            entry, fresh = self._store.save(tensor, layer, view.version, ready, storage)
+            entry, fresh = self._store.save(tensor, storage, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)
             return

@@ -173,16 +173,14 @@ class StorageStore(StoreReads, StoreRelease, StoreLifetime):
                        if entry.transfer_in_flight and entry.layer is not None)
 
     # ----------------------------------------------------------------- write
-    def save(self, tensor: torch.Tensor, layer: int | None, version: int, ready: Any = None,
-             storage: torch.UntypedStorage | None = None) -> tuple[StorageEntry, bool]:
-        """The entry holding ``tensor``'s storage at ``version``, and whether it was created (and its write started).
+    def save(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None, version: int,
+             ready: Any = None) -> tuple[StorageEntry, bool]:
+        """The entry holding ``storage`` at ``version``, and whether it was created (and its write started).
 
-        ``ready``: the route's :meth:`~tba.device.Route.mark_ready`, taken when the tensor was produced
-        (None for host tensors); the write's copy is ordered after it. ``storage``: the one ``tensor`` had
-        when it was packed (Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py);
-        None: the one it has now.
+        ``storage``: the one ``tensor`` had when it was packed (Note [A save writes the storage its tensor
+        had at pack] in tba/runtime/_views.py). ``ready``: the route's :meth:`~tba.device.Route.mark_ready`,
+        taken when the tensor was produced (None for host tensors); the write's copy is ordered after it.
         """
-        storage = tensor.untyped_storage() if storage is None else storage
         base = tensor._base
         root = tensor if base is None else base  # Note [One entry per version counter]
         with self.lock:

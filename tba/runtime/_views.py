@@ -257,7 +257,8 @@ class SavedView:
         backward), and a same-shaped one replaced an output's data, which autograd without tba keeps
         (it holds the output's old storage): wrong gradients, no error (helper-61, helper-62). So pack
         takes the storage itself (0.1 µs) and the save writes that one: backward gets the data the
-        tensor had when it was saved, whatever its ``.data`` became, as with torch's own ``save_on_cpu``.
+        tensor had when it was saved, whatever its ``.data`` became (as torch's ``save_on_cpu`` does for a
+        CUDA tensor, which it copies at pack; a CPU tensor it keeps as it is, and sees the new data).
         Megatron frees a pipeline stage's sent output that way (``deallocate_output_tensor`` swaps its
         ``.data`` for one element) and relies on it; a saved *input* swapped after its save is the case
         where autograd without hooks would use the new data (docs/api.md). Only a storage shrunk below
