@@ -25,6 +25,7 @@ import abc
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,6 +35,10 @@ from tba.device._cuda import cuda_api
 from tba.device._protocol import Callback
 
 logger = logging.getLogger("tba")
+
+
+HostCopy = tuple[torch.Tensor, torch.Tensor, Any]
+"""``(src, dst, after)``: one device-to-host copy of :meth:`DeviceOps.copy_to_host_many`."""
 
 
 class _Done:
@@ -56,6 +61,21 @@ class DeviceOps(abc.ABC):
     @abc.abstractmethod
     def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor, after: Any) -> Any:
         """Queue ``dst.copy_(src)`` behind event ``after``; returns the copy's completion event."""
+
+    def copy_to_host_many(self, copies: Sequence[HostCopy]) -> tuple[Any, int, BaseException | None]:
+        """Queue :meth:`copy_to_host` for each ``(src, dst, after)`` in order, until one raises.
+
+        Returns an event that completes after every copy queued, how many were queued, and the error
+        of the one that raised (None when all were). Copies run in queue order on one stream, so
+        the last copy's event stands for all of them.
+        """
+        event = None
+        for queued, (src, dst, after) in enumerate(copies):
+            try:
+                event = self.copy_to_host(src, dst, after)
+            except BaseException as error:
+                return event, queued, error
+        return event, len(copies), None
 
     @abc.abstractmethod
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -196,6 +216,26 @@ class CudaOps(DeviceOps):
             done = cuda.Event(blocking=True)
             done.record(self.side_stream)
         return done
+
+    def copy_to_host_many(self, copies: Sequence[HostCopy]) -> tuple[Any, int, BaseException | None]:
+        # One stream context and one event for the lot (Note [Storages queued together share a block]
+        # in tba/device/_staged_writes.py).
+        cuda, side = self.cuda, self.side_stream
+        queued, error = 0, None
+        with cuda.stream(side):  # Note [A stream context selects its device]
+            for src, dst, after in copies:
+                try:
+                    side.wait_event(after)
+                    cuda.copy_(dst, src)
+                except BaseException as copy_error:
+                    error = copy_error
+                    break
+                queued += 1
+            if not queued:
+                return None, 0, error
+            done = cuda.Event(blocking=True)
+            done.record(side)
+        return done, queued, error
 
     # Note: [Read-back memory belongs to the compute stream]
     # Allocated on the prefetch stream, read-back tensors lived in a pool that memory freed by

@@ -36,9 +36,14 @@ from tba.defaults import ALIGN_BYTES
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
 from tba.device._protocol import WRITE_NOT_NEEDED, Callback, Countdown, ReadCallback, Route, pieces
+from tba.device._staged_writes import BlockGroup, WriteJob
 from tba.io import Engine, Op, Request, round_up
 
 logger = logging.getLogger(__name__)
+
+
+_NOTHING = object()
+"""What the stager holds when it took no job beyond the writes it is starting."""
 
 
 def _fail_read(on_done: ReadCallback, error: BaseException) -> None:
@@ -80,30 +85,88 @@ class StagedRoute(Route):
     def write(self, src: torch.Tensor, phase_bytes: int, fd: int, offset: int, on_done: Callback,
               ready: Any, wanted: Callable[[], bool] | None = None) -> None:
         """Write the ``uint8`` device tensor ``src`` to ``fd`` at ``offset`` after ``ready``; ``on_done(error)`` at the end."""
-        self._jobs.put((functools.partial(self._write_job, src, fd, offset, ready, on_done, wanted), on_done))
+        self._jobs.put(WriteJob(src, fd, offset, ready, on_done, wanted))
 
-    def _write_job(self, src: torch.Tensor, fd: int, offset: int, ready: Any, on_done: Callback,
-                   wanted: Callable[[], bool] | None) -> None:
-        if wanted is not None and not wanted():
-            on_done(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
+    def _write_jobs(self, jobs: list[WriteJob]) -> None:
+        """Start the writes queued together: adjacent ones share a block (Note [Storages queued together share a block])."""
+        group: BlockGroup | None = None
+        for job in jobs:
+            try:
+                if job.wanted is not None and not job.wanted():
+                    job.on_done(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
+                    continue
+                if group is not None and not group.takes(job):
+                    group, sending = None, group
+                    self._send(sending)  # before the next block is taken: a pool of one block must not wait on itself
+                if job.extent_bytes > self.pool.block_bytes:
+                    self._write_pieces(job)
+                elif group is None:
+                    group = BlockGroup(self.pool.acquire(), job)
+                else:
+                    group.add(job)
+            except BaseException as error:
+                logger.exception("tba: a staged write failed before it started")
+                job.on_done(error)
+        if group is not None:
+            self._send(group)
+
+    def _send(self, group: BlockGroup) -> None:
+        """Queue the group's copies into its block, then (on their event) its file write."""
+        try:
+            event, queued, error = self.ops.copy_to_host_many(group.copies())
+        except BaseException as copy_error:
+            event, queued, error = None, 0, copy_error
+        failed = group.split(queued)
+        for job in failed:
+            job.on_done(error)
+        if not group.members:
+            self.pool.release(group.block)
             return
+        # Note: [The route holds the source until its copy ran]
+        # The store may drop its reference while the copy is still queued (the entry died: a
+        # backward that raced the writes). The caching allocator would then hand the memory to
+        # the next allocation while the side stream still reads it; the group holds its members'
+        # sources until the copies' event completed.
+        try:
+            self.ops.when_done(event, functools.partial(self._group_copied, group))
+        except BaseException as wait_error:
+            # Nothing will say when the copies ran: the block stays out of the pool rather than be reused under them.
+            group.done(wait_error)
+
+    def _group_copied(self, group: BlockGroup, error: BaseException | None) -> None:
+        group.copied()
+        if error is None:
+            try:
+                # Note [A block's file transfer reports by callback]
+                request = Request(Op.WRITE, group.fd, group.block.data_ptr(), group.end - group.start, group.start, group.block)
+                self.engine.submit_calls((request,), (functools.partial(self._group_written, group),))
+                return
+            except BaseException as submit_error:
+                error = submit_error
+        self._group_written(group, error)
+
+    def _group_written(self, group: BlockGroup, error: BaseException | None) -> None:
+        self.pool.release(group.block)
+        group.done(error)
+
+    def _write_pieces(self, job: WriteJob) -> None:
+        """A storage larger than a block: a block per piece, each copied and written on its own."""
+        src = job.src
+        assert src is not None
         spans = pieces(src.numel(), self.pool.block_bytes)
-        countdown = Countdown(len(spans), on_done)
+        countdown = Countdown(len(spans), job.on_done)
         for start, nbytes in spans:
             block = self.pool.acquire()
             piece = src[start : start + nbytes]
             try:
-                event = self.ops.copy_to_host(piece, block[:nbytes], ready)
+                event = self.ops.copy_to_host(piece, block[:nbytes], job.ready)
             except BaseException as error:
                 self.pool.release(block)
                 countdown.done(error)
                 continue
-            # Note: [The route holds the source until its copy ran]
-            # The store may drop its reference while the copy is still queued (the entry died: a
-            # backward that raced the writes). The caching allocator would then hand the memory to
-            # the next allocation while the side stream still reads it; the piece held here keeps it
-            # until the copy's event completed.
-            self.ops.when_done(event, functools.partial(self._copied, block, fd, offset + start, nbytes, countdown, piece))
+            # Note [The route holds the source until its copy ran]
+            copied = functools.partial(self._copied, block, job.fd, job.offset + start, nbytes, countdown, piece)
+            self.ops.when_done(event, copied)
 
     def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: Countdown,
                 source: torch.Tensor, error: BaseException | None) -> None:
@@ -183,22 +246,39 @@ class StagedRoute(Route):
         _sched.background()
         # A job that raises before it handed out any piece fails its transfer through ``fail``, so
         # the waiter sees the error instead of waiting forever; the stager thread lives on.
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, fail = item
-            try:
-                job()
-            except BaseException as error:
-                logger.exception("tba: a staged transfer failed before it started")
-                fail(error)
+        jobs = self._jobs
+        item = jobs.get()
+        while item is not None:
+            following: Any = _NOTHING
+            if isinstance(item, WriteJob):
+                # Every write already queued behind this one goes with it (Note [Storages queued together share a block]).
+                writes = [item]
+                while not jobs.empty():
+                    following = jobs.get()
+                    if not isinstance(following, WriteJob):
+                        break
+                    writes.append(following)
+                    following = _NOTHING
+                try:
+                    self._write_jobs(writes)
+                except BaseException:  # each job heard its own failure inside; the stager must live on
+                    logger.exception("tba: staged writes failed before they started")
+                writes = []
+            else:
+                job, fail = item
+                try:
+                    job()
+                except BaseException as error:
+                    logger.exception("tba: a staged transfer failed before it started")
+                    fail(error)
             # Note: [A worker keeps nothing of its last job]
             # The loop's names would otherwise hold the last job, and through its closure a
             # saved storage or a read-back buffer, until the next job arrives: between steps,
             # through the optimizer step (seen on an H100 as device memory that moved by one
             # read buffer from step to step; tests/runtime/test_no_retention.py).
             item = job = fail = None
+            item = jobs.get() if following is _NOTHING else following
+            following = None
 
     def drain(self) -> None:
         """Wait until the stager has queued every job given so far."""

@@ -1,0 +1,183 @@
+"""Staged writes queued together share a block (Note [Storages queued together share a block]).
+
+The route is driven directly: a job that waits on a gate holds the stager, the writes are queued
+behind it, and the gate lets the stager take them all at once, as it takes a batch of forward's saves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import pytest
+import torch
+from utils import FakeDeviceOps
+
+from tba.defaults import ALIGN_BYTES
+from tba.device._pinned_pool import StagingPool
+from tba.device._protocol import WRITE_NOT_NEEDED
+from tba.device._staged_route import StagedRoute
+from tba.io import Engine, Request, ThreadEngine, round_up
+
+BLOCK = 16 * ALIGN_BYTES
+
+
+class RecordingEngine(Engine):
+    """A thread engine that records every request it is given."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.inner = ThreadEngine(workers=2)
+        self.requests: list[Request] = []
+
+    def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        self.requests.extend(requests)
+        return self.inner.submit_many(requests)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FailingCopies(FakeDeviceOps):
+    """Device-to-host copies fail from the ``fail_at``-th on (counting from 0)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.copies = 0
+
+    def copy_to_host(self, src, dst, after):
+        self.copies += 1
+        if self.copies > self.fail_at:
+            raise RuntimeError("copy refused")
+        return super().copy_to_host(src, dst, after)
+
+
+@pytest.fixture
+def route(tmp_path, request):
+    ops = getattr(request, "param", None) or FakeDeviceOps()
+    engine = RecordingEngine()
+    pool = StagingPool(capacity_bytes=BLOCK, block_bytes=BLOCK, pinned=False)
+    route = StagedRoute(ops, engine, pool)
+    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
+    route.fd = fd
+    yield route
+    route.stop()
+    route.close()
+    engine.close()
+    os.close(fd)
+
+
+def write_all(route: StagedRoute, writes: list[tuple[torch.Tensor, int]], wanted=None, fd=None) -> list[Future]:
+    """Queue every ``(src, offset)`` behind a held stager, release it, and wait for every outcome."""
+    gate = threading.Event()
+    route._jobs.put((gate.wait, lambda error: None))
+    outcomes = []
+    for i, (src, offset) in enumerate(writes):
+        done: Future = Future()
+        check = None if wanted is None else (lambda i=i: wanted(i))
+        route.write(src, 0, route.fd if fd is None else fd[i], offset, done.set_result, route.mark_ready(), check)
+        outcomes.append(done)
+    gate.set()
+    for done in outcomes:
+        done.result(timeout=30)
+    return outcomes
+
+
+def laid_out(sizes: list[int], start: int = 0) -> list[tuple[torch.Tensor, int]]:
+    """Random storages of ``sizes`` bytes at consecutive extents from ``start``, as the spill file gives them."""
+    out, offset = [], start
+    for size in sizes:
+        out.append((torch.randint(0, 256, (size,), dtype=torch.uint8), offset))
+        offset += round_up(size, ALIGN_BYTES)
+    return out
+
+
+def on_file(route: StagedRoute, src: torch.Tensor, offset: int) -> bool:
+    return os.pread(route.fd, src.numel(), offset) == bytes(src.numpy())
+
+
+def test_adjacent_writes_share_one_block_and_one_request(route):
+    writes = laid_out([5000, 4096, 100, 20000])
+    outcomes = write_all(route, writes)
+    assert [done.result() for done in outcomes] == [None] * 4
+    assert [(r.offset, r.nbytes) for r in route.engine.requests] == [(0, round_up(5000, 4096) + 4096 + 4096 + 20480)]
+    assert all(on_file(route, src, offset) for src, offset in writes)
+    assert route.ops.log.count("d2h") == 4
+    assert route.pool.free_blocks == 1
+
+
+def test_a_group_ends_at_a_gap_another_file_or_the_blocks_end(route, tmp_path):
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        writes = laid_out([4096] * 3) + laid_out([8192], start=3 * 4096 + 4096) + laid_out([4096], start=4 * 4096 + 8192)
+        writes += laid_out([BLOCK - 4096, 8192], start=5 * 4096 + 8192)
+        fds = [route.fd] * 4 + [other] + [route.fd] * 2
+        write_all(route, writes, fd=fds)
+        spans = [(r.fd == other, r.offset, r.nbytes) for r in route.engine.requests]
+        assert spans == [(False, 0, 3 * 4096), (False, 4 * 4096, 8192), (True, 4 * 4096 + 8192, 4096),
+                         (False, 5 * 4096 + 8192, BLOCK - 4096), (False, 5 * 4096 + 8192 + BLOCK - 4096, 8192)]
+        assert all(on_file(route, src, offset) for (src, offset), fd in zip(writes, fds) if fd == route.fd)
+        src, offset = writes[4]
+        assert os.pread(other, src.numel(), offset) == bytes(src.numpy())
+    finally:
+        os.close(other)
+
+
+def test_a_skipped_write_splits_the_group_and_its_extent_is_not_written(route):
+    writes = laid_out([4096, 6000, 4096])
+    outcomes = write_all(route, writes, wanted=lambda i: i != 1)
+    assert outcomes[1].result() is WRITE_NOT_NEEDED
+    assert [(r.offset, r.nbytes) for r in route.engine.requests] == [(0, 4096), (4096 + 8192, 4096)]
+    assert os.pread(route.fd, 8192, 4096) == bytes(8192)  # never written: a hole
+    assert on_file(route, *writes[0]) and on_file(route, *writes[2])
+
+
+def test_a_storage_larger_than_a_block_goes_piece_by_piece_with_one_block_in_the_pool(route):
+    writes = laid_out([4096, 3 * BLOCK + 100, 4096, 4096])
+    outcomes = write_all(route, writes)
+    assert [done.result() for done in outcomes] == [None] * 4
+    assert [(r.offset, r.nbytes) for r in route.engine.requests] == [
+        (0, 4096), (4096, BLOCK), (4096 + BLOCK, BLOCK), (4096 + 2 * BLOCK, BLOCK), (4096 + 3 * BLOCK, 4096),
+        (8192 + 3 * BLOCK, 8192)]
+    assert all(on_file(route, src, offset) for src, offset in writes)
+    assert route.pool.free_blocks == 1
+
+
+@pytest.mark.parametrize("route", [FailingCopies(fail_at=2)], indirect=True)
+def test_a_copy_that_fails_fails_its_storage_and_the_rest_of_its_group(route):
+    writes = laid_out([4096] * 5)
+    outcomes = write_all(route, writes)
+    results = [done.result() for done in outcomes]
+    assert results[:2] == [None, None]
+    assert all(isinstance(error, RuntimeError) for error in results[2:])
+    assert [(r.offset, r.nbytes) for r in route.engine.requests] == [(0, 8192)]
+    assert on_file(route, *writes[0]) and on_file(route, *writes[1])
+    assert route.pool.free_blocks == 1
+
+
+def test_a_callback_that_raises_does_not_stop_the_others(route, caplog):
+    writes = laid_out([4096] * 3)
+    gate = threading.Event()
+    route._jobs.put((gate.wait, lambda error: None))
+    heard: list[int] = []
+
+    def callback(i, error):
+        heard.append(i)
+        if i == 0:
+            raise ValueError("a store callback failed")
+
+    for i, (src, offset) in enumerate(writes):
+        route.write(src, 0, route.fd, offset, lambda error, i=i: callback(i, error), route.mark_ready())
+    gate.set()
+    route.drain()
+    route.ops.drain()
+    for _ in range(3000):
+        if len(heard) == 3:
+            break
+        threading.Event().wait(0.01)
+    assert sorted(heard) == [0, 1, 2]
+    assert "completion callback failed" in caplog.text
