@@ -8,8 +8,9 @@ route of each device.
 """
 
 from tba.device._cuda import CudaApi, cuda_api, is_device_tensor, use_cuda_api
+from tba.device._cuda_ops import CudaOps
 from tba.device._kvikio import gds_unavailable_reason, kvikio_unavailable_reason
-from tba.device._ops import CudaOps, DeviceOps, HostOps
+from tba.device._ops import DeviceOps, HostOps
 from tba.device._protocol import WRITE_NOT_NEEDED, Countdown, Route, WriteNotNeeded
 from tba.device._router import DEVICE_TYPES, Routes, host_engine_backend
 

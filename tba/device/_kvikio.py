@@ -25,7 +25,7 @@ import torch
 from tba import _sched
 from tba.defaults import ALIGN_BYTES
 from tba.device._cuda import cuda_api
-from tba.device._ops import CudaOps
+from tba.device._cuda_ops import CudaOps
 from tba.device._protocol import WRITE_NOT_NEEDED, Callback, ReadCallback, Route
 
 logger = logging.getLogger("tba")

@@ -20,9 +20,10 @@ import logging
 import torch
 
 from tba.device._cuda import cuda_api
+from tba.device._cuda_ops import CudaOps
 from tba.device._host import HostRoute
 from tba.device._kvikio import KvikioRoute, gds_unavailable_reason, kvikio_unavailable_reason
-from tba.device._ops import CudaOps, DeviceOps, HostOps
+from tba.device._ops import DeviceOps, HostOps
 from tba.device._pinned_pool import StagingPool
 from tba.device._protocol import Route
 from tba.device._staged_route import StagedRoute

@@ -1,12 +1,13 @@
 """The staged route: device storage <-> host staging blocks <-> file.
 
-For tensors that ``pwrite`` cannot read directly (CUDA memory), a storage is cut into pieces of at
-most one staging block. Writing one piece: take a block from the :class:`StagingPool` (waiting if
-none is free), queue the device-to-host copy behind the producer's event, and when the copy's event
-completes, submit the block to the host engine; the block returns to the pool when the write
-completes. Reading is the mirror: block, file read, host-to-device copy on the prefetch stream,
-and the block returns once that copy's event completes. Ordering is :class:`DeviceOps`' job
-(``tba/device/_ops.py``).
+For tensors that ``pwrite`` cannot read directly (CUDA memory), bytes go through blocks of a
+:class:`StagingPool`. Writing: take a block (waiting if none is free), queue the device-to-host
+copies behind the producers' events, and when the copies' event completes, submit the block to the
+host engine; the block returns to the pool when the write completes. Reading is the mirror: block,
+file read, host-to-device copies on the prefetch stream, and the block returns once those copies'
+event completes. Storages queued together whose extents are adjacent share a block
+(``tba/device/_block_groups.py``); a storage larger than a block goes piece by piece
+(``tba/device/_staged_pieces.py``). Ordering is :class:`DeviceOps`' job (``tba/device/_ops.py``).
 
 Who runs what, so that nothing waits while holding a lock another step needs:
 
@@ -16,8 +17,8 @@ Who runs what, so that nothing waits while holding a lock another step needs:
 * copy completions arrive on the device waiter threads, file completions on engine threads;
   neither ever waits for a block.
 
-Host-to-device copies are issued and their events recorded under one lock, so the last event of a
-read follows every copy of that read on the prefetch stream: the consumer waits on that one.
+The consumer of a read waits on one event recorded after every copy of that read on the prefetch
+stream.
 """
 
 from __future__ import annotations
@@ -32,34 +33,18 @@ from typing import Any
 import torch
 
 from tba import _sched
-from tba.defaults import ALIGN_BYTES
+from tba.device._block_groups import BlockGroup, ReadGroup, ReadJob, WriteJob
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
-from tba.device._protocol import WRITE_NOT_NEEDED, Callback, Countdown, ReadCallback, Route, pieces
-from tba.device._staged_writes import BlockGroup, WriteJob
-from tba.io import Engine, Op, Request, round_up
+from tba.device._protocol import WRITE_NOT_NEEDED, Callback, ReadCallback, Route
+from tba.device._staged_pieces import PieceTransfers
+from tba.io import Engine, Op, Request
 
 logger = logging.getLogger(__name__)
 
 
 _NOTHING = object()
 """What the stager holds when it took no job beyond the writes it is starting."""
-
-
-def _fail_read(on_done: ReadCallback, error: BaseException) -> None:
-    on_done(error, None, None)
-
-
-class _Read:
-    """A read in progress: the destination, and the copies issued so far."""
-
-    def __init__(self, dst: torch.Tensor, count: int, on_done: ReadCallback) -> None:
-        self.dst = dst
-        self.lock = threading.Lock()
-        self.remaining = count
-        self.error: BaseException | None = None
-        self.last_event: Any = None
-        self.on_done = on_done
 
 
 class StagedRoute(Route):
@@ -75,6 +60,7 @@ class StagedRoute(Route):
         self.ops = ops
         self.engine = engine
         self.pool = pool
+        self._pieces = PieceTransfers(ops, engine, pool)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tba-stager", daemon=True)
         self._thread.start()
@@ -99,7 +85,7 @@ class StagedRoute(Route):
                     group, sending = None, group
                     self._send(sending)  # before the next block is taken: a pool of one block must not wait on itself
                 if job.extent_bytes > self.pool.block_bytes:
-                    self._write_pieces(job)
+                    self._pieces.write(job)
                 elif group is None:
                     group = BlockGroup(self.pool.acquire(), job)
                 else:
@@ -149,46 +135,6 @@ class StagedRoute(Route):
         self.pool.release(group.block)
         group.done(error)
 
-    def _write_pieces(self, job: WriteJob) -> None:
-        """A storage larger than a block: a block per piece, each copied and written on its own."""
-        src = job.src
-        assert src is not None
-        spans = pieces(src.numel(), self.pool.block_bytes)
-        countdown = Countdown(len(spans), job.on_done)
-        for start, nbytes in spans:
-            block = self.pool.acquire()
-            piece = src[start : start + nbytes]
-            try:
-                event = self.ops.copy_to_host(piece, block[:nbytes], job.ready)
-            except BaseException as error:
-                self.pool.release(block)
-                countdown.done(error)
-                continue
-            # Note [The route holds the source until its copy ran]
-            copied = functools.partial(self._copied, block, job.fd, job.offset + start, nbytes, countdown, piece)
-            self.ops.when_done(event, copied)
-
-    def _copied(self, block: torch.Tensor, fd: int, offset: int, nbytes: int, countdown: Countdown,
-                source: torch.Tensor, error: BaseException | None) -> None:
-        del source
-        if error is None:
-            try:
-                # Note: [A block's file transfer reports by callback]
-                # ``submit_calls`` rather than a ``Future`` per block (``submit_write``/``submit_read``):
-                # io_uring then runs the callback itself, with no future to build, resolve and chain on
-                # the engine's completion thread for every staged storage (issue 25).
-                request = Request(Op.WRITE, fd, block.data_ptr(), round_up(nbytes, ALIGN_BYTES), offset, block)
-                self.engine.submit_calls((request,), (functools.partial(self._written, block, countdown),))
-            except BaseException as submit_error:
-                error = submit_error
-        if error is not None:
-            self.pool.release(block)
-            countdown.done(error)
-
-    def _written(self, block: torch.Tensor, countdown: Countdown, error: BaseException | None) -> None:
-        self.pool.release(block)
-        countdown.done(error)
-
     def read(self, device: torch.device, nbytes: int, phase_bytes: int, fd: int, offset: int,
              on_done: ReadCallback) -> None:
         """Read ``nbytes`` at ``offset`` into a new ``uint8`` tensor on ``device``.
@@ -196,50 +142,55 @@ class StagedRoute(Route):
         ``on_done(error, tensor, event)`` runs when every copy is queued; the consumer must wait on
         ``event`` (:meth:`DeviceOps.consume`) before using ``tensor``.
         """
-        self._jobs.put((functools.partial(self._read_job, device, nbytes, fd, offset, on_done),
-                        functools.partial(_fail_read, on_done)))
+        self._jobs.put(ReadJob(device, nbytes, fd, offset, on_done))
 
-    def _read_job(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
-        spans = pieces(nbytes, self.pool.block_bytes)
+    def _read_jobs(self, jobs: list[ReadJob]) -> None:
+        """Start the reads queued together: adjacent ones share a block (Note [Storages queued together share a block])."""
+        group: ReadGroup | None = None
+        for job in jobs:
+            try:
+                if group is not None and not group.takes(job):
+                    group, sending = None, group
+                    self._send_read(sending)
+                if job.extent_bytes > self.pool.block_bytes:
+                    self._pieces.read(job.device, job.nbytes, job.fd, job.offset, job.on_done)
+                elif group is None:
+                    group = ReadGroup(self.pool.acquire(), job)
+                else:
+                    group.add(job)
+            except BaseException as error:
+                logger.exception("tba: a staged read failed before it started")
+                job.on_done(error, None, None)
+        if group is not None:
+            self._send_read(group)
+
+    def _send_read(self, group: ReadGroup) -> None:
         try:
-            read = _Read(self.ops.empty(nbytes, device), len(spans), on_done)
-        except BaseException as error:
-            on_done(error, None, None)
-            return
-        for start, length in spans:
-            block = self.pool.acquire()
+            group.destinations = self.ops.empty_many([job.nbytes for job in group.members], group.device)
             # Note [A block's file transfer reports by callback]
-            request = Request(Op.READ, fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start, block)
-            self.engine.submit_calls((request,), (functools.partial(self._block_read, read, block, start, length),))
+            request = Request(Op.READ, group.fd, group.block.data_ptr(), group.end - group.start, group.start, group.block)
+            self.engine.submit_calls((request,), (functools.partial(self._group_read, group),))
+        except BaseException as error:
+            self.pool.release(group.block)
+            group.done(error)
 
-    def _block_read(self, read: _Read, block: torch.Tensor, start: int, length: int, error: BaseException | None) -> None:
-        copied = False
-        with read.lock:
-            if error is None and read.error is None:
-                try:
-                    event = self.ops.copy_to_device(block[:length], read.dst[start : start + length])
-                    read.last_event = event
-                    copied = True
-                except BaseException as copy_error:
-                    error = copy_error
-            if error is not None and read.error is None:
-                read.error = error
-            read.remaining -= 1
-            finished = read.remaining == 0
-        if copied:
-            # The read (and its destination) is held until the copy ran: a read whose entry died
+    def _group_read(self, group: ReadGroup, error: BaseException | None) -> None:
+        event, queued = None, 0
+        if error is None:
+            try:
+                event, queued, error = self.ops.copy_to_device_many(group.copies())
+            except BaseException as copy_error:
+                error = copy_error
+        if queued:
+            # The group (its destinations) is held until the copies ran: a read whose entry died
             # meanwhile must not give the memory back under the prefetch stream's copy.
-            self.ops.when_done(event, functools.partial(self._h2d_done, block, read))
+            self.ops.when_done(event, functools.partial(self._copied_in, group.block, list(group.destinations)))
         else:
-            self.pool.release(block)
-        if finished:
-            if read.error is not None:
-                read.on_done(read.error, None, None)
-            else:
-                read.on_done(None, read.dst, read.last_event)
+            self.pool.release(group.block)
+        group.done(error, event, queued)
 
-    def _h2d_done(self, block: torch.Tensor, read: _Read, error: BaseException | None) -> None:
-        del read
+    def _copied_in(self, block: torch.Tensor, destinations: list[torch.Tensor], error: BaseException | None) -> None:
+        del destinations
         self.pool.release(block)
 
     def _run(self) -> None:
@@ -250,20 +201,25 @@ class StagedRoute(Route):
         item = jobs.get()
         while item is not None:
             following: Any = _NOTHING
-            if isinstance(item, WriteJob):
-                # Every write already queued behind this one goes with it (Note [Storages queued together share a block]).
-                writes = [item]
+            kind = type(item)
+            if kind is WriteJob or kind is ReadJob:
+                # Every transfer of the same kind already queued behind this one goes with it
+                # (Note [Storages queued together share a block]).
+                batch = [item]
                 while not jobs.empty():
                     following = jobs.get()
-                    if not isinstance(following, WriteJob):
+                    if type(following) is not kind:
                         break
-                    writes.append(following)
+                    batch.append(following)
                     following = _NOTHING
                 try:
-                    self._write_jobs(writes)
+                    if kind is WriteJob:
+                        self._write_jobs(batch)
+                    else:
+                        self._read_jobs(batch)
                 except BaseException:  # each job heard its own failure inside; the stager must live on
-                    logger.exception("tba: staged writes failed before they started")
-                writes = []
+                    logger.exception("tba: staged transfers failed before they started")
+                batch = []
             else:
                 job, fail = item
                 try:

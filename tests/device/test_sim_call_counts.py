@@ -43,14 +43,15 @@ STAGED = {
     "pack": PACK,
     "write": {"Stream.wait_event": 1, "copy_": 1},
     "group": {"Event": 1, "Event.record": 1, "Event.synchronize": 1, "stream": 1},
-    "read": {"Event": 2, "Event.record": 2, "Event.synchronize": 1, "Stream.wait_event": 2, "stream": 2, "copy_": 1,
-             "empty": 1},
+    "read": {"Stream.wait_event": 1, "copy_": 1, "empty": 1},
+    "read_group": {"Event": 2, "Event.record": 2, "Event.synchronize": 1, "Stream.wait_event": 1, "stream": 2},
     "unpack": {"current_stream": 1},
 }
 KVIKIO = {
     "pack": PACK,
     "write": {"Event.synchronize": 1},
     "group": {},
+    "read_group": {},
     "read": {"Event": 1, "Event.record": 1, "Event.synchronize": 1, "stream": 1, "empty": 1},
     "unpack": {"current_stream": 1},
 }
@@ -99,14 +100,19 @@ def _expected(per: dict[str, dict[str, int]], **times: int) -> dict[str, int]:
 @pytest.mark.parametrize("route", ["staged", "kvikio"])
 def test_cuda_calls_per_storage(sim, tmp_path, monkeypatch, route):
     leaves = [torch.randn(SIZE // 4, requires_grad=True) for _ in range(N)]
-    groups = collections.Counter()
-    send = StagedRoute._send
+    groups, read_groups = collections.Counter(), collections.Counter()
 
-    def counted_send(self, group):
-        groups[len(group.members)] += 1
-        send(self, group)
+    def counting(name, counts):
+        send = getattr(StagedRoute, name)
 
-    monkeypatch.setattr(StagedRoute, "_send", counted_send)
+        def counted_send(self, group):
+            counts[len(group.members)] += 1
+            send(self, group)
+
+        monkeypatch.setattr(StagedRoute, name, counted_send)
+
+    counting("_send", groups)
+    counting("_send_read", read_groups)
     with fake_kvikio(sim, gds=True) if route == "kvikio" else contextlib.nullcontext():
         off = tba.Offloader(tmp_path, min_offload_bytes=0, prefetch_budget_bytes=0,
                             **({"backend": "kvikio"} if route == "kvikio" else {}))
@@ -116,6 +122,7 @@ def test_cuda_calls_per_storage(sim, tmp_path, monkeypatch, route):
             if counter is not None:
                 counter.take()
                 groups.clear()
+                read_groups.clear()
             with off:
                 outputs = [torch.tanh(leaf).sum() for leaf in leaves]
             _control.settle()
@@ -131,11 +138,12 @@ def test_cuda_calls_per_storage(sim, tmp_path, monkeypatch, route):
     reads = (off.stats.bytes_read - read_before) // SIZE
     written = off.stats.storages_written - written_before
     assert written >= N - 2 and reads > N // 2
-    blocks = sum(groups.values())
+    blocks, read_blocks = sum(groups.values()), sum(read_groups.values())
     if route == "staged":  # forward's saves reach the stager in batches: some of their writes share a block
         assert sum(size * count for size, count in groups.items()) == written
+        assert sum(size * count for size, count in read_groups.items()) == reads
         assert blocks < written, groups
-    expected = _expected(per, pack=N, write=written, group=blocks, read=reads, unpack=N)
+    expected = _expected(per, pack=N, write=written, group=blocks, read=reads, read_group=read_blocks, unpack=N)
     if route == "staged" and engine != "io_uring":  # the thread engine builds its own futures for its workers
         counted.pop("Future", None)
     assert counted == expected

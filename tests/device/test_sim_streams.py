@@ -87,7 +87,7 @@ def test_user_streams_around_forward_and_backward_are_exact(sim, tmp_path, backe
 
 
 def test_a_read_allocated_before_the_compute_stream_moved_is_recorded_on_its_consumer(sim, tmp_path):
-    """Note [A read buffer's own stream] in tba/device/_ops.py.
+    """Note [A read buffer's own stream] in tba/device/_cuda_ops.py.
 
     Two micro-batches, the model under a side stream and the first loss on the default stream:
     the reads prefetched at the end of the first block are allocated on the default stream, the

@@ -1,4 +1,4 @@
-"""Staged writes queued together share a block (Note [Storages queued together share a block]).
+"""Staged transfers queued together share a block (Note [Storages queued together share a block]).
 
 The route is driven directly: a job that waits on a gate holds the stager, the writes are queued
 behind it, and the gate lets the stager take them all at once, as it takes a batch of forward's saves.
@@ -19,22 +19,27 @@ from tba.defaults import ALIGN_BYTES
 from tba.device._pinned_pool import StagingPool
 from tba.device._protocol import WRITE_NOT_NEEDED
 from tba.device._staged_route import StagedRoute
-from tba.io import Engine, Request, ThreadEngine, round_up
+from tba.io import Engine, Op, Request, ThreadEngine, round_up
 
 BLOCK = 16 * ALIGN_BYTES
 
 
 class RecordingEngine(Engine):
-    """A thread engine that records every request it is given."""
+    """A thread engine that records every request it is given; reads fail with ``read_error`` when set."""
 
     name = "recording"
 
     def __init__(self) -> None:
         self.inner = ThreadEngine(workers=2)
         self.requests: list[Request] = []
+        self.read_error: OSError | None = None
 
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
         self.requests.extend(requests)
+        if self.read_error is not None and requests[0].op is Op.READ:
+            failed: Future = Future()
+            failed.set_exception(self.read_error)
+            return [failed]
         return self.inner.submit_many(requests)
 
     def close(self) -> None:
@@ -42,18 +47,25 @@ class RecordingEngine(Engine):
 
 
 class FailingCopies(FakeDeviceOps):
-    """Device-to-host copies fail from the ``fail_at``-th on (counting from 0)."""
+    """Copies (both ways) fail from the ``fail_at``-th on (counting from 0)."""
 
     def __init__(self, fail_at: int) -> None:
         super().__init__()
         self.fail_at = fail_at
         self.copies = 0
 
-    def copy_to_host(self, src, dst, after):
+    def _count(self) -> None:
         self.copies += 1
         if self.copies > self.fail_at:
             raise RuntimeError("copy refused")
+
+    def copy_to_host(self, src, dst, after):
+        self._count()
         return super().copy_to_host(src, dst, after)
+
+    def copy_to_device(self, src, dst):
+        self._count()
+        return super().copy_to_device(src, dst)
 
 
 @pytest.fixture
@@ -181,3 +193,65 @@ def test_a_callback_that_raises_does_not_stop_the_others(route, caplog):
         threading.Event().wait(0.01)
     assert sorted(heard) == [0, 1, 2]
     assert "completion callback failed" in caplog.text
+
+
+def read_all(route: StagedRoute, extents: list[tuple[int, int]], fd=None) -> list[tuple]:
+    """Queue a read of every ``(offset, nbytes)`` behind a held stager, release it; every ``(error, data)``."""
+    gate = threading.Event()
+    route._jobs.put((gate.wait, lambda error: None))
+    outcomes = []
+    for i, (offset, nbytes) in enumerate(extents):
+        done: Future = Future()
+
+        def heard(error, data, event, done=done):
+            if event is not None:
+                event.result()
+            done.set_result((error, None if data is None else data.clone()))
+
+        route.read(torch.device("cpu"), nbytes, 0, route.fd if fd is None else fd[i], offset, heard)
+        outcomes.append(done)
+    gate.set()
+    return [done.result(timeout=30) for done in outcomes]
+
+
+def test_adjacent_reads_share_one_block_and_one_request_in_either_order(route):
+    writes = laid_out([5000, 4096, 100, 9000])
+    write_all(route, writes)
+    route.engine.requests.clear()
+    order = [3, 2, 1, 0]  # a prefetch step reads the extents backward wants next: the last first
+    got = read_all(route, [(writes[i][1], writes[i][0].numel()) for i in order])
+    assert all(error is None and torch.equal(data, writes[i][0]) for i, (error, data) in zip(order, got))
+    assert [(r.op, r.offset, r.nbytes) for r in route.engine.requests] == [(Op.READ, 0, 8192 + 4096 + 4096 + 12288)]
+    assert route.pool.free_blocks == 1
+
+
+def test_reads_split_at_a_gap_and_larger_than_a_block_go_piece_by_piece(route):
+    writes = laid_out([4096, 2 * BLOCK + 10, 4096]) + laid_out([4096], start=4 * 4096 + 2 * BLOCK)
+    write_all(route, writes)
+    route.engine.requests.clear()
+    got = read_all(route, [(offset, src.numel()) for src, offset in reversed(writes)])
+    assert all(error is None and torch.equal(data, src) for (error, data), (src, _) in zip(got, reversed(writes)))
+    end = 2 * 4096 + 2 * BLOCK
+    assert [(r.offset, r.nbytes) for r in route.engine.requests] == [
+        (end + 8192, 4096), (end, 4096), (4096, BLOCK), (4096 + BLOCK, BLOCK), (4096 + 2 * BLOCK, 4096), (0, 4096)]
+    assert route.pool.free_blocks == 1
+
+
+def test_a_failed_file_read_fails_every_read_of_its_block(route):
+    writes = laid_out([4096] * 3)
+    write_all(route, writes)
+    route.engine.read_error = OSError(5, "EIO")
+    got = read_all(route, [(offset, src.numel()) for src, offset in writes])
+    assert [(type(error), data) for error, data in got] == [(OSError, None)] * 3
+    assert route.pool.free_blocks == 1
+
+
+@pytest.mark.parametrize("route", [FailingCopies(fail_at=4)], indirect=True)
+def test_a_copy_in_that_fails_fails_its_read_and_the_rest_of_its_block(route):
+    writes = laid_out([4096] * 3)
+    write_all(route, writes)
+    assert route.ops.copies == 3
+    got = read_all(route, [(offset, src.numel()) for src, offset in writes])
+    assert got[0][0] is None and torch.equal(got[0][1], writes[0][0])
+    assert isinstance(got[1][0], RuntimeError) and got[1][1] is None and isinstance(got[2][0], RuntimeError)
+    assert route.pool.free_blocks == 1

@@ -1,4 +1,4 @@
-"""Staged writes queued together share one staging block, one copy event and one file write.
+"""Staged transfers queued together share one staging block, one copy event and one file request.
 
 Note: [Storages queued together share a block]
 A staged write used to take a whole staging block (4 MiB by default) per piece, however small the
@@ -14,6 +14,9 @@ and every member hears the write's outcome. A group ends at the block's end, at 
 than a block (it still goes piece by piece), at an extent that does not follow the last member's
 (a write skipped as not needed leaves such a gap: its extent goes back to the spill file at once
 and may be handed to another storage, so a group never writes across it), or at another file.
+Reads are the mirror: a prefetch step queues the reads of extents that backward wants next, in
+reverse, so a read group grows at either end; one file read fills the block, and the copies to
+the members' new device memory are queued in one stream context behind one event.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from tba.defaults import ALIGN_BYTES
-from tba.device._protocol import Callback
+from tba.device._protocol import Callback, ReadCallback
 from tba.io import round_up
 
 logger = logging.getLogger(__name__)
@@ -107,3 +110,70 @@ class BlockGroup:
                 job.on_done(error)
             except BaseException:
                 logger.exception("tba: a staged write's completion callback failed")
+
+
+class ReadJob:
+    """One storage's staged read, as queued by :meth:`StagedRoute.read`."""
+
+    __slots__ = ("device", "nbytes", "fd", "offset", "on_done")
+
+    def __init__(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.fd = fd
+        self.offset = offset
+        self.on_done = on_done
+
+    @property
+    def extent_bytes(self) -> int:
+        return round_up(self.nbytes, ALIGN_BYTES)
+
+
+class ReadGroup:
+    """Read jobs of one device whose extents are adjacent in one file: one file read into one block.
+
+    Member ``i``'s bytes are ``block[offset_i - start:][:nbytes_i]`` once the read is over.
+    """
+
+    __slots__ = ("block", "fd", "device", "start", "end", "members", "destinations")
+
+    def __init__(self, block: torch.Tensor, job: ReadJob) -> None:
+        self.block = block
+        self.fd = job.fd
+        self.device = job.device
+        self.start = job.offset
+        self.end = job.offset + job.extent_bytes
+        self.members = [job]
+        self.destinations: list[torch.Tensor] = []
+
+    def takes(self, job: ReadJob) -> bool:
+        """Whether ``job``'s extent touches either end of the span in the same file and device, within the block."""
+        if job.fd != self.fd or job.device != self.device:
+            return False
+        if job.offset == self.end:
+            return job.offset + job.extent_bytes - self.start <= self.block.numel()
+        return job.offset + job.extent_bytes == self.start and self.end - job.offset <= self.block.numel()
+
+    def add(self, job: ReadJob) -> None:
+        self.start = min(self.start, job.offset)
+        self.end = max(self.end, job.offset + job.extent_bytes)
+        self.members.append(job)
+
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(its bytes in the block, its destination)`` per member, in the order the members came."""
+        return [(self.block[job.offset - self.start :][: job.nbytes], dst) for job, dst in zip(self.members, self.destinations)]
+
+    def done(self, error: BaseException | None, event: Any = None, count: int | None = None) -> None:
+        """Hand the first ``count`` members (all: None) their bytes and ``event``; the others hear ``error``."""
+        members, destinations = self.members, self.destinations
+        self.members, self.destinations = [], []
+        if count is None:
+            count = len(members) if error is None else 0
+        for index, job in enumerate(members):
+            try:
+                if index < count:
+                    job.on_done(None, destinations[index], event)
+                else:
+                    job.on_done(error, None, None)
+            except BaseException:
+                logger.exception("tba: a staged read's completion callback failed")
