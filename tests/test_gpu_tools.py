@@ -25,3 +25,28 @@ def test_the_checkpoint_repro_refuses_without_cuda():
     usage = subprocess.run([sys.executable, str(TOOLS / "checkpoint_early_stop.py"), "--help"],
                            capture_output=True, text=True, timeout=120)
     assert usage.returncode == 0 and "--early-stop-off" in usage.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_block_groups_ab_refuses_without_cuda_and_its_switch_restores():
+    done = subprocess.run([sys.executable, str(TOOLS / "ab_block_groups.py")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs a CUDA device" in done.stderr
+    usage = subprocess.run([sys.executable, str(TOOLS / "ab_block_groups.py"), "--help"],
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "--rounds" in usage.stdout
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import ab_block_groups
+    finally:
+        sys.path.remove(str(TOOLS))
+    from tba.device._block_groups import BlockGroup, WriteJob
+
+    def job(offset):
+        return WriteJob(torch.zeros(10, dtype=torch.uint8), 3, offset, None, print, None)
+
+    group = BlockGroup(torch.empty(8192, dtype=torch.uint8), job(0))
+    follower = job(4096)
+    assert group.takes(follower)
+    with ab_block_groups.storages_alone():
+        assert not group.takes(follower)
+    assert group.takes(follower)
