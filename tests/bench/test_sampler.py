@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from tba.bench.sampler import StackSampler
+
+WAIT_S = 30.0
+"""How long the test waits for 20 samples (about 10 ms of sampling) before it fails: a sampler that
+never samples must fail with a message, not hang until CI's timeout."""
 
 
 def parked(release: threading.Event) -> None:
@@ -17,7 +22,9 @@ def test_a_parked_thread_is_seen_in_its_function_and_the_sampler_stops():
     worker.start()
     try:
         with StackSampler(interval_s=0.0005) as sampler:
+            deadline = time.monotonic() + WAIT_S
             while sampler.samples["parked-worker"] < 20:
+                assert time.monotonic() < deadline, f"no 20 samples of a parked thread in {WAIT_S} s: {dict(sampler.samples)}"
                 threading.Event().wait(0.005)
     finally:
         release.set()
