@@ -184,7 +184,11 @@ class StagedRoute(Route):
         if queued:
             # The group (its destinations) is held until the copies ran: a read whose entry died
             # meanwhile must not give the memory back under the prefetch stream's copy.
-            self.ops.when_done(event, functools.partial(self._copied_in, group.block, list(group.destinations)))
+            try:
+                self.ops.when_done(event, functools.partial(self._copied_in, group.block, list(group.destinations)))
+            except BaseException:
+                # The consumers still wait on the event; only the block's return is unknown: it stays out of the pool.
+                logger.exception("tba: cannot learn when a staged read's copies ran; its staging block is not reused")
         else:
             self.pool.release(group.block)
         group.done(error, event, queued)

@@ -68,6 +68,20 @@ class FailingCopies(FakeDeviceOps):
         return super().copy_to_device(src, dst)
 
 
+class RefusedWaits(FakeDeviceOps):
+    """Nothing can wait for a host-to-device copy: ``when_done`` refuses its events."""
+
+    def copy_to_device(self, src, dst):
+        event = super().copy_to_device(src, dst)
+        event.h2d = True
+        return event
+
+    def when_done(self, event, callback):
+        if getattr(event, "h2d", False):
+            raise RuntimeError("no waiter")
+        super().when_done(event, callback)
+
+
 @pytest.fixture
 def route(tmp_path, request):
     ops = getattr(request, "param", None) or FakeDeviceOps()
@@ -255,3 +269,13 @@ def test_a_copy_in_that_fails_fails_its_read_and_the_rest_of_its_block(route):
     assert got[0][0] is None and torch.equal(got[0][1], writes[0][0])
     assert isinstance(got[1][0], RuntimeError) and got[1][1] is None and isinstance(got[2][0], RuntimeError)
     assert route.pool.free_blocks == 1
+
+
+@pytest.mark.parametrize("route", [RefusedWaits()], indirect=True)
+def test_reads_whose_copies_cannot_be_waited_for_still_arrive_and_their_block_is_not_reused(route, caplog):
+    writes = laid_out([4096, 100])
+    write_all(route, writes)
+    got = read_all(route, [(offset, src.numel()) for src, offset in writes])
+    assert all(error is None and torch.equal(data, src) for (error, data), (src, _) in zip(got, writes))
+    assert route.pool.free_blocks == 0
+    assert "staging block is not reused" in caplog.text
