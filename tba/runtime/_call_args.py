@@ -27,13 +27,30 @@ inside them (a namedtuple's, an ``OrderedDict``'s) are version-checked before th
 raising torch's in-place error as torch does without checkpoint. A tensor or container met twice
 in the call is one object twice in the rebuilt call too (``block(h, h, h)`` keeps attention's
 ``query is key`` path; a list passed twice stays one list). (Three reviews found these cases.)
+
+Note: [An object passed to a recomputed layer is called as it was]
+An object passed as it is (a dataclass or any object with a ``__dict__``: a per-forward context, a
+routing state) may have its attributes rebound by the caller after the call (``ctx.scale *= 0.7``
+between blocks, ``state.h = block(x, state)``) or by the layer's own forward (a call counter). The
+recomputation read the object as it was in backward: saved tensors computed from another scale, and
+gradients silently different from training without tba under ``recompute`` and ``offloaded_recompute``
+(a review found it; plain checkpoint does the same). The template keeps a shallow copy of each such
+object's attributes at the call; the recomputation runs with them put back and, once it has run,
+the object gets the attributes it had before the recomputation (:meth:`Template.as_called`). Tensors
+among them are version-checked like a namedtuple's: one changed in place since the call raises
+torch's in-place error instead of being recomputed from. Modules and classes are not copied (a module
+passed in keeps its own state), nor objects without a ``__dict__`` (``__slots__``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from tba.runtime._views import inplace_error
@@ -70,11 +87,29 @@ class Template:
     """A call's ``(args, kwargs)`` without its tensors (Note [A recomputation gets the call as it was]):
     :func:`take_apart` makes one, :meth:`call` rebuilds the call around the tensors checkpoint hands back."""
 
-    __slots__ = ("_structure", "_unsaved")
+    __slots__ = ("_structure", "_unsaved", "_objects")
 
-    def __init__(self, structure: Any, unsaved: list[tuple[torch.Tensor, int]]) -> None:
+    def __init__(self, structure: Any, unsaved: list[tuple[torch.Tensor, int]],
+                 objects: list[tuple[Any, dict[str, Any]]] | None = None) -> None:
         self._structure = structure
         self._unsaved = unsaved
+        self._objects = objects or []
+        """Objects passed as they are, with a shallow copy of their attributes at the call (Note [An object
+        passed to a recomputed layer is called as it was])."""
+
+    @contextlib.contextmanager
+    def as_called(self) -> Iterator[None]:
+        """Run the recomputation with each object passed as it is holding the attributes it held at the call;
+        afterwards they hold what they held before (Note [An object passed to a recomputed layer is called as it
+        was])."""
+        before = [(obj, dict(vars(obj))) for obj, _ in self._objects]
+        for obj, then in self._objects:
+            _put_attributes(obj, then)
+        try:
+            yield
+        finally:
+            for obj, now in before:
+                _put_attributes(obj, now)
         """Tensors inside objects passed as they are, with their versions at the call."""
 
     def call(self, saved: tuple[torch.Tensor, ...]) -> tuple[tuple, dict[str, Any]]:
@@ -94,12 +129,13 @@ def take_apart(args: tuple, kwargs: dict[str, Any]) -> tuple[Template, list[torc
     """The call's :class:`Template` and its tensors, each once, in the order :meth:`Template.call` expects them."""
     tensors: list[torch.Tensor] = []
     unsaved: list[tuple[torch.Tensor, int]] = []
-    structure = _take_apart((args, kwargs), tensors, {}, {}, unsaved)
-    return Template(structure, unsaved), tensors
+    objects: list[tuple[Any, dict[str, Any]]] = []
+    structure = _take_apart((args, kwargs), tensors, {}, {}, unsaved, objects)
+    return Template(structure, unsaved, objects), tensors
 
 
 def _take_apart(value: Any, tensors: list[torch.Tensor], slots: dict[int, _Slot], nodes: dict[int, Any],
-                unsaved: list[tuple[torch.Tensor, int]]) -> Any:
+                unsaved: list[tuple[torch.Tensor, int]], objects: list[tuple[Any, dict[str, Any]]]) -> Any:
     """``value``'s template; ``slots`` and ``nodes`` (by ``id``) give a tensor or container met twice one
     place, so that the rebuilt call has the same object twice too (``block(h, h, h)``: attention's
     ``query is key`` path)."""
@@ -114,15 +150,45 @@ def _take_apart(value: Any, tensors: list[torch.Tensor], slots: dict[int, _Slot]
     kind = type(value)
     if kind is tuple or kind is list:
         node = nodes[key] = _Sequence(kind, ())
-        node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved) for item in value)
+        node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved, objects) for item in value)
         return node
     if kind is dict:
         node = nodes[key] = _Mapping(tuple(value), ())
-        node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved) for item in value.values())
+        node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved, objects) for item in value.values())
         return node
     unsaved += [(leaf, leaf._version) for leaf in pytree.tree_leaves(value)
                 if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
+    nodes[key] = value
+    attributes = _attributes(value)
+    if attributes is not None:
+        objects.append((value, attributes))
+        unsaved += [(item, item._version) for item in attributes.values()
+                    if isinstance(item, torch.Tensor) and not item.is_inference()]
     return value
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    """A shallow copy of the attributes of an object passed as it is, or None for one whose attributes are not
+    copied (Note [An object passed to a recomputed layer is called as it was])."""
+    if isinstance(value, (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return None
+    attributes = getattr(value, "__dict__", None)
+    return dict(attributes) if type(attributes) is dict else None
+
+
+def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors that objects passed as they are hold as attributes (one level deep): what the recomputation
+    version-checks besides the call's own tensors (Note [An object passed to a recomputed layer is called as it
+    was]), and so what the checks around a recomputed layer's forward watch too."""
+    return [item for leaf in pytree.tree_leaves((args, kwargs)) if not isinstance(leaf, torch.Tensor)
+            for item in (_attributes(leaf) or {}).values() if isinstance(item, torch.Tensor) and not item.is_inference()]
+
+
+def _put_attributes(obj: Any, attributes: dict[str, Any]) -> None:
+    held = vars(obj)
+    if held.keys() != attributes.keys() or any(held[name] is not value for name, value in attributes.items()):
+        held.clear()
+        held.update(attributes)
 
 
 def _rebuild(template: Any, saved: tuple[torch.Tensor, ...], built: dict[int, Any]) -> Any:

@@ -70,7 +70,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaError
-from tba.runtime._call_args import take_apart, updated_cache
+from tba.runtime._call_args import attribute_tensors, take_apart, updated_cache
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
@@ -136,7 +136,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         if calls[0] == 1:
             _refuse_cache(layer, args, kwargs)
             first.start(layer, args, kwargs, learned)
-            inputs, private = call_tensor_versions(args, kwargs), private_state(layer)
+            inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
             out = forward(*args, **kwargs)
             first.private = private_state(layer) if private else []
             _check_inputs_unchanged(layer, inputs, first_change(private, first.private) if private else None)
@@ -186,8 +186,12 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         def call(calls: list[int], first: FirstCall, *saved: torch.Tensor) -> Any:
             if calls[0] and announce is not None:
                 announce()
-            call_args, call_kwargs = originals.pop() if originals else template.call(saved)
-            return first_or_again(calls, first, *call_args, **call_kwargs)
+            if originals:
+                call_args, call_kwargs = originals.pop()
+                return first_or_again(calls, first, *call_args, **call_kwargs)
+            with template.as_called():  # Note [An object passed to a recomputed layer is called as it was]
+                call_args, call_kwargs = template.call(saved)
+                return first_or_again(calls, first, *call_args, **call_kwargs)
 
         keep = not offload_inputs or top is None or not _is_tba_pair(top)
         with _inputs_in_memory() if keep else contextlib.nullcontext():

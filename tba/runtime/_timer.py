@@ -43,7 +43,7 @@ from torch import nn
 
 from tba._control import waited_s
 from tba.runtime import _preempted
-from tba.runtime._call_args import updated_cache
+from tba.runtime._call_args import attribute_tensors, updated_cache
 from tba.runtime._private_state import Signature, first_change, private_state
 from tba.runtime._views import call_tensor_versions
 
@@ -284,4 +284,4 @@ def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
     still raises at once)."""
     if torch.compiler.is_compiling():
         return []
-    return [(tensor, version) for _, tensor, version in call_tensor_versions(args, kwargs)]
+    return [(tensor, version) for _, tensor, version in call_tensor_versions(args, kwargs, attribute_tensors)]

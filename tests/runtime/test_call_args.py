@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
+from torch import nn
 
+import tba
 from tba.runtime._call_args import take_apart
 
 
@@ -47,3 +50,88 @@ def test_a_tensor_inside_an_object_passed_as_it_is_changed_after_the_call_raises
     inside.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         template.call(())
+
+
+class _Context:
+    """A per-forward object handed to every block, its attributes rebound between blocks (Note [An object passed to
+    a recomputed layer is called as it was])."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.shift = torch.zeros(16)
+        self.calls = 0
+        self.total = torch.zeros(())
+
+
+class _Block(nn.Module):
+    def __init__(self, count_in_place: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.count_in_place = count_in_place
+
+    def forward(self, x: torch.Tensor, context: _Context) -> torch.Tensor:
+        context.calls += 1  # rebinds an attribute of the caller's object
+        h = torch.tanh(self.linear(x) * context.scale + context.shift)
+        if self.count_in_place:
+            context.total += h.detach().sum()  # changes a tensor of the caller's object in place
+        return x + h
+
+
+class _Model(nn.Module):
+    def __init__(self, count_in_place: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(count_in_place) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Context]:
+        context = _Context()
+        for block in self.blocks:
+            x = block(x, context=context)
+            context.scale *= 0.5  # what the recomputation of the block just run must not see
+            context.shift = context.shift + 0.25
+        return x.pow(2).mean(), context
+
+
+def _train(decision: str | None, directory: str) -> tuple[list, list[int]]:
+    torch.manual_seed(0)
+    model = _Model()
+    plan = None if decision is None else tba.Plan((decision,) * 3, window_bytes=1 << 20)
+    offloader = None if plan is None else tba.Offloader(directory, layers=list(model.blocks), policy=plan,
+                                                        min_offload_bytes=0)
+    grads, calls = [], []
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        with offloader if offloader is not None else contextlib.nullcontext():
+            loss, context = model(x)
+        loss.backward()
+        calls.append(context.calls)
+        grads += [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+    if offloader is not None:
+        offloader.close()
+    return grads, calls
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_an_object_whose_attributes_change_after_the_call_is_recomputed_as_it_was_called(tmp_path, decision):
+    expected, expected_calls = _train(None, str(tmp_path))
+    got, calls = _train(decision, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))  # silently different before
+    assert calls == expected_calls == [3, 3]  # the recomputation's own count went back
+
+
+def test_a_layer_that_changes_a_tensor_of_an_object_in_place_is_not_recomputed_by_the_adaptive_policy(tmp_path):
+    recomputable = []
+
+    class Recompute(tba.Policy):
+        def plan(self, profile):
+            recomputable.extend(layer.recomputable for layer in profile.layers)
+            return tba.Plan(tuple("recompute" if r else "offload" for r in recomputable), window_bytes=1 << 20)
+
+    model = _Model(count_in_place=True)
+    offloader = tba.Offloader(str(tmp_path), layers=list(model.blocks), policy=Recompute(), profile_steps=1)
+    for _ in range(3):
+        with offloader:
+            loss, _context = model(torch.randn(8, 16))
+        loss.backward()
+    offloader.close()
+    assert recomputable == [False, False, False]
