@@ -39,7 +39,7 @@ object's attributes at the call; the recomputation runs with them put back and, 
 the object gets the attributes it had before the recomputation (:meth:`Template.as_called`). Tensors
 among them are version-checked like a namedtuple's: one changed in place since the call raises
 torch's in-place error instead of being recomputed from. Modules and classes are not copied (a module
-passed in keeps its own state), nor objects without a ``__dict__`` (``__slots__``).
+passed in keeps its own state); an object's slots are copied as its ``__dict__`` is.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class Template:
                  objects: list[tuple[Any, dict[str, Any]]] | None = None) -> None:
         self._structure = structure
         self._unsaved = unsaved
+        """Tensors inside objects passed as they are, with their versions at the call."""
         self._objects = objects or []
         """Objects passed as they are, with a shallow copy of their attributes at the call (Note [An object
         passed to a recomputed layer is called as it was])."""
@@ -102,7 +103,7 @@ class Template:
         """Run the recomputation with each object passed as it is holding the attributes it held at the call;
         afterwards they hold what they held before (Note [An object passed to a recomputed layer is called as it
         was])."""
-        before = [(obj, dict(vars(obj))) for obj, _ in self._objects]
+        before = [(obj, _attributes(obj)) for obj, _ in self._objects]
         for obj, then in self._objects:
             _put_attributes(obj, then)
         try:
@@ -110,7 +111,6 @@ class Template:
         finally:
             for obj, now in before:
                 _put_attributes(obj, now)
-        """Tensors inside objects passed as they are, with their versions at the call."""
 
     def call(self, saved: tuple[torch.Tensor, ...]) -> tuple[tuple, dict[str, Any]]:
         """``(args, kwargs)`` as they were, with ``saved`` in the tensors' places.
@@ -168,12 +168,35 @@ def _take_apart(value: Any, tensors: list[torch.Tensor], slots: dict[int, _Slot]
 
 
 def _attributes(value: Any) -> dict[str, Any] | None:
-    """A shallow copy of the attributes of an object passed as it is, or None for one whose attributes are not
-    copied (Note [An object passed to a recomputed layer is called as it was])."""
+    """A shallow copy of the attributes of an object passed as it is (those in its ``__dict__`` and its slots
+    that are set), or None for one whose attributes are not copied (Note [An object passed to a recomputed layer
+    is called as it was])."""
     if isinstance(value, (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)):
         return None
-    attributes = getattr(value, "__dict__", None)
-    return dict(attributes) if type(attributes) is dict else None
+    held = getattr(value, "__dict__", None)
+    slots = _slot_names(type(value))
+    if type(held) is not dict and not slots:
+        return None
+    attributes = dict(held) if type(held) is dict else {}
+    for name in slots:
+        if hasattr(value, name):
+            attributes[_SLOT, name] = getattr(value, name)
+    return attributes
+
+
+_SLOT = object()
+"""Marks a slot's entry (key ``(_SLOT, name)``) among an object's copied attributes."""
+
+
+def _slot_names(kind: type) -> list[str]:
+    names = []
+    for cls in kind.__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                private = name.startswith("__") and not name.endswith("__")
+                names.append(f"_{cls.__name__.lstrip('_')}{name}" if private else name)
+    return names
 
 
 def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -184,11 +207,20 @@ def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]
             for item in (_attributes(leaf) or {}).values() if isinstance(item, torch.Tensor) and not item.is_inference()]
 
 
-def _put_attributes(obj: Any, attributes: dict[str, Any]) -> None:
-    held = vars(obj)
-    if held.keys() != attributes.keys() or any(held[name] is not value for name, value in attributes.items()):
+def _put_attributes(obj: Any, attributes: dict[Any, Any]) -> None:
+    now = _attributes(obj) or {}
+    if now.keys() == attributes.keys() and all(now[name] is value for name, value in attributes.items()):
+        return
+    held = getattr(obj, "__dict__", None)
+    if type(held) is dict:
         held.clear()
-        held.update(attributes)
+        held.update((name, value) for name, value in attributes.items() if type(name) is str)
+    for key in now.keys() - attributes.keys():
+        if type(key) is tuple:
+            object.__delattr__(obj, key[1])
+    for key, value in attributes.items():
+        if type(key) is tuple:
+            object.__setattr__(obj, key[1], value)  # through the slot's descriptor, frozen classes too
 
 
 def _rebuild(template: Any, saved: tuple[torch.Tensor, ...], built: dict[int, Any]) -> Any:

@@ -63,6 +63,10 @@ class _Context:
         self.total = torch.zeros(())
 
 
+class _SlottedContext(_Context):
+    __slots__ = ("scale", "shift", "calls", "total")
+
+
 class _Block(nn.Module):
     def __init__(self, count_in_place: bool = False) -> None:
         super().__init__()
@@ -78,12 +82,13 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self, count_in_place: bool = False) -> None:
+    def __init__(self, count_in_place: bool = False, context: type = _Context) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_Block(count_in_place) for _ in range(3))
+        self.context = context
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Context]:
-        context = _Context()
+        context = self.context()
         for block in self.blocks:
             x = block(x, context=context)
             context.scale *= 0.5  # what the recomputation of the block just run must not see
@@ -91,9 +96,9 @@ class _Model(nn.Module):
         return x.pow(2).mean(), context
 
 
-def _train(decision: str | None, directory: str) -> tuple[list, list[int]]:
+def _train(decision: str | None, directory: str, context: type) -> tuple[list, list[int]]:
     torch.manual_seed(0)
-    model = _Model()
+    model = _Model(context=context)
     plan = None if decision is None else tba.Plan((decision,) * 3, window_bytes=1 << 20)
     offloader = None if plan is None else tba.Offloader(directory, layers=list(model.blocks), policy=plan,
                                                         min_offload_bytes=0)
@@ -111,10 +116,11 @@ def _train(decision: str | None, directory: str) -> tuple[list, list[int]]:
     return grads, calls
 
 
+@pytest.mark.parametrize("context", [_Context, _SlottedContext])
 @pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
-def test_an_object_whose_attributes_change_after_the_call_is_recomputed_as_it_was_called(tmp_path, decision):
-    expected, expected_calls = _train(None, str(tmp_path))
-    got, calls = _train(decision, str(tmp_path))
+def test_an_object_whose_attributes_change_after_the_call_is_recomputed_as_it_was_called(tmp_path, decision, context):
+    expected, expected_calls = _train(None, str(tmp_path), context)
+    got, calls = _train(decision, str(tmp_path), context)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))  # silently different before
     assert calls == expected_calls == [3, 3]  # the recomputation's own count went back
 
