@@ -38,8 +38,9 @@ gradients silently different from training without tba under ``recompute`` and `
 object's attributes at the call; the recomputation runs with them put back and, once it has run,
 the object gets the attributes it had before the recomputation (:meth:`Template.as_called`). Tensors
 among them are version-checked like a namedtuple's: one changed in place since the call raises
-torch's in-place error instead of being recomputed from. Modules and classes are not copied (a module
-passed in keeps its own state); an object's slots are copied as its ``__dict__`` is.
+torch's in-place error instead of being recomputed from. An object's slots are copied as its ``__dict__`` is;
+of a module passed in (a rotary embedding shared by the blocks), its public attributes, its buffers being
+version-checked; classes, functions and Python modules are not copied, nor what a closure captures.
 """
 
 from __future__ import annotations
@@ -171,7 +172,10 @@ def _attributes(value: Any) -> dict[str, Any] | None:
     """A shallow copy of the attributes of an object passed as it is (those in its ``__dict__`` and its slots
     that are set), or None for one whose attributes are not copied (Note [An object passed to a recomputed layer
     is called as it was])."""
-    if isinstance(value, (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType)):
+    if isinstance(value, nn.Module):  # its public attributes; its buffers, to version-check them
+        return {**{name: item for name, item in vars(value).items() if not name.startswith("_")},
+                **{(_BUFFER, name): buffer for name, buffer in value.named_buffers()}}
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
         return None
     held = getattr(value, "__dict__", None)
     slots = _slot_names(type(value))
@@ -184,8 +188,9 @@ def _attributes(value: Any) -> dict[str, Any] | None:
     return attributes
 
 
-_SLOT = object()
-"""Marks a slot's entry (key ``(_SLOT, name)``) among an object's copied attributes."""
+_SLOT, _BUFFER = object(), object()
+"""Mark a slot's entry (key ``(_SLOT, name)``) and a module's buffer (``(_BUFFER, name)``, version-checked, not put
+back) among an object's copied attributes."""
 
 
 def _slot_names(kind: type) -> list[str]:
@@ -212,14 +217,18 @@ def _put_attributes(obj: Any, attributes: dict[Any, Any]) -> None:
     if now.keys() == attributes.keys() and all(now[name] is value for name, value in attributes.items()):
         return
     held = getattr(obj, "__dict__", None)
-    if type(held) is dict:
+    if isinstance(obj, nn.Module):  # public attributes only: a module keeps its own bookkeeping in private ones
+        for name in [name for name in held if not name.startswith("_") and name not in attributes]:
+            del held[name]
+    elif type(held) is dict:
         held.clear()
+    if type(held) is dict:
         held.update((name, value) for name, value in attributes.items() if type(name) is str)
     for key in now.keys() - attributes.keys():
-        if type(key) is tuple:
+        if type(key) is tuple and key[0] is _SLOT:
             object.__delattr__(obj, key[1])
     for key, value in attributes.items():
-        if type(key) is tuple:
+        if type(key) is tuple and key[0] is _SLOT:
             object.__setattr__(obj, key[1], value)  # through the slot's descriptor, frozen classes too
 
 

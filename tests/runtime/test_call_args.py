@@ -141,3 +141,56 @@ def test_a_layer_that_changes_a_tensor_of_an_object_in_place_is_not_recomputed_b
         loss.backward()
     offloader.close()
     assert recomputable == [False, False, False]
+
+
+class _Scaling(nn.Module):
+    """A module the model hands every block (as a rotary embedding may be), its attribute rebound between blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, scaling: nn.Module) -> torch.Tensor:
+        return x + torch.tanh(scaling(self.linear(x)))
+
+
+class _ScaledModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(3))
+        self.scaling = _Scaling()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.scaling)
+            self.scaling.scale *= 0.5
+        self.scaling.scale = 1.0
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("decision", [None, "recompute", "offloaded_recompute"])
+def test_a_module_passed_to_a_recomputed_layer_is_recomputed_as_it_was_called(tmp_path, decision):
+    torch.manual_seed(0)
+    model = _ScaledModel()
+    plan = None if decision is None else tba.Plan((decision,) * 3, window_bytes=1 << 20)
+    offloader = None if plan is None else tba.Offloader(str(tmp_path), layers=list(model.blocks), policy=plan)
+    with offloader if offloader is not None else contextlib.nullcontext():
+        loss = model(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    if offloader is not None:
+        offloader.close()
+    torch.manual_seed(0)
+    reference = _ScaledModel()
+    reference(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, reference.parameters()))
+    assert model.scaling.scale == 1.0
