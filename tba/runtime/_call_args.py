@@ -40,7 +40,8 @@ the object gets the attributes it had before the recomputation (:meth:`Template.
 among them are version-checked like a namedtuple's: one changed in place since the call raises
 torch's in-place error instead of being recomputed from. An object's slots are copied as its ``__dict__`` is;
 of a module passed in (a rotary embedding shared by the blocks), its public attributes, its buffers being
-version-checked; classes, functions and Python modules are not copied, nor what a closure captures.
+version-checked; of a function (a lambda), what its closure's cells hold; classes and Python modules are
+not copied.
 """
 
 from __future__ import annotations
@@ -175,7 +176,9 @@ def _attributes(value: Any) -> dict[str, Any] | None:
     if isinstance(value, nn.Module):  # its public attributes; its buffers, to version-check them
         return {**{name: item for name, item in vars(value).items() if not name.startswith("_")},
                 **{(_BUFFER, name): buffer for name, buffer in value.named_buffers()}}
-    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+    if isinstance(value, types.FunctionType):  # what its closure's cells hold (a lambda's captured scale)
+        return {(_CELL, index): _cell(cell) for index, cell in enumerate(value.__closure__ or ())}
+    if isinstance(value, (type, types.ModuleType, types.MethodType)):
         return None
     held = getattr(value, "__dict__", None)
     slots = _slot_names(type(value))
@@ -188,9 +191,17 @@ def _attributes(value: Any) -> dict[str, Any] | None:
     return attributes
 
 
-_SLOT, _BUFFER = object(), object()
-"""Mark a slot's entry (key ``(_SLOT, name)``) and a module's buffer (``(_BUFFER, name)``, version-checked, not put
-back) among an object's copied attributes."""
+_SLOT, _BUFFER, _CELL, _EMPTY = object(), object(), object(), object()
+"""Mark a slot's entry (key ``(_SLOT, name)``), a module's buffer (``(_BUFFER, name)``, version-checked, not put
+back) and a function's closure cell (``(_CELL, index)``; ``_EMPTY``: an unset cell) among an object's copied
+attributes."""
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _EMPTY
 
 
 def _slot_names(kind: type) -> list[str]:
@@ -215,6 +226,13 @@ def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]
 def _put_attributes(obj: Any, attributes: dict[Any, Any]) -> None:
     now = _attributes(obj) or {}
     if now.keys() == attributes.keys() and all(now[name] is value for name, value in attributes.items()):
+        return
+    if isinstance(obj, types.FunctionType):
+        for (_, index), value in attributes.items():
+            if value is _EMPTY:
+                del obj.__closure__[index].cell_contents
+            else:
+                obj.__closure__[index].cell_contents = value
         return
     held = getattr(obj, "__dict__", None)
     if isinstance(obj, nn.Module):  # public attributes only: a module keeps its own bookkeeping in private ones

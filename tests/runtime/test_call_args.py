@@ -194,3 +194,35 @@ def test_a_module_passed_to_a_recomputed_layer_is_recomputed_as_it_was_called(tm
     reference(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, reference.parameters()))
     assert model.scaling.scale == 1.0
+
+
+class _FunctionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, scaled) -> torch.Tensor:
+        return x + torch.tanh(scaled(self.linear(x)))
+
+
+def _closure_model_grads(decision: str | None, directory: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_FunctionBlock() for _ in range(3))
+    plan = None if decision is None else tba.Plan((decision,) * 3, window_bytes=1 << 20)
+    offloader = None if plan is None else tba.Offloader(directory, layers=list(blocks), policy=plan)
+    x, scale = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), 1.0
+    with offloader if offloader is not None else contextlib.nullcontext():
+        for block in blocks:
+            x = block(x, lambda h: h * scale)  # noqa: B023 (the late binding is the case tested)
+            scale *= 0.5  # rebinds the cell the lambda reads
+    x.pow(2).mean().backward()
+    if offloader is not None:
+        offloader.close()
+    return [p.grad for p in blocks.parameters()]
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_function_passed_to_a_recomputed_layer_is_recomputed_with_what_its_closure_held(tmp_path, decision):
+    expected = _closure_model_grads(None, str(tmp_path))
+    got = _closure_model_grads(decision, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
