@@ -28,33 +28,21 @@ raising torch's in-place error as torch does without checkpoint. A tensor or con
 in the call is one object twice in the rebuilt call too (``block(h, h, h)`` keeps attention's
 ``query is key`` path; a list passed twice stays one list). (Three reviews found these cases.)
 
-Note: [An object passed to a recomputed layer is called as it was]
-An object passed as it is (a dataclass or any object with a ``__dict__``: a per-forward context, a
-routing state) may have its attributes rebound by the caller after the call (``ctx.scale *= 0.7``
-between blocks, ``state.h = block(x, state)``) or by the layer's own forward (a call counter). The
-recomputation read the object as it was in backward: saved tensors computed from another scale, and
-gradients silently different from training without tba under ``recompute`` and ``offloaded_recompute``
-(a review found it; plain checkpoint does the same). The template keeps a shallow copy of each such
-object's attributes at the call; the recomputation runs with them put back and, once it has run,
-the object gets the attributes it had before the recomputation (:meth:`Template.as_called`). Tensors
-among them are version-checked like a namedtuple's: one changed in place since the call raises
-torch's in-place error instead of being recomputed from. An object's slots are copied as its ``__dict__`` is;
-of a module passed in (a rotary embedding shared by the blocks), its public attributes, its buffers being
-version-checked; of a function (a lambda), what its closure's cells hold; classes and Python modules are
-not copied.
+What an object passed as it is holds is copied at the call and put back for the recomputation by
+``tba/runtime/_call_objects.py`` (Note [An object passed to a recomputed layer is called as it was]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
+import copy
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
+from tba.runtime._call_objects import CONTAINERS, attributes_of, put_attributes, put_contents
 from tba.runtime._views import inplace_error
 
 
@@ -89,7 +77,7 @@ class Template:
     """A call's ``(args, kwargs)`` without its tensors (Note [A recomputation gets the call as it was]):
     :func:`take_apart` makes one, :meth:`call` rebuilds the call around the tensors checkpoint hands back."""
 
-    __slots__ = ("_structure", "_unsaved", "_objects")
+    __slots__ = ("_structure", "_unsaved", "_objects", "_contents")
 
     def __init__(self, structure: Any, unsaved: list[tuple[torch.Tensor, int]],
                  objects: list[tuple[Any, dict[str, Any]]] | None = None) -> None:
@@ -99,20 +87,28 @@ class Template:
         self._objects = objects or []
         """Objects passed as they are, with a shallow copy of their attributes at the call (Note [An object
         passed to a recomputed layer is called as it was])."""
+        self._contents = [(item, copy.copy(item)) for _, attributes in self._objects for item in attributes.values()
+                          if type(item) in CONTAINERS]
+        """The lists, dicts, sets and deques those attributes hold, with a copy of their contents at the call."""
 
     @contextlib.contextmanager
     def as_called(self) -> Iterator[None]:
         """Run the recomputation with each object passed as it is holding the attributes it held at the call;
         afterwards they hold what they held before (Note [An object passed to a recomputed layer is called as it
         was])."""
-        before = [(obj, _attributes(obj)) for obj, _ in self._objects]
+        before = [(obj, attributes_of(obj)) for obj, _ in self._objects]
+        held = [(container, copy.copy(container)) for container, _ in self._contents]
         for obj, then in self._objects:
-            _put_attributes(obj, then)
+            put_attributes(obj, then)
+        for container, then in self._contents:
+            put_contents(container, then)
         try:
             yield
         finally:
             for obj, now in before:
-                _put_attributes(obj, now)
+                put_attributes(obj, now)
+            for container, now in held:
+                put_contents(container, now)
 
     def call(self, saved: tuple[torch.Tensor, ...]) -> tuple[tuple, dict[str, Any]]:
         """``(args, kwargs)`` as they were, with ``saved`` in the tensors' places.
@@ -161,93 +157,12 @@ def _take_apart(value: Any, tensors: list[torch.Tensor], slots: dict[int, _Slot]
     unsaved += [(leaf, leaf._version) for leaf in pytree.tree_leaves(value)
                 if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
     nodes[key] = value
-    attributes = _attributes(value)
+    attributes = attributes_of(value)
     if attributes is not None:
         objects.append((value, attributes))
         unsaved += [(item, item._version) for item in attributes.values()
                     if isinstance(item, torch.Tensor) and not item.is_inference()]
     return value
-
-
-def _attributes(value: Any) -> dict[str, Any] | None:
-    """A shallow copy of the attributes of an object passed as it is (those in its ``__dict__`` and its slots
-    that are set), or None for one whose attributes are not copied (Note [An object passed to a recomputed layer
-    is called as it was])."""
-    if isinstance(value, nn.Module):  # its public attributes; its buffers, to version-check them
-        return {**{name: item for name, item in vars(value).items() if not name.startswith("_")},
-                **{(_BUFFER, name): buffer for name, buffer in value.named_buffers()}}
-    if isinstance(value, types.FunctionType):  # what its closure's cells hold (a lambda's captured scale)
-        return {(_CELL, index): _cell(cell) for index, cell in enumerate(value.__closure__ or ())}
-    if isinstance(value, (type, types.ModuleType, types.MethodType)):
-        return None
-    held = getattr(value, "__dict__", None)
-    slots = _slot_names(type(value))
-    if type(held) is not dict and not slots:
-        return None
-    attributes = dict(held) if type(held) is dict else {}
-    for name in slots:
-        if hasattr(value, name):
-            attributes[_SLOT, name] = getattr(value, name)
-    return attributes
-
-
-_SLOT, _BUFFER, _CELL, _EMPTY = object(), object(), object(), object()
-"""Mark a slot's entry (key ``(_SLOT, name)``), a module's buffer (``(_BUFFER, name)``, version-checked, not put
-back) and a function's closure cell (``(_CELL, index)``; ``_EMPTY``: an unset cell) among an object's copied
-attributes."""
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return _EMPTY
-
-
-def _slot_names(kind: type) -> list[str]:
-    names = []
-    for cls in kind.__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__"):
-                private = name.startswith("__") and not name.endswith("__")
-                names.append(f"_{cls.__name__.lstrip('_')}{name}" if private else name)
-    return names
-
-
-def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors that objects passed as they are hold as attributes (one level deep): what the recomputation
-    version-checks besides the call's own tensors (Note [An object passed to a recomputed layer is called as it
-    was]), and so what the checks around a recomputed layer's forward watch too."""
-    return [item for leaf in pytree.tree_leaves((args, kwargs)) if not isinstance(leaf, torch.Tensor)
-            for item in (_attributes(leaf) or {}).values() if isinstance(item, torch.Tensor) and not item.is_inference()]
-
-
-def _put_attributes(obj: Any, attributes: dict[Any, Any]) -> None:
-    now = _attributes(obj) or {}
-    if now.keys() == attributes.keys() and all(now[name] is value for name, value in attributes.items()):
-        return
-    if isinstance(obj, types.FunctionType):
-        for (_, index), value in attributes.items():
-            if value is _EMPTY:
-                del obj.__closure__[index].cell_contents
-            else:
-                obj.__closure__[index].cell_contents = value
-        return
-    held = getattr(obj, "__dict__", None)
-    if isinstance(obj, nn.Module):  # public attributes only: a module keeps its own bookkeeping in private ones
-        for name in [name for name in held if not name.startswith("_") and name not in attributes]:
-            del held[name]
-    elif type(held) is dict:
-        held.clear()
-    if type(held) is dict:
-        held.update((name, value) for name, value in attributes.items() if type(name) is str)
-    for key in now.keys() - attributes.keys():
-        if type(key) is tuple and key[0] is _SLOT:
-            object.__delattr__(obj, key[1])
-    for key, value in attributes.items():
-        if type(key) is tuple and key[0] is _SLOT:
-            object.__setattr__(obj, key[1], value)  # through the slot's descriptor, frozen classes too
 
 
 def _rebuild(template: Any, saved: tuple[torch.Tensor, ...], built: dict[int, Any]) -> Any:

@@ -70,7 +70,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaError
-from tba.runtime._call_args import attribute_tensors, take_apart, updated_cache
+from tba.runtime._call_args import take_apart, updated_cache
+from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall

@@ -43,7 +43,8 @@ from torch import nn
 
 from tba._control import waited_s
 from tba.runtime import _preempted
-from tba.runtime._call_args import attribute_tensors, updated_cache
+from tba.runtime._call_args import updated_cache
+from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._private_state import Signature, first_change, private_state
 from tba.runtime._views import call_tensor_versions
 

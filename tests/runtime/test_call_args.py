@@ -226,3 +226,38 @@ def test_a_function_passed_to_a_recomputed_layer_is_recomputed_with_what_its_clo
     expected = _closure_model_grads(None, str(tmp_path))
     got = _closure_model_grads(decision, str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+class _Losses:
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+
+class _AppendingBlock(_FunctionBlock):
+    def forward(self, x: torch.Tensor, record: _Losses) -> torch.Tensor:
+        record.losses.append(x.pow(2).mean())  # an auxiliary loss, appended before what the block saves
+        return x + torch.tanh(self.linear(x) / len(record.losses))
+
+
+@pytest.mark.parametrize("decision", [None, "recompute", "offloaded_recompute"])
+def test_a_list_held_by_an_object_passed_to_a_recomputed_layer_is_recomputed_as_it_was(tmp_path, decision):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_AppendingBlock() for _ in range(3))
+    plan = None if decision is None else tba.Plan((decision,) * 3, window_bytes=1 << 20)
+    offloader = None if plan is None else tba.Offloader(str(tmp_path), layers=list(blocks), policy=plan)
+    x, record = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), _Losses()
+    with offloader if offloader is not None else contextlib.nullcontext():
+        for block in blocks:
+            x = block(x, record)
+    (x.pow(2).mean() + sum(record.losses)).backward()
+    if offloader is not None:
+        offloader.close()
+    assert len(record.losses) == 3  # 6 before: each recomputation appended again
+    grads = [p.grad.sum().item() for p in blocks.parameters()]
+    torch.manual_seed(0)
+    reference = nn.ModuleList(_AppendingBlock() for _ in range(3))
+    x, record = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), _Losses()
+    for block in reference:
+        x = block(x, record)
+    (x.pow(2).mean() + sum(record.losses)).backward()
+    assert grads == [p.grad.sum().item() for p in reference.parameters()]
