@@ -24,12 +24,12 @@ from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
 from tba.errors import TbaConfigError
 from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
-from tba.io._directory import probe_direct_io, resolve_directory
+from tba.io._directory import OutOfDescriptorsError, lacks_descriptors, out_of_descriptors, probe_direct_io, resolve_directory
 from tba.io._engine import Engine, Op, Request
 from tba.io._fs import filesystem_type, memory_backed
 from tba.io._memory import aligned_empty, host_buffer, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
-from tba.io._spill import OutOfDescriptorsError, SpillFile, create_preallocated, release_idle_space
+from tba.io._spill import SpillFile, create_preallocated, release_idle_space
 from tba.io._threads import ThreadEngine
 
 logger = logging.getLogger("tba")
@@ -74,7 +74,11 @@ def io_uring_unavailable_reason() -> str | None:
     """Why the io_uring engine cannot be used here, or None when it can."""
     try:
         from tba.io import _io_uring
-    except ImportError as err:
+    except (ImportError, OSError) as err:  # OSError: reading the module's source or bytecode failed
+        if lacks_descriptors(err):  # Note [A process out of descriptors says nothing about io_uring]
+            raise out_of_descriptors("the io_uring engine's module", err) from err
+        if not isinstance(err, ImportError):
+            raise
         return f"the io_uring engine is not importable ({err})"
     return _io_uring.probe()
 

@@ -24,18 +24,41 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import tempfile
 import uuid
 
 from tba._fork_lock import ForkSafeLock
 from tba.defaults import ALIGN_BYTES
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, TbaError
 from tba.io._fs import memory_backed
 from tba.io._memory import aligned_empty, memory_view
 
 logger = logging.getLogger("tba")
 
 _NO_TMPFILE_ERRNOS = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT)
+
+OUT_OF_DESCRIPTORS_ERRNOS = (errno.EMFILE, errno.ENFILE)
+"""The process (``EMFILE``) or the system (``ENFILE``) has no file descriptor left: says nothing about the disk or the kernel."""
+
+
+class OutOfDescriptorsError(TbaError):
+    """The process has no file descriptor left for a spill file or a ring (``EMFILE``/``ENFILE``)."""
+
+
+def out_of_descriptors(what: str, err: BaseException) -> OutOfDescriptorsError:
+    """The error for ``what`` (``"a spill file"``) failing to open for want of a descriptor, naming the fix."""
+    reason = getattr(err, "strerror", None) or os.strerror(errno.EMFILE)
+    return OutOfDescriptorsError(
+        f"cannot open {what}: {reason} (this process may open {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} "
+        "descriptors); close files or offloaders you no longer use, call tba.shutdown(), or raise the limit (ulimit -n)")
+
+
+def lacks_descriptors(err: BaseException) -> bool:
+    """Whether ``err`` comes from the lack of a descriptor: an ``OSError``'s errno, or an import's (``dlopen``) message."""
+    if isinstance(err, OSError):
+        return err.errno in OUT_OF_DESCRIPTORS_ERRNOS
+    return isinstance(err, ImportError) and any(os.strerror(code) in str(err) for code in OUT_OF_DESCRIPTORS_ERRNOS)
 
 
 def resolve_directory(directory: str | os.PathLike | None) -> str:
@@ -100,6 +123,13 @@ def probe_direct_io(directory: str) -> str | None:
     try:
         fd = open_anonymous(directory, direct=True)
     except OSError as err:
+        if err.errno in OUT_OF_DESCRIPTORS_ERRNOS:
+            # Note: [No descriptor says nothing about O_DIRECT]
+            # Taken as "no O_DIRECT", a process at its descriptor limit warned (once per directory) that
+            # the file system lacked O_DIRECT, and with direct_io=True raised a TbaConfigError telling to
+            # move to ext4 or xfs (and, not being OutOfDescriptorsError, the shared runtimes' retry after
+            # closing idle ones never ran). The spill file's own open then reports the lack of descriptors.
+            return None
         return f"opening a file with O_DIRECT in {directory} failed: {err.strerror}"
     try:
         _direct_round_trip(fd)

@@ -48,6 +48,7 @@ from tba import _control, _sched
 from tba._weak import WeakRegistry
 from tba.defaults import EXIT_IO_WAIT_S, MAX_QUEUE_DEPTH, QUEUE_DEPTH
 from tba.errors import EngineClosedError, ShortTransferError
+from tba.io._directory import lacks_descriptors, out_of_descriptors
 from tba.io._engine import Engine, Op, Request
 
 logger = logging.getLogger("tba")
@@ -69,9 +70,16 @@ def probe() -> str | None:
         ``"/proc/sys/kernel/io_uring_disabled = 2"`` or ``"io_uring_setup failed: EPERM
         (seccomp?)"``.
     """
+    # Note: [A process out of descriptors says nothing about io_uring]
+    # This answer is kept for the process (``functools.cache``, which keeps no exception): a probe made
+    # while every descriptor was taken (``dlopen`` of the extension, or the ring, failing with EMFILE)
+    # made backend='auto' use threads, and backend='io_uring' raise, for good, after the descriptors
+    # came back. It raises :class:`OutOfDescriptorsError` instead, as the spill file's open does.
     try:
         from tba import _uring
     except ImportError as err:
+        if lacks_descriptors(err):
+            raise out_of_descriptors("the io_uring extension", err) from err
         return f"extension not built: {err}"
     try:
         disabled = _DISABLED_SYSCTL.read_text().strip()
@@ -82,6 +90,8 @@ def probe() -> str | None:
     try:
         ring = _uring.Ring(2)
     except OSError as err:
+        if lacks_descriptors(err):
+            raise out_of_descriptors("an io_uring ring", err) from err
         hint = ""
         if err.errno == errno.EPERM:
             hint = f" ({_DISABLED_SYSCTL} = 1)" if disabled == "1" else " (seccomp?)"
@@ -120,7 +130,13 @@ class IoUringEngine(Engine):
         from tba import _uring
 
         self.queue_depth = queue_depth
-        self._ring = _uring.Ring(queue_depth)
+        try:
+            self._ring = _uring.Ring(queue_depth)
+        except OSError as err:
+            if lacks_descriptors(err):
+                # An OutOfDescriptorsError: the shared runtimes close idle ones and open again (tba/runtime/_shared.py).
+                raise out_of_descriptors("an io_uring ring", err) from err
+            raise
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._requests: dict[int, tuple[Future | Callable, Request]] = {}

@@ -17,15 +17,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import resource
 import threading
 
 from tba._weak import WeakRegistry
 from tba.defaults import ALIGN_BYTES, IDLE_SPACE_MIN_FREE_FRACTION, SPILL_RESERVE_MIN_BYTES
-from tba.errors import TbaConfigError, TbaError
+from tba.errors import TbaConfigError
 from tba.io._directory import (
+    OUT_OF_DESCRIPTORS_ERRNOS,
     check_writable,
     open_anonymous,
+    out_of_descriptors,
     prepare_directory,
     probe_direct_io,
     resolve_directory,
@@ -98,10 +99,6 @@ def release_idle_space() -> int:
     return sum(spill.release_space() for spill in spills)
 
 
-class OutOfDescriptorsError(TbaError):
-    """The process has no file descriptor left for a spill file (``EMFILE``/``ENFILE``)."""
-
-
 class SpillFile:
     """One anonymous file plus the allocator of its space.
 
@@ -128,11 +125,8 @@ class SpillFile:
         try:
             self.fd = open_anonymous(self.directory, direct=self.direct)
         except OSError as err:
-            if err.errno in (errno.EMFILE, errno.ENFILE):
-                raise OutOfDescriptorsError(
-                    f"cannot open a spill file: {err.strerror} (this process may open "
-                    f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} descriptors); close files or offloaders you no "
-                    "longer use, call tba.shutdown(), or raise the limit (ulimit -n)") from err
+            if err.errno in OUT_OF_DESCRIPTORS_ERRNOS:
+                raise out_of_descriptors("a spill file", err) from err
             raise TbaConfigError(
                 f"cannot create a file in the offload directory {self.directory}: {err.strerror}; "
                 "pass directory= (or set TBA_DIR) to a writable directory"

@@ -39,3 +39,17 @@ def test_an_o_direct_failure_that_is_not_a_full_disk_is_reported(spill_dir, monk
     monkeypatch.setattr(_directory, "_direct_round_trip", _failing(errno.EINVAL))
     reason = _directory.probe_direct_io(spill_dir)
     assert reason is not None and "O_DIRECT I/O" in reason
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
+def test_no_descriptor_for_the_probe_says_nothing_about_o_direct(spill_dir, monkeypatch, code):
+    """Out of descriptors, the probe blamed the file system: a buffered-I/O warning, and with direct_io=True a
+    TbaConfigError telling to move to ext4 or xfs, which also kept the shared runtimes from closing idle ones."""
+    if _directory.probe_direct_io(spill_dir) is not None:
+        pytest.skip("this directory has no O_DIRECT")
+
+    def no_descriptor(directory, *, direct):
+        raise OSError(code, "no descriptor")
+
+    monkeypatch.setattr(_directory, "open_anonymous", no_descriptor)
+    assert _directory.probe_direct_io(spill_dir) is None

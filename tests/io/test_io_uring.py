@@ -319,3 +319,50 @@ def test_a_failed_ring_hands_the_kernel_nothing_more_and_fails_nothing_the_kerne
         engine.close()
         for descriptor in (fd, saved, null, *itertools.chain(*pipes)):
             os.close(descriptor)
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys, torch, tba
+d, case = sys.argv[1], sys.argv[2]
+x = torch.randn(64, 1024, requires_grad=True)
+def step(**options):
+    with tba.offload_activations(d, min_offload_bytes=0, **options) as offloader:
+        loss = (x * 2).sin().sum()
+    loss.backward()
+    return offloader.resolved_backend
+step(backend="threads" if case == "probe" else "auto", queue_depth=4)  # an idle runtime, modules imported
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if case == "probe":
+    tba.shutdown()
+lowest = os.open(os.devnull, os.O_RDONLY)
+os.close(lowest)
+resource.setrlimit(resource.RLIMIT_NOFILE, (lowest + (case == "ring"), hard))
+try:
+    print("tight", step())
+except tba.TbaError as err:
+    print("tight", type(err).__name__)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("then", step())
+"""
+
+
+@pytest.mark.requires_io_uring
+@pytest.mark.parametrize("case", ["ring", "probe"])
+def test_a_process_out_of_descriptors_gets_io_uring_once_it_has_them(tmp_path, case):
+    """A ring that cannot get a descriptor is an OutOfDescriptorsError, and the io_uring probe keeps no such answer.
+
+    ``ring``: one descriptor free, an idle runtime holding two; the spill file took the free one and
+    ``_uring.Ring`` failed with a bare ``OSError`` (EMFILE), where the shared runtimes close their idle ones
+    and open again. ``probe``: the first probe ran with no descriptor free, kept "extension not built: ...
+    Too many open files", and backend 'auto' used threads for the rest of the process.
+    """
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path), case], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split() for line in proc.stdout.splitlines())
+    assert lines["tight"] == ("io_uring" if case == "ring" else "OutOfDescriptorsError"), proc.stdout
+    assert lines["then"] == "io_uring", proc.stdout
+    assert "O_DIRECT" not in proc.stderr, proc.stderr[-3000:]
