@@ -48,3 +48,29 @@ def test_a_host_writer_that_skips_the_allocation_wait_is_overwritten():
         return ops._allocate(nbytes, device)[0]
 
     assert host_write_after_allocation(without_wait) != bytes([WRITTEN]) * NBYTES
+
+
+def test_a_step_run_on_another_thread_is_reported_not_passed_for_checked(tmp_path):
+    """Note [Operators of another thread are not simulated] in tba/device/sim/_device.py.
+
+    The compute-stream dispatch mode is the entering thread's: a step run in a worker thread read tba's read
+    buffers before their queued copies ran (NaN or stale gradients, 4 runs in 10 of this one) with
+    ``problems()`` empty.
+    """
+    import tba
+
+    with simulate(seed=1) as sim:
+        layer = torch.nn.Linear(128, 128)
+        x = torch.randn(64, 128)
+
+        def step():
+            for _ in range(2):
+                with tba.offload_activations(tmp_path, min_offload_bytes=0):
+                    loss = layer(x).tanh().square().sum()
+                loss.backward()
+
+        worker = threading.Thread(target=step, name="user-worker")
+        worker.start()
+        worker.join()
+        tba.shutdown()
+    assert any("'user-worker'" in problem and "entered simulate()" in problem for problem in sim.problems()), sim.problems()

@@ -30,6 +30,9 @@ from tba.device.sim._checker import HOST, HappensBefore
 from tba.device.sim._compute import ComputeAccesses
 from tba.device.sim._streams import Scheduler, SimEvent, SimStream, Token
 
+INTERNAL_THREADS = ("tba", "fake")
+"""Names of the threads of tba, of the simulator and of the fake kvikio, which run no model operators."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
@@ -83,6 +86,8 @@ class SimulatedCuda:
         self.pinned = PinnedHost()
         self._capture: SimStream | None = None
         self._captured_events: list[Token] = []
+        self.entering_thread: int | None = None
+        """The thread whose operators the dispatch mode sees (set by :func:`simulate` with ``track_compute``)."""
         self.checking_compute = True
         """Whether the model's operators are checked now (tests may sample steps: it costs ~0.4 ms per operator)."""
 
@@ -173,7 +178,23 @@ class SimulatedCuda:
         return SimEvent(self, blocking)
 
     def current_stream(self, device: Any = None) -> SimStream:
-        return getattr(self._local, "stream", None) or self.default_stream
+        stream = getattr(self._local, "stream", None)
+        if stream is None and self.entering_thread is not None and threading.get_ident() != self.entering_thread:
+            self._note_unseen_thread()
+        return stream or self.default_stream
+
+    def _note_unseen_thread(self) -> None:
+        """Note: [Operators of another thread are not simulated]
+        The dispatch mode that puts the model's operators on the compute stream (``_compute.py``) is the
+        entering thread's: a step run in another thread ran its operators at once, ahead of the copies
+        queued before them into tba's read buffers, and read the allocator's poison (NaN gradients)
+        while :meth:`problems` stayed empty. Such a step is reported instead of passing for checked."""
+        thread = threading.current_thread()
+        if thread.name.startswith(INTERNAL_THREADS) or getattr(self._local, "unseen_noted", False):
+            return
+        self._local.unseen_noted = True
+        self.fail(f"thread {thread.name!r} ran tba's device code, but only the thread that entered simulate() has its "
+                  "operators ordered on the simulated compute stream; run the step on that thread (or track_compute=False)")
 
     @contextlib.contextmanager
     def stream(self, stream: SimStream | None) -> Iterator[None]:
@@ -284,6 +305,8 @@ def simulate(config: SimConfig | None = None, **fields: Any) -> Iterator[Simulat
     config = config or SimConfig(**fields)
     sim = SimulatedCuda(config)
     mode = ComputeAccesses(sim) if config.track_compute else contextlib.nullcontext()
+    if config.track_compute:
+        sim.entering_thread = threading.get_ident()
     try:
         with use_cuda_api(sim), mode:
             yield sim
