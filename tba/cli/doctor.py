@@ -1,7 +1,7 @@
 """Report what this machine offers tba: I/O backends and why not, GPU paths, limits, bandwidth.
 
 Each check only reports; none of them makes the command fail. The checks are: the io_uring
-engine (extension built, kernel allows it, see :func:`tba.io._io_uring.probe`), whether the offloader's
+engine (extension built, kernel allows it, see :func:`tba.io._io_uring_probe.probe`), whether the offloader's
 exit is the native one that no signal handler can skip (``tba/_whole_exit.py``), ``O_DIRECT``
 in the offload directory (:func:`tba.io._directory.probe_direct_io`), whether CUDA is available, whether
 kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio

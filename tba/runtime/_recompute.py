@@ -70,7 +70,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaError
-from tba.runtime._call_args import take_apart, updated_cache
+from tba.runtime._call_args import call_tensor_versions, take_apart, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
@@ -80,7 +80,7 @@ from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._private_state import check_private_unchanged, first_change, private_state
-from tba.runtime._views import Kept, call_tensor_versions
+from tba.runtime._views import Kept
 from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level

@@ -43,10 +43,9 @@ from torch import nn
 
 from tba._control import waited_s
 from tba.runtime import _preempted
-from tba.runtime._call_args import updated_cache
+from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._private_state import Signature, first_change, private_state
-from tba.runtime._views import call_tensor_versions
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -280,7 +279,7 @@ class LayerTimer:
 
 def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
     """The tensors of a layer's call with their versions, as the recompute check sees them
-    (:func:`~tba.runtime._views.call_tensor_versions`); none while a compiled graph is traced (a layer
+    (:func:`~tba.runtime._call_args.call_tensor_versions`); none while a compiled graph is traced (a layer
     compiled on its own runs its hooks inside its graph: it is not watched here, and its recomputation
     still raises at once)."""
     if torch.compiler.is_compiling():

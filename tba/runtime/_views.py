@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from tba._outcome import Outcome
 from tba.defaults import ALIGN_BYTES
@@ -290,15 +289,3 @@ class SavedView:
             raise AssertionError(f"storage bytes at offset {base_bytes} are misaligned for {self.dtype}")
         out = torch.empty((0,), dtype=self.dtype, device=data.device)
         return out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
-
-
-def call_tensor_versions(args: tuple, kwargs: dict, held: Any = lambda args, kwargs: ()) -> list[tuple[int, torch.Tensor, int]]:
-    """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments, nested and
-    keyword ones too; none when no recomputation can follow (grad disabled, or inference mode, whose tensors
-    have no version). What Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``
-    compares around a layer's forward. ``held(args, kwargs)``: more tensors to watch, after those (the attributes
-    of objects passed as they are, ``tba/runtime/_call_args.py``)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return []
-    tensors = [*(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), *held(args, kwargs)]
-    return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]

@@ -7,7 +7,8 @@ allocator that poisons freed blocks, and a vector-clock race checker (``sim.prob
 :class:`FakeKvikio` stands in for the ``kvikio`` package. See ``docs/gpu.md``.
 """
 
-from tba.device.sim._device import SimConfig, SimulatedCuda, simulate
+from tba.device.sim._config import SimConfig
+from tba.device.sim._device import SimulatedCuda, simulate
 from tba.device.sim._kvikio import FakeKvikio, fake_kvikio
 
 __all__ = ["FakeKvikio", "SimConfig", "SimulatedCuda", "fake_kvikio", "simulate"]

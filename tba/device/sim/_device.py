@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,32 +27,11 @@ from tba.device._cuda import use_cuda_api
 from tba.device.sim._allocator import CachingAllocator, PinnedHost
 from tba.device.sim._checker import HOST, HappensBefore
 from tba.device.sim._compute import ComputeAccesses
+from tba.device.sim._config import SimConfig
 from tba.device.sim._streams import Scheduler, SimEvent, SimStream, Token
 
 INTERNAL_THREADS = ("tba", "fake")
 """Names of the threads of tba, of the simulator and of the fake kvikio, which run no model operators."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimConfig:
-    """How adversarial the simulated device is."""
-
-    seed: int = 0
-    """Seed of every random delay."""
-    max_delay_s: float = 0.0005
-    """Longest sleep of the scheduler between two device operations."""
-    lag_probability: float = 0.02
-    """Chance, per operation, that its stream then pauses (a side stream lagging a forward)."""
-    max_lag_s: float = 0.02
-    """Longest such pause."""
-    memory_bytes: int = 256 << 20
-    """Size of the simulated device memory (the caching allocator's arena)."""
-    track_compute: bool = True
-    """Check the model's own operators (a dispatch mode on the entering thread) as compute-stream accesses."""
-    lagging_compute: bool = True
-    """The compute stream is a queue the scheduler runs, as the others (only with ``track_compute``):
-    tba's records, copies and the allocator's poison on it run when the device gets to them, and a
-    model operator runs after what is queued before it (Note [The compute stream lags too])."""
 
 
 class SimulatedCuda:
