@@ -102,9 +102,11 @@ class StagedRoute(Route):
             event, queued, error = self.ops.copy_to_host_many(group.copies())
         except BaseException as copy_error:
             event, queued, error = None, 0, copy_error
-        failed = group.split(queued)
-        for job in failed:
-            job.on_done(error)
+        for job in group.split(queued):
+            try:
+                job.on_done(error)
+            except BaseException:  # the members copied, and the block, must still go on
+                logger.exception("tba: a staged write's completion callback failed")
         if not group.members:
             self.pool.release(group.block)
             return

@@ -279,3 +279,28 @@ def test_reads_whose_copies_cannot_be_waited_for_still_arrive_and_their_block_is
     assert all(error is None and torch.equal(data, src) for (error, data), (src, _) in zip(got, writes))
     assert route.pool.free_blocks == 0
     assert "staging block is not reused" in caplog.text
+
+
+@pytest.mark.parametrize("route", [FailingCopies(fail_at=1)], indirect=True)
+def test_a_failed_members_callback_that_raises_stops_neither_the_group_nor_the_block(route, caplog):
+    """A copy fails mid-group and the first failed member's callback raises: the members copied are
+    still written and every other member hears its outcome; the block goes back to the pool."""
+    writes = laid_out([4096] * 4)
+    gate = threading.Event()
+    route._jobs.put((gate.wait, lambda error: None))
+    heard: dict[int, Future] = {i: Future() for i in range(4)}
+
+    def callback(i, error):
+        heard[i].set_result(error)
+        if i == 1:
+            raise ValueError("a store callback failed")
+
+    for i, (src, offset) in enumerate(writes):
+        route.write(src, 0, route.fd, offset, lambda error, i=i: callback(i, error), route.mark_ready())
+    gate.set()
+    results = [heard[i].result(timeout=30) for i in range(4)]
+    assert results[0] is None and all(isinstance(error, RuntimeError) for error in results[1:])
+    assert on_file(route, *writes[0])
+    route.drain()
+    route.ops.drain()
+    assert route.pool.free_blocks == 1
