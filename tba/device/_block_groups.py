@@ -34,6 +34,14 @@ from tba.io import round_up
 logger = logging.getLogger(__name__)
 
 
+def tell(callback: Callable[..., None], *outcome: Any) -> None:
+    """Run a transfer's completion callback; one that raises is logged, so that every other member still hears."""
+    try:
+        callback(*outcome)
+    except BaseException:
+        logger.exception("tba: a staged transfer's completion callback failed")
+
+
 class WriteJob:
     """One storage's staged write, as queued by :meth:`StagedRoute.write`."""
 
@@ -106,10 +114,7 @@ class BlockGroup:
         """Tell every member the outcome of the group's write; one callback that raises stops none of the others."""
         members, self.members = self.members, []
         for job in members:
-            try:
-                job.on_done(error)
-            except BaseException:
-                logger.exception("tba: a staged write's completion callback failed")
+            tell(job.on_done, error)
 
 
 class ReadJob:
@@ -170,10 +175,7 @@ class ReadGroup:
         if count is None:
             count = len(members) if error is None else 0
         for index, job in enumerate(members):
-            try:
-                if index < count:
-                    job.on_done(None, destinations[index], event)
-                else:
-                    job.on_done(error, None, None)
-            except BaseException:
-                logger.exception("tba: a staged read's completion callback failed")
+            if index < count:
+                tell(job.on_done, None, destinations[index], event)
+            else:
+                tell(job.on_done, error, None, None)

@@ -101,7 +101,10 @@ class PieceTransfers:
             block = self.pool.acquire()
             # Note [A block's file transfer reports by callback]
             request = Request(Op.READ, fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start, block)
-            self.engine.submit_calls((request,), (functools.partial(self._block_read, read, block, start, length),))
+            try:
+                self.engine.submit_calls((request,), (functools.partial(self._block_read, read, block, start, length),))
+            except BaseException as error:  # the piece ends here: its block goes back, the read hears the error
+                self._block_read(read, block, start, length, error)
 
     def _block_read(self, read: _Read, block: torch.Tensor, start: int, length: int, error: BaseException | None) -> None:
         copied = False

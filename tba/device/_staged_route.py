@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from tba import _sched
-from tba.device._block_groups import BlockGroup, ReadGroup, ReadJob, WriteJob
+from tba.device._block_groups import BlockGroup, ReadGroup, ReadJob, WriteJob, tell
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
 from tba.device._protocol import WRITE_NOT_NEEDED, Callback, ReadCallback, Route
@@ -78,9 +78,15 @@ class StagedRoute(Route):
         group: BlockGroup | None = None
         for job in jobs:
             try:
-                if job.wanted is not None and not job.wanted():
-                    job.on_done(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
-                    continue
+                needed = job.wanted is None or job.wanted()
+            except BaseException as error:
+                logger.exception("tba: a staged write failed before it started")
+                tell(job.on_done, error)
+                continue
+            if not needed:
+                tell(job.on_done, WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in _protocol.py
+                continue
+            try:
                 if group is not None and not group.takes(job):
                     group, sending = None, group
                     self._send(sending)  # before the next block is taken: a pool of one block must not wait on itself
@@ -103,10 +109,7 @@ class StagedRoute(Route):
         except BaseException as copy_error:
             event, queued, error = None, 0, copy_error
         for job in group.split(queued):
-            try:
-                job.on_done(error)
-            except BaseException:  # the members copied, and the block, must still go on
-                logger.exception("tba: a staged write's completion callback failed")
+            tell(job.on_done, error)  # the members copied, and the block, must still go on
         if not group.members:
             self.pool.release(group.block)
             return
