@@ -29,6 +29,10 @@ class RunnerPolicy:
                  overhead_bound: float | None) -> None:
         self._policy: Policy | weakref.ref | None = None
         self.pinned: Plan | None = None
+        if (memory_budget_bytes is not None or overhead_bound is not None) and isinstance(policy, (Plan, Policy)):
+            # A pinned plan or a policy object plans without the goal: refused, as with "offload" and "keep", not ignored.
+            raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not a {type(policy).__name__}; "
+                                 "leave the goal out, or pass policy='adaptive'")
         if isinstance(policy, Plan):
             self.pinned = policy
         elif isinstance(policy, Policy):

@@ -353,6 +353,12 @@ def test_policy_config_errors(model, spill_dir):
         tba.Offloader(spill_dir, layers=model, policy="swap")
     with pytest.raises(tba.TbaConfigError, match="need policy='adaptive'"):
         tba.Offloader(spill_dir, layers=model, policy="offload", memory_budget_bytes=1)
+    with pytest.raises(tba.TbaConfigError, match="need policy='adaptive', not a Plan"):
+        tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep",) * 4, 0), memory_budget="1K")
+    with pytest.raises(tba.TbaConfigError, match="need policy='adaptive', not a KeepAll"):
+        tba.offload_activations(spill_dir, layers=model, policy=tba.KeepAll(), memory_budget="1K")
+    with pytest.raises(tba.TbaConfigError, match="need policy='adaptive', not a OffloadAll"):
+        tba.Offloader(spill_dir, layers=model, policy=tba.OffloadAll(), overhead_bound=0.2)
     with pytest.raises(tba.TbaConfigError, match="the plan has 2 layers but the model has 4"):
         tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep", "keep"), 0))
     with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be >= 0"):
