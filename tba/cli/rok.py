@@ -172,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--device", type=cli_checks.device_name, default="auto",
                         help="cpu, cuda, or auto (default: cuda when torch sees a GPU, else cpu)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=cli_checks.int_at_least(1), default=None,
                         help="torch threads per measured process (default: torch's; 1 is steadier on a busy machine)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every configuration: auto = best caching allocator found (default), "
@@ -195,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("rok", str(err))
     budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
     try:
+        if args.directory is not None:
+            cli_checks.existing_directory("--directory", args.directory)
         check_setup(args.out, args.device)
     except ValueError as err:
         cli_checks.usage_error("rok", str(err))

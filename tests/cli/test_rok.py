@@ -119,6 +119,20 @@ def test_out_pointing_at_a_file_fails_before_any_run(tmp_path):
     assert done.returncode == 2 and len(lines) == 1 and "is a file; pass a directory" in lines[0], done.stderr
 
 
+@pytest.mark.parametrize("args, match", [
+    (["--threads", "0"], "--threads: 0 is too small"),
+    (["--directory", "FILE"], "--directory FILE is not a directory"),
+])
+def test_bad_threads_or_directory_fail_before_any_run(tmp_path, args, match):
+    (tmp_path / "taken").write_text("")
+    args = [str(tmp_path / "taken") if a == "FILE" else a for a in args]
+    done = _rok("--preset", "tiny", "--out", str(tmp_path / "out"), *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert match.replace("FILE", str(tmp_path / "taken")) in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing left behind
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
 def test_cuda_without_cuda_fails_before_any_run(tmp_path):
     done = _rok("--preset", "tiny", "--device", "cuda", "--out", str(tmp_path))
