@@ -194,7 +194,12 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
         for shape in sorted(ready, key=lambda shape: shape == self._shape):
             self.profile = self._samples.profile(shape, len(self._layer_refs), self._prefetch_depth_layers,
                                                  self._max_window_bytes, wrappable)
-            self._plans[shape] = self._checked(self.policy.plan(self.profile))
+            try:
+                self._plans[shape] = self._checked(self.policy.plan(self.profile))
+            except TbaConfigError:
+                # Refused (a budget it cannot meet): forget its samples, or every later entry is refused, whatever its shape.
+                del self._samples.by_shape[shape]
+                raise
             self._saved_by_plan[shape] = tuple(layer.saved_bytes for layer in self.profile.layers)
             logger.info("tba: %s", self._plans[shape])
 

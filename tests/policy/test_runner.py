@@ -167,6 +167,37 @@ def test_budget_below_the_least_the_model_needs_raises_when_planning(model, spil
     offloader.close()
 
 
+class _RefusesLargeShapes(tba.Policy):
+    """Keeps everything, but refuses (as a budget would) a profile saving over twice the first one's bytes."""
+
+    def __init__(self):
+        self.first = None
+
+    def plan(self, profile):
+        saved = sum(layer.saved_bytes for layer in profile.layers)
+        self.first = self.first or saved
+        if saved > 2 * self.first:
+            raise tba.TbaConfigError("this shape cannot be met; lower the batch size")
+        return tba.KeepAll().plan(profile)
+
+
+def test_a_refused_shape_does_not_refuse_the_steps_of_other_shapes(model, spill_dir):
+    small, large = make_batch(CONFIG, seed=4), make_batch(dataclasses.replace(CONFIG, batch_size=8), seed=4)
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              policy=_RefusesLargeShapes(), profile_steps=1)
+    refused = []
+    for step, batch in enumerate([small] * 3 + [large] * 4 + [small] * 3):
+        try:
+            with offloader:
+                loss = model(*batch)
+        except tba.TbaConfigError:
+            refused.append(step)  # at the entry after the large shape's profiled step (its shape is unknown there)
+            continue
+        loss.backward()
+    offloader.close()
+    assert refused and refused[-1] <= 7, f"steps {refused} refused: the small batch, whose plan fits, stayed refused"
+
+
 def test_adaptive_one_shot_contexts_share_a_runner(model, spill_dir):
     reference = train(model)
     offloaders = []
