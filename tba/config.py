@@ -82,6 +82,10 @@ class OffloadConfig:
     verify: bool = _option(False, _FLAG, "Checksum (CRC-32C) each host storage when written and check it when read "
                            "back; a mismatch raises TbaReadError. Needs the verify extra.")
 
+    def __new__(cls, *args: Any, **options: Any) -> OffloadConfig:  # a misspelt option: TbaConfigError, not TypeError
+        check_names(options)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, _coerce(field, getattr(self, field.name)))
@@ -296,4 +300,6 @@ def _check_ranges(config: OffloadConfig) -> None:
         raise TbaConfigError("give one adaptive goal: memory_budget or overhead_bound, not both")
 
 
+OffloadConfig.__signature__ = inspect.signature(OffloadConfig.__init__).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(OffloadConfig.__init__).parameters.values())[1:])  # __init__'s, not __new__'s
 OffloadConfig.__doc__ = (OffloadConfig.__doc__ or "") + "\n\nFields (environment variable TBA_<NAME>):\n" + options_doc()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
+import pickle
 import subprocess
 import uuid
 
@@ -75,3 +78,11 @@ def test_readonly_directory_is_a_config_error(readonly_dir, caplog):
         with tba.offload_activations(readonly_dir):
             pytest.fail("the block must not run")
     assert "buffered I/O" not in caplog.text
+
+
+def test_a_misspelt_option_of_offload_config_names_the_closest():
+    with pytest.raises(TbaConfigError, match="unknown option 'memory_budjet'; did you mean 'memory_budget'"):
+        tba.OffloadConfig(memory_budjet="1G")
+    config = tba.OffloadConfig(queue_depth=16)
+    assert copy.deepcopy(config) == config and pickle.loads(pickle.dumps(config)) == config
+    assert "queue_depth" in inspect.signature(tba.OffloadConfig).parameters  # help() shows the fields
