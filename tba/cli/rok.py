@@ -163,10 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=5,
                         help="measured steps per configuration (default: 5)")
     parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=1, help="unmeasured steps first (default: 1)")
-    parser.add_argument("--budgets", type=cli_checks.positive_list("--budgets"),
+    budgets = parser.add_mutually_exclusive_group()  # --budgets-mib replaces --budgets: both is a mistake, not ignored
+    budgets.add_argument("--budgets", type=cli_checks.positive_list("--budgets"),
                         default=",".join(map(str, DEFAULT_BUDGET_FRACTIONS)),
                         help="adaptive budgets as fractions of keep-all's peak (default: %(default)s)")
-    parser.add_argument("--budgets-mib", type=cli_checks.positive_list("--budgets-mib"), default=None,
+    budgets.add_argument("--budgets-mib", type=cli_checks.positive_list("--budgets-mib"), default=None,
                         help="adaptive budgets in MiB instead, comma-separated")
     parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")

@@ -121,6 +121,7 @@ def test_out_pointing_at_a_file_fails_before_any_run(tmp_path):
 
 @pytest.mark.parametrize("args, match", [
     (["--threads", "0"], "--threads: 0 is too small"),
+    (["--budgets", "0.5", "--budgets-mib", "5"], "--budgets-mib: not allowed with argument --budgets"),
     (["--directory", "FILE"], "--directory FILE is not a directory"),
 ])
 def test_bad_threads_or_directory_fail_before_any_run(tmp_path, args, match):
