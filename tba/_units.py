@@ -34,4 +34,6 @@ def parse_size(text: str) -> int:
     if not prefix and "." in number:
         raise SizeError(f"not a whole number of bytes: {text!r} (a fraction needs a unit, for example 1.5G)")
     base = 1000 if suffix.upper() == "B" else 1024
+    if "." not in number:  # exact: float() would round sizes above 2**53
+        return int(number) * base ** _POWERS[prefix]
     return int(float(number) * base ** _POWERS[prefix])
