@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import re
+import signal
 import sys
 from collections.abc import Iterable
 from typing import NoReturn
@@ -121,7 +122,24 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
         format="%(message)s",
     )
     args.command_line = command_line
+    if command_line:
+        _exit_on_sigterm()
     return int(args._run(args) or 0)
+
+
+def _exit_on_sigterm() -> None:
+    """Note: [A terminated command cleans up]
+    Python's default for SIGTERM ends the process at once: a benchmark killed by ``timeout`` or a job
+    scheduler left its scratch directories behind (``bench-hooks`` under /dev/shm and /var/tmp, seen in a
+    review). As ``python -m tba``, SIGTERM raises ``SystemExit(143)`` instead, so every ``with`` unwinds;
+    a program that calls :func:`main` keeps its own handler.
+    """
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

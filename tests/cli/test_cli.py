@@ -133,3 +133,22 @@ def test_doctor_says_when_jemalloc_hands_freed_pages_back(tmp_path, conf):
     assert ("fault in again every step; set MALLOC_CONF=dirty_decay_ms:-1" in line) == (conf == "")
     if allocator.detect().name != "jemalloc":
         assert allocator.jemalloc_dirty_decay_ms() is None
+
+
+def test_a_terminated_command_removes_its_scratch_directories(tmp_path):
+    """Note [A terminated command cleans up] in tba/cli/__init__.py: SIGTERM unwinds every ``with``."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "tba", "bench-hooks", "--sizes", "64K", "--counts", "400", "--no-disk", "--no-keep",
+               "--ram-dir", str(tmp_path), "--warmups", "1000", "--allocator", "system"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("tba-bench-hooks-*")):
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "bench-hooks made no scratch directory in 120 s"
+        time.sleep(0.05)
+    time.sleep(0.5)  # into its steps
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
