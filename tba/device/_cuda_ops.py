@@ -21,6 +21,7 @@ from tba.device._protocol import Callback
 
 logger = logging.getLogger("tba")
 
+
 class _Done:
     """An event that has completed (a marker in a waiter's queue)."""
 
@@ -123,14 +124,19 @@ class CudaOps(DeviceOps):
         return done
 
     def copy_to_host_many(self, copies: Sequence[HostCopy]) -> tuple[Any, int, BaseException | None]:
-        # One stream context and one event for the lot (Note [Storages queued together share a block]
-        # in tba/device/_block_groups.py).
-        cuda, side = self.cuda, self.side_stream
+        return self._queue_copies(self.side_stream, copies)
+
+    def _queue_copies(self, stream: Any, copies: Sequence[HostCopy]) -> tuple[Any, int, BaseException | None]:
+        """Queue each ``dst.copy_(src)`` on ``stream``, behind its ``after`` event when one is given, until one
+        raises; one stream context and one event after those queued for the lot (Note [Storages queued together
+        share a block] in tba/device/_block_groups.py)."""
+        cuda = self.cuda
         queued, error = 0, None
-        with cuda.stream(side):  # Note [A stream context selects its device]
+        with cuda.stream(stream):  # Note [A stream context selects its device]
             for src, dst, after in copies:
                 try:
-                    side.wait_event(after)
+                    if after is not None:
+                        stream.wait_event(after)
                     cuda.copy_(dst, src)
                 except BaseException as copy_error:
                     error = copy_error
@@ -139,7 +145,7 @@ class CudaOps(DeviceOps):
             if not queued:
                 return None, 0, error
             done = cuda.Event(blocking=True)
-            done.record(side)
+            done.record(stream)
         return done, queued, error
 
     # Note: [Read-back memory belongs to the compute stream]
@@ -193,21 +199,9 @@ class CudaOps(DeviceOps):
         return done
 
     def copy_to_device_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, int, BaseException | None]:
-        cuda = self.cuda
-        queued, error = 0, None
-        with cuda.stream(self.prefetch_stream):
-            for src, dst in copies:
-                try:
-                    cuda.copy_(dst, src)
-                except BaseException as copy_error:
-                    error = copy_error
-                    break
-                queued += 1
-            if not queued:
-                return None, 0, error
-            done = cuda.Event(blocking=True)
-            done.record(self.prefetch_stream)
-        done._tba_stream = "prefetch"
+        done, queued, error = self._queue_copies(self.prefetch_stream, [(src, dst, None) for src, dst in copies])
+        if done is not None:
+            done._tba_stream = "prefetch"
         return done, queued, error
 
     def when_done(self, event: Any, callback: Callback) -> None:
