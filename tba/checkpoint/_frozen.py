@@ -53,7 +53,11 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 def _freeze(value: Any, key: str, watched: Watched) -> Any:
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_meta or value.is_nested:
+        if value.is_meta:  # no data to save; .to_dense() (the other fix) keeps it on meta
+            raise TbaConfigError(f"state_dict[{key}] is a tensor on the meta device, which holds no data; "
+                                 "materialise it first (module.to_empty(device=...) then initialise or load "
+                                 "its values) or drop it")
+        if value.layout != torch.strided or value.is_nested:
             raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
                                  "only dense tensors can be saved: convert it with .to_dense() or drop it")
         version = _version(value)

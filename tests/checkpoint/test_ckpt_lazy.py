@@ -83,6 +83,14 @@ def test_values_dcp_cannot_store_are_refused_at_once(tmp_path, bad):
     assert not (tmp_path / "c").exists()
 
 
+def test_a_meta_tensor_is_refused_naming_materialisation(tmp_path):
+    """It said to convert the meta tensor with .to_dense(), which leaves it on meta with no data (helper-76)."""
+    with pytest.raises(TbaConfigError, match=r"state_dict\[w\] is a tensor on the meta device.*to_empty") as caught:
+        save_lazy({"w": torch.empty(3, device="meta")}, tmp_path / "c")
+    assert "to_dense" not in str(caught.value)
+    assert not (tmp_path / "c").exists()
+
+
 def test_non_dict_state_is_refused(tmp_path):
     with pytest.raises(TbaConfigError, match="must be a dict"):
         save_lazy([torch.ones(3)], tmp_path / "c")
