@@ -161,6 +161,10 @@ def _backward_twice_after_skipped_writes(spill_dir, monkeypatch) -> tuple[torch.
     assert offloader.stats.writes_skipped, "no write was skipped"
     try:
         loss.backward(retain_graph=True)
+        # The first backward's releases run on the control thread: under load the second backward could start before
+        # them and find every storage still in memory, so a mutant that frees too much went unseen (CI, 3 runs in 15
+        # beside two busy loops here).
+        tba._control.settle()
         loss.backward()
     finally:
         del loss
