@@ -91,6 +91,20 @@ def test_a_meta_tensor_is_refused_naming_materialisation(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_a_tensor_over_numpy_memory_is_saved_as_it_was_at_the_save(tmp_path):
+    """Note [Memory torch does not own is copied at the save]: a write through the numpy array bumps no version, and
+    the lazy save published the new values (helper-68)."""
+    import numpy as np
+
+    array = np.full(1 << 20, 2.0, np.float32)
+    state = {"x": torch.from_numpy(array), "y": torch.ones(3)}
+    handle = save_lazy(state, tmp_path / "c")
+    array[:] = 1
+    handle.wait(timeout_s=60)
+    loaded = load_state(handle.path, {"x": torch.empty(1 << 20), "y": torch.empty(3)}, FileSystemReader(handle.path))
+    assert torch.equal(loaded["x"], torch.full((1 << 20,), 2.0)) and torch.equal(loaded["y"], torch.ones(3))
+
+
 def test_non_dict_state_is_refused(tmp_path):
     with pytest.raises(TbaConfigError, match="must be a dict"):
         save_lazy([torch.ones(3)], tmp_path / "c")
