@@ -65,7 +65,8 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
             # Note: [Memory torch does not own is copied at the save]
             # A tensor over a numpy array (torch.from_numpy) or DLPack memory can change through its owner, which
             # bumps no version: arr[:] = 1 after a lazy save published the new values under the save's name,
-            # silently (helper-68). Torch marks such storages not resizable; they are copied at the save call.
+            # silently (helper-68). Torch marks such storages not resizable; they are copied at the save call. So
+            # are those mapped from a file (torch.load(mmap=True) assigned to a model): a copy they need not have.
             return value.clone()
         version = _version(value)
         if version is not None:
