@@ -169,14 +169,14 @@ def test_reads_in_reverse_file_order_go_as_one_request_in_file_order():
     assert (first.offset, first.nbytes, second.pieces) == (0, 4 * STORAGE_BYTES, None)
     assert first.pieces == tuple((buffer.data_ptr(), STORAGE_BYTES) for buffer in reversed(taken[:4])), \
         "the pieces are not the buffers of offsets 0, 1, 2, 3 in file order"
-    for (address, _), buffer in zip(first.pieces, first.owner):
+    for index, ((address, _), buffer) in enumerate(zip(first.pieces, first.owner)):
         assert buffer.data_ptr() == address
-        buffer.fill_(address % 251)
+        buffer.fill_(index + 1)  # piece k is the extent at k * STORAGE_BYTES, read i = k
     engine.complete(Op.READ)
     assert sorted(heard) == [0, 1, 2, 3, 7]
     for i in range(4):
-        assert heard[i].numel() == STORAGE_BYTES - 100 and bool((heard[i] == heard[i][0]).all())
-    assert len({int(heard[i][0]) for i in range(4)}) == 4, "two reads got the same buffer's bytes"
+        # Each piece's own value: filled with address % 251, two buffers' addresses could agree (CI, once).
+        assert heard[i].numel() == STORAGE_BYTES - 100 and bool((heard[i] == i + 1).all()), f"read {i} got other bytes"
 
 
 def test_a_request_stays_within_the_join_cap_under_a_larger_block():
