@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tba.defaults import ALIGN_BYTES
-from tba.device._block_groups import WriteJob
+from tba.device._block_groups import ReadJob, WriteJob
 from tba.device._ops import DeviceOps
 from tba.device._pinned_pool import StagingPool
 from tba.device._protocol import Countdown, ReadCallback, pieces
@@ -90,17 +90,18 @@ class PieceTransfers:
         self.pool.release(block)
         countdown.done(error)
 
-    def read(self, device: torch.device, nbytes: int, fd: int, offset: int, on_done: ReadCallback) -> None:
-        spans = pieces(nbytes, self.pool.block_bytes)
+    def read(self, job: ReadJob) -> None:
+        """A storage larger than a block: a block per piece, each read and copied in on its own."""
+        spans = pieces(job.nbytes, self.pool.block_bytes)
         try:
-            read = _Read(self.ops.empty(nbytes, device), len(spans), on_done)
+            read = _Read(self.ops.empty(job.nbytes, job.device), len(spans), job.on_done)
         except BaseException as error:
-            on_done(error, None, None)
+            job.on_done(error, None, None)
             return
         for start, length in spans:
             block = self.pool.acquire()
             # Note [A block's file transfer reports by callback]
-            request = Request(Op.READ, fd, block.data_ptr(), round_up(length, ALIGN_BYTES), offset + start, block)
+            request = Request(Op.READ, job.fd, block.data_ptr(), round_up(length, ALIGN_BYTES), job.offset + start, block)
             try:
                 self.engine.submit_calls((request,), (functools.partial(self._block_read, read, block, start, length),))
             except BaseException as error:  # the piece ends here: its block goes back, the read hears the error

@@ -158,7 +158,7 @@ class StagedRoute(Route):
                     group, sending = None, group
                     self._send_read(sending)
                 if job.extent_bytes > self.pool.block_bytes:
-                    self._pieces.read(job.device, job.nbytes, job.fd, job.offset, job.on_done)
+                    self._pieces.read(job)
                 elif group is None:
                     group = ReadGroup(self.pool.acquire(), job)
                 else:
