@@ -133,7 +133,10 @@ def test_trainer_from_the_library_closes_its_offloader(spill_dir, tmp_path, open
     # used to get, may keep every block of a small model after its profiled steps: helper-37).
     assert [options["policy"] for options in built] == ["offload"]
     assert trainer.offloader is None and trainer.tba_stats.bytes_written > 0
-    assert trainer.tba_stats.bytes_read > 0
+    # Backward took the offloaded storages back through tba: read from the file, or (their writes still in flight
+    # on a loaded machine, held for backward) from memory. bytes_read > 0 alone failed in CI under load (stop 55).
+    stats = trainer.tba_stats
+    assert stats.unpacks_waited + stats.unpacks_from_memory >= stats.tensors_offloaded > 0, stats
     written = trainer.tba_stats.bytes_written
     trainer.evaluate()  # no_grad: the context is skipped, no offloader is built
     assert trainer.offloader is None and trainer.tba_stats.bytes_written == written
