@@ -119,8 +119,32 @@ class CudaOps(DeviceOps):
         with cuda.stream(self.side_stream):  # Note [A stream context selects its device]
             self.side_stream.wait_event(after)
             cuda.copy_(dst, src)
+            return self._event_after_copies(self.side_stream)
+
+    # Note: [An event that cannot be recorded after queued copies]
+    # The caller of a copy learns when its memory is free again only from the event recorded after
+    # the copy. When creating or recording that event raises (``cudaErrorMemoryAllocation``, or a
+    # context broken meanwhile), the copies queued before it may still be pending: the caller then
+    # hears an error and gives back the staging block and the sources (the store drops a dead
+    # storage, and the caching allocator hands it to the next kernel) while the stream still reads
+    # and writes them. On the simulated device: the next kernel on a freed block not ordered after
+    # the side stream's copy, and a copy that ran after its source was freed
+    # (tests/device/test_sim_faults.py). So the stream is synchronised before the error goes up: the
+    # copies have run, or the context is broken and runs nothing more, and the memory is free.
+
+    def _event_after_copies(self, stream: Any) -> Any:
+        """A blocking event recorded on ``stream`` after the copies just queued (Note [An event that cannot be
+        recorded after queued copies])."""
+        cuda = self.cuda
+        try:
             done = cuda.Event(blocking=True)
-            done.record(self.side_stream)
+            done.record(stream)
+        except BaseException:
+            try:
+                stream.synchronize()
+            except BaseException:  # the context is broken: the queued copies will not run either
+                logger.exception("tba: cannot wait for copies queued before a failed event record")
+            raise
         return done
 
     def copy_to_host_many(self, copies: Sequence[HostCopy]) -> tuple[Any, int, BaseException | None]:
@@ -144,8 +168,7 @@ class CudaOps(DeviceOps):
                 queued += 1
             if not queued:
                 return None, 0, error
-            done = cuda.Event(blocking=True)
-            done.record(stream)
+            done = self._event_after_copies(stream)
         return done, queued, error
 
     # Note: [Read-back memory belongs to the compute stream]
@@ -193,8 +216,7 @@ class CudaOps(DeviceOps):
         cuda = self.cuda
         with cuda.stream(self.prefetch_stream):
             cuda.copy_(dst, src)
-            done = cuda.Event(blocking=True)
-            done.record(self.prefetch_stream)
+            done = self._event_after_copies(self.prefetch_stream)
         done._tba_stream = "prefetch"
         return done
 

@@ -10,6 +10,16 @@ own operators are seen by a dispatch mode as accesses on the current stream (``_
 :meth:`SimulatedCuda.graph_capture` is CUDA-graph capture of the current stream: events recorded
 in it are captured (synchronising on them is an error), streams that wait on them join the
 capture, and the capture fails if one of them never rejoins, as on a GPU.
+
+Note: [Injected CUDA faults]
+:meth:`SimulatedCuda.inject_fault` makes one kind of CUDA call raise, as a broken context does (a
+sticky error: every later call of that kind raises too, until :meth:`SimulatedCuda.clear_faults`)
+or as one failed call does (``cudaErrorMemoryAllocation`` creating an event or page-locking
+memory). The kinds are ``"copy"`` (:meth:`copy_`), ``"record"`` (an event's record),
+``"synchronize"`` (an event's synchronize), ``"pin"`` and ``"host_empty"``. Only the call raises:
+work queued before it still runs, as on a GPU whose call failed at launch. This is the only seam:
+production code is unchanged, and tests count calls with ``after`` to fail in the middle of a
+group of copies.
 """
 
 from __future__ import annotations
@@ -66,6 +76,9 @@ class SimulatedCuda:
         self._captured_events: list[Token] = []
         self.entering_thread: int | None = None
         """The thread whose operators the dispatch mode sees (set by :func:`simulate` with ``track_compute``)."""
+        self._faults: dict[str, list[Any]] = {}
+        """Injected faults by call kind: ``[calls to let through, failures left (None: sticky), error]``."""
+        self.faults_raised = 0
         self.checking_compute = True
         """Whether the model's operators are checked now (tests may sample steps: it costs ~0.4 ms per operator)."""
 
@@ -89,6 +102,44 @@ class SimulatedCuda:
         if not synchronous:
             self.scheduler.add(stream)
         return stream
+
+    # ------------------------------------------------------------- injected faults
+    FAULT_KINDS = ("copy", "record", "synchronize", "pin", "host_empty")
+
+    def inject_fault(self, kind: str, error: BaseException | None = None, *, after: int = 0,
+                     times: int | None = 1) -> None:
+        """Make ``kind`` calls raise ``error`` after ``after`` more succeed, ``times`` times (None: until cleared).
+
+        Note [Injected CUDA faults]."""
+        if kind not in self.FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; one of {self.FAULT_KINDS}")
+        error = error or RuntimeError(f"CUDA error: an illegal memory access was encountered (injected into {kind})")
+        with self._lock:
+            self._faults[kind] = [after, times, error]
+
+    def clear_faults(self) -> None:
+        """The device recovered: no injected fault raises any more."""
+        with self._lock:
+            self._faults.clear()
+
+    def maybe_fail(self, kind: str) -> None:
+        """Raise the fault injected into ``kind`` calls, when one is due."""
+        if not self._faults:
+            return
+        with self._lock:
+            fault = self._faults.get(kind)
+            if fault is None:
+                return
+            if fault[0] > 0:
+                fault[0] -= 1
+                return
+            if fault[1] is not None:
+                fault[1] -= 1
+                if fault[1] <= 0:
+                    del self._faults[kind]
+            self.faults_raised += 1
+            error = fault[2]
+        raise error
 
     # ------------------------------------------------------------- streams and events
     def _launch(self, stream: SimStream, op: Callable[[], None]) -> None:
@@ -201,6 +252,7 @@ class SimulatedCuda:
         if dst.numel() != src.numel() or dst.dtype != torch.uint8 or src.dtype != torch.uint8 or not (
                 dst.is_contiguous() and src.is_contiguous()):
             raise RuntimeError("the simulated device copies contiguous uint8 tensors of one size")
+        self.maybe_fail("copy")
         stream = self.current_stream()
         if self._captured(stream):
             return
@@ -231,9 +283,11 @@ class SimulatedCuda:
         self.allocator.record_stream(tensor, stream)
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
+        self.maybe_fail("host_empty")
         return self.pinned.empty(nbytes)
 
     def pin(self, tensor: torch.Tensor) -> None:
+        self.maybe_fail("pin")
         self.pinned.pin(tensor)
 
     def unpin(self, tensor: torch.Tensor) -> None:

@@ -77,6 +77,7 @@ class SimEvent:
         self.token: Token | None = None
 
     def record(self, stream: SimStream | None = None) -> None:
+        self.sim.maybe_fail("record")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
         self.token = self.sim.record(stream if stream is not None else self.sim.current_stream())
 
     def wait(self, stream: SimStream | None = None) -> None:
@@ -95,6 +96,7 @@ class SimEvent:
 
     def synchronize(self) -> None:
         token = self.token
+        self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
         if token is None:
             return
         if token.captured:

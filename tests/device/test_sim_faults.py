@@ -1,0 +1,123 @@
+"""CUDA calls that fail mid-transfer, on the simulated device (Note [Injected CUDA faults] in tba/device/sim/_device.py).
+
+A failed call must not hand back memory that copies queued before it still use: not the staging
+block (a read group's file read would land under a device-to-host copy still to run), not a
+source storage (the caching allocator gives it to the next kernel while the side stream reads it).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from concurrent.futures import Future
+
+import torch
+from sim_helpers import CheckedEngine
+
+from tba.defaults import ALIGN_BYTES
+from tba.device import CudaOps
+from tba.device._pinned_pool import StagingPool
+from tba.device._staged_route import StagedRoute
+
+BLOCK = 16 * ALIGN_BYTES
+
+
+def _route(sim, tmp_path, blocks: int = 1):
+    ops = CudaOps(torch.device("cpu"))
+    engine = CheckedEngine(sim)
+    pool = StagingPool(capacity_bytes=blocks * BLOCK, block_bytes=BLOCK)
+    route = StagedRoute(ops, engine, pool)
+    fd = os.open(tmp_path / "spill", os.O_RDWR | os.O_CREAT, 0o600)
+    return route, engine, pool, fd
+
+
+def _close(route, engine, pool, fd) -> None:
+    route.stop()
+    route.close()
+    engine.close()
+    pool.close()
+    os.close(fd)
+
+
+def _sources(sim, sizes: list[int]) -> list[torch.Tensor]:
+    out = []
+    for index, nbytes in enumerate(sizes):
+        src = sim.empty(nbytes)
+        src.fill_(index + 1)
+        out.append(src)
+    return out
+
+
+def test_an_event_record_that_fails_after_a_groups_copies_were_queued(sim, tmp_path):
+    """Three storages share a block; their copies are queued on a lagging side stream, then the event
+    after them cannot be recorded (``cudaErrorMemoryAllocation`` creating it). Every member hears the
+    error, and the program frees its storages: the block and the sources must still outlive the copies."""
+    route, engine, pool, fd = _route(sim, tmp_path)
+    sources = _sources(sim, [ALIGN_BYTES, 2 * ALIGN_BYTES, ALIGN_BYTES])
+    gate = threading.Event()
+    route._jobs.put((gate.wait, lambda error: None))
+    outcomes: list[Future] = []
+    offset = 0
+    for src in sources:
+        done: Future = Future()
+        route.write(src, 0, fd, offset, done.set_result, route.mark_ready())
+        offset += src.numel()
+        outcomes.append(done)
+    del src
+    sim.stall()  # the side stream lags: the copies are still queued when the record fails
+    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"))
+    release = threading.Timer(0.5, sim.stall, args=(False,))
+    release.start()
+    gate.set()
+    errors = [done.result(timeout=30) for done in outcomes]
+    assert all(isinstance(error, RuntimeError) for error in errors), errors
+    # The program frees its storages (the allocator's next kernel poisons them); the error's traceback held them too.
+    del sources, errors, outcomes, done
+    gc.collect()
+    release.join()
+    route.stop()
+    assert pool.free_blocks == pool.capacity_blocks, "the staging block never came back"
+    _close(route, engine, pool, fd)
+    assert sim.faults_raised == 1
+    assert sim.problems() == [], "\n".join(sim.problems())
+
+
+def test_an_event_record_that_fails_after_a_read_groups_copies_were_queued(sim, tmp_path):
+    """The mirror: a read group's copies into new device memory are queued on a lagging prefetch stream,
+    then the event after them cannot be recorded. The readers hear the error and drop their buffers: the
+    block and the buffers must outlive the copies."""
+    route, engine, pool, fd = _route(sim, tmp_path)
+    sizes = [ALIGN_BYTES, 2 * ALIGN_BYTES, ALIGN_BYTES]
+    sources = _sources(sim, sizes)
+    offsets = [0, ALIGN_BYTES, 3 * ALIGN_BYTES]
+    written = []
+    for src, offset in zip(sources, offsets):
+        done: Future = Future()
+        route.write(src, 0, fd, offset, done.set_result, route.mark_ready())
+        written.append(done)
+    assert [done.result(timeout=30) for done in written] == [None] * 3
+    route.drain()
+    route.ops.drain()
+    gate = threading.Event()
+    route._jobs.put((gate.wait, lambda error: None))
+    outcomes: list[Future] = []
+    for nbytes, offset in zip(sizes, offsets):
+        done = Future()
+        route.read(torch.device("cpu"), nbytes, 0, fd, offset, lambda *outcome, done=done: done.set_result(outcome))
+        outcomes.append(done)
+    sim.stall()
+    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"), after=1)
+    release = threading.Timer(0.5, sim.stall, args=(False,))
+    release.start()
+    gate.set()
+    errors = [done.result(timeout=30)[0] for done in outcomes]
+    assert all(isinstance(error, RuntimeError) for error in errors), errors
+    del errors, outcomes, done, sources, written
+    gc.collect()
+    release.join()
+    route.stop()
+    assert pool.free_blocks == pool.capacity_blocks, "the staging block never came back"
+    _close(route, engine, pool, fd)
+    assert sim.faults_raised == 1
+    assert sim.problems() == [], "\n".join(sim.problems())
