@@ -224,12 +224,24 @@ class StoreReads:
             "hole, a failing disk); its gradients cannot be computed, run the step again"
         )
 
+    # Note: [A device error reading back is a read error]
+    # Only OSError became TbaReadError here. A staged read also fails in its device calls: the
+    # host-to-device copy, the event after it, the read buffer's allocation event (a CUDA error
+    # after a kernel fault, cudaErrorMemoryAllocation creating an event), and the fake or real
+    # kvikio raises RuntimeError for I/O. Those reached backward as the bare RuntimeError of
+    # whichever call failed, naming neither the tensor nor the file (tests/device/test_sim_faults.py,
+    # a copy fault injected into the simulated device). Every failure of a read is a TbaReadError
+    # now, with the cause chained; a TbaError passes as it is, and running out of memory stays
+    # torch.OutOfMemoryError (or MemoryError), which training loops catch to retry smaller.
+
     def wait_read(self, entry: StorageEntry, done: Outcome) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
         try:
             with nvtx_range("wait_read"):
                 result = wait(done)
-        except OSError as err:
+        except (TbaError, torch.OutOfMemoryError, MemoryError):
+            raise
+        except Exception as err:  # Note [A device error reading back is a read error]
             raise TbaReadError(
                 f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
                 f"offset {entry.offset}, {entry.extent_bytes} bytes: {err}"

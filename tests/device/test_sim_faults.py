@@ -12,15 +12,20 @@ import os
 import threading
 from concurrent.futures import Future
 
+import pytest
 import torch
+from model_cases import tiny_gpt
 from sim_helpers import CheckedEngine
+from utils import run_step, steps_equal
 
+import tba
 from tba.defaults import ALIGN_BYTES
 from tba.device import CudaOps
 from tba.device._pinned_pool import StagingPool
 from tba.device._staged_route import StagedRoute
 
 BLOCK = 16 * ALIGN_BYTES
+SMALL = dict(min_offload_bytes=0, block_size_bytes=8192, staging_bytes=8 * 8192)
 
 
 def _route(sim, tmp_path, blocks: int = 1):
@@ -121,3 +126,30 @@ def test_an_event_record_that_fails_after_a_read_groups_copies_were_queued(sim, 
     _close(route, engine, pool, fd)
     assert sim.faults_raised == 1
     assert sim.problems() == [], "\n".join(sim.problems())
+
+
+def test_a_cuda_error_reading_back_a_saved_tensor_is_a_tba_read_error(sim, tmp_path):
+    """Backward's host-to-device copies fail (a broken context): backward raises TbaReadError naming the
+    tensor and file, with the CUDA error as its cause, not the bare RuntimeError of whichever copy failed.
+    Every staging block comes back, and once the device recovered the next step is exact."""
+    model, forward = tiny_gpt()
+    engine = CheckedEngine(sim)
+    reference = run_step(model, forward)
+    offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    with offloader:
+        loss = forward(model)
+        offloader.flush()
+    sim.inject_fault("copy", times=None)
+    with pytest.raises(tba.TbaReadError, match="cannot read back") as raised:
+        loss.backward()
+    assert "illegal memory access" in str(raised.value.__cause__)
+    sim.clear_faults()
+    del loss, raised
+    assert steps_equal(reference, run_step(model, forward, offloader))
+    routes = offloader._store.routes
+    offloader.close()
+    engine.close()
+    pool = routes.staging_pool
+    assert pool.free_blocks == pool.capacity_blocks, "a staging block was never returned"

@@ -16,8 +16,11 @@ Note: [Injected CUDA faults]
 sticky error: every later call of that kind raises too, until :meth:`SimulatedCuda.clear_faults`)
 or as one failed call does (``cudaErrorMemoryAllocation`` creating an event or page-locking
 memory). The kinds are ``"copy"`` (:meth:`copy_`), ``"record"`` (an event's record),
-``"synchronize"`` (an event's synchronize), ``"pin"`` and ``"host_empty"``. Only the call raises:
-work queued before it still runs, as on a GPU whose call failed at launch. This is the only seam:
+``"synchronize"`` (an event's or a stream's synchronize), ``"pin"`` and ``"host_empty"``. Only the
+call raises: work queued before it still runs, as on a GPU whose call failed at launch. A sticky
+fault is therefore less than a broken context, which would run none of the queued work either: a
+race reported after one (a block given back while a copy queued before the fault is still
+pending) is one a GPU would show only if that copy still ran. This is the only seam:
 production code is unchanged, and tests count calls with ``after`` to fail in the middle of a
 group of copies.
 """
@@ -25,6 +28,7 @@ group of copies.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
@@ -138,7 +142,7 @@ class SimulatedCuda:
                 if fault[1] <= 0:
                     del self._faults[kind]
             self.faults_raised += 1
-            error = fault[2]
+            error = copy.copy(fault[2])  # a fresh exception each time: no traceback shared between threads, none kept
         raise error
 
     # ------------------------------------------------------------- streams and events

@@ -62,7 +62,11 @@ class SimStream:
         return event
 
     def synchronize(self) -> None:
-        self.record_event(self.sim.Event(blocking=True)).synchronize()
+        """``cudaStreamSynchronize``: no event is created (an injected ``record`` fault does not apply)."""
+        self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
+        event = self.sim.Event(blocking=True)
+        event.token = self.sim.record(self)
+        event.synchronize()
 
     def query(self) -> bool:
         return not self.queue
@@ -95,8 +99,12 @@ class SimEvent:
         return False
 
     def synchronize(self) -> None:
-        token = self.token
         self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
+        self.wait_fired()
+
+    def wait_fired(self) -> None:
+        """Block the host until the record fired (``synchronize`` without its injected fault)."""
+        token = self.token
         if token is None:
             return
         if token.captured:
