@@ -12,6 +12,7 @@ transfer completes and releases one: backpressure, not allocation. Writes and re
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -20,6 +21,8 @@ from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, STAGING_BYTES
 from tba.device._cuda import cuda_api
 from tba.errors import TbaConfigError
 from tba.io import aligned_empty
+
+logger = logging.getLogger(__name__)
 
 
 class StagingPool:
@@ -30,6 +33,15 @@ class StagingPool:
         block_bytes: Size of one block, a multiple of 4096; also the largest piece of one
             transfer. Default 4 MiB.
         pinned: Page-lock the slab (needs CUDA); None (default) pins when CUDA is available.
+            When page-locking fails the pool warns and stays pageable (:attr:`pinned` is then False).
+
+    Note: [A slab that cannot be page-locked]
+    ``cudaHostRegister`` fails when the locked-memory limit or the host's memory is reached
+    (``cudaErrorMemoryAllocation``). The offloader then failed to open with that bare RuntimeError.
+    Pageable staging is still exact: a device-to-host ``cudaMemcpyAsync`` into pageable memory returns
+    only once the copy is done, and one from pageable memory returns once the source was staged, so
+    the events tba records after the copies still order every reuse of a block; the copies only stop
+    overlapping the host. So the pool warns and goes on unpinned.
     """
 
     def __init__(self, capacity_bytes: int = STAGING_BYTES, block_bytes: int = BLOCK_SIZE_BYTES,
@@ -55,7 +67,14 @@ class StagingPool:
         self._slab.fill_(0)
         self._cuda = cuda_api() if pinned else None
         if self._cuda is not None:
-            self._cuda.pin(self._slab)
+            try:
+                self._cuda.pin(self._slab)
+            except Exception as error:  # Note [A slab that cannot be page-locked]
+                logger.warning("tba: cannot page-lock the %d-byte staging slab (%s); staging through pageable "
+                               "memory instead, which is exact but slower: lower staging_bytes, or raise the "
+                               "locked-memory limit (ulimit -l, the container's memlock)", count * block_bytes, error)
+                self._cuda = None
+                self.pinned = False
         self._free = [self._slab[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
         self.capacity_blocks = count
         self._cond = threading.Condition()

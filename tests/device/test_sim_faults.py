@@ -153,3 +153,21 @@ def test_a_cuda_error_reading_back_a_saved_tensor_is_a_tba_read_error(sim, tmp_p
     engine.close()
     pool = routes.staging_pool
     assert pool.free_blocks == pool.capacity_blocks, "a staging block was never returned"
+
+
+def test_a_staging_slab_that_cannot_be_page_locked_falls_back_to_pageable_memory(sim, tmp_path, caplog):
+    """``cudaHostRegister`` of the staging slab fails (``cudaErrorMemoryAllocation``: the page-locked limit
+    reached): the offloader warns and stages through pageable memory, exactly, instead of failing to open."""
+    model, forward = tiny_gpt()
+    engine = CheckedEngine(sim)
+    reference = run_step(model, forward)
+    sim.inject_fault("pin", RuntimeError("cudaHostRegister of 65536 bytes failed with CUDA error 2"))
+    offloader = tba.Offloader(tmp_path, backend=engine, layers=model, **SMALL)
+    with caplog.at_level("WARNING", logger="tba"):
+        assert steps_equal(reference, run_step(model, forward, offloader))
+    assert offloader.stats.bytes_read > 0
+    assert "cannot page-lock" in caplog.text
+    routes = offloader._store.routes
+    offloader.close()
+    engine.close()
+    assert not routes.staging_pool.pinned and sim.pinned.pinned_bytes == 0
