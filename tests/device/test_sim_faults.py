@@ -171,3 +171,28 @@ def test_a_staging_slab_that_cannot_be_page_locked_falls_back_to_pageable_memory
     offloader.close()
     engine.close()
     assert not routes.staging_pool.pinned and sim.pinned.pinned_bytes == 0
+
+
+def test_an_event_record_that_fails_after_the_middle_pieces_copy_was_queued(sim, tmp_path):
+    """A storage of three blocks goes piece by piece; the event after the middle piece's copy cannot be
+    recorded. The write fails, and neither that piece's block nor the storage is given back under the copy."""
+    route, engine, pool, fd = _route(sim, tmp_path, blocks=2)
+    (src,) = _sources(sim, [3 * BLOCK - 100])
+    done: Future = Future()
+    ready = route.mark_ready()
+    sim.stall()
+    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"), after=1)
+    release = threading.Timer(0.5, sim.stall, args=(False,))
+    release.start()
+    route.write(src, 0, fd, 0, done.set_result, ready)
+    del src, ready
+    error = done.result(timeout=30)
+    assert isinstance(error, RuntimeError), error
+    del error, done
+    gc.collect()
+    release.join()
+    route.stop()
+    assert pool.free_blocks == pool.capacity_blocks, "a staging block never came back"
+    _close(route, engine, pool, fd)
+    assert sim.faults_raised == 1
+    assert sim.problems() == [], "\n".join(sim.problems())
