@@ -16,7 +16,6 @@ as ``overhead_bound`` takes a number or its decimal string (from the environment
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import math
 import os
@@ -26,7 +25,7 @@ from typing import Any
 
 from tba import defaults
 from tba._units import SizeError, parse_size
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, did_you_mean
 
 ENV_PREFIX = "TBA_"
 """Environment variables are ``TBA_`` plus the field name in capitals; ``TBA_DIR`` for ``directory``."""
@@ -160,9 +159,7 @@ def check_names(options: Mapping[str, Any]) -> None:
     names = option_names()
     for name in options:
         if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise TbaConfigError(f"unknown option {name!r}; {hint}options are: {', '.join(names)}")
+            raise TbaConfigError(f"unknown option {name!r}; {did_you_mean(name, names)}options are: {', '.join(names)}")
 
 
 def signature_with_options(function: Any, *, before: tuple[inspect.Parameter, ...] = ()) -> inspect.Signature:
@@ -263,6 +260,9 @@ def _coerce(field: dataclasses.Field, value: Any) -> Any:
         return path
     elif kind == _NAME and isinstance(value, str) and value == "":
         raise TbaConfigError(f"{name} is empty; see help(tba.OffloadConfig) for the accepted values")
+    elif name == "policy" and isinstance(value, str) and value not in defaults.POLICIES:
+        raise TbaConfigError(f"unknown policy {value!r}; {did_you_mean(value, defaults.POLICIES)}"
+                             f"use one of {', '.join(defaults.POLICIES)}, a tba.Plan or a tba.Policy")
     return value
 
 

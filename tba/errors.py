@@ -7,7 +7,9 @@ returning zeros or stale bytes.
 
 from __future__ import annotations
 
+import difflib
 import errno
+from collections.abc import Iterable
 
 
 class TbaError(RuntimeError):
@@ -41,3 +43,16 @@ class ShortTransferError(OSError):
         self.done_bytes = done_bytes
         self.want_bytes = want_bytes
         self.offset = offset
+
+
+def did_you_mean(given: object, choices: Iterable[str]) -> str:
+    """``"did you mean 'keep'? "`` for the choice closest to ``given`` (case ignored), else ``""``.
+
+    The one helper behind every did-you-mean of tba: misspelt option names, policies, backends, placements.
+    """
+    if not isinstance(given, str):
+        return ""
+    choices = list(choices)
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
+    return f"did you mean {by_lower[close[0]]!r}? " if close else ""

@@ -127,3 +127,21 @@ def test_out_of_range_environment_value_names_the_variable(variable, value, opti
     with pytest.raises(TbaConfigError) as raised:  # an argument is not blamed on the environment
         OffloadConfig.from_env({}, **{option: int(value)})
     assert "from $" not in str(raised.value)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: tba.offload_activations(policy="Keep"), r"unknown policy 'Keep'; did you mean 'keep'\? use one of adaptive"),
+    (lambda: tba.OffloadConfig(policy="ofload"), r"unknown policy 'ofload'; did you mean 'offload'\?"),
+    (lambda: tba.OffloadConfig.from_env({"TBA_POLICY": "Adaptive"}), r"did you mean 'adaptive'\?"),
+    (lambda: tba.Offloader(backend="io-uring"), r"unknown backend 'io-uring'; did you mean 'io_uring'\? choose one of"),
+    (lambda: tba.OffloadConfig(Policy="keep"), r"unknown option 'Policy'; did you mean 'policy'\?"),
+])
+def test_near_miss_of_a_name_suggests_the_closest(make, match):
+    with pytest.raises(TbaConfigError, match=match):
+        make()
+
+
+def test_far_miss_names_the_values_without_a_guess():
+    with pytest.raises(TbaConfigError, match="unknown policy 'swap'; use one of adaptive, offload, keep") as info:
+        tba.OffloadConfig(policy="swap")
+    assert "did you mean" not in str(info.value)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tba.defaults import MAX_QUEUE_DEPTH
+from tba.errors import did_you_mean
 from tba.io import backend_names
 
 
@@ -103,7 +104,8 @@ def output_directory(option: str, path: str) -> str:
 def backend_name(text: str) -> str:
     """One of the backend names (:func:`tba.io.backend_names`)."""
     if text not in backend_names():
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {', '.join(backend_names())}")
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; {did_you_mean(text, backend_names())}"
+                                         f"choose one of {', '.join(backend_names())}")
     return text
 
 

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 
 from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, did_you_mean
 from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
 from tba.io._directory import OutOfDescriptorsError, lacks_descriptors, out_of_descriptors, probe_direct_io, resolve_directory
@@ -105,7 +105,8 @@ def resolve_backend(backend: str) -> str:
         _log_auto_fallback(reason)
         return "threads"
     if backend not in _ENGINES:
-        raise TbaConfigError(f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}, "
+        raise TbaConfigError(f"unknown backend {backend!r}; {did_you_mean(backend, backend_names())}"
+                             f"choose one of {', '.join(backend_names())}, "
                              "pass an Engine instance, or register one with tba.io.register_engine")
     reason = _ENGINES[backend].unavailable_reason()
     if reason is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 
 from tba.defaults import POLICIES
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, did_you_mean
 from tba.policy import Adaptive, Plan, Policy
 
 __all__ = ["RunnerPolicy"]
@@ -43,7 +43,8 @@ class RunnerPolicy:
             except ValueError as err:
                 raise TbaConfigError(f"policy='adaptive': {err}") from None
         elif policy not in POLICIES:
-            raise TbaConfigError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)} or a tba.Plan")
+            raise TbaConfigError(f"unknown policy {policy!r}; {did_you_mean(policy, POLICIES)}"
+                                 f"use one of {', '.join(POLICIES)} or a tba.Plan")
         elif memory_budget_bytes is not None or overhead_bound is not None:
             raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not {policy!r}")
         self.name = policy if isinstance(policy, str) else type(policy).__name__

@@ -21,6 +21,7 @@ def tba_cli(*args: str) -> subprocess.CompletedProcess:
     [
         (["bench-io", "--queue-depth", "99999"], "pass a queue depth in 1..4096"),
         (["demo", "--backend", "bogus"], "unknown backend 'bogus'; choose one of auto, io_uring, threads"),
+        (["demo", "--backend", "uring"], "unknown backend 'uring'; did you mean 'io_uring'? choose one of auto"),
         (["rok", "--budgets", "abc"], "'abc' is not a number; pass --budgets as comma-separated numbers"),
         (["rok", "--budgets-mib", "-5"], "-5 is not positive; pass --budgets-mib > 0"),
         (["rok", "--model", "nosuchmod:make", "--batch", "nosuchmod:batch"], "cannot import module 'nosuchmod'"),
