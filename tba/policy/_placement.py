@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from tba.errors import TbaConfigError, did_you_mean
 from tba.policy._profile import LayerProfile
 
 
@@ -61,12 +62,17 @@ def spilled_bytes(layer: LayerProfile, decision: str) -> int:
 
 
 def check_decisions(decisions: Sequence[str], layer_count: int) -> tuple[str, ...]:
-    """``decisions`` as a tuple, after checking its length and values."""
+    """``decisions`` as a tuple, after checking its length and values.
+
+    Raises:
+        TbaConfigError: a length other than ``layer_count``, or a decision that is not a placement.
+    """
     decisions = tuple(decisions)
     if len(decisions) != layer_count:
-        raise ValueError(f"a plan for {len(decisions)} layers cannot drive a model with {layer_count} layers")
-    try:
-        return tuple(Placement(decision) for decision in decisions)
-    except ValueError:
-        bad = next(d for d in decisions if d not in {p.value for p in Placement})
-        raise ValueError(f"unknown decision {bad!r}; use one of {', '.join(p.value for p in Placement)}") from None
+        raise TbaConfigError(f"a plan for {len(decisions)} layers cannot drive a model with {layer_count} layers")
+    names = [p.value for p in Placement]
+    for index, decision in enumerate(decisions):
+        if decision not in names:
+            raise TbaConfigError(f"unknown decision {decision!r} (layer {index}); {did_you_mean(decision, names)}"
+                                 f"use one of {', '.join(names)}")
+    return tuple(Placement(decision) for decision in decisions)

@@ -77,7 +77,7 @@ class Plan:
         object.__setattr__(self, "decisions", check_decisions(decisions, len(decisions)))
         object.__setattr__(self, "write_caps_bytes", tuple(int(cap) for cap in self.write_caps_bytes))
         if self.write_caps_bytes and len(self.write_caps_bytes) != len(decisions):
-            raise ValueError(f"write_caps_bytes has {len(self.write_caps_bytes)} entries for {len(decisions)} layers")
+            raise TbaConfigError(f"write_caps_bytes has {len(self.write_caps_bytes)} entries for {len(decisions)} layers")
         object.__setattr__(self, "window_bytes", _window_bytes(self.window_bytes))
 
     def layers(self, decision: str) -> list[int]:

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 
 import tba
+from tba.errors import TbaConfigError
 from tba.policy import Adaptive, KeepAll, OffloadAll, OffloadedRecomputeAll, Plan, RecomputeAll, min_window_bytes, plan, shapes
 from tba.policy._model import estimate
 
@@ -136,6 +137,16 @@ def test_bad_goals_and_plans():
         Plan(("keep", "swap"), 0)
     with pytest.raises(ValueError, match="cannot drive a model with 4 layers"):
         estimate(FAST, ["keep"] * 3)
+
+
+def test_bad_placement_in_a_plan_is_a_config_error_with_the_closest():
+    with pytest.raises(TbaConfigError, match=r"unknown decision 'kep' \(layer 0\); did you mean 'keep'\? "
+                                             r"use one of keep, offload, recompute, offloaded_recompute"):
+        Plan(("kep",), 0)
+    with pytest.raises(TbaConfigError, match=r"'Offload' \(layer 1\); did you mean 'offload'\?"):
+        Plan(("keep", "Offload"), 0)
+    with pytest.raises(TbaConfigError, match="write_caps_bytes has 2 entries for 1 layers"):
+        Plan(("keep",), 0, write_caps_bytes=(1, 2))
 
 
 def test_plan_window_takes_sizes_and_names_itself_when_bad():
