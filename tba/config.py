@@ -8,9 +8,13 @@ DeepSpeed ``"tba"`` block, Megatron's ``--tba-*`` flags, the README's option tab
 
 Note: [Where a value comes from]
 An explicit argument wins over the environment variable ``TBA_<FIELD>`` (``TBA_QUEUE_DEPTH=16``),
-which wins over the default. ``TBA_DIR`` names the directory. Sizes are bytes, given as an int or
-as a string that :func:`tba.parse_size` reads (``"64K"``, ``"512MiB"``, ``"2GB"``); a float such
-as ``overhead_bound`` takes a number or its decimal string (from the environment).
+which wins over the default. The adaptive goal is one setting under three names (:data:`GOALS`):
+a goal given as an argument wins over every goal variable, so ``memory_budget="2G"`` with
+``TBA_MEMORY_BUDGET_BYTES`` or ``TBA_OVERHEAD_BOUND`` set plans for 2 GiB; two goals given the same
+way (both as arguments, or both in the environment) are a :class:`~tba.errors.TbaConfigError`.
+``TBA_DIR`` names the directory. Sizes are bytes, given as an int or as a string that
+:func:`tba.parse_size` reads (``"64K"``, ``"512MiB"``, ``"2GB"``); a float such as
+``overhead_bound`` takes a number or its decimal string (from the environment).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from tba.errors import TbaConfigError, did_you_mean
 
 ENV_PREFIX = "TBA_"
 """Environment variables are ``TBA_`` plus the field name in capitals; ``TBA_DIR`` for ``directory``."""
+
+GOALS = ("memory_budget", "memory_budget_bytes", "overhead_bound")
+"""The options that name the adaptive goal: one given as an argument replaces all the others from the environment
+(Note [Where a value comes from]) or from the config that :meth:`OffloadConfig.replace` copies."""
 
 _SIZE, _COUNT, _FLAG, _TRISTATE, _FLOAT, _NAME, _PATH = "size", "count", "flag", "tristate", "float", "name", "path"
 
@@ -94,6 +102,9 @@ class OffloadConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **options: Any) -> OffloadConfig:
         """A config from ``options``, each missing one from ``TBA_<FIELD>`` (Note [Where a value comes from]).
 
+        A goal in ``options`` (``memory_budget``, ``memory_budget_bytes`` or ``overhead_bound``) wins over every
+        goal variable: ``TBA_MEMORY_BUDGET_BYTES``, ``TBA_MEMORY_BUDGET`` and ``TBA_OVERHEAD_BOUND`` are then unread.
+
         Raises:
             TbaConfigError: an unknown option, or a value (given or from the environment) that is invalid.
         """
@@ -101,8 +112,11 @@ class OffloadConfig:
         environ = os.environ if environ is None else environ
         values = dict(options)
         from_environ: dict[str, str] = {}
+        goal_given = any(options.get(name) is not None for name in GOALS)
         for field in dataclasses.fields(cls):
             variable = env_name(field.name)
+            if goal_given and field.name in GOALS:
+                continue  # the argument's goal wins over every goal variable
             if field.name not in values and environ.get(variable, "") != "":
                 values[field.name] = _from_env(field, variable, environ[variable])
                 from_environ[field.name] = variable
@@ -116,11 +130,13 @@ class OffloadConfig:
             raise
 
     def replace(self, **options: Any) -> OffloadConfig:
-        """A copy with ``options`` changed (validated again)."""
+        """A copy with ``options`` changed (validated again); a goal given replaces the config's goal."""
         check_names(options)
         for name, twin in (("memory_budget", "memory_budget_bytes"), ("memory_budget_bytes", "memory_budget")):
             if name in options and twin not in options:  # one budget, under either name
                 options[twin] = None
+        if any(options.get(name) is not None for name in GOALS):
+            options.update({name: None for name in GOALS if name not in options})
         return dataclasses.replace(self, **options)
 
     def offloader_options(self) -> dict[str, Any]:

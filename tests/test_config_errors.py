@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tba
-from tba import TbaConfigError, TbaError
+from tba import OffloadConfig, TbaConfigError, TbaError
 from tba.io import available_backends
 
 
@@ -145,3 +145,22 @@ def test_far_miss_names_the_values_without_a_guess():
     with pytest.raises(TbaConfigError, match="unknown policy 'swap'; use one of adaptive, offload, keep") as info:
         tba.OffloadConfig(policy="swap")
     assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("variable, value", [("TBA_MEMORY_BUDGET_BYTES", "1G"), ("TBA_MEMORY_BUDGET", "1G"),
+                                             ("TBA_OVERHEAD_BOUND", "0.3")])
+def test_a_goal_argument_wins_over_every_goal_variable(variable, value):
+    budget = OffloadConfig.from_env({variable: value}, memory_budget="2G")
+    assert (budget.memory_budget, budget.overhead_bound) == (2 << 30, None)
+    bound = OffloadConfig.from_env({variable: value}, overhead_bound=0.1)
+    assert (bound.memory_budget, bound.overhead_bound) == (None, 0.1)
+
+
+def test_a_goal_keyword_replaces_the_configs_goal():
+    config = OffloadConfig(memory_budget="1G").replace(overhead_bound=0.2)
+    assert (config.memory_budget, config.memory_budget_bytes, config.overhead_bound) == (None, None, 0.2)
+
+
+def test_two_goal_variables_still_conflict():
+    with pytest.raises(TbaConfigError, match="give one adaptive goal"):
+        OffloadConfig.from_env({"TBA_MEMORY_BUDGET": "1G", "TBA_OVERHEAD_BOUND": "0.1"})
