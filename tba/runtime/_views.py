@@ -5,7 +5,7 @@ one buffer (a ``transpose`` here, a slice there, the same activation for two ops
 storage becomes one :class:`StorageEntry`, written once; each saved tensor becomes a small
 :class:`SavedView` that records how to rebuild it from the storage bytes (dtype, shape, stride and
 offset in elements) and points at the entry. See Note [Dedup by storage identity] in
-``tba/runtime/_store.py`` for how a storage is recognised.
+``tba/runtime/_writes.py`` for how a storage is recognised.
 
 An entry moves through these states::
 
@@ -155,7 +155,7 @@ class StorageEntry:
     root: Callable[[], torch.Tensor | None] = lambda: None
     """A weak reference to the saved tensor's root (its ``_base``, else itself): only tensors of that view family,
     which share one version counter, share this entry (Note [One entry per version counter] in
-    ``tba/runtime/_store.py``)."""
+    ``tba/runtime/_writes.py``)."""
     state: State = State.WRITING
     offset: int = -1
     live_views: int = 0

@@ -122,7 +122,7 @@ def test_a_file_size_limit_keeps_tensors_in_memory_with_one_warning_naming_it(sp
     # with EINVAL under O_DIRECT and the later ones with EFBIG; one warning, naming ulimit -f. The second
     # step's writes race backward: under load every one of them failed after its storage died, which
     # counted nothing and, before Note [A write that fails after its storage died still warns] in
-    # tba/runtime/_store.py, warned nothing either.
+    # tba/runtime/_writes.py, warned nothing either.
     if backend not in tba.available_backends():
         pytest.skip(f"{backend} is not available here")
     done = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_STEP, spill_dir, backend], capture_output=True,

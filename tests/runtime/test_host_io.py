@@ -255,7 +255,7 @@ def test_a_held_storage_whose_write_failed_still_counts_against_the_window(spill
 
 
 def test_a_write_that_fails_after_its_storage_died_still_warns_once(spill_dir, caplog):
-    """Note [A write that fails after its storage died still warns] in tba/runtime/_store.py: backward took
+    """Note [A write that fails after its storage died still warns] in tba/runtime/_writes.py: backward took
     every storage from memory while the writes waited, the storages died, then the disk refused the writes.
     Nothing is kept or written, but the full disk is reported, once."""
     gate = threading.Event()

@@ -1,0 +1,194 @@
+"""Writing saved storages to the spill file: the save side of :class:`tba.runtime._store.StorageStore`.
+
+* :meth:`StoreWrites.save` finds the entry of a tensor's storage (Note [Dedup by storage identity])
+  or creates one and starts its write: host storages straight from their own memory through the
+  host engine (in batches, ``_host_io.py``), device storages through their route
+  (``tba/device/_router.py``).
+* When a write completes (:meth:`StoreWrites._finish_write`) the entry is ON_DISK and its memory is
+  dropped, unless the prefetch window asked to hold it; a failed write turns it KEPT (memory kept,
+  one warning); a write nobody needs any more is skipped (:meth:`StoreWrites._write_wanted`).
+
+Every state change happens under the store's lock; completion callbacks run on engine or device threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tba import defaults
+from tba._trace import nvtx_range
+from tba.device import WRITE_NOT_NEEDED
+from tba.runtime._trim import hands_back_pages, owns_its_memory
+from tba.runtime._views import State, StorageEntry, storage_bytes
+
+if TYPE_CHECKING:
+    from tba.device import Routes
+    from tba.io import SpillFile
+    from tba.runtime._host_io import HostBatch
+    from tba.runtime._prefetch import PrefetchWindow
+    from tba.runtime._stats import BusyClock, OffloadStats
+
+# Note: [Dedup by storage identity]
+# A storage is recognised by its StorageImpl address (`untyped_storage()._cdata`), the same for
+# every view of it, and never by its data pointer: the allocator hands a freed data pointer to the
+# next allocation of that size, and a key built on it would serve one tensor's bytes for another.
+# The entry holds a weak reference to the StorageImpl (StorageWeakRef), which keeps that address
+# from being reused for as long as the entry exists, so a key match always means the same storage.
+# The tensor's version counter is recorded too: a storage modified in place after it was saved is
+# a new snapshot and gets a new entry.
+#
+# Note: [One entry per version counter]
+# A version is a number on one counter, and one storage can carry several counters: the pieces of
+# `unsafe_chunk` and `unsafe_split`, which ATen's LSTM cell uses for its gates, share their storage
+# but not their counter. The cell saves the first gate after its in-place sigmoid, then applies the
+# next one to another piece of the same storage, and saves that piece at the same version number
+# on its own counter. Matched by storage and number, the second save shared the first one's entry,
+# whose write had sometimes already taken the bytes from before the second sigmoid: an LSTMCell, or
+# an LSTM over a PackedSequence, got wrong gradients now and then with no error. So an entry is
+# shared only by tensors of one view family, which share one counter: the saved tensor's root (its
+# `_base` when it is a view, else itself) must be the entry's. Another family gets an entry and a
+# write of its own, each taken after its save. A `detach()` alias is a family of its own although
+# it shares its counter: its storage is written twice, which costs time, never exactness. The entry
+# holds its root through a weak reference, not by address: a root that died (its storage kept alive
+# by the program) left its address to the next tensor made, and a `.data` alias of the same storage
+# made after it was saved at the same version number shared the dead root's entry and its bytes.
+
+
+class StoreWrites:
+    """The write half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
+    and provides the methods it calls (``_resident``, ``_sweep_written``, ``_release_written``, ``_free_extent``,
+    ``_keep_after_write_error``, ``_skip_unwritten``, ``_warn_write_failed``, ``_checksum_written``,
+    ``_transfer_ended``)."""
+
+    lock: threading.RLock
+    stats: OffloadStats
+    window: PrefetchWindow
+    write_clock: BusyClock
+    spill: SpillFile | None
+    routes: Routes | None
+    live_entries: int
+    unwritten_bytes: int
+    verify: bool
+    _host: HostBatch | None
+    _writing: int
+    _next_seq: int
+    _by_storage: dict[int, StorageEntry]
+    _lingering: Any
+
+    def save(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None, version: int,
+             ready: Any = None) -> tuple[StorageEntry, bool]:
+        """The entry holding ``storage`` at ``version``, and whether it was created (and its write started).
+
+        ``storage``: the one ``tensor`` had when it was packed (Note [A save writes the storage its tensor
+        had at pack] in tba/runtime/_views.py). ``ready``: the route's :meth:`~tba.device.Route.mark_ready`,
+        taken when the tensor was produced (None for host tensors); the write's copy is ordered after it.
+        """
+        base = tensor._base
+        root = tensor if base is None else base  # Note [One entry per version counter]
+        with self.lock:
+            if self._lingering:
+                self._sweep_written()
+            entry = self._by_storage.get(storage._cdata)
+            fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
+                     or entry.expired())
+            if fresh:
+                entry = self._start_write(storage, layer, version, ready, weakref.ref(root))
+            else:
+                self.stats.bytes_deduplicated += entry.nbytes
+            entry.live_views += 1
+            self.stats.tensors_offloaded += 1
+        return entry, fresh
+
+    def _start_write(self, storage: torch.UntypedStorage, layer: int | None,
+                     version: int, ready: Any, root: weakref.ref) -> StorageEntry:
+        device = storage.device
+        route = self.routes.for_device(device)
+        data = storage_bytes(storage)
+        nbytes = storage.nbytes()
+        address = storage.data_ptr()
+        entry = StorageEntry(
+            seq=self._next_seq,
+            layer=layer,
+            nbytes=nbytes,
+            phase_bytes=route.phase_bytes(address),
+            address=address,
+            version=version,
+            data=data,
+            root=root,
+            device=device,
+            route=route,
+            # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in
+            # tba/runtime/_trim.py): under a caching allocator nothing lingers and nothing is discarded.
+            # Nor is a small storage (Note [Small storages keep their pages] in tba/runtime/_trim.py).
+            own_memory=hands_back_pages() and nbytes >= defaults.DISCARD_MIN_BYTES and owns_its_memory(data),
+            cdata=storage._weak_ref(),  # last: nothing may raise between taking it and the entry owning it
+        )
+        self._next_seq += 1
+        self.live_entries += 1
+        self._by_storage[storage._cdata] = entry
+        self.window.add(entry)
+        self._resident(entry.nbytes)
+        entry.offset = self.spill.allocate(entry.extent_bytes)
+        self._writing += 1
+        self.unwritten_bytes += entry.nbytes
+        entry.transfer_in_flight = True
+        self.write_clock.start()
+        with nvtx_range("write"):
+            on_done = functools.partial(self._on_write_done, entry)
+            wanted = functools.partial(self._write_wanted, entry)
+            if route is self.routes.host:
+                self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, wanted)
+            else:
+                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready, wanted)
+        return entry
+
+    def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
+        self.write_clock.stop()
+        if self.verify and error is None:
+            self._checksum_written(entry)
+        with self.lock:
+            entry.transfer_in_flight = False
+            entry.io_error = error
+            self._finish_write(entry)
+
+    def _write_wanted(self, entry: StorageEntry) -> bool:
+        """Whether a write not yet started still serves anything (Note [A write nobody needs is not started]).
+
+        Not once the storage is dead, nor once backward has unpacked every view of it, nor while the
+        prefetch window holds it for backward: its bytes are resident, and they stay so (the entry is
+        kept) until it dies, for a second backward through a retained graph too.
+        """
+        with self.lock:
+            return entry.state is not State.DEAD and not entry.fully_unpacked and not entry.hold_for_backward
+
+    def _finish_write(self, entry: StorageEntry) -> None:
+        self._writing -= 1
+        self.unwritten_bytes -= entry.nbytes
+        if entry.io_error is WRITE_NOT_NEEDED:
+            self._skip_unwritten(entry)
+        elif entry.state is State.DEAD:
+            if entry.io_error is None:  # written, though nothing will read it: the bytes did move to the file
+                self.stats.storages_written += 1
+                self.stats.bytes_written += entry.nbytes
+            else:
+                # Note: [A write that fails after its storage died still warns]
+                # Nothing is kept (the storage is gone), but the disk refused a write: a backward faster
+                # than the writes can free every storage first, and then a full disk or a file-size limit
+                # was never reported, step after step (test_faults' ulimit case saw no warning under load).
+                self._warn_write_failed(entry.io_error, entry.offset + entry.extent_bytes, kept=False)
+                entry.io_error = None
+            self._free_extent(entry)
+        elif entry.io_error is not None:
+            self._keep_after_write_error(entry)
+        else:
+            entry.state = State.ON_DISK
+            self.stats.storages_written += 1
+            self.stats.bytes_written += entry.nbytes
+            if not entry.hold_for_backward:
+                self._release_written(entry)
+        self._transfer_ended()
