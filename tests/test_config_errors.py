@@ -164,3 +164,21 @@ def test_a_goal_keyword_replaces_the_configs_goal():
 def test_two_goal_variables_still_conflict():
     with pytest.raises(TbaConfigError, match="give one adaptive goal"):
         OffloadConfig.from_env({"TBA_MEMORY_BUDGET": "1G", "TBA_OVERHEAD_BOUND": "0.1"})
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: tba.Plan("keep", 0), r"Plan decisions must be a sequence of placements, one per layer, such as "
+                                  r"\('keep', 'offload'\), got str 'keep'"),
+    (lambda: tba.Adaptive(memory_budget_bytes="1 foo"), "memory_budget_bytes: not a size: '1 foo'"),
+    (lambda: tba.Adaptive(memory_budget_bytes=[1]), "memory_budget_bytes must be bytes .* got list"),
+    (lambda: tba.Adaptive(overhead_bound="x"), "overhead_bound must be a number such as 0.1, got str 'x'"),
+    (lambda: tba.Adaptive(overhead_bound=-1), "overhead_bound must be >= 0"),
+    (lambda: tba.find_layers(5), r"find_layers takes the model \(an nn.Module\), got int 5"),
+])
+def test_bad_arguments_of_public_helpers_are_config_errors(make, match):
+    with pytest.raises(TbaConfigError, match=match):
+        make()
+
+
+def test_adaptive_takes_a_size_string_as_every_budget_does():
+    assert tba.Adaptive(memory_budget_bytes="1G").memory_budget_bytes == 1 << 30

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 from collections.abc import Callable
 from typing import Any
 
+from tba._units import SizeError, parse_size
 from tba.defaults import ADAPTIVE_OVERHEAD_BOUND, MIB
 from tba.errors import TbaConfigError
 from tba.policy._model import estimate, forward_write_caps
@@ -85,23 +87,39 @@ class Adaptive(Policy):
     """Keep, offload or recompute per layer to meet one goal; see the module docstring.
 
     Args:
-        memory_budget_bytes: Use at most this many activation bytes, as fast as possible.
+        memory_budget_bytes: Use at most this many activation bytes (an int or a size such as ``"2G"``),
+            as fast as possible.
         overhead_bound: Least memory with step time within ``(1 + overhead_bound)`` of the fastest
             placement. At most one of the two; neither: ``overhead_bound`` =
             :data:`~tba.defaults.ADAPTIVE_OVERHEAD_BOUND`.
+
+    Raises:
+        TbaConfigError: both goals, a negative one, or one that is not a number (a size, for the budget).
     """
 
     name = "adaptive"
 
     def __init__(self, *, memory_budget_bytes: int | None = None, overhead_bound: float | None = None) -> None:
         if memory_budget_bytes is not None and overhead_bound is not None:
-            raise ValueError("give one goal: memory_budget_bytes=N or overhead_bound=x, not both")
+            raise TbaConfigError("give one goal: memory_budget_bytes=N or overhead_bound=x, not both")
         if memory_budget_bytes is None and overhead_bound is None:
             overhead_bound = ADAPTIVE_OVERHEAD_BOUND
+        if isinstance(memory_budget_bytes, str):
+            try:
+                memory_budget_bytes = parse_size(memory_budget_bytes)
+            except SizeError as err:
+                raise TbaConfigError(f"memory_budget_bytes: {err}") from None
+        if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool)
+                                                or not isinstance(memory_budget_bytes, numbers.Integral)):
+            raise TbaConfigError(f"memory_budget_bytes must be bytes (an int) or a size such as '2G', "
+                                 f"got {type(memory_budget_bytes).__name__} {memory_budget_bytes!r}")
+        if overhead_bound is not None and (isinstance(overhead_bound, bool) or not isinstance(overhead_bound, numbers.Real)):
+            raise TbaConfigError(f"overhead_bound must be a number such as 0.1, got {type(overhead_bound).__name__} "
+                                 f"{overhead_bound!r}")
         if memory_budget_bytes is not None and memory_budget_bytes < 0:
-            raise ValueError(f"memory_budget_bytes must be >= 0, got {memory_budget_bytes}")
+            raise TbaConfigError(f"memory_budget_bytes must be >= 0, got {memory_budget_bytes}")
         if overhead_bound is not None and overhead_bound < 0:
-            raise ValueError(f"overhead_bound must be >= 0, got {overhead_bound}")
+            raise TbaConfigError(f"overhead_bound must be >= 0, got {overhead_bound}")
         self.memory_budget_bytes = memory_budget_bytes
         self.overhead_bound = overhead_bound
 

@@ -73,6 +73,9 @@ class Plan:
     write_caps_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.decisions, (str, bytes)):  # tuple("keep") would be four unknown decisions 'k', 'e', ...
+            raise TbaConfigError(f"Plan decisions must be a sequence of placements, one per layer, such as "
+                                 f"('keep', 'offload'), got {type(self.decisions).__name__} {self.decisions!r}")
         decisions = tuple(self.decisions)
         object.__setattr__(self, "decisions", check_decisions(decisions, len(decisions)))
         object.__setattr__(self, "write_caps_bytes", tuple(int(cap) for cap in self.write_caps_bytes))

@@ -25,7 +25,12 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the container of >= 2 same-class children holding most parameters.
 
     Returns an empty list when the model has no such container.
+
+    Raises:
+        TbaConfigError: ``model`` is not an ``nn.Module``.
     """
+    if not isinstance(model, nn.Module):
+        raise TbaConfigError(f"find_layers takes the model (an nn.Module), got {type(model).__name__} {model!r:.80}")
     best: list[nn.Module] = []
     best_params = -1
     for module in model.modules():
