@@ -2,7 +2,7 @@
 module reaches into another package's private (``_name``) modules.
 
 Order, low to high (a package may import its own modules and any lower package's public face):
-``tba`` core modules (``defaults``, ``errors``, ``_units``, ``_trace``, ``_control``, ``_options``)
+``tba`` core modules (``defaults``, ``errors``, ``_units``, ``_trace``, ``_control``, ``_option_values``, ...)
 -> ``io`` -> ``device`` -> ``policy`` -> ``config`` -> ``runtime`` -> ``checkpoint``, ``integrations``
 -> ``bench`` -> ``cli``.
 """

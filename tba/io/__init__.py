@@ -56,6 +56,10 @@ def register_engine(name: str, factory: EngineFactory, unavailable_reason: Calla
     """
     if not name or name in ("auto", "kvikio"):
         raise TbaConfigError(f"cannot register an engine named {name!r}")
+    if not callable(factory) or not callable(unavailable_reason):
+        raise TbaConfigError(f"register_engine({name!r}, ...) takes a factory called as factory(queue_depth) and "
+                             f"returning an engine, and a callable unavailable_reason; got {type(factory).__name__} "
+                             f"{factory!r} and {type(unavailable_reason).__name__}")
     _ENGINES[name] = _Registered(factory, unavailable_reason)
 
 

@@ -56,3 +56,9 @@ def test_an_unavailable_engine_says_why(monkeypatch):
 def test_reserved_names_cannot_be_registered(name):
     with pytest.raises(TbaConfigError):
         register_engine(name, lambda depth: ThreadEngine())
+
+
+def test_an_engine_that_is_not_a_factory_is_refused_when_registered():
+    with pytest.raises(TbaConfigError, match=r"factory called as factory\(queue_depth\).*got int 5"):
+        register_engine("five", 5)
+    assert "five" not in engine_names()
