@@ -20,12 +20,34 @@ forward, a private tensor updated in place or rebound) was read by the recomputa
 gradients of another forward where torch without tba uses what forward saved (an adversarial review
 found it); it raises :class:`~tba.errors.TbaError` there instead. The profiled steps do not look for
 such a change: a plan that recomputes the layer raises at its first backward.
+
+Note: [State a recomputed layer changes that tba does not put back]
+tba copies public container attributes one level deep (Note [Side effects of a recomputed forward]
+in ``tba/runtime/_layer_state.py``): a container inside one (``self.history = {"calls": []}``,
+``self.rows = [[0]]``) and a plain object (``self.counter.n += 1``, a config object a schedule writes
+into) are held, not copied. A forward that changed them and read them recomputed from the changed
+state, silently, and the adaptive default planned such layers for recomputation (``ORRK`` and
+``RRKK`` in an adversarial review, every gradient of the planned steps wrong). So the signature
+also holds, per public attribute, the contents of each such object one level down (each container
+inside a public container, each plain object held directly or in one: its items, or its ``vars()``),
+compared, like private state, around the first call and again before the recomputation; the labels
+of these values are :class:`DeepLabel`. Only objects present in both signatures are compared: a
+new inner list appended to a public list is the outer list's change, which tba puts back. Callables,
+modules, tensors, arrays and generators are not plain objects here (tba copies or checks those
+otherwise, or they carry no state of the forward's). Deeper values (a list in a dict in a dict) are
+still not seen. The profiled steps also compare each layer's signature taken when its forward ended
+with the state as the offloader exits (``tba/runtime/_timer.py``): a
+model writing into an object its layers share between their calls (``block.shared.index = i``)
+made every recomputation read the last layer's value; such a layer is marked not recomputable.
 """
 
 from __future__ import annotations
 
+import collections
+import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,20 +58,39 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
-Signature = list[tuple[str, Any, int | None]]
-"""(label, value, a tensor's version or None) per private value."""
+Entry = tuple[str, Any, "int | None"]
+
+
+class Signature(list):
+    """(label, value, a tensor's version or None) per private value; ``deep``: per object nested in a public attribute
+    (Note [State a recomputed layer changes that tba does not put back]), by id: (label, the object, its entries)."""
+
+    def __init__(self, entries: Any = ()) -> None:
+        super().__init__(entries)
+        self.deep: dict[int, tuple[str, Any, list[Entry]]] = {}
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 or bool(self.deep)
+
+
+class DeepLabel(str):
+    """The label of a value nested in a public attribute (Note [State a recomputed layer changes that tba does not put
+    back]), as opposed to private state."""
 
 
 def private_state(layer: nn.Module) -> Signature:
     """The signature of the private state of ``layer``'s modules (Note [Private state of a recomputed layer]);
     empty when no recomputation can follow (grad disabled, inference mode)."""
+    found = Signature()
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return []
-    found: Signature = []
+        return found
     for module in layer.modules():
         prefix = type(module).__name__
         for name, value in vars(module).items():
-            if not name.startswith("_") or name in _MODULE_INTERNALS:
+            if name in _MODULE_INTERNALS:
+                continue
+            if not name.startswith("_"):
+                _deep(found.deep, f"{prefix}.{name}", value)
                 continue
             found.append(_entry(f"{prefix}.{name}", value))
             if isinstance(value, dict):
@@ -59,9 +100,69 @@ def private_state(layer: nn.Module) -> Signature:
     return found
 
 
+_CONTAINERS = (list, tuple, dict, set, collections.deque)
+
+
+def _plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object whose attributes a forward may update and tba neither copies nor checks."""
+    if isinstance(value, (torch.Tensor, np.ndarray, nn.Module, torch.Generator, random.Random, np.random.Generator,
+                          np.random.RandomState, type, *_PLAIN, *_CONTAINERS)) or callable(value):
+        return False
+    try:
+        vars(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _contents(value: Any, label: str) -> list[Entry]:
+    if isinstance(value, dict):
+        return [_entry(f"{label}[{key!r}]", item) for key, item in value.items()]
+    if isinstance(value, _CONTAINERS):
+        return [_entry(f"{label}[{index}]", item) for index, item in enumerate(value)]
+    return [_entry(f"{label}.{name}", item) for name, item in vars(value).items()]
+
+
+def _deep(found: dict[int, tuple[str, Any, list[Entry]]], label: str, value: Any) -> None:
+    """Record, in ``found``, the objects nested in the public attribute ``label`` that tba does not copy: plain objects
+    and containers inside a container (Note [State a recomputed layer changes that tba does not put back])."""
+    if _plain_object(value):
+        found[id(value)] = (label, value, _contents(value, label))
+    elif isinstance(value, _CONTAINERS) and not isinstance(value, tuple):
+        items = value.items() if isinstance(value, dict) else enumerate(value) if not isinstance(value, set) else ()
+        for key, item in items:
+            if _plain_object(item) or (isinstance(item, _CONTAINERS) and not isinstance(item, tuple)):
+                inner = f"{label}[{key!r}]"
+                found.setdefault(id(item), (inner, item, _contents(item, inner)))
+
+
+def _entries_change(before: list[Entry], after: list[Entry]) -> str | None:
+    if len(before) != len(after):
+        return None if not before and not after else (after or before)[0][0]
+    for (label, value, version), (label_after, value_after, version_after) in zip(before, after):
+        if label != label_after:
+            return label_after
+        if version != version_after or not _same(value, value_after):
+            return label
+    return None
+
+
 def first_change(before: Signature, after: Signature) -> str | None:
     """The label of the first private value that changed between the two signatures (or one that appeared or
-    went), else None."""
+    went), else that of the first object nested in a public attribute (a :class:`DeepLabel`) whose contents changed,
+    else None."""
+    private = _private_change(before, after)
+    if private is not None:
+        return private
+    deep_after = getattr(after, "deep", {})
+    for key, (label, value, entries) in getattr(before, "deep", {}).items():
+        now = deep_after.get(key)
+        if now is not None and now[1] is value and _entries_change(entries, now[2]) is not None:
+            return DeepLabel(label)
+    return None
+
+
+def _private_change(before: Signature, after: Signature) -> str | None:
     if len(before) != len(after):
         labels_before = {label for label, _, _ in before}
         return next((label for label, _, _ in after if label not in labels_before), None) or "an attribute removed"
@@ -73,7 +174,7 @@ def first_change(before: Signature, after: Signature) -> str | None:
     return None
 
 
-def _entry(label: str, value: Any) -> tuple[str, Any, int | None]:
+def _entry(label: str, value: Any) -> Entry:
     if isinstance(value, torch.Tensor) and not value.is_inference():
         return label, value, value._version
     return label, value, None
@@ -97,6 +198,13 @@ def check_private_unchanged(layer: nn.Module, after_first: list) -> None:
     if not after_first:
         return
     change = first_change(after_first, private_state(layer))
+    if isinstance(change, DeepLabel):
+        raise TbaError(
+            f"state of a recomputed layer ({type(layer).__name__}) nested too deep for tba to put back changed ({change}) "
+            "between its forward and backward (tba copies public attributes one level deep: a container inside a "
+            "container and a plain object's attributes are not), and the recomputation would compute another forward. "
+            "Change it after backward, hold it one level deep (a buffer, a tensor or a value in a public attribute), or "
+            "keep or offload this layer")
     if change is not None:
         raise TbaError(
             f"private state of a recomputed layer ({type(layer).__name__}) changed ({change}) between its forward and "

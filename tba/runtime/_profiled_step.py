@@ -79,6 +79,7 @@ class ProfiledStep:
             return
         self.timer.detach()
         self.timer.check_inputs_after_forward()
+        self.timer.check_state_after_forward()
         if failed or not self.timer.ran_with_grad:
             # Note: [A forward without grad is no sample]
             # A forward under torch.no_grad() or inference mode (a validation pass, a trainer's sanity

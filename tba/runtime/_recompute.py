@@ -79,7 +79,7 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._private_state import check_private_unchanged, first_change, private_state
+from tba.runtime._private_state import DeepLabel, check_private_unchanged, first_change, private_state
 from tba.runtime._views import Kept
 from tba.runtime._wrappable import check_wrappable
 
@@ -221,6 +221,13 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
     on its own, whose recomputation still raises here.
     """
+    if isinstance(private_change, DeepLabel):  # Note [State a recomputed layer changes that tba does not put back]
+        raise TbaError(
+            f"the forward of a recomputed layer ({type(layer).__name__}) changed state tba does not put back "
+            f"({private_change}: a container inside a public container, or a plain object's attribute; tba copies "
+            "public attributes one level deep), so its recomputation in backward would start from the changed state. "
+            "Hold that state one level deep (a buffer, or a tensor, value or container in a public attribute), or "
+            "keep or offload this layer")
     if private_change is not None:
         raise TbaError(
             f"the forward of a recomputed layer ({type(layer).__name__}) changed private state of its modules "

@@ -102,6 +102,10 @@ class LayerTimer:
         recomputed layer's input changed after its forward])."""
         self._last_inputs: list[tuple[int, torch.Tensor, int]] = []
         """The same for the layer that ran last, held until the next layer's call or the offloader's exit."""
+        self._state_after: list[tuple[int, weakref.ref, Signature]] = []
+        """Layer index, the layer, weakly, and its private and nested state when its forward ended: a change before the
+        offloader exits (the model writing into an object the layers share, between their calls) is read by a
+        recomputation, so it marks the layer not recomputable (:meth:`check_state_after_forward`)."""
         self._private: list[Signature] = [[] for _ in range(count)]
         """Per layer: its modules' private state when its forward started (Note [Private state of a recomputed layer])."""
         self._started = [(0.0, 0.0, 0.0)] * count
@@ -165,9 +169,12 @@ class LayerTimer:
             self.forward_s[index] = _own_s(start, now)
             versions, self._input_versions[index] = self._input_versions[index], []
             private, self._private[index] = self._private[index], []
+            after = private_state(module) if private else private
             if any(tensor._version != version for tensor, version in versions) or (
-                    private and first_change(private, private_state(module)) is not None):
+                    private and first_change(private, after) is not None):
                 self.changes_input[index] = True
+            if after:  # Note [State a recomputed layer changes that tba does not put back] in tba/runtime/_private_state.py
+                self._state_after.append((index, weakref.ref(module), after))
             parameters = {id(p) for p in module.parameters()}
             self._last_inputs = [(index, t, t._version) for tensor, _ in versions
                                  if id(tensor) not in parameters for t in (tensor, tensor._base) if t is not None]
@@ -225,6 +232,19 @@ class LayerTimer:
             else:
                 alive.append((index, ref, version))
         self._inputs_after = alive
+
+    def check_state_after_forward(self) -> None:
+        """As the offloader exits: mark each layer whose private or nested state changed since its forward ended (Note
+        [State a recomputed layer changes that tba does not put back] in ``tba/runtime/_private_state.py``), then stop
+        watching (a change in backward, or a schedule's after it, is no change of the forward's). Once, at the exit:
+        the state a recomputation reads is the state then, whatever it went through between the layers."""
+        states, self._state_after = self._state_after, []
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        for index, ref, state in states:
+            module = ref()
+            if module is not None and first_change(state, private_state(module)) is not None:
+                self.changes_input[index] = True
 
     def backward_s(self, cpu: bool = False) -> list[float | None]:
         """Per layer: seconds from the gradient reaching its output to reaching its input, or None.

@@ -334,9 +334,17 @@ class _KwargsModel(torch.nn.Module):
         return self.net(**batch)
 
 
+class _Calls:
+    """A plain object whose attribute a forward updates (two levels below the module)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class _Scaling(torch.nn.Module):
     """Scales its input (``x``, the keyword argument ``scale``, or a tensor it keeps in a private attribute,
-    by ``where``) in place when ``in_place``, before anything saves it: legal without tba."""
+    by ``where``) in place when ``in_place``, before anything saves it: legal without tba. ``nested`` and
+    ``object``: counts its calls in a list inside a public dict, or in a plain object, and scales by the count."""
 
     def __init__(self, in_place: bool, where: str) -> None:
         super().__init__()
@@ -344,9 +352,14 @@ class _Scaling(torch.nn.Module):
         self.in_place = in_place
         self.where = where
         self._ema = torch.ones(32)
+        self.history = {"calls": []}
+        self.counter = _Calls()
 
     def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
-        if self.in_place and self.where == "rebound":
+        if self.in_place and self.where in ("nested", "object"):
+            self.history["calls"].append(1) if self.where == "nested" else setattr(self.counter, "n", self.counter.n + 1)
+            x = x * (1.0 + len(self.history["calls"]) + self.counter.n)
+        elif self.in_place and self.where == "rebound":
             self._ema = self._ema * 0.9
         elif self.in_place and self.where == "parameter":
             with torch.no_grad():
@@ -369,12 +382,14 @@ class _ScalingModel(torch.nn.Module):
         return x.pow(2).mean()
 
 
-@pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound", "parameter"])
+@pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound", "parameter", "nested", "object"])
 def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, where):
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
     # recomputation, but never of the two layers that scale their input (a keyword argument, or a tensor in
     # a private attribute, which tba does not put back) or their own weight (Note [A recomputed layer that
-    # changes its own parameters] in tba/runtime/_first_call.py) in place.
+    # changes its own parameters] in tba/runtime/_first_call.py) in place, nor of those that update a list in a
+    # public dict or a plain object's attribute, which tba does not copy (Note [State a recomputed layer changes
+    # that tba does not put back] in tba/runtime/_private_state.py: planned RR, they were silently wrong).
     batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
     reference, _ = train(_ScalingModel(where), batches)
     result, contexts = train(_ScalingModel(where), batches, bare(spill_dir, overhead_bound=10.0))
@@ -383,6 +398,48 @@ def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_ex
     assert [layer.recomputable for layer in profile.layers] == [True, False, False, True]
     code = contexts[-1].plan.code
     assert code[1] not in "RS" and code[2] not in "RS"
+
+
+class _Shared:
+    """A plain object every block holds, into which the model writes the block's index before calling it."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+
+class _ReadsShared(torch.nn.Module):
+    def __init__(self, shared: _Shared) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) * (1.0 + self.shared.index))
+
+
+class _SharedIndexModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        shared = _Shared()
+        self.blocks = torch.nn.ModuleList([_ReadsShared(shared) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            block.shared.index = index
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_a_layer_reading_an_object_the_model_writes_into_between_layers_is_not_recomputed(spill_dir):
+    # Note [State a recomputed layer changes that tba does not put back] in tba/runtime/_private_state.py: the
+    # recomputation of every block read the last block's index (silently wrong gradients); the profiled steps see
+    # the object change after the block's forward and before the offloader exits, and never plan its recomputation.
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
+    reference, _ = train(_SharedIndexModel(), batches)
+    result, contexts = train(_SharedIndexModel(), batches, bare(spill_dir, overhead_bound=10.0))
+    assert_same(reference, result)
+    assert [layer.recomputable for layer in contexts[-1].policy_runner.profile.layers] == [False, False, False, True]
 
 
 def test_a_model_without_repeated_blocks_warns_once_and_offloads_every_step(spill_dir, caplog):

@@ -235,3 +235,70 @@ def test_private_state_changed_between_forward_and_backward_raises(spill_dir, de
         model[1]._shift.add_(1)
     with pytest.raises(tba.TbaError, match=rf"private state .*\({label}\) .*between its forward and backward"):
         loss.backward()
+
+
+class _Calls:
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class CountsDeep(nn.Module):
+    """Counts its calls in a list inside a public dict, a list inside a public list, or a plain object's attribute,
+    and scales by the count: state tba does not copy (one level deep only)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.how = how
+        self.history = {"calls": []}
+        self.rows = [[0]]
+        self.counter = _Calls()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "dict of lists":
+            self.history["calls"].append(1)
+        elif self.how == "list of lists":
+            self.rows[0][0] += 1
+        else:
+            self.counter.n += 1
+        count = len(self.history["calls"]) + self.rows[0][0] + self.counter.n
+        return x + torch.tanh(self.linear(x)) * count
+
+
+@pytest.mark.parametrize(("how", "label"), [("dict of lists", r"CountsDeep.history\['calls'\]"),
+                                            ("list of lists", r"CountsDeep.rows\[0\]"),
+                                            ("object", "CountsDeep.counter")])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_recomputed_layer_changing_state_nested_too_deep_to_copy_raises_in_forward(spill_dir, decision, how, label):
+    # Note [State a recomputed layer changes that tba does not put back] in tba/runtime/_private_state.py: the
+    # recomputation counted again from the updated state, silently: gradients of a forward with another scale.
+    model = nn.ModuleList([CountsDeep(how) for _ in range(2)])
+    x = torch.randn(16, 32)
+    with pytest.raises(tba.TbaError, match=rf"changed state tba does not put back \({label}:"):
+        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, window_bytes=1 << 20)):
+            for layer in model:
+                x = layer(x)
+
+
+def test_state_nested_too_deep_to_copy_changed_between_forward_and_backward_raises(spill_dir):
+    # The same state set by the user after forward (a schedule writing into a config object) was read by the
+    # recomputation, silently; without tba backward uses what forward saved.
+    x = torch.randn(16, 32)
+
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+            self.config = _Calls()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.linear(x)) * (1 + self.config.n)
+
+    model = nn.ModuleList([Reads() for _ in range(2)])
+    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)):
+        for layer in model:
+            x = layer(x)
+        loss = x.sum()
+    model[1].config.n = 3
+    with pytest.raises(tba.TbaError, match=r"state .*\(Reads.config\) .*between its forward and backward"):
+        loss.backward()
