@@ -13,6 +13,7 @@ offloader is the runtime's (``tba/runtime/_runner.py``, ``tba/runtime/_timer.py`
 """
 
 from tba.policy._adaptive import Adaptive, plan
+from tba.policy._memory import io_bytes
 from tba.policy._model import Estimate, estimate
 from tba.policy._placement import (
     DECISIONS,
@@ -30,5 +31,5 @@ from tba.policy._profile import LayerProfile, Profile
 __all__ = [
     "DECISIONS", "KEEP", "OFFLOAD", "OFFLOADED_RECOMPUTE", "RECOMPUTE", "RECOMPUTED", "Adaptive", "Estimate", "KeepAll",
     "LayerProfile", "OffloadAll", "OffloadedRecomputeAll", "Placement", "Plan", "Policy", "Profile", "RecomputeAll",
-    "estimate", "holds_layers_through_forward", "min_window_bytes", "plan", "shapes",
+    "estimate", "holds_layers_through_forward", "io_bytes", "min_window_bytes", "plan", "shapes",
 ]

@@ -49,7 +49,9 @@ holds nothing beyond the write backlog and the window. ``S`` costs the recomputa
 ``x_i``, which is hidden behind the backward of the layers above it like an offloaded layer's read.
 The profile's ``memory_slack_bytes`` (measured peak minus this model's prediction for the
 profiled steps: compute's transient buffers, gradients, allocator slack) is added to every
-prediction.
+prediction, and its ``memory_headroom_per_io_byte`` times the plan's :func:`io_bytes` (what the
+disk's speed moves at the peak: backlog and read buffers), so that a plan with no I/O is charged no
+headroom for the disk (Note [Headroom scales with a plan's I/O] in ``tba/runtime/_profiling.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ def activation_peak(profile: Profile, decisions: tuple[str, ...], window_bytes: 
         peak = max(peak, start + layers[top].saved_bytes + early)
     held = 0 if holds_layers_through_forward(decisions) else _idle_read_buffers(profile, decisions, window_bytes)
     return max(peak, start + max(held, early))
+
+
+def io_bytes(profile: Profile, decisions: tuple[str, ...], window_bytes: int, backlog: int) -> int:
+    """The part of ``decisions``' predicted peak that the disk's speed moves: the write backlog when forward
+    ends plus the most read buffers the plan holds at once (backward's early reads, or a spilled layer's
+    working set up to the window); 0 for a plan that spills nothing (Note [Headroom scales with a plan's I/O])."""
+    reads = max((_read_window(profile, decisions, i, window_bytes) for i, d in enumerate(decisions)
+                 if d in SPILLED or (i > 0 and decisions[i - 1] in SPILLED)), default=0)
+    return backlog + max(reads, _early_reads(profile, decisions, window_bytes))
 
 
 def _read_window(profile: Profile, decisions: tuple[str, ...], i: int, window_bytes: int) -> int:

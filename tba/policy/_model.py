@@ -48,15 +48,17 @@ the measured rest of the step (head, loss, optimiser, the loop), the same for ev
 keep-all gives ``sum f + sum b + u``. Overheads are ratios of these whole-step times: the layers'
 time alone would make offloading look dearer than a user's step shows it to be.
 
-Memory: ``tba/policy/_memory.py``, whose activation peak :func:`estimate` returns with the time.
+Memory: ``tba/policy/_memory.py``, whose activation peak :func:`estimate` returns with the time, plus
+the profile's measured slack and its headroom per byte of the plan's I/O (:func:`memory_bytes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
-from tba.policy._memory import activation_peak, read_at_start
+from tba.policy._memory import activation_peak, io_bytes, read_at_start
 from tba.policy._placement import (
     DECISIONS,
     KEEP,
@@ -187,6 +189,14 @@ def forward_write_caps(profile: Profile, decisions: Sequence[str], window_bytes:
     return tuple(caps)
 
 
+def memory_bytes(profile: Profile, decisions: tuple[str, ...], window_bytes: int, backlog: int) -> int:
+    """The predicted activation peak with the profile's calibration: the model's peak, the measured slack,
+    and the headroom for what the plan's I/O can add (Note [Headroom scales with a plan's I/O] in
+    ``tba/runtime/_profiling.py``)."""
+    headroom = profile.memory_headroom_per_io_byte * io_bytes(profile, decisions, window_bytes, backlog)
+    return activation_peak(profile, decisions, window_bytes, backlog) + profile.memory_slack_bytes + math.ceil(headroom)
+
+
 def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | None = None,
              backlog_bytes: int | None = None) -> Estimate:
     """Predicted step time and activation peak of ``decisions`` under ``profile``.
@@ -213,7 +223,7 @@ def estimate(profile: Profile, decisions: Sequence[str], window_bytes: int | Non
     return Estimate(
         step_s=forward_end + compute + stall + profile.io_overhead_s_per_byte * spilled + profile.outside_s,
         keep_step_s=keep_step,
-        memory_bytes=activation_peak(profile, decisions, window, backlog) + profile.memory_slack_bytes,
+        memory_bytes=memory_bytes(profile, decisions, window, backlog),
         read_stall_s=stall,
         backlog_bytes=backlog,
         hidden_writes=hidden,

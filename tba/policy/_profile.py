@@ -60,7 +60,13 @@ class Profile:
         max_window_bytes: The offloader's prefetch budget; a plan never sets a larger window.
         memory_slack_bytes: Measured activation peak of the profiled steps minus the model's
             prediction for them (never negative): transient buffers and allocator slack the model
-            leaves out, added to every memory prediction.
+            leaves out, added to every memory prediction as measured.
+        memory_headroom_per_io_byte: Headroom added to a memory prediction per byte of the
+            placement's peak that the disk's speed moves (its write backlog and read buffers:
+            ``tba.policy._memory.io_bytes``), never negative: the profiled placement's share of
+            :data:`tba.defaults.PEAK_HEADROOM`, over its own such bytes, so that a placement
+            with no I/O (keep-all) gets none (Note [Headroom scales with a plan's I/O] in
+            ``tba/runtime/_profiling.py``).
         io_overhead_s_per_byte: Measured time of the profiled steps beyond the model's prediction for
             them, per spilled byte (never negative): what offloading costs that the model leaves out
             (CPU taken from compute by tba's threads), added per spilled byte to every time
@@ -90,6 +96,7 @@ class Profile:
     prefetch_depth_layers: int = 1
     max_window_bytes: int = POLICY_MAX_WINDOW_BYTES
     memory_slack_bytes: int = 0
+    memory_headroom_per_io_byte: float = 0.0
     io_overhead_s_per_byte: float = 0.0
     read_stall_credit_s_per_byte: float = 0.0
     outside_s: float = 0.0
@@ -104,6 +111,8 @@ class Profile:
         if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
             raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
                              f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
+        if not self.memory_headroom_per_io_byte >= 0:
+            raise ValueError(f"memory_headroom_per_io_byte must be >= 0, got {self.memory_headroom_per_io_byte}")
         if self.read_stall_credit_s_per_byte < 0:
             raise ValueError(f"read_stall_credit_s_per_byte must be >= 0 (modelled minus measured, never below "
                              f"zero), got {self.read_stall_credit_s_per_byte}")

@@ -32,14 +32,36 @@ offloader's counters; once ``profile_steps`` samples of one input shape are in,
   for memory budgets, ``W`` lowered where the last sample's forward left more unwritten than the
   model would (``drain_bytes_per_s``, Note [Slack is calibrated on the measured backlog]);
   the largest storage is read from the offloader's live entries at the end of forward;
-* ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``), taken
-  :data:`tba.defaults.PEAK_HEADROOM` higher (peaks vary from step to step with the disk), minus the
+* ``memory_slack_bytes``: the last sample's measured peak (``tba/runtime/_peak.py``) minus the
   model's prediction for the profiled placement (offload-all at the window in force, with the
   write backlog measured at the end of that step's forward), never below zero: what the model
   leaves out (compute's transient buffers, gradients, allocator slack), added to every
-  prediction. The calibration holds at the profiled window, not above it (a larger
+  prediction as measured;
+* ``memory_headroom_per_io_byte``: what taking that peak :data:`tba.defaults.PEAK_HEADROOM` higher
+  adds beyond the model's prediction with the slack, over the bytes of the profiled placement's
+  peak that move with the disk (its backlog and read buffers, :func:`tba.policy.io_bytes`): each
+  plan is charged it per such byte of its own, so offload-all at the profiled window is predicted
+  at the peak taken ``PEAK_HEADROOM`` higher, as before, and keep-all at the model plus the slack
+  (Note [Headroom scales with a plan's I/O]). The calibration holds at the profiled window, not above it (a larger
   window measured more than the model adds for it), so plans use windows up to the profiled one
   (at least two of the largest storage).
+
+Note: [Headroom scales with a plan's I/O]
+Offload-all's peak varies from step to step with the disk: how much of forward's writes are still
+queued when backward starts, how many reads the window has in flight. ``PEAK_HEADROOM`` covers that
+(later steps of offload-heavy plans peaked up to 1.26x the profiled one). It was once folded into
+the slack and added to every plan, keep-all included, whose peak has no I/O in it to vary, and
+whose prediction then exceeded what keep-all measures: on an uneven 6-block MLP (keep-all
+120.9 MiB) a 90.7 MiB budget was refused, the model claiming at least 125.3 MiB (plan ``OSSSSK``),
+where full recompute measured 87.4 MiB and offloaded recompute 70.9 MiB; on the ``small`` preset a
+budget of 1.1x keep-all's 232 MiB was planned ``RKKKKK``, keep-all being predicted above it; a
+synthetic 6-block model whose offload-all saved nothing (40 of 43 MiB still queued) refused 1.1x
+keep-all's 46 MiB, claiming 61.2 MiB. The slack is now the measured excess alone, and the headroom is
+charged in proportion to the bytes of a plan's peak that the disk moves (``io_bytes``: backlog plus
+the most read buffers held at once) against the profiled placement's: a plan with half of
+offload-all's I/O gets half of its headroom, and one with none (keep-all, recompute only) is
+predicted at the model plus what was measured. The least a refusal names is then no more than
+keep-all's prediction.
 
 Note: [Slack is calibrated on the measured backlog]
 The model's write backlog (bytes not yet written when forward ends) is its least certain term:
@@ -111,7 +133,7 @@ import math
 from typing import Any
 
 from tba.defaults import PEAK_HEADROOM
-from tba.policy import OFFLOAD, Estimate, LayerProfile, Profile, estimate
+from tba.policy import OFFLOAD, Estimate, LayerProfile, Profile, estimate, io_bytes
 
 _BISECTIONS = 40
 """Halvings, then bisection steps, of the search for the write bandwidth forward saw (2^-40: exact enough)."""
@@ -218,9 +240,13 @@ class Samples:
                                       outside_s=_outside(samples, cpu))
         if last.get("peak_bytes") is None:
             return profile
-        measured = int(last["peak_bytes"] * (1 + PEAK_HEADROOM))
-        slack = max(0, measured - profiled.memory_bytes)
+        # Note: [Headroom scales with a plan's I/O]
+        peak = last["peak_bytes"]
+        slack = max(0, peak - profiled.memory_bytes)
+        headroom = max(0, int(peak * (1 + PEAK_HEADROOM)) - max(peak, profiled.memory_bytes))
+        io = io_bytes(profile, (OFFLOAD,) * layer_count, window, profiled.backlog_bytes)
         return dataclasses.replace(profile, memory_slack_bytes=slack,
+                                   memory_headroom_per_io_byte=headroom / io if io else 0.0,
                                    max_window_bytes=min(max_window_bytes, max(window, 2 * profile.max_storage_bytes)))
 
 
