@@ -166,7 +166,9 @@ PEAK_HEADROOM = 0.25
 calibrates its memory model. On the 2-core VM, later steps of offload-heavy plans on small models
 peaked up to 1.26x the profiled peak (the write backlog, and so the peak, varies with the disk's
 speed from step to step); at 0.10 ``python -m tba rok``'s budget contract failed about one run in
-four."""
+four. Only the part of a plan's peak that moves with the disk (write backlog, read buffers) is
+charged it, in proportion (Note [Headroom scales with a plan's I/O] in
+``tba/runtime/_profiling.py``): keep-all none."""
 
 BUDGET_MET_FACTOR = 1.05
 """A memory budget counts as met when the measured activation peak is at most this times the budget."""

@@ -4,7 +4,8 @@ The adaptive policy's memory model counts saved bytes; what a step really adds t
 holds the transient buffers of compute (a layer's intermediate tensors, its gradients) and the
 allocator's slack. The runner measures the real peak of each profiled step with a
 :class:`StepPeak` and plans against the model plus the measured excess
-(``Profile.memory_slack_bytes``), so that a budget holds for what is measured, not for what is
+(``Profile.memory_slack_bytes``) and a headroom for what a plan's I/O can add
+(``Profile.memory_headroom_per_io_byte``), so that a budget holds for what is measured, not for what is
 modelled.
 
 * Host: the kernel's peak resident set counter ``VmHWM`` is reset (``/proc/self/clear_refs``,
