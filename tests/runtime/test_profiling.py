@@ -262,3 +262,21 @@ def test_a_budget_above_keep_alls_peak_is_accepted_on_an_uneven_model_and_a_refu
         plan(profile, memory_budget_bytes=_UNEVEN_KEEP_PEAK // 2)
     least = float(str(refused.value).split("needs at least ")[1].split(" MiB")[0])
     assert least <= _UNEVEN_KEEP_PEAK / MIB
+
+
+def test_no_placement_is_charged_more_than_the_whole_headroom_it_was_charged_before():
+    # The headroom once folded into the slack (the profiled peak taken PEAK_HEADROOM higher, less the
+    # model) is the most any placement that moves no more than offload-all's I/O is charged now.
+    from tba.policy import io_bytes
+    from tba.policy._adaptive import allowed_shapes
+
+    profile, peak = _uneven_profile()
+    before = dataclasses.replace(profile, memory_slack_bytes=int(peak * (1 + PEAK_HEADROOM)) - (peak - 3 * MIB),
+                                 memory_headroom_per_io_byte=0.0)
+    budget = profile.for_budget()
+    most = io_bytes(profile, (OFFLOAD,) * 6, 64 * MIB, 40 * MIB)
+    for decisions in allowed_shapes(dataclasses.replace(profile, layers=tuple(
+            dataclasses.replace(layer, recomputable=True) for layer in profile.layers))):
+        cost = estimate(budget, decisions)
+        if io_bytes(budget, decisions, budget.max_window_bytes, cost.backlog_bytes) <= most:
+            assert cost.memory_bytes <= estimate(before.for_budget(), decisions).memory_bytes, decisions
