@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tba
-from tba.runtime import _store
+from tba.runtime import _store, _writes
 from tba.runtime._views import StorageEntry
 
 
@@ -38,12 +38,12 @@ def _count_weak_refs(monkeypatch) -> dict[str, int]:
 
 def test_a_save_that_fails_while_its_entry_is_built_leaks_no_weak_reference(tmp_path, monkeypatch):
     counts = _count_weak_refs(monkeypatch)
-    monkeypatch.setattr(_store, "hands_back_pages", lambda: True)
+    monkeypatch.setattr(_writes, "hands_back_pages", lambda: True)
 
     def fails(data):
         raise ValueError("owns_its_memory failed")
 
-    monkeypatch.setattr(_store, "owns_its_memory", fails)
+    monkeypatch.setattr(_writes, "owns_its_memory", fails)
     x = torch.randn(4096, requires_grad=True)
     with tba.offload_activations(tmp_path, min_offload_bytes=0):
         y = torch.tanh(x)

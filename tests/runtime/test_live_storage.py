@@ -99,9 +99,9 @@ def test_a_storage_whose_pages_tba_handed_back_is_never_served_live(spill_dir, m
     own that is not counted as an owner (here: the engine keeps the request, as the thread sending it
     does for a moment) keeps the storage alive with pages that read as zeros: unpack must read the file."""
     from tba.io import Engine, ThreadEngine
-    from tba.runtime import _store
+    from tba.runtime import _writes
 
-    monkeypatch.setattr(_store, "hands_back_pages", lambda: True)
+    monkeypatch.setattr(_writes, "hands_back_pages", lambda: True)
 
     class Keeping(Engine):
         name = "keeping"
