@@ -208,7 +208,7 @@ class InputShapes:
         if shape != self._shape and (profiled or self._step_plan is not None) and self.pinned is None:
             self._follow(shape, module, profiled)
         if self._step.pending is not None:
-            self._step.note_shape(shape, args, kwargs)
+            self._step.note_shape(shape, module, args, kwargs)
         if self._seen is not None:
             self._next_shape[self._seen] = shape
         self._shape = self._seen = shape

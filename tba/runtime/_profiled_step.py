@@ -9,7 +9,8 @@ its :class:`ProfiledStep` measures it, in four calls:
    the offloader's counters are read, the wall clock and the entering thread's CPU clock are noted
    and the :class:`~tba.runtime._peak.StepPeak` starts.
 2. :meth:`~ProfiledStep.note_shape`, from the first layer's forward pre-hook: the step's input
-   shape, and a hook on its first input that requires grad, where backward ends and the peak stops.
+   shape, and a hook on its first input that requires grad (else on its first output that does:
+   Note [The peak stops where backward ends]), where backward ends and the peak stops.
 3. :meth:`~ProfiledStep.end_forward`, as the offloader exits: the timer comes off the layers and
    forward's times, the layers' input bytes, the largest live storage, the window and the bytes
    still unwritten are noted (a step that failed is dropped).
@@ -42,6 +43,9 @@ class ProfiledStep:
         self.peak = StepPeak()
         self.pending: dict[str, Any] | None = None
         """The step's sample: begun at entry, None when no profiled step is being measured."""
+        self._output_hook: Any = None
+        """The first layer's forward hook that puts the peak's stop on its output (Note [The peak stops where backward
+        ends]), until it runs."""
 
     def set_layers(self, layers: list[nn.Module]) -> None:
         """Time these layers from the next profiled step on."""
@@ -60,21 +64,52 @@ class ProfiledStep:
                         "first": first}
         self.peak.start(start.pool_idle_bytes, cuda=cuda, release=release)
 
-    def note_shape(self, shape: tuple, args: tuple, kwargs: dict[str, Any]) -> None:
-        """The first layer's inputs: the step's shape, and where its backward will end."""
+    def note_shape(self, shape: tuple, layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The first layer's inputs: the step's shape, and where its backward will end.
+
+        Note: [The peak stops where backward ends]
+        The peak is read once the backward pass has finished (a callback queued from a gradient hook
+        runs then). The hook went on the first layer's first input that requires grad; a model whose
+        first layer takes the batch itself (an MLP on features, no embedding before it) has none, and
+        the peak was read only at the next step's entry. Whatever ran in between counted, and a
+        measurement of the user's own that reset the kernel's peak counter in between (``rok``'s, around
+        every step) erased the step's peak: under glibc an uneven 6-block MLP's offload-all step read
+        11-23 MiB where 73 MiB were resident at its peak, the slack came out 0, and budgets of 53-95 MiB
+        were planned into peaks 1.11-1.36x over them. Such a layer's first output that requires grad
+        (its parameters give it one) carries the hook instead; only a step with neither still stops at
+        the next entry.
+        """
         self.pending["shape"] = shape
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        first = _needing_grad((*args, *kwargs.values()))
         if first is not None:
             first.register_hook(self.peak.stop_after_backward)
+            return
+
+        def on_output(module: nn.Module, inputs: tuple, output: Any) -> None:
+            self._drop_output_hook()
+            tensor = _needing_grad(output if isinstance(output, (tuple, list)) else (output,))
+            if tensor is not None and self.pending is not None:
+                tensor.register_hook(self.peak.stop_after_backward)
+
+        self._drop_output_hook()
+        self._output_hook = layer.register_forward_hook(on_output)
+
+    def _drop_output_hook(self) -> None:
+        """Take :meth:`note_shape`'s hook off the first layer (it ran, or forward ended or failed without it)."""
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
 
     def cancel(self) -> None:
         """Stop measuring the step, which leaves no sample (its first layer found a shape with a plan to follow)."""
         self.timer.detach()
+        self._drop_output_hook()
         self.pending = None
 
     def end_forward(self, failed: bool, on_cuda: Callable[[], bool], largest_live_storage_bytes: Callable[[], int],
                     window_bytes: int, backlog_bytes: Callable[[], int] | None) -> None:
         """Note forward's measurements as the offloader exits (a failed step is dropped)."""
+        self._drop_output_hook()
         if self.pending is None:
             return
         self.timer.detach()
@@ -143,3 +178,8 @@ def thread_cpu_s(thread: int | None) -> float | None:
         return time.clock_gettime(time.pthread_getcpuclockid(thread))
     except (OSError, OverflowError):
         return None
+
+
+def _needing_grad(values: Any) -> torch.Tensor | None:
+    """The first tensor among ``values`` that requires grad, else None."""
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)

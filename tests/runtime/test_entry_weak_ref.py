@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tba
-from tba.runtime import _store, _writes
+from tba.runtime import _writes
 from tba.runtime._views import StorageEntry
 
 
