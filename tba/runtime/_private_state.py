@@ -30,7 +30,8 @@ state, silently, and the adaptive default planned such layers for recomputation 
 ``RRKK`` in an adversarial review, every gradient of the planned steps wrong). So the signature
 also holds, per public attribute, the contents of each such object one level down (each container
 inside a public container, each plain object held directly or in one: its items, or its ``vars()``),
-compared, like private state, around the first call and again before the recomputation; the labels
+compared, like private state, around the first call (and put back before the recomputation when changed
+since: Note [Nested state changed between forward and backward is put back]); the labels
 of these values are :class:`DeepLabel`. Only objects present in both signatures are compared: a
 new inner list appended to a public list is the outer list's change, which tba puts back. Callables,
 modules, tensors, arrays and generators are not plain objects here (tba copies or checks those
@@ -39,12 +40,25 @@ still not seen. The profiled steps also compare each layer's signature taken whe
 with the state as the offloader exits (``tba/runtime/_timer.py``): a
 model writing into an object its layers share between their calls (``block.shared.index = i``)
 made every recomputation read the last layer's value; such a layer is marked not recomputable.
+
+Note: [Nested state changed between forward and backward is put back]
+A change of such an object *between* forward and backward is no error of the model's, and usually
+touches nothing the layer reads: every Hugging Face ``*ForSequenceClassification`` head sets
+``config.problem_type`` on its first call, after the blocks ran, in the config every attention
+holds, and raising there failed the first step of any pinned recompute plan (a review found it;
+exact before). Nor can tba tell whether the recomputation reads it. So :func:`put_back_nested`
+puts each changed object's contents back as the first call ended (which its forward left as it
+found them, or it raised) for the recomputation, by identity: the items of a list, dict, set or
+deque, a plain object's ``vars()``, written straight into its ``__dict__`` (no ``__setattr__``,
+frozen dataclasses too); the returned function restores what they held afterwards. Only a tensor
+among them updated in place (its version moved; tba holds no copy) still raises.
 """
 
 from __future__ import annotations
 
 import collections
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -63,11 +77,12 @@ Entry = tuple[str, Any, "int | None"]
 
 class Signature(list):
     """(label, value, a tensor's version or None) per private value; ``deep``: per object nested in a public attribute
-    (Note [State a recomputed layer changes that tba does not put back]), by id: (label, the object, its entries)."""
+    (Note [State a recomputed layer changes that tba does not put back]), by id: (label, the object, its entries, its
+    items to put back)."""
 
     def __init__(self, entries: Any = ()) -> None:
         super().__init__(entries)
-        self.deep: dict[int, tuple[str, Any, list[Entry]]] = {}
+        self.deep: dict[int, tuple[str, Any, list[Entry], list]] = {}
 
     def __bool__(self) -> bool:
         return len(self) > 0 or bool(self.deep)
@@ -123,17 +138,17 @@ def _contents(value: Any, label: str) -> list[Entry]:
     return [_entry(f"{label}.{name}", item) for name, item in vars(value).items()]
 
 
-def _deep(found: dict[int, tuple[str, Any, list[Entry]]], label: str, value: Any) -> None:
+def _deep(found: dict[int, tuple[str, Any, list[Entry], list]], label: str, value: Any) -> None:
     """Record, in ``found``, the objects nested in the public attribute ``label`` that tba does not copy: plain objects
     and containers inside a container (Note [State a recomputed layer changes that tba does not put back])."""
     if _plain_object(value):
-        found[id(value)] = (label, value, _contents(value, label))
+        found[id(value)] = (label, value, _contents(value, label), _items(value))
     elif isinstance(value, _CONTAINERS) and not isinstance(value, tuple):
         items = value.items() if isinstance(value, dict) else enumerate(value) if not isinstance(value, set) else ()
         for key, item in items:
             if _plain_object(item) or (isinstance(item, _CONTAINERS) and not isinstance(item, tuple)):
                 inner = f"{label}[{key!r}]"
-                found.setdefault(id(item), (inner, item, _contents(item, inner)))
+                found.setdefault(id(item), (inner, item, _contents(item, inner), _items(item)))
 
 
 def _entries_change(before: list[Entry], after: list[Entry]) -> str | None:
@@ -155,7 +170,7 @@ def first_change(before: Signature, after: Signature) -> str | None:
     if private is not None:
         return private
     deep_after = getattr(after, "deep", {})
-    for key, (label, value, entries) in getattr(before, "deep", {}).items():
+    for key, (label, value, entries, _) in getattr(before, "deep", {}).items():
         now = deep_after.get(key)
         if now is not None and now[1] is value and _entries_change(entries, now[2]) is not None:
             return DeepLabel(label)
@@ -194,20 +209,68 @@ def _same(a: Any, b: Any) -> bool:
 
 def check_private_unchanged(layer: nn.Module, after_first: list) -> None:
     """Before a recomputation: raise :class:`TbaError` when private state of the layer's modules changed since its first
-    call ended (``after_first``: its signature then; Note [Private state of a recomputed layer])."""
+    call ended (``after_first``: its signature then; Note [Private state of a recomputed layer]). Nested state is put
+    back instead (:func:`put_back_nested`)."""
     if not after_first:
         return
-    change = first_change(after_first, private_state(layer))
-    if isinstance(change, DeepLabel):
-        raise TbaError(
-            f"state of a recomputed layer ({type(layer).__name__}) nested too deep for tba to put back changed ({change}) "
-            "between its forward and backward (tba copies public attributes one level deep: a container inside a "
-            "container and a plain object's attributes are not), and the recomputation would compute another forward. "
-            "Change it after backward, hold it one level deep (a buffer, a tensor or a value in a public attribute), or "
-            "keep or offload this layer")
+    change = _private_change(after_first, private_state(layer))
     if change is not None:
         raise TbaError(
             f"private state of a recomputed layer ({type(layer).__name__}) changed ({change}) between its forward and "
             "backward, and tba does not put private state back for the recomputation, which would compute another "
             "forward. Change it after backward, register a tensor as a buffer or make the attribute public (tba "
             "restores those), or keep or offload this layer")
+
+
+def put_back_nested(layer: nn.Module, after_first: list) -> Callable[[], None]:
+    """Before a recomputation: put the contents of each object nested in a public attribute that changed since the
+    first call ended back as they were then, and return what restores the present contents (Note [Nested state
+    changed between forward and backward is put back]); raise :class:`TbaError` when a tensor among them was updated
+    in place."""
+    present: list[tuple[Any, list, list]] = []
+    for label, value, entries, then in getattr(after_first, "deep", {}).values():
+        now = _contents(value, label)
+        if _entries_change(entries, now) is None:
+            continue
+        versions = {id(item): version for _, item, version in entries if version is not None}
+        tensor = next((name for name, item, version in now
+                       if version is not None and versions.get(id(item), version) != version), None)
+        if tensor is not None:
+            raise TbaError(
+                f"state of a recomputed layer ({type(layer).__name__}) nested too deep for tba to copy was updated in "
+                f"place ({tensor}) between its forward and backward (tba copies public attributes one level deep: a "
+                "tensor in a container inside a container, or in a plain object, is not), and the recomputation would "
+                "compute another forward. Change it after backward, hold it one level deep (a buffer, or a tensor in a "
+                "public attribute), or keep or offload this layer")
+        present.append((value, _items(value), then))
+    for value, _, then in present:
+        _set_items(value, then)
+
+    def restore() -> None:
+        for value, items, _ in present:
+            _set_items(value, items)
+
+    return restore
+
+
+def _items(value: Any) -> list:
+    """What ``value`` holds, to put back with :func:`_set_items`: (key, item) pairs of a dict or a plain object's
+    ``vars()``, else the items."""
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, _CONTAINERS):
+        return list(value)
+    return list(vars(value).items())
+
+
+def _set_items(value: Any, items: list) -> None:
+    """Make ``value`` hold ``items`` (from :func:`_items`), in place."""
+    if isinstance(value, list):
+        value[:] = items
+    elif isinstance(value, (set, collections.deque)):
+        value.clear()
+        value.update(items) if isinstance(value, set) else value.extend(items)
+    else:
+        target = value if isinstance(value, dict) else vars(value)
+        target.clear()
+        target.update(items)

@@ -79,7 +79,7 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._private_state import DeepLabel, check_private_unchanged, first_change, private_state
+from tba.runtime._private_state import DeepLabel, check_private_unchanged, first_change, private_state, put_back_nested
 from tba.runtime._views import Kept
 from tba.runtime._wrappable import check_wrappable
 
@@ -145,6 +145,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             return out
         first.check_unchanged(layer)
         check_private_unchanged(layer, first.private)
+        nested = put_back_nested(layer, first.private)  # Note [Nested state changed between forward and backward is put back]
         after = snapshot(layer, learned)
         after_generators = states_now(first.generators)
         restore(after, first.before)
@@ -153,6 +154,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         try:
             return forward(*args, **kwargs)
         finally:
+            nested()
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)

@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'tba-offload[hf]')")
 
-from utils import assert_exact  # noqa: E402
+from utils import assert_exact, run_step  # noqa: E402
 
 import tba  # noqa: E402
 
@@ -85,6 +85,31 @@ def test_bare_context_finds_the_encoder_and_decoder_blocks_of_t5(spill_dir, back
     blocks = [*model.encoder.block, *model.decoder.block]
     assert len(offloader.discovered_layers) == len(blocks)
     assert all(found is block for found, block in zip(offloader.discovered_layers, blocks))
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_sequence_classification_under_a_recompute_plan_is_exact(spill_dir, decision):
+    # Its head sets config.problem_type on the first call, after the blocks ran, in the config every attention holds:
+    # the recomputation raised TbaError at the first backward (Note [Nested state changed between forward and
+    # backward is put back] in tba/runtime/_private_state.py).
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=3, n_head=4, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2ForSequenceClassification(config)
+    model.train()
+    tokens = torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def classify(m):
+        return m(input_ids=tokens, labels=torch.tensor([0, 1]), use_cache=False).loss
+
+    blocks = list(model.transformer.h)
+    ref_loss, ref_grads = run_step(model, classify)
+    model.config.problem_type = None  # as before any first call
+    offloader = tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0, layers=blocks,
+                                        policy=tba.Plan((decision,) * len(blocks), window_bytes=1 << 20))
+    loss, grads = run_step(model, classify, offloader)
+    assert model.config.problem_type == "single_label_classification"
+    assert torch.equal(ref_loss, loss) and ref_grads.keys() == grads.keys()
+    assert all(torch.equal(ref_grads[name], grads[name]) for name in ref_grads)
 
 
 def load_example():
