@@ -145,19 +145,21 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             return out
         first.check_unchanged(layer)
         check_private_unchanged(layer, first.private)
-        nested = put_back_nested(layer, first.private)  # Note [Nested state changed between forward and backward is put back]
         after = snapshot(layer, learned)
         after_generators = states_now(first.generators)
+        # Note [Nested state changed between forward and backward is put back]; taken after the snapshot and put
+        # back last, so a list held both in a public attribute and nested in another ends as it is now.
+        nested = put_back_nested(layer, first.private)
         restore(after, first.before)
         set_states(first.generators)
         displaced = first.put_parameters()  # Note [A recomputation runs with the parameters its first call ran with]
         try:
             return forward(*args, **kwargs)
         finally:
-            nested()
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
+            nested()
             first.recomputed()
 
     compiled_itself = is_compiled_module(layer)

@@ -339,3 +339,28 @@ def test_a_tensor_nested_too_deep_to_copy_updated_in_place_between_forward_and_b
     # tba holds no copy of a tensor in a plain object to put back: such a change still raises.
     with pytest.raises(tba.TbaError, match=r"updated in place \(ReadsConfig.config.offset\) between its forward and"):
         _config_steps(spill_dir, lambda config: config.offset.add_(1), ("recompute",) * 2)
+
+
+def test_a_list_both_public_and_nested_ends_as_changed_after_backward(spill_dir):
+    # The list is a public attribute (tba copies it) and nested in another (put back for the recomputation): the
+    # copy taken after the put-back wrote the forward's value back over the user's change, silently.
+    shared = [0]
+
+    class Holds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.outer = [shared]
+            self.direct = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.linear(x) * (1 + self.outer[0][0]))
+
+    model = nn.ModuleList([Holds() for _ in range(2)])
+    x = torch.randn(3, 4)
+    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)):
+        for layer in model:
+            x = layer(x)
+    shared[0] = 5
+    x.sum().backward()
+    assert shared == [5]
