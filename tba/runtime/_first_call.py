@@ -48,7 +48,7 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad", "private")
+    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad", "private", "nested")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
@@ -64,6 +64,9 @@ class FirstCall:
         self.private: list = []
         """The signature of the layer's private state when the first call ended (Note [Private state of a recomputed
         layer] in ``tba/runtime/_private_state.py``), checked before the recomputation; empty: nothing to check."""
+        self.nested: list = []
+        """The same signature when the first call began: the nested state put back for the recomputation (Note [Nested
+        state a recomputation is given back] in ``tba/runtime/_private_state.py``)."""
 
     def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:
         """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""

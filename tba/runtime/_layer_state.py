@@ -11,9 +11,9 @@ The state of a module, for this purpose, is its buffers, its public attributes t
 a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
 any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
 the bytes of the tensors among them), and the generators it holds. A container nested in a
-container, or a plain object's attributes, is not copied: a forward that changes one raises instead
-(Note [State a recomputed layer changes that tba does not put back] in
-``tba/runtime/_private_state.py``; its changes were replayed twice, silently). Its
+container, or a plain object's attributes, is not copied here: its items are put back by identity
+(Note [Nested state a recomputation is given back] in ``tba/runtime/_private_state.py``; its
+changes were replayed twice, silently). Its
 parameters are checked, not copied. Private attributes (``_name``) are left alone: modules and the
 frameworks around them (FSDP, torch.compile, hooks) keep their own bookkeeping there; a forward that
 changes them raises instead (Note [Private state of a recomputed layer] in

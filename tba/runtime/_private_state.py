@@ -30,9 +30,9 @@ state, silently, and the adaptive default planned such layers for recomputation 
 ``RRKK`` in an adversarial review, every gradient of the planned steps wrong). So the signature
 also holds, per public attribute, the contents of each such object one level down (each container
 inside a public container, each plain object held directly or in one: its items, or its ``vars()``),
-compared, like private state, around the first call (and put back before the recomputation when changed
-since: Note [Nested state changed between forward and backward is put back]); the labels
-of these values are :class:`DeepLabel`. Only objects present in both signatures are compared: a
+compared around the first call; the labels of these values are :class:`DeepLabel`. Such a change no longer
+raises but is put back for the recomputation (Note [Nested state a recomputation is given back]); the
+comparison still tells the profiled steps. Only objects present in both signatures are compared: a
 new inner list appended to a public list is the outer list's change, which tba puts back. Callables,
 modules, tensors, arrays and generators are not plain objects here (tba copies or checks those
 otherwise, or they carry no state of the forward's). Deeper values (a list in a dict in a dict) are
@@ -41,17 +41,20 @@ with the state as the offloader exits (``tba/runtime/_timer.py``): a
 model writing into an object its layers share between their calls (``block.shared.index = i``)
 made every recomputation read the last layer's value; such a layer is marked not recomputable.
 
-Note: [Nested state changed between forward and backward is put back]
-A change of such an object *between* forward and backward is no error of the model's, and usually
-touches nothing the layer reads: every Hugging Face ``*ForSequenceClassification`` head sets
-``config.problem_type`` on its first call, after the blocks ran, in the config every attention
-holds, and raising there failed the first step of any pinned recompute plan (a review found it;
-exact before). Nor can tba tell whether the recomputation reads it. So :func:`put_back_nested`
-puts each changed object's contents back as the first call ended (which its forward left as it
-found them, or it raised) for the recomputation, by identity: the items of a list, dict, set or
-deque, a plain object's ``vars()``, written straight into its ``__dict__`` (no ``__setattr__``,
-frozen dataclasses too); the returned function restores what they held afterwards. Only a tensor
-among them updated in place (its version moved; tba holds no copy) still raises.
+Note: [Nested state a recomputation is given back]
+Raising for every change of such an object refused exact models: every Hugging Face
+``*ForSequenceClassification`` head sets ``config.problem_type`` on its first call, after the blocks
+ran, in the config every attention holds, and a ``functools.cached_property`` of a config object
+read for the first time in a forward adds to its ``__dict__``; a pinned recompute plan failed their
+first step (a review found both; exact before). tba cannot tell whether the recomputation reads the
+change. So, like a public attribute, it is put back: the signature keeps each nested object's items
+as the first call began (``FirstCall.nested``), and :func:`put_back_nested` writes them back for the
+recomputation, by identity (the items of a list, dict, set or deque; a plain object's ``vars()``,
+straight into its ``__dict__``: no ``__setattr__``, frozen dataclasses too) and returns what
+restores the present items after it; a counter ``self.counter.n += 1`` or ``block.shared.index = i``
+recomputes exactly. Only a tensor among them updated in place (its version moved; tba holds no
+copy) raises: in forward (:func:`moved_nested_tensor`) or before the recomputation. The profiled
+steps still mark a layer whose nested state changes not recomputable.
 """
 
 from __future__ import annotations
@@ -222,19 +225,35 @@ def check_private_unchanged(layer: nn.Module, after_first: list) -> None:
             "restores those), or keep or offload this layer")
 
 
-def put_back_nested(layer: nn.Module, after_first: list) -> Callable[[], None]:
+def moved_nested_tensor(before: Signature, after: Signature) -> str | None:
+    """The label (a :class:`DeepLabel`) of a tensor nested in a public attribute that was updated in place between the
+    two signatures, which :func:`put_back_nested` cannot put back; else None."""
+    deep_after = getattr(after, "deep", {})
+    for key, (label, value, entries, _) in getattr(before, "deep", {}).items():
+        now = deep_after[key][2] if key in deep_after else _contents(value, label)
+        moved = _moved(entries, now)
+        if moved is not None:
+            return DeepLabel(moved)
+    return None
+
+
+def _moved(entries: list[Entry], now: list[Entry]) -> str | None:
+    versions = {id(item): version for _, item, version in entries if version is not None}
+    return next((name for name, item, version in now
+                 if version is not None and versions.get(id(item), version) != version), None)
+
+
+def put_back_nested(layer: nn.Module, before: list) -> Callable[[], None]:
     """Before a recomputation: put the contents of each object nested in a public attribute that changed since the
-    first call ended back as they were then, and return what restores the present contents (Note [Nested state
-    changed between forward and backward is put back]); raise :class:`TbaError` when a tensor among them was updated
+    first call began (``before``: its signature then) back as they were, and return what restores the present contents
+    (Note [Nested state a recomputation is given back]); raise :class:`TbaError` when a tensor among them was updated
     in place."""
     present: list[tuple[Any, list, list]] = []
-    for label, value, entries, then in getattr(after_first, "deep", {}).values():
+    for label, value, entries, then in getattr(before, "deep", {}).values():
         now = _contents(value, label)
         if _entries_change(entries, now) is None:
             continue
-        versions = {id(item): version for _, item, version in entries if version is not None}
-        tensor = next((name for name, item, version in now
-                       if version is not None and versions.get(id(item), version) != version), None)
+        tensor = _moved(entries, now)
         if tensor is not None:
             raise TbaError(
                 f"state of a recomputed layer ({type(layer).__name__}) nested too deep for tba to copy was updated in "

@@ -79,7 +79,14 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._private_state import DeepLabel, check_private_unchanged, first_change, private_state, put_back_nested
+from tba.runtime._private_state import (
+    DeepLabel,
+    check_private_unchanged,
+    first_change,
+    moved_nested_tensor,
+    private_state,
+    put_back_nested,
+)
 from tba.runtime._views import Kept
 from tba.runtime._wrappable import check_wrappable
 
@@ -139,17 +146,20 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.start(layer, args, kwargs, learned)
             inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
             out = forward(*args, **kwargs)
-            first.private = private_state(layer) if private else []
-            _check_inputs_unchanged(layer, inputs, first_change(private, first.private) if private else None)
+            first.private, first.nested = (private_state(layer) if private else []), private
+            change = first_change(private, first.private) if private else None
+            if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: unless a tensor moved
+                change = moved_nested_tensor(private, first.private)
+            _check_inputs_unchanged(layer, inputs, change)
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
         check_private_unchanged(layer, first.private)
         after = snapshot(layer, learned)
         after_generators = states_now(first.generators)
-        # Note [Nested state changed between forward and backward is put back]; taken after the snapshot and put
+        # Note [Nested state a recomputation is given back]; taken after the snapshot and put
         # back last, so a list held both in a public attribute and nested in another ends as it is now.
-        nested = put_back_nested(layer, first.private)
+        nested = put_back_nested(layer, first.nested)
         restore(after, first.before)
         set_states(first.generators)
         displaced = first.put_parameters()  # Note [A recomputation runs with the parameters its first call ran with]
@@ -225,13 +235,12 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
     on its own, whose recomputation still raises here.
     """
-    if isinstance(private_change, DeepLabel):  # Note [State a recomputed layer changes that tba does not put back]
+    if isinstance(private_change, DeepLabel):  # Note [Nested state a recomputation is given back] in _private_state.py
         raise TbaError(
-            f"the forward of a recomputed layer ({type(layer).__name__}) changed state tba does not put back "
-            f"({private_change}: a container inside a public container, or a plain object's attribute; tba copies "
-            "public attributes one level deep), so its recomputation in backward would start from the changed state. "
-            "Hold that state one level deep (a buffer, or a tensor, value or container in a public attribute), or "
-            "keep or offload this layer")
+            f"the forward of a recomputed layer ({type(layer).__name__}) updated in place a tensor tba does not copy "
+            f"({private_change}: in a container inside a public container, or in a plain object; tba copies public "
+            "attributes one level deep), so its recomputation in backward would start from the changed tensor. "
+            "Hold that tensor one level deep (a buffer, or a tensor in a public attribute), or keep or offload this layer")
     if private_change is not None:
         raise TbaError(
             f"the forward of a recomputed layer ({type(layer).__name__}) changed private state of its modules "

@@ -90,8 +90,8 @@ def test_bare_context_finds_the_encoder_and_decoder_blocks_of_t5(spill_dir, back
 @pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
 def test_sequence_classification_under_a_recompute_plan_is_exact(spill_dir, decision):
     # Its head sets config.problem_type on the first call, after the blocks ran, in the config every attention holds:
-    # the recomputation raised TbaError at the first backward (Note [Nested state changed between forward and
-    # backward is put back] in tba/runtime/_private_state.py).
+    # the recomputation raised TbaError at the first backward (Note [Nested state a recomputation is given
+    # back] in tba/runtime/_private_state.py).
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=3, n_head=4, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.GPT2ForSequenceClassification(config)
