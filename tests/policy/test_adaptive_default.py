@@ -13,6 +13,7 @@ import torch
 
 import tba
 from tba.bench.models import GPTConfig, make_batch, make_gpt
+from tba.policy import RECOMPUTED
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, width=32, layers=4, heads=2, batch_size=2)
 OTHER_SHAPE = GPTConfig(vocab_size=64, seq_len=12, width=32, layers=4, heads=2, batch_size=3)
@@ -94,11 +95,19 @@ def test_new_input_shape_offloads_that_step_then_profiles_it_and_stays_exact(spi
     # shape's plan (it followed itself so far), it switches to its own at the first layer; 9: entered
     # with its own (the shape that followed the first one last time).
     assert planned == [False, False, False, True, True, False, True, True, True, True]
-    assert caplog.text.count("new input shape; this step offloads every layer") == 1
-    assert caplog.text.count("new input shape; this step follows its plan") == 1
     runner = contexts[-1].policy_runner
     assert len(runner._plans) == 2
-    assert contexts[8].step_plan is contexts[7].plan_followed and contexts[8].plan_followed is contexts[3].plan_followed
+    # Step 8 follows its own shape's plan from the first layer on only where both plans treat that layer alike
+    # (Note [A step whose shape has a plan follows it]); else it offloads every layer. Which plans this tiny
+    # model gets depends on peaks of a few hundred KiB measured from the resident set (SSSK and SSSK in one run,
+    # SSSK and RRRK in another), so the test checks the branch its plans call for.
+    own, other = contexts[3].plan_followed.decisions[0], contexts[7].plan_followed.decisions[0]
+    alike = own == other or not {own, other} & RECOMPUTED
+    assert caplog.text.count("new input shape; this step offloads every layer") == (1 if alike else 2)
+    assert caplog.text.count("new input shape; this step follows its plan") == (1 if alike else 0)
+    assert contexts[8].step_plan is contexts[7].plan_followed
+    if alike:
+        assert contexts[8].plan_followed is contexts[3].plan_followed
     assert contexts[9].step_plan is contexts[9].plan_followed is contexts[7].plan_followed
 
 
