@@ -86,6 +86,7 @@ class TorchCuda:
         nbytes = tensor.numel() * tensor.element_size()
         code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         if int(code) != 0:
+            _drain_last_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(code)}")
         with _lock:
             TorchCuda.registered_bytes += nbytes
@@ -138,3 +139,23 @@ def use_cuda_api(api: Any) -> Iterator[Any]:
     finally:
         with _lock:
             _current = previous
+
+
+def _drain_last_error() -> None:
+    """Clear the error a failed runtime call left as this thread's last CUDA error.
+
+    Note: [A failed page-lock leaves CUDA's last error set]
+    ``cudaHostRegister`` is called through ``torch.cuda.cudart()``, which returns its error code
+    and leaves the runtime's per-thread last error set (torch's own checked calls clear it; this
+    binding does not, and offers no ``cudaGetLastError``). torch reads that error after every kernel
+    launch (``C10_CUDA_KERNEL_LAUNCH_CHECK``), so the next kernel of this thread, the user's forward,
+    failed with the page-lock's "out of memory" after tba had already warned and staged through
+    pageable memory instead (a review found it; the simulated device has no last error). One tiny
+    kernel launched here reads the error and clears it; an error it raises is that one, or one of a
+    context already broken, which the next kernel reports again.
+    """
+    try:
+        torch.empty(1, dtype=torch.uint8, device="cuda").fill_(0)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass

@@ -170,3 +170,19 @@ def test_prefetch_serves_most_unpacks_from_memory(spill_dir):
     stats = offloader.stats
     assert stats.bytes_read > 0
     assert stats.unpacks_from_memory > stats.unpacks_waited
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_page_lock_leaves_no_error_for_the_next_kernel():
+    """Note [A failed page-lock leaves CUDA's last error set] in tba/device/_cuda.py."""
+    from tba.device._cuda import TorchCuda
+
+    cuda = TorchCuda()
+    slab = torch.empty(1 << 20, dtype=torch.uint8)
+    cuda.pin(slab)
+    try:
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            cuda.pin(slab)  # registered already: cudaErrorHostMemoryAlreadyRegistered
+        assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # raised the stale error before the fix
+    finally:
+        cuda.unpin(slab)
