@@ -157,6 +157,11 @@ def _deep(found: dict[int, tuple[str, Any, list[Entry], list]], label: str, valu
 def _entries_change(before: list[Entry], after: list[Entry]) -> str | None:
     if len(before) != len(after):
         return None if not before and not after else (after or before)[0][0]
+    return _first_differing(before, after)
+
+
+def _first_differing(before: list[Entry], after: list[Entry]) -> str | None:
+    """Of two entry lists of one length: the label of the first entry that differs, else None."""
     for (label, value, version), (label_after, value_after, version_after) in zip(before, after):
         if label != label_after:
             return label_after
@@ -184,12 +189,7 @@ def _private_change(before: Signature, after: Signature) -> str | None:
     if len(before) != len(after):
         labels_before = {label for label, _, _ in before}
         return next((label for label, _, _ in after if label not in labels_before), None) or "an attribute removed"
-    for (label, value, version), (label_after, value_after, version_after) in zip(before, after):
-        if label != label_after:
-            return label_after
-        if version != version_after or not _same(value, value_after):
-            return label
-    return None
+    return _first_differing(before, after)
 
 
 def _entry(label: str, value: Any) -> Entry:
