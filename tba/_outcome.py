@@ -43,6 +43,11 @@ class Outcome:
         """Whether the value or the error is set."""
         return self._done
 
+    def failed_with(self, error: BaseException) -> bool:
+        """Whether ``error`` is the error this outcome was set to (not one raised in the waiting thread while it
+        was blocked: a signal handler's)."""
+        return self._done and self._error is error
+
     def set_result(self, value: Any) -> None:
         self._value = value
         self._finish()

@@ -232,7 +232,9 @@ class StoreReads:
     # whichever call failed, naming neither the tensor nor the file (tests/device/test_sim_faults.py,
     # a copy fault injected into the simulated device). Every failure of a read is a TbaReadError
     # now, with the cause chained; a TbaError passes as it is, and running out of memory stays
-    # torch.OutOfMemoryError (or MemoryError), which training loops catch to retry smaller.
+    # torch.OutOfMemoryError (or MemoryError), which training loops catch to retry smaller. Only the
+    # read's own error is wrapped: one a signal handler raised while the thread waited is the user's
+    # and reaches them as it is (tests/runtime/test_async_exceptions.py).
 
     def wait_read(self, entry: StorageEntry, done: Outcome) -> tuple[torch.Tensor, Any]:
         start = time.perf_counter()
@@ -242,6 +244,8 @@ class StoreReads:
         except (TbaError, torch.OutOfMemoryError, MemoryError):
             raise
         except Exception as err:  # Note [A device error reading back is a read error]
+            if not done.failed_with(err):
+                raise
             raise TbaReadError(
                 f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
                 f"offset {entry.offset}, {entry.extent_bytes} bytes: {err}"
