@@ -111,10 +111,8 @@ def private_state(layer: nn.Module) -> Signature:
                 _deep(found.deep, f"{prefix}.{name}", value)
                 continue
             found.append(_entry(f"{prefix}.{name}", value))
-            if isinstance(value, dict):
-                found += [_entry(f"{prefix}.{name}[{key!r}]", item) for key, item in value.items()]
-            elif isinstance(value, (list, tuple)):
-                found += [_entry(f"{prefix}.{name}[{index}]", item) for index, item in enumerate(value)]
+            if isinstance(value, (dict, list, tuple)):
+                found += _contents(value, f"{prefix}.{name}")
     return found
 
 
