@@ -54,6 +54,28 @@ def _sources(sim, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def _fail_the_next_record(sim, after: int = 0) -> threading.Timer:
+    """Stall the streams (the copies stay queued), make an event record fail after ``after`` more succeed
+    (``cudaErrorMemoryAllocation`` creating it), and let the streams run again half a second later."""
+    sim.stall()
+    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"), after=after)
+    release = threading.Timer(0.5, sim.stall, args=(False,))
+    release.start()
+    return release
+
+
+def _closes_clean(sim, release, route, engine, pool, fd) -> None:
+    """Once the test dropped its references: every staging block came back, one fault was raised and the
+    simulated device saw no race."""
+    gc.collect()
+    release.join()
+    route.stop()
+    assert pool.free_blocks == pool.capacity_blocks, "a staging block never came back"
+    _close(route, engine, pool, fd)
+    assert sim.faults_raised == 1
+    assert sim.problems() == [], "\n".join(sim.problems())
+
+
 def test_an_event_record_that_fails_after_a_groups_copies_were_queued(sim, tmp_path):
     """Three storages share a block; their copies are queued on a lagging side stream, then the event
     after them cannot be recorded (``cudaErrorMemoryAllocation`` creating it). Every member hears the
@@ -70,22 +92,13 @@ def test_an_event_record_that_fails_after_a_groups_copies_were_queued(sim, tmp_p
         offset += src.numel()
         outcomes.append(done)
     del src
-    sim.stall()  # the side stream lags: the copies are still queued when the record fails
-    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"))
-    release = threading.Timer(0.5, sim.stall, args=(False,))
-    release.start()
+    release = _fail_the_next_record(sim)  # the side stream lags: the copies are still queued when it fails
     gate.set()
     errors = [done.result(timeout=30) for done in outcomes]
     assert all(isinstance(error, RuntimeError) for error in errors), errors
     # The program frees its storages (the allocator's next kernel poisons them); the error's traceback held them too.
     del sources, errors, outcomes, done
-    gc.collect()
-    release.join()
-    route.stop()
-    assert pool.free_blocks == pool.capacity_blocks, "the staging block never came back"
-    _close(route, engine, pool, fd)
-    assert sim.faults_raised == 1
-    assert sim.problems() == [], "\n".join(sim.problems())
+    _closes_clean(sim, release, route, engine, pool, fd)
 
 
 def test_an_event_record_that_fails_after_a_read_groups_copies_were_queued(sim, tmp_path):
@@ -111,21 +124,12 @@ def test_an_event_record_that_fails_after_a_read_groups_copies_were_queued(sim, 
         done = Future()
         route.read(torch.device("cpu"), nbytes, 0, fd, offset, lambda *outcome, done=done: done.set_result(outcome))
         outcomes.append(done)
-    sim.stall()
-    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"), after=1)
-    release = threading.Timer(0.5, sim.stall, args=(False,))
-    release.start()
+    release = _fail_the_next_record(sim, after=1)
     gate.set()
     errors = [done.result(timeout=30)[0] for done in outcomes]
     assert all(isinstance(error, RuntimeError) for error in errors), errors
     del errors, outcomes, done, sources, written
-    gc.collect()
-    release.join()
-    route.stop()
-    assert pool.free_blocks == pool.capacity_blocks, "the staging block never came back"
-    _close(route, engine, pool, fd)
-    assert sim.faults_raised == 1
-    assert sim.problems() == [], "\n".join(sim.problems())
+    _closes_clean(sim, release, route, engine, pool, fd)
 
 
 def test_a_cuda_error_reading_back_a_saved_tensor_is_a_tba_read_error(sim, tmp_path):
@@ -180,19 +184,10 @@ def test_an_event_record_that_fails_after_the_middle_pieces_copy_was_queued(sim,
     (src,) = _sources(sim, [3 * BLOCK - 100])
     done: Future = Future()
     ready = route.mark_ready()
-    sim.stall()
-    sim.inject_fault("record", RuntimeError("CUDA error: out of memory (cudaErrorMemoryAllocation)"), after=1)
-    release = threading.Timer(0.5, sim.stall, args=(False,))
-    release.start()
+    release = _fail_the_next_record(sim, after=1)
     route.write(src, 0, fd, 0, done.set_result, ready)
     del src, ready
     error = done.result(timeout=30)
     assert isinstance(error, RuntimeError), error
     del error, done
-    gc.collect()
-    release.join()
-    route.stop()
-    assert pool.free_blocks == pool.capacity_blocks, "a staging block never came back"
-    _close(route, engine, pool, fd)
-    assert sim.faults_raised == 1
-    assert sim.problems() == [], "\n".join(sim.problems())
+    _closes_clean(sim, release, route, engine, pool, fd)

@@ -267,15 +267,20 @@ class CountsDeep(nn.Module):
         return x + torch.tanh(self.linear(x)) * count
 
 
+def _pinned(spill_dir, model: nn.Module, plan: tuple[str, ...] | None):
+    """A bare context pinning ``plan`` on ``model``'s layers, or none (training without tba) when ``plan`` is None."""
+    if not plan:
+        return contextlib.nullcontext()
+    return tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
+
+
 def _counts_deep_steps(spill_dir, how: str, plan: tuple[str, ...] | None) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.ModuleList([CountsDeep(how) for _ in range(2)])
     result = []
     for step in range(2):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
-        context = tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20)) \
-            if plan else contextlib.nullcontext()
-        with context:
+        with _pinned(spill_dir, model, plan):
             for layer in model:
                 x = layer(x)
             loss = x.pow(2).sum()
@@ -318,9 +323,7 @@ def test_a_cached_property_filled_in_a_recomputed_forward_is_exact(spill_dir):
         lazy = _Lazy()
         model = nn.ModuleList([ReadsCached(lazy) for _ in range(2)])
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-        context = tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20)) \
-            if plan else contextlib.nullcontext()
-        with context:
+        with _pinned(spill_dir, model, plan):
             for layer in model:
                 x = layer(x)
         x.pow(2).sum().backward()
@@ -351,7 +354,7 @@ def test_a_recomputed_forward_updating_a_nested_tensor_in_place_raises(spill_dir
     model = nn.ModuleList([BumpsNestedTensor() for _ in range(2)])
     x = torch.randn(16, 32)
     with pytest.raises(tba.TbaError, match=r"updated in place a tensor tba does not copy \(BumpsNestedTensor.state.offset:"):
-        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)):
+        with _pinned(spill_dir, model, ("recompute",) * 2):
             for layer in model:
                 x = layer(x)
 
@@ -382,9 +385,7 @@ def _config_steps(spill_dir, change, plan: tuple[str, ...] | None) -> tuple[list
     config = _Scale()
     model = nn.ModuleList([ReadsConfig(config) for _ in range(2)])
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-    context = tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20)) \
-        if plan else contextlib.nullcontext()
-    with context:
+    with _pinned(spill_dir, model, plan):
         for layer in model:
             x = layer(x)
         loss = x.pow(2).sum()
@@ -433,7 +434,7 @@ def test_a_list_both_public_and_nested_ends_as_changed_after_backward(spill_dir)
 
     model = nn.ModuleList([Holds() for _ in range(2)])
     x = torch.randn(3, 4)
-    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)):
+    with _pinned(spill_dir, model, ("recompute",) * 2):
         for layer in model:
             x = layer(x)
     shared[0] = 5
