@@ -100,16 +100,18 @@ class StoreLifetime:
             # A shared engine outlives this store: its requests on our file must end before the file
             # closes, or the descriptor number, reused by the next open, would receive them.
             self._wait_until(lambda: self._writing == 0 and self._reading == 0)
-        if self.routes is not None:
-            self.routes.close()
-        if self.spill is not None:
-            self.spill.close()
-        with self.lock:
-            for entry in self._by_storage.values():
-                self.release(entry)
-            self._by_storage.clear()
-            self._lingering.clear()
-            self.read_pool.clear()
+        try:
+            if self.routes is not None:
+                self.routes.close()
+        finally:
+            if self.spill is not None:
+                self.spill.close()
+            with self.lock:
+                for entry in self._by_storage.values():
+                    self.release(entry)
+                self._by_storage.clear()
+                self._lingering.clear()
+                self.read_pool.clear()
 
     def detach(self) -> None:
         """Stop using a spill file, engine and read pool that others share, without closing them.

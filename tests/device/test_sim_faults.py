@@ -1,4 +1,4 @@
-"""CUDA calls that fail mid-transfer, on the simulated device (Note [Injected CUDA faults] in tba/device/sim/_device.py).
+"""CUDA calls that fail mid-transfer, on the simulated device (Note [Injected CUDA faults] in tba/device/sim/_faults.py).
 
 A failed call must not hand back memory that copies queued before it still use: not the staging
 block (a read group's file read would land under a device-to-host copy still to run), not a

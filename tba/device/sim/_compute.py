@@ -45,6 +45,7 @@ class ComputeAccesses(TorchDispatchMode):
         # ``wait_event`` on a read's copy, say), or it reads bytes no copy has written yet. Views
         # and allocations touch no data and do not wait (the simulated allocator slices its arena).
         if touches_data:
+            self.sim.check_alive()  # a kernel launched in a broken context: Note [A broken context] in tba/device/sim/_faults.py
             self.sim.scheduler.catch_up(self.sim.current_stream())
         out = func(*args, **kwargs)
         if not self.sim.checking_compute or not touches_data:

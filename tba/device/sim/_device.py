@@ -11,24 +11,12 @@ own operators are seen by a dispatch mode as accesses on the current stream (``_
 in it are captured (synchronising on them is an error), streams that wait on them join the
 capture, and the capture fails if one of them never rejoins, as on a GPU.
 
-Note: [Injected CUDA faults]
-:meth:`SimulatedCuda.inject_fault` makes one kind of CUDA call raise, as a broken context does (a
-sticky error: every later call of that kind raises too, until :meth:`SimulatedCuda.clear_faults`)
-or as one failed call does (``cudaErrorMemoryAllocation`` creating an event or page-locking
-memory). The kinds are ``"copy"`` (:meth:`copy_`), ``"record"`` (an event's record),
-``"synchronize"`` (an event's or a stream's synchronize), ``"pin"`` and ``"host_empty"``. Only the
-call raises: work queued before it still runs, as on a GPU whose call failed at launch. A sticky
-fault is therefore less than a broken context, which would run none of the queued work either: a
-race reported after one (a block given back while a copy queued before the fault is still
-pending) is one a GPU would show only if that copy still ran. This is the only seam:
-production code is unchanged, and tests count calls with ``after`` to fail in the middle of a
-group of copies.
+Injected faults and a broken context: ``_faults.py`` (Notes [Injected CUDA faults], [A broken context]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
@@ -42,13 +30,14 @@ from tba.device.sim._allocator import CachingAllocator, PinnedHost
 from tba.device.sim._checker import HOST, HappensBefore
 from tba.device.sim._compute import ComputeAccesses
 from tba.device.sim._config import SimConfig
+from tba.device.sim._faults import FaultInjection
 from tba.device.sim._streams import Scheduler, SimEvent, SimStream, Token
 
 INTERNAL_THREADS = ("tba", "fake")
 """Names of the threads of tba, of the simulator and of the fake kvikio, which run no model operators."""
 
 
-class SimulatedCuda:
+class SimulatedCuda(FaultInjection):
     """The CUDA calls of :class:`tba.device.CudaApi` on a simulated device; see the module docstring."""
 
     device_type = "cpu"
@@ -83,6 +72,8 @@ class SimulatedCuda:
         self._faults: dict[str, list[Any]] = {}
         """Injected faults by call kind: ``[calls to let through, failures left (None: sticky), error]``."""
         self.faults_raised = 0
+        self.broken: BaseException | None = None
+        """The error of a broken context (Note [A broken context] in ``tba/device/sim/_faults.py``); None: it works."""
         self.checking_compute = True
         """Whether the model's operators are checked now (tests may sample steps: it costs ~0.4 ms per operator)."""
 
@@ -107,46 +98,10 @@ class SimulatedCuda:
             self.scheduler.add(stream)
         return stream
 
-    # ------------------------------------------------------------- injected faults
-    FAULT_KINDS = ("copy", "record", "synchronize", "pin", "host_empty")
-
-    def inject_fault(self, kind: str, error: BaseException | None = None, *, after: int = 0,
-                     times: int | None = 1) -> None:
-        """Make ``kind`` calls raise ``error`` after ``after`` more succeed, ``times`` times (None: until cleared).
-
-        Note [Injected CUDA faults]."""
-        if kind not in self.FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; one of {self.FAULT_KINDS}")
-        error = error or RuntimeError(f"CUDA error: an illegal memory access was encountered (injected into {kind})")
-        with self._lock:
-            self._faults[kind] = [after, times, error]
-
-    def clear_faults(self) -> None:
-        """The device recovered: no injected fault raises any more."""
-        with self._lock:
-            self._faults.clear()
-
-    def maybe_fail(self, kind: str) -> None:
-        """Raise the fault injected into ``kind`` calls, when one is due."""
-        if not self._faults:
-            return
-        with self._lock:
-            fault = self._faults.get(kind)
-            if fault is None:
-                return
-            if fault[0] > 0:
-                fault[0] -= 1
-                return
-            if fault[1] is not None:
-                fault[1] -= 1
-                if fault[1] <= 0:
-                    del self._faults[kind]
-            self.faults_raised += 1
-            error = copy.copy(fault[2])  # a fresh exception each time: no traceback shared between threads, none kept
-        raise error
-
     # ------------------------------------------------------------- streams and events
     def _launch(self, stream: SimStream, op: Callable[[], None]) -> None:
+        if self.broken is not None:
+            return  # Note [A broken context] in tba/device/sim/_faults.py: nothing queued runs
         if stream.synchronous:
             op()
         else:
@@ -182,12 +137,11 @@ class SimulatedCuda:
                 elif stream is not self._capture:
                     stream.joined_capture = True
                 return
+        self.check_alive()
         self.checker.launch(stream.name)
         self.checker.merge(stream.name, token.clock)
         if stream.synchronous:
-            if not token.fired.wait(60):
-                self.fail(f"{stream.name} waited more than 60 s for an event: the simulated device hung")
-                raise RuntimeError("simulated device hung")
+            self.wait_token(token, f"{stream.name} waiting for an event")
         else:
             self.scheduler.launch(stream, token)
 
@@ -196,6 +150,8 @@ class SimulatedCuda:
 
     def launch_write(self, stream: SimStream, address: int, nbytes: int, what: str, op: Callable[[], None]) -> None:
         """Device work on ``stream`` that writes ``nbytes`` at ``address`` (the allocator's poison)."""
+        if self.broken is not None:
+            return  # Note [A broken context] in tba/device/sim/_faults.py: no kernel runs
         self.checker.launch(stream.name)
         self.checker.access(stream.name, address, nbytes, True, what)
         self._launch(stream, op)
@@ -205,9 +161,11 @@ class SimulatedCuda:
         return True
 
     def Stream(self, device: Any = None) -> SimStream:  # noqa: N802 - mirrors torch.cuda.Stream
+        self.check_alive()
         return self._new_stream("async")
 
     def Event(self, blocking: bool = False) -> SimEvent:  # noqa: N802 - mirrors torch.cuda.Event
+        self.check_alive()
         return SimEvent(self, blocking)
 
     def current_stream(self, device: Any = None) -> SimStream:
@@ -246,6 +204,7 @@ class SimulatedCuda:
         return self._capture is not None and self.current_stream() is self._capture
 
     def synchronize(self, device: Any = None) -> None:
+        self.check_alive()
         if self._capture is not None:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing (cudaDeviceSynchronize)")
         for stream in list(self.scheduler._streams):
@@ -281,6 +240,7 @@ class SimulatedCuda:
         if self._capture is not None and self.current_stream() is not self._capture:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing (allocation "
                                "from another stream during capture)")
+        self.check_alive()
         return self.allocator.empty(nbytes, self.current_stream())
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
@@ -295,6 +255,7 @@ class SimulatedCuda:
         self.pinned.pin(tensor)
 
     def unpin(self, tensor: torch.Tensor) -> None:
+        self.check_alive()
         self.pinned.unpin(tensor)
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:

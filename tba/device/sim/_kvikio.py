@@ -110,6 +110,7 @@ class FakeKvikio:
         return module
 
     def _submit(self, fd: int, buf: torch.Tensor, size: int, offset: int, write: bool) -> FakeIOFuture:
+        self.sim.check_alive()  # Note [A broken context] in tba/device/sim/_faults.py
         who = self.sim.checker.spawn("kvikio")
         address = buf.data_ptr()
         self.sim.checker.access(who, address, size, not write, f"kvikio {'pwrite' if write else 'pread'}")

@@ -63,7 +63,7 @@ class SimStream:
 
     def synchronize(self) -> None:
         """``cudaStreamSynchronize``: no event is created (an injected ``record`` fault does not apply)."""
-        self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
+        self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_faults.py
         event = self.sim.Event(blocking=True)
         event.token = self.sim.record(self)
         event.synchronize()
@@ -81,13 +81,14 @@ class SimEvent:
         self.token: Token | None = None
 
     def record(self, stream: SimStream | None = None) -> None:
-        self.sim.maybe_fail("record")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
+        self.sim.maybe_fail("record")  # Note [Injected CUDA faults] in tba/device/sim/_faults.py
         self.token = self.sim.record(stream if stream is not None else self.sim.current_stream())
 
     def wait(self, stream: SimStream | None = None) -> None:
         (stream if stream is not None else self.sim.current_stream()).wait_event(self)
 
     def query(self) -> bool:
+        self.sim.check_alive()  # Note [A broken context] in tba/device/sim/_faults.py
         token = self.token
         if token is None:
             return True
@@ -99,7 +100,7 @@ class SimEvent:
         return False
 
     def synchronize(self) -> None:
-        self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_device.py
+        self.sim.maybe_fail("synchronize")  # Note [Injected CUDA faults] in tba/device/sim/_faults.py
         self.wait_fired()
 
     def wait_fired(self) -> None:
@@ -112,9 +113,7 @@ class SimEvent:
                                "(cudaEventSynchronize of an event recorded during graph capture)")
         if not self.blocking:
             self.sim.note_busy_wait()
-        if not token.fired.wait(HANG_TIMEOUT_S):
-            self.sim.fail(f"an event synchronize waited more than {HANG_TIMEOUT_S} s: the simulated device hung")
-            raise RuntimeError("simulated device hung")
+        self.sim.wait_token(token, "an event synchronize")
         self.sim.checker.merge("host", token.clock)
 
 
@@ -199,6 +198,14 @@ class Scheduler:
             if delay:
                 time.sleep(delay)
 
+    def discard(self) -> None:
+        """Drop every queued operation: a broken context runs none of them (Note [A broken context] in
+        ``tba/device/sim/_faults.py``)."""
+        with self._cond:
+            for stream in self._streams:
+                stream.queue.clear()
+            self._cond.notify_all()
+
     def catch_up(self, stream: SimStream) -> None:
         """Block the calling host thread until everything queued on ``stream`` so far has run.
 
@@ -212,8 +219,7 @@ class Scheduler:
                 return
         token = Token(self, None)
         self.launch(stream, token.fire)
-        if not token.fired.wait(HANG_TIMEOUT_S):
-            raise RuntimeError(f"simulated device hung: {stream.name} did not run its queue within {HANG_TIMEOUT_S} s")
+        stream.sim.wait_token(token, f"{stream.name} running its queue")
 
     def idle(self) -> bool:
         with self._cond:

@@ -1,0 +1,144 @@
+"""A CUDA context that breaks mid-step, on the simulated device (Note [A broken context] in tba/device/sim/_faults.py).
+
+Nothing queued on the device runs any more and every CUDA call fails. tba cannot save the step;
+what it owes is an end: the error reaches the user, nothing hangs waiting for a copy that will
+never complete, and close() leaves no spill file, no staging block lent and no thread behind (the
+``sim`` fixture checks the threads and that no copy ran after its memory was given back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from model_cases import tiny_gpt
+from sim_helpers import CheckedEngine
+
+import tba
+from tba.device.sim import fake_kvikio
+from tba.io import memory_view
+
+SMALL = dict(min_offload_bytes=0, block_size_bytes=8192, staging_bytes=8 * 8192)
+BROKEN = "illegal memory access"
+ENDS_WITHIN_S = 30.0
+
+
+def _offloader(route: str, sim, tmp_path) -> tuple[tba.Offloader, CheckedEngine | None]:
+    if route == "kvikio":
+        return tba.Offloader(tmp_path, backend="kvikio", **SMALL), None
+    engine = CheckedEngine(sim)
+    return tba.Offloader(tmp_path, backend=engine, **SMALL), engine
+
+
+def _ends(what, *args) -> None:
+    """Run ``what(*args)`` on a thread and fail the test if it has not returned within ENDS_WITHIN_S (a hang)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            what(*args)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="test-broken-close", daemon=True)
+    thread.start()
+    thread.join(ENDS_WITHIN_S)
+    assert not thread.is_alive(), f"{what.__qualname__} still waits {ENDS_WITHIN_S} s after the context broke"
+    assert not errors, errors
+
+
+def _raised_from_broken_context(error: BaseException) -> bool:
+    while error is not None:
+        if BROKEN in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _closed_clean(offloader: tba.Offloader, engine: CheckedEngine | None, tmp_path) -> None:
+    routes = offloader._store.routes
+    _ends(offloader.close)
+    if engine is not None:
+        engine.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a spill file outlived close()"
+    pool = routes.staging_pool
+    if pool is not None:
+        assert pool.free_blocks == pool.capacity_blocks, "a staging block stayed lent after close()"
+
+
+@pytest.mark.parametrize("route", ["staged", "kvikio"])
+def test_a_context_broken_between_forward_and_backward(sim, tmp_path, route):
+    model, forward = tiny_gpt()
+    with fake_kvikio(sim, gds=True) if route == "kvikio" else contextlib.nullcontext():
+        offloader, engine = _offloader(route, sim, tmp_path)
+        with offloader:
+            loss = forward(model)
+        offloader.flush()
+        sim.break_context()
+        with pytest.raises(Exception) as raised:
+            loss.backward()
+        assert _raised_from_broken_context(raised.value), raised.value
+        del loss, raised
+        _closed_clean(offloader, engine, tmp_path)
+
+
+@pytest.mark.parametrize("route, kind, after", [("staged", "copy", 3), ("staged", "record", 5), ("staged", "synchronize", 0),
+                                               ("kvikio", "record", 5), ("kvikio", "synchronize", 0)])
+def test_a_context_that_breaks_in_the_middle_of_forward(sim, tmp_path, route, kind, after):
+    """The fault breaks the context while forward's copies are under way (kvikio's route makes no device copy):
+    forward (or the backward after it) raises the CUDA error, and the offloader still ends."""
+    model, forward = tiny_gpt()
+    with fake_kvikio(sim, gds=True) if route == "kvikio" else contextlib.nullcontext():
+        offloader, engine = _offloader(route, sim, tmp_path)
+        sim.inject_fault(kind, after=after, breaks_context=True)
+        with pytest.raises(Exception) as raised:
+            with offloader:
+                loss = forward(model)
+            offloader.flush()
+            loss.backward()
+        assert _raised_from_broken_context(raised.value), raised.value
+        assert sim.broken is not None
+        loss = raised = None
+        _closed_clean(offloader, engine, tmp_path)
+
+
+def test_the_simulator_runs_nothing_queued_after_the_context_broke(sim):
+    """The seam itself: a copy queued on a stalled stream never runs once the context broke, every call raises
+    the error, and a host thread already waiting for an event raises it instead of waiting for ever."""
+    src = sim.empty(4096)
+    src.fill_(7)
+    dst = sim.empty(4096)
+    dst.zero_()
+    side = sim.Stream()
+    sim.synchronize()
+    sim.stall()
+    with sim.stream(side):
+        sim.copy_(dst, src)
+        event = sim.Event()
+        event.record(side)
+    waited: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            event.synchronize()
+        except RuntimeError as error:
+            waited.append(error)
+
+    waiter = threading.Thread(target=wait, name="test-waiter")
+    waiter.start()
+    sim.break_context()
+    sim.stall(False)
+    waiter.join(ENDS_WITHIN_S)
+    assert not waiter.is_alive() and len(waited) == 1 and BROKEN in str(waited[0])
+    for call in (sim.Event, sim.Stream, sim.synchronize, lambda: sim.empty(4096), lambda: sim.host_empty(4096),
+                 event.query, lambda: sim.copy_(dst, src)):
+        with pytest.raises(RuntimeError, match=BROKEN):
+            call()
+    sim.clear_faults()
+    with pytest.raises(RuntimeError, match=BROKEN):
+        sim.Event()
+    with pytest.raises(RuntimeError, match=BROKEN):
+        torch.add(dst, 1)  # a kernel launched in a broken context
+    assert bytes(memory_view(dst.data_ptr(), 4096)) == bytes(4096), "a copy queued before the context broke still ran"
