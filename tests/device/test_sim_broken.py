@@ -142,3 +142,25 @@ def test_the_simulator_runs_nothing_queued_after_the_context_broke(sim):
     with pytest.raises(RuntimeError, match=BROKEN):
         torch.add(dst, 1)  # a kernel launched in a broken context
     assert bytes(memory_view(dst.data_ptr(), 4096)) == bytes(4096), "a copy queued before the context broke still ran"
+
+
+def test_the_bare_context_ends_after_the_context_broke(sim, tmp_path):
+    """The one-shot contexts share a runtime: after a broken context, the next step's error is the CUDA error
+    (not a hang in tba), and tba.shutdown() closes the shared runtime and its spill file."""
+    model, forward = tiny_gpt()
+    with tba.offload_activations(tmp_path, **SMALL):
+        loss = forward(model)
+    loss.backward()
+    with tba.offload_activations(tmp_path, **SMALL):
+        loss = forward(model)
+    sim.break_context()
+    with pytest.raises(Exception) as raised:
+        loss.backward()
+    assert _raised_from_broken_context(raised.value), raised.value
+    with pytest.raises(Exception) as raised:
+        with tba.offload_activations(tmp_path, **SMALL):
+            forward(model)
+    assert _raised_from_broken_context(raised.value), raised.value
+    loss = raised = None
+    _ends(tba.shutdown)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a spill file outlived tba.shutdown()"
