@@ -39,7 +39,7 @@ from torch import nn
 from tba.config import format_default, parse_text
 from tba.config import options as config_options
 from tba.defaults import POLICIES, PREFETCH_DEPTH_LAYERS
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, did_you_mean
 from tba.io import backend_names
 from tba.runtime import KeepReason, Offloader
 
@@ -76,11 +76,20 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         if field.name in _NOT_FLAGS:
             continue
         choices = POLICIES if field.name == "policy" else backend_names() if field.name == "backend" else None
-        group.add_argument(flag_name(field.name), dest=_dest(field.name), default=None, choices=choices,
-                           type=None if choices else functools.partial(_flag_value, field.name),
-                           metavar=None if choices else field.metadata["kind"].upper(),
+        group.add_argument(flag_name(field.name), dest=_dest(field.name), default=None,
+                           type=functools.partial(_choice, flag_name(field.name), tuple(choices)) if choices
+                           else functools.partial(_flag_value, field.name),
+                           metavar="{" + ",".join(choices) + "}" if choices else field.metadata["kind"].upper(),
                            help=f"{field.metadata['doc']} (default: {format_default(field)})")
     return parser
+
+
+def _choice(flag: str, choices: tuple[str, ...], text: str) -> str:
+    """``text`` if it is one of ``choices``; else argparse's error, with the closest choice to the typo."""
+    if text in choices:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a {flag} choice; {did_you_mean(text, choices)}"
+                                     f"choose from {', '.join(choices)}")
 
 
 _NOT_FLAGS = ("profile_steps", "memory_budget_bytes")

@@ -179,7 +179,10 @@ def test_flags_parse_and_validate(capsys):
     for bad in (["--tba-policy", "smart"], ["--tba-memory-budget", "lots"], ["--tba-backend", "gds"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
-    assert "invalid choice: 'smart'" in capsys.readouterr().err
+    assert "'smart' is not a --tba-policy choice; choose from adaptive, offload, keep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tba-policy", "ofload"])
+    assert "did you mean 'offload'?" in capsys.readouterr().err
 
 
 def test_flags_that_keep_activations_in_memory_or_do_not_fit(world):
