@@ -76,6 +76,15 @@ class HappensBefore:
                 if clock.get(name, 0) < stamp:
                     clock[name] = stamp
 
+    def quiesce(self, streams: list[str]) -> None:
+        """The device ran its last work on ``streams``: every participant is now ordered after all of it
+        (a broken context, Note [A broken context] in ``tba/device/sim/_faults.py``)."""
+        with self._lock:
+            for stream in streams:
+                done = dict(self._clock(stream))
+                for who in list(self._clocks):
+                    self.merge(who, done)
+
     def launch(self, stream: str) -> None:
         """Work queued on ``stream`` by the host runs after what the host has seen complete."""
         with self._lock:

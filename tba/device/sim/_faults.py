@@ -20,7 +20,9 @@ there never complete. :meth:`SimulatedCuda.break_context` (or a fault injected w
 call of :class:`tba.device.CudaApi` raises the error (creating streams and events, records, waits,
 queries and synchronizes, copies, allocations, page-locking and unlocking), a host thread already
 waiting for an event raises it instead of waiting for ever, and so do the model's own operators
-and the fake kvikio's transfers. What tba must still do then is end: raise, close its file, stop
+and the fake kvikio's transfers. As nothing on the device runs again, every later access of the
+host is ordered after all device work (``HappensBefore.quiesce``): reusing a staging block whose
+copy never ran is no race. What tba must still do then is end: raise, close its file, stop
 its threads and leave no waiter hanging. :meth:`clear_faults` does not mend a broken context.
 """
 
@@ -32,7 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tba.device.sim._streams import HANG_TIMEOUT_S, Scheduler, Token
+from tba.device.sim._checker import HappensBefore
+from tba.device.sim._streams import HANG_TIMEOUT_S, Scheduler, SimStream, Token
 
 
 class FaultInjection:
@@ -41,6 +44,8 @@ class FaultInjection:
     _lock: threading.Lock
     _faults: dict[str, list[Any]]
     scheduler: Scheduler
+    checker: HappensBefore
+    default_stream: SimStream
     broken: BaseException | None
     faults_raised: int
     fail: Callable[[str], None]
@@ -67,7 +72,8 @@ class FaultInjection:
         with self._lock:
             if self.broken is None:
                 self.broken = error
-        self.scheduler.discard()
+        streams = self.scheduler.discard()
+        self.checker.quiesce([stream.name for stream in streams] + [self.default_stream.name])
 
     def check_alive(self) -> None:
         """Raise the error of a broken context (Note [A broken context]); nothing while the device works."""

@@ -198,13 +198,14 @@ class Scheduler:
             if delay:
                 time.sleep(delay)
 
-    def discard(self) -> None:
-        """Drop every queued operation: a broken context runs none of them (Note [A broken context] in
-        ``tba/device/sim/_faults.py``)."""
+    def discard(self) -> list[SimStream]:
+        """Drop every queued operation (a broken context runs none of them: Note [A broken context] in
+        ``tba/device/sim/_faults.py``); returns the streams."""
         with self._cond:
             for stream in self._streams:
                 stream.queue.clear()
             self._cond.notify_all()
+            return list(self._streams)
 
     def catch_up(self, stream: SimStream) -> None:
         """Block the calling host thread until everything queued on ``stream`` so far has run.
