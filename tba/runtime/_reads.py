@@ -59,6 +59,7 @@ class StoreReads:
     _host: HostBatch | None
     _reading: int
     _prefetch_to: StorageEntry | None
+    _host_route: object
 
     def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
         """``entry``'s bytes and event when they are in memory now, else ``(None, None)``.
@@ -71,7 +72,24 @@ class StoreReads:
         discarded the pages, and backward read zeros. An alias made under the lock counts as a
         second owner until the caller is done with it. Taking the lock in the training thread is
         safe from asynchronous exceptions: ``with`` releases it, and nothing here changes state.
+
+        Note: [Bytes no one can discard need no lock]
+        The lock orders the alias before a discard, and only a storage with ``own_memory`` is ever
+        discarded (``tba/runtime/_release.py``). ``own_memory`` only goes from True to False (set at
+        save, cleared when a read lands, ``_on_read_done``), and from then on ``entry.data`` is a read
+        buffer or None, never the discardable storage again. So once it reads False, the tensor in
+        ``entry.data`` (one load under the GIL) holds its storage alive by itself: a storage nobody
+        discards, or a read buffer that goes back to its pool only when its storage dies
+        (``BufferPool.lease``). A release meanwhile drops tba's reference, not the caller's. Host
+        entries only: a device route's ``ready_event`` is set after ``data`` and must be read with it.
+        The training thread then takes no lock in an unpack served from tba's memory, where it waited
+        for a control thread holding the lock across a ring submission (docs/host-cost.md, fourteenth
+        pass).
         """
+        if not entry.own_memory and entry.route is self._host_route:
+            data = entry.data
+            if data is not None:
+                return data, None
         with self.lock:
             data = entry.data
             if data is not None:

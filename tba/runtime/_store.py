@@ -63,6 +63,8 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
         self.spill: SpillFile | None = None
         self.engine: Engine | None = None
         self.routes: Routes | None = None
+        self._host_route: object = None
+        """``routes.host`` once open (Note [Bytes no one can discard need no lock] in ``tba/runtime/_reads.py``)."""
         self._host: HostBatch | None = None
         self._writing = 0
         self.unwritten_bytes = 0
@@ -95,6 +97,7 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
             self.read_pool = read_pool
             self.read_pool.trim()
         host = routes.host
+        self._host_route = host
         self._host = HostBatch(host.engine, host.pool, host.block_size_bytes, host.engine.write_ahead_bytes)
 
     def _budget_bytes(self) -> int:
