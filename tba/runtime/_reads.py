@@ -14,6 +14,7 @@ Every state change happens under the store's lock, on the control thread or on a
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 # leaves the entry on disk: the unpack that needs it reads again and sees the error itself.
 UNWATCHED: Any = object()
 """``entry.read_done`` of a read in flight that no unpack waits for yet."""
+
+
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+"""Whether this interpreter has a GIL (Note [Bytes no one can discard need no lock])."""
 
 
 class StoreReads:
@@ -82,11 +87,12 @@ class StoreReads:
         discards, or a read buffer that goes back to its pool only when its storage dies
         (``BufferPool.lease``). A release meanwhile drops tba's reference, not the caller's. Host
         entries only: a device route's ``ready_event`` is set after ``data`` and must be read with it.
+        The argument needs the GIL (each load sequentially ordered): a free-threaded build takes the lock.
         The training thread then takes no lock in an unpack served from tba's memory, where it waited
         for a control thread holding the lock across a ring submission (docs/host-cost.md, fourteenth
         pass).
         """
-        if not entry.own_memory and entry.route is self._host_route:
+        if _GIL and not entry.own_memory and entry.route is self._host_route:
             data = entry.data
             if data is not None:
                 return data, None
