@@ -6,7 +6,8 @@ generator of its own, views and transposes, in-place activations, a weight share
 blocks, frozen weights, a running mean and a call counter that the forward updates and then reads,
 a scale drawn from Python's and numpy's global generators, as stochastic depth is often written),
 a dtype, an input source, a placement, a backend, a minimum offload size, the batch size per step,
-the retained steps, the events per step and the late writes (``_fuzz_io.py``). New fields are drawn
+the retained steps, the events per step, the late writes (``_fuzz_io.py``) and the Python-side state
+each block's forward changes and reads (``_fuzz_state.py``). New fields are drawn
 last, so every older field stays what it was for every seed (a printed reproducer keeps working).
 :func:`build` makes the case's model (:class:`Block` per entry) and :func:`case_input` a step's
 input, both from the seed alone, so the runs with and without tba see identical models and inputs.
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from tba.bench._fuzz_io import LateWrites, draw_late_writes
+from tba.bench._fuzz_state import Shared, apply_state, draw_states, init_state
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 BLOCKS = ("linear", "layernorm", "batchnorm", "dropout", "generator_dropout", "view", "inplace", "frozen", "centering",
@@ -56,6 +58,8 @@ class Case:
     again, after the first released what it unpacked (writes skipped as not needed, bytes held by the window)."""
     late_writes: LateWrites | None = None
     """Writes queue in tba and the engine and start late, in random order; None: as the backend runs them."""
+    states: tuple[tuple[str, ...], ...] = ()
+    """Per block, the Python-side state its forward changes and reads (``_fuzz_state.py``); empty: none."""
 
 
 def draw_case(seed: int) -> Case:
@@ -78,15 +82,18 @@ def draw_case(seed: int) -> Case:
         other = rng.choice([size for size in (8, 32, 64) if size != case.batch])
         batches = tuple(rng.choice((case.batch, other)) for _ in events)
     retained = tuple(step for step in range(len(events)) if rng.random() < 0.25)
+    late_writes = draw_late_writes(rng)
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
-                               late_writes=draw_late_writes(rng))
+                               late_writes=late_writes, states=draw_states(rng, count))
 
 
 class Block(nn.Module):
     """One fuzzed block: its parts applied in order, then a residual connection."""
 
-    def __init__(self, parts: tuple[str, ...], width: int, seed: int) -> None:
+    def __init__(self, parts: tuple[str, ...], width: int, seed: int, states: tuple[str, ...] = (),
+                 shared: Shared | None = None) -> None:
         super().__init__()
+        init_state(self, states, width, shared if shared is not None else Shared())
         self.parts = parts
         self.linear = nn.Linear(width, width)
         self.norm = nn.LayerNorm(width) if "layernorm" in parts else None
@@ -120,13 +127,15 @@ class Block(nn.Module):
                 with torch.no_grad():
                     self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype), alpha=0.5)
                 h = (h - self.center) / self.calls
-        return torch.sin(h) + x
+        return torch.sin(apply_state(self, h)) + x
 
 
 def build(case: Case) -> nn.Sequential:
     """The case's model, from its seed (identical on every call)."""
     torch.manual_seed(case.seed)
-    model = nn.Sequential(*[Block(parts, case.width, case.seed + i) for i, parts in enumerate(case.blocks)])
+    shared = Shared()
+    model = nn.Sequential(*[Block(parts, case.width, case.seed + i, case.states[i] if case.states else (), shared)
+                            for i, parts in enumerate(case.blocks)])
     if case.shared_weight and len(model) > 1:
         model[-1].linear.weight = model[0].linear.weight
     return model.to(case.dtype)

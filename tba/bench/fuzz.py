@@ -12,11 +12,16 @@ input shape, over more steps), a backend, a minimum offload size, the input's ba
 changing input shape), the steps whose backward runs twice through a retained graph, an event per step
 (a normal step, a step that waits for its writes before backward (``flush()``), so that backward reads
 the file instead of memory the writes had not yet freed, an exception raised inside the block, or a
-dropped loss), and whether writes queue and start late, in random order (Note [Writes that queue in the
-fuzzer] in ``tba/bench/_fuzz_io.py``). :func:`run_case` runs the same steps twice from the same seed,
-once without tba and once with it, and compares losses, gradients, buffers, SGD-with-momentum state and
-the input tensors with ``torch.equal``; it also checks that no descriptor, thread or file is left once
-tba has shut its runtimes down. :func:`reproducer` prints the case as Python.
+dropped loss), whether writes queue and start late, in random order (Note [Writes that queue in the
+fuzzer] in ``tba/bench/_fuzz_io.py``), and per block the Python-side state its forward changes and reads
+(counters in nested dicts, lists, a deque, an object shared by every block, attributes set on the first
+call, a cached property, a tensor in a plain object, a private counter: ``tba/bench/_fuzz_state.py``).
+:func:`run_case` runs the same steps twice from the same seed, once without tba and once with it, and
+compares losses, gradients, buffers, that Python-side state, SGD-with-momentum state and the input
+tensors with ``torch.equal``; a run with tba may instead raise a :class:`~tba.errors.TbaError` that
+names state tba does not put back for a recomputation (exact or loud); any other error is a finding.
+It also checks that no descriptor, thread or file is left once tba has shut its runtimes down.
+:func:`reproducer` prints the case as Python.
 
 Note: [Custom generators under recompute]
 A dropout drawn from a ``torch.Generator`` of the model's own is not covered by checkpoint's RNG
@@ -39,6 +44,7 @@ from torch import nn
 
 from tba.bench._fuzz_case import BLOCKS, DTYPES, EVENTS, PLACEMENTS, Block, Case, build, case_input, draw_case
 from tba.bench._fuzz_io import late_engine
+from tba.bench._fuzz_state import refusal_accepted, state_of
 
 __all__ = ["BLOCKS", "DTYPES", "EVENTS", "PLACEMENTS", "Block", "Case", "build", "draw_case", "reproducer", "run_case"]
 
@@ -53,10 +59,26 @@ def _train(case: Case, directory: str | None, engine: Any = None) -> dict[str, A
     trainable = [p for p in model.parameters() if p.requires_grad] or [nn.Parameter(torch.zeros(1))]
     optimizer = torch.optim.SGD(trainable, lr=0.01, momentum=0.9)
     plan = tba.Plan(case.placement, window_bytes=1 << 20) if case.placement is not None else None
+    made: list[Any] = []
+
     def new_offloader() -> Any:
-        return (tba.Offloader(directory, layers=list(model), policy=plan, backend=engine or case.backend,
-                              min_offload_bytes=case.min_offload_bytes)
-                if directory is not None and plan is not None else None)
+        if directory is None or plan is None:
+            return None
+        made.append(tba.Offloader(directory, layers=list(model), policy=plan, backend=engine or case.backend,
+                                  min_offload_bytes=case.min_offload_bytes))
+        return made[-1]
+
+    try:
+        return _steps(case, model, optimizer, directory, engine, new_offloader)
+    except tba.TbaError:  # refused (run_case judges whether rightly): nothing may be left open
+        for offloader in made:
+            offloader.close()
+        raise
+
+
+def _steps(case: Case, model: nn.Sequential, optimizer: Any, directory: str | None, engine: Any,
+           new_offloader: Any) -> dict[str, Any]:
+    import tba
 
     offloader = new_offloader()
     bare = {"policy": _plans_in_turn(case.plans_in_turn), "profile_steps": 1} if case.plans_in_turn else {}
@@ -100,7 +122,7 @@ def _train(case: Case, directory: str | None, engine: Any = None) -> dict[str, A
         inputs.append((before, owner))
     if offloader is not None:
         offloader.close()
-    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()},
+    return {"python_state": state_of(model), "losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()},
             "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
             "momentum": [optimizer.state[p].get("momentum_buffer") for p in optimizer.param_groups[0]["params"]],
             "generators": [block.generator.get_state() for block in model if block.generator is not None]
@@ -157,20 +179,31 @@ def run_case(case: Case) -> list[str]:
     fds, threads = _open_fds(), threading.active_count()
     with (tempfile.TemporaryDirectory(prefix="tba-fuzz-") as directory,
           late_engine(case.late_writes, case.seed, case.backend) as engine):
-        got = _train(case, directory, engine)
+        try:
+            got = _train(case, directory, engine)
+        except tba.TbaError as err:
+            got = {"refused": err}
         tba.shutdown()
         left = os.listdir(directory)
-    for key in ("losses", "grads", "state", "momentum", "generators"):
-        if not _equal(got[key], want[key]):
-            problems.append(f"{key} differ")
-    if not got["inputs_unchanged"]:
-        problems.append("the user's input tensors changed")
+    if "refused" in got:
+        if not refusal_accepted(case.states, str(got["refused"])):
+            problems.append(f"tba raised {type(got['refused']).__name__}: {got['refused']}")
+    else:
+        problems += _differences(got, want)
     if left:
         problems.append(f"files left in the directory: {left}")
     if _open_fds() > fds:
         problems.append(f"{_open_fds() - fds} descriptors left")
     if threading.active_count() > threads + 1:
         problems.append(f"{threading.active_count() - threads} threads left")
+    return problems
+
+
+def _differences(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    problems = [f"{key} differ" for key in ("losses", "grads", "state", "python_state", "momentum", "generators")
+                if not _equal(got[key], want[key])]
+    if not got["inputs_unchanged"]:
+        problems.append("the user's input tensors changed")
     return problems
 
 
