@@ -10,7 +10,7 @@ from and checks before the recomputation that nothing it did not keep has moved)
 The state of a module, for this purpose, is its buffers, its public attributes that hold a tensor,
 a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
 any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
-the bytes of the tensors among them), and the generators it holds. A container nested in a
+the bytes of the tensors and writeable numpy arrays among them), and the generators it holds. A container nested in a
 container, or a plain object's attributes, is not copied here: its items are put back by identity
 (Note [Nested state a recomputation is given back] in ``tba/runtime/_private_state.py``; its
 changes were replayed twice, silently). Its
@@ -98,7 +98,9 @@ class ModuleState:
     items: list[tuple[Key, TensorCopy]]
     """Tensors held in those containers (one level), restored in place."""
     arrays: dict[str, tuple[np.ndarray, np.ndarray]]
-    """numpy array attributes, always copied (they have no version counter to watch)."""
+    """numpy array attributes, always copied (they have no version counter to watch); an array held in those
+    containers (one level) is in it too, under ``name[index]``, and goes back in place (Note [Side effects of a
+    recomputed forward])."""
     training: bool
     """The module's mode when the state was taken: part of each tensor's :data:`Key`."""
 
@@ -131,6 +133,8 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
                     if isinstance(item, torch.Tensor) and not item.is_inference():
                         key = (id(module), f"{name}[{index}]", mode)
                         items.append((key, _copy(item, learned, key, False)))
+                    elif isinstance(item, np.ndarray) and item.flags.writeable:
+                        arrays[f"{name}[{index}]"] = (item, item.copy())
             elif isinstance(value, np.ndarray) and value.flags.writeable:  # a read-only one cannot change in place
                 arrays[name] = (value, value.copy())
         none_buffers = {name for name, value in module._buffers.items() if value is None}
@@ -178,6 +182,9 @@ def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
             for (_, name, _), copied in then.items:
                 _put_bytes(copied, f"tensor {name} of {type(module).__name__}")
             for name, (array, contents) in then.arrays.items():
+                if name.endswith("]"):  # held in a container, put back above: its bytes go back in place
+                    array[...] = contents
+                    continue
                 if getattr(module, name, None) is not array:
                     setattr(module, name, array)
                 if array.shape == contents.shape and array.dtype == contents.dtype:

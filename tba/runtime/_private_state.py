@@ -7,9 +7,10 @@ frameworks keep their own bookkeeping there, and putting it back in the middle o
 break them. A forward that changes private state it reads would recompute from the changed state,
 silently: a tensor updated in place (``self._ema.mul_(0.9)``), one rebound (``self._ema =
 self._ema * 0.9``), a counter (``self._n += 1``), or the same in a private dict, list or tuple (one
-level; Transformer Engine keeps FP8 state so). So :func:`private_state` takes a signature of that
-state (each value's identity, a tensor's version counter, a plain value itself) before the first
-call and :func:`first_change` compares it after: a recomputed layer then raises
+level; Transformer Engine keeps FP8 state so), or a numpy array updated in place (``self._hist +=
+1``; it has no version counter, so its bytes stand for one). So :func:`private_state` takes a
+signature of that state (each value's identity, a tensor's version counter, a numpy array's bytes,
+a plain value itself) before the first call and :func:`first_change` compares it after: a recomputed layer then raises
 :class:`~tba.errors.TbaError` right after its forward, and the profiled steps mark such a layer not
 recomputable, so the adaptive default never recomputes it (reviews found ``OOSS`` and ``OSSS``
 planned for such layers, silently wrong). torch's own attributes of every module are left out. A
@@ -52,8 +53,8 @@ as the first call began (``FirstCall.nested``), and :func:`put_back_nested` writ
 recomputation, by identity (the items of a list, dict, set or deque; a plain object's ``vars()``,
 straight into its ``__dict__``: no ``__setattr__``, frozen dataclasses too) and returns what
 restores the present items after it; a counter ``self.counter.n += 1`` or ``block.shared.index = i``
-recomputes exactly. Only a tensor among them updated in place (its version moved; tba holds no
-copy) raises: in forward (:func:`moved_nested_tensor`) or before the recomputation. The profiled
+recomputes exactly. Only a tensor or a numpy array among them updated in place (its version moved,
+its bytes changed; tba holds no copy) raises: in forward (:func:`moved_nested_tensor`) or before the recomputation. The profiled
 steps still mark a layer whose nested state changes not recomputable.
 """
 
@@ -75,7 +76,7 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
-Entry = tuple[str, Any, "int | None"]
+Entry = tuple[str, Any, "int | bytes | None"]
 
 
 class Signature(list):
@@ -191,8 +192,12 @@ def _private_change(before: Signature, after: Signature) -> str | None:
 
 
 def _entry(label: str, value: Any) -> Entry:
+    """(label, value, what tells an update in place): a tensor's version counter, a writeable numpy array's bytes (it
+    has no version; Note [Private state of a recomputed layer]), else None."""
     if isinstance(value, torch.Tensor) and not value.is_inference():
         return label, value, value._version
+    if isinstance(value, np.ndarray) and value.flags.writeable:
+        return label, value, value.tobytes()
     return label, value, None
 
 

@@ -1,0 +1,70 @@
+"""numpy arrays a recomputed layer's forward updates in place and reads: in a public container, put back for the
+recomputation; private, or in a plain object, a :class:`~tba.TbaError` (Notes [Side effects of a recomputed forward]
+in ``tba/runtime/_layer_state.py`` and [Private state of a recomputed layer] in ``tba/runtime/_private_state.py``).
+
+Found by adversarial differential testing: each recomputed from the updated array, silently (the gradients and
+the arrays of training without tba differed; an array has no version counter, and tba copied only one held
+directly in a public attribute)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba import TbaError
+
+
+class Counts(nn.Module):
+    """Counts its calls in a numpy array, held as ``how`` says, and scales its output by the count."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.how = how
+        self.in_dict, self.in_list, self._private = {"n": np.zeros(1)}, [np.zeros(1)], np.zeros(1)
+        self.holder = types.SimpleNamespace(n=np.zeros(1))
+
+    def _array(self) -> np.ndarray:
+        return {"dict": self.in_dict["n"], "list": self.in_list[0], "private": self._private,
+                "object": self.holder.n}[self.how]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        array = self._array()
+        array += 1
+        return torch.sin(self.linear(x) * (1.0 + 0.5 * float(array[0]))) + x
+
+
+def _steps(spill_dir: str, how: str, plan: tuple[str, ...] | None) -> list:
+    torch.manual_seed(0)
+    model = nn.Sequential(Counts(how), Counts(how))
+    result = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
+              if plan else contextlib.nullcontext()):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad()
+    return result + [torch.from_numpy(layer._array().copy()) for layer in model]
+
+
+@pytest.mark.parametrize("how", ["dict", "list"])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_an_array_in_a_public_container_is_put_back_for_the_recomputation(spill_dir, decision, how):
+    reference = _steps(spill_dir, how, None)
+    result = _steps(spill_dir, how, (decision, decision))
+    assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
+
+
+@pytest.mark.parametrize(("how", "label"), [("private", "Counts._private"), ("object", "Counts.holder.n")])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_private_or_nested_array_updated_in_place_raises(spill_dir, decision, how, label):
+    with pytest.raises(TbaError, match=label):
+        _steps(spill_dir, how, (decision, decision))
