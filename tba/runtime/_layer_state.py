@@ -10,8 +10,9 @@ from and checks before the recomputation that nothing it did not keep has moved)
 The state of a module, for this purpose, is its buffers, its public attributes that hold a tensor,
 a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
 any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
-the bytes of the tensors and writeable numpy arrays among them), and the generators it holds. A container nested in a
-container, or a plain object's attributes, is not copied here: its items are put back by identity
+the bytes of the tensors and writeable numpy arrays among them, and among a tuple's items), and the
+generators it holds. A container nested in a
+container or a tuple, or a plain object's attributes, is not copied here: its items are put back by identity
 (Note [Nested state a recomputation is given back] in ``tba/runtime/_private_state.py``; its
 changes were replayed twice, silently). Its
 parameters are checked, not copied. Private attributes (``_name``) are left alone: modules and the
@@ -127,20 +128,29 @@ def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
                     tensors[name] = _copy(value, learned, (id(module), name, mode), False)
             elif isinstance(value, _PLAIN_TYPES):
                 plain[name] = value
+                if isinstance(value, tuple):  # it cannot change, a tensor or an array it holds can
+                    _held_arrays(module, name, value, learned, items, arrays)
             elif isinstance(value, _CONTAINER_TYPES):
                 containers[name] = (value, copy.copy(value))
-                for index, item in enumerate(held_items(value)):
-                    if isinstance(item, torch.Tensor) and not item.is_inference():
-                        key = (id(module), f"{name}[{index}]", mode)
-                        items.append((key, _copy(item, learned, key, False)))
-                    elif isinstance(item, np.ndarray) and item.flags.writeable:
-                        arrays[f"{name}[{index}]"] = (item, item.copy())
+                _held_arrays(module, name, held_items(value), learned, items, arrays)
             elif isinstance(value, np.ndarray) and value.flags.writeable:  # a read-only one cannot change in place
                 arrays[name] = (value, value.copy())
         none_buffers = {name for name, value in module._buffers.items() if value is None}
         states.append(ModuleState(module, tensors, set(module._buffers), none_buffers, plain, containers, items, arrays,
                                   mode))
     return states
+
+
+def _held_arrays(module: nn.Module, name: str, held: Any, learned: Learned, items: list[tuple[Key, TensorCopy]],
+                 arrays: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Copy, into ``items`` and ``arrays``, the tensors and writeable numpy arrays among ``held`` (what the public
+    attribute ``name`` holds, one level)."""
+    for index, item in enumerate(held):
+        if isinstance(item, torch.Tensor) and not item.is_inference():
+            key = (id(module), f"{name}[{index}]", module.training)
+            items.append((key, _copy(item, learned, key, False)))
+        elif isinstance(item, np.ndarray) and item.flags.writeable:
+            arrays[f"{name}[{index}]"] = (item, item.copy())
 
 
 def _copy(tensor: torch.Tensor, learned: Learned, key: Key, is_buffer: bool) -> TensorCopy:

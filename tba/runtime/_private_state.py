@@ -24,11 +24,12 @@ such a change: a plan that recomputes the layer raises at its first backward.
 
 Note: [State a recomputed layer changes that tba does not put back]
 tba copies public container attributes one level deep (Note [Side effects of a recomputed forward]
-in ``tba/runtime/_layer_state.py``): a container inside one (``self.history = {"calls": []}``,
-``self.rows = [[0]]``) and a plain object (``self.counter.n += 1``, a config object a schedule writes
-into) are held, not copied. A forward that changed them and read them recomputed from the changed
-state, silently, and the adaptive default planned such layers for recomputation (``ORRK`` and
-``RRKK`` in an adversarial review, every gradient of the planned steps wrong). So the signature
+in ``tba/runtime/_layer_state.py``): a container inside one or inside a public tuple (``self.history
+= {"calls": []}``, ``self.rows = [[0]]``, ``self.pair = ([], [])``) and a plain object
+(``self.counter.n += 1``, a config object a schedule writes into) are held, not copied. A forward
+that changed them and read them recomputed from the changed state, silently, and the adaptive
+default planned such layers for recomputation (``ORRK`` and ``RRKK`` in an adversarial review,
+every gradient of the planned steps wrong). So the signature
 also holds, per public attribute, the contents of each such object one level down (each container
 inside a public container, each plain object held directly or in one: its items, or its ``vars()``),
 compared around the first call; the labels of these values are :class:`DeepLabel`. Such a change no longer
@@ -145,7 +146,7 @@ def _deep(found: dict[int, tuple[str, Any, list[Entry], list]], label: str, valu
     and containers inside a container (Note [State a recomputed layer changes that tba does not put back])."""
     if _plain_object(value):
         found[id(value)] = (label, value, _contents(value, label), _items(value))
-    elif isinstance(value, _CONTAINERS) and not isinstance(value, tuple):
+    elif isinstance(value, _CONTAINERS):  # a tuple too: it cannot change, a list it holds can
         items = value.items() if isinstance(value, dict) else enumerate(value) if not isinstance(value, set) else ()
         for key, item in items:
             if _plain_object(item) or (isinstance(item, _CONTAINERS) and not isinstance(item, tuple)):

@@ -1,10 +1,11 @@
-"""numpy arrays a recomputed layer's forward updates in place and reads: in a public container, put back for the
-recomputation; private, or in a plain object, a :class:`~tba.TbaError` (Notes [Side effects of a recomputed forward]
-in ``tba/runtime/_layer_state.py`` and [Private state of a recomputed layer] in ``tba/runtime/_private_state.py``).
+"""numpy arrays a recomputed layer's forward updates in place and reads: in a public container or tuple, put back for
+the recomputation; private, or in a plain object, a :class:`~tba.TbaError` (Notes [Side effects of a recomputed
+forward] in ``tba/runtime/_layer_state.py`` and [Private state of a recomputed layer] in
+``tba/runtime/_private_state.py``). Also a tensor, or a list, held in a public tuple.
 
-Found by adversarial differential testing: each recomputed from the updated array, silently (the gradients and
-the arrays of training without tba differed; an array has no version counter, and tba copied only one held
-directly in a public attribute)."""
+Found by adversarial differential testing: each recomputed from the updated state, silently (the gradients and
+the state of training without tba differed; an array has no version counter, tba copied only one held directly in
+a public attribute, and it treated a tuple as a plain value, leaving what it holds alone)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,17 @@ class Counts(nn.Module):
         self.how = how
         self.in_dict, self.in_list, self._private = {"n": np.zeros(1)}, [np.zeros(1)], np.zeros(1)
         self.holder = types.SimpleNamespace(n=np.zeros(1))
+        self.in_tuple = (np.zeros(1), torch.zeros(1), [])
 
     def _array(self) -> np.ndarray:
-        return {"dict": self.in_dict["n"], "list": self.in_list[0], "private": self._private,
-                "object": self.holder.n}[self.how]
+        return {"dict": self.in_dict["n"], "list": self.in_list[0], "private": self._private, "object": self.holder.n,
+                "tuple": self.in_tuple[0]}.get(self.how, np.array([len(self.in_tuple[2])], dtype=float))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how.startswith("tuple"):  # a tensor or a list in a tuple
+            tensor, calls = self.in_tuple[1:]
+            tensor.add_(1) if self.how == "tuple tensor" else calls.append(1)
+            return torch.sin(self.linear(x) * (1.0 + 0.5 * (float(tensor[0]) + len(calls)))) + x
         array = self._array()
         array += 1
         return torch.sin(self.linear(x) * (1.0 + 0.5 * float(array[0]))) + x
@@ -52,10 +58,10 @@ def _steps(spill_dir: str, how: str, plan: tuple[str, ...] | None) -> list:
         loss.backward()
         result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
         model.zero_grad()
-    return result + [torch.from_numpy(layer._array().copy()) for layer in model]
+    return result + [torch.from_numpy(layer._array().copy()) for layer in model] + [layer.in_tuple[1] for layer in model]
 
 
-@pytest.mark.parametrize("how", ["dict", "list"])
+@pytest.mark.parametrize("how", ["dict", "list", "tuple", "tuple tensor", "tuple list"])
 @pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
 def test_an_array_in_a_public_container_is_put_back_for_the_recomputation(spill_dir, decision, how):
     reference = _steps(spill_dir, how, None)
