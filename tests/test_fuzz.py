@@ -155,8 +155,8 @@ def test_the_fuzzer_sees_nested_state_not_given_back(monkeypatch):
     from tba.runtime import _recompute
 
     monkeypatch.setattr(_recompute, "put_back_nested", lambda layer, before: lambda: None)
-    assert "nested_list" in draw_case(6).states[1]
-    assert run_case(draw_case(6))
+    assert "nested_counter" in draw_case(14).states[1]
+    assert run_case(draw_case(14))
 
 
 def test_the_fuzzer_sees_private_state_not_refused(monkeypatch):

@@ -4,10 +4,11 @@ A recomputed layer runs its forward again in backward; a forward that changes st
 must recompute from the state its first call started from, and leave the state as one forward would
 (Note [Side effects of a recomputed forward] in ``tba/runtime/_layer_state.py``, Notes [State a
 recomputed layer changes that tba does not put back] and [Nested state a recomputation is given
-back] in ``tba/runtime/_private_state.py``). Each part of :data:`STATES` is one way a model does so;
-every one scales the block's activation by what it read, so a recomputation from other state changes
-the gradients. The parts of :data:`REFUSED` are ones tba cannot put back: it must raise a
-:class:`~tba.errors.TbaError` naming the attribute when it recomputes them, never differ silently.
+back] in ``tba/runtime/_private_state.py``). Each part of :data:`STATES` is one way a model does so
+(numpy arrays in a dict, a tensor and a list in a tuple too); every one scales the block's activation
+by what it read, so a recomputation from other state changes the gradients. The parts of
+:data:`REFUSED` are ones tba cannot put back: it must raise a :class:`~tba.errors.TbaError` naming
+the attribute when it recomputes them, never differ silently.
 :func:`state_of` is what the fuzzer compares after the steps, with and without tba.
 """
 
@@ -18,12 +19,14 @@ import functools
 import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 STATES = ("nested_counter", "nested_list", "public_list", "deque", "shared_object", "first_call_config",
-          "cached_property", "first_call_attribute", "nested_tensor", "private_counter")
-REFUSED = {"nested_tensor": "ema_holder", "private_counter": "_private_calls"}
+          "cached_property", "first_call_attribute", "nested_tensor", "private_counter", "array_in_dict", "tuple_held",
+          "private_array")
+REFUSED = {"nested_tensor": "ema_holder", "private_counter": "_private_calls", "private_array": "_private_hits"}
 """Parts whose state tba does not put back for a recomputation, and the name its error must give."""
 
 
@@ -65,6 +68,9 @@ def init_state(block: nn.Module, parts: tuple[str, ...], width: int, shared: Sha
     block.first_shape = None
     block.ema_holder = Tracker(width)
     block._private_calls = 0
+    block.arrays = {"hits": np.zeros(1)}
+    block.pair = (torch.zeros(1), [])
+    block._private_hits = np.zeros(1)
 
 
 def apply_state(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -103,6 +109,14 @@ def _scale(block: nn.Module, part: str, h: torch.Tensor) -> float:
         if first:
             block.first_shape = tuple(h.shape)
         return 1.5 if first else 1.0
+    if part in ("array_in_dict", "private_array"):
+        hits = block.arrays["hits"] if part == "array_in_dict" else block._private_hits
+        hits += 1
+        return 1.0 + 0.125 * float(hits[0])
+    if part == "tuple_held":
+        block.pair[0].add_(1)
+        block.pair[1].append(1)
+        return 1.0 + 0.0625 * (float(block.pair[0][0]) + len(block.pair[1]))
     block._private_calls += 1  # private_counter
     return 1.0 + 0.125 * block._private_calls
 
@@ -117,7 +131,9 @@ def state_of(model: nn.Module) -> list[Any]:
     """The Python-side state of every block and of the object they share, as comparable values."""
     blocks = [{"history": block.history["inner"]["calls"], "rows": list(block.rows[0]), "seen": list(block.seen),
                "recent": list(block.recent), "first_shape": block.first_shape, "ema": block.ema_holder.ema.clone(),
-               "private": block._private_calls} for block in model]
+               "private": block._private_calls, "arrays": torch.from_numpy(block.arrays["hits"].copy()),
+               "pair": [block.pair[0].clone(), list(block.pair[1])],
+               "private_hits": torch.from_numpy(block._private_hits.copy())} for block in model]
     shared = model[0].shared
     return [*blocks, {"index": shared.index, "problem_type": shared.problem_type, "scale": vars(shared).get("scale")}]
 
