@@ -82,8 +82,8 @@ from tba.runtime._learned import learned_for
 from tba.runtime._private_state import (
     DeepLabel,
     check_private_unchanged,
+    check_restorable,
     first_change,
-    moved_nested_tensor,
     private_state,
     put_back_nested,
 )
@@ -148,8 +148,9 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             out = forward(*args, **kwargs)
             first.private, first.nested = (private_state(layer) if private else []), private
             change = first_change(private, first.private) if private else None
-            if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: unless a tensor moved
-                change = moved_nested_tensor(private, first.private)
+            if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
+                check_restorable(layer, private.deep, first.private.deep)
+                change = None
             _check_inputs_unchanged(layer, inputs, change)
             first.settle(layer, learned)
             return out
@@ -235,12 +236,6 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
     on its own, whose recomputation still raises here.
     """
-    if isinstance(private_change, DeepLabel):  # Note [Nested state a recomputation is given back] in _private_state.py
-        raise TbaError(
-            f"the forward of a recomputed layer ({type(layer).__name__}) updated in place a tensor tba does not copy "
-            f"({private_change}: in a container inside a public container, or in a plain object; tba copies public "
-            "attributes one level deep), so its recomputation in backward would start from the changed tensor. "
-            "Hold that tensor one level deep (a buffer, or a tensor in a public attribute), or keep or offload this layer")
     if private_change is not None:
         raise TbaError(
             f"the forward of a recomputed layer ({type(layer).__name__}) changed private state of its modules "

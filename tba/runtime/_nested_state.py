@@ -1,0 +1,261 @@
+"""The objects nested in a recomputed layer's public attributes: a bounded walk, their signatures, and putting them back.
+
+Note: [The walk of nested state]
+:func:`walk` finds, below each public attribute, the containers (list, dict, set, deque; a tuple is
+walked through, it cannot change) and plain objects (``vars()``, or the slots of a ``__slots__``
+class) that tba does not copy: a plain object held directly, and everything below a public
+container or plain object, level by level (``self.config.history``, ``self.deep["a"]["b"]``). Each
+is recorded once, by identity (a cycle or an object reached twice, as a config every attention
+holds, is not walked again), with its contents' signature and its items to put back (Note [Nested
+state a recomputation is given back] in ``tba/runtime/_private_state.py``). The walk is bounded so
+that a recomputed call stays cheap: objects more than
+:data:`~tba.defaults.RECOMPUTE_NESTED_STATE_DEPTH` levels below the module, and any object reached
+once the walk has taken :data:`~tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS` items, are compared by
+their length alone (their number of attributes for a plain object) and not walked into. tba cannot
+put such an object back, so a change of its length raises :class:`~tba.errors.TbaError` naming its
+path (:func:`check_restorable`); a change that keeps its length (``d["n"] += 1`` in it), or anything
+below it, is not seen.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tba import defaults
+from tba.errors import TbaError
+
+PLAIN = (int, float, complex, bool, str, bytes, type(None))
+CONTAINERS = (list, tuple, dict, set, collections.deque)
+
+Entry = tuple[str, Any, "int | bytes | None"]
+Nested = tuple[str, Any, list[Entry], "list | None"]
+"""(label, the object, its entries, its items to put back; None for one past the walk's bound, whose only entry is its
+length)."""
+
+
+class DeepLabel(str):
+    """The label of a value nested in a public attribute (Note [State a recomputed layer changes that tba does not put
+    back] in ``tba/runtime/_private_state.py``), as opposed to private state."""
+
+
+def entry(label: str, value: Any) -> Entry:
+    """(label, value, what tells an update in place): a tensor's version counter, a writeable numpy array's bytes (it
+    has no version; Note [Private state of a recomputed layer]), else None."""
+    if isinstance(value, torch.Tensor) and not value.is_inference():
+        return label, value, value._version
+    if isinstance(value, np.ndarray) and value.flags.writeable:
+        return label, value, value.tobytes()
+    return label, value, None
+
+
+@functools.cache
+def _slots(cls: type) -> tuple[str, ...]:
+    """The attribute names of the ``__slots__`` of ``cls`` and its bases (mangled as Python stores them)."""
+    names = []
+    for base in cls.__mro__:
+        declared = vars(base).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            names.append(f"_{base.__name__.lstrip('_')}{name}" if name.startswith("__") else name)
+    return tuple(names)
+
+
+_UNSET = object()
+
+
+def _fields(value: Any) -> list[tuple[str, Any]]:
+    """A plain object's attributes: its ``vars()`` and its slots that are set."""
+    found = list(vars(value).items()) if hasattr(value, "__dict__") else []
+    for name in _slots(type(value)):
+        item = getattr(value, name, _UNSET)
+        if item is not _UNSET:
+            found.append((name, item))
+    return found
+
+
+def plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object whose attributes a forward may update and tba neither copies nor checks."""
+    return _kind(type(value)) == 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(cls: type) -> int:
+    """1 for a plain object's type (:func:`plain_object`), 2 for a container's, else 0; by type, as the walk asks it of
+    every value it meets (an ``isinstance`` of a Hugging Face config runs its ``__getattribute__``)."""
+    if issubclass(cls, CONTAINERS):
+        return 2
+    if issubclass(cls, (torch.Tensor, np.ndarray, nn.Module, torch.Generator, random.Random, np.random.Generator,
+                        np.random.RandomState, type, *PLAIN)) or any("__call__" in vars(base) for base in cls.__mro__):
+        return 0
+    return 1 if cls.__dictoffset__ or _slots(cls) else 0
+
+
+def _pairs(value: Any) -> Any:
+    """(key, item) of what ``value`` holds: a dict's items, a plain object's fields, else (index, item)."""
+    if isinstance(value, dict):
+        return value.items()
+    return enumerate(value) if isinstance(value, CONTAINERS) else _fields(value)
+
+
+def contents(value: Any, label: str) -> list[Entry]:
+    if isinstance(value, CONTAINERS):
+        return [entry(f"{label}[{key!r}]", item) for key, item in _pairs(value)]
+    return [entry(f"{label}.{name}", item) for name, item in _fields(value)]
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, CONTAINERS) else len(_fields(value))
+
+
+def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) -> None:
+    """Record, in ``found``, the objects nested in the public attribute ``label`` (Note [The walk of nested state]);
+    ``budget``: the items the walk may still take, shared by one signature's attributes."""
+    if not _kind(type(value)):
+        return
+    queue = collections.deque([(label, value, 1)])
+    while queue:
+        label, value, level = queue.popleft()
+        if level > 1 or _kind(type(value)) == 1:
+            if id(value) in found:
+                continue
+            size = _size(value)
+            if level > defaults.RECOMPUTE_NESTED_STATE_DEPTH or size > budget[0]:
+                found[id(value)] = (label, value, [(label, size, None)], None)
+                continue
+            budget[0] -= size
+            if not isinstance(value, tuple):
+                found[id(value)] = (label, value, contents(value, label), _items(value))
+        for key, item in _pairs(value):
+            if _kind(type(item)):
+                inner = f"{label}.{key}" if isinstance(key, str) and not isinstance(value, CONTAINERS) else \
+                    f"{label}[{key!r}]"
+                queue.append((inner, item, level + 1))
+
+
+def entries_change(before: list[Entry], after: list[Entry]) -> str | None:
+    if len(before) != len(after):
+        return None if not before and not after else (after or before)[0][0]
+    return first_differing(before, after)
+
+
+def first_differing(before: list[Entry], after: list[Entry]) -> str | None:
+    """Of two entry lists of one length: the label of the first entry that differs, else None."""
+    for (label, value, version), (label_after, value_after, version_after) in zip(before, after):
+        if label != label_after:
+            return label_after
+        if version != version_after or not same(value, value_after):
+            return label
+    return None
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether a private value is unchanged: the same object, an equal plain value, or a tuple of the same
+    type and length (a ``torch.Size`` rebuilt each call; its items are compared as entries of their own)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b)
+    return isinstance(a, PLAIN) and a == b
+
+
+def _now(label: str, value: Any, items: list | None) -> list[Entry]:
+    return [(label, _size(value), None)] if items is None else contents(value, label)
+
+
+def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[int, Nested] | None = None) -> bool:
+    """Raise :class:`TbaError` when an object of ``before`` changed (in the forward, as ``after`` shows; or since, when
+    ``after`` is None) in a way :func:`put_back_nested` cannot put back: a tensor or array in it updated in place, or
+    one past the walk's bound changed; return whether anything changed."""
+    changed, name = False, type(layer).__name__
+    when = "in its forward" if after is not None else "between its forward and backward"
+    for key, (label, value, entries, items) in before.items():
+        now = after[key][2] if after is not None and key in after else _now(label, value, items)
+        if entries_change(entries, now) is None:
+            continue
+        changed = True
+        if items is None:
+            raise TbaError(
+                f"state of a recomputed layer ({name}) nested beyond what tba walks changed {when} ({label}: deeper "
+                f"than {defaults.RECOMPUTE_NESTED_STATE_DEPTH} levels, or past {defaults.RECOMPUTE_NESTED_STATE_ITEMS} "
+                "items), and tba cannot put it back for the recomputation, which would compute another forward. Hold "
+                "that state nearer the module, or keep or offload this layer")
+        versions = {id(item): version for _, item, version in entries if version is not None}
+        moved = next((label for label, item, version in now
+                      if version is not None and versions.get(id(item), version) != version), None)
+        if moved is not None and after is not None:
+            raise TbaError(
+                f"the forward of a recomputed layer ({name}) updated in place a tensor tba does not copy ({moved}: in "
+                "a container inside a public container, or in a plain object; tba copies public attributes one level "
+                "deep), so its recomputation in backward would start from the changed tensor. Hold that tensor one "
+                "level deep (a buffer, or a tensor in a public attribute), or keep or offload this layer")
+        if moved is not None:
+            raise TbaError(
+                f"state of a recomputed layer ({name}) nested too deep for tba to copy was updated in place ({moved}) "
+                "between its forward and backward (tba copies public attributes one level deep: a tensor in a "
+                "container inside a container, or in a plain object, is not), and the recomputation would compute "
+                "another forward. Change it after backward, hold it one level deep (a buffer, or a tensor in a public "
+                "attribute), or keep or offload this layer")
+    return changed
+
+
+def put_back_nested(layer: nn.Module, before: Any) -> Any:
+    """Before a recomputation: put the contents of each object nested in a public attribute that changed since the
+    first call began (``before``: their signatures then) back as they were, and return what restores the present
+    contents (Note [Nested state a recomputation is given back]); raise :class:`TbaError` where that cannot be done."""
+    present: list[tuple[Any, list, list]] = []
+    before = getattr(before, "deep", {})
+    if check_restorable(layer, before):
+        for label, value, entries, then in before.values():
+            if then is not None and entries_change(entries, contents(value, label)) is not None:
+                present.append((value, _items(value), then))
+    for value, _, then in present:
+        _set_items(value, then)
+
+    def restore() -> None:
+        for value, items, _ in present:
+            _set_items(value, items)
+
+    return restore
+
+
+def _items(value: Any) -> list:
+    """What ``value`` holds, to put back with :func:`_set_items`: (key, item) pairs of a dict or a plain object's
+    fields, else the items."""
+    if isinstance(value, dict):
+        return list(value.items())
+    return list(value) if isinstance(value, CONTAINERS) else _fields(value)
+
+
+def _set_items(value: Any, items: list) -> None:
+    """Make ``value`` hold ``items`` (from :func:`_items`), in place; a plain object's straight into its ``__dict__``
+    and slots (no ``__setattr__``: frozen dataclasses too)."""
+    if isinstance(value, list):
+        value[:] = items
+    elif isinstance(value, (set, collections.deque)):
+        value.clear()
+        value.update(items) if isinstance(value, set) else value.extend(items)
+    elif isinstance(value, dict):
+        value.clear()
+        value.update(items)
+    else:
+        slots = set(_slots(type(value)))
+        if hasattr(value, "__dict__"):
+            target = vars(value)
+            target.clear()
+            target.update((name, item) for name, item in items if name not in slots)
+        held = dict(items)
+        for name in slots:
+            if name in held:
+                object.__setattr__(value, name, held[name])
+            elif getattr(value, name, _UNSET) is not _UNSET:
+                object.__delattr__(value, name)
