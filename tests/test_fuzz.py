@@ -159,14 +159,23 @@ def test_the_fuzzer_sees_nested_state_not_given_back(monkeypatch):
     assert run_case(draw_case(14))
 
 
+def test_the_fuzzer_sees_deeper_nested_state_not_put_back(monkeypatch):
+    """A tba that recomputes from the dicts and list a forward changed three levels down in a config object is caught."""
+    from tba.runtime import _recompute
+
+    monkeypatch.setattr(_recompute, "put_back_nested", lambda layer, before: lambda: None)
+    assert "deep_config" in draw_case(15).states[1]
+    assert run_case(draw_case(15))
+
+
 def test_the_fuzzer_sees_private_state_not_refused(monkeypatch):
     """A tba that recomputes a layer whose forward changed private state it reads, instead of raising, is caught."""
     from tba.runtime import _recompute
 
     monkeypatch.setattr(_recompute, "check_private_unchanged", lambda layer, after: None)
     monkeypatch.setattr(_recompute, "first_change", lambda before, after: None)
-    assert any("private_counter" in parts for parts in draw_case(24).states)
-    assert run_case(draw_case(24))
+    assert any("private_counter" in parts for parts in draw_case(12).states)
+    assert run_case(draw_case(12))
 
 
 def test_a_refusal_that_names_no_drawn_state_is_a_finding(monkeypatch):

@@ -5,7 +5,8 @@ must recompute from the state its first call started from, and leave the state a
 (Note [Side effects of a recomputed forward] in ``tba/runtime/_layer_state.py``, Notes [State a
 recomputed layer changes that tba does not put back] and [Nested state a recomputation is given
 back] in ``tba/runtime/_private_state.py``). Each part of :data:`STATES` is one way a model does so
-(numpy arrays in a dict, a tensor and a list in a tuple too); every one scales the block's activation
+(numpy arrays in a dict, a tensor and a list in a tuple, dicts and a list three levels down in a
+config object, a ``__slots__`` object too); every one scales the block's activation
 by what it read, so a recomputation from other state changes the gradients. The parts of
 :data:`REFUSED` are ones tba cannot put back: it must raise a :class:`~tba.errors.TbaError` naming
 the attribute when it recomputes them, never differ silently.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import functools
 import random
+import types
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ from torch import nn
 
 STATES = ("nested_counter", "nested_list", "public_list", "deque", "shared_object", "first_call_config",
           "cached_property", "first_call_attribute", "nested_tensor", "private_counter", "array_in_dict", "tuple_held",
-          "private_array")
+          "private_array", "deep_config", "slots_object")
 REFUSED = {"nested_tensor": "ema_holder", "private_counter": "_private_calls", "private_array": "_private_hits"}
 """Parts whose state tba does not put back for a recomputation, and the name its error must give."""
 
@@ -50,6 +52,15 @@ class Tracker:
         self.ema = torch.zeros(width)
 
 
+class Slots:
+    """A plain object with ``__slots__`` (no ``vars()``) the forward advances."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 def draw_states(rng: random.Random, count: int) -> tuple[tuple[str, ...], ...]:
     """Per block, the stateful parts of a case (none for about half the cases)."""
     if rng.random() < 0.5:
@@ -71,6 +82,8 @@ def init_state(block: nn.Module, parts: tuple[str, ...], width: int, shared: Sha
     block.arrays = {"hits": np.zeros(1)}
     block.pair = (torch.zeros(1), [])
     block._private_hits = np.zeros(1)
+    block.config = types.SimpleNamespace(counts={"inner": {"n": 0}}, history=[])
+    block.slots = Slots()
 
 
 def apply_state(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -117,6 +130,13 @@ def _scale(block: nn.Module, part: str, h: torch.Tensor) -> float:
         block.pair[0].add_(1)
         block.pair[1].append(1)
         return 1.0 + 0.0625 * (float(block.pair[0][0]) + len(block.pair[1]))
+    if part == "deep_config":
+        block.config.counts["inner"]["n"] += 1
+        block.config.history.append(len(block.config.history))
+        return 1.0 + 0.0625 * (block.config.counts["inner"]["n"] + len(block.config.history))
+    if part == "slots_object":
+        block.slots.n += 1
+        return 1.0 + 0.125 * block.slots.n
     block._private_calls += 1  # private_counter
     return 1.0 + 0.125 * block._private_calls
 
@@ -133,7 +153,9 @@ def state_of(model: nn.Module) -> list[Any]:
                "recent": list(block.recent), "first_shape": block.first_shape, "ema": block.ema_holder.ema.clone(),
                "private": block._private_calls, "arrays": torch.from_numpy(block.arrays["hits"].copy()),
                "pair": [block.pair[0].clone(), list(block.pair[1])],
-               "private_hits": torch.from_numpy(block._private_hits.copy())} for block in model]
+               "private_hits": torch.from_numpy(block._private_hits.copy()),
+               "config": [block.config.counts["inner"]["n"], list(block.config.history)], "slots": block.slots.n}
+              for block in model]
     shared = model[0].shared
     return [*blocks, {"index": shared.index, "problem_type": shared.problem_type, "scale": vars(shared).get("scale")}]
 
