@@ -196,8 +196,8 @@ def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[in
             raise TbaError(
                 f"the forward of a recomputed layer ({name}) updated in place a tensor tba does not copy ({moved}: in "
                 "a container inside a public container, or in a plain object; tba copies public attributes one level "
-                "deep), so its recomputation in backward would start from the changed tensor. Hold that tensor one "
-                "level deep (a buffer, or a tensor in a public attribute), or keep or offload this layer")
+                "deep), so its recomputation in backward would start from the changed tensor (or numpy array). Hold "
+                "it one level deep (a buffer, or a tensor in a public attribute), or keep or offload this layer")
         if moved is not None:
             raise TbaError(
                 f"state of a recomputed layer ({name}) nested too deep for tba to copy was updated in place ({moved}) "
