@@ -98,12 +98,12 @@ forward] in ``tba/runtime/_layer_state.py``)."""
 
 RECOMPUTE_NESTED_STATE_DEPTH = 6
 """Objects nested at most this many levels below a recomputed layer's module (``self.config.history`` is 2) are walked
-and put back for the recomputation; deeper ones are compared by their length alone, and a change raises (Note [The
-walk of nested state] in ``tba/runtime/_nested_state.py``)."""
+and put back for the recomputation; deeper ones are held shallow: put back, not walked into (Note [The walk of nested
+state] in ``tba/runtime/_nested_state.py``)."""
 
 RECOMPUTE_NESTED_STATE_ITEMS = 1024
-"""The items the walk of a recomputed layer's nested state takes per call, at most: an object reached past them is
-compared by its length alone (Note [The walk of nested state] in ``tba/runtime/_nested_state.py``)."""
+"""The items the walk of a recomputed layer's nested state takes per call, at most: an object reached past them is held
+shallow (Note [The walk of nested state] in ``tba/runtime/_nested_state.py``)."""
 
 LINGER_SWEEP_PER_CALL = 2
 """Written storages still used by the program that each save, unpack and freed view re-checks

@@ -8,19 +8,23 @@ container or plain object, level by level (``self.config.history``, ``self.deep[
 is recorded once, by identity (a cycle or an object reached twice, as a config every attention
 holds, is not walked again), with its contents' signature and its items to put back (Note [Nested
 state a recomputation is given back] in ``tba/runtime/_private_state.py``). The walk is bounded so
-that a recomputed call stays cheap: objects more than
-:data:`~tba.defaults.RECOMPUTE_NESTED_STATE_DEPTH` levels below the module, and any object reached
-once the walk has taken :data:`~tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS` items, are compared by
-their length alone (their number of attributes for a plain object) and not walked into. tba cannot
-put such an object back, so a change of its length raises :class:`~tba.errors.TbaError` naming its
-path (:func:`check_restorable`); a change that keeps its length (``d["n"] += 1`` in it), or anything
-below it, is not seen.
+that a recomputed call stays cheap: an object more than
+:data:`~tba.defaults.RECOMPUTE_NESTED_STATE_DEPTH` levels below the module, or reached once the walk
+has taken :data:`~tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS` items, is held *shallow*
+(:class:`Shallow`): the objects it holds are kept by identity (a copy of the references, at C speed),
+compared by identity (``d["n"] += 1`` makes a new int, seen) and put back as they were, but not
+walked into. A metrics list in a config object that grows every step is so put back for each
+recomputation however long it gets (with a limit that raised instead, training would have failed
+after about a thousand steps); what changes inside an object below it (a counter in a dict in it)
+is not seen.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import operator
 import random
 from typing import Any
 
@@ -35,9 +39,14 @@ PLAIN = (int, float, complex, bool, str, bytes, type(None))
 CONTAINERS = (list, tuple, dict, set, collections.deque)
 
 Entry = tuple[str, Any, "int | bytes | None"]
-Nested = tuple[str, Any, list[Entry], "list | None"]
-"""(label, the object, its entries, its items to put back; None for one past the walk's bound, whose only entry is its
-length)."""
+Nested = tuple[str, Any, list[Entry], list]
+"""(label, the object, its entries, its items to put back: a :class:`Shallow` list for one past the walk's bound, whose
+only entry is its length, and whose items are compared instead)."""
+
+
+class Shallow(list):
+    """The items of an object past the walk's bound (Note [The walk of nested state]): compared by identity and put back,
+    not walked into."""
 
 
 class DeepLabel(str):
@@ -128,7 +137,7 @@ def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) ->
                 continue
             size = _size(value)
             if level > defaults.RECOMPUTE_NESTED_STATE_DEPTH or size > budget[0]:
-                found[id(value)] = (label, value, [(label, size, None)], None)
+                found[id(value)] = (label, value, [(label, size, None)], Shallow(_items(value)))
                 continue
             budget[0] -= size
             if not isinstance(value, tuple):
@@ -168,29 +177,44 @@ def same(a: Any, b: Any) -> bool:
     return isinstance(a, PLAIN) and a == b
 
 
-def _now(label: str, value: Any, items: list | None) -> list[Entry]:
-    return [(label, _size(value), None)] if items is None else contents(value, label)
+def changed(then: Nested, now: Nested | None = None) -> bool:
+    """Whether the object of ``then`` (its signature at one time) holds something else in ``now`` (a later signature of
+    it; None: at present)."""
+    label, value, entries, items = then
+    if isinstance(items, Shallow):
+        present = now[3] if now is not None else _items(value)
+        return not _same_items(value, items, present)
+    return entries_change(entries, now[2] if now is not None else contents(value, label)) is not None
+
+
+def _same_items(value: Any, before: list, after: list) -> bool:
+    """Whether two :func:`_items` lists of ``value`` hold the same objects (a dict's or a plain object's pairs by their
+    key and value), compared at C speed."""
+    if len(before) != len(after):
+        return False
+    if isinstance(value, dict) or not isinstance(value, CONTAINERS):  # (key, item) pairs
+        before, after = itertools.chain.from_iterable(before), itertools.chain.from_iterable(after)
+    return all(map(operator.is_, before, after))
 
 
 def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[int, Nested] | None = None) -> bool:
     """Raise :class:`TbaError` when an object of ``before`` changed (in the forward, as ``after`` shows; or since, when
-    ``after`` is None) in a way :func:`put_back_nested` cannot put back: a tensor or array in it updated in place, or
-    one past the walk's bound changed; return whether anything changed."""
-    changed, name = False, type(layer).__name__
-    when = "in its forward" if after is not None else "between its forward and backward"
-    for key, (label, value, entries, items) in before.items():
-        now = after[key][2] if after is not None and key in after else _now(label, value, items)
-        if entries_change(entries, now) is None:
+    ``after`` is None) in a way :func:`put_back_nested` cannot put back: a tensor or array in it updated in place;
+    return whether anything changed."""
+    any_change, name = False, type(layer).__name__
+    for key, then in before.items():
+        now = after.get(key) if after is not None else None
+        if after is not None and now is None:
             continue
-        changed = True
-        if items is None:
-            raise TbaError(
-                f"state of a recomputed layer ({name}) nested beyond what tba walks changed {when} ({label}: deeper "
-                f"than {defaults.RECOMPUTE_NESTED_STATE_DEPTH} levels, or past {defaults.RECOMPUTE_NESTED_STATE_ITEMS} "
-                "items), and tba cannot put it back for the recomputation, which would compute another forward. Hold "
-                "that state nearer the module, or keep or offload this layer")
+        if not changed(then, now):
+            continue
+        any_change = True
+        label, value, entries, items = then
+        if isinstance(items, Shallow):
+            continue
+        now_entries = now[2] if now is not None else contents(value, label)
         versions = {id(item): version for _, item, version in entries if version is not None}
-        moved = next((label for label, item, version in now
+        moved = next((label for label, item, version in now_entries
                       if version is not None and versions.get(id(item), version) != version), None)
         if moved is not None and after is not None:
             raise TbaError(
@@ -205,7 +229,7 @@ def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[in
                 "container inside a container, or in a plain object, is not), and the recomputation would compute "
                 "another forward. Change it after backward, hold it one level deep (a buffer, or a tensor in a public "
                 "attribute), or keep or offload this layer")
-    return changed
+    return any_change
 
 
 def put_back_nested(layer: nn.Module, before: Any) -> Any:
@@ -215,9 +239,9 @@ def put_back_nested(layer: nn.Module, before: Any) -> Any:
     present: list[tuple[Any, list, list]] = []
     before = getattr(before, "deep", {})
     if check_restorable(layer, before):
-        for label, value, entries, then in before.values():
-            if then is not None and entries_change(entries, contents(value, label)) is not None:
-                present.append((value, _items(value), then))
+        for nested in before.values():
+            if changed(nested):
+                present.append((nested[1], _items(nested[1]), nested[3]))
     for value, _, then in present:
         _set_items(value, then)
 

@@ -44,8 +44,8 @@ new inner list appended to a public list is the outer list's change, which tba p
 modules, tensors, arrays and generators are not plain objects here (tba copies or checks those
 otherwise, or they carry no state of the forward's), and are not walked into: what a module held in
 a plain object holds, or an object reached only through a callable (a bound method's ``__self__``, a
-closure), is not seen. Past the walk's bound an object is compared by its length alone: a change of
-it raises, one that keeps its length is not seen. The profiled steps also compare each layer's
+closure), is not seen. Past the walk's bound an object is held shallow: what it holds is compared by
+identity and put back, what changes below it is not seen. The profiled steps also compare each layer's
 signature taken when its forward ended with the state as the offloader exits (``tba/runtime/_timer.py``): a
 model writing into an object its layers share between their calls (``block.shared.index = i``)
 made every recomputation read the last layer's value; such a layer is marked not recomputable.
@@ -63,8 +63,7 @@ straight into its ``__dict__`` and slot descriptors: no ``__setattr__``, frozen 
 restores the present items after it; a counter ``self.counter.n += 1`` or ``block.shared.index = i``
 recomputes exactly, at any level the walk reaches (``self.config.counts["n"] += 1``). Only a tensor
 or a numpy array among them updated in place (its version moved, its bytes changed; tba holds no
-copy), or an object past the walk's bound whose length changed (tba holds none of its items), raises
-(:func:`~tba.runtime._nested_state.check_restorable`): in forward or before the recomputation. The profiled
+copy) raises (:func:`~tba.runtime._nested_state.check_restorable`): in forward or before the recomputation. The profiled
 steps still mark a layer whose nested state changes not recomputable.
 """
 
@@ -81,9 +80,9 @@ from tba.runtime._nested_state import (
     DeepLabel,
     Entry,
     Nested,
+    changed,
     check_restorable,
     contents,
-    entries_change,
     entry,
     first_differing,
     put_back_nested,
@@ -140,10 +139,10 @@ def first_change(before: Signature, after: Signature) -> str | None:
     if private is not None:
         return private
     deep_after = getattr(after, "deep", {})
-    for key, (label, value, entries, _) in getattr(before, "deep", {}).items():
+    for key, then in getattr(before, "deep", {}).items():
         now = deep_after.get(key)
-        if now is not None and now[1] is value and entries_change(entries, now[2]) is not None:
-            return DeepLabel(label)
+        if now is not None and now[1] is then[1] and changed(then, now):
+            return DeepLabel(then[0])
     return None
 
 
