@@ -203,9 +203,7 @@ def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[in
     return whether anything changed."""
     any_change, name = False, type(layer).__name__
     for key, then in before.items():
-        now = after.get(key) if after is not None else None
-        if after is not None and now is None:
-            continue
+        now = after.get(key) if after is not None else None  # not in ``after``: compared with its present contents
         if not changed(then, now):
             continue
         any_change = True
