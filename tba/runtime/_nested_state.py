@@ -16,7 +16,10 @@ compared by identity (``d["n"] += 1`` makes a new int, seen) and put back as the
 walked into. A metrics list in a config object that grows every step is so put back for each
 recomputation however long it gets (with a limit that raised instead, training would have failed
 after about a thousand steps); what changes inside an object below it (a counter in a dict in it)
-is not seen.
+is not seen: so a recomputed layer whose shallow object holds one whose changes a comparison by identity cannot
+see (a container or plain object, a tensor or numpy array; a tuple of plain values can) is refused at its forward
+(:func:`check_watchable`). A review found a counter in a dict one level below a shallow one, and a tensor in a shallow
+list updated in place, recomputed from the changed value, silently (tests/runtime/test_recompute_past_bound.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ only entry is its length, and whose items are compared instead)."""
 
 class Shallow(list):
     """The items of an object past the walk's bound (Note [The walk of nested state]): compared by identity and put back,
-    not walked into."""
+    not walked into; ``blind``: the label of one whose changes that cannot see (:func:`check_watchable`), else None."""
+
+    blind: str | None = None
 
 
 class DeepLabel(str):
@@ -137,7 +142,9 @@ def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) ->
                 continue
             size = _size(value)
             if level > defaults.RECOMPUTE_NESTED_STATE_DEPTH or size > budget[0]:
-                found[id(value)] = (label, value, [(label, size, None)], Shallow(_items(value)))
+                shallow = Shallow(_items(value))
+                shallow.blind = _blind(value, label, shallow)
+                found[id(value)] = (label, value, [(label, size, None)], shallow)
                 continue
             budget[0] -= size
             if not isinstance(value, tuple):
@@ -147,6 +154,43 @@ def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) ->
                 inner = f"{label}.{key}" if isinstance(key, str) and not isinstance(value, CONTAINERS) else \
                     f"{label}[{key!r}]"
                 queue.append((inner, item, level + 1))
+
+
+def _unseen(item: Any) -> bool:
+    """Whether a change of ``item`` (held by an object past the walk's bound) escapes a comparison by identity: a
+    container or plain object (a change inside it), or a tensor or numpy array (updated in place); a tuple of plain
+    values does not."""
+    if isinstance(item, tuple):
+        return any(not isinstance(inner, PLAIN) for inner in item)
+    return bool(_kind(type(item))) or isinstance(item, (torch.Tensor, np.ndarray))
+
+
+def _blind(value: Any, label: str, items: list) -> str | None:
+    """The label of an item of ``value`` (past the walk's bound; ``items``: from :func:`_items`) whose changes a
+    comparison by identity cannot see, else None; by type first, at C speed (a long list of numbers costs no loop in
+    Python)."""
+    pairs = isinstance(value, dict) or not isinstance(value, CONTAINERS)
+    kinds = {type(item) for item in (map(operator.itemgetter(1), items) if pairs else items)}
+    if all(isinstance(kind, type) and issubclass(kind, PLAIN) for kind in kinds):
+        return None
+    for key, item in (items if pairs else enumerate(items)):
+        if _unseen(item):
+            return f"{label}.{key}" if isinstance(key, str) and not isinstance(value, CONTAINERS) else f"{label}[{key!r}]"
+    return None
+
+
+def check_watchable(layer: nn.Module, found: dict[int, Nested]) -> None:
+    """Raise :class:`TbaError` when an object past the walk's bound holds one whose changes tba cannot see (Note [The
+    walk of nested state]): a recomputation would start silently from what the forward changed there."""
+    for _, _, _, items in found.values():
+        if isinstance(items, Shallow) and items.blind is not None:
+            raise TbaError(
+                f"a recomputed layer ({type(layer).__name__}) holds {items.blind} past the bound of the state tba "
+                f"watches for a recomputation (more than tba.defaults.RECOMPUTE_NESTED_STATE_DEPTH = "
+                f"{defaults.RECOMPUTE_NESTED_STATE_DEPTH} levels deep, or after tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS"
+                f" = {defaults.RECOMPUTE_NESTED_STATE_ITEMS} items): a change inside it, or a tensor or numpy array "
+                "updated in place, would be recomputed from the changed value. Raise those limits, hold less state "
+                "in the layer, or keep or offload this layer")
 
 
 def entries_change(before: list[Entry], after: list[Entry]) -> str | None:

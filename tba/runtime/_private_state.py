@@ -82,6 +82,7 @@ from tba.runtime._nested_state import (
     Nested,
     changed,
     check_restorable,
+    check_watchable,
     contents,
     entry,
     first_differing,
@@ -89,7 +90,8 @@ from tba.runtime._nested_state import (
     walk,
 )
 
-__all__ = ["DeepLabel", "Signature", "check_private_unchanged", "check_restorable", "first_change", "private_state",
+__all__ = ["DeepLabel", "Signature", "check_private_unchanged", "check_restorable", "check_watchable",
+           "first_change", "private_state",
            "put_back_nested"]
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))

@@ -83,6 +83,7 @@ from tba.runtime._private_state import (
     DeepLabel,
     check_private_unchanged,
     check_restorable,
+    check_watchable,
     first_change,
     private_state,
     put_back_nested,
@@ -145,6 +146,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             _refuse_cache(layer, args, kwargs)
             first.start(layer, args, kwargs, learned)
             inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
+            check_watchable(layer, private.deep)  # Note [The walk of nested state]
             out = forward(*args, **kwargs)
             first.private, first.nested = (private_state(layer) if private else []), private
             change = first_change(private, first.private) if private else None

@@ -1,0 +1,94 @@
+"""What a recomputed layer's forward changes below an object held shallow (past the nested walk's depth or items
+bound, Note [The walk of nested state] in ``tba/runtime/_nested_state.py``) is not seen: its recomputation ran from the
+changed value, silently (a counter in a dict one level below a shallow one; a tensor in a shallow list updated in
+place). Such state is refused when the layer is recomputed; a shallow list of plain values still recomputes exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba import defaults
+
+
+def _nested(depth: int, leaf: dict) -> dict:
+    for _ in range(depth):
+        leaf = {"k": leaf}
+    return leaf
+
+
+class Layer(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.how = how
+        if how == "below the depth":
+            self.far = _nested(defaults.RECOMPUTE_NESTED_STATE_DEPTH, {"inner": {"n": 0}})
+        elif how == "past the items":
+            self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 3)))
+            self.config = types.SimpleNamespace(counts={"a": {"b": {"n": 0}}})
+        elif how == "a tensor past the items":
+            self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)))
+            self.config = types.SimpleNamespace(scale=[torch.zeros(())])
+        else:
+            self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)))
+            self.config = types.SimpleNamespace(history=[(1, "a")])
+
+    def counter(self) -> dict:
+        if self.how == "below the depth":
+            value = self.far
+            while "k" in value:
+                value = value["k"]
+            return value["inner"]
+        return self.config.counts["a"]["b"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "a tensor past the items":
+            self.config.scale[0].add_(1)
+            n = self.config.scale[0].item()
+        elif self.how == "plain values past the items":
+            self.config.history.append((len(self.config.history), "a"))
+            n = len(self.config.history)
+        else:
+            box = self.counter()
+            box["n"] += 1
+            n = box["n"]
+        return x + torch.sin(self.linear(x) * (1 + 0.5 * n))
+
+
+def _steps(spill_dir, how: str, plan: tuple[str, ...] | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(how), Layer(how))
+    result = []
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
+              if plan else contextlib.nullcontext()):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad()
+    return result
+
+
+@pytest.mark.parametrize("how", ["below the depth", "past the items", "a tensor past the items"])
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_state_below_a_shallow_object_is_exact_or_refused(spill_dir, decision, how):
+    want = _steps(spill_dir, how, None)
+    try:
+        got = _steps(spill_dir, how, (decision,) * 2)
+    except tba.TbaError as error:
+        assert "RECOMPUTE_NESTED_STATE" in str(error)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_plain_values_past_the_bound_still_recompute(spill_dir):
+    want = _steps(spill_dir, "plain values past the items", None)
+    got = _steps(spill_dir, "plain values past the items", ("recompute",) * 2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
