@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import logging
 import operator
 import random
 from typing import Any
@@ -100,6 +101,11 @@ def plain_object(value: Any) -> bool:
     return _kind(type(value)) == 1
 
 
+_NOT_STATE = (logging.Filterer, logging.Manager, logging.PlaceHolder)
+"""Objects a layer may hold that are not its state: a logger (``self.logger = logging.getLogger(...)``), its handlers,
+and through them every logger of the process, which the walk took items of until it reached its bound."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _kind(cls: type) -> int:
     """1 for a plain object's type (:func:`plain_object`), 2 for a container's, else 0; by type, as the walk asks it of
@@ -107,7 +113,8 @@ def _kind(cls: type) -> int:
     if issubclass(cls, CONTAINERS):
         return 2
     if issubclass(cls, (torch.Tensor, np.ndarray, nn.Module, torch.Generator, random.Random, np.random.Generator,
-                        np.random.RandomState, type, *PLAIN)) or any("__call__" in vars(base) for base in cls.__mro__):
+                        np.random.RandomState, type, *_NOT_STATE, *PLAIN)) or \
+            any("__call__" in vars(base) for base in cls.__mro__):
         return 0
     return 1 if cls.__dictoffset__ or _slots(cls) else 0
 

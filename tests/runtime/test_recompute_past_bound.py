@@ -6,6 +6,7 @@ place). Such state is refused when the layer is recomputed; a shallow list of pl
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 
 import pytest
@@ -38,6 +39,7 @@ class Layer(nn.Module):
         else:
             self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)))
             self.config = types.SimpleNamespace(history=[(1, "a")])
+            self.logger = logging.getLogger("tba.test_recompute_past_bound")  # every logger of the process below it
 
     def counter(self) -> dict:
         if self.how == "below the depth":
@@ -53,6 +55,7 @@ class Layer(nn.Module):
             n = self.config.scale[0].item()
         elif self.how == "plain values past the items":
             self.config.history.append((len(self.config.history), "a"))
+            self.logger.debug("history %s", len(self.config.history))
             n = len(self.config.history)
         else:
             box = self.counter()
@@ -88,7 +91,7 @@ def test_state_below_a_shallow_object_is_exact_or_refused(spill_dir, decision, h
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-def test_plain_values_past_the_bound_still_recompute(spill_dir):
+def test_plain_values_past_the_bound_and_a_logger_still_recompute(spill_dir):
     want = _steps(spill_dir, "plain values past the items", None)
     got = _steps(spill_dir, "plain values past the items", ("recompute",) * 2)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
