@@ -18,7 +18,9 @@ recomputation however long it gets (with a limit that raised instead, training w
 after about a thousand steps); what changes inside an object below it (a counter in a dict in it)
 is not seen: so a recomputed layer whose shallow object holds one whose changes a comparison by identity cannot
 see (a container or plain object, a tensor or numpy array; a tuple of plain values can) is refused at its forward
-(:func:`check_watchable`). A review found a counter in a dict one level below a shallow one, and a tensor in a shallow
+(:func:`check_watchable`). An object that holds plain values only is held shallow wherever it is and takes nothing
+of the budget (:func:`_only_plain`): a growing list of numbers pushed a counter beside it past the bound.
+A review found a counter in a dict one level below a shallow one, and a tensor in a shallow
 list updated in place, recomputed from the changed value, silently (tests/runtime/test_recompute_past_bound.py).
 """
 
@@ -147,15 +149,18 @@ def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) ->
         if level > 1 or _kind(type(value)) == 1:
             if id(value) in found:
                 continue
-            size = _size(value)
-            if level > defaults.RECOMPUTE_NESTED_STATE_DEPTH or size > budget[0]:
-                shallow = Shallow(_items(value))
-                shallow.blind = _blind(value, label, shallow)
+            size, items = _size(value), _items(value)
+            plain = _only_plain(value, items)
+            if plain and isinstance(value, tuple):
+                continue  # nothing in it can change
+            if plain or level > defaults.RECOMPUTE_NESTED_STATE_DEPTH or size > budget[0]:
+                shallow = Shallow(items)
+                shallow.blind = None if plain else _blind(value, label, shallow)
                 found[id(value)] = (label, value, [(label, size, None)], shallow)
                 continue
             budget[0] -= size
             if not isinstance(value, tuple):
-                found[id(value)] = (label, value, contents(value, label), _items(value))
+                found[id(value)] = (label, value, contents(value, label), items)
         for key, item in _pairs(value):
             if _kind(type(item)):
                 inner = f"{label}.{key}" if isinstance(key, str) and not isinstance(value, CONTAINERS) else \
@@ -172,14 +177,18 @@ def _unseen(item: Any) -> bool:
     return bool(_kind(type(item))) or isinstance(item, (torch.Tensor, np.ndarray))
 
 
+def _only_plain(value: Any, items: list) -> bool:
+    """Whether ``items`` (of ``value``, from :func:`_items`) are plain values only, by type, at C speed: such an object
+    is held shallow wherever it is (compared by identity, which sees every change of an immutable value) and takes
+    nothing of the walk's budget, so a metrics list that grows every step does not push other state past the bound."""
+    values = map(operator.itemgetter(1), items) if isinstance(value, dict) or not isinstance(value, CONTAINERS) else items
+    return all(issubclass(kind, PLAIN) for kind in set(map(type, values)))
+
+
 def _blind(value: Any, label: str, items: list) -> str | None:
     """The label of an item of ``value`` (past the walk's bound; ``items``: from :func:`_items`) whose changes a
-    comparison by identity cannot see, else None; by type first, at C speed (a long list of numbers costs no loop in
-    Python)."""
+    comparison by identity cannot see, else None."""
     pairs = isinstance(value, dict) or not isinstance(value, CONTAINERS)
-    kinds = {type(item) for item in (map(operator.itemgetter(1), items) if pairs else items)}
-    if all(isinstance(kind, type) and issubclass(kind, PLAIN) for kind in kinds):
-        return None
     for key, item in (items if pairs else enumerate(items)):
         if _unseen(item):
             return f"{label}.{key}" if isinstance(key, str) and not isinstance(value, CONTAINERS) else f"{label}[{key!r}]"

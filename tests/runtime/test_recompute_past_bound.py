@@ -31,13 +31,13 @@ class Layer(nn.Module):
         if how == "below the depth":
             self.far = _nested(defaults.RECOMPUTE_NESTED_STATE_DEPTH, {"inner": {"n": 0}})
         elif how == "past the items":
-            self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 3)))
+            self.table = types.SimpleNamespace(rows=[(i, "a") for i in range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 3)])
             self.config = types.SimpleNamespace(counts={"a": {"b": {"n": 0}}})
         elif how == "a tensor past the items":
-            self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)))
+            self.table = types.SimpleNamespace(rows=[(i, "a") for i in range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)])
             self.config = types.SimpleNamespace(scale=[torch.zeros(())])
         else:
-            self.table = types.SimpleNamespace(rows=list(range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)))
+            self.table = types.SimpleNamespace(rows=[(i, "a") for i in range(defaults.RECOMPUTE_NESTED_STATE_ITEMS - 2)])
             self.config = types.SimpleNamespace(history=[(1, "a")])
             self.logger = logging.getLogger("tba.test_recompute_past_bound")  # every logger of the process below it
 
@@ -95,3 +95,38 @@ def test_plain_values_past_the_bound_and_a_logger_still_recompute(spill_dir):
     want = _steps(spill_dir, "plain values past the items", None)
     got = _steps(spill_dir, "plain values past the items", ("recompute",) * 2)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class Growing(nn.Module):
+    """A metrics list that grows every step beside a counter three dicts down: the list's growth must not push the
+    counter past the walk's bound, which failed training after a few steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.config = types.SimpleNamespace(history=[0.0] * (defaults.RECOMPUTE_NESTED_STATE_ITEMS - 8),
+                                            options={"a": {"b": {"n": 0}}})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.config.history.append(1.0)
+        counter = self.config.options["a"]["b"]
+        counter["n"] += 1
+        return x + torch.sin(self.linear(x) * (1 + 0.5 * counter["n"]))
+
+
+def test_a_growing_list_of_numbers_does_not_push_state_past_the_bound(spill_dir):
+    results = []
+    for plan in (None, ("recompute",) * 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(Growing(), Growing())
+        got = []
+        for step in range(12):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
+                  if plan else contextlib.nullcontext()):
+                loss = model(x).pow(2).mean()
+            loss.backward()
+            got += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+            model.zero_grad()
+        results.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
