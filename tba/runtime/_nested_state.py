@@ -253,8 +253,15 @@ def _same_items(value: Any, before: list, after: list) -> bool:
     if len(before) != len(after):
         return False
     if isinstance(value, dict) or not isinstance(value, CONTAINERS):  # (key, item) pairs
-        before, after = itertools.chain.from_iterable(before), itertools.chain.from_iterable(after)
-    return all(map(operator.is_, before, after))
+        before, after = list(itertools.chain.from_iterable(before)), list(itertools.chain.from_iterable(after))
+    # An equal plain value made anew (``stats.rows[0] = x.shape[1]``, a large int) is no change, as for a walked object
+    # (:func:`same`): else the profiled steps marked its layer not recomputable.
+    # A tuple only by identity: its items were not walked (:func:`same` compares a tuple's length only).
+    return all(map(operator.is_, before, after)) or all(map(_same_plain, before, after))
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, PLAIN) and a == b)
 
 
 def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[int, Nested] | None = None) -> bool:

@@ -130,3 +130,24 @@ def test_a_growing_list_of_numbers_does_not_push_state_past_the_bound(spill_dir)
             model.zero_grad()
         results.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_an_equal_number_made_anew_is_no_change():
+    """A list of numbers is held shallow (compared by identity first); a forward that stores an equal number anew (a
+    large int, a float) changes nothing, as in an object the walk compares item by item: else the profiled steps mark
+    the layer not recomputable."""
+    from tba.runtime._private_state import first_change, private_state
+
+    layer = nn.Linear(2, 2)
+    layer.stats = types.SimpleNamespace(rows=[int("2000"), 0.5 * 3], last={"ratio": 0.5 * 3})
+    before = private_state(layer)
+    layer.stats.rows[:] = [int("2000"), 0.5 * 3]
+    layer.stats.last["ratio"] = 0.5 * 3
+    assert first_change(before, private_state(layer)) is None
+    layer.stats.rows[0] = 2001
+    assert first_change(before, private_state(layer)) == "Linear.stats.rows"
+    layer.stats.rows[0] = int("2000")
+    layer.far = {"k": {"k": {"k": {"k": {"k": {"pairs": [(1, "a")]}}}}}}  # the list past the depth
+    before = private_state(layer)
+    layer.far["k"]["k"]["k"]["k"]["k"]["pairs"][0] = (2, "a")  # a tuple of one length, other items
+    assert first_change(before, private_state(layer)) is not None
