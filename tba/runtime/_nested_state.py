@@ -27,11 +27,8 @@ list updated in place, recomputed from the changed value, silently (tests/runtim
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
-import logging
 import operator
-import random
 from typing import Any
 
 import numpy as np
@@ -40,9 +37,16 @@ from torch import nn
 
 from tba import defaults
 from tba.errors import TbaError
-
-PLAIN = (int, float, complex, bool, str, bytes, type(None))
-CONTAINERS = (list, tuple, dict, set, collections.deque)
+from tba.runtime._state_objects import (
+    CONTAINERS,
+    PLAIN,
+    fields,
+    items_of,
+    kind_of,
+    pairs,
+    set_items,
+    size_of,
+)
 
 Entry = tuple[str, Any, "int | bytes | None"]
 Nested = tuple[str, Any, list[Entry], list]
@@ -72,84 +76,24 @@ def entry(label: str, value: Any) -> Entry:
     return label, value, None
 
 
-@functools.cache
-def _slots(cls: type) -> tuple[str, ...]:
-    """The attribute names of the ``__slots__`` of ``cls`` and its bases (mangled as Python stores them)."""
-    names = []
-    for base in cls.__mro__:
-        declared = vars(base).get("__slots__", ())
-        for name in (declared,) if isinstance(declared, str) else declared:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            names.append(f"_{base.__name__.lstrip('_')}{name}" if name.startswith("__") else name)
-    return tuple(names)
-
-
-_UNSET = object()
-
-
-def _fields(value: Any) -> list[tuple[str, Any]]:
-    """A plain object's attributes: its ``vars()`` and its slots that are set."""
-    found = list(vars(value).items()) if hasattr(value, "__dict__") else []
-    for name in _slots(type(value)):
-        item = getattr(value, name, _UNSET)
-        if item is not _UNSET:
-            found.append((name, item))
-    return found
-
-
-def plain_object(value: Any) -> bool:
-    """Whether ``value`` is an object whose attributes a forward may update and tba neither copies nor checks."""
-    return _kind(type(value)) == 1
-
-
-_NOT_STATE = (logging.Filterer, logging.Manager, logging.PlaceHolder)
-"""Objects a layer may hold that are not its state: a logger (``self.logger = logging.getLogger(...)``), its handlers,
-and through them every logger of the process, which the walk took items of until it reached its bound."""
-
-
-@functools.lru_cache(maxsize=4096)
-def _kind(cls: type) -> int:
-    """1 for a plain object's type (:func:`plain_object`), 2 for a container's, else 0; by type, as the walk asks it of
-    every value it meets (an ``isinstance`` of a Hugging Face config runs its ``__getattribute__``)."""
-    if issubclass(cls, CONTAINERS):
-        return 2
-    if issubclass(cls, (torch.Tensor, np.ndarray, nn.Module, torch.Generator, random.Random, np.random.Generator,
-                        np.random.RandomState, type, *_NOT_STATE, *PLAIN)) or \
-            any("__call__" in vars(base) for base in cls.__mro__):
-        return 0
-    return 1 if cls.__dictoffset__ or _slots(cls) else 0
-
-
-def _pairs(value: Any) -> Any:
-    """(key, item) of what ``value`` holds: a dict's items, a plain object's fields, else (index, item)."""
-    if isinstance(value, dict):
-        return value.items()
-    return enumerate(value) if isinstance(value, CONTAINERS) else _fields(value)
-
-
 def contents(value: Any, label: str) -> list[Entry]:
     if isinstance(value, CONTAINERS):
-        return [entry(f"{label}[{key!r}]", item) for key, item in _pairs(value)]
-    return [entry(f"{label}.{name}", item) for name, item in _fields(value)]
-
-
-def _size(value: Any) -> int:
-    return len(value) if isinstance(value, CONTAINERS) else len(_fields(value))
+        return [entry(f"{label}[{key!r}]", item) for key, item in pairs(value)]
+    return [entry(f"{label}.{name}", item) for name, item in fields(value)]
 
 
 def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) -> None:
     """Record, in ``found``, the objects nested in the public attribute ``label`` (Note [The walk of nested state]);
     ``budget``: the items the walk may still take, shared by one signature's attributes."""
-    if not _kind(type(value)):
+    if not kind_of(type(value)):
         return
     queue = collections.deque([(label, value, 1)])
     while queue:
         label, value, level = queue.popleft()
-        if level > 1 or _kind(type(value)) == 1:
+        if level > 1 or kind_of(type(value)) == 1:
             if id(value) in found:
                 continue
-            size, items = _size(value), _items(value)
+            size, items = size_of(value), items_of(value)
             plain = _only_plain(value, items)
             if plain and isinstance(value, tuple):
                 continue  # nothing in it can change
@@ -161,8 +105,8 @@ def walk(found: dict[int, Nested], label: str, value: Any, budget: list[int]) ->
             budget[0] -= size
             if not isinstance(value, tuple):
                 found[id(value)] = (label, value, contents(value, label), items)
-        for key, item in _pairs(value):
-            if _kind(type(item)):
+        for key, item in pairs(value):
+            if kind_of(type(item)):
                 inner = f"{label}.{key}" if isinstance(key, str) and not isinstance(value, CONTAINERS) else \
                     f"{label}[{key!r}]"
                 queue.append((inner, item, level + 1))
@@ -174,11 +118,11 @@ def _unseen(item: Any) -> bool:
     values does not."""
     if isinstance(item, tuple):
         return any(not isinstance(inner, PLAIN) for inner in item)
-    return bool(_kind(type(item))) or isinstance(item, (torch.Tensor, np.ndarray))
+    return bool(kind_of(type(item))) or isinstance(item, (torch.Tensor, np.ndarray))
 
 
 def _only_plain(value: Any, items: list) -> bool:
-    """Whether ``items`` (of ``value``, from :func:`_items`) are plain values only, by type, at C speed: such an object
+    """Whether ``items`` (of ``value``, from :func:`items_of`) are plain values only, by type, at C speed: such an object
     is held shallow wherever it is (compared by identity, which sees every change of an immutable value) and takes
     nothing of the walk's budget, so a metrics list that grows every step does not push other state past the bound."""
     values = map(operator.itemgetter(1), items) if isinstance(value, dict) or not isinstance(value, CONTAINERS) else items
@@ -186,7 +130,7 @@ def _only_plain(value: Any, items: list) -> bool:
 
 
 def _blind(value: Any, label: str, items: list) -> str | None:
-    """The label of an item of ``value`` (past the walk's bound; ``items``: from :func:`_items`) whose changes a
+    """The label of an item of ``value`` (past the walk's bound; ``items``: from :func:`items_of`) whose changes a
     comparison by identity cannot see, else None."""
     pairs = isinstance(value, dict) or not isinstance(value, CONTAINERS)
     for key, item in (items if pairs else enumerate(items)):
@@ -195,18 +139,23 @@ def _blind(value: Any, label: str, items: list) -> str | None:
     return None
 
 
+def unwatchable(found: dict[int, Nested]) -> str | None:
+    """The label of what an object past the walk's bound holds whose changes tba cannot see, else None (Note [The walk
+    of nested state]); the profiled steps mark such a layer not recomputable."""
+    return next((items.blind for _, _, _, items in found.values() if isinstance(items, Shallow) and items.blind), None)
+
+
 def check_watchable(layer: nn.Module, found: dict[int, Nested]) -> None:
     """Raise :class:`TbaError` when an object past the walk's bound holds one whose changes tba cannot see (Note [The
     walk of nested state]): a recomputation would start silently from what the forward changed there."""
-    for _, _, _, items in found.values():
-        if isinstance(items, Shallow) and items.blind is not None:
-            raise TbaError(
-                f"a recomputed layer ({type(layer).__name__}) holds {items.blind} past the bound of the state tba "
-                f"watches for a recomputation (more than tba.defaults.RECOMPUTE_NESTED_STATE_DEPTH = "
-                f"{defaults.RECOMPUTE_NESTED_STATE_DEPTH} levels deep, or after tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS"
-                f" = {defaults.RECOMPUTE_NESTED_STATE_ITEMS} items): a change inside it, or a tensor or numpy array "
-                "updated in place, would be recomputed from the changed value. Raise those limits, hold less state "
-                "in the layer, or keep or offload this layer")
+    blind = unwatchable(found)
+    if blind is not None:
+        raise TbaError(
+            f"a recomputed layer ({type(layer).__name__}) holds {blind} past the bound of the state tba watches for a "
+            f"recomputation (more than tba.defaults.RECOMPUTE_NESTED_STATE_DEPTH = {defaults.RECOMPUTE_NESTED_STATE_DEPTH}"
+            f" levels deep, or after tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS = {defaults.RECOMPUTE_NESTED_STATE_ITEMS} "
+            "items): a change inside it, or a tensor or numpy array updated in place, would be recomputed from the "
+            "changed value. Raise those limits, hold less state in the layer, or keep or offload this layer")
 
 
 def entries_change(before: list[Entry], after: list[Entry]) -> str | None:
@@ -242,13 +191,13 @@ def changed(then: Nested, now: Nested | None = None) -> bool:
     it; None: at present)."""
     label, value, entries, items = then
     if isinstance(items, Shallow):
-        present = now[3] if now is not None else _items(value)
+        present = now[3] if now is not None else items_of(value)
         return not _same_items(value, items, present)
     return entries_change(entries, now[2] if now is not None else contents(value, label)) is not None
 
 
 def _same_items(value: Any, before: list, after: list) -> bool:
-    """Whether two :func:`_items` lists of ``value`` hold the same objects (a dict's or a plain object's pairs by their
+    """Whether two :func:`items_of` lists of ``value`` hold the same objects (a dict's or a plain object's pairs by their
     key and value), compared at C speed."""
     if len(before) != len(after):
         return False
@@ -306,45 +255,14 @@ def put_back_nested(layer: nn.Module, before: Any) -> Any:
     if check_restorable(layer, before):
         for nested in before.values():
             if changed(nested):
-                present.append((nested[1], _items(nested[1]), nested[3]))
+                present.append((nested[1], items_of(nested[1]), nested[3]))
     for value, _, then in present:
-        _set_items(value, then)
+        set_items(value, then)
 
     def restore() -> None:
         for value, items, _ in present:
-            _set_items(value, items)
+            set_items(value, items)
 
     return restore
 
 
-def _items(value: Any) -> list:
-    """What ``value`` holds, to put back with :func:`_set_items`: (key, item) pairs of a dict or a plain object's
-    fields, else the items."""
-    if isinstance(value, dict):
-        return list(value.items())
-    return list(value) if isinstance(value, CONTAINERS) else _fields(value)
-
-
-def _set_items(value: Any, items: list) -> None:
-    """Make ``value`` hold ``items`` (from :func:`_items`), in place; a plain object's straight into its ``__dict__``
-    and slots (no ``__setattr__``: frozen dataclasses too)."""
-    if isinstance(value, list):
-        value[:] = items
-    elif isinstance(value, (set, collections.deque)):
-        value.clear()
-        value.update(items) if isinstance(value, set) else value.extend(items)
-    elif isinstance(value, dict):
-        value.clear()
-        value.update(items)
-    else:
-        slots = set(_slots(type(value)))
-        if hasattr(value, "__dict__"):
-            target = vars(value)
-            target.clear()
-            target.update((name, item) for name, item in items if name not in slots)
-        held = dict(items)
-        for name in slots:
-            if name in held:
-                object.__setattr__(value, name, held[name])
-            elif getattr(value, name, _UNSET) is not _UNSET:
-                object.__delattr__(value, name)

@@ -45,6 +45,7 @@ from tba._control import waited_s
 from tba.runtime import _preempted
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
+from tba.runtime._nested_state import unwatchable
 from tba.runtime._private_state import Signature, first_change, private_state
 
 
@@ -151,6 +152,8 @@ class LayerTimer:
             self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
             if updated_cache(args, kwargs) is not None:  # Note [A layer given a key/value cache is not recomputed]
                 self.changes_input[index] = True
+            if unwatchable(getattr(self._private[index], "deep", {})) is not None:  # a recomputation would refuse it
+                self.changes_input[index] = True  # Note [The walk of nested state] in tba/runtime/_nested_state.py
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))

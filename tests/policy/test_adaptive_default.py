@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tba
+from tba import defaults
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.policy import RECOMPUTED
 
@@ -617,3 +618,48 @@ def test_a_covered_shape_that_saves_more_keeps_no_more_than_the_plan_it_follows(
     for step in (4, 5):
         kept = small_saves - saved_in_layers(contexts[step])
         assert 0 < kept <= planned_for, (step, kept, planned_for)
+
+
+class _FarCounter(torch.nn.Module):
+    """With ``far``, a counter held below an object past the nested walk's depth, which the forward updates and reads."""
+
+    def __init__(self, far: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+        inner: dict = {"counter": {"box": {"n": 0}}}  # "box" is two levels past the walk's depth
+        for _ in range(defaults.RECOMPUTE_NESTED_STATE_DEPTH - 1):
+            inner = {"k": inner}
+        self.far = inner if far else {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0
+        if self.far:
+            inner = self.far
+            while "k" in inner:
+                inner = inner["k"]
+            inner["counter"]["box"]["n"] += 1
+            scale += inner["counter"]["box"]["n"]
+        return x + torch.tanh(self.linear(x) * scale)
+
+
+def test_a_layer_holding_state_past_the_walks_bound_is_not_recomputed(spill_dir):
+    # Note [The walk of nested state] in tba/runtime/_nested_state.py: a recomputation of such a layer refuses it
+    # (a change below it is not seen); the profiled steps mark it not recomputable, so the default never plans it
+    # so and training goes on, exact, instead of failing at the first planned step.
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(9)
+            self.blocks = torch.nn.ModuleList([_FarCounter(i in (1, 2)) for i in range(4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x.pow(2).mean()
+
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
+    reference, _ = train(Model(), batches)
+    result, contexts = train(Model(), batches, bare(spill_dir, overhead_bound=10.0))
+    assert_same(reference, result)
+    profile = contexts[-1].policy_runner.profile
+    assert [layer.recomputable for layer in profile.layers] == [True, False, False, True]

@@ -1,0 +1,110 @@
+"""What a recomputed layer's nested state is made of: plain values, containers and plain objects, their fields and
+items, read and written back (the walk and its signatures: ``tba/runtime/_nested_state.py``)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+PLAIN = (int, float, complex, bool, str, bytes, type(None))
+CONTAINERS = (list, tuple, dict, set, collections.deque)
+
+
+@functools.cache
+def slots(cls: type) -> tuple[str, ...]:
+    """The attribute names of the ``__slots__`` of ``cls`` and its bases (mangled as Python stores them)."""
+    names = []
+    for base in cls.__mro__:
+        declared = vars(base).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            names.append(f"_{base.__name__.lstrip('_')}{name}" if name.startswith("__") else name)
+    return tuple(names)
+
+
+UNSET = object()
+
+
+def fields(value: Any) -> list[tuple[str, Any]]:
+    """A plain object's attributes: its ``vars()`` and its slots that are set."""
+    found = list(vars(value).items()) if hasattr(value, "__dict__") else []
+    for name in slots(type(value)):
+        item = getattr(value, name, UNSET)
+        if item is not UNSET:
+            found.append((name, item))
+    return found
+
+
+def plain_object(value: Any) -> bool:
+    """Whether ``value`` is an object whose attributes a forward may update and tba neither copies nor checks."""
+    return kind_of(type(value)) == 1
+
+
+NOT_STATE = (logging.Filterer, logging.Manager, logging.PlaceHolder)
+"""Objects a layer may hold that are not its state: a logger (``self.logger = logging.getLogger(...)``), its handlers,
+and through them every logger of the process, which the walk took items of until it reached its bound."""
+
+
+@functools.lru_cache(maxsize=4096)
+def kind_of(cls: type) -> int:
+    """1 for a plain object's type (:func:`plain_object`), 2 for a container's, else 0; by type, as the walk asks it of
+    every value it meets (an ``isinstance`` of a Hugging Face config runs its ``__getattribute__``)."""
+    if issubclass(cls, CONTAINERS):
+        return 2
+    if issubclass(cls, (torch.Tensor, np.ndarray, nn.Module, torch.Generator, random.Random, np.random.Generator,
+                        np.random.RandomState, type, *NOT_STATE, *PLAIN)) or \
+            any("__call__" in vars(base) for base in cls.__mro__):
+        return 0
+    return 1 if cls.__dictoffset__ or slots(cls) else 0
+
+
+def pairs(value: Any) -> Any:
+    """(key, item) of what ``value`` holds: a dict's items, a plain object's fields, else (index, item)."""
+    if isinstance(value, dict):
+        return value.items()
+    return enumerate(value) if isinstance(value, CONTAINERS) else fields(value)
+
+
+def size_of(value: Any) -> int:
+    return len(value) if isinstance(value, CONTAINERS) else len(fields(value))
+
+
+def items_of(value: Any) -> list:
+    """What ``value`` holds, to put back with :func:`set_items`: (key, item) pairs of a dict or a plain object's
+    fields, else the items."""
+    if isinstance(value, dict):
+        return list(value.items())
+    return list(value) if isinstance(value, CONTAINERS) else fields(value)
+
+
+def set_items(value: Any, items: list) -> None:
+    """Make ``value`` hold ``items`` (from :func:`items_of`), in place; a plain object's straight into its ``__dict__``
+    and slots (no ``__setattr__``: frozen dataclasses too)."""
+    if isinstance(value, list):
+        value[:] = items
+    elif isinstance(value, (set, collections.deque)):
+        value.clear()
+        value.update(items) if isinstance(value, set) else value.extend(items)
+    elif isinstance(value, dict):
+        value.clear()
+        value.update(items)
+    else:
+        declared = set(slots(type(value)))
+        if hasattr(value, "__dict__"):
+            target = vars(value)
+            target.clear()
+            target.update((name, item) for name, item in items if name not in declared)
+        held = dict(items)
+        for name in declared:
+            if name in held:
+                object.__setattr__(value, name, held[name])
+            elif getattr(value, name, UNSET) is not UNSET:
+                object.__delattr__(value, name)
