@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import importlib.util
@@ -297,3 +298,24 @@ class FakeDeviceOps(DeviceOps):
     def close(self) -> None:
         self.side.shutdown(wait=True)
         self.prefetch.shutdown(wait=True)
+
+
+def pinned_steps(make_layer: Callable[[], nn.Module], width: int, directory, plan: tuple[str, ...] | None, *,
+                 between: Callable[[nn.Module], None] | None = None) -> tuple[list[torch.Tensor], nn.Sequential]:
+    """Two steps of ``nn.Sequential(make_layer(), make_layer())`` on ``(4, width)`` inputs, each inside a bare context
+    pinned to ``plan`` (placements per layer; None: without tba), ``between(model)`` run after forward; returns each
+    step's loss and gradients, and the model (whose state the caller compares)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(make_layer(), make_layer())
+    result: list[torch.Tensor] = []
+    for step in range(2):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+        with (tba.offload_activations(directory, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
+              if plan else contextlib.nullcontext()):
+            loss = model(x).pow(2).mean()
+        if between is not None:
+            between(model)
+        loss.backward()
+        result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad()
+    return result, model

@@ -392,6 +392,17 @@ class _ScalingModel(torch.nn.Module):
         return x.pow(2).mean()
 
 
+def _loosely_planned(make_model, spill_dir) -> tuple[list[bool], str]:
+    """Five steps of ``make_model()`` under a bare context with a loose overhead bound (which plans recomputation
+    wherever it may), exact against the same steps without tba; returns which layers the profile found recomputable,
+    and the plan's code."""
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
+    reference, _ = train(make_model(), batches)
+    result, contexts = train(make_model(), batches, bare(spill_dir, overhead_bound=10.0))
+    assert_same(reference, result)
+    return [layer.recomputable for layer in contexts[-1].policy_runner.profile.layers], contexts[-1].plan.code
+
+
 @pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound", "parameter", "nested", "object"])
 def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, where):
     # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
@@ -400,13 +411,8 @@ def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_ex
     # changes its own parameters] in tba/runtime/_first_call.py) in place, nor of those that update a list in a
     # public dict or a plain object's attribute, which tba does not copy (Note [State a recomputed layer changes
     # that tba does not put back] in tba/runtime/_private_state.py: planned RR, they were silently wrong).
-    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
-    reference, _ = train(_ScalingModel(where), batches)
-    result, contexts = train(_ScalingModel(where), batches, bare(spill_dir, overhead_bound=10.0))
-    assert_same(reference, result)
-    profile = contexts[-1].policy_runner.profile
-    assert [layer.recomputable for layer in profile.layers] == [True, False, False, True]
-    code = contexts[-1].plan.code
+    recomputable, code = _loosely_planned(lambda: _ScalingModel(where), spill_dir)
+    assert recomputable == [True, False, False, True]
     assert code[1] not in "RS" and code[2] not in "RS"
 
 
@@ -445,11 +451,7 @@ def test_a_layer_reading_an_object_the_model_writes_into_between_layers_is_not_r
     # Note [State a recomputed layer changes that tba does not put back] in tba/runtime/_private_state.py: the
     # recomputation of every block read the last block's index (silently wrong gradients); the profiled steps see
     # the object change after the block's forward and before the offloader exits, and never plan its recomputation.
-    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
-    reference, _ = train(_SharedIndexModel(), batches)
-    result, contexts = train(_SharedIndexModel(), batches, bare(spill_dir, overhead_bound=10.0))
-    assert_same(reference, result)
-    assert [layer.recomputable for layer in contexts[-1].policy_runner.profile.layers] == [False, False, False, True]
+    assert _loosely_planned(_SharedIndexModel, spill_dir)[0] == [False, False, False, True]
 
 
 def test_a_model_without_repeated_blocks_warns_once_and_offloads_every_step(spill_dir, caplog):
@@ -494,13 +496,9 @@ class _ChangedAfter(torch.nn.Module):
 def test_a_layer_whose_input_the_model_changes_after_its_forward_is_not_recomputed(spill_dir):
     # Note [A recomputed layer's input changed after its forward] in tba/runtime/_timer.py: a loose bound
     # planned recomputation of blocks 1 and 3, and the first planned step's backward raised torch's in-place error.
-    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
-    reference, _ = train(_ChangedAfter(), batches)
-    result, contexts = train(_ChangedAfter(), batches, bare(spill_dir, overhead_bound=10.0))
-    assert_same(reference, result)
-    profile = contexts[-1].policy_runner.profile
-    assert [layer.recomputable for layer in profile.layers] == [True, False, True, False]
-    assert contexts[-1].plan.code[1] not in "RS" and contexts[-1].plan.code[3] not in "RS"
+    recomputable, code = _loosely_planned(_ChangedAfter, spill_dir)
+    assert recomputable == [True, False, True, False]
+    assert code[1] not in "RS" and code[3] not in "RS"
 
 
 def test_a_layer_whose_forward_is_patched_after_planning_is_planned_again_not_refused(spill_dir):
@@ -657,9 +655,6 @@ def test_a_layer_holding_state_past_the_walks_bound_is_not_recomputed(spill_dir)
                 x = block(x)
             return x.pow(2).mean()
 
-    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
-    reference, _ = train(Model(), batches)
-    result, contexts = train(Model(), batches, bare(spill_dir, overhead_bound=10.0))
-    assert_same(reference, result)
-    profile = contexts[-1].policy_runner.profile
-    assert [layer.recomputable for layer in profile.layers] == [True, False, False, True]
+    recomputable, code = _loosely_planned(Model, spill_dir)
+    assert recomputable == [True, False, False, True]
+    assert code[1] not in "RS" and code[2] not in "RS"

@@ -10,15 +10,14 @@ dict past it, recomputes exactly.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import types
 
 import pytest
 import torch
 from torch import nn
+from utils import pinned_steps
 
-import tba
 from tba import defaults
 
 
@@ -105,19 +104,7 @@ def _state(model: nn.Module) -> list:
 
 
 def _steps(spill_dir, how: str, plan: tuple[str, ...] | None, between=None) -> tuple[list[torch.Tensor], list]:
-    torch.manual_seed(0)
-    model = nn.Sequential(Deep(how), Deep(how))
-    result = []
-    for step in range(2):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
-              if plan else contextlib.nullcontext()):
-            loss = model(x).pow(2).mean()
-        if between is not None:
-            between(model)
-        loss.backward()
-        result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
-        model.zero_grad()
+    result, model = pinned_steps(lambda: Deep(how), 16, spill_dir, plan, between=between)
     return result, copy.deepcopy(_state(model))
 
 

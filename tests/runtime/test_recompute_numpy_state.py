@@ -9,15 +9,14 @@ a public attribute, and it treated a tuple as a plain value, leaving what it hol
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from utils import pinned_steps
 
-import tba
 from tba import TbaError
 
 
@@ -47,17 +46,7 @@ class Counts(nn.Module):
 
 
 def _steps(spill_dir: str, how: str, plan: tuple[str, ...] | None) -> list:
-    torch.manual_seed(0)
-    model = nn.Sequential(Counts(how), Counts(how))
-    result = []
-    for step in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
-              if plan else contextlib.nullcontext()):
-            loss = model(x).pow(2).mean()
-        loss.backward()
-        result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
-        model.zero_grad()
+    result, model = pinned_steps(lambda: Counts(how), 8, spill_dir, plan)
     return result + [torch.from_numpy(layer._array().copy()) for layer in model] + [layer.in_tuple[1] for layer in model]
 
 

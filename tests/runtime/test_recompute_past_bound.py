@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 from torch import nn
+from utils import pinned_steps
 
 import tba
 from tba import defaults
@@ -65,18 +66,7 @@ class Layer(nn.Module):
 
 
 def _steps(spill_dir, how: str, plan: tuple[str, ...] | None) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(Layer(how), Layer(how))
-    result = []
-    for step in range(2):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20))
-              if plan else contextlib.nullcontext()):
-            loss = model(x).pow(2).mean()
-        loss.backward()
-        result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
-        model.zero_grad()
-    return result
+    return pinned_steps(lambda: Layer(how), 16, spill_dir, plan)[0]
 
 
 @pytest.mark.parametrize("how", ["below the depth", "past the items", "a tensor past the items"])
