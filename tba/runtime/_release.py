@@ -195,7 +195,7 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         return errno.EFBIG, (f"This process has a file-size limit of {limit} bytes (ulimit -f), which stops the spill "
                              "file there, in any directory: raise it (ulimit -f unlimited) before starting training.")
     if number is None and "CUDA error" in str(error):
-        # The device's copy to or from the staging block failed, not the file (Note [A broken context] in
-        # tba/device/sim/_faults.py): freeing disk space would not help.
+        # The device's copy to or from the staging block failed, not the file (after an illegal access, every
+        # later CUDA call fails): freeing disk space would not help.
         return None, "The GPU failed, not the disk: the CUDA error above is the cause; fix it, the directory is fine."
     return number, "Free space there or pass another directory."
