@@ -15,14 +15,16 @@ has taken :data:`~tba.defaults.RECOMPUTE_NESTED_STATE_ITEMS` items, is held *sha
 compared by identity (``d["n"] += 1`` makes a new int, seen) and put back as they were, but not
 walked into. A metrics list in a config object that grows every step is so put back for each
 recomputation however long it gets (with a limit that raised instead, training would have failed
-after about a thousand steps); what changes inside an object below it (a counter in a dict in it)
-is not seen: so a recomputed layer whose shallow object holds one whose changes a comparison by identity cannot
-see (a container or plain object, a tensor or numpy array; a tuple of plain values can) is refused at its forward
-(:func:`check_watchable`), and the profiled steps mark such a layer not recomputable (:func:`unwatchable`, in
-``tba/runtime/_timer.py``), so the adaptive default never plans it so. An object that holds plain values only is held shallow wherever it is and takes nothing
-of the budget (:func:`_only_plain`): a growing list of numbers pushed a counter beside it past the bound.
-A review found a counter in a dict one level below a shallow one, and a tensor in a shallow
-list updated in place, recomputed from the changed value, silently (tests/runtime/test_recompute_past_bound.py).
+after about a thousand steps); what changes inside an object below it (a counter in a dict in it) is
+not seen: so a recomputed layer whose shallow object holds one whose changes a comparison by
+identity cannot see (a container or plain object, a tensor or numpy array; a tuple of plain values
+can) is refused at its forward (:func:`check_watchable`), and the profiled steps mark such a layer
+not recomputable (:func:`unwatchable`, in ``tba/runtime/_timer.py``), so the adaptive default never
+plans it so. An object that holds plain values only is held shallow wherever it is and takes nothing
+of the budget (:func:`_only_plain`): a growing list of numbers pushed a counter beside it past the
+bound. A review found a counter in a dict one level below a shallow one, and a tensor in a shallow
+list updated in place, recomputed from the changed value, silently
+(tests/runtime/test_recompute_past_bound.py).
 """
 
 from __future__ import annotations
