@@ -216,16 +216,16 @@ def _same_plain(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and isinstance(a, PLAIN) and a == b)
 
 
-def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[int, Nested] | None = None) -> bool:
+def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[int, Nested] | None = None) -> list[Nested]:
     """Raise :class:`TbaError` when an object of ``before`` changed (in the forward, as ``after`` shows; or since, when
     ``after`` is None) in a way :func:`put_back_nested` cannot put back: a tensor or array in it updated in place;
-    return whether anything changed."""
-    any_change, name = False, type(layer).__name__
+    return the signatures (of ``before``) of those that changed."""
+    changes, name = [], type(layer).__name__
     for key, then in before.items():
         now = after.get(key) if after is not None else None  # not in ``after``: compared with its present contents
         if not changed(then, now):
             continue
-        any_change = True
+        changes.append(then)
         label, value, entries, items = then
         if isinstance(items, Shallow):
             continue
@@ -246,19 +246,14 @@ def check_restorable(layer: nn.Module, before: dict[int, Nested], after: dict[in
                 "container inside a container, or in a plain object, is not), and the recomputation would compute "
                 "another forward. Change it after backward, hold it one level deep (a buffer, or a tensor in a public "
                 "attribute), or keep or offload this layer")
-    return any_change
+    return changes
 
 
 def put_back_nested(layer: nn.Module, before: Any) -> Any:
     """Before a recomputation: put the contents of each object nested in a public attribute that changed since the
     first call began (``before``: their signatures then) back as they were, and return what restores the present
     contents (Note [Nested state a recomputation is given back]); raise :class:`TbaError` where that cannot be done."""
-    present: list[tuple[Any, list, list]] = []
-    before = getattr(before, "deep", {})
-    if check_restorable(layer, before):
-        for nested in before.values():
-            if changed(nested):
-                present.append((nested[1], items_of(nested[1]), nested[3]))
+    present = [(value, items_of(value), then) for _, value, _, then in check_restorable(layer, getattr(before, "deep", {}))]
     for value, _, then in present:
         set_items(value, then)
 
