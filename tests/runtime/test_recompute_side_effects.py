@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -300,6 +301,23 @@ def test_a_recomputed_layer_changing_state_nested_too_deep_to_copy_recomputes_ex
     assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
 
 
+def _shared_steps(spill_dir, make_shared, block, plan: tuple[str, ...] | None, change=None) -> tuple[list, Any]:
+    """Forward two ``block(shared)`` layers sharing ``make_shared()`` (pinned to ``plan``; None: without tba),
+    ``change(shared)`` after forward, backward; the loss and gradients, and the shared object."""
+    torch.manual_seed(0)
+    shared = make_shared()
+    model = nn.ModuleList([block(shared) for _ in range(2)])
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    with _pinned(spill_dir, model, plan):
+        for layer in model:
+            x = layer(x)
+        loss = x.pow(2).sum()
+    if change is not None:
+        change(shared)
+    loss.backward()
+    return [loss.detach(), *(p.grad for p in model.parameters())], shared
+
+
 class _Lazy:
     @functools.cached_property
     def scale(self) -> float:
@@ -318,19 +336,11 @@ class ReadsCached(nn.Module):
 
 def test_a_cached_property_filled_in_a_recomputed_forward_is_exact(spill_dir):
     # The first read of a cached_property adds to the object's __dict__ inside the forward: a97692a raised TbaError.
-    def run(plan):
-        torch.manual_seed(0)
-        lazy = _Lazy()
-        model = nn.ModuleList([ReadsCached(lazy) for _ in range(2)])
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-        with _pinned(spill_dir, model, plan):
-            for layer in model:
-                x = layer(x)
-        x.pow(2).sum().backward()
-        assert vars(lazy) == {"scale": 2.0}
-        return [p.grad for p in model.parameters()]
-
-    assert all(torch.equal(a, b) for a, b in zip(run(None), run(("recompute",) * 2), strict=True))
+    reference, lazy = _shared_steps(spill_dir, _Lazy, ReadsCached, None)
+    assert vars(lazy) == {"scale": 2.0}
+    result, lazy = _shared_steps(spill_dir, _Lazy, ReadsCached, ("recompute",) * 2)
+    assert vars(lazy) == {"scale": 2.0}
+    assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
 
 
 class _Holds:
@@ -380,18 +390,7 @@ class ReadsConfig(nn.Module):
 
 
 def _config_steps(spill_dir, change, plan: tuple[str, ...] | None) -> tuple[list, _Scale]:
-    """Forward two blocks sharing a config, ``change(config)`` after forward, backward; loss and gradients."""
-    torch.manual_seed(0)
-    config = _Scale()
-    model = nn.ModuleList([ReadsConfig(config) for _ in range(2)])
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-    with _pinned(spill_dir, model, plan):
-        for layer in model:
-            x = layer(x)
-        loss = x.pow(2).sum()
-    change(config)
-    loss.backward()
-    return [loss.detach(), *(p.grad for p in model.parameters())], config
+    return _shared_steps(spill_dir, _Scale, ReadsConfig, plan, change)
 
 
 def _set_kind(config: _Scale) -> None:
