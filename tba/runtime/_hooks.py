@@ -25,6 +25,7 @@ import torch
 
 from tba import _control
 from tba._trace import nvtx_range
+from tba._untrack import untrack
 from tba.device import is_device_tensor
 from tba.errors import EngineClosedError, TbaError
 from tba.runtime._compile import never_traced
@@ -180,6 +181,7 @@ class SavedTensorHooks(KeepDecision):
         view.entry = entry
         died = _control.finalizer(_ViewDied, view)
         died.owner, died.entry, died.view_id = self, entry, id(view)
+        untrack(died)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
 
     @staticmethod
     def _keep_unsaved(view: SavedView, tensor: torch.Tensor, error: Exception) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba._outcome import Outcome
+from tba._untrack import untrack
 from tba.defaults import ALIGN_BYTES
 from tba.io import round_up
 
@@ -121,6 +122,7 @@ class Kept:
         self.version = version
         self.layer = layer
         """The layer whose forward saved it (Note [Backward through kept layers] in ``tba/runtime/_prefetch.py``)."""
+        untrack(self)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
 
     def get(self) -> torch.Tensor:
         """The kept tensor, after the version check."""
@@ -241,6 +243,7 @@ class SavedView:
         self.watch = version_watch(tensor)
         """Shares ``tensor``'s version counter and holds none of its bytes (Note [In-place after saving])."""
         self.version = tensor._version
+        untrack(self, self.watch)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
 
     def keep(self, tensor: torch.Tensor) -> None:
         """Hold ``tensor`` itself instead of an entry (detached: Note [Kept tensors are returned detached])."""

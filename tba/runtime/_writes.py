@@ -22,6 +22,7 @@ import torch
 
 from tba import defaults
 from tba._trace import nvtx_range
+from tba._untrack import untrack
 from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._trim import hands_back_pages, owns_its_memory
 from tba.runtime._views import State, StorageEntry, storage_bytes
@@ -97,7 +98,9 @@ class StoreWrites:
             fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
                      or entry.expired())
             if fresh:
-                entry = self._start_write(storage, layer, version, ready, weakref.ref(root))
+                root_ref = weakref.ref(root)
+                untrack(root_ref)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
+                entry = self._start_write(storage, layer, version, ready, root_ref)
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1
@@ -109,6 +112,7 @@ class StoreWrites:
         device = storage.device
         route = self.routes.for_device(device)
         data = storage_bytes(storage)
+        untrack(data)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
         nbytes = storage.nbytes()
         address = storage.data_ptr()
         entry = StorageEntry(

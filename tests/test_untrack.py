@@ -1,0 +1,128 @@
+"""tba's per-storage objects stay out of the cycle collector, and still die by reference count alone.
+
+Note [Objects the cycle collector need not see] in tba/_untrack.py: a view, its watch, its finalizer,
+the root's weak reference, the store's byte alias and a kept tensor's record are untracked. What makes
+that safe is that no reference cycle passes through them; the second half of each test checks the
+consequence with the collector off: after backward every one of them is gone.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba import _control, _untrack
+from tba._control import settle
+from tba.runtime import _hooks
+from tba.runtime._views import Kept, SavedView
+
+needs_extension = pytest.mark.skipif(not _untrack.NATIVE, reason="the native extension tba._gc is not built")
+
+
+class _Slotted:
+    __slots__ = ("value",)
+
+
+@pytest.fixture
+def no_gc():
+    """Automatic cycle collection off: what is not freed by reference count shows as still alive."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.fixture
+def packed(monkeypatch) -> list:
+    """Every object tba's pack hook returns, in order."""
+    found: list = []
+    pack = _hooks.SavedTensorHooks.pack
+
+    def recording(self, tensor):
+        result = pack(self, tensor)
+        found.append(result)
+        return result
+
+    monkeypatch.setattr(_hooks.SavedTensorHooks, "pack", recording)
+    return found
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(3)))
+
+
+@needs_extension
+def test_untrack_takes_only_tracked_objects_out():
+    obj = _Slotted()
+    obj.value = [1]
+    assert gc.is_tracked(obj)
+    _untrack.untrack(obj, 3, "text", None)
+    assert not gc.is_tracked(obj)
+    _untrack.untrack(obj)  # twice is harmless
+    assert not gc.is_tracked(obj)
+
+
+def test_without_the_extension_everything_stays_tracked():
+    obj = _Slotted()
+    _untrack._track_all(obj)
+    assert gc.is_tracked(obj)
+
+
+def _check_untracked(packed: list) -> list[weakref.ref]:
+    """Assert that every offloaded view and the objects kept with it are untracked; weak references to the views."""
+    views = [p for p in packed if isinstance(p, SavedView)]
+    assert views, "nothing was offloaded"
+    entries = {id(view.entry): view.entry for view in views if view.entry is not None}
+    assert entries
+    died = [f for f in _control._control.finalizers.values() if isinstance(f, _hooks._ViewDied)]
+    assert died
+    for view in views:
+        assert not gc.is_tracked(view) and not gc.is_tracked(view.watch)
+    for entry in entries.values():
+        assert not gc.is_tracked(entry.root)
+        assert entry.data is None or not gc.is_tracked(entry.data)
+    assert not any(gc.is_tracked(f) for f in died)
+    return [weakref.ref(view) for view in views]
+
+
+@needs_extension
+def test_offloaded_views_are_untracked_and_die_by_reference_count(spill_dir, packed, no_gc):
+    model = _model()
+    x = torch.randn(256, 128)
+    with tba.Offloader(spill_dir, min_offload_bytes=0) as off:
+        loss = model(x).square().sum()
+    settle()
+    refs = _check_untracked(packed)
+    packed.clear()
+    loss.backward()
+    del loss
+    off.flush()
+    settle()
+    assert all(ref() is None for ref in refs), "a view outlived backward with the collector off"
+    assert off._store.live_entries == 0
+    off.close()
+
+
+@needs_extension
+def test_kept_tensors_are_untracked_and_die_by_reference_count(spill_dir, packed, no_gc):
+    model = _model()
+    x = torch.randn(256, 128)
+    with tba.Offloader(spill_dir) as off, tba.keep_in_memory():
+        loss = model(x).square().sum()
+    assert any(isinstance(p, Kept) for p in packed)
+    assert not any(gc.is_tracked(p) for p in packed if isinstance(p, Kept))
+    refs = [weakref.ref(p.tensor) for p in packed if isinstance(p, Kept)]
+    packed.clear()
+    loss.backward()
+    del loss
+    settle()
+    # Parameters are kept as themselves and live on; every activation kept must be gone.
+    params = {id(p) for p in model.parameters()}
+    assert all(ref() is None or id(ref()) in params or ref() is x for ref in refs)
+    off.close()
