@@ -37,6 +37,7 @@ import torch
 
 import tba
 from tba import _control
+from tba.bench.gc_clock import CollectorClock
 from tba.bench.sampler import StackSampler
 from tba.bench.thread_cpu import by_name as cpu_by_name
 from tba.bench.thread_cpu import snapshot as thread_cpu_snapshot
@@ -78,6 +79,13 @@ class HookResult:
     """The same for the best measured step without tba."""
     sample_profile: str = ""
     """Where each thread stood during one more step with tba (``sample=True``; :class:`~tba.bench.sampler.StackSampler`)."""
+    mean_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """``"base"`` and ``"tba"``: mean forward and backward seconds over the measured steps, every step counted (full
+    collections included), as a user's average step is."""
+    collector_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``"base"`` and ``"tba"``: mean seconds per measured step that the cycle collector ran (:class:`CollectorClock`)."""
+    full_collections: dict[str, int] = dataclasses.field(default_factory=dict)
+    """``"base"`` and ``"tba"``: full collections over the measured steps."""
 
     @property
     def extra_forward_us(self) -> float:
@@ -87,12 +95,23 @@ class HookResult:
     def extra_backward_us(self) -> float:
         return (self.tba_backward_s - self.base_backward_s) / self.case.count * 1e6
 
+    @property
+    def mean_extra_us(self) -> tuple[float, float]:
+        """Extra microseconds per storage, forward and backward, between the mean steps (:attr:`mean_s`)."""
+        (base_f, base_b), (tba_f, tba_b) = self.mean_s["base"], self.mean_s["tba"]
+        return (tba_f - base_f) / self.case.count * 1e6, (tba_b - base_b) / self.case.count * 1e6
+
+    def collector_us(self, name: str) -> float:
+        """The cycle collector's microseconds per storage and step, ``"base"`` or ``"tba"``."""
+        return self.collector_s.get(name, 0.0) / self.case.count * 1e6
+
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self.case), "base_forward_s": self.base_forward_s,
                 "base_backward_s": self.base_backward_s, "tba_forward_s": self.tba_forward_s,
                 "tba_backward_s": self.tba_backward_s, "extra_forward_us": self.extra_forward_us,
                 "extra_backward_us": self.extra_backward_us, "thread_cpu_us": self.thread_cpu_us,
-                "base_thread_cpu_us": self.base_thread_cpu_us, "sample_profile": self.sample_profile}
+                "base_thread_cpu_us": self.base_thread_cpu_us, "sample_profile": self.sample_profile,
+                "mean_s": self.mean_s, "collector_s": self.collector_s, "full_collections": self.full_collections}
 
 
 def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
@@ -131,22 +150,33 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
             sample: bool = False) -> HookResult:
     """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``; with
     ``thread_cpu``, also each thread's CPU time per storage in the best measured step (``thread_cpu.py``);
-    with ``sample``, one more step with tba, unmeasured, under a :class:`~tba.bench.sampler.StackSampler`."""
+    with ``sample``, one more step with tba, unmeasured, under a :class:`~tba.bench.sampler.StackSampler`. The mean
+    of every measured step and the cycle collector's time in them (:class:`~tba.bench.gc_clock.CollectorClock`) come
+    with the best-of figures."""
     numel = case.size_bytes // 4
     leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
     grad = torch.ones(numel, device=case.device)
     best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
     spent: dict[str, tuple[float, dict[str, int]]] = {"base": (float("inf"), {}), "tba": (float("inf"), {})}
+    # Sums over the measured steps: forward s, backward s, collector s, full collections.
+    total = {"base": [0.0, 0.0, 0.0, 0], "tba": [0.0, 0.0, 0.0, 0]}
+    clock = CollectorClock()
     gc.collect()
     for rep in range(warmups + repeats):
         for name, which in (("base", None), ("tba", case)):
             before = thread_cpu_snapshot() if thread_cpu and rep >= warmups else None
-            forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs, case.device)
+            with clock:
+                forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs, case.device)
             if before is not None and forward_s + backward_s < spent[name][0]:
                 spent[name] = (forward_s + backward_s, cpu_by_name(before, thread_cpu_snapshot()))
             if rep >= warmups:
                 best[name][0] = min(best[name][0], forward_s)
                 best[name][1] = min(best[name][1], backward_s)
+                sums = total[name]
+                sums[0] += forward_s
+                sums[1] += backward_s
+                sums[2] += clock.seconds
+                sums[3] += clock.full
     profile = ""
     if sample:
         with StackSampler() as sampler:
@@ -154,7 +184,9 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
         profile = sampler.report()
     return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
                       _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count),
-                      profile)
+                      profile, {name: (sums[0] / repeats, sums[1] / repeats) for name, sums in total.items()},
+                      {name: sums[2] / repeats for name, sums in total.items()},
+                      {name: sums[3] for name, sums in total.items()})
 
 
 def _per_storage_us(ns_by_thread: dict[str, int], count: int) -> dict[str, float]:

@@ -6,7 +6,8 @@ reduced by ``sum()`` at once, so only autograd holds the saved outputs and tba r
 (``--hold-outputs`` keeps the outputs themselves until backward instead, and tba then serves them
 from the program's memory: the write and the bookkeeping without the read); the same loop
 without tba runs interleaved in the same process. Every figure is the best of ``--repeats`` after
-``--warmups``. Rows: each size (``--sizes``) and count (``--counts``, capped so that a row holds at
+``--warmups``; below the table, the mean of those steps and the cycle collector's share of them.
+Rows: each size (``--sizes``) and count (``--counts``, capped so that a row holds at
 most ``--max-bytes``) on a disk directory and a RAM-backed one, plus the keep path (the same loop
 inside ``tba.keep_in_memory()``, so every tensor goes through the pack hook and stays in memory).
 ``--many`` adds the large-count check: ``--many-count`` storages of 64 KiB on the disk directory,
@@ -168,6 +169,22 @@ def format_table(results: list[HookResult]) -> str:
     return "\n".join(lines)
 
 
+def format_means(results: list[HookResult], repeats: int) -> str:
+    """Per row, the extra microseconds per storage between the mean steps, and the cycle collector's share."""
+    lines = [f"mean of the {repeats} measured steps, every one counted (a user's average step): extra us per storage "
+             "forward / backward; the cycle collector's us per storage and step and its full collections, with tba "
+             "(without):"]
+    for r in results:
+        if not r.mean_s:
+            continue
+        forward_us, backward_us = r.mean_extra_us
+        where = "keep" if r.case.path == "keep" else r.case.label
+        lines.append(f"  {r.case.count} x {_size_text(r.case.size_bytes)} {where}: {forward_us:.1f} / {backward_us:.1f}; "
+                     f"collector {r.collector_us('tba'):.1f} ({r.collector_us('base'):.1f}), "
+                     f"full {r.full_collections.get('tba', 0)} ({r.full_collections.get('base', 0)})")
+    return "\n".join(lines)
+
+
 def format_thread_cpu(results: list[HookResult]) -> str:
     """Per row, each thread's CPU microseconds per storage with tba (without tba in brackets), and the totals."""
     lines = [f"CPU us per storage by thread in the best step, with tba (without); clock: {THREAD_CLOCK}:"]
@@ -251,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
           f"{'' if args.intra_op_threads else ' (its default)'}; loop: outputs {loop}"
           + ("; gc.freeze() before measuring" if args.gc_freeze else ""))
     print(format_table(results))
+    print(format_means(results, args.repeats))
     if args.thread_cpu:
         print(format_thread_cpu(results))
     if many is not None:

@@ -36,8 +36,13 @@ def test_quick_run_writes_every_row_and_cleans_up(tmp_path, capsys):
     for row in rows:
         assert row["tba_forward_s"] > 0 and row["base_backward_s"] > 0
         assert row["extra_forward_us"] == (row["tba_forward_s"] - row["base_forward_s"]) / row["count"] * 1e6
+        # One measured step (--quick): its mean is the best-of figure, and the collector's time is part of it.
+        assert row["mean_s"]["tba"] == [row["tba_forward_s"], row["tba_backward_s"]]
+        assert 0 <= row["collector_s"]["tba"] <= row["tba_forward_s"] + row["tba_backward_s"]
+        assert set(row["full_collections"]) == {"base", "tba"}
     assert report["many"]["count"] == 50 and report["many"]["backward_ratio"] > 0
     assert "keep_in_memory()" in captured.out and "backward" in captured.out
+    assert "mean of the 1 measured steps" in captured.out and "6 x 64 KiB ram:" in captured.out
     assert "6 x 64 KiB" in captured.err
     assert list(disk.iterdir()) == [] and list(ram.iterdir()) == []
 
