@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -34,11 +35,13 @@ import torch
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import detect, run_script_under
-from tba.bench.hooks import HookCase, HookResult, ManyResult, measure, measure_many
+from tba.bench.collector import measure_alone
+from tba.bench.hooks import HookCase, measure, measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli import _checks as cli_checks
+from tba.cli._hooks_report import format_alone, format_many, format_means, format_table, format_thread_cpu, size_text
 from tba.cli._progress import Progress
-from tba.defaults import GIB, KIB, MIB
+from tba.defaults import GIB, KIB
 from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
@@ -117,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gc.freeze() before measuring, as a training script can once its model is built: the "
                              "cycle collector's full collections then skip every object alive before (a tuned mode; "
                              "compare with a run without it, docs/host-cost.md)")
+    parser.add_argument("--alone-steps", type=cli_checks.int_at_least(0), default=0, metavar="N",
+                        help="also run the 64 KiB loop at the largest count for N steps alone, with tba and without, "
+                             "each in a process of its own, and print the cycle collector's time and full collections "
+                             "in each (the table's interleaved loops share them; default 0: not run)")
     parser.add_argument("--intra-op-threads", type=cli_checks.int_at_least(1), default=None, metavar="N",
                         help="torch.set_num_threads(N) before measuring, both loops alike (default: torch's own, one "
                              "per core). On few cores torch's threads and the kernel's copies for tba's I/O take "
@@ -146,67 +153,6 @@ def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[
             cases.append(HookCase(args.sizes[0], count, keep_dir, "keep", path="keep", hold_outputs=args.hold_outputs,
                                   device=args.device))
     return cases
-
-
-def _size_text(nbytes: int) -> str:
-    if nbytes % MIB == 0:
-        return f"{nbytes // MIB} MiB"
-    if nbytes % KIB == 0:
-        return f"{nbytes // KIB} KiB"
-    return f"{nbytes} B"
-
-
-def format_table(results: list[HookResult]) -> str:
-    header = (f"{'storages x size':<18} {'directory':<26} {'base fwd ms':>11} {'tba fwd ms':>10} {'extra fwd us':>12} "
-              f"{'base bwd ms':>11} {'tba bwd ms':>10} {'extra bwd us':>12}")
-    lines = [header, "-" * len(header)]
-    for r in results:
-        where = "keep_in_memory()" if r.case.path == "keep" else f"{os.path.dirname(r.case.directory)} ({r.case.label})"
-        shape = f"{r.case.count} x {_size_text(r.case.size_bytes)}"
-        lines.append(f"{shape:<18} {where:<26} "
-                     f"{r.base_forward_s * 1e3:>11.1f} {r.tba_forward_s * 1e3:>10.1f} {r.extra_forward_us:>12.1f} "
-                     f"{r.base_backward_s * 1e3:>11.1f} {r.tba_backward_s * 1e3:>10.1f} {r.extra_backward_us:>12.1f}")
-    return "\n".join(lines)
-
-
-def format_means(results: list[HookResult], repeats: int) -> str:
-    """Per row, the extra microseconds per storage between the mean steps, and the cycle collector's share."""
-    lines = [f"mean of the {repeats} measured steps, every one counted (a user's average step): extra us per storage "
-             "forward / backward; the cycle collector's us per storage and step and its full collections, with tba "
-             "(without):"]
-    for r in results:
-        if not r.mean_s:
-            continue
-        forward_us, backward_us = r.mean_extra_us
-        where = "keep" if r.case.path == "keep" else r.case.label
-        lines.append(f"  {r.case.count} x {_size_text(r.case.size_bytes)} {where}: {forward_us:.1f} / {backward_us:.1f}; "
-                     f"collector {r.collector_us('tba'):.1f} ({r.collector_us('base'):.1f}), "
-                     f"full {r.full_collections.get('tba', 0)} ({r.full_collections.get('base', 0)})")
-    return "\n".join(lines)
-
-
-def format_thread_cpu(results: list[HookResult]) -> str:
-    """Per row, each thread's CPU microseconds per storage with tba (without tba in brackets), and the totals."""
-    lines = [f"CPU us per storage by thread in the best step, with tba (without); clock: {THREAD_CLOCK}:"]
-    for r in results:
-        names = list(r.thread_cpu_us) + [name for name in r.base_thread_cpu_us if name not in r.thread_cpu_us]
-        parts = [f"{name} {r.thread_cpu_us.get(name, 0.0):.1f} ({r.base_thread_cpu_us.get(name, 0.0):.1f})"
-                 for name in names if max(r.thread_cpu_us.get(name, 0.0), r.base_thread_cpu_us.get(name, 0.0)) >= 0.5]
-        total, base = sum(r.thread_cpu_us.values()), sum(r.base_thread_cpu_us.values())
-        where = "keep" if r.case.path == "keep" else r.case.label
-        lines.append(f"  {r.case.count} x {_size_text(r.case.size_bytes)} {where}: total {total:.1f} ({base:.1f}); "
-                     + ", ".join(parts))
-    return "\n".join(lines)
-
-
-def format_many(result: ManyResult) -> str:
-    text = (f"{result.count} x {_size_text(result.size_bytes)} in {result.directory}: backward "
-            f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
-            f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
-    if result.thread_cpu_us:
-        text += "\n  CPU us per storage by thread, with tba: " + ", ".join(
-            f"{name} {us:.1f}" for name, us in result.thread_cpu_us.items() if us >= 0.5)
-    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         disk_dir = None if args.no_disk and not args.many else fresh(args.disk_dir, DEFAULT_DISK_DIR)
         ram_dir = None if args.ram_dir == "none" else fresh(args.ram_dir, DEFAULT_RAM_DIR)
         cases = _cases(args, None if args.no_disk else disk_dir, ram_dir)
-        progress = Progress(len(cases) + (2 if args.many else 0))
+        progress = Progress(len(cases) + (2 if args.many else 0) + (1 if args.alone_steps else 0))
         if args.gc_freeze:
             gc.collect()
             gc.freeze()
@@ -254,9 +200,13 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.intra_op_threads)
         results = []
         for case in cases:
-            progress.update(f"{case.count} x {_size_text(case.size_bytes)} {case.label}")
+            progress.update(f"{case.count} x {size_text(case.size_bytes)} {case.label}")
             results.append(measure(case, args.warmups, args.repeats, thread_cpu=args.thread_cpu,
                                    sample=args.sample_profile))
+        alone = None
+        if args.alone_steps:
+            progress.update(f"{max(args.counts)} x 64 KiB alone, with and without tba")
+            alone = measure_alone(max(args.counts), MANY_SIZE_BYTES, ram_dir or disk_dir, args.alone_steps)
         many = None
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update,
@@ -271,15 +221,18 @@ def run(args: argparse.Namespace) -> int:
     print(format_means(results, args.repeats))
     if args.thread_cpu:
         print(format_thread_cpu(results))
+    if alone is not None:
+        print(format_alone(alone))
     if many is not None:
         print(format_many(many))
     for result in results if args.sample_profile else ():
-        print(f"sampled stacks, one more step with tba, {result.case.count} x {_size_text(result.case.size_bytes)} "
+        print(f"sampled stacks, one more step with tba, {result.case.count} x {size_text(result.case.size_bytes)} "
               f"{result.case.label} (Note [Samples land where threads give up the GIL] in tba/bench/sampler.py):")
         print(result.sample_profile)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": [r.as_dict() for r in results], "many": many.as_dict() if many else None,
+                       "alone": [dataclasses.asdict(r) for r in alone] if alone else None,
                        "thread_cpu_clock": THREAD_CLOCK if args.thread_cpu else None,
                        "malloc": str(malloc), "warmups": args.warmups, "repeats": args.repeats,
                        "gc_freeze": args.gc_freeze, "intra_op_threads": torch.get_num_threads()}, out, indent=2)

@@ -153,3 +153,26 @@ def test_intra_op_threads_are_set_before_measuring_and_said(tmp_path, capsys, mo
     assert json.loads(out.read_text())["intra_op_threads"] == 1
     with pytest.raises(SystemExit):
         _args(["--intra-op-threads", "0"])
+
+
+def test_alone_steps_run_each_loop_in_a_process_of_its_own(tmp_path, capsys):
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    out = tmp_path / "hooks.json"
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", str(ram), "--alone-steps", "2", "--json", str(out)])
+    assert bench_hooks.run(args) == 0
+    printed = capsys.readouterr().out
+    alone = json.loads(out.read_text())["alone"]
+    assert [row["with_tba"] for row in alone] == [True, False]
+    for row in alone:
+        assert row["count"] == 6 and row["steps"] == 2 and row["step_us"] > 0
+        assert 0 <= row["collector_us"] <= row["step_us"] and row["full_collections"] >= 0
+    assert "6 x 64 KiB, 2 steps alone in a process of its own, with tba (without)" in printed
+    assert list(ram.iterdir()) == []
+
+
+def test_the_loop_alone_refuses_bad_values(capsys):
+    from tba.bench import collector
+    with pytest.raises(SystemExit) as exit_:
+        collector.main(["--count", "0", "--size-bytes", "65536", "--steps", "1"])
+    assert exit_.value.code == 2 and "--count, --size-bytes and --steps must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""The cycle collector's cost of the ``bench-hooks`` loop, with and without tba, each in a process of its own.
+
+``bench-hooks`` runs its two loops interleaved in one process, so that both see the same machine;
+but the cycle collector's full collections are triggered by what *both* loops leave alive (the
+objects promoted since the last full one, against a quarter of those that survived it), and each
+lands in whichever loop crosses the line, so its per-loop figures split them by chance. Here each
+loop runs ``steps`` steps after ``warmups`` alone, in a fresh interpreter (``python -m
+tba.bench.collector``), as a training script would: the full collections a loop's own objects bring
+are its own (docs/host-cost.md, sixteenth pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import tba
+from tba import _control
+from tba.bench.gc_clock import CollectorClock
+
+
+@dataclasses.dataclass(frozen=True)
+class AloneResult:
+    """One loop run alone: means per storage and step over the measured steps."""
+
+    with_tba: bool
+    count: int
+    size_bytes: int
+    steps: int
+    step_us: float
+    """Wall microseconds per storage of a whole step (forward, backward, tba's bookkeeping after it)."""
+    collector_us: float
+    """Microseconds per storage and step that the cycle collector ran."""
+    full_collections: int
+    """Full collections over the measured steps."""
+
+
+def loop_alone(count: int, size_bytes: int, directory: str | None, steps: int, warmups: int = 2) -> AloneResult:
+    """Run the ``bench-hooks`` loop in this process: under tba when ``directory`` is given, else without it."""
+    leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(count)]
+    clock = CollectorClock()
+    total_s = collector_s = 0.0
+    full = 0
+    for step in range(warmups + steps):
+        for leaf in leaves:
+            leaf.grad = None
+        with clock:
+            start = time.perf_counter()
+            with tba.offload_activations(directory=directory) if directory is not None else contextlib.nullcontext():
+                sums = [torch.tanh(leaf).sum() for leaf in leaves]
+            torch.autograd.backward(sums)
+            del sums
+            _control.settle()
+            elapsed_s = time.perf_counter() - start
+        if step >= warmups:
+            total_s += elapsed_s
+            collector_s += clock.seconds
+            full += clock.full
+    per_storage = 1e6 / (steps * count)
+    return AloneResult(directory is not None, count, size_bytes, steps, total_s * per_storage,
+                       collector_s * per_storage, full)
+
+
+def measure_alone(count: int, size_bytes: int, directory: str, steps: int, warmups: int = 2) -> list[AloneResult]:
+    """:func:`loop_alone` with tba (in ``directory``) and without, each in a fresh interpreter of its own."""
+    results = []
+    for where in (directory, None):
+        command = [sys.executable, "-m", "tba.bench.collector", "--count", str(count), "--size-bytes", str(size_bytes),
+                   "--steps", str(steps), "--warmups", str(warmups)] + (["--directory", where] if where else [])
+        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the loop alone failed ({' '.join(command)}): {done.stderr.strip()[-2000:]}")
+        results.append(AloneResult(**json.loads(done.stdout.strip().splitlines()[-1])))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tba.bench.collector",
+                                     description="One bench-hooks loop alone in this process; prints one JSON line.")
+    parser.add_argument("--count", type=int, required=True, help="storages per step")
+    parser.add_argument("--size-bytes", type=int, required=True, help="bytes per storage")
+    parser.add_argument("--steps", type=int, required=True, help="measured steps")
+    parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps first (default 2)")
+    parser.add_argument("--directory", default=None, help="run under tba, spilling here (default: without tba)")
+    args = parser.parse_args(argv)
+    if min(args.count, args.size_bytes, args.steps) < 1 or args.warmups < 0:
+        parser.error("--count, --size-bytes and --steps must be >= 1 and --warmups >= 0")
+    if args.directory is None:
+        result = loop_alone(args.count, args.size_bytes, None, args.steps, args.warmups)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tba-collector-", dir=args.directory) as directory:
+            result = loop_alone(args.count, args.size_bytes, directory, args.steps, args.warmups)
+    print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

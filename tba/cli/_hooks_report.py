@@ -1,0 +1,80 @@
+"""The text ``python -m tba bench-hooks`` prints: its table and the lines below it (``tba/cli/bench_hooks.py``)."""
+
+from __future__ import annotations
+
+import os
+
+from tba.bench.collector import AloneResult
+from tba.bench.hooks import HookResult, ManyResult
+from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
+from tba.defaults import KIB, MIB
+
+
+def size_text(nbytes: int) -> str:
+    if nbytes % MIB == 0:
+        return f"{nbytes // MIB} MiB"
+    if nbytes % KIB == 0:
+        return f"{nbytes // KIB} KiB"
+    return f"{nbytes} B"
+
+
+def format_table(results: list[HookResult]) -> str:
+    header = (f"{'storages x size':<18} {'directory':<26} {'base fwd ms':>11} {'tba fwd ms':>10} {'extra fwd us':>12} "
+              f"{'base bwd ms':>11} {'tba bwd ms':>10} {'extra bwd us':>12}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        where = "keep_in_memory()" if r.case.path == "keep" else f"{os.path.dirname(r.case.directory)} ({r.case.label})"
+        shape = f"{r.case.count} x {size_text(r.case.size_bytes)}"
+        lines.append(f"{shape:<18} {where:<26} "
+                     f"{r.base_forward_s * 1e3:>11.1f} {r.tba_forward_s * 1e3:>10.1f} {r.extra_forward_us:>12.1f} "
+                     f"{r.base_backward_s * 1e3:>11.1f} {r.tba_backward_s * 1e3:>10.1f} {r.extra_backward_us:>12.1f}")
+    return "\n".join(lines)
+
+
+def format_means(results: list[HookResult], repeats: int) -> str:
+    """Per row, the extra microseconds per storage between the mean steps, and the cycle collector's share."""
+    lines = [f"mean of the {repeats} measured steps, every one counted (a user's average step): extra us per storage "
+             "forward / backward; the cycle collector's us per storage and step and its full collections, with tba "
+             "(without):"]
+    for r in results:
+        if not r.mean_s:
+            continue
+        forward_us, backward_us = r.mean_extra_us
+        where = "keep" if r.case.path == "keep" else r.case.label
+        lines.append(f"  {r.case.count} x {size_text(r.case.size_bytes)} {where}: {forward_us:.1f} / {backward_us:.1f}; "
+                     f"collector {r.collector_us('tba'):.1f} ({r.collector_us('base'):.1f}), "
+                     f"full {r.full_collections.get('tba', 0)} ({r.full_collections.get('base', 0)})")
+    return "\n".join(lines)
+
+
+def format_thread_cpu(results: list[HookResult]) -> str:
+    """Per row, each thread's CPU microseconds per storage with tba (without tba in brackets), and the totals."""
+    lines = [f"CPU us per storage by thread in the best step, with tba (without); clock: {THREAD_CLOCK}:"]
+    for r in results:
+        names = list(r.thread_cpu_us) + [name for name in r.base_thread_cpu_us if name not in r.thread_cpu_us]
+        parts = [f"{name} {r.thread_cpu_us.get(name, 0.0):.1f} ({r.base_thread_cpu_us.get(name, 0.0):.1f})"
+                 for name in names if max(r.thread_cpu_us.get(name, 0.0), r.base_thread_cpu_us.get(name, 0.0)) >= 0.5]
+        total, base = sum(r.thread_cpu_us.values()), sum(r.base_thread_cpu_us.values())
+        where = "keep" if r.case.path == "keep" else r.case.label
+        lines.append(f"  {r.case.count} x {size_text(r.case.size_bytes)} {where}: total {total:.1f} ({base:.1f}); "
+                     + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def format_alone(results: list[AloneResult]) -> str:
+    """The loops run alone (``--alone-steps``): step and collector microseconds per storage, full collections."""
+    with_tba, without = results
+    return (f"{with_tba.count} x {size_text(with_tba.size_bytes)}, {with_tba.steps} steps alone in a process of its own, "
+            f"with tba (without): step {with_tba.step_us:.1f} ({without.step_us:.1f}) us per storage; cycle collector "
+            f"{with_tba.collector_us:.1f} ({without.collector_us:.1f}) us per storage and step, "
+            f"{with_tba.full_collections} ({without.full_collections}) full collections")
+
+
+def format_many(result: ManyResult) -> str:
+    text = (f"{result.count} x {size_text(result.size_bytes)} in {result.directory}: backward "
+            f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
+            f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
+    if result.thread_cpu_us:
+        text += "\n  CPU us per storage by thread, with tba: " + ", ".join(
+            f"{name} {us:.1f}" for name, us in result.thread_cpu_us.items() if us >= 0.5)
+    return text
