@@ -22,8 +22,13 @@ of it (``native/tba_gc.c``). Each is given here because no cycle can pass throug
   walk either way;
 * a version watch is a tensor alias with no bytes, no ``grad_fn`` and no attributes: it refers to no
   Python object;
-* a :class:`~tba.runtime._views.Kept` refers to one tensor and two numbers, and the tensor (the
-  saved one, or a detached alias of it) has no ``grad_fn`` through which it could reach its node;
+* a :class:`~tba.runtime._views.Kept` refers to one tensor and two numbers. The tensor is not always
+  bare: pack keeps a leaf (a parameter) as itself, with its attributes and hooks, and the pair of a
+  ``recompute`` layer (``tba/runtime/_recompute.py``) keeps a checkpointed layer's input as it is, with
+  its ``grad_fn``. What makes a record safe is who refers to it: autograd's C++ graph, which the
+  collector does not walk, and tba's own frames while pack or unpack runs. A cycle back to it from its
+  tensor passes through the graph (a traceback kept from backward holds the loss too), which no collector
+  frees, tracked or not; the same holds for a view's kept tensor;
 * the view's finalizer (``_ViewDied``) is held by the control thread's table of pending finalizers
   (a module's global, so never garbage) until it fires, and dropped then; it refers to the
   offloader and the entry, which never refer to it;

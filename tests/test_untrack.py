@@ -126,3 +126,34 @@ def test_kept_tensors_are_untracked_and_die_by_reference_count(spill_dir, packed
     params = {id(p) for p in model.parameters()}
     assert all(ref() is None or id(ref()) in params or ref() is x for ref in refs)
     off.close()
+
+
+@needs_extension
+def test_a_recomputed_layers_kept_inputs_are_untracked_and_die_by_reference_count(spill_dir, monkeypatch, no_gc):
+    """The pair of a ``recompute`` layer keeps its inputs as they are, ``grad_fn`` included (Note [Objects the
+    cycle collector need not see]): its records are untracked too, and die with the graph, letting go of them."""
+    from tba.runtime import _recompute
+
+    kept: list[tuple[weakref.ref, bool]] = []
+    keep = _recompute._keep
+
+    def recording(tensor):
+        record = keep(tensor)
+        assert not gc.is_tracked(record)
+        kept.append((weakref.ref(tensor), tensor.grad_fn is not None))
+        return record
+
+    monkeypatch.setattr(_recompute, "_keep", recording)
+    model = _model()
+    x = torch.randn(256, 128)
+    with tba.Offloader(spill_dir, min_offload_bytes=0) as off, _recompute.RecomputeLayers([model[1]]):
+        loss = model(x).square().sum()
+    assert any(has_grad_fn for _, has_grad_fn in kept), "no kept input with a grad_fn"
+    loss.backward()
+    del loss
+    settle()
+    # torch's non-reentrant checkpoint leaves its input in a reference cycle of its own (plain torch too): the
+    # collector frees it, which it could not while an untracked record still held it.
+    gc.collect()
+    assert all(ref() is None for ref, _ in kept), "a recomputed layer's kept input outlived backward and a collection"
+    off.close()
