@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         alone = None
         if args.alone_steps:
             progress.update(f"{max(args.counts)} x 64 KiB alone, with and without tba")
-            alone = measure_alone(max(args.counts), MANY_SIZE_BYTES, ram_dir or disk_dir, args.alone_steps)
+            alone_dir = ram_dir or disk_dir or fresh(args.disk_dir, DEFAULT_DISK_DIR)
+            alone = measure_alone(max(args.counts), MANY_SIZE_BYTES, alone_dir, args.alone_steps)
         many = None
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update,

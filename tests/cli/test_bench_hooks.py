@@ -171,6 +171,19 @@ def test_alone_steps_run_each_loop_in_a_process_of_its_own(tmp_path, capsys):
     assert list(ram.iterdir()) == []
 
 
+def test_alone_steps_run_under_tba_without_any_table_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_hooks, "DEFAULT_DISK_DIR", str(tmp_path))
+    out = tmp_path / "out" / "hooks.json"
+    out.parent.mkdir()
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", "none", "--alone-steps", "1", "--json", str(out)])
+    assert bench_hooks.run(args) == 0
+    assert "with tba (without)" in capsys.readouterr().out
+    assert [row["with_tba"] for row in json.loads(out.read_text())["alone"]] == [True, False]
+    out.unlink()
+    out.parent.rmdir()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_loop_alone_refuses_bad_values(capsys):
     from tba.bench import collector
     with pytest.raises(SystemExit) as exit_:
