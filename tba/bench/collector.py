@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import gc
 import json
 import os
 import subprocess
@@ -44,9 +46,16 @@ class AloneResult:
     """Full collections over the measured steps."""
 
 
-def loop_alone(count: int, size_bytes: int, directory: str | None, steps: int, warmups: int = 2) -> AloneResult:
-    """Run the ``bench-hooks`` loop in this process: under tba when ``directory`` is given, else without it."""
+class AloneRunError(RuntimeError):
+    """A loop run alone failed in its process, or printed no result; the message ends with its stderr."""
+
+
+def loop_alone(count: int, size_bytes: int, directory: str | None, steps: int, warmups: int = 2,
+               hold_outputs: bool = False) -> AloneResult:
+    """Run the ``bench-hooks`` loop in this process: under tba when ``directory`` is given, else without it;
+    ``hold_outputs`` as ``bench-hooks --hold-outputs`` (the outputs, not their sums, are kept until backward)."""
     leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(count)]
+    grad = torch.ones(size_bytes // 4)
     clock = CollectorClock()
     total_s = collector_s = 0.0
     full = 0
@@ -56,9 +65,12 @@ def loop_alone(count: int, size_bytes: int, directory: str | None, steps: int, w
         with clock:
             start = time.perf_counter()
             with tba.offload_activations(directory=directory) if directory is not None else contextlib.nullcontext():
-                sums = [torch.tanh(leaf).sum() for leaf in leaves]
-            torch.autograd.backward(sums)
-            del sums
+                if hold_outputs:
+                    outputs = [torch.tanh(leaf) for leaf in leaves]
+                else:
+                    outputs = [torch.tanh(leaf).sum() for leaf in leaves]
+            torch.autograd.backward(outputs, [grad] * len(outputs) if hold_outputs else None)
+            del outputs
             _control.settle()
             elapsed_s = time.perf_counter() - start
         if step >= warmups:
@@ -70,16 +82,31 @@ def loop_alone(count: int, size_bytes: int, directory: str | None, steps: int, w
                        collector_s * per_storage, full)
 
 
-def measure_alone(count: int, size_bytes: int, directory: str, steps: int, warmups: int = 2) -> list[AloneResult]:
-    """:func:`loop_alone` with tba (in ``directory``) and without, each in a fresh interpreter of its own."""
+def measure_alone(count: int, size_bytes: int, directory: str, steps: int, warmups: int = 2, *,
+                  hold_outputs: bool = False, intra_op_threads: int | None = None,
+                  gc_freeze: bool = False) -> list[AloneResult]:
+    """:func:`loop_alone` with tba (in ``directory``) and without, each in a fresh interpreter of its own, under
+    the same settings as the table's loops: ``hold_outputs``, ``intra_op_threads`` (``torch.set_num_threads``)
+    and ``gc_freeze`` (``gc.freeze()`` before the loop). The children inherit this process's environment (its
+    malloc preload among it) and import this process's tba (its root leads their ``PYTHONPATH``)."""
+    options = ["--count", str(count), "--size-bytes", str(size_bytes), "--steps", str(steps), "--warmups", str(warmups)]
+    options += ["--hold-outputs"] * hold_outputs + ["--gc-freeze"] * gc_freeze
+    options += ["--intra-op-threads", str(intra_op_threads)] if intra_op_threads is not None else []
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tba.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     results = []
     for where in (directory, None):
-        command = [sys.executable, "-m", "tba.bench.collector", "--count", str(count), "--size-bytes", str(size_bytes),
-                   "--steps", str(steps), "--warmups", str(warmups)] + (["--directory", where] if where else [])
-        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ), check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"the loop alone failed ({' '.join(command)}): {done.stderr.strip()[-2000:]}")
-        results.append(AloneResult(**json.loads(done.stdout.strip().splitlines()[-1])))
+        command = [sys.executable, "-m", "tba.bench.collector", *options] + (["--directory", where] if where else [])
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        lines = done.stdout.strip().splitlines()
+        try:
+            if done.returncode != 0 or not lines:
+                raise ValueError
+            results.append(AloneResult(**json.loads(lines[-1])))
+        except (ValueError, TypeError):
+            raise AloneRunError(f"the loop alone {'with' if where else 'without'} tba failed (exit status "
+                                f"{done.returncode}; {' '.join(command)}): {done.stderr.strip()[-2000:]}") from None
     return results
 
 
@@ -91,14 +118,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True, help="measured steps")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps first (default 2)")
     parser.add_argument("--directory", default=None, help="run under tba, spilling here (default: without tba)")
+    parser.add_argument("--hold-outputs", action="store_true", help="keep the outputs until backward, not their sums")
+    parser.add_argument("--intra-op-threads", type=int, default=None, help="torch.set_num_threads(N) first")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the loop")
     args = parser.parse_args(argv)
     if min(args.count, args.size_bytes, args.steps) < 1 or args.warmups < 0:
         parser.error("--count, --size-bytes and --steps must be >= 1 and --warmups >= 0")
+    if args.intra_op_threads is not None and args.intra_op_threads < 1:
+        parser.error("--intra-op-threads must be >= 1")
+    if args.intra_op_threads is not None:
+        torch.set_num_threads(args.intra_op_threads)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    loop = functools.partial(loop_alone, args.count, args.size_bytes, steps=args.steps, warmups=args.warmups,
+                             hold_outputs=args.hold_outputs)
     if args.directory is None:
-        result = loop_alone(args.count, args.size_bytes, None, args.steps, args.warmups)
+        result = loop(None)
     else:
         with tempfile.TemporaryDirectory(prefix="tba-collector-", dir=args.directory) as directory:
-            result = loop_alone(args.count, args.size_bytes, directory, args.steps, args.warmups)
+            result = loop(directory)
     print(json.dumps(dataclasses.asdict(result)))
     return 0
 

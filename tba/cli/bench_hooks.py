@@ -35,7 +35,7 @@ import torch
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import detect, run_script_under
-from tba.bench.collector import measure_alone
+from tba.bench.collector import AloneRunError, measure_alone
 from tba.bench.hooks import HookCase, measure, measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli import _checks as cli_checks
@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compare with a run without it, docs/host-cost.md)")
     parser.add_argument("--alone-steps", type=cli_checks.int_at_least(0), default=0, metavar="N",
                         help="also run the 64 KiB loop at the largest count for N steps alone, with tba and without, "
-                             "each in a process of its own, and print the cycle collector's time and full collections "
+                             "each in a process of its own (under the table's --hold-outputs, --gc-freeze and "
+                             "--intra-op-threads; CPU only), and print the cycle collector's time and full collections "
                              "in each (the table's interleaved loops share them; default 0: not run)")
     parser.add_argument("--intra-op-threads", type=cli_checks.int_at_least(1), default=None, metavar="N",
                         help="torch.set_num_threads(N) before measuring, both loops alike (default: torch's own, one "
@@ -165,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and args.many:
         print("bench-hooks: error: --many runs on the CPU only; drop --many or --device cuda", file=sys.stderr)
         return 2
+    if args.device == "cuda" and args.alone_steps:
+        print("bench-hooks: error: --alone-steps runs on the CPU only; drop --alone-steps or --device cuda",
+              file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench-hooks: error: --device cuda needs a CUDA build of torch and a GPU; use --device cpu",
               file=sys.stderr)
@@ -205,9 +210,17 @@ def run(args: argparse.Namespace) -> int:
                                    sample=args.sample_profile))
         alone = None
         if args.alone_steps:
-            progress.update(f"{max(args.counts)} x 64 KiB alone, with and without tba")
+            # The largest count a 64 KiB row of the table may hold (--max-bytes caps it there too).
+            alone_count = max(1, min(max(args.counts), args.max_bytes // MANY_SIZE_BYTES))
+            progress.update(f"{alone_count} x 64 KiB alone, with and without tba")
             alone_dir = ram_dir or disk_dir or fresh(args.disk_dir, DEFAULT_DISK_DIR)
-            alone = measure_alone(max(args.counts), MANY_SIZE_BYTES, alone_dir, args.alone_steps)
+            try:
+                alone = measure_alone(alone_count, MANY_SIZE_BYTES, alone_dir, args.alone_steps,
+                                      hold_outputs=args.hold_outputs, intra_op_threads=args.intra_op_threads,
+                                      gc_freeze=args.gc_freeze)
+            except AloneRunError as err:
+                print(f"bench-hooks: error: {err}", file=sys.stderr)
+                return 1
         many = None
         if args.many:
             many = measure_many(args.many_count, MANY_SIZE_BYTES, disk_dir, progress=progress.update,

@@ -189,3 +189,31 @@ def test_the_loop_alone_refuses_bad_values(capsys):
     with pytest.raises(SystemExit) as exit_:
         collector.main(["--count", "0", "--size-bytes", "65536", "--steps", "1"])
     assert exit_.value.code == 2 and "--count, --size-bytes and --steps must be >= 1" in capsys.readouterr().err
+
+
+def test_alone_steps_take_the_table_settings_and_cap(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def measure_alone(count, size_bytes, directory, steps, **settings):
+        seen.update(count=count, steps=steps, **settings)
+        raise bench_hooks.AloneRunError("the loop alone with tba failed (exit status 1; ...): MemoryError")
+
+    monkeypatch.setattr(bench_hooks, "measure_alone", measure_alone)
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", str(ram), "--alone-steps", "2", "--hold-outputs",
+                  "--intra-op-threads", str(torch.get_num_threads()), "--gc-freeze", "--max-bytes", "128K"])
+    try:
+        assert bench_hooks.run(args) == 1
+    finally:
+        gc.unfreeze()
+    assert seen == {"count": 2, "steps": 2, "hold_outputs": True, "intra_op_threads": torch.get_num_threads(),
+                    "gc_freeze": True}
+    err = capsys.readouterr().err
+    assert "bench-hooks: error: the loop alone with tba failed" in err and "Traceback" not in err
+    assert list(ram.iterdir()) == []
+
+
+def test_alone_steps_refuse_cuda(capsys):
+    assert bench_hooks.run(_args(["--device", "cuda", "--alone-steps", "1"])) == 2
+    assert "--alone-steps runs on the CPU only" in capsys.readouterr().err
