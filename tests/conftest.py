@@ -85,6 +85,15 @@ def read_back_always(monkeypatch):
 
 
 @pytest.fixture
+def no_gc():
+    """Automatic cycle collection off, so a reference cycle shows as a leak instead of a timing."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.fixture
 def spill_dir(tmp_path) -> str:
     """An empty directory for spill files; the test fails if anything is left in it."""
     path = tmp_path / "spill"

@@ -29,15 +29,6 @@ class _Slotted:
 
 
 @pytest.fixture
-def no_gc():
-    """Automatic cycle collection off: what is not freed by reference count shows as still alive."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
-
-
-@pytest.fixture
 def packed(monkeypatch) -> list:
     """Every object tba's pack hook returns, in order."""
     found: list = []

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
-import pytest
 import torch
 from torch import nn
 
@@ -15,15 +12,6 @@ from tba._control import settle
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)))
-
-
-@pytest.fixture
-def no_gc():
-    """Automatic cycle collection off, so a reference cycle shows as a leak instead of a timing."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 def test_reusable_offloader_reuses_space_after_dropped_losses(spill_dir, backend, no_gc):
