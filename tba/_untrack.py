@@ -32,9 +32,10 @@ of it (``native/tba_gc.c``). Each is given here because no cycle can pass throug
 * the view's finalizer (``_ViewDied``) is held by the control thread's table of pending finalizers
   (a module's global, so never garbage) until it fires, and dropped then; it refers to the
   offloader and the entry, which never refer to it;
-* the weak reference to a tensor's root has no callback: it refers to nothing.
+* the weak reference to a tensor's root has no callback: it refers to nothing;
 * the ``uint8`` tensor through which the store holds a storage until it is written (``entry.data``) has
-  no ``grad_fn`` and no attributes: it refers to no Python object (unpack returns new tensors over its storage).
+  no ``grad_fn`` and no attributes: it refers to no Python object (unpack returns new tensors over its
+  storage).
 
 A tracked object they refer to stays tracked and is collected as before once they let it go. Without
 the extension (no C compiler at install) :func:`untrack` does nothing: the same objects, collected
