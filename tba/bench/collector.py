@@ -12,7 +12,6 @@ are its own (docs/host-cost.md, sixteenth pass).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -21,12 +20,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
 import tba
-from tba import _control
+from tba.bench import hooks
 from tba.bench.gc_clock import CollectorClock
 
 
@@ -52,29 +50,20 @@ class AloneRunError(RuntimeError):
 
 def loop_alone(count: int, size_bytes: int, directory: str | None, steps: int, warmups: int = 2,
                hold_outputs: bool = False) -> AloneResult:
-    """Run the ``bench-hooks`` loop in this process: under tba when ``directory`` is given, else without it;
-    ``hold_outputs`` as ``bench-hooks --hold-outputs`` (the outputs, not their sums, are kept until backward)."""
+    """Run the ``bench-hooks`` loop (:func:`~tba.bench.hooks.one_step`) in this process: under tba when ``directory``
+    is given, else without it; ``hold_outputs`` as ``bench-hooks --hold-outputs`` (the outputs, not their sums, are
+    kept until backward)."""
     leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(count)]
     grad = torch.ones(size_bytes // 4)
+    case = None if directory is None else hooks.HookCase(size_bytes, count, directory, "alone", hold_outputs=hold_outputs)
     clock = CollectorClock()
     total_s = collector_s = 0.0
     full = 0
     for step in range(warmups + steps):
-        for leaf in leaves:
-            leaf.grad = None
         with clock:
-            start = time.perf_counter()
-            with tba.offload_activations(directory=directory) if directory is not None else contextlib.nullcontext():
-                if hold_outputs:
-                    outputs = [torch.tanh(leaf) for leaf in leaves]
-                else:
-                    outputs = [torch.tanh(leaf).sum() for leaf in leaves]
-            torch.autograd.backward(outputs, [grad] * len(outputs) if hold_outputs else None)
-            del outputs
-            _control.settle()
-            elapsed_s = time.perf_counter() - start
+            forward_s, backward_s = hooks.one_step(leaves, grad, case, hold_outputs)
         if step >= warmups:
-            total_s += elapsed_s
+            total_s += forward_s + backward_s
             collector_s += clock.seconds
             full += clock.full
     per_storage = 1e6 / (steps * count)

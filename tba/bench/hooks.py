@@ -126,9 +126,9 @@ def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
     return tba.offload_activations(directory=case.directory)
 
 
-def _step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
-          hold_outputs: bool = False, device: str = "cpu") -> tuple[float, float]:
-    """One forward and backward of the loop; returns their seconds."""
+def one_step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
+             hold_outputs: bool = False, device: str = "cpu") -> tuple[float, float]:
+    """One forward and backward of the loop, with ``case``'s context (None: without tba); returns their seconds."""
     for leaf in leaves:
         leaf.grad = None
     start = time.perf_counter()
@@ -166,7 +166,7 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
         for name, which in (("base", None), ("tba", case)):
             before = thread_cpu_snapshot() if thread_cpu and rep >= warmups else None
             with clock:
-                forward_s, backward_s = _step(leaves, grad, which, case.hold_outputs, case.device)
+                forward_s, backward_s = one_step(leaves, grad, which, case.hold_outputs, case.device)
             if before is not None and forward_s + backward_s < spent[name][0]:
                 spent[name] = (forward_s + backward_s, cpu_by_name(before, thread_cpu_snapshot()))
             if rep >= warmups:
@@ -180,7 +180,7 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
     profile = ""
     if sample:
         with StackSampler() as sampler:
-            _step(leaves, grad, case, case.hold_outputs, case.device)
+            one_step(leaves, grad, case, case.hold_outputs, case.device)
         profile = sampler.report()
     return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
                       _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count),

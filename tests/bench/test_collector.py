@@ -3,7 +3,6 @@ what the processes of their own are given (no timing asserted: the clocks are re
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -15,10 +14,10 @@ from tba.bench import collector, hooks
 
 
 def test_loop_alone_reports_per_storage_and_step(monkeypatch):
-    ticks = itertools.count()
-    monkeypatch.setattr(collector.time, "perf_counter", lambda: float(next(ticks)))
+    times = iter([(10.0, 10.0), (0.25, 0.75), (0.5, 0.5), (0.75, 0.25)])
+    monkeypatch.setattr(hooks, "one_step", lambda *args: next(times))
     result = collector.loop_alone(4, 1024, None, steps=3, warmups=1)
-    # Every step takes one fake second (start and end are consecutive reads of the clock) over 4 storages.
+    # The warm-up (20 s) is left out; every measured step takes one fake second over 4 storages.
     assert result.steps == 3 and not result.with_tba
     assert result.step_us == pytest.approx(1e6 / 4)
 
@@ -30,7 +29,7 @@ def test_loop_alone_holds_outputs_under_tba(tmp_path):
 
 def test_measure_means_every_measured_step(monkeypatch):
     times = iter([(1.0, 2.0), (3.0, 4.0), (5.0, 6.0), (7.0, 8.0), (9.0, 10.0), (11.0, 12.0)])
-    monkeypatch.setattr(hooks, "_step", lambda *args: next(times))
+    monkeypatch.setattr(hooks, "one_step", lambda *args: next(times))
     result = hooks.measure(hooks.HookCase(1024, 2, "/unused", "ram"), warmups=1, repeats=2)
     # Warm-up (base 1/2, tba 3/4) left out; measured: base 5/6 then 9/10, tba 7/8 then 11/12.
     assert result.mean_s == {"base": (7.0, 8.0), "tba": (9.0, 10.0)}
