@@ -117,7 +117,7 @@ def defer(fn: Callable[..., Any], *args: Any) -> int:
     (0 when ``fn`` ran at once: on the control thread itself, or once the thread has stopped).
     """
     control = _control
-    if threading.current_thread() is control.thread or control.stopped:
+    if threading.get_ident() == control.thread_ident or control.stopped:
         fn(*args)
         return 0
     control.deferred.append((fn, args))

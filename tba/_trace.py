@@ -26,6 +26,11 @@ _NO_RANGE = contextlib.nullcontext()
 """What :func:`nvtx_range` returns without ``nvtx``: one reusable no-op, not a fresh object per saved tensor."""
 
 
+def nvtx_enabled() -> bool:
+    """Whether ``nvtx`` is installed: the hooks, called per saved tensor, skip even the no-op range without it."""
+    return _annotate() is not None
+
+
 def nvtx_range(name: str) -> AbstractContextManager[None]:
     """A context manager that marks ``name`` in the ``tba`` NVTX domain (or does nothing)."""
     annotate = _annotate()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba import _control
-from tba._trace import nvtx_range
+from tba._trace import nvtx_enabled, nvtx_range
 from tba._untrack import untrack
 from tba.device import is_device_tensor
 from tba.errors import EngineClosedError, TbaError
@@ -91,6 +91,8 @@ class SavedTensorHooks(KeepDecision):
         the graph). So both hooks' code, and every frame they call, is marked for Dynamo to skip
         (:func:`tba.runtime._compile.never_traced`): they run eagerly, at no cost per call.
         """
+        if not nvtx_enabled():
+            return self._pack(tensor)
         with nvtx_range("pack"):
             return self._pack(tensor)
 
@@ -114,7 +116,7 @@ class SavedTensorHooks(KeepDecision):
         layer = self._tracker.current
         stack = self._discovery.stack if self._discovery is not None else None
         view = SavedView(None, tensor)
-        device_type = tensor.device.type
+        device_type = "cpu" if tensor.is_cpu else tensor.device.type
         if is_device_tensor(tensor, device_type) or device_type in self._staged_devices:
             # Note: [A device save is deferred too]
             # A device storage's copy must start after the kernel that produced it, which is queued
@@ -142,7 +144,8 @@ class SavedTensorHooks(KeepDecision):
         # at unpack is the one recorded here.
         # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
         nbytes = tensor.nbytes
-        self._waker.note(_control.defer(self._save_job, view, tensor, tensor.untyped_storage(), nbytes, layer, stack,
+        storage = tensor.untyped_storage()
+        self._waker.note(_control.defer(self._save_job, view, tensor, storage, storage.nbytes(), nbytes, layer, stack,
                                         ready), nbytes)
         self._deferred_bytes += nbytes
         if self._write_caps is not None:
@@ -163,12 +166,15 @@ class SavedTensorHooks(KeepDecision):
             _control.settle()
         self._store.hold_back_writes(cap)
 
-    def _save_job(self, view: SavedView, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int,
-                  layer: int | None, stack: Any, ready: Any) -> None:
+    def _save_job(self, view: SavedView, tensor: torch.Tensor, storage: torch.UntypedStorage, storage_bytes: int,
+                  nbytes: int, layer: int | None, stack: Any, ready: Any) -> None:
         self._save_jobs_bytes += nbytes
-        view.error = view.uncovered(storage)  # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
-        if view.error is not None:
-            return
+        # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py. The packed geometry fit the
+        # storage at pack (the tensor was just used), so only a storage that has shrunk since needs the check.
+        if storage.nbytes() < storage_bytes:
+            view.error = view.uncovered(storage)
+            if view.error is not None:
+                return
         try:
             entry, fresh = self._store.save(tensor, storage, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
@@ -203,6 +209,8 @@ class SavedTensorHooks(KeepDecision):
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed
+        if not nvtx_enabled():
+            return self._unpack(packed)
         with nvtx_range("unpack"):
             return self._unpack(packed)
 

@@ -79,7 +79,14 @@ class KeepReason(str, enum.Enum):
         return self in (KeepReason.PARAMETER, KeepReason.MODULE_STATE)
 
 
-_region = threading.local()
+class _Region(threading.local):
+    """This thread's depth of :func:`keep_in_memory` blocks (a class default: a thread that never entered one
+    reads 0 without the missed-attribute lookup, 0.8 µs, that ``getattr(local, name, 0)`` costs per saved tensor)."""
+
+    depth = 0
+
+
+_region = _Region()
 
 
 @contextlib.contextmanager
@@ -93,7 +100,7 @@ def keep_in_memory() -> Iterator[None]:
             with tba.keep_in_memory():
                 logits = head(hidden)     # saved in memory, as without tba
     """
-    _region.depth = getattr(_region, "depth", 0) + 1
+    _region.depth += 1
     try:
         yield
     finally:
@@ -102,7 +109,7 @@ def keep_in_memory() -> Iterator[None]:
 
 def in_keep_region() -> bool:
     """True inside :func:`keep_in_memory` on this thread."""
-    return getattr(_region, "depth", 0) > 0
+    return _region.depth > 0
 
 
 _WARNED_SUBCLASSES: set[type] = set()
@@ -133,7 +140,7 @@ class KeepDecision:
         """Why ``tensor`` stays in memory, or None when it goes to disk (integrations extend this)."""
         if in_keep_region():
             return KeepReason.USER_REGION
-        device_type = tensor.device.type
+        device_type = "cpu" if tensor.is_cpu else tensor.device.type  # is_cpu: no torch.device object made
         if is_device_tensor(tensor, device_type) and cuda_api().is_current_stream_capturing():
             return KeepReason.CUDA_GRAPH_CAPTURE
         if type(tensor) is not torch.Tensor:
