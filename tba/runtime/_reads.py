@@ -5,7 +5,7 @@
   (:meth:`StoreReads.served_from_memory`).
 * :meth:`StoreReads.start_load` starts the read of a storage that is not resident and moves the
   prefetch window (:meth:`StoreReads.prefetch`), which queues the reads backward needs next;
-  :meth:`StoreReads.wait_read` waits for one in the caller's thread.
+  ``wait_read`` (``tba/runtime/_read_wait.py``) waits for one in the caller's thread.
 * :meth:`StoreReads.note_unpacked` releases the bytes once every live view was unpacked.
 
 Every state change happens under the store's lock, on the control thread or on an engine thread.
@@ -16,16 +16,15 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tba._control import after_batch, wait
+from tba._control import after_batch
 from tba._outcome import Outcome
 from tba._trace import nvtx_range
-from tba.errors import TbaError, TbaReadError
-from tba.io import checksum
+from tba.errors import TbaError
+from tba.runtime._read_wait import StoreReadWait
 from tba.runtime._views import State, StorageEntry, storage_bytes
 
 if TYPE_CHECKING:
@@ -50,9 +49,10 @@ _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 """Whether this interpreter has a GIL (Note [Bytes no one can discard need no lock])."""
 
 
-class StoreReads:
+class StoreReads(StoreReadWait):
     """The read half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
-    and provides the lifetime methods it calls (``release``, ``_free_extent``, ``_sweep_written``)."""
+    and provides the lifetime methods it calls (``release``, ``_free_extent``, ``_sweep_written``). Waiting for a read and
+    checking what it brought are its base's (``tba/runtime/_read_wait.py``)."""
 
     lock: threading.RLock
     stats: OffloadStats
@@ -233,52 +233,6 @@ class StoreReads:
                 self.stats.bytes_read += entry.nbytes
                 if waited:
                     done.set_result((entry.data, event))
-
-    def _verify(self, entry: StorageEntry, data: torch.Tensor) -> TbaReadError | None:
-        """None when ``data`` has the checksum ``entry`` was written with, else the error to raise."""
-        got = checksum(data)
-        with self.lock:
-            self.stats.bytes_verified += entry.nbytes
-        if got == entry.checksum:
-            return None
-        return TbaReadError(
-            f"verify: {entry.describe()} read back from the spill file in {self.spill.directory} (offset "
-            f"{entry.offset}, {entry.extent_bytes} bytes) differs from what was written (CRC-32C {got:#010x}, "
-            f"written {entry.checksum:#010x}): the file was changed underneath tba (another process, a punched "
-            "hole, a failing disk); its gradients cannot be computed, run the step again"
-        )
-
-    # Note: [A device error reading back is a read error]
-    # Only OSError became TbaReadError here. A staged read also fails in its device calls: the
-    # host-to-device copy, the event after it, the read buffer's allocation event (a CUDA error
-    # after a kernel fault, cudaErrorMemoryAllocation creating an event), and the fake or real
-    # kvikio raises RuntimeError for I/O. Those reached backward as the bare RuntimeError of
-    # whichever call failed, naming neither the tensor nor the file (tests/device/test_sim_faults.py,
-    # a copy fault injected into the simulated device). Every failure of a read is a TbaReadError
-    # now, with the cause chained; a TbaError passes as it is, and running out of memory stays
-    # torch.OutOfMemoryError (or MemoryError), which training loops catch to retry smaller. Only the
-    # read's own error is wrapped: one a signal handler raised while the thread waited is the user's
-    # and reaches them as it is (tests/runtime/test_async_exceptions.py).
-
-    def wait_read(self, entry: StorageEntry, done: Outcome) -> tuple[torch.Tensor, Any]:
-        start = time.perf_counter()
-        try:
-            with nvtx_range("wait_read"):
-                result = wait(done)
-        except (TbaError, torch.OutOfMemoryError, MemoryError):
-            raise
-        except Exception as err:  # Note [A device error reading back is a read error]
-            if not done.failed_with(err):
-                raise
-            raise TbaReadError(
-                f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "
-                f"offset {entry.offset}, {entry.extent_bytes} bytes: {err}"
-            ) from err
-        with self.lock:
-            self.stats.unpacks_waited += 1
-            self.stats.unpack_wait_s += time.perf_counter() - start
-            self.window.note_wait()
-        return result
 
     def note_unpacked(self, entry: StorageEntry, view_id: int) -> None:
         """After every live view of a storage was unpacked, its bytes are not needed in memory.
