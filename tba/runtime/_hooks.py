@@ -144,8 +144,7 @@ class SavedTensorHooks(KeepDecision):
         # at unpack is the one recorded here.
         # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
         nbytes = tensor.nbytes
-        storage = tensor.untyped_storage()
-        self._waker.note(_control.defer(self._save_job, view, tensor, storage, storage.nbytes(), nbytes, layer, stack,
+        self._waker.note(_control.defer(self._save_job, view, tensor, tensor.untyped_storage(), nbytes, layer, stack,
                                         ready), nbytes)
         self._deferred_bytes += nbytes
         if self._write_caps is not None:
@@ -166,15 +165,12 @@ class SavedTensorHooks(KeepDecision):
             _control.settle()
         self._store.hold_back_writes(cap)
 
-    def _save_job(self, view: SavedView, tensor: torch.Tensor, storage: torch.UntypedStorage, storage_bytes: int,
-                  nbytes: int, layer: int | None, stack: Any, ready: Any) -> None:
+    def _save_job(self, view: SavedView, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int,
+                  layer: int | None, stack: Any, ready: Any) -> None:
         self._save_jobs_bytes += nbytes
-        # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py. The packed geometry fit the
-        # storage at pack (the tensor was just used), so only a storage that has shrunk since needs the check.
-        if storage.nbytes() < storage_bytes:
-            view.error = view.uncovered(storage)
-            if view.error is not None:
-                return
+        view.error = view.uncovered(storage)  # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
+        if view.error is not None:
+            return
         try:
             entry, fresh = self._store.save(tensor, storage, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning

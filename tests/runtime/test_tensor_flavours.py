@@ -320,6 +320,21 @@ def test_a_storage_shrunk_before_its_write_raises_and_frees_the_step(spill_dir):
     assert [ref() for ref in refs] == [None, None]
 
 
+def test_a_storage_already_too_small_when_saved_raises_a_clear_error(spill_dir):
+    """A tensor saved (not read) after its storage was shrunk below it, the storage grown back before backward: without
+    tba backward runs on whatever the storage then holds; with tba, whose write took the shrunk storage, unpack raises
+    the TbaError naming the resize (helper-82: a save that checked the geometry only against a storage shrunk since pack
+    let this one through, and backward met torch's bare 'Trying to resize storage that is not resizable')."""
+    x = torch.ones(4, requires_grad=True)
+    h = torch.ones(N)
+    h.untyped_storage().resize_(64)
+    with tba.offload_activations(directory=spill_dir, min_offload_bytes=0):
+        y = SaveSum.apply(x, h)
+    h.untyped_storage().resize_(N * 4)
+    with pytest.raises(TbaError, match="resized below it"):
+        y.sum().backward()
+
+
 class Saved(torch.autograd.Function):
     """Saves its second argument for backward and keeps what backward got in ``Saved.got``."""
 
