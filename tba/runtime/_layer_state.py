@@ -106,8 +106,9 @@ class ModuleState:
     """The module's mode when the state was taken: part of each tensor's :data:`Key`."""
 
 
-NOT_COPIED = torch.empty(0)
-"""Stands for the bytes of a tensor that was not copied: one the layer's forward is known to leave alone."""
+NOT_COPIED = torch.empty(0, device="cpu")
+"""Stands for the bytes of a tensor that was not copied: one the layer's forward is known to leave alone. On the CPU
+whatever the default device at import: on a CUDA default device, importing tba would have started CUDA."""
 
 
 def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:

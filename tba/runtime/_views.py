@@ -44,7 +44,12 @@ if TYPE_CHECKING:
 _EXPIRED = torch.UntypedStorage._expired
 
 
-_NO_BYTES = torch.empty(0)
+_CPU = torch.device("cpu")
+
+_NO_BYTES = torch.empty(0, device=_CPU)
+"""The version watch's data. On the CPU whatever the default device when tba is imported: made on a meta or CUDA
+default device (``torch.set_default_device`` before ``import tba``), it could not be set as a CPU tensor's data,
+and every pack of one failed."""
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -290,6 +295,10 @@ class SavedView:
         base_bytes = data.storage_offset()
         if base_bytes % itemsize:
             raise AssertionError(f"storage bytes at offset {base_bytes} are misaligned for {self.dtype}")
-        # A host tensor's device goes unnamed: building a torch.device and parsing it cost 1.1 of 2.8 µs here.
-        out = torch.empty(0, dtype=self.dtype) if data.is_cpu else torch.empty((0,), dtype=self.dtype, device=data.device)
+        # A host storage's shell names the CPU through a constant: building ``data.device`` cost 1.1 of 2.8 µs here.
+        # Always named: an unpack called from Python (``grad_fn._saved_result``) inside ``with torch.device("meta"):``
+        # made an unnamed one a meta tensor, which ``set_`` refused. Not ``data.new_empty``: an operator on ``data``
+        # reads it for a stream-order checker (the simulated device's, torch's CUDA sanitizer).
+        out = (torch.empty(0, dtype=self.dtype, device=_CPU) if data.is_cpu
+               else torch.empty((0,), dtype=self.dtype, device=data.device))
         return out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
