@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+import sys
 
 import pytest
 from utils import load_script
@@ -73,3 +74,37 @@ def test_a_module_loaded_from_another_checkout_is_refused(ab, tmp_path):
     ab.check_origin(side, {"tba": str(side / "tba" / "__init__.py"), "tba._gc": None})
     with pytest.raises(SystemExit, match=r"tba\._uring loads from /elsewhere/tba/_uring\.so"):
         ab.check_origin(side, {"tba": str(side / "tba" / "__init__.py"), "tba._uring": "/elsewhere/tba/_uring.so"})
+
+
+def test_an_interrupt_while_a_worktree_is_added_leaves_no_worktree(ab, monkeypatch):
+    """Interrupted during ``git worktree add`` (SIGINT to the tool alone), the half-added worktree was not yet
+    recorded, so it was never removed: ``git worktree list`` kept a stale entry."""
+    before = worktrees()
+    real = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        done = real(cmd, *args, **kwargs)
+        if "add" in cmd:
+            raise KeyboardInterrupt  # as SIGINT arrives just as the add ends
+        return done
+
+    monkeypatch.setattr(ab.subprocess, "run", run)
+    with pytest.raises(KeyboardInterrupt), ab.checkouts(["HEAD"]):
+        pass
+    monkeypatch.undo()
+    assert worktrees() == before
+
+
+def test_sigterm_removes_the_worktrees(tmp_path):
+    """SIGTERM (``timeout``, a CI runner's cancel) ended the tool without its cleanup: both worktrees stayed, in /tmp
+    and in ``git worktree list``."""
+    before = worktrees()
+    script = (
+        "import os, signal, sys; sys.path.insert(0, 'tests'); from utils import load_script; import pathlib\n"
+        "ab = load_script(pathlib.Path('tools/ab_hooks.py'))\n"
+        "ab.prepare = lambda path: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.exit(ab.main(['HEAD', 'HEAD']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=TOOLS.parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert worktrees() == before

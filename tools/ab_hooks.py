@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,14 +127,17 @@ def checkouts(specs: Sequence[str]) -> Iterator[list[pathlib.Path]]:
                 paths.append(pathlib.Path(spec))
                 continue
             path = scratch / f"side{index}"
+            made.append(path)  # before the add: one interrupted half way is removed too
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), spec], check=True)
-            made.append(path)
             paths.append(path)
         yield paths
     finally:
         for path in made:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False,
+                           stderr=subprocess.DEVNULL)
         shutil.rmtree(scratch, ignore_errors=True)
+        if made:  # what a remove could not take (a worktree added half way) is left to prune, its directory gone
+            subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=False)
 
 
 def compare(paths: Sequence[pathlib.Path], labels: Sequence[str], rounds: int, options: list[str],
@@ -167,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # SIGTERM (timeout, a cancelled job) ends the tool through its cleanup
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     bench = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         if not pathlib.Path(spec).is_dir() and not is_revision(spec):
             parser.error(f"{name}: {spec!r} is neither a directory nor a revision of {REPO}")
     labels = [f"A ({args.a})", f"B ({args.b})"]
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         with checkouts([args.a, args.b]) as paths:
             for path in paths:
@@ -192,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ab_hooks: {' '.join(map(str, err.cmd[:4]))} ... failed (exit {err.returncode}); "
               "run it by hand in that checkout to see why", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print("\n".join(summarise(results)))
     if args.json is not None:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
