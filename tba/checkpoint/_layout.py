@@ -96,7 +96,7 @@ class Entry:
 def _skeleton(shape: torch.Size, dtype: torch.dtype) -> tuple[bytes, bytes]:
     recorder = _Recorder()
     with torch.serialization.skip_data():
-        torch.save(torch.empty(shape, dtype=dtype), recorder)
+        torch.save(torch.empty(shape, dtype=dtype, device="cpu"), recorder)  # the host copy, whatever the default device
     nbytes = shape.numel() * dtype.itemsize
     if (recorder.hole_bytes or 0) != nbytes:
         raise RuntimeError(f"torch.save skeleton reserved {recorder.hole_bytes} bytes for a "

@@ -75,7 +75,7 @@ def _warm_up_in_caller(backend: str, queue_depth: int) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="tba-warm-up-") as scratch:
             writer.reset(scratch)
-            dcp.save({"warm_up": torch.zeros(8)}, storage_writer=writer, no_dist=True)
+            dcp.save({"warm_up": torch.zeros(8, device="cpu")}, storage_writer=writer, no_dist=True)
     finally:
         writer.close()
     _warmed_up = True

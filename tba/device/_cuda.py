@@ -76,7 +76,7 @@ class TorchCuda:
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """Page-locked host memory from torch's host caching allocator (rounds up to a power of two)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     registered_bytes = 0
     """Host bytes page-locked by :meth:`pin` and not yet unpinned."""

@@ -26,7 +26,7 @@ def aligned_empty(nbytes: int, *, pinned: bool = False, alignment_bytes: int = A
         pinned: Page-lock the memory (needs CUDA). Default False.
         alignment_bytes: Boundary, a power of two. Default :data:`ALIGN_BYTES` (4096).
     """
-    raw = torch.empty(nbytes + alignment_bytes, dtype=torch.uint8, pin_memory=pinned)
+    raw = torch.empty(nbytes + alignment_bytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
     start = -raw.data_ptr() % alignment_bytes
     return raw[start : start + nbytes]
 

@@ -176,7 +176,7 @@ def _sole_use_count() -> int:
     Measured once rather than assumed: the count it reports includes references of torch's own
     that differ between versions.
     """
-    tensor = torch.ones(1)
+    tensor = torch.ones(1, device="cpu")  # a host storage whatever the program's default device
     ref = StorageWeakRef(tensor.untyped_storage())
     holder = storage_bytes(tensor.untyped_storage())  # as the store holds a storage
     del tensor

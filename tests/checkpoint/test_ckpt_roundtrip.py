@@ -40,6 +40,20 @@ def test_awkward_tensors_round_trip(tmp_path, tensor, reader):
     assert_state_equal(load_state(path, state, reader(path)), state)
 
 
+def test_a_default_device_set_by_the_program_changes_nothing_written(tmp_path):
+    """Under ``torch.set_default_device`` (here meta) a checkpoint of host tensors is written and read back bit for bit:
+    the serialized skeleton of each tensor describes its host copy (it was made on the default device, and a meta one
+    reserved no bytes: 'torch.save skeleton reserved None bytes')."""
+    state = {"w": torch.randn(64, 64, device="cpu"), "i": torch.arange(9, device="cpu")}
+    path = str(tmp_path / "ckpt")
+    torch.set_default_device("meta")
+    try:
+        dcp.save(state, storage_writer=TbaStorageWriter(path), no_dist=True)
+    finally:
+        torch.set_default_device("cpu")
+    assert_state_equal(load_state(path, state, TbaStorageReader(path)), state)
+
+
 def test_tensor_data_starts_on_block_boundaries():
     entries = [tensor_entry(i, torch.ones(n, dtype=torch.uint8)) for i, n in enumerate([1, 4095, 4097, 0, 9000])]
     size = place(entries)
