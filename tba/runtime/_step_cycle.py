@@ -58,6 +58,11 @@ class StepCycle:
     _kept_storages: set[int]
 
     def __enter__(self: _Self) -> _Self:
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            # Before anything opens: the push below would raise the program's own message, not naming tba.
+            reason = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+            raise TbaError(f"tba cannot offload here: this region disables saved-tensor hooks ({reason!r}, "
+                           "torch.autograd.graph.disable_saved_tensors_hooks); enter the offload context outside it")
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()

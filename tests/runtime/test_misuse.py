@@ -16,6 +16,24 @@ def test_pack_before_first_entry(spill_dir):
     off.close()
 
 
+def test_entry_where_the_program_disabled_saved_tensor_hooks(spill_dir):
+    """Inside ``disable_saved_tensors_hooks`` the entry raises a TbaError naming tba, the region's own message and the
+    fix (it raised the region's message alone), before opening anything; the offloader works outside the region."""
+    x = torch.randn(64, 1024, requires_grad=True)
+    off = tba.Offloader(spill_dir, min_offload_bytes=0)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this region"):
+        with pytest.raises(TbaError, match="tba cannot offload here: .*'no hooks in this region'.*enter the offload "
+                                           "context outside it"):
+            with off:
+                pass
+    assert not off._store.is_open
+    with off:
+        loss = (x * 2).sin().sum()
+    loss.backward()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
+    off.close()
+
+
 def test_close_inside_block_then_backward(spill_dir, backend):
     x = torch.randn(64, 1024, requires_grad=True)
     off = tba.Offloader(spill_dir, backend=backend, min_offload_bytes=0)
