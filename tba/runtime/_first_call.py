@@ -48,7 +48,8 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad", "private", "nested")
+    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad", "private", "nested",
+                 "default_dtype")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
@@ -67,10 +68,14 @@ class FirstCall:
         self.nested: list = []
         """The same signature when the first call began: the nested state put back for the recomputation (Note [Nested
         state a recomputation is given back] in ``tba/runtime/_private_state.py``)."""
+        self.default_dtype = torch.get_default_dtype()
+        """The default dtype the first call ran under (Note [A recomputation runs under the first call's default
+        dtype] in ``tba/runtime/_recompute.py``)."""
 
     def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:
         """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""
         self.generators = generator_states(layer, args, kwargs)
+        self.default_dtype = torch.get_default_dtype()
         self.before = snapshot(layer, learned)
         self.parameters_before = [(name, p, p._version) for name, p in layer.named_parameters()]
         self.slots = [(module, name, p) for module in layer.modules() for name, p in module._parameters.items()]

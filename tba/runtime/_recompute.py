@@ -166,9 +166,17 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         restore(after, first.before)
         set_states(first.generators)
         displaced = first.put_parameters()  # Note [A recomputation runs with the parameters its first call ran with]
+        # Note: [A recomputation runs under the first call's default dtype]
+        # torch.set_default_dtype is process-wide: a program that changed it between forward and
+        # backward had the recomputation create its tensors (torch.linspace, torch.tensor(0.1)) in
+        # another dtype, and a layer casting them back got other gradients than training without
+        # tba, silently. The first call's is put back around the recomputation, then the program's.
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(first.default_dtype)
         try:
             return forward(*args, **kwargs)
         finally:
+            torch.set_default_dtype(dtype)
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
