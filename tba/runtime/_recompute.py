@@ -172,11 +172,13 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         # another dtype, and a layer casting them back got other gradients than training without
         # tba, silently. The first call's is put back around the recomputation, then the program's.
         dtype = torch.get_default_dtype()
-        torch.set_default_dtype(first.default_dtype)
         try:
+            if dtype != first.default_dtype:  # inside the try: an exception right after the switch still switches back
+                torch.set_default_dtype(first.default_dtype)
             return forward(*args, **kwargs)
         finally:
-            torch.set_default_dtype(dtype)
+            if dtype != first.default_dtype:
+                torch.set_default_dtype(dtype)
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
