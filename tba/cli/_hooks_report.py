@@ -18,6 +18,12 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def row_name(result: HookResult) -> str:
+    """A row as the lines under the table name it: count x size, then the directory's kind or ``keep``."""
+    where = "keep" if result.case.path == "keep" else result.case.label
+    return f"{result.case.count} x {size_text(result.case.size_bytes)} {where}"
+
+
 def format_table(results: list[HookResult]) -> str:
     header = (f"{'storages x size':<18} {'directory':<26} {'base fwd ms':>11} {'tba fwd ms':>10} {'extra fwd us':>12} "
               f"{'base bwd ms':>11} {'tba bwd ms':>10} {'extra bwd us':>12}")
@@ -40,8 +46,7 @@ def format_means(results: list[HookResult], repeats: int) -> str:
         if not r.mean_s:
             continue
         forward_us, backward_us = r.mean_extra_us
-        where = "keep" if r.case.path == "keep" else r.case.label
-        lines.append(f"  {r.case.count} x {size_text(r.case.size_bytes)} {where}: {forward_us:.1f} / {backward_us:.1f}; "
+        lines.append(f"  {row_name(r)}: {forward_us:.1f} / {backward_us:.1f}; "
                      f"collector {r.collector_us('tba'):.1f} ({r.collector_us('base'):.1f}), "
                      f"full {r.full_collections.get('tba', 0)} ({r.full_collections.get('base', 0)})")
     return "\n".join(lines)
@@ -55,9 +60,7 @@ def format_thread_cpu(results: list[HookResult]) -> str:
         parts = [f"{name} {r.thread_cpu_us.get(name, 0.0):.1f} ({r.base_thread_cpu_us.get(name, 0.0):.1f})"
                  for name in names if max(r.thread_cpu_us.get(name, 0.0), r.base_thread_cpu_us.get(name, 0.0)) >= 0.5]
         total, base = sum(r.thread_cpu_us.values()), sum(r.base_thread_cpu_us.values())
-        where = "keep" if r.case.path == "keep" else r.case.label
-        lines.append(f"  {r.case.count} x {size_text(r.case.size_bytes)} {where}: total {total:.1f} ({base:.1f}); "
-                     + ", ".join(parts))
+        lines.append(f"  {row_name(r)}: total {total:.1f} ({base:.1f}); " + ", ".join(parts))
     return "\n".join(lines)
 
 

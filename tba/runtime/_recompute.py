@@ -171,14 +171,15 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         # backward had the recomputation create its tensors (torch.linspace, torch.tensor(0.1)) in
         # another dtype, and a layer casting them back got other gradients than training without
         # tba, silently. The first call's is put back around the recomputation, then the program's.
-        dtype = torch.get_default_dtype()
+        program_dtype = torch.get_default_dtype()
+        switch = program_dtype != first.default_dtype
         try:
-            if dtype != first.default_dtype:  # inside the try: an exception right after the switch still switches back
+            if switch:  # inside the try: an exception right after the switch still switches back
                 torch.set_default_dtype(first.default_dtype)
             return forward(*args, **kwargs)
         finally:
-            if dtype != first.default_dtype:
-                torch.set_default_dtype(dtype)
+            if switch:
+                torch.set_default_dtype(program_dtype)
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
