@@ -24,6 +24,7 @@ from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._hooks import _Phase
 from tba.runtime._layers import LayerTracker, StateKeys
+from tba.runtime._trim import trimmer
 
 if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
@@ -108,6 +109,7 @@ class StepCycle:
             if not self._store.is_open:
                 self._open()
             self._store.window.reset_cursor()
+            trimmer.refresh()  # Note [The trim interval is read once per with block] in tba/runtime/_trim.py
             self._kept_layer = None
             placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread, owner=claim)
             self._runner_claim = claim

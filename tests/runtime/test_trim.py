@@ -68,7 +68,8 @@ def test_the_trimmer_trims_after_enough_bytes():
 
 
 def test_the_process_trimmer_reads_its_interval_from_the_environment(monkeypatch, caplog):
-    """The process's trimmer follows $TBA_HEAP_TRIM_EVERY_BYTES at each release; off (0) when unset."""
+    """The process's trimmer follows $TBA_HEAP_TRIM_EVERY_BYTES as read by its last refresh (an offloader's entry);
+    off (0) when unset (Note [The trim interval is read once per with block])."""
     monkeypatch.delenv(_trim.HEAP_TRIM_ENV, raising=False)
     assert _trim.heap_trim_every_bytes() == defaults.HEAP_TRIM_EVERY_BYTES == 0
     monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "256M")
@@ -78,6 +79,9 @@ def test_the_process_trimmer_reads_its_interval_from_the_environment(monkeypatch
     if not trimmer.available:
         pytest.skip("this C library has no malloc_trim")
     monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "1K")
+    trimmer.note_released(1024)
+    assert trimmer.trims == 0  # read when it was made (256M), not at each release
+    trimmer.refresh()
     trimmer.note_released(1024)
     assert _trims_once(trimmer)
     monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "lots")
@@ -106,3 +110,17 @@ def test_only_storages_of_discard_min_bytes_give_their_pages_back(spill_dir):
     assert discarded >= (1 << 20) - 4096, f"a 1 MiB storage tba alone held kept its pages ({discarded} bytes given)"
     assert discarded <= 1 << 20, f"a storage below DISCARD_MIN_BYTES had its pages handed back ({discarded} bytes given)"
     assert torch.equal(small.grad, small.detach().exp()) and torch.equal(large.grad, large.detach().exp())
+
+
+def test_entering_an_offloader_reads_the_trim_interval_again(monkeypatch, spill_dir):
+    """Note [The trim interval is read once per with block]: a variable set between two steps counts from the next."""
+    monkeypatch.setattr(_trim.trimmer, "_setting", 0)
+    monkeypatch.setenv(_trim.HEAP_TRIM_ENV, "64M")
+    assert _trim.trimmer._setting == 0
+    with tba.offload_activations(spill_dir, backend="threads"):
+        pass
+    assert _trim.trimmer._setting == 64 << 20
+    monkeypatch.delenv(_trim.HEAP_TRIM_ENV)
+    with tba.offload_activations(spill_dir, backend="threads"):
+        pass
+    assert _trim.trimmer._setting == 0
