@@ -34,6 +34,8 @@ from tba.runtime._trim import note_host_offload
 from tba.runtime._views import Kept, SavedView, StorageEntry
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tba.runtime._discover import LayerDiscovery
     from tba.runtime._layers import LayerTracker
     from tba.runtime._stats import OffloadStats
@@ -70,6 +72,8 @@ class SavedTensorHooks(KeepDecision):
     _discovery: LayerDiscovery | None
     _staged_devices: tuple[str, ...]
     layer_saved_bytes: dict[int | None, int]
+    _note_unpack: Callable[[object, int | None], None]
+    """The policy runner's (Note [A saved tensor unpacked twice in one backward] in ``tba/runtime/_profiled_step.py``)."""
 
     _waker: _control.Waker
     _kept_layer: int | None
@@ -200,11 +204,15 @@ class SavedTensorHooks(KeepDecision):
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit (Note [Dynamo never runs tba's hooks])."""
         if type(packed) is Kept:
+            self._note_unpack(packed, packed.layer)
             if packed.layer is not None and packed.layer != self._kept_layer:
                 self.reached_layer(packed.layer)
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed
+        entry = packed.entry
+        if entry is not None:
+            self._note_unpack(packed, entry.layer)
         if not nvtx_enabled():
             return self._unpack(packed)
         with nvtx_range("unpack"):

@@ -145,6 +145,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
                                            prefetch_depth_layers=config.prefetch_depth_layers,
                                            prefetch_budget_bytes=config.prefetch_budget_bytes)
         self._policy = self.policy_runner.policy
+        self._note_unpack = self.policy_runner.note_unpack
         """The runner's policy object, which a shared runner holds weakly (Note [A policy object in one-shot contexts])."""
         self._store = StorageStore(self._stats, PrefetchWindow(config.prefetch_depth_layers,
                                                                config.prefetch_budget_bytes))

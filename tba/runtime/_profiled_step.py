@@ -43,6 +43,9 @@ class ProfiledStep:
         self.peak = StepPeak()
         self.pending: dict[str, Any] | None = None
         """The step's sample: begun at entry, None when no profiled step is being measured."""
+        self._unpacks: dict[int, int] = {}
+        """Saved tensors unpacked in this step's backward: the identity of what pack returned -> the graph task
+        (Note [A saved tensor unpacked twice in one backward])."""
         self._output_hook: Any = None
         """The first layer's forward hook that puts the peak's stop on its output (Note [The peak stops where backward
         ends]), until it runs."""
@@ -55,6 +58,7 @@ class ProfiledStep:
               synchronize: Callable[[], None] | None, cuda: bool, release: bool) -> None:
         """Begin measuring a step (``first``: the runner's first step; ``release``: its last profiled one)."""
         self.timer.reset()
+        self._unpacks.clear()
         self.timer.synchronize = synchronize
         self.timer.attach()
         start = counters()
@@ -63,6 +67,28 @@ class ProfiledStep:
                         "entered_at": (time.perf_counter(), thread_cpu_s(thread), thread),
                         "first": first}
         self.peak.start(start.pool_idle_bytes, cuda=cuda, release=release)
+
+    def note_unpack(self, packed: object, layer: int | None) -> None:
+        """Backward unpacked ``packed``, saved in ``layer``; a second unpack in one backward marks the layer not recomputable.
+
+        Note: [A saved tensor unpacked twice in one backward]
+        A custom Function whose backward reads ``ctx.saved_tensors`` twice, or a hook reading a node's
+        ``_saved_self`` before the node runs, unpacks one saved tensor twice in one backward: legal without
+        tba, and under offload or keep. Torch's non-reentrant checkpoint hands each recomputed tensor out
+        once and raises its CheckpointError at the second unpack, so the adaptive default, which profiles
+        offloading everything, planned such a layer recomputed and training failed at the first planned
+        step. The profiled steps see every unpack and mark the layer not recomputable; a pinned plan that
+        recomputes it still gets torch's error (docs/api.md).
+        """
+        if self.pending is None or layer is None or layer >= len(self.timer.changes_input):
+            return
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # outside backward: checkpoint recomputes for each such unpack
+            return
+        key = id(packed)
+        if self._unpacks.get(key) == task:
+            self.timer.changes_input[layer] = True
+        self._unpacks[key] = task
 
     def note_shape(self, shape: tuple, layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """The first layer's inputs: the step's shape, and where its backward will end.
@@ -105,6 +131,7 @@ class ProfiledStep:
         self.timer.detach()
         self._drop_output_hook()
         self.pending = None
+        self._unpacks.clear()
 
     def end_forward(self, failed: bool, on_cuda: Callable[[], bool], largest_live_storage_bytes: Callable[[], int],
                     window_bytes: int, backlog_bytes: Callable[[], int] | None) -> None:
@@ -139,6 +166,7 @@ class ProfiledStep:
 
         ``thread``: the training thread entering the next step."""
         pending, self.pending = self.pending, None
+        self._unpacks.clear()
         if pending is None or "forward_s" not in pending:
             return None
         self.peak.stop()

@@ -291,6 +291,10 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
             return f"the {self.name} policy can neither profile nor plan, and every saved tensor was offloaded"
         return "every saved tensor was offloaded without a layer to prefetch it by"
 
+    def note_unpack(self, packed: object, layer: int | None) -> None:
+        """An unpack in backward (Note [A saved tensor unpacked twice in one backward] in ``tba/runtime/_profiled_step.py``)."""
+        self._step.note_unpack(packed, layer)
+
     def _collect(self, thread: int | None = None) -> None:
         """Finish the pending profiled step from its offloader's counters: its backward has run by now.
 
