@@ -75,6 +75,8 @@ class SavedTensorHooks(KeepDecision):
     _note_unpack: Callable[[object, int | None], None]
     """The policy runner's (Note [A saved tensor unpacked twice in one backward] in ``tba/runtime/_profiled_step.py``)."""
 
+    _serial: int
+    """This offloader's number, unique in the process: what its views record as their owner."""
     _waker: _control.Waker
     _kept_layer: int | None
     """The layer of the last kept tensor unpacked since this block was entered."""
@@ -119,7 +121,7 @@ class SavedTensorHooks(KeepDecision):
             return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version, self._tracker.current)
         layer = self._tracker.current
         stack = self._discovery.stack if self._discovery is not None else None
-        view = SavedView(None, tensor)
+        view = SavedView(None, tensor, self._serial)
         device_type = "cpu" if tensor.is_cpu else tensor.device.type
         if is_device_tensor(tensor, device_type) or device_type in self._staged_devices:
             # Note: [A device save is deferred too]
@@ -219,6 +221,15 @@ class SavedTensorHooks(KeepDecision):
             return self._unpack(packed)
 
     def _unpack(self, packed: SavedView) -> torch.Tensor:
+        if packed.owner != self._serial:
+            # Note: [A view is unpacked by its own offloader]
+            # Autograd pairs each pack with its own unpack, but both are public and callable alone. An entry
+            # names an extent of its own store's spill file: read through another offloader's store, a view
+            # got that file's bytes at the same offset (another tensor's, or none: helper-84). A view holds its
+            # offloader's serial number, not the offloader: that reference would close cycles through autograd's
+            # graph, which the cycle collector cannot see (an offloader holds the model, which may hold a loss).
+            raise TbaError("Offloader.unpack was given what another offloader's pack returned; unpack it with the "
+                           "offloader whose pack made it")
         if packed.entry is None and packed.kept is None:
             _control.settle()  # its save was deferred (Note [A save is deferred])
         entry = packed.entry

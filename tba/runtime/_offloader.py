@@ -34,6 +34,7 @@ autograd graph holds the views.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -60,6 +61,9 @@ from tba.runtime._store import StorageStore
 from tba.runtime._store_owner import StoreOwner
 
 logger = logging.getLogger("tba")
+
+_serials = itertools.count()
+"""Offloaders' serial numbers, never reused in the process."""
 
 
 class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
@@ -145,8 +149,9 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
                                            prefetch_depth_layers=config.prefetch_depth_layers,
                                            prefetch_budget_bytes=config.prefetch_budget_bytes)
         self._policy = self.policy_runner.policy
-        self._note_unpack = self.policy_runner.note_unpack
         """The runner's policy object, which a shared runner holds weakly (Note [A policy object in one-shot contexts])."""
+        self._note_unpack = self.policy_runner.note_unpack
+        self._serial = next(_serials)  # Note [A view is unpacked by its own offloader] in tba/runtime/_hooks.py
         self._store = StorageStore(self._stats, PrefetchWindow(config.prefetch_depth_layers,
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify

@@ -232,11 +232,15 @@ class SavedView:
     (Note [Asynchronous exceptions] in ``tba/_control.py``).
     """
 
-    __slots__ = ("entry", "kept", "error", "dtype", "size", "stride", "storage_offset", "watch", "version", "__weakref__")
+    __slots__ = ("entry", "kept", "error", "dtype", "size", "stride", "storage_offset", "watch", "version", "owner",
+                 "__weakref__")
 
-    def __init__(self, entry: StorageEntry | None, tensor: torch.Tensor) -> None:
+    def __init__(self, entry: StorageEntry | None, tensor: torch.Tensor, owner: int = -1) -> None:
         self.entry = entry
         """The storage's entry; None until the deferred save has run (or when it failed and ``kept`` is set)."""
+        self.owner = owner
+        """The serial number of the offloader whose pack made this view: only its unpack reads the entry (Note [A view
+        is unpacked by its own offloader] in ``tba/runtime/_hooks.py``)."""
         self.kept: torch.Tensor | None = None
         """The tensor itself, when its save could not start and it stays in memory."""
         self.error: str | None = None

@@ -51,3 +51,24 @@ def test_pack_after_close_inside_block(spill_dir):
         with off:
             off.close()
             (x * 2).sin().sum()
+
+
+def test_unpack_of_another_offloaders_view(spill_dir):
+    """Note [A view is unpacked by its own offloader]: it read the other offloader's spill file at the view's offset
+    (another tensor's bytes, or an AttributeError); now a TbaError, and the view's own offloader still unpacks it."""
+    x, z = torch.randn(256, 256), torch.randn(256, 256)
+    first = tba.Offloader(spill_dir, min_offload_bytes=0)
+    second = tba.Offloader(spill_dir, min_offload_bytes=0)
+    with first:
+        packed = first.pack(x.clone())
+    with second:
+        other = second.pack(z.clone())
+    first.flush()
+    second.flush()
+    with pytest.raises(TbaError, match="another offloader's pack.*unpack it with the offloader whose pack made it"):
+        second.unpack(packed)
+    assert torch.equal(first.unpack(packed), x)
+    assert torch.equal(second.unpack(other), z)
+    del packed, other
+    first.close()
+    second.close()
