@@ -38,6 +38,23 @@ class _Block:
     nbytes: int
     stream: Any
     uses: set = field(default_factory=set)
+    freed_for: tuple = ()
+    """At its last free: the streams whose work queued before the free still gets the block (its own, and
+    ``record_stream``'s)."""
+
+
+def kept_for(block: _Block | None, stream: Any) -> bool:
+    """Whether a copy queued on ``stream`` before ``block``'s storage died still gets the block.
+
+    Note: [A freed block's pending copies]
+    A storage that died while a copy was queued is a use after free unless CUDA's caching allocator
+    keeps its block for that copy: the copy runs on the block's own stream (the next owner is queued
+    there behind it), or its stream was marked with ``record_stream`` (the block is held until the
+    stream passed the free). The simulator reported those too and dropped the copy, safe on a GPU
+    (tests/device/test_sim_allocator_rules.py). Arena memory is never returned, so such a copy runs.
+    Memory outside the arena (the model's tensors) has no block: a copy outliving it is reported.
+    """
+    return block is not None and any(stream is kept for kept in block.freed_for)
 
 
 class CachingAllocator:
@@ -94,10 +111,16 @@ class CachingAllocator:
             if block is not None and stream is not block.stream:
                 block.uses.add(stream)
 
+    def block_at(self, address: int) -> _Block | None:
+        """The live block whose storage starts at ``address`` (None: not the arena's)."""
+        with self._lock:
+            return self._by_address.get(address)
+
     def _release(self, block: _Block) -> None:
         with self._lock:
             self._by_address.pop(self._base + block.offset, None)
             self.allocated_bytes -= block.nbytes
+            block.freed_for = (block.stream, *block.uses)
             if block.uses:
                 self._held.append((block, [self.sim.record(stream) for stream in block.uses]))
                 block.uses = set()

@@ -26,7 +26,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba.device._cuda import use_cuda_api
-from tba.device.sim._allocator import CachingAllocator, PinnedHost
+from tba.device.sim._allocator import CachingAllocator, PinnedHost, kept_for
 from tba.device.sim._checker import HOST, HappensBefore
 from tba.device.sim._compute import ComputeAccesses
 from tba.device.sim._config import SimConfig
@@ -220,14 +220,18 @@ class SimulatedCuda(FaultInjection):
         if self._captured(stream):
             return
         nbytes, dst_at, src_at = dst.numel(), dst.data_ptr(), src.data_ptr()
-        refs = (StorageWeakRef(dst.untyped_storage()), StorageWeakRef(src.untyped_storage()))
+        storages = (dst.untyped_storage(), src.untyped_storage())
+        refs = tuple(StorageWeakRef(storage) for storage in storages)
+        blocks = tuple(self.allocator.block_at(storage.data_ptr()) for storage in storages)
+        del storages
         self.checker.launch(stream.name)
         self.checker.access(stream.name, src_at, nbytes, False, f"copy on {stream.name}")
         self.checker.access(stream.name, dst_at, nbytes, True, f"copy on {stream.name}")
 
         def run() -> None:
             alive = [torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref in refs]
-            if any(storage is None for storage in alive):
+            # Note [A freed block's pending copies] in tba/device/sim/_allocator.py
+            if any(storage is None and not kept_for(block, stream) for storage, block in zip(alive, blocks)):
                 self.fail(f"use after free: a copy on {stream.name} ran after its "
                           f"{'destination' if alive[0] is None else 'source'} was freed")
                 return
