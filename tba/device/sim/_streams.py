@@ -69,7 +69,8 @@ class SimStream:
         event.synchronize()
 
     def query(self) -> bool:
-        return not self.queue
+        """Whether all queued work ran: the scheduler pops an operation before it runs it."""
+        return not self.queue and self.sim.scheduler.running is not self
 
 
 class SimEvent:
