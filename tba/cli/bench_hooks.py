@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
                         help="also time backward over --many-count storages of 64 KiB on the disk directory")
-    parser.add_argument("--many-count", type=int, default=DEFAULT_MANY_COUNT,
+    parser.add_argument("--many-count", type=cli_checks.int_at_least(1), default=DEFAULT_MANY_COUNT,
                         help=f"storages in the --many case (default {DEFAULT_MANY_COUNT})")
     parser.add_argument("--quick", action="store_true",
                         help="tiny counts, one warm-up and one repeat (a smoke test; its figures mean nothing)")

@@ -217,3 +217,11 @@ def test_alone_steps_take_the_table_settings_and_cap(monkeypatch, tmp_path, caps
 def test_alone_steps_refuse_cuda(capsys):
     assert bench_hooks.run(_args(["--device", "cuda", "--alone-steps", "1"])) == 2
     assert "--alone-steps runs on the CPU only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", ["0", "-5"])
+def test_many_count_below_one_is_refused(count, capsys):
+    """--many --many-count -5 ran and printed '-5 x 64 KiB ... backward 0.00 s with tba, 0.00 s without (0.81x)', exit 0."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench-hooks", "--many", "--many-count", count])
+    assert exit_.value.code == 2 and "--many-count" in capsys.readouterr().err
