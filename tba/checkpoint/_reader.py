@@ -113,7 +113,8 @@ class TbaStorageReader(StorageReader):
                 with open(metadata_path, "rb") as stream:
                     self._metadata_bytes = stream.read()
                 break
-            except FileNotFoundError as err:  # a save of another process may have just replaced the directory
+            except (FileNotFoundError, NotADirectoryError) as err:  # a file at the path, or a save of another
+                # process that has just replaced the directory
                 if attempt == _TRIES - 1 or not os.path.exists(metadata_path):
                     raise TbaCheckpointError(f"no checkpoint at {self.path}: {METADATA_NAME} is missing; "
                                              "pass the directory a save completed to") from err

@@ -178,3 +178,11 @@ def test_a_model_alone_from_a_checkpoint_with_optimizer_state_is_told_to_pass_th
     LazyCheckpointer().save(state_dict(model, optimizer), tmp_path / "c").wait()
     with pytest.raises(TbaCheckpointError, match=r"no optimizer was given; pass it"):
         load(tmp_path / "c", make_model(seed=1)[0])
+
+
+def test_load_from_a_file_says_there_is_no_checkpoint(tmp_path):
+    """A file at the path failed with 'AssertionError: metadata is None; ... [Errno 20] Not a directory', naming no fix."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(TbaCheckpointError, match="no checkpoint at") as caught:
+        load(tmp_path / "f", nn.Linear(2, 2))
+    assert "AssertionError" not in str(caught.value)
