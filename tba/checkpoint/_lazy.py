@@ -139,6 +139,8 @@ class LazyCheckpointer:
         if not isinstance(state_dict, dict):
             raise TbaConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         frozen, watched = freeze({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()})
+        if not isinstance(path, (str, os.PathLike)):
+            raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
         path = os.path.abspath(os.fspath(path))
         _warm_up_in_caller(*self._settings)
         with self._lock:

@@ -156,6 +156,9 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         if not os.access(parent, os.W_OK):
             raise TbaConfigError(f"cannot write checkpoints in {parent}: it is read-only or not "
                                  "writable by this user; save to a writable directory")
+        if _is_working_directory(self.path):  # publishing exchanges the directory and deletes the old one
+            raise TbaConfigError(f"{self.path} is this process's working directory, which a save would replace and "
+                                 "delete; pass a directory inside it, such as 'ckpt/step100'")
         if os.path.lexists(self.path):
             if not self.overwrite:
                 raise TbaConfigError(f"a checkpoint exists at {self.path}; pass overwrite=True or "
@@ -284,3 +287,9 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         """Release the staging copy kept for ``async_save`` (engines are closed by each save itself)."""
         BlockingAsyncStager.close(self)
 
+
+def _is_working_directory(path: str) -> bool:
+    try:
+        return not os.path.islink(path) and os.path.isdir(path) and os.path.samefile(path, os.getcwd())
+    except OSError:
+        return False

@@ -191,3 +191,23 @@ def test_partials_of_killed_saves_to_other_names_are_removed_and_live_ones_kept(
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.mark.parametrize("path", ["", "."])
+def test_the_working_directory_is_never_swapped_out(tmp_path, monkeypatch, path):
+    """save(state, "") in an empty working directory published the checkpoint by exchanging it with the working
+    directory and deleting that: the process was left in a deleted directory (os.getcwd() raised FileNotFoundError)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(TbaConfigError, match="working directory"):
+        LazyCheckpointer().save({"w": torch.zeros(3)}, path)
+    with pytest.raises((TbaConfigError, CheckpointException), match="working directory"):
+        dcp.save({"w": torch.zeros(3)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    assert os.getcwd() == str(work) and os.listdir(work) == []
+
+
+def test_a_path_that_is_not_a_path_is_a_config_error():
+    """save(state, None) raised a bare TypeError from os.fspath inside save."""
+    with pytest.raises(TbaConfigError, match="path"):
+        LazyCheckpointer().save({"w": torch.zeros(3)}, None)
