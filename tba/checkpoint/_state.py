@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,11 +124,25 @@ class _StrictPlanner(DefaultLoadPlanner):
             raise TbaCheckpointError(
                 "the checkpoint holds optimizer state and no optimizer was given; pass it, load(path, model, "
                 "optimizer), a fresh one too (load checks every key both ways, so a model alone is refused)")
+        if unexpected and (names := _param_group_names(unexpected)):
+            raise TbaCheckpointError(f"the checkpoint's optimizer param_groups hold {names}, which this "
+                                     f"optimizer's lack{_GROUPS_FIX}")
         if unexpected:
             shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
             raise TbaCheckpointError(
                 f"the checkpoint holds keys this model and optimizer do not: {shown}; load it into the model it "
                 "was saved from, or save with tba.checkpoint.state_dict(model, optimizer)")
+
+
+def _param_group_names(keys: list[str]) -> str | None:
+    """"initial_lr" when every key is a param group's initial_lr, which an LR scheduler adds (DCP names only the
+    first missing key: a checkpoint without optimizer state misses param_groups.0.lr first)."""
+    scheduler = [re.fullmatch(rf"{OPTIMIZER_KEY}\.param_groups\.\d+\.initial_lr", key) for key in keys]
+    return "initial_lr" if scheduler and all(scheduler) else None
+
+
+_GROUPS_FIX = ("; build the optimizer as it was at the save, with an LR scheduler (which adds initial_lr to its "
+               "param_groups) created before load if and only if one was created before the save")
 
 
 def _last_line(text: str) -> str:
@@ -184,6 +199,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
         if f"no checkpoint at {os.fspath(path)}" in text:  # not "lacks keys": there is nothing at path
             raise TbaCheckpointError(f"no checkpoint at {os.fspath(path)} (no .metadata there); pass the directory "
                                      "a save completed to") from None
+        missing = re.findall(r"Missing key in checkpoint state_dict: ([\w.]*\w)", text)
+        if missing and (names := _param_group_names(missing)):
+            raise TbaCheckpointError(f"this optimizer's param_groups hold {names}, which those in the checkpoint "
+                                     f"at {os.fspath(path)} lack{_GROUPS_FIX}") from None
         if "Missing key" in text or "missing" in text.lower():
             raise TbaCheckpointError(f"the checkpoint at {os.fspath(path)} lacks keys of this model or optimizer "
                                      f"({text.strip().splitlines()[-1][:300]}); save with "

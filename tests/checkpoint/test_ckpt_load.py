@@ -186,3 +186,19 @@ def test_load_from_a_file_says_there_is_no_checkpoint(tmp_path):
     with pytest.raises(TbaCheckpointError, match="no checkpoint at") as caught:
         load(tmp_path / "f", nn.Linear(2, 2))
     assert "AssertionError" not in str(caught.value)
+
+
+@pytest.mark.parametrize("scheduler_at", ["save", "load"])
+def test_an_lr_scheduler_on_one_side_only_names_the_scheduler(tmp_path, scheduler_at):
+    """A scheduler adds initial_lr to the param groups: created after load (or only before load), the error told the
+    user to load into the model it was saved from (which it was) or to save with state_dict() (which it did)."""
+    model, optimizer = make_model()
+    if scheduler_at == "save":
+        torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    LazyCheckpointer().save(state_dict(model, optimizer), tmp_path / "c").wait()
+    resumed, fresh = make_model(seed=1)
+    if scheduler_at == "load":
+        torch.optim.lr_scheduler.StepLR(fresh, 1)
+    with pytest.raises(TbaCheckpointError, match=r"initial_lr.*LR scheduler") as caught:
+        load(tmp_path / "c", resumed, fresh)
+    assert "model it was saved from" not in str(caught.value) and "save with" not in str(caught.value)
