@@ -205,7 +205,11 @@ class LazyCheckpointer:
         def wait_before_step(*_: object) -> None:
             self.wait_snapshot()
 
-        handle = optimizer.register_step_pre_hook(wait_before_step)
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if not callable(register):
+            raise TbaConfigError(f"guard takes a torch.optim.Optimizer (whose step() changes the saved tensors), got "
+                                 f"{type(optimizer).__name__}; pass the optimizer, not the model")
+        handle = register(wait_before_step)
         self._guarded[optimizer] = handle
         return handle
 

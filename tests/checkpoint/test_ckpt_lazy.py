@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_helpers import assert_state_equal, clone_state, full_state, load_state, make_model, train_step
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, TbaStorageWriter, save_lazy
@@ -220,3 +221,10 @@ def test_bad_engine_settings_are_refused_where_they_are_given(make):
 def test_reserve_takes_a_size_string():
     with LazyCheckpointer(reserve_bytes="1M"):
         pass
+
+
+@pytest.mark.parametrize("not_an_optimizer", [None, nn.Linear(2, 2)])
+def test_guard_given_no_optimizer_names_what_it_takes(not_an_optimizer):
+    """guard(model) or guard(None) raised AttributeError: ... has no attribute 'register_step_pre_hook' from inside guard."""
+    with LazyCheckpointer() as checkpointer, pytest.raises(TbaConfigError, match="guard takes a torch.optim.Optimizer"):
+        checkpointer.guard(not_an_optimizer)
