@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 
 from tba.checkpoint._io import TbaCheckpointError
 from tba.checkpoint._reader import CheckpointReplaced, TbaStorageReader
+from tba.errors import TbaConfigError
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optim"
@@ -66,9 +67,25 @@ def state_dict(model: nn.Module, optimizer: Optimizer | None = None, **extra: An
     so :func:`load` restores it into a fresh optimizer. Pass it to ``LazyCheckpointer.save``,
     ``save_lazy`` or ``dcp.save``.
     """
+    _check_targets("state_dict(model, optimizer)", model, optimizer)
     with _no_state_initialisation(optimizer):
         model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
     return _assemble(model_state, optimizer, optimizer_state, extra)
+
+
+def _check_targets(call: str, model: Any, optimizer: Any) -> None:
+    """A TbaConfigError for arguments torch's get_state_dict fails on deep inside (swapped, None, another model's)."""
+    if not isinstance(model, nn.Module):
+        raise TbaConfigError(f"the model must be an nn.Module, got {type(model).__name__}; call {call}, in this order")
+    if optimizer is None:
+        return
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TbaConfigError(f"the optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}; "
+                             f"call {call}, in this order")
+    owned = {id(p) for p in model.parameters()}
+    if any(id(p) not in owned for group in optimizer.param_groups for p in group["params"]):
+        raise TbaConfigError("the optimizer holds parameters that are not the model's; pass the optimizer built "
+                             "from this model's parameters")
 
 
 @contextlib.contextmanager
@@ -171,6 +188,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
         TbaCheckpointError: the checkpoint lacks a key the model or optimizer has, or has one they lack
             (a checkpoint of another model, or one saved without :func:`state_dict`).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
+    _check_targets("load(path, model, optimizer)", model, optimizer)
     # the target is initialised (a fresh optimizer has state to load into); its state is replaced below
     model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
     state = _assemble(model_state, optimizer, optimizer_state, extra)

@@ -14,6 +14,7 @@ from ckpt_helpers import make_model, train_step
 from torch import nn
 
 from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, TbaStorageWriter, load, state_dict
+from tba.errors import TbaConfigError
 
 
 def _optimizer_state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
@@ -202,3 +203,20 @@ def test_an_lr_scheduler_on_one_side_only_names_the_scheduler(tmp_path, schedule
     with pytest.raises(TbaCheckpointError, match=r"initial_lr.*LR scheduler") as caught:
         load(tmp_path / "c", resumed, fresh)
     assert "model it was saved from" not in str(caught.value) and "save with" not in str(caught.value)
+
+
+def test_state_dict_and_load_given_the_wrong_objects_name_the_order(tmp_path):
+    """state_dict(optimizer, model) raised AttributeError 'Linear' object has no attribute 'param_groups', state_dict(None)
+    'NoneType' object has no attribute 'named_children', an optimizer of another model KeyError 0 and load(path,
+    optimizer, model) TypeError 'Linear' object is not iterable, each from inside torch's state_dict."""
+    model, optimizer = make_model()
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    for call in (lambda: state_dict(optimizer, model), lambda: state_dict(None),
+                 lambda: load(tmp_path / "c", optimizer, model), lambda: load(tmp_path / "c", None)):
+        with pytest.raises(TbaConfigError, match=r"state_dict\(model, optimizer\)|load\(path, model, optimizer\)"):
+            call()
+    for call in (lambda: state_dict(model, other), lambda: load(tmp_path / "c", model, other)):
+        with pytest.raises(TbaConfigError, match="parameters that are not the model's"):
+            call()
+    with pytest.raises(TbaConfigError, match="path"):
+        load(None, model, optimizer)
