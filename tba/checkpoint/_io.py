@@ -95,7 +95,13 @@ class ImagePool:
 
     def __init__(self, reserve_bytes: int = 0) -> None:
         self._lock = threading.Lock()
-        self._buffer: torch.Tensor | None = host_buffer(reserve_bytes) if reserve_bytes else None
+        self._buffer: torch.Tensor | None = None
+        if reserve_bytes:
+            try:
+                self._buffer = host_buffer(reserve_bytes)
+            except (OSError, MemoryError, RuntimeError) as err:
+                raise TbaConfigError(f"reserve_bytes={reserve_bytes}: cannot allocate that much host memory ({err}); "
+                                     "pass about the checkpoint's size, or 0 to grow the buffer at the first save") from None
 
     def get(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; callers must not use it from two saves at once."""

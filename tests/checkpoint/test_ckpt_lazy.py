@@ -228,3 +228,9 @@ def test_guard_given_no_optimizer_names_what_it_takes(not_an_optimizer):
     """guard(model) or guard(None) raised AttributeError: ... has no attribute 'register_step_pre_hook' from inside guard."""
     with LazyCheckpointer() as checkpointer, pytest.raises(TbaConfigError, match="guard takes a torch.optim.Optimizer"):
         checkpointer.guard(not_an_optimizer)
+
+
+def test_a_reserve_larger_than_memory_is_a_config_error():
+    """LazyCheckpointer(reserve_bytes=2**60) raised a bare OSError [Errno 12] Cannot allocate memory from tba/io/_memory.py."""
+    with pytest.raises(TbaConfigError, match="reserve_bytes"):
+        LazyCheckpointer(reserve_bytes=2**60)
