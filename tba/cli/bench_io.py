@@ -124,6 +124,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--queue-depth must be >= 1"
     if args.repeat < 1:
         return f"--repeat must be >= 1, got {args.repeat}"
+    try:
+        cli_checks.existing_directory("--directory", args.directory)
+    except ValueError as err:
+        return str(err)
     free = shutil.disk_usage(args.directory).free if os.path.isdir(args.directory) else MAX_SIZE_BYTES
     if args.size > min(free, MAX_SIZE_BYTES):
         return (f"--size {args.size / GIB:.1f} GiB is more than the {min(free, MAX_SIZE_BYTES) / GIB:.1f} GiB free in "

@@ -91,8 +91,12 @@ def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, 
 @pytest.mark.parametrize("argv, match", [
     (["--size", "99999999T"], "GiB free in"),
     (["--size", "4M", "--repeat", "0"], "--repeat must be >= 1, got 0"),
+    # these two printed the run's header, then "cannot open an O_DIRECT file in ...: [Errno 20] Not a directory", exit 1
+    (["--size", "4M", "--directory", "{tmp}/nope"], "does not exist; create it or pass an existing directory"),
+    (["--size", "4M", "--directory", pytest.__file__], "is not a directory; pass a directory"),
 ])
 def test_bench_io_refuses_bad_values_before_measuring(argv, match, tmp_path, caplog):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["bench-io", "--no-fio", "--directory", str(tmp_path), *argv]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and match in errors[0] and "queue-depth" not in errors[0], errors
