@@ -23,10 +23,13 @@ For a ``Trainer`` subclass of your own, put :class:`TbaTrainerMixin` first in it
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from tba.config import OffloadConfig
+from tba.errors import TbaConfigError
 from tba.runtime import Offloader, OffloadStats
 
 HF_EXTRA_HINT = "pip install 'tba-offload[hf]'"
@@ -48,6 +51,12 @@ class TbaTrainerMixin:
     """
 
     def __init__(self, *args: Any, tba_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if tba_options is not None:  # refused here, not at the first step inside train()
+            if not isinstance(tba_options, Mapping):
+                raise TbaConfigError(f"tba_options must be a dict of tba.Offloader options ({{}} for the defaults, None "
+                                     f"for off), got {type(tba_options).__name__}")
+            if tba_options.get("config") is None:
+                OffloadConfig(**{name: value for name, value in tba_options.items() if name not in ("layers", "config")})
         super().__init__(*args, **kwargs)
         self.tba_options = tba_options
         self.offloader: Offloader | None = None

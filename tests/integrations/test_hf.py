@@ -201,3 +201,17 @@ def test_offloaded_recompute_of_llama_blocks_is_exact(spill_dir):
     assert offloader.layer_saved_bytes[0] > hidden  # the hidden states and the keyword tensors
     assert offloader.layer_saved_bytes[1] == hidden  # the keyword tensors are layer 0's storages, written once
     offloader.close()
+
+
+@pytest.mark.parametrize("options, match", [("abc", "tba_options must be a dict"),
+                                            ({"queu_depth": 4}, "did you mean 'queue_depth'"),
+                                            ({"queue_depth": 0}, "queue_depth must be in")])
+def test_trainer_refuses_bad_tba_options_where_it_is_built(tmp_path, options, match):
+    """A str raised TypeError "'str' object is not a mapping" from tba/integrations/hf.py inside train(); a bad option
+    raised TbaConfigError only inside train(), at the first step's forward, not at the line that passed it."""
+    from tba.integrations.hf import TbaTrainer
+
+    training_args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True,
+                                                   save_strategy="no", disable_tqdm=True)
+    with pytest.raises(tba.TbaConfigError, match=match):
+        TbaTrainer(model=gpt2()[0], args=training_args, tba_options=options)
