@@ -111,12 +111,21 @@ LINGER_SWEEP_PER_CALL = 2
 per saved tensor, and each tensor makes three such calls, so the sweep keeps up at O(1) per tensor."""
 
 DEFER_WAKE_JOBS = 16
-"""Saves (or unpacks served from memory) deferred before the training thread wakes the control
-thread to run them (``tba/_control.py``, Note [Deferred jobs]): fewer wake-ups, fewer GIL hand-overs."""
+"""Saves deferred before the training thread wakes the control thread to run them (``tba/_control.py``,
+Note [Deferred jobs]): fewer wake-ups, fewer GIL hand-overs."""
 
 DEFER_WAKE_BYTES = 1 * MIB
-"""Bytes of storages whose deferred save or unpack bookkeeping wakes the control thread at once,
-whatever the count: a large storage's write starts without waiting for others."""
+"""Bytes of storages whose deferred save wakes the control thread at once, whatever the count: a large
+storage's write starts without waiting for others."""
+
+DEFER_WAKE_UNPACK_JOBS = 64
+"""Backward's deferred jobs (the bookkeeping of unpacks served from memory or read, a kept layer reached)
+before the training thread wakes the control thread (Note [Backward wakes the control thread less often]
+in ``tba/runtime/_hooks.py``)."""
+
+DEFER_WAKE_UNPACK_BYTES = 4 * MIB
+"""Bytes of unpacked storages whose deferred bookkeeping wakes the control thread at once: it moves the
+prefetch window, so the reads ahead start at least every this many bytes of backward."""
 
 EXIT_IO_WAIT_S = 10.0
 """At interpreter exit, the longest tba waits for transfers still in flight before it lets the

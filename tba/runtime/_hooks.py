@@ -78,6 +78,17 @@ class SavedTensorHooks(KeepDecision):
     _serial: int
     """This offloader's number, unique in the process: what its views record as their owner."""
     _waker: _control.Waker
+    """Wakes the control thread for forward's deferred saves."""
+    _unpack_waker: _control.Waker
+    """Wakes it for backward's deferred bookkeeping, less often.
+
+    Note: [Backward wakes the control thread less often]
+    Each wake-up of the control thread in backward is a GIL hand-over the unpacking training thread
+    waits through. Waking it after 64 deferred jobs or 4 MiB (``tba.defaults.DEFER_WAKE_UNPACK_JOBS``,
+    ``DEFER_WAKE_UNPACK_BYTES``) instead of forward's 16 or 1 MiB lowered backward's median in 9 of 10
+    rows of two alternating A/B runs of ``bench-hooks`` (by 5-44 µs per storage; ``docs/host-cost.md``,
+    eighteenth pass). Forward's saves keep the lower thresholds: their writes start early and free memory.
+    """
     _kept_layer: int | None
     """The layer of the last kept tensor unpacked since this block was entered."""
 
@@ -261,7 +272,7 @@ class SavedTensorHooks(KeepDecision):
         data, event = store.resident(entry)
         if data is not None:
             # Served from memory: the bookkeeping (window, stats, release) is deferred.
-            self._waker.note(_control.defer(store.served_from_memory, entry, id(packed)), entry.nbytes)
+            self._unpack_waker.note(_control.defer(store.served_from_memory, entry, id(packed)), entry.nbytes)
         else:
             try:
                 data, event, reading = _control.call(store.start_load, entry)
@@ -270,7 +281,7 @@ class SavedTensorHooks(KeepDecision):
             except EngineClosedError:
                 raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
                                "call close() only after the last backward") from None
-            self._waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
+            self._unpack_waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
         return tensor
@@ -286,7 +297,7 @@ class SavedTensorHooks(KeepDecision):
         recomputation."""
         if layer != self._kept_layer:
             self._kept_layer = layer
-            self._waker.note(_control.defer(self._store.backward_reached, layer), 0)
+            self._unpack_waker.note(_control.defer(self._store.backward_reached, layer), 0)
 
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""

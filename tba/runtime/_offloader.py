@@ -46,6 +46,7 @@ from torch import nn
 from tba import _control
 from tba.allocator import detect as detect_allocator
 from tba.config import OffloadConfig, signature_with_options
+from tba.defaults import DEFER_WAKE_UNPACK_BYTES, DEFER_WAKE_UNPACK_JOBS
 from tba.device import DeviceOps, cuda_api, host_engine_backend
 from tba.errors import TbaConfigError
 from tba.io import Engine, load_crc32c, resolve_backend
@@ -156,6 +157,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify
         self._waker = _control.Waker()
+        self._unpack_waker = _control.Waker(DEFER_WAKE_UNPACK_JOBS, DEFER_WAKE_UNPACK_BYTES)
         self._kept_layer: int | None = None
         self._phase = _Phase.IDLE
         self._claim: object | None = None
