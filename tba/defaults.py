@@ -120,8 +120,15 @@ storage's write starts without waiting for others."""
 
 DEFER_WAKE_UNPACK_JOBS = 64
 """Backward's deferred jobs (the bookkeeping of unpacks served from memory or read, a kept layer reached)
-before the training thread wakes the control thread (Note [Backward wakes the control thread less often]
-in ``tba/runtime/_hooks.py``)."""
+before the training thread wakes the control thread.
+
+Note: [Backward wakes the control thread less often]
+Each wake-up of the control thread in backward is a GIL hand-over the unpacking training thread waits
+through. Waking it after 64 deferred jobs or 4 MiB instead of forward's 16 or 1 MiB lowered backward's
+median in 9 of 10 rows of two alternating A/B runs of ``bench-hooks`` (by 5-44 µs per storage;
+``docs/host-cost.md``, eighteenth pass). Forward's saves keep the lower thresholds: their writes start
+early and free memory.
+"""
 
 DEFER_WAKE_UNPACK_BYTES = 4 * MIB
 """Bytes of unpacked storages whose deferred bookkeeping wakes the control thread at once: it moves the

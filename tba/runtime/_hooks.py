@@ -80,15 +80,8 @@ class SavedTensorHooks(KeepDecision):
     _waker: _control.Waker
     """Wakes the control thread for forward's deferred saves."""
     _unpack_waker: _control.Waker
-    """Wakes it for backward's deferred bookkeeping, less often.
-
-    Note: [Backward wakes the control thread less often]
-    Each wake-up of the control thread in backward is a GIL hand-over the unpacking training thread
-    waits through. Waking it after 64 deferred jobs or 4 MiB (``tba.defaults.DEFER_WAKE_UNPACK_JOBS``,
-    ``DEFER_WAKE_UNPACK_BYTES``) instead of forward's 16 or 1 MiB lowered backward's median in 9 of 10
-    rows of two alternating A/B runs of ``bench-hooks`` (by 5-44 µs per storage; ``docs/host-cost.md``,
-    eighteenth pass). Forward's saves keep the lower thresholds: their writes start early and free memory.
-    """
+    """Wakes it for backward's deferred bookkeeping, less often (Note [Backward wakes the control thread less often]
+    in ``tba/defaults.py``)."""
     _kept_layer: int | None
     """The layer of the last kept tensor unpacked since this block was entered."""
 
