@@ -705,3 +705,34 @@ def test_a_layer_unpacking_a_saved_tensor_twice_is_profiled_as_not_recomputable(
     recomputable, code = _loosely_planned(_TwiceModel, spill_dir)
     assert recomputable == [True, False, False, True]
     assert code[1] not in "RS" and code[2] not in "RS"
+
+
+class _LastReadsSavedTwice(torch.nn.Module):
+    """Four blocks, the last one's output ``_ReadsSavedTwice``'s and the loss a sum (which saves nothing): the first
+    saved tensor backward unpacks is the one unpacked twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.linears = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, linear in enumerate(self.linears):
+            h = x + linear(x)
+            x = _ReadsSavedTwice.apply(h) if i == 3 else torch.sin(h)
+        return x.sum()
+
+
+def test_a_saved_tensor_unpacked_twice_before_its_deferred_save_ran_is_seen(spill_dir):
+    # Note [A saved tensor unpacked twice in one backward]: with backward inside the with block, the last saves are
+    # still deferred when it starts. The first unpack (whose entry did not exist yet) was not noted, so its second
+    # went unseen and the layer was profiled as recomputable.
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(5)]
+    model, contexts = _LastReadsSavedTwice(), []
+    for step, batch in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        with bare(spill_dir, overhead_bound=10.0)() as offloader:
+            model(*batch).backward()
+        contexts.append(offloader)
+    assert [layer.recomputable for layer in contexts[-1].policy_runner.profile.layers][3] is False
