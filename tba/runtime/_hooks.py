@@ -216,9 +216,6 @@ class SavedTensorHooks(KeepDecision):
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed
-        entry = packed.entry
-        if entry is not None:
-            self._note_unpack(packed, entry.layer)
         if not nvtx_enabled():
             return self._unpack(packed)
         with nvtx_range("unpack"):
@@ -249,6 +246,7 @@ class SavedTensorHooks(KeepDecision):
                                "(see the log); run forward again")
             packed.check_version()
             return packed.kept
+        self._note_unpack(packed, entry.layer)  # its entry exists now: a deferred save has run
         if self._phase is _Phase.DISCARDED:
             raise TbaError(
                 f"{entry.describe()} was discarded because the offload context exited with an "
