@@ -127,12 +127,14 @@ Each wake-up of the control thread in backward is a GIL hand-over the unpacking 
 through. Waking it after 64 deferred jobs or 4 MiB instead of forward's 16 or 1 MiB lowered backward's
 median in 9 of 10 rows of two alternating A/B runs of ``bench-hooks`` (by 5-44 µs per storage;
 ``docs/host-cost.md``, eighteenth pass). Forward's saves keep the lower thresholds: their writes start
-early and free memory.
+early and free memory. The bytes are at most a quarter of the prefetch window (set at each entry, never
+below forward's 1 MiB): the deferred jobs move the window, and a small one must not lag by most of itself.
 """
 
 DEFER_WAKE_UNPACK_BYTES = 4 * MIB
-"""Bytes of unpacked storages whose deferred bookkeeping wakes the control thread at once: it moves the
-prefetch window, so the reads ahead start at least every this many bytes of backward."""
+"""Bytes of unpacked storages whose deferred bookkeeping wakes the control thread at once, at most: it moves
+the prefetch window, so the reads ahead start at least every this many bytes of backward (less for a window
+under 16 MiB: Note [Backward wakes the control thread less often])."""
 
 EXIT_IO_WAIT_S = 10.0
 """At interpreter exit, the longest tba waits for transfers still in flight before it lets the

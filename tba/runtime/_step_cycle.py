@@ -20,6 +20,7 @@ import torch
 
 from tba import _control
 from tba._whole_exit import WholeExit
+from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._hooks import _Phase
@@ -53,6 +54,7 @@ class StepCycle:
     _finder: LayerDiscovery | None
     _discovery: LayerDiscovery | None
     _kept_layer: int | None
+    _unpack_waker: _control.Waker
     _write_caps: tuple[int, ...] | None
     _keep_caps: tuple[int, ...] | None
     _kept_this_step: dict[int, int]
@@ -114,6 +116,9 @@ class StepCycle:
             placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread, owner=claim)
             self._runner_claim = claim
             self._apply(placement)
+            # Note [Backward wakes the control thread less often] in tba/defaults.py
+            self._unpack_waker.nbytes = min(DEFER_WAKE_UNPACK_BYTES,
+                                            max(DEFER_WAKE_BYTES, self._store.window.budget_bytes // 4))
             self._tracker.attach()
             if self._discovery is not None:
                 self._discovery.attach(thread)

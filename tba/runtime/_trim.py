@@ -213,8 +213,8 @@ def heap_trim_every_bytes() -> int:
     """Bytes released between two heap trims of the process's trimmer (0: never), read from the environment now.
 
     ``$TBA_HEAP_TRIM_EVERY_BYTES`` when set, else :data:`tba.defaults.HEAP_TRIM_EVERY_BYTES`. A value that is
-    not a size logs one warning and leaves the default (it is read on tba's I/O thread, where raising would
-    reach no caller), as ``$TBA_THREAD_POLICY`` does (``tba/_sched.py``).
+    not a size logs one warning and leaves the default (it is read at import and on tba's control thread at each
+    entry, where raising would reach no caller), as ``$TBA_THREAD_POLICY`` does (``tba/_sched.py``).
     """
     global _warned_env
     text = os.environ.get(HEAP_TRIM_ENV, "").strip()

@@ -359,3 +359,15 @@ def test_unpacking_one_view_twice_keeps_the_storage_for_its_other_views(spill_di
         assert off.stats.resident_bytes == 0
     del first, second
     off.close()
+
+
+@pytest.mark.parametrize(("budget_bytes", "wake_bytes"), [(1 << 20, 1 << 20), (8 << 20, 2 << 20), (64 << 20, 4 << 20)])
+def test_backward_wakes_within_a_quarter_of_a_small_window(spill_dir, budget_bytes, wake_bytes):
+    """Note [Backward wakes the control thread less often]: backward's deferred jobs move the window, so they wake the
+    control thread after at most a quarter of it (never below forward's 1 MiB, at most 4 MiB)."""
+    off = tba.Offloader(spill_dir, prefetch_budget_bytes=budget_bytes)
+    with off:
+        pass
+    assert off._unpack_waker.nbytes == wake_bytes
+    assert off._waker.nbytes == tba.defaults.DEFER_WAKE_BYTES
+    off.close()
