@@ -35,7 +35,10 @@ of it (``native/tba_gc.c``). Each is given here because no cycle can pass throug
 * the weak reference to a tensor's root has no callback: it refers to nothing;
 * the ``uint8`` tensor through which the store holds a storage until it is written (``entry.data``) has
   no ``grad_fn`` and no attributes: it refers to no Python object (unpack returns new tensors over its
-  storage).
+  storage). Nor has the tensor over a read buffer that replaces it when the storage is read back
+  (``_on_read_done`` in ``tba/runtime/_reads.py``): its storage keeps the buffer's lease token alive
+  from C++, and the token refers to nothing. The prefetch window may read a storage back before
+  backward starts, so both kinds of ``entry.data`` are seen between forward and backward.
 
 A tracked object they refer to stays tracked and is collected as before once they let it go. Without
 the extension (no C compiler at install) :func:`untrack` does nothing: the same objects, collected

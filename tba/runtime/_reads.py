@@ -23,6 +23,7 @@ import torch
 from tba._control import after_batch
 from tba._outcome import Outcome
 from tba._trace import nvtx_range
+from tba._untrack import untrack
 from tba.errors import TbaError
 from tba.runtime._read_wait import StoreReadWait
 from tba.runtime._views import State, StorageEntry, storage_bytes
@@ -227,6 +228,7 @@ class StoreReads(StoreReadWait):
                 if waited:
                     done.set_exception(error)
             else:
+                untrack(data)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
                 entry.data, entry.ready_event = data, event
                 entry.own_memory = False  # a read buffer of tba's pool now, never discarded
                 self._resident(entry.nbytes)
