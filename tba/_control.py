@@ -196,10 +196,11 @@ def call_whole(fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
+def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> CallFinalizer:
     """Run ``fn(*args)`` on the control thread once ``obj`` has been collected.
 
-    ``args`` must not refer to ``obj``. The callback that fires at collection is
+    ``args`` must not refer to ``obj``. Returns the finalizer (Note [Objects the cycle collector need not see]
+    in tba/_untrack.py says when it may be untracked). The callback that fires at collection is
     ``deque.append`` itself: no Python code runs in the thread that drops ``obj``. The finalizer
     runs with the deferred jobs (Note [Deferred jobs]): at the next job or wake-up, and within
     :data:`~tba._control_loop.FINALIZER_POLL_S` otherwise, so that a backward freeing thousands of views does not wake
@@ -207,6 +208,7 @@ def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> None:
     """
     ref = finalizer(CallFinalizer, obj)
     ref.fn, ref.args = fn, args
+    return ref
 
 
 def finalizer(kind: type[F], obj: object) -> F:

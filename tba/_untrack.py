@@ -38,7 +38,19 @@ of it (``native/tba_gc.c``). Each is given here because no cycle can pass throug
   storage). Nor has the tensor over a read buffer that replaces it when the storage is read back
   (``_on_read_done`` in ``tba/runtime/_reads.py``): its storage keeps the buffer's lease token alive
   from C++, and the token refers to nothing. The prefetch window may read a storage back before
-  backward starts, so both kinds of ``entry.data`` are seen between forward and backward.
+  backward starts, so both kinds of ``entry.data`` are seen between forward and backward;
+* that lease token (``tba/io/_read_pool.py``) has one slot, its weak-reference list; and the
+  :func:`~tba._control.on_death` finalizer that returns the buffer when the token dies, with its
+  arguments tuple, is referred to only by the control thread's table of pending finalizers, as a
+  view's finalizer is: no cycle can come back to either.
+
+A finalizer (a weak reference with a callback) may be untracked only if its referent is untracked
+too, as a view and a lease token are. When a collection finds a referent in cyclic garbage, CPython
+moves each of its weak references that has a callback onto a list of callbacks to run, through the
+reference's links in the collector's lists; an untracked reference has none, and the process died
+with a segmentation fault in the collector when :func:`~tba._control.on_death`'s finalizers of
+offloaders and layer maps were untracked. The weak reference to a root has no callback and is
+never moved.
 
 A tracked object they refer to stays tracked and is collected as before once they let it go. Without
 the extension (no C compiler at install) :func:`untrack` does nothing: the same objects, collected

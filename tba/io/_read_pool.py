@@ -63,6 +63,7 @@ from collections.abc import Callable
 import torch
 
 from tba._control import on_death
+from tba._untrack import untrack
 from tba._weak import WeakRegistry
 from tba.defaults import HUGE_PAGE_BYTES
 from tba.io._memory import aligned_empty, mapped_empty, storage_view
@@ -141,7 +142,10 @@ class BufferPool:
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
         """Like :func:`tba.io._memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
         token = _Token()
-        on_death(token, BufferPool.give, self, buffer)
+        returned = on_death(token, BufferPool.give, self, buffer)
+        # Note [Objects the cycle collector need not see] in tba/_untrack.py: the token first, so that the
+        # finalizer is never untracked while its referent is tracked.
+        untrack(token, returned, returned.args)
         return storage_view(buffer, start_bytes, nbytes, owner=token)
 
 
