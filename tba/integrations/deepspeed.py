@@ -92,11 +92,18 @@ def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
     """The DeepSpeed config as a dict: ``config`` itself, or the JSON file it names."""
     if isinstance(config, Mapping):
         return dict(config)
+    if not isinstance(config, (str, bytes, os.PathLike)):  # open(5) would read file descriptor 5
+        raise TbaConfigError(f"the DeepSpeed config must be a dict or the path of a JSON file, got "
+                             f"{type(config).__name__} {config!r}")
     try:
         with open(config) as file:
-            return json.load(file)
+            loaded = json.load(file)
     except (OSError, ValueError) as err:
         raise TbaConfigError(f"cannot read the DeepSpeed config {config!s} as JSON ({err}); pass it as a dict") from err
+    if not isinstance(loaded, dict):
+        raise TbaConfigError(f"the DeepSpeed config {config!s} holds {type(loaded).__name__}, not a JSON object; "
+                             "write its settings as one object ({...})")
+    return loaded
 
 
 def _check_options(options: dict[str, Any]) -> None:

@@ -95,6 +95,16 @@ def test_config_file_is_read(tmp_path):
     path.write_text("{not json")
     with pytest.raises(TbaConfigError, match="as JSON"):
         tba_ds.parse_config(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(TbaConfigError, match="holds list, not a JSON object"):
+        tba_ds.parse_config(path)
+
+
+@pytest.mark.parametrize("config", [5, None, ["ds.json"]])
+def test_a_config_neither_a_dict_nor_a_path_is_refused_before_anything_is_read(config):
+    # open(5) would have read file descriptor 5 (helper-85)
+    with pytest.raises(TbaConfigError, match="must be a dict or the path of a JSON file"):
+        tba_ds.parse_config(config)
 
 
 def test_nvme_offload_places_tba_beside_the_swap_and_takes_aio_settings(tmp_path):
