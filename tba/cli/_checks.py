@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from typing import NoReturn
 
+from tba._units import parse_size
 from tba.defaults import MAX_QUEUE_DEPTH
 from tba.errors import did_you_mean
 from tba.io import backend_names
@@ -117,6 +118,17 @@ def device_name(text: str) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return text
+
+
+def positive_size(text: str) -> int:
+    """A type for a size above zero (``64K``, ``1G``, bytes)."""
+    try:
+        value = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive; pass a size such as 1G")
+    return value
 
 
 def positive_list(what: str) -> Callable[[str], str]:

@@ -66,7 +66,7 @@ def _csv(parse):
     """A comma-separated list of positive values, each read by ``parse``."""
     def convert(text: str) -> list:
         try:
-            values = [parse(item) for item in text.split(",") if item]
+            values = [parse(item) for item in text.split(",")]
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         if not values or any(value < 1 for value in values):
@@ -75,20 +75,13 @@ def _csv(parse):
     return convert
 
 
-def _positive_size(text: str) -> int:
-    value = parse_size(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive; pass a size such as 1G")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--sizes", type=_csv(parse_size), default=DEFAULT_SIZES,
                         help=f"storage sizes, comma separated (default {DEFAULT_SIZES})")
     parser.add_argument("--counts", type=_csv(_whole), default=DEFAULT_COUNTS,
                         help=f"storages per step, comma separated (default {DEFAULT_COUNTS})")
-    parser.add_argument("--max-bytes", type=_positive_size, default=DEFAULT_MAX_BYTES,
+    parser.add_argument("--max-bytes", type=cli_checks.positive_size, default=DEFAULT_MAX_BYTES,
                         help="cap on count x size per row; a row's count is lowered to fit (default 1G)")
     parser.add_argument("--disk-dir", default=None,
                         help=f"the disk directory (default a fresh one under {DEFAULT_DISK_DIR})")

@@ -20,9 +20,9 @@ import resource
 
 import torch
 
-from tba._units import parse_size
 from tba._whole_exit import exit_block
 from tba.allocator import CACHING, detect, find_library, jemalloc_dirty_decay_ms
+from tba.cli._checks import positive_size
 from tba.defaults import MIB
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.io import (
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the doctor's options to ``parser``."""
     parser.add_argument("--directory", default=None,
                         help="offload directory to check (default $TBA_DIR or the system temp dir)")
-    parser.add_argument("--quick-size", type=parse_size, default=DEFAULT_QUICK_SIZE_BYTES,
+    parser.add_argument("--quick-size", type=positive_size, default=DEFAULT_QUICK_SIZE_BYTES,
                         help="bytes for the bandwidth reading, a multiple of 1M (default 256M)")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth reading")
 

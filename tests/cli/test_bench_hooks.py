@@ -225,3 +225,19 @@ def test_many_count_below_one_is_refused(count, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["bench-hooks", "--many", "--many-count", count])
     assert exit_.value.code == 2 and "--many-count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value"), [("--counts", "400,,2000"), ("--counts", "400,"), ("--sizes", "64K,,1M")])
+def test_an_empty_item_in_a_list_is_refused(option, value, capsys):
+    """'--counts 400,,2000' ran as '--counts 400,2000' (helper-85's minor item): a typo is named instead."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench-hooks", option, value])
+    assert exit_.value.code == 2 and option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", ["0", "-1M"])
+def test_doctor_quick_size_below_one_byte_is_refused(size, capsys):
+    """'doctor --quick-size 0' read 1 MiB instead (helper-85's minor item)."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["doctor", "--quick-size", size])
+    assert exit_.value.code == 2 and "--quick-size" in capsys.readouterr().err
