@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tba.config import format_default, parse_text
+from tba.config import OffloadConfig, format_default, parse_text
 from tba.config import options as config_options
 from tba.defaults import POLICIES, PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError, did_you_mean
@@ -98,8 +98,12 @@ is ``memory_budget`` (``memory_budget_bytes`` is its older name)."""
 
 
 def _flag_value(name: str, text: str) -> Any:
+    """The option's value, range-checked now (``OffloadConfig`` with it alone), so that argparse names the
+    flag at parse, not the offloader's build after the model is made."""
     try:
-        return parse_text(name, text)
+        value = parse_text(name, text)
+        OffloadConfig(**{name: value})
+        return value
     except TbaConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

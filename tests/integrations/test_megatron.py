@@ -183,6 +183,13 @@ def test_flags_parse_and_validate(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--tba-policy", "ofload"])
     assert "did you mean 'offload'?" in capsys.readouterr().err
+    # Out of range: refused at parse, naming the flag (helper-85: only the offloader's build refused it, after the
+    # model was made).
+    for flag, value, reason in (("--tba-queue-depth", "0", "1..4096"), ("--tba-block-size-bytes", "1000", "multiple of 4096")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, value])
+        err = capsys.readouterr().err
+        assert flag in err and reason in err, err
 
 
 def test_flags_that_keep_activations_in_memory_or_do_not_fit(world):
