@@ -56,7 +56,6 @@ activations stay above the line: skipping those (a 1 MiB line) raised its bare a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -117,11 +116,15 @@ def note_host_offload() -> None:
 
 MADV_DONTNEED = 4
 PAGE_BYTES = 4096
+LIBC_SONAME = "libc.so.6"
+"""glibc, by the name its loader knows; ``ctypes.util.find_library("c")`` would run ``ldconfig -p`` in a
+subprocess at every ``import tba`` (twice: a fork of a process that has loaded torch). Elsewhere (musl) the
+name is not found and neither call is used: no pages handed back, no heap trim."""
 
 
 def _load_madvise():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(LIBC_SONAME, use_errno=True)
         madvise = libc.madvise
     except (OSError, AttributeError):
         return None
@@ -195,7 +198,7 @@ def sole_owner(cdata: int) -> bool:
 
 def _load_malloc_trim():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(LIBC_SONAME)
         trim = libc.malloc_trim
     except (OSError, AttributeError):
         return None

@@ -124,3 +124,18 @@ def test_entering_an_offloader_reads_the_trim_interval_again(monkeypatch, spill_
     with tba.offload_activations(spill_dir, backend="threads"):
         pass
     assert _trim.trimmer._setting == 0
+
+
+def test_importing_tba_starts_no_process():
+    # ctypes.util.find_library("c") ran `ldconfig -p` twice per `import tba`: a fork of a process holding torch.
+    import subprocess
+    import sys
+
+    probe = ("import sys; started = []\n"
+             "sys.addaudithook(lambda event, args: started.append(event) if event in "
+             "('subprocess.Popen', 'os.fork', 'os.posix_spawn', 'os.exec', 'os.system') else None)\n"
+             "import tba\nprint(started)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+    assert _trim._madvise is not None and tba.runtime._trim.trimmer._trim is not None  # glibc's, found by its soname
