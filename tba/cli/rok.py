@@ -3,8 +3,9 @@
 ``python -m tba rok`` runs one model under keep-all, full recompute
 (non-reentrant checkpoint on every layer), offload-all (tba), offloaded recompute (every layer
 recomputed, its input written by tba), and tba's adaptive policy at
-several memory budgets. Each configuration runs in a fresh process (:func:`tba.bench.isolated.run_isolated`)
-and reports its median step time over the timed steps and its activation peak over one more step:
+several memory budgets. Each configuration runs in a fresh process (:func:`tba.bench.isolated.run_isolated`),
+forked from one server that imported torch once (``tba/bench/_forkserver.py``, as ``capacity`` does), and
+reports its median step time over the timed steps and its activation peak over one more step:
 peak RSS during that step minus RSS before it, the allocator's cached free memory handed back
 first (``tba/_free_memory.py``; without it a caching malloc shows no growth once a step fits in
 memory freed by an earlier one), on CPU; ``torch.cuda.max_memory_allocated`` minus what was
@@ -36,7 +37,7 @@ import torch
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
 from tba.bench.harness import ModeResult
-from tba.bench.isolated import IsolatedRunError, run_isolated
+from tba.bench.isolated import IsolatedRunError, fork_server, run_isolated
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
 from tba.cli._progress import Progress
@@ -66,7 +67,7 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
           budgets_bytes: Sequence[int] | None = None, steps: int = 5, warmup: int = 1, directory: str | None = None,
           backend: str = "auto", device: str = "cpu", threads: int | None = None, out_dir: str | None = ".",
           plot: bool = True, progress: bool = True, allocator: str = "auto") -> RokResult:
-    """Measure the ROK curve of one model; every configuration in a fresh process.
+    """Measure the ROK curve of one model; every configuration in a fresh process (forked from one server).
 
     Args:
         make_model: Module-level function returning the model (``model(*batch)`` returns the
@@ -99,10 +100,11 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
     budget_count = len(budgets_bytes) if budgets_bytes is not None else len(budget_fractions)
     bar = Progress(len(BASELINES) + budget_count, enabled=progress)
     results: list[tuple[str, str, int | None, ModeResult]] = []
+    server = fork_server(allocator=allocator)
 
     def measure(strategy: str, label: str, budget: int | None, mode: str, **options: Any) -> RokResult:
         try:
-            results.append((strategy, label, budget, run_isolated(mode, preset, **options, **common)))
+            results.append((strategy, label, budget, run_isolated(mode, preset, server=server, **options, **common)))
         except IsolatedRunError as err:
             if "TbaConfigError" not in err.reason or "cannot be met" not in err.reason:
                 raise
@@ -116,17 +118,18 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
             summary.files = write(summary, out_dir, False, title=title, device=device)
         return summary
 
-    for strategy, mode, options in BASELINES:
-        bar.update(strategy)
-        out = measure(strategy, strategy, None, mode, offload_options=options)
-    keep = results[0][3]
-    if budgets_bytes is None:
-        budgets = [(f"adaptive {f:.0%}", int(f * keep.median_peak_bytes)) for f in budget_fractions]
-    else:
-        budgets = [(f"adaptive {b / MIB:.0f} MiB", int(b)) for b in budgets_bytes]
-    for label, budget in budgets:
-        bar.update(f"{label} (budget {budget / MIB:.1f} MiB)")
-        out = measure("adaptive", label, budget, "adaptive", offload_options={"memory_budget_bytes": budget})
+    with server:
+        for strategy, mode, options in BASELINES:
+            bar.update(strategy)
+            out = measure(strategy, strategy, None, mode, offload_options=options)
+        keep = results[0][3]
+        if budgets_bytes is None:
+            budgets = [(f"adaptive {f:.0%}", int(f * keep.median_peak_bytes)) for f in budget_fractions]
+        else:
+            budgets = [(f"adaptive {b / MIB:.0f} MiB", int(b)) for b in budgets_bytes]
+        for label, budget in budgets:
+            bar.update(f"{label} (budget {budget / MIB:.1f} MiB)")
+            out = measure("adaptive", label, budget, "adaptive", offload_options={"memory_budget_bytes": budget})
     bar.done()
     if out_dir is not None:
         out.files = write(out, out_dir, plot, title=title, device=device)
