@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import re
 from pathlib import Path
+
+import pytest
 
 import tba
 
@@ -26,3 +29,26 @@ def test_no_install_hint_names_the_wrong_package():
                  for path in REPO.glob(pattern)
                  for number, line in enumerate(path.read_text().splitlines(), 1) if wrong.search(line)]
     assert sorted(set(offenders) - PENDING) == [], f"install hints naming PyPI's unrelated 'tba': {offenders}"
+
+
+def test_every_public_name_resolves_from_its_home():
+    # Note [import tba imports torch on first use] in tba/__init__.py: the names come from a table, checked here.
+    assert sorted(tba.__all__) == sorted(tba._HOME_OF)
+    for name in tba.__all__:
+        value = getattr(tba, name)
+        assert value is getattr(importlib.import_module(tba._HOME_OF[name]), name)
+    assert set(tba.__all__) <= set(dir(tba))
+    assert tba.runtime is importlib.import_module("tba.runtime")  # a submodule, named before it was imported
+    with pytest.raises(AttributeError, match="no_such_name"):
+        tba.no_such_name  # noqa: B018 - the lookup is the test
+
+
+def test_import_tba_and_the_run_launcher_do_not_import_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys, tba, tba.cli, tba.cli.run, tba.allocator\n"
+             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('tba'))\n"
+             "tba.offload_activations\nassert 'torch' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
