@@ -58,6 +58,13 @@ WHOLE_MODEL_COMPILE_WARNING = (
     "and pass layers=model to tba."
 )
 
+COMPILED_AUTOGRAD_MESSAGE = (
+    "tba's unpack hook reads saved tensors back from disk and cannot be traced into a compiled graph, "
+    "and compiled autograd (torch._dynamo.config.compiled_autograd or compiled_autograd._enable) "
+    "compiled backward with it under fullgraph=True. Compile backward without fullgraph=True "
+    "(Dynamo then runs tba's hook eagerly, between graphs), or run backward without compiled autograd."
+)
+
 
 def is_optimized_module(module: nn.Module) -> bool:
     """True when ``module`` is a ``torch.compile(module)`` wrapper.
