@@ -45,6 +45,7 @@ logger = logging.getLogger("tba")
 
 _is_compiling = torch.compiler.is_compiling
 
+
 class _Phase(enum.Enum):
     """Where an :class:`Offloader` is in its life."""
 
@@ -210,21 +211,8 @@ class SavedTensorHooks(KeepDecision):
                 "offloader instead of calling pack directly")
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        """Saved-tensor unpack hook: the saved tensor, bit for bit (Note [Dynamo never runs tba's hooks]).
-
-        Note: [Compiled autograd traces the unpack hook]
-        Compiled autograd (``torch._dynamo.config.compiled_autograd``, ``compiled_autograd._enable``)
-        records each unpack hook as a ``call_hook`` node of the backward graph and hands that graph
-        to Dynamo, which inlines the hook: :func:`never_traced` marks only the frames Dynamo's
-        callback is asked about, not code it inlines. Traced, tba's bookkeeping either failed with
-        torch's own error about tba's internals (``fullgraph=True``: "Could not guard on
-        data-dependent expression" at the version check in ``tba/runtime/_views.py``, or at the
-        ``nvtx`` import) or ran partly traced between graph breaks, with guards on tba's objects.
-        Traced, ``is_compiling`` is the constant True: the hook raises at once, so Dynamo breaks
-        the graph before any of tba's code and runs the hook eagerly (exact, as in eager), and a
-        ``fullgraph=True`` compile fails with this message in its cause. Eager, it costs one call
-        (about 0.1 µs) per unpack.
-        """
+        """Saved-tensor unpack hook: the saved tensor, bit for bit (Note [Dynamo never runs tba's hooks]; Note
+        [Compiled autograd traces the unpack hook] in ``tba/runtime/_compile.py``)."""
         if _is_compiling():
             raise TbaError(COMPILED_AUTOGRAD_MESSAGE)
         if type(packed) is Kept:
