@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import re
@@ -34,6 +35,10 @@ def test_no_install_hint_names_the_wrong_package():
 def test_every_public_name_resolves_from_its_home():
     # Note [import tba imports torch on first use] in tba/__init__.py: the names come from a table, checked here.
     assert sorted(tba.__all__) == sorted(tba._HOME_OF)
+    tree = ast.parse((REPO / "tba" / "__init__.py").read_text())
+    typed = {alias.name: node.module for block in tree.body if isinstance(block, ast.If)
+             for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == tba._HOME_OF  # what type checkers see is what the table serves
     for name in tba.__all__:
         value = getattr(tba, name)
         assert value is getattr(importlib.import_module(tba._HOME_OF[name]), name)
