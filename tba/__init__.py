@@ -16,6 +16,13 @@ exits, and neither needs torch, whose import took 2.4 of the launcher's 2.7 s on
 use of any public name (``tba.offload_activations``, ``from tba import Offloader``) imports it, torch with
 it; a submodule (``tba.runtime``) is imported when first named too. Type checkers see every name through
 the ``TYPE_CHECKING`` imports.
+
+Note: [Only plain names are tried as submodules]
+Any other name is tried as a submodule, but only a plain identifier that is not a dunder: probes such as
+``hasattr(tba, "__main__")`` would otherwise import ``tba/__main__.py``, which runs the command line and
+exits the caller's process (``SystemExit``), and a dotted name (``getattr(tba, "a.b")``) would raise
+``ModuleNotFoundError`` from ``hasattr``, which expects ``AttributeError``. ``import tba.__main__`` and
+``python -m tba`` use the import system, not this lookup.
 """
 
 from __future__ import annotations
@@ -109,11 +116,12 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # once: later uses find it without this call
         return value
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as err:
-        if err.name != f"{__name__}.{name}":
-            raise  # the submodule exists and failed to import something of its own
+    if name.isidentifier() and not name.startswith("__"):  # Note [Only plain names are tried as submodules]
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise  # the submodule exists and failed to import something of its own
     raise AttributeError(f"module 'tba' has no attribute {name!r}")
 
 

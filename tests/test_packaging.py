@@ -57,3 +57,12 @@ def test_import_tba_and_the_run_launcher_do_not_import_torch():
              "tba.offload_activations\nassert 'torch' in sys.modules")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("name", ["__main__", "__wrapped__", "no_such.name"])
+def test_a_dunder_or_dotted_name_is_an_attribute_error_and_imports_nothing(name):
+    # Note [Only plain names are tried as submodules]: tba.__getattr__("__main__") imported tba/__main__.py, which ran
+    # the command line and raised SystemExit in the caller; "no_such.name" raised ModuleNotFoundError out of hasattr.
+    with pytest.raises(AttributeError, match="no attribute"):
+        tba.__getattr__(name)
+    assert not hasattr(tba, "no_such.name")
