@@ -127,6 +127,7 @@ def test_entering_an_offloader_reads_the_trim_interval_again(monkeypatch, spill_
 
 
 def test_importing_tba_starts_no_process():
+    # Note [import tba imports torch on first use]: the runtime (and _trim) is imported by the first use.
     # ctypes.util.find_library("c") ran `ldconfig -p` twice per `import tba`: a fork of a process holding torch.
     import subprocess
     import sys
@@ -134,7 +135,7 @@ def test_importing_tba_starts_no_process():
     probe = ("import sys; started = []\n"
              "sys.addaudithook(lambda event, args: started.append(event) if event in "
              "('subprocess.Popen', 'os.fork', 'os.posix_spawn', 'os.exec', 'os.system') else None)\n"
-             "import tba\nprint(started)")
+             "import tba\ntba.offload_activations\nprint(started)")  # a first use: `import tba` alone imports no _trim
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
