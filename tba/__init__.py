@@ -23,6 +23,13 @@ Any other name is tried as a submodule, but only a plain identifier that is not 
 exits the caller's process (``SystemExit``), and a dotted name (``getattr(tba, "a.b")``) would raise
 ``ModuleNotFoundError`` from ``hasattr``, which expects ``AttributeError``. ``import tba.__main__`` and
 ``python -m tba`` use the import system, not this lookup.
+
+Note: [A failed import is not a missing attribute]
+An ``AttributeError`` raised while a home module imports (a torch without an attribute tba's runtime uses)
+would leave ``__getattr__`` as a missing attribute: ``from tba import offload_activations`` replaces it by
+Python's bare "cannot import name", dropping the cause, and ``hasattr`` or ``getattr(tba, name, None)`` says the
+name is absent. Before the lazy imports it surfaced at ``import tba``; now it comes out as an ``ImportError``
+chained to the original.
 """
 
 from __future__ import annotations
@@ -113,16 +120,25 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _HOME_OF.get(name)
     if module is not None:
-        value = getattr(importlib.import_module(module), name)
+        value = getattr(_import(module), name)
         globals()[name] = value  # once: later uses find it without this call
         return value
     if name.isidentifier() and not name.startswith("__"):  # Note [Only plain names are tried as submodules]
         try:
-            return importlib.import_module(f"{__name__}.{name}")
+            return _import(f"{__name__}.{name}")
         except ModuleNotFoundError as err:
             if err.name != f"{__name__}.{name}":
                 raise  # the submodule exists and failed to import something of its own
     raise AttributeError(f"module 'tba' has no attribute {name!r}")
+
+
+def _import(module: str) -> Any:
+    """``module``, imported; an ``AttributeError`` raised while importing it comes out as an ``ImportError``
+    (Note [A failed import is not a missing attribute])."""
+    try:
+        return importlib.import_module(module)
+    except AttributeError as err:
+        raise ImportError(f"importing {module} failed: {err}", name=module) from err
 
 
 def __dir__() -> list[str]:

@@ -66,3 +66,15 @@ def test_a_dunder_or_dotted_name_is_an_attribute_error_and_imports_nothing(name)
     with pytest.raises(AttributeError, match="no attribute"):
         tba.__getattr__(name)
     assert not hasattr(tba, "no_such.name")
+
+
+def test_an_attribute_error_while_a_home_module_imports_is_an_import_error(monkeypatch, tmp_path):
+    # Note [A failed import is not a missing attribute]: `from tba import X` said only "cannot import name", and
+    # hasattr said False, when X's module raised AttributeError while importing.
+    (tmp_path / "_broken_home.py").write_text("import torch\ntorch.no_such_torch_attribute\n")
+    monkeypatch.setattr(tba, "__path__", [*tba.__path__, str(tmp_path)])
+    monkeypatch.setitem(tba._HOME_OF, "BrokenName", "tba._broken_home")
+    with pytest.raises(ImportError, match="no_such_torch_attribute"):
+        from tba import BrokenName  # noqa: F401
+    with pytest.raises(ImportError, match="no_such_torch_attribute"):
+        hasattr(tba, "_broken_home")
