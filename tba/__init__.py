@@ -30,12 +30,21 @@ would leave ``__getattr__`` as a missing attribute: ``from tba import offload_ac
 Python's bare "cannot import name", dropping the cause, and ``hasattr`` or ``getattr(tba, name, None)`` says the
 name is absent. Before the lazy imports it surfaced at ``import tba``; now it comes out as an ``ImportError``
 chained to the original.
+
+Note: [The control thread still starts at import tba]
+``tba._control`` starts tba's control thread when it is imported, "before a program installs its signal
+handlers" (its comment, and Note [Asynchronous exceptions] there): ``Thread.start`` interrupted half way by a
+handler's exception can leave a thread started but not recorded. With the runtime imported on first use that
+start would move into the program's training loop, under its handlers, so ``import tba`` still imports
+``tba._control`` (30 ms, no torch).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from tba import _control  # noqa: F401 - Note [The control thread still starts at import tba]
 
 if TYPE_CHECKING:
     from tba._units import parse_size

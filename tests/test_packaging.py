@@ -78,3 +78,16 @@ def test_an_attribute_error_while_a_home_module_imports_is_an_import_error(monke
         from tba import BrokenName  # noqa: F401
     with pytest.raises(ImportError, match="no_such_torch_attribute"):
         hasattr(tba, "_broken_home")
+
+
+def test_import_tba_starts_the_control_thread():
+    # Note [The control thread still starts at import tba]: at `import tba`, before a program's signal handlers,
+    # not at the first use inside its loop.
+    import subprocess
+    import sys
+
+    probe = ("import sys, threading, tba\n"
+             "assert 'torch' not in sys.modules\n"
+             "assert 'tba-control' in [t.name for t in threading.enumerate()], threading.enumerate()")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
