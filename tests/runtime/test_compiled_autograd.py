@@ -1,7 +1,7 @@
 """tba with compiled autograd: exact where Dynamo may break the graph, a clear message where it may not.
 
 Compiled autograd records each saved tensor's unpack hook as a node of the backward graph and hands
-the graph to Dynamo (Note [Compiled autograd traces the unpack hook] in ``tba/runtime/_hooks.py``).
+the graph to Dynamo (Note [Compiled autograd traces the unpack hook] in ``tba/runtime/_compile.py``).
 Each case compares one step with tba against the same step without it (``torch.equal`` on the loss
 and every gradient). The ``aot_eager`` backend builds the same graphs as inductor without code
 generation, so no C compiler is needed and each case compiles in seconds.
