@@ -11,11 +11,12 @@ records each tensor's ``_version`` at the save call; once the last tensor has be
 before the snapshot is announced, :func:`check_unchanged` compares them: a tensor changed since
 the save call fails the save with a :class:`TbaCheckpointError` naming the fix, and the earlier
 checkpoint at the path stays. The check reads one integer per tensor. It cannot see a change made
-through ``.data`` (which has its own version counter), to an inference tensor (which has none), or
-by a kernel that does not bump it (memory torch does not own is copied at the save instead: Note [Memory torch
-does not own is copied at the save]): ``batch_norm`` updates ``running_mean`` and ``running_var`` so,
-but the ``num_batches_tracked`` saved beside them is bumped by the same forward. A change still
-running in another thread when the check runs can escape it; ``guard`` leaves no such window.
+through ``.data`` (which has its own version counter), to an inference tensor (which has none), by
+another process, or by a kernel that does not bump it (memory torch does not own, and shared memory, is
+copied at the save instead: Note [Memory torch does not own is copied at the save]): ``batch_norm``
+updates ``running_mean`` and ``running_var`` so, but the ``num_batches_tracked`` saved beside them is
+bumped by the same forward. A change still running in another thread when the check runs can escape
+it; ``guard`` leaves no such window.
 
 Note: [A fused optimizer step bumps no version]
 ``torch.optim.SGD(fused=True)`` and ``Adam(fused=True)`` update parameters and their states in one
@@ -61,12 +62,15 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
         if value.layout != torch.strided or value.is_nested:
             raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
                                  "only dense tensors can be saved: convert it with .to_dense() or drop it")
-        if not value.untyped_storage().resizable():
+        storage = value.untyped_storage()
+        if not storage.resizable() or (value.device.type == "cpu" and storage.is_shared()):
             # Note: [Memory torch does not own is copied at the save]
             # A tensor over a numpy array (torch.from_numpy) or DLPack memory can change through its owner, which
             # bumps no version: arr[:] = 1 after a lazy save published the new values under the save's name,
             # silently (helper-68). Torch marks such storages not resizable; they are copied at the save call. So
             # are those mapped from a file (torch.load(mmap=True) assigned to a model): a copy they need not have.
+            # A CPU tensor in shared memory (share_memory_(), a model shared with Hogwild workers) is resizable,
+            # but another process's write to it bumps no version here (helper-91): it is copied too.
             return value.clone()
         version = _version(value)
         if version is not None:

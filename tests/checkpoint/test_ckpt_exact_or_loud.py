@@ -9,7 +9,7 @@ import pytest
 import torch
 from ckpt_helpers import assert_state_equal, clone_state, full_state, load_state, make_model, train_step
 
-from tba.checkpoint import LazyCheckpointer, TbaCheckpointError, TbaStorageReader, _layout
+from tba.checkpoint import DEFAULT_QUEUE_DEPTH, LazyCheckpointer, TbaCheckpointError, TbaStorageReader, _layout, _lazy
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled"
 def gate(monkeypatch):
     """The lazy copy waits until the test sets this event, so what the caller does after save() comes first."""
     opened = threading.Event()
+    _lazy._warm_up_in_caller("auto", DEFAULT_QUEUE_DEPTH)  # its own save, run alone, must not wait for the gate
     write_image = _layout.write_image
 
     def gated_write_image(*args, **kwargs):
@@ -109,3 +110,22 @@ def test_a_guarded_fused_step_and_a_step_on_other_tensors_leave_the_save_exact(t
         optimizer.step()  # waits for the copy
         handle.wait()
     assert_state_equal(load_state(path, at_save, TbaStorageReader(path)), at_save)
+
+
+def test_a_tensor_in_shared_memory_changed_by_another_process_is_saved_as_it_was_at_the_save(tmp_path, gate):
+    """Note [Memory torch does not own is copied at the save]: a Hogwild worker's write to a share_memory_() tensor
+    bumps no version in the saving process, and the lazy save published the worker's values (helper-91)."""
+    shared = torch.full((1024,), 2.0).share_memory_()
+    path = str(tmp_path / "c")
+    with LazyCheckpointer() as checkpointer:
+        handle = checkpointer.save({"w": shared}, path)
+        pid = os.fork()
+        if pid == 0:
+            shared.fill_(7.0)  # another process: its version counter is its own
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert shared._version == 0 and torch.equal(shared, torch.full((1024,), 7.0))
+        gate.set()
+        handle.wait(timeout_s=60)
+    loaded = load_state(path, {"w": torch.empty(1024)}, TbaStorageReader(path))
+    assert torch.equal(loaded["w"], torch.full((1024,), 2.0))
