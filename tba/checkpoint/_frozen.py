@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tba.checkpoint._io import TbaCheckpointError, TbaConfigError
+from tba.checkpoint._io import TbaCheckpointError, TbaConfigError, flatten_state_dict
 
 Watched = list[tuple[str, torch.Tensor, int]]
 """(key, tensor, version at the save call) of every tensor a lazy save holds by reference."""
@@ -59,6 +59,9 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
             raise TbaConfigError(f"state_dict[{key}] is a tensor on the meta device, which holds no data; "
                                  "materialise it first (module.to_empty(device=...) then initialise or load "
                                  "its values) or drop it")
+        if value.is_quantized:  # torch.save cannot build its archive around the data (skip_data refuses it)
+            raise TbaConfigError(f"state_dict[{key}] is a quantized tensor, which tba's checkpoints cannot store; "
+                                 "save its .dequantize() (with its scale and zero point) or drop it")
         if value.layout != torch.strided or value.is_nested:
             raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
                                  "only dense tensors can be saved: convert it with .to_dense() or drop it")
@@ -93,7 +96,17 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
 def freeze(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Watched]:
     """Containers rebuilt, tensors kept by reference (their versions recorded), other values deep-copied and checked."""
     watched: Watched = []
-    return _freeze(state_dict, "", watched), watched
+    frozen = _freeze(state_dict, "", watched)
+    try:
+        # Note: [Two keys that DCP names alike]
+        # DCP names each item by joining its nested keys with '.', so {"a.b": x, "a": {"b": y}} names two items
+        # "a.b"; a lazy save accepted it and failed only at wait(), with DCP's traceback (helper-91). DCP's own
+        # flattening, run here, refuses it at the save call.
+        flatten_state_dict(frozen)
+    except ValueError as err:
+        raise TbaConfigError(f"state_dict has two keys that DCP names alike ({err}): DCP joins nested keys with '.'; "
+                             "rename one of them") from None
+    return frozen, watched
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:

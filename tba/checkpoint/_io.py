@@ -2,10 +2,10 @@
 
 Everything the checkpoint package needs from tba's engine (``make_engine``, ``Request``, ``Op``,
 ``ALIGN_BYTES``), from ``tba.errors``, from ``tba.io.resolve_directory`` and from the private
-names of ``torch.distributed.checkpoint.filesystem`` (``_StorageInfo``, which DCP's own
-``FileSystemReader`` expects in the metadata, and ``CURRENT_DCP_VERSION``, the
-``Metadata.version`` its writer stamps) is imported here and only here, so that a move of those
-modules changes one file.
+names of ``torch.distributed.checkpoint`` (``filesystem._StorageInfo``, which DCP's own
+``FileSystemReader`` expects in the metadata, ``filesystem.CURRENT_DCP_VERSION``, the
+``Metadata.version`` its writer stamps, and ``_nested_dict.flatten_state_dict``, which names each
+item) is imported here and only here, so that a move of those modules changes one file.
 
 Host buffers (:func:`tba.io.host_buffer`, in huge-page multiples here), data files
 (:func:`tba.io.create_preallocated`: ``O_DIRECT`` where possible, preallocated so that a full disk
@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
@@ -38,7 +39,7 @@ DEFAULT_CHUNK_BYTES = BLOCK_SIZE_BYTES
 __all__ = [
     "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "ImagePool", "Op", "Request",
     "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "check_engine_settings", "create_preallocated",
-    "size_bytes",
+    "flatten_state_dict", "size_bytes",
     "host_buffer", "make_engine", "resolve_directory",
 ]
 

@@ -234,3 +234,16 @@ def test_a_reserve_larger_than_memory_is_a_config_error():
     """LazyCheckpointer(reserve_bytes=2**60) raised a bare OSError [Errno 12] Cannot allocate memory from tba/io/_memory.py."""
     with pytest.raises(TbaConfigError, match="reserve_bytes"):
         LazyCheckpointer(reserve_bytes=2**60)
+
+
+@pytest.mark.parametrize("state, match", [
+    pytest.param({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, r"two keys.*a\.b", id="dotted-key-collides"),
+    pytest.param({"l": [torch.ones(2)], "l.0": torch.zeros(2)}, r"two keys.*l\.0", id="list-index-collides"),
+    pytest.param({"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)}, r"state_dict\[q\].*quantized",
+                 id="quantized"),
+])
+def test_state_dcp_cannot_save_is_refused_by_the_save_call(tmp_path, state, match):
+    """Both were accepted by save() and failed only at wait(), with DCP's traceback (helper-91)."""
+    with pytest.raises(TbaConfigError, match=match):
+        save_lazy(state, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
