@@ -152,27 +152,36 @@ class LazyCheckpointer:
             self._writer.prepare_local_plan(None)  # refuses a bad destination before the save is registered
             handle = LazyCheckpoint(path, on_done)
             begin_save(path, handle._done)  # Note [A load waits for the saves to its path]
-            self._writer.on_snapshot = handle._mark_snapshot
-            # Note [A tensor changed before the lazy copy read it]
-            # and Note [A fused optimizer step bumps no version]
-            watch = StepWatch(watched, self._guards)
-            self._writer.check_snapshot = lambda: check_unchanged(watched, path, watch)
-            # Note [Lazy saves to one path publish in call order]
-            self._writer.before_publish = lambda: wait_for_earlier_saves(path, handle._done)
-            self._latest = handle
-        # Note: [A checkpoint started is finished at exit]
-        # The save thread is not a daemon: the interpreter joins it before it exits, so a script
-        # whose last act is save_lazy publishes its checkpoint. A daemon thread was ended in the
-        # middle of torch's C++ code during finalization ("terminate called without an active
-        # exception", abort) and left a partial directory.
-        thread = threading.Thread(target=self._run, args=(frozen, handle, watch), name="tba-ckpt", daemon=False)
-        start_watch(watch)
-        try:
-            thread.start()
-        except BaseException as err:  # no thread to finish it: the loads waiting for it must not wait for ever
-            stop_watch(watch)
-            handle._finish(err)
-            raise
+            watch = thread = None
+            try:
+                self._writer.on_snapshot = handle._mark_snapshot
+                # Note [A tensor changed before the lazy copy read it]
+                # and Note [A fused optimizer step bumps no version]
+                watch = StepWatch(watched, self._guards)
+                self._writer.check_snapshot = lambda: check_unchanged(watched, path, watch)
+                # Note [Lazy saves to one path publish in call order]
+                self._writer.before_publish = lambda: wait_for_earlier_saves(path, handle._done)
+                self._latest = handle
+                # Note: [A checkpoint started is finished at exit]
+                # The save thread is not a daemon: the interpreter joins it before it exits, so a script
+                # whose last act is save_lazy publishes its checkpoint. A daemon thread was ended in the
+                # middle of torch's C++ code during finalization ("terminate called without an active
+                # exception", abort) and left a partial directory.
+                thread = threading.Thread(target=self._run, args=(frozen, handle, watch), name="tba-ckpt", daemon=False)
+                start_watch(watch)
+                thread.start()
+            except BaseException as err:
+                # Note: [A save registered is always ended]
+                # Once registered, a save has no thread to end it until thread.start() returns. A failed
+                # start, or a Ctrl-C in between (a KeyboardInterrupt lands between any two statements),
+                # left it registered for ever: the next load or save of the path, and close(), waited
+                # for it for ever (helper-91). It ends here, failed, so they go on.
+                if thread is not None and thread.ident is not None:
+                    raise  # the thread runs: it ends the save
+                if watch is not None:
+                    stop_watch(watch)
+                handle._finish(err)
+                raise
         return handle
 
     def _guards(self, optimizer: torch.optim.Optimizer) -> bool:
