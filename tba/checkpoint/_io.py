@@ -104,6 +104,11 @@ class ImagePool:
                 raise TbaConfigError(f"reserve_bytes={reserve_bytes}: cannot allocate that much host memory ({err}); "
                                      "pass about the checkpoint's size, or 0 to grow the buffer at the first save") from None
 
+    def release(self) -> None:
+        """Drop the buffer: its pages go back to the kernel once no save holds it; the next :meth:`get` allocates."""
+        with self._lock:
+            self._buffer = None
+
     def get(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``; callers must not use it from two saves at once."""
         with self._lock:

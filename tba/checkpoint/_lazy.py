@@ -99,8 +99,8 @@ class LazyCheckpointer:
                  reserve_bytes: int | str = 0) -> None:
         reserve_bytes = size_bytes("reserve_bytes", reserve_bytes)
         self._settings = (backend, queue_depth)
-        self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth,
-                                        image_pool=ImagePool(reserve_bytes))
+        self._pool = ImagePool(reserve_bytes)
+        self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=self._pool)
         self._latest: LazyCheckpoint | None = None
         self._lock = threading.Lock()
         self._guarded: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
@@ -116,7 +116,8 @@ class LazyCheckpointer:
         """
         self._lock = threading.Lock()
         backend, queue_depth = self._settings
-        self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=ImagePool())
+        self._pool = ImagePool()
+        self._writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=self._pool)
         self._latest = None
 
     @property
@@ -223,11 +224,12 @@ class LazyCheckpointer:
         return handle
 
     def close(self) -> None:
-        """Wait for the latest checkpoint, then release the engine and the host buffer."""
+        """Wait for the latest checkpoint, then release the host buffer (a later save allocates a new one)."""
         latest = self._latest
         if latest is not None:
             latest._done.wait()
         self._writer.close()
+        self._pool.release()
 
     def __enter__(self) -> LazyCheckpointer:
         return self

@@ -269,3 +269,19 @@ def test_an_interrupt_inside_save_leaves_no_save_that_loads_and_later_saves_wait
         handle = checkpointer.save({"w": torch.full((3,), 2.0)}, path)
         handle.wait(timeout_s=30)
     assert torch.equal(load_state(path, {"w": torch.empty(3)}, TbaStorageReader(path))["w"], torch.full((3,), 2.0))
+
+
+def test_close_gives_the_host_buffer_back(tmp_path):
+    """close() said it released the host buffer, but the checkpointer kept it (a checkpoint's size of host memory) for
+    as long as the object lived (helper-91); a save after close() allocates a new one."""
+    with LazyCheckpointer() as checkpointer:
+        checkpointer.save({"w": torch.ones(1 << 20)}, tmp_path / "c").wait()
+        start = checkpointer._pool.get(1).data_ptr()
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as maps:
+            return any(int(line.split("-")[0], 16) <= start < int(line.split("-")[1].split()[0], 16) for line in maps)
+
+    assert not mapped()
+    checkpointer.save({"w": torch.full((3,), 2.0)}, tmp_path / "c").wait()
+    checkpointer.close()
