@@ -5,6 +5,7 @@ thread that sets the handle's events, are in ``tba/checkpoint/_lazy.py``."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ class LazyCheckpoint:
         self._snapshot = threading.Event()
         self._done = threading.Event()
         self._start = time.perf_counter()
+        self._pid = os.getpid()
 
     def snapshot_taken(self) -> bool:
         """True once the saved tensors may be modified again."""
@@ -46,6 +48,8 @@ class LazyCheckpoint:
     def wait_snapshot(self, timeout_s: float | None = None) -> float:
         """Block until every tensor has been copied; returns the seconds waited."""
         start = time.perf_counter()
+        if self._forked_away():  # the child's tensors are its own copies: changing them cannot reach the save
+            return 0.0
         if not self._snapshot.wait(timeout_s):
             raise TimeoutError(f"checkpoint {self.path}: snapshot not taken within {timeout_s} s")
         return time.perf_counter() - start
@@ -56,12 +60,26 @@ class LazyCheckpoint:
         Raises:
             TbaCheckpointError: The save failed; the earlier checkpoint at the path is unchanged.
         """
+        if self._forked_away():
+            raise TbaCheckpointError(f"checkpoint {self.path} is written by process {self._pid}, from which this one was "
+                                     "forked, and only that process can wait for it; wait there (or load the path once "
+                                     "it is published)")
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"checkpoint {self.path} not finished within {timeout_s} s")
         if self.error is not None:
             if isinstance(self.error, TbaCheckpointError):
                 raise self.error
             raise TbaCheckpointError(f"checkpoint {self.path} failed: {self.error}") from self.error
+
+    def _forked_away(self) -> bool:
+        """Whether this is a forked child of the saving process, whose save thread it does not have.
+
+        Note: [A forked child cannot wait for its parent's save]
+        A child holding the parent's handle (forked while the save ran) waited in ``wait()`` for ever:
+        its events are set by a thread that stays in the parent (helper-91). Its ``wait()`` raises
+        instead; its ``wait_snapshot()`` returns at once, since the child's tensors are copies.
+        """
+        return os.getpid() != self._pid and not self._done.is_set()
 
     def _mark_snapshot(self) -> None:
         if not self._snapshot.is_set():

@@ -55,6 +55,29 @@ FORK_LOAD = textwrap.dedent("""
     sys.exit(os.waitstatus_to_exitcode(status))
 """)
 
+FORK_WAIT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    import tba.checkpoint as ck
+    from tba.checkpoint import _layout
+    path = sys.argv[1] + "/c"
+    ck.save_lazy({"w": torch.ones(3)}, path).wait()
+    write_image = _layout.write_image
+    _layout.write_image = lambda *a, **k: (time.sleep(1.5), write_image(*a, **k))[1]
+    handle = ck.save_lazy({"w": torch.ones(3)}, path)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        handle.wait_snapshot()
+        try:
+            handle.wait()
+        except ck.TbaCheckpointError as err:
+            os._exit(0 if "forked" in str(err) else 4)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    handle.wait()
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
 
 def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -131,3 +154,10 @@ def test_a_partial_of_a_killed_parent_is_removed_while_its_forked_child_lives(tm
         parent.stdout.close()
         with contextlib.suppress(ProcessLookupError, UnboundLocalError):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_waiting_on_the_parents_handle_is_told_it_cannot(tmp_path):
+    """Note [A forked child cannot wait for its parent's save] in tba/checkpoint/_handle.py: it waited for ever."""
+    result = _run(FORK_WAIT, str(tmp_path), timeout=90)
+    assert result.returncode == 0, f"child status {result.returncode} (-14: hung until SIGALRM)\n{result.stderr[-2000:]}"
