@@ -12,8 +12,9 @@ before the snapshot is announced, :func:`check_unchanged` compares them: a tenso
 the save call fails the save with a :class:`TbaCheckpointError` naming the fix, and the earlier
 checkpoint at the path stays. The check reads one integer per tensor. It cannot see a change made
 through ``.data`` (which has its own version counter), to an inference tensor (which has none), by
-another process, or by a kernel that does not bump it (memory torch does not own, and shared memory, is
-copied at the save instead: Note [Memory torch does not own is copied at the save]): ``batch_norm``
+another process, or by a kernel that does not bump it (memory torch does not own, shared memory and
+inference tensors are copied at the save instead: Note [Memory torch does not own is copied at the
+save]): ``batch_norm``
 updates ``running_mean`` and ``running_var`` so, but the ``num_batches_tracked`` saved beside them is
 bumped by the same forward. A change still running in another thread when the check runs can escape
 it; ``guard`` leaves no such window.
@@ -46,13 +47,6 @@ Watched = list[tuple[str, torch.Tensor, int]]
 """(key, tensor, version at the save call) of every tensor a lazy save holds by reference."""
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return None
-
-
 def _freeze(value: Any, key: str, watched: Watched) -> Any:
     if isinstance(value, torch.Tensor):
         if value.is_meta:  # no data to save; .to_dense() (the other fix) keeps it on meta
@@ -66,18 +60,17 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
             raise TbaConfigError(f"state_dict[{key}] is a {value.layout} tensor on {value.device}; "
                                  "only dense tensors can be saved: convert it with .to_dense() or drop it")
         storage = value.untyped_storage()
-        if not storage.resizable() or (value.device.type == "cpu" and storage.is_shared()):
+        if not storage.resizable() or (value.device.type == "cpu" and storage.is_shared()) or value.is_inference():
             # Note: [Memory torch does not own is copied at the save]
             # A tensor over a numpy array (torch.from_numpy) or DLPack memory can change through its owner, which
             # bumps no version: arr[:] = 1 after a lazy save published the new values under the save's name,
             # silently (helper-68). Torch marks such storages not resizable; they are copied at the save call. So
             # are those mapped from a file (torch.load(mmap=True) assigned to a model): a copy they need not have.
             # A CPU tensor in shared memory (share_memory_(), a model shared with Hogwild workers) is resizable,
-            # but another process's write to it bumps no version here (helper-91): it is copied too.
+            # but another process's write to it bumps no version here (helper-91): it is copied too, and so is an
+            # inference tensor, which has no version counter for a change under inference_mode to bump.
             return value.clone()
-        version = _version(value)
-        if version is not None:
-            watched.append((key, value, version))
+        watched.append((key, value, value._version))
         return value
     if isinstance(value, dict):
         return {k: _freeze(v, f"{key}.{k}" if key else str(k), watched) for k, v in value.items()}

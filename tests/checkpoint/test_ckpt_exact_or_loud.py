@@ -129,3 +129,18 @@ def test_a_tensor_in_shared_memory_changed_by_another_process_is_saved_as_it_was
         handle.wait(timeout_s=60)
     loaded = load_state(path, {"w": torch.empty(1024)}, TbaStorageReader(path))
     assert torch.equal(loaded["w"], torch.full((1024,), 2.0))
+
+
+def test_an_inference_tensor_changed_after_save_is_saved_as_it_was_at_the_save(tmp_path, gate):
+    """An inference tensor has no version counter: a change under inference_mode after save() was published unseen
+    (helper-91). It is copied at the save (Note [Memory torch does not own is copied at the save])."""
+    with torch.inference_mode():
+        ema = torch.full((1024,), 2.0)
+    path = str(tmp_path / "c")
+    with LazyCheckpointer() as checkpointer:
+        handle = checkpointer.save({"ema": ema}, path)
+        with torch.inference_mode():
+            ema.fill_(7.0)
+        gate.set()
+        handle.wait(timeout_s=60)
+    assert torch.equal(load_state(path, {"ema": torch.empty(1024)}, TbaStorageReader(path))["ema"], torch.full((1024,), 2.0))
