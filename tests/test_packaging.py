@@ -48,12 +48,15 @@ def test_every_public_name_resolves_from_its_home():
         tba.no_such_name  # noqa: B018 - the lookup is the test
 
 
-def test_import_tba_and_the_run_launcher_do_not_import_torch():
+def test_import_tba_and_the_run_launcher_do_not_import_torch_and_the_control_thread_starts():
+    # Note [The control thread still starts at import tba]: at `import tba`, before a program's signal handlers,
+    # not at the first use inside its loop.
     import subprocess
     import sys
 
-    probe = ("import sys, tba, tba.cli, tba.cli.run, tba.allocator\n"
+    probe = ("import sys, threading, tba, tba.cli, tba.cli.run, tba.allocator\n"
              "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('tba'))\n"
+             "assert 'tba-control' in [t.name for t in threading.enumerate()], threading.enumerate()\n"
              "tba.offload_activations\nassert 'torch' in sys.modules")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -78,16 +81,3 @@ def test_an_attribute_error_while_a_home_module_imports_is_an_import_error(monke
         from tba import BrokenName  # noqa: F401
     with pytest.raises(ImportError, match="no_such_torch_attribute"):
         hasattr(tba, "_broken_home")
-
-
-def test_import_tba_starts_the_control_thread():
-    # Note [The control thread still starts at import tba]: at `import tba`, before a program's signal handlers,
-    # not at the first use inside its loop.
-    import subprocess
-    import sys
-
-    probe = ("import sys, threading, tba\n"
-             "assert 'torch' not in sys.modules\n"
-             "assert 'tba-control' in [t.name for t in threading.enumerate()], threading.enumerate()")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
