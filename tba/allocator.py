@@ -136,12 +136,17 @@ def _version(name: str, process: ctypes.CDLL) -> str | None:
     return None
 
 
+LIBC_SONAME = "libc.so.6"
+"""glibc, by the name its loader knows (opened by that name, not through ``ctypes.util.find_library``, which runs
+``ldconfig -p`` in a subprocess); elsewhere (musl) it is not found."""
+
+
 @functools.lru_cache(maxsize=1)
 def detect() -> Allocator:
     """The malloc serving this process (cached: it cannot change after the process starts)."""
     process = ctypes.CDLL(None)
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        libc = ctypes.CDLL(LIBC_SONAME)
     except OSError:
         libc = process
     glibc = _address(libc, "gnu_get_libc_version") is not None

@@ -66,7 +66,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tba import _sched, defaults
 from tba._fork_lock import ForkSafeLock
 from tba._units import SizeError, parse_size
-from tba.allocator import detect
+from tba.allocator import LIBC_SONAME, detect
 from tba.runtime._views import storage_bytes
 
 logger = logging.getLogger("tba")
@@ -116,13 +116,11 @@ def note_host_offload() -> None:
 
 MADV_DONTNEED = 4
 PAGE_BYTES = 4096
-LIBC_SONAME = "libc.so.6"
-"""glibc, by the name its loader knows; ``ctypes.util.find_library("c")`` would run ``ldconfig -p`` in a
-subprocess at every ``import tba`` (twice: a fork of a process that has loaded torch). Elsewhere (musl) the
-name is not found and neither call is used: no pages handed back, no heap trim."""
 
 
 def _load_madvise():
+    # glibc by its soname: ctypes.util.find_library("c") ran `ldconfig -p` twice per import (a fork of a process
+    # holding torch). Without glibc (musl) neither call is used: no pages handed back, no heap trim.
     try:
         libc = ctypes.CDLL(LIBC_SONAME, use_errno=True)
         madvise = libc.madvise
