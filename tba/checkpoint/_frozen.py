@@ -14,10 +14,9 @@ checkpoint at the path stays. The check reads one integer per tensor. It cannot 
 through ``.data`` (which has its own version counter), to an inference tensor (which has none), by
 another process, or by a kernel that does not bump it (memory torch does not own, shared memory and
 inference tensors are copied at the save instead: Note [Memory torch does not own is copied at the
-save]): ``batch_norm``
-updates ``running_mean`` and ``running_var`` so, but the ``num_batches_tracked`` saved beside them is
-bumped by the same forward. A change still running in another thread when the check runs can escape
-it; ``guard`` leaves no such window.
+save]): ``batch_norm`` updates ``running_mean`` and ``running_var`` so, but the ``num_batches_tracked``
+saved beside them is bumped by the same forward. A change still running in another thread when the
+check runs can escape it; ``guard`` leaves no such window.
 
 Note: [A fused optimizer step bumps no version]
 ``torch.optim.SGD(fused=True)`` and ``Adam(fused=True)`` update parameters and their states in one

@@ -66,10 +66,10 @@ WHOLE_MODEL_COMPILE_WARNING = (
 # torch's own error about tba's internals (``fullgraph=True``: "Could not guard on
 # data-dependent expression" at the version check in ``tba/runtime/_views.py``, or at the
 # ``nvtx`` import) or ran partly traced between graph breaks, with guards on tba's objects.
-# Traced, ``is_compiling`` is the constant True: the hook (``SavedTensorHooks.unpack``) raises at once, so Dynamo breaks
-# the graph before any of tba's code and runs the hook eagerly (exact, as in eager), and a
-# ``fullgraph=True`` compile fails with this message in its cause. Eager, it costs one call
-# (about 0.1 µs) per unpack.
+# Traced, ``is_compiling`` is the constant True: the hook (``SavedTensorHooks.unpack``) raises
+# at once, so Dynamo breaks the graph before any of tba's code and runs the hook eagerly (exact,
+# as in eager), and a ``fullgraph=True`` compile fails with this message in its cause. Eager, it
+# costs one call (about 0.1 µs) per unpack.
 COMPILED_AUTOGRAD_MESSAGE = (
     "tba's unpack hook reads saved tensors back from disk and cannot be traced into a compiled graph, "
     "and compiled autograd (torch._dynamo.config.compiled_autograd or compiled_autograd._enable) "
