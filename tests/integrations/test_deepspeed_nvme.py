@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 
 import pytest
 import torch
+from utils import load_script
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -95,6 +97,16 @@ def train(nvme_path: str, directory: str | None):
         tba_bytes.append(0 if offload.stats is None else offload.stats.bytes_written + offload.stats.bytes_read - tba_before)
         losses.append(loss.detach())
     return losses, disk_bytes, tba_bytes, offload
+
+
+@pytest.fixture(autouse=True)
+def op_flags_as_built(monkeypatch):
+    """DeepSpeed loads the op with the flags ``make deepspeed-aio`` built it with (Note [The NVMe test loads the op
+    built without -g] in ``tools/deepspeed_aio.py``)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    monkeypatch.setattr(AsyncIOBuilder, "cxx_args", AsyncIOBuilder.cxx_args)  # restored after the test
+    load_script(pathlib.Path(__file__).resolve().parents[2] / "tools" / "deepspeed_aio.py").drop_debug_info(AsyncIOBuilder)
 
 
 SLOWDOWN = 10_000
