@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from python_runs import run_python
 
 TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
@@ -19,20 +20,17 @@ def test_the_gpu_check_script_parses():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_checkpoint_repro_refuses_without_cuda():
-    done = subprocess.run([sys.executable, str(TOOLS / "checkpoint_early_stop.py"), "history"],
-                          capture_output=True, text=True, timeout=120)
+    done = run_python([str(TOOLS / "checkpoint_early_stop.py"), "history"], timeout=120)
     assert done.returncode == 2 and done.stdout.strip() == "checkpoint_early_stop: needs a CUDA GPU"
-    usage = subprocess.run([sys.executable, str(TOOLS / "checkpoint_early_stop.py"), "--help"],
-                           capture_output=True, text=True, timeout=120)
+    usage = run_python([str(TOOLS / "checkpoint_early_stop.py"), "--help"], timeout=120)
     assert usage.returncode == 0 and "--early-stop-off" in usage.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_block_groups_ab_refuses_without_cuda_and_its_switch_restores():
-    done = subprocess.run([sys.executable, str(TOOLS / "ab_block_groups.py")], capture_output=True, text=True, timeout=120)
+    done = run_python([str(TOOLS / "ab_block_groups.py")], timeout=120)
     assert done.returncode == 2 and "needs a CUDA device" in done.stderr
-    usage = subprocess.run([sys.executable, str(TOOLS / "ab_block_groups.py"), "--help"],
-                           capture_output=True, text=True, timeout=120)
+    usage = run_python([str(TOOLS / "ab_block_groups.py"), "--help"], timeout=120)
     assert usage.returncode == 0 and "--rounds" in usage.stdout
     sys.path.insert(0, str(TOOLS))
     try:

@@ -29,9 +29,10 @@ measurement (``capacity --preset deep`` makes about 27). The server imports it o
 thread and runs no operator (``tests/bench/test_forkserver.py`` checks the child's threads and
 thread count as before).
 
-Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "target": spec}``
-(``target``: a :func:`tba.bench.isolated.factory_spec` string naming the function the child calls
-with ``request``; None for the isolated worker); the server answers ``ready`` once torch is
+Protocol: one JSON line per request on the server's stdin, ``{"request": ..., "target": spec, "env": ...,
+"cwd": ...}`` (``target``: a :func:`tba.bench.isolated.factory_spec` string naming the function the child
+calls with ``request``, None for the isolated worker; ``env`` and ``cwd``, optional: the environment and
+working directory the child takes before it imports anything); the server answers ``ready`` once torch is
 imported, then one JSON line per request, ``{"status": ..., "out": ..., "err": ...}`` (the child's
 exit status, negative when a signal killed it, and its output). EOF on stdin ends the server; its
 own stderr goes to an unlinked temporary file.
@@ -101,18 +102,23 @@ class ForkServer:
         if self._proc.stdout.readline().strip() != "ready":
             raise ForkServerError(f"the fork server did not start: {self._stop()}")
 
-    def run(self, request_json: str, target: str | None = None) -> tuple[int, str, str]:
+    def run(self, request_json: str, target: str | None = None, *, env: dict[str, str] | None = None,
+            cwd: str | None = None) -> tuple[int, str, str]:
         """Serve one request; returns ``(exit status, stdout, stderr)`` of the child.
 
         ``target`` (``"module:function"`` or ``"file.py:function"``) is what the child calls with
         ``request_json``; None: the isolated worker, as ``python -m tba.bench.isolated`` runs it.
+        ``env`` replaces the child's environment and ``cwd`` its working directory, before it imports
+        anything; what the server's process fixed at its start (a preloaded library, the interpreter's
+        own settings, torch's) stays as the server's environment set it.
         Raises :class:`ForkServerError` when the server died (the next call starts a new one).
         """
+        message = {"request": request_json, "target": target, "env": env, "cwd": cwd}
         with self._lock:
             if self._proc is None:
                 self._start()
             try:
-                self._proc.stdin.write(json.dumps({"request": request_json, "target": target}) + "\n")
+                self._proc.stdin.write(json.dumps(message) + "\n")
                 self._proc.stdin.flush()
                 answer = json.loads(self._proc.stdout.readline())
             except (OSError, ValueError):
@@ -170,9 +176,10 @@ def _use_package(root: str) -> None:
         sys.path.insert(0, root)
 
 
-def _child(request_json: str, out: int, err: int, target: str | None = None) -> int:
-    """In the forked child: output to the descriptors ``out`` and ``err``, run the worker (or
-    ``target``), exit status 0 or 1."""
+def _child(request_json: str, out: int, err: int, target: str | None = None, env: dict[str, str] | None = None,
+           cwd: str | None = None) -> int:
+    """In the forked child: output to the descriptors ``out`` and ``err``, the environment ``env`` and the
+    working directory ``cwd`` when given, run the worker (or ``target``), exit status 0 or 1."""
     os.dup2(out, 1)
     os.dup2(err, 2)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -180,6 +187,11 @@ def _child(request_json: str, out: int, err: int, target: str | None = None) -> 
     os.close(null)
     status = 0
     try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
         from tba.bench.isolated import _worker, load_factory
 
         (load_factory(target) if target else _worker)(request_json)
@@ -213,7 +225,8 @@ def _serve(requests: IO[str], answers: IO[str], root: str = PACKAGE_ROOT) -> Non
                 status = 70
                 try:
                     _die_with(server_pid)
-                    status = _child(message["request"], out.fileno(), err.fileno(), message.get("target"))
+                    status = _child(message["request"], out.fileno(), err.fileno(), message.get("target"),
+                                    message.get("env"), message.get("cwd"))
                 finally:  # never return into the server's loop, whatever happened before the child's handler
                     os._exit(status)
             _, wait_status = os.waitpid(pid, 0)

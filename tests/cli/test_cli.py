@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from python_runs import run_python
 
 from tba._units import parse_size
 from tba.cli import COMMANDS, bench_io, doctor
@@ -69,7 +70,7 @@ def test_commands_registered():
 
 
 def test_bench_io_help():
-    done = subprocess.run([sys.executable, "-m", "tba", "bench-io", "--help"], capture_output=True, text=True, timeout=60)
+    done = run_python(["-m", "tba", "bench-io", "--help"], timeout=60)
     assert done.returncode == 0 and "--queue-depth" in done.stdout
 
 

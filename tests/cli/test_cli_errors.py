@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 
 import pytest
+from python_runs import run_python
 
 import tba
 from tba.cli import COMMANDS, build_parser, main
 
 
 def tba_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tba", *args], capture_output=True, text=True, timeout=60)
+    return run_python(["-m", "tba", *args], timeout=60)
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
+
+from python_runs import run_python
 
 from tba.cli import main
 
 
 def _demo(spill_dir: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tba", "demo", "--preset", "tiny", "--steps", "1", "--allocator",
-                           "system", "--directory", spill_dir, "--backend", "threads", *extra],
-                          capture_output=True, text=True, timeout=300)
+    return run_python(["-m", "tba", "demo", "--preset", "tiny", "--steps", "1", "--allocator", "system", "--directory",
+                       spill_dir, "--backend", "threads", *extra], timeout=300)
 
 
 def test_the_demo_prints_the_steps_by_turns(spill_dir):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+from python_runs import run_python
 
 from tba.bench.harness import ModeResult
 from tba.cli._report import comparison_rows, format_table
@@ -33,19 +32,17 @@ def test_rows_gain_the_steps_by_turns_where_measured():
 
 
 def test_bench_e2e_prints_the_turns_and_the_io_baseline(spill_dir):
-    command = [sys.executable, os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1",
-               "--modes", "keep,tba", "--directory", spill_dir, "--backend", "threads"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = run_python([os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1", "--modes",
+                       "keep,tba", "--directory", spill_dir, "--backend", "threads"], timeout=300)
     assert done.returncode == 0, done.stderr
     assert "turns s" in done.stdout and "keep_io" in done.stdout and "x keep_io's" in done.stdout
     # --no-turns and --no-io-baseline: test_bench_e2e_names_the_bare_contexts_plan (one run less here)
 
 
 def test_bench_e2e_names_the_bare_contexts_plan(spill_dir):
-    command = [sys.executable, os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1",
-               "--warmup", "3", "--usage", "bare", "--modes", "keep,tba", "--directory", spill_dir, "--backend", "threads",
-               "--no-turns", "--no-io-baseline"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = run_python([os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1", "--warmup", "3",
+                       "--usage", "bare", "--modes", "keep,tba", "--directory", spill_dir, "--backend", "threads",
+                       "--no-turns", "--no-io-baseline"], timeout=300)
     assert done.returncode == 0, done.stderr
     assert re.search(r"tba's plan: [KORS]+ \(per layer after profiling", done.stdout), done.stdout
     # Two modes (turns run only with two or more) and tba (keep_io runs only beside it): both flags are what remove them.

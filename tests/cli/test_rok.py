@@ -6,12 +6,12 @@ import csv
 import io
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from python_runs import run_python
 
 from tba.bench.harness import ModeResult
 from tba.bench.isolated import IsolatedRunError, run_isolated
@@ -109,7 +109,7 @@ def test_bad_arguments():
 
 
 def _rok(*args):
-    return subprocess.run([sys.executable, "-m", "tba", "rok", *args], capture_output=True, text=True, timeout=120)
+    return run_python(["-m", "tba", "rok", *args], timeout=120)
 
 
 def test_out_pointing_at_a_file_fails_before_any_run(tmp_path):

@@ -9,13 +9,13 @@ reads the activations back from the file.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 deepspeed = pytest.importorskip("deepspeed")
+
+from python_runs import run_python  # noqa: E402
 
 from tba.bench.models import PRESETS, make_batch, make_gpt  # noqa: E402
 from tba.integrations.deepspeed import TbaDeepSpeed  # noqa: E402
@@ -120,8 +120,7 @@ def test_deepspeed_checkpointed_blocks_save_nothing_into_tba(spill_dir):
 
 
 def run_script(*flags: str, env: dict[str, str]) -> list[str]:
-    proc = subprocess.run([sys.executable, TRAIN_SCRIPT, "--preset", "tiny", "--steps", "1", *flags],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = run_python([TRAIN_SCRIPT, "--preset", "tiny", "--steps", "1", *flags], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line[:2] for line in lines] == [["step", "1"]], proc.stdout

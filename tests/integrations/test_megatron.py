@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +14,7 @@ from torch import nn
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'tba-offload[megatron]')")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron")
 
+from python_runs import run_python  # noqa: E402
 from utils import load_script  # noqa: E402
 
 import tba  # noqa: E402
@@ -249,8 +248,7 @@ LINE_RE = re.compile(r"^step (\d+) loss (\S+) time (\d+\.\d+) mem (\d+\.\d+)$")
 def test_script_prints_identical_losses_with_and_without_tba(spill_dir):
     runs = []
     for flags in ([], ["--tba-offload-activations", "--tba-dir", spill_dir]):
-        proc = subprocess.run([sys.executable, str(SCRIPT_DIR / "pretrain_gpt.py"), *TINY, "--steps", "2", *flags],
-                              capture_output=True, text=True, timeout=120)
+        proc = run_python([str(SCRIPT_DIR / "pretrain_gpt.py"), *TINY, "--steps", "2", *flags], timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         steps = [LINE_RE.match(line) for line in proc.stdout.splitlines() if line.startswith("step ")]
         assert [m and int(m.group(1)) for m in steps] == [1, 2], proc.stdout

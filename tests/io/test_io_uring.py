@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from engine_helpers import random_bytes
+from python_runs import run_python
 
 import tba.io
 from tba.io import ThreadEngine, make_engine
@@ -356,11 +357,7 @@ def test_a_process_out_of_descriptors_gets_io_uring_once_it_has_them(tmp_path, c
     and open again. ``probe``: the first probe ran with no descriptor free, kept "extension not built: ...
     Too many open files", and backend 'auto' used threads for the rest of the process.
     """
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path), case], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python(["-c", OUT_OF_DESCRIPTORS, str(tmp_path), case], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split() for line in proc.stdout.splitlines())
     assert lines["tight"] == ("io_uring" if case == "ring" else "OutOfDescriptorsError"), proc.stdout

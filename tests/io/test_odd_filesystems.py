@@ -6,11 +6,11 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import pytest
 import torch
+from python_runs import run_python
 
 import tba
 import tba.io
@@ -81,8 +81,7 @@ def test_filesystem_type_reads_the_longest_mount(tmp_path):
 
 
 def test_bench_io_on_ramfs_leaves_no_name(ramfs_dir):
-    done = subprocess.run([sys.executable, "-m", "tba", "bench-io", "--directory", ramfs_dir, "--size", "4M",
-                           "--no-fio"], capture_output=True, text=True, timeout=120)
+    done = run_python(["-m", "tba", "bench-io", "--directory", ramfs_dir, "--size", "4M", "--no-fio"], timeout=120)
     assert os.listdir(ramfs_dir) == [], done.stdout + done.stderr
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import errno
 import logging
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 from model_cases import tiny_gpt
+from python_runs import run_python
 from utils import FaultyEngine, assert_exact, run_step
 
 import tba
@@ -125,8 +124,7 @@ def test_a_file_size_limit_keeps_tensors_in_memory_with_one_warning_naming_it(sp
     # tba/runtime/_writes.py, warned nothing either.
     if backend not in tba.available_backends():
         pytest.skip(f"{backend} is not available here")
-    done = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_STEP, spill_dir, backend], capture_output=True,
-                          text=True, timeout=120)
+    done = run_python(["-c", FILE_SIZE_LIMIT_STEP, spill_dir, backend], timeout=120)
     assert done.returncode == 0 and "exact" in done.stdout, done.stderr[-3000:]
     warnings = [line for line in done.stderr.splitlines() if "failed" in line]
     assert len(warnings) == 1, done.stderr[-3000:]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from python_runs import run_python
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from utils import FaultyEngine
@@ -93,8 +92,7 @@ print("same")
 def test_a_default_device_set_before_import_leaves_cpu_training_exact(spill_dir):
     """``torch.set_default_device`` before ``import tba``: tba's own tensors made at import stay on the CPU, and a
     CPU model trains bit for bit as without tba (each pack of a CPU tensor used to fail setting its version watch)."""
-    done = subprocess.run([sys.executable, "-c", DEFAULT_DEVICE_FIRST, spill_dir], capture_output=True, text=True,
-                          timeout=120)
+    done = run_python(["-c", DEFAULT_DEVICE_FIRST, spill_dir], timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 from conftest import USABLE_BACKENDS
+from python_runs import run_python
 
 import tba
 from tba import TbaError
@@ -191,8 +190,8 @@ print("ok")
 
 
 def test_a_forked_child_drops_the_shared_runtime(spill_dir):
-    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, spill_dir], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = run_python(["-c", FORK_SCRIPT, spill_dir], timeout=120,
+                      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -331,8 +330,7 @@ print("idle", _shared.idle_runtimes(), "fds", len(os.listdir("/proc/self/fd")), 
 @pytest.mark.parametrize("backend", USABLE_BACKENDS)
 def test_a_fresh_directory_per_step_neither_piles_up_runtimes_nor_runs_out_of_descriptors(tmp_path, backend):
     """Issue 21, item 9: 64 directories kept 128 fds and 64 threads for 30 s; with 64 descriptors step 30 failed."""
-    proc = subprocess.run([sys.executable, "-c", FRESH_DIRECTORIES, str(tmp_path), backend], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python(["-c", FRESH_DIRECTORIES, str(tmp_path), backend], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     idle = int(proc.stdout.split()[1])
     assert idle <= tba.defaults.RUNTIME_IDLE_MAX
