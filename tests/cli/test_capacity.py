@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from python_runs import run_python
 
 import tba
 from tba.cli import main
@@ -20,10 +19,8 @@ PER_STRATEGY = ("max_batch", "tokens_per_s_at_max", "tokens_per_s_at_keep_max", 
 
 def test_tiny_run_writes_the_json_and_exits_0(tmp_path, spill_dir):
     out = tmp_path / "c.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tba", "capacity", "--preset", "tiny", "--budget", "1K", "--json", str(out),
-         "--strategies", "keep,offloaded_recompute", "--directory", spill_dir, "--backend", "threads"],
-        capture_output=True, text=True, timeout=120)
+    done = run_python(["-m", "tba", "capacity", "--preset", "tiny", "--budget", "1K", "--json", str(out), "--strategies",
+                       "keep,offloaded_recompute", "--directory", spill_dir, "--backend", "threads"], timeout=120)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["budget_bytes"] == 1024 and doc["allocator"] and doc["complete"]

@@ -6,11 +6,10 @@ its exit status, and ``alarm`` turns a hang into a failure.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from python_runs import run_python
 
 PRELUDE = textwrap.dedent(
     """
@@ -133,8 +132,7 @@ MID_BLOCK = PRELUDE + textwrap.dedent(
 
 @pytest.mark.parametrize("script", [REUSABLE, ONE_SHOT, MID_BLOCK], ids=["reusable", "one-shot", "mid-block"])
 def test_fork_parent_and_child_train_exactly(spill_dir, backend, script):
-    done = subprocess.run([sys.executable, "-c", script, backend, spill_dir], capture_output=True, text=True,
-                          timeout=120)
+    done = run_python(["-c", script, backend, spill_dir], timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
@@ -165,8 +163,7 @@ PENDING_SAVE = textwrap.dedent(
 
 
 def test_a_child_forked_mid_block_gets_a_tba_error_for_saves_still_queued(spill_dir, backend):
-    done = subprocess.run([sys.executable, "-c", PENDING_SAVE, backend, spill_dir], capture_output=True, text=True,
-                          timeout=120)
+    done = run_python(["-c", PENDING_SAVE, backend, spill_dir], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "child: TbaError True" in done.stdout and "parent: True" in done.stdout, done.stdout + done.stderr[-2000:]
 
@@ -186,5 +183,5 @@ def test_a_warning_lock_held_at_fork_is_free_in_the_child(module, lock):
         _, status = os.waitpid(pid, 0)
         sys.exit(os.waitstatus_to_exitcode(status))
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    result = run_python(["-c", script], timeout=60)
     assert result.returncode == 0, f"the child found {module}.{lock} held: {result.stderr[-2000:]}"
