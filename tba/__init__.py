@@ -75,7 +75,7 @@ if TYPE_CHECKING:
         shutdown,
     )
 
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"
 """The package version; ``pyproject.toml`` reads it from here."""
 
 _HOMES = {
