@@ -39,6 +39,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for name, reason in missing.items():
             if reason is not None and item.get_closest_marker(name) is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    # Note: [Slow tests run first]
+    # pytest-xdist hands its two workers the tests in collection order, so a 30 s test collected
+    # last (the fuzz run, in tests/test_fuzz.py) ran alone on one core while the other waited:
+    # on CI's two cores the suite's length is its CPU time over two plus such a tail. Tests marked
+    # ``slow`` (over about 10 s on the 2-core VM) are collected first, in their order, then the rest.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 USABLE_BACKENDS = [name for name, reason in available_backends().items() if reason is None]
 

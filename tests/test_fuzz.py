@@ -32,6 +32,7 @@ def fresh_seeds() -> range:
     return range(start, start + 10_000)
 
 
+@pytest.mark.slow
 def test_fuzz_cases_are_exact_and_leak_nothing():
     start, findings = time.monotonic(), []
     for seed in itertools.chain(range(MIN_CASES), fresh_seeds()):

@@ -18,6 +18,7 @@ from tba.bench.isolated import IsolatedRunError, fork_server, run_isolated
 PROBE = os.path.join(os.path.dirname(__file__), "forkserver_probe.py")
 
 
+@pytest.mark.slow
 def test_children_measure_what_fresh_processes_measure(spill_dir):
     options = dict(steps=1, warmup=0, directory=spill_dir, backend="threads", prime=True)
     fresh = run_isolated("tba", "tiny", **options)
@@ -33,6 +34,7 @@ def test_children_measure_what_fresh_processes_measure(spill_dir):
     assert os.listdir(spill_dir) == []
 
 
+@pytest.mark.slow
 def test_a_child_is_a_new_process_with_a_fresh_process_threads():
     fresh = json.loads(subprocess.run([sys.executable, PROBE, "x"], capture_output=True, text=True,
                                       check=True).stdout)
@@ -48,6 +50,7 @@ def test_a_child_is_a_new_process_with_a_fresh_process_threads():
     assert server_threads == int(torch_only)  # no tba thread in the server: they start in each child
 
 
+@pytest.mark.slow
 def test_a_failing_child_reports_its_status_and_a_dead_server_fails_one_run_then_restarts(spill_dir):
     options = dict(steps=1, warmup=0, directory=spill_dir, backend="threads", prime=True)
     with fork_server() as server:

@@ -73,6 +73,7 @@ def test_a_failed_mode_unwraps_and_closes_the_others(spill_dir, monkeypatch):
     assert repr(offloading.offloader).endswith(", closed)")
 
 
+@pytest.mark.slow
 def test_in_a_fresh_process_and_in_a_forked_child(spill_dir):
     config = {"batch_size": 3}
     options = dict(rounds=1, warmup=1, directory=spill_dir, backend="threads", config_overrides=config)

@@ -48,6 +48,7 @@ def versioned_state(version: int) -> dict:
             "b": torch.full((4097,), version % 256, dtype=torch.uint8), "version": version}
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_leaves_a_whole_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     rng = random.Random(15)

@@ -84,6 +84,7 @@ def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_save_lazy_as_the_last_act_publishes_and_exits_cleanly(tmp_path):
     for run in range(3):
         target = tmp_path / f"c{run}"

@@ -17,6 +17,7 @@ MIB = 1 << 20
 PER_STRATEGY = ("max_batch", "tokens_per_s_at_max", "tokens_per_s_at_keep_max", "status", "points", "fit")
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_the_json_and_exits_0(tmp_path, spill_dir):
     out = tmp_path / "c.json"
     done = run_python(["-m", "tba", "capacity", "--preset", "tiny", "--budget", "1K", "--json", str(out), "--strategies",

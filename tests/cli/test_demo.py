@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
 from python_runs import run_python
 
 from tba.cli import main
@@ -15,6 +16,7 @@ def _demo(spill_dir: str, *extra: str) -> subprocess.CompletedProcess:
                        spill_dir, "--backend", "threads", *extra], timeout=300)
 
 
+@pytest.mark.slow
 def test_the_demo_prints_the_steps_by_turns(spill_dir):
     done = _demo(spill_dir)
     assert done.returncode == 0, done.stderr
@@ -24,6 +26,7 @@ def test_the_demo_prints_the_steps_by_turns(spill_dir):
     assert "one step of each in turn" in done.stderr  # progress
 
 
+@pytest.mark.slow
 def test_no_turns_skips_them(spill_dir, capsys):
     # In this process (the modes still run in their own): the command line itself is the test above's.
     assert main(["demo", "--preset", "tiny", "--steps", "1", "--allocator", "system", "--directory", spill_dir,

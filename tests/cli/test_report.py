@@ -31,6 +31,7 @@ def test_rows_gain_the_steps_by_turns_where_measured():
     assert "turns s" not in format_table(comparison_rows(results))
 
 
+@pytest.mark.slow
 def test_bench_e2e_prints_the_turns_and_the_io_baseline(spill_dir):
     done = run_python([os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1", "--modes",
                        "keep,tba", "--directory", spill_dir, "--backend", "threads"], timeout=300)
@@ -39,6 +40,7 @@ def test_bench_e2e_prints_the_turns_and_the_io_baseline(spill_dir):
     # --no-turns and --no-io-baseline: test_bench_e2e_names_the_bare_contexts_plan (one run less here)
 
 
+@pytest.mark.slow
 def test_bench_e2e_names_the_bare_contexts_plan(spill_dir):
     done = run_python([os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1", "--warmup", "3",
                        "--usage", "bare", "--modes", "keep,tba", "--directory", spill_dir, "--backend", "threads",

@@ -51,6 +51,7 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
     assert not (tmp_path / "rok.png").exists()
 
 
+@pytest.mark.slow
 def test_sweep_writes_csv_json_png_and_each_budget_is_met_or_refused(tmp_path, spill_dir):
     result = sweep(f"{FACTORIES}:make_model", f"{FACTORIES}:make_big_batch", budget_fractions=[0.9, 0.001], steps=1,
                    warmup=0, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
@@ -89,6 +90,7 @@ def test_a_keep_all_baseline_too_small_to_measure_is_refused(tmp_path):
     assert "keep-all's activation peak measured" in lines[0] and "too small" in lines[0]
 
 
+@pytest.mark.slow
 def test_user_model_in_fresh_process(spill_dir):
     spec = {"model_factory": f"{FACTORIES}:make_model", "batch_factory": f"{FACTORIES}:make_batch"}
     keep = run_isolated("keep", None, steps=1, warmup=0, **spec)

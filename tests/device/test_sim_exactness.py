@@ -73,6 +73,7 @@ def run_randomized(sim, tmp_path, backend):
     assert sim.pinned.pinned_bytes == 0, "pinned memory left after close"
 
 
+@pytest.mark.slow
 def test_staged_route_randomized_steps_are_exact(sim, tmp_path):
     engine = CheckedEngine(sim)
     try:
@@ -82,6 +83,7 @@ def test_staged_route_randomized_steps_are_exact(sim, tmp_path):
     assert sim.checker.accesses > 0 and sim.scheduler.operations > 0
 
 
+@pytest.mark.slow
 def test_kvikio_route_randomized_steps_are_exact(sim, tmp_path):
     with fake_kvikio(sim, gds=True):
         run_randomized(sim, tmp_path, "kvikio")

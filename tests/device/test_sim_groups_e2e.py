@@ -87,6 +87,7 @@ def equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(torch.equal(a[1][n], b[1][n]) for n in a[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staging", [4 << 20, 32 << 20])
 def test_training_through_shared_blocks_is_exact(sim, tmp_path, monkeypatch, staging):
     members = []

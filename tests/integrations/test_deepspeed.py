@@ -127,6 +127,7 @@ def run_script(*flags: str, env: dict[str, str]) -> list[str]:
     return [line[3] for line in lines]
 
 
+@pytest.mark.slow
 def test_train_script_prints_identical_losses_with_and_without_tba(spill_dir):
     env = dict(os.environ, TBA_DIR=spill_dir)
     for key in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):

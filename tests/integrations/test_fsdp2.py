@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS_DIR = os.path.dirname(HERE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--compile"]], ids=["eager", "per-block-compile"])
 def test_two_rank_fsdp2_is_exact_and_writes_no_parameters(spill_dir, tmp_path, flags):
     out = tmp_path / "out"

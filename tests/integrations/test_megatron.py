@@ -245,6 +245,7 @@ def test_bad_models_and_settings_are_refused():
 LINE_RE = re.compile(r"^step (\d+) loss (\S+) time (\d+\.\d+) mem (\d+\.\d+)$")
 
 
+@pytest.mark.slow
 def test_script_prints_identical_losses_with_and_without_tba(spill_dir):
     runs = []
     for flags in ([], ["--tba-offload-activations", "--tba-dir", spill_dir]):

@@ -159,6 +159,7 @@ def test_a_block_compiled_in_place_is_not_recomputed(spill_dir):
     assert all("forward" not in vars(block) for block in model.blocks)
 
 
+@pytest.mark.slow
 def test_whole_model_compile_passed_as_layers_with_large_token_batches_is_exact(spill_dir):
     """Note [Dynamo never runs tba's hooks]: compiled while tba's layer hooks are registered, the graph breaks at
     them, and Dynamo compiled the pack hook called from the eager rest: a batch of token ids of 64 KiB or more

@@ -187,6 +187,7 @@ def _calls_of_a_step(step: Callable[[object], Any]) -> list[int]:
     return sorted(seen.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_exception_at_each_distinct_call_of_a_mixed_plan_step_leaves_training_exact(spill_dir, monkeypatch):
     """Every placement in one step (keep, offload, recompute, offloaded recompute), the exception
