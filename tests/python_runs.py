@@ -40,9 +40,9 @@ def run_python(args: list[str], *, env: dict[str, str] | None = None, cwd: str |
     command = [sys.executable, *args]
     cwd = None if cwd is None else os.fspath(cwd)
     env = dict(os.environ if env is None else env)
-    server, server_env = _the_server()
-    if not _forkable(args, env, server_env):
+    if not _forkable(args, env, _server[1] if _server is not None else os.environ):  # the server's, once started
         return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    server = _the_server()[0]
     killed = threading.Event()
     timer = None
     if timeout is not None:
