@@ -45,7 +45,8 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 
 # DeepSpeed's async_io op (its NVMe swap) JIT-builds against libaio (Debian: libaio-dev) in about
-# 3 minutes, cached under .venv/torch_extensions, without debug info (tools/deepspeed_aio.py);
+# 3 minutes, cached under .venv/torch_extensions, without debug info and with torch's header
+# precompiled once (tools/deepspeed_aio.py);
 # tests/integrations/test_deepspeed_nvme.py is skipped until it is built. CI runs this target (.ci/run).
 deepspeed-aio: $(VENV)/.installed
 	rm -f $(TORCH_EXTENSIONS_DIR)/async_io/lock $(TORCH_EXTENSIONS_DIR)/pin_memory/lock

@@ -102,11 +102,13 @@ def train(nvme_path: str, directory: str | None):
 @pytest.fixture(autouse=True)
 def op_flags_as_built(monkeypatch):
     """DeepSpeed loads the op with the flags ``make deepspeed-aio`` built it with (Note [The NVMe test loads the op
-    built without -g] in ``tools/deepspeed_aio.py``)."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    built with these flags] in ``tools/deepspeed_aio.py``)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder, PinMemoryBuilder
 
-    monkeypatch.setattr(AsyncIOBuilder, "cxx_args", AsyncIOBuilder.cxx_args)  # restored after the test
-    load_script(pathlib.Path(__file__).resolve().parents[2] / "tools" / "deepspeed_aio.py").drop_debug_info(AsyncIOBuilder)
+    for builder in (AsyncIOBuilder, PinMemoryBuilder):
+        monkeypatch.setattr(builder, "cxx_args", builder.cxx_args)  # restored after the test
+    script = load_script(pathlib.Path(__file__).resolve().parents[2] / "tools" / "deepspeed_aio.py")
+    script.patch_flags(AsyncIOBuilder, PinMemoryBuilder)
 
 
 SLOWDOWN = 10_000

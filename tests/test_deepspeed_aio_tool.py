@@ -1,0 +1,57 @@
+"""``tools/deepspeed_aio.py``: the precompiled header's command and its reuse (Note [One precompiled torch header for
+the op's twelve files]); the build itself runs in CI (``make deepspeed-aio``) and is checked by the NVMe test."""
+
+from __future__ import annotations
+
+import pathlib
+import shlex
+
+from utils import load_script
+
+SCRIPT = load_script(pathlib.Path(__file__).resolve().parents[1] / "tools" / "deepspeed_aio.py")
+
+
+def ninja_text(name: str, includes: str, extra: str = "") -> str:
+    return (f"ninja_required_version = 1.3\ncxx = c++\n\ncflags = -DTORCH_EXTENSION_NAME={name} "
+            f"-DTORCH_API_INCLUDE_EXTENSION_H {includes} -isystem /t/include -fPIC -std=c++20 -O0 -fopenmp "
+            f"-include /x/async_io_pch/torch_extension.h {extra}-UC10_USE_GLOG\npost_cflags = \n")
+
+
+def test_both_ops_precompile_the_same_command_without_their_name_includes_or_the_header_itself():
+    aio = SCRIPT.pch_command(ninja_text("async_io", "-I/d/py_lib -I/d/common -I /d/pin"), "/x/h.h", "/x/h.h.gch")
+    pin = SCRIPT.pch_command(ninja_text("pin_memory", "-I/d/pin"), "/x/h.h", "/x/h.h.gch")
+    assert aio == pin == shlex.split("c++ -x c++-header -DTORCH_API_INCLUDE_EXTENSION_H -isystem /t/include -fPIC "
+                                     "-std=c++20 -O0 -fopenmp -UC10_USE_GLOG /x/h.h -o /x/h.h.gch")
+    other = SCRIPT.pch_command(ninja_text("pin_memory", "-I/d/pin", "-march=native "), "/x/h.h", "/x/h.h.gch")
+    assert "-march=native" in other and other != aio
+
+
+def test_a_failed_precompile_leaves_no_header_and_a_built_one_is_reused(tmp_path, monkeypatch, capsys):
+    header = tmp_path / "torch_extension.h"
+    SCRIPT.write_header(str(header))
+    (tmp_path / "build.ninja").write_text(ninja_text("async_io", "-I/d"))
+    calls = []
+
+    def fake_compiler(command, **kwargs):
+        calls.append(command)
+        if fail:
+            (tmp_path / "torch_extension.h.gch.tmp").write_bytes(b"partial")
+            raise SCRIPT.subprocess.CalledProcessError(1, command, stderr="c++: fatal error: out of memory")
+        pathlib.Path(command[-1]).write_bytes(b"pch")
+
+    monkeypatch.setattr(SCRIPT.subprocess, "run", fake_compiler)
+    fail = True
+    SCRIPT.build_pch(str(tmp_path), str(header))
+    assert "out of memory" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["build.ninja", "torch_extension.h"]
+    fail = False
+    SCRIPT.build_pch(str(tmp_path), str(header))
+    SCRIPT.build_pch(str(tmp_path), str(header))  # the same command: not built again
+    assert len(calls) == 2 and (tmp_path / "torch_extension.h.gch").read_bytes() == b"pch"
+    mtime = header.stat().st_mtime_ns
+    SCRIPT.write_header(str(header))  # ninja's dependency: never rewritten
+    assert header.stat().st_mtime_ns == mtime and header.read_text() == SCRIPT.PCH_HEADER_TEXT
+    (tmp_path / "build.ninja").write_text(ninja_text("async_io", "-I/d", "-march=native "))
+    SCRIPT.build_pch(str(tmp_path), str(header))  # other flags: built again
+    assert len(calls) == 3
+
