@@ -14,6 +14,15 @@ import socket
 # Deterministic cuBLAS, so that GPU gradients with and without tba can be compared bit for bit.
 # It must be set before CUDA is initialised; on CPU it has no effect.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# Note: [The suite runs torch on one intra-op thread]
+# pytest-xdist runs two workers on CI's two cores, and many tests start Python runs of their own
+# beside them. With torch's default, one intra-op thread per core in every one of those processes,
+# GNU OpenMP's workers spun at each parallel region's barrier for a partner that another process had
+# preempted (docs/host-cost.md found a fifth of a busy core's samples there): CPU that ran no test.
+# Set before torch is imported, in the environment, so that every process the suite starts
+# inherits it; a run that sets its own (OMP_NUM_THREADS=2) still can. Tests of tba's behaviour
+# beside torch's threads set them explicitly (tests/cli/test_bench_hooks.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
