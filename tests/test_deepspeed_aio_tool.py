@@ -1,4 +1,4 @@
-"""``tools/deepspeed_aio.py``: the precompiled header's command and its reuse (Note [One precompiled torch header for
+"""``tools/deepspeed_aio.py``: the precompiled header's command and when it is reused (Note [One precompiled torch header for
 the op's twelve files]); the build itself runs in CI (``make deepspeed-aio``) and is checked by the NVMe test."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import shlex
 
+import torch
 from utils import load_script
 
 SCRIPT = load_script(pathlib.Path(__file__).resolve().parents[1] / "tools" / "deepspeed_aio.py")
@@ -26,7 +27,7 @@ def test_both_ops_precompile_the_same_command_without_their_name_includes_or_the
     assert "-march=native" in other and other != aio
 
 
-def test_a_failed_precompile_leaves_no_header_and_a_built_one_is_reused(tmp_path, monkeypatch, capsys):
+def test_a_failed_precompile_leaves_nothing_and_a_built_one_serves_until_flags_or_torch_change(tmp_path, monkeypatch, capsys):
     header = tmp_path / "torch_extension.h"
     SCRIPT.write_header(str(header))
     (tmp_path / "build.ninja").write_text(ninja_text("async_io", "-I/d"))
@@ -54,4 +55,7 @@ def test_a_failed_precompile_leaves_no_header_and_a_built_one_is_reused(tmp_path
     (tmp_path / "build.ninja").write_text(ninja_text("async_io", "-I/d", "-march=native "))
     SCRIPT.build_pch(str(tmp_path), str(header))  # other flags: built again
     assert len(calls) == 3
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    SCRIPT.build_pch(str(tmp_path), str(header))  # another torch, the same flags: built again
+    assert len(calls) == 4
 

@@ -25,8 +25,14 @@ it when it was made with the same options; otherwise (missing, or other options)
 header as text, which is correct and only slower. So the ``.gch`` is built from the very
 compiler and ``cflags`` line of the op's ``build.ninja``, just before ninja runs, written under
 a temporary name and renamed, so that a killed build never leaves a truncated one; a failed
-build of it is reported and the op is built without it. The header file is written only when
-missing: ninja's dependency files name it, and a new modification time would rebuild every file.
+build of it is reported and the op is built without it. It is rebuilt when its command or torch's
+version changes (GCC checks the options, not whether the headers it holds changed since). The header
+file is written only when missing: ninja's dependency files name it, and a new modification time
+would rebuild every file. DeepSpeed builds its ``pin_memory`` op first, and GCC refuses a header
+made under another ``-DTORCH_EXTENSION_NAME`` ("not used because `TORCH_EXTENSION_NAME' defined as
+pin_memory not async_io") but takes one made without it: so the header is made without the op's
+name and its own ``-I`` directories, and ``pin_memory`` is compiled with ``async_io``'s flags, one
+header for both ops.
 
 Usage: ``python tools/deepspeed_aio.py`` (exit status 1, naming the fix, when libaio is missing).
 """
@@ -101,7 +107,9 @@ def build_pch(build_directory: str, header: str) -> None:
     files]); on failure, say so and leave no ``.gch``."""
     with open(os.path.join(build_directory, "build.ninja")) as ninja:
         command = pch_command(ninja.read(), header, header + ".gch.tmp")
-    signature = shlex.join(command) + "\n"
+    import torch
+
+    signature = f"{shlex.join(command)}\ntorch {torch.__version__}\n"
     if os.path.exists(header + ".gch") and _read(header + ".cmd") == signature:
         return
     try:
