@@ -109,18 +109,18 @@ def run_as_main(request_json: str) -> None:
     try:
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
-            sys.path[:] = [request["cwd"], *(entry for entry in sys.path if entry != "")]
+            _path_first(request["cwd"])
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
-            sys.path[:] = ["", *(entry for entry in sys.path if entry != "")]
+            _path_first("")
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
             exec(compile(args[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = list(args)
             script = os.path.abspath(args[0])
-            sys.path[:] = [os.path.dirname(script), *(entry for entry in sys.path if entry != "")]
+            _path_first(os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         status = _exit_status(done.code)
@@ -144,6 +144,12 @@ def run_as_main(request_json: str) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(status)
+
+
+def _path_first(entry: str) -> None:
+    """``sys.path`` as ``python`` starts it for the run: ``entry`` (the script's directory, the working directory for
+    ``-m``, ``""`` for ``-c``) first, in place of the server's own ``""``."""
+    sys.path[:] = [entry, *(path for path in sys.path if path != "")]
 
 
 def _exit_status(code: object) -> int:

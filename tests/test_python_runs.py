@@ -49,3 +49,16 @@ def test_a_setting_fixed_at_start_gets_a_fresh_process():
     assert run_python(["-c", probe], timeout=60).stdout == "True\n"  # forked from the server, which imported torch
     fresh = run_python(["-c", probe], env=dict(os.environ, PYTHONHASHSEED="7"), timeout=60)
     assert fresh.stdout == "False\n"
+
+
+PATH_PROBE = "import sys; print(repr(sys.path[0]), '' in sys.path[1:])"
+
+
+@pytest.mark.parametrize("form", ["-c", "-m", "script"])
+def test_a_forked_run_starts_sys_path_as_python_does(tmp_path, form):
+    (tmp_path / "path_probe.py").write_text(PATH_PROBE + "\n")
+    args = {"-c": ["-c", PATH_PROBE], "-m": ["-m", "path_probe"], "script": [str(tmp_path / "path_probe.py")]}[form]
+    done = run_python(args, cwd=tmp_path, timeout=60)
+    fresh = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert done.stdout.endswith(" False\n") and done.returncode == 0
