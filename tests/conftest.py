@@ -20,8 +20,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # GNU OpenMP's workers spun at each parallel region's barrier for a partner that another process had
 # preempted (docs/host-cost.md found a fifth of a busy core's samples there): CPU that ran no test.
 # Set before torch is imported, in the environment, so that every process the suite starts
-# inherits it; a run that sets its own (OMP_NUM_THREADS=2) still can. Tests of tba's behaviour
-# beside torch's threads set them explicitly (tests/cli/test_bench_hooks.py).
+# inherits it; a run that sets its own (OMP_NUM_THREADS=2) still can. No test here depends on
+# torch's default count: those that need a count set it themselves (tests/cli/test_bench_hooks.py,
+# the fork tests' torch.set_num_threads(1)).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
