@@ -18,7 +18,8 @@ TORCH_SPEC ?= torch==2.13.0
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 DEEPSPEED_AIO_TIMEOUT_S ?= 900
 # The suite runs in two worker processes (pytest-xdist): most tests wait on subprocesses, threads and
-# files, so on CI's two cores it takes about half the time of one process (333 s against 649 s here).
+# files, so on CI's two cores it took about half the time of one process when last measured
+# (333 s against 649 s, 2026-11-27; the suite has grown since).
 # PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= 2
 

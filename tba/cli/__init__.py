@@ -78,7 +78,8 @@ def build_parser(full: Iterable[str] | None = None) -> argparse.ArgumentParser:
         description="tba: offload PyTorch activations to NVMe files and prefetch them for backward.",
         epilog="Run 'python -m tba COMMAND --help' for a command's options.",
     )
-    parser.add_argument("--version", action="version", version=f"tba {__version__}")
+    version = f"tba {__version__}"
+    parser.add_argument("--version", action="version", version=version)
     _add_verbose(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
@@ -88,8 +89,9 @@ def build_parser(full: Iterable[str] | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=help_text, description=plain_text(module.__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-        # -v after the command as well; SUPPRESS keeps a -v given before it.
+        # -v and --version after the command as well; SUPPRESS keeps a -v given before it.
         _add_verbose(command, argparse.SUPPRESS)
+        command.add_argument("--version", action="version", version=version)
         module.add_arguments(command)
         for action in command._actions:
             action.help = plain_text(action.help)

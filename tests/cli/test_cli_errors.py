@@ -61,9 +61,10 @@ def test_bare_command_prints_help():
     assert "Traceback" not in done.stderr
 
 
-def test_version(capsys):
+@pytest.mark.parametrize("argv", [["--version"], ["doctor", "--version"], ["bench-hooks", "--version"]])
+def test_version(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
+        main(argv)
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"tba {tba.__version__}"
 
 
