@@ -26,6 +26,17 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc
 CONFIG = PRESETS["tiny"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles the same GPT's code objects afresh. Dynamo keeps what it compiled per code object for the
+    whole process: run in one process (``-p no:xdist``), three tests late in this file failed (no whole-model
+    warning; a loss off by 0.009). Raising its recompile limit to 100 left two of them failing; a reset per test
+    none. Under two xdist workers they had passed by how the tests happened to be split."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def forward(model):
     tokens, targets = make_batch(CONFIG)
     return model(tokens, targets)
