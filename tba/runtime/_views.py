@@ -305,4 +305,16 @@ class SavedView:
         # reads it for a stream-order checker (the simulated device's, torch's CUDA sanitizer).
         out = (torch.empty(0, dtype=self.dtype, device=_CPU) if data.is_cpu
                else torch.empty((0,), dtype=self.dtype, device=data.device))
-        return out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
+        out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
+        # Note: [An unpacked tensor shares the saved tensor's version counter]
+        # Without hooks, what autograd unpacks shares the saved tensor's version counter, so a backward that
+        # changes it in place (a custom Function's ``x.mul_(2)`` on its ``ctx.saved_tensors``) makes every later
+        # unpack of that tensor, or of any view of it, raise torch's in-place error. A tensor rebuilt by ``set_``
+        # has a counter of its own: the change went unseen, and the other nodes that saved the same storage got
+        # its changed bytes, which dedup shares (wrong gradients, no error: helper-95). So the tensor returned
+        # is an alias of the watch, which shares the saved tensor's counter, given the rebuilt tensor's data:
+        # ``set_data`` keeps the receiver's counter and bumps nothing, and neither it nor ``_make_subclass``
+        # is an operator that a dispatch mode (a stream-order checker) sees as a read of the bytes.
+        tensor = torch.Tensor._make_subclass(torch.Tensor, self.watch)
+        tensor.data = out
+        return tensor
