@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 # holds its root through a weak reference, not by address: a root that died (its storage kept alive
 # by the program) left its address to the next tensor made, and a `.data` alias of the same storage
 # made after it was saved at the same version number shared the dead root's entry and its bytes.
+# Nor is an entry shared once its storage has another size: `untyped_storage().resize_()` bumps no
+# version, and a view saved after the storage grew reached past the bytes the entry had written
+# (torch's bare "Trying to resize storage that is not resizable" at unpack: helper-95).
 
 
 class StoreWrites:
@@ -96,7 +99,7 @@ class StoreWrites:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
             fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
-                     or entry.expired())
+                     or entry.expired() or entry.nbytes != storage.nbytes())
             if fresh:
                 root_ref = weakref.ref(root)
                 untrack(root_ref)  # Note [Objects the cycle collector need not see] in tba/_untrack.py

@@ -335,6 +335,32 @@ def test_a_storage_already_too_small_when_saved_raises_a_clear_error(spill_dir):
         y.sum().backward()
 
 
+def test_a_view_saved_after_its_storage_grew_is_exact(spill_dir):
+    """A storage grown by ``resize_`` (which bumps no version) between two saves of one tensor family, the second a view
+    reaching into the grown part: it shared the entry written at the old size, and its unpack met torch's bare 'Trying
+    to resize storage that is not resizable' (helper-95). An entry is shared only by saves of a storage of its size."""
+    def step(offloader):
+        w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with offloader if offloader is not None else contextlib.nullcontext():
+            h = w.exp()  # ExpBackward saves h
+            if offloader is not None:
+                offloader.flush()  # h written at its first size
+            storage = h.untyped_storage()
+            storage.resize_(storage.nbytes() + 64)
+            torch.empty(0).set_(storage, 64 * 64, (16,), (1,)).fill_(0.5)  # the grown part, through a counter of its own
+            loss = h.as_strided((64 * 64 + 16,), (1,)).sin().sum() + h.sum()
+        loss.backward()
+        return loss.detach(), w.grad
+
+    offloader = tba.Offloader(spill_dir, policy="offload", min_offload_bytes=0)
+    try:
+        got = step(offloader)
+    finally:
+        offloader.close()
+    want = step(None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 class Saved(torch.autograd.Function):
     """Saves its second argument for backward and keeps what backward got in ``Saved.got``."""
 
