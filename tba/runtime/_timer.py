@@ -46,6 +46,7 @@ from tba.runtime import _preempted
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._nested_state import unwatchable
+from tba.runtime._outside import OutsideCalls, hooks_run_again
 from tba.runtime._private_state import Signature, first_change, private_state
 
 
@@ -83,6 +84,7 @@ class LayerTimer:
     def __init__(self, layers: Sequence[nn.Module], synchronize: Callable[[], None] | None = None) -> None:
         self._layer_refs = [weakref.ref(layer) for layer in layers]
         self._handles: list[Any] = []
+        self._outside = OutsideCalls()
         self.synchronize = synchronize
         self.reset()
 
@@ -134,11 +136,13 @@ class LayerTimer:
                 continue
             self._handles.append(layer.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._post(index)))
+        self._outside.attach([ref() for ref in self._layer_refs])
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._outside.detach()
         self._input_versions = [[] for _ in self._input_versions]  # a forward that raised left its inputs here
         self._private = [[] for _ in self._private]
 
@@ -154,9 +158,12 @@ class LayerTimer:
                 self.changes_input[index] = True
             if unwatchable(getattr(self._private[index], "deep", {})) is not None:  # a recomputation would refuse it
                 self.changes_input[index] = True  # Note [The walk of nested state] in tba/runtime/_nested_state.py
+            if hooks_run_again(module):  # Note [A recomputed forward reaches beyond its layer] in tba/runtime/_outside.py
+                self.changes_input[index] = True
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
+            self._outside.enter(index)
             if index == 0:
                 self._mark("forward_start")
             self._started[index] = self._stamp_now()
@@ -172,6 +179,8 @@ class LayerTimer:
             self.forward_s[index] = _own_s(start, now)
             versions, self._input_versions[index] = self._input_versions[index], []
             private, self._private[index] = self._private[index], []
+            if self._outside.leave(index):
+                self.changes_input[index] = True
             after = private_state(module) if private else private
             if any(tensor._version != version for tensor, version in versions) or (
                     private and first_change(private, after) is not None):

@@ -1,0 +1,110 @@
+"""The adaptive default never recomputes a layer whose recomputation would run something again that tba does not put
+back: a module outside the layer whose state its forward changes, or a forward hook of its submodules (Note [A
+recomputed forward reaches beyond its layer] in tba/runtime/_outside.py; helper-93 found ``RRRRRK`` planned for the
+first, silently wrong)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+WIDTH = 32
+
+
+class Block(nn.Module):
+    """Calls ``shared`` (a module the blocks share, outside each block's ``modules()``) before its own layers."""
+
+    def __init__(self, shared: nn.Module | None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.own_norm = nn.BatchNorm1d(WIDTH)  # its own: put back before a recomputation
+        self.refs = [shared]  # a list hides it from modules()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.refs[0]
+        if shared is not None:
+            x = shared(x)
+        return x + torch.tanh(self.own_norm(self.linear(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, shared: nn.Module | None) -> None:
+        super().__init__()
+        self.shared = shared
+        self.blocks = nn.ModuleList([Block(shared) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+class RecomputeWherePossible(tba.Policy):
+    """Recomputes every layer the profile allows, and keeps what the profile said."""
+
+    def __init__(self) -> None:
+        self.recomputable: list[bool] = []
+
+    def plan(self, profile):
+        self.recomputable = [layer.recomputable for layer in profile.layers]
+        return tba.Plan(tuple("recompute" if r else "offload" for r in self.recomputable), window_bytes=1 << 20)
+
+
+def train(make_shared, directory: str | None, hook: bool = False) -> tuple[list[torch.Tensor], list[bool] | None]:
+    """Four steps; the model's gradients, buffers and the hook's sum, and what the policy was told."""
+    torch.manual_seed(0)
+    model = Model(make_shared())
+    total = torch.zeros(())
+    if hook:
+        model.blocks[1].linear.register_forward_hook(lambda module, args, out: total.add_(out.detach().abs().sum()) and None)
+    policy = RecomputeWherePossible()
+    offloader = None if directory is None else tba.Offloader(directory, layers=list(model.blocks), policy=policy,
+                                                               profile_steps=1, min_offload_bytes=0)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(16, WIDTH, generator=generator)
+        if offloader is None:
+            loss = model(x)
+        else:
+            with offloader:
+                loss = model(x)
+        loss.backward()
+    if offloader is not None:
+        offloader.close()
+    state = [p.grad for p in model.parameters()] + list(model.buffers()) + [total]
+    return state, (policy.recomputable if offloader is not None else None)
+
+
+@pytest.mark.parametrize("make_shared, recomputable", [
+    (lambda: nn.BatchNorm1d(WIDTH), False),  # its running statistics would be updated twice
+    (lambda: nn.Linear(WIDTH, WIDTH), True),  # called, never changed
+    (lambda: None, True),
+], ids=["shared-batchnorm", "shared-linear", "nothing-shared"])
+def test_a_module_outside_the_layer_whose_state_changes(spill_dir, make_shared, recomputable):
+    want, _ = train(make_shared, None)
+    got, told = train(make_shared, spill_dir)
+    assert told == [recomputable] * 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_forward_hook_on_a_submodule(spill_dir):
+    want, _ = train(lambda: None, None, hook=True)
+    got, told = train(lambda: None, spill_dir, hook=True)
+    assert told == [True, False, True]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # the hook's sum too
+
+
+def test_a_global_module_hook_marks_every_layer():
+    from tba.runtime._outside import hooks_run_again
+
+    block = Block(None)
+    assert not hooks_run_again(block)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        assert hooks_run_again(block)
+    finally:
+        handle.remove()
+    assert not hooks_run_again(block)
