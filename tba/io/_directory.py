@@ -51,7 +51,9 @@ def out_of_descriptors(what: str, err: BaseException) -> OutOfDescriptorsError:
     reason = getattr(err, "strerror", None) or os.strerror(errno.EMFILE)
     return OutOfDescriptorsError(
         f"cannot open {what}: {reason} (this process may open {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} "
-        "descriptors); close files or offloaders you no longer use, call tba.shutdown(), or raise the limit (ulimit -n)")
+        "descriptors); close files or offloaders you no longer use (a one-shot context keeps its file until autograd frees "
+        "its graph: a loss in a reference cycle, with the cycle collector off, until gc.collect()), call tba.shutdown(), "
+        "or raise the limit (ulimit -n)")
 
 
 def lacks_descriptors(err: BaseException) -> bool:

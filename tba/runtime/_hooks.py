@@ -78,6 +78,7 @@ class SavedTensorHooks(KeepDecision):
     _note_unpack: Callable[[object, int | None], None]
     """The policy runner's (Note [A saved tensor unpacked twice in one backward] in ``tba/runtime/_profiled_step.py``)."""
 
+    reusable: bool
     _serial: int
     """This offloader's number, unique in the process: what its views record as their owner."""
     _waker: _control.Waker
@@ -254,10 +255,7 @@ class SavedTensorHooks(KeepDecision):
             return packed.kept
         self._note_unpack(packed, entry.layer)  # its entry exists now: a deferred save has run
         if self._phase is _Phase.DISCARDED:
-            raise TbaError(
-                f"{entry.describe()} was discarded because the offload context exited with an "
-                "exception; run forward again"
-            )
+            raise TbaError(self._discarded_message(entry))
         store = self._store
         if entry.seq < store.fork_seq:
             raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
@@ -282,6 +280,15 @@ class SavedTensorHooks(KeepDecision):
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
         return tensor
+
+    def _discarded_message(self, entry: StorageEntry) -> str:
+        if not self.reusable:
+            return f"{entry.describe()} was discarded because the offload context exited with an exception; run forward again"
+        # A reusable offloader's failed block closes its store: the blocks before it lose their tensors too (helper-94).
+        return (f"{entry.describe()} was discarded because a with block of this reusable Offloader exited with an "
+                "exception, which drops every tensor the offloader holds, those of its earlier blocks too; run forward "
+                "again (to keep earlier micro-batches when a later one may fail, give each its own "
+                "tba.offload_activations())")
 
     @property
     def current_layer(self) -> int | None:

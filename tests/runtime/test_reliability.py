@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -58,6 +59,25 @@ class Exploding(nn.Module):
             if index == 2:
                 raise RuntimeError("boom")
         return x.sum()
+
+
+def test_a_reusable_offloaders_failed_block_says_it_dropped_the_earlier_blocks_too(spill_dir):
+    """Gradient accumulation over one reusable Offloader, a later micro-batch's block raising: the earlier blocks'
+    tensors are dropped with the failed one's, and the error said the context of a block that had exited cleanly
+    raised (helper-94)."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    offloader = tba.Offloader(spill_dir, min_offload_bytes=0)
+    losses = []
+    for index in range(2):
+        with contextlib.suppress(ValueError), offloader:
+            loss = model(torch.randn(32, 64)).square().mean()
+            if index == 1:
+                raise ValueError("a bad batch")
+            losses.append(loss)
+    with pytest.raises(TbaError, match="a with block of this reusable Offloader exited with an exception, which drops "
+                                       "every tensor the offloader holds, those of its earlier blocks too"):
+        losses[0].backward()
+    offloader.close()
 
 
 def test_exception_mid_forward_cleans_up_and_later_backward_is_loud(spill_dir, open_fds):
