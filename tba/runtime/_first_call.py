@@ -36,7 +36,7 @@ from torch import nn
 
 from tba.errors import TbaError
 from tba.runtime._generators import generator_states
-from tba.runtime._layer_state import NOT_COPIED, ModuleState, always_copied, snapshot
+from tba.runtime._layer_state import NOT_COPIED, ModuleState, always_copied, held_tensors, snapshot
 from tba.runtime._learned import Learned
 
 _MISSING = object()
@@ -142,6 +142,7 @@ class FirstCall:
                       (id(module), name, state.training), f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r}")
                      for name, copied in state.tensors.items()]
             found += [(copied.tensor, copied, key, f"tensor {key[1]}") for key, copied in state.items]
+            held = held_tensors(module)
             for now, copied, key, what in found:
                 # Some kernels update a tensor without bumping its version (BatchNorm's running statistics, and any
                 # update through ``.data``), so the bytes are compared too, on the first forward watched.
@@ -158,7 +159,10 @@ class FirstCall:
                 elif key in learned.changed:
                     continue
                 elif always_copied(copied.value):  # its copy stays until the recomputation puts it back
-                    if same:  # left alone, or changed without a version bump: a change before backward is loud
+                    # Left alone, or changed without a version bump: a change before backward is loud. Not one the
+                    # forward took out of its container, which is not written into (Note [A rebound tensor is not
+                    # written back] in tba/runtime/_layer_state.py).
+                    if same and id(now) in held:
                         self.versions.append(watch)
                     continue
                 elif same and torch.equal(now, copied.value):

@@ -51,6 +51,17 @@ goes back into the same object the module held, so other references to it see th
 copy back keeps each tensor's version counter: the recomputed forward's in-place update already
 bumped it, and nodes it built (under ``create_graph``) saved the tensor at that version; another bump
 would make their unpack raise the in-place error on a program torch runs.
+
+Note: [A rebound tensor is not written back]
+A forward may rebind a state tensor rather than update it (``self.gate = self.gate * 0.99``): the
+state the first call started from then holds an object the layer no longer holds, often the user's
+own (``block.gate = my_gate``). Loading that state wrote the old bytes into that object, and the copy
+back after the recomputation covers only what the layer holds now: a change the user made to their
+tensor between forward and backward was silently undone (helper-93 found ``my_gate.fill_(7)`` ending
+as ones under ``recompute``). So :func:`restore` writes only into a tensor or numpy array whose
+present bytes it copied and writes back after the recomputation; in place of any other it puts a new
+one holding the old bytes (in the attribute, buffer, container or tuple that held it; one per
+object, ``requires_grad`` kept), which the recomputation reads, and the object is left alone.
 """
 
 from __future__ import annotations
@@ -165,9 +176,12 @@ def always_copied(tensor: torch.Tensor) -> bool:
 
 
 def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
-    """Put ``target``'s state back into its modules; ``current`` is a snapshot of the state now."""
+    """Put ``target``'s state back into its modules; ``current`` is a snapshot of the state now. A tensor or numpy
+    array that ``current`` does not write back goes back as a copy (Note [A rebound tensor is not written back])."""
     now_of = {id(state.module): state for state in current}
+    kept = _kept_now(current)
     with torch.no_grad():
+        fresh = _fresh_copies(target, kept)
         for then in target:
             module, now = then.module, now_of.get(id(then.module))
             if now is not None:
@@ -179,20 +193,27 @@ def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
             for name in then.none_buffers:
                 module._buffers[name] = None
             for name, copied in then.tensors.items():
-                _put_tensor(module, name, copied)
+                _put_tensor(module, name, copied, fresh)
             for name, value in then.plain.items():
-                setattr(module, name, value)
+                setattr(module, name, _swapped_tuple(value, fresh) if isinstance(value, tuple) and fresh else value)
             for name, (container, contents) in then.containers.items():
                 if getattr(module, name, None) is not container:
                     setattr(module, name, container)
                 container.clear()
-                if isinstance(container, (dict, set)):
-                    container.update(contents)
+                if isinstance(container, dict):
+                    container.update((key, fresh.get(id(item), item)) for key, item in contents.items())
+                elif isinstance(container, set):
+                    container.update(fresh.get(id(item), item) for item in contents)
                 else:
-                    container.extend(contents)
+                    container.extend(fresh.get(id(item), item) for item in contents)
             for (_, name, _), copied in then.items:
-                _put_bytes(copied, f"tensor {name} of {type(module).__name__}")
+                if id(copied.tensor) not in fresh:
+                    _put_bytes(copied, f"tensor {name} of {type(module).__name__}")
             for name, (array, contents) in then.arrays.items():
+                if id(array) in fresh:  # Note [A rebound tensor is not written back]
+                    if not name.endswith("]"):
+                        setattr(module, name, fresh[id(array)])
+                    continue
                 if name.endswith("]"):  # held in a container, put back above: its bytes go back in place
                     array[...] = contents
                     continue
@@ -204,13 +225,55 @@ def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
                     setattr(module, name, contents.copy())
 
 
+def _kept_now(current: list[ModuleState]) -> set[int]:
+    """The identities of the tensors whose bytes ``current`` keeps a copy of, and of its numpy arrays (all copied):
+    those that restoring ``current`` writes back."""
+    kept = {id(array) for state in current for array, _ in state.arrays.values()}
+    for state in current:
+        for copied in [*state.tensors.values(), *(copied for _, copied in state.items)]:
+            if copied.value is not NOT_COPIED:
+                kept.add(id(copied.tensor))
+    return kept
+
+
+def _fresh_copies(target: list[ModuleState], kept: set[int]) -> dict[int, Any]:
+    """By identity, a new tensor or array holding the bytes ``target`` keeps of each one whose bytes now tba would
+    not write back (not in ``kept``; Note [A rebound tensor is not written back]); one per object, so what held the
+    same object holds the same copy."""
+    fresh: dict[int, Any] = {}
+    for state in target:
+        for copied in [*state.tensors.values(), *(copied for _, copied in state.items)]:
+            if copied.value is not NOT_COPIED and id(copied.tensor) not in kept and id(copied.tensor) not in fresh:
+                fresh[id(copied.tensor)] = _fresh(copied)
+        for array, contents in state.arrays.values():
+            if id(array) not in kept and id(array) not in fresh:
+                fresh[id(array)] = contents.copy()
+    return fresh
+
+
+def _fresh(copied: TensorCopy) -> torch.Tensor:
+    """A new tensor holding ``copied``'s bytes, to stand for a tensor tba may not write into."""
+    tensor = copied.value.clone()
+    return tensor.requires_grad_() if copied.tensor.requires_grad else tensor
+
+
+def _swapped_tuple(value: tuple, fresh: dict[int, Any]) -> tuple:
+    """``value`` with each item in ``fresh`` (by identity) replaced, or ``value`` itself when none is."""
+    if not any(id(item) in fresh for item in value):
+        return value
+    items = [fresh.get(id(item), item) for item in value]
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+
+
 def _attribute_tensors(state: ModuleState) -> set[str]:
     return {name for name, copied in state.tensors.items() if not copied.is_buffer}
 
 
-def _put_tensor(module: nn.Module, name: str, copied: TensorCopy) -> None:
+def _put_tensor(module: nn.Module, name: str, copied: TensorCopy, fresh: dict[int, Any]) -> None:
     kind = "buffer" if copied.is_buffer else "tensor attribute"
-    tensor = _put_bytes(copied, f"{kind} {name!r} of {type(module).__name__}")
+    tensor = fresh.get(id(copied.tensor))  # Note [A rebound tensor is not written back]
+    if tensor is None:
+        tensor = _put_bytes(copied, f"{kind} {name!r} of {type(module).__name__}")
     if copied.is_buffer:
         module._buffers[name] = tensor
     else:
@@ -231,6 +294,18 @@ def _put_bytes(copied: TensorCopy, what: str) -> torch.Tensor:
     with _unsafe_preserve_version_counter(tensor):
         tensor.copy_(value)
     return tensor
+
+
+def held_tensors(module: nn.Module) -> set[int]:
+    """The identities of the tensors ``module`` holds now, in its buffers, its public attributes and the containers and
+    tuples among them (one level)."""
+    held = {id(value) for value in module._buffers.values()}
+    for name, value in vars(module).items():
+        if not name.startswith("_"):
+            held.add(id(value))
+            if isinstance(value, (*_CONTAINER_TYPES, tuple)):
+                held.update(id(item) for item in held_items(value))
+    return held
 
 
 def held_items(container: Any) -> Any:
