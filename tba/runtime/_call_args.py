@@ -200,13 +200,16 @@ def updated_cache(args: tuple, kwargs: dict[str, Any]) -> Any | None:
     return None
 
 
-def call_tensor_versions(args: tuple, kwargs: dict, held: Any = lambda args, kwargs: ()) -> list[tuple[int, torch.Tensor, int]]:
+def call_tensor_versions(args: tuple, kwargs: dict, held: Any = lambda args, kwargs: ()
+                         ) -> list[tuple[int | Any, torch.Tensor, int]]:
     """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments, nested and
     keyword ones too; none when no recomputation can follow (grad disabled, or inference mode, whose tensors
     have no version). What Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``
-    compares around a layer's forward. ``held(args, kwargs)``: more tensors to watch, after those (the attributes
-    of objects passed as they are, ``tba/runtime/_call_objects.py``)."""
+    compares around a layer's forward. ``held(args, kwargs)``: more tensors to watch, after those, each as ``(what
+    holds it, tensor)``, which takes the position's place (the attributes of objects passed as they are,
+    ``tba/runtime/_call_objects.py``)."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return []
-    tensors = [*(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), *held(args, kwargs)]
-    return [(i, tensor, tensor._version) for i, tensor in enumerate(tensors) if not tensor.is_inference()]
+    tensors = [*enumerate(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+               *held(args, kwargs)]
+    return [(where, tensor, tensor._version) for where, tensor in tensors if not tensor.is_inference()]

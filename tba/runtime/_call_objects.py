@@ -23,14 +23,17 @@ and read the longer list). Classes and Python modules are not copied.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import types
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 
-__all__ = ["CONTAINERS", "attribute_tensors", "attributes_of", "put_attributes", "put_contents"]
+__all__ = ["CONTAINERS", "Holder", "attribute_tensors", "attributes_of", "changed_holder_message", "put_attributes",
+           "put_contents"]
 
 
 def attributes_of(value: Any) -> dict[str, Any] | None:
@@ -79,12 +82,60 @@ def _slot_names(kind: type) -> list[str]:
     return names
 
 
-def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors that objects passed as they are hold as attributes (one level deep): what the recomputation
-    version-checks besides the call's own tensors (Note [An object passed to a recomputed layer is called as it
-    was]), and so what the checks around a recomputed layer's forward watch too."""
-    return [item for leaf in pytree.tree_leaves((args, kwargs)) if not isinstance(leaf, torch.Tensor)
-            for item in (attributes_of(leaf) or {}).values() if isinstance(item, torch.Tensor) and not item.is_inference()]
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """What holds a tensor that an object passed as it is holds: the message's words for it, and whether it is a buffer
+    of a module (which a recomputation does not put back) and of a norm layer (which updates its running statistics in
+    training mode)."""
+
+    what: str
+    buffer: bool = False
+    norm: bool = False
+
+
+def attribute_tensors(args: tuple, kwargs: dict[str, Any]) -> list[tuple[Holder, torch.Tensor]]:
+    """The tensors that objects passed as they are hold as attributes (one level deep), each with what holds it:
+    what the recomputation version-checks besides the call's own tensors (Note [An object passed to a recomputed
+    layer is called as it was]), and so what the checks around a recomputed layer's forward watch too."""
+    found = []
+    for where, argument in [*((f"args[{index}]", value) for index, value in enumerate(args)),
+                            *((f"kwargs[{name!r}]", value) for name, value in kwargs.items())]:
+        for leaf in pytree.tree_leaves(argument):
+            if isinstance(leaf, torch.Tensor):
+                continue
+            for key, item in (attributes_of(leaf) or {}).items():
+                if isinstance(item, torch.Tensor) and not item.is_inference():
+                    found.append((_holder(leaf, key, where), item))
+    return found
+
+
+def _holder(obj: Any, key: Any, where: str) -> Holder:
+    passed = f"of the {type(obj).__name__} passed in {where}"
+    if type(key) is str:
+        return Holder(f"its tensor attribute {key!r} {passed}")
+    kind, name = key
+    if kind is _BUFFER:
+        owner = obj.get_submodule(name.rpartition(".")[0])
+        return Holder(f"the buffer {name!r} {passed}", True, isinstance(owner, _NormBase))
+    if kind is _CELL:
+        return Holder(f"the tensor in closure cell {name} {passed}")
+    return Holder(f"its tensor attribute {name!r} {passed}")
+
+
+def changed_holder_message(layer: str, holder: Holder, version: int, now: int) -> str:
+    """The message for a recomputed layer's forward that changed ``holder``'s tensor in place (Note [A recomputed layer
+    must not change its input] in ``tba/runtime/_recompute.py``)."""
+    why = ("; a norm layer in training mode updates its running statistics and counter" if holder.norm else "")
+    if holder.buffer:
+        fix = ("Keep or offload this layer (policy='offload', or a tba.Plan that does not recompute it), make the module "
+               "a submodule of the layer instead of an argument (tba puts a layer's own buffers back for its "
+               "recomputation), or put it in eval mode if its state need not change")
+    else:
+        fix = ("Keep or offload this layer (policy='offload', or a tba.Plan that does not recompute it), or rebind the "
+               "attribute instead of changing the tensor in place (obj.scale = obj.scale * 0.9 instead of "
+               "obj.scale.mul_(0.9)): tba puts an object's attributes back for the recomputation")
+    return (f"the forward of a recomputed layer ({layer}) changed {holder.what} in place (version {version}, now "
+            f"{now}{why}): its recomputation in backward would start from the changed state. {fix}")
 
 
 CONTAINERS = (list, dict, set, collections.deque)

@@ -71,7 +71,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaError
 from tba.runtime._call_args import call_tensor_versions, take_apart, updated_cache
-from tba.runtime._call_objects import attribute_tensors
+from tba.runtime._call_objects import Holder, attribute_tensors, changed_holder_message
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
@@ -230,7 +230,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     return run
 
 
-def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tensor, int]],
+def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int | Holder, torch.Tensor, int]],
                             private_change: str | None = None) -> None:
     """Raise :class:`TbaError` when the first call of a recomputed layer changed one of its own inputs in place,
     or private state of its modules (``private_change``: the changed value's label; Note [Private state of a
@@ -247,7 +247,8 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
     such a layer's profile is marked ``recomputable=False`` and the adaptive planner never
     recomputes it. Neither looks with grad disabled (checkpoint then recomputes nothing) nor in
     inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
-    on its own, whose recomputation still raises here.
+    on its own, whose recomputation still raises here. A tensor an object passed as it is holds (a
+    module's buffer) is named with its holder (helper-93 found one called "tensor argument 3").
     """
     if private_change is not None:
         raise TbaError(
@@ -256,6 +257,8 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int, torch.Tens
             "as a buffer (module.register_buffer) or make the attribute public, which tba restores, or keep or "
             "offload this layer")
     for position, tensor, version in inputs:
+        if tensor._version != version and isinstance(position, Holder):  # held by an object passed as it is
+            raise TbaError(changed_holder_message(type(layer).__name__, position, version, tensor._version))
         if tensor._version != version:
             raise TbaError(
                 f"the forward of a recomputed layer ({type(layer).__name__}) changed its own input in place (tensor "
