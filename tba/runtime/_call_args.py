@@ -28,6 +28,21 @@ raising torch's in-place error as torch does without checkpoint. A tensor or con
 in the call is one object twice in the rebuilt call too (``block(h, h, h)`` keeps attention's
 ``query is key`` path; a list passed twice stays one list). (Three reviews found these cases.)
 
+A numpy array (of any shape, 0-d ones too, in a list, tuple or dict of the call or at its top level)
+is no container and has no version counter to check, and a caller may change it in place after the
+call (``scale *= 0.5``, a per-step schedule advanced before ``backward()``): the recomputation read
+the changed array, and gradients differed from training without tba, silently (helper-93 found it).
+So an array is copied when the call is taken apart, as a module's own arrays are (Note [Side effects
+of a recomputed forward] in ``tba/runtime/_layer_state.py``), and each recomputation gets a copy of
+that copy (a forward that writes into its array would otherwise have changed what a second backward
+recomputes from); the first call gets the caller's array. An array met twice is copied once and is
+one array twice in the rebuilt call. Read-only arrays are copied too: ``np.broadcast_to`` gives a
+read-only view that changes with its base. An array of Python objects is copied one level deep, as
+lists are. Numpy scalars (``np.float32(0.5)``) are immutable and pass as they are. The cost: each
+array's bytes once per call of a recomputed layer, held until backward (an array handed to every
+block is held once per block), and once more per recomputation; no cheaper test is exact (numpy
+keeps no version counter, and comparing bytes reads as much as copying them).
+
 What an object passed as it is holds is copied at the call and put back for the recomputation by
 ``tba/runtime/_call_objects.py`` (Note [An object passed to a recomputed layer is called as it was]).
 """
@@ -39,10 +54,11 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from tba.runtime._call_objects import CONTAINERS, attributes_of, put_attributes, put_contents
+from tba.runtime._call_objects import CONTAINERS, attributes_of, copied_arrays, put_attributes, put_contents
 from tba.runtime._views import inplace_error
 
 
@@ -73,6 +89,15 @@ class _Mapping:
         self.keys, self.items = keys, items
 
 
+class _Array:
+    """A numpy array of the call: a copy of it at the call, copied again for each recomputation."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+
 class Template:
     """A call's ``(args, kwargs)`` without its tensors (Note [A recomputation gets the call as it was]):
     :func:`take_apart` makes one, :meth:`call` rebuilds the call around the tensors checkpoint hands back."""
@@ -99,7 +124,7 @@ class Template:
         before = [(obj, attributes_of(obj)) for obj, _ in self._objects]
         held = [(container, copy.copy(container)) for container, _ in self._contents]
         for obj, then in self._objects:
-            put_attributes(obj, then)
+            put_attributes(obj, copied_arrays(then))
         for container, then in self._contents:
             put_contents(container, then)
         try:
@@ -154,12 +179,15 @@ def _take_apart(value: Any, tensors: list[torch.Tensor], slots: dict[int, _Slot]
         node = nodes[key] = _Mapping(tuple(value), ())
         node.items = tuple(_take_apart(item, tensors, slots, nodes, unsaved, objects) for item in value.values())
         return node
+    if isinstance(value, np.ndarray):  # no version counter to check: copied (Note [A recomputation gets the call as it was])
+        nodes[key] = _Array(value.copy(order="K"))
+        return nodes[key]
     unsaved += [(leaf, leaf._version) for leaf in pytree.tree_leaves(value)
                 if isinstance(leaf, torch.Tensor) and not leaf.is_inference()]
     nodes[key] = value
     attributes = attributes_of(value)
     if attributes is not None:
-        objects.append((value, attributes))
+        objects.append((value, copied_arrays(attributes)))
         unsaved += [(item, item._version) for item in attributes.values()
                     if isinstance(item, torch.Tensor) and not item.is_inference()]
     return value
@@ -169,11 +197,13 @@ def _rebuild(template: Any, saved: tuple[torch.Tensor, ...], built: dict[int, An
     kind = type(template)
     if kind is _Slot:
         return saved[template.index]
-    if kind is not _Sequence and kind is not _Mapping:
+    if kind is not _Sequence and kind is not _Mapping and kind is not _Array:
         return template
     key = id(template)
     if key not in built:
-        if kind is _Sequence:
+        if kind is _Array:
+            built[key] = template.value.copy(order="K")
+        elif kind is _Sequence:
             built[key] = template.kind(_rebuild(item, saved, built) for item in template.items)
         else:
             built[key] = dict(zip(template.keys, (_rebuild(item, saved, built) for item in template.items)))

@@ -17,7 +17,10 @@ What is copied: an object's ``__dict__`` and its set slots; of a module passed i
 shared by the blocks), its public attributes, its buffers being version-checked; of a function (a
 lambda), what its closure's cells hold. A list, dict, set or deque among them is copied one level deep
 (a layer appending an auxiliary loss to ``context.losses``: the recomputation appended a second time,
-and read the longer list). Classes and Python modules are not copied.
+and read the longer list). A numpy array among them is copied as one in the call is (it has no
+version counter; ``ctx.scale *= 0.5`` on an array attribute changes it in place), and the
+recomputation gets a copy of that copy (Note [A recomputation gets the call as it was] in
+``tba/runtime/_call_args.py``). Classes and Python modules are not copied.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ import dataclasses
 import types
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 
-__all__ = ["CONTAINERS", "Holder", "attribute_tensors", "attributes_of", "changed_holder_message", "put_attributes",
-           "put_contents"]
+__all__ = ["CONTAINERS", "Holder", "attribute_tensors", "attributes_of", "changed_holder_message", "copied_arrays",
+           "put_attributes", "put_contents"]
 
 
 def attributes_of(value: Any) -> dict[str, Any] | None:
@@ -56,6 +60,12 @@ def attributes_of(value: Any) -> dict[str, Any] | None:
         if hasattr(value, name):
             attributes[_SLOT, name] = getattr(value, name)
     return attributes
+
+
+def copied_arrays(attributes: dict[Any, Any]) -> dict[Any, Any]:
+    """``attributes`` with a copy of each numpy array among them (Note [An object passed to a recomputed layer is
+    called as it was])."""
+    return {name: item.copy(order="K") if isinstance(item, np.ndarray) else item for name, item in attributes.items()}
 
 
 _SLOT, _BUFFER, _CELL, _EMPTY = object(), object(), object(), object()
