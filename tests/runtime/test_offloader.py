@@ -210,6 +210,8 @@ class Parameterised(nn.Module):
         (lambda m: torch.empty(64, 64, device="meta"), "not a plain strided tensor"),
         (lambda m: torch.randn(64, 64, dtype=torch.complex64).conj(), "lazy conjugate or negative view"),
         (lambda m: torch.randn(64, 64).as_subclass(SubTensor), "tensor subclass"),
+        (lambda m: _with_scale(torch.randn(64, 64)), "tensor with attributes"),
+        (lambda m: _with_scale(m.weight * 2), None),  # requires grad: autograd returns a new object anyway
         (lambda m: torch.randn(64, 64), None),
     ],
 )
@@ -221,6 +223,11 @@ def test_keep_rules(spill_dir, make, reason):
 
 class SubTensor(torch.Tensor):
     pass
+
+
+def _with_scale(tensor: torch.Tensor) -> torch.Tensor:
+    tensor.scale = 3.0
+    return tensor
 
 
 def test_reusable_offloader_reuses_file_space_across_steps(spill_dir, open_fds):
