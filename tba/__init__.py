@@ -42,6 +42,9 @@ start would move into the program's training loop, under its handlers, so ``impo
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from tba import _control  # noqa: F401 - Note [The control thread still starts at import tba]
@@ -148,6 +151,41 @@ def _import(module: str) -> Any:
         return importlib.import_module(module)
     except AttributeError as err:
         raise ImportError(f"importing {module} failed: {err}", name=module) from err
+
+
+def _drop_imports_of_lost_threads() -> None:
+    """Note: [An import in flight at a fork]
+    The first use of a public name imports its module (about 0.1 s for the runtime, torch loaded), and tba imports a
+    few more on their first use. A fork meanwhile, from another thread (a ``DataLoader`` or ``multiprocessing``
+    starting its workers while a thread takes the first step), gave the child a module half run and its import lock
+    held by a thread the child does not have: the child's own first use of tba waited for that lock for ever
+    (helper-94). So in the child, right after the fork, each module lock held by another thread of the parent is
+    forgotten, and the module it guarded, if half run, is taken out of ``sys.modules`` (and off its package): the
+    child imports it afresh. tba's modules and those their imports were in the middle of (torch's), any module whose
+    import the fork cut: left as they were, each would hang the child at its first import. Waiting for such imports
+    before the fork instead cannot work: the importing thread can start the next one between the wait and the fork.
+    """
+    bootstrap = importlib._bootstrap  # type: ignore[attr-defined]
+    locks = getattr(bootstrap, "_module_locks", None)
+    if not isinstance(locks, dict):
+        return
+    me = threading.get_ident()
+    for name, ref in list(locks.items()):
+        lock = ref()
+        owner = getattr(lock, "owner", None)
+        if owner is None or owner == me:
+            continue
+        locks.pop(name, None)
+        module = sys.modules.get(name)
+        if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+            parent, _, child = name.rpartition(".")
+            package = vars(sys.modules[parent]) if parent in sys.modules else {}
+            if package.get(child) is module:  # vars(): a getattr would run tba's own lazy import here
+                del package[child]
+
+
+os.register_at_fork(after_in_child=_drop_imports_of_lost_threads)
 
 
 def __dir__() -> list[str]:
