@@ -14,17 +14,29 @@ forward reaches run again unseen:
 Under a pinned plan that recomputes such a layer this is as under plain checkpoint (docs/api.md). The adaptive
 default, which promises the results of training without tba, planned ``RRRRRK`` for the shared BatchNorm under a
 memory budget (helper-93). So the profiled steps mark such a layer not recomputable, as they mark one that changes its
-input (``tba/runtime/_timer.py``): one whose submodules hold a hook that is not tba's own, or that runs while a
-global module hook is registered (:func:`hooks_run_again`); and one whose forward called a module outside it whose
-state changed during the call, or that holds a hook itself (:class:`OutsideCalls`). The state compared is every
-buffer's and parameter's version and every attribute's value of that module and its submodules, with one level of
-the containers they hold (:func:`tba.runtime._nested_state.entry`): a change deeper down is not seen. A module outside
-the layer whose state does not change (a shared rotary embedding reading its cache) leaves the layer recomputable.
+input (``tba/runtime/_timer.py``):
+
+* one whose submodules hold a forward hook, or that runs while a global module hook is registered
+  (:func:`hooks_run_again`), unless the hook is tba's own or a framework's that runs again under the framework's own
+  activation checkpointing (:data:`FRAMEWORKS`: torch's FSDP and parametrisations, DeepSpeed ZeRO-3's hooks on every
+  submodule, Hugging Face's output capture), whose changes fall on the layer's own modules, which tba puts back;
+* one whose forward changed the state of a module outside it (:class:`OutsideCalls`): a module the forward called
+  (which also counts when it holds a hook of its own), or one the layer's modules hold in an attribute or in a
+  container one level down (``self.refs = [norm]``, changed without a call: ``norm.running_mean.mul_(0.9)``).
+
+The state compared is every buffer's and parameter's version and every attribute's value of that module and its
+submodules, with one level of the containers they hold (:func:`tba.runtime._nested_state.entry`): a change deeper
+down is not seen, nor one to a module the layer reaches otherwise (a global, a closure). A module outside the layer
+whose state does not change (a shared rotary embedding reading its cache) leaves the layer recomputable. Only the
+thread that runs the layer is watched: a module another thread runs meanwhile (an evaluation model) is not the
+layer's (helper-98 found the calls of two threads mixed, and one's ``leave`` failing while the other added to them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,25 +49,41 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 """Attributes every module has (``_parameters``, ``_buffers``, the hook dicts): their contents are compared below."""
 
 
-def _is_tbas(hook: Any) -> bool:
-    """Whether ``hook`` is one of tba's own (the layer timer's, the layer discovery's)."""
-    name = getattr(hook, "__module__", None) or getattr(getattr(hook, "__func__", None), "__module__", None) or ""
-    return name == "tba" or name.startswith("tba.")
+FRAMEWORKS = ("tba", "torch", "deepspeed", "transformers")
+"""Packages whose forward hooks a recomputation may run again (Note [A recomputed forward reaches beyond its layer])."""
+
+
+def _is_frameworks(hook: Any) -> bool:
+    """Whether ``hook`` comes from one of :data:`FRAMEWORKS` (by the module of its function, or of its class)."""
+    name = (getattr(hook, "__module__", None) or getattr(getattr(hook, "__func__", None), "__module__", None)
+            or type(hook).__module__ or "")
+    return name.partition(".")[0] in FRAMEWORKS
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` holds a forward hook or pre-hook that is not tba's own."""
-    return any(not _is_tbas(hook) for hooks in (module._forward_pre_hooks, module._forward_hooks)
+    """Whether ``module`` holds a forward hook or pre-hook of the program's own (not of :data:`FRAMEWORKS`)."""
+    return any(not _is_frameworks(hook) for hooks in (module._forward_pre_hooks, module._forward_hooks)
                for hook in hooks.values())
 
 
 def hooks_run_again(layer: nn.Module) -> bool:
-    """Whether a recomputation of ``layer`` would run a forward hook again: one of a submodule's, or a global module
-    hook (Note [A recomputed forward reaches beyond its layer])."""
+    """Whether a recomputation of ``layer`` would run a forward hook of the program's again: one of a submodule's, or a
+    global module hook (Note [A recomputed forward reaches beyond its layer])."""
     global_hooks = (*module_hooks._global_forward_pre_hooks.values(), *module_hooks._global_forward_hooks.values())
-    if any(not _is_tbas(hook) for hook in global_hooks):
+    if any(not _is_frameworks(hook) for hook in global_hooks):
         return True
     return any(_has_hooks(module) for module in layer.modules() if module is not layer)
+
+
+def held_modules(layer: nn.Module, own: frozenset[int]) -> Iterator[nn.Module]:
+    """The modules outside ``layer`` (not in ``own``, the ids of its modules) that its modules hold in an attribute or
+    in a list, tuple or dict one level down."""
+    for module in layer.modules():
+        for value in vars(module).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, nn.Module) and id(item) not in own:
+                    yield item
 
 
 def state_of(module: nn.Module) -> list[Entry]:
@@ -75,21 +103,27 @@ def state_of(module: nn.Module) -> list[Entry]:
 
 
 class OutsideCalls:
-    """Watches, during a profiled step, the modules each layer's forward calls that are not the layer's own.
+    """Watches, during a profiled step, what each layer's forward does to modules that are not the layer's own.
 
     :meth:`attach` registers a global module pre-hook; :meth:`enter` and :meth:`leave` bracket layer ``index``'s
-    forward, and :meth:`leave` says whether a module outside it that the forward called changed its state meanwhile,
-    or holds a hook of its own (Note [A recomputed forward reaches beyond its layer]).
+    forward on the thread that runs it, and :meth:`leave` says whether a module outside the layer, one it holds or one
+    its forward called, changed its state meanwhile, or holds a hook of its own (Note [A recomputed forward reaches
+    beyond its layer]).
     """
 
     def __init__(self) -> None:
+        self._layers: list[weakref.ref | None] = []
+        """The layers, weakly: the watch must not keep a model alive."""
         self._own: list[frozenset[int]] = []
         self._open: list[tuple[int, dict[int, tuple[nn.Module, list[Entry] | None]]]] = []
-        """Per layer whose forward is running, innermost last: its index and the outside modules its forward called,
-        by id, with their state before the call (None: the module holds a hook)."""
+        """Per layer whose forward is running, innermost last: its index and the outside modules it holds or its forward
+        called, by id, with their state before (None: the module holds a hook)."""
+        self._thread: int | None = None
+        """The thread whose layers are open: calls on any other are not theirs."""
         self._handle: Any = None
 
     def attach(self, layers: Sequence[nn.Module | None]) -> None:
+        self._layers = [weakref.ref(layer) if layer is not None else None for layer in layers]
         self._own = [frozenset(map(id, layer.modules())) if layer is not None else frozenset() for layer in layers]
         self._open = []
         if self._handle is None:
@@ -99,26 +133,40 @@ class OutsideCalls:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self._open = []
+        self._open, self._layers, self._own = [], [], []
 
     def enter(self, index: int) -> None:
-        self._open.append((index, {}))
+        if not self._open:
+            self._thread = threading.get_ident()
+        elif threading.get_ident() != self._thread:
+            return
+        ref = self._layers[index] if index < len(self._layers) else None
+        layer = ref() if ref is not None else None
+        held = {} if layer is None else {id(module): (module, _state_or_hooked(module))
+                                         for module in held_modules(layer, self._own[index])}
+        self._open.append((index, held))
 
     def leave(self, index: int) -> bool:
         """Layer ``index``'s forward ended: whether it reached beyond the layer."""
+        if threading.get_ident() != self._thread:
+            return False
         while self._open:
-            opened, called = self._open.pop()
+            opened, watched = self._open.pop()
             if opened == index:
-                return any(before is None or _changed(before, state_of(module)) for module, before in called.values())
+                return any(before is None or _changed(before, state_of(module)) for module, before in list(watched.values()))
         return False
 
     def _called(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or not self._open:
+        if torch.compiler.is_compiling() or not self._open or threading.get_ident() != self._thread:
             return
-        index, called = self._open[-1]
-        if id(module) in self._own[index] or id(module) in called:
+        index, watched = self._open[-1]
+        if id(module) in self._own[index] or id(module) in watched:
             return
-        called[id(module)] = (module, None if _has_hooks(module) else state_of(module))
+        watched[id(module)] = (module, _state_or_hooked(module))
+
+
+def _state_or_hooked(module: nn.Module) -> list[Entry] | None:
+    return None if _has_hooks(module) else state_of(module)
 
 
 def _changed(before: list[Entry], after: list[Entry]) -> bool:

@@ -25,7 +25,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.refs[0]
-        if shared is not None:
+        if isinstance(shared, nn.BatchNorm1d) and shared.momentum is None:  # changed without being called
+            with torch.no_grad():
+                shared.running_mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+            x = x - shared.running_mean
+        elif shared is not None:
             x = shared(x)
         return x + torch.tanh(self.own_norm(self.linear(x)))
 
@@ -74,15 +78,16 @@ def train(make_shared, directory: str | None, hook: bool = False) -> tuple[list[
         loss.backward()
     if offloader is not None:
         offloader.close()
-    state = [p.grad for p in model.parameters()] + list(model.buffers()) + [total]
+    state = [p.grad for p in model.parameters() if p.grad is not None] + list(model.buffers()) + [total]
     return state, (policy.recomputable if offloader is not None else None)
 
 
 @pytest.mark.parametrize("make_shared, recomputable", [
     (lambda: nn.BatchNorm1d(WIDTH), False),  # its running statistics would be updated twice
+    (lambda: nn.BatchNorm1d(WIDTH, momentum=None), False),  # the same, by the block itself, without a call
     (lambda: nn.Linear(WIDTH, WIDTH), True),  # called, never changed
     (lambda: None, True),
-], ids=["shared-batchnorm", "shared-linear", "nothing-shared"])
+], ids=["shared-batchnorm", "changed-without-a-call", "shared-linear", "nothing-shared"])
 def test_a_module_outside_the_layer_whose_state_changes(spill_dir, make_shared, recomputable):
     want, _ = train(make_shared, None)
     got, told = train(make_shared, spill_dir)
@@ -108,3 +113,43 @@ def test_a_global_module_hook_marks_every_layer():
     finally:
         handle.remove()
     assert not hooks_run_again(block)
+
+
+def test_a_framework_hook_leaves_the_layer_recomputable():
+    """DeepSpeed ZeRO-3 hooks every submodule (helper-98: no layer was recomputable under it, though a pinned recompute
+    plan is exact there); its hooks, FSDP's and torch's run again under the frameworks' own checkpointing."""
+    from tba.runtime._outside import hooks_run_again
+
+    def framework_hook(module, args):
+        return None
+
+    framework_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    block = Block(None)
+    block.linear.register_forward_pre_hook(framework_hook)
+    assert not hooks_run_again(block)
+    block.linear.register_forward_pre_hook(lambda module, args: None)  # the program's own
+    assert hooks_run_again(block)
+
+
+def test_modules_another_thread_runs_meanwhile_are_not_the_layers(spill_dir):
+    """A model another thread runs during the profiled steps (an evaluation, an EMA copy) called modules the layers'
+    watch counted as theirs, and one thread's leave failed while the other added to what it read (helper-98)."""
+    import threading
+
+    stop = threading.Event()
+    other = nn.Sequential(*[nn.BatchNorm1d(WIDTH) for _ in range(8)])
+
+    def run_other():
+        while not stop.is_set():
+            other(torch.randn(4, WIDTH))
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        got, told = train(lambda: nn.Linear(WIDTH, WIDTH), spill_dir)
+    finally:
+        stop.set()
+        thread.join()
+    want, _ = train(lambda: nn.Linear(WIDTH, WIDTH), None)
+    assert told == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
