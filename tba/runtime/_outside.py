@@ -86,10 +86,13 @@ def held_modules(layer: nn.Module, own: frozenset[int]) -> Iterator[nn.Module]:
                     yield item
 
 
-def state_of(module: nn.Module) -> list[Entry]:
-    """Every buffer, parameter and attribute of ``module`` and its submodules, with what tells a change of each."""
+def state_of(module: nn.Module, own: frozenset[int] = frozenset()) -> list[Entry]:
+    """Every buffer, parameter and attribute of ``module`` and its submodules but those in ``own`` (a layer's, whose state
+    tba puts back itself: a block holding the model it belongs to), with what tells a change of each."""
     found: list[Entry] = []
     for sub in module.modules():
+        if id(sub) in own:
+            continue
         prefix = type(sub).__name__
         for name, tensor in (*sub._buffers.items(), *sub._parameters.items()):
             found.append(entry(f"{prefix}.{name}", tensor))
@@ -142,8 +145,9 @@ class OutsideCalls:
             return
         ref = self._layers[index] if index < len(self._layers) else None
         layer = ref() if ref is not None else None
-        held = {} if layer is None else {id(module): (module, _state_or_hooked(module))
-                                         for module in held_modules(layer, self._own[index])}
+        own = self._own[index] if layer is not None else frozenset()
+        held = {} if layer is None else {id(module): (module, _state_or_hooked(module, own))
+                                         for module in held_modules(layer, own)}
         self._open.append((index, held))
 
     def leave(self, index: int) -> bool:
@@ -153,7 +157,8 @@ class OutsideCalls:
         while self._open:
             opened, watched = self._open.pop()
             if opened == index:
-                return any(before is None or _changed(before, state_of(module)) for module, before in list(watched.values()))
+                own = self._own[index] if index < len(self._own) else frozenset()
+                return any(before is None or _changed(before, state_of(module, own)) for module, before in list(watched.values()))
         return False
 
     def _called(self, module: nn.Module, args: Any) -> None:
@@ -162,11 +167,11 @@ class OutsideCalls:
         index, watched = self._open[-1]
         if id(module) in self._own[index] or id(module) in watched:
             return
-        watched[id(module)] = (module, _state_or_hooked(module))
+        watched[id(module)] = (module, _state_or_hooked(module, self._own[index]))
 
 
-def _state_or_hooked(module: nn.Module) -> list[Entry] | None:
-    return None if _has_hooks(module) else state_of(module)
+def _state_or_hooked(module: nn.Module, own: frozenset[int]) -> list[Entry] | None:
+    return None if _has_hooks(module) else state_of(module, own)
 
 
 def _changed(before: list[Entry], after: list[Entry]) -> bool:

@@ -5,6 +5,8 @@ first, silently wrong)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -140,8 +142,9 @@ def test_modules_another_thread_runs_meanwhile_are_not_the_layers(spill_dir):
     other = nn.Sequential(*[nn.BatchNorm1d(WIDTH) for _ in range(8)])
 
     def run_other():
+        generator = torch.Generator().manual_seed(2)  # not torch's global one, which the model's init uses
         while not stop.is_set():
-            other(torch.randn(4, WIDTH))
+            other(torch.randn(4, WIDTH, generator=generator))
 
     thread = threading.Thread(target=run_other)
     thread.start()
@@ -153,3 +156,27 @@ def test_modules_another_thread_runs_meanwhile_are_not_the_layers(spill_dir):
     want, _ = train(lambda: nn.Linear(WIDTH, WIDTH), None)
     assert told == [True] * 3
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_block_holding_the_model_it_belongs_to_stays_recomputable(spill_dir):
+    """The model a block holds contains the block: its own BatchNorm's statistics, which tba puts back itself, are not
+    a change of a module outside it."""
+    states = []
+    for directory in (None, spill_dir):
+        torch.manual_seed(0)
+        model = Model(None)
+        for block in model.blocks:
+            block.refs = [None, model]  # held, never called (refs[0] is what Block calls)
+        policy = RecomputeWherePossible()
+        offloader = None if directory is None else tba.Offloader(directory, layers=list(model.blocks), policy=policy,
+                                                                   profile_steps=1, min_offload_bytes=0)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            with offloader if offloader is not None else contextlib.nullcontext():
+                loss = model(torch.randn(16, WIDTH, generator=generator))
+            loss.backward()
+        if offloader is not None:
+            offloader.close()
+            assert policy.recomputable == [True] * 3
+        states.append([p.grad for p in model.parameters()] + list(model.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(*states))
