@@ -44,10 +44,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from tba.runtime._nested_state import Entry, contents, entry, first_differing
-
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-"""Attributes every module has (``_parameters``, ``_buffers``, the hook dicts): their contents are compared below."""
-
+from tba.runtime._private_state import MODULE_INTERNALS
 
 FRAMEWORKS = ("tba", "torch", "deepspeed", "transformers")
 """Packages whose forward hooks a recomputation may run again (Note [A recomputed forward reaches beyond its layer])."""
@@ -97,7 +94,7 @@ def state_of(module: nn.Module, own: frozenset[int] = frozenset()) -> list[Entry
         for name, tensor in (*sub._buffers.items(), *sub._parameters.items()):
             found.append(entry(f"{prefix}.{name}", tensor))
         for name, value in vars(sub).items():
-            if name in _MODULE_INTERNALS:
+            if name in MODULE_INTERNALS:  # buffers and parameters are compared above
                 continue
             found.append(entry(f"{prefix}.{name}", value))
             if isinstance(value, (dict, list, tuple)):

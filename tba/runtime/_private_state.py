@@ -90,11 +90,10 @@ from tba.runtime._nested_state import (
     walk,
 )
 
-__all__ = ["DeepLabel", "Signature", "check_private_unchanged", "check_restorable", "check_watchable",
-           "first_change", "private_state",
-           "put_back_nested"]
+__all__ = ["MODULE_INTERNALS", "DeepLabel", "Signature", "check_private_unchanged", "check_restorable", "check_watchable",
+           "first_change", "private_state", "put_back_nested"]
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
 """Private attributes every module has (``_parameters``, ``_buffers``, hooks): torch's own bookkeeping."""
 
 
@@ -121,7 +120,7 @@ def private_state(layer: nn.Module, nested: bool = True) -> Signature:
     for module in layer.modules():
         prefix = type(module).__name__
         for name, value in vars(module).items():
-            if name in _MODULE_INTERNALS:
+            if name in MODULE_INTERNALS:
                 continue
             if not name.startswith("_"):
                 if nested:
