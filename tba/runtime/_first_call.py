@@ -48,12 +48,15 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "parameters_before", "slots", "versions", "requires_grad", "private", "nested",
-                 "default_dtype")
+    __slots__ = ("generators", "before", "outside", "parameters_before", "slots", "versions", "requires_grad", "private",
+                 "nested", "default_dtype")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
         self.before: list[ModuleState] = []
+        self.outside: list[ModuleState] = []
+        """The state of the modules outside the layer that the first call ran, each before its first call there (Note [A
+        recomputation puts back the modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``)."""
         self.parameters_before: list[tuple[str, torch.Tensor, int]] = []
         """``(name, parameter, version)`` when the first call began."""
         self.slots: list[tuple[nn.Module, str, torch.Tensor | None]] = []
@@ -76,7 +79,7 @@ class FirstCall:
         """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""
         self.generators = generator_states(layer, args, kwargs)
         self.default_dtype = torch.get_default_dtype()
-        self.before = snapshot(layer, learned)
+        self.before = snapshot(layer.modules(), learned)
         self.parameters_before = [(name, p, p._version) for name, p in layer.named_parameters()]
         self.slots = [(module, name, p) for module in layer.modules() for name, p in module._parameters.items()]
 
@@ -136,7 +139,7 @@ class FirstCall:
             raise TbaError(f"the forward of a recomputed layer ({type(layer).__name__}) added or removed submodules: "
                            "its recomputation would run another model; keep or offload this layer, or run one forward "
                            "of the model before offloading with a plan that recomputes it")
-        for state in self.before:
+        for state in self.before + self.outside:
             module = state.module
             found = [((module._buffers.get(name) if copied.is_buffer else vars(module).get(name)), copied,
                       (id(module), name, state.training), f"{'buffer' if copied.is_buffer else 'tensor attribute'} {name!r}")
@@ -173,6 +176,9 @@ class FirstCall:
                     learned.changed.add(key)
         parameters = list(layer.named_parameters())
         self.versions += [(f"parameter {name!r}", p, p._version) for name, p in parameters]
+        self.versions += [(f"parameter {name!r} of {type(state.module).__name__} (outside the layer, which its forward calls)",
+                           p, p._version) for state in self.outside for name, p in state.module._parameters.items()
+                          if p is not None]
         self.requires_grad = [(name, p, p.requires_grad) for name, p in parameters]
 
     def check_unchanged(self, layer: nn.Module) -> None:

@@ -69,6 +69,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -122,10 +123,10 @@ NOT_COPIED = torch.empty(0, device="cpu")
 whatever the default device at import: on a CUDA default device, importing tba would have started CUDA."""
 
 
-def snapshot(layer: nn.Module, learned: Learned) -> list[ModuleState]:
-    """The state of each of ``layer``'s modules (Note [Side effects of a recomputed forward])."""
+def snapshot(modules: Iterable[nn.Module], learned: Learned) -> list[ModuleState]:
+    """The state of each of ``modules`` (a layer's ``modules()``; Note [Side effects of a recomputed forward])."""
     states = []
-    for module in layer.modules():
+    for module in modules:
         mode = module.training
         tensors = {}
         for name, value in module._buffers.items():

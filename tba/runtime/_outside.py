@@ -11,7 +11,9 @@ forward reaches run again unseen:
 * forward hooks and pre-hooks of the layer's submodules (the layer's own run around its call, which is not
   recomputed): a hook summing activations into a tensor of the program's added each of them twice.
 
-Under a pinned plan that recomputes such a layer this is as under plain checkpoint (docs/api.md). The adaptive
+Under a pinned plan that recomputes such a layer the hooks run again, as under plain checkpoint (docs/api.md), and a
+module outside the layer that its forward calls has its state put back (Note [A recomputation puts back the modules
+outside its layer that it calls] in ``tba/runtime/_outside_state.py``), one it changes without a call does not. The adaptive
 default, which promises the results of training without tba, planned ``RRRRRK`` for the shared BatchNorm under a
 memory budget (helper-93). So the profiled steps mark such a layer not recomputable, as they mark one that changes its
 input (``tba/runtime/_timer.py``):

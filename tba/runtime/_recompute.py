@@ -79,6 +79,7 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
+from tba.runtime._outside_state import OutsideModules
 from tba.runtime._private_state import (
     DeepLabel,
     check_private_unchanged,
@@ -147,7 +148,14 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.start(layer, args, kwargs, learned)
             inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
             check_watchable(layer, private.deep)  # Note [The walk of nested state]
-            out = forward(*args, **kwargs)
+            # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
+            outside = None if compiled_within else OutsideModules(layer, learned)
+            try:
+                out = forward(*args, **kwargs)
+            finally:
+                if outside is not None:
+                    outside.stop()
+            first.outside = outside.states if outside is not None else []
             first.private, first.nested = (private_state(layer) if private else []), private
             change = first_change(private, first.private) if private else None
             if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
@@ -158,12 +166,12 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             return out
         first.check_unchanged(layer)
         check_private_unchanged(layer, first.private)
-        after = snapshot(layer, learned)
+        after = snapshot([*layer.modules(), *(state.module for state in first.outside)], learned)
         after_generators = states_now(first.generators)
         # Note [Nested state a recomputation is given back]; taken after the snapshot and put
         # back last, so a list held both in a public attribute and nested in another ends as it is now.
         nested = put_back_nested(layer, first.nested)
-        restore(after, first.before)
+        restore(after, first.before + first.outside)
         set_states(first.generators)
         displaced = first.put_parameters()  # Note [A recomputation runs with the parameters its first call ran with]
         # Note: [A recomputation runs under the first call's default dtype]
@@ -187,6 +195,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.recomputed()
 
     compiled_itself = is_compiled_module(layer)
+    compiled_within = any(map(is_compiled_module, layer.modules()))  # no outside watch there: tba/runtime/_outside_state.py
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if (not compiled_itself and torch.compiler.is_compiling()) or _functorch_level() is not None:

@@ -1,0 +1,86 @@
+"""The modules outside a recomputed layer that its first call runs: their state copied and put back as the layer's own.
+
+Note: [A recomputation puts back the modules outside its layer that it calls]
+A layer's forward may call a module that is not among its ``modules()``: a BatchNorm the blocks share through a list,
+or one set with ``object.__setattr__``. Under a plan that recomputes the layer, the recomputation ran that module again
+from the state the later forwards had left, and updated it a second time: the running statistics of a BatchNorm shared
+by three recomputed blocks counted 18 batches where training without tba counted 9, and the next steps normalised with
+them, with no error (the adaptive default does not recompute such a layer: Note [A recomputed forward reaches beyond
+its layer] in ``tba/runtime/_outside.py``; a pinned plan did).
+
+So while a recomputed layer's first call runs, a global module pre-hook (registered only then, and only heard on the
+calling thread) takes the state of each module outside the layer just before its first call, with its submodules
+that are not the layer's, as :func:`~tba.runtime._layer_state.snapshot` takes the layer's own. The first call's
+bookkeeping treats those states as the layer's (``tba/runtime/_first_call.py``: what it left alone is watched, what
+it changed is kept), and the recomputation loads them before it runs and puts the present state back after it, as for
+the layer's own modules (Note [Side effects of a recomputed forward] in ``tba/runtime/_layer_state.py``). Their
+parameters are watched as the layer's are (Note [A recomputed layer's parameters must not change before backward]).
+
+Each first call registers a hook of its own and takes it out in a ``finally`` through one C call
+(``OutsideModules.stop``, a ``functools.partial`` of the hooks dict's ``pop``): no Python frame starts there, so no
+signal handler's exception can skip it (Note [An exit that always runs] in ``tba/_whole_exit.py``), and no lock is
+shared. A first version counted the first calls of every thread under a Python-level lock: an exception raised as its
+``__exit__`` began left the lock held, and the next recomputed layer waited for ever
+(``tests/runtime/test_exception_at_every_call.py``).
+
+Not covered: a module the forward changes without calling it (``self.refs[0].running_mean.mul_(0.9)``), and a layer
+that is compiled or holds a compiled module: Dynamo traces the module calls inside without the hook (whose guards a
+hook registered and removed around each call would invalidate), and ``torch.compile``'s wrapper warns when it is
+called while any global module hook is registered.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
+
+from tba.runtime._layer_state import ModuleState, snapshot
+from tba.runtime._learned import Learned
+
+
+class OutsideModules:
+    """The state of the modules outside one layer that its first call ran, each taken before its first call there.
+
+    Made right before the first call, it registers its hook; :attr:`stop` (a C callable) takes the hook out.
+    """
+
+    __slots__ = ("_own", "_learned", "_seen", "_thread", "states", "stop", "__weakref__")
+
+    def __init__(self, layer: nn.Module, learned: Learned) -> None:
+        self._own = frozenset(map(id, layer.modules()))
+        self._learned = learned
+        self._seen: set[int] = set()
+        self._thread = threading.get_ident()
+        self.states: list[ModuleState] = []
+        hooks = module_hooks._global_forward_pre_hooks
+        key = RemovableHandle(hooks).id
+        self.stop = functools.partial(hooks.pop, key, None)
+        hooks[key] = self._called
+
+    def _called(self, module: nn.Module, args: object) -> None:
+        """The global pre-hook: ``module`` is about to run."""
+        if threading.get_ident() != self._thread or torch.compiler.is_compiling():
+            return
+        if id(module) in self._own or id(module) in self._seen:
+            return
+        new = [sub for sub in module.modules() if id(sub) not in self._own and id(sub) not in self._seen]
+        self._seen.update(map(id, new))
+        self.states += snapshot(new, self._learned)
+
+
+def _after_fork_in_child() -> None:
+    """A first call of another thread of the parent never ends in the child: its hook goes."""
+    hooks = module_hooks._global_forward_pre_hooks
+    for key, hook in list(hooks.items()):
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, OutsideModules) and owner._thread != threading.get_ident():
+            hooks.pop(key, None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

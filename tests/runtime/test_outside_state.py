@@ -1,0 +1,170 @@
+"""A plan that recomputes a layer whose forward calls a module outside it puts that module's state back too, so
+training is bit for bit that without tba (Note [A recomputation puts back the modules outside its layer that it calls]
+in tba/runtime/_outside_state.py). Before, a BatchNorm three recomputed blocks share through a list counted 18 batches
+where training without tba counted 9."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+import tba
+
+WIDTH = 16
+
+
+class Block(nn.Module):
+    def __init__(self, shared: list[nn.Module], through: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        if through == "list":
+            self.refs = shared  # a list hides the module from modules()
+        else:
+            object.__setattr__(self, "norm", shared[0])  # so does an attribute nn.Module never saw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.refs[0] if hasattr(self, "refs") else self.norm
+        return x + torch.sin(norm(self.linear(x)))
+
+
+def _model(shared: nn.Module, through: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block([shared], through) for _ in range(3)])
+
+
+def _train(placement: tuple[str, ...] | None, shared: nn.Module, through: str, directory: str, eval_at: int = -1) -> dict:
+    model = _model(shared, through)
+    optimizer = torch.optim.SGD([*model.parameters(), *shared.parameters()], lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(3):
+        model.train(step != eval_at)
+        shared.train(step != eval_at)
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
+        if placement is None:
+            loss = model(x).pow(2).mean()
+        else:
+            with tba.Offloader(directory, layers=list(model), policy=tba.Plan(placement, window_bytes=1 << 20)) as off:
+                loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        if placement is not None:
+            off.close()
+    return {"losses": losses, "state": {k: v.clone() for k, v in shared.state_dict().items()},
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return (all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+            and a["state"].keys() == b["state"].keys() and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+            and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])))
+
+
+@pytest.mark.parametrize("placement", ["recompute", "offloaded_recompute"])
+@pytest.mark.parametrize("through", ["list", "setattr"])
+@pytest.mark.parametrize("eval_at", [-1, 1])
+def test_a_shared_batchnorm_is_updated_once_per_forward(tmp_path, placement, through, eval_at):
+    reference = _train(None, nn.BatchNorm1d(WIDTH), through, str(tmp_path), eval_at)
+    shared = nn.BatchNorm1d(WIDTH)
+    got = _train((placement, "offload", placement), shared, through, str(tmp_path), eval_at)
+    assert int(shared.num_batches_tracked) == int(reference["state"]["num_batches_tracked"])
+    assert _equal(reference, got)
+
+
+def test_a_shared_module_with_parameters_is_exact(tmp_path):
+    """A LayerNorm with weights shared through a list: its parameters get their gradients once, from the recomputation."""
+    reference = _train(None, nn.LayerNorm(WIDTH), "list", str(tmp_path))
+    assert _equal(reference, _train(("recompute",) * 3, nn.LayerNorm(WIDTH), "list", str(tmp_path)))
+
+
+def test_a_shared_parameter_changed_before_backward_is_loud(tmp_path):
+    shared = nn.LayerNorm(WIDTH)
+    model = _model(shared, "list")
+    with tba.Offloader(str(tmp_path), layers=list(model), policy=tba.Plan(("recompute",) * 3, window_bytes=1 << 20)) as off:
+        loss = model(torch.randn(8, WIDTH)).pow(2).mean()
+    with torch.no_grad():
+        shared.weight.mul_(2)
+    with pytest.raises(tba.TbaError, match="parameter 'weight' of LayerNorm .outside the layer"):
+        loss.backward()
+    off.close()
+
+
+def test_the_hook_is_there_only_while_a_first_call_runs(tmp_path):
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(len(module_hooks._global_forward_pre_hooks))
+            return x
+
+    shared = Probe()
+    model = _model(shared, "list")
+    before = len(module_hooks._global_forward_pre_hooks)
+    with tba.Offloader(str(tmp_path), layers=list(model), policy=tba.Plan(("recompute",) * 3, window_bytes=1 << 20)) as off:
+        loss = model(torch.randn(8, WIDTH)).pow(2).mean()
+    assert seen == [before + 1] * 3
+    assert len(module_hooks._global_forward_pre_hooks) == before
+    loss.backward()
+    assert len(module_hooks._global_forward_pre_hooks) == before
+    off.close()
+
+
+def test_another_threads_modules_are_not_the_layers(tmp_path):
+    """A module another thread runs while a recomputed layer's first call runs is not the layer's: its parameters may
+    change before backward."""
+    other = nn.BatchNorm1d(WIDTH)
+    started, release = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, x):
+            started.set()
+            release.wait(10)
+            return x
+
+    def run_other():
+        started.wait(10)
+        other(torch.randn(4, WIDTH))
+        release.set()
+
+    model = _model(Waits(), "list")
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    with tba.Offloader(str(tmp_path), layers=list(model)[:1], policy=tba.Plan(("recompute",), window_bytes=1 << 20)) as off:
+        loss = model[0](torch.randn(8, WIDTH)).pow(2).mean()
+    thread.join()
+    with torch.no_grad():
+        other.weight.add_(1)  # that thread's optimizer step: no concern of the layer's recomputation
+    loss.backward()
+    assert int(other.num_batches_tracked) == 1
+    off.close()
+
+
+def test_a_layer_holding_a_compiled_module_is_not_watched(tmp_path):
+    """torch.compile's wrapper warns when it is called while a global module hook is registered: a layer that holds one
+    registers none."""
+    torch._dynamo.reset()
+
+    class Compiled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.compile(nn.Linear(WIDTH, WIDTH), backend="eager")
+
+        def forward(self, x):
+            return torch.sin(self.inner(x)) + x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Compiled(), Compiled())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tba.Offloader(str(tmp_path), layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)) as off:
+            loss = model(torch.randn(8, WIDTH)).pow(2).mean()
+        loss.backward()
+        off.close()
+    assert not [w for w in caught if "global hooks" in str(w.message)]
+    torch._dynamo.reset()
