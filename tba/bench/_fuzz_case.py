@@ -6,8 +6,9 @@ generator of its own, views and transposes, in-place activations, a weight share
 blocks, frozen weights, a running mean and a call counter that the forward updates and then reads,
 a scale drawn from Python's and numpy's global generators, as stochastic depth is often written),
 a dtype, an input source, a placement, a backend, a minimum offload size, the batch size per step,
-the retained steps, the events per step, the late writes (``_fuzz_io.py``) and the Python-side state
-each block's forward changes and reads (``_fuzz_state.py``). New fields are drawn
+the retained steps, the events per step, the late writes (``_fuzz_io.py``), the Python-side state
+each block's forward changes and reads (``_fuzz_state.py``) and a BatchNorm all blocks call outside their
+``modules()``. New fields are drawn
 last, so every older field stays what it was for every seed (a printed reproducer keeps working).
 :func:`build` makes the case's model (:class:`Block` per entry) and :func:`case_input` a step's
 input, both from the seed alone, so the runs with and without tba see identical models and inputs.
@@ -60,6 +61,9 @@ class Case:
     """Writes queue in tba and the engine and start late, in random order; None: as the backend runs them."""
     states: tuple[tuple[str, ...], ...] = ()
     """Per block, the Python-side state its forward changes and reads (``_fuzz_state.py``); empty: none."""
+    outside_norm: bool = False
+    """Every block calls a BatchNorm held by the object they share, outside each block's ``modules()`` (Note [A
+    recomputation puts back the modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``)."""
 
 
 def draw_case(seed: int) -> Case:
@@ -83,8 +87,9 @@ def draw_case(seed: int) -> Case:
         batches = tuple(rng.choice((case.batch, other)) for _ in events)
     retained = tuple(step for step in range(len(events)) if rng.random() < 0.25)
     late_writes = draw_late_writes(rng)
+    states = draw_states(rng, count)
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
-                               late_writes=late_writes, states=draw_states(rng, count))
+                               late_writes=late_writes, states=states, outside_norm=rng.random() < 0.3)
 
 
 class Block(nn.Module):
@@ -101,6 +106,7 @@ class Block(nn.Module):
         self.generator = torch.Generator().manual_seed(seed) if "generator_dropout" in parts else None
         self.register_buffer("center", torch.zeros(width) if "centering" in parts else None)
         self.calls = 0
+        self.outside_norm = False
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
@@ -127,6 +133,8 @@ class Block(nn.Module):
                 with torch.no_grad():
                     self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype), alpha=0.5)
                 h = (h - self.center) / self.calls
+        if self.outside_norm:
+            h = self.shared.norm(h)
         return torch.sin(apply_state(self, h)) + x
 
 
@@ -138,6 +146,10 @@ def build(case: Case) -> nn.Sequential:
                             for i, parts in enumerate(case.blocks)])
     if case.shared_weight and len(model) > 1:
         model[-1].linear.weight = model[0].linear.weight
+    if case.outside_norm:
+        shared.norm = nn.BatchNorm1d(case.width).to(case.dtype)
+        for block in model:
+            block.outside_norm = True
     return model.to(case.dtype)
 
 

@@ -157,7 +157,10 @@ def state_of(model: nn.Module) -> list[Any]:
                "config": [block.config.counts["inner"]["n"], list(block.config.history)], "slots": block.slots.n}
               for block in model]
     shared = model[0].shared
-    return [*blocks, {"index": shared.index, "problem_type": shared.problem_type, "scale": vars(shared).get("scale")}]
+    norm = vars(shared).get("norm")  # a BatchNorm the blocks call outside their modules()
+    outside = {} if norm is None else {"norm": {k: v.clone() for k, v in norm.state_dict().items()},
+                                       "norm_grads": [None if p.grad is None else p.grad.clone() for p in norm.parameters()]}
+    return [*blocks, {"index": shared.index, "problem_type": shared.problem_type, "scale": vars(shared).get("scale"), **outside}]
 
 
 def refusal_accepted(states: tuple[tuple[str, ...], ...], message: str) -> bool:
