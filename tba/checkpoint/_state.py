@@ -68,6 +68,7 @@ def state_dict(model: nn.Module, optimizer: Optimizer | None = None, **extra: An
     ``save_lazy`` or ``dcp.save``.
     """
     _check_targets("state_dict(model, optimizer)", model, optimizer)
+    _check_extras("state_dict", extra)
     with _no_state_initialisation(optimizer):
         model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
     return _assemble(model_state, optimizer, optimizer_state, extra)
@@ -86,6 +87,24 @@ def _check_targets(call: str, model: Any, optimizer: Any) -> None:
     if any(id(p) not in owned for group in optimizer.param_groups for p in group["params"]):
         raise TbaConfigError("the optimizer holds parameters that are not the model's; pass the optimizer built "
                              "from this model's parameters")
+
+
+def _check_extras(call: str, extra: dict[str, Any]) -> None:
+    """Refuse an extra entry that ``load`` cannot fill in place, at the save already.
+
+    Note: [An extra value load cannot fill in place]
+    ``load`` returns nothing: an extra entry comes back by being filled in place. A tensor is, and so
+    is every value inside a dict, but ``load(path, model, optimizer, step=0)`` read the saved step into
+    load's own dict and threw it away, so the caller resumed from step 0, silently (rev99); so did a
+    list (``step=[0]`` stayed ``[0]``; of ``[tensor, 5]`` only the tensor came back). Both refuse
+    them: :func:`state_dict` too, so that no checkpoint is made that :func:`load` would refuse at resume.
+    """
+    for key, value in extra.items():
+        if not isinstance(value, (torch.Tensor, dict)):
+            raise TbaConfigError(f"{call}(..., {key}={value!r} ({type(value).__name__})): load fills extra entries "
+                                 f"in place and cannot change a {type(value).__name__}; pass it inside a dict, "
+                                 f"meta={{'{key}': ...}}, to both state_dict and load, and read the loaded "
+                                 "values from that dict after load")
 
 
 @contextlib.contextmanager
@@ -191,6 +210,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
     if not isinstance(path, (str, os.PathLike)):
         raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
     _check_targets("load(path, model, optimizer)", model, optimizer)
+    _check_extras("load", extra)
     # the target is initialised (a fresh optimizer has state to load into); its state is replaced below
     model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
     state = _assemble(model_state, optimizer, optimizer_state, extra)

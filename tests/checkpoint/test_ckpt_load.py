@@ -220,3 +220,24 @@ def test_state_dict_and_load_given_the_wrong_objects_name_the_order(tmp_path):
             call()
     with pytest.raises(TbaConfigError, match="path"):
         load(None, model, optimizer)
+
+
+def test_an_extra_value_load_cannot_fill_in_place_is_refused_and_one_in_a_dict_comes_back(tmp_path):
+    """load(path, model, optimizer, step=0) read the saved step and threw it away: load returns nothing and an int
+    cannot be filled in place, so the caller resumed from step 0 with no word; step=[0] stayed [0] too (rev99).
+    state_dict refuses such an entry as well, so no checkpoint is made that load would refuse at resume."""
+    model, optimizer = make_model()
+    path = tmp_path / "c"
+    for step in (7, [7]):
+        with pytest.raises(TbaConfigError, match=r"state_dict\(\.\.\., step=.*7.* \((int|list)\).*in place.*dict"):
+            state_dict(model, optimizer, step=step)
+    dcp.save({**state_dict(model, optimizer, meta={"epoch": 3}), "step": 7}, storage_writer=TbaStorageWriter(path))
+    model2, optimizer2 = make_model(seed=1)
+    for step in (0, [0]):
+        with pytest.raises(TbaConfigError, match=r"load\(\.\.\., step=.*0.* \((int|list)\).*in place.*dict"):
+            load(path, model2, optimizer2, step=step, meta={"epoch": 0})
+    dcp.save(state_dict(model, optimizer, meta={"epoch": 3, "step": 7}), storage_writer=TbaStorageWriter(path))
+    meta = {"epoch": 0, "step": 0}
+    load(path, model2, optimizer2, meta=meta)
+    assert meta == {"epoch": 3, "step": 7}
+
