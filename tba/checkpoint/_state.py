@@ -168,6 +168,30 @@ class _StrictPlanner(DefaultLoadPlanner):
             raise TbaCheckpointError(
                 f"the checkpoint holds keys this model and optimizer do not: {shown}; load it into the model it "
                 "was saved from, or save with tba.checkpoint.state_dict(model, optimizer)")
+        _check_kinds(self.state_dict, metadata.state_dict_metadata)
+
+
+def _check_kinds(targets: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Refuse a tensor target of another dtype than the saved tensor's, or where the checkpoint holds no tensor.
+
+    Note: [A tensor of another dtype was cast on load]
+    The reader copies each saved tensor into its target with ``copy_``, which casts, as DCP's own
+    ``FileSystemReader`` does: an fp32 checkpoint loaded into a bf16 model was rounded, an int64 entry
+    into an int32 tensor wrapped (2**40 became 0), and a saved int left a tensor target as it was
+    (DCP replaced load's entry, not the caller's tensor), each with no word (rev99). :func:`load`
+    promises the state exactly, so it compares each target with the checkpoint's metadata first.
+    """
+    for key, target in targets.items():
+        if not isinstance(target, torch.Tensor) or key not in saved:
+            continue
+        dtype = getattr(getattr(saved[key], "properties", None), "dtype", None)
+        if dtype is None:
+            raise TbaCheckpointError(f"{key}: the checkpoint holds a value that is not a tensor, and the target is a "
+                                     "tensor; pass a dict holding that entry instead, or save it as a tensor")
+        if dtype != target.dtype:
+            raise TbaCheckpointError(f"{key}: the checkpoint holds {dtype}, the target is {target.dtype}, and load "
+                                     "restores exactly, never by casting; build the model (or entry) in the saved "
+                                     f"dtype, load, then convert it (model.to({target.dtype}))")
 
 
 def _param_group_names(keys: list[str]) -> str | None:

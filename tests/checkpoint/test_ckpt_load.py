@@ -241,3 +241,32 @@ def test_an_extra_value_load_cannot_fill_in_place_is_refused_and_one_in_a_dict_c
     load(path, model2, optimizer2, meta=meta)
     assert meta == {"epoch": 3, "step": 7}
 
+
+
+
+def test_a_model_or_entry_of_another_dtype_or_kind_gets_a_checkpoint_error(tmp_path):
+    """load copied each saved tensor into the target with copy_, which casts: an fp32 checkpoint loaded into a bf16
+    model was rounded, an int64 entry into an int32 tensor wrapped (2**40 became 0), and a saved int left a tensor
+    target as it was, each with no word (rev99)."""
+    model, optimizer = make_model()
+    path, other = tmp_path / "c", tmp_path / "flag"
+    saved = {**state_dict(model, optimizer, big=torch.tensor([1, 2**40])), "meta": {"step": 7}}
+    dcp.save(saved, storage_writer=TbaStorageWriter(path))
+    dcp.save({**saved, "flag": 5}, storage_writer=TbaStorageWriter(other))
+    model2, _ = make_model(seed=1)
+    model2 = model2.to(torch.bfloat16)
+    optimizer2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(TbaCheckpointError, match=r"model\.0\.weight: the checkpoint holds torch.float32.*torch.bfloat16"):
+        load(path, model2, optimizer2, big=torch.zeros(2, dtype=torch.int64), meta={"step": 0})
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))
+    model3, optimizer3 = make_model(seed=1)
+    with pytest.raises(TbaCheckpointError, match=r"big: the checkpoint holds torch.int64.*torch.int32"):
+        load(path, model3, optimizer3, big=torch.zeros(2, dtype=torch.int32), meta={"step": 0})
+    flag = torch.tensor(0)
+    with pytest.raises(TbaCheckpointError, match=r"flag: the checkpoint holds a value that is not a tensor"):
+        load(other, model3, optimizer3, big=torch.zeros(2, dtype=torch.int64), meta={"step": 0}, flag=flag)
+    assert flag.item() == 0
+    big, meta = torch.zeros(2, dtype=torch.int64), {"step": 0}
+    load(path, model3, optimizer3, big=big, meta=meta)
+    assert meta == {"step": 7} and big.tolist() == [1, 2**40] and torch.equal(model3[0].weight, model[0].weight)
