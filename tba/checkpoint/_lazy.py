@@ -55,7 +55,7 @@ def _unwrap(err: BaseException) -> BaseException:
 _warmed_up = False
 
 
-def _warm_up_in_caller(backend: str, queue_depth: int) -> None:
+def _warm_up_in_caller(backend: str, queue_depth: int, fallback_dir: str | None = None) -> None:
     """Take one tiny checkpoint into a temporary directory in the calling thread, once per process.
 
     Note: [Fork while the save thread runs]
@@ -71,14 +71,25 @@ def _warm_up_in_caller(backend: str, queue_depth: int) -> None:
     global _warmed_up
     if _warmed_up:
         return
-    writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=ImagePool())
-    try:
-        with tempfile.TemporaryDirectory(prefix="tba-warm-up-") as scratch:
-            writer.reset(scratch)
-            dcp.save({"warm_up": torch.zeros(8, device="cpu")}, storage_writer=writer, no_dist=True)
-    finally:
-        writer.close()
-    _warmed_up = True
+    # Note: [A full temporary directory does not fail the save]
+    # The warm-up wrote to the temporary directory only: with /tmp full (or $TMPDIR unusable) every
+    # save_lazy raised DCP's CheckpointException about that directory (a BaseException, which
+    # except Exception does not catch), though the checkpoint's own directory was fine (rev99). It
+    # falls back to the checkpoint's parent (checked writable already), and if that fails too the
+    # save goes on without it: the save reports its own errors, and the warm-up runs at a later save.
+    for directory in dict.fromkeys((None, fallback_dir)):
+        writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=ImagePool())
+        try:
+            with tempfile.TemporaryDirectory(prefix=".tba-warm-up-", dir=directory) as scratch:
+                writer.reset(os.path.join(scratch, "warm_up"))
+                dcp.save({"warm_up": torch.zeros(8, device="cpu")}, storage_writer=writer, no_dist=True)
+            _warmed_up = True
+            return
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps errors in its own BaseException
+            message = str(_unwrap(err)).strip().splitlines() or [type(err).__name__]
+            logger.info("tba: warming up checkpoints in %s failed: %s", directory or tempfile.gettempdir(), message[-1][:200])
+        finally:
+            writer.close()
 
 
 _CHECKPOINTERS: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
@@ -143,7 +154,6 @@ class LazyCheckpointer:
         if not isinstance(path, (str, os.PathLike)):
             raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
         path = os.path.abspath(os.fspath(path))
-        _warm_up_in_caller(*self._settings)
         with self._lock:
             previous = self._latest
             if previous is not None and not previous.done():
@@ -151,6 +161,7 @@ class LazyCheckpointer:
                 previous._done.wait()
             self._writer.reset(path)
             self._writer.prepare_local_plan(None)  # refuses a bad destination before the save is registered
+            _warm_up_in_caller(*self._settings, os.path.dirname(path))
             handle = LazyCheckpoint(path, on_done)
             begin_save(path, handle._done)  # Note [A load waits for the saves to its path]
             watch = thread = None

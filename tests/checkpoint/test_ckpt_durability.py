@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -212,3 +213,23 @@ def test_a_path_that_is_not_a_path_is_a_config_error():
     """save(state, None) raised a bare TypeError from os.fspath inside save."""
     with pytest.raises(TbaConfigError, match="path"):
         LazyCheckpointer().save({"w": torch.zeros(3)}, None)
+
+
+def test_a_full_temporary_directory_does_not_fail_a_lazy_save_elsewhere(tmp_path, monkeypatch):
+    """The one-time warm-up wrote to the temporary directory only: with /tmp full every save_lazy raised DCP's
+    CheckpointException (a BaseException) about that directory, though the checkpoint's was fine (rev99)."""
+    import tempfile
+
+    from tba.checkpoint import _lazy
+
+    with small_mount(str(tmp_path / "tmp"), 64 * 1024) as full:
+        with open(os.path.join(full, "fill"), "wb") as stream:
+            with contextlib.suppress(OSError):
+                stream.write(b"x" * 64 * 1024)
+        monkeypatch.setattr(tempfile, "tempdir", full)
+        monkeypatch.setattr(_lazy, "_warmed_up", False)
+        state = {"a": torch.arange(1000, dtype=torch.float64)}
+        with LazyCheckpointer() as checkpointer:
+            checkpointer.save(state, tmp_path / "ckpt").wait()
+        assert_state_equal(load_state(str(tmp_path / "ckpt"), state, TbaStorageReader(str(tmp_path / "ckpt"))), state)
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "tmp"]
