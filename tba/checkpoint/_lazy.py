@@ -159,7 +159,7 @@ class LazyCheckpointer:
             if previous is not None and not previous.done():
                 logger.info("tba: checkpoint %s waits for %s to finish", path, previous.path)
                 previous._done.wait()
-            self._writer.reset(path)
+            self._writer._retarget(path)  # the save runs in its own thread (Note [One writer runs one save at a time])
             self._writer.prepare_local_plan(None)  # refuses a bad destination before the save is registered
             _warm_up_in_caller(*self._settings, os.path.dirname(path))
             handle = LazyCheckpoint(path, on_done)

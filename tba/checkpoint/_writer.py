@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tba.checkpoint import _layout
+from tba.checkpoint._claim import SaveClaim
 from tba.checkpoint._io import (
     DCP_VERSION,
     DEFAULT_CHUNK_BYTES,
@@ -125,15 +127,25 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         self.rank = 0
         self._staging = ""
         self._staging_fd = -1
+        self._claim = SaveClaim()  # Note [One writer runs one save at a time]
         self.last_write_bytes = 0
         """Bytes of the data file of the latest ``write_data`` (padding included)."""
         self.last_write_s = 0.0
         """Seconds the latest ``write_data`` spent from opening its data file until it was fsync'd."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        with self._claim.lock:
+            self._claim.refuse_overlap(self.path, f"retarget it to {os.fspath(checkpoint_id)}" if checkpoint_id
+                                       else "start another save")
+            self._retarget(checkpoint_id)
+            self._claim.path_by = threading.current_thread()
+
+    def _retarget(self, checkpoint_id: str | os.PathLike | None) -> None:
+        """Set the path and a new save id; the save may run in any thread (a lazy save's own)."""
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
+        self._claim.path_by = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -143,6 +155,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._claim.begin(self.path)  # Note [One writer runs one save at a time]
         self.rank = kwargs.get("rank") or 0
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -237,6 +250,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             shutil.rmtree(file_plan.staging, ignore_errors=True)
             ACTIVE_STAGING.discard(file_plan.staging)
             self._release_staging()
+            self._claim.end()
             if isinstance(err, OSError):
                 raise checkpoint_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
             raise
@@ -272,6 +286,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         finally:
             ACTIVE_STAGING.discard(staging)
             self._release_staging()
+            self._claim.end()
         if replaced is not None:
             remove_replaced(replaced)
         logger.debug("tba: checkpoint %s published", self.path)

@@ -86,6 +86,40 @@ def test_async_save_with_tba_writer(tmp_path):
     assert_state_equal(load_state(path, state, TbaStorageReader(path)), state)
 
 
+@pytest.mark.parametrize("checkpoint_ids", [True, False])
+def test_a_second_async_save_on_a_writer_still_saving_is_refused_and_the_first_is_published(tmp_path, monkeypatch,
+                                                                                           checkpoint_ids):
+    """Two dcp.async_save calls sharing one writer, the first still running: the second's reset retargeted the first,
+    whose future then succeeded with nothing published under its path and its partial directory left, silently
+    (rev99)."""
+    import threading
+
+    from tba.checkpoint import _layout
+    from tba.errors import TbaConfigError
+
+    gate, entered, write_image = threading.Event(), threading.Event(), _layout.write_image
+
+    def gated(*args, **kwargs):
+        entered.set()
+        assert gate.wait(60)
+        return write_image(*args, **kwargs)
+
+    monkeypatch.setattr(_layout, "write_image", gated)
+    first, second = {"x": torch.arange(1000.0)}, {"x": -torch.arange(1000.0)}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    writer = TbaStorageWriter(None if checkpoint_ids else a)
+    one = dcp.async_save(first, storage_writer=writer, checkpoint_id=a if checkpoint_ids else None, no_dist=True)
+    assert entered.wait(60)
+    two = dcp.async_save(second, storage_writer=writer, checkpoint_id=b if checkpoint_ids else None, no_dist=True)
+    with pytest.raises((TbaConfigError, CheckpointException), match="still saving .*one writer runs one save at a time"):
+        two.result(timeout=60)
+    gate.set()
+    one.result(timeout=60)
+    writer.close()
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+    assert_state_equal(load_state(a, first, TbaStorageReader(a)), first)
+
+
 def test_reads_checkpoints_written_by_filesystemwriter(tmp_path):
     model, optimizer = make_model(seed=5)
     state = full_state(model, optimizer)

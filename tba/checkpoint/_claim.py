@@ -1,0 +1,53 @@
+"""Which thread a :class:`~tba.checkpoint.TbaStorageWriter`'s save runs in, so that a second one is refused.
+
+Note: [One writer runs one save at a time]
+DCP keeps the writer's state (path, staging directory, host image) from one step of a save to the
+next; ``dcp.async_save`` runs each save in a thread of its own. Two async saves given one writer,
+the first still running, shared it: the second's ``reset`` retargeted the first, whose future
+succeeded with nothing published under its path and its partial directory left, silently (rev99).
+A writer is claimed by the thread that runs its save, from ``set_up_storage_writer`` until
+``finish`` or a failed ``write_data``; another thread's ``reset`` or save meanwhile raises
+:class:`TbaConfigError`, and a save whose path another live thread set after its own ``reset``
+fails rather than save there. A claim whose thread has ended, or the same thread's next save (DCP
+gives a writer no word when a save fails elsewhere), is not in the way.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from tba.checkpoint._io import TbaConfigError
+
+_FIX = ("one writer runs one save at a time; wait for the previous dcp.async_save's future (.result()) first, or give "
+        "each save its own writer")
+
+
+def _other_live(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread is not threading.current_thread() and thread.is_alive()
+
+
+class SaveClaim:
+    """The thread running a writer's save, and the thread that last set its path."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.path_by: threading.Thread | None = None
+        self.running: threading.Thread | None = None
+
+    def refuse_overlap(self, path: str | None, what: str) -> None:
+        """Raise if a save of another live thread runs; call with :attr:`lock` held."""
+        if _other_live(self.running):
+            raise TbaConfigError(f"this TbaStorageWriter is still saving {path} in thread {self.running.name}, and "
+                                 f"cannot {what} meanwhile: {_FIX}")
+
+    def begin(self, path: str | None) -> None:
+        """Claim the writer for the save starting in this thread."""
+        with self.lock:
+            self.refuse_overlap(path, "start another save")
+            if _other_live(self.path_by):
+                raise TbaConfigError(f"thread {self.path_by.name} retargeted this TbaStorageWriter to {path} after "
+                                     f"this save's own reset: {_FIX}")
+            self.running = threading.current_thread()
+
+    def end(self) -> None:
+        self.running = None
