@@ -45,7 +45,7 @@ from typing import Any
 from torch import nn
 
 from tba.config import OffloadConfig, option_names
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, TbaError
 from tba.integrations import shared_disk
 from tba.runtime import Offloader
 
@@ -294,11 +294,22 @@ class TbaDeepSpeed:
             num_params=sum(getattr(p, "ds_numel", p.numel()) for p in params),
             param_itemsize_bytes=params[0].element_size() if params else 0,
         )
-        write_rate, read_rate = shared_disk.measure_bandwidth(
-            self.offloader.spill.directory, backend=config.backend,
-            block_size_bytes=config.block_size_bytes, queue_depth=config.queue_depth)
+        directory = self.offloader.spill.directory
+        try:
+            write_rate, read_rate = shared_disk.measure_bandwidth(
+                directory, backend=config.backend, block_size_bytes=config.block_size_bytes, queue_depth=config.queue_depth)
+        except (OSError, TbaError) as err:
+            # Note: [A shared-disk check that cannot measure is skipped]
+            # The probe preallocates 64 MiB in the shared directory and opens it with O_DIRECT. On a nearly full
+            # disk (ENOSPC), a file system without O_DIRECT (where tba's own spill file falls back to buffered
+            # I/O), or a process at its descriptor limit, the raw error came out of the next step's ``with``
+            # and ended a training that was running well, for a diagnostic. It is skipped, saying why.
+            logger.warning("tba: skipped the shared-disk check of %s, which could not measure the disk (%s); set "
+                           "\"check_bandwidth\": false in the \"tba\" block to skip it without this warning",
+                           directory, getattr(err, "strerror", None) or err)
+            return
         warning = shared_disk.check_shared_disk(
             tba_bytes_per_step=tba_bytes_per_step, deepspeed_bytes_per_step=deepspeed_bytes, step_s=step_s,
-            write_bytes_per_s=write_rate, read_bytes_per_s=read_rate, directory=self.offloader.spill.directory)
+            write_bytes_per_s=write_rate, read_bytes_per_s=read_rate, directory=directory)
         if warning is not None:
             logger.warning(warning)

@@ -6,6 +6,7 @@ NVMe paths that need DeepSpeed's async_io op, which CI does not build.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -221,3 +222,27 @@ def test_shared_disk_check_takes_sizes_written_as_text(tmp_path, monkeypatch):
     train_fake(engine, tba_ds.TbaDeepSpeed(engine), 3)
     assert calls == [{"backend": "threads", "block_size_bytes": 64 << 10, "queue_depth": 4}]
     assert os.listdir(nvme) == []
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   OSError(errno.EINVAL, "Invalid argument")], ids=["full", "no-o-direct"])
+def test_shared_disk_check_that_cannot_measure_does_not_end_training(tmp_path, monkeypatch, caplog, error):
+    """The check's 64 MiB probe file on a nearly full shared disk (posix_fallocate: ENOSPC), or an O_DIRECT open where
+    the file system has none (tba's own spill falls back to buffered I/O): the raw OSError came out of the second
+    step's ``with``, ending a training that ran, for a diagnostic. It is skipped with a warning naming the reason."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+
+    def failing_open(directory, size, **options):
+        raise error
+
+    monkeypatch.setattr(shared_disk, "open_scratch", failing_open)
+    engine = FakeEngine(nvme_config(str(nvme), backend="threads", min_offload_bytes=0))
+    offload = tba_ds.TbaDeepSpeed(engine)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        losses = train_fake(engine, offload, 3)
+    warnings = [record.getMessage() for record in caplog.records if "shared-disk check" in record.getMessage()]
+    assert len(warnings) == 1 and error.strerror in warnings[0] and '"check_bandwidth": false' in warnings[0], warnings
+    assert offload.stats.bytes_written > 0 and os.listdir(nvme) == []
+    reference = FakeEngine({})
+    assert train_fake(reference, tba_ds.TbaDeepSpeed(reference), 3) == losses
