@@ -146,12 +146,31 @@ def compile_blocks(layers: Sequence[nn.Module], parent: nn.Module, **compile_opt
     return compiled
 
 
-def warn_whole_model_compile(layers: Sequence[nn.Module]) -> None:
-    """Log :data:`WHOLE_MODEL_COMPILE_WARNING` once for the model whose first layer is ``layers[0]``."""
+COMPILED_AFTER_WARNING = (
+    "tba: the model's blocks were compiled after the offloader was given them: tba holds the blocks inside the "
+    "torch.compile wrappers, whose graphs trace its layer hooks, and a plan cannot recompute them there. Build the "
+    "offloader after compiling the blocks (`for i, block in enumerate(model.layers): model.layers[i] = "
+    "torch.compile(block)` first; layers=model then finds the compiled ones)."
+)
+
+
+def warn_whole_model_compile(layers: Sequence[nn.Module], wrapped_after_given: Callable[[], bool] = bool) -> None:
+    """Log :data:`WHOLE_MODEL_COMPILE_WARNING` once for the model whose first layer is ``layers[0]``, or
+    :data:`COMPILED_AFTER_WARNING` when ``wrapped_after_given()`` (asked only then: it walks the model).
+
+    Note: [Blocks compiled after tba was given them]
+    ``model.layers[i] = torch.compile(block)`` after ``tba.Offloader(layers=model)`` leaves tba holding the
+    blocks inside the wrappers. They are not compiled themselves, so their hooks, traced into each
+    wrapper's graph, read as an enclosing whole-model graph, and the warning told the user to compile
+    each block, which they had done. When forward ends the two cannot be told apart by what was saved (a
+    whole-model graph under a one-shot context saved block by block too), so the module given as
+    ``layers=`` is looked at: if it now holds a wrapper whose ``_orig_mod`` is one of tba's layers, the
+    warning names the order to change. Gradients are exact either way.
+    """
     if not layers or layers[0] in _warned:
         return
     _warned.add(layers[0])
-    logger.warning(WHOLE_MODEL_COMPILE_WARNING)
+    logger.warning(COMPILED_AFTER_WARNING if wrapped_after_given() else WHOLE_MODEL_COMPILE_WARNING)
 
 
 def never_traced(*functions: Callable[..., object]) -> None:

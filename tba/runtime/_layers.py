@@ -11,6 +11,7 @@ pre-hooks, removed when the offload context exits.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from tba import _control
 from tba.errors import TbaConfigError
-from tba.runtime._compile import is_compiled_module, saved_by_compiled_graph
+from tba.runtime._compile import is_compiled_module, is_optimized_module, saved_by_compiled_graph
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
@@ -121,8 +122,10 @@ def _free_weak_refs(refs: tuple[int, ...]) -> None:
 class LayerTracker:
     """Knows the index of the layer whose forward is running (None outside any layer)."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], given: object = None) -> None:
         self.layers = list(layers)
+        self._given = weakref.ref(given) if isinstance(given, nn.Module) else None
+        """The module ``layers=`` was (the model, or the container of the blocks), weakly."""
         self.current: int | None = None
         self.traced_in_enclosing_graph = False
         """Set when a layer that is not compiled itself ran inside a compiled graph (``tba/runtime/_compile.py``)."""
@@ -152,6 +155,14 @@ class LayerTracker:
     def in_whole_model_graph(self) -> bool:
         """After forward: whether the layers ran inside an enclosing compiled graph (see ``tba/runtime/_compile.py``)."""
         return self.traced_in_enclosing_graph or (self.compiled_save_outside_layers and self.current is None)
+
+    def wrapped_after_given(self) -> bool:
+        """Whether the module given as ``layers=`` now holds a ``torch.compile`` wrapper of one of the layers (Note
+        [Blocks compiled after tba was given them] in ``tba/runtime/_compile.py``)."""
+        given = self._given() if self._given is not None else None
+        layers = {id(layer) for layer in self.layers}
+        return given is not None and any(is_optimized_module(module) and id(module._orig_mod) in layers
+                                         for module in given.modules())
 
     def _entering(self, index: int, compiled_itself: bool):
         def hook(module: nn.Module, args: object) -> None:

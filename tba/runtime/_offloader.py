@@ -142,7 +142,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._staged_devices = _staged_devices
         self._stats = OffloadStats(allocator=detect_allocator().name)
         self._stats_base: OffloadStats | None = None
-        self._tracker = LayerTracker(self.layers)
+        self._tracker = LayerTracker(self.layers, given=layers)
         self._state_keys = StateKeys(self.layers)
         self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable, directory=self.directory,
                                            memory_budget_bytes=config.memory_budget_bytes,

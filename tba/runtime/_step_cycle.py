@@ -214,7 +214,7 @@ class StepCycle:
             found = self._discovery.finish()
             self._discovery.retag(self.layer_saved_bytes)
         if self._tracker.in_whole_model_graph:
-            warn_whole_model_compile(self.layers)
+            warn_whole_model_compile(self.layers, self._tracker.wrapped_after_given)
         self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
                                 self._store.window.budget_bytes, self._store.unwritten_layer_bytes, owner=claim)
         if self._phase is _Phase.CLOSED:

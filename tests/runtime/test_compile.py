@@ -186,3 +186,20 @@ def test_whole_model_compile_passed_as_layers_with_large_token_batches_is_exact(
     ref_loss, ref_grads = run_step(torch.compile(make_gpt(config), backend="aot_eager"), lambda model: model(tokens, targets))
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+
+def test_blocks_compiled_after_the_offloader_was_built_are_told_the_order(spill_dir, caplog):
+    """An offloader built with layers=model, then each block compiled (the per-block compile the whole-model warning
+    recommends): tba's layer hooks ran inside each block's own graph, and the warning told the user to compile each
+    block instead of the whole model, which is what they had done. It names the order to change instead."""
+    reference = run_step(compile_each_block(make_gpt(CONFIG)), forward)
+    model = make_gpt(CONFIG)
+    offloader = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0, layers=model, policy="offload")
+    compile_each_block(model)
+    for _ in range(2):
+        loss, grads = run_step(model, forward, offloader)
+        assert torch.equal(loss, reference[0]) and all(torch.equal(grads[n], reference[1][n]) for n in reference[1])
+    offloader.close()
+    messages = [r.getMessage() for r in caplog.records if r.name == "tba" and "torch.compile" in r.getMessage()]
+    assert len(messages) == 1, messages
+    assert "whole-model" not in messages[0] and "after compiling" in messages[0], messages[0]
