@@ -203,6 +203,9 @@ class TbaDeepSpeed:
 
     def __init__(self, engine: Any, config: str | os.PathLike | Mapping[str, Any] | None = None, *,
                  layers: nn.Module | list[nn.Module] | None = None) -> None:
+        if not isinstance(getattr(engine, "module", None), nn.Module) or not hasattr(engine, "global_steps"):
+            raise TbaConfigError(f"TbaDeepSpeed takes the DeepSpeed engine, got {type(engine).__name__}: pass the first value of "
+                                 "engine, optimizer, _, _ = deepspeed.initialize(...), as TbaDeepSpeed(engine)")
         self.engine = engine
         self.settings = parse_config(engine.config if config is None else config)
         self.offloader: Offloader | None = None

@@ -246,3 +246,12 @@ def test_shared_disk_check_that_cannot_measure_does_not_end_training(tmp_path, m
     assert offload.stats.bytes_written > 0 and os.listdir(nvme) == []
     reference = FakeEngine({})
     assert train_fake(reference, tba_ds.TbaDeepSpeed(reference), 3) == losses
+
+
+@pytest.mark.parametrize("given", ["model", "initialize's tuple"])
+def test_something_other_than_the_engine_is_refused_naming_it(given):
+    """The model (whose own ``config`` was read as DeepSpeed's: "the DeepSpeed config must be a dict ..., got GPTConfig")
+    or deepspeed.initialize's whole tuple (AttributeError: 'tuple' object has no attribute 'config')."""
+    model = make_gpt(PRESETS["tiny"])
+    with pytest.raises(TbaConfigError, match=r"engine, optimizer, _, _ = deepspeed.initialize"):
+        tba_ds.TbaDeepSpeed(model if given == "model" else (model, None, None, None))
