@@ -222,7 +222,8 @@ def updated_cache(args: tuple, kwargs: dict[str, Any]) -> Any | None:
     to line up (found by a review). Hugging Face turns the cache off under its own gradient
     checkpointing for this reason. So a layer given one is profiled as not recomputable (the adaptive
     planner keeps or offloads it), and a plan that recomputes it raises :class:`tba.TbaError` naming
-    the fix.
+    the fix. Not with grad disabled or in inference mode (``generate()``), where nothing is recomputed:
+    a plan's offloader entered around ``generate()`` refused its cache for nothing.
     """
     for value in (*args, *kwargs.values()):
         if any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__):

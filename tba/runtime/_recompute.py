@@ -279,6 +279,8 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int | Holder, t
 def _refuse_cache(layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """Raise :class:`TbaError` when a key/value cache is among the recomputed layer's arguments (Note [A layer
     given a key/value cache is not recomputed] in ``tba/runtime/_call_args.py``)."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return  # nothing is recomputed then: generate() under a plan that recomputes the blocks
     cache = updated_cache(args, kwargs)
     if cache is not None:
         raise TbaError(f"a recomputed layer ({type(layer).__name__}) is given a key/value cache ({type(cache).__name__}), "

@@ -215,3 +215,18 @@ def test_trainer_refuses_bad_tba_options_where_it_is_built(tmp_path, options, ma
                                                    save_strategy="no", disable_tqdm=True)
     with pytest.raises(tba.TbaConfigError, match=match):
         TbaTrainer(model=gpt2()[0], args=training_args, tba_options=options)
+
+
+def test_generate_under_a_recompute_plan_is_not_refused(spill_dir):
+    """generate() runs without grad, where a recomputed layer is never run again: its key/value cache was refused all
+    the same (TbaError "given a key/value cache") under an offloader whose plan recomputes the blocks."""
+    model, _ = llama()
+    model.eval()
+    prompt = torch.randint(VOCAB, (BATCH, 8), generator=torch.Generator().manual_seed(1))
+    want = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    plan = tba.Plan(("recompute",) * 3, window_bytes=1 << 20)
+    offloader = tba.Offloader(spill_dir, layers=model, policy=plan, min_offload_bytes=0, backend="threads")
+    with offloader:
+        got = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    offloader.close()
+    assert torch.equal(want, got)
