@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 import tempfile
@@ -144,6 +145,9 @@ def positive_list(what: str) -> Callable[[str], str]:
                 ) from None
             if not value > 0:
                 raise argparse.ArgumentTypeError(f"{item.strip()} is not positive; pass {what} > 0")
+            if not math.isfinite(value):
+                raise argparse.ArgumentTypeError(f"{item.strip()} is not a finite number; pass {what} as numbers "
+                                                 "such as 0.5,0.25")
         return text
 
     return parse

@@ -29,6 +29,10 @@ def refused(argv: list[str], capsys) -> str:
     (["gpu-report", "--out", "x", "--steps", "-1"], "argument --steps: -1 is too small"),
     (["bench-io", "--size", "-1M"], "argument --size: '-1M' is negative; pass a positive size"),
     (["capacity", "--budget", "-1M"], "argument --budget: '-1M' is negative; pass a positive size"),
+    # float() takes these: inf reached int() (an OverflowError traceback, --budgets after the baselines ran)
+    (["rok", "--budgets-mib", "inf"], "argument --budgets-mib: inf is not a finite number; pass --budgets-mib"),
+    (["rok", "--budgets", "0.5,1e999"], "argument --budgets: 1e999 is not a finite number"),
+    (["rok", "--budgets", "nan"], "argument --budgets: nan is not positive"),
 ])
 def test_bad_counts_and_sizes_are_refused_at_parse_time(argv, match, capsys):
     assert match in refused(argv, capsys)
