@@ -14,6 +14,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -117,7 +118,7 @@ def write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: st
         writer.writerows(p.row() for p in result.points)
     with open(files[1], "w") as f:
         json.dump({"model": title, "device": device, "allocator": result.allocator,
-                   "points": [{**dataclasses.asdict(p), "budget_met": p.budget_met} for p in result.points],
+                   "points": [_finite({**dataclasses.asdict(p), "budget_met": p.budget_met}) for p in result.points],
                    "adaptive_dominates_recompute": result.adaptive_dominates_recompute,
                    "dominating": result.dominating}, f, indent=2)
     if plot:
@@ -127,6 +128,12 @@ def write(result: RokResult, out_dir: str, plot: bool, *, title: str, device: st
         else:
             logger.warning("tba: matplotlib is not installed, so no rok.png; pip install 'tba-offload[plot]' to get it")
     return files
+
+
+def _finite(point: dict[str, Any]) -> dict[str, Any]:
+    """``point`` with its NaNs (a refused budget's time and ratios) as None: json.dump writes NaN, which is no
+    JSON (jq, JavaScript and most other readers refuse the whole file)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value for key, value in point.items()}
 
 
 def format_points(points: Sequence[RokPoint]) -> str:

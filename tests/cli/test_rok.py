@@ -18,6 +18,7 @@ from tba.bench.isolated import IsolatedRunError, run_isolated
 from tba.cli import build_parser, rok
 from tba.cli._progress import Progress
 from tba.cli._rok_plot import pareto_front, plot_png
+from tba.cli._rok_points import summarise, write
 from tba.cli.rok import sweep
 
 FACTORIES = os.path.join(os.path.dirname(__file__), "rok_factories.py")
@@ -169,3 +170,19 @@ def test_each_point_is_written_when_measured(tmp_path, monkeypatch):
     with open(tmp_path / "rok.csv") as f:
         assert [r["strategy"] for r in csv.DictReader(f)] == ["keep"]
     assert [p["label"] for p in json.loads((tmp_path / "rok.json").read_text())["points"]] == ["keep"]
+
+
+def test_rok_json_is_json_when_a_budget_is_refused(tmp_path):
+    # A refused budget has no time: its NaNs were written as NaN, which no strict JSON reader accepts.
+    keep = SimpleNamespace(median_step_s=1.0, median_peak_bytes=100 << 20, losses=[1.0], plan=None)
+    refusal = "cannot be met: this model needs at least 5 MiB"
+    result = summarise([("keep", "keep", None, keep), ("adaptive", "adaptive 1%", 1 << 20, refusal)], "glibc")
+    files = write(result, str(tmp_path), False, title="t", device="cpu")
+
+    def not_json(constant):
+        raise AssertionError(f"{constant} in rok.json")
+
+    data = json.loads((tmp_path / "rok.json").read_text(), parse_constant=not_json)
+    assert files[1] == str(tmp_path / "rok.json")
+    assert data["points"][1]["step_s"] is None and data["points"][1]["budget_met"] == "refused"
+    assert data["points"][0]["step_ratio"] == 1.0
