@@ -9,6 +9,7 @@ rewriting the JSON document after every measurement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -253,8 +254,18 @@ def _document(settings: Settings, malloc: str, results: list[StrategyResult]) ->
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
-    """Replace ``path`` in one step, so that a run killed while writing leaves the previous version."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(partial, path)
+    """Replace ``path`` in one step, so that a run killed while writing leaves the previous version.
+
+    The file written first is this process's own (its pid in the name: two runs in one directory once
+    shared ``capacity.json.partial``, and the second's ``os.replace`` failed with FileNotFoundError) and
+    is removed when the write is interrupted (Ctrl-C, SIGTERM, a full disk) instead of left behind.
+    """
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as f:
+            json.dump(doc, f, indent=2)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise

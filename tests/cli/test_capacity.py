@@ -9,7 +9,7 @@ import torch
 from python_runs import run_python
 
 import tba
-from tba.cli import main
+from tba.cli import _capacity_run, main
 from tba.cli._capacity_report import StrategyResult, format_table, plot_png, summary
 from tba.cli._capacity_search import Point, Search
 
@@ -190,3 +190,32 @@ def test_speeds_at_keep_alls_batch_come_from_one_process_by_turns(monkeypatch):
     assert rows["offload"]["tokens_per_s_at_keep_max"] == rows["offload"]["tokens_per_s_at_keep_max_own_process"]
     assert not any(row["speeds_in_one_process"] for row in rows.values())
     assert "one step of each in turn" not in format_table(results, 8, 12)
+
+
+def test_json_rewrites_do_not_collide_or_leave_partial_files(tmp_path, monkeypatch):
+    path = str(tmp_path / "capacity.json")
+    real_dump = json.dump
+    calls = []
+
+    def dump_with_another_run_writing(doc, f, **kwargs):
+        # Another capacity run in this directory rewrites the same file while this one is writing it.
+        calls.append(doc)
+        if len(calls) == 1:
+            with monkeypatch.context() as other_process:
+                other_process.setattr(_capacity_run.os, "getpid", lambda: 1)
+                _capacity_run._write_json(path, {"run": "other"})
+        real_dump(doc, f, **kwargs)
+
+    monkeypatch.setattr(_capacity_run.json, "dump", dump_with_another_run_writing)
+    _capacity_run._write_json(path, {"run": "this"})
+    assert json.loads(open(path).read()) == {"run": "this"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json"]
+
+    def interrupted(doc, f, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_capacity_run.json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _capacity_run._write_json(path, {"run": "killed"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json"]
+    assert json.loads(open(path).read()) == {"run": "this"}
