@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 import signal
 import sys
-from collections.abc import Iterable
-from typing import NoReturn
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.cli.demo", "train a small built-in GPT with and without tba and compare"),
@@ -139,10 +142,51 @@ def _exit_on_sigterm() -> None:
     """
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)
+    sys.unraisablehook = _send_again_after(sys.unraisablehook)
 
 
 def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _send_again_after(previous: Callable[[Any], object]) -> Callable[[Any], None]:
+    """Note: [A signal a finalizer swallowed is sent again]
+    Python runs a signal's handler between any two bytecodes, a finalizer's (``__del__``, a weakref
+    callback) among them, and an exception raised there is printed ("Exception ignored in ...") and
+    dropped: ``bench-ckpt`` ran to its end after a SIGTERM that landed in a weakref callback, and
+    Ctrl-C's KeyboardInterrupt is lost the same way. This hook, for a ``SystemExit`` from
+    :func:`_terminated` or a ``KeyboardInterrupt``, says nothing and sends the signal again from a
+    thread a moment later, when the main thread has left the finalizer (were it in another one, this
+    hook sends it once more). Any other exception goes to the hook there was before.
+    """
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, KeyboardInterrupt):
+            signum = signal.SIGINT
+        elif isinstance(value, SystemExit) and _raised_by(unraisable.exc_traceback, _terminated):
+            signum = signal.SIGTERM
+        else:
+            previous(unraisable)
+            return
+        threading.Thread(target=_kill_soon, args=(signum,), name="tba-signal-again", daemon=True).start()
+
+    return hook
+
+
+def _raised_by(traceback: Any, function: Callable[..., object]) -> bool:
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return traceback is not None and traceback.tb_frame.f_code is function.__code__
+
+
+def _kill_soon(signum: int) -> None:
+    time.sleep(SIGNAL_AGAIN_AFTER_S)
+    os.kill(os.getpid(), signum)
+
+
+SIGNAL_AGAIN_AFTER_S = 0.01
+"""How long after a finalizer swallowed a signal's exception it is sent again (the finalizer has returned by then)."""
 
 
 if __name__ == "__main__":

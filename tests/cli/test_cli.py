@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,31 @@ def test_a_terminated_command_removes_its_scratch_directories(tmp_path):
         pytest.fail(f"bench-hooks did not end 60 s after SIGTERM; its stacks:\n{process.stderr.read()[-8000:]}")
     assert status == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(signame):
+    """Note [A signal a finalizer swallowed is sent again] in tba/cli/__init__.py: bench-ckpt ran to its end, table
+    printed, after a SIGTERM whose SystemExit was raised inside a weakref callback ("Exception ignored in ...")."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from tba import cli\n"
+        "def command(args):\n"
+        "    class Finalized:\n"
+        "        def __del__(self):\n"
+        f"            os.kill(os.getpid(), signal.{signame})\n"
+        "            for _ in range(1000):\n"
+        "                pass  # the handler runs here, inside the finalizer\n"
+        "    Finalized()\n"
+        "    time.sleep(5)\n"
+        "    print('ran on')\n"
+        "    return 0\n"
+        "cli.COMMANDS['doctor'] = ('tba.cli.doctor', 'x')\n"
+        "import tba.cli.doctor as module\n"
+        "module.run = command\n"
+        "sys.exit(cli.main(['doctor'], command_line=True))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "ran on" not in done.stdout, done.stderr
+    assert done.returncode == {"SIGTERM": 143, "SIGINT": -signal.SIGINT}[signame], done.stderr
+    assert "Exception ignored" not in done.stderr
