@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pathlib
 import shlex
+import sys
 
+import pytest
 import torch
 from utils import load_script
 
@@ -59,3 +61,14 @@ def test_a_failed_precompile_leaves_nothing_and_a_built_one_serves_until_flags_o
     SCRIPT.build_pch(str(tmp_path), str(header))  # another torch, the same flags: built again
     assert len(calls) == 4
 
+
+
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["--bogus"], 2)])
+def test_help_and_unknown_options_build_nothing(argv, status, monkeypatch, capsys):
+    # --help started the build of several minutes; killed, it left torch's lock file for the next build to wait on.
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder", None)  # an import would mean a build was starting
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPT.main(argv)
+    assert exit_.value.code == status
+    out, err = capsys.readouterr()
+    assert ("usage: tools/deepspeed_aio.py" in out) if status == 0 else ("unrecognized arguments: --bogus" in err)

@@ -39,6 +39,7 @@ Usage: ``python tools/deepspeed_aio.py`` (exit status 1, naming the fix, when li
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import subprocess
@@ -143,7 +144,11 @@ def write_header(header: str) -> None:
             out.write(PCH_HEADER_TEXT)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # It takes no options, but --help (or a typo) must not start a build of several minutes that, killed,
+    # leaves torch's build lock behind for the next one to wait on for ever (the Makefile clears it; a user does not).
+    argparse.ArgumentParser(prog="tools/deepspeed_aio.py", description=__doc__.split("\n\n")[0],
+                            epilog="Usage: python tools/deepspeed_aio.py (make deepspeed-aio runs it)").parse_args(argv)
     import torch.utils.cpp_extension as cpp_extension
     from deepspeed.ops.op_builder import AsyncIOBuilder, PinMemoryBuilder
 
