@@ -29,3 +29,18 @@ def test_the_soak_expects_the_offloaders_own_refusal(spill_dir):
     offloader.close()
     assert soak.is_discarded_reentry(refused.value), str(refused.value)
     assert not soak.is_discarded_reentry(TbaError("this Offloader cannot be entered now: it is already entered"))
+
+
+def test_sigterm_removes_the_spill_directory(tmp_path, monkeypatch):
+    # `timeout` ended the soak with its tba-soak-* directory left in the temp dir.
+    import os
+    import signal
+
+    soak = load_script(SOAK)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    real_rss = soak.rss_bytes
+    monkeypatch.setattr(soak, "rss_bytes", lambda: os.kill(os.getpid(), signal.SIGTERM) or real_rss())
+    with pytest.raises(SystemExit) as exit_:
+        soak.main(["--steps", "20", "--backend", "threads", "--signal-rate", "0", "--progress-every", "1000"])
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []

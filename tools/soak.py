@@ -29,6 +29,7 @@ import errno
 import gc
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -140,54 +141,64 @@ def soak(backend: str, args: argparse.Namespace) -> bool:
         return tba.Offloader(directory, backend=engine, layers=list(model.blocks), min_offload_bytes=0,
                              policy="offload")
 
-    off = new_offloader()
-    step(0, off)
-    start = time.perf_counter()
-    for i in range(3):
-        step(i, off)
-    step_s = (time.perf_counter() - start) / 3
-    engine.active = True
-    signal.signal(signal.SIGALRM, raise_injected)
-    counts = dict(completed=0, exact=0, wrong=0, signals=0, read_faults=0, dropped=0, reopened=0, unexpected=0)
-    warm_rss = None
-    warmup = max(1, args.steps // 10)
-    for index in range(args.steps):
-        drop = rng.random() < args.drop_rate
-        written_first = rng.random() < 0.5
-        timer_s = rng.uniform(0.0001, 1.5 * step_s) if rng.random() < args.signal_rate else 0.0
-        try:
+    off = None
+    try:
+        off = new_offloader()
+        step(0, off)
+        start = time.perf_counter()
+        for i in range(3):
+            step(i, off)
+        step_s = (time.perf_counter() - start) / 3
+        engine.active = True
+        signal.signal(signal.SIGALRM, raise_injected)
+        counts = dict(completed=0, exact=0, wrong=0, signals=0, read_faults=0, dropped=0, reopened=0, unexpected=0)
+        warm_rss = None
+        warmup = max(1, args.steps // 10)
+        for index in range(args.steps):
+            drop = rng.random() < args.drop_rate
+            written_first = rng.random() < 0.5
+            timer_s = rng.uniform(0.0001, 1.5 * step_s) if rng.random() < args.signal_rate else 0.0
             try:
-                signal.setitimer(signal.ITIMER_REAL, timer_s)
-                grads = step(index, off, drop, written_first)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            if drop:
-                counts["dropped"] += 1
-            else:
-                counts["completed"] += 1
-                same = all(torch.equal(g, w) for g, w in zip(grads, want[index % BATCHES]))
-                counts["exact" if same else "wrong"] += 1
-        except InjectedInterrupt:
-            counts["signals"] += 1
-        except TbaReadError:
-            counts["read_faults"] += 1
-        except TbaError as err:
-            if not is_discarded_reentry(err):
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, timer_s)
+                    grads = step(index, off, drop, written_first)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                if drop:
+                    counts["dropped"] += 1
+                else:
+                    counts["completed"] += 1
+                    same = all(torch.equal(g, w) for g, w in zip(grads, want[index % BATCHES]))
+                    counts["exact" if same else "wrong"] += 1
+            except InjectedInterrupt:
+                counts["signals"] += 1
+            except TbaReadError:
+                counts["read_faults"] += 1
+            except TbaError as err:
+                if not is_discarded_reentry(err):
+                    counts["unexpected"] += 1
+                    print(f"  step {index}: unexpected {type(err).__name__}: {err}", flush=True)
+                off.close()
+                off = new_offloader()
+                counts["reopened"] += 1
+            except Exception as err:  # noqa: BLE001 - a soak test reports whatever escapes
                 counts["unexpected"] += 1
                 print(f"  step {index}: unexpected {type(err).__name__}: {err}", flush=True)
-            off.close()
-            off = new_offloader()
-            counts["reopened"] += 1
-        except Exception as err:  # noqa: BLE001 - a soak test reports whatever escapes
-            counts["unexpected"] += 1
-            print(f"  step {index}: unexpected {type(err).__name__}: {err}", flush=True)
-        grads = None
-        if index + 1 == warmup:
-            gc.collect()
-            warm_rss = rss_bytes()
-        if (index + 1) % args.progress_every == 0 or index + 1 == args.steps:
-            print(f"  {backend} step {index + 1}/{args.steps}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
-                  + f", rss {rss_bytes() / MIB:.1f} MiB", flush=True)
+            grads = None
+            if index + 1 == warmup:
+                gc.collect()
+                warm_rss = rss_bytes()
+            if (index + 1) % args.progress_every == 0 or index + 1 == args.steps:
+                print(f"  {backend} step {index + 1}/{args.steps}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+                      + f", rss {rss_bytes() / MIB:.1f} MiB", flush=True)
+    except BaseException:  # Ctrl-C, SIGTERM (main), a crash: the spill directory goes with the run
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for opened in (off, engine):
+            with contextlib.suppress(Exception):
+                if opened is not None:
+                    opened.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     off.close()
     engine.close()
     off = engine = None
@@ -238,8 +249,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
     torch.set_num_threads(1)
     backends = usable if args.backend == "all" else [args.backend]
-    results = [soak(backend, args) for backend in backends]
+    previous = signal.signal(signal.SIGTERM, _terminated)  # timeout, a cancelled job: end through the cleanup
+    try:
+        results = [soak(backend, args) for backend in backends]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if all(results) else 1
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
