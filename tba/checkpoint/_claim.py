@@ -4,7 +4,7 @@ Note: [One writer runs one save at a time]
 DCP keeps the writer's state (path, staging directory, host image) from one step of a save to the
 next; ``dcp.async_save`` runs each save in a thread of its own. Two async saves given one writer,
 the first still running, shared it: the second's ``reset`` retargeted the first, whose future
-succeeded with nothing published under its path and its partial directory left, silently (rev99).
+succeeded with nothing published under its path and its partial directory left, silently (helper-99).
 A writer is claimed by the thread that runs its save, from ``set_up_storage_writer`` until
 ``finish`` or a failed ``write_data``; another thread's ``reset`` or save meanwhile raises
 :class:`TbaConfigError`, and a save whose path another live thread set after its own ``reset``

@@ -74,7 +74,7 @@ def _warm_up_in_caller(backend: str, queue_depth: int, fallback_dir: str | None 
     # Note: [A full temporary directory does not fail the save]
     # The warm-up wrote to the temporary directory only: with /tmp full (or $TMPDIR unusable) every
     # save_lazy raised DCP's CheckpointException about that directory (a BaseException, which
-    # except Exception does not catch), though the checkpoint's own directory was fine (rev99). It
+    # except Exception does not catch), though the checkpoint's own directory was fine (helper-99). It
     # falls back to the checkpoint's parent (checked writable already), and if that fails too the
     # save goes on without it: the save reports its own errors, and the warm-up runs at a later save.
     for directory in dict.fromkeys((None, fallback_dir)):

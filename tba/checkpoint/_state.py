@@ -95,7 +95,7 @@ def _check_extras(call: str, extra: dict[str, Any]) -> None:
     Note: [An extra value load cannot fill in place]
     ``load`` returns nothing: an extra entry comes back by being filled in place. A tensor is, and so
     is every value inside a dict, but ``load(path, model, optimizer, step=0)`` read the saved step into
-    load's own dict and threw it away, so the caller resumed from step 0, silently (rev99); so did a
+    load's own dict and threw it away, so the caller resumed from step 0, silently (helper-99); so did a
     list (``step=[0]`` stayed ``[0]``; of ``[tensor, 5]`` only the tensor came back). Both refuse
     them: :func:`state_dict` too, so that no checkpoint is made that :func:`load` would refuse at resume.
     """
@@ -178,7 +178,7 @@ def _check_kinds(targets: dict[str, Any], saved: dict[str, Any]) -> None:
     The reader copies each saved tensor into its target with ``copy_``, which casts, as DCP's own
     ``FileSystemReader`` does: an fp32 checkpoint loaded into a bf16 model was rounded, an int64 entry
     into an int32 tensor wrapped (2**40 became 0), and a saved int left a tensor target as it was
-    (DCP replaced load's entry, not the caller's tensor), each with no word (rev99). :func:`load`
+    (DCP replaced load's entry, not the caller's tensor), each with no word (helper-99). :func:`load`
     promises the state exactly, so it compares each target with the checkpoint's metadata first.
     """
     for key, target in targets.items():

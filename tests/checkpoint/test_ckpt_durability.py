@@ -217,7 +217,7 @@ def test_a_path_that_is_not_a_path_is_a_config_error():
 
 def test_a_full_temporary_directory_does_not_fail_a_lazy_save_elsewhere(tmp_path, monkeypatch):
     """The one-time warm-up wrote to the temporary directory only: with /tmp full every save_lazy raised DCP's
-    CheckpointException (a BaseException) about that directory, though the checkpoint's was fine (rev99)."""
+    CheckpointException (a BaseException) about that directory, though the checkpoint's was fine (helper-99)."""
     import tempfile
 
     from tba.checkpoint import _lazy

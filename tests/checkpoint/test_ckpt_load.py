@@ -224,7 +224,7 @@ def test_state_dict_and_load_given_the_wrong_objects_name_the_order(tmp_path):
 
 def test_an_extra_value_load_cannot_fill_in_place_is_refused_and_one_in_a_dict_comes_back(tmp_path):
     """load(path, model, optimizer, step=0) read the saved step and threw it away: load returns nothing and an int
-    cannot be filled in place, so the caller resumed from step 0 with no word; step=[0] stayed [0] too (rev99).
+    cannot be filled in place, so the caller resumed from step 0 with no word; step=[0] stayed [0] too (helper-99).
     state_dict refuses such an entry as well, so no checkpoint is made that load would refuse at resume."""
     model, optimizer = make_model()
     path = tmp_path / "c"
@@ -247,7 +247,7 @@ def test_an_extra_value_load_cannot_fill_in_place_is_refused_and_one_in_a_dict_c
 def test_a_model_or_entry_of_another_dtype_or_kind_gets_a_checkpoint_error(tmp_path):
     """load copied each saved tensor into the target with copy_, which casts: an fp32 checkpoint loaded into a bf16
     model was rounded, an int64 entry into an int32 tensor wrapped (2**40 became 0), and a saved int left a tensor
-    target as it was, each with no word (rev99)."""
+    target as it was, each with no word (helper-99)."""
     model, optimizer = make_model()
     path, other = tmp_path / "c", tmp_path / "flag"
     saved = {**state_dict(model, optimizer, big=torch.tensor([1, 2**40])), "meta": {"step": 7}}

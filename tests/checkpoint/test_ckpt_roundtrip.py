@@ -91,7 +91,7 @@ def test_a_second_async_save_on_a_writer_still_saving_is_refused_and_the_first_i
                                                                                            checkpoint_ids):
     """Two dcp.async_save calls sharing one writer, the first still running: the second's reset retargeted the first,
     whose future then succeeded with nothing published under its path and its partial directory left, silently
-    (rev99)."""
+    (helper-99)."""
     import threading
 
     from tba.checkpoint import _layout
