@@ -264,4 +264,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as stream:
             json.dump(report, stream, indent=2)
+    if not report["restore_exact"]:  # a script or CI reading only the status must not take this run as good
+        logger.error("bench-ckpt: the restored model or optimizer state differs from the state saved; this is a bug "
+                     "in tba, please report it with this output")
+        return 1
     return 0

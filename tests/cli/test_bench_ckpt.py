@@ -77,3 +77,14 @@ def test_tiny_run_reports_every_key(tmp_path, capsys):
     assert report["tba_write_gbps"] > 0 and report["tba_lazy_stall_s"] >= 0
     assert "tba lazy" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+@pytest.mark.slow
+def test_a_restore_that_is_not_exact_fails_the_command(tmp_path, monkeypatch, caplog):
+    """The table says so, and so does the exit status (helper-99: it was 0)."""
+    from tba.cli import bench_ckpt
+
+    monkeypatch.setattr(bench_ckpt, "_check_restore", lambda *args: False)
+    argv = ["bench-ckpt", "--size", "16M", "--rounds", "1", "--directory", str(tmp_path), "--no-fio"]
+    assert main(argv) == 1
+    assert "differs from the state saved" in caplog.text
