@@ -130,7 +130,38 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
     args.command_line = command_line
     if command_line:
         _exit_on_sigterm()
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        stop = _stop_inside(err)
+        if stop is None or stop is err:
+            raise
+        raise stop from None
+
+
+def _stop_inside(err: BaseException) -> SystemExit | KeyboardInterrupt | None:
+    """Note: [A signal wrapped by a library still ends the command]
+    A SIGTERM (``SystemExit(143)``, Note [A terminated command cleans up]) or a Ctrl-C that lands inside
+    ``dcp.save`` is caught there and raised again inside DCP's ``CheckpointException`` (its ``failures``
+    per rank), so ``bench-ckpt`` ended with status 1 and a long traceback instead of 143 (helper-101).
+    A ``SystemExit`` or ``KeyboardInterrupt`` found in an error's causes, its context or such failures
+    is raised in its place, as if nothing had wrapped it.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (SystemExit, KeyboardInterrupt)):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [failure[0] for failure in failures.values()
+                     if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException)]
+        todo += [linked for linked in (current.__cause__, current.__context__) if linked is not None]
+    return None
 
 
 def _exit_on_sigterm() -> None:

@@ -14,7 +14,7 @@ import pytest
 from python_runs import run_python
 
 from tba._units import parse_size
-from tba.cli import COMMANDS, bench_io, doctor
+from tba.cli import COMMANDS, bench_io, doctor, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -190,3 +190,21 @@ def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(signame):
     assert "ran on" not in done.stdout, done.stderr
     assert done.returncode == {"SIGTERM": 143, "SIGINT": -signal.SIGINT}[signame], done.stderr
     assert "Exception ignored" not in done.stderr
+
+
+@pytest.mark.parametrize("stop", [SystemExit(143), KeyboardInterrupt()], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_that_a_library_wrapped_still_ends_the_command(monkeypatch, stop):
+    """DCP raises a signal's exception again inside its CheckpointException (Note [A signal wrapped by a library still ends
+    the command] in tba/cli/__init__.py): the command ends as the signal would have ended it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def run(args):
+        try:
+            raise stop
+        except BaseException as err:
+            raise CheckpointException("save", {0: (err, None)}) from None
+
+    monkeypatch.setattr(bench_io, "run", run)
+    with pytest.raises(type(stop)) as caught:
+        main(["bench-io", "--size", "1M"])
+    assert caught.value is stop
