@@ -24,6 +24,11 @@ def refused(tool: str, argv: list[str], capsys) -> str:
     (["--steps", "1", "--backend", "bogus"], "--backend 'bogus' is not usable here; choose all or one of"),
     (["--steps", "1", "--directory", "/nonexistent"], "--directory /nonexistent does not exist"),
     (["--progress-every", "0"], "argument --progress-every: 0 is too small"),
+    (["--signal-rate", "nan"], "argument --signal-rate: nan is not a fraction"),  # nan meant no signals, silently
+    (["--drop-rate", "2"], "argument --drop-rate: 2 is not a fraction"),
+    (["--write-fault-rate", "-0.1"], "argument --write-fault-rate: -0.1 is not a fraction"),
+    (["--read-fault-rate", "inf"], "argument --read-fault-rate: inf is not a fraction"),
+    (["--read-fault-rate", "often"], "argument --read-fault-rate: 'often' is not a number"),
 ])
 def test_soak_refuses_bad_values(argv, match, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # a tba-soak-* folder made by mistake would show here

@@ -226,13 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=500, help="steps per backend (default: 500)")
     parser.add_argument("--backend", default="all", help="io_uring, threads, or all available (default: all)")
     parser.add_argument("--directory", default=None, help="where the spill directory is made (default: temp dir)")
-    parser.add_argument("--write-fault-rate", type=float, default=0.01,
+    parser.add_argument("--write-fault-rate", type=cli_checks.fraction, default=0.01,
                         help="fraction of write requests that fail with ENOSPC (default: 0.01)")
-    parser.add_argument("--read-fault-rate", type=float, default=0.2,
+    parser.add_argument("--read-fault-rate", type=cli_checks.fraction, default=0.2,
                         help="fraction of read requests that fail with EIO (default: 0.2)")
-    parser.add_argument("--signal-rate", type=float, default=0.3,
+    parser.add_argument("--signal-rate", type=cli_checks.fraction, default=0.3,
                         help="fraction of steps interrupted by a timer-signal exception (default: 0.3)")
-    parser.add_argument("--drop-rate", type=float, default=0.1, help="fraction of steps whose loss is dropped (default: 0.1)")
+    parser.add_argument("--drop-rate", type=cli_checks.fraction, default=0.1,
+                        help="fraction of steps whose loss is dropped (default: 0.1)")
     parser.add_argument("--rss-tolerance-mib", type=float, default=32.0,
                         help="allowed RSS growth after warm-up, MiB (or 5%% of RSS if larger; default: 32)")
     parser.add_argument("--progress-every", type=cli_checks.int_at_least(1), default=50,

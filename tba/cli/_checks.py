@@ -48,6 +48,17 @@ def int_at_least(least: int) -> Callable[[str], int]:
     return parse
 
 
+def fraction(text: str) -> float:
+    """A type for a fraction in [0, 1] (a rate of faults or of steps); ``nan`` and ``inf`` are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass a fraction from 0 to 1, such as 0.1") from None
+    if not 0.0 <= value <= 1.0:  # False for nan too
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction; pass a number from 0 to 1, such as 0.1")
+    return value
+
+
 def why_unwritable(directory: str) -> str | None:
     """Why a file cannot be created in ``directory`` (a real try, removed at once: root passes os.access
     on /proc), or None when it can."""
