@@ -55,21 +55,25 @@ static int check_open(RingObject *self)
 static int Ring_init(RingObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"depth", NULL};
-    unsigned depth;
+    int depth; /* "i" refuses what an int does not hold; "I" took the depth modulo 2**32 */
     int err;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I", kwlist, &depth))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "i", kwlist, &depth))
         return -1;
+    if (depth < 1) {
+        PyErr_Format(PyExc_ValueError, "depth must be at least 1, got %d", depth);
+        return -1;
+    }
     if (self->open) {
         PyErr_SetString(PyExc_RuntimeError, "ring already initialised");
         return -1;
     }
-    err = tba_ring_open(&self->ring, depth);
+    err = tba_ring_open(&self->ring, (unsigned)depth);
     if (err) {
         raise_errno(-err);
         return -1;
     }
-    self->done_buf = PyMem_RawCalloc(depth, sizeof(*self->done_buf));
+    self->done_buf = PyMem_RawCalloc((size_t)depth, sizeof(*self->done_buf));
     if (!self->done_buf) {
         tba_ring_close(&self->ring);
         PyErr_NoMemory();
@@ -95,6 +99,28 @@ static void Ring_dealloc(RingObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* ``obj`` (an int, or an object with __index__) as an integer in 0..``max``, into ``*out``; else
+ * OverflowError naming ``what``. Format ``K`` took any int modulo 2**64, without a word: a tag of
+ * 2**64 + 5 came back as 5 (another request's), nbytes -1 asked the kernel for 2**64 - 1 bytes at
+ * the address, and offset -1 is io_uring's "at the file's current position". */
+static int as_u64(PyObject *obj, unsigned long long max, const char *what, unsigned long long *out)
+{
+    PyObject *index = PyNumber_Index(obj);
+    if (!index)
+        return -1;
+    unsigned long long value = PyLong_AsUnsignedLongLong(index); /* OverflowError when negative or too big */
+    int fits = !(value == (unsigned long long)-1 && PyErr_Occurred()) && value <= max;
+    if (!fits) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_OverflowError, "%s must be in 0..%llu, got %S", what, max, index);
+    }
+    Py_DECREF(index);
+    if (!fits)
+        return -1;
+    *out = value;
+    return 0;
+}
+
 /* A vectored request's pieces: a sequence of (address, nbytes) pairs whose sizes add up to ``len``. */
 static int parse_pieces(PyObject *pieces, unsigned long long len, struct tba_req *req)
 {
@@ -117,7 +143,11 @@ static int parse_pieces(PyObject *pieces, unsigned long long len, struct tba_req
     unsigned long long total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long addr, size;
-        if (!PyArg_Parse(PySequence_Fast_GET_ITEM(seq, i), "(KK);a piece must be (address, nbytes)", &addr, &size))
+        PyObject *piece_addr, *piece_size;
+        if (!PyArg_Parse(PySequence_Fast_GET_ITEM(seq, i), "(OO);a piece must be (address, nbytes)", &piece_addr,
+                         &piece_size)
+            || as_u64(piece_addr, UINT64_MAX, "a piece's address", &addr)
+            || as_u64(piece_size, UINT64_MAX, "a piece's nbytes", &size))
             goto fail;
         if (size == 0) {
             PyErr_SetString(PyExc_ValueError, "piece of 0 bytes");
@@ -148,11 +178,15 @@ static int parse_request(PyObject *item, struct tba_req *req)
 {
     int is_write;
     unsigned long long len, offset, tag;
-    PyObject *address;
+    PyObject *address, *len_obj, *offset_obj, *tag_obj;
 
     memset(req, 0, sizeof(*req));
-    if (!PyArg_ParseTuple(item, "iiOKKK;request must be (is_write, fd, address, nbytes, offset, tag)",
-                          &is_write, &req->fd, &address, &len, &offset, &tag))
+    if (!PyArg_ParseTuple(item, "iiOOOO;request must be (is_write, fd, address, nbytes, offset, tag)",
+                          &is_write, &req->fd, &address, &len_obj, &offset_obj, &tag_obj))
+        return -1;
+    /* An offset is a loff_t: the kernel refuses one past INT64_MAX, save -1 (the current position). */
+    if (as_u64(len_obj, UINT64_MAX, "nbytes", &len) || as_u64(offset_obj, INT64_MAX, "offset", &offset)
+        || as_u64(tag_obj, UINT64_MAX, "tag", &tag))
         return -1;
     if (len == 0) {
         PyErr_SetString(PyExc_ValueError, "request of 0 bytes");

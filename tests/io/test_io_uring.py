@@ -363,3 +363,41 @@ def test_a_process_out_of_descriptors_gets_io_uring_once_it_has_them(tmp_path, c
     assert lines["tight"] == ("io_uring" if case == "ring" else "OutOfDescriptorsError"), proc.stdout
     assert lines["then"] == "io_uring", proc.stdout
     assert "O_DIRECT" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.requires_io_uring
+@pytest.mark.parametrize("field, value", [
+    ("tag", 2**64 + 5), ("tag", -1), ("nbytes", 2**64 + 16), ("nbytes", -1),
+    ("offset", -1), ("offset", 2**63), ("piece", 2**64 + 16),
+])
+def test_submit_refuses_integers_that_do_not_fit_instead_of_wrapping_them(tmp_path, field, value):
+    """``tba._uring`` took the tag, sizes and offset modulo 2**64 (format ``K``): tag ``2**64 + 5`` came back as 5,
+    the completion of another request; ``nbytes`` -1 asked the kernel for 2**64 - 1 bytes at the address; offset -1
+    is io_uring's "the file's current position" (helper-102). Each is refused, and nothing is queued."""
+    from tba import _uring
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)  # empty: a read that gets through moves nothing
+    buf = np.zeros(16, dtype=np.uint8)
+    entry = {"tag": 1, "nbytes": 16, "offset": 0, "piece": None}
+    entry[field] = value
+    address = buf.ctypes.data if entry["piece"] is None else ((buf.ctypes.data, entry["piece"]),)
+    ring = _uring.Ring(2)
+    try:
+        with pytest.raises((OverflowError, ValueError)):
+            ring.submit([(0, fd, address, entry["nbytes"], entry["offset"], entry["tag"])])
+        assert ring.in_flight == 0
+    finally:
+        while ring.in_flight:
+            ring.reap()
+        ring.close()
+        os.close(fd)
+
+
+@pytest.mark.requires_io_uring
+@pytest.mark.parametrize("depth", [2**32 + 4, -2**32 + 4])
+def test_a_ring_refuses_a_depth_that_does_not_fit(depth):
+    """``Ring(2**32 + 4)`` was a ring of depth 4 (format ``I`` takes the value modulo 2**32)."""
+    from tba import _uring
+
+    with pytest.raises((OverflowError, ValueError, OSError)):
+        _uring.Ring(depth).close()
