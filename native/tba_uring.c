@@ -239,6 +239,12 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
         }
     }
     Py_DECREF(seq);
+    /* Reading the entries may have run Python (an __index__, a pieces sequence's __iter__), which
+     * may have closed the ring: it takes none of them then. From here to users++ nothing can. */
+    if (check_open(self)) {
+        free_requests(reqs, n);
+        return NULL;
+    }
     self->users++;
     Py_BEGIN_ALLOW_THREADS
     err = tba_ring_submit(&self->ring, reqs, (unsigned)n);

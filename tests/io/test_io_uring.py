@@ -401,3 +401,28 @@ def test_a_ring_refuses_a_depth_that_does_not_fit(depth):
 
     with pytest.raises((OverflowError, ValueError, OSError)):
         _uring.Ring(depth).close()
+
+
+@pytest.mark.requires_io_uring
+def test_a_ring_closed_while_submit_reads_its_entries_takes_none_of_them(tmp_path):
+    """``submit`` reads its entries with the GIL held, but an entry's ``__index__`` (or a pieces sequence's
+    ``__iter__``) is Python: it, or a thread it lets run, may close the ring. ``submit`` then queued the request
+    on the closed ring (its mutex destroyed, its queue allocated anew and never freed) and returned: a request
+    accepted that nothing would ever finish (helper-102)."""
+    from tba import _uring
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    buf = np.zeros(16, dtype=np.uint8)
+    ring = _uring.Ring(2)
+
+    class ClosingFd:
+        def __index__(self):
+            ring.close()
+            return fd
+
+    try:
+        with pytest.raises(ValueError, match="ring is closed"):
+            ring.submit([(0, ClosingFd(), buf.ctypes.data, 16, 0, 1)])
+    finally:
+        ring.close()
+        os.close(fd)
