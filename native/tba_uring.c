@@ -8,7 +8,8 @@
  * ``wake`` was called) and returns ``(finished, woke)`` where ``finished`` is a list of
  * ``(tag, result, done_bytes)``: ``result`` is the byte count, an ``OSError`` instance carrying
  * the errno, or ``None`` for a read that met end of file early. Both release the GIL around every
- * syscall. ``close`` frees the ring; it refuses while another thread is inside the ring.
+ * syscall. ``reap`` refuses while another thread reaps (the ring has one reaper). ``close`` frees the
+ * ring; it refuses while another thread is inside the ring.
  * ``forget_after_fork`` frees it in a forked child, where the threads that were inside it are gone.
  */
 #define PY_SSIZE_T_CLEAN
@@ -27,6 +28,7 @@ typedef struct {
     struct tba_done *done_buf; /* reaper's scratch space, one entry per slot */
     int open;
     int users; /* calls currently running with the GIL released (changed only under the GIL) */
+    int reaping; /* a thread is inside reap (changed only under the GIL): the ring has one reaper */
 } RingObject;
 
 static PyObject *make_oserror(int err)
@@ -280,11 +282,20 @@ static PyObject *Ring_reap(RingObject *self, PyObject *Py_UNUSED(ignored))
 
     if (check_open(self))
         return NULL;
+    /* tba_ring_reap touches the completion queue, the slots it finishes and done_buf without the
+     * lock, as the only reaper: a second thread in it at once took the same completions, pushed
+     * slots twice onto the free stack (past its end) and lost others. */
+    if (self->reaping) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is reaping this ring");
+        return NULL;
+    }
+    self->reaping = 1;
     self->users++;
     Py_BEGIN_ALLOW_THREADS
     err = tba_ring_reap(&self->ring, self->done_buf, self->ring.nslots, &n, &woke);
     Py_END_ALLOW_THREADS
     self->users--;
+    self->reaping = 0;
     if (err && n == 0 && !woke)
         return raise_errno(-err);
     list = PyList_New(n);
@@ -332,6 +343,7 @@ static PyObject *Ring_close(RingObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *Ring_forget_after_fork(RingObject *self, PyObject *Py_UNUSED(ignored))
 {
     self->users = 0;
+    self->reaping = 0;
     self->ring.lock_ready = 0;
     if (self->open)
         tba_ring_forget_pieces(&self->ring);

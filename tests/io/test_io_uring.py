@@ -426,3 +426,37 @@ def test_a_ring_closed_while_submit_reads_its_entries_takes_none_of_them(tmp_pat
     finally:
         ring.close()
         os.close(fd)
+
+
+@pytest.mark.requires_io_uring
+def test_a_second_thread_cannot_reap_a_ring_another_thread_reaps():
+    """The ring has one reaper (``native/uring_ring.h``): two threads in ``reap`` at once took the same completions,
+    finished the same slots twice (past the end of the free-slot stack) and lost others; a script reaping from
+    two threads died with a segmentation fault (helper-102). The second one is refused."""
+    from tba import _uring
+
+    ring = _uring.Ring(2)
+    outcomes: list = []
+
+    def reap():
+        try:
+            outcomes.append(ring.reap())
+        except RuntimeError as err:
+            outcomes.append(err)
+
+    threads = [threading.Thread(target=reap) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not outcomes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(outcomes) == 1 and isinstance(outcomes[0], RuntimeError), outcomes
+    finally:
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            ring.wake()
+            time.sleep(0.01)
+        for thread in threads:
+            thread.join(1)
+        ring.close()
