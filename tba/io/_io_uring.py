@@ -25,6 +25,15 @@ callbacks have returned; the thread then sleeps in the kernel, and nothing is le
 wait is bounded (:data:`tba.defaults.EXIT_IO_WAIT_S`, with a warning): a disk that never answers
 must not hang the exit, as an unbounded ``close()`` would.
 
+Note: [A completion callback's error fails nothing else]
+A request's target is a future or a callback (:meth:`IoUringEngine.submit_calls`); the completion thread
+calls each one, and a callback can raise. That error ended the thread's loop as a failure of the ring: the
+callbacks after it in the same batch, whose requests the loop had already taken from the table, never ran
+(their owners waited for ever); every request the kernel still held was reported failed, its memory released
+while the kernel could still write into it, before the ring was closed; and the engine refused every later
+request. So each callback's error is logged and the loop goes on, as a future logs its callbacks' errors
+(the engines' default ``submit_calls``); the thread ends only when the ring itself fails.
+
 Note: [A failed ring lets go of nothing the kernel holds]
 A submission made while a failed completion thread was failing every request (their memory released)
 handed the kernel the entries it had not taken. Now the ring fails for good in C (``native/uring_ring.h``):
@@ -158,7 +167,10 @@ class IoUringEngine(Engine):
                     request = None
                     self._resolving = bool(done)
                 for target, op, nbytes, offset, result, moved in done:
-                    _resolve(target, op, nbytes, offset, result, moved)
+                    try:
+                        _resolve(target, op, nbytes, offset, result, moved)
+                    except BaseException:  # noqa: BLE001 - Note [A completion callback's error fails nothing else]
+                        logger.exception("tba: an io_uring completion callback failed")
                 # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
                 done = target = finished = None
                 with self._lock:
@@ -166,7 +178,7 @@ class IoUringEngine(Engine):
                     if self._closing and not self._requests:
                         return
         except BaseException as err:  # noqa: BLE001 - the ring itself failed; fail every waiter
-            # Note [A failed ring lets go of nothing the kernel holds]; a callback's own error is not covered by it.
+            # Note [A failed ring lets go of nothing the kernel holds]: reap raised once the kernel held none.
             logger.exception("tba: io_uring completion thread failed")
             with self._lock:
                 self._failure = err

@@ -460,3 +460,45 @@ def test_a_second_thread_cannot_reap_a_ring_another_thread_reaps():
         for thread in threads:
             thread.join(1)
         ring.close()
+
+
+@pytest.mark.requires_io_uring
+def test_a_completion_callback_that_raises_fails_nothing_else(tmp_path, caplog):
+    """Note [A completion callback's error fails nothing else] in tba/io/_io_uring.py: a callback that raised ended
+    the completion thread's loop. The callbacks after it in the same batch (their requests already taken from the
+    engine's table) never ran, a pipe read the kernel still held was reported failed, and the engine refused
+    every later request (helper-102)."""
+    (path := tmp_path / "f").write_bytes(b"y" * 16)
+    fd = os.open(path, os.O_RDONLY)
+    r, w = os.pipe()
+    held, buf = np.zeros(8, dtype=np.uint8), np.zeros(16, dtype=np.uint8)
+    engine = io_uring_module.IoUringEngine(queue_depth=4)
+    heard: list = []
+    done = threading.Event()
+
+    def raises(error):
+        raise ValueError("a callback's own bug")
+
+    def records(error):
+        heard.append(error)
+        done.set()
+
+    try:
+        in_kernel = engine.submit_many([Request(Op.READ, r, held.ctypes.data, 8, 0)])[0]
+        with caplog.at_level(logging.ERROR, logger="tba"):
+            engine.submit_calls([Request(Op.READ, fd, buf.ctypes.data, 8, 0), Request(Op.READ, fd, buf.ctypes.data + 8, 8, 8)],
+                                [raises, records])
+            assert done.wait(10), "the callback after the one that raised never ran"
+        assert heard == [None]
+        assert "a callback's own bug" in caplog.text
+        time.sleep(0.05)
+        assert not in_kernel.done(), "a read the kernel still holds was reported failed"
+        assert engine.submit_many([Request(Op.READ, fd, buf.ctypes.data, 16, 0)])[0].result(timeout=10) == 16
+        os.write(w, b"z" * 8)
+        assert in_kernel.result(timeout=10) == 8 and held.tobytes() == b"z" * 8
+    finally:
+        if not in_kernel.done():
+            os.write(w, b"z" * 8)
+        engine.close()
+        for descriptor in (fd, r, w):
+            os.close(descriptor)
