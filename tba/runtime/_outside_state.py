@@ -16,12 +16,15 @@ it changed is kept), and the recomputation loads them before it runs and puts th
 the layer's own modules (Note [Side effects of a recomputed forward] in ``tba/runtime/_layer_state.py``). Their
 parameters are watched as the layer's are (Note [A recomputed layer's parameters must not change before backward]).
 
-Each first call registers a hook of its own and takes it out in a ``finally`` through one C call
-(``OutsideModules.stop``, a ``functools.partial`` of the hooks dict's ``pop``): no Python frame starts there, so no
-signal handler's exception can skip it (Note [An exit that always runs] in ``tba/_whole_exit.py``), and no lock is
-shared. A first version counted the first calls of every thread under a Python-level lock: an exception raised as its
-``__exit__`` began left the lock held, and the next recomputed layer waited for ever
-(``tests/runtime/test_exception_at_every_call.py``).
+Each first call registers a hook of its own (:meth:`OutsideModules.start`, inside the ``try``) and takes it out in
+its ``finally`` through one C call (``OutsideModules.stop``, a ``functools.partial`` of the hooks dict's ``pop``, which
+finds nothing when the hook never went in): no Python frame starts there, so no signal handler's exception can skip it
+(Note [An exit that always runs] in ``tba/_whole_exit.py``), and no lock is shared. A first version counted the first
+calls of every thread under a Python-level lock: an exception raised as its ``__exit__`` began left the lock held, and
+the next recomputed layer waited for ever (``tests/runtime/test_exception_at_every_call.py``). The object is made
+before the ``try`` and registers nothing: CPython runs pending signal handlers when a call of a class returns, and a
+hook registered in ``__init__`` was left registered by a handler's exception raised there, before the ``try`` began,
+snapshotting and holding every module the thread ran from then on (helper-103 found it).
 
 Not covered: a module the forward changes without calling it (``self.refs[0].running_mean.mul_(0.9)``), and a layer
 that is compiled or holds a compiled module: Dynamo traces the module calls inside without the hook (whose guards a
@@ -47,10 +50,10 @@ from tba.runtime._learned import Learned
 class OutsideModules:
     """The state of the modules outside one layer that its first call ran, each taken before its first call there.
 
-    Made right before the first call, it registers its hook; :attr:`stop` (a C callable) takes the hook out.
+    Made right before the first call; :meth:`start` registers its hook and :attr:`stop` (a C callable) takes it out.
     """
 
-    __slots__ = ("_own", "_learned", "_seen", "_thread", "states", "stop", "__weakref__")
+    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "stop", "__weakref__")
 
     def __init__(self, layer: nn.Module, learned: Learned) -> None:
         self._own = frozenset(map(id, layer.modules()))
@@ -59,9 +62,12 @@ class OutsideModules:
         self._thread = threading.get_ident()
         self.states: list[ModuleState] = []
         hooks = module_hooks._global_forward_pre_hooks
-        key = RemovableHandle(hooks).id
-        self.stop = functools.partial(hooks.pop, key, None)
-        hooks[key] = self._called
+        self._key = RemovableHandle(hooks).id
+        self.stop = functools.partial(hooks.pop, self._key, None)
+
+    def start(self) -> None:
+        """Register the hook: called inside the ``try`` whose ``finally`` calls :attr:`stop`."""
+        module_hooks._global_forward_pre_hooks[self._key] = self._called
 
     def _called(self, module: nn.Module, args: object) -> None:
         """The global pre-hook: ``module`` is about to run."""

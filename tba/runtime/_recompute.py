@@ -151,6 +151,8 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
             outside = None if compiled_within else OutsideModules(layer, learned)
             try:
+                if outside is not None:
+                    outside.start()  # inside the try: an exception as it returns still stops it
                 out = forward(*args, **kwargs)
             finally:
                 if outside is not None:

@@ -5,6 +5,7 @@ where training without tba counted 9."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -168,3 +169,38 @@ def test_a_layer_holding_a_compiled_module_is_not_watched(tmp_path):
         off.close()
     assert not [w for w in caught if "global hooks" in str(w.message)]
     torch._dynamo.reset()
+
+
+class _Injected(BaseException):
+    """Raised by a trace function, as a signal handler's exception would be (a ``BaseException`` like Ctrl-C's)."""
+
+
+def test_an_exception_as_the_watch_is_made_leaves_no_hook(tmp_path):
+    """CPython runs pending signal handlers when a call of a class returns: an exception raised as ``OutsideModules``
+    is made (here by a trace function at its ``__init__``'s return) reaches the first call before its ``try``. A hook
+    registered in ``__init__`` stayed registered, snapshotting and holding every module the thread ran from then on."""
+    from tba.runtime import _outside_state
+
+    def trace(frame, event, arg):
+        if frame.f_code is not _outside_state.OutsideModules.__init__.__code__:
+            return None
+
+        def at_return(frame, event, arg):
+            if event == "return":
+                raise _Injected
+            return at_return
+
+        return at_return
+
+    shared = nn.BatchNorm1d(WIDTH)
+    model = _model(shared, "list")
+    before = dict(module_hooks._global_forward_pre_hooks)
+    off = tba.Offloader(str(tmp_path), layers=list(model), policy=tba.Plan(("recompute",) * 3, window_bytes=1 << 20))
+    with pytest.raises(_Injected), off:
+        sys.settrace(trace)
+        try:
+            model(torch.randn(8, WIDTH))
+        finally:
+            sys.settrace(None)
+    off.close()
+    assert dict(module_hooks._global_forward_pre_hooks) == before
