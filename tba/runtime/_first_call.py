@@ -58,7 +58,8 @@ class FirstCall:
         """The state of the modules outside the layer that the first call ran, each before its first call there (Note [A
         recomputation puts back the modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``)."""
         self.parameters_before: list[tuple[str, torch.Tensor, int]] = []
-        """``(name, parameter, version)`` when the first call began."""
+        """``(what, parameter, version)`` when the first call began (``what``: ``its parameter 'name'``), and those of
+        the modules outside the layer that it ran, each when its first call there began."""
         self.slots: list[tuple[nn.Module, str, torch.Tensor | None]] = []
         """``(module, name, tensor)`` for every parameter slot of the layer's modules when the first call began
         (Note [A recomputation runs with the parameters its first call ran with])."""
@@ -80,8 +81,17 @@ class FirstCall:
         self.generators = generator_states(layer, args, kwargs)
         self.default_dtype = torch.get_default_dtype()
         self.before = snapshot(layer.modules(), learned)
-        self.parameters_before = [(name, p, p._version) for name, p in layer.named_parameters()]
+        self.parameters_before = [(f"its parameter {name!r}", p, p._version) for name, p in layer.named_parameters()]
         self.slots = [(module, name, p) for module in layer.modules() for name, p in module._parameters.items()]
+
+    def add_outside(self, states: list[ModuleState], parameters: list[tuple[str, torch.Tensor, int]],
+                    slots: list[tuple[nn.Module, str, torch.Tensor | None]]) -> None:
+        """After the first call: the state, the parameters' versions and the parameter slots of the modules outside the
+        layer that it ran, each taken before its first call there (Note [A recomputation puts back the modules outside
+        its layer that it calls] in ``tba/runtime/_outside_state.py``): watched and put back as the layer's own."""
+        self.outside = states
+        self.parameters_before += parameters
+        self.slots += slots
 
     def put_parameters(self) -> list[tuple[nn.Module, str, Any]]:
         """Before a recomputation: put back into each parameter slot the tensor the first call ran with, where the slot
@@ -119,10 +129,10 @@ class FirstCall:
         forward, naming the parameter; the adaptive default never plans to recompute such a layer
         (its profiled steps see the change: ``tba/runtime/_timer.py``).
         """
-        for name, parameter, version in self.parameters_before:
+        for what, parameter, version in self.parameters_before:
             if parameter._version != version:
                 raise TbaError(
-                    f"the forward of a recomputed layer ({type(layer).__name__}) changed its parameter {name!r} in "
+                    f"the forward of a recomputed layer ({type(layer).__name__}) changed {what} in "
                     f"place (version {version}, now {parameter._version}; a clamp, a max-norm constraint, "
                     "nn.Embedding(max_norm=...)): its recomputation in backward would start from the changed "
                     "weights and could compute another forward. Keep or offload this layer instead of recomputing it")

@@ -14,7 +14,13 @@ that are not the layer's, as :func:`~tba.runtime._layer_state.snapshot` takes th
 bookkeeping treats those states as the layer's (``tba/runtime/_first_call.py``: what it left alone is watched, what
 it changed is kept), and the recomputation loads them before it runs and puts the present state back after it, as for
 the layer's own modules (Note [Side effects of a recomputed forward] in ``tba/runtime/_layer_state.py``). Their
-parameters are watched as the layer's are (Note [A recomputed layer's parameters must not change before backward]).
+parameters are watched as the layer's are (Note [A recomputed layer's parameters must not change before backward]):
+one the module changes in place as it runs (``self.bias.add_(0.01)`` after use) raises right after the first call
+(Note [A recomputed layer that changes its own parameters]), and the recomputation runs with the tensors its
+parameter slots held (Note [A recomputation runs with the parameters its first call ran with]): under
+``torch.func.functional_call`` of the whole model, the recomputation of a block calling the model's own norm read the
+norm's own weights, not the ones given, and both gave other gradients than training without tba, silently
+(helper-103 found them).
 
 Each first call registers a hook of its own (:meth:`OutsideModules.start`, inside the ``try``) and takes it out in
 its ``finally`` through one C call (``OutsideModules.stop``, a ``functools.partial`` of the hooks dict's ``pop``, which
@@ -53,7 +59,7 @@ class OutsideModules:
     Made right before the first call; :meth:`start` registers its hook and :attr:`stop` (a C callable) takes it out.
     """
 
-    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "stop", "__weakref__")
+    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "parameters", "slots", "stop", "__weakref__")
 
     def __init__(self, layer: nn.Module, learned: Learned) -> None:
         self._own = frozenset(map(id, layer.modules()))
@@ -61,6 +67,10 @@ class OutsideModules:
         self._seen: set[int] = set()
         self._thread = threading.get_ident()
         self.states: list[ModuleState] = []
+        self.parameters: list[tuple[str, torch.Tensor, int]] = []
+        """``(what, parameter, version)`` of each parameter of those modules before its first call there."""
+        self.slots: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+        """``(module, name, tensor)`` of each of their parameter slots then (``torch.func.functional_call``'s tensors)."""
         hooks = module_hooks._global_forward_pre_hooks
         self._key = RemovableHandle(hooks).id
         self.stop = functools.partial(hooks.pop, self._key, None)
@@ -78,6 +88,10 @@ class OutsideModules:
         new = [sub for sub in module.modules() if id(sub) not in self._own and id(sub) not in self._seen]
         self._seen.update(map(id, new))
         self.states += snapshot(new, self._learned)
+        for sub in new:
+            self.slots += [(sub, name, p) for name, p in sub._parameters.items()]
+            self.parameters += [(f"parameter {name!r} of {type(sub).__name__} (outside the layer, which its forward calls)",
+                                 p, p._version) for name, p in sub._parameters.items() if p is not None]
 
 
 def _after_fork_in_child() -> None:

@@ -157,7 +157,8 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             finally:
                 if outside is not None:
                     outside.stop()
-            first.outside = outside.states if outside is not None else []
+            if outside is not None:
+                first.add_outside(outside.states, outside.parameters, outside.slots)
             first.private, first.nested = (private_state(layer) if private else []), private
             change = first_change(private, first.private) if private else None
             if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises

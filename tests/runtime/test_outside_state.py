@@ -204,3 +204,63 @@ def test_an_exception_as_the_watch_is_made_leaves_no_hook(tmp_path):
             sys.settrace(None)
     off.close()
     assert dict(module_hooks._global_forward_pre_hooks) == before
+
+
+class _Decays(nn.Linear):
+    """Changes its bias in place after using it: a recomputation from the changed bias computes another forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        with torch.no_grad():
+            self.bias.add_(0.01)
+        return out
+
+
+def test_an_outside_module_changing_its_parameter_as_it_runs_is_loud(tmp_path):
+    """As the layer's own parameter (Note [A recomputed layer that changes its own parameters]): before, the recomputation
+    ran from the changed bias and changed it again, silently."""
+    shared = _Decays(WIDTH, WIDTH)
+    torch.manual_seed(0)
+    model = nn.Sequential(Block([], "list"), Block([shared], "list"), Block([], "list"))
+    model[0].refs = model[2].refs = [nn.Identity()]
+    off = tba.Offloader(str(tmp_path), layers=list(model), policy=tba.Plan(("keep", "recompute", "keep"), window_bytes=1 << 20))
+    with pytest.raises(tba.TbaError, match="changed parameter 'bias' of _Decays .outside the layer"), off:
+        model(torch.randn(8, WIDTH))
+    off.close()
+
+
+class _Owner(nn.Module):
+    """Its blocks call its own norm, which they reach through a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.blocks = nn.ModuleList([Block([self.norm], "list") for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("placement", [("recompute",) * 3, ("recompute", "keep", "keep")])
+def test_functional_call_reaches_an_outside_modules_recomputation(tmp_path, placement):
+    """Fast weights given to the whole model through ``torch.func.functional_call`` (Note [A recomputation runs with the
+    parameters its first call ran with]): the recomputation read the norm's own weights, not the ones given."""
+    grads = []
+    for offloaded in (False, True):
+        torch.manual_seed(0)
+        model = _Owner()
+        with torch.no_grad():
+            model.norm.weight.uniform_()
+        weights = {name: p * 1.5 for name, p in model.named_parameters()}
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
+        if offloaded:
+            with tba.Offloader(str(tmp_path), layers=list(model.blocks), policy=tba.Plan(placement, window_bytes=1 << 20)) as off:
+                loss = torch.func.functional_call(model, weights, (x,)).pow(2).mean()
+            loss.backward()
+            off.close()
+        else:
+            torch.func.functional_call(model, weights, (x,)).pow(2).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
