@@ -48,8 +48,8 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "outside", "parameters_before", "slots", "versions", "requires_grad", "private",
-                 "nested", "default_dtype")
+    __slots__ = ("generators", "before", "outside", "outside_groups", "parameters_before", "slots", "versions",
+                 "requires_grad", "private", "nested", "default_dtype")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
@@ -57,6 +57,9 @@ class FirstCall:
         self.outside: list[ModuleState] = []
         """The state of the modules outside the layer that the first call ran, each before its first call there (Note [A
         recomputation puts back the modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``)."""
+        self.outside_groups: list[list[nn.Module]] = []
+        """Those modules, a group per call the first call made to one of them (whose private state is compared as
+        ``tba/runtime/_private_state.py``'s ``private_state`` takes it)."""
         self.parameters_before: list[tuple[str, torch.Tensor, int]] = []
         """``(what, parameter, version)`` when the first call began (``what``: ``its parameter 'name'``), and those of
         the modules outside the layer that it ran, each when its first call there began."""
@@ -85,11 +88,11 @@ class FirstCall:
         self.slots = [(module, name, p) for module in layer.modules() for name, p in module._parameters.items()]
 
     def add_outside(self, states: list[ModuleState], parameters: list[tuple[str, torch.Tensor, int]],
-                    slots: list[tuple[nn.Module, str, torch.Tensor | None]]) -> None:
+                    slots: list[tuple[nn.Module, str, torch.Tensor | None]], groups: list[list[nn.Module]]) -> None:
         """After the first call: the state, the parameters' versions and the parameter slots of the modules outside the
         layer that it ran, each taken before its first call there (Note [A recomputation puts back the modules outside
         its layer that it calls] in ``tba/runtime/_outside_state.py``): watched and put back as the layer's own."""
-        self.outside = states
+        self.outside, self.outside_groups = states, groups
         self.parameters_before += parameters
         self.slots += slots
 

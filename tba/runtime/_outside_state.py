@@ -20,7 +20,11 @@ one the module changes in place as it runs (``self.bias.add_(0.01)`` after use) 
 parameter slots held (Note [A recomputation runs with the parameters its first call ran with]): under
 ``torch.func.functional_call`` of the whole model, the recomputation of a block calling the model's own norm read the
 norm's own weights, not the ones given, and both gave other gradients than training without tba, silently
-(helper-103 found them).
+(helper-103 found them). Their private state and the objects nested in their public attributes are the layer's too
+(Note [Private state of a recomputed layer] and Note [Nested state a recomputation is given back] in
+``tba/runtime/_private_state.py``), their signature taken as each group is: a private counter (``self._n += 1``) the
+module read raises right after the first call, a list in a public dict is put back for the recomputation; both were
+recomputed from what the first call left, silently (a shared module's counter 18 where training without tba counted 9).
 
 Each first call registers a hook of its own (:meth:`OutsideModules.start`, inside the ``try``) and takes it out in
 its ``finally`` through one C call (``OutsideModules.stop``, a ``functools.partial`` of the hooks dict's ``pop``, which
@@ -51,6 +55,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tba.runtime._layer_state import ModuleState, snapshot
 from tba.runtime._learned import Learned
+from tba.runtime._private_state import Signature, modules_state
 
 
 class OutsideModules:
@@ -59,7 +64,8 @@ class OutsideModules:
     Made right before the first call; :meth:`start` registers its hook and :attr:`stop` (a C callable) takes it out.
     """
 
-    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "parameters", "slots", "stop", "__weakref__")
+    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "parameters", "slots", "groups", "private", "stop",
+                 "__weakref__")
 
     def __init__(self, layer: nn.Module, learned: Learned) -> None:
         self._own = frozenset(map(id, layer.modules()))
@@ -71,6 +77,10 @@ class OutsideModules:
         """``(what, parameter, version)`` of each parameter of those modules before its first call there."""
         self.slots: list[tuple[nn.Module, str, torch.Tensor | None]] = []
         """``(module, name, tensor)`` of each of their parameter slots then (``torch.func.functional_call``'s tensors)."""
+        self.groups: list[list[nn.Module]] = []
+        """The modules taken at each call heard (the module called, with its submodules not taken before)."""
+        self.private = Signature()
+        """The signature of their private and nested state (``tba/runtime/_private_state.py``), each group's then."""
         hooks = module_hooks._global_forward_pre_hooks
         self._key = RemovableHandle(hooks).id
         self.stop = functools.partial(hooks.pop, self._key, None)
@@ -88,6 +98,8 @@ class OutsideModules:
         new = [sub for sub in module.modules() if id(sub) not in self._own and id(sub) not in self._seen]
         self._seen.update(map(id, new))
         self.states += snapshot(new, self._learned)
+        self.groups.append(new)
+        self.private.add(modules_state(new))
         for sub in new:
             self.slots += [(sub, name, p) for name, p in sub._parameters.items()]
             self.parameters += [(f"parameter {name!r} of {type(sub).__name__} (outside the layer, which its forward calls)",

@@ -69,6 +69,7 @@ steps still mark a layer whose nested state changes not recomputable.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ from tba.runtime._nested_state import (
 )
 
 __all__ = ["MODULE_INTERNALS", "DeepLabel", "Signature", "check_private_unchanged", "check_restorable", "check_watchable",
-           "first_change", "private_state", "put_back_nested"]
+           "first_change", "modules_state", "private_state", "put_back_nested"]
 
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
 """Private attributes every module has (``_parameters``, ``_buffers``, hooks): torch's own bookkeeping."""
@@ -108,16 +109,33 @@ class Signature(list):
     def __bool__(self) -> bool:
         return len(self) > 0 or bool(self.deep)
 
+    def add(self, other: Signature) -> None:
+        """Append ``other``'s entries; of an object nested in both, the signature already here stays (the earlier)."""
+        self.extend(other)
+        for key, nested in other.deep.items():
+            self.deep.setdefault(key, nested)
 
-def private_state(layer: nn.Module, nested: bool = True) -> Signature:
+
+def private_state(layer: nn.Module, nested: bool = True, outside: Iterable[Iterable[nn.Module]] = ()) -> Signature:
     """The signature of the private state of ``layer``'s modules (Note [Private state of a recomputed layer]) and, unless
     not ``nested``, of the objects nested in their public attributes; empty when no recomputation can follow (grad
-    disabled, inference mode)."""
+    disabled, inference mode). Then those of each group of ``outside`` (the modules outside the layer that its first
+    call ran, a group per module it called: Note [A recomputation puts back the modules outside its layer that it
+    calls] in ``tba/runtime/_outside_state.py``), each walked within a bound of its own, as :func:`modules_state`
+    took them when the first call reached them."""
+    found = modules_state(layer.modules(), nested)
+    for modules in outside:
+        found.add(modules_state(modules, nested))
+    return found
+
+
+def modules_state(modules: Iterable[nn.Module], nested: bool = True) -> Signature:
+    """The signature of :func:`private_state` of ``modules`` alone."""
     found = Signature()
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return found
     budget = [defaults.RECOMPUTE_NESTED_STATE_ITEMS]
-    for module in layer.modules():
+    for module in modules:
         prefix = type(module).__name__
         for name, value in vars(module).items():
             if name in MODULE_INTERNALS:
@@ -154,13 +172,14 @@ def _private_change(before: list[Entry], after: list[Entry]) -> str | None:
     return first_differing(before, after)
 
 
-def check_private_unchanged(layer: nn.Module, after_first: list) -> None:
-    """Before a recomputation: raise :class:`TbaError` when private state of the layer's modules changed since its first
-    call ended (``after_first``: its signature then; Note [Private state of a recomputed layer]). Nested state is put
-    back instead (:func:`put_back_nested`)."""
+def check_private_unchanged(layer: nn.Module, after_first: list, outside: Iterable[Iterable[nn.Module]] = ()) -> None:
+    """Before a recomputation: raise :class:`TbaError` when private state of the layer's modules (and of the ``outside``
+    ones its first call ran, as :func:`private_state` takes them) changed since its first call ended (``after_first``:
+    its signature then; Note [Private state of a recomputed layer]). Nested state is put back instead
+    (:func:`put_back_nested`)."""
     if not after_first:
         return
-    change = _private_change(after_first, private_state(layer, nested=False))
+    change = _private_change(after_first, private_state(layer, nested=False, outside=outside))
     if change is not None:
         raise TbaError(
             f"private state of a recomputed layer ({type(layer).__name__}) changed ({change}) between its forward and "

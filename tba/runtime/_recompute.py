@@ -157,9 +157,11 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             finally:
                 if outside is not None:
                     outside.stop()
-            if outside is not None:
-                first.add_outside(outside.states, outside.parameters, outside.slots)
-            first.private, first.nested = (private_state(layer) if private else []), private
+            if outside is not None:  # their state, private and nested too, is the layer's (Note above)
+                first.add_outside(outside.states, outside.parameters, outside.slots, outside.groups)
+                check_watchable(layer, outside.private.deep)
+                private.add(outside.private)
+            first.private, first.nested = (private_state(layer, outside=first.outside_groups) if private else []), private
             change = first_change(private, first.private) if private else None
             if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
                 check_restorable(layer, private.deep, first.private.deep)
@@ -168,7 +170,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.settle(layer, learned)
             return out
         first.check_unchanged(layer)
-        check_private_unchanged(layer, first.private)
+        check_private_unchanged(layer, first.private, first.outside_groups)
         after = snapshot([*layer.modules(), *(state.module for state in first.outside)], learned)
         after_generators = states_now(first.generators)
         # Note [Nested state a recomputation is given back]; taken after the snapshot and put

@@ -264,3 +264,43 @@ def test_functional_call_reaches_an_outside_modules_recomputation(tmp_path, plac
             torch.func.functional_call(model, weights, (x,)).pow(2).mean().backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _CountsPrivately(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._n = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._n += 1
+        return x * self._n
+
+
+class _CountsNested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.history = {"calls": []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.history["calls"].append(1)
+        return x * len(self.history["calls"])
+
+
+def test_an_outside_modules_private_state_is_the_layers(tmp_path):
+    """Note [Private state of a recomputed layer]: the recomputation counted again from what the first call left (18 calls
+    where training without tba counted 9, and other gradients), silently."""
+    model = _model(_CountsPrivately(), "list")
+    off = tba.Offloader(str(tmp_path), layers=list(model), policy=tba.Plan(("recompute",) * 3, window_bytes=1 << 20))
+    with pytest.raises(tba.TbaError, match=r"changed private state of its modules \(_CountsPrivately._n\)"), off:
+        model(torch.randn(8, WIDTH))
+    off.close()
+
+
+@pytest.mark.parametrize("placement", [("recompute", "offload", "recompute"), ("keep", "recompute", "keep")])
+def test_an_outside_modules_nested_state_is_put_back(tmp_path, placement):
+    """Note [Nested state a recomputation is given back]: a list in the module's public dict counted 15 calls where
+    training without tba counted 9."""
+    reference = _train(None, _CountsNested(), "list", str(tmp_path))
+    shared = _CountsNested()
+    assert _equal(reference, _train(placement, shared, "list", str(tmp_path)))
+    assert len(shared.history["calls"]) == 9
