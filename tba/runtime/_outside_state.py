@@ -97,6 +97,8 @@ class OutsideModules:
             return
         new = [sub for sub in module.modules() if id(sub) not in self._own and id(sub) not in self._seen]
         self._seen.update(map(id, new))
+        for sub in new:  # Note [What a layer learned of a module outside it goes with that module] in tba/runtime/_learned.py
+            self._learned.meet(sub)
         self.states += snapshot(new, self._learned)
         self.groups.append(new)
         self.private.add(modules_state(new))

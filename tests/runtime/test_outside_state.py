@@ -304,3 +304,39 @@ def test_an_outside_modules_nested_state_is_put_back(tmp_path, placement):
     shared = _CountsNested()
     assert _equal(reference, _train(placement, shared, "list", str(tmp_path)))
     assert len(shared.history["calls"]) == 9
+
+
+class _Rotary(nn.Module):
+    """Made anew by each forward; a buffer over ``RECOMPUTE_STATE_ALWAYS_COPIED_BYTES`` that it leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(64, 512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table[0, :WIDTH]
+
+
+class _MakesItsModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(_Rotary()(self.linear(x)))
+
+
+def test_what_is_learned_of_modules_made_by_each_forward_is_bounded(tmp_path):
+    """Note [What a layer learned of a module outside it goes with that module]: a key per step, for as long as the layer
+    lived."""
+    from tba.runtime._learned import learned_for
+
+    layer = _MakesItsModule()
+    off = tba.Offloader(str(tmp_path), layers=[layer], policy=tba.Plan(("recompute",), window_bytes=1 << 20))
+    for _ in range(100):
+        with off:
+            loss = layer(torch.randn(8, WIDTH)).sum()
+        loss.backward()
+    off.close()
+    learned = learned_for(layer)
+    assert len(learned.unchanged) <= 65 and len(learned.outside) <= 65
