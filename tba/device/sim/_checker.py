@@ -17,7 +17,17 @@ byte ranges: a staged copy reads a slice of a storage, and a pooled block is a s
 
 Note: [Superseded records]
 A write that covers older records replaces them: if it raced with one of them that was reported
-then; if not, everything ordered after the write is ordered after them too.
+then; if not, everything ordered after the write is ordered after them too. A read replaces only
+a read of the same bytes by the same participant.
+
+Note: [A read keeps the write it follows]
+A read of the same bytes by the same participant replaced that participant's write too, so a
+tensor a kernel produced and the next kernel read (nearly every saved activation: the output of
+``linear`` read by ``gelu``) was left with a read record only: a copy on the side stream that did
+not wait for the producer's event then met a read, not a write, and no race was reported (a review
+removed ``wait_event(after)`` from ``CudaOps._queue_copies``: the simulator passed,
+tests/device/test_sim_checker.py). A read is ordered after the write only for those ordered after
+the read, not for everyone: the write stays.
 """
 
 from __future__ import annotations
@@ -131,8 +141,9 @@ class HappensBefore:
                     self.races.append(
                         f"{what} ({kind} of [{start:#x}, {end:#x}) on {who}) is not ordered after {old.what} "
                         f"({'write' if old.write else 'read'} of [{old.start:#x}, {old.end:#x}) on {old.who})")
+                # Note [Superseded records]: a read never supersedes a write (Note [A read keeps the write it follows])
                 superseded = (write and start <= old.start and old.end <= end) or (
-                    old.who == who and old.start == start and old.end == end)
+                    old.who == who and not old.write and old.start == start and old.end == end)
                 if superseded:
                     keep_from.append(index)
             for index in reversed(keep_from):
