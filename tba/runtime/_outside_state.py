@@ -47,6 +47,8 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -55,7 +57,10 @@ from torch.utils.hooks import RemovableHandle
 
 from tba.runtime._layer_state import ModuleState, snapshot
 from tba.runtime._learned import Learned
-from tba.runtime._private_state import Signature, modules_state
+from tba.runtime._private_state import Signature, check_watchable, modules_state
+
+if TYPE_CHECKING:
+    from tba.runtime._first_call import FirstCall
 
 
 class OutsideModules:
@@ -106,6 +111,22 @@ class OutsideModules:
             self.slots += [(sub, name, p) for name, p in sub._parameters.items()]
             self.parameters += [(f"parameter {name!r} of {type(sub).__name__} (outside the layer, which its forward calls)",
                                  p, p._version) for name, p in sub._parameters.items() if p is not None]
+
+
+def first_call(layer: nn.Module, learned: Learned, first: FirstCall, private: Signature, forward: Callable[..., Any],
+               args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Run a recomputed layer's first call, ``forward(*args, **kwargs)``, with the modules outside the layer that it runs
+    watched; then their state is ``first``'s and their private and nested state ``private``'s, as the layer's own."""
+    outside = OutsideModules(layer, learned)
+    try:
+        outside.start()  # inside the try: an exception as it returns still stops it
+        out = forward(*args, **kwargs)
+    finally:
+        outside.stop()
+    first.add_outside(outside.states, outside.parameters, outside.slots, outside.groups)
+    check_watchable(layer, outside.private.deep)
+    private.add(outside.private)
+    return out
 
 
 def _after_fork_in_child() -> None:

@@ -79,7 +79,7 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
-from tba.runtime._outside_state import OutsideModules
+from tba.runtime._outside_state import first_call as outside_first_call
 from tba.runtime._private_state import (
     DeepLabel,
     check_private_unchanged,
@@ -148,19 +148,10 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             first.start(layer, args, kwargs, learned)
             inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
             check_watchable(layer, private.deep)  # Note [The walk of nested state]
-            # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
-            outside = None if compiled_within else OutsideModules(layer, learned)
-            try:
-                if outside is not None:
-                    outside.start()  # inside the try: an exception as it returns still stops it
+            if compiled_within:
                 out = forward(*args, **kwargs)
-            finally:
-                if outside is not None:
-                    outside.stop()
-            if outside is not None:  # their state, private and nested too, is the layer's (Note above)
-                first.add_outside(outside.states, outside.parameters, outside.slots, outside.groups)
-                check_watchable(layer, outside.private.deep)
-                private.add(outside.private)
+            else:  # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
+                out = outside_first_call(layer, learned, first, private, forward, args, kwargs)
             first.private, first.nested = (private_state(layer, outside=first.outside_groups) if private else []), private
             change = first_change(private, first.private) if private else None
             if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
