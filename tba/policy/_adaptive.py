@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -94,7 +95,8 @@ class Adaptive(Policy):
             :data:`~tba.defaults.ADAPTIVE_OVERHEAD_BOUND`.
 
     Raises:
-        TbaConfigError: both goals, a negative one, or one that is not a number (a size, for the budget).
+        TbaConfigError: both goals, a negative one, or one that is not a number (a size, for the budget; a finite
+            number, for the bound).
     """
 
     name = "adaptive"
@@ -116,6 +118,9 @@ class Adaptive(Policy):
         if overhead_bound is not None and (isinstance(overhead_bound, bool) or not isinstance(overhead_bound, numbers.Real)):
             raise TbaConfigError(f"overhead_bound must be a number such as 0.1, got {type(overhead_bound).__name__} "
                                  f"{overhead_bound!r}")
+        if overhead_bound is not None and not math.isfinite(overhead_bound):
+            # NaN compares false with every step time: the least-memory placement "fit" whatever it cost.
+            raise TbaConfigError(f"overhead_bound must be a finite number such as 0.1, got {overhead_bound!r}")
         if memory_budget_bytes is not None and memory_budget_bytes < 0:
             raise TbaConfigError(f"memory_budget_bytes must be >= 0, got {memory_budget_bytes}")
         if overhead_bound is not None and overhead_bound < 0:

@@ -284,3 +284,13 @@ def test_a_layer_that_changes_its_input_is_never_recomputed():
     assert plan(SLOW, overhead_bound=0.5).code == "OOSK"
     assert plan(fixed, overhead_bound=0.5).code[2] not in "RS"
     assert tba.Profile.from_dict(fixed.to_dict()) == fixed
+
+
+@pytest.mark.parametrize("bound", [float("nan"), float("inf"), -float("inf")])
+def test_an_overhead_bound_that_is_not_a_finite_number_is_refused(bound):
+    # A NaN bound compared false with every step time: plan(FAST, overhead_bound=nan) returned the least-memory
+    # placement as fitting, whatever it cost; the option (tba.OffloadConfig) already refuses both.
+    with pytest.raises(tba.TbaConfigError, match="overhead_bound must be a finite number"):
+        plan(FAST, overhead_bound=bound)
+    with pytest.raises(tba.TbaConfigError, match="overhead_bound must be a finite number"):
+        Adaptive(overhead_bound=bound)
