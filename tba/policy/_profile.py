@@ -22,11 +22,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from tba.defaults import POLICY_MAX_WINDOW_BYTES
 
 BACKWARD_ESTIMATE_FACTOR = 2.0
+
+
+def _require_finite(name: str, value: float, unit: str) -> None:
+    """Raise ValueError unless ``value`` is a finite number >= 0.
+
+    Note: [A profile the model cannot price]
+    The planner is pure and trusts its profile, which may be synthetic (``tba.policy.plan`` on a
+    profile built by hand or loaded from JSON). A NaN passed every ``x < 0`` check and every
+    comparison of the search came out false: a NaN memory slack made each prediction NaN and a
+    budget's plan "fit" at nan bytes, NaN layer times planned RRK for the default goal, a negative
+    forward made recomputing look faster than keeping (RRR, "fits"), negative bytes predicted a
+    peak of 0. Such values are refused where the profile is built. The measured ones cannot be:
+    a layer that returns its own input gets its input's gradient hook called before its output's
+    (both are one tensor), a backward of about -0.2 ms, which ``tba/runtime/_profiling.py`` clamps.
+    """
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0 ({unit}), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +61,13 @@ class LayerProfile:
     recomputes it (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``)."""
 
     def __post_init__(self) -> None:
+        _require_finite("forward_s", self.forward_s, "seconds")
         if self.backward_s is None:
             object.__setattr__(self, "backward_s", BACKWARD_ESTIMATE_FACTOR * self.forward_s)
             object.__setattr__(self, "backward_measured", False)
+        _require_finite("backward_s", self.backward_s, "seconds")
+        _require_finite("saved_bytes", self.saved_bytes, "bytes")
+        _require_finite("input_bytes", self.input_bytes, "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +128,10 @@ class Profile:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise ValueError("a profile needs at least one layer")
-        if self.write_bytes_per_s <= 0 or self.read_bytes_per_s <= 0:
-            raise ValueError("write_bytes_per_s and read_bytes_per_s must be > 0")
+        # ``not x > 0`` rather than ``x <= 0``: NaN passes the latter (Note [A profile the model cannot price]).
+        if not self.write_bytes_per_s > 0 or not self.read_bytes_per_s > 0:
+            raise ValueError(f"write_bytes_per_s and read_bytes_per_s must be > 0 (inf: no transfer was timed), got "
+                             f"{self.write_bytes_per_s} and {self.read_bytes_per_s}")
         if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
             raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
                              f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
@@ -116,10 +140,15 @@ class Profile:
         if self.read_stall_credit_s_per_byte < 0:
             raise ValueError(f"read_stall_credit_s_per_byte must be >= 0 (modelled minus measured, never below "
                              f"zero), got {self.read_stall_credit_s_per_byte}")
-        if self.drain_bytes_per_s is not None and self.drain_bytes_per_s <= 0:
+        if self.drain_bytes_per_s is not None and not self.drain_bytes_per_s > 0:
             raise ValueError(f"drain_bytes_per_s must be > 0 or None, got {self.drain_bytes_per_s}")
         if self.outside_s < 0:
             raise ValueError(f"outside_s must be >= 0 (seconds of a step outside the layers), got {self.outside_s}")
+        for name in ("memory_slack_bytes", "memory_headroom_per_io_byte", "io_overhead_s_per_byte",
+                     "read_stall_credit_s_per_byte", "outside_s"):
+            _require_finite(name, getattr(self, name), "a calibration")
+        for name in ("max_storage_bytes", "prefetch_depth_layers", "max_window_bytes"):
+            _require_finite(name, getattr(self, name), "a count")
 
     def for_budget(self) -> Profile:
         """This profile with the write bandwidth a memory budget plans against (``drain_bytes_per_s``)."""

@@ -202,8 +202,9 @@ class Samples:
         forward_key, backward_key = ("forward_cpu_s", "backward_cpu_s") if cpu else ("forward_s", "backward_s")
         layers = []
         for i in range(layer_count):
-            forward = [s[forward_key][i] for s in samples if s[forward_key][i] is not None]
-            backward = [s[backward_key][i] for s in samples if s[backward_key][i] is not None]
+            # Never below zero: Note [A profile the model cannot price] in tba/policy/_profile.py.
+            forward = [max(0.0, s[forward_key][i]) for s in samples if s[forward_key][i] is not None]
+            backward = [max(0.0, s[backward_key][i]) for s in samples if s[backward_key][i] is not None]
             layers.append(LayerProfile(
                 forward_s=min(forward, default=0.0),
                 saved_bytes=samples[-1]["saved_bytes"][i],

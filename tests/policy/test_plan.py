@@ -294,3 +294,30 @@ def test_an_overhead_bound_that_is_not_a_finite_number_is_refused(bound):
         plan(FAST, overhead_bound=bound)
     with pytest.raises(tba.TbaConfigError, match="overhead_bound must be a finite number"):
         Adaptive(overhead_bound=bound)
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("forward_s", float("nan")), ("forward_s", -1.0), ("forward_s", float("inf")), ("backward_s", -5.0),
+    ("backward_s", float("nan")), ("saved_bytes", -100 * MIB), ("input_bytes", -1),
+])
+def test_a_layer_profile_no_plan_can_price_is_refused_naming_the_field(field, bad):
+    # A negative forward made recompute look faster than keep-all (RRR, "fits"), NaN times planned RRK for the
+    # default goal, negative bytes predicted an activation peak of 0: each a plan the model could not price.
+    with pytest.raises(ValueError, match=rf"{field} must be"):
+        dataclasses.replace(FAST.layers[0], **{field: bad})
+    assert dataclasses.replace(FAST.layers[0], forward_s=0.0, backward_s=0.0, saved_bytes=0, input_bytes=0).forward_s == 0
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("write_bytes_per_s", float("nan")), ("read_bytes_per_s", float("nan")), ("memory_slack_bytes", float("nan")),
+    ("io_overhead_s_per_byte", float("nan")), ("outside_s", float("nan")), ("read_stall_credit_s_per_byte", float("nan")),
+    ("drain_bytes_per_s", float("nan")), ("max_storage_bytes", -1), ("prefetch_depth_layers", -1),
+    ("max_window_bytes", -1), ("io_overhead_s_per_byte", float("inf")), ("outside_s", float("inf")),
+])
+def test_a_profile_no_plan_can_price_is_refused_naming_the_field(field, bad):
+    # NaN passed every "must be > 0" / ">= 0" check: a NaN slack made every prediction NaN and the budget's
+    # plan "fit" at a predicted peak of nan bytes.
+    with pytest.raises(ValueError, match=rf"{field}( and \w+)? must be"):
+        dataclasses.replace(FAST, **{field: bad})
+    assert dataclasses.replace(FAST, write_bytes_per_s=float("inf"), read_bytes_per_s=float("inf")).layers == FAST.layers
+
