@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tba._units import SizeError, parse_size
 from tba.defaults import MIB
@@ -31,19 +31,29 @@ logger = logging.getLogger("tba")
 SHORT = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", OFFLOADED_RECOMPUTE: "S"}
 
 
-def _window_bytes(value: object) -> int:
-    """``Plan.window_bytes`` as bytes: a whole number, or a size string such as ``"64M"`` (as every other size)."""
+def _plan_bytes(value: object, name: str = "window_bytes") -> int:
+    """A size of a :class:`Plan` (``window_bytes``, an entry of ``write_caps_bytes``) as bytes: a whole number,
+    or a size string such as ``"64M"`` (as every other size)."""
     if isinstance(value, str):
         try:
             value = parse_size(value)
         except SizeError as err:
-            raise TbaConfigError(f"Plan window_bytes: {err}") from None
+            raise TbaConfigError(f"Plan {name}: {err}") from None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TbaConfigError(f"Plan window_bytes must be a whole number of bytes or a size such as '64M', "
+        raise TbaConfigError(f"Plan {name} must be a whole number of bytes or a size such as '64M', "
                              f"got {type(value).__name__} {value!r}")
     if value < 0:
-        raise TbaConfigError(f"Plan window_bytes must be >= 0, got {value}")
+        raise TbaConfigError(f"Plan {name} must be >= 0, got {value}")
     return int(value)
+
+
+def _sequence(value: object, name: str, what: str, example: str) -> tuple:
+    """``value`` (a plan's ``decisions`` or ``write_caps_bytes``) as a tuple, or :class:`TbaConfigError`."""
+    # A string would iterate: tuple("keep") is four unknown decisions 'k', 'e', ...
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TbaConfigError(f"Plan {name} must be a sequence of {what}, one per layer, such as {example}, "
+                             f"got {type(value).__name__} {value!r}")
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +69,7 @@ class Plan:
         fits: False when no placement met the goal (this one comes closest).
         predicted_step_s / predicted_keep_step_s / predicted_memory_bytes: the model's numbers.
         write_caps_bytes: Per layer, the most offloaded bytes forward may hold unwritten while it
-            runs (a memory budget's plans; empty: writes never hold forward back). Note [A budget
+            runs, bytes or sizes (a memory budget's plans; empty: writes never hold forward back). Note [A budget
             holds back forward's writes] in ``tba/policy/_model.py``.
     """
 
@@ -73,15 +83,13 @@ class Plan:
     write_caps_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.decisions, (str, bytes)):  # tuple("keep") would be four unknown decisions 'k', 'e', ...
-            raise TbaConfigError(f"Plan decisions must be a sequence of placements, one per layer, such as "
-                                 f"('keep', 'offload'), got {type(self.decisions).__name__} {self.decisions!r}")
-        decisions = tuple(self.decisions)
+        decisions = _sequence(self.decisions, "decisions", "placements", "('keep', 'offload')")
         object.__setattr__(self, "decisions", check_decisions(decisions, len(decisions)))
-        object.__setattr__(self, "write_caps_bytes", tuple(int(cap) for cap in self.write_caps_bytes))
+        caps = _sequence(self.write_caps_bytes, "write_caps_bytes", "sizes", "(67108864, '32M') (or none)")
+        object.__setattr__(self, "write_caps_bytes", tuple(_plan_bytes(cap, "write_caps_bytes entry") for cap in caps))
         if self.write_caps_bytes and len(self.write_caps_bytes) != len(decisions):
             raise TbaConfigError(f"write_caps_bytes has {len(self.write_caps_bytes)} entries for {len(decisions)} layers")
-        object.__setattr__(self, "window_bytes", _window_bytes(self.window_bytes))
+        object.__setattr__(self, "window_bytes", _plan_bytes(self.window_bytes))
 
     def layers(self, decision: str) -> list[int]:
         """Indices of the layers with ``decision``."""

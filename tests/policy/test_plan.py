@@ -321,3 +321,18 @@ def test_a_profile_no_plan_can_price_is_refused_naming_the_field(field, bad):
         dataclasses.replace(FAST, **{field: bad})
     assert dataclasses.replace(FAST, write_bytes_per_s=float("inf"), read_bytes_per_s=float("inf")).layers == FAST.layers
 
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"decisions": None}, r"Plan decisions must be a sequence of placements, one per layer, .* got NoneType None"),
+    ({"write_caps_bytes": 5}, r"Plan write_caps_bytes must be a sequence of sizes, one per layer, .* got int 5"),
+    ({"write_caps_bytes": ("x",)}, "Plan write_caps_bytes entry: not a size: 'x'"),
+    ({"write_caps_bytes": (-1,)}, "Plan write_caps_bytes entry must be >= 0, got -1"),
+    ({"write_caps_bytes": (1.5,)}, "Plan write_caps_bytes entry must be a whole number of bytes .* got float 1.5"),
+])
+def test_a_plan_with_a_bad_field_is_a_config_error_naming_it(fields, message):
+    # A TypeError ('NoneType' object is not iterable), a ValueError (invalid literal for int()), or silently
+    # taken (a negative cap, 1.5 truncated to 1): the caps hold forward back, so a pinned plan's must be sizes.
+    with pytest.raises(TbaConfigError, match=message):
+        Plan(**{"decisions": ("keep",), "window_bytes": 0, **fields})
+    assert Plan(("keep", "offload"), 0, write_caps_bytes=("1M", 4096)).write_caps_bytes == (MIB, 4096)
