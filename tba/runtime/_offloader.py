@@ -179,9 +179,11 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
     def __repr__(self) -> str:
         direct = self.resolved_direct_io
         layers = (f"layers={len(self.layers)}" if self.layers else f"discovered_layers={len(self.discovered_layers)}")
+        plan = self.plan
         return (f"{type(self).__name__}(directory={self.directory!r}, backend={self.backend!r} -> "
                 f"{self.resolved_backend}, direct_io={self.config.direct_io!r}"
-                f"{'' if direct is None else f' -> {direct}'}, {layers}, "
+                f"{'' if direct is None else f' -> {direct}'}, {layers}, policy={self.policy_runner.name}"
+                f"{'' if plan is None else f' -> {plan.code}'}, "
                 f"{'reusable' if self.reusable else 'one-shot'}, {self._phase.value})")
 
     def _after_fork_in_child(self) -> None:

@@ -106,3 +106,16 @@ def test_reset_stats_gives_per_step_counters(spill_dir):
 
 def test_config_repr():
     assert "queue_depth=4" in repr(tba.OffloadConfig(queue_depth=4))
+
+
+def test_the_repr_names_the_policy_and_the_plan_in_force(spill_dir):
+    """docs/api.md lists repr(offloader) among the ways to see what tba decided: the plan too (helper-106)."""
+    model = make_model()
+    plan = tba.Plan(("offload", "keep", "recompute"), window_bytes=1 << 20)
+    offloader = tba.Offloader(spill_dir, layers=list(model)[1:], policy=plan)
+    step(offloader, model)
+    assert "policy=Plan -> OKR, reusable" in repr(offloader), repr(offloader)
+    offloader.close()
+    default = tba.Offloader(spill_dir)
+    assert "policy=adaptive, reusable" in repr(default), repr(default)  # no plan before its steps
+    default.close()
