@@ -205,3 +205,16 @@ def test_a_refusal_that_names_no_drawn_state_is_a_finding(monkeypatch):
     seed = next(s for s in range(200) if draw_case(s).events.count("step") and draw_case(s).min_offload_bytes == 0
                 and draw_case(s).placement is not None and "offload" in draw_case(s).placement)
     assert any("tba raised TbaError: cannot read back" in problem for problem in run_case(draw_case(seed)))
+
+
+def test_the_fuzzer_sees_a_saved_tensors_attributes_lost(monkeypatch):
+    """The "functions" draw is live: a tba that writes a saved tensor carrying Python attributes, which then comes
+    back without them (Note [A tensor with attributes stays in memory] in ``tba/runtime/_keep.py`` not applied), is
+    caught by a custom Function reading ``extra.scale`` in backward."""
+    from tba.runtime._keep import KeepDecision, KeepReason
+
+    original = KeepDecision.keep_reason
+    monkeypatch.setattr(KeepDecision, "keep_reason",
+                        lambda self, tensor: None if original(self, tensor) is KeepReason.ATTRIBUTES else original(self, tensor))
+    assert "tensor_attribute" in draw_case(53).functions
+    assert run_case(draw_case(53))

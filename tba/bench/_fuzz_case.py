@@ -8,7 +8,7 @@ a scale drawn from Python's and numpy's global generators, as stochastic depth i
 a dtype, an input source, a placement, a backend, a minimum offload size, the batch size per step,
 the retained steps, the events per step, the late writes (``_fuzz_io.py``), the Python-side state
 each block's forward changes and reads (``_fuzz_state.py``) and a BatchNorm all blocks call outside their
-``modules()``. New fields are drawn
+``modules()``, and the parts of ``_fuzz_parts.py``. New fields are drawn
 last, so every older field stays what it was for every seed (a printed reproducer keeps working).
 :func:`build` makes the case's model (:class:`Block` per entry) and :func:`case_input` a step's
 input, both from the seed alone, so the runs with and without tba see identical models and inputs.
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tba.bench._fuzz_io import LateWrites, draw_late_writes
+from tba.bench._fuzz_parts import apply_function, draw_functions
 from tba.bench._fuzz_state import Shared, apply_state, draw_states, init_state
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -64,6 +65,8 @@ class Case:
     outside_norm: bool = False
     """Every block calls a BatchNorm held by the object they share, outside each block's ``modules()`` (Note [A
     recomputation puts back the modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``)."""
+    functions: tuple[str, ...] = ()
+    """Per block, the custom autograd Function its forward applies ("" none; ``_fuzz_parts.py``); empty: none."""
 
 
 def draw_case(seed: int) -> Case:
@@ -88,8 +91,10 @@ def draw_case(seed: int) -> Case:
     retained = tuple(step for step in range(len(events)) if rng.random() < 0.25)
     late_writes = draw_late_writes(rng)
     states = draw_states(rng, count)
+    outside_norm = rng.random() < 0.3
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
-                               late_writes=late_writes, states=states, outside_norm=rng.random() < 0.3)
+                               late_writes=late_writes, states=states, outside_norm=outside_norm,
+                               functions=draw_functions(rng, count))
 
 
 class Block(nn.Module):
@@ -107,6 +112,7 @@ class Block(nn.Module):
         self.register_buffer("center", torch.zeros(width) if "centering" in parts else None)
         self.calls = 0
         self.outside_norm = False
+        self.function = ""
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
@@ -135,6 +141,8 @@ class Block(nn.Module):
                 h = (h - self.center) / self.calls
         if self.outside_norm:
             h = self.shared.norm(h)
+        if self.function:
+            h = apply_function(self.function, h)
         return torch.sin(apply_state(self, h)) + x
 
 
@@ -146,6 +154,8 @@ def build(case: Case) -> nn.Sequential:
                             for i, parts in enumerate(case.blocks)])
     if case.shared_weight and len(model) > 1:
         model[-1].linear.weight = model[0].linear.weight
+    for block, function in zip(model, case.functions):
+        block.function = function
     if case.outside_norm:
         shared.norm = nn.BatchNorm1d(case.width).to(case.dtype)
         for block in model:

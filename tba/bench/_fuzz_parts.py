@@ -1,0 +1,70 @@
+"""Parts of the fuzzer's blocks that real models write and the first menu (``_fuzz_case.py``) did not draw.
+
+Each is a field of :class:`~tba.bench._fuzz_case.Case` drawn after every older one (so older seeds keep
+their cases), applied by :class:`~tba.bench._fuzz_case.Block`'s forward:
+
+* ``functions``: per block, a custom :class:`torch.autograd.Function` (as fused kernels and quantised
+  layers are written) that saves its input and output with ``ctx.save_for_backward``, and reads in
+  backward a non-tensor attribute of ``ctx`` (``"attribute"``), a Python attribute of a saved tensor
+  that requires no grad (``"tensor_attribute"``, as quantised layers carry ``.scale``: Note [A saved tensor's
+  attributes]), or saves a ``detach()`` or ``.data`` alias of its input instead of the input (``"detached"``,
+  ``"data"``).
+
+Note: [A saved tensor's attributes]
+Autograd wraps what any unpack hook returns for a saved tensor that requires grad in a new tensor object,
+so its Python attributes (``h.scale = 1.5``, a parameter's ``main_grad``) are gone in backward under every
+saved-tensor hook: torch's own ``checkpoint`` and ``save_on_cpu`` too (an ``AttributeError``, or the
+default of a ``getattr``). tba cannot give them back, and docs/api.md lists it among what it does not
+catch; the fuzzer draws the attribute on a tensor that requires no grad, which autograd hands back as it
+is, and which tba keeps in memory for that (Note [A tensor with attributes stays in memory] in
+``tba/runtime/_keep.py``).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+FUNCTIONS = ("saves", "attribute", "tensor_attribute", "detached", "data")
+
+
+def draw_functions(rng: random.Random, count: int) -> tuple[str, ...]:
+    """Per block, the custom Function its forward applies ("" for none; none at all in about 60% of cases)."""
+    if rng.random() < 0.6:
+        return ()
+    return tuple(rng.choice(("", *FUNCTIONS)) for _ in range(count))
+
+
+class _Silu(torch.autograd.Function):
+    """``x * sigmoid(x)`` whose backward reads the saved input and output (and what ``kind`` stashes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, kind: str, extra: torch.Tensor) -> torch.Tensor:
+        y = x * torch.sigmoid(x)
+        ctx.kind = kind
+        if kind == "attribute":
+            ctx.scale = 1.5
+        saved = x.detach() if kind == "detached" else x.data if kind == "data" else x
+        ctx.save_for_backward(saved, y, extra)
+        return y * 1.5 if kind in ("attribute", "tensor_attribute") else y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, y, extra = ctx.saved_tensors
+        sig = torch.sigmoid(x)
+        out = grad * (sig + y * (1 - sig))
+        if ctx.kind == "attribute":
+            out = out * ctx.scale
+        elif ctx.kind == "tensor_attribute":
+            out = out * getattr(extra, "scale", 1.0)  # Note [A saved tensor's attributes]
+        return out, None, None
+
+
+def apply_function(kind: str, h: torch.Tensor) -> torch.Tensor:
+    """``h`` through the block's custom Function of ``kind``."""
+    extra = h.detach().abs()  # requires no grad; as large as ``h``, so written unless kept
+    if kind == "tensor_attribute":
+        extra.scale = 1.5
+    return _Silu.apply(h, kind, extra)
