@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tba.bench._fuzz_io import LateWrites, draw_late_writes
-from tba.bench._fuzz_parts import apply_function, draw_functions
+from tba.bench._fuzz_parts import apply_function, draw_functions, draw_hooks, register_hook
 from tba.bench._fuzz_state import Shared, apply_state, draw_states, init_state
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -67,6 +67,8 @@ class Case:
     recomputation puts back the modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``)."""
     functions: tuple[str, ...] = ()
     """Per block, the custom autograd Function its forward applies ("" none; ``_fuzz_parts.py``); empty: none."""
+    hooks: tuple[str, ...] = ()
+    """Per block, a hook the program registers on its linear layer ("" none; ``_fuzz_parts.py``); empty: none."""
 
 
 def draw_case(seed: int) -> Case:
@@ -94,7 +96,7 @@ def draw_case(seed: int) -> Case:
     outside_norm = rng.random() < 0.3
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
                                late_writes=late_writes, states=states, outside_norm=outside_norm,
-                               functions=draw_functions(rng, count))
+                               functions=draw_functions(rng, count), hooks=draw_hooks(rng, count))
 
 
 class Block(nn.Module):
@@ -113,6 +115,7 @@ class Block(nn.Module):
         self.calls = 0
         self.outside_norm = False
         self.function = ""
+        self.hook_log: list[float] = []
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
@@ -156,6 +159,8 @@ def build(case: Case) -> nn.Sequential:
         model[-1].linear.weight = model[0].linear.weight
     for block, function in zip(model, case.functions):
         block.function = function
+    for block, hook in zip(model, case.hooks):
+        register_hook(block, hook)
     if case.outside_norm:
         shared.norm = nn.BatchNorm1d(case.width).to(case.dtype)
         for block in model:

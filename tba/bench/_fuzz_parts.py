@@ -9,6 +9,9 @@ their cases), applied by :class:`~tba.bench._fuzz_case.Block`'s forward:
   that requires no grad (``"tensor_attribute"``, as quantised layers carry ``.scale``: Note [A saved tensor's
   attributes]), or saves a ``detach()`` or ``.data`` alias of its input instead of the input (``"detached"``,
   ``"data"``).
+* ``hooks``: per block, a hook the program registers on the block's linear layer: a forward hook that
+  scales its output (``"scale"``), a forward pre-hook that scales its input (``"pre"``), or a forward hook
+  that appends the output's sum to a list the block holds (``"append"``, compared after the steps).
 
 Note: [A saved tensor's attributes]
 Autograd wraps what any unpack hook returns for a saved tensor that requires grad in a new tensor object,
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 FUNCTIONS = ("saves", "attribute", "tensor_attribute", "detached", "data")
+HOOKS = ("scale", "pre", "append")
 
 
 def draw_functions(rng: random.Random, count: int) -> tuple[str, ...]:
@@ -68,3 +72,25 @@ def apply_function(kind: str, h: torch.Tensor) -> torch.Tensor:
     if kind == "tensor_attribute":
         extra.scale = 1.5
     return _Silu.apply(h, kind, extra)
+
+
+def draw_hooks(rng: random.Random, count: int) -> tuple[str, ...]:
+    """Per block, the hook the program registers on its linear layer ("" for none; none at all in about 70% of cases)."""
+    if rng.random() < 0.7:
+        return ()
+    return tuple(rng.choice(("", *HOOKS)) for _ in range(count))
+
+
+def register_hook(block: torch.nn.Module, kind: str) -> None:
+    """Register the hook of ``kind`` on ``block.linear`` (its list, for ``"append"``, is ``block.hook_log``)."""
+    if kind == "scale":
+        block.linear.register_forward_hook(lambda module, args, out: out * 1.25)
+    elif kind == "pre":
+        block.linear.register_forward_pre_hook(lambda module, args: (args[0] * 0.75,))
+    elif kind == "append":
+        log = block.hook_log
+
+        def append(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+            log.append(float(out.detach().float().sum()))
+
+        block.linear.register_forward_hook(append)

@@ -154,7 +154,8 @@ def state_of(model: nn.Module) -> list[Any]:
                "private": block._private_calls, "arrays": torch.from_numpy(block.arrays["hits"].copy()),
                "pair": [block.pair[0].clone(), list(block.pair[1])],
                "private_hits": torch.from_numpy(block._private_hits.copy()),
-               "config": [block.config.counts["inner"]["n"], list(block.config.history)], "slots": block.slots.n}
+               "config": [block.config.counts["inner"]["n"], list(block.config.history)], "slots": block.slots.n,
+               "hook_log": list(getattr(block, "hook_log", ()))}
               for block in model]
     shared = model[0].shared
     norm = vars(shared).get("norm")  # a BatchNorm the blocks call outside their modules()
