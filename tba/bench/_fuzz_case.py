@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tba.bench._fuzz_io import LateWrites, draw_late_writes
-from tba.bench._fuzz_parts import apply_function, draw_functions, draw_hooks, register_hook
+from tba.bench._fuzz_parts import Stack, apply_extra, apply_function, draw_extra, draw_functions, draw_hooks, register_hook
 from tba.bench._fuzz_state import Shared, apply_state, draw_states, init_state
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -69,6 +69,8 @@ class Case:
     """Per block, the custom autograd Function its forward applies ("" none; ``_fuzz_parts.py``); empty: none."""
     hooks: tuple[str, ...] = ()
     """Per block, a hook the program registers on its linear layer ("" none; ``_fuzz_parts.py``); empty: none."""
+    extra: str = ""
+    """An argument every block takes besides ``x``, new each step (``_fuzz_parts.py``); "": none."""
 
 
 def draw_case(seed: int) -> Case:
@@ -96,7 +98,8 @@ def draw_case(seed: int) -> Case:
     outside_norm = rng.random() < 0.3
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
                                late_writes=late_writes, states=states, outside_norm=outside_norm,
-                               functions=draw_functions(rng, count), hooks=draw_hooks(rng, count))
+                               functions=draw_functions(rng, count), hooks=draw_hooks(rng, count),
+                               extra=draw_extra(rng))
 
 
 class Block(nn.Module):
@@ -119,8 +122,10 @@ class Block(nn.Module):
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
         h = self.linear(x)
+        if extra is not None:
+            h = apply_extra(h, extra)
         for part in self.parts:
             if part == "layernorm":
                 h = self.norm(h)
@@ -149,11 +154,11 @@ class Block(nn.Module):
         return torch.sin(apply_state(self, h)) + x
 
 
-def build(case: Case) -> nn.Sequential:
+def build(case: Case) -> Stack:
     """The case's model, from its seed (identical on every call)."""
     torch.manual_seed(case.seed)
     shared = Shared()
-    model = nn.Sequential(*[Block(parts, case.width, case.seed + i, case.states[i] if case.states else (), shared)
+    model = Stack(*[Block(parts, case.width, case.seed + i, case.states[i] if case.states else (), shared)
                             for i, parts in enumerate(case.blocks)])
     if case.shared_weight and len(model) > 1:
         model[-1].linear.weight = model[0].linear.weight

@@ -12,6 +12,9 @@ their cases), applied by :class:`~tba.bench._fuzz_case.Block`'s forward:
 * ``hooks``: per block, a hook the program registers on the block's linear layer: a forward hook that
   scales its output (``"scale"``), a forward pre-hook that scales its input (``"pre"``), or a forward hook
   that appends the output's sum to a list the block holds (``"append"``, compared after the steps).
+* ``extra``: an argument every block is called with besides ``x`` (:class:`Stack` passes it on): a mask
+  tensor of the input's shape (``"mask"``), a numpy array of one row (``"numpy"``) or a Python float
+  (``"float"``), new each step (:func:`step_extra`); the block scales its activation by it.
 
 Note: [A saved tensor's attributes]
 Autograd wraps what any unpack hook returns for a saved tensor that requires grad in a new tensor object,
@@ -28,10 +31,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
 FUNCTIONS = ("saves", "attribute", "tensor_attribute", "detached", "data")
 HOOKS = ("scale", "pre", "append")
+EXTRAS = ("mask", "numpy", "float")
 
 
 def draw_functions(rng: random.Random, count: int) -> tuple[str, ...]:
@@ -94,3 +100,38 @@ def register_hook(block: torch.nn.Module, kind: str) -> None:
             log.append(float(out.detach().float().sum()))
 
         block.linear.register_forward_hook(append)
+
+
+def draw_extra(rng: random.Random) -> str:
+    """The argument blocks take besides ``x`` ("" for none, in about 60% of cases)."""
+    return "" if rng.random() < 0.6 else rng.choice(EXTRAS)
+
+
+def step_extra(kind: str, seed: int, step: int, batch: int, width: int) -> Any:
+    """The extra argument of ``step`` (identical with and without tba); None when ``kind`` is ""."""
+    rng = np.random.default_rng(seed * 977 + step)
+    if kind == "mask":
+        return torch.from_numpy(rng.random((batch, width)) < 0.8)
+    if kind == "numpy":
+        return (1.0 + rng.random(width)).astype(np.float32)
+    if kind == "float":
+        return float(1.0 + rng.random())
+    return None
+
+
+def apply_extra(h: torch.Tensor, extra: Any) -> torch.Tensor:
+    """``h`` scaled by the block's extra argument."""
+    if isinstance(extra, torch.Tensor):
+        return h * extra.to(h.dtype)
+    if isinstance(extra, np.ndarray):
+        return h * torch.from_numpy(extra).to(h.dtype)
+    return h * extra
+
+
+class Stack(nn.Sequential):
+    """The fuzzer's model: its blocks in turn, each given the step's extra argument when there is one."""
+
+    def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
+        for block in self:
+            x = block(x) if extra is None else block(x, extra)
+        return x
