@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tba.bench import _fuzz_parts as fuzz_parts
 from tba.bench._fuzz_io import LateWrites, draw_late_writes
-from tba.bench._fuzz_parts import Stack, apply_extra, apply_function, draw_extra, draw_functions, draw_hooks, register_hook
 from tba.bench._fuzz_state import Shared, apply_state, draw_states, init_state
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -71,6 +71,8 @@ class Case:
     """Per block, a hook the program registers on its linear layer ("" none; ``_fuzz_parts.py``); empty: none."""
     extra: str = ""
     """An argument every block takes besides ``x``, new each step (``_fuzz_parts.py``); "": none."""
+    checkpoints: tuple[str, ...] = ()
+    """Per block, the checkpoint of its own it runs a piece of its forward under ("" none; ``_fuzz_parts.py``)."""
 
 
 def draw_case(seed: int) -> Case:
@@ -98,8 +100,8 @@ def draw_case(seed: int) -> Case:
     outside_norm = rng.random() < 0.3
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
                                late_writes=late_writes, states=states, outside_norm=outside_norm,
-                               functions=draw_functions(rng, count), hooks=draw_hooks(rng, count),
-                               extra=draw_extra(rng))
+                               functions=fuzz_parts.draw_functions(rng, count), hooks=fuzz_parts.draw_hooks(rng, count),
+                               extra=fuzz_parts.draw_extra(rng), checkpoints=fuzz_parts.draw_checkpoints(rng, count))
 
 
 class Block(nn.Module):
@@ -119,13 +121,14 @@ class Block(nn.Module):
         self.outside_norm = False
         self.function = ""
         self.hook_log: list[float] = []
+        self.checkpoint = ""
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
         h = self.linear(x)
         if extra is not None:
-            h = apply_extra(h, extra)
+            h = fuzz_parts.apply_extra(h, extra)
         for part in self.parts:
             if part == "layernorm":
                 h = self.norm(h)
@@ -150,22 +153,26 @@ class Block(nn.Module):
         if self.outside_norm:
             h = self.shared.norm(h)
         if self.function:
-            h = apply_function(self.function, h)
+            h = fuzz_parts.apply_function(self.function, h)
+        if self.checkpoint:
+            h = fuzz_parts.apply_checkpoint(self.checkpoint, h)
         return torch.sin(apply_state(self, h)) + x
 
 
-def build(case: Case) -> Stack:
+def build(case: Case) -> fuzz_parts.Stack:
     """The case's model, from its seed (identical on every call)."""
     torch.manual_seed(case.seed)
     shared = Shared()
-    model = Stack(*[Block(parts, case.width, case.seed + i, case.states[i] if case.states else (), shared)
-                            for i, parts in enumerate(case.blocks)])
+    model = fuzz_parts.Stack(*[Block(parts, case.width, case.seed + i, case.states[i] if case.states else (), shared)
+                              for i, parts in enumerate(case.blocks)])
     if case.shared_weight and len(model) > 1:
         model[-1].linear.weight = model[0].linear.weight
     for block, function in zip(model, case.functions):
         block.function = function
     for block, hook in zip(model, case.hooks):
-        register_hook(block, hook)
+        fuzz_parts.register_hook(block, hook)
+    for block, kind in zip(model, case.checkpoints):
+        block.checkpoint = kind
     if case.outside_norm:
         shared.norm = nn.BatchNorm1d(case.width).to(case.dtype)
         for block in model:

@@ -15,6 +15,9 @@ their cases), applied by :class:`~tba.bench._fuzz_case.Block`'s forward:
 * ``extra``: an argument every block is called with besides ``x`` (:class:`Stack` passes it on): a mask
   tensor of the input's shape (``"mask"``), a numpy array of one row (``"numpy"``) or a Python float
   (``"float"``), new each step (:func:`step_extra`); the block scales its activation by it.
+* ``checkpoints``: per block, a piece of its forward it runs under ``torch.utils.checkpoint`` itself,
+  non-reentrant (``"nonreentrant"``) or reentrant (``"reentrant"``), as models with their own activation
+  checkpointing do inside a block.
 
 Note: [A saved tensor's attributes]
 Autograd wraps what any unpack hook returns for a saved tensor that requires grad in a new tensor object,
@@ -38,6 +41,7 @@ from torch import nn
 FUNCTIONS = ("saves", "attribute", "tensor_attribute", "detached", "data")
 HOOKS = ("scale", "pre", "append")
 EXTRAS = ("mask", "numpy", "float")
+CHECKPOINTS = ("nonreentrant", "reentrant")
 
 
 def draw_functions(rng: random.Random, count: int) -> tuple[str, ...]:
@@ -135,3 +139,22 @@ class Stack(nn.Sequential):
         for block in self:
             x = block(x) if extra is None else block(x, extra)
         return x
+
+
+def draw_checkpoints(rng: random.Random, count: int) -> tuple[str, ...]:
+    """Per block, the checkpoint its forward runs a piece under ("" for none; none at all in about 70% of cases)."""
+    if rng.random() < 0.7:
+        return ()
+    return tuple(rng.choice(("", *CHECKPOINTS)) for _ in range(count))
+
+
+def _piece(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h) * h + h.pow(2) * 0.125
+
+
+def apply_checkpoint(kind: str, h: torch.Tensor) -> torch.Tensor:
+    """``h`` through a piece of forward run under the block's own checkpoint of ``kind``."""
+    from torch.utils.checkpoint import checkpoint
+
+    # A reentrant checkpoint of an input that requires no grad warns and gives the same as a non-reentrant one.
+    return checkpoint(_piece, h, use_reentrant=kind == "reentrant" and h.requires_grad)
