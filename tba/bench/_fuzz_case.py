@@ -73,6 +73,8 @@ class Case:
     """An argument every block takes besides ``x``, new each step (``_fuzz_parts.py``); "": none."""
     checkpoints: tuple[str, ...] = ()
     """Per block, the checkpoint of its own it runs a piece of its forward under ("" none; ``_fuzz_parts.py``)."""
+    autocast: str = ""
+    """Where CPU bfloat16 autocast is entered: around the model's forward or each block's linear (``_fuzz_parts.py``)."""
 
 
 def draw_case(seed: int) -> Case:
@@ -101,7 +103,8 @@ def draw_case(seed: int) -> Case:
     return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
                                late_writes=late_writes, states=states, outside_norm=outside_norm,
                                functions=fuzz_parts.draw_functions(rng, count), hooks=fuzz_parts.draw_hooks(rng, count),
-                               extra=fuzz_parts.draw_extra(rng), checkpoints=fuzz_parts.draw_checkpoints(rng, count))
+                               extra=fuzz_parts.draw_extra(rng), checkpoints=fuzz_parts.draw_checkpoints(rng, count),
+                               autocast=fuzz_parts.draw_autocast(rng))
 
 
 class Block(nn.Module):
@@ -122,11 +125,14 @@ class Block(nn.Module):
         self.function = ""
         self.hook_log: list[float] = []
         self.checkpoint = ""
+        self.autocast = False
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
-        h = self.linear(x)
+        with fuzz_parts.autocast(self.autocast):
+            h = self.linear(x)
+        h = h.to(x.dtype)
         if extra is not None:
             h = fuzz_parts.apply_extra(h, extra)
         for part in self.parts:
@@ -173,6 +179,8 @@ def build(case: Case) -> fuzz_parts.Stack:
         fuzz_parts.register_hook(block, hook)
     for block, kind in zip(model, case.checkpoints):
         block.checkpoint = kind
+    for block in model:
+        block.autocast = case.autocast == "linear"
     if case.outside_norm:
         shared.norm = nn.BatchNorm1d(case.width).to(case.dtype)
         for block in model:

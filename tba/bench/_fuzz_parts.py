@@ -18,6 +18,8 @@ their cases), applied by :class:`~tba.bench._fuzz_case.Block`'s forward:
 * ``checkpoints``: per block, a piece of its forward it runs under ``torch.utils.checkpoint`` itself,
   non-reentrant (``"nonreentrant"``) or reentrant (``"reentrant"``), as models with their own activation
   checkpointing do inside a block.
+* ``autocast``: bfloat16 autocast on the CPU around the model's forward (``"model"``, as a training loop
+  enters it) or around each block's linear layer (``"linear"``, as a block mixes dtypes itself).
 
 Note: [A saved tensor's attributes]
 Autograd wraps what any unpack hook returns for a saved tensor that requires grad in a new tensor object,
@@ -42,6 +44,7 @@ FUNCTIONS = ("saves", "attribute", "tensor_attribute", "detached", "data")
 HOOKS = ("scale", "pre", "append")
 EXTRAS = ("mask", "numpy", "float")
 CHECKPOINTS = ("nonreentrant", "reentrant")
+AUTOCASTS = ("model", "linear")
 
 
 def draw_functions(rng: random.Random, count: int) -> tuple[str, ...]:
@@ -158,3 +161,13 @@ def apply_checkpoint(kind: str, h: torch.Tensor) -> torch.Tensor:
 
     # A reentrant checkpoint of an input that requires no grad warns and gives the same as a non-reentrant one.
     return checkpoint(_piece, h, use_reentrant=kind == "reentrant" and h.requires_grad)
+
+
+def draw_autocast(rng: random.Random) -> str:
+    """Where bfloat16 autocast is entered ("" for nowhere, in about 70% of cases)."""
+    return "" if rng.random() < 0.7 else rng.choice(AUTOCASTS)
+
+
+def autocast(on: bool) -> Any:
+    """A CPU bfloat16 autocast context when ``on``, else one that does nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)

@@ -18,7 +18,7 @@ fuzzer] in ``tba/bench/_fuzz_io.py``), and per block the Python-side state its f
 call, a cached property, a tensor in a plain object, a private counter: ``tba/bench/_fuzz_state.py``),
 and parts real models write (``tba/bench/_fuzz_parts.py``: custom autograd Functions, hooks the program registers on a
 block's linear layer, an argument besides the input passed to every block, a checkpoint of the
-model's own inside a block).
+model's own inside a block, CPU bfloat16 autocast around the forward or each block's linear).
 :func:`run_case` runs the same steps twice from the same seed, once without tba and once with it, and
 compares losses, gradients, buffers, that Python-side state, SGD-with-momentum state and the input
 tensors with ``torch.equal``; a run with tba may instead raise a :class:`~tba.errors.TbaError` that
@@ -47,7 +47,7 @@ from torch import nn
 
 from tba.bench._fuzz_case import BLOCKS, DTYPES, EVENTS, PLACEMENTS, Block, Case, build, case_input, draw_case
 from tba.bench._fuzz_io import late_engine
-from tba.bench._fuzz_parts import step_extra
+from tba.bench._fuzz_parts import autocast, step_extra
 from tba.bench._fuzz_state import refusal_accepted, state_of
 
 __all__ = ["BLOCKS", "DTYPES", "EVENTS", "PLACEMENTS", "Block", "Case", "build", "draw_case", "reproducer", "run_case"]
@@ -104,7 +104,10 @@ def _steps(case: Case, model: nn.Sequential, optimizer: Any, directory: str | No
                                               **bare)
         try:
             with context:
-                loss = model(x, step_extra(case.extra, case.seed, step, x.shape[0], case.width)).float().pow(2).mean()
+                with autocast(case.autocast == "model"):
+                    out = model(x, step_extra(case.extra, case.seed, step, x.shape[0], case.width))
+                loss = out.float().pow(2).mean()
+                del out
                 del x  # as in a training loop: only autograd (and tba) hold the input now
                 if event == "raise":
                     raise _Raised
