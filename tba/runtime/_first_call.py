@@ -48,8 +48,8 @@ class FirstCall:
     the state it started from (Note [Side effects of a recomputed forward]), and the versions to check (Note [A
     recomputed layer's parameters must not change before backward])."""
 
-    __slots__ = ("generators", "before", "outside", "outside_groups", "parameters_before", "slots", "versions",
-                 "requires_grad", "private", "nested", "default_dtype")
+    __slots__ = ("generators", "before", "outside", "outside_groups", "outside_parameters", "parameters_before", "slots",
+                 "versions", "requires_grad", "private", "nested", "default_dtype")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
@@ -60,6 +60,8 @@ class FirstCall:
         self.outside_groups: list[list[nn.Module]] = []
         """Those modules, a group per call the first call made to one of them (whose private state is compared as
         ``tba/runtime/_private_state.py``'s ``private_state`` takes it)."""
+        self.outside_parameters: list[tuple[str, torch.Tensor, int]] = []
+        """``(what, parameter, version)`` of those modules' parameters, each when its module's first call there began."""
         self.parameters_before: list[tuple[str, torch.Tensor, int]] = []
         """``(what, parameter, version)`` when the first call began (``what``: ``its parameter 'name'``), and those of
         the modules outside the layer that it ran, each when its first call there began."""
@@ -92,7 +94,7 @@ class FirstCall:
         """After the first call: the state, the parameters' versions and the parameter slots of the modules outside the
         layer that it ran, each taken before its first call there (Note [A recomputation puts back the modules outside
         its layer that it calls] in ``tba/runtime/_outside_state.py``): watched and put back as the layer's own."""
-        self.outside, self.outside_groups = states, groups
+        self.outside, self.outside_groups, self.outside_parameters = states, groups, parameters
         self.parameters_before += parameters
         self.slots += slots
 
@@ -189,9 +191,7 @@ class FirstCall:
                     learned.changed.add(key)
         parameters = list(layer.named_parameters())
         self.versions += [(f"parameter {name!r}", p, p._version) for name, p in parameters]
-        self.versions += [(f"parameter {name!r} of {type(state.module).__name__} (outside the layer, which its forward calls)",
-                           p, p._version) for state in self.outside for name, p in state.module._parameters.items()
-                          if p is not None]
+        self.versions += [(what, p, p._version) for what, p, _ in self.outside_parameters]
         self.requires_grad = [(name, p, p.requires_grad) for name, p in parameters]
 
     def check_unchanged(self, layer: nn.Module) -> None:
