@@ -346,7 +346,7 @@ static PyObject *Ring_forget_after_fork(RingObject *self, PyObject *Py_UNUSED(ig
     self->reaping = 0;
     self->ring.lock_ready = 0;
     if (self->open)
-        tba_ring_forget_pieces(&self->ring);
+        tba_ring_mark_inherited(&self->ring);
     free_ring(self);
     Py_RETURN_NONE;
 }

@@ -160,12 +160,9 @@ int tba_ring_grow_queue_locked(struct tba_ring *ring, size_t more)
     return 0;
 }
 
-void tba_ring_forget_pieces(struct tba_ring *ring)
+void tba_ring_mark_inherited(struct tba_ring *ring)
 {
-    for (unsigned i = 0; ring->slots && i < ring->nslots; i++)
-        ring->slots[i].iov = NULL;
-    for (size_t i = 0; ring->queue && i < ring->queue_count; i++)
-        ring->queue[(ring->queue_head + i) % ring->queue_cap].iov = NULL;
+    ring->inherited = 1;
 }
 
 void tba_ring_close(struct tba_ring *ring)
@@ -174,18 +171,20 @@ void tba_ring_close(struct tba_ring *ring)
     if (ring->fd >= 0)
         close(ring->fd);
     ring->fd = -1;
-    /* Requests that never finished (a ring closed after its reaper failed) still own their pieces;
-     * in a forked child tba_ring_forget_pieces has dropped them first. */
-    for (unsigned i = 0; ring->slots && i < ring->nslots; i++)
-        tba_req_free(&ring->slots[i]);
-    for (size_t i = 0; ring->queue && i < ring->queue_count; i++)
-        tba_req_free(&ring->queue[(ring->queue_head + i) % ring->queue_cap]);
+    if (!ring->inherited) {
+        /* Requests that never finished (a ring closed after its reaper failed) still own their pieces. */
+        for (unsigned i = 0; ring->slots && i < ring->nslots; i++)
+            tba_req_free(&ring->slots[i]);
+        for (size_t i = 0; ring->queue && i < ring->queue_count; i++)
+            tba_req_free(&ring->queue[(ring->queue_head + i) % ring->queue_cap]);
+        free(ring->queue);
+    }
+    ring->inherited = 0;
     if (ring->lock_ready)
         pthread_mutex_destroy(&ring->lock);
     ring->lock_ready = 0;
     free(ring->slots);
     free(ring->free_stack);
-    free(ring->queue);
     ring->queue = NULL;
     ring->queue_head = ring->queue_count = ring->queue_cap = 0;
     ring->slots = NULL;

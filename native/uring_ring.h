@@ -80,6 +80,7 @@ struct tba_ring {
     size_t queue_head, queue_count, queue_cap;
     int reaper_waiting; /* the reaper is blocked (or about to block) in io_uring_enter */
     int failed;         /* 0, or the negative errno that failed the reaper: sticky */
+    int inherited;      /* a forked child's copy: close frees no request's pieces nor the queue */
 };
 
 int tba_ring_open(struct tba_ring *ring, unsigned depth);
@@ -89,10 +90,16 @@ void tba_req_free(struct tba_req *req);
 void tba_req_advance(struct tba_req *req, uint64_t moved);
 /* Make room in the waiting queue for ``more`` requests (caller holds the lock). */
 int tba_ring_grow_queue_locked(struct tba_ring *ring, size_t more);
-/* In a forked child: drop, unfreed, the pieces of requests that never finished. A fork can land
- * while the reaper moves a request from the queue to a slot, when both hold the same pieces, or
- * inside tba_req_free; the child leaks them (at most the queue's) rather than free them twice. */
-void tba_ring_forget_pieces(struct tba_ring *ring);
+/* Note: [A forked child leaks what the parent's threads were changing]
+ * In a forked child the parent's submitters and reaper are gone, and a fork can land anywhere inside
+ * their work under the ring's lock: while the reaper moves a request from the queue to a slot (both
+ * then hold the same pieces), inside tba_req_free, or inside tba_ring_grow_queue_locked between freeing
+ * the old queue and storing the new one (the queue's pointer, head and capacity then disagree). So
+ * tba_ring_mark_inherited marks the ring inherited, and tba_ring_close then neither reads the queue nor
+ * frees any request's pieces or the queue itself: the child leaks them (at most the queue's requests
+ * and one queue array) rather than free anything twice or walk a queue half replaced. The slots and the
+ * free stack, sized once at open, are freed as usual. */
+void tba_ring_mark_inherited(struct tba_ring *ring);
 int tba_ring_submit(struct tba_ring *ring, const struct tba_req *reqs, unsigned n);
 int tba_ring_wake(struct tba_ring *ring);
 int tba_ring_reap(struct tba_ring *ring, struct tba_done *out, unsigned cap, unsigned *nout,

@@ -185,6 +185,44 @@ def _io_uring_descriptors() -> int:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.requires_io_uring
+def test_a_forked_child_closes_a_ring_with_queued_vectored_requests():
+    """Note [A forked child leaks what the parent's threads were changing] in native/uring_ring.h: the fork
+    lands with every slot busy (reads from a pipe nobody writes) and vectored requests waiting in the
+    queue; the child closes the inherited ring without walking that queue or freeing its pieces, and the
+    parent's requests still complete once the pipe has data."""
+    engine = io_uring_module.IoUringEngine(queue_depth=2)
+    read_end, write_end = os.pipe()
+    outs = [np.zeros(8, dtype=np.uint8) for _ in range(12)]
+    done = []
+    try:
+        requests = [Request(Op.READ, read_end, outs[i].ctypes.data, 16, 0, owner=outs, pieces=_pieces(outs[i:i + 2]))
+                    for i in range(0, 12, 2)]
+        futures = engine.submit_many(requests)
+        assert engine._ring.in_flight == 6
+        status_read, status_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                engine.close()
+                os.write(status_write, b"closed")
+            finally:
+                os._exit(0)
+        os.close(status_write)
+        _, status = os.waitpid(pid, 0)
+        said = os.read(status_read, 100)
+        os.close(status_read)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and said == b"closed", (status, said)
+        os.write(write_end, b"x" * 96)
+        done = [future.result(timeout=10) for future in futures]
+    finally:
+        os.close(write_end)
+        engine.close()
+        os.close(read_end)
+    assert done == [16] * 6
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_closes_the_rings_it_inherited():
     """Note [A forked child closes the parent's rings]: the completion thread is blocked in reap() at the fork.
 
