@@ -34,8 +34,6 @@ memory; ``torch.utils.checkpoint`` saves them through autograd, and tba offloads
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import time
@@ -44,134 +42,26 @@ from typing import Any
 
 from torch import nn
 
-from tba.config import OffloadConfig, option_names
 from tba.errors import TbaConfigError, TbaError
 from tba.integrations import shared_disk
+from tba.integrations._deepspeed_config import (
+    BLOCK_KEYS,
+    CONFIG_KEY,
+    DEEPSPEED_AIO_BLOCK_SIZE_BYTES,
+    DEEPSPEED_AIO_QUEUE_DEPTH,
+    NVME_SUBDIRECTORY,
+    TbaSettings,
+    block_error,
+    block_keys,
+    load_config,
+    parse_config,
+)
 from tba.runtime import Offloader
 
+__all__ = ["BLOCK_KEYS", "CONFIG_KEY", "DEEPSPEED_AIO_BLOCK_SIZE_BYTES", "DEEPSPEED_AIO_QUEUE_DEPTH", "NVME_SUBDIRECTORY",
+           "TbaDeepSpeed", "TbaSettings", "block_keys", "load_config", "parse_config"]
+
 logger = logging.getLogger("tba")
-
-CONFIG_KEY = "tba"
-DEEPSPEED_AIO_BLOCK_SIZE_BYTES = 1 << 20
-"""DeepSpeed's ``aio.block_size`` when its config has none."""
-DEEPSPEED_AIO_QUEUE_DEPTH = 8
-"""DeepSpeed's ``aio.queue_depth`` when its config has none."""
-NVME_SUBDIRECTORY = "tba"
-"""tba's folder under DeepSpeed's ``nvme_path``."""
-
-BLOCK_KEYS = ("enabled", "check_bandwidth")
-"""Keys of the ``"tba"`` block beside the :class:`tba.OffloadConfig` options (every option is a key too)."""
-
-
-def block_keys() -> tuple[str, ...]:
-    """Every key the ``"tba"`` block accepts: its own two, then each :class:`tba.OffloadConfig` option."""
-    return (*BLOCK_KEYS, *option_names())
-
-
-def _block_error(message: str) -> TbaConfigError:
-    return TbaConfigError(f"DeepSpeed config \"{CONFIG_KEY}\" block: {message}")
-
-
-@dataclasses.dataclass(frozen=True)
-class TbaSettings:
-    """What a ``"tba"`` block resolves to, with DeepSpeed's config filling the defaults."""
-
-    enabled: bool
-    directory: str | None
-    policy: str
-    offloader_options: dict[str, Any]
-    nvme_path: str | None
-    optimizer_on_nvme: bool
-    """DeepSpeed swaps optimizer states through ``nvme_path``: only ZeRO-3 does; ZeRO-1/2 keep an
-    ``offload_optimizer`` of device ``"nvme"`` in host memory, writing nothing."""
-    params_on_nvme: bool
-    check_bandwidth: bool
-
-
-def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed config as a dict: ``config`` itself, or the JSON file it names."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    if not isinstance(config, (str, bytes, os.PathLike)):  # open(5) would read file descriptor 5
-        raise TbaConfigError(f"the DeepSpeed config must be a dict or the path of a JSON file, got "
-                             f"{type(config).__name__} {config!r}")
-    try:
-        with open(config) as file:
-            loaded = json.load(file)
-    except (OSError, ValueError) as err:
-        raise TbaConfigError(f"cannot read the DeepSpeed config {config!s} as JSON ({err}); pass it as a dict") from err
-    if not isinstance(loaded, dict):
-        raise TbaConfigError(f"the DeepSpeed config {config!s} holds {type(loaded).__name__}, not a JSON object; "
-                             "write its settings as one object ({...})")
-    return loaded
-
-
-def _check_options(options: dict[str, Any]) -> None:
-    for key in BLOCK_KEYS:
-        if key in options and not isinstance(options[key], bool):
-            raise _block_error(f"\"{key}\" must be true or false, got {options[key]!r}")
-    try:
-        OffloadConfig(**{key: value for key, value in options.items() if key not in BLOCK_KEYS})
-    except TbaConfigError as err:
-        raise _block_error(str(err)) from None
-
-
-def _nvme_path(zero: Mapping[str, Any], section: str) -> str | None:
-    offload = zero.get(section) or {}
-    if str(offload.get("device", "none")).lower() != "nvme":
-        return None
-    path = offload.get("nvme_path")
-    if not path:
-        raise TbaConfigError(f"zero_optimization.{section}.device is \"nvme\" but it has no nvme_path; set one")
-    return os.fspath(path)
-
-
-def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings | None:
-    """Validate the ``"tba"`` block of a DeepSpeed config; None when there is none.
-
-    Keys (all optional): ``enabled`` (default true), ``check_bandwidth`` (default true), and every
-    :class:`tba.OffloadConfig` option under its own name, with the schema's default, except that
-    ``directory`` defaults to ``<nvme_path>/tba`` with NVMe offload and ``block_size_bytes`` /
-    ``queue_depth`` to DeepSpeed's ``aio`` settings then. Sizes may be strings (``"64K"``).
-
-    Raises:
-        TbaConfigError: an unknown key or a value of the wrong type, naming the fix.
-    """
-    config = load_config(config)
-    block = config.get(CONFIG_KEY)
-    if block is None:
-        return None
-    if not isinstance(block, Mapping):
-        raise _block_error(f"must be an object, got {block!r}")
-    unknown = sorted(set(block) - set(block_keys()))
-    if unknown:
-        raise _block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(block_keys())}")
-    _check_options(dict(block))
-    zero = config.get("zero_optimization") or {}
-    param_path = _nvme_path(zero, "offload_param")
-    optimizer_path = _nvme_path(zero, "offload_optimizer")
-    nvme_path = param_path or optimizer_path
-    options = {key: block[key] for key in option_names() if key in block and key not in ("directory", "policy")}
-    if nvme_path is not None:
-        aio = config.get("aio") or {}
-        options.setdefault("block_size_bytes", aio.get("block_size", DEEPSPEED_AIO_BLOCK_SIZE_BYTES))
-        options.setdefault("queue_depth", aio.get("queue_depth", DEEPSPEED_AIO_QUEUE_DEPTH))
-    policy = block.get("policy", "offload")
-    if policy != "offload":
-        options["policy"] = policy
-    directory = block.get("directory")
-    if directory is None and nvme_path is not None:
-        directory = os.path.join(nvme_path, NVME_SUBDIRECTORY)
-    return TbaSettings(
-        enabled=block.get("enabled", True),
-        directory=directory,
-        policy=policy,
-        offloader_options=options,
-        nvme_path=nvme_path,
-        optimizer_on_nvme=optimizer_path is not None and zero.get("stage") == 3,
-        params_on_nvme=param_path is not None and zero.get("stage") == 3,
-        check_bandwidth=block.get("check_bandwidth", True),
-    )
 
 
 def _missing_directories(directory: str | None) -> list[str]:
@@ -220,7 +110,7 @@ class TbaDeepSpeed:
             self.offloader = Offloader(settings.directory, layers=engine.module if layers is None else layers,
                                        **{"policy": settings.policy, **settings.offloader_options})
         except TbaConfigError as err:
-            raise _block_error(str(err)) from err
+            raise block_error(str(err)) from err
         self._check_pending = bool(settings.check_bandwidth and settings.nvme_path is not None
                                    and shared_disk.same_device(settings.directory, settings.nvme_path))
         logger.info("tba: offloading activations of the DeepSpeed engine to %s (%s)",
