@@ -1,11 +1,12 @@
 #!/bin/bash
 # The device checks for a session that is lent a GPU, as one call (docs/gpu.md).
 #
-# Here first, once: kvikio is not on the GPU image, so carry its wheels (Python 3.12):
+# Here first, once: kvikio and megatron-core are not on the GPU image, so carry their wheels (Python 3.12;
+# megatron-core lets the gpu-report's Megatron part run, as the sixth run's third call did by hand):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-#     -d .whl 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*'
+#     -d .whl 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*' 'megatron-core==0.16.1'
 # Then the device tool: run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=540); the script
 # keeps itself within BUDGET_S (default 480 s: the fifth run's parts took 380 s, and the block-groups
 # A/B gets what is left of the last minute), so a machine started in about a minute leaves room in a
