@@ -7,6 +7,9 @@
 * :mod:`tba.policy._model`: the cost model, predicted step time and activation peak of a placement;
 * :mod:`tba.policy._plan`: :class:`Plan` and the fixed policies; :mod:`tba.policy._adaptive`: the
   adaptive planner (:func:`plan`, pure).
+* :mod:`tba.policy._shape_costs` and :mod:`tba.policy._step_floor`: the adaptive search's exact
+  memory and step-time lower bound of every placement shape from prefix sums, so that it runs the
+  model only on the shapes that could win.
 
 Nothing here touches a model or autograd: profiling a real step and applying a plan to an
 offloader is the runtime's (``tba/runtime/_runner.py``, ``tba/runtime/_timer.py``).
