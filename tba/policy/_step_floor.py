@@ -22,6 +22,8 @@ rejects.
 
 from __future__ import annotations
 
+import math
+
 from tba.policy._profile import Profile
 
 FLOOR_MARGIN = 1e-9
@@ -80,7 +82,9 @@ class StepFloor:
         stall = max(0.0, self._read_excess(offload, end if inputs else offload, end) - profile.read_stall_credit_s_per_byte
                     * spilled)
         step = self.forward_end + compute + stall + profile.io_overhead_s_per_byte * spilled + profile.outside_s
-        return step - FLOOR_MARGIN * (step + self.scale)
+        floor = step - FLOOR_MARGIN * (step + self.scale)
+        # inf - inf: times beyond floats (Note [A profile the model cannot price] lets 1e308 s through) bound nothing.
+        return floor if floor == floor else -math.inf
 
     def _compute_to(self, i: int, offload: int, end: int) -> float:
         """Backward's compute of layers ``< i`` for the shape recomputing layers ``offload .. end - 1``."""

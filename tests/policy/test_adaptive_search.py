@@ -209,3 +209,13 @@ def test_the_search_runs_the_cost_model_on_few_shapes(monkeypatch, goal):
     profile = gpt_like(48)
     assert plan(profile, **goal) == reference_plan(gpt_like(48), **({"overhead_bound": 0.05} | goal))
     assert len(calls) < 200
+
+
+@pytest.mark.parametrize("seconds", [1e308, 1e300])
+def test_times_beyond_floats_plan_as_before(seconds):
+    """Layer times whose sums overflow to inf (finite each, so a profile accepts them): the step bound is inf - inf,
+    which bounds nothing; it had pruned every shape and planned RRK, 'goal NOT met', for OOO."""
+    layer = LayerProfile(forward_s=seconds, backward_s=seconds, saved_bytes=100 * MIB, input_bytes=10 * MIB)
+    profile = Profile((layer,) * 3, 1000 * MIB, 1000 * MIB, max_storage_bytes=10 * MIB)
+    for goal in ({"overhead_bound": 0.05}, {"memory_budget_bytes": 150 * MIB}):
+        assert outcome(profile, **goal) == reference_outcome(profile, **goal)
