@@ -14,6 +14,7 @@ directory's functions by this module's names (``open_anonymous``, ``probe_direct
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -54,6 +55,9 @@ def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
         if err.errno != errno.EINVAL:
             raise
         warn_buffered_once(os.path.dirname(path), f"O_DIRECT refused ({err.strerror})")
+        # Note [A failed open can leave its name] (tba/io/_directory.py): O_EXCL says the name is this call's.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         fd, direct = os.open(path, flags, 0o644), False
     try:
         if size_bytes:

@@ -105,3 +105,15 @@ def test_memory_backed_spill_files_reserve_nothing(tmp_path):
         in_memory.close()
         if on_disk is not None:
             on_disk.close()
+
+
+def test_create_preallocated_where_o_direct_is_refused_after_the_file_was_made(ramfs_dir):
+    """ramfs (and tmpfs before Linux 6.6) create the file, then refuse O_DIRECT: the buffered retry must not find it."""
+    path = os.path.join(ramfs_dir, "checkpoint.bin")
+    fd, direct = tba.io.create_preallocated(path, 8192)
+    try:
+        assert not direct
+        assert os.pwrite(fd, b"x" * 8192, 0) == 8192
+    finally:
+        os.close(fd)
+    assert os.listdir(ramfs_dir) == ["checkpoint.bin"]
