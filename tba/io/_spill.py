@@ -172,6 +172,12 @@ class SpillFile:
         try:
             os.posix_fallocate(self.fd, self.reserved_bytes, nbytes - self.reserved_bytes)
         except OSError as err:
+            # Note: [A failed reservation keeps nothing]
+            # ext4's fallocate, failing with ENOSPC, keeps the blocks it allocated before it ran out: a
+            # 1 MiB extent took a nearly full disk's last 13 MiB, which other writers (another rank's spill
+            # file, a checkpoint) then lacked. No extent lies past the reserved bytes, so they are cut off.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, self.reserved_bytes)
             self._reserve = False
             logger.debug("tba: fallocate refused in %s (%s); the spill file grows with its writes", self.directory, err)
             return

@@ -4,6 +4,7 @@ lands while it gives its space back (Note [The file is truncated last] in ``tba/
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -57,5 +58,43 @@ def test_an_interrupted_release_leaves_the_reservation_true_to_the_file(tmp_path
             "the file was truncated but its reservation is still counted: later steps skip fallocate")
         spill.allocate(1 << 20)
         assert os.fstat(spill.fd).st_size >= spill.reserved_bytes > 0
+    finally:
+        spill.close()
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    """A 16 MiB ext4 file system on a loop device (needs root), far smaller than one reservation step."""
+    image, mount_point = tmp_path / "disk.img", tmp_path / "disk"
+    mount_point.mkdir()
+    with open(image, "wb") as stream:
+        stream.truncate(16 << 20)
+    for command in (["mkfs.ext4", "-q", "-F", str(image)], ["mount", "-o", "loop", str(image), str(mount_point)]):
+        try:
+            done = subprocess.run(command, capture_output=True)
+        except OSError as err:
+            pytest.skip(f"cannot make a small ext4 file system: {err}")
+        if done.returncode != 0:
+            pytest.skip(f"cannot make a small ext4 file system: {done.stderr.decode().strip()}")
+    try:
+        yield str(mount_point)
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def _free_bytes(directory: str) -> int:
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
+def test_a_reservation_the_disk_cannot_hold_takes_none_of_its_space(small_ext4):
+    """ext4's fallocate, failing with ENOSPC, keeps the blocks it got: a 1 MiB extent held the whole disk."""
+    spill = SpillFile(small_ext4)
+    try:
+        before = _free_bytes(small_ext4)
+        spill.allocate(1 << 20)
+        assert not spill._reserve and spill.reserved_bytes == 0
+        assert os.fstat(spill.fd).st_blocks * 512 <= spill.reserved_bytes
+        assert _free_bytes(small_ext4) >= before - (1 << 20), "the failed reservation kept the disk's free space"
     finally:
         spill.close()
