@@ -80,6 +80,9 @@ def _fallocate_or_free_idle(fd: int, size_bytes: int) -> None:
         os.posix_fallocate(fd, 0, size_bytes)
 
 
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""``fallocate`` failing with these says the disk (or quota) is full now, not that the file system refuses it."""
+
 _open_spills = WeakRegistry()
 _open_spills_lock = threading.Lock()
 
@@ -144,7 +147,7 @@ class SpillFile:
         # ``fallocate`` on tmpfs allocates and zeroes every page of the range, and the truncation that
         # gives an idle file's space back frees them again: 256 MiB took 0.8 s and 0.3 s here, per step,
         # for no gain (there is no extending write to avoid in memory). Such files grow with their writes.
-        self._reserve = not memory_backed(self.directory)
+        self._reserve = self._reservable = not memory_backed(self.directory)
         self._release_when_idle = False
         self._lock = threading.Lock()
         with _open_spills_lock:
@@ -179,6 +182,8 @@ class SpillFile:
             with contextlib.suppress(OSError):
                 os.ftruncate(self.fd, self.reserved_bytes)
             self._reserve = False
+            # A full disk refuses for now: the file reserves again once idle (_truncate_locked); others for good.
+            self._reservable = self._reservable and err.errno in _FULL_ERRNOS
             logger.debug("tba: fallocate refused in %s (%s); the spill file grows with its writes", self.directory, err)
             return
         self.reserved_bytes = nbytes
@@ -235,6 +240,7 @@ class SpillFile:
         # holds space it no longer counts, which its next reservation and truncation take again.
         self._allocator = ExtentAllocator(ALIGN_BYTES)
         self.size_bytes = self.reserved_bytes = 0
+        self._reserve = self._reservable
         self._release_when_idle = False
         os.ftruncate(self.fd, 0)
 

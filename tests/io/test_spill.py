@@ -3,6 +3,7 @@ lands while it gives its space back (Note [The file is truncated last] in ``tba/
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -96,5 +97,26 @@ def test_a_reservation_the_disk_cannot_hold_takes_none_of_its_space(small_ext4):
         assert not spill._reserve and spill.reserved_bytes == 0
         assert os.fstat(spill.fd).st_blocks * 512 <= spill.reserved_bytes
         assert _free_bytes(small_ext4) >= before - (1 << 20), "the failed reservation kept the disk's free space"
+    finally:
+        spill.close()
+
+
+def test_a_reservation_refused_for_want_of_space_is_made_again_once_the_file_is_idle(tmp_path, monkeypatch):
+    """A disk full for one step (a checkpoint there) left every later step growing the file by extending writes."""
+    spill = SpillFile(str(tmp_path), direct=False)
+    try:
+        if not spill._reserve:
+            pytest.skip("this file system takes no reservation (memory-backed)")
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        spill.free(spill.allocate(1 << 20))
+        assert spill.reserved_bytes == 0
+        monkeypatch.undo()
+        assert spill.release_space()
+        spill.allocate(1 << 20)
+        assert spill.reserved_bytes >= 1 << 20
     finally:
         spill.close()
