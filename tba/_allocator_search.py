@@ -5,7 +5,13 @@ first) in three places, in order: the running Python environment (``<site-packag
 where the ``cpu`` extra's ``cmeel-mimalloc`` puts ``libmimalloc.so.3``, and ``<prefix>/lib``), the
 dynamic linker's cache (``ldconfig -p``, entries of this machine's architecture), then
 :func:`system_dirs` (``/usr/lib/<multiarch>`` and the usual library folders). Nothing is loaded:
-a path is returned where a file of that name exists.
+a path is returned where a file of that name exists and ``LD_PRELOAD`` can carry it.
+
+Note: [LD_PRELOAD cannot carry every path]
+The dynamic loader splits ``LD_PRELOAD`` at spaces and colons, with no escape. A library in a
+virtual environment under ``~/My Projects`` was preloaded as two missing files: the loader printed
+two errors and the program ran under the C library's malloc, while ``python -m tba run`` had named
+the caching one. Such paths are passed over (:func:`preloadable`), and the search goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ LIBRARY_FILES = {
 """Shared-library file names of each caching allocator, preferred first."""
 
 LIBRARY_DIRS = ("/usr/local/lib", "/usr/lib64", "/usr/lib", "/lib64", "/lib")
+
+PRELOAD_SEPARATORS = (" ", ":")
+"""Characters at which the dynamic loader splits ``LD_PRELOAD`` (Note [LD_PRELOAD cannot carry every path])."""
+
+
+def preloadable(path: str) -> bool:
+    """Whether ``LD_PRELOAD`` can carry ``path``: it holds none of :data:`PRELOAD_SEPARATORS`."""
+    return not any(separator in path for separator in PRELOAD_SEPARATORS)
 
 
 def _environment_dirs() -> list[str]:
@@ -65,7 +79,8 @@ def find_library(name: str) -> str | None:
     """The path of caching allocator ``name``'s shared library on this machine, or None.
 
     Searched in order: the Python environment (``<site-packages>/cmeel.prefix/lib``, ``<prefix>/lib``),
-    the dynamic linker's cache (``ldconfig -p``), then ``/usr/lib/<multiarch>`` and the usual library folders.
+    the dynamic linker's cache (``ldconfig -p``), then ``/usr/lib/<multiarch>`` and the usual library folders,
+    passing over paths ``LD_PRELOAD`` cannot carry (Note [LD_PRELOAD cannot carry every path]).
     """
     if name not in LIBRARY_FILES:
         raise ValueError(f"unknown allocator {name!r}; choose one of {', '.join(LIBRARY_FILES)}")
@@ -75,15 +90,16 @@ def find_library(name: str) -> str | None:
         return found
     cache = _ldconfig_paths()
     for file in files:
-        if file in cache and os.path.isfile(cache[file]):
+        if file in cache and preloadable(cache[file]) and os.path.isfile(cache[file]):
             return cache[file]
     return _first_file(system_dirs(), files)
 
 
 def _first_file(folders: list[str], files: tuple[str, ...]) -> str | None:
-    """The first of ``files`` found in the first of ``folders`` holding one, folder by folder."""
+    """The first of ``files`` found in the first of ``folders`` holding one, folder by folder (preloadable ones)."""
     for folder in folders:
         for file in files:
-            if os.path.isfile(os.path.join(folder, file)):
-                return os.path.join(folder, file)
+            path = os.path.join(folder, file)
+            if preloadable(path) and os.path.isfile(path):
+                return path
     return None

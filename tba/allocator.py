@@ -200,7 +200,8 @@ def resolve(choice: str) -> tuple[str, str | None]:
     if choice == "auto":
         return "system", None
     raise TbaConfigError(f"allocator {choice!r} not found (searched the Python environment, ldconfig and "
-                         f"{', '.join(system_dirs())}); install it: {INSTALL_HINTS[choice]}, or pass --allocator system")
+                         f"{', '.join(system_dirs())}, passing over paths with a space or colon, which LD_PRELOAD cannot "
+                         f"carry); install it: {INSTALL_HINTS[choice]}, or pass --allocator system")
 
 
 def launch_env(choice: str, env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
