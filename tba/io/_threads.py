@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import thread as _futures_thread
 
 from tba import _sched
+from tba._weak import WeakRegistry
 from tba.defaults import QUEUE_DEPTH
 from tba.errors import EngineClosedError, ShortTransferError
 from tba.io._engine import Engine, Op, Request
@@ -114,10 +115,13 @@ class ThreadEngine(Engine):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tba-io",
-                                        initializer=_sched.background)
+        self._pool = self._new_pool()
         self._lock = threading.Lock()
         self._closed = False
+        _engines.add(self)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tba-io", initializer=_sched.background)
 
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
         with self._lock:
@@ -133,3 +137,25 @@ class ThreadEngine(Engine):
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+
+
+_engines = WeakRegistry()
+"""Live thread engines, for :func:`_after_fork_in_child`."""
+
+
+def _after_fork_in_child() -> None:
+    """Note: [A forked child's thread engine gets threads of its own]
+    A child of ``fork`` inherits the pool but none of its threads, and the pool starts no new ones while
+    its count of idle workers (copied from the parent) says some wait: an engine passed to an offloader
+    as ``backend=ThreadEngine(...)`` hung the child's first step, its writes queued for nobody. So each
+    inherited engine gets a new pool and lock (a parent thread may have held the old ones); the parent's
+    queued requests stay behind, as the io_uring engine's do (Note [A forked child closes the parent's
+    rings] in ``tba/io/_io_uring.py``), but this engine has no kernel object of the parent's and goes on.
+    """
+    for engine in _engines.alive():
+        engine._lock = threading.Lock()
+        if not engine._closed:
+            engine._pool = engine._new_pool()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

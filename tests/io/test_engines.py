@@ -215,3 +215,29 @@ def test_vectored_requests_fill_one_file_range_from_several_buffers(engine, rw_f
     later = Request(Op.READ, rw_fd, tail[0].ctypes.data, 6000, 1024 + total - 4000, pieces=_pieces(tail))
     with pytest.raises(ShortTransferError, match="short read: 4000 of 6000 bytes"):
         engine.submit_many([later])[0].result(timeout=30)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_thread_engine_inherited_by_a_forked_child_moves_its_requests(tmp_path):
+    """The pool's threads are the parent's: a request submitted in the child waited for ever (an offloader
+    given backend=ThreadEngine(...) hung the child's first step)."""
+    engine = ThreadEngine(workers=2)
+    fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o600)
+    data = aligned_empty(ALIGN_BYTES)
+    data.fill(7)
+    try:
+        assert engine.submit_write(fd, data.ctypes.data, ALIGN_BYTES, 0).result() == ALIGN_BYTES
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 0 if engine.submit_write(fd, data.ctypes.data, ALIGN_BYTES, ALIGN_BYTES).result(timeout=10) else 2
+                engine.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's request never completed"
+        assert os.pread(fd, ALIGN_BYTES, ALIGN_BYTES) == bytes([7]) * ALIGN_BYTES
+    finally:
+        engine.close()
+        os.close(fd)
