@@ -40,6 +40,17 @@ def test_directory_that_cannot_be_created(tmp_path):
             pytest.fail("the block must not run")
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_directory_through_a_symbolic_link_to_a_missing_directory(tmp_path, below):
+    """A link to a disk not mounted: the error said only "File exists"."""
+    link = tmp_path / "scratch"
+    link.symlink_to(tmp_path / "unmounted" / "tba")
+    with pytest.raises(TbaConfigError, match="scratch is a symbolic link to .*unmounted/tba, which does not exist"):
+        with tba.offload_activations(str(link / below)):
+            pytest.fail("the block must not run")
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_directory_that_is_a_file(tmp_path):
     path = tmp_path / "file"
     path.write_text("")

@@ -165,10 +165,23 @@ def prepare_directory(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
-        raise TbaConfigError(
-            f"cannot create the offload directory {directory}: {err.strerror}; pass "
-            "directory= (or set TBA_DIR) to a writable directory on a fast local disk"
-        ) from err
+        link = _dangling_link(directory)
+        reason, fix = err.strerror, "pass directory= (or set TBA_DIR) to a writable directory on a fast local disk"
+        if link is not None:
+            reason = f"{link} is a symbolic link to {os.path.realpath(link)}, which does not exist"
+            fix = f"create that (is its disk mounted?) or {fix}"
+        raise TbaConfigError(f"cannot create the offload directory {directory}: {reason}; {fix}") from err
+
+
+def _dangling_link(directory: str) -> str | None:
+    """The first name on the way to ``directory`` that is a symbolic link to nothing (a disk not mounted), if any:
+    ``makedirs`` then fails with "File exists" (at the link) or "No such file or directory" (below it)."""
+    path = os.sep
+    for part in directory.split(os.sep):
+        path = os.path.join(path, part)
+        if os.path.islink(path) and not os.path.exists(path):
+            return path
+    return None
 
 
 _warned: set[tuple[int, str, str]] = set()
