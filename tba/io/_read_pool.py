@@ -159,4 +159,17 @@ def _after_fork_in_parent() -> None:
         pool.drop_mapped()
 
 
-os.register_at_fork(after_in_parent=_after_fork_in_parent)
+def _after_fork_in_child() -> None:
+    """Note: [A pool's lock held at a fork]
+    Buffers come back on the control thread (:func:`tba._control.on_death`): a fork while it held a pool's
+    lock left the child's first read through that pool (a reusable offloader's) waiting for ever. Each
+    pool gets a new lock, and lets go of its idle buffers, which a half-finished ``give`` may have left
+    miscounted and which are the parent's pages anyway (Note [A lock held at a fork] in ``tba/_fork_lock.py``).
+    """
+    for pool in _pools.alive():
+        pool._lock = threading.Lock()
+        pool._idle = {}
+        pool.idle_bytes = 0
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -150,3 +153,37 @@ def test_after_a_fork_the_parent_lets_go_of_its_idle_mapped_buffers():
     allocated = pool.allocated
     pool.take(4 * MIB)
     assert pool.allocated == allocated + 1  # a fresh mapping, not the copy-on-write one
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_pool_whose_lock_another_thread_held_at_a_fork_serves_the_child():
+    """Buffers come back on the control thread (Note [Asynchronous exceptions]): a fork while it held the pool's lock
+    left the child's first read of a reusable offloader waiting for ever (Note [A pool's lock held at a fork])."""
+    pool = BufferPool(4 * MIB)
+    pool.give(pool.take(MIB))
+    held = threading.Event()
+
+    def hold() -> None:  # for a while: the parent's own hook after the fork waits for the lock too
+        with pool._lock:
+            held.set()
+            time.sleep(0.5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 2
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(10)  # ends the child: a wait that never ends
+                buffer = pool.take(MIB)
+                pool.give(buffer)
+                code = 0 if buffer.numel() == MIB and pool.idle_bytes == MIB else 1
+            finally:
+                os._exit(code)
+    finally:
+        holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child's take() hung or miscounted ({status})"
