@@ -221,7 +221,7 @@ def launch_env(choice: str, env: dict[str, str] | None = None) -> tuple[dict[str
             out["LD_PRELOAD"] = " ".join(kept)
         else:
             out.pop("LD_PRELOAD", None)
-        return out, "system (the C library's malloc, no preload)"
+        return out, f"system (the C library's malloc, {'no preload' if not kept else 'preloading only ' + ' '.join(kept)})"
     out["LD_PRELOAD"] = " ".join([path, *kept])
     for key, value in SETTINGS.get(name, {}).items():
         out.setdefault(key, value)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     except TbaConfigError as err:
         print(f"python -m tba run: error: {err}", file=sys.stderr)
         return 2
-    if args.allocator == "auto" and "LD_PRELOAD" not in env:
+    if args.allocator == "auto" and description.startswith("system "):  # LD_PRELOAD may hold the user's own libraries
         description += f"; no caching allocator found: {INSTALL_HINTS['jemalloc']}, or {INSTALL_HINTS['mimalloc']}"
     print(f"tba run: malloc {description}", file=sys.stderr, flush=True)
     sys.stdout.flush()

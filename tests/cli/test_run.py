@@ -99,3 +99,20 @@ def test_auto_without_any_caching_allocator_runs_under_the_c_library_and_says_ho
     (argv, env), = calls
     assert argv[1:] == [str(script), "a"]
     assert not any(name in env.get("LD_PRELOAD", "") for name in allocator.CACHING)
+
+
+@pytest.mark.parametrize("preload", [None, "/opt/profiler/libprofiler.so"])
+def test_auto_without_any_caching_allocator_says_so_whatever_else_is_preloaded(monkeypatch, capsys, tmp_path, preload):
+    """A library of the user's own in LD_PRELOAD (a profiler) hid the install hint, and the header said "no preload"."""
+    monkeypatch.setattr(allocator, "find_library", lambda name: None)
+    if preload is None:
+        monkeypatch.delenv("LD_PRELOAD", raising=False)
+    else:
+        monkeypatch.setenv("LD_PRELOAD", preload)
+    calls = []
+    monkeypatch.setattr("os.execve", lambda path, argv, env: calls.append(env) or 0)
+    assert main(["run", str(tmp_path / "s.py")]) == 0
+    err = capsys.readouterr().err
+    assert "no caching allocator found" in err
+    if preload is not None:
+        assert calls[0]["LD_PRELOAD"] == preload and "no preload" not in err and preload in err
