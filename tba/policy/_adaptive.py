@@ -45,19 +45,13 @@ from tba._units import SizeError, parse_size
 from tba.defaults import ADAPTIVE_OVERHEAD_BOUND, MIB
 from tba.errors import TbaConfigError
 from tba.policy._model import estimate, forward_write_caps
-from tba.policy._placement import OFFLOAD, RECOMPUTE, RECOMPUTED
-from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes, shapes
+from tba.policy._placement import OFFLOAD, RECOMPUTE
+from tba.policy._plan import Plan, Policy, _io_bytes, _plan_of, min_window_bytes
 from tba.policy._profile import Profile
 from tba.policy._shape_costs import ShapeCosts, decisions_of, shape_list
 from tba.policy._step_floor import StepFloor
 
 logger = logging.getLogger("tba")
-
-
-def allowed_shapes(profile: Profile) -> list[tuple[str, ...]]:
-    """The placement shapes that recompute no layer the profile marks as not recomputable."""
-    return [decisions for decisions in shapes(len(profile.layers))
-            if all(layer.recomputable or decision not in RECOMPUTED for layer, decision in zip(profile.layers, decisions))]
 
 
 Best = tuple[Any, int, tuple[str, ...], int]

@@ -268,15 +268,14 @@ def test_no_placement_is_charged_more_than_the_whole_headroom_it_was_charged_bef
     # The headroom once folded into the slack (the profiled peak taken PEAK_HEADROOM higher, less the
     # model) is the most any placement that moves no more than offload-all's I/O is charged now.
     from tba.policy import io_bytes
-    from tba.policy._adaptive import allowed_shapes
+    from tba.policy._plan import shapes
 
     profile, peak = _uneven_profile()
     before = dataclasses.replace(profile, memory_slack_bytes=int(peak * (1 + PEAK_HEADROOM)) - (peak - 3 * MIB),
                                  memory_headroom_per_io_byte=0.0)
     budget = profile.for_budget()
     most = io_bytes(profile, (OFFLOAD,) * 6, 64 * MIB, 40 * MIB)
-    for decisions in allowed_shapes(dataclasses.replace(profile, layers=tuple(
-            dataclasses.replace(layer, recomputable=True) for layer in profile.layers))):
+    for decisions in shapes(len(profile.layers)):
         cost = estimate(budget, decisions)
         if io_bytes(budget, decisions, budget.max_window_bytes, cost.backlog_bytes) <= most:
             assert cost.memory_bytes <= estimate(before.for_budget(), decisions).memory_bytes, decisions
