@@ -64,15 +64,36 @@ def test_deepspeed_accepts_every_option_and_applies_the_schema_default():
         tba_ds.parse_config({"tba": {"min_offload": 1}})
 
 
-def test_megatron_help_lists_every_option_with_the_schema_default():
+MEGATRON_DEFAULTS = {"policy": "'offload'", "prefetch_depth_layers": "1"}
+"""Options whose default under Megatron is not the schema's: ``offloader_from_args`` and ``MegatronOffloader``
+offload unless told to plan, and read the prefetch depth from Megatron's full uniform recompute."""
+
+
+def test_megatron_help_gives_each_flag_the_default_it_runs_with():
     parser = tba_megatron.add_tba_arguments(argparse.ArgumentParser())
-    text = " ".join(parser.format_help().split())
+    helps = {flag: " ".join((action.help or "").split()) for action in parser._actions for flag in action.option_strings}
     for name, field in FIELDS.items():
         if name in tba_megatron._NOT_FLAGS:
             continue
         flag = tba_megatron.flag_name(name)
-        assert flag in text, f"Megatron has no flag for {name}"
-        assert f"(default: {format_default(field)})" in text
+        assert flag in helps, f"Megatron has no flag for {name}"
+        default = MEGATRON_DEFAULTS.get(name, format_default(field))
+        assert f"(default: {default}" in helps[flag], f"{flag}: {helps[flag]}"
+    assert "TBA_POLICY is not read" in helps["--tba-policy"]
+    assert "recompute_num_layers" in helps["--tba-prefetch-depth-layers"]
+
+
+def test_megatron_flags_left_out_run_with_the_defaults_the_help_gives(monkeypatch):
+    monkeypatch.setenv("TBA_POLICY", "adaptive")
+    args = tba_megatron.add_tba_arguments(argparse.ArgumentParser()).parse_args(["--tba-offload-activations"])
+    captured = {}
+    monkeypatch.setattr(tba_megatron, "MegatronOffloader", lambda model, **options: captured.update(options))
+    tba_megatron.offloader_from_args(args, model=None)
+    assert captured == {"policy": "offload"}
+
+
+def test_megatron_parses_the_flags_into_options():
+    parser = tba_megatron.add_tba_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--tba-offload-activations", "--tba-queue-depth", "16", "--tba-min-offload-bytes", "1M",
                               "--tba-direct-io", "false"])
     assert tba_megatron.options_from_args(args) == {"queue_depth": 16, "min_offload_bytes": 1 << 20, "direct_io": False}

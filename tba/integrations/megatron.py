@@ -49,6 +49,17 @@ logger = logging.getLogger("tba")
 (the context is not entered), ``adaptive`` profiles the first steps and then keeps, offloads or
 recomputes each transformer layer to fit ``--tba-memory-budget`` (see ``tba/policy``)."""
 
+FLAG_HELP = {
+    "policy": "offload (every transformer layer to disk), keep (activations stay in memory, the context is "
+              "not entered) or adaptive (keep, offload or recompute each layer to meet --tba-memory-budget "
+              "or --tba-overhead-bound; not beside Megatron's recompute) (default: 'offload', as in every "
+              "integration; TBA_POLICY is not read)",
+    "prefetch_depth_layers": "Layers below the current one read ahead during backward. (default: 1, or "
+                             "recompute_num_layers under full uniform recompute)",
+}
+"""Help of the flags whose meaning or default under Megatron is not the schema's: the integration offloads
+unless told to plan, and reads the prefetch depth from Megatron's recompute (:class:`MegatronOffloader`)."""
+
 UNSUPPORTED_RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj")
 """Selective-recompute modules that use ``CheckpointWithoutOutput``: it frees its output's storage
 (``resize_(0)``) right after use, which tba may still be writing, and refills it in backward."""
@@ -66,8 +77,9 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """Add the ``--tba-*`` flags to ``parser`` and return it (Megatron-LM's ``extra_args_provider``).
 
     ``--tba-offload-activations`` (off by default) turns tba on; every :class:`tba.OffloadConfig`
-    option has a flag (:func:`flag_name`), whose help gives the schema's default. A flag not given
-    leaves the option to ``TBA_<NAME>`` or the default.
+    option has a flag (:func:`flag_name`), whose help gives the default it runs with: the schema's, but
+    for ``--tba-policy`` (``offload``) and ``--tba-prefetch-depth-layers`` (:data:`FLAG_HELP`). A flag not
+    given leaves the option to ``TBA_<NAME>`` or that default (``TBA_POLICY`` is not read).
     """
     group = parser.add_argument_group("tba", "offload activations to NVMe files during forward")
     group.add_argument("--tba-offload-activations", action="store_true",
@@ -80,7 +92,7 @@ def add_tba_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                            type=functools.partial(_choice, flag_name(field.name), tuple(choices)) if choices
                            else functools.partial(_flag_value, field.name),
                            metavar="{" + ",".join(choices) + "}" if choices else field.metadata["kind"].upper(),
-                           help=f"{field.metadata['doc']} (default: {format_default(field)})")
+                           help=FLAG_HELP.get(field.name, f"{field.metadata['doc']} (default: {format_default(field)})"))
     return parser
 
 
