@@ -13,12 +13,12 @@ One line per optimizer step::
 ``loss`` is the mean over the step's micro-batches (full precision), ``time`` the step's wall time
 in seconds (forward, backward and ``engine.step()`` of every micro-batch), ``mem`` its activation
 peak in MiB, measured as ``tba/bench/harness.py`` does: the peak resident set size during the step
-minus the size just before it, plus the idle read buffers tba held before the step. It runs in
-the process as started, as a user's training does (glibc's adaptive mmap threshold), and the
-summary gives the largest ``mem`` over all steps, the first included, besides the median of the
-later steps. ``--malloc-env`` re-executes the script once with glibc's mmap threshold fixed
-(``tba.bench.meters.MALLOC_ENV``), the controlled mode in which freed tensors always leave the
-process. The first step also allocates the optimizer states.
+minus the size just before it, plus the idle read buffers tba held before the step. It runs under
+the malloc ``--allocator`` picks (below; ``--allocator system`` runs glibc's, with its adaptive mmap
+threshold, as a user's plain process does), and the summary gives the largest ``mem`` over all
+steps, the first included, besides the median of the later steps. ``--malloc-env`` re-executes the
+script once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``), the controlled mode
+in which freed tensors always leave the process. The first step also allocates the optimizer states.
 
 Runs as one process without a launcher (it sets ``RANK=0``, ``WORLD_SIZE=1`` and a free
 ``MASTER_PORT`` when they are unset), or under ``deepspeed`` / ``torchrun``.

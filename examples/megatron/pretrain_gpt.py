@@ -14,10 +14,11 @@ gradients. With ``--tba-offload-activations`` each forward runs inside a
 :class:`tba.integrations.megatron.MegatronOffloader`; losses are identical with and without it.
 
 ``--cpu`` runs on the CPU with the stand-ins of ``cpu_shims.py`` for Megatron's CUDA-only calls,
-in the process as started, as a user's training runs (glibc's adaptive mmap threshold); the last
-line gives the largest ``M`` over all steps, the first included. ``--malloc-env`` re-executes the
-script once with glibc's mmap threshold fixed (``tba.bench.meters.MALLOC_ENV``), the controlled
-mode in which freed tensors always leave the resident set. Without ``--cpu`` the script needs one
+under the malloc ``--allocator`` picks (below; ``--allocator system`` runs glibc's, with its adaptive
+mmap threshold, as a user's plain process does); the last line gives the largest ``M`` over all
+steps, the first included. ``--malloc-env`` re-executes the script once with glibc's mmap threshold
+fixed (``tba.bench.meters.MALLOC_ENV``), the controlled mode in which freed tensors always leave the
+resident set. Without ``--cpu`` the script needs one
 CUDA device (single process, NCCL).
 ``--allocator`` (default ``auto``, the best caching malloc found; ``system`` for the C library's)
 re-executes the script once with that malloc preloaded (:func:`tba.allocator.run_script_under`), the
