@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FIRST_SCREEN_LINES = 80
 
@@ -30,3 +32,11 @@ def test_every_doc_is_linked_from_the_readme():
     readme = (REPO / "README.md").read_text()
     for doc in sorted((REPO / "docs").glob("*.md")):
         assert f"docs/{doc.name}" in readme, f"README's Docs section does not list docs/{doc.name}"
+
+
+def test_the_install_line_names_every_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]) - {"test"}
+    line = re.search(r"# extras: (.*)", (REPO / "README.md").read_text())
+    assert line, "README's install block has lost its '# extras:' comment"
+    assert set(line.group(1).replace(",", " ").split()) == extras, "README's extras differ from pyproject.toml's"
