@@ -36,6 +36,8 @@ def from_text(field: dataclasses.Field, variable: str, text: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
+        if kind == TRISTATE:
+            raise TbaConfigError(f"{variable}={text!r}: write 1, 0 or none (true/false/none)")
         raise TbaConfigError(f"{variable}={text!r}: write 1 or 0 (true/false)")
     if kind == COUNT:
         try:

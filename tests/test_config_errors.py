@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -138,6 +139,16 @@ def test_out_of_range_environment_value_names_the_variable(variable, value, opti
     with pytest.raises(TbaConfigError) as raised:  # an argument is not blamed on the environment
         OffloadConfig.from_env({}, **{option: int(value)})
     assert "from $" not in str(raised.value)
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("TBA_DIRECT_IO", "auto", "write 1, 0 or none (true/false/none)"),
+    ("TBA_VERIFY", "maybe", "write 1 or 0 (true/false)"),
+])
+def test_a_bad_flag_variable_names_every_value_it_takes(variable, value, expected):
+    """TBA_DIRECT_IO takes none (the default, direct_io=None) too; its error named only 1 and 0 (helper-110)."""
+    with pytest.raises(TbaConfigError, match=rf"^{variable}='{value}': {re.escape(expected)}$"):
+        tba.OffloadConfig.from_env({variable: value})
 
 
 @pytest.mark.parametrize("make, match", [
