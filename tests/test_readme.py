@@ -40,3 +40,11 @@ def test_the_install_line_names_every_extra():
     line = re.search(r"# extras: (.*)", (REPO / "README.md").read_text())
     assert line, "README's install block has lost its '# extras:' comment"
     assert set(line.group(1).replace(",", " ").split()) == extras, "README's extras differ from pyproject.toml's"
+
+
+def test_every_command_has_a_line_in_the_tools_page():
+    from tba.cli import COMMANDS
+
+    text = (REPO / "docs" / "tools.md").read_text()
+    missing = [name for name in COMMANDS if f"\n- `python -m tba {name}" not in text]
+    assert not missing, f"docs/tools.md has no '- `python -m tba NAME ...`' line for {missing}"
