@@ -120,3 +120,13 @@ def test_a_config_object_and_keywords_combine():
     assert offloader.config.queue_depth == 2 and config.queue_depth == 4
     with pytest.raises(TbaConfigError, match="config must be a tba.OffloadConfig"):
         tba.Offloader(config={"queue_depth": 2})
+
+
+def test_every_environment_variable_the_docs_name_is_read():
+    """A ``TBA_*`` variable in the README or docs/ is an option's, or the source (tba/, tests/, tools/) reads it."""
+    repo = README.parent
+    named = set(re.findall(r"\bTBA_[A-Z_]+\b", " ".join(p.read_text() for p in [README, *repo.glob("docs/*.md")])))
+    source = " ".join(p.read_text() for folder in ("tba", "tests", "tools") for p in (repo / folder).rglob("*")
+                      if p.suffix in (".py", ".sh") and p.name != "test_options_docs.py")
+    unknown = sorted(v for v in named - {env_name(name) for name in option_names()} if v not in source)
+    assert not unknown, f"the docs name variables nothing reads: {unknown}"

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST_SCREEN_LINES = 80
@@ -48,3 +49,49 @@ def test_every_command_has_a_line_in_the_tools_page():
     text = (REPO / "docs" / "tools.md").read_text()
     missing = [name for name in COMMANDS if f"\n- `python -m tba {name}" not in text]
     assert not missing, f"docs/tools.md has no '- `python -m tba NAME ...`' line for {missing}"
+
+
+SNIPPET_PAGES = {"README.md": 1, "docs/api.md": 1, "docs/checkpoints.md": 1}
+"""Pages whose Python blocks run as written, given a model, a batch, a loader and an optimizer, and how many
+blocks each has (a new block is then run here too, or this test says so)."""
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class _Model(torch.nn.Module):
+    """Returns the loss, as the snippets' ``loss = model(batch)`` expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the checkpoint snippet's dcp.save
+@pytest.mark.parametrize("page", sorted(SNIPPET_PAGES))
+def test_python_snippets_run_as_written(page, spill_dir, tmp_path, monkeypatch):
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / page).read_text(), re.S)
+    assert len(blocks) == SNIPPET_PAGES[page], f"{page} has {len(blocks)} Python blocks; run the new one here"
+    monkeypatch.chdir(tmp_path)  # the checkpoint snippet writes under ckpt/
+    torch.manual_seed(0)
+    model = _Model()
+    namespace = {"model": model, "batch": torch.randn(16, 128), "optimizer": torch.optim.Adam(model.parameters()),
+                 # 101 batches: the checkpoint snippet saves at steps 0 and 100 and loads step 100
+                 "loader": [torch.randn(16, 128) for _ in range(101 if "checkpoints" in page else 3)]}
+    for block in blocks:
+        exec(compile(block.replace('"/nvme/tba"', repr(spill_dir)), page, "exec"), namespace)
+    if "checkpoints" in page:
+        assert (tmp_path / "ckpt" / "step100" / ".metadata").exists() and (tmp_path / "ckpt" / "x" / ".metadata").exists()
+    else:
+        assert any(p.grad is not None for p in model.parameters())
