@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -95,3 +96,43 @@ def test_python_snippets_run_as_written(page, spill_dir, tmp_path, monkeypatch):
         assert (tmp_path / "ckpt" / "step100" / ".metadata").exists() and (tmp_path / "ckpt" / "x" / ".metadata").exists()
     else:
         assert any(p.grad is not None for p in model.parameters())
+
+
+def _doc_texts() -> str:
+    return " ".join(page.read_text() for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+
+
+def test_every_repository_path_the_docs_quote_exists():
+    quoted = set(re.findall(r"`((?:tests|tools|tba|examples|native|docs)/[\w./-]+)`", _doc_texts()))
+    assert quoted, "no quoted path found: the pattern has gone stale"
+    missing = [path for path in sorted(quoted) if not (REPO / path).exists()]
+    assert not missing, f"the docs quote paths the repository lacks: {missing}"
+
+
+def _resolve(dotted: str) -> object:
+    """The object ``tba.a.b.C`` names: the longest importable module prefix, then attributes (None: the module
+    needs a package this environment lacks, such as transformers)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:end]))
+        except ModuleNotFoundError as err:
+            if err.name and not err.name.startswith("tba"):
+                return None
+            continue
+        for attribute in parts[end:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise AssertionError(dotted)
+
+
+def test_every_tba_name_the_docs_quote_resolves():
+    names = sorted(set(re.findall(r"`(tba(?:\.[A-Za-z_]\w*)+)", _doc_texts())))
+    assert len(names) > 20, "the pattern has gone stale"
+    missing = []
+    for name in names:
+        try:
+            _resolve(name)
+        except AttributeError:
+            missing.append(name)
+    assert not missing, f"the docs name what tba does not have: {missing}"
