@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--directory", default=None,
                         help="offload directory to check (default $TBA_DIR or the system temp dir)")
     parser.add_argument("--quick-size", type=positive_size, default=DEFAULT_QUICK_SIZE_BYTES,
-                        help="bytes for the bandwidth reading, a multiple of 1M (default 256M)")
+                        help="bytes for the bandwidth reading, rounded down to a multiple of 1M, at least 1M (default 256M)")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth reading")
 
 
