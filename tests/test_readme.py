@@ -136,3 +136,18 @@ def test_every_tba_name_the_docs_quote_resolves():
         except AttributeError:
             missing.append(name)
     assert not missing, f"the docs name what tba does not have: {missing}"
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as dashes."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in text.splitlines() if line.startswith("#")}
+
+
+def test_every_link_anchor_names_a_heading():
+    broken = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]*)\)", page.read_text()):
+            if anchor not in _anchors((page.parent / target if target else page).read_text()):
+                broken.append(f"{page.relative_to(REPO)} -> {target}#{anchor}")
+    assert not broken, f"links to headings that do not exist: {broken}"
