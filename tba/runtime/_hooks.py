@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tba")
 
 _is_compiling = torch.compiler.is_compiling
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class _Phase(enum.Enum):
@@ -87,7 +88,10 @@ class SavedTensorHooks(KeepDecision):
     """Wakes it for backward's deferred bookkeeping, less often (Note [Backward wakes the control thread less often]
     in ``tba/defaults.py``)."""
     _kept_layer: int | None
-    """The layer of the last kept tensor unpacked since this block was entered."""
+    """The layer of the last kept tensor unpacked since this block was entered, or since the backward pass began."""
+    _backward_task: int
+    """The autograd graph task of the last unpack in backward (Note [Each backward pass reads ahead] in
+    ``tba/runtime/_reads.py``)."""
 
     def close(self) -> None:
         """Overridden by :class:`tba.Offloader`."""
@@ -218,8 +222,10 @@ class SavedTensorHooks(KeepDecision):
             raise TbaError(COMPILED_AUTOGRAD_MESSAGE)
         if type(packed) is Kept:
             self._note_unpack(packed, packed.layer)
-            if packed.layer is not None and packed.layer != self._kept_layer:
-                self.reached_layer(packed.layer)
+            if packed.layer is not None:
+                self._note_pass()
+                if packed.layer != self._kept_layer:
+                    self.reached_layer(packed.layer)
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed
@@ -264,6 +270,7 @@ class SavedTensorHooks(KeepDecision):
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
         packed.check_version()
+        self._note_pass()
         data, event = store.resident(entry)
         if data is not None:
             # Served from memory: the bookkeeping (window, stats, release) is deferred.
@@ -280,6 +287,15 @@ class SavedTensorHooks(KeepDecision):
         tensor = packed.rebuild(data)
         entry.route.consume(event, tensor)
         return tensor
+
+    def _note_pass(self) -> None:
+        """Tell the store when this unpack is the first of a new backward pass (Note [Each backward pass reads ahead]
+        in ``tba/runtime/_reads.py``); unpacks outside backward (a node's ``_saved_self`` read from Python) are none."""
+        task = _graph_task_id()
+        if task != self._backward_task and task != -1:
+            self._backward_task = task
+            self._kept_layer = None
+            _control.defer(self._store.new_pass)
 
     def _discarded_message(self, entry: StorageEntry) -> str:
         if not self.reusable:

@@ -159,6 +159,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._waker = _control.Waker()
         self._unpack_waker = _control.Waker(DEFER_WAKE_UNPACK_JOBS, DEFER_WAKE_UNPACK_BYTES)
         self._kept_layer: int | None = None
+        self._backward_task = -1
         self._phase = _Phase.IDLE
         self._claim: object | None = None
         self._runner_claim: object | None = None

@@ -144,9 +144,14 @@ class PrefetchWindow:
         """A new forward starts: the last backward pass is over; the next one starts from the end."""
         if self._in_backward:
             self.controller.end_pass()
-        self._cursor_seq = None
         self.forward_bytes = 0
         self._in_backward = False
+        self.new_pass()
+
+    def new_pass(self) -> None:
+        """A backward pass begins (Note [Each backward pass reads ahead] in ``tba/runtime/_reads.py``): the cursor
+        goes back to the end, wherever the last pass left it, and the walk starts again from there."""
+        self._cursor_seq = None
         self._gen += 1
         self._scan = self._walk_top = self._held = 0
 

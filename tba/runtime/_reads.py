@@ -66,6 +66,7 @@ class StoreReads(StoreReadWait):
     _reading: int
     _prefetch_to: StorageEntry | None
     _host_route: object
+    _unpacked: list[StorageEntry]
 
     def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
         """``entry``'s bytes and event when they are in memory now, else ``(None, None)``.
@@ -247,17 +248,39 @@ class StoreReads(StoreReadWait):
             if entry.live_views > 1:
                 if views is None:
                     views = entry.unpacked_views = set()
+                    self._unpacked.append(entry)
                 views.add(view_id)
                 if len(views) < entry.live_views:
                     return
             if views:
                 views.clear()
-            entry.fully_unpacked = True
+            if not entry.fully_unpacked:
+                entry.fully_unpacked = True
+                self._unpacked.append(entry)
             self.window.discount(entry)
             entry.hold_for_backward = False
             if entry.state is State.ON_DISK:
                 # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
                 self._release_written(entry)
+
+    def new_pass(self) -> None:
+        """A backward pass begins, or forward ended: what earlier passes unpacked is needed again.
+
+        Note: [Each backward pass reads ahead]
+        ``fully_unpacked`` (backward needs the storage no more) and the window's cursor, which only moves down, held
+        for good once set: a retained graph's second backward (two losses through one trunk) found every storage used
+        up and the cursor at the bottom, read nothing ahead and waited for each read (15 waits in 16 blocks, none in
+        the first pass); so did a backward after ``torch.autograd.grad`` inside the ``with`` block (helper-108). They
+        belong to one pass: the unpack hook sees a new autograd graph task and this clears them (the entries set since
+        the last pass, ``_unpacked``), as the end of forward does.
+        """
+        with self.lock:
+            unpacked, self._unpacked = self._unpacked, []
+            for entry in unpacked:
+                entry.fully_unpacked = False
+                entry.unpacked_views = None
+            self._prefetch_to = None  # the last pass's move, not run yet (Note [One window move per batch of unpacks])
+            self.window.new_pass()
 
     def backward_reached(self, layer: int) -> None:
         """Backward unpacked a kept tensor of ``layer``: read what the layers below it need next

@@ -70,6 +70,9 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
         self.unwritten_bytes = 0
         """Bytes of storages whose write is in flight (what a memory budget's write caps bound)."""
         self._reading = 0
+        self._unpacked: list[StorageEntry] = []
+        """Entries with ``fully_unpacked`` or ``unpacked_views`` set in this backward pass (Note [Each backward pass
+        reads ahead] in ``tba/runtime/_reads.py``)."""
         self._prefetch_to: StorageEntry | None = None
         """The deepest storage unpacked from memory since the window last moved (Note [One window move
         per batch of unpacks] in ``tba/runtime/_reads.py``)."""
@@ -112,6 +115,7 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
         """
         with self.lock:
             self._sweep_written(limit=None)
+            self.new_pass()
             self.window.end_forward()
             self.read_pool.trim()
         self.prefetch(None, None if last_layer is None else last_layer + 1)

@@ -49,6 +49,7 @@ class StoreLifetime:
     _reading: int
     _next_seq: int
     _prefetch_to: StorageEntry | None
+    _unpacked: list[StorageEntry]
     _idle_waiters: list[Outcome]
     _sweep_written: Callable[..., None]
     release: Callable[[StorageEntry], None]
@@ -83,6 +84,7 @@ class StoreLifetime:
             # When the last entry dies, what can be discarded is, and tba lets go of the rest.
             self._sweep_written(limit=None)
             self._lingering.clear()
+            self._unpacked.clear()
             return True
 
     def close(self, engine_owned: bool) -> None:
@@ -111,6 +113,7 @@ class StoreLifetime:
                     self.release(entry)
                 self._by_storage.clear()
                 self._lingering.clear()
+                self._unpacked.clear()
                 self.read_pool.clear()
 
     def detach(self) -> None:
@@ -128,6 +131,7 @@ class StoreLifetime:
             for entry in self._by_storage.values():
                 self.release(entry)
             self._lingering.clear()
+            self._unpacked.clear()
             self.read_pool.prefetch_budget_bytes = self.window.budget_bytes  # the pool outlives this store
             self.read_pool = BufferPool(0)
 
@@ -142,6 +146,7 @@ class StoreLifetime:
         self._writing = self.unwritten_bytes = 0
         self._reading = 0
         self._prefetch_to = None
+        self._unpacked = []
         self._idle_waiters = []
         self.fork_seq = self._next_seq
         self._by_storage.clear()

@@ -138,3 +138,14 @@ def test_a_held_storage_whose_write_was_skipped_still_counts_against_the_budget(
     window = window_of(entries, prefetch_budget_bytes=2 * MIB)
     to_read, _ = window.select(None)
     assert seqs(to_read) == [2]
+
+
+def test_a_new_pass_walks_again_from_the_end_past_what_the_last_pass_used():
+    """Note [Each backward pass reads ahead]: the cursor of a finished pass, at the bottom, read nothing for the next."""
+    entries = [entry(i, layer=i // 2) for i in range(6)]
+    window = window_of(entries, depth_layers=1, prefetch_budget_bytes=100 * MIB)
+    window.select(entries[0])
+    assert window.select(entries[5]) == ([], [])
+    window.new_pass()
+    to_read, _ = window.select(entries[5])
+    assert seqs(to_read) == [4, 3, 2]
