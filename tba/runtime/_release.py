@@ -74,8 +74,7 @@ class StoreRelease:
         data = entry.data
         if data is not None and entry.own_memory and self.routes is not None and entry.route is self.routes.host:
             if sole_owner(entry.cdata):
-                entry.pages_discarded = True
-                self.pages_discarded_bytes += discard_pages(data.data_ptr(), entry.nbytes)
+                self._discard_pages(entry, data)
             else:
                 self._lingering.append((entry, data))
         self.release(entry)
@@ -101,10 +100,23 @@ class StoreRelease:
         for _ in range(count):
             entry, data = held = lingering.popleft()
             if sole_owner(entry.cdata):
-                entry.pages_discarded = True
-                self.pages_discarded_bytes += discard_pages(data.data_ptr(), data.numel())
+                self._discard_pages(entry, data)
             else:
                 lingering.append(held)
+
+    def _discard_pages(self, entry: StorageEntry, data: torch.Tensor) -> None:
+        """Hand the pages of ``entry``'s storage, which ``data`` alone holds now, back to the kernel.
+
+        Note: [Only the memory a storage was saved with is discarded]
+        The program may have resized the storage since its save (``untyped_storage().resize_``, which moves it to a
+        new allocation): its pages went back from the new address over the size it was saved with, zeroing whatever
+        the heap held after a smaller one (glibc aborted with "double free or corruption" where, without tba, torch
+        raises a clear error at backward: helper-108). Only a storage at the address and size it was saved with
+        has its pages discarded; another is only dropped. Either way it is never served live again.
+        """
+        entry.pages_discarded = True
+        if data.data_ptr() == entry.address and data.untyped_storage().nbytes() == entry.nbytes:
+            self.pages_discarded_bytes += discard_pages(entry.address, entry.nbytes)
 
     def release(self, entry: StorageEntry) -> None:
         """Drop tba's reference to ``entry``'s bytes in memory."""

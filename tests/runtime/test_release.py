@@ -1,0 +1,34 @@
+"""What happens to a saved storage's bytes in memory (tba/runtime/_release.py): released, pages discarded, kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tba
+from tba.runtime import _release, _trim
+
+
+def test_a_storage_resized_after_its_write_has_no_pages_discarded_past_its_memory(spill_dir, monkeypatch):
+    """A written storage the program still held lingers until tba alone holds it, then its pages go back to the kernel.
+    The program had shrunk it meanwhile (``untyped_storage().resize_``, which moves it to a new, smaller allocation):
+    the pages went back from its new address over its old size, zeroing the heap after it (glibc aborted with
+    "double free or corruption"; without tba, torch raises a clear error at backward instead)."""
+    if not _trim.hands_back_pages():
+        pytest.skip("a caching allocator: tba discards no pages")
+    discarded: list[tuple[int, int]] = []
+    monkeypatch.setattr(_release, "discard_pages", lambda address, nbytes: discarded.append((address, nbytes)) or 0)
+    weight = torch.randn(1024, 64, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0) as off:
+        hidden = torch.randn(1024, 1024) * 2  # 4 MiB that mm saves and the program still holds
+        loss = (hidden @ weight).sum()
+        off.flush()  # written: it lingers while the program holds it
+        hidden.untyped_storage().resize_(8192)
+        memory = (hidden.data_ptr(), hidden.untyped_storage().nbytes())
+        del hidden
+    # Leaving the block swept the lingering storage, now held by tba alone.
+    outside = [(address, nbytes) for address, nbytes in discarded
+               if not memory[0] <= address <= address + nbytes <= memory[0] + memory[1]]
+    assert outside == [], f"pages discarded outside the storage's memory {memory}: {outside}"
+    del loss
+
