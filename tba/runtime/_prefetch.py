@@ -45,6 +45,7 @@ new forward starts), so an unpack costs O(1) amortised.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 
 from tba.defaults import PREFETCH_BUDGET_BYTES, PREFETCH_DEPTH_LAYERS
 from tba.runtime._views import State, StorageEntry
@@ -116,6 +117,10 @@ class PrefetchWindow:
 
     def __len__(self) -> int:
         return len(self._order) - self._dead
+
+    def __iter__(self) -> Iterator[StorageEntry]:
+        """The storages in pack order, dead ones not yet compacted away included."""
+        return iter(self._order)
 
     def add(self, entry: StorageEntry) -> None:
         """Record a new storage; entries must arrive in increasing ``seq``."""

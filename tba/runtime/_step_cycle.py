@@ -110,7 +110,7 @@ class StepCycle:
                 self._collect_leftovers()
             if not self._store.is_open:
                 self._open()
-            self._store.window.reset_cursor()
+            self._store.start_forward()  # Note [A new forward lets go of what backward did not use]
             trimmer.refresh()  # Note [The trim interval is read once per with block] in tba/runtime/_trim.py
             self._kept_layer = None
             placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread, owner=claim)
