@@ -10,14 +10,13 @@ the training thread; every microsecond spent here is host time a GPU's queue wai
 * ``pack`` of a tensor that goes to disk hands the storage to the store
   (``tba/runtime/_store.py``) as a job of the control thread and returns a :class:`SavedView`.
 * ``unpack`` returns the saved tensor bit for bit: from memory when its bytes are resident, else
-  after a read.
+  after a read (:class:`~tba.runtime._unpack_hooks.UnpackHooks`, in ``tba/runtime/_unpack_hooks.py``).
 * ``drop_view`` runs on the control thread when autograd frees a view; the last one closes a
   one-shot offloader.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -27,14 +26,14 @@ from tba import _control
 from tba._trace import nvtx_enabled, nvtx_range
 from tba._untrack import untrack
 from tba.device import is_device_tensor
-from tba.errors import EngineClosedError, TbaError
-from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE, never_traced
+from tba.errors import TbaError
+from tba.runtime._compile import never_traced
 from tba.runtime._keep import KeepDecision, KeepReason, kept_after_block
 from tba.runtime._trim import note_host_offload
+from tba.runtime._unpack_hooks import Phase, UnpackHooks
 from tba.runtime._views import Kept, SavedView, StorageEntry
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     from tba.runtime._discover import LayerDiscovery
     from tba.runtime._layers import LayerTracker
@@ -43,31 +42,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tba")
 
-_is_compiling = torch.compiler.is_compiling
-_graph_task_id = torch._C._current_graph_task_id
-
-
-class _Phase(enum.Enum):
-    """Where an :class:`Offloader` is in its life."""
-
-    IDLE = "idle"
-    """Not entered, or between steps of a reusable offloader."""
-    ENTERING = "entering"
-    """One thread is entering the ``with`` block; any other entry raises."""
-    ACTIVE = "active"
-    """Inside the ``with`` block: saved tensors go through the hooks."""
-    EXITED = "exited"
-    """A one-shot offloader after its block: waits for backward to release everything, then closes."""
-    DISCARDED = "discarded"
-    """The block raised: its saved tensors were dropped."""
-    CLOSED = "closed"
-
-
-class SavedTensorHooks(KeepDecision):
+class SavedTensorHooks(UnpackHooks, KeepDecision):
     """The pack and unpack hooks of :class:`tba.Offloader`, which sets every attribute they read (those of
     the keep decision too, :class:`~tba.runtime._keep.KeepDecision`)."""
 
-    _phase: _Phase
+    _phase: Phase
     _claim: object | None
     _forked_mid_block: bool
     _store: StorageStore
@@ -76,22 +55,12 @@ class SavedTensorHooks(KeepDecision):
     _discovery: LayerDiscovery | None
     _staged_devices: tuple[str, ...]
     layer_saved_bytes: dict[int | None, int]
-    _note_unpack: Callable[[object, int | None], None]
-    """The policy runner's (Note [A saved tensor unpacked twice in one backward] in ``tba/runtime/_profiled_step.py``)."""
 
     reusable: bool
     _serial: int
     """This offloader's number, unique in the process: what its views record as their owner."""
     _waker: _control.Waker
     """Wakes the control thread for forward's deferred saves."""
-    _unpack_waker: _control.Waker
-    """Wakes it for backward's deferred bookkeeping, less often (Note [Backward wakes the control thread less often]
-    in ``tba/defaults.py``)."""
-    _kept_layer: int | None
-    """The layer of the last kept tensor unpacked since this block was entered, or since the backward pass began."""
-    _backward_task: int
-    """The autograd graph task of the last unpack in backward (Note [Each backward pass reads ahead] in
-    ``tba/runtime/_reads.py``)."""
 
     def close(self) -> None:
         """Overridden by :class:`tba.Offloader`."""
@@ -115,7 +84,7 @@ class SavedTensorHooks(KeepDecision):
             return self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if self._phase is not _Phase.ACTIVE:
+        if self._phase is not Phase.ACTIVE:
             if self._claim is None and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 return kept_after_block(tensor)
             raise TbaError(self._not_active_message())
@@ -209,121 +178,17 @@ class SavedTensorHooks(KeepDecision):
         logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error)
 
     def _not_active_message(self) -> str:
-        if self._phase is _Phase.CLOSED:
+        if self._phase is Phase.CLOSED:
             return ("Offloader.pack: the offloader was closed inside its with block; call close() only "
                     "after the last backward, outside the block")
         return (f"Offloader.pack is only valid inside 'with offloader:' (it is {self._phase.value}); enter the "
                 "offloader instead of calling pack directly")
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """Saved-tensor unpack hook: the saved tensor, bit for bit (Note [Dynamo never runs tba's hooks]; Note
-        [Compiled autograd traces the unpack hook] in ``tba/runtime/_compile.py``)."""
-        if _is_compiling():
-            raise TbaError(COMPILED_AUTOGRAD_MESSAGE)
-        if type(packed) is Kept:
-            self._note_unpack(packed, packed.layer)
-            if packed.layer is not None:
-                self._note_pass()
-                if packed.layer != self._kept_layer:
-                    self.reached_layer(packed.layer)
-            return packed.get()
-        if not isinstance(packed, SavedView):
-            return packed
-        if not nvtx_enabled():
-            return self._unpack(packed)
-        with nvtx_range("unpack"):
-            return self._unpack(packed)
-
-    def _unpack(self, packed: SavedView) -> torch.Tensor:
-        if packed.owner != self._serial:
-            # Note: [A view is unpacked by its own offloader]
-            # Autograd pairs each pack with its own unpack, but both are public and callable alone. An entry
-            # names an extent of its own store's spill file: read through another offloader's store, a view
-            # got that file's bytes at the same offset (another tensor's, or none: helper-84). A view holds its
-            # offloader's serial number, not the offloader: that reference would close cycles through autograd's
-            # graph, which the cycle collector cannot see (an offloader holds the model, which may hold a loss).
-            raise TbaError("Offloader.unpack was given what another offloader's pack returned; unpack it with the "
-                           "offloader whose pack made it")
-        if packed.entry is None and packed.kept is None:
-            _control.settle()  # its save was deferred (Note [A save is deferred])
-        entry = packed.entry
-        if entry is None:
-            if packed.error is not None:
-                packed.check_version()
-                raise TbaError(packed.error)  # a fresh one: Note [A save writes the storage its tensor had at pack]
-            if packed.kept is None:
-                # Its deferred save never ran: the process forked while it was queued (the child has
-                # none of the parent's control thread), or the save job itself failed (logged).
-                raise TbaError("cannot unpack a saved tensor whose save never ran: the process was forked inside "
-                               "the with block, before tba's control thread had saved it, or the save failed "
-                               "(see the log); run forward again")
-            packed.check_version()
-            return packed.kept
-        self._note_unpack(packed, entry.layer)  # its entry exists now: a deferred save has run
-        if self._phase is _Phase.DISCARDED:
-            raise TbaError(self._discarded_message(entry))
-        store = self._store
-        if entry.seq < store.fork_seq:
-            raise TbaError(f"cannot unpack {entry.describe()}: it was saved before this process was forked and "
-                           "its bytes belong to the parent; run forward again in the child")
-        if self._phase is _Phase.CLOSED:
-            raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
-                           "call close() only after the last backward")
-        packed.check_version()
-        self._note_pass()
-        data, event = store.resident(entry)
-        if data is not None:
-            # Served from memory: the bookkeeping (window, stats, release) is deferred.
-            self._unpack_waker.note(_control.defer(store.served_from_memory, entry, id(packed)), entry.nbytes)
-        else:
-            try:
-                data, event, reading = _control.call(store.start_load, entry)
-                if reading is not None:
-                    data, event = store.wait_read(entry, reading)
-            except EngineClosedError:
-                raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
-                               "call close() only after the last backward") from None
-            self._unpack_waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
-        tensor = packed.rebuild(data)
-        entry.route.consume(event, tensor)
-        return tensor
-
-    def _note_pass(self) -> None:
-        """Tell the store when this unpack is the first of a new backward pass (Note [Each backward pass reads ahead]
-        in ``tba/runtime/_reads.py``); unpacks outside backward (a node's ``_saved_self`` read from Python) are none."""
-        task = _graph_task_id()
-        if task != self._backward_task and task != -1:
-            self._backward_task = task
-            self._kept_layer = None
-            _control.defer(self._store.new_pass)
-
-    def _discarded_message(self, entry: StorageEntry) -> str:
-        if not self.reusable:
-            return f"{entry.describe()} was discarded because the offload context exited with an exception; run forward again"
-        # A reusable offloader's failed block closes its store: the blocks before it lose their tensors too (helper-94).
-        return (f"{entry.describe()} was discarded because a with block of this reusable Offloader exited with an "
-                "exception, which drops every tensor the offloader holds, those of its earlier blocks too; run forward "
-                "again (to keep earlier micro-batches when a later one may fail, give each its own "
-                "tba.offload_activations())")
-
-    @property
-    def current_layer(self) -> int | None:
-        """The layer whose forward is running (None outside every layer)."""
-        return self._tracker.current
-
-    def reached_layer(self, layer: int) -> None:
-        """Backward is in ``layer``, which tba does not spill: read what the layers below need next (Note [Backward
-        through kept layers] in ``tba/runtime/_prefetch.py``). Told by the unpack of a kept tensor and by a
-        recomputation."""
-        if layer != self._kept_layer:
-            self._kept_layer = layer
-            self._unpack_waker.note(_control.defer(self._store.backward_reached, layer), 0)
-
     def drop_view(self, entry: StorageEntry, view_id: int) -> None:
         """Called when autograd frees a :class:`SavedView`; closes a one-shot offloader after the last one."""
         if entry.seq < self._store.fork_seq:
             return
-        if self._store.drop_view(entry, view_id) and self._phase is _Phase.EXITED:
+        if self._store.drop_view(entry, view_id) and self._phase is Phase.EXITED:
             self.close()
 
 
@@ -340,4 +205,4 @@ class _ViewDied(_control.Finalizer):
         self.owner.drop_view(self.entry, self.view_id)
 
 
-never_traced(SavedTensorHooks.pack, SavedTensorHooks.unpack)
+never_traced(SavedTensorHooks.pack)

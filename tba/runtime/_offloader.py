@@ -52,7 +52,7 @@ from tba.errors import TbaConfigError
 from tba.io import Engine, load_crc32c, resolve_backend
 from tba.runtime import _shared
 from tba.runtime._discover import LayerDiscovery
-from tba.runtime._hooks import SavedTensorHooks, _Phase
+from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._shared_runners import shared_runner
@@ -60,6 +60,7 @@ from tba.runtime._stats import OffloadStats
 from tba.runtime._step_cycle import StepCycle
 from tba.runtime._store import StorageStore
 from tba.runtime._store_owner import StoreOwner
+from tba.runtime._unpack_hooks import Phase
 
 logger = logging.getLogger("tba")
 
@@ -152,7 +153,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._policy = self.policy_runner.policy
         """The runner's policy object, which a shared runner holds weakly (Note [A policy object in one-shot contexts])."""
         self._note_unpack = self.policy_runner.note_unpack
-        self._serial = next(_serials)  # Note [A view is unpacked by its own offloader] in tba/runtime/_hooks.py
+        self._serial = next(_serials)  # Note [A view is unpacked by its own offloader] in tba/runtime/_unpack_hooks.py
         self._store = StorageStore(self._stats, PrefetchWindow(config.prefetch_depth_layers,
                                                                config.prefetch_budget_bytes))
         self._store.verify = config.verify
@@ -160,7 +161,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._unpack_waker = _control.Waker(DEFER_WAKE_UNPACK_JOBS, DEFER_WAKE_UNPACK_BYTES)
         self._kept_layer: int | None = None
         self._backward_task = -1
-        self._phase = _Phase.IDLE
+        self._phase = Phase.IDLE
         self._claim: object | None = None
         self._runner_claim: object | None = None
         """The claim of the entry whose ``policy_runner.enter`` has run (what an undone entry undoes)."""
@@ -190,7 +191,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
     def _after_fork_in_child(self) -> None:
         """In a forked child: forget the parent's file, engine and entries (see ``tba/runtime/_at_fork.py``)."""
         self._enter_lock = threading.Lock()
-        if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+        if self._phase in (Phase.ENTERING, Phase.ACTIVE):
             self._forked_mid_block = True
         self._runtime = None
         self._store.forget_after_fork()
@@ -205,8 +206,8 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         _control.call_whole(self._close_job)
 
     def _close_job(self) -> None:
-        if self._phase is not _Phase.DISCARDED:
-            self._phase = _Phase.CLOSED
+        if self._phase is not Phase.DISCARDED:
+            self._phase = Phase.CLOSED
         self._close_store()
 
 

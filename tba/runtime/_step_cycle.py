@@ -23,9 +23,9 @@ from tba._whole_exit import WholeExit
 from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
-from tba.runtime._hooks import _Phase
 from tba.runtime._layers import LayerTracker, StateKeys
 from tba.runtime._trim import trimmer
+from tba.runtime._unpack_hooks import Phase
 
 if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
@@ -43,7 +43,7 @@ class StepCycle:
     keep_layers: set[int | None]
     layer_saved_bytes: dict[int | None, int]
     policy_runner: PolicyRunner
-    _phase: _Phase
+    _phase: Phase
     _claim: object | None
     _runner_claim: object | None
     _forked_mid_block: bool
@@ -85,7 +85,7 @@ class StepCycle:
             # until a garbage collection. On an H200 a later test's device memory fell by a dropped
             # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
-            self._phase = _Phase.ACTIVE
+            self._phase = Phase.ACTIVE
             return self
         except BaseException:
             if entered and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
@@ -98,12 +98,12 @@ class StepCycle:
         # The phase check and the claim happen under one lock: two threads entering at once would
         # otherwise both see IDLE, open two spill files and share one store's extents.
         with self._enter_lock:
-            if self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+            if self._phase in (Phase.ENTERING, Phase.ACTIVE):
                 raise TbaError("this Offloader cannot be entered now: it is already entered (in this or another thread); "
                                "build one Offloader per thread")
-            if self._phase is not _Phase.IDLE:
+            if self._phase is not Phase.IDLE:
                 raise TbaError(self._not_idle_message())
-            self._phase = _Phase.ENTERING
+            self._phase = Phase.ENTERING
             self._claim = claim
         try:
             if self._store.live_entries:
@@ -154,7 +154,7 @@ class StepCycle:
 
         A one-shot offloader is closed: nobody could enter it again to use its file.
         """
-        if self._claim is claim and self._phase in (_Phase.ENTERING, _Phase.ACTIVE):
+        if self._claim is claim and self._phase in (Phase.ENTERING, Phase.ACTIVE):
             self._claim = None
             entered, self._runner_claim = self._runner_claim is claim, None
             try:
@@ -168,7 +168,7 @@ class StepCycle:
                 if entered:
                     self.policy_runner.exit(True, self._store.largest_live_storage_bytes, owner=claim)
             finally:
-                self._phase = _Phase.IDLE
+                self._phase = Phase.IDLE
                 if not self.reusable:
                     self._close_job()
 
@@ -193,17 +193,17 @@ class StepCycle:
 
     def _not_idle_message(self) -> str:
         """Why an offloader that is not idle cannot be entered, and what to do instead."""
-        if self._phase is _Phase.DISCARDED and self.reusable:
+        if self._phase is Phase.DISCARDED and self.reusable:
             return ("this offloader cannot be entered again: an exception left its previous with block, so the "
                     "tensors that block saved were dropped and its spill file closed; build a new tba.Offloader(...) "
                     "(or tba.offload_activations()) for the next step")
-        if self._phase is _Phase.CLOSED and self.reusable:
+        if self._phase is Phase.CLOSED and self.reusable:
             return "this offloader is closed; build a new tba.Offloader(...) to offload again"
         return (f"this offloader cannot be entered now (it is {self._phase.value}): tba.offload_activations() is "
                 "one-shot, make a new one each step, or build one tba.Offloader(...) and enter it every step")
 
     def _exit_job(self, failed: bool) -> None:
-        if self._phase is not _Phase.ACTIVE and not (self._phase is _Phase.CLOSED and self._claim is not None):
+        if self._phase is not Phase.ACTIVE and not (self._phase is Phase.CLOSED and self._claim is not None):
             return
         claim, self._claim = self._claim, None
         self._forked_mid_block = False
@@ -217,13 +217,13 @@ class StepCycle:
             warn_whole_model_compile(self.layers, self._tracker.wrapped_after_given)
         self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
                                 self._store.window.budget_bytes, self._store.unwritten_layer_bytes, owner=claim)
-        if self._phase is _Phase.CLOSED:
+        if self._phase is Phase.CLOSED:
             return
         if failed:
-            self._phase = _Phase.DISCARDED
+            self._phase = Phase.DISCARDED
             self.close()
             return
-        self._phase = _Phase.IDLE if self.reusable else _Phase.EXITED
+        self._phase = Phase.IDLE if self.reusable else Phase.EXITED
         self._store.end_forward(self._tracker.current)
-        if self._phase is _Phase.EXITED and self._store.live_entries == 0:
+        if self._phase is Phase.EXITED and self._store.live_entries == 0:
             self.close()

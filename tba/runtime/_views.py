@@ -240,7 +240,7 @@ class SavedView:
         """The storage's entry; None until the deferred save has run (or when it failed and ``kept`` is set)."""
         self.owner = owner
         """The serial number of the offloader whose pack made this view: only its unpack reads the entry (Note [A view
-        is unpacked by its own offloader] in ``tba/runtime/_hooks.py``)."""
+        is unpacked by its own offloader] in ``tba/runtime/_unpack_hooks.py``)."""
         self.kept: torch.Tensor | None = None
         """The tensor itself, when its save could not start and it stays in memory."""
         self.error: str | None = None

@@ -31,7 +31,7 @@ from torch.nn.modules import module as module_hooks
 import tba
 from tba import _control, _whole_exit
 from tba.runtime import _shared
-from tba.runtime._hooks import _Phase
+from tba.runtime._unpack_hooks import Phase
 
 
 class Injected(BaseException):
@@ -75,10 +75,10 @@ def _traced_step(ctx: tba.Offloader, trace: object, forward: Callable[[], torch.
 def _assert_released(ctx: tba.Offloader, k: int) -> None:
     """Once what the step left is freed: ``ctx`` ended, and its shared runtime was given back."""
     _control.settle()
-    if ctx._phase is _Phase.EXITED:  # a graph held by a reference cycle
+    if ctx._phase is Phase.EXITED:  # a graph held by a reference cycle
         gc.collect()
         _control.settle()
-    assert ctx._phase in (_Phase.IDLE, _Phase.CLOSED, _Phase.DISCARDED), f"call {k}: left {ctx._phase.value}"
+    assert ctx._phase in (Phase.IDLE, Phase.CLOSED, Phase.DISCARDED), f"call {k}: left {ctx._phase.value}"
     assert not _shared._busy, f"call {k}: the shared runtime was not given back"
 
 
@@ -103,7 +103,7 @@ def _every_call(directory: str, backend: str, until_skipped: bool = False) -> in
         x.grad = w.grad = None
         trace, started = _raise_at_call(k)
         ctx, caught, loss = _step(directory, backend, x, w, trace)
-        if ctx._phase is _Phase.ACTIVE:  # its exit never ran: undone here, counted
+        if ctx._phase is Phase.ACTIVE:  # its exit never ran: undone here, counted
             skipped_exits += 1
             if torch._C._autograd._top_saved_tensors_default_hooks(True) == (ctx.pack, ctx.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -279,7 +279,7 @@ def test_an_exception_at_any_line_of_the_entry_leaves_no_hooks_and_no_entry(spil
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             assert top == user, f"line {k} of the entry left the offloader's hooks on the thread"
         _control.settle()
-        assert ctx._phase not in (_Phase.ENTERING, _Phase.ACTIVE), f"line {k} of the entry left it {ctx._phase.value}"
+        assert ctx._phase not in (Phase.ENTERING, Phase.ACTIVE), f"line {k} of the entry left it {ctx._phase.value}"
         ctx.close()
         if seen[0] < k:
             line = k
