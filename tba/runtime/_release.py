@@ -42,6 +42,8 @@ logger = logging.getLogger("tba")
 # one-shot contexts (one per step) would otherwise repeat the same warning every step.
 _WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
 _WARNED_LOCK = ForkSafeLock()
+_WARNED_MOVED = False
+"""Whether a storage resized under its write was warned about (once per process)."""
 
 
 def _fresh_in_child() -> None:
@@ -177,6 +179,37 @@ class StoreRelease:
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
         self._warn_write_failed(error, end_bytes)
+
+    @staticmethod
+    def _moved_under_write(entry: StorageEntry) -> bool:
+        """Whether ``entry``'s storage left the memory it was saved with before its write ended.
+
+        Note: [A storage resized under its write is kept in memory]
+        A write reads the storage's memory at the address taken when its save job ran. A program that resized the
+        storage after that (``untyped_storage().resize_``, which moves it to a new allocation and frees the old one)
+        and before the engine got to it had the freed memory written, and backward read that back as the saved
+        tensor: a gradient of whatever the heap held, with no error, where torch alone refuses the shrunken tensor
+        at backward (helper-108 found the read of freed memory). The write is not trusted then: the storage stays in
+        memory as the program left it, and backward sees what it would see without tba.
+        """
+        data = entry.data
+        return data is not None and (data.data_ptr() != entry.address or data.untyped_storage().nbytes() != entry.nbytes)
+
+    def _keep_moved(self, entry: StorageEntry) -> None:
+        """Keep ``entry``, whose storage moved under its write, in memory (Note [A storage resized under its write is
+        kept in memory]); one warning per process."""
+        global _WARNED_MOVED
+        entry.state = State.KEPT
+        if not entry.hold_for_backward:
+            self.window.discount(entry)
+        self._free_extent(entry)
+        self.stats.tensors_kept_on_error += 1
+        self.stats.bytes_kept_on_error += entry.nbytes
+        with _WARNED_LOCK:
+            first, _WARNED_MOVED = not _WARNED_MOVED, True
+        (logger.warning if first else logger.debug)(
+            "tba: the program resized the storage of a saved tensor (untyped_storage().resize_) while tba was writing "
+            "it; it stays in memory as the program left it, and backward sees what it would without tba")
 
     def _warn_write_failed(self, error: BaseException, end_bytes: int, kept: bool = True) -> None:
         """Log a failed write: a warning the first time per directory and cause, else at debug level. ``kept``: its

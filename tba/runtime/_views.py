@@ -35,6 +35,7 @@ import torch
 from tba._outcome import Outcome
 from tba._untrack import untrack
 from tba.defaults import ALIGN_BYTES
+from tba.errors import TbaError
 from tba.io import round_up
 
 if TYPE_CHECKING:
@@ -303,9 +304,19 @@ class SavedView:
         # Always named: an unpack called from Python (``grad_fn._saved_result``) inside ``with torch.device("meta"):``
         # made an unnamed one a meta tensor, which ``set_`` refused. Not ``data.new_empty``: an operator on ``data``
         # reads it for a stream-order checker (the simulated device's, torch's CUDA sanitizer).
+        storage = data.untyped_storage()
+        if storage.nbytes() < base_bytes + data.numel():
+            # Note: [A storage shrunk after its save is refused at unpack]
+            # Served from memory, ``data`` aliases the program's own storage. One the program shrank after the save
+            # (``untyped_storage().resize_``) no longer holds the saved bytes, and ``set_`` below grows a resizable
+            # storage to fit the view instead of refusing it: backward got the first bytes and then whatever the new
+            # allocation held, with no error, where torch alone refuses the shrunken tensor at backward.
+            raise TbaError(f"a tensor saved for backward ({self.dtype} {list(self.size)}) had its storage resized "
+                           f"below it after it was saved ({storage.nbytes()} bytes left of {data.numel()}); resize it "
+                           "after backward, or clone it before saving")
         out = (torch.empty(0, dtype=self.dtype, device=_CPU) if data.is_cpu
                else torch.empty((0,), dtype=self.dtype, device=data.device))
-        out.set_(data.untyped_storage(), base_bytes // itemsize + self.storage_offset, self.size, self.stride)
+        out.set_(storage, base_bytes // itemsize + self.storage_offset, self.size, self.stride)
         # Note: [An unpacked tensor shares the saved tensor's version counter]
         # Without hooks, what autograd unpacks shares the saved tensor's version counter, so a backward that
         # changes it in place (a custom Function's ``x.mul_(2)`` on its ``ctx.saved_tensors``) makes every later

@@ -66,8 +66,8 @@ if TYPE_CHECKING:
 class StoreWrites:
     """The write half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
     and provides the methods it calls (``_resident``, ``_sweep_written``, ``_release_written``, ``_free_extent``,
-    ``_keep_after_write_error``, ``_skip_unwritten``, ``_warn_write_failed``, ``_checksum_written``,
-    ``_transfer_ended``)."""
+    ``_keep_after_write_error``, ``_moved_under_write``, ``_keep_moved``, ``_skip_unwritten``, ``_warn_write_failed``,
+    ``_checksum_written``, ``_transfer_ended``)."""
 
     lock: threading.RLock
     stats: OffloadStats
@@ -192,6 +192,8 @@ class StoreWrites:
             self._free_extent(entry)
         elif entry.io_error is not None:
             self._keep_after_write_error(entry)
+        elif self._moved_under_write(entry):
+            self._keep_moved(entry)
         else:
             entry.state = State.ON_DISK
             self.stats.storages_written += 1

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import pytest
 import torch
 
 import tba
+from tba import _control
+from tba.io import Engine, ThreadEngine
+from tba.io._engine import Op
 from tba.runtime import _release, _trim
 
 
@@ -58,3 +64,78 @@ def test_forwards_before_one_backward_hold_one_window_not_one_each(spill_dir):
     finally:
         offloader.close()
     assert max(held) <= budget, f"bytes held for backward after each forward: {held}"
+
+
+class _GatedWrites(Engine):
+    """Reads through a thread engine; each write reports success, without touching memory, once :attr:`gate` opens
+    (the write of a storage the program changes before the engine gets to it, with the old memory still mapped)."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.inner = ThreadEngine(workers=1)
+        self.gate = threading.Event()
+        self.waiting: list[threading.Thread] = []
+
+    def submit_many(self, requests):
+        futures = []
+        for request in requests:
+            if request.op is not Op.WRITE:
+                futures.extend(self.inner.submit_many([request]))
+                continue
+            future: Future = Future()
+            thread = threading.Thread(target=lambda f=future, n=request.nbytes: self.gate.wait(30) and f.set_result(n))
+            thread.start()
+            self.waiting.append(thread)
+            futures.append(future)
+        return futures
+
+    def close(self) -> None:
+        self.gate.set()
+        for thread in self.waiting:
+            thread.join()
+        self.inner.close()
+
+
+def test_a_storage_resized_while_its_write_runs_is_not_read_back(spill_dir):
+    """Note [A storage resized under its write is kept in memory]: the program shrank a saved storage
+    (``untyped_storage().resize_``) after its save job had queued the write of its memory and before the engine
+    wrote it: the write took whatever the old address held by then, and backward read that back as the saved tensor,
+    giving a gradient of freed memory. Without tba, torch refuses the shrunken tensor at backward; so must tba."""
+    weight = torch.randn(1024, 64, requires_grad=True)
+    engine = _GatedWrites()
+    try:
+        with tba.offload_activations(spill_dir, backend=engine, min_offload_bytes=0) as off:
+            hidden = torch.randn(1024, 1024) * 2  # 4 MiB that mm saves and the program still holds
+            loss = (hidden @ weight).sum()
+            _control.settle()  # the save job has run: the write waits at the gate
+            hidden.untyped_storage().resize_(8192)
+            engine.gate.set()
+            off.flush()
+        with pytest.raises(tba.TbaError, match="resized below it after it was saved"):
+            loss.backward()
+        assert off.stats.tensors_kept_on_error == 1
+    finally:
+        engine.close()
+
+
+def test_a_storage_shrunk_after_its_write_is_refused_when_served_from_memory(spill_dir):
+    """Note [A storage shrunk after its save is refused at unpack] in tba/runtime/_views.py: the end of forward holds
+    the last storage for backward, so backward is served from the program's memory, written or not; shrunk after its
+    write, ``set_`` grew it back to fit the saved view and backward read the new allocation's bytes past the first
+    8 KiB, with no error."""
+    weight = torch.randn(1024, 64, requires_grad=True)
+    engine = _GatedWrites()
+    try:
+        with tba.offload_activations(spill_dir, backend=engine, min_offload_bytes=0) as off:
+            hidden = torch.randn(1024, 1024) * 2
+            loss = (hidden @ weight).sum()
+            _control.settle()  # the save job has run: the write waits at the gate
+        engine.gate.set()  # forward's end held the storage for backward; now it is written too
+        off.flush()
+        assert off.stats.tensors_kept_on_error == 0
+        hidden.untyped_storage().resize_(8192)
+        with pytest.raises(tba.TbaError, match="resized below it after it was saved"):
+            loss.backward()
+    finally:
+        engine.close()
