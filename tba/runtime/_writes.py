@@ -190,10 +190,11 @@ class StoreWrites:
                 self._warn_write_failed(entry.io_error, entry.offset + entry.extent_bytes, kept=False)
                 entry.io_error = None
             self._free_extent(entry)
+        elif self._moved_under_write(entry):  # whatever the write did (EFAULT, where the old memory was unmapped)
+            entry.io_error = None
+            self._keep_moved(entry)
         elif entry.io_error is not None:
             self._keep_after_write_error(entry)
-        elif self._moved_under_write(entry):
-            self._keep_moved(entry)
         else:
             entry.state = State.ON_DISK
             self.stats.storages_written += 1
