@@ -23,6 +23,8 @@ DEEPSPEED_AIO_TIMEOUT_S ?= 900
 # PYTEST_WORKERS=0 runs it in this process. The fifteen slowest tests are listed at the end, to keep CI
 # within its 12 minutes.
 PYTEST_WORKERS ?= 2
+# More pytest arguments (.ci/run leaves out the NVMe test, which it runs once DeepSpeed's op is built).
+PYTEST_ARGS ?=
 
 .PHONY: demo test deepspeed-aio clean
 
@@ -44,12 +46,13 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS) tests
 
 # DeepSpeed's async_io op (its NVMe swap) JIT-builds against libaio (Debian: libaio-dev) in about
 # 3 minutes, cached under .venv/torch_extensions, without debug info and with torch's header
 # precompiled once (tools/deepspeed_aio.py);
-# tests/integrations/test_deepspeed_nvme.py is skipped until it is built. CI runs this target (.ci/run).
+# tests/integrations/test_deepspeed_nvme.py is skipped until it is built. CI runs this target (.ci/run), on one
+# core (MAX_JOBS=1) beside the suite.
 deepspeed-aio: $(VENV)/.installed
 	rm -f $(TORCH_EXTENSIONS_DIR)/async_io/lock $(TORCH_EXTENSIONS_DIR)/pin_memory/lock
 	timeout $(DEEPSPEED_AIO_TIMEOUT_S) $(PY) tools/deepspeed_aio.py
