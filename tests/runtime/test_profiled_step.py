@@ -57,3 +57,4 @@ def test_a_first_layer_without_grad_anywhere_still_stops_at_the_next_entry():
     step.note_shape(("shape",), layer, (torch.randn(2, 8),), {})
     layer(torch.randn(2, 8))
     assert not layer._forward_hooks and step.peak.peak_bytes is None
+    step.end_forward(False, lambda: False, lambda: 0, 0, None)  # the step's exit: its timer's global hook comes off
