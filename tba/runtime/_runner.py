@@ -160,7 +160,9 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
         try:
             return self._enter(counters, reapply, thread)
         except BaseException:
-            self._release_step()
+            # Undone as a failed step: a profiled step's timer left on held a global module pre-hook
+            # (tba/runtime/_outside.py), run at every module call of the program, until another step ended.
+            self.exit(True, lambda: 0)
             raise
 
     def _enter(self, counters: Callable[[], StepCounters], reapply: Callable[[StepPlacement], None] | None,

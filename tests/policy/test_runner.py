@@ -435,3 +435,33 @@ def test_profiled_steps_on_a_gpu_synchronise_the_stream_except_while_a_graph_is_
     capturing[0] = True
     synchronize()
     assert synced == [1]
+
+
+def test_an_entry_that_fails_after_its_profiled_step_started_leaves_no_hook(model, spill_dir, monkeypatch):
+    """A profiled step's entry that raises after its timer went on (``torch.cuda.synchronize()`` at the peak's start
+    raising an earlier kernel's error) is undone as a failed step is: its timer's hooks on the layers and its global
+    module pre-hook (tba/runtime/_outside.py) stayed registered, running at every module call of the program, until
+    another step ended (helper-111)."""
+    from torch.nn.modules import module as module_hooks
+
+    from tba.runtime._peak import StepPeak
+
+    def failing_start(self, held_bytes, cuda, release=False):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    tokens, targets = make_batch(CONFIG, seed=4)
+    offloader = tba.Offloader(spill_dir, layers=model, backend="threads", policy="adaptive")
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(StepPeak, "start", failing_start)
+            with pytest.raises(RuntimeError, match="illegal memory access"), offloader:
+                pass
+        assert not module_hooks._global_forward_pre_hooks
+        assert all(not block._forward_pre_hooks and not block._forward_hooks for block in model.blocks)
+        for _ in range(3):  # the profiled steps, then a planned one
+            with offloader:
+                loss = model(tokens, targets)
+            loss.backward()
+        assert offloader.policy_runner.plan is not None
+    finally:
+        offloader.close()
