@@ -23,8 +23,10 @@ DEEPSPEED_AIO_TIMEOUT_S ?= 900
 # PYTEST_WORKERS=0 runs it in this process. The fifteen slowest tests are listed at the end, to keep CI
 # within its 12 minutes.
 PYTEST_WORKERS ?= 2
-# More pytest arguments (.ci/run leaves out the NVMe test, which it runs once DeepSpeed's op is built).
+# More pytest arguments, and what to run (.ci/run leaves out the NVMe test, which it runs once DeepSpeed's op
+# is built).
 PYTEST_ARGS ?=
+PYTEST_PATHS ?= tests
 
 .PHONY: demo test deepspeed-aio clean
 
@@ -46,7 +48,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS) $(PYTEST_PATHS)
 
 # DeepSpeed's async_io op (its NVMe swap) JIT-builds against libaio (Debian: libaio-dev) in about
 # 3 minutes, cached under .venv/torch_extensions, without debug info and with torch's header
