@@ -171,14 +171,18 @@ class StoreRelease:
 
     def _keep_after_write_error(self, entry: StorageEntry) -> None:
         error, entry.io_error = entry.io_error, None
+        end_bytes = entry.offset + entry.extent_bytes
+        self._keep_unwritten(entry)
+        self._warn_write_failed(error, end_bytes)
+
+    def _keep_unwritten(self, entry: StorageEntry) -> None:
+        """Keep ``entry`` in memory in place of a write that failed or cannot be trusted (``stats.tensors_kept_on_error``)."""
         entry.state = State.KEPT
         if not entry.hold_for_backward:  # a held one stays counted until unpacked, as in _skip_unwritten
             self.window.discount(entry)
-        end_bytes = entry.offset + entry.extent_bytes
         self._free_extent(entry)
         self.stats.tensors_kept_on_error += 1
         self.stats.bytes_kept_on_error += entry.nbytes
-        self._warn_write_failed(error, end_bytes)
 
     @staticmethod
     def _moved_under_write(entry: StorageEntry) -> bool:
@@ -199,12 +203,7 @@ class StoreRelease:
         """Keep ``entry``, whose storage moved under its write, in memory (Note [A storage resized under its write is
         kept in memory]); one warning per process."""
         global _WARNED_MOVED
-        entry.state = State.KEPT
-        if not entry.hold_for_backward:
-            self.window.discount(entry)
-        self._free_extent(entry)
-        self.stats.tensors_kept_on_error += 1
-        self.stats.bytes_kept_on_error += entry.nbytes
+        self._keep_unwritten(entry)
         with _WARNED_LOCK:
             first, _WARNED_MOVED = not _WARNED_MOVED, True
         (logger.warning if first else logger.debug)(
