@@ -106,8 +106,35 @@ def _direct_round_trip(fd: int) -> None:
         raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
 
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-"""A probe write failing with these says the disk (or the user's quota) is full, nothing about ``O_DIRECT``."""
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The disk (or the user's quota) is full now: a probe failing so says nothing about ``O_DIRECT``, nor a reservation
+refused so that the file system refuses reservations."""
+
+
+def memory_file(directory: str, err: OSError) -> int:
+    """A file in memory in place of a spill file that ``directory``'s disk had no room to create.
+
+    Note: [A disk too full for the spill file spills into memory]
+    A full disk makes each write fail, and the store keeps that storage in memory with one warning. But on a file
+    system out of inodes (or XFS or btrfs out of metadata space) the spill file itself cannot be made, and entering
+    the offloader raised a TbaConfigError: training stopped on a full disk where it otherwise goes on. The file is
+    made in memory then (``memfd_create``), with one warning: training goes on exact, and saves no memory, for as
+    long as this file lives (an offloader, or a shared runtime).
+    """
+    fd = os.memfd_create("tba-spill", os.MFD_CLOEXEC)
+    with _WARNED_FULL_LOCK:
+        first = directory not in _WARNED_FULL
+        _WARNED_FULL.add(directory)
+    (logger.warning if first else logger.debug)(
+        "tba: cannot create the spill file in %s (%s): offloaded activations go to a file in memory instead, which "
+        "saves no memory, for as long as this offloader (or its shared runtime) lives; free space there or pass "
+        "directory= (or set TBA_DIR) to another disk", directory, err.strerror)
+    return fd
+
+
+_WARNED_FULL: set[str] = set()
+"""Directories whose spill file was made in memory, warned about once each."""
+_WARNED_FULL_LOCK = ForkSafeLock()
 
 
 def probe_direct_io(directory: str) -> str | None:
@@ -132,11 +159,13 @@ def probe_direct_io(directory: str) -> str | None:
             # move to ext4 or xfs (and, not being OutOfDescriptorsError, the shared runtimes' retry after
             # closing idle ones never ran). The spill file's own open then reports the lack of descriptors.
             return None
+        if err.errno in FULL_DISK_ERRNOS:
+            return None  # no inode or block left for the file itself: the spill file's own open says so
         return f"opening a file with O_DIRECT in {directory} failed: {err.strerror}"
     try:
         _direct_round_trip(fd)
     except OSError as err:
-        if err.errno in _FULL_ERRNOS:
+        if err.errno in FULL_DISK_ERRNOS:
             logger.debug("tba: the O_DIRECT probe in %s found the disk full (%s); assuming O_DIRECT works", directory,
                          err.strerror)
             return None

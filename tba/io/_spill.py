@@ -25,8 +25,10 @@ from tba._weak import WeakRegistry
 from tba.defaults import ALIGN_BYTES, IDLE_SPACE_MIN_FREE_FRACTION, SPILL_RESERVE_MIN_BYTES
 from tba.errors import TbaConfigError
 from tba.io._directory import (
+    FULL_DISK_ERRNOS,
     OUT_OF_DESCRIPTORS_ERRNOS,
     check_writable,
+    memory_file,
     open_anonymous,
     out_of_descriptors,
     prepare_directory,
@@ -107,9 +109,6 @@ def reserve(fd: int, offset: int, length: int) -> None:
             raise OSError(err, os.strerror(err))
 
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-"""``fallocate`` failing with these says the disk (or quota) is full now, not that the file system refuses it."""
-
 _open_spills = WeakRegistry()
 _open_spills_lock = threading.Lock()
 
@@ -156,15 +155,20 @@ class SpillFile:
         if reason is not None and direct is None:
             warn_buffered_once(self.directory, reason)
         self.direct = reason is None
+        self.in_memory = False
+        """The file lives in memory (``memfd_create``): the disk had no room for it (Note [A disk too full for the
+        spill file spills into memory])."""
         try:
             self.fd = open_anonymous(self.directory, direct=self.direct)
         except OSError as err:
             if err.errno in OUT_OF_DESCRIPTORS_ERRNOS:
                 raise out_of_descriptors("a spill file", err) from err
-            raise TbaConfigError(
-                f"cannot create a file in the offload directory {self.directory}: {err.strerror}; "
-                "pass directory= (or set TBA_DIR) to a writable directory"
-            ) from err
+            if err.errno not in FULL_DISK_ERRNOS:
+                raise TbaConfigError(
+                    f"cannot create a file in the offload directory {self.directory}: {err.strerror}; "
+                    "pass directory= (or set TBA_DIR) to a writable directory"
+                ) from err
+            self.fd, self.direct, self.in_memory = memory_file(self.directory, err), False, True
         self._allocator = ExtentAllocator(ALIGN_BYTES)
         self.size_bytes = 0
         """Largest end of any extent so far: the space the file has grown to (bytes)."""
@@ -174,7 +178,7 @@ class SpillFile:
         # ``fallocate`` on tmpfs allocates and zeroes every page of the range, and the truncation that
         # gives an idle file's space back frees them again: 256 MiB took 0.8 s and 0.3 s here, per step,
         # for no gain (there is no extending write to avoid in memory). Such files grow with their writes.
-        self._reserve = self._reservable = not memory_backed(self.directory)
+        self._reserve = self._reservable = not self.in_memory and not memory_backed(self.directory)
         self._release_when_idle = False
         self._lock = threading.Lock()
         with _open_spills_lock:
@@ -210,7 +214,7 @@ class SpillFile:
                 os.ftruncate(self.fd, self.reserved_bytes)
             self._reserve = False
             # A full disk refuses for now: the file reserves again once idle (_truncate_locked); others for good.
-            self._reservable = self._reservable and err.errno in _FULL_ERRNOS
+            self._reservable = self._reservable and err.errno in FULL_DISK_ERRNOS
             logger.debug("tba: fallocate refused in %s (%s); the spill file grows with its writes", self.directory, err)
             return
         self.reserved_bytes = nbytes

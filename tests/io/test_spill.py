@@ -144,3 +144,53 @@ def test_a_file_system_without_fallocate_gets_no_reservation_written_as_zeros(ex
         assert os.fstat(spill.fd).st_blocks * 512 < 1 << 20
     finally:
         spill.close()
+
+
+def _no_room_for_a_file(monkeypatch):
+    """Opening any file in the directory fails as on a file system out of inodes."""
+    from tba.io import _directory
+
+    def full(directory, *, direct):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_directory, "open_anonymous", full)
+    monkeypatch.setattr(_spill, "open_anonymous", full)
+
+
+def test_a_disk_with_no_room_for_the_spill_file_spills_into_memory(tmp_path, monkeypatch, caplog):
+    """Note [A disk too full for the spill file spills into memory]: the spill file could not be created (no inode
+    left), and entering the offloader raised a TbaConfigError, where a disk full at a write keeps the tensor in memory
+    and training goes on. Now the file lives in memory, with one warning, reserves nothing, and moves bytes."""
+    _no_room_for_a_file(monkeypatch)
+    with caplog.at_level("WARNING", logger="tba"):
+        spills = [SpillFile(str(tmp_path), direct=None) for _ in range(2)]
+    try:
+        spill = spills[0]
+        assert spill.in_memory and not spill.direct
+        offset = spill.allocate(8192)
+        assert spill.reserved_bytes == 0, "a file in memory reserves nothing ahead"
+        assert os.pwrite(spill.fd, b"x" * 8192, offset) == 8192 and os.pread(spill.fd, 8192, offset) == b"x" * 8192
+    finally:
+        for spill in spills:
+            spill.close()
+    warnings = [r.getMessage() for r in caplog.records if "file in memory" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+
+
+def test_training_goes_on_exact_when_the_spill_file_cannot_be_created(tmp_path, monkeypatch):
+    import torch
+
+    import tba
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _no_room_for_a_file(monkeypatch)
+    with tba.offload_activations(str(tmp_path), min_offload_bytes=0) as off:
+        loss = model(x).square().sum()
+    loss.backward()
+    assert off.stats.tensors_offloaded > 0  # through the file in memory (its writes may still run: not counted here)
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
