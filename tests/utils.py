@@ -149,8 +149,8 @@ def backward_twice_past_held_writes(offloader: tba.Offloader, xs: Sequence[torch
 
 def call_skipped_writes_written(monkeypatch) -> None:
     """Mutant (helper-58): a skipped write marks its live storage ON_DISK instead of KEPT, as if written."""
+    from tba.runtime._entry import State
     from tba.runtime._release import StoreRelease
-    from tba.runtime._views import State
 
     skip = StoreRelease._skip_unwritten
 

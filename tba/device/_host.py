@@ -1,7 +1,7 @@
 """The host route: CPU storages straight from their own memory to the file, and back into pooled buffers.
 
 A host storage can be handed to the engine as it is: with the file laid out at the storage's page
-phase (``tba/runtime/_views.py``), the aligned range that covers the storage starts at the
+phase (``tba/runtime/_entry.py``), the aligned range that covers the storage starts at the
 storage's address rounded down to a page and ends rounded up, so ``O_DIRECT`` writes go out with
 no bounce copy. The route cuts that range into requests of at most ``block_size_bytes``.
 

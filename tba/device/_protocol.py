@@ -80,7 +80,7 @@ class Route(abc.ABC):
     """Moves storages of one device to and from the spill file."""
 
     def phase_bytes(self, address: int) -> int:
-        """Where the storage at ``address`` starts inside its first file block (see ``tba/runtime/_views.py``)."""
+        """Where the storage at ``address`` starts inside its first file block (see ``tba/runtime/_entry.py``)."""
         return 0
 
     def mark_ready(self) -> Any:

@@ -4,9 +4,9 @@
 entry and exit, ``_store_owner.py``
 what its store runs on and reports (spill file, engine, counters), ``_oneshot.py`` the one-shot
 context and ``_hooks.py`` its hooks (pack decides keep or offload, unpack rebuilds the tensor);
-``_views.py`` the saved views and the per-storage entry; ``_store.py`` the entries' I/O and lifetime (dedup by storage and
-writes in ``_writes.py``, reads, release); ``_prefetch.py`` the window of storages read ahead during backward;
-``_layers.py`` which layer is running; ``_recompute.py`` the checkpoint wrapper of recomputed
+``_views.py`` the saved views, ``_entry.py`` the per-storage entry; ``_store.py`` the entries' I/O and lifetime
+(dedup by storage and writes in ``_writes.py``, reads, release); ``_prefetch.py`` the window of storages read
+ahead during backward; ``_layers.py`` which layer is running; ``_recompute.py`` the checkpoint wrapper of recomputed
 layers; ``_stats.py`` the counters; ``_keep.py`` the reasons a tensor stays in memory and which one
 applies;
 ``_runner.py``, ``_profiled_step.py``, ``_profiling.py``, ``_timer.py`` and ``_peak.py`` profile

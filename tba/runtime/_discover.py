@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from tba import defaults
-from tba.runtime._views import StorageEntry
+from tba.runtime._entry import StorageEntry
 
 logger = logging.getLogger("tba")
 

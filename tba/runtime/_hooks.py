@@ -28,10 +28,11 @@ from tba._untrack import untrack
 from tba.device import is_device_tensor
 from tba.errors import TbaError
 from tba.runtime._compile import never_traced
+from tba.runtime._entry import StorageEntry
 from tba.runtime._keep import KeepDecision, KeepReason, kept_after_block
 from tba.runtime._trim import note_host_offload
 from tba.runtime._unpack_hooks import Phase, UnpackHooks
-from tba.runtime._views import Kept, SavedView, StorageEntry
+from tba.runtime._views import Kept, SavedView
 
 if TYPE_CHECKING:
 

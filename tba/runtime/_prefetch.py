@@ -48,7 +48,7 @@ import bisect
 from collections.abc import Iterator
 
 from tba.defaults import PREFETCH_BUDGET_BYTES, PREFETCH_DEPTH_LAYERS
-from tba.runtime._views import State, StorageEntry
+from tba.runtime._entry import State, StorageEntry
 from tba.runtime._window import WindowController
 
 

@@ -23,7 +23,7 @@ from tba._outcome import Outcome
 from tba._trace import nvtx_range
 from tba.errors import TbaError, TbaReadError
 from tba.io import checksum
-from tba.runtime._views import StorageEntry
+from tba.runtime._entry import StorageEntry
 
 if TYPE_CHECKING:
     from tba.io import SpillFile

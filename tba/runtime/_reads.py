@@ -25,8 +25,8 @@ from tba._outcome import Outcome
 from tba._trace import nvtx_range
 from tba._untrack import untrack
 from tba.errors import TbaError
+from tba.runtime._entry import State, StorageEntry, storage_bytes
 from tba.runtime._read_wait import StoreReadWait
-from tba.runtime._views import State, StorageEntry, storage_bytes
 
 if TYPE_CHECKING:
     from tba.device import Routes

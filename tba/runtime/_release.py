@@ -27,8 +27,8 @@ import torch
 from tba import defaults
 from tba._fork_lock import ForkSafeLock
 from tba.io import checksum
+from tba.runtime._entry import State, StorageEntry
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
-from tba.runtime._views import State, StorageEntry
 
 if TYPE_CHECKING:
     from tba.device import Routes

@@ -33,13 +33,13 @@ from tba._control import wait
 from tba._outcome import Outcome
 from tba.device import Routes
 from tba.io import BufferPool, Engine, SpillFile
+from tba.runtime._entry import StorageEntry
 from tba.runtime._host_io import HostBatch
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._reads import StoreReads
 from tba.runtime._release import StoreRelease
 from tba.runtime._stats import BusyClock, OffloadStats
 from tba.runtime._store_lifetime import StoreLifetime
-from tba.runtime._views import StorageEntry
 from tba.runtime._writes import StoreWrites
 
 logger = logging.getLogger("tba")

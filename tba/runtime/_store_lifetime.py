@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tba.io import BufferPool
-from tba.runtime._views import State, StorageEntry
+from tba.runtime._entry import State, StorageEntry
 
 if TYPE_CHECKING:
     from tba._outcome import Outcome

@@ -67,7 +67,7 @@ from tba import _sched, defaults
 from tba._fork_lock import ForkSafeLock
 from tba._units import SizeError, parse_size
 from tba.allocator import LIBC_SONAME, detect
-from tba.runtime._views import storage_bytes
+from tba.runtime._entry import storage_bytes
 
 logger = logging.getLogger("tba")
 

@@ -19,7 +19,8 @@ from tba import _control
 from tba._trace import nvtx_enabled, nvtx_range
 from tba.errors import EngineClosedError, TbaError
 from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE, never_traced
-from tba.runtime._views import Kept, SavedView, StorageEntry
+from tba.runtime._entry import StorageEntry
+from tba.runtime._views import Kept, SavedView
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,49 +1,20 @@
-"""One saved storage and the views of it that autograd holds.
+"""The views of a saved storage that autograd holds, and the tensors kept in memory instead.
 
-The unit of offloading is the *storage*, not the tensor: autograd often saves several views of
-one buffer (a ``transpose`` here, a slice there, the same activation for two ops). Each distinct
-storage becomes one :class:`StorageEntry`, written once; each saved tensor becomes a small
-:class:`SavedView` that records how to rebuild it from the storage bytes (dtype, shape, stride and
-offset in elements) and points at the entry. See Note [Dedup by storage identity] in
+The unit of offloading is the *storage*, not the tensor (its entry is :class:`~tba.runtime._entry.StorageEntry`,
+in ``tba/runtime/_entry.py``): autograd often saves several views of one buffer (a ``transpose`` here, a slice
+there, the same activation for two ops). Each saved tensor becomes a small :class:`SavedView` that records how to
+rebuild it from the storage bytes (dtype, shape, stride and offset in elements) and points at the entry; a tensor
+that stays in memory is wrapped in a :class:`Kept`. See Note [Dedup by storage identity] in
 ``tba/runtime/_writes.py`` for how a storage is recognised.
-
-An entry moves through these states::
-
-    WRITING ──write ok──> ON_DISK ──(all views freed)──> DEAD
-       │                    ↑ ↓ reads bring the bytes back into ``data`` and release them
-       └──write failed──> KEPT (bytes stay in memory; the disk is not used)
-
-``data`` holds the bytes in memory whenever they are resident: the original storage while its
-write is in flight, or an aligned copy read back from the file. Whether resident bytes may be
-dropped is the offloader's decision; the entry only carries the facts.
-
-File layout: the storage's bytes sit at ``offset + phase_bytes`` in the spill file, where
-``phase_bytes`` is the storage address modulo :data:`ALIGN_BYTES`. With that shift, every page of
-the storage maps to one aligned block of the file, so the write can go straight from the storage's
-own memory with ``O_DIRECT`` (no bounce copy), and a read lands in a buffer of the same phase.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
 import torch
 
-from tba._outcome import Outcome
 from tba._untrack import untrack
-from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaError
-from tba.io import round_up
-
-if TYPE_CHECKING:
-    from tba.device import Route
-
-
-_EXPIRED = torch.UntypedStorage._expired
-
+from tba.runtime._entry import StorageEntry
 
 _CPU = torch.device("cpu")
 
@@ -51,24 +22,6 @@ _NO_BYTES = torch.empty(0, device=_CPU)
 """The version watch's data. On the CPU whatever the default device when tba is imported: made on a meta or CUDA
 default device (``torch.set_default_device`` before ``import tba``), it could not be set as a CPU tensor's data,
 and every pack of one failed."""
-
-
-def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A ``uint8`` tensor over the whole of ``storage``, holding a reference to it.
-
-    Note: [Holding a storage without releasing the GIL]
-    The store holds each saved storage through such a tensor, made on the control thread once per
-    storage. ``torch.empty((0,), dtype=torch.uint8).set_(storage)`` is two calls through torch's
-    Python bindings, and each releases the GIL around its operator: when the training thread waits
-    for the GIL at that moment, it takes it, and the control thread waits in turn, two hand-overs per
-    save on a 2-core VM where each costs a futex wake and a context switch (docs/host-cost.md). For a
-    CPU storage, the legacy constructor ``torch.ByteTensor(storage)`` builds the same tensor (offset
-    0, one element per byte, the storage's own reference) with the same two operators called from
-    C++, holding the GIL throughout, in 1 µs instead of 2. Other devices take the bindings.
-    """
-    if storage.device.type == "cpu":
-        return torch.ByteTensor(storage)
-    return torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def version_watch(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,7 +41,8 @@ def version_watch(tensor: torch.Tensor) -> torch.Tensor:
     (:class:`Kept`). The alias comes from ``Tensor._make_subclass``, which calls ``detach`` from C++
     holding the GIL; ``tensor.detach()`` goes through the Python binding, which releases the GIL
     around the operator: one more point per saved tensor where the training thread hands the GIL to
-    tba's threads and waits to get it back (Note [Holding a storage without releasing the GIL]).
+    tba's threads and waits to get it back (Note [Holding a storage without releasing the GIL] in
+    ``tba/runtime/_entry.py``).
     """
     watch = torch.Tensor._make_subclass(torch.Tensor, tensor)
     watch.data = _NO_BYTES
@@ -136,92 +90,6 @@ class Kept:
         if tensor._version != self.version:
             raise inplace_error(tensor._version, self.version, tensor.dtype, tuple(tensor.shape))
         return tensor
-
-
-class State(enum.Enum):
-    WRITING = "writing"
-    ON_DISK = "on_disk"
-    KEPT = "kept"
-    DEAD = "dead"
-
-
-@dataclasses.dataclass(eq=False)
-class StorageEntry:
-    """Book-keeping of one offloaded storage. All mutation happens under the offloader's lock."""
-
-    seq: int
-    layer: int | None
-    nbytes: int
-    phase_bytes: int
-    version: int
-    cdata: int
-    """A weak reference to the storage (``storage._weak_ref()``, what torch's ``StorageWeakRef`` holds),
-    held by the entry itself and freed by its ``__del__``: one object less per saved storage for the
-    cycle collector, whose full collections a step's thousands of long-lived objects trigger
-    (docs/host-cost.md)."""
-    data: torch.Tensor | None
-    root: Callable[[], torch.Tensor | None] = lambda: None
-    """A weak reference to the saved tensor's root (its ``_base``, else itself): only tensors of that view family,
-    which share one version counter, share this entry (Note [One entry per version counter] in
-    ``tba/runtime/_writes.py``)."""
-    state: State = State.WRITING
-    offset: int = -1
-    live_views: int = 0
-    """:class:`SavedView` objects of this storage that autograd still holds."""
-    unpacked_views: set[int] | None = None
-    """Identities of the live views unpacked in the current backward; None (no set made) while
-    the entry has one live view, the common case."""
-    hold_for_backward: bool = False
-    """Keep the bytes in memory when the write completes: the prefetch window wants them soon."""
-    fully_unpacked: bool = False
-    """Every live view was unpacked: backward needs the bytes no more."""
-    transfer_in_flight: bool = False
-    io_error: BaseException | None = None
-    read_done: Outcome | None = None
-    """The read in flight (``tba/runtime/_reads.py``'s ``UNWATCHED`` until an unpack waits for it), else None."""
-    device: torch.device = torch.device("cpu")
-    route: Route | None = None
-    ready_event: Any = None
-    """Device event a consumer waits on before using ``data`` read back (None for host memory)."""
-    checksum: int | None = None
-    """CRC-32C of the bytes written (``verify=True``, host storages); None when not checked."""
-    window_gen: int = -1
-    """The prefetch window's walk generation that counts this entry against the budget (-1: none)."""
-    address: int = 0
-    """The storage's data pointer when it was saved (Note [A storage the program still holds is not read
-    back] in ``tba/runtime/_reads.py``)."""
-    pages_discarded: bool = False
-    """The storage's pages were handed back to the kernel (they read as zeros now): it is never served
-    live again, whoever still holds it (Note [A storage the program still holds is not read back])."""
-    own_memory: bool = False
-    """The storage's memory came from torch's own allocator and is not shared (Note [Whose pages tba may
-    discard] in ``tba/runtime/_trim.py``): only then may its pages go back to the kernel early."""
-
-    def expired(self) -> bool:
-        """Whether the storage itself is gone."""
-        return _EXPIRED(self.cdata)
-
-    def __del__(self, _free: Any = torch.UntypedStorage._free_weak_ref) -> None:
-        # ``_free`` is bound at definition: at interpreter shutdown module globals are cleared to None
-        # before the last entries die. An entry whose ``__init__`` failed has no ``cdata``.
-        cdata = getattr(self, "cdata", None)
-        if cdata is not None:
-            _free(cdata)
-
-    def __copy__(self) -> StorageEntry:
-        raise TypeError("a StorageEntry owns its storage's weak reference and cannot be copied")
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> StorageEntry:
-        return self.__copy__()
-
-    @property
-    def extent_bytes(self) -> int:
-        """Bytes of file space the entry occupies: the storage plus its phase, block aligned."""
-        return round_up(self.phase_bytes + self.nbytes, ALIGN_BYTES)
-
-    def describe(self) -> str:
-        where = f"layer {self.layer}" if self.layer is not None else "no layer"
-        return f"storage #{self.seq} ({self.nbytes} bytes, {where})"
 
 
 class SavedView:

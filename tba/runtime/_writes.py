@@ -24,8 +24,8 @@ from tba import defaults
 from tba._trace import nvtx_range
 from tba._untrack import untrack
 from tba.device import WRITE_NOT_NEEDED
+from tba.runtime._entry import State, StorageEntry, storage_bytes
 from tba.runtime._trim import hands_back_pages, owns_its_memory
-from tba.runtime._views import State, StorageEntry, storage_bytes
 
 if TYPE_CHECKING:
     from tba.device import Routes

@@ -15,7 +15,7 @@ import torch
 
 import tba
 from tba.runtime import _writes
-from tba.runtime._views import StorageEntry
+from tba.runtime._entry import StorageEntry
 
 
 def _count_weak_refs(monkeypatch) -> dict[str, int]:

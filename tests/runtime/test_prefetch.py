@@ -6,8 +6,8 @@ from concurrent.futures import Future
 
 import torch
 
+from tba.runtime._entry import State, StorageEntry
 from tba.runtime._prefetch import PrefetchWindow
-from tba.runtime._views import State, StorageEntry
 
 MIB = 1 << 20
 
