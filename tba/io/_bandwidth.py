@@ -9,6 +9,7 @@ the engine keeps its queue full; the scratch file has no name and disappears wit
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import time
 
@@ -17,6 +18,7 @@ import torch
 from tba.io._directory import open_anonymous
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import host_buffer
+from tba.io._spill import reserve
 
 
 def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
@@ -38,10 +40,11 @@ def open_scratch(directory: str, size: int, *, direct: bool = True) -> int:
     """A nameless file in ``directory`` (O_DIRECT by default) with ``size`` bytes preallocated, as fio does."""
     fd = open_anonymous(directory, direct=direct)
     try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        os.close(fd)
-        raise
+        reserve(fd, 0, size)  # Note [No reservation written as zeros] in tba/io/_spill.py
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate there: the file grows with the writes
+            os.close(fd)
+            raise
     return fd
 
 

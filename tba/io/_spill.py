@@ -75,12 +75,12 @@ def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
 def _fallocate_or_free_idle(fd: int, size_bytes: int) -> None:
     """``fallocate``, and once more after idle spill files gave their space back if the disk was full."""
     try:
-        os.posix_fallocate(fd, 0, size_bytes)
+        reserve(fd, 0, size_bytes)  # Note [No reservation written as zeros]
     except OSError as err:
         if err.errno != errno.ENOSPC or not release_idle_space():
             raise
         logger.info("tba: the disk was full; idle spill files gave their space back for a new file")
-        os.posix_fallocate(fd, 0, size_bytes)
+        reserve(fd, 0, size_bytes)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

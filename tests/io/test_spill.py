@@ -194,3 +194,26 @@ def test_training_goes_on_exact_when_the_spill_file_cannot_be_created(tmp_path, 
     loss.backward()
     assert off.stats.tensors_offloaded > 0  # through the file in memory (its writes may still run: not counted here)
     assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+
+
+def test_checkpoint_and_scratch_files_write_no_zeros_where_the_file_system_has_no_fallocate(tmp_path, monkeypatch):
+    """Note [No reservation written as zeros]: checkpoint files (``create_preallocated``) and the bandwidth probe's
+    scratch file (``open_scratch``) still reserved with glibc's posix_fallocate, which on ext2, NFSv3 or FUSE writes
+    a byte into every block of the file first (a whole checkpoint's size in zeros). Where fallocate(2) says
+    EOPNOTSUPP they now go on without a reservation, and posix_fallocate is never called."""
+    import ctypes
+
+    from tba.io import _bandwidth
+
+    def unsupported(fd, mode, offset, length):
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    def zeros(*args):
+        raise AssertionError("posix_fallocate called: it writes zeros where the file system has no fallocate")
+
+    monkeypatch.setattr(_spill, "_fallocate", unsupported)
+    monkeypatch.setattr(os, "posix_fallocate", zeros)
+    fd, _ = _spill.create_preallocated(str(tmp_path / "checkpoint.bin"), 1 << 20)
+    os.close(fd)
+    os.close(_bandwidth.open_scratch(str(tmp_path), 1 << 20, direct=False))

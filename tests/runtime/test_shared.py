@@ -283,7 +283,7 @@ def test_a_new_file_on_a_full_disk_takes_the_idle_space_back(spill_dir, monkeypa
     spill = _idle_spill()
     assert os.fstat(spill.fd).st_blocks > 0
     assert _wait_for(lambda: not spill._allocator.in_use), "the step's last extent was never freed"
-    real = os.posix_fallocate
+    real = _spill.reserve
     calls = []
 
     def full_until_space_is_given_back(fd, offset, length):
@@ -292,7 +292,7 @@ def test_a_new_file_on_a_full_disk_takes_the_idle_space_back(spill_dir, monkeypa
             raise OSError(28, "No space left on device")
         real(fd, offset, length)
 
-    monkeypatch.setattr(_spill.os, "posix_fallocate", full_until_space_is_given_back)
+    monkeypatch.setattr(_spill, "reserve", full_until_space_is_given_back)
     path = os.path.join(spill_dir, "checkpoint.bin")
     fd, _ = tba.io.create_preallocated(path, 1 << 20)
     os.close(fd)
