@@ -9,7 +9,6 @@ the engine keeps its queue full; the scratch file has no name and disappears wit
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import os
 import time
 
@@ -18,7 +17,7 @@ import torch
 from tba.io._directory import open_anonymous
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import host_buffer
-from tba.io._spill import reserve
+from tba.io._spill import NO_RESERVATION_ERRNOS, reserve
 
 
 def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
@@ -42,7 +41,7 @@ def open_scratch(directory: str, size: int, *, direct: bool = True) -> int:
     try:
         reserve(fd, 0, size)  # Note [No reservation written as zeros] in tba/io/_spill.py
     except OSError as err:
-        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate there: the file grows with the writes
+        if err.errno not in NO_RESERVATION_ERRNOS:
             os.close(fd)
             raise
     return fd

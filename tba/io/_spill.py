@@ -66,7 +66,7 @@ def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
         if size_bytes:
             _fallocate_or_free_idle(fd, size_bytes)
     except OSError as err:
-        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+        if err.errno not in NO_RESERVATION_ERRNOS:
             os.close(fd)
             raise
     return fd, direct
@@ -88,6 +88,10 @@ _fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", 
 if _fallocate is not None:
     _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
     _fallocate.restype = ctypes.c_int
+
+
+NO_RESERVATION_ERRNOS = (errno.EOPNOTSUPP, errno.EINVAL)
+""":func:`reserve` failing with these says the file system reserves nothing: the file grows with its writes."""
 
 
 def reserve(fd: int, offset: int, length: int) -> None:
