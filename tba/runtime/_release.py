@@ -120,7 +120,7 @@ class StoreRelease:
         has its pages discarded; another is only dropped. Either way it is never served live again.
         """
         entry.pages_discarded = True
-        if data.data_ptr() == entry.address and data.untyped_storage().nbytes() == entry.nbytes:
+        if _in_saved_memory(entry, data):
             self.pages_discarded_bytes += discard_pages(entry.address, entry.nbytes)
 
     def start_forward(self) -> None:
@@ -197,7 +197,7 @@ class StoreRelease:
         memory as the program left it, and backward sees what it would see without tba.
         """
         data = entry.data
-        return data is not None and (data.data_ptr() != entry.address or data.untyped_storage().nbytes() != entry.nbytes)
+        return data is not None and not _in_saved_memory(entry, data)
 
     def _keep_moved(self, entry: StorageEntry) -> None:
         """Keep ``entry``, whose storage moved under its write, in memory (Note [A storage resized under its write is
@@ -245,6 +245,12 @@ class StoreRelease:
         if entry.offset >= 0:
             self.spill.free(entry.offset)
             entry.offset = -1
+
+
+def _in_saved_memory(entry: StorageEntry, data: torch.Tensor) -> bool:
+    """Whether ``data``, the bytes of ``entry``'s storage, are still at the address and size they were saved with (Notes
+    [Only the memory a storage was saved with is discarded], [A storage resized under its write is kept in memory])."""
+    return data.data_ptr() == entry.address and data.untyped_storage().nbytes() == entry.nbytes
 
 
 def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int | None, str]:
