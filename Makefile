@@ -51,8 +51,8 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS) $(PYTEST_PATHS)
 
 # DeepSpeed's async_io op (its NVMe swap) JIT-builds against libaio (Debian: libaio-dev) in about
-# 3 minutes, cached under .venv/torch_extensions, without debug info and with torch's header
-# precompiled once (tools/deepspeed_aio.py);
+# 2 minutes of one core, cached under .venv/torch_extensions, without debug info and with torch's header
+# precompiled once for the files that include it (tools/deepspeed_aio.py);
 # tests/integrations/test_deepspeed_nvme.py is skipped until it is built. CI runs this target (.ci/run), on one
 # core (MAX_JOBS=1) beside the suite.
 deepspeed-aio: $(VENV)/.installed

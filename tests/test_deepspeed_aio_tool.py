@@ -72,3 +72,25 @@ def test_help_and_unknown_options_build_nothing(argv, status, monkeypatch, capsy
     assert exit_.value.code == status
     out, err = capsys.readouterr()
     assert ("usage: tools/deepspeed_aio.py" in out) if status == 0 else ("unrecognized arguments: --bogus" in err)
+
+
+def test_files_that_include_no_torch_header_compile_without_it(tmp_path):
+    """Note [Files without torch compile without its header]: a file reaching torch through a quoted header keeps the
+    ``-include``; one that never does gets ``cflags`` of its own without it; a second pass changes nothing."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "uses.h").write_text('#pragma once\n#include "deeper.h"\n')
+    (tmp_path / "lib" / "deeper.h").write_text("#include <torch/extension.h>\n")
+    (tmp_path / "lib" / "plain.h").write_text("#include <cmath>\n#include \"plain.h\"\n")  # a cycle ends
+    (tmp_path / "a.cpp").write_text('#include "uses.h"\n')
+    (tmp_path / "b.cpp").write_text('  #  include "plain.h"\n#include <vector>\n')
+    (tmp_path / "c.cpp").write_text("#include <pybind11/pybind11.h>\n")
+    header = "/x/async_io_pch/torch_extension.h"
+    ninja = (ninja_text("async_io", f"-I{tmp_path / 'lib'}") + "\nrule compile\n  command = $cxx $cflags -c $in -o $out\n\n"
+             + "".join(f"build {name}.o: compile {tmp_path / name}.cpp\n" for name in "abc") + "\nbuild t.so: link a.o\n")
+    edited = SCRIPT.without_header_for_torch_free_files(ninja, header)
+    lines = edited.splitlines()
+    own = [(lines[i - 1], line) for i, line in enumerate(lines) if line.startswith("  cflags = ")]
+    assert [edge for edge, _ in own] == [f"build b.o: compile {tmp_path / 'b'}.cpp"]
+    top = next(line for line in lines if line.startswith("cflags = "))
+    assert own[0][1] == "  " + top.replace(f" -include {header}", "") and f"-include {header}" in top
+    assert SCRIPT.without_header_for_torch_free_files(edited, header) == edited

@@ -50,7 +50,7 @@ def async_io_skip_reason() -> str | None:
         return "DeepSpeed's async_io op cannot build: libaio is missing (apt-get install libaio-dev)"
     built = os.path.join(_get_build_directory(builder.NAME, verbose=False), f"{builder.NAME}.so")
     if not os.path.exists(built):
-        return f"DeepSpeed's async_io op is not built yet ({built}); `make deepspeed-aio` builds it (about 3 minutes, cached)"
+        return f"DeepSpeed's async_io op is not built yet ({built}); `make deepspeed-aio` builds it (about 2 minutes, cached)"
     return None
 
 
@@ -101,14 +101,34 @@ def train(nvme_path: str, directory: str | None):
 
 @pytest.fixture(autouse=True)
 def op_flags_as_built(monkeypatch):
-    """DeepSpeed loads the op with the flags ``make deepspeed-aio`` built it with (Note [The NVMe test loads the op
-    built with these flags] in ``tools/deepspeed_aio.py``)."""
+    """DeepSpeed loads the op with the flags and ``build.ninja`` that ``make deepspeed-aio`` built it with (Notes [The
+    NVMe test loads the op built with these flags], [Files without torch compile without its header] in
+    ``tools/deepspeed_aio.py``)."""
+    import torch.utils.cpp_extension as cpp_extension
     from deepspeed.ops.op_builder import AsyncIOBuilder, PinMemoryBuilder
 
     for builder in (AsyncIOBuilder, PinMemoryBuilder):
         monkeypatch.setattr(builder, "cxx_args", builder.cxx_args)  # restored after the test
     script = load_script(pathlib.Path(__file__).resolve().parents[2] / "tools" / "deepspeed_aio.py")
     script.patch_flags(AsyncIOBuilder, PinMemoryBuilder)
+    monkeypatch.setattr(cpp_extension, "_run_ninja_build",
+                        script.build_hook(script.pch_header_path(), cpp_extension._run_ninja_build))
+    built = object_times()
+    yield
+    assert object_times() == built, "DeepSpeed recompiled its ops at load: they were built with other flags or commands"
+
+
+def object_times() -> dict[str, int]:
+    """Modification times of the built ops' objects and libraries (none where DeepSpeed's ops came installed)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    times = {}
+    for name in ("async_io", "pin_memory"):
+        directory = _get_build_directory(name, verbose=False)
+        if os.path.isdir(directory):
+            times.update({entry.path: entry.stat().st_mtime_ns for entry in os.scandir(directory)
+                          if entry.name.endswith((".o", ".so"))})
+    return times
 
 
 SLOWDOWN = 10_000
