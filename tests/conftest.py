@@ -7,9 +7,12 @@ that lack it.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import signal
 import socket
+import sys
 
 # Deterministic cuBLAS, so that GPU gradients with and without tba can be compared bit for bit.
 # It must be set before CUDA is initialised; on CPU it has no effect.
@@ -55,6 +58,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # on CI's two cores the suite's length is its CPU time over two plus such a tail. Tests marked
     # ``slow`` (over about 10 s on the 2-core VM) are collected first, in their order, then the rest.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+SILENTLY_FATAL_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGTERM", "SIGALRM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGXFSZ") if hasattr(signal, name))
+"""Signals whose default action ends the process without the traceback pytest's faulthandler prints
+for a crash (SIGSEGV, SIGABRT, ...)."""
+
+
+_stderr_copy: list = []
+"""The test process's stderr as pytest found it, before capturing (where its own faulthandler writes)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _stderr_copy.append(open(os.dup(sys.stderr.fileno()), "w", closefd=True))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Note: [A worker ended by a signal says which]
+    A CI run lost a pytest-xdist worker in the middle of a test with nothing printed but "node down:
+    Not properly terminated": not a crash (pytest's faulthandler prints those), so a signal whose
+    default action ends the process, ``os._exit``, or SIGKILL. Before each test (a test may have
+    replaced a handler), such signals get faulthandler's handler, which prints every thread's stack
+    (where the signal found each) to stderr, then ends the process as the default action would.
+    A handler the program installed itself (``signal.signal``) replaces it until the next test. The
+    stack goes to the stderr pytest found (a test's own stderr is a capture file, lost with the process).
+    """
+    for signum in SILENTLY_FATAL_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            faulthandler.register(signum, file=_stderr_copy[0], all_threads=True, chain=True)
+
 
 USABLE_BACKENDS = [name for name, reason in available_backends().items() if reason is None]
 
