@@ -34,6 +34,8 @@ import torch
 from tba._control import settle
 from tba.io import available_backends
 
+pytest_plugins = ("timeout_report",)  # Note [A test past its timeout in a worker says so] in tests/timeout_report.py
+
 
 def _missing_requirements() -> dict[str, str | None]:
     """Marker name -> why this machine lacks it (``None`` where it has it)."""
