@@ -37,6 +37,7 @@ def test_sigterm_removes_the_spill_directory(tmp_path, monkeypatch):
     import signal
 
     soak = load_script(SOAK)
+    alarm_handler = signal.getsignal(signal.SIGALRM)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     real_rss = soak.rss_bytes
     monkeypatch.setattr(soak, "rss_bytes", lambda: os.kill(os.getpid(), signal.SIGTERM) or real_rss())
@@ -44,3 +45,6 @@ def test_sigterm_removes_the_spill_directory(tmp_path, monkeypatch):
         soak.main(["--steps", "20", "--backend", "threads", "--signal-rate", "0", "--progress-every", "1000"])
     assert exit_.value.code == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+    # The soak's SIGALRM handler (raise_injected) stayed installed in the pytest worker for every later test, which
+    # also kept conftest's faulthandler off SIGALRM (Note [A worker ended by a signal says which] in tests/conftest.py).
+    assert signal.getsignal(signal.SIGALRM) is alarm_handler

@@ -251,10 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     backends = usable if args.backend == "all" else [args.backend]
     previous = signal.signal(signal.SIGTERM, _terminated)  # timeout, a cancelled job: end through the cleanup
+    previous_alarm = signal.getsignal(signal.SIGALRM)  # soak() makes SIGALRM raise its injected interrupt
     try:
         results = [soak(backend, args) for backend in backends]
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGALRM, previous_alarm)
     return 0 if all(results) else 1
 
 
