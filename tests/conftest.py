@@ -12,7 +12,6 @@ import gc
 import os
 import signal
 import socket
-import sys
 
 # Deterministic cuBLAS, so that GPU gradients with and without tba can be compared bit for bit.
 # It must be set before CUDA is initialised; on CPU it has no effect.
@@ -30,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+from timeout_report import stderr_as_found
 
 from tba._control import settle
 from tba.io import available_backends
@@ -68,14 +68,6 @@ SILENTLY_FATAL_SIGNALS = tuple(getattr(signal, name) for name in (
 for a crash (SIGSEGV, SIGABRT, ...)."""
 
 
-_stderr_copy: list = []
-"""The test process's stderr as pytest found it, before capturing (where its own faulthandler writes)."""
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    _stderr_copy.append(open(os.dup(sys.stderr.fileno()), "w", closefd=True))
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Note: [A worker ended by a signal says which]
     A CI run lost a pytest-xdist worker in the middle of a test with nothing printed but "node down:
@@ -84,11 +76,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     replaced a handler), such signals get faulthandler's handler, which prints every thread's stack
     (where the signal found each) to stderr, then ends the process as the default action would.
     A handler the program installed itself (``signal.signal``) replaces it until the next test. The
-    stack goes to the stderr pytest found (a test's own stderr is a capture file, lost with the process).
+    stack goes to the stderr pytest found (``tests/timeout_report.py``), as a timed-out test's does.
     """
     for signum in SILENTLY_FATAL_SIGNALS:
         if signal.getsignal(signum) is signal.SIG_DFL:
-            faulthandler.register(signum, file=_stderr_copy[0], all_threads=True, chain=True)
+            faulthandler.register(signum, file=stderr_as_found(), all_threads=True, chain=True)
 
 
 USABLE_BACKENDS = [name for name, reason in available_backends().items() if reason is None]

@@ -1,7 +1,7 @@
 """pytest plugin: a test that runs past pytest-timeout's limit in a pytest-xdist worker prints every thread's stack.
 
 Note: [A test past its timeout in a worker says so]
-``pyproject.toml`` sets pytest-timeout's ``timeout = 600`` with the ``thread`` method: a timer thread
+``pyproject.toml`` sets pytest-timeout's ``timeout = 300`` with the ``thread`` method: a timer thread
 that, once the test has run that long, writes the test's captured output and every thread's stack to
 pytest's terminal, then ends the process with ``os._exit(1)``. In a pytest-xdist worker that terminal
 is the worker's stdout, which execnet pointed at ``/dev/null`` when it took the real one for its
@@ -33,6 +33,11 @@ _stderr: list[IO[str]] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     _stderr.append(open(os.dup(sys.stderr.fileno()), "w", closefd=True))
+
+
+def stderr_as_found() -> IO[str]:
+    """The process's stderr as pytest found it (a test's own stderr is a capture file, lost with the process)."""
+    return _stderr[0]
 
 
 @pytest.hookimpl(tryfirst=True)
