@@ -29,7 +29,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
-from timeout_report import stderr_as_found
 
 from tba._control import settle
 from tba.io import available_backends
@@ -78,6 +77,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     A handler the program installed itself (``signal.signal``) replaces it until the next test. The
     stack goes to the stderr pytest found (``tests/timeout_report.py``), as a timed-out test's does.
     """
+    from timeout_report import stderr_as_found  # imported here: pytest imports it first, as a plugin
+
     for signum in SILENTLY_FATAL_SIGNALS:
         if signal.getsignal(signum) is signal.SIG_DFL:
             faulthandler.register(signum, file=stderr_as_found(), all_threads=True, chain=True)
