@@ -81,3 +81,36 @@ def test_a_copy_queued_on_the_allocation_stream_may_outlive_its_destination():
         sim.synchronize()
         assert sim.problems() == []
         assert torch.equal(again, source)
+
+
+def test_a_tensor_dying_while_another_thread_holds_the_allocator_waits_for_nothing():
+    """Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py: its finalizer took the allocator's
+    lock, so a tensor freed by the cycle collector on the scheduler thread, inside the scheduler's lock, waited for a
+    thread holding the allocator's lock that was launching the next poison, which waits for the scheduler's lock: a
+    deadlock (a CI run hung ten minutes in tests/device/test_sim_faults.py, whose failed backward leaves read buffers
+    in traceback cycles). Here another thread holds the allocator's lock while the last reference dies."""
+    import threading
+
+    with simulate(seed=0) as sim:
+        box = [sim.empty(NBYTES)]
+        holding, let_go = threading.Event(), threading.Event()
+
+        def hold():
+            with sim.allocator._lock:
+                holding.set()
+                let_go.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        holding.wait(10)
+        dropper = threading.Thread(target=box.clear)
+        dropper.start()
+        dropper.join(5)
+        waited = dropper.is_alive()
+        let_go.set()
+        holder.join(30)
+        dropper.join(30)
+        assert not waited, "the tensor's death waited for the allocator's lock"
+        assert sim.memory_stats()["allocated_bytes"] == 0  # counted once the allocator is next used
+        again = sim.empty(NBYTES)  # the freed block serves the next request of its size and stream
+        assert sim.allocator.reserved_bytes == again.numel() and sim.problems() == []

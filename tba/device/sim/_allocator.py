@@ -7,7 +7,9 @@ allocator then *poisons* the block on its stream (0xFF bytes): a copy on another
 not ordered before the free reads or writes garbage, and the race checker sees the write. A block
 used on other streams (``record_stream``) is held back until events recorded on those streams at
 free time completed. Tensors are built over the arena without a reference to any tba tensor, and
-their death is seen through a finalizer on the buffer they wrap.
+their death is seen through a finalizer on the buffer they wrap, which takes no lock: the block is
+given back at the next call of the simulated CUDA API, on any thread, before that call's own work
+(Note [A device tensor's death takes no lock]).
 
 Pinned host memory: :meth:`PinnedHost.empty` behaves as torch's host caching allocator (each
 request rounded up to a power of two); :meth:`PinnedHost.pin` page-locks exactly the bytes given
@@ -17,6 +19,7 @@ request rounded up to a power of two); :meth:`PinnedHost.pin` page-locks exactly
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -70,20 +73,28 @@ class CachingAllocator:
         self._free: dict[tuple[int, int], list[_Block]] = {}
         self._held: list[tuple[_Block, list[Any]]] = []
         self._by_address: dict[int, _Block] = {}
+        self._dead: queue.SimpleQueue = queue.SimpleQueue()
+        """Blocks whose storage died, not yet given back (Note [A device tensor's death takes no lock])."""
         self.allocations_by_stream: dict[str, int] = {}
         self.reserved_by_stream: dict[str, int] = {}
         self.record_stream_calls = 0
-        self.allocated_bytes = 0
+        self._allocated_bytes = 0
         self.peak_allocated_bytes = 0
 
     @property
     def reserved_bytes(self) -> int:
         return self._top
 
+    @property
+    def allocated_bytes(self) -> int:
+        self.release_dead()
+        return self._allocated_bytes
+
     def empty(self, nbytes: int, stream: Any) -> torch.Tensor:
         """``nbytes`` of ``uint8`` device memory for ``stream``."""
         size = round_up(max(nbytes, 1), BLOCK_ROUND_BYTES)
         with self._lock:
+            self.release_dead()
             self._collect()
             free = self._free.get((id(stream), size))
             if free:
@@ -97,11 +108,11 @@ class CachingAllocator:
                 self.reserved_by_stream[stream.name] = self.reserved_by_stream.get(stream.name, 0) + size
             self.allocations_by_stream[stream.name] = self.allocations_by_stream.get(stream.name, 0) + 1
             self._by_address[self._base + block.offset] = block
-            self.allocated_bytes += size
-            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+            self._allocated_bytes += size
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated_bytes)
         view = memory_view(self._base + block.offset, max(nbytes, 1))
         tensor = torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
-        weakref.finalize(view, self._release, block)
+        weakref.finalize(view, self._died, block)
         return tensor
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -116,16 +127,43 @@ class CachingAllocator:
         with self._lock:
             return self._by_address.get(address)
 
-    def _release(self, block: _Block) -> None:
+    def _died(self, block: _Block) -> None:
+        """The finalizer of a block's storage: it takes no lock (Note [A device tensor's death takes no lock]).
+
+        Note: [A device tensor's death takes no lock]
+        A storage dies wherever its last reference goes, and the cycle collector frees one in a cycle
+        (a traceback's frames holding a read buffer) on whatever thread it runs, inside whatever locks
+        that thread holds: the scheduler's among them, while it picks the next operation. This
+        finalizer took the allocator's lock to give the block back and launch the poison, which takes
+        the scheduler's lock; a thread holding the allocator's lock (an allocation, itself launching a
+        poison) then waited for the scheduler's lock: a deadlock (a CI run hung until pytest's timeout
+        in tests/device/test_sim_faults.py, whose failed backward leaves read buffers in traceback
+        cycles). CUDA's allocator frees on the host thread, in C++, under a lock of its own alone. So
+        the finalizer only notes which streams' work still gets the block (``freed_for``, read by
+        queued copies) and queues the block; the next call of the simulated CUDA API, on any thread,
+        gives it back (:meth:`release_dead`) before its own work is queued, as the real free would
+        have been.
+        """
+        block.freed_for = (block.stream, *block.uses)
+        self._dead.put(block)
+
+    def release_dead(self) -> None:
+        """Give back the blocks whose storage died (Note [A device tensor's death takes no lock])."""
+        if self._dead.empty():
+            return
         with self._lock:
-            self._by_address.pop(self._base + block.offset, None)
-            self.allocated_bytes -= block.nbytes
-            block.freed_for = (block.stream, *block.uses)
-            if block.uses:
-                self._held.append((block, [self.sim.record(stream) for stream in block.uses]))
-                block.uses = set()
-            else:
-                self._recycle(block)
+            while True:
+                try:
+                    block = self._dead.get_nowait()
+                except queue.Empty:
+                    return
+                self._by_address.pop(self._base + block.offset, None)
+                self._allocated_bytes -= block.nbytes
+                if block.uses:
+                    self._held.append((block, [self.sim.record(stream) for stream in block.uses]))
+                    block.uses = set()
+                else:
+                    self._recycle(block)
 
     def _collect(self) -> None:
         """Blocks held for ``record_stream`` uses whose events completed go back to their free list."""
