@@ -44,7 +44,7 @@ def test_exceptions_from_signal_handlers_leave_training_exact_and_clean(spill_di
     assert result["files"] == [] and result["fds"] == [], result
 
 
-def test_a_swallowed_interrupt_is_attributed_to_the_module_owning_the_callback():
+def test_a_swallowed_interrupt_is_attributed_to_the_module_owning_the_callback(unfrozen):
     sys.path.insert(0, str(WORKER.parent))
     try:
         from async_exc_worker import _owner
