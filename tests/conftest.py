@@ -83,6 +83,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
     for signum in SILENTLY_FATAL_SIGNALS:
         if signal.getsignal(signum) is signal.SIG_DFL:
+            # Registered again only after unregister: a test's signal.signal() replaced the handler while
+            # faulthandler still counts it as registered, and would not install it again.
+            faulthandler.unregister(signum)
             faulthandler.register(signum, file=stderr_as_found(), all_threads=True, chain=True)
 
 
