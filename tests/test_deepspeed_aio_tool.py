@@ -85,7 +85,8 @@ def test_files_that_include_no_torch_header_compile_without_it(tmp_path):
     (tmp_path / "b.cpp").write_text('  #  include "plain.h"\n#include <vector>\n')
     (tmp_path / "c.cpp").write_text("#include <pybind11/pybind11.h>\n")
     header = "/x/async_io_pch/torch_extension.h"
-    ninja = (ninja_text("async_io", f"-I{tmp_path / 'lib'}") + "\nrule compile\n  command = $cxx $cflags -c $in -o $out\n\n"
+    ninja = (ninja_text("async_io", f"-I /elsewhere -I {tmp_path / 'lib'}")
+             + "\nrule compile\n  command = $cxx $cflags -c $in -o $out\n\n"
              + "".join(f"build {name}.o: compile {tmp_path / name}.cpp\n" for name in "abc") + "\nbuild t.so: link a.o\n")
     edited = SCRIPT.without_header_for_torch_free_files(ninja, header)
     lines = edited.splitlines()

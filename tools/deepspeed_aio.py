@@ -182,7 +182,7 @@ def without_header_for_torch_free_files(build_ninja: str, header: str) -> str:
     if cflags is None or f"-include {header}" not in cflags:
         return build_ninja
     flags = shlex.split(cflags)
-    include_dirs = [flag[2:] for flag in flags if flag.startswith("-I") and len(flag) > 2]
+    include_dirs = [flag[2:] or following for flag, following in zip(flags, [*flags[1:], ""]) if flag.startswith("-I")]
     plain = cflags.replace(f" -include {header}", "")
     out = []
     for index, line in enumerate(lines):
