@@ -11,6 +11,8 @@ only the unmarked use on another stream is a race (Note [A freed block's pending
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tba.device.sim import simulate
@@ -114,3 +116,40 @@ def test_a_tensor_dying_while_another_thread_holds_the_allocator_waits_for_nothi
         assert sim.memory_stats()["allocated_bytes"] == 0  # counted once the allocator is next used
         again = sim.empty(NBYTES)  # the freed block serves the next request of its size and stream
         assert sim.allocator.reserved_bytes == again.numel() and sim.problems() == []
+
+
+def test_a_block_freed_before_a_synchronize_is_ordered_before_the_host():
+    """Note [A device tensor's death takes no lock]: the block of a tensor that died is given back at the next call.
+    The synchronize's event took its clock before that call gave the block back, so the poison was not covered by
+    it: a host write into the block's next allocation after a full synchronize, safe on a GPU, was reported."""
+    with simulate(seed=0) as sim:
+        first = sim.empty(NBYTES)
+        first.fill_(1)
+        del first
+        sim.synchronize()
+        again = sim.empty(NBYTES)
+        sim.host_access(again.data_ptr(), NBYTES, True, "a host write after a synchronize")
+        sim.synchronize()
+        assert sim.problems() == []
+
+
+def test_a_race_with_the_poison_is_reported_without_a_later_call():
+    """A side-stream copy read a compute-stream tensor (no record_stream) and ran; the tensor died with the host not
+    ordered after the copy: the block's next owner on the compute stream may overwrite it while the copy reads.
+    ``problems()`` right after the death reports it (the queued block was given back only at the next CUDA call)."""
+    out = torch.zeros(NBYTES, dtype=torch.uint8)
+    with simulate(seed=0) as sim:
+        side = sim.Stream()
+        src = sim.empty(NBYTES)
+        src.fill_(7)
+        ready = sim.Event()
+        ready.record(sim.current_stream())
+        side.wait_event(ready)
+        with sim.stream(side):
+            sim.copy_(out, src)
+        deadline = time.monotonic() + 30
+        while (not sim.scheduler.idle() or sim.scheduler.running is not None) and time.monotonic() < deadline:
+            time.sleep(0.005)  # the copy ran, and the host learned nothing of it
+        del src
+        problems = sim.problems()
+    assert any("the next kernel on a freed block" in p and "not ordered after copy" in p for p in problems), problems

@@ -141,8 +141,10 @@ class CachingAllocator:
         cycles). CUDA's allocator frees on the host thread, in C++, under a lock of its own alone. So
         the finalizer only notes which streams' work still gets the block (``freed_for``, read by
         queued copies) and queues the block; the next call of the simulated CUDA API, on any thread,
-        gives it back (:meth:`release_dead`) before its own work is queued, as the real free would
-        have been.
+        gives it back (:meth:`release_dead`) before the race checker sees that call and before its own
+        work is queued, as the real free would have been: an event recorded then carries the poison in
+        its clock (a host that synchronized with it may write the block's next allocation), and
+        ``problems()`` gives back first too (a race with the poison is not missed for want of a call).
         """
         block.freed_for = (block.stream, *block.uses)
         self._dead.put(block)

@@ -87,7 +87,8 @@ class SimulatedCuda(FaultInjection):
             self.busy_wait_syncs += 1
 
     def problems(self) -> list[str]:
-        """Races, uses after free and hangs seen so far."""
+        """Races, uses after free and hangs seen so far (a storage that died since the last call counted)."""
+        self.allocator.release_dead()  # Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py
         return self.checker.races + self.errors
 
     def _new_stream(self, role: str, synchronous: bool = False) -> SimStream:
@@ -116,6 +117,7 @@ class SimulatedCuda(FaultInjection):
 
     def record(self, stream: SimStream) -> Token:
         """A token that fires when ``stream`` reaches this point."""
+        self.allocator.release_dead()  # before the token's clock: it covers the poison queued ahead of it
         self.checker.launch(stream.name)
         token = Token(self.scheduler, self.checker.snapshot(stream.name))
         token.stream = stream
@@ -139,6 +141,7 @@ class SimulatedCuda(FaultInjection):
                     stream.joined_capture = True
                 return
         self.check_alive()
+        self.allocator.release_dead()  # Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py
         self.checker.launch(stream.name)
         self.checker.merge(stream.name, token.clock)
         if stream.synchronous:
@@ -225,6 +228,7 @@ class SimulatedCuda(FaultInjection):
         refs = tuple(StorageWeakRef(storage) for storage in storages)
         blocks = tuple(self.allocator.block_at(storage.data_ptr()) for storage in storages)
         del storages
+        self.allocator.release_dead()  # Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py
         self.checker.launch(stream.name)
         self.checker.access(stream.name, src_at, nbytes, False, f"copy on {stream.name}")
         self.checker.access(stream.name, dst_at, nbytes, True, f"copy on {stream.name}")
