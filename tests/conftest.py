@@ -105,9 +105,12 @@ def earlier_objects_frozen():
     leaves the survivors to reference counting; what this test creates is collected as before, so a
     test that checks that a collection frees its objects, or counts descriptors before and after, sees
     the same. Two things change for objects made before the test: one that becomes cyclic garbage
-    later stays (as it would have until the next collection: its finalizer does not run), and
-    ``gc.get_objects()`` and ``gc.get_referrers()`` do not see it; a test that searches those asks
-    for :func:`unfrozen`.
+    later is never collected, in this test or any later one of the worker (no collection looks at
+    frozen objects again; only ``gc.unfreeze()``, as :func:`unfrozen` does, hands them back), so its
+    finalizer does not run and what it alone holds stays too, even objects this test made; and
+    ``gc.get_objects()`` and ``gc.get_referrers()`` do not see it. A test that drops an object an
+    earlier test or a module or session fixture left in a cycle and expects it collected, or that
+    searches those, asks for :func:`unfrozen`.
     """
     gc.collect()
     gc.freeze()
