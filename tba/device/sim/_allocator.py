@@ -8,8 +8,9 @@ not ordered before the free reads or writes garbage, and the race checker sees t
 used on other streams (``record_stream``) is held back until events recorded on those streams at
 free time completed. Tensors are built over the arena without a reference to any tba tensor, and
 their death is seen through a finalizer on the buffer they wrap, which takes no lock: the block is
-given back at the next call of the simulated CUDA API, on any thread, before that call's own work
-(Note [A device tensor's death takes no lock]).
+given back at the next simulated CUDA call that queues work or allocates, on any thread, before that
+call's own work, or when ``problems()`` or the memory statistics are read (Note [A device tensor's death
+takes no lock]).
 
 Pinned host memory: :meth:`PinnedHost.empty` behaves as torch's host caching allocator (each
 request rounded up to a power of two); :meth:`PinnedHost.pin` page-locks exactly the bytes given
@@ -140,10 +141,11 @@ class CachingAllocator:
         in tests/device/test_sim_faults.py, whose failed backward leaves read buffers in traceback
         cycles). CUDA's allocator frees on the host thread, in C++, under a lock of its own alone. So
         the finalizer only notes which streams' work still gets the block (``freed_for``, read by
-        queued copies) and queues the block; the next call of the simulated CUDA API, on any thread,
-        gives it back (:meth:`release_dead`) before the race checker sees that call and before its own
-        work is queued, as the real free would have been: an event recorded then carries the poison in
-        its clock (a host that synchronized with it may write the block's next allocation), and
+        queued copies) and queues the block; the next simulated CUDA call that queues work (a copy, an
+        event's record or wait, a synchronize) or allocates, on any thread, gives it back
+        (:meth:`release_dead`) before the race checker sees that call and before its own work is
+        queued, as the real free would have been: an event recorded then carries the poison in its
+        clock (a host that synchronized with it may write the block's next allocation), and
         ``problems()`` gives back first too (a race with the poison is not missed for want of a call).
         """
         block.freed_for = (block.stream, *block.uses)
