@@ -29,6 +29,12 @@ import threading
 FIXED_AT_START = ("LD_", "MALLOC_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_", "CUDA_")
 """Prefixes of environment variables a process reads when it starts: a run that changes one is a fresh process."""
 
+LONG_RUN_TIMEOUT_S = 240.0
+"""Time limit of a test's longest child runs (a two-rank job, an end-to-end demo or bench), below the suite's per-test
+limit (``timeout`` in ``pyproject.toml``, 300 s): past that one the worker's watchdog ends the worker (Note [A test
+past its timeout in a worker says so] in ``tests/timeout_report.py``) and the child, never killed, runs on; below it
+the child is killed and the test fails with what it printed."""
+
 _server = None
 _server_lock = threading.Lock()
 

@@ -6,14 +6,14 @@ import re
 import subprocess
 
 import pytest
-from python_runs import run_python
+from python_runs import LONG_RUN_TIMEOUT_S, run_python
 
 from tba.cli import main
 
 
 def _demo(spill_dir: str, *extra: str) -> subprocess.CompletedProcess:
     return run_python(["-m", "tba", "demo", "--preset", "tiny", "--steps", "1", "--allocator", "system", "--directory",
-                       spill_dir, "--backend", "threads", *extra], timeout=300)
+                       spill_dir, "--backend", "threads", *extra], timeout=LONG_RUN_TIMEOUT_S)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import os
 import re
 
 import pytest
-from python_runs import run_python
+from python_runs import LONG_RUN_TIMEOUT_S, run_python
 
 from tba.bench.harness import ModeResult
 from tba.cli._report import comparison_rows, format_table
@@ -34,7 +34,7 @@ def test_rows_gain_the_steps_by_turns_where_measured():
 @pytest.mark.slow
 def test_bench_e2e_prints_the_turns_and_the_io_baseline(spill_dir):
     done = run_python([os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1", "--modes",
-                       "keep,tba", "--directory", spill_dir, "--backend", "threads"], timeout=300)
+                       "keep,tba", "--directory", spill_dir, "--backend", "threads"], timeout=LONG_RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     assert "turns s" in done.stdout and "keep_io" in done.stdout and "x keep_io's" in done.stdout
     # --no-turns and --no-io-baseline: test_bench_e2e_names_the_bare_contexts_plan (one run less here)
@@ -44,7 +44,7 @@ def test_bench_e2e_prints_the_turns_and_the_io_baseline(spill_dir):
 def test_bench_e2e_names_the_bare_contexts_plan(spill_dir):
     done = run_python([os.path.join(ROOT, "tools", "bench_e2e.py"), "--preset", "tiny", "--steps", "1", "--warmup", "3",
                        "--usage", "bare", "--modes", "keep,tba", "--directory", spill_dir, "--backend", "threads",
-                       "--no-turns", "--no-io-baseline"], timeout=300)
+                       "--no-turns", "--no-io-baseline"], timeout=LONG_RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     assert re.search(r"tba's plan: [KORS]+ \(per layer after profiling", done.stdout), done.stdout
     # Two modes (turns run only with two or more) and tba (keep_io runs only beside it): both flags are what remove them.

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from python_runs import LONG_RUN_TIMEOUT_S
 
 pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed import fsdp  # noqa: E402
@@ -36,7 +37,7 @@ def test_two_rank_fsdp2_is_exact_and_writes_no_parameters(spill_dir, tmp_path, f
                os.path.join(HERE, "fsdp2_worker.py"), spill_dir, str(out), *flags]
     python_path = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LONG_RUN_TIMEOUT_S, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["exact"] for r in ranks), ranks

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from python_runs import LONG_RUN_TIMEOUT_S
 from torch import nn
 from utils import assert_exact, run_step
 
@@ -163,7 +164,7 @@ def test_two_rank_ddp_job_sharing_one_directory(spill_dir, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.join(os.path.dirname(TESTS_DIR), "ddp_worker.py"), spill_dir, str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LONG_RUN_TIMEOUT_S, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["exact"] for r in ranks), ranks
