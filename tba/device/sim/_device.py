@@ -101,7 +101,6 @@ class SimulatedCuda(FaultInjection):
 
     # ------------------------------------------------------------- streams and events
     def _launch(self, stream: SimStream, op: Callable[[], None]) -> None:
-        self.allocator.release_dead()  # Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py
         if self.broken is not None:
             return  # Note [A broken context] in tba/device/sim/_faults.py: nothing queued runs
         if stream.synchronous:
