@@ -73,9 +73,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     Not properly terminated": not a crash (pytest's faulthandler prints those), so a signal whose
     default action ends the process, ``os._exit``, or SIGKILL. It was most likely pytest-timeout's
     ``os._exit`` (Note [A test past its timeout in a worker says so]); a signal must not be as silent
-    the next time. Before each test (a test may have
-    replaced a handler), such signals get faulthandler's handler, which prints every thread's stack
-    (where the signal found each) to stderr, then ends the process as the default action would.
+    the next time. Before each test (a test may have replaced a handler), such signals get
+    faulthandler's handler, which prints every thread's stack (where the signal found each) to
+    stderr, then ends the process as the default action would.
     A handler the program installed itself (``signal.signal``) replaces it until the next test. The
     stack goes to the stderr pytest found (``tests/timeout_report.py``), as a timed-out test's does.
     """
