@@ -188,7 +188,10 @@ def _send_again_after(previous: Callable[[Any], object]) -> Callable[[Any], None
     Ctrl-C's KeyboardInterrupt is lost the same way. This hook, for a ``SystemExit`` from
     :func:`_terminated` or a ``KeyboardInterrupt``, says nothing and sends the signal again from a
     thread a moment later, when the main thread has left the finalizer (were it in another one, this
-    hook sends it once more). Any other exception goes to the hook there was before.
+    hook sends it once more). Any other exception goes to the hook there was before. The thread waits
+    for the hook to end before its moment starts: sent while the hook still waited for the thread to
+    start (a loaded machine), the signal's exception was raised in the hook itself, where it is dropped
+    too ("Exception ignored in sys.unraisablehook", and the command ran on: a CI run).
     """
 
     def hook(unraisable: Any) -> None:
@@ -200,7 +203,11 @@ def _send_again_after(previous: Callable[[Any], object]) -> Callable[[Any], None
         else:
             previous(unraisable)
             return
-        threading.Thread(target=_kill_soon, args=(signum,), name="tba-signal-again", daemon=True).start()
+        hook_over = threading.Event()
+        try:
+            threading.Thread(target=_kill_soon, args=(signum, hook_over), name="tba-signal-again", daemon=True).start()
+        finally:
+            hook_over.set()
 
     return hook
 
@@ -211,13 +218,14 @@ def _raised_by(traceback: Any, function: Callable[..., object]) -> bool:
     return traceback is not None and traceback.tb_frame.f_code is function.__code__
 
 
-def _kill_soon(signum: int) -> None:
+def _kill_soon(signum: int, hook_over: threading.Event) -> None:
+    hook_over.wait()
     time.sleep(SIGNAL_AGAIN_AFTER_S)
     os.kill(os.getpid(), signum)
 
 
 SIGNAL_AGAIN_AFTER_S = 0.01
-"""How long after a finalizer swallowed a signal's exception it is sent again (the finalizer has returned by then)."""
+"""How long after the hook that heard a swallowed signal ends the signal is sent again (the finalizer has returned by then)."""
 
 
 if __name__ == "__main__":
