@@ -9,6 +9,7 @@ directory's real path), so no extra dependency or ``statfs`` binding is needed.
 from __future__ import annotations
 
 import os
+import sys
 
 MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 """File system types whose files are held in memory."""
@@ -25,10 +26,15 @@ def _unescape(field: str) -> str:
 
 def filesystem_type(path: str | os.PathLike, mountinfo: str = MOUNTINFO) -> str | None:
     """The type (``ext4``, ``tmpfs``, ...) of the file system holding ``path``; None if unknown."""
-    real = os.path.realpath(os.fspath(path))
+    real = os.fsdecode(os.path.realpath(os.fspath(path)))
     best, best_type = "", None
     try:
-        with open(mountinfo) as stream:
+        # Note: [A mount point need not be UTF-8]
+        # Mount points are bytes: one not valid in UTF-8 anywhere on the machine (another user's
+        # ``/tmp/r\xff``) made reading the table raise UnicodeDecodeError, and every offloader on any
+        # directory failed to open. Decoded as Python decodes file names (surrogate escapes), each
+        # line compares with the path's real name decoded the same way, bytes paths included.
+        with open(mountinfo, encoding=sys.getfilesystemencoding(), errors="surrogateescape") as stream:
             lines = stream.read().splitlines()
     except OSError:
         return None

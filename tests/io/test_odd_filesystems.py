@@ -80,6 +80,20 @@ def test_filesystem_type_reads_the_longest_mount(tmp_path):
     assert filesystem_type("/x", str(tmp_path / "missing")) is None
 
 
+def test_filesystem_type_reads_mount_points_that_are_not_utf8(tmp_path):
+    """Note [A mount point need not be UTF-8] in tba/io/_fs.py."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        b"40 22 0:44 / /tmp/r\xff rw - tmpfs none rw\n"
+        b"41 22 0:45 / /mnt/data rw - xfs /dev/vdb rw\n"
+    )
+    assert filesystem_type("/mnt/data/x", str(mountinfo)) == "xfs"
+    assert filesystem_type(b"/tmp/r\xff/x", str(mountinfo)) == "tmpfs"
+    assert filesystem_type(os.fsdecode(b"/tmp/r\xff/x"), str(mountinfo)) == "tmpfs"
+    assert filesystem_type("/tmp/r", str(mountinfo)) == "ext4"
+
+
 def test_bench_io_on_ramfs_leaves_no_name(ramfs_dir):
     done = run_python(["-m", "tba", "bench-io", "--directory", ramfs_dir, "--size", "4M", "--no-fio"], timeout=120)
     assert os.listdir(ramfs_dir) == [], done.stdout + done.stderr
