@@ -38,6 +38,7 @@ import torch
 import tba
 from tba import _control
 from tba.bench.gc_clock import CollectorClock
+from tba.bench.python_work import KINDS, PythonWork, count_step
 from tba.bench.sampler import StackSampler
 from tba.bench.thread_cpu import by_name as cpu_by_name
 from tba.bench.thread_cpu import snapshot as thread_cpu_snapshot
@@ -86,6 +87,11 @@ class HookResult:
     """``"base"`` and ``"tba"``: mean seconds per measured step that the cycle collector ran (:class:`CollectorClock`)."""
     full_collections: dict[str, int] = dataclasses.field(default_factory=dict)
     """``"base"`` and ``"tba"``: full collections over the measured steps."""
+    python_work: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    """Phase (``"forward"``, ``"backward"``) -> thread -> kind (``tba/bench/python_work.py``'s ``KINDS``) -> count per
+    storage in one more step with tba, less the same without (``python_work=True``)."""
+    python_work_top: dict[str, dict[str, list[tuple[str, float]]]] = dataclasses.field(default_factory=dict)
+    """Phase -> thread -> the functions it called most in that step with tba, calls per storage."""
 
     @property
     def extra_forward_us(self) -> float:
@@ -111,7 +117,8 @@ class HookResult:
                 "tba_backward_s": self.tba_backward_s, "extra_forward_us": self.extra_forward_us,
                 "extra_backward_us": self.extra_backward_us, "thread_cpu_us": self.thread_cpu_us,
                 "base_thread_cpu_us": self.base_thread_cpu_us, "sample_profile": self.sample_profile,
-                "mean_s": self.mean_s, "collector_s": self.collector_s, "full_collections": self.full_collections}
+                "mean_s": self.mean_s, "collector_s": self.collector_s, "full_collections": self.full_collections,
+                "python_work": self.python_work, "python_work_top": self.python_work_top}
 
 
 def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
@@ -127,10 +134,14 @@ def _context(case: HookCase | None) -> contextlib.AbstractContextManager:
 
 
 def one_step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | None,
-             hold_outputs: bool = False, device: str = "cpu") -> tuple[float, float]:
-    """One forward and backward of the loop, with ``case``'s context (None: without tba); returns their seconds."""
+             hold_outputs: bool = False, device: str = "cpu",
+             mark: Callable[[str], None] | None = None) -> tuple[float, float]:
+    """One forward and backward of the loop, with ``case``'s context (None: without tba); returns their seconds.
+    ``mark`` hears ``"forward"`` and ``"backward"`` as each begins."""
     for leaf in leaves:
         leaf.grad = None
+    if mark is not None:
+        mark("forward")
     start = time.perf_counter()
     with _context(case):
         if hold_outputs:
@@ -138,6 +149,8 @@ def one_step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | No
         else:
             outputs = [torch.tanh(leaf).sum() for leaf in leaves]
     middle = time.perf_counter()
+    if mark is not None:
+        mark("backward")
     torch.autograd.backward(outputs, [grad] * len(outputs) if hold_outputs else None)
     del outputs
     _control.settle()
@@ -147,12 +160,13 @@ def one_step(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase | No
 
 
 def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool = False,
-            sample: bool = False) -> HookResult:
+            sample: bool = False, python_work: bool = False) -> HookResult:
     """Time ``case`` with and without tba, interleaved, best of ``repeats`` after ``warmups``; with
     ``thread_cpu``, also each thread's CPU time per storage in the best measured step (``thread_cpu.py``);
     with ``sample``, one more step with tba, unmeasured, under a :class:`~tba.bench.sampler.StackSampler`. The mean
     of every measured step and the cycle collector's time in them (:class:`~tba.bench.gc_clock.CollectorClock`) come
-    with the best-of figures."""
+    with the best-of figures; with ``python_work``, the Python each thread ran per storage in one more step with and one
+    without tba (:func:`~tba.bench.python_work.count_step`)."""
     numel = case.size_bytes // 4
     leaves = [torch.randn(numel, device=case.device, requires_grad=True) for _ in range(case.count)]
     grad = torch.ones(numel, device=case.device)
@@ -182,11 +196,33 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
         with StackSampler() as sampler:
             one_step(leaves, grad, case, case.hold_outputs, case.device)
         profile = sampler.report()
+    work = top = {}
+    if python_work:
+        work, top = _python_work(leaves, grad, case)
     return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
                       _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count),
                       profile, {name: (sums[0] / repeats, sums[1] / repeats) for name, sums in total.items()},
                       {name: sums[2] / repeats for name, sums in total.items()},
-                      {name: sums[3] for name, sums in total.items()})
+                      {name: sums[3] for name, sums in total.items()}, work, top)
+
+
+def _python_work(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase) -> tuple[dict, dict]:
+    """Per phase and thread, each kind of Python work per storage with tba less without; and tba's top functions."""
+    counted: dict[str, PythonWork] = {}
+    for name, which in (("base", None), ("tba", case)):
+        counted[name] = count_step(lambda mark, which=which: one_step(leaves, grad, which, case.hold_outputs,
+                                                                      case.device, mark))
+    work: dict[str, dict[str, dict[str, float]]] = {}
+    top: dict[str, dict[str, list[tuple[str, float]]]] = {}
+    for phase in ("forward", "backward"):
+        kinds = {kind: (counted["tba"].per_storage(phase, case.count, kind), counted["base"].per_storage(
+            phase, case.count, kind)) for kind in KINDS}
+        threads = sorted({thread for with_tba, without in kinds.values() for thread in (*with_tba, *without)},
+                         key=lambda thread: -kinds["lines"][0].get(thread, 0.0))
+        work[phase] = {thread: {kind: with_tba.get(thread, 0.0) - without.get(thread, 0.0)
+                                for kind, (with_tba, without) in kinds.items()} for thread in threads}
+        top[phase] = {thread: counted["tba"].top_functions(phase, thread, case.count) for thread in threads}
+    return work, top
 
 
 def _per_storage_us(ns_by_thread: dict[str, int], count: int) -> dict[str, float]:

@@ -64,6 +64,19 @@ def format_thread_cpu(results: list[HookResult]) -> str:
     return "\n".join(lines)
 
 
+def format_python_work(results: list[HookResult]) -> str:
+    """Per row and phase, the Python lines / calls / C calls each thread ran per storage, with tba less without."""
+    lines = ["Python work per storage, one step with tba less one without (tba/bench/python_work.py): lines / calls / "
+             "C calls by thread:"]
+    for r in results:
+        for phase, threads in r.python_work.items():
+            total = sum(kinds["lines"] for kinds in threads.values())
+            parts = [f"{thread} {kinds['lines']:.1f} / {kinds['calls']:.1f} / {kinds['c_calls']:.1f}"
+                     for thread, kinds in threads.items() if max(abs(n) for n in kinds.values()) >= 0.5]
+            lines.append(f"  {row_name(r)} {phase}: {total:.1f} lines; " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def format_alone(results: list[AloneResult]) -> str:
     """The loops run alone (``--alone-steps``): step and collector microseconds per storage, full collections."""
     with_tba, without = results

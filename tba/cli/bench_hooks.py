@@ -39,7 +39,15 @@ from tba.bench.collector import AloneRunError, measure_alone
 from tba.bench.hooks import HookCase, measure, measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli import _checks as cli_checks
-from tba.cli._hooks_report import format_alone, format_many, format_means, format_table, format_thread_cpu, size_text
+from tba.cli._hooks_report import (
+    format_alone,
+    format_many,
+    format_means,
+    format_python_work,
+    format_table,
+    format_thread_cpu,
+    size_text,
+)
 from tba.cli._progress import Progress
 from tba.defaults import GIB, KIB
 from tba.errors import TbaConfigError
@@ -101,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-profile", action="store_true",
                         help="after each row, one more step with tba under a sampling profiler of every thread's stack; "
                              "prints where each thread stood (where threads wait and hand the GIL over, not CPU time)")
+    parser.add_argument("--python-work", action="store_true",
+                        help="after each row, one more step with and one without tba, counting the Python lines, calls "
+                             "and C calls each thread runs per storage (tba/bench/python_work.py): counts, not times, "
+                             "so a change to the per-storage path shows through this machine's timing noise")
     parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
@@ -200,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         for case in cases:
             progress.update(f"{case.count} x {size_text(case.size_bytes)} {case.label}")
             results.append(measure(case, args.warmups, args.repeats, thread_cpu=args.thread_cpu,
-                                   sample=args.sample_profile))
+                                   sample=args.sample_profile, python_work=args.python_work))
         alone = None
         if args.alone_steps:
             # The largest count a 64 KiB row of the table may hold (--max-bytes caps it there too).
@@ -228,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_means(results, args.repeats))
     if args.thread_cpu:
         print(format_thread_cpu(results))
+    if args.python_work:
+        print(format_python_work(results))
     if alone is not None:
         print(format_alone(alone))
     if many is not None:

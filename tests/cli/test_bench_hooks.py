@@ -55,6 +55,20 @@ def test_sample_profile_prints_where_each_thread_stood(tmp_path, capsys):
     assert "thread MainThread:" in out and "thread tba-control:" in out
 
 
+def test_python_work_prints_each_row_and_phase_and_writes_the_json(tmp_path, capsys):
+    out_json = tmp_path / "out.json"
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", str(tmp_path), "--python-work", "--json", str(out_json)])
+    assert bench_hooks.run(args) == 0
+    out = capsys.readouterr().out
+    assert "Python work per storage, one step with tba less one without" in out
+    for count in (3, 6):
+        for phase in ("forward", "backward"):
+            assert f"{count} x 64 KiB ram {phase}:" in out
+    row = json.loads(out_json.read_text())["rows"][0]
+    assert row["python_work"]["forward"]["tba-control"]["lines"] > 0
+    assert row["python_work_top"]["forward"]["MainThread"], "no function of the training thread listed"
+
+
 def test_rows_are_capped_by_max_bytes():
     args = _args(["--sizes", "16M", "--counts", "400,2000", "--max-bytes", "64M", "--no-keep"])
     cases = bench_hooks._cases(args, "/d", "/r")

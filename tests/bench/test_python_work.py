@@ -1,0 +1,80 @@
+"""The Python work counter (tba/bench/python_work.py), and tba's per-storage Python, flat in the storages of a step."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+import tba
+from tba import _control
+from tba.bench.python_work import PythonWork, count_step
+
+
+def _digits(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += len(str(i))
+    return total
+
+
+def test_counts_by_phase_and_thread_and_unhooks_everything():
+    work = PythonWork()
+    with work:
+        work.phase = "a"
+        _digits(10)
+        worker = threading.Thread(target=_digits, args=(5,), name="pool-3")
+        worker.start()
+        worker.join()
+        work.phase = None
+        _digits(1000)
+        work.phase = "b"
+        _control.call(_digits, 7)
+        work.phase = None
+    here = "test_python_work.py:_digits"
+    assert work.functions["a", "MainThread", here] == 1
+    assert work.functions["a", "pool", here] == 1, work.functions  # a pool's thread, its number dropped
+    assert work.functions["b", "tba-control", here] == 1, work.functions
+    assert 2 * 10 <= work.counts["lines"]["a", "MainThread"] < 1000  # the loop's lines, not the 1000 turns uncounted
+    assert work.counts["c_calls"]["a", "MainThread"] >= 2 * 10  # len and str per turn
+    assert work.counts["lines"]["b", "tba-control"] >= 2 * 7
+    assert sys.gettrace() is None and sys.getprofile() is None
+    assert threading.gettrace() is None and threading.getprofile() is None
+    assert _control.call(sys.gettrace) is None and _control.call(sys.getprofile) is None
+
+
+def _step(leaves: list[torch.Tensor], directory: str, mark) -> None:
+    # A window of 1 MiB: every storage is written and read back at both counts, where a self-sized window held
+    # every storage of the 100-storage step in memory (no read, no read completion) and read most of the 800.
+    mark("forward")
+    with tba.offload_activations(directory, prefetch_budget_bytes=1 << 20):
+        sums = [torch.tanh(leaf).sum() for leaf in leaves]
+    mark("backward")
+    torch.autograd.backward(sums)
+
+
+def _lines_per_storage(directory: str, count: int) -> dict[str, float]:
+    """Lines per storage of each thread over forward and backward: a completion lands in either phase, as it comes."""
+    leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
+    before = {thread.ident for thread in threading.enumerate()}
+    work = count_step(lambda mark: _step(leaves, directory, mark))
+    assert {thread.ident for thread in threading.enumerate()} <= before, "a thread hooked by the count outlived it"
+    assert work.per_storage("forward", count).get("tba-control", 0) > 20, "tba's control thread ran no Python in forward"
+    assert work.per_storage("backward", count).get("tba-control", 0) > 20, "nor in backward"
+    lines: dict[str, float] = {}
+    for phase in ("forward", "backward"):
+        for thread, n in work.per_storage(phase, count).items():
+            lines[thread] = lines.get(thread, 0.0) + n
+    return lines
+
+
+def test_python_per_storage_does_not_grow_with_the_storages_of_a_step(spill_dir):
+    """What tba's threads run per saved storage is O(1) in the storages of the step (issue 25): a scan of every live
+    entry per save or unpack would make the 800-storage step run several times the lines per storage of the 100."""
+    small = _lines_per_storage(spill_dir, 100)
+    large = _lines_per_storage(spill_dir, 800)
+    for thread, lines in large.items():
+        bound = 1.5 * small.get(thread, 0.0) + 20
+        assert lines <= bound, (f"{thread} ran {lines:.1f} lines per storage at 800 storages, {small.get(thread, 0.0):.1f} "
+                                f"at 100: {small} / {large}")
