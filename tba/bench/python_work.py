@@ -94,8 +94,12 @@ class PythonWork:
     def __enter__(self) -> PythonWork:
         threading.settrace(self._on_call)
         threading.setprofile(self._on_profile)
-        _control.call(self._hook)
-        self._hook()
+        try:
+            _control.call(self._hook)
+            self._hook()
+        except BaseException:
+            self.__exit__(None, None, None)  # no hook is left behind by a failed start
+            raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
