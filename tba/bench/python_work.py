@@ -54,6 +54,8 @@ class PythonWork:
         self.functions: collections.Counter[tuple[str, str, str]] = collections.Counter()
         """(phase, thread name, ``file:function``) -> Python calls."""
         self._names: dict[int, str] = {}
+        self._previous: tuple[Any, ...] = (None,) * 6
+        """The trace and profile functions this block replaced (a debugger's, coverage's), put back at its end."""
 
     def __repr__(self) -> str:
         totals = {kind: sum(counter.values()) for kind, counter in self.counts.items()}
@@ -87,16 +89,19 @@ class PythonWork:
         if event == "c_call" and phase is not None:
             self.counts["c_calls"][phase, self._thread()] += 1
 
-    def _hook(self) -> None:
+    def _hook(self) -> tuple[Any, Any]:
+        previous = sys.gettrace(), sys.getprofile()
         sys.settrace(self._on_call)
         sys.setprofile(self._on_profile)
+        return previous
 
     def __enter__(self) -> PythonWork:
+        threading_hooks = threading.gettrace(), threading.getprofile()
+        self._previous = (*threading_hooks, sys.gettrace(), sys.getprofile(), None, None)
         threading.settrace(self._on_call)
         threading.setprofile(self._on_profile)
         try:
-            _control.call(self._hook)
-            self._hook()
+            self._previous = (*threading_hooks, *self._hook(), *_control.call(self._hook))
         except BaseException:
             self.__exit__(None, None, None)  # no hook is left behind by a failed start
             raise
@@ -105,11 +110,12 @@ class PythonWork:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.phase = None
-        sys.settrace(None)
-        sys.setprofile(None)
-        threading.settrace(None)  # type: ignore[arg-type]
-        threading.setprofile(None)  # type: ignore[arg-type]
-        _control.call(_unhook)
+        threading_trace, threading_profile, trace, profile, control_trace, control_profile = self._previous
+        sys.settrace(trace)
+        sys.setprofile(profile)
+        threading.settrace(threading_trace)  # type: ignore[arg-type]
+        threading.setprofile(threading_profile)  # type: ignore[arg-type]
+        _control.call(_put_back, control_trace, control_profile)
 
     def per_storage(self, phase: str, count: int, kind: str = "lines") -> dict[str, float]:
         """``kind`` per storage in ``phase`` for each thread, most first."""
@@ -122,9 +128,9 @@ class PythonWork:
         return sorted(mine, key=lambda item: -item[1])[:top]
 
 
-def _unhook() -> None:
-    sys.settrace(None)
-    sys.setprofile(None)
+def _put_back(trace: Any, profile: Any) -> None:
+    sys.settrace(trace)
+    sys.setprofile(profile)
 
 
 def _short(filename: str) -> str:

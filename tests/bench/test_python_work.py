@@ -54,6 +54,26 @@ def _step(leaves: list[torch.Tensor], directory: str, mark) -> None:
     torch.autograd.backward(sums)
 
 
+def test_the_hooks_it_replaced_are_put_back():
+    def tracer(frame, event, arg):
+        return None
+
+    def profiler(frame, event, arg):
+        return None
+
+    sys.settrace(tracer)
+    sys.setprofile(profiler)
+    try:
+        with PythonWork() as work:
+            work.phase = "a"
+            _digits(3)
+        assert work.counts["lines"]["a", "MainThread"] > 0
+        assert sys.gettrace() is tracer and sys.getprofile() is profiler
+    finally:
+        sys.settrace(None)
+        sys.setprofile(None)
+
+
 def _lines_per_storage(directory: str, count: int) -> dict[str, float]:
     """Lines per storage of each thread over forward and backward: a completion lands in either phase, as it comes."""
     leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
