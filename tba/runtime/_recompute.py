@@ -208,7 +208,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             # exist only inside it (functorch's "escaped" error, as under plain checkpoint).
             return forward(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if top is not None and _is_checkpoint_pair(top):
+        if top is not None and is_checkpoint_pair(top):
             return forward(*args, **kwargs)  # Note [Inside a user's checkpoint a recomputed layer runs as it is]
         calls: list[int] = [0]
         first = FirstCall()
@@ -290,7 +290,7 @@ def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(function, *args, use_reentrant=False, **checkpoint_keywords(), **kwargs)
 
 
-def _is_checkpoint_pair(top: tuple[Any, Any]) -> bool:
+def is_checkpoint_pair(top: tuple[Any, Any]) -> bool:
     """Whether the saved-tensor pair ``top`` is torch's non-reentrant checkpoint's, of its forward or of its
     recomputation (Note [Inside a user's checkpoint a recomputed layer runs as it is])."""
     return getattr(top[0], "__module__", None) == "torch.utils.checkpoint"

@@ -24,6 +24,7 @@ from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._layers import LayerTracker, StateKeys
+from tba.runtime._recompute import is_checkpoint_pair
 from tba.runtime._trim import trimmer
 from tba.runtime._unpack_hooks import Phase
 
@@ -66,6 +67,21 @@ class StepCycle:
             reason = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
             raise TbaError(f"tba cannot offload here: this region disables saved-tensor hooks ({reason!r}, "
                            "torch.autograd.graph.disable_saved_tensors_hooks); enter the offload context outside it")
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is not None and is_checkpoint_pair(top):
+            # Note: [A block inside a user's non-reentrant checkpoint]
+            # Autograd uses only the saved-tensor pair on top. Entered inside the function of
+            # torch.utils.checkpoint(use_reentrant=False), the block's pair went above the checkpoint's:
+            # every tensor the function saved went to tba, the checkpoint held none, and backward
+            # recomputed nothing. Gradients were exact, but the recomputation's side effects were gone
+            # (a BatchNorm's running statistics updated once, where training without tba updates them
+            # twice) and a kept layer's activations stayed in memory, the checkpoint's saving silently lost.
+            # A reentrant checkpoint's forward saves nothing (it runs without grad) and its recomputation
+            # enters the block in backward with no pair of the checkpoint's on top: it works as it is.
+            raise TbaError("tba's with block was entered inside the function of torch.utils.checkpoint(use_reentrant="
+                           "False): tba would take every tensor it saves and the checkpoint would recompute nothing; "
+                           "enter the offload context around the checkpoint call instead (tba.Plan's 'recompute' "
+                           "placement recomputes layers under tba)")
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()

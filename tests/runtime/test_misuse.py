@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tba
 from tba import TbaError
@@ -72,3 +74,35 @@ def test_unpack_of_another_offloaders_view(spill_dir):
     del packed, other
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize("reusable", [False, True])
+def test_entry_inside_a_non_reentrant_checkpoint_raises(spill_dir, reusable):
+    """Note [A block inside a user's non-reentrant checkpoint] in tba/runtime/_step_cycle.py: the block took every
+    tensor the checkpointed function saved, the checkpoint recomputed nothing, and a BatchNorm's statistics were
+    updated once where training without tba updates them twice; now a TbaError naming the fix. A reentrant
+    checkpoint's recomputation enters the block in backward, exactly as without tba."""
+    off = tba.Offloader(spill_dir, min_offload_bytes=0) if reusable else None
+
+    def run(offload: bool, reentrant: bool) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh())
+        x = torch.randn(64, 256, requires_grad=True)
+
+        def forward(t: torch.Tensor) -> torch.Tensor:
+            if not offload:
+                return block(t)
+            with off if off is not None else tba.offload_activations(spill_dir, min_offload_bytes=0):
+                return block(t)
+
+        checkpoint(forward, x, use_reentrant=reentrant).pow(2).sum().backward()
+        return (x.grad, *(p.grad for p in block.parameters()), *block.buffers())
+
+    with pytest.raises(TbaError, match=r"inside the function of torch.utils.checkpoint\(use_reentrant=False\).*enter "
+                                       "the offload context around the checkpoint call"):
+        run(offload=True, reentrant=False)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    for got, want in zip(run(offload=True, reentrant=True), run(offload=False, reentrant=True), strict=True):
+        assert torch.equal(got, want)
+    if off is not None:
+        off.close()
