@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -194,7 +195,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     compiled_within = any(map(is_compiled_module, layer.modules()))  # no outside watch there: tba/runtime/_outside_state.py
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if (not compiled_itself and torch.compiler.is_compiling()) or _functorch_level() is not None:
+        if (not compiled_itself and torch.compiler.is_compiling()) or _functorch_level() is not None or in_dual_level():
             # Note: [Inside an enclosing compiled graph a recomputed layer runs as it is]
             # Under a whole-model torch.compile, Dynamo traces this wrapper as part of the model's
             # graph. The checkpoint below is not traceable: the graph broke here, the layer ran
@@ -205,7 +206,8 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
             # compiled without tba, and what it saves reaches tba as any whole-model graph's does.
             # Inside a torch.func transform (torch.vmap) the same holds for another reason: the
             # recomputation would run in backward, outside the transform, on batched tensors that
-            # exist only inside it (functorch's "escaped" error, as under plain checkpoint).
+            # exist only inside it (functorch's "escaped" error, as under plain checkpoint). And under
+            # forward-mode AD: Note [Under forward-mode AD a recomputed layer runs as it is].
             return forward(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top is not None and is_checkpoint_pair(top):
@@ -288,6 +290,22 @@ def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """Non-reentrant checkpoint of ``function``, run to its end under CUDA memory history or the sanitizer
     (Note [Recomputation runs to the end] in ``tba/runtime/_early_stop.py``)."""
     return checkpoint(function, *args, use_reentrant=False, **checkpoint_keywords(), **kwargs)
+
+
+def in_dual_level() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is entered (forward-mode AD may run).
+
+    Note: [Under forward-mode AD a recomputed layer runs as it is]
+    The recomputation runs in backward, outside the dual level: it computes no tangents, so it saves
+    fewer tensors than the first call, which computed them (with grad) too, and torch's checkpoint
+    refused it ('A different number of tensors was saved during the original forward and
+    recomputation'), as under plain checkpoint. The adaptive default planned ``RRKKKK`` for a model
+    trained with a Jacobian regulariser (a JVP through the blocks), and the first planned step's
+    backward failed with that error. So a layer called inside a dual level runs unwrapped, its saves
+    going to the pair below (tba's: offloaded), and the profiled steps mark it not recomputable
+    (``tba/runtime/_timer.py``).
+    """
+    return _forward_ad._current_level >= 0
 
 
 def is_checkpoint_pair(top: tuple[Any, Any]) -> bool:

@@ -48,6 +48,7 @@ from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._nested_state import unwatchable
 from tba.runtime._outside import OutsideCalls, hooks_run_again
 from tba.runtime._private_state import Signature, first_change, private_state
+from tba.runtime._recompute import in_dual_level
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -159,6 +160,8 @@ class LayerTimer:
             if unwatchable(getattr(self._private[index], "deep", {})) is not None:  # a recomputation would refuse it
                 self.changes_input[index] = True  # Note [The walk of nested state] in tba/runtime/_nested_state.py
             if hooks_run_again(module):  # Note [A recomputed forward reaches beyond its layer] in tba/runtime/_outside.py
+                self.changes_input[index] = True
+            if in_dual_level():  # Note [Under forward-mode AD a recomputed layer runs as it is] in tba/runtime/_recompute.py
                 self.changes_input[index] = True
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:

@@ -2,7 +2,8 @@
 
 A batched tensor of ``torch.vmap`` and a dual tensor of forward-mode AD have no storage tba can read: they stay
 in memory (``KeepReason.NO_STORAGE``). A layer planned for recomputation runs as it is inside a transform (Note
-[Inside an enclosing compiled graph a recomputed layer runs as it is] in ``tba/runtime/_recompute.py``).
+[Inside an enclosing compiled graph a recomputed layer runs as it is] in ``tba/runtime/_recompute.py``), and so does
+one called inside a dual level of forward-mode AD.
 """
 
 from __future__ import annotations
@@ -76,7 +77,22 @@ def test_vmap_over_the_forward(spill_dir):
         assert_same(want, grads_of(model, loss_of, spill_dir, **options))
 
 
+class RecomputeWherePossible(tba.Policy):
+    """Recomputes every layer the profile allows, and keeps what the profile said."""
+
+    def __init__(self) -> None:
+        self.recomputable: list[bool] = []
+
+    def plan(self, profile):
+        self.recomputable = [layer.recomputable for layer in profile.layers]
+        return tba.Plan(tuple("recompute" if r else "offload" for r in self.recomputable), window_bytes=1 << 20)
+
+
 def test_forward_mode_ad_inside_the_context(spill_dir):
+    """Note [Under forward-mode AD a recomputed layer runs as it is] in tba/runtime/_recompute.py: a recomputed layer
+    called inside a dual level failed in backward with torch's checkpoint error (its recomputation, outside the dual
+    level, saved fewer tensors), under a pinned plan and under the adaptive default's plan alike; it now runs as it
+    is, and the profiled steps mark it not recomputable."""
     model = blocks()
     x, tangent = torch.randn(8, 16), torch.randn(8, 16)
 
@@ -89,8 +105,12 @@ def test_forward_mode_ad_inside_the_context(spill_dir):
             return primal.sum() + derivative.square().sum()
 
     want = grads_of(model, loss_of, steps=1)
-    for options in ({"policy": "offload"}, {"policy": tba.Plan(("keep",) * 3, 1 << 20)}):
+    for options in ({"policy": "offload"}, {"policy": tba.Plan(("keep",) * 3, 1 << 20)}, PLANS["recompute"],
+                    PLANS["offloaded_recompute"]):
         assert_same(want, grads_of(model, loss_of, spill_dir, steps=1, **options))
+    policy = RecomputeWherePossible()
+    assert_same(want * 3, grads_of(model, loss_of, spill_dir, steps=3, policy=policy, profile_steps=1))
+    assert policy.recomputable == [False] * 3
 
 
 class SparseMask(nn.Module):
