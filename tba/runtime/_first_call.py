@@ -36,6 +36,7 @@ from torch import nn
 
 from tba.errors import TbaError
 from tba.runtime._generators import generator_states
+from tba.runtime._global_settings import settings_now
 from tba.runtime._layer_state import NOT_COPIED, ModuleState, always_copied, held_tensors, snapshot
 from tba.runtime._learned import Learned
 
@@ -49,7 +50,7 @@ class FirstCall:
     recomputed layer's parameters must not change before backward])."""
 
     __slots__ = ("generators", "before", "outside", "outside_groups", "outside_parameters", "parameters_before", "slots",
-                 "versions", "requires_grad", "private", "nested", "default_dtype")
+                 "versions", "requires_grad", "private", "nested", "settings")
 
     def __init__(self) -> None:
         self.generators: dict[int, tuple[Any, Any]] = {}
@@ -77,14 +78,14 @@ class FirstCall:
         self.nested: list = []
         """The same signature when the first call began: the nested state put back for the recomputation (Note [Nested
         state a recomputation is given back] in ``tba/runtime/_private_state.py``)."""
-        self.default_dtype = torch.get_default_dtype()
-        """The default dtype the first call ran under (Note [A recomputation runs under the first call's default
-        dtype] in ``tba/runtime/_recompute.py``)."""
+        self.settings: tuple[Any, ...] = ()
+        """The process-wide settings the first call ran under (Note [A recomputation runs under the first call's global
+        settings] in ``tba/runtime/_global_settings.py``); empty until it starts."""
 
     def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:
         """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""
         self.generators = generator_states(layer, args, kwargs)
-        self.default_dtype = torch.get_default_dtype()
+        self.settings = settings_now()
         self.before = snapshot(layer.modules(), learned)
         self.parameters_before = [(f"its parameter {name!r}", p, p._version) for name, p in layer.named_parameters()]
         self.slots = [(module, name, p) for module in layer.modules() for name, p in module._parameters.items()]

@@ -77,6 +77,7 @@ from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import set_states, states_now
+from tba.runtime._global_settings import settings_now, switch_to
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
@@ -175,16 +176,15 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         # torch.set_default_dtype is process-wide: a program that changed it between forward and
         # backward had the recomputation create its tensors (torch.linspace, torch.tensor(0.1)) in
         # another dtype, and a layer casting them back got other gradients than training without
-        # tba, silently. The first call's is put back around the recomputation, then the program's.
-        program_dtype = torch.get_default_dtype()
-        switch = program_dtype != first.default_dtype
+        # tba, silently. The first call's is put back around the recomputation, then the program's,
+        # with the other process-wide settings the forward ran under (Note [A recomputation runs
+        # under the first call's global settings] in tba/runtime/_global_settings.py).
+        program = settings_now()
         try:
-            if switch:  # inside the try: an exception right after the switch still switches back
-                torch.set_default_dtype(first.default_dtype)
+            switch_to(first.settings, program)  # inside the try: a switch that raised midway is undone
             return forward(*args, **kwargs)
         finally:
-            if switch:
-                torch.set_default_dtype(program_dtype)
+            switch_to(program, settings_now())
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
