@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +108,26 @@ def test_entry_inside_a_non_reentrant_checkpoint_raises(spill_dir, reusable):
         assert torch.equal(got, want)
     if off is not None:
         off.close()
+
+
+def test_entry_inside_allow_mutation_on_saved_tensors_raises(spill_dir):
+    """Note [A block inside a user's non-reentrant checkpoint] in tba/runtime/_step_cycle.py: above that context's pair,
+    tba took the saved tensors, and an in-place change the context allows raised torch's in-place error; now a
+    TbaError naming the fix. The context inside the block is exact (its pair on top keeps what is saved in it)."""
+
+    def grad(offload: str | None) -> torch.Tensor:
+        x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        block = tba.offload_activations(spill_dir, min_offload_bytes=0) if offload else contextlib.nullcontext()
+        allow = torch.autograd.graph.allow_mutation_on_saved_tensors()
+        outer, inner = (block, allow) if offload == "inside" else (allow, block)
+        with outer, inner:
+            h = x * 2
+            y = h.sin()
+            h.mul_(3)  # sin saved h: allowed here, the context cloned it first
+            (y * h).sum().backward()
+        return x.grad
+
+    with pytest.raises(TbaError, match=r"inside torch.autograd.graph.allow_mutation_on_saved_tensors\(\).*enter the "
+                                       r"offload context around allow_mutation_on_saved_tensors\(\)"):
+        grad("outside")
+    assert torch.equal(grad("inside"), grad(None))
