@@ -37,7 +37,10 @@ the ``with`` block. So:
   as ``save_on_cpu`` or a memory meter), or there is none (recomputation without an offloader, as
   ``python -m tba`` benchmarks' full recompute runs it), an ``offloaded_recompute`` layer runs as
   ``recompute``: its inputs are kept in memory by the pair ``recompute`` pushes on top, and its
-  internals are dropped as planned.
+  internals are dropped as planned. Under ``allow_mutation_on_saved_tensors()``'s pair, which clones a
+  saved tensor before an in-place change, either placement gives the inputs to that pair instead, as
+  plain checkpoint does: the pair pushed above took them from it, and changing a recomputed layer's
+  input after its forward, legal there (and exact without tba), raised torch's in-place error in backward.
 
 Note: [Inside a user's checkpoint a recomputed layer runs as it is]
 When the pair on top is torch's non-reentrant checkpoint's (the user's own checkpoint around the
@@ -78,10 +81,10 @@ from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import set_states, states_now
 from tba.runtime._global_settings import settings_now, switch_to
-from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._outside_state import first_call as outside_first_call
+from tba.runtime._pairs import is_checkpoint_pair, is_mutation_pair, is_tba_pair
 from tba.runtime._private_state import (
     DeepLabel,
     check_private_unchanged,
@@ -229,7 +232,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
                 call_args, call_kwargs = template.call(saved)
                 return first_or_again(calls, first, *call_args, **call_kwargs)
 
-        keep = not offload_inputs or top is None or not _is_tba_pair(top)
+        keep = not is_mutation_pair(top) and (not offload_inputs or top is None or not is_tba_pair(top))
         with _inputs_in_memory() if keep else contextlib.nullcontext():
             return _checkpoint(call, calls, first, *tensors)
 
@@ -308,24 +311,11 @@ def in_dual_level() -> bool:
     return _forward_ad._current_level >= 0
 
 
-def is_checkpoint_pair(top: tuple[Any, Any]) -> bool:
-    """Whether the saved-tensor pair ``top`` is torch's non-reentrant checkpoint's, of its forward or of its
-    recomputation (Note [Inside a user's checkpoint a recomputed layer runs as it is])."""
-    return getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
-
-
-def _is_tba_pair(top: tuple[Any, Any]) -> bool:
-    """Whether the saved-tensor pair ``top`` (the one on top, read as the offloader's own check on entry
-    reads it, whether or not a tracer has set the pairs aside) is tba's (Note [Hook nesting of a
-    recomputed layer])."""
-    return isinstance(getattr(top[0], "__self__", None), SavedTensorHooks)
-
-
 def _backward_announcer(top: tuple[Any, Any] | None) -> Callable[[], None] | None:
     """What a recomputation calls to tell tba's offloader (``top``'s, if it is tba's) that backward is in this
     layer, whose inputs never reach that offloader's unpack: the layer below is read now (Note [Backward through
     kept layers] in ``tba/runtime/_prefetch.py``)."""
-    if top is None or not _is_tba_pair(top):
+    if top is None or not is_tba_pair(top):
         return None
     hooks = top[0].__self__
     layer = hooks.current_layer

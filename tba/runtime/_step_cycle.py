@@ -24,7 +24,7 @@ from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._layers import LayerTracker, StateKeys
-from tba.runtime._recompute import is_checkpoint_pair
+from tba.runtime._pairs import is_checkpoint_pair, is_mutation_pair
 from tba.runtime._trim import trimmer
 from tba.runtime._unpack_hooks import Phase
 
@@ -59,7 +59,7 @@ def _context_below(top: tuple[Any, Any] | None) -> str | None:
         return ("tba's with block was entered inside the function of torch.utils.checkpoint(use_reentrant=False): "
                 "tba would take every tensor it saves and the checkpoint would recompute nothing; enter the offload "
                 "context around the checkpoint call instead (tba.Plan's 'recompute' placement recomputes layers under tba)")
-    if getattr(top[0], "__qualname__", "").startswith("_swap_with_cloned."):
+    if is_mutation_pair(top):
         return ("tba's with block was entered inside torch.autograd.graph.allow_mutation_on_saved_tensors(): tba "
                 "would take every tensor saved, and an in-place change of one would raise instead of being allowed; "
                 "enter the offload context around allow_mutation_on_saved_tensors() instead")
