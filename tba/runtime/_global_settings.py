@@ -27,18 +27,19 @@ import torch
 _C = torch._C
 
 
+_SDPA_FLAGS = ("flash", "mem_efficient", "math", "cudnn", "overrideable")
+"""The attention kernels ``sdpa_kernel`` switches, those this torch has (``_get_<name>_sdp_enabled``)."""
+_SDPA_PRESENT = tuple(name for name in _SDPA_FLAGS
+                      if hasattr(_C, f"_get_{name}_sdp_enabled") and hasattr(_C, f"_set_sdp_use_{name}"))
+
+
 def _sdpa_enabled() -> tuple[bool, ...]:
-    return (_C._get_flash_sdp_enabled(), _C._get_mem_efficient_sdp_enabled(), _C._get_math_sdp_enabled(),
-            _C._get_cudnn_sdp_enabled(), _C._get_overrideable_sdp_enabled())
+    return tuple(getattr(_C, f"_get_{name}_sdp_enabled")() for name in _SDPA_PRESENT)
 
 
 def _set_sdpa_enabled(enabled: tuple[bool, ...]) -> None:
-    flash, efficient, math, cudnn, overrideable = enabled
-    _C._set_sdp_use_flash(flash)
-    _C._set_sdp_use_mem_efficient(efficient)
-    _C._set_sdp_use_math(math)
-    _C._set_sdp_use_cudnn(cudnn)
-    _C._set_sdp_use_overrideable(overrideable)
+    for name, value in zip(_SDPA_PRESENT, enabled):
+        getattr(_C, f"_set_sdp_use_{name}")(value)
 
 
 def _deterministic() -> tuple[bool, bool]:
@@ -49,20 +50,32 @@ def _set_deterministic(mode: tuple[bool, bool]) -> None:
     torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
 
-_SETTINGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
+def _torch_pair(name: str) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    """``torch._C``'s ``_get_<name>`` and ``_set_<name>``, or None where this torch lacks either.
+
+    Note: [Settings this torch does not have are not replayed]
+    These are torch's private bindings, and the device machines run other torch versions than the CPU
+    wheel pinned here (2.11 on the H200 runs): a getter missing there made ``import tba`` fail. Each setting
+    is taken only where both of its functions exist.
+    """
+    get, put = getattr(_C, f"_get_{name}", None), getattr(_C, f"_set_{name}", None)
+    return (get, put) if get is not None and put is not None else None
+
+
+_SETTINGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = tuple(pair for pair in (
     (torch.get_default_dtype, torch.set_default_dtype),
-    (_C._get_mkldnn_enabled, _C._set_mkldnn_enabled),
-    (_C._get_mkldnn_deterministic, _C._set_mkldnn_deterministic),
-    (_C._get_cudnn_enabled, _C._set_cudnn_enabled),
-    (_C._get_cudnn_benchmark, _C._set_cudnn_benchmark),
-    (_C._get_cudnn_deterministic, _C._set_cudnn_deterministic),
-    (_C._get_cudnn_allow_tf32, _C._set_cudnn_allow_tf32),
-    (_C._get_cublas_allow_tf32, _C._set_cublas_allow_tf32),
+    _torch_pair("mkldnn_enabled"),
+    _torch_pair("mkldnn_deterministic"),
+    _torch_pair("cudnn_enabled"),
+    _torch_pair("cudnn_benchmark"),
+    _torch_pair("cudnn_deterministic"),
+    _torch_pair("cudnn_allow_tf32"),
+    _torch_pair("cublas_allow_tf32"),
     (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-    (_deterministic, _set_deterministic),
+    (_deterministic, _set_deterministic) if _torch_pair("deterministic_algorithms") else None,
     (_sdpa_enabled, _set_sdpa_enabled),
-    (_C._get_sdp_priority_order, _C._set_sdp_priority_order),
-)
+    _torch_pair("sdp_priority_order"),
+) if pair is not None)
 """``(getter, setter)`` of each setting, in the order they are set (TF32 before the matmul precision it implies)."""
 
 

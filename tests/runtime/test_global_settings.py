@@ -6,6 +6,7 @@ inside ``sdpa_kernel(SDPBackend.MATH)`` failed in backward with torch's checkpoi
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -81,3 +82,20 @@ def test_switch_to_sets_what_differs_and_back():
     assert settings_now() == before
     switch_to((), before)  # a first call that never started: nothing to set
     assert settings_now() == before
+
+
+def test_a_setting_this_torch_lacks_is_left_out(monkeypatch):
+    """Note [Settings this torch does not have are not replayed] in tba/runtime/_global_settings.py."""
+    from tba.runtime import _global_settings
+
+    full = len(_global_settings._SETTINGS)
+    monkeypatch.delattr(torch._C, "_get_sdp_priority_order")
+    monkeypatch.delattr(torch._C, "_get_cudnn_sdp_enabled")
+    try:
+        module = importlib.reload(_global_settings)
+        assert "cudnn" not in module._SDPA_PRESENT and len(module._SETTINGS) == full - 1
+        module.switch_to(module.settings_now(), module.settings_now())
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_global_settings)
+    assert len(_global_settings._SETTINGS) == full
