@@ -172,8 +172,17 @@ def _copy(tensor: torch.Tensor, learned: Learned, key: Key, is_buffer: bool) -> 
 
 
 def always_copied(tensor: torch.Tensor) -> bool:
-    """Whether a state tensor is copied before every forward, whatever earlier forwards did to it: a small one."""
-    return tensor.nbytes <= defaults.RECOMPUTE_STATE_ALWAYS_COPIED_BYTES
+    """Whether a state tensor is copied before every forward, whatever earlier forwards did to it: a small one, or one
+    that is not strided.
+
+    Note: [A sparse state tensor is always copied]
+    A sparse tensor held as state (a graph's adjacency matrix as a buffer) has no ``nbytes`` in torch (a COO one
+    refuses it) and no ``torch.equal``, which the comparison of a large tensor the first forward may have left alone
+    needs: every plan that recomputed such a layer failed its first forward with torch's ``RuntimeError: nbytes is not
+    defined for sparse tensors`` (helper-117 found it). Any tensor whose layout is not strided is copied before every
+    forward and put back for the recomputation, as a small one is: exact, for the price of one copy per call.
+    """
+    return tensor.layout is not torch.strided or tensor.nbytes <= defaults.RECOMPUTE_STATE_ALWAYS_COPIED_BYTES
 
 
 def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
