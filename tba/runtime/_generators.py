@@ -4,7 +4,7 @@ Note: [Generators of a recomputed layer]
 Checkpoint preserves torch's global RNG states only. A layer that draws from a generator of its
 own (a ``torch.Generator``, ``random.Random``, numpy ``Generator`` or ``RandomState``, held as an
 attribute of one of its modules or passed in its call's arguments, as diffusers-style code passes
-``generator=``, directly or in dicts, lists and tuples up to three deep), or from Python's
+``generator=``, directly or in dicts, lists, tuples and plain objects' attributes up to three deep), or from Python's
 ``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
 draw differently in the recomputation, so its gradients would be those of another forward (a
 review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
@@ -13,10 +13,13 @@ back before the recomputation and, afterwards, restores the state the recomputat
 Every generator found is replayed, whether or not the first forward left it moved: one that drew
 and then put its own state back (a fixed noise per step) still drew, and a later layer may move it
 before backward (a review found skipping those wrong; numpy's ``get_state`` is most of the cost,
-about 30 µs a call). A generator the layer reaches any other way (a module-level
-``torch.Generator``, an attribute of a plain object) is not found, nor is any other state outside
-the layer's modules: as under plain checkpoint, keep or offload such a layer instead of
-recomputing it. The global generators are the process's: another thread drawing from them while
+about 30 µs a call). A generator held by a plain object (``ctx.generator`` of a context passed to
+every block, ``self.config.rng`` of a config the blocks share) is found too: it was not, and the
+recomputation drew other numbers from it, silently (helper-117 found it; the adaptive default
+recomputed such layers). A generator the layer reaches any other way (a module-level
+``torch.Generator``, through a callable or a module held by a plain object) is not found, nor is
+any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
+layer instead of recomputing it. The global generators are the process's: another thread drawing from them while
 a layer is recomputed sees its draws rewound (torch's own CPU generator under checkpoint shares the
 exposure), so draw from a generator of the thread's own there.
 """
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from tba.runtime._layer_state import held_items
+from tba.runtime._state_objects import fields, plain_object
 
 GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
 """What a layer's modules may hold, or its call pass, that :func:`generator_states` replays."""
@@ -43,22 +47,27 @@ def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = N
     puts them back."""
     states: dict[int, tuple[Any, Any]] = {id(random): (random, _state(random)), id(np.random): (np.random, _state(np.random))}
     values = [value for module in layer.modules() for value in vars(module).values()]
+    seen: set[int] = set()
     for value in [*values, *args, *(kwargs or {}).values()]:
-        _collect(value, states, SEARCH_DEPTH)
+        _collect(value, states, SEARCH_DEPTH, seen)
     return states
 
 
 SEARCH_DEPTH = 3
-"""Containers (dict, list, tuple) searched for generators, nested in one another up to this deep."""
+"""Containers (dict, list, tuple) and plain objects searched for generators, nested in one another up to this deep."""
 
 
-def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int) -> None:
+def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: set[int]) -> None:
     if isinstance(value, GENERATOR_TYPES):
         if id(value) not in states:
             states[id(value)] = (value, _state(value))
     elif depth and isinstance(value, (dict, list, tuple)):
         for item in held_items(value):
-            _collect(item, states, depth - 1)
+            _collect(item, states, depth - 1, seen)
+    elif depth and plain_object(value) and id(value) not in seen:  # a config every block holds is searched once
+        seen.add(id(value))
+        for _, item in fields(value):
+            _collect(item, states, depth - 1, seen)
 
 
 def states_now(states: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:

@@ -1,0 +1,83 @@
+"""A recomputed layer that draws from a generator held by a plain object (a context object passed in its call, a config
+object its modules hold) draws the same numbers again (Note [Generators of a recomputed layer] in
+``tba/runtime/_generators.py``).
+
+Found by an adversarial review (helper-117): the generators were looked for in the modules' attributes and the call's
+arguments, and in dicts, lists and tuples there, but not in a plain object's attributes. The recomputation drew the
+next numbers from such a generator, a noise mask other than the first call's, and the gradients of every pinned plan
+that recomputed the layer differed from training without tba, silently; the adaptive default recomputed such layers
+too (nothing in their profiled steps tells).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+WIDTH = 8
+
+
+class Context:
+    """A per-step context the loop passes to every block."""
+
+    def __init__(self, step: int) -> None:
+        self.generator = torch.Generator().manual_seed(100 + step)
+
+
+@dataclasses.dataclass
+class Config:
+    """A config object every block holds, with the generators of each kind tba replays."""
+
+    torch_rng: torch.Generator = dataclasses.field(default_factory=lambda: torch.Generator().manual_seed(3))
+    python_rng: random.Random = dataclasses.field(default_factory=lambda: random.Random(4))
+    numpy_rng: np.random.Generator = dataclasses.field(default_factory=lambda: np.random.default_rng(5))
+
+
+class Noisy(nn.Module):
+    """Scales its activation by noise drawn from the passed context's generator and from the held config's."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.config = config
+
+    def forward(self, x: torch.Tensor, context: Context) -> torch.Tensor:
+        h = torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=context.generator)
+        h = h * torch.rand(x.shape, generator=self.config.torch_rng)
+        return h * (self.config.python_rng.random() + float(self.config.numpy_rng.random())) + x
+
+
+def _train(spill_dir: str, plan: tuple[str, ...] | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    config = Config()
+    blocks = nn.ModuleList([Noisy(config), Noisy(config)])
+    result = []
+    for step in range(2):
+        x, context = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step)), Context(step)
+        with (tba.offload_activations(spill_dir, layers=list(blocks), policy=tba.Plan(plan, window_bytes=1 << 20))
+              if plan else contextlib.nullcontext()):
+            h = x
+            for block in blocks:
+                h = block(h, context)
+            loss = h.pow(2).mean()
+        loss.backward()
+        result += [loss.detach(), *(p.grad.clone() for p in blocks.parameters())]
+        result += [context.generator.get_state(), config.torch_rng.get_state(),
+                   torch.tensor([config.python_rng.random(), config.numpy_rng.random()])]
+        blocks.zero_grad()
+    return result
+
+
+@pytest.mark.parametrize("plan", [("recompute", "offloaded_recompute"), ("offloaded_recompute", "recompute")])
+def test_generators_held_by_plain_objects_draw_the_same_again(spill_dir, plan):
+    reference = _train(spill_dir, None)
+    result = _train(spill_dir, plan)
+    assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
