@@ -21,6 +21,7 @@ from torch import nn
 
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
+from tba.runtime._layer_hooks import LayerHook
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
 from tba.runtime._wrappable import can_recompute
@@ -197,7 +198,7 @@ class InputShapes:
         # two would remove each other's handle mid-forward and torch would call one without kwargs.
         if self._shape_hook is not None:
             self._shape_hook.remove()
-        self._shape_hook = self.layers[0].register_forward_pre_hook(self._check_shape, with_kwargs=True)
+        self._shape_hook = self.layers[0].register_forward_pre_hook(LayerHook(self._check_shape), with_kwargs=True)
 
     def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """First layer's forward pre-hook: note the step's input shape; on another one than expected, follow

@@ -20,6 +20,7 @@ from torch import nn
 from tba import _control
 from tba.errors import TbaConfigError
 from tba.runtime._compile import is_compiled_module, is_optimized_module, saved_by_compiled_graph
+from tba.runtime._layer_hooks import LayerHook
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
@@ -139,7 +140,7 @@ class LayerTracker:
         self.traced_in_enclosing_graph = False
         self.compiled_save_outside_layers = False
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._entering(index, is_compiled_module(layer))))
+            self._handles.append(layer.register_forward_pre_hook(LayerHook(self._entering(index, is_compiled_module(layer)))))
 
     def detach(self) -> None:
         for handle in self._handles:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tba.runtime._layer_hooks import LayerHook
 from tba.runtime._peak import StepPeak
 from tba.runtime._profiling import StepCounters
 from tba.runtime._timer import LayerTimer
@@ -118,7 +119,7 @@ class ProfiledStep:
                 tensor.register_hook(self.peak.stop_after_backward)
 
         self._drop_output_hook()
-        self._output_hook = layer.register_forward_hook(on_output)
+        self._output_hook = layer.register_forward_hook(LayerHook(on_output))
 
     def _drop_output_hook(self) -> None:
         """Take :meth:`note_shape`'s hook off the first layer (it ran, or forward ended or failed without it)."""

@@ -81,6 +81,7 @@ from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import set_states, states_now
 from tba.runtime._global_settings import settings_now, switch_to
+from tba.runtime._layer_hooks import Recomputing
 from tba.runtime._layer_state import restore, snapshot
 from tba.runtime._learned import learned_for
 from tba.runtime._outside_state import first_call as outside_first_call
@@ -127,9 +128,8 @@ class RecomputeLayers:
         offload = [offload_inputs] * len(layers) if isinstance(offload_inputs, bool) else list(offload_inputs)
         check_wrappable(layers, indices, thread)
         self.layers = layers
-        for layer, spill in zip(self.layers, offload):
-            layer.forward = _checkpointed(layer, layer.forward, spill)
-            layer.forward.tba_thread = thread  # whose context wrapped it (check_wrappable's message)
+        for layer, spill in zip(self.layers, offload):  # Note [A copy of a hooked layer holds none of tba's]
+            layer.forward = Recomputing(layer, _checkpointed(layer, layer.forward, spill), thread)
 
     def remove(self) -> None:
         for layer in self.layers:
@@ -236,7 +236,6 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         with _inputs_in_memory() if keep else contextlib.nullcontext():
             return _checkpoint(call, calls, first, *tensors)
 
-    run.tba_recomputes = True  # type: ignore[attr-defined]  # what RecomputeLayers tells from a user's own forward
     return run
 
 

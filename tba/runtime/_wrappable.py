@@ -16,6 +16,7 @@ from torch import nn
 
 from tba.errors import TbaConfigError
 from tba.runtime._compile import is_compiled_module, is_optimized_module
+from tba.runtime._layer_hooks import set_on_instance
 
 
 def can_recompute(layer: nn.Module) -> bool:
@@ -30,7 +31,7 @@ def can_recompute(layer: nn.Module) -> bool:
     gradients differed from the same compiled model without tba (a review found it on the tiny GPT,
     inductor's RNG set to eager's). So such a block is kept or offloaded, never recomputed.
     """
-    return "forward" not in vars(layer) and not is_compiled_module(layer)
+    return not set_on_instance(layer) and not is_compiled_module(layer)
 
 
 def check_wrappable(layers: Sequence[nn.Module], indices: Sequence[int], thread: int | None = None) -> None:
@@ -67,7 +68,7 @@ def check_wrappable(layers: Sequence[nn.Module], indices: Sequence[int], thread:
                 f"layer {index} ({type(layer).__name__}) was compiled in place (block.compile()), and the plan "
                 "would recompute it: its compiled graph would trace tba's wrapper and break into other kernels, "
                 "whose gradients differ from the block's; keep or offload that layer")
-        if "forward" in vars(layer):
+        if set_on_instance(layer):  # a copy's class forward is not: Note [A copy of a hooked layer holds none of tba's]
             raise TbaConfigError(
                 f"layer {index} ({type(layer).__name__}) has a forward set on the instance, which the plan "
                 "would recompute: tba wraps the class's forward for recomputation and cannot wrap a patched "

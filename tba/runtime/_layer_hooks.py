@@ -1,0 +1,89 @@
+"""The hooks and the recomputing forward tba sets on a layer, and what a copy of the layer gets of them.
+
+Note: [A copy of a hooked layer holds none of tba's]
+While a step runs, tba's hooks sit in each layer's hook dicts (the layer tracker's, the profiling timer's, the runner's
+input-shape check) and a recomputed layer holds tba's wrapper as its ``forward``, on the instance. A model copied then
+(``copy.deepcopy``, pickle: a BYOL or DINO target encoder made lazily in the first forward, a snapshot taken inside the
+block) copied those entries with the layer: a plain function is copied by reference, so the copy's blocks ran tba's
+wrapper of the *original* blocks, whose weights gave the copy's output in every later step, silently (helper-117 found
+it: a BYOL target that never moved); a hook bound to tba's runner copied the runner, which failed on its lock
+(``TypeError: cannot pickle '_thread.lock' object``), and pickling failed on the local functions. So each hook is a
+:class:`LayerHook`, whose copy is :func:`no_op` (the copy's hook dicts keep an entry that does nothing and holds
+nothing of tba's), and the wrapper a :class:`Recomputing`, whose copy is a :class:`ClassForward`: the copy runs its own
+class's ``forward``, and tba treats it as no forward set on the instance (it recomputes such a copy later, and takes the
+attribute away when that context ends). A shallow ``copy.copy`` of a layer shares its attribute dicts' entries, and so
+tba's, as it shares everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+
+def no_op(*args: Any, **kwargs: Any) -> None:
+    """What a copy of one of tba's hooks is (Note [A copy of a hooked layer holds none of tba's])."""
+
+
+def _copied_hook() -> Callable[..., None]:
+    return no_op
+
+
+class LayerHook:
+    """One of tba's hooks on a layer: ``function``, whose copy (deep copy, pickle) is :func:`no_op`."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return _copied_hook, ()
+
+
+class ClassForward:
+    """The ``forward`` of a copy of a recomputed layer: its class's, for the copy (``module``)."""
+
+    __slots__ = ("module",)
+    tba_class_forward = True
+    """What tells it from a forward someone set on the instance (``tba/runtime/_wrappable.py``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return ClassForward, (self.module,)
+
+
+class Recomputing:
+    """tba's recomputing ``forward`` of ``layer`` (``run``), set on the instance; its copy is a :class:`ClassForward` of
+    the layer's copy."""
+
+    __slots__ = ("layer", "run", "tba_thread")
+    tba_recomputes = True
+    """What ``RecomputeLayers`` tells from a user's own forward."""
+
+    def __init__(self, layer: nn.Module, run: Callable[..., Any], thread: int) -> None:
+        self.layer = layer
+        self.run = run
+        self.tba_thread = thread
+        """Whose context wrapped it (``check_wrappable``'s message)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return ClassForward, (self.layer,)
+
+
+def set_on_instance(layer: nn.Module) -> bool:
+    """Whether ``layer`` has a ``forward`` set on the instance other than a copy's :class:`ClassForward`."""
+    return not getattr(vars(layer).get("forward", ClassForward), "tba_class_forward", False)
