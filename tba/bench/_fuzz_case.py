@@ -8,7 +8,8 @@ a scale drawn from Python's and numpy's global generators, as stochastic depth i
 a dtype, an input source, a placement, a backend, a minimum offload size, the batch size per step,
 the retained steps, the events per step, the late writes (``_fuzz_io.py``), the Python-side state
 each block's forward changes and reads (``_fuzz_state.py``) and a BatchNorm all blocks call outside their
-``modules()``, and the parts of ``_fuzz_parts.py``. New fields are drawn
+``modules()``, the parts of ``_fuzz_parts.py``, and a noise mask every block draws from a generator held by the
+plain object they share. New fields are drawn
 last, so every older field stays what it was for every seed (a printed reproducer keeps working).
 :func:`build` makes the case's model (:class:`Block` per entry) and :func:`case_input` a step's
 input, both from the seed alone, so the runs with and without tba see identical models and inputs.
@@ -75,6 +76,9 @@ class Case:
     """Per block, the checkpoint of its own it runs a piece of its forward under ("" none; ``_fuzz_parts.py``)."""
     autocast: str = ""
     """Where CPU bfloat16 autocast is entered: around the model's forward or each block's linear (``_fuzz_parts.py``)."""
+    shared_noise: bool = False
+    """Every block scales its activation by a mask drawn from a ``torch.Generator`` held by the plain object the blocks
+    share (Note [Generators of a recomputed layer] in ``tba/runtime/_generators.py``)."""
 
 
 def draw_case(seed: int) -> Case:
@@ -104,7 +108,7 @@ def draw_case(seed: int) -> Case:
                                late_writes=late_writes, states=states, outside_norm=outside_norm,
                                functions=fuzz_parts.draw_functions(rng, count), hooks=fuzz_parts.draw_hooks(rng, count),
                                extra=fuzz_parts.draw_extra(rng), checkpoints=fuzz_parts.draw_checkpoints(rng, count),
-                               autocast=fuzz_parts.draw_autocast(rng))
+                               autocast=fuzz_parts.draw_autocast(rng), shared_noise=rng.random() < 0.25)
 
 
 class Block(nn.Module):
@@ -126,6 +130,7 @@ class Block(nn.Module):
         self.hook_log: list[float] = []
         self.checkpoint = ""
         self.autocast = False
+        self.shared_noise = False
         if "frozen" in parts:
             self.linear.requires_grad_(False)
 
@@ -156,6 +161,8 @@ class Block(nn.Module):
                 with torch.no_grad():
                     self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype), alpha=0.5)
                 h = (h - self.center) / self.calls
+        if self.shared_noise:
+            h = h * (torch.rand(h.shape, generator=self.shared.generator) > 0.1).to(h.dtype)
         if self.outside_norm:
             h = self.shared.norm(h)
         if self.function:
@@ -181,6 +188,9 @@ def build(case: Case) -> fuzz_parts.Stack:
         block.checkpoint = kind
     for block in model:
         block.autocast = case.autocast == "linear"
+        block.shared_noise = case.shared_noise
+    if case.shared_noise:
+        shared.generator = torch.Generator().manual_seed(case.seed + 7)
     if case.outside_norm:
         shared.norm = nn.BatchNorm1d(case.width).to(case.dtype)
         for block in model:

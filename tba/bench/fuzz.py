@@ -18,7 +18,8 @@ fuzzer] in ``tba/bench/_fuzz_io.py``), and per block the Python-side state its f
 call, a cached property, a tensor in a plain object, a private counter: ``tba/bench/_fuzz_state.py``),
 and parts real models write (``tba/bench/_fuzz_parts.py``: custom autograd Functions, hooks the program registers on a
 block's linear layer, an argument besides the input passed to every block, a checkpoint of the
-model's own inside a block, CPU bfloat16 autocast around the forward or each block's linear).
+model's own inside a block, CPU bfloat16 autocast around the forward or each block's linear), and a noise mask every
+block draws from a generator held by the plain object the blocks share.
 :func:`run_case` runs the same steps twice from the same seed, once without tba and once with it, and
 compares losses, gradients, buffers, that Python-side state, SGD-with-momentum state and the input
 tensors with ``torch.equal``; a run with tba may instead raise a :class:`~tba.errors.TbaError` that
