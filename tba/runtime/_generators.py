@@ -16,10 +16,14 @@ before backward (a review found skipping those wrong; numpy's ``get_state`` is m
 about 30 µs a call). A generator held by a plain object (``ctx.generator`` of a context passed to
 every block, ``self.config.rng`` of a config the blocks share) is found too: it was not, and the
 recomputation drew other numbers from it, silently (helper-117 found it; the adaptive default
-recomputed such layers). A generator the layer reaches any other way (a module-level
-``torch.Generator``, through a callable or a module held by a plain object) is not found, nor is
-any other state outside the layer's modules: as under plain checkpoint, keep or offload such a
-layer instead of recomputing it. The global generators are the process's: another thread drawing from them while
+recomputed such layers), and so is one held by a module outside the layer (a noise module passed to
+every block, or held in a list), and, from its first call there on, by any module outside the layer
+that the layer's first call runs (a module-level one: Note [A recomputation puts back the modules
+outside its layer that it calls] in ``tba/runtime/_outside_state.py``); such modules' generators
+drew again in the recomputation, silently, too (helper-117). A generator the layer reaches any other
+way (a module-level ``torch.Generator``, through a callable) is not found, nor is any other state
+outside the layer's modules: as under plain checkpoint, keep or offload such a layer instead of
+recomputing it. The global generators are the process's: another thread drawing from them while
 a layer is recomputed sees its draws rewound (torch's own CPU generator under checkpoint shares the
 exposure), so draw from a generator of the thread's own there.
 """
@@ -42,15 +46,25 @@ GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.rando
 
 def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
     """Each generator (:data:`GENERATOR_TYPES`) held by ``layer``'s modules or passed in the call's arguments,
-    directly or in dicts, lists and tuples (:data:`SEARCH_DEPTH` deep), with its state, and the state of
-    Python's and numpy's global generators (Note [Generators of a recomputed layer]); :func:`set_states`
-    puts them back."""
+    directly or in dicts, lists, tuples, plain objects and other modules (:data:`SEARCH_DEPTH` deep), with its
+    state, and the state of Python's and numpy's global generators (Note [Generators of a recomputed layer]);
+    :func:`set_states` puts them back."""
     states: dict[int, tuple[Any, Any]] = {id(random): (random, _state(random)), id(np.random): (np.random, _state(np.random))}
-    values = [value for module in layer.modules() for value in vars(module).values()]
-    seen: set[int] = set()
-    for value in [*values, *args, *(kwargs or {}).values()]:
+    own = list(layer.modules())
+    seen = set(map(id, own))  # walked here, not again through another one's _modules
+    for value in [*(value for module in own for value in vars(module).values()), *args, *(kwargs or {}).values()]:
         _collect(value, states, SEARCH_DEPTH, seen)
     return states
+
+
+def held_generator_states(modules: list[nn.Module], known: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
+    """Each generator held by ``modules`` (those outside a recomputed layer that its first call runs, each taken before
+    its first call there) that ``known`` does not hold, with its state (Note [Generators of a recomputed layer])."""
+    states: dict[int, tuple[Any, Any]] = {}
+    seen = set(map(id, modules))
+    for value in [value for module in modules for value in vars(module).values()]:
+        _collect(value, states, SEARCH_DEPTH, seen)
+    return {key: state for key, state in states.items() if key not in known}
 
 
 SEARCH_DEPTH = 3
@@ -67,6 +81,10 @@ def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: s
     elif depth and plain_object(value) and id(value) not in seen:  # a config every block holds is searched once
         seen.add(id(value))
         for _, item in fields(value):
+            _collect(item, states, depth - 1, seen)
+    elif depth and isinstance(value, nn.Module) and id(value) not in seen:  # a module passed in, or held in a list
+        seen.add(id(value))
+        for item in vars(value).values():
             _collect(item, states, depth - 1, seen)
 
 

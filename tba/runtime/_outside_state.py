@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from tba.runtime._generators import held_generator_states
 from tba.runtime._layer_state import ModuleState, snapshot
 from tba.runtime._learned import Learned
 from tba.runtime._private_state import Signature, check_watchable, modules_state
@@ -69,8 +70,8 @@ class OutsideModules:
     Made right before the first call; :meth:`start` registers its hook and :attr:`stop` (a C callable) takes it out.
     """
 
-    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "parameters", "slots", "groups", "private", "stop",
-                 "__weakref__")
+    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "parameters", "slots", "groups", "generators",
+                 "private", "stop", "__weakref__")
 
     def __init__(self, layer: nn.Module, learned: Learned) -> None:
         self._own = frozenset(map(id, layer.modules()))
@@ -84,6 +85,8 @@ class OutsideModules:
         """``(module, name, tensor)`` of each of their parameter slots then (``torch.func.functional_call``'s tensors)."""
         self.groups: list[list[nn.Module]] = []
         """The modules taken at each call heard (the module called, with its submodules not taken before)."""
+        self.generators: dict[int, tuple[Any, Any]] = {}
+        """The generators those modules hold, each with its state before its module's first call there."""
         self.private = Signature()
         """The signature of their private and nested state (``tba/runtime/_private_state.py``), each group's then."""
         hooks = module_hooks._global_forward_pre_hooks
@@ -105,6 +108,7 @@ class OutsideModules:
         for sub in new:  # Note [What a layer learned of a module outside it goes with that module] in tba/runtime/_learned.py
             self._learned.meet(sub)
         self.states += snapshot(new, self._learned)
+        self.generators.update(held_generator_states(new, self.generators))  # Note [Generators of a recomputed layer]
         self.groups.append(new)
         self.private.add(modules_state(new))
         for sub in new:
@@ -124,6 +128,8 @@ def first_call(layer: nn.Module, learned: Learned, first: FirstCall, private: Si
     finally:
         outside.stop()
     first.add_outside(outside.states, outside.parameters, outside.slots, outside.groups)
+    for key, state in outside.generators.items():
+        first.generators.setdefault(key, state)
     check_watchable(layer, outside.private.deep)
     private.add(outside.private)
     return out
