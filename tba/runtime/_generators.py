@@ -19,18 +19,21 @@ recomputation drew other numbers from it, silently (helper-117 found it; the ada
 recomputed such layers), and so is one held by a module outside the layer (a noise module passed to
 every block, or held in a list), and, from its first call there on, by any module outside the layer
 that the layer's first call runs (a module-level one: Note [A recomputation puts back the modules
-outside its layer that it calls] in ``tba/runtime/_outside_state.py``); such modules' generators
-drew again in the recomputation, silently, too (helper-117). A generator the layer reaches any other
-way (a module-level ``torch.Generator``, through a callable) is not found, nor is any other state
-outside the layer's modules: as under plain checkpoint, keep or offload such a layer instead of
-recomputing it. The global generators are the process's: another thread drawing from them while
+outside its layer that it calls] in ``tba/runtime/_outside_state.py``), and one a passed function
+holds (a lambda's closure, a ``functools.partial``'s arguments, a bound method's object); all of
+them drew again in the recomputation, silently, too (helper-117). A generator the layer reaches any
+other way (a module-level ``torch.Generator``, a function's globals) is not found, nor is any other
+state outside the layer's modules: as under plain checkpoint, keep or offload such a layer instead
+of recomputing it. The global generators are the process's: another thread drawing from them while
 a layer is recomputed sees its draws rewound (torch's own CPU generator under checkpoint shares the
 exposure), so draw from a generator of the thread's own there.
 """
 
 from __future__ import annotations
 
+import functools
 import random
+import types
 from typing import Any
 
 import numpy as np
@@ -86,6 +89,29 @@ def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: s
         seen.add(id(value))
         for item in vars(value).values():
             _collect(item, states, depth - 1, seen)
+    elif depth and isinstance(value, _CALLABLES) and id(value) not in seen:  # a noise function passed to every block
+        seen.add(id(value))
+        for item in _held_by_callable(value):
+            _collect(item, states, depth - 1, seen)
+
+
+_CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def _held_by_callable(value: Any) -> list[Any]:
+    """What a function's closure cells, a bound method's object or a ``functools.partial``'s function and arguments
+    hold."""
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()]
+    if isinstance(value, types.MethodType):
+        return [value.__self__]
+    held = []
+    for cell in value.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # a cell not set yet
+            continue
+    return held
 
 
 def states_now(states: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:

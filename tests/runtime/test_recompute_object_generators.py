@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
 
 import numpy as np
@@ -143,3 +144,51 @@ def test_generators_of_modules_outside_the_layer_draw_the_same_again(spill_dir, 
     reference = _train_reaching(spill_dir, None)
     result = _train_reaching(spill_dir, plan)
     assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
+
+
+def _drop(h: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return h * (torch.rand(h.shape, generator=generator) > 0.2).to(h.dtype)
+
+
+class Calling(nn.Module):
+    """Applies the noise function it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, noise: object) -> torch.Tensor:
+        return noise(torch.tanh(self.linear(x))) + x
+
+
+def _noise(kind: str, step: int) -> object:
+    generator = torch.Generator().manual_seed(20 + step)
+    if kind == "lambda":
+        return lambda h: _drop(h, generator)
+    if kind == "partial":
+        return functools.partial(_drop, generator=generator)
+    return Noise().__call__ if kind == "bound method" else None
+
+
+@pytest.mark.parametrize("kind", ["lambda", "partial", "bound method"])
+@pytest.mark.parametrize("plan", [("recompute", "recompute"), ("offloaded_recompute", "recompute")])
+def test_generators_held_by_a_passed_function_draw_the_same_again(spill_dir, kind, plan):
+    def train(plan: tuple[str, ...] | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        blocks = nn.ModuleList([Calling(), Calling()])
+        result = []
+        for step in range(2):
+            x, noise = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step)), _noise(kind, step)
+            with (tba.offload_activations(spill_dir, layers=list(blocks), policy=tba.Plan(plan, window_bytes=1 << 20))
+                  if plan else contextlib.nullcontext()):
+                h = x
+                for block in blocks:
+                    h = block(h, noise)
+                loss = h.pow(2).mean()
+            loss.backward()
+            result += [loss.detach(), *(p.grad.clone() for p in blocks.parameters())]
+            blocks.zero_grad()
+        return result
+
+    reference = train(None)
+    assert all(torch.equal(a, b) for a, b in zip(reference, train(plan), strict=True))
