@@ -133,6 +133,9 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         """The storages kept under ``_keep_caps`` this step (alive while it runs), and their bytes per layer."""
         self._deferred_bytes = 0
         """Bytes of storages whose save was deferred, ever (written by the training thread only)."""
+        self._saves_at_entry = (0, 0)
+        """What the last with block's entry found saved so far (Note [A block that saved nothing saved nothing] in
+        ``tba/runtime/_step_cycle.py``)."""
         self._save_jobs_bytes = 0
         """Bytes of storages whose deferred save has run, ever (written by the control thread only)."""
         self.layer_saved_bytes: dict[int | None, int] = {}

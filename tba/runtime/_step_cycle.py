@@ -31,6 +31,7 @@ from tba.runtime._unpack_hooks import Phase
 if TYPE_CHECKING:
     from tba.runtime._discover import LayerDiscovery
     from tba.runtime._runner import PolicyRunner, StepPlacement
+    from tba.runtime._stats import OffloadStats
     from tba.runtime._store import StorageStore
 
 _Self = TypeVar("_Self", bound="StepCycle")
@@ -90,6 +91,9 @@ class StepCycle:
     _keep_caps: tuple[int, ...] | None
     _kept_this_step: dict[int, int]
     _kept_storages: set[int]
+    _deferred_bytes: int
+    _saves_at_entry: tuple[int, int]
+    _stats: OffloadStats
 
     def __enter__(self: _Self) -> _Self:
         if not torch._C._autograd._saved_tensors_hooks_is_enabled():
@@ -147,6 +151,7 @@ class StepCycle:
             self._store.start_forward()  # Note [A new forward lets go of what backward did not use]
             trimmer.refresh()  # Note [The trim interval is read once per with block] in tba/runtime/_trim.py
             self._kept_layer = None
+            self._saves_at_entry = self._saves_so_far()
             placement = self.policy_runner.enter(self._counters(), self._reapply, thread=thread, owner=claim)
             self._runner_claim = claim
             self._apply(placement)
@@ -159,6 +164,10 @@ class StepCycle:
         except BaseException:
             self._abandon_entry_job(claim)
             raise
+
+    def _saves_so_far(self) -> tuple[int, int]:
+        """Bytes deferred to the disk path and tensors kept, since this offloader was built: what a block saved moves it."""
+        return self._deferred_bytes, self._stats.tensors_kept
 
     def _apply(self, placement: StepPlacement) -> None:
         if placement.layers is not None and self._finder is not None:
@@ -249,7 +258,13 @@ class StepCycle:
             self._discovery.retag(self.layer_saved_bytes)
         if self._tracker.in_whole_model_graph:
             warn_whole_model_compile(self.layers, self._tracker.wrapped_after_given)
-        self.policy_runner.exit(failed, self._store.largest_live_storage_bytes, found, self._tracker.current is not None,
+        # Note: [A block that saved nothing saved nothing]
+        # A with block that only runs the backward of an earlier block's loss (1F1B micro-batches) saves no tensor, but
+        # the earlier block's storages are still alive: asked for the largest live storage, the runner took this block
+        # for a forward that saved tensors and ran none of its layers, and warned that the plan was not followed.
+        saved = self._saves_so_far() != self._saves_at_entry
+        largest = self._store.largest_live_storage_bytes if saved else _nothing_saved
+        self.policy_runner.exit(failed, largest, found, self._tracker.current is not None,
                                 self._store.window.budget_bytes, self._store.unwritten_layer_bytes, owner=claim)
         if self._phase is Phase.CLOSED:
             return
@@ -261,3 +276,8 @@ class StepCycle:
         self._store.end_forward(self._tracker.current)
         if self._phase is Phase.EXITED and self._store.live_entries == 0:
             self.close()
+
+
+def _nothing_saved() -> int:
+    """The largest storage a with block that saved nothing saved (Note [A block that saved nothing saved nothing])."""
+    return 0

@@ -63,6 +63,27 @@ def test_layers_of_the_model_that_runs_say_nothing(spill_dir, caplog, options):
     assert not not_run_warnings(caplog)
 
 
+@pytest.mark.parametrize("options", POLICIES.values(), ids=POLICIES.keys())
+def test_a_block_that_only_runs_an_earlier_blocks_backward_says_nothing(spill_dir, caplog, options):
+    """Note [A block that saved nothing saved nothing] in tba/runtime/_step_cycle.py: 1F1B micro-batches run the
+    backward of one inside a block of its own; a block doing only that was taken for a forward that ran none of the
+    layers, because another micro-batch's storages were alive."""
+    torch.manual_seed(0)
+    model = make_model()
+    caplog.set_level(logging.WARNING, logger="tba")
+    off = tba.Offloader(spill_dir, layers=list(model), **options)
+    for _ in range(3):
+        with off:
+            first = model(torch.randn(512, 256)).logsumexp(-1).mean()
+        with off:
+            second = model(torch.randn(512, 256)).logsumexp(-1).mean()
+        with off:
+            first.backward()  # the second micro-batch's storages are alive meanwhile
+        second.backward()
+    off.close()
+    assert not not_run_warnings(caplog)
+
+
 def test_what_is_kept_per_input_shape_stays_bounded_over_many_shapes(spill_dir, monkeypatch):
     """Each input shape's profiled samples, plan and successor were kept for good: a new sequence length
     every step (no buckets) grew the runner by about 7 KiB per step with 24 layers, without bound."""
