@@ -153,3 +153,9 @@ class BusyClock:
             self._inflight -= count
             if self._inflight == 0:
                 self.busy_s += time.perf_counter() - self._since
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's transfers in flight never end here (Note [A forked child's
+        clocks count none of the parent's transfers] in ``tba/runtime/_store_lifetime.py``)."""
+        self._lock = threading.Lock()
+        self._inflight = 0

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from tba.io import Engine, SpillFile
     from tba.runtime._host_io import HostBatch
     from tba.runtime._prefetch import PrefetchWindow
+    from tba.runtime._stats import BusyClock
 
 
 class StoreLifetime:
@@ -35,6 +36,8 @@ class StoreLifetime:
 
     lock: threading.RLock
     window: PrefetchWindow
+    write_clock: BusyClock
+    read_clock: BusyClock
     spill: SpillFile | None
     engine: Engine | None
     routes: Routes | None
@@ -143,6 +146,15 @@ class StoreLifetime:
         file descriptor is closed, so the next entry opens a file of the child's own.
         """
         self.lock = threading.RLock()
+        # Note: [A forked child's clocks count none of the parent's transfers]
+        # A busy clock counts transfers in flight and adds time only once none is. A child forked while
+        # a write was in flight kept that count, and the write never ends in the child: its offloader's
+        # write_busy_s stopped growing for good (stats.write_gbps rose with every step), and a profile
+        # taken there saw writes take no time (an infinitely fast disk) and planned on that. A
+        # completion thread inside the clock's lock at the fork left the child's first transfer
+        # waiting for ever. The clocks keep their seconds, and forget the rest.
+        self.write_clock.forget_after_fork()
+        self.read_clock.forget_after_fork()
         self._writing = self.unwritten_bytes = 0
         self._reading = 0
         self._prefetch_to = None

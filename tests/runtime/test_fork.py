@@ -185,3 +185,41 @@ def test_a_warning_lock_held_at_fork_is_free_in_the_child(module, lock):
     """)
     result = run_python(["-c", script], timeout=60)
     assert result.returncode == 0, f"the child found {module}.{lock} held: {result.stderr[-2000:]}"
+
+
+CLOCKS_AT_FORK = textwrap.dedent(
+    """
+    import os, signal, sys, torch, tba
+    torch.set_num_threads(1)
+    lin = torch.nn.Linear(256, 256)
+    off = tba.Offloader(sys.argv[2], backend=sys.argv[1], policy="offload", min_offload_bytes=0)
+    with off:
+        lin(torch.randn(512, 256)).sum().backward()
+    clock = off._store.write_clock
+    clock.start()  # a write in flight at the fork, its completion thread inside the clock's lock
+    clock._lock.acquire()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)
+        before = off.stats.write_busy_s
+        with off:
+            loss = lin(torch.randn(512, 256)).sum()
+        off.flush()
+        loss.backward()
+        grew = off.stats.write_busy_s > before
+        off.close()
+        os._exit(0 if grew else 3)
+    clock._lock.release()
+    clock.stop()
+    off.close()
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_childs_write_clock_counts_none_of_the_parents_transfers(spill_dir, backend):
+    # Forked with a write in flight, the child's write_busy_s never grew again (its profile saw an infinitely fast
+    # disk), and with the completion thread inside the clock's lock its first write hung (found by a review).
+    done = run_python(["-c", CLOCKS_AT_FORK, backend, spill_dir], timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode} (3: write_busy_s did not grow, -14: hung)\n{done.stderr[-3000:]}"
