@@ -255,7 +255,7 @@ class HeapTrimmer:
         """``malloc_trim`` calls made so far."""
         self._trim = _load_malloc_trim()
         self._pending_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()  # taken on tba's I/O threads: Note [A lock held at a fork] in tba/_fork_lock.py
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
