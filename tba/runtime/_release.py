@@ -272,4 +272,11 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         # The device's copy to or from the staging block failed, not the file (after an illegal access, every
         # later CUDA call fails): freeing disk space would not help.
         return None, "The GPU failed, not the disk: the CUDA error above is the cause; fix it, the directory is fine."
-    return number, "Free space there or pass another directory."
+    # Only a full disk is fixed by freeing space: one remounted read-only after an error (ext4's errors=remount-ro)
+    # or failing with EIO was told to free space there.
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return number, "Free space there or pass another directory."
+    if number == errno.EROFS:
+        return number, ("The file system became read-only (a disk error makes ext4 remount so: see dmesg); fix the disk "
+                        "or pass another directory.")
+    return number, "Check the disk (dmesg) or pass another directory."

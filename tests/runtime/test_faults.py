@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 
 import pytest
@@ -162,3 +163,14 @@ def test_a_failed_read_nobody_waited_for_leaves_the_storage_on_disk(spill_dir):
     del packed
     off.close()
     engine.close()
+
+
+@pytest.mark.parametrize(("number", "says"), [(errno.ENOSPC, "Free space there"), (errno.EDQUOT, "Free space there"),
+                                              (errno.EROFS, "became read-only"), (errno.EIO, "Check the disk")])
+def test_only_a_full_disk_is_told_to_free_space(number, says):
+    # A file system remounted read-only after a disk error (ext4 errors=remount-ro) was told "Free space there".
+    from tba.runtime import _release
+
+    cause, fix = _release.write_error_cause(OSError(number, os.strerror(number)), 1 << 20)
+    assert cause == number and says in fix
+    assert ("Free space" in fix) == (number in (errno.ENOSPC, errno.EDQUOT))
