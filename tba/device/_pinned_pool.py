@@ -63,7 +63,12 @@ class StagingPool:
         # request up to a power of two: a 256 MiB slab plus alignment slack took 512 MiB of
         # page-locked memory. The slab is ordinary page-aligned memory, touched once, then
         # page-locked in place (``cudaHostRegister``), exactly its size.
-        self._slab = aligned_empty(count * block_bytes)
+        try:
+            self._slab = aligned_empty(count * block_bytes)
+        except (RuntimeError, MemoryError) as error:
+            raise TbaConfigError(f"cannot allocate the {count * block_bytes}-byte staging slab of CUDA storages "
+                                 f"({str(error).strip().splitlines()[0][:200]}); lower staging_bytes (the default is "
+                                 f"{STAGING_BYTES} bytes)") from None
         self._slab.fill_(0)
         self._cuda = cuda_api() if pinned else None
         if self._cuda is not None:

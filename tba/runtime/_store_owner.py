@@ -195,15 +195,23 @@ class StoreOwner:
     def _open_parts(self) -> tuple[SpillFile, Engine, Routes, Any]:
         """A new spill file, engine, routes and read pool (the pool is the store's unless shared)."""
         spill = SpillFile(self.directory, direct=self.direct_io)
+        engine = None
         try:
             engine = make_engine(self.backend if isinstance(self.backend, Engine) else host_engine_backend(self.backend),
                                  queue_depth=self.queue_depth)
+            pool = BufferPool(self._store.read_pool.prefetch_budget_bytes) if self._shared_key is not None \
+                else self._store.read_pool
+            # Note: [Parts opened before a failure are closed]
+            # The routes allocate the CUDA staging slab (staging_bytes): one too large for the host failed
+            # here, after the file and the engine had opened, and each failed entry kept a spill file's
+            # descriptor (and an io_uring ring with its thread) for the rest of the process.
+            routes = Routes(self.backend, engine, pool, self.staging_bytes, self.block_size_bytes,
+                            self._device_ops, self._staged_devices)
         except BaseException:
+            if engine is not None and not isinstance(self.backend, Engine):
+                engine.close()
             spill.close()
             raise
-        pool = BufferPool(self._store.read_pool.prefetch_budget_bytes) if self._shared_key is not None else self._store.read_pool
-        routes = Routes(self.backend, engine, pool, self.staging_bytes, self.block_size_bytes,
-                        self._device_ops, self._staged_devices)
         return spill, engine, routes, pool
 
     def _close_store(self) -> None:

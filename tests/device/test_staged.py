@@ -188,3 +188,8 @@ def test_a_device_route_that_cannot_be_built_keeps_the_tensor_with_a_warning(spi
     assert off.stats.storages_written == 0
     assert any("cannot pin staging memory" in r.getMessage() and "stays in memory" in r.getMessage() for r in caplog.records)
     off.close()
+
+
+def test_a_staging_slab_the_host_cannot_hold_is_a_config_error_naming_staging_bytes():
+    with pytest.raises(TbaConfigError, match="lower staging_bytes"):
+        StagingPool(capacity_bytes=1 << 50, block_bytes=4 << 20, pinned=False)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import gc
+import threading
 
+import pytest
 import torch
 from torch import nn
 
 import tba
+from tba.device.sim import simulate
+from tba.errors import TbaConfigError
 
 
 def _full_collections() -> tuple[list[int], object]:
@@ -45,3 +49,17 @@ def test_forwards_accumulated_before_one_backward_do_not_collect_garbage_at_ever
         gc.enable()
         off.close()
     assert len(counted) <= 12, f"{len(counted)} full collections for 64 entries"
+
+
+def test_an_entry_whose_staging_slab_fails_leaves_no_file_engine_or_thread(spill_dir, backend, open_fds):
+    """Note [Parts opened before a failure are closed] in tba/runtime/_store_owner.py: the CUDA staging slab is
+    allocated after the spill file and the engine opened; one too large for the host kept both, each failed entry."""
+    before, threads = open_fds(), set(threading.enumerate())
+    with simulate():
+        for make in (tba.Offloader, tba.offload_activations):
+            with pytest.raises(TbaConfigError, match="lower staging_bytes"):
+                with make(spill_dir, backend=backend, staging_bytes=1 << 50):
+                    pass
+    tba.shutdown()
+    assert open_fds() == before
+    assert [t.name for t in set(threading.enumerate()) - threads if t.name != "tba-heap-trim"] == []
