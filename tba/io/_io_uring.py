@@ -104,8 +104,29 @@ class IoUringEngine(Engine):
         self._resolving = False
         """The completion thread is running callbacks of requests it took (which may submit more)."""
         self._reaper = threading.Thread(target=self._reap_loop, name="tba-io_uring", daemon=True)
-        self._reaper.start()
+        try:
+            self._reaper.start()
+        except BaseException:
+            self._abandon_start()
+            raise
         _engines.add(self)
+
+    def _abandon_start(self) -> None:
+        """Note: [A constructor interrupted while its thread starts]
+        ``Thread.start()`` waits for the new thread to run, and a signal handler's exception (Ctrl-C) can
+        land in that wait: the constructor raised with the completion thread running, which sat in
+        ``reap()`` for ever with the ring open, and no engine was left to close them (``tba.checkpoint``
+        builds its engines in the caller's thread; the offloader's are built on the control thread). The
+        thread, if it runs, is told to end (the ring closes as it does), else the ring is closed here.
+        """
+        if self._reaper.ident is None:
+            self._ring.close()
+            self._ring_closed = True
+            return
+        with self._lock:
+            self._closing = True
+            self._ring.wake()
+        self._reaper.join()
 
     def submit_many(self, requests: Sequence[Request]) -> list[Future]:
         futures = []
