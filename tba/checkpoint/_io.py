@@ -20,6 +20,7 @@ import threading
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
@@ -39,7 +40,7 @@ DEFAULT_CHUNK_BYTES = BLOCK_SIZE_BYTES
 __all__ = [
     "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "ImagePool", "Op", "Request",
     "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "check_engine_settings", "create_preallocated",
-    "flatten_state_dict", "size_bytes",
+    "flatten_state_dict", "interrupt_in", "size_bytes",
     "host_buffer", "make_engine", "resolve_directory",
 ]
 
@@ -63,6 +64,20 @@ def check_engine_settings(backend: str | Engine, queue_depth: int) -> None:
     if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
         raise TbaConfigError(f"queue_depth must be a whole number >= 1, got {queue_depth!r}")
     resolve_backend(backend)
+
+
+def interrupt_in(err: BaseException) -> BaseException | None:
+    """The ``KeyboardInterrupt`` (or other exception that is not an ``Exception``) DCP wrapped in ``err``, if any.
+
+    Note: [A Ctrl-C inside DCP stays a Ctrl-C]
+    DCP runs each step of a save or load under ``except BaseException`` and reports what it caught in
+    its ``CheckpointException``: a Ctrl-C landing in ``tba.checkpoint.load`` came out as a
+    ``TbaCheckpointError`` ("loading ... failed: KeyboardInterrupt"), which ``except Exception`` catches
+    (a loop retrying failed loads ran on), and one landing in the first lazy save's warm-up, which runs
+    in the caller's thread, was logged as a failed warm-up and the save went on. tba re-raises it.
+    """
+    failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+    return next((failure[0] for failure in failures if not isinstance(failure[0], Exception)), None)
 
 
 def size_bytes(name: str, value: int | str) -> int:

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tba import _sched
 from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
 from tba.checkpoint._handle import LazyCheckpoint
-from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError, size_bytes
+from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError, interrupt_in, size_bytes
 from tba.checkpoint._publish import begin_save, wait_for_earlier_saves
 from tba.checkpoint._writer import TbaStorageWriter
 
@@ -86,6 +86,9 @@ def _warm_up_in_caller(backend: str, queue_depth: int, fallback_dir: str | None 
             _warmed_up = True
             return
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps errors in its own BaseException
+            interrupt = interrupt_in(err)  # Note [A Ctrl-C inside DCP stays a Ctrl-C] in tba/checkpoint/_io.py
+            if interrupt is not None:
+                raise interrupt from None
             message = str(_unwrap(err)).strip().splitlines() or [type(err).__name__]
             logger.info("tba: warming up checkpoints in %s failed: %s", directory or tempfile.gettempdir(), message[-1][:200])
         finally:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from tba.checkpoint._io import TbaCheckpointError
+from tba.checkpoint._io import TbaCheckpointError, interrupt_in
 from tba.checkpoint._reader import CheckpointReplaced, TbaStorageReader
 from tba.errors import TbaConfigError
 
@@ -252,6 +252,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
     except TbaCheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps errors in its own BaseException
+        interrupt = interrupt_in(err)  # Note [A Ctrl-C inside DCP stays a Ctrl-C] in tba/checkpoint/_io.py
+        if interrupt is not None:
+            raise interrupt from None
         failures = err.failures.values() if isinstance(err, CheckpointException) else ()
         tba_error = next((f[0] for f in failures if isinstance(f[0], TbaCheckpointError)), None)
         if tba_error is not None:

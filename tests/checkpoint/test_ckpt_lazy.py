@@ -285,3 +285,18 @@ def test_close_gives_the_host_buffer_back(tmp_path):
     assert not mapped()
     checkpointer.save({"w": torch.full((3,), 2.0)}, tmp_path / "c").wait()
     checkpointer.close()
+
+
+def test_a_ctrl_c_during_the_first_saves_warm_up_reaches_the_caller(tmp_path, monkeypatch):
+    """Note [A Ctrl-C inside DCP stays a Ctrl-C] in tba/checkpoint/_io.py: DCP wraps every rank's error, a
+    KeyboardInterrupt too, in its CheckpointException; the warm-up, which runs in the caller's thread, logged it as a
+    failed warm-up and went on with the save."""
+    from tba.checkpoint import _lazy
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_lazy, "_warmed_up", False)
+    monkeypatch.setattr(TbaStorageWriter, "write_data", interrupted)
+    with LazyCheckpointer() as checkpointer, pytest.raises(KeyboardInterrupt):
+        checkpointer.save({"w": torch.zeros(3)}, str(tmp_path / "c"))

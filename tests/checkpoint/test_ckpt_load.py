@@ -270,3 +270,17 @@ def test_a_model_or_entry_of_another_dtype_or_kind_gets_a_checkpoint_error(tmp_p
     big, meta = torch.zeros(2, dtype=torch.int64), {"step": 0}
     load(path, model3, optimizer3, big=big, meta=meta)
     assert meta == {"step": 7} and big.tolist() == [1, 2**40] and torch.equal(model3[0].weight, model[0].weight)
+
+
+def test_a_ctrl_c_during_load_stays_a_keyboard_interrupt(tmp_path, monkeypatch):
+    """Note [A Ctrl-C inside DCP stays a Ctrl-C] in tba/checkpoint/_io.py: it became a TbaCheckpointError ("loading
+    ... failed: KeyboardInterrupt"), which a loop retrying failed loads (``except Exception``) caught."""
+    model, optimizer = make_model()
+    dcp.save(state_dict(model, optimizer), storage_writer=TbaStorageWriter(str(tmp_path / "c")))
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TbaStorageReader, "read_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load(str(tmp_path / "c"), *make_model())
