@@ -133,7 +133,14 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = QUEUE_DEPT
         return backend
     if queue_depth < 1:
         raise TbaConfigError(f"queue_depth must be >= 1, got {queue_depth}")
-    return _ENGINES[resolve_backend(backend)].factory(queue_depth)
+    name = resolve_backend(backend)
+    if backend != "auto" or name == "threads":
+        return _ENGINES[name].factory(queue_depth)
+    try:
+        return _ENGINES[name].factory(queue_depth)
+    except TbaConfigError as err:  # Note [A ring the kernel refuses] in tba/io/_io_uring.py
+        _log_auto_fallback(str(err))
+        return _ENGINES["threads"].factory(queue_depth)
 
 
 def _io_uring_engine(queue_depth: int) -> Engine:

@@ -53,7 +53,7 @@ from concurrent.futures import Future
 from tba import _control, _sched
 from tba._weak import WeakRegistry
 from tba.defaults import EXIT_IO_WAIT_S, MAX_QUEUE_DEPTH, QUEUE_DEPTH
-from tba.errors import EngineClosedError, ShortTransferError
+from tba.errors import EngineClosedError, ShortTransferError, TbaConfigError
 from tba.io._directory import lacks_descriptors, out_of_descriptors
 from tba.io._engine import Engine, Op, Request
 from tba.io._io_uring_probe import probe
@@ -72,7 +72,7 @@ class IoUringEngine(Engine):
 
     Raises:
         RuntimeError: When :func:`probe` reports that io_uring cannot be used here.
-        OSError: When the ring cannot be set up.
+        TbaConfigError: When the kernel refuses the ring (Note [A ring the kernel refuses]).
     """
 
     name = "io_uring"
@@ -93,7 +93,15 @@ class IoUringEngine(Engine):
             if lacks_descriptors(err):
                 # An OutOfDescriptorsError: the shared runtimes close idle ones and open again (tba/runtime/_shared.py).
                 raise out_of_descriptors("an io_uring ring", err) from err
-            raise
+            # Note: [A ring the kernel refuses]
+            # The probe's two-entry ring can work where this one fails: before Linux 5.12 a ring's memory
+            # counts against the locked-memory limit, so a deep queue fails with ENOMEM (as does a cgroup
+            # out of memory, or a sysctl changed since the probe). The bare OSError reached the user's
+            # with line, and backend='auto' did not use threads: make_engine falls back on this error.
+            raise TbaConfigError(
+                f"cannot set up an io_uring ring of {queue_depth} entries: {err.strerror or err}; lower queue_depth, "
+                "raise the locked-memory limit (ulimit -l; kernels before 5.12 count rings against it), or pass "
+                "backend='threads'") from err
         self._lock = threading.Lock()
         self._close_lock = threading.Lock()
         self._requests: dict[int, tuple[Future | Callable, Request]] = {}

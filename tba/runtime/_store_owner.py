@@ -58,6 +58,7 @@ class StoreOwner:
     config: OffloadConfig
     directory: str | None
     backend: Any
+    resolved_backend: str
     direct_io: bool | None
     queue_depth: int
     staging_bytes: int
@@ -174,14 +175,22 @@ class StoreOwner:
             self._store.window.controller = runtime.controller
             self._store.open(runtime.spill, runtime.engine, runtime.routes, runtime.read_pool)
             _at_fork.track(self)
+            self._note_engine(runtime.engine)
             self._log_open(runtime.spill, runtime.engine)
             return
         spill, engine, routes, _ = self._open_parts()
         self._store.open(spill, engine, routes)
+        self._note_engine(engine)
         _at_fork.track(self)
         # Note [An offloader dropped without close]
         _control.on_death(self, _close_abandoned, self._store, not isinstance(self.backend, Engine))
         self._log_open(spill, engine)
+
+    def _note_engine(self, engine: Engine) -> None:
+        """``backend="auto"`` may run threads where io_uring was expected (Note [A ring the kernel refuses] in
+        ``tba/io/_io_uring.py``): ``resolved_backend`` says the engine that runs."""
+        if isinstance(self.backend, str) and self.backend in ("auto", "kvikio"):  # kvikio's host engine is auto's
+            self.resolved_backend = engine.name
 
     def _log_open(self, spill: SpillFile, engine: Engine) -> None:
         if logger.isEnabledFor(logging.DEBUG):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import errno
 import itertools
 import logging
 import os
@@ -11,10 +12,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from engine_helpers import random_bytes
 from python_runs import run_python
 
 import tba.io
+from tba.errors import TbaConfigError
 from tba.io import ThreadEngine, make_engine
 from tba.io import _io_uring as io_uring_module
 from tba.io._engine import Op, Request
@@ -565,3 +568,31 @@ def test_an_interrupt_while_the_completion_thread_starts_leaves_no_ring_or_threa
         thread.join(timeout=5)
     assert not any(thread.is_alive() for thread in left)
     assert fds() == before
+
+
+@pytest.mark.requires_io_uring
+def test_a_ring_the_kernel_refuses_is_a_config_error_and_auto_uses_threads(spill_dir, monkeypatch, caplog):
+    """The probe's two-entry ring worked, the engine's own ring did not: on kernels before 5.12 a ring's memory counts
+    against the locked-memory limit (ulimit -l), so a deep queue fails with ENOMEM. The bare OSError reached the
+    user's with line, and backend='auto' did not fall back to threads (Note [A ring the kernel refuses])."""
+    from tba import _uring
+
+    real = _uring.Ring
+
+    def refusing(depth: int) -> object:
+        if depth > 2:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        return real(depth)
+
+    monkeypatch.setattr(_uring, "Ring", refusing)
+    with pytest.raises(TbaConfigError, match=r"io_uring ring of 64 entries.*ulimit -l.*backend='threads'"):
+        make_engine("io_uring", queue_depth=64)
+    with caplog.at_level(logging.INFO, logger="tba"):
+        engine = make_engine("auto", queue_depth=64)
+    engine.close()
+    assert isinstance(engine, ThreadEngine) and "backend 'auto' uses threads" in caplog.text
+    x = torch.randn(64, 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="auto", queue_depth=64, min_offload_bytes=0) as offloader:
+        loss = (x * 2).sin().sum()
+    loss.backward()
+    assert offloader.resolved_backend == "threads"
