@@ -27,7 +27,17 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 from tba._units import SizeError, parse_size
 from tba.defaults import ALIGN_BYTES, BLOCK_SIZE_BYTES, HUGE_PAGE_BYTES, QUEUE_DEPTH
 from tba.errors import TbaConfigError, TbaError
-from tba.io import Engine, Op, Request, create_preallocated, make_engine, resolve_backend, resolve_directory, round_up
+from tba.io import (
+    Engine,
+    Op,
+    Request,
+    create_preallocated,
+    dangling_link,
+    make_engine,
+    resolve_backend,
+    resolve_directory,
+    round_up,
+)
 from tba.io import host_buffer as io_host_buffer
 
 DEFAULT_QUEUE_DEPTH = QUEUE_DEPTH
@@ -40,7 +50,7 @@ DEFAULT_CHUNK_BYTES = BLOCK_SIZE_BYTES
 __all__ = [
     "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "ImagePool", "Op", "Request",
     "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "check_engine_settings", "create_preallocated",
-    "flatten_state_dict", "interrupt_in", "size_bytes",
+    "dangling_link", "flatten_state_dict", "interrupt_in", "size_bytes",
     "host_buffer", "make_engine", "resolve_directory",
 ]
 

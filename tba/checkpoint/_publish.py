@@ -22,7 +22,7 @@ import shutil
 import socket
 import threading
 
-from tba.checkpoint._io import TbaCheckpointError
+from tba.checkpoint._io import TbaCheckpointError, dangling_link
 
 logger = logging.getLogger("tba")
 
@@ -59,6 +59,10 @@ _AT_FDCWD = -100
 
 def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointError:
     """A :class:`TbaCheckpointError` for ``err`` raised while doing ``what``, naming the fix."""
+    link = dangling_link(directory) if err.errno in (errno.EEXIST, errno.ENOENT) else None
+    if link is not None:  # a disk not mounted: makedirs said "File exists" (at the link) or "No such file" (below)
+        return TbaCheckpointError(f"{what} in {directory} failed: {link} is a symbolic link to {os.path.realpath(link)}, "
+                                  "which does not exist; create that (is its disk mounted?) or save to another directory")
     if err.errno == errno.ENOSPC:
         fix = "free space there or save to another directory"
     elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):

@@ -24,7 +24,14 @@ from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
 from tba.errors import TbaConfigError, did_you_mean
 from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
-from tba.io._directory import OutOfDescriptorsError, lacks_descriptors, out_of_descriptors, probe_direct_io, resolve_directory
+from tba.io._directory import (
+    OutOfDescriptorsError,
+    dangling_link,
+    lacks_descriptors,
+    out_of_descriptors,
+    probe_direct_io,
+    resolve_directory,
+)
 from tba.io._engine import Engine, Op, Request
 from tba.io._fs import filesystem_type, memory_backed
 from tba.io._memory import aligned_empty, host_buffer, memory_view, round_up, storage_view
@@ -166,6 +173,7 @@ __all__ = [
     "backend_names",
     "checksum",
     "create_preallocated",
+    "dangling_link",
     "engine_names",
     "filled_buffer",
     "filesystem_type",

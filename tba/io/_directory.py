@@ -194,7 +194,7 @@ def prepare_directory(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
-        link = _dangling_link(directory)
+        link = dangling_link(directory)
         reason, fix = err.strerror, "pass directory= (or set TBA_DIR) to a writable directory on a fast local disk"
         if link is not None:
             reason = f"{link} is a symbolic link to {os.path.realpath(link)}, which does not exist"
@@ -202,7 +202,7 @@ def prepare_directory(directory: str) -> None:
         raise TbaConfigError(f"cannot create the offload directory {directory}: {reason}; {fix}") from err
 
 
-def _dangling_link(directory: str) -> str | None:
+def dangling_link(directory: str) -> str | None:
     """The first name on the way to ``directory`` that is a symbolic link to nothing (a disk not mounted), if any:
     ``makedirs`` then fails with "File exists" (at the link) or "No such file or directory" (below it)."""
     path = os.sep

@@ -111,6 +111,16 @@ def test_read_only_file_system_is_refused_at_once(tmp_path):
             LazyCheckpointer().save({"a": torch.ones(4)}, os.path.join(mount, "ckpt"))
 
 
+@pytest.mark.parametrize("below", ["", "run1"], ids=["the-parent", "above-the-parent"])
+def test_a_parent_behind_a_link_to_nothing_names_the_link(tmp_path, below):
+    # A link to a disk not mounted: makedirs failed with "File exists" (or "No such file or directory" below it), and the
+    # save said so, naming neither the link nor the fix (the offload directory's own check names them).
+    os.symlink(tmp_path / "unmounted", tmp_path / "ckpts")
+    path = os.path.join(tmp_path, "ckpts", below, "step1")
+    with pytest.raises(TbaCheckpointError, match=r"ckpts is a symbolic link to .*unmounted, which does not exist"):
+        LazyCheckpointer().save({"a": torch.ones(4)}, path)
+
+
 def test_a_failing_write_removes_its_staging_directory(tmp_path, monkeypatch):
     from tba.checkpoint import _layout
 
