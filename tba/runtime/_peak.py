@@ -35,11 +35,17 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 _RESET_PEAK = "5"
 
 
+_STATUS = "/proc/self/status"
+
+
 def _status_bytes(field: str) -> int | None:
+    # Bytes, not text: its first line is the process's name, which the kernel cuts to 15 bytes, inside a
+    # character of a name in UTF-8 (prctl PR_SET_NAME, setproctitle): read as UTF-8 it raised UnicodeDecodeError.
+    wanted = field.encode()
     try:
-        with open("/proc/self/status") as status:
+        with open(_STATUS, "rb") as status:
             for line in status:
-                if line.startswith(field):
+                if line.startswith(wanted):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
