@@ -27,12 +27,17 @@ from tba.device import cuda_api
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
+_STATUS = "/proc/self/status"
+
+
 def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
+    # Bytes: the process's name on the first line may end inside a UTF-8 character (tba/runtime/_peak.py).
+    wanted = field.encode()
+    with open(_STATUS, "rb") as status:
         for line in status:
-            if line.startswith(field):
+            if line.startswith(wanted):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    raise RuntimeError(f"{field} not in {_STATUS}")
 
 
 def usage_bytes(device: str = "cpu") -> int:
