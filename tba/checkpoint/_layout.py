@@ -197,12 +197,35 @@ def write_image(
         if check_snapshot is not None:
             check_snapshot()
     except BaseException:
-        concurrent.futures.wait(futures)
+        _wait_whole(futures)
         raise
     finally:
         if on_snapshot is not None:
             on_snapshot()
-    submit_until(padded_bytes)
-    concurrent.futures.wait(futures)
+    try:
+        submit_until(padded_bytes)
+        concurrent.futures.wait(futures)
+    except BaseException:
+        _wait_whole(futures)
+        raise
     for future in futures:
         future.result()
+
+
+def _wait_whole(futures: list[concurrent.futures.Future]) -> None:
+    """Wait for every write, through asynchronous exceptions too (the first is raised once they are done).
+
+    Note: [A save ends no sooner than its writes]
+    A synchronous save spends most of its time in the final wait for its writes, in the caller's thread,
+    where a Ctrl-C lands. It left write_image with writes still queued, and the writer closed the data file:
+    they ran on a closed descriptor, or on whatever file another thread opened under its number meanwhile.
+    """
+    interrupted = None
+    while True:
+        try:
+            concurrent.futures.wait(futures)
+            break
+        except BaseException as err:  # noqa: BLE001 - raised below, once every write has ended
+            interrupted = interrupted or err
+    if interrupted is not None:
+        raise interrupted

@@ -243,3 +243,61 @@ def test_a_full_temporary_directory_does_not_fail_a_lazy_save_elsewhere(tmp_path
             checkpointer.save(state, tmp_path / "ckpt").wait()
         assert_state_equal(load_state(str(tmp_path / "ckpt"), state, TbaStorageReader(str(tmp_path / "ckpt"))), state)
         assert sorted(os.listdir(tmp_path)) == ["ckpt", "tmp"]
+
+
+def test_a_ctrl_c_while_a_save_waits_for_its_writes_leaves_none_to_run_after_the_file_closed(tmp_path, monkeypatch):
+    # Note [A save ends no sooner than its writes] in tba/checkpoint/_layout.py: a synchronous save spends its time in
+    # the final wait for its writes, where a Ctrl-C landed and the data file was closed while writes were still
+    # queued: they ran on a closed descriptor, or on whatever file took its number meanwhile.
+    import concurrent.futures
+    import threading
+
+    from tba.checkpoint import _layout
+    from tba.io import Engine, ThreadEngine
+
+    class SlowEngine(Engine):
+        """Runs each write 20 ms after its submission, first noting whether its descriptor is still its file."""
+
+        def __init__(self) -> None:
+            self.inner = ThreadEngine(workers=1)
+            self.still_open: list[bool] = []
+            self.futures: list[concurrent.futures.Future] = []
+
+        def submit_many(self, requests):
+            inodes = [os.fstat(request.fd).st_ino for request in requests]
+
+            def run(request, inode):
+                time.sleep(0.02)
+                try:
+                    self.still_open.append(os.fstat(request.fd).st_ino == inode)
+                except OSError:
+                    self.still_open.append(False)
+                return self.inner.submit_many([request])[0].result()
+
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            futures = [pool.submit(run, request, inode) for request, inode in zip(requests, inodes)]
+            pool.shutdown(wait=False)
+            self.futures += futures
+            return futures
+
+        def close(self) -> None:
+            real_wait(self.futures)
+            self.inner.close()
+
+    real_wait = concurrent.futures.wait
+    calls = []
+
+    def interrupted_once(futures, *args, **kwargs):
+        if not calls and threading.current_thread() is threading.main_thread():
+            calls.append(1)
+            raise KeyboardInterrupt
+        return real_wait(futures, *args, **kwargs)
+
+    engine = SlowEngine()
+    monkeypatch.setattr(_layout.concurrent.futures, "wait", interrupted_once)
+    with pytest.raises((KeyboardInterrupt, CheckpointException)):
+        dcp.save({"w": torch.zeros(1 << 20)}, storage_writer=TbaStorageWriter(str(tmp_path / "c"), backend=engine,
+                                                                              chunk_bytes=1 << 20), no_dist=True)
+    monkeypatch.undo()
+    engine.close()
+    assert calls and engine.still_open and all(engine.still_open), engine.still_open
