@@ -144,11 +144,15 @@ class TbaStorageReader(StorageReader):
             per_file.setdefault(info.relative_path, []).append(item)
         files = self._open_files(list(per_file))
         try:
-            with make_engine(self._backend, queue_depth=self._queue_depth) as engine:
+            engine = make_engine(self._backend, queue_depth=self._queue_depth)
+            try:
                 for relative_path, items in per_file.items():
                     items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
                     self._read_file(engine, os.path.join(self.path, relative_path), files[relative_path],
                                     items, planner)
+            finally:
+                if engine is not self._backend:  # an Engine passed in is the caller's, as the writer's is
+                    engine.close()
         finally:
             _close_all(files)
         future: Future[None] = Future()

@@ -284,3 +284,19 @@ def test_a_ctrl_c_during_load_stays_a_keyboard_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(TbaStorageReader, "read_data", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load(str(tmp_path / "c"), *make_model())
+
+
+def test_an_engine_passed_to_the_reader_stays_open_as_the_writers_does(tmp_path):
+    # The reader closed it after one load (the writer leaves it to its owner): the next save through it failed with
+    # EngineClosedError inside DCP's CheckpointException.
+    from tba.io import ThreadEngine
+
+    engine = ThreadEngine(workers=2)
+    path = str(tmp_path / "c")
+    dcp.save({"w": torch.ones(4)}, storage_writer=TbaStorageWriter(path, backend=engine), no_dist=True)
+    loaded = {"w": torch.zeros(4)}
+    dcp.load(loaded, storage_reader=TbaStorageReader(path, backend=engine), no_dist=True)
+    assert torch.equal(loaded["w"], torch.ones(4))
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=TbaStorageWriter(str(tmp_path / "d"), backend=engine),
+             no_dist=True)
+    engine.close()
