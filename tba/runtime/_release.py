@@ -26,6 +26,7 @@ import torch
 
 from tba import defaults
 from tba._fork_lock import ForkSafeLock
+from tba.errors import EngineClosedError
 from tba.io import checksum
 from tba.runtime._entry import State, StorageEntry
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
@@ -40,7 +41,7 @@ logger = logging.getLogger("tba")
 
 # A full disk is reported once per process, directory and errno, not once per context: successive
 # one-shot contexts (one per step) would otherwise repeat the same warning every step.
-_WARNED_WRITE_ERRORS: set[tuple[str, int | None]] = set()
+_WARNED_WRITE_ERRORS: set[tuple[str, int | str | None]] = set()
 _WARNED_LOCK = ForkSafeLock()
 _WARNED_MOVED = False
 """Whether a storage resized under its write was warned about (once per process)."""
@@ -253,7 +254,7 @@ def _in_saved_memory(entry: StorageEntry, data: torch.Tensor) -> bool:
     return data.data_ptr() == entry.address and data.untyped_storage().nbytes() == entry.nbytes
 
 
-def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int | None, str]:
+def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int | str | None, str]:
     """The cause a failed write that would have ended ``end_bytes`` into the file is warned about once for
     (an errno), and the fix the warning names.
 
@@ -268,6 +269,11 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
     if number in (errno.EFBIG, errno.EINVAL) and limit != resource.RLIM_INFINITY and end_bytes > limit:
         return errno.EFBIG, (f"This process has a file-size limit of {limit} bytes (ulimit -f), which stops the spill "
                              "file there, in any directory: raise it (ulimit -f unlimited) before starting training.")
+    if isinstance(error, EngineClosedError):
+        # Not the disk: the engine given as backend= was closed, or came from the parent through fork() (a forked
+        # child's io_uring engine refuses all work), and the warning said to check the disk.
+        return "engine closed", ("The engine passed as backend= is closed, or was made before this process was "
+                                 "forked (each process needs its own): pass a backend name, or a new engine.")
     if number is None and "CUDA error" in str(error):
         # The device's copy to or from the staging block failed, not the file (after an illegal access, every
         # later CUDA call fails): freeing disk space would not help.

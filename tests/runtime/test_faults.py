@@ -174,3 +174,19 @@ def test_only_a_full_disk_is_told_to_free_space(number, says):
     cause, fix = _release.write_error_cause(OSError(number, os.strerror(number)), 1 << 20)
     assert cause == number and says in fix
     assert ("Free space" in fix) == (number in (errno.ENOSPC, errno.EDQUOT))
+
+
+def test_writes_refused_by_a_closed_engine_do_not_blame_the_disk(spill_dir, caplog):
+    # An engine passed as backend= and closed (or, in a forked child, one made by the parent) failed every write with
+    # EngineClosedError, and the one warning said "Check the disk (dmesg) or pass another directory".
+    engine = tba.io.ThreadEngine(workers=2)
+    offloader = tba.Offloader(spill_dir, backend=engine, policy="offload", min_offload_bytes=0)
+    engine.close()
+    lin = torch.nn.Linear(256, 256)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        with offloader:
+            loss = lin(torch.randn(512, 256)).relu().sum()
+        loss.backward()
+    offloader.close()
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 1 and "passed as backend= is closed" in failed[0] and "disk" not in failed[0], failed
