@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import re
+import resource
 import shutil
 import socket
 import threading
@@ -63,8 +64,11 @@ def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointEr
     if link is not None:  # a disk not mounted: makedirs said "File exists" (at the link) or "No such file" (below)
         return TbaCheckpointError(f"{what} in {directory} failed: {link} is a symbolic link to {os.path.realpath(link)}, "
                                   "which does not exist; create that (is its disk mounted?) or save to another directory")
-    if err.errno == errno.ENOSPC:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space there or save to another directory"
+    elif err.errno == errno.EFBIG:  # Note [A file-size limit is one cause] in tba/runtime/_release.py
+        fix = (f"this process may write files of at most {resource.getrlimit(resource.RLIMIT_FSIZE)[0]} bytes (ulimit -f): "
+               "raise the limit (ulimit -f unlimited)")
     elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         fix = "save to a writable directory"
     else:

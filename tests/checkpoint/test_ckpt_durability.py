@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import signal
@@ -301,3 +302,12 @@ def test_a_ctrl_c_while_a_save_waits_for_its_writes_leaves_none_to_run_after_the
     monkeypatch.undo()
     engine.close()
     assert calls and engine.still_open and all(engine.still_open), engine.still_open
+
+
+def test_a_file_size_limit_is_named_as_the_cause_of_a_failed_save(tmp_path):
+    # A save over `ulimit -f` failed with "File too large; check the directory and the disk".
+    from tba.checkpoint._publish import checkpoint_error
+
+    message = str(checkpoint_error(OSError(errno.EFBIG, os.strerror(errno.EFBIG)), "writing the checkpoint", str(tmp_path)))
+    assert "ulimit -f" in message and "disk" not in message
+    assert "free space" in str(checkpoint_error(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), "writing", str(tmp_path)))
