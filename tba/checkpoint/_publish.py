@@ -4,8 +4,8 @@ A save writes under a staging directory beside the checkpoint (``.<name>.tba-par
 and publishes it with :func:`swap_into_place`: one ``rename`` when nothing is at the target, else
 ``renameat2(RENAME_EXCHANGE)``, which swaps the two directories in one atomic step, so the name
 always holds a whole checkpoint. :func:`fsync_path` makes files and directory entries durable;
-:func:`remove_stale_partials` removes staging directories of processes that died mid-save
-(:func:`hold_staging` marks a live one).
+:func:`~tba.checkpoint._stale.remove_stale_partials` (``_stale.py``) removes staging directories of processes
+that died mid-save (:func:`hold_staging` marks a live one).
 """
 
 from __future__ import annotations
@@ -119,60 +119,6 @@ def release_staging(fd: int) -> None:
     if fd in HELD_FDS:
         HELD_FDS.discard(fd)
         os.close(fd)
-
-
-def _pid_gone(parent: str, entry: str, pid: int) -> bool:
-    if pid == os.getpid():
-        return os.path.join(parent, entry.removesuffix(".old")) not in ACTIVE_STAGING
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def _lock_free(path: str) -> bool | None:
-    """Whether nobody holds ``path``'s flock (True), somebody does (False), or it cannot be told (None)."""
-    if os.path.islink(path):
-        return True  # a staging directory is never a link: a replaced symlink, owned by the pid alone
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def remove_stale_partials(parent: str, name: str | None = None) -> None:
-    """Remove the staging directories in ``parent`` whose save died (Note [Whose partial directory is dead]).
-
-    ``name``: the checkpoint being saved, whose dead partials go even where ``flock`` is unsupported.
-    """
-    try:
-        entries = os.listdir(parent)
-    except OSError:
-        return
-    for entry in entries:
-        match = _PARTIAL.match(entry)
-        if not match or match.group("machine") not in (None, MACHINE):
-            continue  # another machine's save: its pid means nothing here
-        if not _pid_gone(parent, entry, int(match.group("pid"))):
-            continue
-        path = os.path.join(parent, entry)
-        free = _lock_free(path)
-        if free is False or (free is None and match.group("name") != name):
-            continue
-        logger.info("tba: removing %s left by a save that did not finish", entry)
-        remove_replaced(path)
 
 
 def fsync_path(path: str) -> None:

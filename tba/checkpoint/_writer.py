@@ -62,10 +62,10 @@ from tba.checkpoint._publish import (
     is_checkpoint_dir,
     release_staging,
     remove_replaced,
-    remove_stale_partials,
     staging_name,
     swap_into_place,
 )
+from tba.checkpoint._stale import remove_stale_partials
 
 logger = logging.getLogger("tba")
 

@@ -311,3 +311,24 @@ def test_a_file_size_limit_is_named_as_the_cause_of_a_failed_save(tmp_path):
     message = str(checkpoint_error(OSError(errno.EFBIG, os.strerror(errno.EFBIG)), "writing the checkpoint", str(tmp_path)))
     assert "ulimit -f" in message and "disk" not in message
     assert "free space" in str(checkpoint_error(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), "writing", str(tmp_path)))
+
+
+@pytest.mark.parametrize("then", ["load", "save"])
+def test_a_checkpoint_moved_aside_by_a_save_killed_mid_publish_is_put_back(tmp_path, then):
+    # Without RENAME_EXCHANGE (NFS, many FUSE file systems) a save publishes in two renames: the old checkpoint to
+    # <staging>.old, then the staging directory to the name. Killed between them, it left the name empty, and the next
+    # load (or save) in the directory removed both as a dead save's partials: the last checkpoint was gone.
+    from tba.checkpoint._publish import MACHINE
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    staging = tmp_path / f".ckpt.tba-partial-m{MACHINE}-{int(dead.stdout)}-0123456789ab"
+    os.rename(path, f"{staging}.old")
+    staging.mkdir()  # the new checkpoint's staging directory, never published
+    if then == "load":
+        assert torch.equal(load_state(path, {"w": torch.empty(8)}, TbaStorageReader(path))["w"], torch.ones(8))
+    else:
+        dcp.save({"w": torch.zeros(8)}, storage_writer=TbaStorageWriter(str(tmp_path / "other")), no_dist=True)
+        assert torch.equal(load_state(path, {"w": torch.empty(8)}, TbaStorageReader(path))["w"], torch.ones(8))
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt"] + (["other"] if then == "save" else []))
