@@ -165,7 +165,12 @@ def swap_into_place(staging: str, target: str) -> str | None:
                        parent, err.strerror)
         aside = staging + ".old"
         os.rename(target, aside)
-        os.rename(staging, target)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the old checkpoint goes back: the save failed, nothing changed
+                os.rename(aside, target)
+            raise
     fsync_path(parent)
     return aside
 

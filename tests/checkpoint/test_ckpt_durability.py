@@ -332,3 +332,29 @@ def test_a_checkpoint_moved_aside_by_a_save_killed_mid_publish_is_put_back(tmp_p
         dcp.save({"w": torch.zeros(8)}, storage_writer=TbaStorageWriter(str(tmp_path / "other")), no_dist=True)
         assert torch.equal(load_state(path, {"w": torch.empty(8)}, TbaStorageReader(path))["w"], torch.ones(8))
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt"] + (["other"] if then == "save" else []))
+
+
+def test_a_two_step_publish_whose_second_rename_fails_leaves_the_old_checkpoint_in_place(tmp_path, monkeypatch):
+    # The old checkpoint had been renamed aside when the new one's rename failed: the error said "any earlier
+    # checkpoint is unchanged", and the name was empty.
+    from tba.checkpoint import _publish
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    real_rename = os.rename
+
+    def no_exchange(a, b):
+        raise OSError(errno.EINVAL, "no RENAME_EXCHANGE")
+
+    def rename(a, b):
+        if b == path and not a.endswith(".old"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_rename(a, b)
+
+    monkeypatch.setattr(_publish, "_exchange", no_exchange)
+    monkeypatch.setattr(_publish.os, "rename", rename)
+    with pytest.raises((CheckpointException, TbaCheckpointError), match="Input/output error"):
+        dcp.save({"w": torch.zeros(8)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    monkeypatch.undo()
+    assert os.path.isdir(path)  # at once: another process's load would find the name empty until this one's next save
+    assert torch.equal(load_state(path, {"w": torch.empty(8)}, TbaStorageReader(path))["w"], torch.ones(8))
