@@ -230,7 +230,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             # so an engine kept by the writer leaked a ring descriptor and a thread per save. The
             # engine lives exactly as long as one save's writes; an Engine passed in is the caller's.
             # The file first: a full disk fails it before any engine (its ring and thread) exists to leak.
-            fd, _ = create_preallocated(path, align_up(file_bytes))
+            fd, _ = create_preallocated(path, align_up(file_bytes), directory=os.path.dirname(file_plan.staging))
             engine = None
             try:
                 engine = self._backend if isinstance(self._backend, Engine) else make_engine(

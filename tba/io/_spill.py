@@ -43,10 +43,11 @@ from tba.io._fs import memory_backed
 logger = logging.getLogger("tba")
 
 
-def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
+def create_preallocated(path: str, size_bytes: int, *, directory: str | None = None) -> tuple[int, bool]:
     """Create ``path`` for writing (it must not exist), ``O_DIRECT`` where the file system takes it
-    (else buffered, with one warning per directory), with ``size_bytes`` preallocated, so that a
-    full disk fails here rather than at a write. Returns the descriptor and whether it is ``O_DIRECT``.
+    (else buffered, with one warning per ``directory``, by default the file's own: a checkpoint passes
+    its parent, not the save's staging directory, new at each save), with ``size_bytes`` preallocated,
+    so that a full disk fails here rather than at a write. Returns the descriptor and whether it is ``O_DIRECT``.
 
     Raises:
         OSError: ``ENOSPC`` when the space cannot be reserved, or the file cannot be created.
@@ -57,7 +58,8 @@ def create_preallocated(path: str, size_bytes: int) -> tuple[int, bool]:
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
-        warn_buffered_once(os.path.dirname(path), f"O_DIRECT refused ({err.strerror})")
+        directory = directory or os.path.dirname(path)
+        warn_buffered_once(directory, f"O_DIRECT refused in {directory} ({err.strerror})")
         # Note [A failed open can leave its name] (tba/io/_directory.py): O_EXCL says the name is this call's.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -131,3 +131,18 @@ def test_create_preallocated_where_o_direct_is_refused_after_the_file_was_made(r
     finally:
         os.close(fd)
     assert os.listdir(ramfs_dir) == ["checkpoint.bin"]
+
+
+def test_checkpoints_where_o_direct_is_refused_warn_once_naming_the_directory(ramfs_dir, caplog):
+    # create_preallocated warned once per directory of its file, and each save's file lies in a staging directory of
+    # its own: every checkpoint to a file system without O_DIRECT warned again, naming no directory.
+    import torch.distributed.checkpoint as dcp
+
+    from tba.checkpoint import TbaStorageWriter
+
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        for step in range(3):
+            dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(os.path.join(ramfs_dir, f"step{step}")),
+                     no_dist=True)
+    warned = [r.getMessage() for r in caplog.records if "buffered I/O" in r.getMessage()]
+    assert len(warned) == 1 and ramfs_dir in warned[0], warned
