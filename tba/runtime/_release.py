@@ -278,6 +278,10 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         # The device's copy to or from the staging block failed, not the file (after an illegal access, every
         # later CUDA call fails): freeing disk space would not help.
         return None, "The GPU failed, not the disk: the CUDA error above is the cause; fix it, the directory is fine."
+    if error is not None and not isinstance(error, OSError):
+        # Not the disk's answer: the engine itself failed (a thread it could not start: "can't start new thread").
+        return type(error).__name__, ("The I/O engine failed, not the disk: the error above says why (a limit on "
+                                      "threads or memory?); fix that, or pass backend= another engine.")
     # Only a full disk is fixed by freeing space: one remounted read-only after an error (ext4's errors=remount-ro)
     # or failing with EIO was told to free space there.
     if number in (errno.ENOSPC, errno.EDQUOT):

@@ -190,3 +190,12 @@ def test_writes_refused_by_a_closed_engine_do_not_blame_the_disk(spill_dir, capl
     offloader.close()
     failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(failed) == 1 and "passed as backend= is closed" in failed[0] and "disk" not in failed[0], failed
+
+
+def test_an_engine_that_cannot_start_a_thread_is_not_blamed_on_the_disk():
+    # A thread engine whose pool could not start a worker failed each write with RuntimeError("can't start new thread"),
+    # and the one warning said "Check the disk (dmesg) or pass another directory".
+    from tba.runtime import _release
+
+    cause, fix = _release.write_error_cause(RuntimeError("can't start new thread"), 1 << 20)
+    assert cause == "RuntimeError" and "not the disk" in fix and "dmesg" not in fix
