@@ -55,7 +55,9 @@ def _ldconfig_paths() -> dict[str, str]:
     """file name -> path from the dynamic linker's cache (``ldconfig -p``), this machine's architecture first."""
     for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
         try:
-            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10).stdout
+            # Paths are file names, decoded as Python decodes them: a library path that is not UTF-8 raised.
+            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10,
+                                 encoding=sys.getfilesystemencoding(), errors="surrogateescape").stdout
         except (OSError, subprocess.SubprocessError):
             continue
         marker = "x86-64" if os.uname().machine == "x86_64" else ""

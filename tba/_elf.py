@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 
 ELF_MAGIC = b"\x7fELF"
 SHT_DYNSYM = 11
@@ -65,7 +66,9 @@ def imports_symbol(path: str, name: str) -> bool | None:
 def mapped_file(address: int) -> str | None:
     """The path of the file mapped at ``address`` in this process (``/proc/self/maps``), else None."""
     try:
-        with open("/proc/self/maps") as maps:
+        # Paths are file names, decoded as Python decodes them: a line naming a file that is not UTF-8
+        # raised UnicodeDecodeError (a ValueError), and the search gave up before the address's own line.
+        with open("/proc/self/maps", encoding=sys.getfilesystemencoding(), errors="surrogateescape") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 start, end = (int(bound, 16) for bound in fields[0].split("-"))

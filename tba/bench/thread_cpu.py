@@ -35,7 +35,7 @@ EXITED_MIN_FRACTION = 0.02
 
 def _stat_fields(tid: str) -> list[str] | None:
     try:
-        with open(f"{_TASKS}/{tid}/stat") as f:
+        with open(f"{_TASKS}/{tid}/stat", errors="replace") as f:  # its second field is the name, as in comm
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
@@ -55,7 +55,7 @@ def _on_cpu_ns(tid: str, fields: list[str]) -> int | None:
 
 def _comm(tid: str) -> str:
     try:
-        with open(f"{_TASKS}/{tid}/comm") as f:
+        with open(f"{_TASKS}/{tid}/comm", errors="replace") as f:  # a name set by prctl need not be UTF-8
             return f.read().strip()
     except OSError:
         return "?"

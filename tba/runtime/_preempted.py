@@ -61,8 +61,8 @@ def snapshot() -> Snapshot | None:
         if tid in excluded:
             continue
         try:
-            with open(f"{_TASKS}/{name}/comm") as comm:
-                if comm.read().startswith("iou-"):
+            with open(f"{_TASKS}/{name}/comm", "rb") as comm:  # bytes: a name need not be UTF-8 (prctl)
+                if comm.read().startswith(b"iou-"):
                     continue
             with open(f"{_TASKS}/{name}/schedstat") as stat:
                 cpu_ns, wait_ns, _ = stat.read().split()
