@@ -40,7 +40,8 @@ from tba import _sched
 from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
 from tba.checkpoint._handle import LazyCheckpoint
 from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError, interrupt_in, size_bytes
-from tba.checkpoint._publish import begin_save, wait_for_earlier_saves
+from tba.checkpoint._publish import begin_save, hold_staging, release_staging, wait_for_earlier_saves
+from tba.checkpoint._stale import remove_dead_warm_ups, warm_up_prefix
 from tba.checkpoint._writer import TbaStorageWriter
 
 logger = logging.getLogger("tba")
@@ -80,9 +81,15 @@ def _warm_up_in_caller(backend: str, queue_depth: int, fallback_dir: str | None 
     for directory in dict.fromkeys((None, fallback_dir)):
         writer = TbaStorageWriter(backend=backend, queue_depth=queue_depth, image_pool=ImagePool())
         try:
-            with tempfile.TemporaryDirectory(prefix=".tba-warm-up-", dir=directory) as scratch:
-                writer.reset(os.path.join(scratch, "warm_up"))
-                dcp.save({"warm_up": torch.zeros(8, device="cpu")}, storage_writer=writer, no_dist=True)
+            remove_dead_warm_ups(directory or tempfile.gettempdir())
+            with tempfile.TemporaryDirectory(prefix=warm_up_prefix(), dir=directory) as scratch:
+                # Note [A warm-up killed mid-way is removed by the next] in tba/checkpoint/_stale.py
+                held = hold_staging(scratch)
+                try:
+                    writer.reset(os.path.join(scratch, "warm_up"))
+                    dcp.save({"warm_up": torch.zeros(8, device="cpu")}, storage_writer=writer, no_dist=True)
+                finally:
+                    release_staging(held)
             _warmed_up = True
             return
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps errors in its own BaseException

@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
+import shutil
 
 from tba.checkpoint._publish import _PARTIAL, ACTIVE_STAGING, MACHINE, fsync_path, remove_replaced
 
@@ -94,3 +96,35 @@ def _put_back(parent: str, name: str, path: str) -> bool:
         return False
     logger.warning("tba: %s was moved aside by a save killed before it published the new one; put back", target)
     return True
+
+
+_WARM_UP = re.compile(r"\.tba-warm-up-m(?P<machine>[0-9a-f]{8})-(?P<pid>\d+)-")
+
+
+def warm_up_prefix() -> str:
+    """The prefix of this process's warm-up directory (Note [A warm-up killed mid-way is removed by the next])."""
+    return f".tba-warm-up-m{MACHINE}-{os.getpid()}-"
+
+
+def remove_dead_warm_ups(parent: str) -> None:
+    """Remove the warm-up directories in ``parent`` that processes killed during their first lazy save left.
+
+    Note: [A warm-up killed mid-way is removed by the next]
+    The first lazy save of a process takes a tiny checkpoint in a temporary directory first (Note [Fork while the
+    save thread runs] in ``tba/checkpoint/_lazy.py``); a process killed meanwhile left ``.tba-warm-up-*`` in
+    ``/tmp`` (or in the checkpoint's parent) for good (helper-116). Each warm-up now holds its directory's
+    ``flock``, and removes, where it is about to make its own, those of this machine whose pid is gone and whose
+    lock is free, the rule of the staging directories (Note [Whose partial directory is dead] in
+    ``tba/checkpoint/_publish.py``): a live warm-up of another PID namespace keeps its lock.
+    """
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        match = _WARM_UP.match(entry)
+        if not match or match.group("machine") != MACHINE or int(match.group("pid")) == os.getpid():
+            continue
+        path = os.path.join(parent, entry)
+        if _pid_gone(parent, entry, int(match.group("pid"))) and _lock_free(path) is True and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)

@@ -300,3 +300,36 @@ def test_a_ctrl_c_during_the_first_saves_warm_up_reaches_the_caller(tmp_path, mo
     monkeypatch.setattr(TbaStorageWriter, "write_data", interrupted)
     with LazyCheckpointer() as checkpointer, pytest.raises(KeyboardInterrupt):
         checkpointer.save({"w": torch.zeros(3)}, str(tmp_path / "c"))
+
+
+def test_a_warm_up_left_by_a_killed_process_is_removed_by_the_next(tmp_path, monkeypatch):
+    """Note [A warm-up killed mid-way is removed by the next] in tba/checkpoint/_stale.py."""
+    import fcntl
+    import subprocess
+    import sys
+    import tempfile
+
+    from tba.checkpoint import _lazy
+    from tba.checkpoint._publish import MACHINE
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    left = {
+        "killed": f".tba-warm-up-m{MACHINE}-{dead_pid}-a1",  # removed
+        "locked": f".tba-warm-up-m{MACHINE}-{dead_pid}-b2",  # another PID namespace's, alive: its lock is held
+        "elsewhere": f".tba-warm-up-m{'0' * 8 if MACHINE != '0' * 8 else '1' * 8}-{dead_pid}-c3",  # another machine's
+        "mine": f".tba-warm-up-m{MACHINE}-{os.getpid()}-d4",
+    }
+    for name in left.values():
+        (tmp_path / name / "warm_up").mkdir(parents=True)
+        (tmp_path / name / "warm_up" / "__0_0.distcp").write_bytes(b"x" * 64)
+    lock = os.open(tmp_path / left["locked"], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        monkeypatch.setattr(_lazy, "_warmed_up", False)
+        _lazy._warm_up_in_caller("auto", 8)
+        assert _lazy._warmed_up
+    finally:
+        os.close(lock)
+    assert sorted(os.listdir(tmp_path)) == sorted(name for key, name in left.items() if key != "killed")
