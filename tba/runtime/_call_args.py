@@ -56,8 +56,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
+from tba.errors import TbaError
 from tba.runtime._call_objects import CONTAINERS, attributes_of, copied_arrays, put_attributes, put_contents
 from tba.runtime._views import inplace_error
 
@@ -244,3 +246,15 @@ def call_tensor_versions(args: tuple, kwargs: dict, held: Any = lambda args, kwa
     tensors = [*enumerate(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                *held(args, kwargs)]
     return [(where, tensor, tensor._version) for where, tensor in tensors if not tensor.is_inference()]
+
+
+def refuse_cache(layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`TbaError` when a key/value cache is among the recomputed layer's arguments (Note [A layer
+    given a key/value cache is not recomputed] above)."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return  # nothing is recomputed then: generate() under a plan that recomputes the blocks
+    cache = updated_cache(args, kwargs)
+    if cache is not None:
+        raise TbaError(f"a recomputed layer ({type(layer).__name__}) is given a key/value cache ({type(cache).__name__}), "
+                       "which its recomputation would update a second time; train with use_cache=False (model(..., "
+                       "use_cache=False) or model.config.use_cache = False), or keep or offload this layer")

@@ -62,6 +62,7 @@ from tba.runtime._private_state import Signature, check_watchable, modules_state
 
 if TYPE_CHECKING:
     from tba.runtime._first_call import FirstCall
+    from tba.runtime._overlap import Use
 
 
 class OutsideModules:
@@ -70,12 +71,13 @@ class OutsideModules:
     Made right before the first call; :meth:`start` registers its hook and :attr:`stop` (a C callable) takes it out.
     """
 
-    __slots__ = ("_own", "_learned", "_seen", "_thread", "_key", "states", "parameters", "slots", "groups", "generators",
-                 "private", "stop", "__weakref__")
+    __slots__ = ("_own", "_learned", "_use", "_seen", "_thread", "_key", "states", "parameters", "slots", "groups",
+                 "generators", "private", "stop", "__weakref__")
 
-    def __init__(self, layer: nn.Module, learned: Learned) -> None:
+    def __init__(self, layer: nn.Module, learned: Learned, use: Use) -> None:
         self._own = frozenset(map(id, layer.modules()))
         self._learned = learned
+        self._use = use
         self._seen: set[int] = set()
         self._thread = threading.get_ident()
         self.states: list[ModuleState] = []
@@ -105,6 +107,7 @@ class OutsideModules:
             return
         new = [sub for sub in module.modules() if id(sub) not in self._own and id(sub) not in self._seen]
         self._seen.update(map(id, new))
+        self._use.add(new)  # Note [A recomputation and a first call of its state in two threads] in tba/runtime/_overlap.py
         for sub in new:  # Note [What a layer learned of a module outside it goes with that module] in tba/runtime/_learned.py
             self._learned.meet(sub)
         self.states += snapshot(new, self._learned)
@@ -118,10 +121,11 @@ class OutsideModules:
 
 
 def first_call(layer: nn.Module, learned: Learned, first: FirstCall, private: Signature, forward: Callable[..., Any],
-               args: tuple, kwargs: dict[str, Any]) -> Any:
+               args: tuple, kwargs: dict[str, Any], use: Use) -> Any:
     """Run a recomputed layer's first call, ``forward(*args, **kwargs)``, with the modules outside the layer that it runs
-    watched; then their state is ``first``'s and their private and nested state ``private``'s, as the layer's own."""
-    outside = OutsideModules(layer, learned)
+    watched; then their state is ``first``'s and their private and nested state ``private``'s, as the layer's own, and
+    they are ``use``'s."""
+    outside = OutsideModules(layer, learned, use)
     try:
         outside.start()  # inside the try: an exception as it returns still stops it
         out = forward(*args, **kwargs)

@@ -74,7 +74,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tba.errors import TbaError
-from tba.runtime._call_args import call_tensor_versions, take_apart, updated_cache
+from tba.runtime._call_args import call_tensor_versions, refuse_cache, take_apart
 from tba.runtime._call_objects import Holder, attribute_tensors, changed_holder_message
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
@@ -83,8 +83,9 @@ from tba.runtime._generators import set_states, states_now
 from tba.runtime._global_settings import settings_now, switch_to
 from tba.runtime._layer_hooks import Recomputing
 from tba.runtime._layer_state import restore, snapshot
-from tba.runtime._learned import learned_for
+from tba.runtime._learned import Learned, learned_for
 from tba.runtime._outside_state import first_call as outside_first_call
+from tba.runtime._overlap import Use
 from tba.runtime._pairs import is_checkpoint_pair, is_mutation_pair, is_tba_pair
 from tba.runtime._private_state import (
     DeepLabel,
@@ -147,24 +148,35 @@ class RecomputeLayers:
 def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     def first_or_again(calls: list[int], first: FirstCall, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        learned = learned_for(layer)
-        if calls[0] == 1:
-            _refuse_cache(layer, args, kwargs)
-            first.start(layer, args, kwargs, learned)
-            inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
-            check_watchable(layer, private.deep)  # Note [The walk of nested state]
-            if compiled_within:
-                out = forward(*args, **kwargs)
-            else:  # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
-                out = outside_first_call(layer, learned, first, private, forward, args, kwargs)
-            first.private, first.nested = (private_state(layer, outside=first.outside_groups) if private else []), private
-            change = first_change(private, first.private) if private else None
-            if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
-                check_restorable(layer, private.deep, first.private.deep)
-                change = None
-            _check_inputs_unchanged(layer, inputs, change)
-            first.settle(layer, learned)
-            return out
+        use = Use("first call" if calls[0] == 1 else "recomputation", layer)
+        try:  # Note [A recomputation and a first call of its state in two threads] in tba/runtime/_overlap.py
+            use.begin([*layer.modules(), *(state.module for state in first.outside)])
+            if calls[0] == 1:
+                return first_call(first, use, learned_for(layer), *args, **kwargs)
+            return again(first, learned_for(layer), *args, **kwargs)
+        finally:
+            use.end()
+            use.check()  # here too when torch's early stop ends the recomputation with an exception
+
+    def first_call(first: FirstCall, use: Use, learned: Learned, *args: Any, **kwargs: Any) -> Any:
+        refuse_cache(layer, args, kwargs)
+        first.start(layer, args, kwargs, learned)
+        inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
+        check_watchable(layer, private.deep)  # Note [The walk of nested state]
+        if compiled_within:
+            out = forward(*args, **kwargs)
+        else:  # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
+            out = outside_first_call(layer, learned, first, private, forward, args, kwargs, use)
+        first.private, first.nested = (private_state(layer, outside=first.outside_groups) if private else []), private
+        change = first_change(private, first.private) if private else None
+        if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
+            check_restorable(layer, private.deep, first.private.deep)
+            change = None
+        _check_inputs_unchanged(layer, inputs, change)
+        first.settle(layer, learned)
+        return out
+
+    def again(first: FirstCall, learned: Learned, *args: Any, **kwargs: Any) -> Any:
         first.check_unchanged(layer)
         check_private_unchanged(layer, first.private, first.outside_groups)
         after = snapshot([*layer.modules(), *(state.module for state in first.outside)], learned)
@@ -274,18 +286,6 @@ def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int | Holder, t
                 f"argument {position}, version {version}, now {tensor._version}): its recomputation in backward would "
                 "start from the changed input. Keep or offload this layer (policy='offload', or a tba.Plan that does "
                 "not recompute it), or make the change out of place (x = x * 0.9 instead of x.mul_(0.9))")
-
-
-def _refuse_cache(layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Raise :class:`TbaError` when a key/value cache is among the recomputed layer's arguments (Note [A layer
-    given a key/value cache is not recomputed] in ``tba/runtime/_call_args.py``)."""
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        return  # nothing is recomputed then: generate() under a plan that recomputes the blocks
-    cache = updated_cache(args, kwargs)
-    if cache is not None:
-        raise TbaError(f"a recomputed layer ({type(layer).__name__}) is given a key/value cache ({type(cache).__name__}), "
-                       "which its recomputation would update a second time; train with use_cache=False (model(..., "
-                       "use_cache=False) or model.config.use_cache = False), or keep or offload this layer")
 
 
 def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

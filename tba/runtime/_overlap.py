@@ -1,0 +1,101 @@
+"""Which modules' state a first call or a recomputation of a recomputed layer is using, on which thread.
+
+Note: [A recomputation and a first call of its state in two threads]
+A recomputation loads the state its layer's first call started from into the modules it runs (the
+layer's own, and those outside it that the first call ran: Note [A recomputation puts back the
+modules outside its layer that it calls] in ``tba/runtime/_outside_state.py``), runs the forward,
+and writes back the state it found (Note [Side effects of a recomputed forward] in
+``tba/runtime/_layer_state.py``). Backward of step N run in a thread while the main thread runs the
+forward of step N+1 let the first call of the same layer run in between: it read the loaded state
+and its BatchNorm update was overwritten by the write back, or its snapshot took the loaded state.
+The running statistics differed from training without tba, silently (gradients were equal); a
+review found layers 4-5 of six differing.
+
+Waiting would make it exact, but the thread holding a layer's state may be waiting for the other:
+a forward that runs backward (forces as the gradient of an energy), whose recomputations run on
+autograd's device thread under CUDA, or threads the program synchronises itself. So the overlap is
+refused, on both threads. Each first call and each recomputation is a :class:`Use`: put into
+:data:`_uses` before it looks at anything, it lists the ids of the modules it uses (a first call
+adds each module outside its layer as it is called) and then looks for a use of another thread
+that lists one of them, where one of the two is a recomputation (two first calls, two forwards of one
+model at once, race without tba too): one is found by whichever of the two lists second (set operations are
+atomic). That one raises :class:`~tba.errors.TbaError` before it touches the module, and marks the
+other, which raises when it ends, so that the failure also reaches a training thread whose
+backward thread failed. Without an overlap nothing changes: a first call wholly before or after
+a recomputation is exact. A use of the same thread is not refused (a recomputation inside a forward
+on one thread). The use leaves :data:`_uses` through one C call, :attr:`Use.end` (Note [An exit that
+always runs] in ``tba/_whole_exit.py``): no Python frame starts there for a signal handler's exception.
+A child forked while another thread of the parent was in a use drops it: that thread never ends it there.
+
+Not covered: a module of the layer called on another thread by code tba does not wrap (a kept
+layer, or an evaluation outside the ``with`` block) while the recomputation runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Iterable
+
+from torch import nn
+
+from tba.errors import TbaError
+
+_uses: set[Use] = set()
+"""The first calls and recomputations running, on every thread."""
+
+
+class Use:
+    """A first call (``what="first call"``) or a recomputation of ``layer`` on the calling thread; :meth:`end` ends it."""
+
+    __slots__ = ("thread", "what", "layer", "modules", "clash", "end", "__weakref__")
+
+    def __init__(self, what: str, layer: nn.Module) -> None:
+        self.thread = threading.get_ident()
+        self.what = what
+        self.layer = type(layer).__name__
+        self.modules: set[int] = set()
+        self.clash = ""
+        """The message to raise when this use ends: another thread's use of its modules was refused."""
+        self.end = functools.partial(_uses.discard, self)
+
+    def begin(self, modules: Iterable[nn.Module]) -> None:
+        """Enter the use with ``modules``: called inside the ``try`` whose ``finally`` calls :attr:`end`."""
+        _uses.add(self)
+        self.add(modules)
+
+    def add(self, modules: Iterable[nn.Module]) -> None:
+        """The use also takes ``modules``; raise :class:`TbaError` when another thread's use holds one of them."""
+        ids = [id(module) for module in modules]
+        self.modules.update(ids)
+        for other in list(_uses):
+            if other.thread != self.thread and "recomputation" in (self.what, other.what) and not other.modules.isdisjoint(ids):
+                message = _message(self, other)
+                other.clash = other.clash or message
+                raise TbaError(message)
+
+    def check(self) -> None:
+        """Raise :class:`TbaError` when another thread's use of this one's modules was refused meanwhile."""
+        if self.clash:
+            raise TbaError(self.clash)
+
+
+def _message(new: Use, running: Use) -> str:
+    first, again = (new, running) if new.what == "first call" else (running, new)
+    return (f"the {again.what} of a recomputed layer ({again.layer}) in one thread overlapped the {first.what} of "
+            f"{first.layer}, which uses the same modules' state, in another (backward of one step in a thread while "
+            "the next forward runs): the recomputation puts back the state its forward started from, and would undo "
+            "or give the other thread's updates (BatchNorm's running statistics). Run the backward before the next "
+            "forward, or in the same thread, or keep or offload these layers instead of recomputing them")
+
+
+def _after_fork_in_child() -> None:
+    """The uses of the parent's other threads never end in the child."""
+    me = threading.get_ident()
+    for use in list(_uses):
+        if use.thread != me:
+            _uses.discard(use)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
