@@ -14,21 +14,26 @@ review found layers 4-5 of six differing.
 Waiting would make it exact, but the thread holding a layer's state may be waiting for the other:
 a forward that runs backward (forces as the gradient of an energy), whose recomputations run on
 autograd's device thread under CUDA, or threads the program synchronises itself. So the overlap is
-refused, on both threads. Each first call and each recomputation is a :class:`Use`: put into
-:data:`_uses` before it looks at anything, it lists the ids of the modules it uses (a first call
-adds each module outside its layer as it is called) and then looks for a use of another thread
-that lists one of them, where one of the two is a recomputation (two first calls, two forwards of one
-model at once, race without tba too): one is found by whichever of the two lists second (set operations are
-atomic). That one raises :class:`~tba.errors.TbaError` before it touches the module, and marks the
-other, which raises when it ends, so that the failure also reaches a training thread whose
-backward thread failed. Without an overlap nothing changes: a first call wholly before or after
-a recomputation is exact. A use of the same thread is not refused (a recomputation inside a forward
-on one thread). The use leaves :data:`_uses` through one C call, :attr:`Use.end` (Note [An exit that
-always runs] in ``tba/_whole_exit.py``): no Python frame starts there for a signal handler's exception.
-A child forked while another thread of the parent was in a use drops it: that thread never ends it there.
+refused, on both threads. Each first call and each recomputation is a :class:`Use`: entered before
+it looks at anything, it lists the ids of the modules it uses (a first call adds each module outside
+its layer as it is called) and then looks for a running use of another thread that lists one of
+them, where one of the two is a recomputation (two first calls, two forwards of one model at once,
+race without tba too): one is found by whichever of the two lists second (set and dict operations
+are atomic). That one raises :class:`~tba.errors.TbaError` before it touches the module, and marks
+the other, which raises when it ends, so that the failure also reaches a training thread whose
+backward thread failed. A recomputation is also a global forward pre-hook while it runs (unless a
+compiled module is among its modules): a call of one of its modules on another thread through code
+tba does not wrap (a kept layer calling a module a recomputed one shares, an evaluation after the
+``with`` block) raises there, and marks the recomputation. Without an overlap nothing changes: a
+first call wholly before or after a recomputation is exact. A use of the same thread is not refused
+(a recomputation inside a forward on one thread). A use ends through one C call, :attr:`Use.end`
+(Note [An exit that always runs] in ``tba/_whole_exit.py``): no Python frame starts there for a
+signal handler's exception. A child forked while another thread of the parent was in a use ends it:
+that thread never does there.
 
-Not covered: a module of the layer called on another thread by code tba does not wrap (a kept
-layer, or an evaluation outside the ``with`` block) while the recomputation runs.
+Not covered: a call through code tba does not wrap that began before the recomputation and is still
+running on the other thread when it starts, or a module whose state is read or changed without
+calling it.
 """
 
 from __future__ import annotations
@@ -38,38 +43,53 @@ import os
 import threading
 from collections.abc import Iterable
 
+import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
 from tba.errors import TbaError
 
 _uses: set[Use] = set()
-"""The first calls and recomputations running, on every thread."""
+"""The first calls running, and the recomputations of layers holding a compiled module, on every thread."""
+
+_hooks = module_hooks._global_forward_pre_hooks
+"""Where the other recomputations are: each registered as a global forward pre-hook while it runs."""
 
 
 class Use:
-    """A first call (``what="first call"``) or a recomputation of ``layer`` on the calling thread; :meth:`end` ends it."""
+    """A first call (``what="first call"``) or a recomputation of ``layer`` on the calling thread; :attr:`end` ends it.
 
-    __slots__ = ("thread", "what", "layer", "modules", "clash", "end", "__weakref__")
+    A recomputation is ``watch``-ed where no compiled module is among those it runs (Note [A recomputation puts back the
+    modules outside its layer that it calls] in ``tba/runtime/_outside_state.py`` says why not there): it is then a global
+    forward pre-hook, which refuses a call of one of its modules on another thread, through code tba does not wrap.
+    """
 
-    def __init__(self, what: str, layer: nn.Module) -> None:
+    __slots__ = ("thread", "what", "layer", "modules", "clash", "_key", "end", "__weakref__")
+
+    def __init__(self, what: str, layer: nn.Module, watch: bool = False) -> None:
         self.thread = threading.get_ident()
         self.what = what
         self.layer = type(layer).__name__
         self.modules: set[int] = set()
         self.clash = ""
         """The message to raise when this use ends: another thread's use of its modules was refused."""
-        self.end = functools.partial(_uses.discard, self)
+        self._key = RemovableHandle(_hooks).id if watch else None
+        self.end = functools.partial(_uses.discard, self) if self._key is None else functools.partial(_hooks.pop, self._key, None)
 
     def begin(self, modules: Iterable[nn.Module]) -> None:
         """Enter the use with ``modules``: called inside the ``try`` whose ``finally`` calls :attr:`end`."""
-        _uses.add(self)
+        if self._key is None:
+            _uses.add(self)
+        else:
+            _hooks[self._key] = self._called
         self.add(modules)
 
     def add(self, modules: Iterable[nn.Module]) -> None:
         """The use also takes ``modules``; raise :class:`TbaError` when another thread's use holds one of them."""
         ids = [id(module) for module in modules]
         self.modules.update(ids)
-        for other in list(_uses):
+        for other in _running():
             if other.thread != self.thread and "recomputation" in (self.what, other.what) and not other.modules.isdisjoint(ids):
                 message = _message(self, other)
                 other.clash = other.clash or message
@@ -79,6 +99,24 @@ class Use:
         """Raise :class:`TbaError` when another thread's use of this one's modules was refused meanwhile."""
         if self.clash:
             raise TbaError(self.clash)
+
+    def _called(self, module: nn.Module, args: object) -> None:
+        """The global pre-hook of a watched recomputation: ``module`` is about to run, on some thread."""
+        if threading.get_ident() == self.thread or id(module) not in self.modules or torch.compiler.is_compiling():
+            return
+        message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
+                   f"layer ({self.layer}) in another, which has put back the state of that module its forward started "
+                   "from (BatchNorm's running statistics): the call would read it, and its updates be undone. Run "
+                   "the backward before the next forward or evaluation, or in the same thread, or keep or offload "
+                   "these layers instead of recomputing them")
+        self.clash = self.clash or message
+        raise TbaError(message)
+
+
+def _running() -> list[Use]:
+    """The uses running, on every thread."""
+    hooks = [getattr(hook, "__self__", None) for hook in list(_hooks.values())]
+    return [*list(_uses), *(use for use in hooks if isinstance(use, Use))]
 
 
 def _message(new: Use, running: Use) -> str:
@@ -93,9 +131,9 @@ def _message(new: Use, running: Use) -> str:
 def _after_fork_in_child() -> None:
     """The uses of the parent's other threads never end in the child."""
     me = threading.get_ident()
-    for use in list(_uses):
+    for use in _running():
         if use.thread != me:
-            _uses.discard(use)
+            use.end()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

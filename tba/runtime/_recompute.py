@@ -148,7 +148,7 @@ class RecomputeLayers:
 def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
     def first_or_again(calls: list[int], first: FirstCall, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        use = Use("first call" if calls[0] == 1 else "recomputation", layer)
+        use = Use("first call" if calls[0] == 1 else "recomputation", layer, watch=calls[0] > 1 and not compiled_within)
         try:  # Note [A recomputation and a first call of its state in two threads] in tba/runtime/_overlap.py
             use.begin([*layer.modules(), *(state.module for state in first.outside)])
             if calls[0] == 1:

@@ -93,7 +93,7 @@ def test_overlap_in_two_threads_is_refused(spill_dir, placement, outside, held):
     assert set(errors) == {"forward", "backward"}, errors
     for err in errors.values():
         assert isinstance(err, TbaError), err
-        assert "Run the backward before the next forward, or in the same thread" in str(err)
+        assert "Run the backward before the next forward" in str(err) and "or in the same thread" in str(err)
 
 
 @pytest.mark.parametrize("outside", [False, True], ids=["own", "outside"])
@@ -149,3 +149,45 @@ def test_a_child_forked_during_another_threads_recomputation_is_not_refused(spil
         thread.join()
         off.close()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("caller", ["evaluation", "kept layer"])
+def test_a_call_outside_tba_during_a_recomputation_in_another_thread_is_refused(spill_dir, caller):
+    """An evaluation after the with block, or a kept layer sharing the recomputed one's BatchNorm, run on the main
+    thread while the backward thread recomputes: refused on both threads (before, the evaluation read the statistics
+    the recomputation had put back, and the kept layer's update was undone)."""
+    model, shared, _ = _model(caller == "kept layer")
+    placement = ("recompute", "keep") if caller == "kept layer" else ("recompute",) * 2
+    off = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(placement, 1 << 20), min_offload_bytes=0)
+    with off:
+        first = model(_x(0)).pow(2).sum()
+    errors: dict[str, BaseException] = {}
+
+    def backward() -> None:
+        try:
+            first.backward()
+        except TbaError as err:
+            errors["backward"] = err
+        finally:
+            STOP_IN["go"].set()
+
+    STOP_IN["thread"] = "backward"
+    thread = threading.Thread(target=backward, name="backward")
+    thread.start()
+    try:
+        assert STOP_IN["inside"].wait(30)  # inside the recomputation of a block
+        if caller == "evaluation":
+            model.eval()
+            with torch.no_grad():
+                model(_x(1))
+        else:
+            with off:
+                model[1](_x(1))  # the kept block alone, which calls what the recomputed one does
+    except TbaError as err:
+        errors["forward"] = err
+    finally:
+        STOP_IN["go"].set()
+        thread.join()
+        off.close()
+    assert set(errors) == {"forward", "backward"}, errors
+    assert "Run the backward before the next forward or evaluation, or in the same thread" in str(errors["forward"])
