@@ -25,7 +25,9 @@ backward thread failed. A recomputation is also a global forward pre-hook while 
 compiled module is among its modules): a call of one of its modules on another thread through code
 tba does not wrap (a kept layer calling a module a recomputed one shares, an evaluation after the
 ``with`` block) raises there, and marks the recomputation. Without an overlap nothing changes: a
-first call wholly before or after a recomputation is exact. A use of the same thread is not refused
+first call wholly before or after a recomputation is exact. An overlap is refused whatever the
+modules' state: which state a forward changes is known only once it has run, and a layer whose
+state nothing changes (no buffers) is refused too, though the overlap was exact. A use of the same thread is not refused
 (a recomputation inside a forward on one thread). A use ends through one C call, :attr:`Use.end`
 (Note [An exit that always runs] in ``tba/_whole_exit.py``): no Python frame starts there for a
 signal handler's exception. A child forked while another thread of the parent was in a use ends it:

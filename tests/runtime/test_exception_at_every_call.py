@@ -30,7 +30,7 @@ from torch.nn.modules import module as module_hooks
 
 import tba
 from tba import _control, _whole_exit
-from tba.runtime import _shared
+from tba.runtime import _overlap, _shared
 from tba.runtime._unpack_hooks import Phase
 
 
@@ -113,6 +113,8 @@ def _every_call(directory: str, backend: str, until_skipped: bool = False) -> in
         assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None, f"hooks left by an exception at call {k}"
         # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
         assert not module_hooks._global_forward_pre_hooks, f"a module hook left by an exception at call {k}"
+        # Note [A recomputation and a first call of its state in two threads] in tba/runtime/_overlap.py
+        assert not _overlap._uses, f"a use left by an exception at call {k}"
         injected = started[0] >= k
         assert (caught is not None) == injected, f"call {k}: the exception was swallowed"
         del loss, caught
@@ -229,6 +231,8 @@ def test_an_exception_at_each_distinct_call_of_a_mixed_plan_step_leaves_training
         assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None, f"hooks left by an exception at call {k}"
         # Note [A recomputation puts back the modules outside its layer that it calls] in tba/runtime/_outside_state.py
         assert not module_hooks._global_forward_pre_hooks, f"a module hook left by an exception at call {k}"
+        # Note [A recomputation and a first call of its state in two threads] in tba/runtime/_overlap.py
+        assert not _overlap._uses, f"a use left by an exception at call {k}"
         injected = started[0] >= k  # a step may start a few frames fewer than the counted one
         assert not injected or caught is not None or [m for m in dropped if not m.startswith("tba")], f"call {k}: swallowed"
         assert not [m for m in dropped if m.startswith("tba")], f"call {k}: dropped in {dropped}"
