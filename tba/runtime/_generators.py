@@ -25,8 +25,10 @@ them drew again in the recomputation, silently, too (helper-117). A generator th
 other way (a module-level ``torch.Generator``, a function's globals) is not found, nor is any other
 state outside the layer's modules: as under plain checkpoint, keep or offload such a layer instead
 of recomputing it. The global generators are the process's: another thread drawing from them while
-a layer is recomputed sees its draws rewound (torch's own CPU generator under checkpoint shares the
-exposure), so draw from a generator of the thread's own there.
+a layer is recomputed sees its draws replayed and rewound (torch's own CPU generator under checkpoint
+shares the exposure). A module called in training mode on another thread meanwhile raises (Note [A
+recomputation and a first call of its state in two threads] in ``tba/runtime/_overlap.py``); a draw
+outside a module call is not seen: draw from a generator of the thread's own there.
 """
 
 from __future__ import annotations

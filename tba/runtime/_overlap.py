@@ -24,7 +24,12 @@ the other, which raises when it ends, so that the failure also reaches a trainin
 backward thread failed. A recomputation is also a global forward pre-hook while it runs (unless a
 compiled module is among its modules): a call of one of its modules on another thread through code
 tba does not wrap (a kept layer calling a module a recomputed one shares, an evaluation after the
-``with`` block) raises there, and marks the recomputation. Without an overlap nothing changes: a
+``with`` block) raises there, and marks the recomputation; so does a call of any module in training
+mode, unless that thread is recomputing too: torch's checkpoint and tba set the process's random
+generators to the first call's states for the recomputation and back after it, and dropout drawn
+meanwhile on another thread was replayed, then rewound (all twelve gradients of six Linear-Dropout
+blocks, the last recomputed, differed from training without tba; Note [Generators of a recomputed
+layer] in ``tba/runtime/_generators.py``). Without an overlap nothing changes: a
 first call wholly before or after a recomputation is exact. An overlap is refused whatever the
 modules' state: which state a forward changes is known only once it has run, and a layer whose
 state nothing changes (no buffers) is refused too, though the overlap was exact. A use of the same thread is not refused
@@ -34,8 +39,9 @@ signal handler's exception. A child forked while another thread of the parent wa
 that thread never does there.
 
 Not covered: a call through code tba does not wrap that began before the recomputation and is still
-running on the other thread when it starts, or a module whose state is read or changed without
-calling it.
+running on the other thread when it starts, a module whose state is read or changed without calling
+it, a random draw outside any module call (``torch.randn`` in the loop), and a recomputation of a
+layer holding a compiled module, which has no hook (only its own modules are watched, by first calls).
 """
 
 from __future__ import annotations
@@ -104,15 +110,29 @@ class Use:
 
     def _called(self, module: nn.Module, args: object) -> None:
         """The global pre-hook of a watched recomputation: ``module`` is about to run, on some thread."""
-        if torch.compiler.is_compiling() or threading.get_ident() == self.thread or id(module) not in self.modules:
+        if torch.compiler.is_compiling() or threading.get_ident() == self.thread:
             return
-        message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
-                   f"layer ({self.layer}) in another, which has put back the state of that module its forward started "
-                   "from (BatchNorm's running statistics): the call would read it, and its updates be undone. Run "
-                   "the backward before the next forward or evaluation, or in the same thread, or keep or offload "
-                   "these layers instead of recomputing them")
+        if id(module) in self.modules:
+            message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
+                       f"layer ({self.layer}) in another, which has put back the state of that module its forward "
+                       "started from (BatchNorm's running statistics): the call would read it, and its updates be undone")
+        elif module.training and not _recomputing(threading.get_ident()):  # Note [Generators of a recomputed layer]
+            message = (f"a call of {type(module).__name__} in training mode in one thread overlapped the recomputation "
+                       f"of a recomputed layer ({self.layer}) in another, which sets the global random generators back "
+                       "to its first call's states while it runs: the call's random draws (dropout) would be replayed "
+                       "and then rewound")
+        else:
+            return
+        message += (". Run the backward before the next forward or evaluation, or in the same thread, or keep or offload "
+                    "these layers instead of recomputing them")
         self.clash = self.clash or message
         raise TbaError(message)
+
+
+def _recomputing(thread: int) -> bool:
+    """Whether ``thread`` runs a recomputation (two on two threads draw each from the states it set: autograd's device
+    threads under model parallelism)."""
+    return any(use.thread == thread and use.what == "recomputation" for use in _running())
 
 
 def _running() -> list[Use]:

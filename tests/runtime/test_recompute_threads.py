@@ -191,3 +191,42 @@ def test_a_call_outside_tba_during_a_recomputation_in_another_thread_is_refused(
         off.close()
     assert set(errors) == {"forward", "backward"}, errors
     assert "Run the backward before the next forward or evaluation, or in the same thread" in str(errors["forward"])
+
+
+def test_a_training_forward_of_another_module_during_a_recomputation_in_another_thread_is_refused(spill_dir):
+    """A module no recomputation uses, called in training mode on the main thread while the backward thread recomputes:
+    refused on both threads, since its dropout would draw from the global generator the recomputation has set back
+    (before, silently: the gradients of six Linear-Dropout blocks, the last recomputed, all differed). In eval mode it
+    draws nothing and runs."""
+    model, _, _ = _model(False)
+    other = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5))
+    off = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, 1 << 20), min_offload_bytes=0)
+    with off:
+        first = model(_x(0)).pow(2).sum()
+    errors: dict[str, BaseException] = {}
+
+    def backward() -> None:
+        try:
+            first.backward()
+        except TbaError as err:
+            errors["backward"] = err
+        finally:
+            STOP_IN["go"].set()
+
+    STOP_IN["thread"] = "backward"
+    thread = threading.Thread(target=backward, name="backward")
+    thread.start()
+    try:
+        assert STOP_IN["inside"].wait(30)  # inside the recomputation of a block
+        other.eval()
+        other(_x(1))
+        other.train()
+        other(_x(1))
+    except TbaError as err:
+        errors["forward"] = err
+    finally:
+        STOP_IN["go"].set()
+        thread.join()
+        off.close()
+    assert set(errors) == {"forward", "backward"}, errors
+    assert "random draws (dropout)" in str(errors["forward"])
