@@ -29,19 +29,21 @@ mode, unless that thread is recomputing too: torch's checkpoint and tba set the 
 generators to the first call's states for the recomputation and back after it, and dropout drawn
 meanwhile on another thread was replayed, then rewound (all twelve gradients of six Linear-Dropout
 blocks, the last recomputed, differed from training without tba; Note [Generators of a recomputed
-layer] in ``tba/runtime/_generators.py``). Without an overlap nothing changes: a
-first call wholly before or after a recomputation is exact. An overlap is refused whatever the
-modules' state: which state a forward changes is known only once it has run, and a layer whose
-state nothing changes (no buffers) is refused too, though the overlap was exact. A use of the same thread is not refused
-(a recomputation inside a forward on one thread). A use ends through one C call, :attr:`Use.end`
+layer] in ``tba/runtime/_generators.py``). Without an overlap nothing changes: a first call wholly
+before or after a recomputation is exact. An overlap is refused whatever the modules' state: which
+state a forward changes is known only once it has run, so a layer with none (no buffers, no
+dropout) is refused too, though its overlap was exact. A use of the same thread is not refused (a
+recomputation inside a forward on one thread). A use ends through one C call, :attr:`Use.end`
 (Note [An exit that always runs] in ``tba/_whole_exit.py``): no Python frame starts there for a
 signal handler's exception. A child forked while another thread of the parent was in a use ends it:
 that thread never does there.
 
 Not covered: a call through code tba does not wrap that began before the recomputation and is still
 running on the other thread when it starts, a module whose state is read or changed without calling
-it, a random draw outside any module call (``torch.randn`` in the loop), and a recomputation of a
-layer holding a compiled module, which has no hook (only its own modules are watched, by first calls).
+it, a random draw outside any module call (``torch.randn`` in the loop), a recomputation of a layer
+holding a compiled module, which has no hook (only its own modules are watched, by first calls), and
+two recomputations on two threads drawing from the same global generator (the CPU's, Python's or
+numpy's; a CUDA device's is its own thread's under model parallelism).
 """
 
 from __future__ import annotations
