@@ -196,10 +196,10 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         # under the first call's global settings] in tba/runtime/_global_settings.py).
         program = settings_now()
         try:
-            switch_to(first.settings, program)  # inside the try: a switch that raised midway is undone
+            switch_to(first.settings)  # inside the try: a switch that raised midway is undone
             return forward(*args, **kwargs)
         finally:
-            switch_to(program, settings_now())
+            switch_to(program)
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
