@@ -66,9 +66,11 @@ def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointEr
                                   "which does not exist; create that (is its disk mounted?) or save to another directory")
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space there or save to another directory"
-    elif err.errno == errno.EFBIG:  # Note [A file-size limit is one cause] in tba/runtime/_release.py
-        fix = (f"this process may write files of at most {resource.getrlimit(resource.RLIMIT_FSIZE)[0]} bytes (ulimit -f): "
-               "raise the limit (ulimit -f unlimited)")
+    elif err.errno == errno.EFBIG and (limit := resource.getrlimit(resource.RLIMIT_FSIZE)[0]) != resource.RLIM_INFINITY:
+        # Note [A file-size limit is one cause] in tba/runtime/_release.py
+        fix = f"this process may write files of at most {limit} bytes (ulimit -f): raise the limit (ulimit -f unlimited)"
+    elif err.errno == errno.EFBIG:  # no ulimit -f: the file system's own largest file (FAT32's is 4 GiB)
+        fix = "the file system there takes no file this large (FAT32's largest is 4 GiB): save to another file system"
     elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         fix = "save to a writable directory"
     else:

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -304,12 +305,19 @@ def test_a_ctrl_c_while_a_save_waits_for_its_writes_leaves_none_to_run_after_the
     assert calls and engine.still_open and all(engine.still_open), engine.still_open
 
 
-def test_a_file_size_limit_is_named_as_the_cause_of_a_failed_save(tmp_path):
+def test_a_file_size_limit_is_named_as_the_cause_of_a_failed_save(tmp_path, monkeypatch):
     # A save over `ulimit -f` failed with "File too large; check the directory and the disk".
     from tba.checkpoint._publish import checkpoint_error
 
-    message = str(checkpoint_error(OSError(errno.EFBIG, os.strerror(errno.EFBIG)), "writing the checkpoint", str(tmp_path)))
-    assert "ulimit -f" in message and "disk" not in message
+    efbig = OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1 << 20, resource.RLIM_INFINITY))
+    message = str(checkpoint_error(efbig, "writing the checkpoint", str(tmp_path)))
+    assert "ulimit -f" in message and "1048576 bytes" in message and "disk" not in message
+    # Without a limit the file system refused the size (FAT32's 4 GiB): the message said 'at most -1 bytes (ulimit -f)'.
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    message = str(checkpoint_error(efbig, "writing the checkpoint", str(tmp_path)))
+    assert "ulimit" not in message and "file system" in message, message
+    monkeypatch.undo()
     assert "free space" in str(checkpoint_error(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), "writing", str(tmp_path)))
 
 
