@@ -69,6 +69,8 @@ def remove_stale_partials(parent: str, name: str | None = None) -> None:
         free = _lock_free(path)
         if free is False or (free is None and match.group("name") != name):
             continue
+        if entry.endswith(".old") and _lock_free(path.removesuffix(".old")) is False:
+            continue  # Note [A checkpoint moved aside by a killed save is put back]: its save is alive
         if entry.endswith(".old") and _put_back(parent, match.group("name"), path):
             continue
         logger.info("tba: removing %s left by a save that did not finish", entry)
@@ -84,7 +86,11 @@ def _put_back(parent: str, name: str, path: str) -> bool:
     the name (:func:`~tba.checkpoint._publish.swap_into_place`). A save killed between the two left
     the name empty, and the next save or load in the directory removed both as a dead save's partials:
     the last checkpoint was gone, the load said there was none. The old checkpoint goes back under its
-    name instead, as if the save had been killed a moment earlier.
+    name instead, as if the save had been killed a moment earlier. The ``.old`` directory holds no lock
+    (the save locks its staging directory): a live save of another PID namespace on this machine (its pid
+    gone here, the boot id the same) between its two renames had its old checkpoint put back under the
+    name, and its own second rename then failed (the name taken). So a ``.old`` whose staging directory is
+    still locked is left to its save.
     """
     target = os.path.join(parent, name)
     if os.path.lexists(target):

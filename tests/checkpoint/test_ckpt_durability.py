@@ -342,6 +342,29 @@ def test_a_checkpoint_moved_aside_by_a_save_killed_mid_publish_is_put_back(tmp_p
     assert sorted(os.listdir(tmp_path)) == sorted(["ckpt"] + (["other"] if then == "save" else []))
 
 
+def test_a_checkpoint_moved_aside_by_a_live_save_of_another_pid_namespace_is_left_to_it(tmp_path):
+    # A save of another PID namespace on this machine (same boot id, its pid gone here) between its two renames: its
+    # old checkpoint (.old, which holds no lock) was put back under the name, and the save's own rename then failed.
+    from tba.checkpoint._publish import MACHINE, hold_staging, release_staging
+    from tba.checkpoint._stale import remove_stale_partials
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(8)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    elsewhere = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    staging = tmp_path / f".ckpt.tba-partial-m{MACHINE}-{int(elsewhere.stdout)}-0123456789ab"
+    staging.mkdir()
+    held = hold_staging(str(staging))  # the live save's lock on its staging directory
+    try:
+        os.rename(path, f"{staging}.old")
+        remove_stale_partials(str(tmp_path), "ckpt")
+        assert sorted(os.listdir(tmp_path)) == sorted([staging.name, f"{staging.name}.old"])
+        os.rename(staging, path)  # the save's second rename goes through
+    finally:
+        release_staging(held)
+    remove_stale_partials(str(tmp_path))  # its .old, now dead with the name taken, goes
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
 def test_a_two_step_publish_whose_second_rename_fails_leaves_the_old_checkpoint_in_place(tmp_path, monkeypatch):
     # The old checkpoint had been renamed aside when the new one's rename failed: the error said "any earlier
     # checkpoint is unchanged", and the name was empty.
