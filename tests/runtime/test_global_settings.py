@@ -130,3 +130,24 @@ def test_a_setting_this_torch_lacks_is_left_out(monkeypatch):
         monkeypatch.undo()
         importlib.reload(_global_settings)
     assert len(_global_settings._SETTINGS) == full
+
+
+def test_a_precision_pair_refused_in_another_way_is_left_out(monkeypatch):
+    """Note [Settings this torch does not have are not replayed]: a torch telling a (backend, op) pair it lacks with
+    another exception than RuntimeError must not make ``import tba`` fail."""
+    if not hasattr(torch._C, "_get_fp32_precision_getter"):
+        pytest.skip("this torch has no fp32_precision API")
+    real = torch._C._get_fp32_precision_getter
+
+    def getter(backend: str, op: str) -> str:
+        if backend == "mkldnn" and op == "rnn":
+            raise ValueError("unknown op")
+        return real(backend, op)
+
+    monkeypatch.setattr(torch._C, "_get_fp32_precision_getter", getter)
+    try:
+        module = importlib.reload(_global_settings)
+        assert ("mkldnn", "rnn") not in module._PRECISION_PAIRS and ("mkldnn", "matmul") in module._PRECISION_PAIRS
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_global_settings)
