@@ -36,6 +36,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 
+from tba.runtime._state_objects import UNSET, stored
+
 __all__ = ["CONTAINERS", "Holder", "attribute_tensors", "attributes_of", "changed_holder_message", "copied_arrays",
            "put_attributes", "put_contents"]
 
@@ -51,14 +53,16 @@ def attributes_of(value: Any) -> dict[str, Any] | None:
         return {(_CELL, index): _cell(cell) for index, cell in enumerate(value.__closure__ or ())}
     if isinstance(value, (type, types.ModuleType, types.MethodType)):
         return None
-    held = getattr(value, "__dict__", None)
+    # Note [An object's fields are read without its __getattr__] in tba/runtime/_state_objects.py
+    held = stored(value, "__dict__")
     slots = _slot_names(type(value))
     if type(held) is not dict and not slots:
         return None
     attributes = dict(held) if type(held) is dict else {}
     for name in slots:
-        if hasattr(value, name):
-            attributes[_SLOT, name] = getattr(value, name)
+        item = stored(value, name)
+        if item is not UNSET:
+            attributes[_SLOT, name] = item
     return attributes
 
 

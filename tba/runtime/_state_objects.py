@@ -33,11 +33,30 @@ def slots(cls: type) -> tuple[str, ...]:
 UNSET = object()
 
 
+def stored(value: Any, name: str) -> Any:
+    """The attribute ``name`` as ``value`` stores it (its ``__dict__``, a slot), else :data:`UNSET`.
+
+    Note: [An object's fields are read without its __getattr__]
+    ``getattr``, ``hasattr`` and ``vars`` call a class's ``__getattr__`` for a name not stored: a proxy whose
+    ``__getattr__`` looks names up elsewhere (``self._data[name]``) raised ``KeyError('__dict__')`` out of the layer's
+    forward for a slotted object, and one that answers every name (``self._data.get(name)``) made ``vars`` raise
+    ``TypeError``. Since the generator search looks into a passed function's closure (Note [Generators of a recomputed
+    layer] in ``tba/runtime/_generators.py``), a lambda closing over such an object failed every recomputed call that
+    trained without tba. ``object.__getattribute__`` reads what the object stores, and no more.
+    """
+    try:
+        return object.__getattribute__(value, name)
+    except AttributeError:
+        return UNSET
+
+
 def fields(value: Any) -> list[tuple[str, Any]]:
-    """A plain object's attributes: its ``vars()`` and its slots that are set."""
-    found = list(vars(value).items()) if hasattr(value, "__dict__") else []
+    """A plain object's attributes: its ``vars()`` and its slots that are set (Note [An object's fields are read
+    without its __getattr__])."""
+    held = stored(value, "__dict__")
+    found = list(held.items()) if isinstance(held, dict) else []
     for name in slots(type(value)):
-        item = getattr(value, name, UNSET)
+        item = stored(value, name)
         if item is not UNSET:
             found.append((name, item))
     return found
@@ -98,13 +117,13 @@ def set_items(value: Any, items: list) -> None:
         value.update(items)
     else:
         declared = set(slots(type(value)))
-        if hasattr(value, "__dict__"):
-            target = vars(value)
+        target = stored(value, "__dict__")
+        if isinstance(target, dict):
             target.clear()
             target.update((name, item) for name, item in items if name not in declared)
         held = dict(items)
         for name in declared:
             if name in held:
                 object.__setattr__(value, name, held[name])
-            elif getattr(value, name, UNSET) is not UNSET:
+            elif stored(value, name) is not UNSET:
                 object.__delattr__(value, name)
