@@ -111,6 +111,7 @@ class IoUringEngine(Engine):
         self._failure: BaseException | None = None
         self._resolving = False
         """The completion thread is running callbacks of requests it took (which may submit more)."""
+        self._reaping = False  # the completion thread has begun: Note [A constructor interrupted while its thread starts]
         self._reaper = threading.Thread(target=self._reap_loop, name="tba-io_uring", daemon=True)
         try:
             self._reaper.start()
@@ -125,13 +126,15 @@ class IoUringEngine(Engine):
         land in that wait: the constructor raised with the completion thread running, which sat in
         ``reap()`` for ever with the ring open, and no engine was left to close them (``tba.checkpoint``
         builds its engines in the caller's thread; the offloader's are built on the control thread). The
-        thread, if it runs, is told to end (the ring closes as it does), else the ring is closed here.
+        thread, if it runs, is told to end (the ring closes as it does), else the ring is closed here. The thread
+        says it runs, under the lock: one created but not yet run reaped a ring closed here (logged as a failed
+        engine), or, once in ``reap()``, made ``close()`` raise RuntimeError in place of the interrupt.
         """
-        if self._reaper.ident is None:
-            self._ring.close()
-            self._ring_closed = True
-            return
         with self._lock:
+            if not self._reaping:  # the thread, if it ever runs, ends at once
+                self._ring.close()
+                self._ring_closed = True
+                return
             self._closing = True
             self._ring.wake()
         self._reaper.join()
@@ -182,6 +185,10 @@ class IoUringEngine(Engine):
             target.set_result(0) if isinstance(target, Future) else target(None)
 
     def _reap_loop(self) -> None:
+        with self._lock:  # Note [A constructor interrupted while its thread starts]
+            if self._ring_closed:
+                return
+            self._reaping = True
         _sched.background()
         try:
             while True:

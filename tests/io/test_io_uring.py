@@ -596,3 +596,26 @@ def test_a_ring_the_kernel_refuses_is_a_config_error_and_auto_uses_threads(spill
         loss = (x * 2).sin().sum()
     loss.backward()
     assert offloader.resolved_backend == "threads"
+
+
+def test_a_completion_thread_that_runs_after_an_interrupted_constructor_ends_quietly(monkeypatch, caplog):
+    # The interrupt can land after the thread was created and before it ran (Thread.ident still None): the constructor
+    # closed the ring, and the thread, once it ran, reaped the closed ring and logged 'io_uring completion thread failed'
+    # with ValueError('ring is closed'); closed while the thread was in reap(), close() raised RuntimeError instead of
+    # the interrupt. Here the thread runs only after the constructor has raised.
+    late: list[threading.Thread] = []
+
+    class LateStart(threading.Thread):
+        def start(self):
+            late.append(self)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(io_uring_module.threading, "Thread", LateStart)
+    with pytest.raises(KeyboardInterrupt):
+        io_uring_module.IoUringEngine(queue_depth=4)
+    monkeypatch.undo()
+    with caplog.at_level(logging.ERROR, logger="tba"):
+        threading.Thread.start(late[0])
+        late[0].join(timeout=10)
+    assert not late[0].is_alive()
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR], caplog.text
