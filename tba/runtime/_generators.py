@@ -34,6 +34,7 @@ outside a module call is not seen: draw from a generator of the thread's own the
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import types
 from typing import Any
@@ -113,9 +114,13 @@ def _only_leaves(items: Any) -> bool:
     ``tba/runtime/_nested_state.py``), or a vocabulary dict, was walked item by item at every call: 100,000 floats in
     a config shared by 8 recomputed blocks made a step 665 ms where it took 85 ms before, and growing with the list.
     A container whose items are of the types the search never looks into is skipped after one pass over their types
-    (as the nested-state walk tells plain values, ``_only_plain`` there); one holding anything else is walked as before.
+    (as the nested-state walk tells plain values, ``_only_plain`` there), and so is one of tuples of them (a history of
+    ``(step, loss)`` pairs); one holding anything else is walked as before.
     """
-    return all(issubclass(kind, _LEAVES) for kind in set(map(type, items)))
+    kinds = set(map(type, items))
+    if kinds == {tuple}:
+        kinds = set(map(type, itertools.chain.from_iterable(items)))
+    return all(issubclass(kind, _LEAVES) for kind in kinds)
 
 
 _CALLABLES = (types.FunctionType, types.MethodType, functools.partial)

@@ -14,14 +14,16 @@ from tba.runtime._generators import generator_states
 
 
 class Config:
-    """A config the blocks share, with a history that grows every step and a vocabulary."""
+    """A config the blocks share, with histories that grow every step and a vocabulary."""
 
     def __init__(self, size: int) -> None:
         self.history = [float(i) for i in range(size)]
+        self.losses = [(i, float(i)) for i in range(size)]
         self.vocabulary = {f"token{i}": i for i in range(size)}
         self.cache = [torch.zeros(1) for _ in range(64)] + [np.zeros(1), None, "name"]
         self.rng = torch.Generator().manual_seed(1)
         self.mixed = [0.5] * size + [torch.Generator().manual_seed(2)]
+        self.paired = [(0, 0.5), (1, torch.Generator().manual_seed(3))]
 
 
 class Block(nn.Module):
@@ -42,5 +44,6 @@ def test_containers_of_plain_values_are_not_walked_item_by_item(monkeypatch):
     monkeypatch.setattr(_generators, "_collect", counted)
     config = Config(2_000)
     states = generator_states(Block(config), (torch.zeros(4), list(range(2_000))), {"scale": (1.0,) * 2_000})
-    assert id(config.rng) in states and id(config.mixed[-1]) in states, "a generator beside plain values is still found"
+    found = (config.rng, config.mixed[-1], config.paired[1][1])
+    assert all(id(generator) in states for generator in found), "a generator beside plain values is still found"
     assert calls[0] < 2_000 + 100, f"{calls[0]} calls of the search: containers of plain values walked item by item"
