@@ -9,10 +9,12 @@ wrapper of the *original* blocks, whose weights gave the copy's output in every 
 it: a BYOL target that never moved); a hook bound to tba's runner copied the runner, which failed on its lock
 (``TypeError: cannot pickle '_thread.lock' object``), and pickling failed on the local functions. So each hook is a
 :class:`LayerHook`, whose copy is :func:`no_op` (the copy's hook dicts keep an entry that does nothing and holds
-nothing of tba's), and the wrapper a :class:`Recomputing`, whose copy is a :class:`ClassForward`: the copy runs its own
-class's ``forward``, and tba treats it as no forward set on the instance (it recomputes such a copy later, and takes the
-attribute away when that context ends). A shallow ``copy.copy`` of a layer shares its attribute dicts' entries, and so
-tba's, as it shares everything else.
+nothing of tba's), and the wrapper a :class:`Recomputing`, whose copy is ``getattr(copy, "forward")``, made while the
+copy's attributes are not set yet: its class's ``forward`` bound to the copy, a plain method (the copy keeps the
+signature ``inspect.signature`` and Hugging Face's ``generate`` read, and its pickle loads without tba). tba treats such
+a bound class forward as no forward set on the instance (it recomputes such a copy later, and takes the attribute away
+when that context ends). A shallow ``copy.copy`` of a layer shares its attribute dicts' entries, and so tba's, as it
+shares everything else.
 """
 
 from __future__ import annotations
@@ -46,26 +48,9 @@ class LayerHook:
         return _copied_hook, ()
 
 
-class ClassForward:
-    """The ``forward`` of a copy of a recomputed layer: its class's, for the copy (``module``)."""
-
-    __slots__ = ("module",)
-    tba_class_forward = True
-    """What tells it from a forward someone set on the instance (``tba/runtime/_wrappable.py``)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, tuple]:
-        return ClassForward, (self.module,)
-
-
 class Recomputing:
-    """tba's recomputing ``forward`` of ``layer`` (``run``), set on the instance; its copy is a :class:`ClassForward` of
-    the layer's copy."""
+    """tba's recomputing ``forward`` of ``layer`` (``run``), set on the instance; its copy is the class's ``forward`` bound
+    to the layer's copy."""
 
     __slots__ = ("layer", "run", "tba_thread")
     tba_recomputes = True
@@ -81,9 +66,13 @@ class Recomputing:
         return self.run(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        return ClassForward, (self.layer,)
+        return getattr, (self.layer, "forward")
 
 
 def set_on_instance(layer: nn.Module) -> bool:
-    """Whether ``layer`` has a ``forward`` set on the instance other than a copy's :class:`ClassForward`."""
-    return not getattr(vars(layer).get("forward", ClassForward), "tba_class_forward", False)
+    """Whether ``layer`` has a ``forward`` set on the instance other than its class's bound to it (what a copy of a
+    recomputed layer holds: Note [A copy of a hooked layer holds none of tba's])."""
+    forward = vars(layer).get("forward")
+    if forward is None:
+        return False
+    return getattr(forward, "__self__", None) is not layer or getattr(forward, "__func__", None) is not type(layer).forward

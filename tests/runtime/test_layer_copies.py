@@ -96,3 +96,21 @@ def test_a_model_pickled_inside_the_block_is_a_plain_model(spill_dir):
         with tba.offload_activations(spill_dir, layers=list(other), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)):
             out = other(x.requires_grad_())
         assert torch.equal(out, x)
+
+
+def test_a_copy_of_a_recomputed_layer_keeps_its_forwards_signature_and_no_type_of_tbas(spill_dir):
+    """A copy's forward was an object of tba's taking ``*args, **kwargs``: code reading the signature (Hugging Face's
+    ``generate``, ``inspect.signature``) saw none, and its pickle named a class of tba's. It is the class's forward
+    bound to the copy (Note [A copy of a hooked layer holds none of tba's] in tba/runtime/_layer_hooks.py)."""
+    import inspect
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, window_bytes=1 << 20)):
+        out = model(torch.randn(4, WIDTH, requires_grad=True))
+        copied = copy.deepcopy(model)
+        pickled = pickle.dumps(model)
+    out.sum().backward()
+    assert list(inspect.signature(copied[0].forward).parameters) == ["x"]
+    assert b"Recomputing" not in pickled and b"ClassForward" not in pickled
+    assert list(inspect.signature(pickle.loads(pickled)[0].forward).parameters) == ["x"]
