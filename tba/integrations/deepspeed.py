@@ -68,7 +68,7 @@ def _missing_directories(directory: str | None) -> list[str]:
     """``directory`` and its ancestors that do not exist yet, deepest first (Note [TbaDeepSpeed removes the
     directories it made])."""
     missing: list[str] = []
-    path = os.path.abspath(directory) if directory is not None else None
+    path = os.path.abspath(os.path.expanduser(directory)) if directory is not None else None  # as the offloader reads it
     while path is not None and not os.path.lexists(path) and path != os.path.dirname(path):
         missing.append(path)
         path = os.path.dirname(path)

@@ -210,6 +210,17 @@ def test_close_removes_the_nvme_path_it_made_and_nothing_else(tmp_path):
     assert sorted(os.listdir(nvme)) == ["zero_stage_3"], "a directory holding DeepSpeed's files was removed"
 
 
+def test_close_removes_a_directory_given_under_home(tmp_path, monkeypatch):
+    """"directory": "~/..." is the offloader's under $HOME; close() looked for the directories it made under
+    ./~ and left the real ones behind."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    engine = FakeEngine({"tba": {"directory": "~/disk/tba", "backend": "threads", "min_offload_bytes": 0}})
+    offload = tba_ds.TbaDeepSpeed(engine)
+    train_fake(engine, offload, 1)
+    assert offload.stats.bytes_written > 0
+    assert os.listdir(tmp_path) == [], "directories tba made were left behind"
+
+
 def test_shared_disk_check_takes_sizes_written_as_text(tmp_path, monkeypatch):
     """The block may give sizes as text ("64K"); the check after the first step measured with the raw string
     and raised TypeError at the second step's ``with``, ending the training."""
