@@ -89,6 +89,25 @@ def _nvme_path(zero: Mapping[str, Any], section: str) -> str | None:
     return os.fspath(path)
 
 
+_AIO_KEYS = {"block_size_bytes": ("block_size", DEEPSPEED_AIO_BLOCK_SIZE_BYTES),
+             "queue_depth": ("queue_depth", DEEPSPEED_AIO_QUEUE_DEPTH)}
+
+
+def _take_aio(options: dict[str, Any], aio: Mapping[str, Any]) -> None:
+    """The options the block leaves out that default to DeepSpeed's ``aio`` settings; one tba cannot take is
+    refused naming ``aio`` (it was blamed on the block, which never set it)."""
+    for option, (aio_key, default) in _AIO_KEYS.items():
+        if option in options:
+            continue
+        options[option] = aio.get(aio_key, default)
+        try:
+            OffloadConfig(**{option: options[option]})
+        except TbaConfigError as err:
+            raise TbaConfigError(f"DeepSpeed config aio.{aio_key} {options[option]!r}, which tba's {option} defaults to with "
+                                 f"NVMe offload, does not suit tba ({err}); set \"{option}\" in the \"{CONFIG_KEY}\" "
+                                 "block") from None
+
+
 def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings | None:
     """Validate the ``"tba"`` block of a DeepSpeed config; None when there is none.
 
@@ -116,9 +135,7 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     nvme_path = param_path or optimizer_path
     options = {key: block[key] for key in option_names() if key in block and key not in ("directory", "policy")}
     if nvme_path is not None:
-        aio = config.get("aio") or {}
-        options.setdefault("block_size_bytes", aio.get("block_size", DEEPSPEED_AIO_BLOCK_SIZE_BYTES))
-        options.setdefault("queue_depth", aio.get("queue_depth", DEEPSPEED_AIO_QUEUE_DEPTH))
+        _take_aio(options, config.get("aio") or {})
     policy = block.get("policy", "offload")
     if policy != "offload":
         options["policy"] = policy

@@ -221,6 +221,14 @@ def test_close_removes_a_directory_given_under_home(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [], "directories tba made were left behind"
 
 
+def test_an_aio_setting_tba_cannot_take_is_blamed_on_aio(tmp_path):
+    """An aio.block_size tba refuses was reported as the "tba" block's block_size_bytes, a key it did not set."""
+    with pytest.raises(TbaConfigError, match=r"aio\.block_size 1000,.*set \"block_size_bytes\" in the \"tba\" block"):
+        tba_ds.parse_config(nvme_config(str(tmp_path), aio={"block_size": 1000}))
+    settings = tba_ds.parse_config(nvme_config(str(tmp_path), aio={"block_size": 1000}, block_size_bytes=1 << 20))
+    assert settings.offloader_options["block_size_bytes"] == 1 << 20
+
+
 def test_shared_disk_check_takes_sizes_written_as_text(tmp_path, monkeypatch):
     """The block may give sizes as text ("64K"); the check after the first step measured with the raw string
     and raised TypeError at the second step's ``with``, ending the training."""
