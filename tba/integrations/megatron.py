@@ -244,7 +244,8 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
                         **options: Any) -> MegatronOffloader | None:
     """The offloader the ``--tba-*`` flags ask for, or None when activations stay in memory.
 
-    None when ``--tba-offload-activations`` is absent or ``--tba-policy keep`` is given. Further
+    None when ``--tba-offload-activations`` is absent (a warning names any other ``--tba-*`` flag given then)
+    or ``--tba-policy keep`` is given. Further
     ``options`` go to :class:`MegatronOffloader`. Call ``close()`` on the result when training ends.
 
     Raises:
@@ -253,6 +254,10 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
             :class:`MegatronOffloader`.
     """
     if not getattr(args, "tba_offload_activations", False):
+        given = [flag_name(name) for name in options_from_args(args)]
+        if given:  # a budget or a directory asked for, and silently no tba
+            logger.warning("tba: %s given without --tba-offload-activations, so tba is off and activations stay in "
+                           "memory; add --tba-offload-activations to offload", " ".join(given))
         return None
     flags = options_from_args(args)
     flags.setdefault("policy", "offload")  # under Megatron tba offloads unless told to plan (its recompute may be on)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -202,6 +203,17 @@ def test_flags_that_keep_activations_in_memory_or_do_not_fit(world):
     with pytest.raises(TbaConfigError, match="recompute them twice"):
         offloader_from_args(parse(*RECOMPUTE_FLAGS["full"], "--tba-offload-activations", "--tba-policy", "adaptive",
                                   "--tba-memory-budget", "1MiB"), recomputed)
+
+
+def test_tba_flags_without_offload_activations_warn(caplog):
+    """--tba-memory-budget or --tba-dir without --tba-offload-activations trained without tba, saying nothing."""
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        assert offloader_from_args(parse(), model) is None
+        assert not caplog.records
+        assert offloader_from_args(parse("--tba-memory-budget", "1GiB", "--tba-dir", "/x"), model) is None
+    [record] = caplog.records
+    assert all(word in record.getMessage() for word in ("--tba-dir", "--tba-memory-budget", "add --tba-offload-activations"))
 
 
 def test_adaptive_policy_is_exact_and_plans_after_profiling(world, spill_dir):
