@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tba.config import OffloadConfig, option_names
-from tba.errors import TbaConfigError
+from tba.errors import TbaConfigError, did_you_mean
 
 CONFIG_KEY = "tba"
 DEEPSPEED_AIO_BLOCK_SIZE_BYTES = 1 << 20
@@ -127,7 +127,8 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
         raise block_error(f"must be an object, got {block!r}")
     unknown = sorted(set(block) - set(block_keys()))
     if unknown:
-        raise block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(block_keys())}")
+        raise block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; {did_you_mean(unknown[0], block_keys())}"
+                          f"valid keys: {', '.join(block_keys())}")
     _check_options(dict(block))
     zero = config.get("zero_optimization") or {}
     param_path = _nvme_path(zero, "offload_param")

@@ -53,7 +53,7 @@ def test_no_block_means_no_tba():
 
 
 @pytest.mark.parametrize("block, words", [
-    ({"dirctory": "/tmp"}, ["unknown key", "'dirctory'", "directory"]),
+    ({"dirctory": "/tmp"}, ["unknown key", "'dirctory'", "did you mean 'directory'?"]),
     ({"queue_depth": -1}, ["queue_depth", "1..4096"]),
     ({"queue_depth": True}, ["queue_depth", "an int"]),
     ({"enabled": "yes"}, ["enabled", "true or false"]),
