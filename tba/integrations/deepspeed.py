@@ -56,7 +56,7 @@ from tba.integrations._deepspeed_config import (
     load_config,
     parse_config,
 )
-from tba.runtime import Offloader
+from tba.runtime import Offloader, resolve_layers
 
 __all__ = ["BLOCK_KEYS", "CONFIG_KEY", "DEEPSPEED_AIO_BLOCK_SIZE_BYTES", "DEEPSPEED_AIO_QUEUE_DEPTH", "NVME_SUBDIRECTORY",
            "TbaDeepSpeed", "TbaSettings", "block_keys", "load_config", "parse_config"]
@@ -96,6 +96,8 @@ class TbaDeepSpeed:
         if not isinstance(getattr(engine, "module", None), nn.Module) or not hasattr(engine, "global_steps"):
             raise TbaConfigError(f"TbaDeepSpeed takes the DeepSpeed engine, got {type(engine).__name__}: pass the first value of "
                                  "engine, optimizer, _, _ = deepspeed.initialize(...), as TbaDeepSpeed(engine)")
+        if layers is not None:
+            resolve_layers(layers)  # a bad layers= is this call's, not the block's: refused without the block's name
         self.engine = engine
         self.settings = parse_config(engine.config if config is None else config)
         self.offloader: Offloader | None = None

@@ -229,6 +229,13 @@ def test_an_aio_setting_tba_cannot_take_is_blamed_on_aio(tmp_path):
     assert settings.offloader_options["block_size_bytes"] == 1 << 20
 
 
+def test_a_bad_layers_argument_is_not_blamed_on_the_block():
+    """TbaDeepSpeed(engine, layers="x") said 'DeepSpeed config "tba" block: layers must be ...', a key the block cannot have."""
+    with pytest.raises(TbaConfigError, match="^layers must be a module") as err:
+        tba_ds.TbaDeepSpeed(FakeEngine({"tba": {}}), layers="x")
+    assert "DeepSpeed config" not in str(err.value)
+
+
 def test_shared_disk_check_takes_sizes_written_as_text(tmp_path, monkeypatch):
     """The block may give sizes as text ("64K"); the check after the first step measured with the raw string
     and raised TypeError at the second step's ``with``, ending the training."""
