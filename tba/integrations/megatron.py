@@ -148,7 +148,9 @@ def transformer_blocks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module
         TbaConfigError: when there is none.
     """
     block_type, _ = _megatron()
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    chunks = [model] if isinstance(model, nn.Module) else list(model) if isinstance(model, Sequence) else [model]
+    if not all(isinstance(chunk, nn.Module) for chunk in chunks):
+        raise TbaConfigError(f"the model must be a module or a list of model chunks (modules), got {model!r:.80}")
     blocks = [m for chunk in chunks for m in chunk.modules() if isinstance(m, block_type)]
     if not blocks:
         raise TbaConfigError(
@@ -249,11 +251,15 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
     ``options`` go to :class:`MegatronOffloader`. Call ``close()`` on the result when training ends.
 
     Raises:
-        TbaConfigError: ``--tba-memory-budget`` without ``--tba-policy adaptive`` or the other way
+        TbaConfigError: ``args`` without the ``--tba-*`` flags (:func:`add_tba_arguments` not used),
+            ``--tba-memory-budget`` without ``--tba-policy adaptive`` or the other way
             round, ``adaptive`` together with Megatron's own recompute, or any error of
             :class:`MegatronOffloader`.
     """
-    if not getattr(args, "tba_offload_activations", False):
+    if not hasattr(args, "tba_offload_activations"):  # None, a dict, or Megatron's args without the flags: not "off"
+        raise TbaConfigError(f"args has no --tba-* flags (got {type(args).__name__}); parse them with add_tba_arguments "
+                             "(Megatron-LM: pretrain(..., extra_args_provider=add_tba_arguments))")
+    if not args.tba_offload_activations:
         given = [flag_name(name) for name in options_from_args(args)]
         if given:  # a budget or a directory asked for, and silently no tba
             logger.warning("tba: %s given without --tba-offload-activations, so tba is off and activations stay in "

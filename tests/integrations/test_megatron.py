@@ -216,6 +216,17 @@ def test_tba_flags_without_offload_activations_warn(caplog):
     assert all(word in record.getMessage() for word in ("--tba-dir", "--tba-memory-budget", "add --tba-offload-activations"))
 
 
+def test_args_without_the_flags_or_a_model_that_is_not_one_are_refused():
+    """offloader_from_args(None or a dict, model) returned None (tba silently off, also through wrap_forward_step), and
+    MegatronOffloader("model") raised AttributeError from chunk.modules()."""
+    for args in (None, {"tba_offload_activations": True}, argparse.Namespace(lr=0.1)):
+        with pytest.raises(TbaConfigError, match="extra_args_provider=add_tba_arguments"):
+            offloader_from_args(args, nn.Linear(2, 2))
+    for model in ("model", 3, [nn.Linear(2, 2), "chunk"]):
+        with pytest.raises(TbaConfigError, match="must be a module or a list of model chunks"):
+            MegatronOffloader(model)
+
+
 def test_adaptive_policy_is_exact_and_plans_after_profiling(world, spill_dir):
     _, _, reference = train(parse())
     flags = ["--tba-offload-activations", "--tba-dir", spill_dir, "--tba-backend", "threads",
