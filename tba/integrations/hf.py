@@ -30,7 +30,7 @@ import torch
 
 from tba.config import OffloadConfig
 from tba.errors import TbaConfigError
-from tba.runtime import Offloader, OffloadStats
+from tba.runtime import Offloader, OffloadStats, resolve_layers
 
 HF_EXTRA_HINT = "pip install 'tba-offload[hf]'"
 
@@ -55,6 +55,7 @@ class TbaTrainerMixin:
             if not isinstance(tba_options, Mapping):
                 raise TbaConfigError(f"tba_options must be a dict of tba.Offloader options ({{}} for the defaults, None "
                                      f"for off), got {type(tba_options).__name__}")
+            resolve_layers(tba_options.get("layers"))
             if tba_options.get("config") is None:
                 OffloadConfig(**{name: value for name, value in tba_options.items() if name not in ("layers", "config")})
         super().__init__(*args, **kwargs)
