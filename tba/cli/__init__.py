@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -131,12 +132,43 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
     if command_line:
         _exit_on_sigterm()
     try:
-        return int(args._run(args) or 0)
+        status = int(args._run(args) or 0)
+        if command_line:
+            sys.stdout.flush()  # a reader gone shows here (below), not in the interpreter's own flush (status 120)
+        return status
+    except BrokenPipeError:
+        if not command_line or not _output_closed():
+            raise
+        _silence_output()
+        return 128 + signal.SIGPIPE
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         stop = _stop_inside(err)
         if stop is None or stop is err:
             raise
         raise stop from None
+
+
+def _output_closed() -> bool:
+    """Note: [A reader gone ends the command quietly]
+    Python ignores SIGPIPE, so ``python -m tba doctor | head -1`` (or any command whose stdout or stderr
+    is a pipe its reader closed) raised BrokenPipeError at its next print or progress line and ended with
+    status 1 and a traceback it could not print, or with "Exception ignored ... BrokenPipeError" and
+    status 120 from the interpreter's last flush. Where stdout or stderr is such a pipe (``poll``: POLLERR,
+    or POLLHUP for a socket), :func:`main` ends the command as SIGPIPE's default would have: status 141,
+    both streams sent to /dev/null so that nothing more is written to them or fails. A BrokenPipeError
+    from a pipe of the command's own (a child gone) is raised as any error.
+    """
+    poller = select.poll()
+    for fd in (1, 2):
+        poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _silence_output() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _stop_inside(err: BaseException) -> SystemExit | KeyboardInterrupt | None:

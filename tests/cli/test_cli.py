@@ -217,3 +217,31 @@ def test_a_signal_that_a_library_wrapped_still_ends_the_command(monkeypatch, sto
     with pytest.raises(type(stop)) as caught:
         main(["bench-io", "--size", "1M"])
     assert caught.value is stop
+
+
+@pytest.mark.parametrize("closed", [["stdout"], ["stdout", "stderr"]], ids=["stdout", "both"])
+def test_a_reader_gone_ends_the_command_quietly(tmp_path, closed):
+    """Note [A reader gone ends the command quietly] in tba/cli/__init__.py: `doctor | head -1` with the reader gone
+    ended with status 1 and a BrokenPipeError traceback (or one the closed stderr lost)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    err_path = tmp_path / "stderr.txt"
+    try:
+        with open(err_path, "w") as err_file:
+            done = subprocess.run([sys.executable, "-m", "tba", "doctor", "--no-bandwidth", "--directory", str(tmp_path)],
+                                  stdout=write_end, stderr=write_end if "stderr" in closed else err_file, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 128 + signal.SIGPIPE
+    assert err_path.read_text() == ""
+
+
+def test_a_broken_pipe_of_the_command_own_is_an_error(tmp_path):
+    """The same note: a BrokenPipeError while stdout and stderr are open (a child's pipe) is raised, not hidden."""
+    script = ("import sys, tba.cli.doctor as d\n"
+              "def run(args): raise BrokenPipeError(32, 'a child is gone')\n"
+              "d.run = run\n"
+              "from tba.cli import main\n"
+              "sys.exit(main(['doctor'], command_line=True))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "BrokenPipeError: [Errno 32] a child is gone" in done.stderr, done.stderr
