@@ -99,6 +99,17 @@ def existing_directory(option: str, path: str) -> str:
     return path
 
 
+def spill_directory(given: str | None) -> str:
+    """The spill directory: ``--directory`` (``given``), else ``$TBA_DIR``, else the temp directory, as tba's offloader
+    picks it, checked before any work (:func:`existing_directory`). The demo and gpu-report used the temp directory
+    where ``$TBA_DIR`` was set, though their help said otherwise; a bad ``$TBA_DIR`` failed every tba run, one by one."""
+    if given is not None:
+        return existing_directory("--directory", given)
+    if os.environ.get("TBA_DIR"):
+        return existing_directory("$TBA_DIR (used where --directory is not given)", os.environ["TBA_DIR"])
+    return tempfile.gettempdir()
+
+
 def output_directory(option: str, path: str) -> str:
     """Check, before any work, that ``path`` is a directory files can be written in, creating it when
     missing (the command writes its results there); raises ValueError naming the fix."""

@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{option} must be at least {least}, got {value}")
         launch_env(args.allocator)
         check_setup(None, args.device)
-        if args.directory is not None:
-            cli_checks.existing_directory("--directory", args.directory)
+        args.directory = cli_checks.spill_directory(args.directory)
         json_path = cli_checks.output_file("--json", args.json)
         png_path = cli_checks.output_file("--png", args.png) if args.png else None
     except (ValueError, TbaConfigError) as err:

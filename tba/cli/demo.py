@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 
 from tba.allocator import CHOICES, INSTALL_HINTS, launch_env
 from tba.bench.interleaved import run_interleaved_isolated
@@ -56,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     config = PRESETS[args.preset]
     try:
         _, malloc = launch_env(args.allocator)
-        if args.directory is not None:
-            cli_checks.existing_directory("--directory", args.directory)
+        directory = cli_checks.spill_directory(args.directory)
     except (TbaConfigError, ValueError) as err:
         cli_checks.usage_error("demo", str(err))
     logger.info("model: GPT preset %r (%d layers, width %d, sequence %d, batch %d)", args.preset,
@@ -65,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
     if malloc.startswith("system") and args.allocator == "auto":
         logger.info("no caching allocator found (%s; or %s): the demo runs under glibc only",
                     INSTALL_HINTS["jemalloc"], INSTALL_HINTS["mimalloc"])
-    directory = args.directory or tempfile.gettempdir()
     allocators = [args.allocator] + ([] if malloc.startswith("system") else ["system"])
     rows, results = [], []
     for choice in allocators:

@@ -30,7 +30,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -243,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         cli_checks.output_directory("--out", args.out)
+        directory = cli_checks.spill_directory(args.directory)
     except ValueError as err:
         cli_checks.usage_error("gpu-report", str(err))
     started = time.perf_counter()
@@ -264,7 +264,6 @@ def run(args: argparse.Namespace) -> int:
         report["cuda_tests"] = _cuda_tests(args.out) if not args.simulate else (
             "skipped: the sanitizer tests need a real GPU (tests/device runs the simulated suite in CI)")
         _write(report, args.out)
-        directory = args.directory or tempfile.gettempdir()
 
         def rows_so_far(rows: list[dict[str, Any]]) -> None:
             report["rows"] = rows

@@ -199,8 +199,7 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("rok", str(err))
     budgets_bytes = [int(float(b) * MIB) for b in args.budgets_mib.split(",")] if args.budgets_mib else None
     try:
-        if args.directory is not None:
-            cli_checks.existing_directory("--directory", args.directory)
+        args.directory = cli_checks.spill_directory(args.directory)
         check_setup(args.out, args.device)
     except ValueError as err:
         cli_checks.usage_error("rok", str(err))

@@ -103,3 +103,45 @@ def test_device_defaults_to_what_torch_sees(command, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda visible=visible: visible)
         assert build_parser().parse_args(command).device == expected
     assert build_parser().parse_args([*command, "--device", "cpu"]).device == "cpu"
+
+
+class _Ran(Exception):
+    """Raised by a stand-in for a command's measurement: the command got past its checks."""
+
+
+def _stop_at_the_measurement(monkeypatch, directories: list) -> None:
+    from tba.cli import capacity, demo, rok
+
+    def measure(*args, **kwargs):
+        directories.append(kwargs.get("directory", getattr(args[0], "directory", None) if args else None))
+        raise _Ran
+
+    monkeypatch.setattr(demo, "run_isolated", measure)
+    monkeypatch.setattr(capacity, "measure_capacity", measure)
+    monkeypatch.setattr(rok, "sweep", measure)
+
+
+COMMANDS_WITH_A_SPILL_DIRECTORY = [["demo"], ["capacity", "--budget", "64M"], ["rok"]]
+
+
+@pytest.mark.parametrize("argv", COMMANDS_WITH_A_SPILL_DIRECTORY, ids=lambda argv: argv[0])
+def test_tba_dir_is_the_spill_directory_where_directory_is_not_given(argv, tmp_path, monkeypatch):
+    """The demo ran in the temp directory where $TBA_DIR was set, though its help said "default: $TBA_DIR"."""
+    directories: list = []
+    _stop_at_the_measurement(monkeypatch, directories)
+    monkeypatch.setenv("TBA_DIR", str(tmp_path))
+    with pytest.raises(_Ran):
+        main([*argv, "--out", str(tmp_path / "out")] if argv[0] == "rok" else argv)
+    assert directories == [str(tmp_path)]
+
+
+@pytest.mark.parametrize("argv", COMMANDS_WITH_A_SPILL_DIRECTORY, ids=lambda argv: argv[0])
+def test_a_bad_tba_dir_is_refused_before_any_work(argv, tmp_path, monkeypatch, capsys):
+    """$TBA_DIR naming a file failed each tba run one by one (capacity: every strategy "unavailable", status 1)."""
+    _stop_at_the_measurement(monkeypatch, [])
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TBA_DIR", str(tmp_path / "file"))
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--out", str(tmp_path / "out")] if argv[0] == "rok" else argv)
+    assert stop.value.code == 2
+    assert "$TBA_DIR (used where --directory is not given)" in capsys.readouterr().err
