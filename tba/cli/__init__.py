@@ -35,6 +35,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "capacity": ("tba.cli.capacity", "largest micro-batch within a memory budget: keep, recompute, offload, adaptive"),
 }
 
+OFFLOADING = ("demo", "rok", "capacity", "gpu-report", "bench-hooks")
+"""The commands whose runs build tba offloaders, which read the ``TBA_*`` variables."""
+
 
 class _Parser(argparse.ArgumentParser):
     """A parser whose usage errors are one line (``prog: error: message``) and exit status 2.
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",
     )
+    if args.command in OFFLOADING:
+        _check_environment(parser, args.command)
     args.command_line = command_line
     if command_line:
         _exit_on_sigterm()
@@ -146,6 +151,19 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
         if stop is None or stop is err:
             raise
         raise stop from None
+
+
+def _check_environment(parser: argparse.ArgumentParser, command: str) -> None:
+    """Refuse a ``TBA_*`` variable tba cannot read before any work: it reached only the commands' measured
+    processes, so ``TBA_QUEUE_DEPTH=abc python -m tba demo`` ended in a traceback of the first tba run and
+    ``capacity`` reported every tba strategy unavailable, status 1."""
+    from tba.config import OffloadConfig
+    from tba.errors import TbaConfigError
+
+    try:
+        OffloadConfig.from_env()
+    except TbaConfigError as err:
+        parser.exit(2, f"python -m tba {command}: error: {err}; fix the variable or unset it\n")
 
 
 def _output_closed() -> bool:

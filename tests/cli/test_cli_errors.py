@@ -145,3 +145,14 @@ def test_a_bad_tba_dir_is_refused_before_any_work(argv, tmp_path, monkeypatch, c
         main([*argv, "--out", str(tmp_path / "out")] if argv[0] == "rok" else argv)
     assert stop.value.code == 2
     assert "$TBA_DIR (used where --directory is not given)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", COMMANDS_WITH_A_SPILL_DIRECTORY, ids=lambda argv: argv[0])
+def test_a_tba_variable_tba_cannot_read_is_refused_before_any_work(argv, tmp_path, monkeypatch, capsys):
+    """TBA_QUEUE_DEPTH=abc reached only the measured processes: the demo ended in an IsolatedRunError traceback."""
+    _stop_at_the_measurement(monkeypatch, [])
+    monkeypatch.setenv("TBA_QUEUE_DEPTH", "abc")
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--out", str(tmp_path / "out")] if argv[0] == "rok" else argv)
+    assert stop.value.code == 2
+    assert "TBA_QUEUE_DEPTH='abc': write a whole number; fix the variable or unset it" in capsys.readouterr().err
