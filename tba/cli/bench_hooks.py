@@ -120,7 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--many-count", type=cli_checks.int_at_least(1), default=DEFAULT_MANY_COUNT,
                         help=f"storages in the --many case (default {DEFAULT_MANY_COUNT})")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny counts, one warm-up and one repeat (a smoke test; its figures mean nothing)")
+                        help="tiny counts, 64 KiB storages, one warm-up and one repeat, where those options are not given "
+                             "(a smoke test; its figures mean nothing)")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() before measuring, as a training script can once its model is built: the "
                              "cycle collector's full collections then skip every object alive before (a tuned mode; "
@@ -161,10 +162,23 @@ def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[
     return cases
 
 
+QUICK = {"counts": [3, 6], "sizes": [64 * KIB], "warmups": 1, "repeats": 1, "many_count": 50}
+"""--quick's values, each for an option left at its default."""
+
+
+def _make_quick(args: argparse.Namespace) -> None:
+    """--quick's small values where the option was not given: ``--quick --sizes 1M`` ran 64 KiB storages, saying nothing."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    for name, value in QUICK.items():
+        if getattr(args, name) == getattr(defaults, name):
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.counts, args.sizes, args.warmups, args.repeats = [3, 6], [64 * KIB], 1, 1
-        args.many_count = min(args.many_count, 50)
+        _make_quick(args)
     if args.warmups < 0 or args.repeats < 1:
         print("bench-hooks: error: --warmups must be >= 0 and --repeats >= 1", file=sys.stderr)
         return 2

@@ -256,3 +256,20 @@ def test_doctor_quick_size_below_one_byte_is_refused(size, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["doctor", "--quick-size", size])
     assert exit_.value.code == 2 and "--quick-size" in capsys.readouterr().err
+
+
+def test_quick_keeps_the_options_given(tmp_path, monkeypatch):
+    """--quick replaced --sizes, --counts, --warmups and --repeats given with it: `--quick --sizes 1M` ran 64 KiB."""
+    seen = []
+
+    def cases(args, *directories):
+        seen.append((args.sizes, args.counts, args.warmups, args.repeats))
+        raise RuntimeError("stop before measuring")
+
+    monkeypatch.setattr(bench_hooks, "_cases", cases)
+    for argv, want in ((["--sizes", "1M", "--counts", "5"], ([1 << 20], [5], 1, 1)),
+                       (["--repeats", "2"], ([64 << 10], [3, 6], 1, 2))):
+        with pytest.raises(RuntimeError, match="stop before measuring"):
+            bench_hooks.run(_args(["--quick", "--no-disk", "--ram-dir", str(tmp_path), *argv]))
+        assert seen.pop() == want
+    assert os.listdir(tmp_path) == []
