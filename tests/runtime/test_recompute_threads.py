@@ -55,6 +55,22 @@ def _x(step: int) -> torch.Tensor:
     return torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(step), requires_grad=True)
 
 
+def _backward_thread(loss: torch.Tensor, errors: dict[str, BaseException], held_by: str = "backward") -> threading.Thread:
+    """A thread named ``backward`` that runs ``loss.backward()`` once started, keeping its error in ``errors``, and lets
+    the held module go when it ends; the module holds in the thread named ``held_by``."""
+
+    def backward() -> None:
+        try:
+            loss.backward()
+        except BaseException as err:  # noqa: BLE001  # the test reads it
+            errors["backward"] = err
+        finally:
+            STOP_IN["go"].set()
+
+    STOP_IN["thread"] = held_by
+    return threading.Thread(target=backward, name="backward")
+
+
 @pytest.mark.parametrize("outside", [False, True], ids=["own", "outside"])
 @pytest.mark.parametrize("placement", ["recompute", "offloaded_recompute"])
 @pytest.mark.parametrize("held", ["recomputation", "first call"])
@@ -64,17 +80,7 @@ def test_overlap_in_two_threads_is_refused(spill_dir, placement, outside, held):
     with off:
         first = model(_x(0)).pow(2).sum()
     errors: dict[str, BaseException] = {}
-
-    def backward() -> None:
-        try:
-            first.backward()
-        except BaseException as err:  # noqa: BLE001  # the test reads it
-            errors["backward"] = err
-        finally:
-            STOP_IN["go"].set()
-
-    STOP_IN["thread"] = "backward" if held == "recomputation" else "MainThread"
-    thread = threading.Thread(target=backward, name="backward")
+    thread = _backward_thread(first, errors, "backward" if held == "recomputation" else "MainThread")
     try:
         if held == "recomputation":
             thread.start()
@@ -162,17 +168,7 @@ def test_a_call_outside_tba_during_a_recomputation_in_another_thread_is_refused(
     with off:
         first = model(_x(0)).pow(2).sum()
     errors: dict[str, BaseException] = {}
-
-    def backward() -> None:
-        try:
-            first.backward()
-        except TbaError as err:
-            errors["backward"] = err
-        finally:
-            STOP_IN["go"].set()
-
-    STOP_IN["thread"] = "backward"
-    thread = threading.Thread(target=backward, name="backward")
+    thread = _backward_thread(first, errors)
     thread.start()
     try:
         assert STOP_IN["inside"].wait(30)  # inside the recomputation of a block
@@ -190,6 +186,7 @@ def test_a_call_outside_tba_during_a_recomputation_in_another_thread_is_refused(
         thread.join()
         off.close()
     assert set(errors) == {"forward", "backward"}, errors
+    assert all(isinstance(error, TbaError) for error in errors.values()), errors
     assert "Run the backward before the next forward or evaluation, or in the same thread" in str(errors["forward"])
 
 
@@ -204,17 +201,7 @@ def test_a_training_forward_of_another_module_during_a_recomputation_in_another_
     with off:
         first = model(_x(0)).pow(2).sum()
     errors: dict[str, BaseException] = {}
-
-    def backward() -> None:
-        try:
-            first.backward()
-        except TbaError as err:
-            errors["backward"] = err
-        finally:
-            STOP_IN["go"].set()
-
-    STOP_IN["thread"] = "backward"
-    thread = threading.Thread(target=backward, name="backward")
+    thread = _backward_thread(first, errors)
     thread.start()
     try:
         assert STOP_IN["inside"].wait(30)  # inside the recomputation of a block
@@ -229,4 +216,5 @@ def test_a_training_forward_of_another_module_during_a_recomputation_in_another_
         thread.join()
         off.close()
     assert set(errors) == {"forward", "backward"}, errors
+    assert all(isinstance(error, TbaError) for error in errors.values()), errors
     assert "random draws (dropout)" in str(errors["forward"])
