@@ -26,9 +26,9 @@ other way (a module-level ``torch.Generator``, a function's globals) is not foun
 state outside the layer's modules: as under plain checkpoint, keep or offload such a layer instead
 of recomputing it. The global generators are the process's: another thread drawing from them while
 a layer is recomputed sees its draws replayed and rewound (torch's own CPU generator under checkpoint
-shares the exposure). A module called in training mode on another thread meanwhile raises (Note [A
-recomputation and a first call of its state in two threads] in ``tba/runtime/_overlap.py``); a draw
-outside a module call is not seen: draw from a generator of the thread's own there.
+shares the exposure), silently: draw from a generator of the thread's own there, or run the backward
+before the next forward (Note [A recomputation and a first call of its state in two threads] in
+``tba/runtime/_overlap.py`` says why such draws are not refused).
 """
 
 from __future__ import annotations

@@ -24,12 +24,13 @@ the other, which raises when it ends, so that the failure also reaches a trainin
 backward thread failed. A recomputation is also a global forward pre-hook while it runs (unless a
 compiled module is among its modules): a call of one of its modules on another thread through code
 tba does not wrap (a kept layer calling a module a recomputed one shares, an evaluation after the
-``with`` block) raises there, and marks the recomputation; so does a call of any module in training
-mode, unless that thread is recomputing too: torch's checkpoint and tba set the process's random
-generators to the first call's states for the recomputation and back after it, and dropout drawn
-meanwhile on another thread was replayed, then rewound (all twelve gradients of six Linear-Dropout
-blocks, the last recomputed, differed from training without tba; Note [Generators of a recomputed
-layer] in ``tba/runtime/_generators.py``). Without an overlap nothing changes: a first call wholly
+``with`` block) raises there, and marks the recomputation. A call of another module is not refused, though torch's
+checkpoint and tba set the process's random generators to the first call's states for the
+recomputation and back after it: dropout drawn meanwhile on another thread is replayed, then rewound
+(Note [Generators of a recomputed layer] in ``tba/runtime/_generators.py``). Refusing every call in
+training mode there (a first version) refused models that draw nothing from them, an evaluation or EMA
+model run by another thread in training mode with BatchNorm (``tests/runtime/test_outside.py``), at
+random, whenever a call met a recomputation. Without an overlap nothing changes: a first call wholly
 before or after a recomputation is exact. An overlap is refused whatever the modules' state: which
 state a forward changes is known only once it has run, so a layer with none (no buffers, no
 dropout) is refused too, though its overlap was exact. A use of the same thread is not refused (a
@@ -40,10 +41,11 @@ that thread never does there.
 
 Not covered: a call through code tba does not wrap that began before the recomputation and is still
 running on the other thread when it starts, a module whose state is read or changed without calling
-it, a random draw outside any module call (``torch.randn`` in the loop), a recomputation of a layer
-holding a compiled module, which has no hook (only its own modules are watched, by first calls), and
-two recomputations on two threads drawing from the same global generator (the CPU's, Python's or
-numpy's; a CUDA device's is its own thread's under model parallelism).
+it, another thread's random draws from the global generators during a recomputation (above), a
+recomputation of a layer holding a compiled module, which has no hook (only its own modules are
+watched, by first calls), and two recomputations on two threads drawing from the same global
+generator (the CPU's, Python's or numpy's; a CUDA device's is its own thread's under model
+parallelism).
 """
 
 from __future__ import annotations
@@ -114,27 +116,15 @@ class Use:
         """The global pre-hook of a watched recomputation: ``module`` is about to run, on some thread."""
         if torch.compiler.is_compiling() or threading.get_ident() == self.thread:
             return
-        if id(module) in self.modules:
-            message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
-                       f"layer ({self.layer}) in another, which has put back the state of that module its forward "
-                       "started from (BatchNorm's running statistics): the call would read it, and its updates be undone")
-        elif module.training and not _recomputing(threading.get_ident()):  # Note [Generators of a recomputed layer]
-            message = (f"a call of {type(module).__name__} in training mode in one thread overlapped the recomputation "
-                       f"of a recomputed layer ({self.layer}) in another, which sets the global random generators back "
-                       "to its first call's states while it runs: the call's random draws (dropout) would be replayed "
-                       "and then rewound")
-        else:
+        if id(module) not in self.modules:
             return
-        message += (". Run the backward before the next forward or evaluation, or in the same thread, or keep or offload "
-                    "these layers instead of recomputing them")
+        message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
+                   f"layer ({self.layer}) in another, which has put back the state of that module its forward started "
+                   "from (BatchNorm's running statistics): the call would read it, and its updates be undone. Run the "
+                   "backward before the next forward or evaluation, or in the same thread, or keep or offload these "
+                   "layers instead of recomputing them")
         self.clash = self.clash or message
         raise TbaError(message)
-
-
-def _recomputing(thread: int) -> bool:
-    """Whether ``thread`` runs a recomputation (two on two threads draw each from the states it set: autograd's device
-    threads under model parallelism)."""
-    return any(use.thread == thread and use.what == "recomputation" for use in _running())
 
 
 def _running() -> list[Use]:

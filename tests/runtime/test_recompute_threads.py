@@ -5,6 +5,7 @@ other thread's BatchNorm update: the running statistics differed from training w
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 
@@ -190,13 +191,14 @@ def test_a_call_outside_tba_during_a_recomputation_in_another_thread_is_refused(
     assert "Run the backward before the next forward or evaluation, or in the same thread" in str(errors["forward"])
 
 
-def test_a_training_forward_of_another_module_during_a_recomputation_in_another_thread_is_refused(spill_dir):
-    """A module no recomputation uses, called in training mode on the main thread while the backward thread recomputes:
-    refused on both threads, since its dropout would draw from the global generator the recomputation has set back
-    (before, silently: the gradients of six Linear-Dropout blocks, the last recomputed, all differed). In eval mode it
-    draws nothing and runs."""
+def test_a_training_forward_of_another_module_during_a_recomputation_in_another_thread_runs(spill_dir):
+    """A module no recomputation uses, called in training mode on the main thread while the backward thread recomputes
+    (an EMA or evaluation model with BatchNorm), runs, and so does the backward: refusing every call in training mode
+    there (for the global generators' sake, Note [A recomputation and a first call of its state in two threads] in
+    tba/runtime/_overlap.py) refused such models at random, whenever a call met a recomputation."""
     model, _, _ = _model(False)
-    other = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5))
+    other = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+    want = copy.deepcopy(other)
     off = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan(("recompute",) * 2, 1 << 20), min_offload_bytes=0)
     with off:
         first = model(_x(0)).pow(2).sum()
@@ -205,16 +207,10 @@ def test_a_training_forward_of_another_module_during_a_recomputation_in_another_
     thread.start()
     try:
         assert STOP_IN["inside"].wait(30)  # inside the recomputation of a block
-        other.eval()
-        other(_x(1))
-        other.train()
-        other(_x(1))
-    except TbaError as err:
-        errors["forward"] = err
+        got = other(_x(1))
     finally:
         STOP_IN["go"].set()
         thread.join()
         off.close()
-    assert set(errors) == {"forward", "backward"}, errors
-    assert all(isinstance(error, TbaError) for error in errors.values()), errors
-    assert "random draws (dropout)" in str(errors["forward"])
+    assert errors == {}, errors
+    assert torch.equal(got, want(_x(1))) and torch.equal(other[1].running_mean, want[1].running_mean)
