@@ -150,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
                                       + (" (root: not applied to io_uring buffer registration)" if os.geteuid() == 0 else "")),
         *_malloc_rows(),
     ]
-    if not args.no_bandwidth:
+    if not args.no_bandwidth and not os.path.isdir(directory):
+        rows.append(("bandwidth", f"not measured ({_missing_reason(directory)})"))
+    elif not args.no_bandwidth:
         size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)
         try:
             gbps = quick_bandwidth(directory, size, direct=direct_reason is None)

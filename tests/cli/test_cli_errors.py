@@ -52,6 +52,9 @@ def test_doctor_on_missing_directory(tmp_path):
     done = tba_cli("doctor", "--directory", str(missing), "--no-bandwidth")
     assert f"{missing} does not exist" in done.stdout + done.stderr
     assert not missing.exists()
+    measured = tba_cli("doctor", "--directory", str(missing), "--quick-size", "1M")
+    assert measured.returncode == 0 and "FileNotFoundError" not in measured.stdout, measured.stdout
+    assert f"not measured ({missing} does not exist; create it or pass --directory)" in measured.stdout
 
 
 def test_bare_command_prints_help():
