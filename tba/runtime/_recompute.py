@@ -150,10 +150,11 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         calls[0] += 1
         use = Use("first call" if calls[0] == 1 else "recomputation", layer, watch=calls[0] > 1 and not compiled_within)
         try:  # Note [A recomputation and a first call of its state in two threads] in tba/runtime/_overlap.py
-            use.begin([*layer.modules(), *(state.module for state in first.outside)])
+            modules = [*layer.modules(), *(state.module for state in first.outside)]
+            use.begin(modules)
             if calls[0] == 1:
                 return first_call(first, use, learned_for(layer), *args, **kwargs)
-            return again(first, learned_for(layer), *args, **kwargs)
+            return again(first, learned_for(layer), modules, *args, **kwargs)
         finally:
             use.end()
             use.check()  # here too when torch's early stop ends the recomputation with an exception
@@ -176,10 +177,10 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
         first.settle(layer, learned)
         return out
 
-    def again(first: FirstCall, learned: Learned, *args: Any, **kwargs: Any) -> Any:
+    def again(first: FirstCall, learned: Learned, modules: list[nn.Module], *args: Any, **kwargs: Any) -> Any:
         first.check_unchanged(layer)
         check_private_unchanged(layer, first.private, first.outside_groups)
-        after = snapshot([*layer.modules(), *(state.module for state in first.outside)], learned)
+        after = snapshot(modules, learned)
         after_generators = states_now(first.generators)
         # Note [Nested state a recomputation is given back]; taken after the snapshot and put
         # back last, so a list held both in a public attribute and nested in another ends as it is now.
