@@ -114,9 +114,7 @@ class Use:
 
     def _called(self, module: nn.Module, args: object) -> None:
         """The global pre-hook of a watched recomputation: ``module`` is about to run, on some thread."""
-        if torch.compiler.is_compiling() or threading.get_ident() == self.thread:
-            return
-        if id(module) not in self.modules:
+        if torch.compiler.is_compiling() or threading.get_ident() == self.thread or id(module) not in self.modules:
             return
         message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
                    f"layer ({self.layer}) in another, which has put back the state of that module its forward started "
