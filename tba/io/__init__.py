@@ -141,11 +141,11 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = QUEUE_DEPT
     if queue_depth < 1:
         raise TbaConfigError(f"queue_depth must be >= 1, got {queue_depth}")
     name = resolve_backend(backend)
-    if backend != "auto" or name == "threads":
-        return _ENGINES[name].factory(queue_depth)
     try:
         return _ENGINES[name].factory(queue_depth)
     except TbaConfigError as err:  # Note [A ring the kernel refuses] in tba/io/_io_uring.py
+        if backend != "auto" or name == "threads":
+            raise
         _log_auto_fallback(str(err))
         return _ENGINES["threads"].factory(queue_depth)
 
