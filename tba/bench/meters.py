@@ -16,6 +16,7 @@ import threading
 import torch
 
 from tba._free_memory import release_free_memory
+from tba._proc_status import STATUS, status_kib
 from tba.device import cuda_api
 
 # Note: [Why measured processes fix glibc's mmap threshold]
@@ -27,17 +28,14 @@ from tba.device import cuda_api
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-_STATUS = "/proc/self/status"
+_STATUS = STATUS
 
 
 def _status_kib(field: str) -> int:
-    # Bytes: the process's name on the first line may end inside a UTF-8 character (tba/runtime/_peak.py).
-    wanted = field.encode()
-    with open(_STATUS, "rb") as status:
-        for line in status:
-            if line.startswith(wanted):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in {_STATUS}")
+    kib = status_kib(field, _STATUS)  # Note [The status file is read as bytes] in tba/_proc_status.py
+    if kib is None:
+        raise RuntimeError(f"{field} not in {_STATUS}")
+    return kib
 
 
 def usage_bytes(device: str = "cpu") -> int:

@@ -30,26 +30,21 @@ from __future__ import annotations
 import torch
 
 from tba._free_memory import release_free_memory
+from tba._proc_status import STATUS, status_kib
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _RESET_PEAK = "5"
 
 
-_STATUS = "/proc/self/status"
+_STATUS = STATUS
 
 
 def _status_bytes(field: str) -> int | None:
-    # Bytes, not text: its first line is the process's name, which the kernel cuts to 15 bytes, inside a
-    # character of a name in UTF-8 (prctl PR_SET_NAME, setproctitle): read as UTF-8 it raised UnicodeDecodeError.
-    wanted = field.encode()
     try:
-        with open(_STATUS, "rb") as status:
-            for line in status:
-                if line.startswith(wanted):
-                    return int(line.split()[1]) * 1024
+        kib = status_kib(field, _STATUS)  # Note [The status file is read as bytes] in tba/_proc_status.py
     except OSError:
         return None
-    return None
+    return None if kib is None else kib * 1024
 
 
 class StepPeak:
