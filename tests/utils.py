@@ -327,3 +327,14 @@ def pinned_steps(make_layer: Callable[[], nn.Module], width: int, directory, pla
         result += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
         model.zero_grad()
     return result, model
+
+
+class RecomputeWherePossible(tba.Policy):
+    """Recomputes every layer the profile allows, and keeps what the profile said."""
+
+    def __init__(self) -> None:
+        self.recomputable: list[bool] = []
+
+    def plan(self, profile):
+        self.recomputable = [layer.recomputable for layer in profile.layers]
+        return tba.Plan(tuple("recompute" if r else "offload" for r in self.recomputable), window_bytes=1 << 20)

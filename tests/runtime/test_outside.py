@@ -10,6 +10,7 @@ import contextlib
 import pytest
 import torch
 from torch import nn
+from utils import RecomputeWherePossible
 
 import tba
 
@@ -46,17 +47,6 @@ class Model(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x.square().mean()
-
-
-class RecomputeWherePossible(tba.Policy):
-    """Recomputes every layer the profile allows, and keeps what the profile said."""
-
-    def __init__(self) -> None:
-        self.recomputable: list[bool] = []
-
-    def plan(self, profile):
-        self.recomputable = [layer.recomputable for layer in profile.layers]
-        return tba.Plan(tuple("recompute" if r else "offload" for r in self.recomputable), window_bytes=1 << 20)
 
 
 def train(make_shared, directory: str | None, hook: bool = False) -> tuple[list[torch.Tensor], list[bool] | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
+from utils import RecomputeWherePossible
 
 import tba
 
@@ -75,17 +76,6 @@ def test_vmap_over_the_forward(spill_dir):
     want = grads_of(model, loss_of)
     for options in PLANS.values():
         assert_same(want, grads_of(model, loss_of, spill_dir, **options))
-
-
-class RecomputeWherePossible(tba.Policy):
-    """Recomputes every layer the profile allows, and keeps what the profile said."""
-
-    def __init__(self) -> None:
-        self.recomputable: list[bool] = []
-
-    def plan(self, profile):
-        self.recomputable = [layer.recomputable for layer in profile.layers]
-        return tba.Plan(tuple("recompute" if r else "offload" for r in self.recomputable), window_bytes=1 << 20)
 
 
 def test_forward_mode_ad_inside_the_context(spill_dir):
