@@ -1,0 +1,136 @@
+"""A recomputed layer that draws from a generator its code names, a module-level one or a class attribute, draws the
+same numbers again (Note [Generators a layer's code names] in ``tba/runtime/_generators.py``).
+
+The generators were looked for in what the layer's modules hold, in the call's arguments and in what those hold, but
+not in the globals its code reads: a ``torch.Generator`` made at module level and passed as ``generator=`` in
+``forward`` (or in a module-level helper that ``forward`` calls, or in the forward of a module-level module that it
+calls), or one held by the class, drew its next numbers in
+the recomputation, a noise mask other than the first call's, and every plan that recomputed the layer (the adaptive
+default among them: nothing in a profiled step tells) trained with gradients other than those of training without tba,
+silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+WIDTH = 8
+
+NOISE = torch.Generator().manual_seed(7)
+"""A module-level generator, named in :meth:`Direct.forward`."""
+
+
+
+HELPER_NOISE = torch.Generator().manual_seed(14)
+
+
+def masked(x: torch.Tensor) -> torch.Tensor:
+    """A module-level helper that draws from a module-level generator."""
+    return x * torch.rand(x.shape, generator=HELPER_NOISE)
+
+
+SETTINGS = types.SimpleNamespace(rng=torch.Generator().manual_seed(10))
+"""A module-level plain object holding a generator."""
+
+noise_lib = types.ModuleType("tba_test_noise_lib")
+noise_lib.G = torch.Generator().manual_seed(11)
+sys.modules[noise_lib.__name__] = noise_lib
+
+
+OUTSIDE_NOISE = torch.Generator().manual_seed(13)
+
+
+class GlobalNoise(nn.Module):
+    """A module outside the layer, at module level, whose forward names a module-level generator."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rand(x.shape, generator=OUTSIDE_NOISE)
+
+
+NOISE_MODULE = GlobalNoise()
+
+
+class Direct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=NOISE) + x
+
+
+class Helper(Direct):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return masked(torch.tanh(self.linear(x))) + x
+
+
+class ClassHeld(Direct):
+    rng = torch.Generator().manual_seed(12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * self._mask(x) + x
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rand(x.shape, generator=self.rng)
+
+
+class Namespaced(Direct):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=SETTINGS.rng)
+        return h * torch.rand(x.shape, generator=noise_lib.G) + x
+
+
+class Outside(Direct):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NOISE_MODULE(torch.tanh(self.linear(x))) + x
+
+
+def _generators() -> list[torch.Tensor]:
+    return [NOISE.get_state(), OUTSIDE_NOISE.get_state(), HELPER_NOISE.get_state(), SETTINGS.rng.get_state(),
+            noise_lib.G.get_state(), ClassHeld.rng.get_state()]
+
+
+def _seed() -> None:
+    NOISE.manual_seed(7)
+    SETTINGS.rng.manual_seed(10)
+    noise_lib.G.manual_seed(11)
+    ClassHeld.rng.manual_seed(12)
+    OUTSIDE_NOISE.manual_seed(13)
+    HELPER_NOISE.manual_seed(14)
+
+
+def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    _seed()
+    blocks = nn.ModuleList([kind(), kind()])
+    result = []
+    for step in range(2):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
+        plan = tba.Plan(("recompute", "recompute"), window_bytes=1 << 20)
+        with (tba.offload_activations(spill_dir, layers=list(blocks), policy=plan) if spill_dir
+              else contextlib.nullcontext()):
+            h = x
+            for block in blocks:
+                h = block(h)
+            loss = h.pow(2).mean()
+        loss.backward()
+        result += [loss.detach(), *(p.grad.clone() for p in blocks.parameters())]
+        blocks.zero_grad()
+    return result + _generators()
+
+
+@pytest.mark.parametrize("kind", [Direct, Helper, ClassHeld, Namespaced, Outside])
+def test_recomputed_layer_replays_the_generators_its_code_names(tmp_path, kind):
+    expected = _train(kind, None)
+    got = _train(kind, str(tmp_path))
+    assert len(got) == len(expected)
+    for index, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"{kind.__name__}: tensor {index} differs from training without tba"
