@@ -1,0 +1,169 @@
+"""What each stage of tba's save costs the forward, one stage added at a time, in alternating rounds.
+
+    python tools/hook_stages.py [--count 2000] [--size 64K] [--directory /dev/shm] [--rounds 9] [--json PATH]
+
+The ``bench-hooks`` loop (each of ``--count`` leaves through ``torch.tanh``, reduced by ``sum()``, one backward)
+runs forward in five variants, their order shuffled in every round so that each sees the same minutes of the
+machine, and prints each variant's forward time against the loop without tba (extra µs per storage, the best
+and the median round):
+
+* ``keep``: inside ``tba.keep_in_memory()``: every tensor goes through the pack hook's checks and stays.
+* ``pack``: the pack hook as it is (view, version watch, deferral), its deferred save only keeping the
+  tensor in its view (``SavedTensorHooks._save_job`` patched).
+* ``bookkeeping``: the save as it is (entry, extent, window, finalizer, the write queued), but the host
+  write heard at once as not needed (``HostBatch.write`` patched), so nothing goes to the engine and the
+  storage stays in memory: the control thread's Python without the I/O.
+* ``full``: tba as it is.
+
+So ``pack`` less ``keep`` is the deferral and the view, ``bookkeeping`` less ``pack`` the save's Python, and
+``full`` less ``bookkeeping`` the I/O (the batch, the engine's submissions and completions, the kernel's work).
+The patches are the process's while a variant runs, and are undone after it. Timings are wall-clock on a
+shared machine: compare the variants of one run. docs/host-cost.md (twenty-fifth pass) has the figures
+that first split the forward so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+import tba
+from tba import _control
+from tba.device import WRITE_NOT_NEEDED
+from tba.runtime._hooks import SavedTensorHooks
+from tba.runtime._host_io import HostBatch
+
+VARIANTS = ("keep", "pack", "bookkeeping", "full")
+"""The stages, each adding to the one before (see the module's docstring)."""
+
+
+def _keep_only(self, view, tensor, *args) -> None:  # noqa: ANN001 - SavedTensorHooks._save_job's signature
+    view.keep(tensor)
+
+
+def _not_needed(self, data, phase_bytes, fd, offset, on_done, wanted=None) -> None:  # noqa: ANN001 - HostBatch.write's
+    on_done(WRITE_NOT_NEEDED)
+
+
+@contextlib.contextmanager
+def patched(owner: type, name: str, replacement: Callable) -> Iterator[None]:
+    """``owner.name`` is ``replacement`` inside the block, and what it was after it."""
+    saved = vars(owner)[name]
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def _variant(name: str, directory: str) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if name == "pack":
+        stack.enter_context(patched(SavedTensorHooks, "_save_job", _keep_only))
+    elif name == "bookkeeping":
+        stack.enter_context(patched(HostBatch, "write", _not_needed))
+    if name != "base":
+        stack.enter_context(tba.offload_activations(directory=directory))
+    if name == "keep":
+        stack.enter_context(tba.keep_in_memory())
+    return stack
+
+
+def forward_seconds(leaves: list[torch.Tensor], name: str, directory: str) -> float:
+    """One forward and backward of the loop under variant ``name`` (or ``"base"``: without tba); the forward's seconds."""
+    for leaf in leaves:
+        leaf.grad = None
+    with _variant(name, directory):
+        start = time.perf_counter()
+        outputs = [torch.tanh(leaf).sum() for leaf in leaves]
+        seconds = time.perf_counter() - start
+        torch.autograd.backward(outputs)  # inside: a patched variant's storages are read back under the same patch
+        del outputs
+        _control.settle()
+    return seconds
+
+
+def measure(count: int, size_bytes: int, directory: str, rounds: int, warmups: int = 1,
+            progress: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Forward seconds per round of each variant and of ``"base"``, rounds shuffled, after ``warmups`` unmeasured."""
+    leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(count)]
+    names = ["base", *VARIANTS]
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(warmups + rounds):
+        order = random.sample(names, len(names))
+        for name in order:
+            elapsed = forward_seconds(leaves, name, directory)
+            if index >= warmups:
+                seconds[name].append(elapsed)
+        if progress is not None:
+            progress(f"round {index + 1} of {warmups + rounds}")
+    return seconds
+
+
+def report(seconds: dict[str, list[float]], count: int) -> list[tuple[str, float, float]]:
+    """(variant, best, median) forward µs per storage over the loop without tba's best and median."""
+    base = seconds["base"]
+    return [(name, (min(seconds[name]) - min(base)) / count * 1e6,
+             (statistics.median(seconds[name]) - statistics.median(base)) / count * 1e6) for name in VARIANTS]
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    try:
+        value = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (64K, 1M, or bytes)") from None
+    if value < 4 or value % 4:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive multiple of 4 bytes (float32 leaves)")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small (at least 1)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--count", type=_positive, default=2000, help="storages per step (default 2000)")
+    parser.add_argument("--size", type=_size, default=1 << 16, help="bytes per storage: 64K, 1M, ... (default 64K)")
+    parser.add_argument("--directory", default=None,
+                        help="where a fresh spill directory is made (default /dev/shm: RAM-backed, no disk cost)")
+    parser.add_argument("--rounds", type=_positive, default=9, help="measured rounds of every variant (default 9)")
+    parser.add_argument("--json", metavar="PATH", help="also write every round's forward seconds to PATH")
+    args = parser.parse_args(argv)
+    parent = args.directory or "/dev/shm"
+    if not os.path.isdir(parent):
+        parser.error(f"--directory {parent} does not exist; create it or pass another")
+    with tempfile.TemporaryDirectory(prefix="tba-hook-stages-", dir=parent) as directory:
+        seconds = measure(args.count, args.size, directory, args.rounds,
+                          progress=lambda text: print(text, file=sys.stderr, flush=True))
+    print(f"forward, extra us per storage against the loop without tba ({args.count} x {args.size} bytes in "
+          f"{parent}, {args.rounds} rounds, torch threads {torch.get_num_threads()}):")
+    print(f"{'variant':12s} {'best':>8s} {'median':>8s}")
+    for name, best, median in report(seconds, args.count):
+        print(f"{name:12s} {best:8.1f} {median:8.1f}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"count": args.count, "size_bytes": args.size, "directory": parent, "seconds": seconds}, out,
+                      indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
