@@ -32,7 +32,10 @@ the ``with`` block. So:
   storage once and rebuilds the view). A ``recompute`` layer's are taken apart the same way.
 * ``recompute`` pushes a pair of its own around the checkpoint call, so its inputs are held by
   autograd as without tba (the cost model counts them as held; tba's stats do not see them); the
-  pair checks their versions at unpack, as autograd does without hooks.
+  pair checks their versions at unpack, as autograd does without hooks, and raises a TbaError
+  naming the layer (Note [A recomputed layer's input changed before backward] in
+  ``tba/runtime/_recompute_inputs.py``). ``offloaded_recompute`` pushes one above tba's that passes
+  each input to tba's pack and unpack and makes the same check first.
 * When the pair on top is neither tba's nor a checkpoint's (another hooks context inside tba's, such
   as ``save_on_cpu`` or a memory meter), or there is none (recomputation without an offloader, as
   ``python -m tba`` benchmarks' full recompute runs it), an ``offloaded_recompute`` layer runs as
@@ -62,7 +65,6 @@ is copied and put back by ``tba/runtime/_layer_state.py``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterable
@@ -96,7 +98,7 @@ from tba.runtime._private_state import (
     private_state,
     put_back_nested,
 )
-from tba.runtime._views import Kept
+from tba.runtime._recompute_inputs import watched_inputs
 from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level
@@ -129,8 +131,8 @@ class RecomputeLayers:
         offload = [offload_inputs] * len(layers) if isinstance(offload_inputs, bool) else list(offload_inputs)
         check_wrappable(layers, indices, thread)
         self.layers = layers
-        for layer, spill in zip(self.layers, offload):  # Note [A copy of a hooked layer holds none of tba's]
-            layer.forward = Recomputing(layer, _checkpointed(layer, layer.forward, spill), thread)
+        for layer, index, spill in zip(self.layers, indices, offload):  # Note [A copy of a hooked layer holds none of tba's]
+            layer.forward = Recomputing(layer, _checkpointed(layer, index, layer.forward, spill), thread)
 
     def remove(self) -> None:
         for layer in self.layers:
@@ -145,7 +147,7 @@ class RecomputeLayers:
         self.remove()
 
 
-def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
+def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bool) -> Any:
     def first_or_again(calls: list[int], first: FirstCall, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         use = Use("first call" if calls[0] == 1 else "recomputation", layer, watch=calls[0] > 1 and not compiled_within)
@@ -246,7 +248,7 @@ def _checkpointed(layer: nn.Module, forward: Any, offload_inputs: bool) -> Any:
                 return first_or_again(calls, first, *call_args, **call_kwargs)
 
         keep = not is_mutation_pair(top) and (not offload_inputs or top is None or not is_tba_pair(top))
-        with _inputs_in_memory() if keep else contextlib.nullcontext():
+        with watched_inputs(layer, index, top, keep):  # Note [A recomputed layer's input changed before backward]
             return _checkpoint(call, calls, first, *tensors)
 
     return run
@@ -320,15 +322,3 @@ def _backward_announcer(top: tuple[Any, Any] | None) -> Callable[[], None] | Non
     hooks = top[0].__self__
     layer = hooks.current_layer
     return None if layer is None else functools.partial(hooks.reached_layer, layer)
-
-
-def _keep(tensor: torch.Tensor) -> Kept:
-    return Kept(tensor, tensor._version)
-
-
-def _inputs_in_memory() -> contextlib.AbstractContextManager:
-    """A saved-tensor pair on top that keeps a ``recompute`` layer's inputs in memory, bypassing tba (Note [Hook
-    nesting of a recomputed layer]), and checks their versions at unpack as autograd would without hooks: an
-    input changed in place after forward raises torch's in-place error instead of being recomputed from
-    (Note [In-place after saving] in ``tba/runtime/_views.py``)."""
-    return torch.autograd.graph.saved_tensors_hooks(_keep, Kept.get)

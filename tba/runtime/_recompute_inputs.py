@@ -1,0 +1,86 @@
+"""How a recomputed layer's inputs are saved for its recomputation.
+
+Note: [A recomputed layer's input changed before backward]
+Checkpoint saves a recomputed layer's inputs, not copies, and the recomputation starts from them.
+A program that changes one in place after the layer's call and before backward (``x.mul_(2)`` on
+the batch, ``h0.add_(1)`` on an activation the next block took; legal without tba when the layer
+itself saves no tensor sharing the input's version counter, a block that starts with an addition)
+got torch's in-place error from the unpack of the input, whose hint does not say which layer nor
+that the layer's placement is the cause. The pair a ``recompute`` layer's inputs are saved under,
+and the one pushed above tba's for an ``offloaded_recompute`` layer's (which passes each input to
+tba's pack and unpack and keeps only a version watch beside it, no bytes: Note [In-place after
+saving] in ``tba/runtime/_views.py``), check the input's version before anything else reads it and
+raise :class:`~tba.errors.TbaError` naming the layer and the fix. Under
+``allow_mutation_on_saved_tensors()``, where the change is legal and the input is cloned, no check is
+pushed. The adaptive default already sees such a change in its profiled steps and never recomputes
+the layer (Note [A recomputed layer's input changed after its forward] in ``tba/runtime/_timer.py``).
+A change that no version counter sees (through ``.data``, through a numpy array sharing the
+tensor's memory) is recomputed from, as under plain checkpoint (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from tba._untrack import untrack
+from tba.errors import TbaError
+from tba.runtime._pairs import is_tba_pair
+from tba.runtime._views import Kept, version_watch
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class _Watched:
+    """What the pair above tba's returns for an ``offloaded_recompute`` layer's input: tba's own record, and a watch
+    of the input's version counter."""
+
+    __slots__ = ("inner", "watch", "version", "what")
+
+    def __init__(self, inner: Any, tensor: torch.Tensor) -> None:
+        self.inner = inner
+        self.what = f"{tensor.dtype} {list(tensor.shape)}"
+        self.watch = version_watch(tensor)
+        self.version = tensor._version
+        untrack(self, self.watch)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
+
+
+def watched_inputs(layer: nn.Module, index: int, top: tuple[Any, Any] | None, keep: bool
+                   ) -> contextlib.AbstractContextManager:
+    """The saved-tensor pair a recomputed layer's inputs are saved under (Note [A recomputed layer's input changed
+    before backward]): kept in memory (``keep``), else passed to ``top`` when it is tba's pair; none under
+    another (``allow_mutation_on_saved_tensors()``'s)."""
+    def changed(what: str, version: int, now: int) -> TbaError:
+        return TbaError(
+            f"an input of a recomputed layer (layer {index}, {type(layer).__name__}; {what}, the input or its base) "
+            f"was changed in place after the layer's forward (version {version}, now {now}): its recomputation in "
+            "backward would start from the changed input. Clone the input before changing it in place (x = x.clone()), "
+            "change it after backward, or keep or offload this layer (policy='offload', or a tba.Plan that does not "
+            "recompute it)")
+
+    if keep:
+        def unpack_kept(kept: Kept) -> torch.Tensor:
+            if kept.tensor._version != kept.version:
+                raise changed(f"{kept.tensor.dtype} {list(kept.tensor.shape)}", kept.version, kept.tensor._version)
+            return kept.tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: Kept(tensor, tensor._version), unpack_kept)
+    if top is None or not is_tba_pair(top):  # allow_mutation_on_saved_tensors()'s: a change there is legal
+        return contextlib.nullcontext()
+    pack, unpack = top
+
+    def pack_watched(tensor: torch.Tensor) -> Any:
+        inner = pack(tensor)
+        return _Watched(inner, tensor) if type(tensor) in _PLAIN and not tensor.is_inference() else inner
+
+    def unpack_watched(saved: Any) -> torch.Tensor:
+        if type(saved) is not _Watched:
+            return unpack(saved)
+        if saved.watch._version != saved.version:
+            raise changed(saved.what, saved.version, saved.watch._version)
+        return unpack(saved.inner)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack_watched, unpack_watched)

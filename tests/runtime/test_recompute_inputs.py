@@ -1,0 +1,109 @@
+"""A recomputed layer's inputs changed in place by the program before backward (Note [A recomputed layer's input changed
+before backward] in tba/runtime/_recompute_inputs.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from utils import RecomputeWherePossible
+
+import tba
+
+RECOMPUTED = ("recompute", "offloaded_recompute")
+
+
+class AddsFirst(nn.Module):
+    """Uses its input only through an addition, which saves nothing: changing the input after the call is legal
+    without tba."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(16))
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(h + self.bias))
+
+
+def _change(where: str, x: torch.Tensor, h0: torch.Tensor, base: torch.Tensor) -> None:
+    if where == "batch":
+        x.mul_(2)  # the first layer's input
+    elif where == "activation":
+        h0.mul_(2)  # the second layer's: a linear saves no output
+    else:
+        base.add_(1)  # the base of the first layer's input, a view
+
+
+def _step(plan: tuple[str, ...] | None, directory: str | None, where: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.ModuleList(AddsFirst() for _ in range(2))
+    base = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    x = base[:, 8:24] if where == "base" else base[:, :16].clone()
+    with (tba.offload_activations(directory, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20),
+                                  min_offload_bytes=0) if plan else contextlib.nullcontext()):
+        h0 = model[0](x)
+        loss = model[1](h0).pow(2).sum()
+    _change(where, x, h0, base)
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("where", ["batch", "activation", "base"])
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_an_input_changed_after_the_call_raises_naming_the_layer(spill_dir, decision, where):
+    """Legal and exact without tba; a recomputation would start from the changed input. torch's in-place error, whose
+    hint names neither the layer nor its placement, was raised before."""
+    _step(None, None, where)
+    layer, shape = (1 if where == "activation" else 0), 16
+    with pytest.raises(tba.TbaError, match=rf"input of a recomputed layer \(layer {layer}, AddsFirst; torch.float32 "
+                                           rf"\[8, {shape}\], the input or its base\) was changed in place.*"
+                                           r"Clone the input.*keep or offload"):
+        _step((decision,) * 2, spill_dir, where)
+
+
+@pytest.mark.parametrize("where", ["batch", "activation"])
+def test_kept_or_offloaded_the_changed_input_is_exact(spill_dir, where):
+    want = _step(None, None, where)
+    for plan in (("keep", "keep"), ("offload", "offload")):
+        assert all(torch.equal(a, b) for a, b in zip(want, _step(plan, spill_dir, where)))
+
+
+def test_under_allow_mutation_the_change_is_legal_and_exact(spill_dir):
+    """That context clones a saved tensor before an in-place change: the change is legal there, and no check is pushed
+    (Note [Hook nesting of a recomputed layer] in tba/runtime/_recompute.py)."""
+
+    def grads(decision: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleList(AddsFirst() for _ in range(2))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        block = (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, 1 << 20),
+                                         min_offload_bytes=0) if decision else contextlib.nullcontext())
+        with block, torch.autograd.graph.allow_mutation_on_saved_tensors():
+            loss = model[1](model[0](x)).pow(2).sum()
+            x.mul_(2)
+            loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    want = grads(None)
+    for decision in RECOMPUTED:
+        assert all(torch.equal(a, b) for a, b in zip(want, grads(decision)))
+
+
+def test_the_adaptive_default_does_not_recompute_such_a_layer(spill_dir):
+    """The profiled steps see the change (Note [A recomputed layer's input changed after its forward] in
+    tba/runtime/_timer.py): the layer whose input the program changes is planned kept or offloaded."""
+    torch.manual_seed(0)
+    model = nn.ModuleList(AddsFirst() for _ in range(2))
+    policy = RecomputeWherePossible()
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=policy, profile_steps=1, min_offload_bytes=0)
+    for step in range(3):
+        with offloader:
+            h0 = model[0](torch.randn(8, 16, generator=torch.Generator().manual_seed(step)))
+            loss = model[1](h0).pow(2).sum()
+        h0.mul_(2)
+        loss.backward()
+    offloader.close()
+    assert policy.recomputable == [True, False]
