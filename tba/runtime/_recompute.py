@@ -98,7 +98,7 @@ from tba.runtime._private_state import (
     private_state,
     put_back_nested,
 )
-from tba.runtime._recompute_inputs import watched_inputs
+from tba.runtime._recompute_inputs import saved_as_bases, watched_inputs
 from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level
@@ -233,6 +233,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         calls: list[int] = [0]
         first = FirstCall()
         template, tensors = take_apart(args, kwargs)  # Note [A recomputation gets the call as it was]
+        tensors, views_again = saved_as_bases(tensors)  # Note [A recomputation gets its input's view-ness]
         originals = [(args, kwargs)]  # the first call's, dropped by it
         del args, kwargs
         announce = _backward_announcer(top)
@@ -244,7 +245,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
                 call_args, call_kwargs = originals.pop()
                 return first_or_again(calls, first, *call_args, **call_kwargs)
             with template.as_called():  # Note [An object passed to a recomputed layer is called as it was]
-                call_args, call_kwargs = template.call(saved)
+                call_args, call_kwargs = template.call(views_again(saved))
                 return first_or_again(calls, first, *call_args, **call_kwargs)
 
         keep = not is_mutation_pair(top) and (not offload_inputs or top is None or not is_tba_pair(top))

@@ -1,4 +1,4 @@
-"""How a recomputed layer's inputs are saved for its recomputation.
+"""How a recomputed layer's inputs are saved for its recomputation, and how they come back.
 
 Note: [A recomputed layer's input changed before backward]
 Checkpoint saves a recomputed layer's inputs, not copies, and the recomputation starts from them.
@@ -16,11 +16,28 @@ pushed. The adaptive default already sees such a change in its profiled steps an
 the layer (Note [A recomputed layer's input changed after its forward] in ``tba/runtime/_timer.py``).
 A change that no version counter sees (through ``.data``, through a numpy array sharing the
 tensor's memory) is recomputed from, as under plain checkpoint (docs/api.md).
+
+Note: [A recomputation gets its input's view-ness]
+Autograd hands back a tensor that requires grad, saved under a pair, as a new tensor that is a
+view of nothing (tba's offloaded tensors are rebuilt as such too): a layer called with a view
+(``block(h[:, 8:24])``) saw ``_is_view()`` false and ``_base`` None in its recomputation, where
+torch's checkpoint, which saves its inputs under no pair, hands back the view. A branch on
+``_is_view()`` that computes the same values either way (``contiguous()``, a clone before an
+in-place change) changed nothing, but a forward that reads its input's base (``h._base.mean()``)
+computed another value in the recomputation, and the gradients differed from training without tba,
+silently (helper-122). So an input that is a view of a plain tensor of its own dtype is saved as
+its base, and the recomputation gets the view rebuilt on the base handed back
+(:func:`saved_as_bases`): the same geometry and bytes (tba writes a whole storage either way), the
+same ``requires_grad``, ``_base`` a tensor of the base's geometry, one object for a tensor the call
+holds twice, and the base itself where the call holds it too. Not a view with another dtype, a
+conjugate or negative bit, one of a tensor subclass, or one that requires grad of a base that does
+not: such an input is saved as it is and reaches the recomputation as a view of nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,3 +101,48 @@ def watched_inputs(layer: nn.Module, index: int, top: tuple[Any, Any] | None, ke
         return unpack(saved.inner)
 
     return torch.autograd.graph.saved_tensors_hooks(pack_watched, unpack_watched)
+
+
+def _rebuildable_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s base when the view can be rebuilt on it by ``as_strided`` (Note [A recomputation gets its input's
+    view-ness]), else None."""
+    base = tensor._base if tensor._is_view() else None
+    if (base is None or type(tensor) not in _PLAIN or type(base) not in _PLAIN or base.dtype != tensor.dtype
+            or tensor.layout is not torch.strided or base.layout is not torch.strided or tensor.is_inference()
+            or tensor.is_quantized
+            or tensor.is_conj() != base.is_conj() or tensor.is_neg() != base.is_neg()
+            or (tensor.requires_grad and not base.requires_grad)):
+        return None
+    return base
+
+
+def saved_as_bases(tensors: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]]:
+    """What checkpoint saves for a call's ``tensors`` (each view of a plain tensor as its base; Note [A recomputation
+    gets its input's view-ness]), and what turns what it hands back into the call's tensors, views again."""
+    saved: list[torch.Tensor] = []
+    where: dict[int, int] = {}
+    plan: list[tuple[int, Any]] = []
+    for tensor in tensors:
+        base = _rebuildable_base(tensor)
+        held = tensor if base is None else base
+        if id(held) not in where:
+            where[id(held)] = len(saved)
+            saved.append(held)
+        geometry = None if base is None else (tuple(tensor.shape), tuple(tensor.stride()),
+                                              tensor.storage_offset() - base.storage_offset(), tensor.requires_grad)
+        plan.append((where[id(held)], geometry))
+
+    def views_again(handed: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        out = []
+        for position, geometry in plan:
+            root = handed[position]
+            if geometry is None:
+                out.append(root)
+                continue
+            size, stride, offset, requires_grad = geometry
+            source = root if requires_grad or not root.requires_grad else root.detach()
+            out.append(source.as_strided(size, stride, root.storage_offset() + offset))
+        return tuple(out)
+
+    return saved, views_again

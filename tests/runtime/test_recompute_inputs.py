@@ -1,5 +1,6 @@
-"""A recomputed layer's inputs changed in place by the program before backward (Note [A recomputed layer's input changed
-before backward] in tba/runtime/_recompute_inputs.py)."""
+"""A recomputed layer's inputs as its recomputation gets them: changed in place by the program before backward (Note [A
+recomputed layer's input changed before backward]) and views (Note [A recomputation gets its input's view-ness]),
+both in tba/runtime/_recompute_inputs.py."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_an_input_changed_after_the_call_raises_naming_the_layer(spill_dir, deci
     """Legal and exact without tba; a recomputation would start from the changed input. torch's in-place error, whose
     hint names neither the layer nor its placement, was raised before."""
     _step(None, None, where)
-    layer, shape = (1 if where == "activation" else 0), 16
+    layer, shape = (1 if where == "activation" else 0), (32 if where == "base" else 16)
     with pytest.raises(tba.TbaError, match=rf"input of a recomputed layer \(layer {layer}, AddsFirst; torch.float32 "
                                            rf"\[8, {shape}\], the input or its base\) was changed in place.*"
                                            r"Clone the input.*keep or offload"):
@@ -107,3 +108,74 @@ def test_the_adaptive_default_does_not_recompute_such_a_layer(spill_dir):
         loss.backward()
     offloader.close()
     assert policy.recomputable == [True, False]
+
+
+class ReadsItsBase(nn.Module):
+    """Scales by the mean of its input's base when it has one: what a view's base holds beyond the view counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        BRANCHES.append((h._is_view(), h._base is not None))
+        scale = h._base.mean() if h._base is not None else h.mean()
+        return torch.tanh(self.linear(h * scale))
+
+
+BRANCHES: list[tuple[bool, bool]] = []
+"""What each call of a ReadsItsBase saw (a module-level list: a recomputation puts its layer's attributes back)."""
+
+
+def _view_step(plan: tuple[str, ...] | None, directory: str | None, view: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(16, 32), ReadsItsBase()])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with (tba.offload_activations(directory, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20),
+                                  min_offload_bytes=0) if plan else contextlib.nullcontext()):
+        h0 = model[0](x)
+        h = {"slice": lambda: h0[:, 8:24], "transpose": lambda: h0.t()[8:24].t(),
+             "detached": lambda: h0.detach()[:, :16]}[view]()
+        loss = model[1](h).pow(2).sum() + h0.pow(2).sum()
+    loss.backward()
+    return [h0.detach(), *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("view", ["slice", "transpose", "detached"])
+@pytest.mark.parametrize("plan", [("keep", "recompute"), ("offload", "offloaded_recompute"), ("keep", "offloaded_recompute")])
+def test_a_recomputation_gets_a_view_where_the_call_had_one(spill_dir, plan, view):
+    """The recomputation got a tensor that is a view of nothing: ``_base`` None, another scale, other gradients
+    without an error. Torch's checkpoint hands back the view."""
+    BRANCHES.clear()
+    want = _view_step(None, None, view)
+    assert BRANCHES == [(True, True)]
+    BRANCHES.clear()
+    got = _view_step(plan, spill_dir, view)
+    assert BRANCHES == [(True, True)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class TwoInputs(nn.Module):
+    """Records whether its inputs are one tensor, and whether the second is a view of the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        BRANCHES.append((a is b, b._base is a))
+        return torch.tanh(self.linear(b)) * a[:, :16].mean()
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_a_recomputation_gets_the_views_identities_as_they_were(spill_dir, decision):
+    """One view held twice is one tensor twice (attention's ``query is key`` path); a view and its base stay so."""
+    for call in (lambda h0: (h0[:, 8:24], None), lambda h0: (h0, h0[:, 8:24])):
+        model = nn.ModuleList([nn.Linear(16, 32), TwoInputs()])
+        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("keep", decision), 1 << 20),
+                                     min_offload_bytes=0):
+            a, b = call(model[0](torch.randn(8, 16)))
+            loss = model[1](a, a if b is None else b).sum()
+        BRANCHES.clear()
+        loss.backward()
+        assert BRANCHES == [(b is None, b is not None)]
