@@ -98,7 +98,7 @@ from tba.runtime._private_state import (
     private_state,
     put_back_nested,
 )
-from tba.runtime._recompute_inputs import saved_as_bases, watched_inputs
+from tba.runtime._recompute_inputs import inputs_left_alone, saved_as_bases, watched_inputs
 from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level
@@ -245,8 +245,10 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
                 call_args, call_kwargs = originals.pop()
                 return first_or_again(calls, first, *call_args, **call_kwargs)
             with template.as_called():  # Note [An object passed to a recomputed layer is called as it was]
-                call_args, call_kwargs = template.call(views_again(saved))
-                return first_or_again(calls, first, *call_args, **call_kwargs)
+                inputs = views_again(saved)
+                call_args, call_kwargs = template.call(inputs)
+                with inputs_left_alone(layer, index, inputs):  # Note [A recomputation must leave its inputs as they are]
+                    return first_or_again(calls, first, *call_args, **call_kwargs)
 
         keep = not is_mutation_pair(top) and (not offload_inputs or top is None or not is_tba_pair(top))
         with watched_inputs(layer, index, top, keep):  # Note [A recomputed layer's input changed before backward]

@@ -37,11 +37,12 @@ not: such an input is saved as it is and reaches the recomputation as a view of 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import _StopRecomputationError
 
 from tba._untrack import untrack
 from tba.errors import TbaError
@@ -146,3 +147,36 @@ def saved_as_bases(tensors: list[torch.Tensor]
         return tuple(out)
 
     return saved, views_again
+
+
+@contextlib.contextmanager
+def inputs_left_alone(layer: nn.Module, index: int, inputs: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    """Raise :class:`TbaError` when the recomputation run inside changes one of its inputs in place.
+
+    Note: [A recomputation must leave its inputs as they are]
+    The first call of a recomputed layer changed none of its inputs (Note [A recomputed layer must
+    not change its input] in ``tba/runtime/_recompute.py``), so a recomputation that changes one took
+    another path than the first call: a forward that clones a view before scaling it in place and
+    scales any other input in place (``h.clone() if h._is_view() else h``) changed the caller's own
+    activation in backward, silently, while the recomputation got no view (helper-122). Its inputs
+    share the saved tensors' version counters, so the check is their versions around the recomputation,
+    through torch's early stop too (whose exception ends it once every tensor is rebuilt). Whatever
+    the branch (a view tba cannot rebuild, ``is_leaf``, a ``data_ptr`` comparison), the change is loud.
+    """
+    versions = [(tensor, tensor._version) for tensor in inputs if not tensor.is_inference()]
+
+    def check() -> None:
+        for tensor, version in versions:
+            if tensor._version != version:
+                raise TbaError(
+                    f"the recomputation of a recomputed layer (layer {index}, {type(layer).__name__}) changed its input "
+                    f"({tensor.dtype} {list(tensor.shape)}) in place, which its first call did not: it took another "
+                    "path than the first call (a branch on x._is_view(), x._base, x.is_leaf or x.data_ptr()). Keep or "
+                    "offload this layer, or make its forward take the same path for any input")
+
+    try:
+        yield
+    except _StopRecomputationError:
+        check()
+        raise
+    check()

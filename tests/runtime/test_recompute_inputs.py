@@ -179,3 +179,45 @@ def test_a_recomputation_gets_the_views_identities_as_they_were(spill_dir, decis
         BRANCHES.clear()
         loss.backward()
         assert BRANCHES == [(b is None, b is not None)]
+
+
+class ScalesInPlaceWhenNotAView(nn.Module):
+    """Never writes through a view into the caller's tensor; scales any other input in place (and, once
+    ``RECOMPUTING_CHANGES`` is set, any input: another path than the first call's for a reason tba cannot see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = h if RECOMPUTING_CHANGES[0] or not h._is_view() else h.clone()
+        return torch.tanh(self.linear(y.mul_(2)))
+
+
+RECOMPUTING_CHANGES = [False]
+"""A module-level flag tba does not replay: set between forward and backward, the recomputation takes the other path."""
+
+
+def _scaled_step(plan: tuple[str, ...] | None, directory: str | None, flip: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(16, 32), ScalesInPlaceWhenNotAView()])
+    RECOMPUTING_CHANGES[0] = False
+    with (tba.offload_activations(directory, layers=list(model), policy=tba.Plan(plan, window_bytes=1 << 20),
+                                  min_offload_bytes=0) if plan else contextlib.nullcontext()):
+        h0 = model[0](torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+        loss = model[1](h0[:, 8:24]).pow(2).sum() + h0.sum()
+    RECOMPUTING_CHANGES[0] = flip
+    loss.backward()
+    return [h0.detach(), *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("plan", [("keep", "recompute"), ("offload", "offloaded_recompute")])
+def test_a_recomputation_that_changes_its_input_raises(spill_dir, plan):
+    """Note [A recomputation must leave its inputs as they are]: the view's clone-or-scale branch changed the caller's
+    activation in backward while the recomputation got no view; any other path the recomputation takes alone that
+    changes its input is loud."""
+    want = _scaled_step(None, None, False)
+    assert all(torch.equal(a, b) for a, b in zip(want, _scaled_step(plan, spill_dir, False)))
+    with pytest.raises(tba.TbaError, match=r"recomputation of a recomputed layer \(layer 1, ScalesInPlaceWhenNotAView\) "
+                                           r"changed its input .* in place, which its first call did not"):
+        _scaled_step(plan, spill_dir, True)
