@@ -22,8 +22,8 @@ that the layer's first call runs (a module-level one: Note [A recomputation puts
 outside its layer that it calls] in ``tba/runtime/_outside_state.py``), and one a passed function
 holds (a lambda's closure, a ``functools.partial``'s arguments, a bound method's object); all of
 them drew again in the recomputation, silently, too (helper-117). So is one the layer's code names
-(Note [Generators a layer's code names]). A generator the layer reaches any other way (through what
-a call returns, a name computed at run time) is not found, nor is any other state outside the
+(Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). A generator the layer
+reaches any other way (through what a call returns, a name computed at run time) is not found, nor is any other state outside the
 layer's modules: as under plain checkpoint, keep or offload such a layer instead of recomputing it.
 The global generators are the process's: another thread drawing from them while a layer is
 recomputed sees its draws replayed and rewound (torch's own CPU generator under checkpoint
@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import itertools
 import random
-import sys
 import types
 from typing import Any
 
@@ -45,11 +44,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from tba.runtime._code_named import GENERATOR_TYPES, class_code_named, code_named, user_code
 from tba.runtime._layer_state import held_items
 from tba.runtime._state_objects import PLAIN, fields, plain_object
-
-GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
-"""What a layer's modules may hold, or its call pass, that :func:`generator_states` replays."""
 
 
 def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
@@ -59,7 +56,7 @@ def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = N
     :func:`set_states` puts them back."""
     states: dict[int, tuple[Any, Any]] = {id(random): (random, _state(random)), id(np.random): (np.random, _state(np.random))}
     own = list(layer.modules())
-    seen = set(map(id, own))  # walked here, not again through another one's _modules
+    seen = dict.fromkeys(map(id, own), SEARCH_DEPTH + 1)  # walked here, not again through another one's _modules
     for value in [*(value for module in own for value in vars(module).values()), *args, *(kwargs or {}).values()]:
         _collect(value, states, SEARCH_DEPTH, seen)
     _collect_code_named(own, states, seen)
@@ -70,26 +67,29 @@ def held_generator_states(modules: list[nn.Module], known: dict[int, tuple[Any, 
     """Each generator held by ``modules`` (those outside a recomputed layer that its first call runs, each taken before
     its first call there) that ``known`` does not hold, with its state (Note [Generators of a recomputed layer])."""
     states: dict[int, tuple[Any, Any]] = {}
-    seen = set(map(id, modules))
+    seen = dict.fromkeys(map(id, modules), SEARCH_DEPTH + 1)
     for value in [value for module in modules for value in vars(module).values()]:
         _collect(value, states, SEARCH_DEPTH, seen)
     _collect_code_named(modules, states, seen)
     return {key: state for key, state in states.items() if key not in known}
 
 
-def _collect_code_named(modules: list[nn.Module], states: dict[int, tuple[Any, Any]], seen: set[int]) -> None:
-    """The generators the ``forward`` of each class of ``modules`` names (Note [Generators a layer's code names])."""
+def _collect_code_named(modules: list[nn.Module], states: dict[int, tuple[Any, Any]], seen: dict[int, int]) -> None:
+    """The generators the ``forward`` of each class of ``modules`` names (Note [Generators a layer's code names] in
+    ``tba/runtime/_code_named.py``); torch's modules draw from what they are given."""
     for cls in {type(module) for module in modules}:
-        if _user_code(cls.forward):  # torch's modules draw from what they are given
-            for value in code_named(cls.forward, cls):
-                _collect(value, states, SEARCH_DEPTH, seen)
+        for value in class_code_named(cls):
+            _collect(value, states, SEARCH_DEPTH, seen)
 
 
 SEARCH_DEPTH = 3
 """Containers (dict, list, tuple) and plain objects searched for generators, nested in one another up to this deep."""
 
 
-def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: set[int]) -> None:
+def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: dict[int, int]) -> None:
+    """Collect the generators ``value`` is or holds, ``depth`` deep; ``seen`` holds the objects searched and how deep
+    (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``: one reached again with more depth left
+    is searched again)."""
     if isinstance(value, GENERATOR_TYPES):
         if id(value) not in states:
             states[id(value)] = (value, _state(value))
@@ -98,17 +98,18 @@ def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: s
         if not _only_leaves(items):  # Note [The generator search skips containers of plain values]
             for item in items:
                 _collect(item, states, depth - 1, seen)
-    elif depth and plain_object(value) and id(value) not in seen:  # a config every block holds is searched once
-        seen.add(id(value))
+    elif not depth or seen.get(id(value), -1) >= depth:  # a config every block holds is searched once
+        return
+    elif plain_object(value):
+        seen[id(value)] = depth
         for _, item in fields(value):
             _collect(item, states, depth - 1, seen)
-    elif depth and isinstance(value, nn.Module) and id(value) not in seen:  # a module passed in, or held in a list
-        seen.add(id(value))
-        cls = type(value)
-        for item in [*vars(value).values(), *(code_named(cls.forward, cls) if _user_code(cls.forward) else ())]:
+    elif isinstance(value, nn.Module):  # a module passed in, or held in a list
+        seen[id(value)] = depth
+        for item in [*vars(value).values(), *class_code_named(type(value))]:
             _collect(item, states, depth - 1, seen)
-    elif depth and isinstance(value, _CALLABLES) and id(value) not in seen:  # a noise function passed to every block
-        seen.add(id(value))
+    elif isinstance(value, _CALLABLES):  # a noise function passed to every block
+        seen[id(value)] = depth
         for item in _held_by_callable(value):
             _collect(item, states, depth - 1, seen)
 
@@ -145,97 +146,18 @@ def _held_by_callable(value: Any) -> list[Any]:
     if isinstance(value, functools.partial):
         return [value.func, *value.args, *value.keywords.values()]
     if isinstance(value, types.MethodType):
-        function = value.__func__
-        return [value.__self__, *(code_named(function, type(value.__self__)) if _user_code(function) else ())]
+        function, owner = value.__func__, value.__self__
+        cls = owner if isinstance(owner, type) else type(owner)  # a classmethod's is the class
+        return [owner, *(code_named(function, cls) if user_code(function) else ())]
     held = []
     for cell in value.__closure__ or ():
         try:
             held.append(cell.cell_contents)
         except ValueError:  # a cell not set yet
             continue
-    if _user_code(value):
+    if user_code(value):
         held += code_named(value)
     return held
-
-
-def code_named(function: Any, cls: type | None = None, _methods: set[int] | None = None) -> list[Any]:
-    """What the code of ``function`` (a method of ``cls``, if given) names (Note [Generators a layer's code names]).
-
-    Note: [Generators a layer's code names]
-    A layer that draws from a generator made at module level (``torch.rand(shape, generator=NOISE)`` in ``forward``,
-    or in a module-level helper that ``forward`` calls) or held by its class (``rng = torch.Generator()`` in the class
-    body, drawn as ``self.rng``) holds it in no attribute of its modules and gets it in no argument: the search found
-    none of these, and the recomputation drew the next numbers, silently (the adaptive default recomputes such
-    layers too). So the search also takes what the code of each of the layer's classes' ``forward`` names: the globals
-    among its names (and its nested functions' and comprehensions'), the generators and functions a module among
-    those globals holds under one of its names (``noise_lib.G``), and the class attributes of the names that the
-    class and its bases up to ``nn.Module`` define (a method, a property's getter, a generator). Functions found so,
-    and those passed in (a noise function), are searched the same way, :data:`SEARCH_DEPTH` deep, except those of
-    torch, numpy, tba and the standard library, which draw only from what they are given. The names of a code object
-    are taken once (:func:`_names`); the values are looked up at every call, so a rebound global is seen.
-    """
-    names = _names(function.__code__)
-    found: list[Any] = []
-    globals_ = getattr(function, "__globals__", {})
-    for name in names:
-        if name in globals_:
-            value = globals_[name]
-            if isinstance(value, types.ModuleType):
-                attributes = vars(value)
-                found += [attributes[attr] for attr in names if attr in attributes
-                          and isinstance(attributes[attr], (*GENERATOR_TYPES, types.FunctionType))]
-            else:
-                found.append(value)
-        if cls is not None:
-            for value in _class_named(cls, name):
-                if isinstance(value, types.FunctionType):  # a method of the class: its names are the class's too
-                    methods = _methods if _methods is not None else {id(function)}
-                    if id(value) not in methods:
-                        methods.add(id(value))
-                        found += code_named(value, cls, methods)
-                else:
-                    found.append(value)
-    return found
-
-
-def _class_named(cls: type, name: str) -> list[Any]:
-    """The attribute ``name`` of ``cls`` or of a base below ``nn.Module``, unwrapped to its function(s)."""
-    for klass in cls.__mro__:
-        if klass is nn.Module or klass is object:
-            return []
-        value = vars(klass).get(name)
-        if value is None:
-            continue
-        if isinstance(value, (staticmethod, classmethod)):
-            return [value.__func__]
-        if isinstance(value, property):
-            return [value.fget] if value.fget is not None else []
-        return [value]
-    return []
-
-
-@functools.lru_cache(maxsize=4096)
-def _names(code: types.CodeType) -> tuple[str, ...]:
-    """The names ``code`` and the code objects nested in it read (globals, attributes, methods)."""
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        current = stack.pop()
-        names.update(current.co_names)
-        stack += [const for const in current.co_consts if isinstance(const, types.CodeType)]
-    return tuple(sorted(names))
-
-
-_LIBRARY_ROOTS = frozenset({"torch", "numpy", "tba", *sys.stdlib_module_names})
-"""Top-level packages whose functions the search does not follow (Note [Generators a layer's code names])."""
-
-
-def _user_code(function: Any) -> bool:
-    """Whether ``function`` is Python code outside torch, numpy, tba and the standard library."""
-    if not isinstance(function, types.FunctionType):
-        return False
-    module = function.__globals__.get("__name__") or ""
-    return module.partition(".")[0] not in _LIBRARY_ROOTS
 
 
 def states_now(states: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:

@@ -1,5 +1,5 @@
 """A recomputed layer that draws from a generator its code names, a module-level one or a class attribute, draws the
-same numbers again (Note [Generators a layer's code names] in ``tba/runtime/_generators.py``).
+same numbers again (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``).
 
 The generators were looked for in what the layer's modules hold, in the call's arguments and in what those hold, but
 not in the globals its code reads: a ``torch.Generator`` made at module level and passed as ``generator=`` in

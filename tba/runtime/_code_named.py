@@ -1,0 +1,152 @@
+"""What the code of a layer's classes names: the values a generator search takes from its globals, its class and the
+functions it reaches (Note [Generators a layer's code names]); the search itself is ``tba/runtime/_generators.py``'s."""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
+"""What a layer's modules may hold, or its call pass, that ``tba/runtime/_generators.py`` replays."""
+
+
+def class_code_named(cls: type) -> list[Any]:
+    """What the code of the ``forward`` of ``cls`` names, each of its definitions along the class's bases."""
+    methods: set[int] = set()
+    found: list[Any] = []
+    for function in class_named(cls, "forward"):
+        if user_code(function) and id(function) not in methods:
+            methods.add(id(function))
+            found += code_named(function, cls, methods)
+    return found
+
+
+def code_named(function: Any, cls: type | None = None, _methods: set[int] | None = None) -> list[Any]:
+    """What the code of ``function`` (a method of ``cls``, if given) names (Note [Generators a layer's code names]).
+
+    Note: [Generators a layer's code names]
+    A layer that draws from a generator made at module level (``torch.rand(shape, generator=NOISE)`` in ``forward``,
+    or in a module-level helper that ``forward`` calls) or held by its class (``rng = torch.Generator()`` in the class
+    body, drawn as ``self.rng``) holds it in no attribute of its modules and gets it in no argument: the search found
+    none of these, and the recomputation drew the next numbers, silently (the adaptive default recomputes such
+    layers too). So the search also takes what the code of each of the layer's classes' ``forward`` names: the globals
+    among its names (and its nested functions' and comprehensions'), the generators and functions a module or a class
+    among those globals holds under one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace),
+    and the class attributes of the names that the class and its bases up to ``nn.Module`` define (a method, a
+    property's getter, a generator), every base's definition of a name, as ``super().forward()`` reaches the base's.
+    A function is unwrapped: a ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and
+    the partial's arguments), a decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a
+    user's) or its closure holds. helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a
+    namespace and a ``partialmethod`` forward all drawing again in the recomputation, silently. Functions found so, and
+    those passed in (a noise function), are searched the same way, :data:`SEARCH_DEPTH` deep in
+    ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at the end
+    of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
+    library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
+    values are looked up at every call, so a rebound global is seen.
+    """
+    names = _names(function.__code__)
+    methods = _methods if _methods is not None else {id(function)}
+    found: list[Any] = closure_functions(function)
+    globals_ = getattr(function, "__globals__", {})
+    for name in names:
+        if name in globals_:
+            value = globals_[name]
+            if isinstance(value, (types.ModuleType, type)):  # a module, or a class used as a namespace
+                found += [item for item in _held_under(value, names) if isinstance(item, (*GENERATOR_TYPES, types.FunctionType))]
+            else:
+                found.append(value)
+        if cls is not None:
+            for value in class_named(cls, name):
+                if user_code(value):  # a method of the class: its names are the class's too
+                    if id(value) not in methods:
+                        methods.add(id(value))
+                        found += code_named(value, cls, methods)
+                else:
+                    found.append(value)
+    return found
+
+
+def _held_under(holder: types.ModuleType | type, names: tuple[str, ...]) -> list[Any]:
+    """What a module, or a class and its bases, holds under ``names``, unwrapped as :func:`class_named` does."""
+    if isinstance(holder, types.ModuleType):
+        attributes = vars(holder)
+        return [attributes[name] for name in names if name in attributes]
+    return [item for name in names for item in class_named(holder, name)]
+
+
+def class_named(cls: type, name: str) -> list[Any]:
+    """The attribute ``name`` of ``cls`` and of each base below ``nn.Module``, unwrapped to its function(s)."""
+    found: list[Any] = []
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        value = vars(klass).get(name)
+        if value is not None:
+            found += unwrapped(value)
+    return found
+
+
+def unwrapped(value: Any) -> list[Any]:
+    """``value`` and, for a method wrapper or a decorated function, what it wraps (Note [Generators a layer's code
+    names])."""
+    if isinstance(value, (staticmethod, classmethod)):
+        return unwrapped(value.__func__)
+    if isinstance(value, property):
+        return unwrapped(value.fget) if value.fget is not None else []
+    if isinstance(value, functools.partialmethod):
+        return [*unwrapped(value.func), *value.args, *value.keywords.values()]
+    found, seen = [value], {id(value)}
+    while isinstance(value, types.FunctionType):
+        inner = vars(value).get("__wrapped__")
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        found.append(inner)
+        value = inner
+    return found
+
+
+def closure_functions(function: Any) -> list[Any]:
+    """The functions a decorator's wrapper (``function``, user code) closes over: the one it wraps."""
+    if not user_code(function):
+        return []
+    held = []
+    for cell in function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not set yet
+            continue
+        if isinstance(value, types.FunctionType):
+            held.append(value)
+    return held
+
+
+@functools.lru_cache(maxsize=4096)
+def _names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` and the code objects nested in it read (globals, attributes, methods)."""
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack += [const for const in current.co_consts if isinstance(const, types.CodeType)]
+    return tuple(sorted(names))
+
+
+_LIBRARY_ROOTS = frozenset({"torch", "numpy", "tba", *sys.stdlib_module_names})
+"""Top-level packages whose functions the search does not follow (Note [Generators a layer's code names])."""
+
+
+def user_code(function: Any) -> bool:
+    """Whether ``function`` is Python code outside torch, numpy, tba and the standard library."""
+    if not isinstance(function, types.FunctionType):
+        return False
+    module = function.__globals__.get("__name__") or ""
+    return module.partition(".")[0] not in _LIBRARY_ROOTS

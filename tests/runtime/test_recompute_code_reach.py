@@ -1,0 +1,129 @@
+"""A recomputed layer replays a generator its code reaches the ways user code plausibly does beyond a plain name: a
+``super().forward()`` into a base class's forward, a forward wrapped by a decorator (``functools.wraps``, a
+``torch.autocast`` one), a class used as a namespace (``Noise.rng``), a forward made with
+``functools.partialmethod``, and a helper reached through a longer chain first (Note [Generators a layer's code names]
+in ``tba/runtime/_code_named.py``). Each drew its next numbers in the recomputation, silently, before."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+WIDTH = 8
+SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26}
+GENERATORS = {name: torch.Generator().manual_seed(seed) for name, seed in SEEDS.items()}
+PARENT, WRAPPED, AUTOCAST, PARTIAL, CHAIN = (GENERATORS[name] for name in ("parent", "wrapped", "autocast", "partial",
+                                                                          "chain"))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        return h * torch.rand(x.shape, generator=PARENT) + x
+
+
+class Super(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def traced(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+    return wrapper
+
+
+class Wrapped(Block):
+    @traced
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=WRAPPED) + x
+
+
+class Autocast(Block):
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=AUTOCAST) + x
+
+
+class Noise:
+    """A class used as a namespace of settings."""
+
+    rng = GENERATORS["namespace"]
+
+
+class Namespace(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=Noise.rng) + x
+
+
+def _scaled(self: nn.Module, x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=PARTIAL) * scale + x
+
+
+class Partial(Block):
+    forward = functools.partialmethod(_scaled, scale=2.0)
+
+
+def _draw(x: torch.Tensor) -> torch.Tensor:
+    return torch.rand(x.shape, generator=CHAIN)
+
+
+def _noise(x: torch.Tensor) -> torch.Tensor:
+    return _draw(x)
+
+
+def _inner(x: torch.Tensor) -> torch.Tensor:
+    return x * _noise(x)
+
+
+def _deep(x: torch.Tensor) -> torch.Tensor:
+    return _inner(x)
+
+
+class Chain(Block):
+    """Names ``_deep`` (searched first: names are taken sorted), which reaches ``_noise`` three calls deep, where the
+    search stopped; ``_noise``, named here too, was then not searched again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _deep(torch.tanh(self.linear(x))) + _noise(x) * x
+
+
+def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    for name, seed in SEEDS.items():
+        GENERATORS[name].manual_seed(seed)
+    blocks = nn.ModuleList([kind(), kind()])
+    result = []
+    for step in range(2):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
+        plan = tba.Plan(("recompute", "recompute"), window_bytes=1 << 20)
+        with (tba.offload_activations(spill_dir, layers=list(blocks), policy=plan) if spill_dir
+              else contextlib.nullcontext()):
+            h = x
+            for block in blocks:
+                h = block(h)
+            loss = h.pow(2).mean()
+        loss.backward()
+        result += [loss.detach(), *(p.grad.clone() for p in blocks.parameters())]
+        blocks.zero_grad()
+    return result + [generator.get_state() for generator in GENERATORS.values()]
+
+
+@pytest.mark.parametrize("kind", [Super, Wrapped, Autocast, Namespace, Partial, Chain])
+def test_recomputed_layer_replays_a_generator_its_code_reaches(tmp_path, kind):
+    expected = _train(kind, None)
+    got = _train(kind, str(tmp_path))
+    assert len(got) == len(expected)
+    for index, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"{kind.__name__}: tensor {index} differs from training without tba"
