@@ -47,3 +47,37 @@ def test_containers_of_plain_values_are_not_walked_item_by_item(monkeypatch):
     found = (config.rng, config.mixed[-1], config.paired[1][1])
     assert all(id(generator) in states for generator in found), "a generator beside plain values is still found"
     assert calls[0] < 2_000 + 100, f"{calls[0]} calls of the search: containers of plain values walked item by item"
+
+
+VOCABULARY = {f"token{i}": [i, i + 1] for i in range(2_000)}
+"""A module-level table a forward names (Note [Generators a layer's code names]): a dict of lists."""
+
+ROWS = [{"id": i, "weight": 0.5} for i in range(2_000)]
+TABLE = [[float(i)] for i in range(2_000)]
+NESTED = {"plain": [[1, 2]] * 2_000, "noise": [[torch.Generator().manual_seed(4)]]}
+
+
+class Lookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = len(VOCABULARY) + len(ROWS) + len(TABLE)
+        return self.linear(x) * scale * torch.rand(x.shape, generator=NESTED["noise"][0][0])
+
+
+def test_containers_of_containers_of_plain_values_are_not_walked_item_by_item(monkeypatch):
+    """A module-level vocabulary of lists, a list of dicts or of lists, that a forward names: each inner container was
+    one call of the search at every call of the layer, 100,000 of them made each call 126 ms."""
+    calls = [0]
+    search = _generators._collect
+
+    def counted(*args):
+        calls[0] += 1
+        return search(*args)
+
+    monkeypatch.setattr(_generators, "_collect", counted)
+    states = generator_states(Lookup())
+    assert id(NESTED["noise"][0][0]) in states, "a generator nested beside containers of plain values is still found"
+    assert calls[0] < 100, f"{calls[0]} calls of the search: containers of containers of plain values walked one by one"
