@@ -148,5 +148,14 @@ def user_code(function: Any) -> bool:
     """Whether ``function`` is Python code outside torch, numpy, tba and the standard library."""
     if not isinstance(function, types.FunctionType):
         return False
-    module = function.__globals__.get("__name__") or ""
-    return module.partition(".")[0] not in _LIBRARY_ROOTS
+    return _user_name(function.__globals__.get("__name__"))
+
+
+def library_module(module: types.ModuleType) -> bool:
+    """Whether ``module`` is torch's, numpy's, tba's or the standard library's (its ``__dict__``'s name, no
+    ``__getattr__``)."""
+    return not _user_name(vars(module).get("__name__"))
+
+
+def _user_name(name: Any) -> bool:
+    return not isinstance(name, str) or name.partition(".")[0] not in _LIBRARY_ROOTS

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tba.runtime._code_named import GENERATOR_TYPES, class_code_named, code_named, user_code
+from tba.runtime._code_named import GENERATOR_TYPES, class_code_named, code_named, library_module, user_code
 from tba.runtime._layer_state import held_items
 from tba.runtime._state_objects import PLAIN, fields, plain_object
 
@@ -100,6 +100,10 @@ def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: d
                 _collect(item, states, depth - 1, seen)
     elif not depth or seen.get(id(value), -1) >= depth:  # a config every block holds is searched once
         return
+    elif isinstance(value, types.ModuleType):  # Note [A module held as a value is searched for its generators only]
+        seen[id(value)] = depth
+        for item in _module_generators(value):
+            _collect(item, states, depth - 1, seen)
     elif plain_object(value):
         seen[id(value)] = depth
         for _, item in fields(value):
@@ -147,6 +151,23 @@ def _only_leaves(items: Any) -> bool:
         else:
             items = list(itertools.chain.from_iterable(items))
     return False
+
+
+def _module_generators(module: types.ModuleType) -> list[Any]:
+    """The generators ``module`` holds itself, none if it is a library's.
+
+    Note: [A module held as a value is searched for its generators only]
+    A module a config holds (``BACKENDS.torch``), or a dict, or an attribute of the layer, was searched as a plain
+    object, every attribute and, through its submodules, theirs: torch held by a module-level config that a forward
+    names cost 11,000 calls of the search (60 ms) at every call of the layer, and the deprecated attributes it touched
+    warned, an error out of the forward under ``-W error`` (helper-121). A module is searched for the generators it
+    holds itself (a noise library's ``G``); one of torch, numpy, tba or the standard library (whose global generators
+    are taken as the process's) not at all. A module the code names is searched under the names it uses instead (Note
+    [Generators a layer's code names] in ``tba/runtime/_code_named.py``).
+    """
+    if library_module(module):
+        return []
+    return [item for item in list(vars(module).values()) if isinstance(item, GENERATOR_TYPES)]
 
 
 _CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
