@@ -37,15 +37,16 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     body, drawn as ``self.rng``) holds it in no attribute of its modules and gets it in no argument: the search found
     none of these, and the recomputation drew the next numbers, silently (the adaptive default recomputes such
     layers too). So the search also takes what the code of each of the layer's classes' ``forward`` names: the globals
-    among its names (and its nested functions' and comprehensions'), the generators and functions a module or a class
-    among those globals holds under one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace),
-    and the class attributes of the names that the class and its bases up to ``nn.Module`` define (a method, a
-    property's getter, a generator), every base's definition of a name, as ``super().forward()`` reaches the base's.
-    A function is unwrapped: a ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and
-    the partial's arguments), a decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a
-    user's) or its closure holds. helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a
-    namespace and a ``partialmethod`` forward all drawing again in the recomputation, silently. Functions found so, and
-    those passed in (a noise function), are searched the same way, :data:`SEARCH_DEPTH` deep in
+    among its names (and its nested functions' and comprehensions'), what a module or a class among those globals holds
+    under one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace, ``noise_config.TABLE``; of
+    torch's, numpy's, tba's or the standard library's, only generators and functions), and the class attributes of
+    the names that the class and its bases up to ``nn.Module`` define (a method, a property's getter, a generator),
+    every base's definition of a name, as ``super().forward()`` reaches the base's. A function is unwrapped: a
+    ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and the partial's arguments), a
+    decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds.
+    helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a namespace, a dict of
+    generators a user's module holds and a ``partialmethod`` forward all drawing again in the recomputation, silently.
+    Functions found so, and those passed in (a noise function), are searched the same way, ``SEARCH_DEPTH`` deep in
     ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at the end
     of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
     library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
@@ -59,7 +60,7 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
         if name in globals_:
             value = globals_[name]
             if isinstance(value, (types.ModuleType, type)):  # a module, or a class used as a namespace
-                found += [item for item in _held_under(value, names) if isinstance(item, (*GENERATOR_TYPES, types.FunctionType))]
+                found += _held_under(value, names)
             else:
                 found.append(value)
         if cls is not None:
@@ -74,11 +75,16 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
 
 
 def _held_under(holder: types.ModuleType | type, names: tuple[str, ...]) -> list[Any]:
-    """What a module, or a class and its bases, holds under ``names``, unwrapped as :func:`class_named` does."""
+    """What a module, or a class and its bases, holds under ``names``, unwrapped as :func:`class_named` does: anything
+    a user's holds (a dict of generators), only generators and functions a library's (``sys.modules`` is no one's)."""
     if isinstance(holder, types.ModuleType):
         attributes = vars(holder)
-        return [attributes[name] for name in names if name in attributes]
-    return [item for name in names for item in class_named(holder, name)]
+        held = [attributes[name] for name in names if name in attributes]
+        library = library_module(holder)
+    else:
+        held = [item for name in names for item in class_named(holder, name)]
+        library = not _user_name(vars(holder).get("__module__"))
+    return [item for item in held if isinstance(item, (*GENERATOR_TYPES, types.FunctionType))] if library else held
 
 
 def class_named(cls: type, name: str) -> list[Any]:

@@ -1,13 +1,16 @@
 """A recomputed layer replays a generator its code reaches the ways user code plausibly does beyond a plain name: a
 ``super().forward()`` into a base class's forward, a forward wrapped by a decorator (``functools.wraps``, a
 ``torch.autocast`` one), a class used as a namespace (``Noise.rng``), a forward made with
-``functools.partialmethod``, and a helper reached through a longer chain first (Note [Generators a layer's code names]
-in ``tba/runtime/_code_named.py``). Each drew its next numbers in the recomputation, silently, before."""
+``functools.partialmethod``, a dict of generators an imported module or a namespace class holds, and a helper reached
+through a longer chain first (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each drew its
+next numbers in the recomputation, silently, before."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import types
 
 import pytest
 import torch
@@ -16,7 +19,8 @@ from torch import nn
 import tba
 
 WIDTH = 8
-SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26}
+SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26, "table": 27,
+         "class_table": 28}
 GENERATORS = {name: torch.Generator().manual_seed(seed) for name, seed in SEEDS.items()}
 PARENT, WRAPPED, AUTOCAST, PARTIAL, CHAIN = (GENERATORS[name] for name in ("parent", "wrapped", "autocast", "partial",
                                                                           "chain"))
@@ -60,6 +64,25 @@ class Noise:
     """A class used as a namespace of settings."""
 
     rng = GENERATORS["namespace"]
+
+
+noise_config = types.ModuleType("tba_test_reach_noise_config")
+noise_config.TABLE = {"train": GENERATORS["table"]}
+sys.modules[noise_config.__name__] = noise_config
+
+
+class Tables:
+    """A class used as a namespace, holding a dict of generators."""
+
+    by_phase = {"train": GENERATORS["class_table"]}
+
+
+class Table(Block):
+    """Draws from a generator in a dict that an imported module, or a class used as a namespace, holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=noise_config.TABLE["train"])
+        return h * torch.rand(x.shape, generator=Tables.by_phase["train"]) + x
 
 
 class Namespace(Block):
@@ -120,7 +143,7 @@ def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
     return result + [generator.get_state() for generator in GENERATORS.values()]
 
 
-@pytest.mark.parametrize("kind", [Super, Wrapped, Autocast, Namespace, Partial, Chain])
+@pytest.mark.parametrize("kind", [Super, Wrapped, Autocast, Namespace, Partial, Chain, Table])
 def test_recomputed_layer_replays_a_generator_its_code_reaches(tmp_path, kind):
     expected = _train(kind, None)
     got = _train(kind, str(tmp_path))
