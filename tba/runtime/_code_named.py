@@ -40,12 +40,14 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     among its names (and its nested functions' and comprehensions'), what a module or a class among those globals holds
     under one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace, ``noise_config.TABLE``; of
     torch's, numpy's, tba's or the standard library's, only generators and functions), and the class attributes of
-    the names that the class and its bases up to ``nn.Module`` define (a method, a property's getter, a generator),
-    every base's definition of a name, as ``super().forward()`` reaches the base's. A function is unwrapped: a
+    the names that the class and its bases but ``nn.Module`` define (a method, a property's getter, a generator; a
+    mixin's after ``nn.Module`` in the bases too), every base's definition of a name, as ``super().forward()``
+    reaches the base's. A function is unwrapped: a
     ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and the partial's arguments), a
     decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds.
     helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a namespace, a dict of
-    generators a user's module holds and a ``partialmethod`` forward all drawing again in the recomputation, silently.
+    generators a user's module holds, a mixin after ``nn.Module`` and a ``partialmethod`` forward all drawing again in
+    the recomputation, silently.
     Functions found so, and those passed in (a noise function), are searched the same way, ``SEARCH_DEPTH`` deep in
     ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at the end
     of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
@@ -88,11 +90,12 @@ def _held_under(holder: types.ModuleType | type, names: tuple[str, ...]) -> list
 
 
 def class_named(cls: type, name: str) -> list[Any]:
-    """The attribute ``name`` of ``cls`` and of each base below ``nn.Module``, unwrapped to its function(s)."""
+    """The attribute ``name`` of ``cls`` and of each base but ``nn.Module`` and ``object`` (a mixin after ``nn.Module``
+    too), unwrapped to its function(s)."""
     found: list[Any] = []
     for klass in cls.__mro__:
         if klass is nn.Module or klass is object:
-            break
+            continue
         value = vars(klass).get(name)
         if value is not None:
             found += unwrapped(value)
