@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import random
 import types
 from typing import Any
@@ -46,7 +47,7 @@ from torch import nn
 
 from tba.runtime._code_named import GENERATOR_TYPES, class_code_named, code_named, library_module, user_code
 from tba.runtime._layer_state import held_items
-from tba.runtime._state_objects import PLAIN, fields, plain_object
+from tba.runtime._state_objects import PLAIN, fields, kind_of, plain_object, slots
 
 
 def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
@@ -133,24 +134,40 @@ def _only_leaves(items: Any) -> bool:
     ``tba/runtime/_nested_state.py``), or a vocabulary dict, was walked item by item at every call: 100,000 floats in
     a config shared by 8 recomputed blocks made a step 665 ms where it took 85 ms before, and growing with the list.
     A container whose items are of the types the search never looks into is skipped after one pass over their types
-    (as the nested-state walk tells plain values, ``_only_plain`` there), and so is one of containers of them, a level
-    of items at a time (a history of ``(step, loss)`` pairs, a vocabulary of lists, a list of rows as dicts: since the
-    search takes what a layer's code names, a module-level table of 100,000 lists made each call 126 ms, helper-121);
-    one holding anything else is walked as before.
+    (as the nested-state walk tells plain values, ``_only_plain`` there), and so is one of containers or plain objects
+    of them, a level of items at a time (a history of ``(step, loss)`` pairs, a vocabulary of lists, rows as dicts or
+    dataclasses: since the search takes what a layer's code names, a module-level table of 100,000 lists made each
+    call 126 ms, of 100,000 dataclass rows 360 ms, helper-121); one holding anything else is walked as before.
     """
     for _ in range(SEARCH_DEPTH):
-        kinds = set(map(type, items))
-        if all(issubclass(kind, _LEAVES) for kind in kinds):
+        every = set(map(type, items))
+        kinds = {kind for kind in every if not issubclass(kind, _LEAVES)}
+        if not kinds:
             return True
-        if not all(issubclass(kind, (dict, list, tuple)) for kind in kinds):
+        if not all(issubclass(kind, (dict, list, tuple)) or _fields_in_dict(kind) for kind in kinds):
             return False
+        if kinds != every:  # the next level's items, without the leaves
+            items = [item for item in items if type(item) in kinds]
         if all(issubclass(kind, dict) for kind in kinds):
             items = list(itertools.chain.from_iterable(map(dict.values, items)))
-        elif any(issubclass(kind, dict) for kind in kinds):
-            items = [item for container in items for item in held_items(container)]
-        else:
+        elif all(issubclass(kind, (list, tuple)) for kind in kinds):
             items = list(itertools.chain.from_iterable(items))
+        elif all(map(_fields_in_dict, kinds)):  # dataclass rows
+            items = list(itertools.chain.from_iterable(map(dict.values, map(_DICT, items))))
+        else:
+            items = [item for held in items for item in (held_items(held) if isinstance(held, (dict, list, tuple))
+                                                         else dict(fields(held)).values())]
     return False
+
+
+_DICT = operator.attrgetter("__dict__")
+
+
+@functools.lru_cache(maxsize=1024)
+def _fields_in_dict(kind: type) -> bool:
+    """Whether a plain object of ``kind`` holds its fields in its ``__dict__`` only, read as is (no slots, no
+    ``__getattribute__`` of its own: Note [An object's fields are read without its __getattr__])."""
+    return kind_of(kind) == 1 and not slots(kind) and kind.__getattribute__ is object.__getattribute__
 
 
 def _module_generators(module: types.ModuleType) -> list[Any]:
