@@ -32,27 +32,26 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     """What the code of ``function`` (a method of ``cls``, if given) names (Note [Generators a layer's code names]).
 
     Note: [Generators a layer's code names]
-    A layer that draws from a generator made at module level (``torch.rand(shape, generator=NOISE)`` in ``forward``,
-    or in a module-level helper that ``forward`` calls) or held by its class (``rng = torch.Generator()`` in the class
+    A layer that draws from a generator made at module level (``torch.rand(shape, generator=NOISE)`` in ``forward``, or
+    in a module-level helper that ``forward`` calls) or held by its class (``rng = torch.Generator()`` in the class
     body, drawn as ``self.rng``) holds it in no attribute of its modules and gets it in no argument: the search found
-    none of these, and the recomputation drew the next numbers, silently (the adaptive default recomputes such
-    layers too). So the search also takes what the code of each of the layer's classes' ``forward`` names: the globals
-    among its names (and its nested functions' and comprehensions'), what a module or a class among those globals holds
-    under one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace, ``noise_config.TABLE``; of
-    torch's, numpy's, tba's or the standard library's, only generators and functions), and the class attributes of
-    the names that the class and its bases but ``nn.Module`` define (a method, a property's getter, a generator; a
-    mixin's after ``nn.Module`` in the bases too), every base's definition of a name, as ``super().forward()``
-    reaches the base's. A function is unwrapped: a
-    ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and the partial's arguments), a
+    none of these, and the recomputation drew the next numbers, silently (the adaptive default recomputes such layers
+    too). So the search also takes what the code of each of the layer's classes' ``forward`` names: the globals among
+    its names (and its nested functions' and comprehensions'), what a module or a class among those globals holds under
+    one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace, ``noise_config.TABLE``; of torch's,
+    numpy's, tba's or the standard library's, only generators and functions) and a user's class's ``forward`` (a custom
+    ``torch.autograd.Function``'s, which ``Noise.apply`` runs), and the class attributes of the names that the class and
+    its bases but ``nn.Module`` define (a method, a property's getter, a generator; a mixin's after ``nn.Module`` in the
+    bases too), every base's definition of a name, as ``super().forward()`` reaches the base's. A function is unwrapped:
+    a ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and the partial's arguments), a
     decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds.
-    helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a namespace, a dict of
-    generators a user's module holds, a mixin after ``nn.Module`` and a ``partialmethod`` forward all drawing again in
-    the recomputation, silently.
-    Functions found so, and those passed in (a noise function), are searched the same way, ``SEARCH_DEPTH`` deep in
-    ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at the end
-    of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
-    library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
-    values are looked up at every call, so a rebound global is seen.
+    helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a namespace, a dict of generators
+    a user's module holds, a mixin after ``nn.Module``, a custom autograd function and a ``partialmethod`` forward all
+    drawing again in the recomputation, silently. Functions found so, and those passed in (a noise function), are
+    searched the same way, ``SEARCH_DEPTH`` deep in ``tba/runtime/_generators.py`` (one reached again with more depth
+    left is searched again: reached first at the end of a longer chain, a helper's own helpers were left out), except
+    those of torch, numpy, tba and the standard library, which draw only from what they are given. The names of a code
+    object are taken once (:func:`_names`); the values are looked up at every call, so a rebound global is seen.
     """
     names = _names(function.__code__)
     methods = _methods if _methods is not None else {id(function)}
@@ -83,8 +82,8 @@ def _held_under(holder: types.ModuleType | type, names: tuple[str, ...]) -> list
         attributes = vars(holder)
         held = [attributes[name] for name in names if name in attributes]
         library = library_module(holder)
-    else:
-        held = [item for name in names for item in class_named(holder, name)]
+    else:  # and a user's class's forward: a custom autograd function's that ``Noise.apply`` runs, a module's made here
+        held = [item for name in (*names, "forward") for item in class_named(holder, name)]
         library = not _user_name(vars(holder).get("__module__"))
     return [item for item in held if isinstance(item, (*GENERATOR_TYPES, types.FunctionType))] if library else held
 

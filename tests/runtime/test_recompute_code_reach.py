@@ -1,9 +1,10 @@
 """A recomputed layer replays a generator its code reaches the ways user code plausibly does beyond a plain name: a
 ``super().forward()`` into a base class's forward, a forward wrapped by a decorator (``functools.wraps``, a
-``torch.autocast`` one), a class used as a namespace (``Noise.rng``), a forward made with
-``functools.partialmethod``, a mixin after ``nn.Module`` in the bases, a dict of generators an imported module or a
-namespace class holds, and a helper reached through a longer chain first (Note [Generators a layer's code names] in
-``tba/runtime/_code_named.py``). Each drew its next numbers in the recomputation, silently, before."""
+``torch.autocast`` one), a class used as a namespace (``Noise.rng``), a forward made with ``functools.partialmethod``,
+a mixin after ``nn.Module`` in the bases, a dict of generators an imported module or a namespace class holds, a custom
+``torch.autograd.Function``'s forward, and a helper reached through a longer chain first
+(Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each drew its next numbers in the
+recomputation, silently, before."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import tba
 
 WIDTH = 8
 SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26, "table": 27,
-         "class_table": 28, "mixin": 29}
+         "class_table": 28, "mixin": 29, "function": 30}
 GENERATORS = {name: torch.Generator().manual_seed(seed) for name, seed in SEEDS.items()}
 PARENT, WRAPPED, AUTOCAST, PARTIAL, CHAIN = (GENERATORS[name] for name in ("parent", "wrapped", "autocast", "partial",
                                                                           "chain"))
@@ -99,6 +100,26 @@ class Mixin(Block, NoiseMixin):
         return torch.tanh(self.linear(x)) * self.noise(x) + x
 
 
+class StochasticScale(torch.autograd.Function):
+    """A custom autograd function that draws its scale."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(x.shape, generator=GENERATORS["function"])
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (noise,) = ctx.saved_tensors
+        return grad * noise
+
+
+class Function(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return StochasticScale.apply(torch.tanh(self.linear(x))) + x
+
+
 class Namespace(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=Noise.rng) + x
@@ -157,7 +178,8 @@ def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
     return result + [generator.get_state() for generator in GENERATORS.values()]
 
 
-@pytest.mark.parametrize("kind", [Super, Wrapped, Autocast, Namespace, Partial, Chain, Table, Mixin])
+@pytest.mark.parametrize("kind", [Super, Wrapped, Autocast, Namespace, Partial, Chain, Table, Mixin,
+                                  Function])
 def test_recomputed_layer_replays_a_generator_its_code_reaches(tmp_path, kind):
     expected = _train(kind, None)
     got = _train(kind, str(tmp_path))
