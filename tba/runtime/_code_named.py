@@ -44,18 +44,19 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     its bases but ``nn.Module`` define (a method, a property's getter, a generator; a mixin's after ``nn.Module`` in the
     bases too), every base's definition of a name, as ``super().forward()`` reaches the base's. A function is unwrapped:
     a ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and the partial's arguments), a
-    decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds.
-    helper-121 found a ``super().forward()``, a decorated ``forward``, a class used as a namespace, a dict of generators
-    a user's module holds, a mixin after ``nn.Module``, a custom autograd function and a ``partialmethod`` forward all
-    drawing again in the recomputation, silently. Functions found so, and those passed in (a noise function), are
-    searched the same way, ``SEARCH_DEPTH`` deep in ``tba/runtime/_generators.py`` (one reached again with more depth
-    left is searched again: reached first at the end of a longer chain, a helper's own helpers were left out), except
-    those of torch, numpy, tba and the standard library, which draw only from what they are given. The names of a code
-    object are taken once (:func:`_names`); the values are looked up at every call, so a rebound global is seen.
+    decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds,
+    searched as a method of the class. helper-121 found a ``super().forward()``, a decorated ``forward`` (without
+    ``functools.wraps`` too), a class used as a namespace, a dict of generators a user's module holds, a mixin after
+    ``nn.Module``, a custom autograd function and a ``partialmethod`` forward all drawing again in the recomputation,
+    silently. Functions found so, and those passed in (a noise function), are searched the same way, ``SEARCH_DEPTH``
+    deep in ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at
+    the end of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
+    library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
+    values are looked up at every call, so a rebound global is seen.
     """
     names = _names(function.__code__)
     methods = _methods if _methods is not None else {id(function)}
-    found: list[Any] = closure_functions(function)
+    found: list[Any] = []
     globals_ = getattr(function, "__globals__", {})
     for name in names:
         if name in globals_:
@@ -64,14 +65,15 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
                 found += _held_under(value, names)
             else:
                 found.append(value)
-        if cls is not None:
-            for value in class_named(cls, name):
-                if user_code(value):  # a method of the class: its names are the class's too
-                    if id(value) not in methods:
-                        methods.add(id(value))
-                        found += code_named(value, cls, methods)
-                else:
-                    found.append(value)
+    if cls is None:
+        return found + closure_functions(function)
+    for value in [*closure_functions(function), *(value for name in names for value in class_named(cls, name))]:
+        if user_code(value):  # a method of the class, or what its decorator wraps: its names are the class's too
+            if id(value) not in methods:
+                methods.add(id(value))
+                found += code_named(value, cls, methods)
+        else:
+            found.append(value)
     return found
 
 

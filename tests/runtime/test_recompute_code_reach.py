@@ -1,9 +1,9 @@
 """A recomputed layer replays a generator its code reaches the ways user code plausibly does beyond a plain name: a
 ``super().forward()`` into a base class's forward, a forward wrapped by a decorator (``functools.wraps``, a
-``torch.autocast`` one), a class used as a namespace (``Noise.rng``), a forward made with ``functools.partialmethod``,
-a mixin after ``nn.Module`` in the bases, a dict of generators an imported module or a namespace class holds, a custom
-``torch.autograd.Function``'s forward, and a helper reached through a longer chain first
-(Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each drew its next numbers in the
+``torch.autocast`` one, one without ``functools.wraps``), a class used as a namespace (``Noise.rng``), a forward made
+with ``functools.partialmethod``, a mixin after ``nn.Module`` in the bases, a dict of generators an imported module or
+a namespace class holds, a custom ``torch.autograd.Function``'s forward, and a helper reached through a longer chain
+first (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each drew its next numbers in the
 recomputation, silently, before."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tba
 
 WIDTH = 8
 SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26, "table": 27,
-         "class_table": 28, "mixin": 29, "function": 30}
+         "class_table": 28, "mixin": 29, "function": 30, "closure": 31}
 GENERATORS = {name: torch.Generator().manual_seed(seed) for name, seed in SEEDS.items()}
 PARENT, WRAPPED, AUTOCAST, PARTIAL, CHAIN = (GENERATORS[name] for name in ("parent", "wrapped", "autocast", "partial",
                                                                           "chain"))
@@ -53,6 +53,22 @@ class Wrapped(Block):
     @traced
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=WRAPPED) + x
+
+
+def plain_decorator(function):
+    def wrapper(self, x):
+        return function(self, x)
+    return wrapper
+
+
+class Closure(Block):
+    """A forward decorated without ``functools.wraps``, drawing from a generator its class holds."""
+
+    rng = GENERATORS["closure"]
+
+    @plain_decorator
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=self.rng) + x
 
 
 class Autocast(Block):
@@ -178,8 +194,8 @@ def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
     return result + [generator.get_state() for generator in GENERATORS.values()]
 
 
-@pytest.mark.parametrize("kind", [Super, Wrapped, Autocast, Namespace, Partial, Chain, Table, Mixin,
-                                  Function])
+@pytest.mark.parametrize("kind", [Super, Wrapped, Closure, Autocast, Namespace, Partial, Chain, Table,
+                                  Mixin, Function])
 def test_recomputed_layer_replays_a_generator_its_code_reaches(tmp_path, kind):
     expected = _train(kind, None)
     got = _train(kind, str(tmp_path))
