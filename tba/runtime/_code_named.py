@@ -52,7 +52,8 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     deep in ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at
     the end of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
     library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
-    values are looked up at every call, so a rebound global is seen.
+    values are looked up at every call, so a global rebound before a forward is seen (one rebound between forward and
+    backward: Note [A generator bound after the first call is refused] in ``tba/runtime/_generators.py``).
     """
     names = _names(function.__code__)
     methods = _methods if _methods is not None else {id(function)}

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tba.errors import TbaError
 from tba.runtime._code_named import GENERATOR_TYPES, class_code_named, code_named, library_module, user_code
 from tba.runtime._layer_state import held_items
 from tba.runtime._state_objects import PLAIN, fields, kind_of, plain_object, slots
@@ -73,6 +74,27 @@ def held_generator_states(modules: list[nn.Module], known: dict[int, tuple[Any, 
         _collect(value, states, SEARCH_DEPTH, seen)
     _collect_code_named(modules, states, seen)
     return {key: state for key, state in states.items() if key not in known}
+
+
+def check_known(layer: nn.Module, args: tuple, kwargs: dict, known: dict[int, tuple[Any, Any]]) -> None:
+    """Raise :class:`TbaError` when ``layer``, recomputed, reaches a generator its first call did not (``known``).
+
+    Note: [A generator bound after the first call is refused]
+    The search finds a generator by what holds it (a module-level name, a dict, a config's attribute) when the first
+    call starts. One bound there later (``NOISE = torch.Generator().manual_seed(...)`` between forward and backward, by
+    the program or another layer, or made lazily by the first call) was drawn from by the recomputation, at a state
+    the first call never had: other numbers, and gradients other than those of training without tba, silently
+    (helper-121). The recomputation searches again, with its layer's state put back, and refuses a generator not
+    found at the first call. A generator bound so but never drawn from is refused too.
+    """
+    for key, (generator, _) in generator_states(layer, args, kwargs).items():
+        if key not in known:
+            raise TbaError(
+                f"a recomputed layer ({type(layer).__name__}) reaches, in its recomputation, a random generator its first "
+                f"call did not ({type(generator).__name__}): one was bound to a name, an item or an attribute its code "
+                "or its modules use between its forward and backward, and the recomputation would draw other numbers "
+                "than its forward did. Bind it before the forward or after backward, or keep or offload this layer "
+                "(Note [A generator bound after the first call is refused])")
 
 
 def _collect_code_named(modules: list[nn.Module], states: dict[int, tuple[Any, Any]], seen: dict[int, int]) -> None:

@@ -134,3 +134,22 @@ def test_recomputed_layer_replays_the_generators_its_code_names(tmp_path, kind):
     assert len(got) == len(expected)
     for index, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"{kind.__name__}: tensor {index} differs from training without tba"
+
+
+def test_a_generator_rebound_between_forward_and_backward_is_refused(tmp_path):
+    """A module-level generator rebound after the forward (another pass re-seeds it as a new generator): the
+    recomputation drew from the new one, other numbers than the forward's, and gradients differed, silently. It is
+    refused: the recomputation reaches a generator its first call did not."""
+    global NOISE
+    kept = NOISE
+    try:
+        blocks = nn.ModuleList([Direct(), Direct()])
+        x = torch.randn(4, WIDTH)
+        with tba.offload_activations(str(tmp_path), layers=list(blocks), policy=tba.Plan(("recompute", "recompute"),
+                                                                                         window_bytes=1 << 20)):
+            loss = blocks[1](blocks[0](x)).pow(2).mean()
+        NOISE = torch.Generator().manual_seed(100)
+        with pytest.raises(tba.TbaError, match="a random generator its first call did not"):
+            loss.backward()
+    finally:
+        NOISE = kept
