@@ -34,11 +34,13 @@ before the next forward (Note [A recomputation and a first call of its state in 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
 import random
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -76,25 +78,41 @@ def held_generator_states(modules: list[nn.Module], known: dict[int, tuple[Any, 
     return {key: state for key, state in states.items() if key not in known}
 
 
-def check_known(layer: nn.Module, args: tuple, kwargs: dict, known: dict[int, tuple[Any, Any]]) -> None:
-    """Raise :class:`TbaError` when ``layer``, recomputed, reaches a generator its first call did not (``known``).
+@contextlib.contextmanager
+def unknown_draws_refused(layer: nn.Module, args: tuple, kwargs: dict, known: dict[int, tuple[Any, Any]]) -> Iterator[None]:
+    """Around ``layer``'s recomputation: raise :class:`TbaError` when it drew from a generator that its first call's
+    search did not find (``known``).
 
     Note: [A generator bound after the first call is refused]
     The search finds a generator by what holds it (a module-level name, a dict, a config's attribute) when the first
     call starts. One bound there later (``NOISE = torch.Generator().manual_seed(...)`` between forward and backward, by
     the program or another layer, or made lazily by the first call) was drawn from by the recomputation, at a state
     the first call never had: other numbers, and gradients other than those of training without tba, silently
-    (helper-121). The recomputation searches again, with its layer's state put back, and refuses a generator not
-    found at the first call. A generator bound so but never drawn from is refused too.
+    (helper-121). The recomputation searches again, with its layer's state put back, and raises when one it finds
+    that the first call's search did not has moved by its end: the numbers it drew are not the first call's. One the
+    recomputation does not draw from is let be: a forward that binds a new generator at every call (``global NOISE;
+    NOISE = torch.Generator().manual_seed(seed)``) finds the first call's at the start and draws from its own.
     """
-    for key, (generator, _) in generator_states(layer, args, kwargs).items():
-        if key not in known:
-            raise TbaError(
-                f"a recomputed layer ({type(layer).__name__}) reaches, in its recomputation, a random generator its first "
-                f"call did not ({type(generator).__name__}): one was bound to a name, an item or an attribute its code "
-                "or its modules use between its forward and backward, and the recomputation would draw other numbers "
-                "than its forward did. Bind it before the forward or after backward, or keep or offload this layer "
-                "(Note [A generator bound after the first call is refused])")
+    unknown = {key: state for key, state in generator_states(layer, args, kwargs).items() if key not in known}
+    try:
+        yield
+    finally:
+        for generator, state in unknown.values():
+            if not _same_state(state, _state(generator)):
+                raise TbaError(
+                    f"a recomputed layer ({type(layer).__name__}) drew, in its recomputation, from a random generator "
+                    f"({type(generator).__name__}) its first call's search did not find: one bound to a name, an item or "
+                    "an attribute its code or its modules use between its forward and backward, or made by its first "
+                    "call, so the recomputation drew other numbers than its forward did. Bind it before the forward, "
+                    "or keep or offload this layer (Note [A generator bound after the first call is refused])")
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple) and len(a) > 1 and isinstance(a[1], np.ndarray):  # numpy's RandomState
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+    return a == b
 
 
 def _collect_code_named(modules: list[nn.Module], states: dict[int, tuple[Any, Any]], seen: dict[int, int]) -> None:

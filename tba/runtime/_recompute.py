@@ -81,7 +81,7 @@ from tba.runtime._call_objects import Holder, attribute_tensors, changed_holder_
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
-from tba.runtime._generators import check_known, set_states, states_now
+from tba.runtime._generators import set_states, states_now, unknown_draws_refused
 from tba.runtime._global_settings import settings_now, switch_to
 from tba.runtime._layer_hooks import Recomputing
 from tba.runtime._layer_state import restore, snapshot
@@ -200,8 +200,8 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         program = settings_now()
         try:
             switch_to(first.settings)  # inside the try: a switch that raised midway is undone
-            check_known(layer, args, kwargs, first.generators)  # Note [A generator bound after the first call is refused]
-            return forward(*args, **kwargs)
+            with unknown_draws_refused(layer, args, kwargs, first.generators):
+                return forward(*args, **kwargs)
         finally:
             switch_to(program)
             first.take_back(displaced)
