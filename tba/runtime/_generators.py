@@ -25,9 +25,9 @@ them drew again in the recomputation, silently, too (helper-117). So is one the 
 (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). A generator the layer
 reaches any other way (through what a call returns, a name computed at run time) is not found, nor is any other state outside the
 layer's modules: as under plain checkpoint, keep or offload such a layer instead of recomputing it.
-The global generators are the process's: another thread drawing from them while a layer is
-recomputed sees its draws replayed and rewound (torch's own CPU generator under checkpoint
-shares the exposure), silently: draw from a generator of the thread's own there, or run the backward
+The global generators are the process's, and so is one at module level that a layer's code names (drawn or not):
+another thread drawing from them while a layer is recomputed sees its draws replayed and rewound (torch's own CPU
+generator under checkpoint shares the exposure), silently: draw from a generator of the thread's own there, or run the backward
 before the next forward (Note [A recomputation and a first call of its state in two threads] in
 ``tba/runtime/_overlap.py`` says why such draws are not refused).
 """

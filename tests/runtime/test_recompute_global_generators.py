@@ -13,6 +13,7 @@ silently.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 
@@ -166,3 +167,24 @@ def test_a_generator_rebound_between_forward_and_backward_is_refused(tmp_path):
             loss.backward()
     finally:
         NOISE = kept
+
+
+class Lazy(Direct):
+    """Makes its generator at its first call (a ``functools.cached_property``), after the search has looked."""
+
+    @functools.cached_property
+    def rng(self) -> torch.Generator:
+        return torch.Generator().manual_seed(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=self.rng) + x
+
+
+def test_a_generator_made_by_the_first_call_is_refused(tmp_path):
+    """The recomputation drew from the generator the first call made, moved by it: other numbers, silently."""
+    blocks = nn.ModuleList([Lazy(), Lazy()])
+    with tba.offload_activations(str(tmp_path), layers=list(blocks), policy=tba.Plan(("recompute", "recompute"),
+                                                                                     window_bytes=1 << 20)):
+        loss = blocks[1](blocks[0](torch.randn(4, WIDTH))).pow(2).mean()
+    with pytest.raises(tba.TbaError, match="its first call's search did not find"):
+        loss.backward()
