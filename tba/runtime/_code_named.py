@@ -22,7 +22,9 @@ def class_code_named(cls: type) -> list[Any]:
     methods: set[int] = set()
     found: list[Any] = []
     for function in class_named(cls, "forward"):
-        if user_code(function) and id(function) not in methods:
+        if not user_code(function):
+            found.append(function)  # a partial's arguments, torch's forward (whose closure is searched only)
+        elif id(function) not in methods:
             methods.add(id(function))
             found += code_named(function, cls, methods)
     return found
@@ -43,17 +45,18 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     ``torch.autograd.Function``'s, which ``Noise.apply`` runs), and the class attributes of the names that the class and
     its bases but ``nn.Module`` define (a method, a property's getter, a generator; a mixin's after ``nn.Module`` in the
     bases too), every base's definition of a name, as ``super().forward()`` reaches the base's. A function is unwrapped:
-    a ``staticmethod``, ``classmethod`` or ``functools.partialmethod`` to its function (and the partial's arguments), a
-    decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds,
-    searched as a method of the class. helper-121 found a ``super().forward()``, a decorated ``forward`` (without
-    ``functools.wraps`` too), a class used as a namespace, a dict of generators a user's module holds, a mixin after
-    ``nn.Module``, a custom autograd function and a ``partialmethod`` forward all drawing again in the recomputation,
-    silently. Functions found so, and those passed in (a noise function), are searched the same way, ``SEARCH_DEPTH``
-    deep in ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at
-    the end of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
-    library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
-    values are looked up at every call, so a global rebound before a forward is seen (one rebound between forward and
-    backward: Note [A generator bound after the first call is refused] in ``tba/runtime/_generators.py``).
+    a ``staticmethod``, ``classmethod``, ``functools.partialmethod`` or ``partial`` to its function (and the partial's
+    arguments), a decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its
+    closure holds, searched as a method of the class. helper-121 found a ``super().forward()``, a decorated ``forward``
+    (without ``functools.wraps`` too), a class used as a namespace, a dict of generators a user's module holds, a mixin
+    after ``nn.Module``, a custom autograd function and a ``partialmethod`` or ``partial`` forward all drawing again in
+    the recomputation, silently. Functions found so, and those passed in (a noise function), are searched the same way,
+    ``SEARCH_DEPTH`` deep in ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again:
+    reached first at the end of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba
+    and the standard library, which draw only from what they are given. The names of a code object are taken once
+    (:func:`_names`); the values are looked up at every call, so a global rebound before a forward is seen (one rebound
+    between forward and backward: Note [A generator bound after the first call is refused] in
+    ``tba/runtime/_generators.py``).
     """
     names = _names(function.__code__)
     methods = _methods if _methods is not None else {id(function)}
@@ -111,7 +114,7 @@ def unwrapped(value: Any) -> list[Any]:
         return unwrapped(value.__func__)
     if isinstance(value, property):
         return unwrapped(value.fget) if value.fget is not None else []
-    if isinstance(value, functools.partialmethod):
+    if isinstance(value, (functools.partialmethod, functools.partial)):
         return [*unwrapped(value.func), *value.args, *value.keywords.values()]
     found, seen = [value], {id(value)}
     while isinstance(value, types.FunctionType):

@@ -1,10 +1,10 @@
 """A recomputed layer replays a generator its code reaches the ways user code plausibly does beyond a plain name: a
 ``super().forward()`` into a base class's forward, a forward wrapped by a decorator (``functools.wraps``, a
 ``torch.autocast`` one, one without ``functools.wraps``), a class used as a namespace (``Noise.rng``), a forward made
-with ``functools.partialmethod``, a mixin after ``nn.Module`` in the bases, a dict of generators an imported module or
-a namespace class holds, a custom ``torch.autograd.Function``'s forward, and a helper reached through a longer chain
-first (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each drew its next numbers in the
-recomputation, silently, before."""
+with ``functools.partialmethod`` or ``functools.partial``, a mixin after ``nn.Module`` in the bases, a dict of
+generators an imported module or a namespace class holds, a custom ``torch.autograd.Function``'s forward, and a helper
+reached through a longer chain first (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each
+drew its next numbers in the recomputation, silently, before."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import tba
 
 WIDTH = 8
 SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26, "table": 27,
-         "class_table": 28, "mixin": 29, "function": 30, "closure": 31}
+         "class_table": 28, "mixin": 29, "function": 30, "closure": 31,
+         "plain_partial": 32}
 GENERATORS = {name: torch.Generator().manual_seed(seed) for name, seed in SEEDS.items()}
 PARENT, WRAPPED, AUTOCAST, PARTIAL, CHAIN = (GENERATORS[name] for name in ("parent", "wrapped", "autocast", "partial",
                                                                           "chain"))
@@ -149,6 +150,16 @@ class Partial(Block):
     forward = functools.partialmethod(_scaled, scale=2.0)
 
 
+def _noisy_tanh(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.tanh(x) * torch.rand(x.shape, generator=generator) + x
+
+
+class PlainPartial(Block):
+    """A forward that is a ``functools.partial`` (called without ``self``), its generator among its arguments."""
+
+    forward = functools.partial(_noisy_tanh, generator=GENERATORS["plain_partial"])
+
+
 def _draw(x: torch.Tensor) -> torch.Tensor:
     return torch.rand(x.shape, generator=CHAIN)
 
@@ -180,7 +191,7 @@ def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
     blocks = nn.ModuleList([kind(), kind()])
     result = []
     for step in range(2):
-        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step)).requires_grad_()
         plan = tba.Plan(("recompute", "recompute"), window_bytes=1 << 20)
         with (tba.offload_activations(spill_dir, layers=list(blocks), policy=plan) if spill_dir
               else contextlib.nullcontext()):
@@ -189,13 +200,13 @@ def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
                 h = block(h)
             loss = h.pow(2).mean()
         loss.backward()
-        result += [loss.detach(), *(p.grad.clone() for p in blocks.parameters())]
+        result += [loss.detach(), x.grad, *(p.grad.clone() for p in blocks.parameters() if p.grad is not None)]
         blocks.zero_grad()
     return result + [generator.get_state() for generator in GENERATORS.values()]
 
 
-@pytest.mark.parametrize("kind", [Super, Wrapped, Closure, Autocast, Namespace, Partial, Chain, Table,
-                                  Mixin, Function])
+@pytest.mark.parametrize("kind", [Super, Wrapped, Closure, Autocast, Namespace, Partial, PlainPartial,
+                                  Chain, Table, Mixin, Function])
 def test_recomputed_layer_replays_a_generator_its_code_reaches(tmp_path, kind):
     expected = _train(kind, None)
     got = _train(kind, str(tmp_path))
