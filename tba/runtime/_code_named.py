@@ -40,35 +40,36 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     none of these, and the recomputation drew the next numbers, silently (the adaptive default recomputes such layers
     too). So the search also takes what the code of each of the layer's classes' ``forward`` names: the globals among
     its names (and its nested functions' and comprehensions'), what a module or a class among those globals holds under
-    one of its names (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace, ``noise_config.TABLE``; of torch's,
-    numpy's, tba's or the standard library's, only generators and functions) and a user's class's ``forward`` (a custom
-    ``torch.autograd.Function``'s, which ``Noise.apply`` runs), and the class attributes of the names that the class and
-    its bases but ``nn.Module`` define (a method, a property's getter, a generator; a mixin's after ``nn.Module`` in the
-    bases too), every base's definition of a name, as ``super().forward()`` reaches the base's. A function is unwrapped:
-    a ``staticmethod``, ``classmethod``, ``functools.partialmethod`` or ``partial`` to its function (and the partial's
-    arguments), a decorated one to what ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its
-    closure holds, searched as a method of the class. helper-121 found a ``super().forward()``, a decorated ``forward``
-    (without ``functools.wraps`` too), a class used as a namespace, a dict of generators a user's module holds, a mixin
-    after ``nn.Module``, a custom autograd function and a ``partialmethod`` or ``partial`` forward all drawing again in
-    the recomputation, silently. Functions found so, and those passed in (a noise function), are searched the same way,
-    ``SEARCH_DEPTH`` deep in ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again:
-    reached first at the end of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba
-    and the standard library, which draw only from what they are given. The names of a code object are taken once
-    (:func:`_names`); the values are looked up at every call, so a global rebound before a forward is seen (one rebound
-    between forward and backward: Note [A generator bound after the first call is refused] in
-    ``tba/runtime/_generators.py``).
+    one of its names, and so on (``noise_lib.G``, ``Noise.rng`` of a class used as a namespace, ``noise_config.TABLE``,
+    ``package.Settings.table``; of torch's, numpy's, tba's or the standard library's, only generators and functions) and
+    a user's class's ``forward`` (a custom ``torch.autograd.Function``'s, which ``Noise.apply`` runs), and the class
+    attributes of the names that the class and its bases but ``nn.Module`` define (a method, a property's getter, a
+    generator; a mixin's after ``nn.Module`` in the bases too), every base's definition of a name, as
+    ``super().forward()`` reaches the base's. A function is unwrapped: a ``staticmethod``, ``classmethod``,
+    ``functools.partialmethod`` or ``partial`` to its function (and the partial's arguments), a decorated one to what
+    ``__wrapped__`` (``functools.wraps``: ``torch.autocast``'s, a user's) or its closure holds, searched as a method of
+    the class. helper-121 found a ``super().forward()``, a decorated ``forward`` (without ``functools.wraps`` too), a
+    class used as a namespace, a dict of generators a user's module holds, a mixin after ``nn.Module``, a custom
+    autograd function and a ``partialmethod`` or ``partial`` forward all drawing again in the recomputation, silently.
+    Functions found so, and those passed in (a noise function), are searched the same way, ``SEARCH_DEPTH`` deep in
+    ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at the end
+    of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
+    library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
+    values are looked up at every call, so a global rebound before a forward is seen (one rebound between forward and
+    backward: Note [A generator bound after the first call is refused] in ``tba/runtime/_generators.py``).
     """
     names = _names(function.__code__)
     methods = _methods if _methods is not None else {id(function)}
     found: list[Any] = []
     globals_ = getattr(function, "__globals__", {})
-    for name in names:
-        if name in globals_:
-            value = globals_[name]
-            if isinstance(value, (types.ModuleType, type)):  # a module, or a class used as a namespace
-                found += _held_under(value, names)
-            else:
-                found.append(value)
+    pending, expanded = [globals_[name] for name in names if name in globals_], set()
+    while pending:
+        value = pending.pop()
+        if not isinstance(value, (types.ModuleType, type)):
+            found.append(value)
+        elif id(value) not in expanded:  # a module, or a class used as a namespace, and those they hold (pkg.sub.G)
+            expanded.add(id(value))
+            pending += _held_under(value, names)
     if cls is None:
         return found + closure_functions(function)
     for value in [*closure_functions(function), *(value for name in names for value in class_named(cls, name))]:

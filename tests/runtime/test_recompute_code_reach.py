@@ -2,9 +2,10 @@
 ``super().forward()`` into a base class's forward, a forward wrapped by a decorator (``functools.wraps``, a
 ``torch.autocast`` one, one without ``functools.wraps``), a class used as a namespace (``Noise.rng``), a forward made
 with ``functools.partialmethod`` or ``functools.partial``, a mixin after ``nn.Module`` in the bases, a dict of
-generators an imported module or a namespace class holds, a custom ``torch.autograd.Function``'s forward, and a helper
-reached through a longer chain first (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each
-drew its next numbers in the recomputation, silently, before."""
+generators an imported module or a namespace class (one the module holds too) holds, a custom
+``torch.autograd.Function``'s forward, and a helper reached through a longer chain first
+(Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``). Each drew its next numbers in the
+recomputation, silently, before."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import tba
 WIDTH = 8
 SEEDS = {"parent": 21, "wrapped": 22, "autocast": 23, "namespace": 24, "partial": 25, "chain": 26, "table": 27,
          "class_table": 28, "mixin": 29, "function": 30, "closure": 31,
-         "plain_partial": 32}
+         "plain_partial": 32, "nested": 33}
 GENERATORS = {name: torch.Generator().manual_seed(seed) for name, seed in SEEDS.items()}
 PARENT, WRAPPED, AUTOCAST, PARTIAL, CHAIN = (GENERATORS[name] for name in ("parent", "wrapped", "autocast", "partial",
                                                                           "chain"))
@@ -87,6 +88,18 @@ class Noise:
 noise_config = types.ModuleType("tba_test_reach_noise_config")
 noise_config.TABLE = {"train": GENERATORS["table"]}
 sys.modules[noise_config.__name__] = noise_config
+
+
+noise_package = types.ModuleType("tba_test_reach_noise_package")
+noise_package.Settings = type("Settings", (), {"by_phase": {"train": GENERATORS["nested"]}, "__module__": __name__})
+sys.modules[noise_package.__name__] = noise_package
+
+
+class Nested(Block):
+    """Draws from a generator in a dict a class that an imported module holds holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.rand(x.shape, generator=noise_package.Settings.by_phase["train"]) + x
 
 
 class Tables:
@@ -206,7 +219,7 @@ def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", [Super, Wrapped, Closure, Autocast, Namespace, Partial, PlainPartial,
-                                  Chain, Table, Mixin, Function])
+                                  Chain, Table, Nested, Mixin, Function])
 def test_recomputed_layer_replays_a_generator_its_code_reaches(tmp_path, kind):
     expected = _train(kind, None)
     got = _train(kind, str(tmp_path))
