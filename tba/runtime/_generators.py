@@ -108,10 +108,15 @@ def unknown_draws_refused(layer: nn.Module, args: tuple, kwargs: dict, known: di
 
 
 def _same_state(a: Any, b: Any) -> bool:
+    """Whether two states of a generator are equal: torch's a tensor, numpy's with arrays in tuples and dicts."""
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
-    if isinstance(a, tuple) and len(a) > 1 and isinstance(a[1], np.ndarray):  # numpy's RandomState
-        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[key], b[key]) for key in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(_same_state, a, b))
     return a == b
 
 

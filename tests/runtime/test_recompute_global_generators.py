@@ -17,6 +17,7 @@ import functools
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -188,3 +189,31 @@ def test_a_generator_made_by_the_first_call_is_refused(tmp_path):
         loss = blocks[1](blocks[0](torch.randn(4, WIDTH))).pow(2).mean()
     with pytest.raises(tba.TbaError, match="its first call's search did not find"):
         loss.backward()
+
+
+NUMPY_NOISE = np.random.Generator(np.random.MT19937(17))
+"""A module-level numpy generator whose state holds an array (MT19937's key)."""
+
+
+class NumpyNoise(Direct):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.from_numpy(NUMPY_NOISE.random(tuple(x.shape), dtype=np.float32))
+        return torch.tanh(self.linear(x)) * noise + x
+
+
+@pytest.mark.parametrize("bits", [np.random.MT19937, np.random.SFC64, np.random.PCG64])
+def test_a_numpy_generator_rebound_between_forward_and_backward_is_refused(tmp_path, bits):
+    """Its state compared before and after the recomputation: an array in it (MT19937's key, SFC64's state) made the
+    comparison raise numpy's ValueError out of backward instead of the TbaError."""
+    global NUMPY_NOISE
+    kept = NUMPY_NOISE
+    try:
+        blocks = nn.ModuleList([NumpyNoise(), NumpyNoise()])
+        with tba.offload_activations(str(tmp_path), layers=list(blocks), policy=tba.Plan(("recompute", "recompute"),
+                                                                                         window_bytes=1 << 20)):
+            loss = blocks[1](blocks[0](torch.randn(4, WIDTH))).pow(2).mean()
+        NUMPY_NOISE = np.random.Generator(bits(18))
+        with pytest.raises(tba.TbaError, match="its first call's search did not find"):
+            loss.backward()
+    finally:
+        NUMPY_NOISE = kept
