@@ -57,9 +57,11 @@ def test_a_failing_variant_leaves_no_patch(stages, tmp_path):
 
 @pytest.mark.parametrize("argv, match", [
     (["--count", "0"], "argument --count: 0 is too small"),
-    (["--size", "3"], "argument --size: '3' must be a positive multiple of 4 bytes"),
-    (["--size", "big"], "argument --size: 'big' is not a size"),
+    (["--size", "6"], "argument --size: '6' must be a multiple of 4 bytes"),
+    (["--size", "0"], "argument --size: '0' is not positive"),
+    (["--size", "big"], "argument --size:"),
     (["--rounds", "x"], "argument --rounds: 'x' is not a whole number"),
+    (["--json", "/proc/none/x.json"], "--json /proc/none/x.json"),
     (["--directory", "/nonexistent/here"], "--directory /nonexistent/here does not exist"),
 ])
 def test_bad_values_are_refused(stages, argv, match, capsys):

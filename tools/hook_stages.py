@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -39,6 +38,7 @@ import torch
 
 import tba
 from tba import _control
+from tba.cli import _checks as cli_checks
 from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._hooks import SavedTensorHooks
 from tba.runtime._host_io import HostBatch
@@ -118,38 +118,29 @@ def report(seconds: dict[str, list[float]], count: int) -> list[tuple[str, float
 
 
 def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    try:
-        value = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (64K, 1M, or bytes)") from None
-    if value < 4 or value % 4:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive multiple of 4 bytes (float32 leaves)")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is too small (at least 1)")
+    value = cli_checks.positive_size(text)
+    if value % 4:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a multiple of 4 bytes (float32 leaves)")
     return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--count", type=_positive, default=2000, help="storages per step (default 2000)")
+    parser.add_argument("--count", type=cli_checks.int_at_least(1), default=2000, help="storages per step (default 2000)")
     parser.add_argument("--size", type=_size, default=1 << 16, help="bytes per storage: 64K, 1M, ... (default 64K)")
     parser.add_argument("--directory", default=None,
                         help="where a fresh spill directory is made (default /dev/shm: RAM-backed, no disk cost)")
-    parser.add_argument("--rounds", type=_positive, default=9, help="measured rounds of every variant (default 9)")
+    parser.add_argument("--rounds", type=cli_checks.int_at_least(1), default=9,
+                        help="measured rounds of every variant (default 9)")
     parser.add_argument("--json", metavar="PATH", help="also write every round's forward seconds to PATH")
     args = parser.parse_args(argv)
     parent = args.directory or "/dev/shm"
-    if not os.path.isdir(parent):
-        parser.error(f"--directory {parent} does not exist; create it or pass another")
+    try:
+        cli_checks.existing_directory("--directory", parent)
+        if args.json:
+            cli_checks.output_file("--json", args.json)
+    except ValueError as err:
+        parser.error(str(err))
     with tempfile.TemporaryDirectory(prefix="tba-hook-stages-", dir=parent) as directory:
         seconds = measure(args.count, args.size, directory, args.rounds,
                           progress=lambda text: print(text, file=sys.stderr, flush=True))
