@@ -160,18 +160,18 @@ def test_kept_tensors_are_untracked_and_die_by_reference_count(spill_dir, packed
 def test_a_recomputed_layers_kept_inputs_are_untracked_and_die_by_reference_count(spill_dir, monkeypatch, no_gc):
     """The pair of a ``recompute`` layer keeps its inputs as they are, ``grad_fn`` included (Note [Objects the
     cycle collector need not see]): its records are untracked too, and die with the graph, letting go of them."""
-    from tba.runtime import _recompute
+    from tba.runtime import _recompute, _recompute_inputs
 
     kept: list[tuple[weakref.ref, bool]] = []
-    keep = _recompute._keep
+    keep = _recompute_inputs.Kept
 
-    def recording(tensor):
-        record = keep(tensor)
+    def recording(tensor, version):
+        record = keep(tensor, version)
         assert not gc.is_tracked(record)
         kept.append((weakref.ref(tensor), tensor.grad_fn is not None))
         return record
 
-    monkeypatch.setattr(_recompute, "_keep", recording)
+    monkeypatch.setattr(_recompute_inputs, "Kept", recording)  # the record a recompute layer's input pair makes
     model = _model()
     x = torch.randn(256, 128)
     with tba.Offloader(spill_dir, min_offload_bytes=0) as off, _recompute.RecomputeLayers([model[1]]):
