@@ -17,6 +17,23 @@ GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.rando
 """What a layer's modules may hold, or its call pass, that ``tba/runtime/_generators.py`` replays."""
 
 
+def is_generator(value: Any) -> bool:
+    """``isinstance(value, GENERATOR_TYPES)``, decided by the value's type.
+
+    Note: [A generator is told by its type]
+    ``torch.Generator``'s metaclass answers ``isinstance`` in Python (torch's ``OpaqueBaseMeta``, which also looks
+    for script-object wrappers): 0.5 us for every value the generator search meets, most of its cost. A recomputed
+    Llama block met about 430 values per call, so its search took about 0.7 ms, at every call of the layer. The
+    search asks of the value's type instead, once per type (``issubclass`` does not go through that metaclass).
+    """
+    return _generator_type(type(value))
+
+
+@functools.lru_cache(maxsize=1024)
+def _generator_type(cls: type) -> bool:
+    return issubclass(cls, GENERATOR_TYPES)
+
+
 def class_code_named(cls: type) -> list[Any]:
     """What the code of the ``forward`` of ``cls`` names, each of its definitions along the class's bases."""
     methods: set[int] = set()
@@ -92,7 +109,7 @@ def _held_under(holder: types.ModuleType | type, names: tuple[str, ...]) -> list
     else:  # and a user's class's forward: a custom autograd function's that ``Noise.apply`` runs, a module's made here
         held = [item for name in (*names, "forward") for item in class_named(holder, name)]
         library = not _user_name(vars(holder).get("__module__"))
-    return [item for item in held if isinstance(item, (*GENERATOR_TYPES, types.FunctionType))] if library else held
+    return [item for item in held if is_generator(item) or isinstance(item, types.FunctionType)] if library else held
 
 
 def class_named(cls: type, name: str) -> list[Any]:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from tba.errors import TbaError
-from tba.runtime._code_named import GENERATOR_TYPES, class_code_named, code_named, library_module, user_code
+from tba.runtime._code_named import class_code_named, code_named, is_generator, library_module, user_code
 from tba.runtime._layer_state import held_items
 from tba.runtime._state_objects import PLAIN, fields, kind_of, plain_object, slots
 
@@ -136,7 +136,7 @@ def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: d
     """Collect the generators ``value`` is or holds, ``depth`` deep; ``seen`` holds the objects searched and how deep
     (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``: one reached again with more depth left
     is searched again)."""
-    if isinstance(value, GENERATOR_TYPES):
+    if is_generator(value):  # Note [A generator is told by its type] in tba/runtime/_code_named.py
         if id(value) not in states:
             states[id(value)] = (value, _state(value))
     elif depth and isinstance(value, (dict, list, tuple)):
@@ -229,7 +229,7 @@ def _module_generators(module: types.ModuleType) -> list[Any]:
     """
     if library_module(module):
         return []
-    return [item for item in list(vars(module).values()) if isinstance(item, GENERATOR_TYPES)]
+    return [item for item in list(vars(module).values()) if is_generator(item)]
 
 
 _CALLABLES = (types.FunctionType, types.MethodType, functools.partial)

@@ -11,6 +11,7 @@ import types
 import warnings
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -152,3 +153,24 @@ def test_containers_of_plain_objects_of_plain_values_are_not_walked_item_by_item
     states = generator_states(Rows())
     assert id(NOISY_ROWS[-1].counts[0]) in states, "a generator a row holds is still found"
     assert calls[0] < 2_000 + 100, f"{calls[0]} calls of the search: plain objects of plain values walked one by one"
+
+
+def test_a_value_is_told_a_generator_by_its_type_not_by_torchs_instance_check(monkeypatch):
+    """Note [A generator is told by its type] in tba/runtime/_code_named.py: ``isinstance(value, torch.Generator)`` runs
+    torch's metaclass in Python (0.5 us), once per value the search met: most of a recomputed block's search."""
+    meta = type(torch.Generator)
+    if "__instancecheck__" not in vars(meta):
+        pytest.skip("this torch's Generator answers isinstance in C")
+    calls = []
+    check = vars(meta)["__instancecheck__"]
+
+    def counted(cls, instance):
+        calls.append(type(instance))
+        return check(cls, instance)
+
+    monkeypatch.setattr(meta, "__instancecheck__", counted)
+    block = Block(Config(10))
+    block.extra = [{"a": [1.5, object()], "b": (types.SimpleNamespace(x=[2, 3]),)} for _ in range(50)]
+    states = generator_states(block, (torch.randn(2, 4),), {})
+    assert sum(isinstance(generator, torch.Generator) for generator, _ in states.values()) == 3  # rng, mixed, paired
+    assert len(calls) <= 5, f"{len(calls)} isinstance checks through torch.Generator's metaclass"
