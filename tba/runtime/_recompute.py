@@ -234,7 +234,8 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         calls: list[int] = [0]
         first = FirstCall()
         template, tensors = take_apart(args, kwargs)  # Note [A recomputation gets the call as it was]
-        tensors, views_again = saved_as_bases(tensors)  # Note [A recomputation gets its input's view-ness]
+        # Note [A recomputation gets its input's view-ness]
+        tensors, views_again, bases = saved_as_bases(tensors, is_mutation_pair(top))
         originals = [(args, kwargs)]  # the first call's, dropped by it
         del args, kwargs
         announce = _backward_announcer(top)
@@ -252,7 +253,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
                     return first_or_again(calls, first, *call_args, **call_kwargs)
 
         keep = not is_mutation_pair(top) and (not offload_inputs or top is None or not is_tba_pair(top))
-        with watched_inputs(layer, index, top, keep):  # Note [A recomputed layer's input changed before backward]
+        with watched_inputs(layer, index, top, keep, bases):  # Note [A recomputed layer's input changed before backward]
             return _checkpoint(call, calls, first, *tensors)
 
     return run

@@ -31,7 +31,13 @@ its base, and the recomputation gets the view rebuilt on the base handed back
 same ``requires_grad``, ``_base`` a tensor of the base's geometry, one object for a tensor the call
 holds twice, and the base itself where the call holds it too. Not a view with another dtype, a
 conjugate or negative bit, one of a tensor subclass, or one that requires grad of a base that does
-not: such an input is saved as it is and reaches the recomputation as a view of nothing.
+not: such an input is saved as it is and reaches the recomputation as a view of nothing. A kept base
+is held as an alias taken at the save (sharing its storage and version counter), as autograd holds
+the view: a program that swapped the base's ``.data`` after the call (Megatron frees a sent output
+so) had the view rebuilt on the new data, other gradients or an out-of-bounds error (helper-123).
+Under ``allow_mutation_on_saved_tensors()``, whose clone of a changed base is dense, a base is saved
+only where it is dense and holds every element of the view: the clone keeps its strides then, and
+the view rebuilt on a clone of a base with gaps read other elements, silently (helper-123).
 """
 
 from __future__ import annotations
@@ -66,11 +72,12 @@ class _Watched:
         untrack(self, self.watch)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
 
 
-def watched_inputs(layer: nn.Module, index: int, top: tuple[Any, Any] | None, keep: bool
+def watched_inputs(layer: nn.Module, index: int, top: tuple[Any, Any] | None, keep: bool, bases: set[int]
                    ) -> contextlib.AbstractContextManager:
     """The saved-tensor pair a recomputed layer's inputs are saved under (Note [A recomputed layer's input changed
-    before backward]): kept in memory (``keep``), else passed to ``top`` when it is tba's pair; none under
-    another (``allow_mutation_on_saved_tensors()``'s)."""
+    before backward]): kept in memory (``keep``; the tensors whose ids are in ``bases`` as aliases: Note [A
+    recomputation gets its input's view-ness]), else passed to ``top`` when it is tba's pair; none under another
+    (``allow_mutation_on_saved_tensors()``'s)."""
     def changed(what: str, version: int, now: int) -> TbaError:
         return TbaError(
             f"an input of a recomputed layer (layer {index}, {type(layer).__name__}; {what}, the input or its base) "
@@ -80,12 +87,16 @@ def watched_inputs(layer: nn.Module, index: int, top: tuple[Any, Any] | None, ke
             "recompute it)")
 
     if keep:
+        def pack_kept(tensor: torch.Tensor) -> Kept:
+            held = torch.Tensor._make_subclass(torch.Tensor, tensor) if id(tensor) in bases else tensor
+            return Kept(held, tensor._version)
+
         def unpack_kept(kept: Kept) -> torch.Tensor:
             if kept.tensor._version != kept.version:
                 raise changed(f"{kept.tensor.dtype} {list(kept.tensor.shape)}", kept.version, kept.tensor._version)
             return kept.tensor
 
-        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: Kept(tensor, tensor._version), unpack_kept)
+        return torch.autograd.graph.saved_tensors_hooks(pack_kept, unpack_kept)
     if top is None or not is_tba_pair(top):  # allow_mutation_on_saved_tensors()'s: a change there is legal
         return contextlib.nullcontext()
     pack, unpack = top
@@ -104,28 +115,45 @@ def watched_inputs(layer: nn.Module, index: int, top: tuple[Any, Any] | None, ke
     return torch.autograd.graph.saved_tensors_hooks(pack_watched, unpack_watched)
 
 
-def _rebuildable_base(tensor: torch.Tensor) -> torch.Tensor | None:
+def _rebuildable_base(tensor: torch.Tensor, cloned: bool) -> torch.Tensor | None:
     """``tensor``'s base when the view can be rebuilt on it by ``as_strided`` (Note [A recomputation gets its input's
-    view-ness]), else None."""
+    view-ness]; on a clone of it where ``cloned``), else None."""
     base = tensor._base if tensor._is_view() else None
     if (base is None or type(tensor) not in _PLAIN or type(base) not in _PLAIN or base.dtype != tensor.dtype
             or tensor.layout is not torch.strided or base.layout is not torch.strided or tensor.is_inference()
             or tensor.is_quantized
             or tensor.is_conj() != base.is_conj() or tensor.is_neg() != base.is_neg()
-            or (tensor.requires_grad and not base.requires_grad)):
+            or (tensor.requires_grad and not base.requires_grad) or (cloned and not _clone_holds(base, tensor))):
         return None
     return base
 
 
-def saved_as_bases(tensors: list[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor], Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]]:
+def _clone_holds(base: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether a clone of ``base`` keeps its strides (it is dense, without overlap) and holds every element ``view``
+    reads."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(base.shape, base.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    first = view.storage_offset() - base.storage_offset()
+    last = first + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
+    return view.numel() > 0 and first >= 0 and last < base.numel()
+
+
+def saved_as_bases(tensors: list[torch.Tensor], cloned: bool
+                   ) -> tuple[list[torch.Tensor], Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]], set[int]]:
     """What checkpoint saves for a call's ``tensors`` (each view of a plain tensor as its base; Note [A recomputation
-    gets its input's view-ness]), and what turns what it hands back into the call's tensors, views again."""
+    gets its input's view-ness]), what turns what it hands back into the call's tensors, views again, and the ids of
+    the bases among them. ``cloned``: saved under ``allow_mutation_on_saved_tensors()``'s pair."""
     saved: list[torch.Tensor] = []
     where: dict[int, int] = {}
     plan: list[tuple[int, Any]] = []
+    bases: set[int] = set()
     for tensor in tensors:
-        base = _rebuildable_base(tensor)
+        base = _rebuildable_base(tensor, cloned)
+        if base is not None:
+            bases.add(id(base))
         held = tensor if base is None else base
         if id(held) not in where:
             where[id(held)] = len(saved)
@@ -146,7 +174,7 @@ def saved_as_bases(tensors: list[torch.Tensor]
             out.append(source.as_strided(size, stride, root.storage_offset() + offset))
         return tuple(out)
 
-    return saved, views_again
+    return saved, views_again, bases
 
 
 @contextlib.contextmanager

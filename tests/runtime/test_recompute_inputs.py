@@ -221,3 +221,57 @@ def test_a_recomputation_that_changes_its_input_raises(spill_dir, plan):
     with pytest.raises(tba.TbaError, match=r"recomputation of a recomputed layer \(layer 1, ScalesInPlaceWhenNotAView\) "
                                            r"changed its input .* in place, which its first call did not"):
         _scaled_step(plan, spill_dir, True)
+
+
+class Narrow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(h))
+
+
+def _cloned_base_step(decision: str | None, directory: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(16, 32), Narrow()])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    block = (tba.offload_activations(directory, layers=list(model), policy=tba.Plan(("keep", decision), 1 << 20),
+                                     min_offload_bytes=0) if decision else contextlib.nullcontext())
+    with block, torch.autograd.graph.allow_mutation_on_saved_tensors():
+        h0 = model[0](x)
+        gappy = h0[:, :16].detach()  # not a view, and not dense: a clone of it has other strides
+        loss = model[1](gappy[:2, :4]).pow(2).sum() + h0.sum()
+        gappy.mul_(2)
+        loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("decision", RECOMPUTED)
+def test_under_allow_mutation_a_view_of_a_base_a_clone_relays_out_is_exact(spill_dir, decision):
+    """That context clones a changed saved tensor, and a clone of a base that is not dense has other strides: the view
+    rebuilt with the strides it had on the base read other elements of the clone, silently."""
+    want = _cloned_base_step(None, spill_dir)
+    assert all(torch.equal(a, b) for a, b in zip(want, _cloned_base_step(decision, spill_dir)))
+
+
+@pytest.mark.parametrize("replacement", ["same shape", "one element"])
+def test_a_base_whose_data_the_program_replaces_after_the_call_is_exact(spill_dir, replacement):
+    """Megatron frees a sent output by swapping its ``.data`` (Note [A save writes the storage its tensor had at pack] in
+    tba/runtime/_views.py). Autograd, and checkpoint, hold the view, whose storage stays; a ``recompute`` layer kept
+    the base object itself, and rebuilt the view on its new data: other gradients, or an out-of-bounds error."""
+
+    def grads(decision: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(16, 32), Narrow()])
+        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("keep", decision), 1 << 20),
+                                      min_offload_bytes=0) if decision else contextlib.nullcontext()):
+            h0 = model[0](torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+            loss = model[1](h0[:, :4]).pow(2).sum()
+        h0.data = torch.ones_like(h0) if replacement == "same shape" else torch.empty(1)
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    want = grads(None)
+    for decision in RECOMPUTED:
+        assert all(torch.equal(a, b) for a, b in zip(want, grads(decision)))
