@@ -275,3 +275,38 @@ def test_a_base_whose_data_the_program_replaces_after_the_call_is_exact(spill_di
     want = grads(None)
     for decision in RECOMPUTED:
         assert all(torch.equal(a, b) for a, b in zip(want, grads(decision)))
+
+
+class ScalesByItsAttribute(nn.Module):
+    """Reads a Python attribute the program set on its input (``getattr(h, "scale", 1.0)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, *hs: torch.Tensor) -> torch.Tensor:
+        return sum(torch.tanh(self.linear(h[:, :4] * getattr(h, "scale", 1.0))) for h in hs)
+
+
+@pytest.mark.parametrize("holder", ["view", "base"])
+def test_an_input_with_attributes_reaches_the_recomputation_with_them(spill_dir, holder):
+    """A view rebuilt on its base is a new tensor, without the attributes the program set on the view; an alias of the
+    base held for a call that holds the base too is one without the base's: the recomputation scaled by 1.0, silently.
+    Such a view is saved as it is, as before (Note [A recomputation gets its input's view-ness])."""
+
+    def grads(decision: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(16, 32), ScalesByItsAttribute()])
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("keep", decision), 1 << 20),
+                                      min_offload_bytes=0) if decision else contextlib.nullcontext()):
+            h0 = model[0](x)
+            view = x[:, 4:12]
+            (view if holder == "view" else x).scale = 3.0
+            loss = model[1](*((view,) if holder == "view" else (x, view))).pow(2).sum() + h0.sum()
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    want = grads(None)
+    for decision in RECOMPUTED:
+        assert all(torch.equal(a, b) for a, b in zip(want, grads(decision))), decision
