@@ -33,8 +33,9 @@ holds twice, and the base itself where the call holds it too. Not a view with an
 conjugate or negative bit, one of a tensor subclass, one that requires grad of a base that does
 not, or one that or whose base carries Python attributes (``v.scale = 3.0``: the rebuilt view, and
 the alias below, would come back without them, and a forward reading them computed another value,
-silently: helper-123): such an input is saved as it is and reaches the recomputation as a view of
-nothing. A kept base
+silently: helper-123), or one whose base holds another storage now (its ``.data`` swapped after
+the view was taken: the view rebuilt on it read the new bytes, helper-123): such an input is saved
+as it is and reaches the recomputation as a view of nothing. A kept base
 is held as an alias taken at the save (sharing its storage and version counter), as autograd holds
 the view: a program that swapped the base's ``.data`` after the call (Megatron frees a sent output
 so) had the view rebuilt on the new data, other gradients or an out-of-bounds error (helper-123).
@@ -127,6 +128,7 @@ def _rebuildable_base(tensor: torch.Tensor, cloned: bool) -> torch.Tensor | None
             or tensor.is_quantized
             or tensor.is_conj() != base.is_conj() or tensor.is_neg() != base.is_neg()
             or (tensor.requires_grad and not base.requires_grad) or tensor.__dict__ or base.__dict__
+            or tensor.untyped_storage()._cdata != base.untyped_storage()._cdata
             or (cloned and not _clone_holds(base, tensor))):
         return None
     return base

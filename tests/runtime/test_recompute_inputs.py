@@ -310,3 +310,25 @@ def test_an_input_with_attributes_reaches_the_recomputation_with_them(spill_dir,
     want = grads(None)
     for decision in RECOMPUTED:
         assert all(torch.equal(a, b) for a, b in zip(want, grads(decision))), decision
+
+
+@pytest.mark.parametrize("replacement", ["same shape", "one element"])
+def test_a_view_whose_base_has_another_storage_now_is_exact(spill_dir, replacement):
+    """A base whose ``.data`` was swapped after the view was taken and before the call holds another storage than the
+    view: the view rebuilt on it read the new bytes (other gradients, silently) or past its end."""
+
+    def grads(decision: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(16, 32), Narrow()])
+        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("keep", decision), 1 << 20),
+                                      min_offload_bytes=0) if decision else contextlib.nullcontext()):
+            h0 = model[0](torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+            view = h0[:, :4]
+            h0.data = torch.ones_like(h0) if replacement == "same shape" else torch.empty(1)
+            loss = model[1](view).pow(2).sum()
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    want = grads(None)
+    for decision in RECOMPUTED:
+        assert all(torch.equal(a, b) for a, b in zip(want, grads(decision))), decision
