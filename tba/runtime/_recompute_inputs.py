@@ -30,7 +30,8 @@ its base, and the recomputation gets the view rebuilt on the base handed back
 (:func:`saved_as_bases`): the same geometry and bytes (tba writes a whole storage either way), the
 same ``requires_grad``, ``_base`` a tensor of the base's geometry, one object for a tensor the call
 holds twice, and the base itself where the call holds it too. Not a view with another dtype, a
-conjugate or negative bit, one of a tensor subclass, one that requires grad of a base that does
+conjugate or negative bit, one of a tensor subclass or of a nested tensor (``nested.unbind()[0]``,
+whose base has no sizes: the call failed in forward, helper-123), one that requires grad of a base that does
 not, or one that or whose base carries Python attributes (``v.scale = 3.0``: the rebuilt view, and
 the alias below, would come back without them, and a forward reading them computed another value,
 silently: helper-123), or one whose base holds another storage now (its ``.data`` swapped after
@@ -124,7 +125,8 @@ def _rebuildable_base(tensor: torch.Tensor, cloned: bool) -> torch.Tensor | None
     view-ness]; on a clone of it where ``cloned``), else None."""
     base = tensor._base if tensor._is_view() else None
     if (base is None or type(tensor) not in _PLAIN or type(base) not in _PLAIN or base.dtype != tensor.dtype
-            or tensor.layout is not torch.strided or base.layout is not torch.strided or tensor.is_inference()
+            or tensor.layout is not torch.strided or base.layout is not torch.strided or base.is_nested
+            or tensor.is_inference()
             or tensor.is_quantized
             or tensor.is_conj() != base.is_conj() or tensor.is_neg() != base.is_neg()
             or (tensor.requires_grad and not base.requires_grad) or tensor.__dict__ or base.__dict__

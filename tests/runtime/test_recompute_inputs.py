@@ -332,3 +332,24 @@ def test_a_view_whose_base_has_another_storage_now_is_exact(spill_dir, replaceme
     want = grads(None)
     for decision in RECOMPUTED:
         assert all(torch.equal(a, b) for a, b in zip(want, grads(decision))), decision
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_view_of_a_nested_tensor_is_saved_as_it_is(spill_dir):
+    """``nested.unbind()[i]`` is a view whose base is a nested tensor of the strided layout, which has no sizes: saved as
+    its base, the call failed in forward with torch's internal error."""
+
+    def grads(decision: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(4, 4), Narrow()])
+        leaf = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], requires_grad=True)
+        with (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan(("keep", decision), 1 << 20),
+                                      min_offload_bytes=0) if decision else contextlib.nullcontext()):
+            nested = leaf * 2.0
+            loss = model[1](nested.unbind()[1]).pow(2).sum()
+        loss.backward()
+        return [*(p.grad for p in model[1].parameters()), *leaf.grad.unbind()]
+
+    want = grads(None)
+    for decision in RECOMPUTED:
+        assert all(torch.equal(a, b) for a, b in zip(want, grads(decision))), decision
