@@ -29,20 +29,20 @@ silently (helper-122). So an input that is a view of a plain tensor of its own d
 its base, and the recomputation gets the view rebuilt on the base handed back
 (:func:`saved_as_bases`): the same geometry and bytes (tba writes a whole storage either way), the
 same ``requires_grad``, ``_base`` a tensor of the base's geometry, one object for a tensor the call
-holds twice, and the base itself where the call holds it too. Not a view with another dtype, a
-conjugate or negative bit, one of a tensor subclass or of a nested tensor (``nested.unbind()[0]``,
-whose base has no sizes: the call failed in forward, helper-123), one that requires grad of a base that does
-not, or one that or whose base carries Python attributes (``v.scale = 3.0``: the rebuilt view, and
-the alias below, would come back without them, and a forward reading them computed another value,
-silently: helper-123), or one whose base holds another storage now (its ``.data`` swapped after
-the view was taken: the view rebuilt on it read the new bytes, helper-123): such an input is saved
-as it is and reaches the recomputation as a view of nothing. A kept base
-is held as an alias taken at the save (sharing its storage and version counter), as autograd holds
-the view: a program that swapped the base's ``.data`` after the call (Megatron frees a sent output
-so) had the view rebuilt on the new data, other gradients or an out-of-bounds error (helper-123).
-Under ``allow_mutation_on_saved_tensors()``, whose clone of a changed base is dense, a base is saved
-only where it is dense and holds every element of the view: the clone keeps its strides then, and
-the view rebuilt on a clone of a base with gaps read other elements, silently (helper-123).
+holds twice, and the base itself where the call holds it too. Saved as it is, reaching the
+recomputation as a view of nothing: a view with another dtype, a conjugate or negative bit, of a
+tensor subclass, or one that requires grad of a base that does not; and (helper-123) a view of a
+nested tensor (``nested.unbind()[0]``: the base has no sizes, and the call failed in forward), one
+that or whose base carries Python attributes (``v.scale = 3.0``: the rebuilt view, and the alias
+below, came back without them, and a forward reading them computed another value, silently), and
+one whose base holds another storage now (its ``.data`` swapped after the view was taken: the view
+rebuilt on it read the new bytes). A kept base is held as an alias taken at the save (its storage
+and version counter), as autograd holds the view: a program that swapped the base's ``.data`` after
+the call (Megatron frees a sent output so) had the view rebuilt on the new data, other gradients or
+an out-of-bounds error (helper-123). Under ``allow_mutation_on_saved_tensors()``, whose pair clones a
+changed saved tensor, a base is saved only where a clone keeps its strides (it is dense) and holds
+every element of the view: the view rebuilt on the clone of a base with gaps read other elements,
+silently (helper-123). That pair holds the base itself, so a ``.data`` swap there is not covered.
 """
 
 from __future__ import annotations
