@@ -170,6 +170,21 @@ class ProfiledStep:
         self._unpacks.clear()
         if pending is None or "forward_s" not in pending:
             return None
+        awaiting = self.timer.awaiting_grad
+        if awaiting and not self.timer.gradient_reached() and all(hook() is None for hook in awaiting):
+            # Note: [A step whose loss was dropped is no sample]
+            # A forward with grad whose loss is dropped (an evaluation pass left with grad enabled, a NaN loss
+            # skipped, a loop left early) has no backward. Counted as a profiled step, it gave the profile its saved
+            # bytes and its peak: an eval-mode pass as the last profiled step (no dropout masks saved, no backward's
+            # buffers) gave 1.5 MiB a layer and an 8 MiB peak where training steps saved 2 MiB a layer and peaked at
+            # 13-21 MiB, and a memory budget's plan predicted 10.9 MB for keep-all where training needed 16.5 MB:
+            # a budget planned under the memory its steps take. Like a forward without grad (Note [A
+            # forward without grad is no sample]) it is dropped and the next step is profiled instead. Only once
+            # the graph is gone (the gradient hooks on the layers' outputs, which it holds, were freed without
+            # running): a micro-batch whose backward comes after the next entry (accumulation, 1F1B) is still a
+            # sample, as before.
+            self.peak.stop()
+            return None
         self.peak.stop()
         pending["changes_input"] = list(self.timer.changes_input)  # as backward found them too
         pending["backward_s"] = self.timer.backward_s()

@@ -117,6 +117,9 @@ class LayerTimer:
         self._ended = [(0.0, 0.0, 0.0)] * count
         self._grad_at_output: list[tuple[float, float, float] | None] = [None] * count
         self._grad_at_input: list[tuple[float, float, float] | None] = [None] * count
+        self.awaiting_grad: list[weakref.ref] = []
+        """The gradient hooks on the layers' outputs, weakly: alive while their graph is (Note [A step whose loss was
+        dropped is no sample] in ``tba/runtime/_profiled_step.py``)."""
         self._marks: dict[str, _preempted.Snapshot | None] = {}
         """Other compute threads' clocks at the span's ends: forward's start and end, backward's (CPU only)."""
 
@@ -199,7 +202,9 @@ class LayerTimer:
             if isinstance(output, (tuple, list)):
                 first = next((o for o in output if isinstance(o, torch.Tensor)), None)
             if first is not None and first.requires_grad:
-                first.register_hook(self._stamp(self._grad_at_output, index))
+                stamp = self._stamp(self._grad_at_output, index)
+                first.register_hook(stamp)
+                self.awaiting_grad.append(weakref.ref(stamp))  # the graph holds it as long as it can run
 
         return hook
 
@@ -261,6 +266,10 @@ class LayerTimer:
             module = ref()
             if module is not None and first_change(state, private_state(module)) is not None:
                 self.changes_input[index] = True
+
+    def gradient_reached(self) -> bool:
+        """Whether a gradient reached a layer's output in this step's backward so far."""
+        return any(stamp is not None for stamp in self._grad_at_output)
 
     def backward_s(self, cpu: bool = False) -> list[float | None]:
         """Per layer: seconds from the gradient reaching its output to reaching its input, or None.

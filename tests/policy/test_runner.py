@@ -152,6 +152,53 @@ def test_forwards_without_grad_are_not_profiled_steps(model, spill_dir, mode):
     assert all(layer.saved_bytes > 0 and layer.backward_measured for layer in offloader.policy_runner.profile.layers)
 
 
+def _profiled_samples(offloader):
+    return [sample for samples in offloader.policy_runner._samples.by_shape.values() for sample in samples]
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_forwards_whose_loss_is_dropped_are_not_profiled_steps(model, spill_dir, mode):
+    # Note [A step whose loss was dropped is no sample] in tba/runtime/_profiled_step.py: an evaluation pass
+    # with grad enabled after each training step, its loss dropped, was a profiled step (its saved bytes, no
+    # backward), and a memory budget was planned from it (helper-124).
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              policy="adaptive", profile_steps=2, memory_budget_bytes=1 << 40)
+    tokens, targets = make_batch(CONFIG, seed=4)
+    for _ in range(3):
+        with offloader:
+            loss = model(tokens, targets)
+        loss.backward()
+        model.train(mode == "train")
+        with offloader:
+            dropped = model(tokens, targets)
+        model.train()
+        del dropped
+    with offloader:
+        pass
+    offloader.close()
+    samples = _profiled_samples(offloader)
+    assert offloader.plan is not None and len(samples) == 2
+    assert all(sample["backward_s"][-1] is not None for sample in samples)  # training steps only
+
+
+def test_a_micro_batch_whose_backward_follows_the_next_entry_is_still_a_profiled_step(model, spill_dir):
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              policy="adaptive", profile_steps=2, memory_budget_bytes=1 << 40)
+    tokens, targets = make_batch(CONFIG, seed=4)
+    plans = []
+    with offloader:
+        previous = model(tokens, targets)
+    for _ in range(3):
+        with offloader:
+            plans.append(offloader.plan)
+            loss = model(tokens, targets)
+        previous.backward()
+        previous = loss
+    previous.backward()
+    offloader.close()
+    assert plans[-1] is not None  # its samples were taken, though no backward had run at the next entry
+
+
 def test_budget_below_the_least_the_model_needs_raises_when_planning(model, spill_dir):
     tokens, targets = make_batch(CONFIG, seed=4)
     offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
