@@ -22,11 +22,13 @@ def say_no_repeated_blocks() -> None:
     """A forward saved tensors in a model without repeated blocks, or whose blocks are each compiled or checkpointed
     by the model itself (their saves carry no module stack, ``tba/runtime/_discover.py``; helper-56 saw the
     message name only compiling for GPT-2 under Hugging Face's gradient checkpointing): nothing to plan for,
-    so every step offloads all."""
+    so every step offloads all until one saves tensors in repeated blocks (helper-124: a fine-tuning run whose first
+    steps train only the last block found them at its second step, after a warning that said every step)."""
     logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
-                   "compiled on its own or run under the model's own activation checkpointing), so every "
-                   "step offloads every saved tensor; pass layers=[...] (the model's blocks) to have a "
-                   "placement planned per block")
+                   "compiled on its own or run under the model's own activation checkpointing, or frozen "
+                   "so that only one saved tensors), so steps offload every saved tensor until a forward saves "
+                   "tensors in repeated blocks; pass layers=[...] (the model's blocks) to have a placement "
+                   "planned per block")
 
 
 def say_layers_not_run(first: nn.Module | None, count: int, effect: str,
