@@ -21,7 +21,8 @@ from torch import nn
 
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
-from tba.runtime._layer_hooks import LayerHook
+from tba.runtime._compile import is_compiled_module
+from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
 from tba.runtime._wrappable import can_recompute
@@ -198,7 +199,9 @@ class InputShapes:
         # two would remove each other's handle mid-forward and torch would call one without kwargs.
         if self._shape_hook is not None:
             self._shape_hook.remove()
-        self._shape_hook = self.layers[0].register_forward_pre_hook(LayerHook(self._check_shape), with_kwargs=True)
+        first = self.layers[0]  # Note [Hooks traced into a whole-model graph do nothing] in tba/runtime/_layer_hooks.py
+        hook = measuring_hook(first, is_compiled_module(first), self._check_shape)
+        self._shape_hook = first.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """First layer's forward pre-hook: note the step's input shape; on another one than expected, follow

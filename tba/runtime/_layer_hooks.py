@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -46,6 +47,35 @@ class LayerHook:
 
     def __reduce__(self) -> tuple[Any, tuple]:
         return _copied_hook, ()
+
+
+class MeasuringHook(LayerHook):
+    """A hook that measures a layer (the profiling timer's, the runner's shape check): inside a compiled graph that
+    encloses the layer it does nothing.
+
+    Note: [Hooks traced into a whole-model graph do nothing]
+    Dynamo does not skip a module hook it meets while tracing a whole-model compile: it inlines it. The timer's
+    hooks read clocks, ``threading.get_ident`` and ``/proc`` there, which Dynamo cannot trace, so it broke the
+    model's graph at every layer of a profiled step, and the graphs it compiled stayed split for every later
+    step (it does not guard on hooks). Under inductor the split graphs fuse their kernels otherwise: the adaptive
+    default's loss and gradients differed from the same compiled model without tba (helper-125; ``aot_eager``
+    fuses nothing, which hid it). Traced, ``is_compiling()`` is the constant True and such a hook traces nothing:
+    the graph stays whole, and the layers go unmeasured as where the model was compiled before tba hooked them.
+    A layer compiled itself (``block.compile()``) gets the plain hook: its graph breaks at its own ends, which
+    splits no kernel, and its times are measured between graphs.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return self.function(*args, **kwargs)
+
+
+def measuring_hook(layer: nn.Module, compiled_itself: bool, function: Callable[..., Any]) -> LayerHook:
+    """``function`` as a hook on ``layer``: a :class:`MeasuringHook` unless ``compiled_itself``."""
+    return LayerHook(function) if compiled_itself else MeasuringHook(function)
 
 
 class Recomputing:

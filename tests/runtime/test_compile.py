@@ -204,3 +204,19 @@ def test_blocks_compiled_after_the_offloader_was_built_are_told_the_order(spill_
     messages = [r.getMessage() for r in caplog.records if r.name == "tba" and "torch.compile" in r.getMessage()]
     assert len(messages) == 1, messages
     assert "whole-model" not in messages[0] and "after compiling" in messages[0], messages[0]
+
+
+def test_whole_model_compile_profiled_by_the_adaptive_default_is_exact(spill_dir):
+    """Note [Hooks traced into a whole-model graph do nothing]: the profiling timer's hooks and the runner's shape check,
+    traced into a whole-model inductor graph, broke it at every layer, and its kernels, fused otherwise, gave another loss
+    and other gradients than the same compiled model without tba (helper-125; ``aot_eager`` hid it)."""
+    model = make_gpt(CONFIG)
+    reference = run_step(torch.compile(make_gpt(CONFIG)), forward)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    offloader = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0, layers=compiled)
+    for _ in range(2):
+        loss, grads = run_step(compiled, forward, offloader)
+        assert torch.equal(loss, reference[0]) and grads.keys() == reference[1].keys()
+        assert all(torch.equal(grads[name], reference[1][name]) for name in grads)
+    offloader.close()
