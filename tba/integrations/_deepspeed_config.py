@@ -79,13 +79,26 @@ def _check_options(options: dict[str, Any]) -> None:
         raise block_error(str(err)) from None
 
 
+def _section(config: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    """``config[key]`` (``{}`` where missing or null), refused naming ``where`` unless a JSON object: tba read each one's
+    keys with ``.get``, and ``"zero_optimization": 3`` failed with ``AttributeError`` deep in tba (helper-125)."""
+    section = config.get(key)
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise TbaConfigError(f"DeepSpeed config {where} must be an object ({{...}}), got {section!r:.80}")
+    return section
+
+
 def _nvme_path(zero: Mapping[str, Any], section: str) -> str | None:
-    offload = zero.get(section) or {}
+    offload = _section(zero, section, f"zero_optimization.{section}")
     if str(offload.get("device", "none")).lower() != "nvme":
         return None
     path = offload.get("nvme_path")
     if not path:
         raise TbaConfigError(f"zero_optimization.{section}.device is \"nvme\" but it has no nvme_path; set one")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TbaConfigError(f"zero_optimization.{section}.nvme_path must be a path (a string), got {path!r:.80}")
     return os.fspath(path)
 
 
@@ -130,13 +143,13 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
         raise block_error(f"unknown key(s) {', '.join(map(repr, unknown))}; {did_you_mean(unknown[0], block_keys())}"
                           f"valid keys: {', '.join(block_keys())}")
     _check_options(dict(block))
-    zero = config.get("zero_optimization") or {}
+    zero = _section(config, "zero_optimization", "zero_optimization")
     param_path = _nvme_path(zero, "offload_param")
     optimizer_path = _nvme_path(zero, "offload_optimizer")
     nvme_path = param_path or optimizer_path
     options = {key: block[key] for key in option_names() if key in block and key not in ("directory", "policy")}
     if nvme_path is not None:
-        _take_aio(options, config.get("aio") or {})
+        _take_aio(options, _section(config, "aio", "aio"))
     policy = block.get("policy", "offload")
     if policy != "offload":
         options["policy"] = policy

@@ -281,3 +281,17 @@ def test_something_other_than_the_engine_is_refused_naming_it(given):
     model = make_gpt(PRESETS["tiny"])
     with pytest.raises(TbaConfigError, match=r"engine, optimizer, _, _ = deepspeed.initialize"):
         tba_ds.TbaDeepSpeed(model if given == "model" else (model, None, None, None))
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({"zero_optimization": 3}, "zero_optimization must be an object"),
+    ({"zero_optimization": {"stage": 3, "offload_param": "nvme"}}, "zero_optimization.offload_param must be an object"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": 5}}},
+     "offload_optimizer.nvme_path must be a path"),
+    ({"aio": [1], "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+     "aio must be an object"),
+], ids=["zero", "offload_param", "nvme_path", "aio"])
+def test_a_deepspeed_section_of_the_wrong_type_is_refused_naming_it(config, words):
+    """tba read these sections' keys with ``.get``: AttributeError or TypeError from inside tba (helper-125)."""
+    with pytest.raises(TbaConfigError, match=words):
+        tba_ds.TbaDeepSpeed(FakeEngine({**config, "tba": {}}))
