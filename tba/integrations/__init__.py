@@ -5,3 +5,35 @@ megatron-core installed and only the functions that need it raise, naming the ex
 :mod:`tba.integrations.deepspeed` does not import DeepSpeed at all: it reads the ``"tba"`` block of
 a DeepSpeed config and wraps a ``DeepSpeedEngine``'s forward.
 """
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tba.config import OffloadConfig
+
+_GOALS = ("memory_budget", "memory_budget_bytes", "overhead_bound")
+
+
+def integration_policy(options: Mapping[str, Any]) -> Any:
+    """The policy an integration's offloader runs with: ``options["policy"]`` where given, else that of the
+    ``config=`` where it chose one, else ``"offload"`` (docs/policies.md).
+
+    Note: [An integration's offload default and a given config]
+    The integrations offload unless told to plan, and passed ``policy="offload"`` beside the user's options.
+    An option wins over the ``config=`` it comes with, so ``MegatronOffloader(model, config=OffloadConfig(
+    policy="adaptive", overhead_bound=0.5))`` (or the same config in ``TbaTrainer``'s ``tba_options``) was
+    refused with "overhead_bound need policy='adaptive', not 'offload'", blaming the user for the policy the
+    integration had put in, and a config pinning a ``tba.Plan`` silently offloaded everything (helper-125).
+    The config's policy is taken where it chose one: a policy other than the schema's default, or an
+    adaptive goal. Its bare default, ``"adaptive"`` with no goal, cannot be told from one left unset, and
+    stays the integration's ``"offload"``.
+    """
+    if "policy" in options:
+        return options["policy"]
+    config = options.get("config")
+    if isinstance(config, OffloadConfig) and (
+            config.policy != "adaptive" or any(getattr(config, goal) is not None for goal in _GOALS)):
+        return config.policy
+    return "offload"

@@ -30,6 +30,7 @@ import torch
 
 from tba.config import OffloadConfig
 from tba.errors import TbaConfigError
+from tba.integrations import integration_policy
 from tba.runtime import Offloader, OffloadStats, resolve_layers
 
 HF_EXTRA_HINT = "pip install 'tba-offload[hf]'"
@@ -67,7 +68,8 @@ class TbaTrainerMixin:
         stack = super().compute_loss_context_manager()
         if self.tba_options is not None and torch.is_grad_enabled() and self.model.training:
             if self.offloader is None:
-                self.offloader = Offloader(**{"layers": self.model, "policy": "offload", **self.tba_options})
+                policy = integration_policy(self.tba_options)  # Note [An integration's offload default and a given config]
+                self.offloader = Offloader(**{"layers": self.model, **self.tba_options, "policy": policy})
             stack.enter_context(self.offloader)
         return stack
 

@@ -40,6 +40,7 @@ from tba.config import OffloadConfig, format_default, parse_text
 from tba.config import options as config_options
 from tba.defaults import POLICIES, PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError, did_you_mean
+from tba.integrations import integration_policy
 from tba.io import backend_names
 from tba.runtime import KeepReason, Offloader
 
@@ -213,8 +214,8 @@ class MegatronOffloader(Offloader):
         _, self._is_checkpointing = _megatron()
         blocks = transformer_blocks(model)
         # Integrations offload unless told to plan (docs/policies.md): Offloader's own default, "adaptive",
-        # would also slip past the recompute check below.
-        options.setdefault("policy", "offload")
+        # would also slip past the recompute check below. Note [An integration's offload default and a given config]
+        options["policy"] = integration_policy(options)
         for block in blocks:
             check_recompute_config(block.config)
             if options["policy"] not in ("offload", "keep") and block.config.recompute_granularity:

@@ -231,3 +231,19 @@ def test_generate_under_a_recompute_plan_is_not_refused(spill_dir):
         got = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     offloader.close()
     assert torch.equal(want, got)
+
+
+def test_trainer_keeps_the_policy_its_config_chose(spill_dir, tmp_path):
+    """Note [An integration's offload default and a given config]: ``tba_options={"config": OffloadConfig(policy=
+    "adaptive", overhead_bound=0.5)}`` was refused at the first step for the policy="offload" the mixin put beside it."""
+    from tba.integrations.hf import TbaTrainer
+
+    training_args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True,
+                                                   save_strategy="no", disable_tqdm=True)
+    config = tba.OffloadConfig(directory=spill_dir, backend="threads", policy="adaptive", overhead_bound=0.5)
+    trainer = TbaTrainer(model=gpt2()[0], args=training_args, tba_options={"config": config})
+    trainer.model.train()
+    with trainer.compute_loss_context_manager():
+        pass
+    assert trainer.offloader.config.policy == "adaptive" and trainer.offloader.config.overhead_bound == 0.5
+    trainer.offloader.close()

@@ -279,3 +279,16 @@ def test_script_prints_identical_losses_with_and_without_tba(spill_dir):
         runs.append([m.group(2) for m in steps])
         assert ("MiB written" in proc.stdout) == bool(flags)
     assert runs[0] == runs[1]
+
+
+def test_a_config_that_chose_a_policy_keeps_it(world, spill_dir):
+    """Note [An integration's offload default and a given config]: the integration's policy="offload" beside config=
+    won over it: an adaptive config with its goal was refused as if its user had asked for offload, and a pinned plan
+    became offload-all, silently."""
+    model = pretrain_gpt.build_gpt(parse(), torch.device("cpu"))
+    plan = tba.Plan(("keep", "offload"), 1 << 20)
+    for config, policy in ((tba.OffloadConfig(policy="adaptive", overhead_bound=0.5), "adaptive"),
+                           (tba.OffloadConfig(policy=plan), plan), (tba.OffloadConfig(backend="threads"), "offload")):
+        offloader = MegatronOffloader(model, spill_dir, config=config)
+        assert offloader.config.policy == policy
+        offloader.close()
