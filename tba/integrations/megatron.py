@@ -243,6 +243,12 @@ class MegatronOffloader(Offloader):
         return super().keep_reason(tensor)
 
 
+def _check_flags(args: Any) -> None:
+    if not hasattr(args, "tba_offload_activations"):  # None, a dict, or Megatron's args without the flags: not "off"
+        raise TbaConfigError(f"args has no --tba-* flags (got {type(args).__name__}); parse them with add_tba_arguments "
+                             "(Megatron-LM: pretrain(..., extra_args_provider=add_tba_arguments))")
+
+
 def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn.Module],
                         **options: Any) -> MegatronOffloader | None:
     """The offloader the ``--tba-*`` flags ask for, or None when activations stay in memory.
@@ -257,9 +263,7 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
             round, ``adaptive`` together with Megatron's own recompute, or any error of
             :class:`MegatronOffloader`.
     """
-    if not hasattr(args, "tba_offload_activations"):  # None, a dict, or Megatron's args without the flags: not "off"
-        raise TbaConfigError(f"args has no --tba-* flags (got {type(args).__name__}); parse them with add_tba_arguments "
-                             "(Megatron-LM: pretrain(..., extra_args_provider=add_tba_arguments))")
+    _check_flags(args)
     if not args.tba_offload_activations:
         given = [flag_name(name) for name in options_from_args(args)]
         if given:  # a budget or a directory asked for, and silently no tba
@@ -290,6 +294,8 @@ def wrap_forward_step(forward_step_func: Callable[..., Any],
     flags keep activations in memory); close it when training ends. With virtual pipeline stages
     the first chunk's layers are the tagged ones.
     """
+    if not callable(args):  # refused here, not at the first training step's forward (helper-125)
+        _check_flags(args)
     built: list[MegatronOffloader | None] = []
 
     @functools.wraps(forward_step_func)

@@ -292,3 +292,11 @@ def test_a_config_that_chose_a_policy_keeps_it(world, spill_dir):
         offloader = MegatronOffloader(model, spill_dir, config=config)
         assert offloader.config.policy == policy
         offloader.close()
+
+
+def test_wrap_forward_step_refuses_args_without_the_flags_where_it_is_called():
+    """wrap_forward_step(step, None) returned a wrapper that raised only at the first training step's forward."""
+    for args in (None, {"tba_offload_activations": True}):
+        with pytest.raises(TbaConfigError, match="extra_args_provider=add_tba_arguments"):
+            wrap_forward_step(lambda data, model: None, args)
+    wrap_forward_step(lambda data, model: None, lambda: None)  # a getter is read at the first call
