@@ -37,7 +37,6 @@ import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,8 +108,7 @@ class _Region(threading.local):
 _region = _Region()
 
 
-@contextlib.contextmanager
-def keep_in_memory() -> Iterator[None]:
+class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function before, and called as one
     """Inside this block (this thread only), saved tensors stay in memory even under an offload context.
 
     Example::
@@ -119,12 +117,31 @@ def keep_in_memory() -> Iterator[None]:
             hidden = blocks(x)
             with tba.keep_in_memory():
                 logits = head(hidden)     # saved in memory, as without tba
+
+    Note: [keep_in_memory inside a compiled graph]
+    Dynamo traced the region's entry and exit into the graph of a compiled block or model that used it, and its
+    write to the thread's depth failed torch.compile's first call with an internal ``AssertionError: Guard
+    failed on the same frame it was created``, tba or not (helper-125). Traced, ``is_compiling()`` is the
+    constant True and the region traces nothing: it does nothing there, as it could do nothing anyway (a
+    compiled graph saves its tensors when it returns, outside the region). Around a compiled call in eager
+    code it keeps what the call saves. An exit undoes only what its own entry did.
     """
-    _region.depth += 1
-    try:
-        yield
-    finally:
-        _region.depth -= 1
+
+    def __init__(self) -> None:
+        self._entered = False
+
+    def _recreate_cm(self) -> keep_in_memory:
+        return type(self)()  # each call of a decorated function enters a region of its own
+
+    def __enter__(self) -> None:
+        self._entered = not torch.compiler.is_compiling()
+        if self._entered:
+            _region.depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._entered:
+            self._entered = False
+            _region.depth -= 1
 
 
 def in_keep_region() -> bool:

@@ -19,6 +19,7 @@ from utils import assert_exact, run_step
 
 import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
+from tba.runtime._keep import in_keep_region
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="torch.compile's inductor backend needs a C compiler (gcc) on CPU")
@@ -222,3 +223,32 @@ def test_whole_model_compile_profiled_by_the_adaptive_default_is_exact(spill_dir
         assert torch.equal(loss, reference[0]) and grads.keys() == reference[1].keys()
         assert all(torch.equal(grads[name], reference[1][name]) for name in grads)
     offloader.close()
+
+
+class KeepingBlock(torch.nn.Module):
+    """A block whose first part runs inside ``tba.keep_in_memory()``, optionally with a graph break in the region."""
+
+    def __init__(self, graph_break: bool) -> None:
+        super().__init__()
+        self.graph_break = graph_break
+        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        with tba.keep_in_memory():
+            h = torch.nn.functional.gelu(self.up(x))
+            if self.graph_break:
+                torch._dynamo.graph_break()
+        return x + self.down(h)
+
+
+@pytest.mark.parametrize("graph_break", [False, True], ids=["one-graph", "graph-break-in-region"])
+def test_keep_in_memory_inside_a_compiled_block(spill_dir, graph_break):
+    """Note [keep_in_memory inside a compiled graph]: Dynamo traced the region into the block's graph and the first call
+    failed with torch's internal "Guard failed on the same frame it was created", with or without tba (helper-125)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(KeepingBlock(graph_break) for _ in range(2)))
+    for index, block in enumerate(model):
+        model[index] = torch.compile(block, backend="eager", fullgraph=not graph_break)
+    x = torch.randn(4, 64)
+    assert_exact(model, lambda m: m(x).square().mean(), spill_dir, layers=list(model))
+    assert not in_keep_region()
