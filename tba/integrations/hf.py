@@ -57,8 +57,14 @@ class TbaTrainerMixin:
                 raise TbaConfigError(f"tba_options must be a dict of tba.Offloader options ({{}} for the defaults, None "
                                      f"for off), got {type(tba_options).__name__}")
             resolve_layers(tba_options.get("layers"))
-            if tba_options.get("config") is None:
-                OffloadConfig(**{name: value for name, value in tba_options.items() if name not in ("layers", "config")})
+            config = tba_options.get("config")
+            rest = {name: value for name, value in tba_options.items() if name not in ("layers", "config")}
+            if config is None:
+                OffloadConfig(**rest)
+            elif not isinstance(config, OffloadConfig):  # refused at the first step's forward before (helper-125)
+                raise TbaConfigError(f"tba_options' config must be a tba.OffloadConfig, got {type(config).__name__}")
+            else:
+                config.replace(**rest)
         super().__init__(*args, **kwargs)
         self.tba_options = tba_options
         self.offloader: Offloader | None = None

@@ -206,7 +206,9 @@ def test_offloaded_recompute_of_llama_blocks_is_exact(spill_dir):
 @pytest.mark.parametrize("options, match", [("abc", "tba_options must be a dict"),
                                             ({"queu_depth": 4}, "did you mean 'queue_depth'"),
                                             ({"queue_depth": 0}, "queue_depth must be in"),
-                                            ({"layers": "transformer.h"}, "layers must be a module")])
+                                            ({"layers": "transformer.h"}, "layers must be a module"),
+                                            ({"config": {"queue_depth": 4}}, "config must be a tba.OffloadConfig"),
+                                            ({"config": tba.OffloadConfig(), "queu_depth": 4}, "did you mean 'queue_depth'")])
 def test_trainer_refuses_bad_tba_options_where_it_is_built(tmp_path, options, match):
     """A str raised TypeError "'str' object is not a mapping" from tba/integrations/hf.py inside train(); a bad option
     raised TbaConfigError only inside train(), at the first step's forward, not at the line that passed it."""
