@@ -62,7 +62,9 @@ class MeasuringHook(LayerHook):
     fuses nothing, which hid it). Traced, ``is_compiling()`` is the constant True and such a hook traces nothing:
     the graph stays whole, and the layers go unmeasured as where the model was compiled before tba hooked them.
     A layer compiled itself (``block.compile()``) gets the plain hook: its graph breaks at its own ends, which
-    splits no kernel, and its times are measured between graphs.
+    splits no kernel, and its times are measured between graphs. The profiled step's gradient hooks (the
+    timer's stamps, the peak's stop) do nothing when compiled autograd traces them: the peak's ``queue_callback``
+    failed the first profiled backward with torch's AssertionError (helper-125), even under ``aot_eager``.
     """
 
     __slots__ = ()

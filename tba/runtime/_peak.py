@@ -92,5 +92,10 @@ class StepPeak:
         self.peak_bytes = max(0, peak - self._start) + self._held
 
     def stop_after_backward(self, grad: torch.Tensor) -> None:
-        """A gradient hook: :meth:`stop` once the backward pass it runs in has finished."""
+        """A gradient hook: :meth:`stop` once the backward pass it runs in has finished; traced by compiled autograd it
+        does nothing (Note [Hooks traced into a whole-model graph do nothing] in ``tba/runtime/_layer_hooks.py``:
+        traced, ``queue_callback`` failed the first profiled backward with torch's AssertionError), and the peak
+        stops at the next entry."""
+        if torch.compiler.is_compiling():
+            return
         torch.autograd.Variable._execution_engine.queue_callback(self.stop)

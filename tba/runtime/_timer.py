@@ -216,6 +216,8 @@ class LayerTimer:
         end = slots is self._grad_at_input and index == 0
 
         def hook(grad: torch.Tensor) -> None:
+            if torch.compiler.is_compiling():  # compiled autograd: Note [Hooks traced into a whole-model graph do nothing]
+                return
             if slots is self._grad_at_output:
                 self.check_inputs_after_forward()
             if slots[index] is None:

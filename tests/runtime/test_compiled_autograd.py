@@ -72,3 +72,21 @@ def test_compiled_autograd_fullgraph_names_the_fix(spill_dir):
     assert any(COMPILED_AUTOGRAD_MESSAGE in message for message in chain), chain
     del raised, error
     gc.collect()  # the traceback held the graph, whose views close the one-shot offloader
+
+
+def test_compiled_autograd_under_profiled_steps_is_exact(spill_dir):
+    """Note [Hooks traced into a whole-model graph do nothing]: compiled autograd traced the profiled step's gradient hooks,
+    and the peak's queue_callback failed the first profiled backward with torch's AssertionError (helper-125)."""
+    model = make_mlp()
+    reference = [step(model, None)[:2] for _ in range(3)]
+    offloader = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0, layers=[model[0], model[2]])
+    for ref_loss, ref_grads in reference:
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        with offloader:
+            loss = model(batch()).pow(2).mean()
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+        assert torch.equal(ref_loss, loss.detach())
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model.parameters(), strict=True))
+    offloader.close()
