@@ -51,6 +51,7 @@ from tba.runtime._nested_state import unwatchable
 from tba.runtime._outside import OutsideCalls, hooks_run_again
 from tba.runtime._private_state import Signature, first_change, private_state
 from tba.runtime._recompute import in_dual_level
+from tba.runtime._timer_spans import LayerSpans, own_s
 
 
 def tensor_bytes(values: Sequence[Any]) -> int:
@@ -67,12 +68,7 @@ def tensor_bytes(values: Sequence[Any]) -> int:
     return sum(seen.values())
 
 
-def _own_s(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
-    """Wall-clock seconds between two stamps less what the thread waited inside tba meanwhile."""
-    return end[0] - start[0] - (end[2] - start[2])
-
-
-class LayerTimer:
+class LayerTimer(LayerSpans):
     """Forward and backward time and input bytes of each layer, for one step at a time.
 
     Wall-clock times leave out the seconds the thread waited inside tba (Note [Layer time on a
@@ -186,7 +182,7 @@ class LayerTimer:
             self._ended[index] = now = self._stamp_now()
             if index == len(self._layer_refs) - 1:
                 self._mark("forward_end")
-            self.forward_s[index] = _own_s(start, now)
+            self.forward_s[index] = own_s(start, now)
             versions, self._input_versions[index] = self._input_versions[index], []
             private, self._private[index] = self._private[index], []
             if self._outside.leave(index):
@@ -275,56 +271,6 @@ class LayerTimer:
     def gradient_reached(self) -> bool:
         """Whether a gradient reached a layer's output in this step's backward so far."""
         return any(stamp is not None for stamp in self._grad_at_output)
-
-    def backward_s(self, cpu: bool = False) -> list[float | None]:
-        """Per layer: seconds from the gradient reaching its output to reaching its input, or None.
-
-        ``cpu``: the backward thread's CPU seconds over that span instead of wall-clock seconds (less
-        the seconds the thread waited inside tba).
-        """
-        out: list[float | None] = []
-        for at_output, at_input in zip(self._grad_at_output, self._grad_at_input):
-            if at_output is None or at_input is None:
-                out.append(None)
-            elif cpu:
-                out.append(at_input[1] - at_output[1])
-            else:
-                out.append(_own_s(at_output, at_input))
-        return out
-
-    def span_cpu_s(self) -> float | None:
-        """:meth:`span_s` in the CPU seconds of the threads that took the stamps (one thread, the
-        training thread, for a CPU model); None when a stamp is missing."""
-        return self._span(1)
-
-    def span_s(self) -> float | None:
-        """Wall-clock seconds of what the cost model predicts: from the first layer's forward to the
-        last layer's forward end, plus from the gradient reaching the last layer's output to reaching
-        the first layer's input (what runs between, the head and the loss, left out); None when a stamp
-        is missing."""
-        return self._span(0)
-
-    def span_preempted_s(self) -> float | None:
-        """Seconds the process's other compute threads waited for a CPU over :meth:`span_s`'s two
-        parts (Note [A preempted partner costs the training thread CPU time] in
-        ``tba/runtime/_preempted.py``); None when not measured (a GPU, no schedstats, a part missing)."""
-        if self._span(0) is None:
-            return None
-        marks = self._marks
-        forward = _preempted.waited_s(marks.get("forward_start"), marks.get("forward_end"),
-                                      self._ended[-1][0] - self._started[0][0])
-        backward = _preempted.waited_s(marks.get("backward_start"), marks.get("backward_end"),
-                                       self._grad_at_input[0][0] - self._grad_at_output[-1][0])
-        return None if forward is None or backward is None else forward + backward
-
-    def _span(self, clock: int) -> float | None:
-        if not self._started or self.forward_s[0] is None or self.forward_s[-1] is None:
-            return None
-        backward_start, backward_end = self._grad_at_output[-1], self._grad_at_input[0]
-        if backward_start is None or backward_end is None:
-            return None
-        forward = self._ended[-1][clock] - self._started[0][clock]
-        return forward + backward_end[clock] - backward_start[clock]
 
 
 def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
