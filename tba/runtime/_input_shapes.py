@@ -21,7 +21,6 @@ from torch import nn
 
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
-from tba.runtime._compile import is_compiled_module
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
@@ -200,7 +199,7 @@ class InputShapes:
         if self._shape_hook is not None:
             self._shape_hook.remove()
         first = self.layers[0]  # Note [Hooks traced into a whole-model graph do nothing] in tba/runtime/_layer_hooks.py
-        hook = measuring_hook(first, is_compiled_module(first), self._check_shape)
+        hook = measuring_hook(first, self._check_shape)
         self._shape_hook = first.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tba.runtime._compile import is_compiled_module
+
 
 def no_op(*args: Any, **kwargs: Any) -> None:
     """What a copy of one of tba's hooks is (Note [A copy of a hooked layer holds none of tba's])."""
@@ -75,9 +77,9 @@ class MeasuringHook(LayerHook):
         return self.function(*args, **kwargs)
 
 
-def measuring_hook(layer: nn.Module, compiled_itself: bool, function: Callable[..., Any]) -> LayerHook:
-    """``function`` as a hook on ``layer``: a :class:`MeasuringHook` unless ``compiled_itself``."""
-    return LayerHook(function) if compiled_itself else MeasuringHook(function)
+def measuring_hook(layer: nn.Module, function: Callable[..., Any]) -> LayerHook:
+    """``function`` as a hook on ``layer``: a :class:`MeasuringHook` unless ``layer`` is compiled itself."""
+    return LayerHook(function) if is_compiled_module(layer) else MeasuringHook(function)
 
 
 class Recomputing:
