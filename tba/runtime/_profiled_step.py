@@ -170,6 +170,7 @@ class ProfiledStep:
         self._unpacks.clear()
         if pending is None or "forward_s" not in pending:
             return None
+        self.peak.stop()
         awaiting = self.timer.awaiting_grad
         if awaiting and not self.timer.gradient_reached() and all(hook() is None for hook in awaiting):
             # Note: [A step whose loss was dropped is no sample]
@@ -183,9 +184,7 @@ class ProfiledStep:
             # the graph is gone (the gradient hooks on the layers' outputs, which it holds, were freed without
             # running): a micro-batch whose backward comes after the next entry (accumulation, 1F1B) is still a
             # sample, as before.
-            self.peak.stop()
             return None
-        self.peak.stop()
         pending["changes_input"] = list(self.timer.changes_input)  # as backward found them too
         pending["backward_s"] = self.timer.backward_s()
         pending["backward_cpu_s"] = self.timer.backward_s(cpu=True)
