@@ -149,14 +149,17 @@ def closure_functions(function: Any) -> list[Any]:
     """The functions a decorator's wrapper (``function``, user code) closes over: the one it wraps."""
     if not user_code(function):
         return []
+    return [value for value in closure_contents(function) if isinstance(value, types.FunctionType)]
+
+
+def closure_contents(function: types.FunctionType) -> list[Any]:
+    """What the closure cells of ``function`` hold (a cell not set yet left out)."""
     held = []
     for cell in function.__closure__ or ():
         try:
-            value = cell.cell_contents
+            held.append(cell.cell_contents)
         except ValueError:  # a cell not set yet
             continue
-        if isinstance(value, types.FunctionType):
-            held.append(value)
     return held
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from tba.errors import TbaError
-from tba.runtime._code_named import class_code_named, code_named, is_generator, library_module, user_code
+from tba.runtime._code_named import class_code_named, closure_contents, code_named, is_generator, library_module, user_code
 from tba.runtime._layer_state import held_items
 from tba.runtime._state_objects import PLAIN, fields, kind_of, plain_object, slots
 
@@ -244,12 +244,7 @@ def _held_by_callable(value: Any) -> list[Any]:
         function, owner = value.__func__, value.__self__
         cls = owner if isinstance(owner, type) else type(owner)  # a classmethod's is the class
         return [owner, *(code_named(function, cls) if user_code(function) else ())]
-    held = []
-    for cell in value.__closure__ or ():
-        try:
-            held.append(cell.cell_contents)
-        except ValueError:  # a cell not set yet
-            continue
+    held = closure_contents(value)
     if user_code(value):
         held += code_named(value)
     return held
