@@ -39,7 +39,9 @@ class Block(nn.Module):
         self.config = config
 
 
-def test_containers_of_plain_values_are_not_walked_item_by_item(monkeypatch):
+@pytest.fixture
+def search_calls(monkeypatch) -> list[int]:
+    """How many calls of the generator search (``_collect``, each value it meets) the test has made so far."""
     calls = [0]
     search = _generators._collect
 
@@ -48,11 +50,15 @@ def test_containers_of_plain_values_are_not_walked_item_by_item(monkeypatch):
         return search(*args)
 
     monkeypatch.setattr(_generators, "_collect", counted)
+    return calls
+
+
+def test_containers_of_plain_values_are_not_walked_item_by_item(search_calls):
     config = Config(2_000)
     states = generator_states(Block(config), (torch.zeros(4), list(range(2_000))), {"scale": (1.0,) * 2_000})
     found = (config.rng, config.mixed[-1], config.paired[1][1])
     assert all(id(generator) in states for generator in found), "a generator beside plain values is still found"
-    assert calls[0] < 2_000 + 100, f"{calls[0]} calls of the search: containers of plain values walked item by item"
+    assert search_calls[0] < 2_000 + 100, f"{search_calls[0]} calls of the search: containers of plain values walked item by item"
 
 
 VOCABULARY = {f"token{i}": [i, i + 1] for i in range(2_000)}
@@ -73,20 +79,13 @@ class Lookup(nn.Module):
         return self.linear(x) * scale * torch.rand(x.shape, generator=NESTED["noise"][0][0])
 
 
-def test_containers_of_containers_of_plain_values_are_not_walked_item_by_item(monkeypatch):
+def test_containers_of_containers_of_plain_values_are_not_walked_item_by_item(search_calls):
     """A module-level vocabulary of lists, a list of dicts or of lists, that a forward names: each inner container was
     one call of the search at every call of the layer, 100,000 of them made each call 126 ms."""
-    calls = [0]
-    search = _generators._collect
-
-    def counted(*args):
-        calls[0] += 1
-        return search(*args)
-
-    monkeypatch.setattr(_generators, "_collect", counted)
     states = generator_states(Lookup())
     assert id(NESTED["noise"][0][0]) in states, "a generator nested beside containers of plain values is still found"
-    assert calls[0] < 100, f"{calls[0]} calls of the search: containers of containers of plain values walked one by one"
+    assert search_calls[0] < 100, (f"{search_calls[0]} calls of the search: containers of containers of plain values "
+                                   "walked one by one")
 
 
 noise_lib = types.ModuleType("tba_test_search_noise_lib")
@@ -101,24 +100,16 @@ class Backend(nn.Module):
         return BACKENDS.torch.tanh(x) * torch.rand(x.shape, generator=BACKENDS.noise.G)
 
 
-def test_a_module_held_as_a_value_is_not_walked_as_a_plain_object(monkeypatch):
+def test_a_module_held_as_a_value_is_not_walked_as_a_plain_object(search_calls):
     """torch held by a config a forward names was searched as a plain object: its 2,000 attributes and their
     submodules', 11,000 calls of the search (60 ms) at every call of the layer, and the deprecated ones it touched
     warned (``torch.distributed.reduce_op``), an error out of the layer's forward under ``-W error``. A module is
     searched for the generators it holds itself, one of torch, numpy or the standard library not at all."""
-    calls = [0]
-    search = _generators._collect
-
-    def counted(*args):
-        calls[0] += 1
-        return search(*args)
-
-    monkeypatch.setattr(_generators, "_collect", counted)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         states = generator_states(Backend())
     assert id(noise_lib.G) in states, "a generator a module held as a value holds is still found"
-    assert calls[0] < 100, f"{calls[0]} calls of the search: a module held as a value walked as a plain object"
+    assert search_calls[0] < 100, f"{search_calls[0]} calls of the search: a module held as a value walked as a plain object"
 
 
 @dataclasses.dataclass
@@ -139,20 +130,13 @@ class Rows(nn.Module):
         return x * len(TOKENS) * torch.rand(x.shape, generator=NOISY_ROWS[-1].counts[0])
 
 
-def test_containers_of_plain_objects_of_plain_values_are_not_walked_item_by_item(monkeypatch):
+def test_containers_of_plain_objects_of_plain_values_are_not_walked_item_by_item(search_calls):
     """100,000 dataclass rows in a list a forward names were 300,000 calls of the search (360 ms) at every call of the
     layer: rows whose fields are plain values or containers of them are skipped after a pass over each level's types."""
-    calls = [0]
-    search = _generators._collect
-
-    def counted(*args):
-        calls[0] += 1
-        return search(*args)
-
-    monkeypatch.setattr(_generators, "_collect", counted)
     states = generator_states(Rows())
     assert id(NOISY_ROWS[-1].counts[0]) in states, "a generator a row holds is still found"
-    assert calls[0] < 2_000 + 100, f"{calls[0]} calls of the search: plain objects of plain values walked one by one"
+    assert search_calls[0] < 2_000 + 100, (f"{search_calls[0]} calls of the search: plain objects of plain values walked "
+                                           "one by one")
 
 
 def test_a_value_is_told_a_generator_by_its_type_not_by_torchs_instance_check(monkeypatch):
