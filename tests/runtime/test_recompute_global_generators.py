@@ -12,7 +12,6 @@ silently.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import types
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from utils import pinned_steps
 
 import tba
 
@@ -121,23 +121,10 @@ def _seed() -> None:
 
 
 def _train(kind: type[nn.Module], spill_dir: str | None) -> list[torch.Tensor]:
-    torch.manual_seed(0)
+    """Two steps, every block recomputed under tba when ``spill_dir`` is given: losses, gradients, generator states."""
     _seed()
-    blocks = nn.ModuleList([kind(), kind()])
-    result = []
-    for step in range(2):
-        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
-        plan = tba.Plan(("recompute", "recompute"), window_bytes=1 << 20)
-        with (tba.offload_activations(spill_dir, layers=list(blocks), policy=plan) if spill_dir
-              else contextlib.nullcontext()):
-            h = x
-            for block in blocks:
-                h = block(h)
-            loss = h.pow(2).mean()
-        loss.backward()
-        result += [loss.detach(), *(p.grad.clone() for p in blocks.parameters())]
-        blocks.zero_grad()
-    return result + _generators()
+    steps, _ = pinned_steps(kind, WIDTH, spill_dir, ("recompute", "recompute") if spill_dir else None)
+    return steps + _generators()
 
 
 @pytest.mark.parametrize("kind", [Direct, Helper, ClassHeld, Namespaced, Outside, Rebinding])
