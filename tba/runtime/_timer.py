@@ -92,11 +92,11 @@ class LayerTimer(LayerSpans):
         self.forward_cpu_s: list[float | None] = [None] * count
         self.input_bytes = [0] * count
         self.changes_input = [False] * count
+        """Per layer: its forward changed one of its tensor arguments in place, or private state of its modules
+        (it cannot be recomputed)."""
         self.ran_with_grad = False
         """Whether a layer's forward ran with grad enabled (Note [A forward without grad is no sample] in
         ``tba/runtime/_profiled_step.py``)."""
-        """Per layer: its forward changed one of its tensor arguments in place, or private state of its modules
-        (it cannot be recomputed)."""
         self._input_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(count)]
         self._inputs_after: list[tuple[int, weakref.ref, int]] = []
         """Layer index, a tensor of its call (or its base), weakly, and its version when the forward ended (Note [A
