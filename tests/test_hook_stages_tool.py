@@ -49,7 +49,7 @@ def test_a_patched_variant_still_trains_exactly(stages, tmp_path, name):
 
 def test_a_failing_variant_leaves_no_patch(stages, tmp_path):
     before = vars(SavedTensorHooks)["_save_job"]
-    with pytest.raises(RuntimeError), stages._variant("pack", str(tmp_path)):
+    with pytest.raises(RuntimeError), stages._variant("pack"):
         assert vars(SavedTensorHooks)["_save_job"] is stages._keep_only
         raise RuntimeError("a forward failed")
     assert vars(SavedTensorHooks)["_save_job"] is before

@@ -2,10 +2,10 @@
 
     python tools/hook_stages.py [--count 2000] [--size 64K] [--directory /dev/shm] [--rounds 9] [--json PATH]
 
-The ``bench-hooks`` loop (each of ``--count`` leaves through ``torch.tanh``, reduced by ``sum()``, one backward)
-runs forward in five variants, their order shuffled in every round so that each sees the same minutes of the
-machine, and prints each variant's forward time against the loop without tba (extra µs per storage, the best
-and the median round):
+The ``bench-hooks`` loop (``tba.bench.hooks.one_step``: each of ``--count`` leaves through ``torch.tanh`` inside
+the context, reduced by ``sum()``, one backward after it) runs in four variants and without tba, their order
+shuffled in every round so that each sees the same minutes of the machine, and prints each variant's forward
+time against the loop without tba (extra µs per storage, the best and the median round):
 
 * ``keep``: inside ``tba.keep_in_memory()``: every tensor goes through the pack hook's checks and stays.
 * ``pack``: the pack hook as it is (view, version watch, deferral), its deferred save only keeping the
@@ -31,13 +31,12 @@ import random
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from unittest import mock
 
 import torch
 
-import tba
-from tba import _control
+from tba.bench.hooks import HookCase, one_step
 from tba.cli import _checks as cli_checks
 from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._hooks import SavedTensorHooks
@@ -55,42 +54,23 @@ def _not_needed(self, data, phase_bytes, fd, offset, on_done, wanted=None) -> No
     on_done(WRITE_NOT_NEEDED)
 
 
-@contextlib.contextmanager
-def patched(owner: type, name: str, replacement: Callable) -> Iterator[None]:
-    """``owner.name`` is ``replacement`` inside the block, and what it was after it."""
-    saved = vars(owner)[name]
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
-
-
-def _variant(name: str, directory: str) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
+def _variant(name: str) -> contextlib.AbstractContextManager:
+    """The patch variant ``name`` runs under (none for ``keep``, ``full`` and ``"base"``)."""
     if name == "pack":
-        stack.enter_context(patched(SavedTensorHooks, "_save_job", _keep_only))
-    elif name == "bookkeeping":
-        stack.enter_context(patched(HostBatch, "write", _not_needed))
-    if name != "base":
-        stack.enter_context(tba.offload_activations(directory=directory))
-    if name == "keep":
-        stack.enter_context(tba.keep_in_memory())
-    return stack
+        return mock.patch.object(SavedTensorHooks, "_save_job", _keep_only)
+    if name == "bookkeeping":
+        return mock.patch.object(HostBatch, "write", _not_needed)
+    return contextlib.nullcontext()
 
 
 def forward_seconds(leaves: list[torch.Tensor], name: str, directory: str) -> float:
-    """One forward and backward of the loop under variant ``name`` (or ``"base"``: without tba); the forward's seconds."""
-    for leaf in leaves:
-        leaf.grad = None
-    with _variant(name, directory):
-        start = time.perf_counter()
-        outputs = [torch.tanh(leaf).sum() for leaf in leaves]
-        seconds = time.perf_counter() - start
-        torch.autograd.backward(outputs)  # inside: a patched variant's storages are read back under the same patch
-        del outputs
-        _control.settle()
-    return seconds
+    """One step of ``bench-hooks``' loop (:func:`tba.bench.hooks.one_step`) under variant ``name`` (or ``"base"``:
+    without tba), its backward under the same patch; the forward's seconds."""
+    case = None if name == "base" else HookCase(leaves[0].nbytes, len(leaves), directory, "stages",
+                                                path="keep" if name == "keep" else "offload")
+    with _variant(name):
+        forward_s, _ = one_step(leaves, leaves[0], case)
+    return forward_s
 
 
 def measure(count: int, size_bytes: int, directory: str, rounds: int, warmups: int = 1,
