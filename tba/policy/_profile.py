@@ -58,7 +58,7 @@ class LayerProfile:
     backward_measured: bool = False
     recomputable: bool = True
     """False when the layer's forward changed one of its inputs in place while profiled: a plan never
-    recomputes it (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``)."""
+    recomputes it (Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute_inputs.py``)."""
 
     def __post_init__(self) -> None:
         _require_finite("forward_s", self.forward_s, "seconds")

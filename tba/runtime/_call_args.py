@@ -237,7 +237,7 @@ def call_tensor_versions(args: tuple, kwargs: dict, held: Any = lambda args, kwa
                          ) -> list[tuple[int | Any, torch.Tensor, int]]:
     """(position among the tensor arguments, tensor, version) of every tensor in a call's arguments, nested and
     keyword ones too; none when no recomputation can follow (grad disabled, or inference mode, whose tensors
-    have no version). What Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute.py``
+    have no version). What Note [A recomputed layer must not change its input] in ``tba/runtime/_recompute_inputs.py``
     compares around a layer's forward. ``held(args, kwargs)``: more tensors to watch, after those, each as ``(what
     holds it, tensor)``, which takes the position's place (the attributes of objects passed as they are,
     ``tba/runtime/_call_objects.py``)."""

@@ -138,7 +138,7 @@ def _holder(obj: Any, key: Any, where: str) -> Holder:
 
 def changed_holder_message(layer: str, holder: Holder, version: int, now: int) -> str:
     """The message for a recomputed layer's forward that changed ``holder``'s tensor in place (Note [A recomputed layer
-    must not change its input] in ``tba/runtime/_recompute.py``)."""
+    must not change its input] in ``tba/runtime/_recompute_inputs.py``)."""
     why = ("; a norm layer in training mode updates its running statistics and counter" if holder.norm else "")
     if holder.buffer:
         fix = ("Keep or offload this layer (policy='offload', or a tba.Plan that does not recompute it), make the module "

@@ -75,9 +75,8 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tba.errors import TbaError
 from tba.runtime._call_args import call_tensor_versions, refuse_cache, take_apart
-from tba.runtime._call_objects import Holder, attribute_tensors, changed_holder_message
+from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
@@ -98,7 +97,7 @@ from tba.runtime._private_state import (
     private_state,
     put_back_nested,
 )
-from tba.runtime._recompute_inputs import inputs_left_alone, saved_as_bases, watched_inputs
+from tba.runtime._recompute_inputs import check_inputs_unchanged, inputs_left_alone, saved_as_bases, watched_inputs
 from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level
@@ -175,7 +174,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         if isinstance(change, DeepLabel):  # Note [Nested state a recomputation is given back]: or raises
             check_restorable(layer, private.deep, first.private.deep)
             change = None
-        _check_inputs_unchanged(layer, inputs, change)
+        check_inputs_unchanged(layer, inputs, change)
         first.settle(layer, learned)
         return out
 
@@ -257,43 +256,6 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
             return _checkpoint(call, calls, first, *tensors)
 
     return run
-
-
-def _check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int | Holder, torch.Tensor, int]],
-                            private_change: str | None = None) -> None:
-    """Raise :class:`TbaError` when the first call of a recomputed layer changed one of its own inputs in place,
-    or private state of its modules (``private_change``: the changed value's label; Note [Private state of a
-    recomputed layer] in ``tba/runtime/_private_state.py``).
-
-    Note: [A recomputed layer must not change its input]
-    Checkpoint keeps a recomputed layer's inputs, not copies of them: a forward that changes its
-    input in place (``x.mul_(0.9)`` before any operation saves ``x``, legal without tba) leaves the
-    recomputation a changed input, and backward failed with torch's in-place error, whose hint
-    blamed the user's code, many steps into an adaptive run whose profiled steps had offloaded the
-    layer without trouble. The change is seen here, in forward, right after the call. The profiled
-    steps watch for it too (the layer timer compares the versions of every tensor of the call,
-    keyword and nested arguments included, around each layer's forward, ``tba/runtime/_timer.py``):
-    such a layer's profile is marked ``recomputable=False`` and the adaptive planner never
-    recomputes it. Neither looks with grad disabled (checkpoint then recomputes nothing) nor in
-    inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
-    on its own, whose recomputation still raises here. A tensor an object passed as it is holds (a
-    module's buffer) is named with its holder (helper-93 found one called "tensor argument 3").
-    """
-    if private_change is not None:
-        raise TbaError(
-            f"the forward of a recomputed layer ({type(layer).__name__}) changed private state of its modules "
-            f"({private_change}), which tba does not put back for the recomputation in backward. Register a tensor "
-            "as a buffer (module.register_buffer) or make the attribute public, which tba restores, or keep or "
-            "offload this layer")
-    for position, tensor, version in inputs:
-        if tensor._version != version and isinstance(position, Holder):  # held by an object passed as it is
-            raise TbaError(changed_holder_message(type(layer).__name__, position, version, tensor._version))
-        if tensor._version != version:
-            raise TbaError(
-                f"the forward of a recomputed layer ({type(layer).__name__}) changed its own input in place (tensor "
-                f"argument {position}, version {version}, now {tensor._version}): its recomputation in backward would "
-                "start from the changed input. Keep or offload this layer (policy='offload', or a tba.Plan that does "
-                "not recompute it), or make the change out of place (x = x * 0.9 instead of x.mul_(0.9))")
 
 
 def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

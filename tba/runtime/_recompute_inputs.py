@@ -57,6 +57,7 @@ from torch.utils.checkpoint import _StopRecomputationError
 
 from tba._untrack import untrack
 from tba.errors import TbaError
+from tba.runtime._call_objects import Holder, changed_holder_message
 from tba.runtime._pairs import is_tba_pair
 from tba.runtime._views import Kept, version_watch
 
@@ -191,7 +192,7 @@ def inputs_left_alone(layer: nn.Module, index: int, inputs: tuple[torch.Tensor, 
 
     Note: [A recomputation must leave its inputs as they are]
     The first call of a recomputed layer changed none of its inputs (Note [A recomputed layer must
-    not change its input] in ``tba/runtime/_recompute.py``), so a recomputation that changes one took
+    not change its input], below), so a recomputation that changes one took
     another path than the first call: a forward that clones a view before scaling it in place and
     scales any other input in place (``h.clone() if h._is_view() else h``) changed the caller's own
     activation in backward, silently, while the recomputation got no view (helper-122). Its inputs
@@ -216,3 +217,40 @@ def inputs_left_alone(layer: nn.Module, index: int, inputs: tuple[torch.Tensor, 
         check()
         raise
     check()
+
+
+def check_inputs_unchanged(layer: nn.Module, inputs: list[tuple[int | Holder, torch.Tensor, int]],
+                            private_change: str | None = None) -> None:
+    """Raise :class:`TbaError` when the first call of a recomputed layer changed one of its own inputs in place,
+    or private state of its modules (``private_change``: the changed value's label; Note [Private state of a
+    recomputed layer] in ``tba/runtime/_private_state.py``).
+
+    Note: [A recomputed layer must not change its input]
+    Checkpoint keeps a recomputed layer's inputs, not copies of them: a forward that changes its
+    input in place (``x.mul_(0.9)`` before any operation saves ``x``, legal without tba) leaves the
+    recomputation a changed input, and backward failed with torch's in-place error, whose hint
+    blamed the user's code, many steps into an adaptive run whose profiled steps had offloaded the
+    layer without trouble. The change is seen here, in forward, right after the call. The profiled
+    steps watch for it too (the layer timer compares the versions of every tensor of the call,
+    keyword and nested arguments included, around each layer's forward, ``tba/runtime/_timer.py``):
+    such a layer's profile is marked ``recomputable=False`` and the adaptive planner never
+    recomputes it. Neither looks with grad disabled (checkpoint then recomputes nothing) nor in
+    inference mode (whose tensors have no version); the timer cannot look inside a layer compiled
+    on its own, whose recomputation still raises here. A tensor an object passed as it is holds (a
+    module's buffer) is named with its holder (helper-93 found one called "tensor argument 3").
+    """
+    if private_change is not None:
+        raise TbaError(
+            f"the forward of a recomputed layer ({type(layer).__name__}) changed private state of its modules "
+            f"({private_change}), which tba does not put back for the recomputation in backward. Register a tensor "
+            "as a buffer (module.register_buffer) or make the attribute public, which tba restores, or keep or "
+            "offload this layer")
+    for position, tensor, version in inputs:
+        if tensor._version != version and isinstance(position, Holder):  # held by an object passed as it is
+            raise TbaError(changed_holder_message(type(layer).__name__, position, version, tensor._version))
+        if tensor._version != version:
+            raise TbaError(
+                f"the forward of a recomputed layer ({type(layer).__name__}) changed its own input in place (tensor "
+                f"argument {position}, version {version}, now {tensor._version}): its recomputation in backward would "
+                "start from the changed input. Keep or offload this layer (policy='offload', or a tba.Plan that does "
+                "not recompute it), or make the change out of place (x = x * 0.9 instead of x.mul_(0.9))")

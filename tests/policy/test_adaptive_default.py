@@ -405,7 +405,7 @@ def _loosely_planned(make_model, spill_dir) -> tuple[list[bool], str]:
 
 @pytest.mark.parametrize("where", ["input", "keyword", "private", "rebound", "parameter", "nested", "object"])
 def test_a_layer_changing_its_input_is_profiled_as_not_recomputable_and_stays_exact(spill_dir, where):
-    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: a loose bound plans
+    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute_inputs.py: a loose bound plans
     # recomputation, but never of the two layers that scale their input (a keyword argument, or a tensor in
     # a private attribute, which tba does not put back) or their own weight (Note [A recomputed layer that
     # changes its own parameters] in tba/runtime/_first_call.py) in place, nor of those that update a list in a

@@ -275,7 +275,7 @@ def test_only_a_memory_budget_plans_with_the_drain_bandwidth():
 
 
 def test_a_layer_that_changes_its_input_is_never_recomputed():
-    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py.
+    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute_inputs.py.
     fixed = dataclasses.replace(SLOW, layers=tuple(dataclasses.replace(layer, recomputable=i != 2)
                                                    for i, layer in enumerate(SLOW.layers)))
     assert plan(SLOW, memory_budget_bytes=150 * MIB).code == "OOSK"

@@ -1,6 +1,6 @@
 """A recomputed layer whose forward changes in place a tensor that an object passed to it holds (a norm layer's running
 statistics, a context's scale) raises a :class:`~tba.TbaError` naming that tensor and its holder (Note [A recomputed
-layer must not change its input] in ``tba/runtime/_recompute.py``).
+layer must not change its input] in ``tba/runtime/_recompute_inputs.py``).
 
 Found by an adversarial review (helper-93): ``block(x, shared_bn)`` raised "changed its own input in place (tensor
 argument 3, ...) ... make the change out of place (x = x * 0.9 ...)" for a layer with one tensor argument: argument 3

@@ -134,7 +134,7 @@ class ScalesItsInput(nn.Module):
 
 @pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
 def test_a_recomputed_layer_changing_its_own_input_raises_in_forward(spill_dir, decision):
-    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute.py: torch's in-place
+    # Note [A recomputed layer must not change its input] in tba/runtime/_recompute_inputs.py: torch's in-place
     # error in backward, blaming the user, before.
     torch.manual_seed(0)
     model = nn.ModuleList([ScalesItsInput() for _ in range(2)])
