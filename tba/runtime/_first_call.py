@@ -180,7 +180,7 @@ class FirstCall:
                 elif always_copied(copied.value):  # its copy stays until the recomputation puts it back
                     # Left alone, or changed without a version bump: a change before backward is loud. Not one the
                     # forward took out of its container, which is not written into (Note [A rebound tensor is not
-                    # written back] in tba/runtime/_layer_state.py).
+                    # written back] in tba/runtime/_layer_restore.py).
                     if same and id(now) in held:
                         self.versions.append(watch)
                     continue

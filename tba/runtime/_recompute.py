@@ -83,7 +83,8 @@ from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import set_states, states_now, unknown_draws_refused
 from tba.runtime._global_settings import settings_now, switch_to
 from tba.runtime._layer_hooks import Recomputing
-from tba.runtime._layer_state import restore, snapshot
+from tba.runtime._layer_restore import restore
+from tba.runtime._layer_state import snapshot
 from tba.runtime._learned import Learned, learned_for
 from tba.runtime._outside_state import first_call as outside_first_call
 from tba.runtime._overlap import Use

@@ -1,6 +1,6 @@
 """A recomputed layer whose forward rebinds state it reads (``self.gate = self.gate * 0.99``) leaves the object it held
 before alone: often the user's own tensor or array (Note [A rebound tensor is not written back] in
-``tba/runtime/_layer_state.py``).
+``tba/runtime/_layer_restore.py``).
 
 Found by an adversarial review (helper-93): loading the state the first call started from wrote the old bytes into
 that object, which the copy back after the recomputation no longer covered, so the user's change to their own tensor
