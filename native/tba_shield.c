@@ -1,12 +1,15 @@
 /*
  * tba._shield: a context manager's exit that an asynchronous exception cannot skip.
  *
- * ``exit_block(pop, top, control, reply, job, fallback, exc_type, exc, tb)`` is what ``with`` calls
- * when it leaves a block of ``tba.Offloader`` (``tba/_whole_exit.py`` binds the first six).
+ * ``exit_block(pop, top, control, reply, job, fallback, entered, exc_type, exc, tb)`` is what ``with``
+ * calls when it leaves a block of ``tba.Offloader`` (``tba/_whole_exit.py`` binds the first seven).
  * Without running any Python frame of its own, in this order:
  *
  *   1. ``pop()``: takes the offloader's saved-tensor hooks off the calling thread, unless
- *      ``top(True)`` shows the stack empty (``pop_top`` below);
+ *      ``top(True)`` shows the stack empty (``pop_top`` below), or the calling thread is not the one
+ *      that entered the block: ``entered``, a one-item list, holds that thread's identity from the
+ *      entry until the first exit, which sets it to 0 (Note [A block's hooks come off only on its
+ *      thread] in tba/_whole_exit.py);
  *   2. ``control._control.jobs.put((reply, job, (failed,)))``: queues ``job(failed)`` for tba's
  *      control thread, where ``failed`` says whether the block raised. ``control`` is the module
  *      ``tba._control``; its attributes are read now, not when the block was entered, since a
@@ -29,7 +32,7 @@
 #include <Python.h>
 #include <pythread.h>
 
-#define BOUND_ARGS 6 /* pop, top, control, reply, job, fallback */
+#define BOUND_ARGS 7 /* pop, top, control, reply, job, fallback, entered */
 
 static PyObject *put_name, *get_name, *control_name, *jobs_name, *stopped_name, *ident_name;
 
@@ -100,6 +103,28 @@ static int pop_top(PyObject *pop, PyObject *top)
     return 0;
 }
 
+/* ``pop_top`` where the calling thread entered the block (``entered[0]``), which then reads 0: the
+ * hooks of another thread, or those of a block exited a second time, are left alone. */
+static int pop_own(PyObject *pop, PyObject *top, PyObject *entered)
+{
+    if (!PyList_Check(entered) || PyList_GET_SIZE(entered) != 1) {
+        PyErr_SetString(PyExc_TypeError, "exit_block: entered must be a list of one thread identity");
+        return -1;
+    }
+    PyObject *ident = PyList_GET_ITEM(entered, 0);
+    unsigned long thread = PyLong_Check(ident) ? PyLong_AsUnsignedLong(ident) : 0;
+    if (thread == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (thread == 0 || thread != PyThread_get_thread_ident())
+        return 0;
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL)
+        return -1;
+    PyList_SET_ITEM(entered, 0, zero);
+    Py_DECREF(ident);
+    return pop_top(pop, top);
+}
+
 static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
     (void)module;
@@ -109,7 +134,7 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *pop = args[0], *top = args[1], *control = args[2], *reply = args[3], *job = args[4];
-    PyObject *fallback = args[5];
+    PyObject *fallback = args[5], *entered = args[6];
     Py_ssize_t given = nargs - BOUND_ARGS;
     if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) || given != 3)
         return PyObject_Vectorcall(fallback, args + BOUND_ARGS, given, kwnames);
@@ -122,7 +147,7 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     struct kept_error asynchronous = {NULL, NULL, NULL}, popping = {NULL, NULL, NULL};
 
-    if (pop_top(pop, top) < 0)
+    if (pop_own(pop, top, entered) < 0)
         keep_first(&popping);
 
     PyObject *jobs = PyObject_GetAttr(state, jobs_name);

@@ -24,12 +24,26 @@ interpreter exit): that one runs the job inline.
 
 What is left open: a block left through ``contextlib.ExitStack`` (whose own exit is Python), and
 a second handler's exception while an entry that failed is being undone.
+
+Note: [A block's hooks come off only on its thread]
+Saved-tensor hooks are a stack per thread. An exit called on another thread than the one that
+entered the block (``off.__exit__`` called by hand from a worker, an ``ExitStack`` closed there, a
+generator suspended in the block and finalized by a collection another thread runs) popped the pair
+on top of *that* thread's stack, whoever had pushed it: another context's there (``save_on_cpu``,
+another offloader) stopped seeing its saves, and its own exit then popped a pair not its own, or
+torch's assertion on an empty stack. So the entry records its thread (``entered``, a one-item list
+the offloader keeps, which the exit reads) and only an exit on that thread pops, once: the first exit
+sets it to 0, and a second exit, on any thread, pops nothing either. An exit elsewhere still runs the
+exit job (the offloader is closed or made idle as usual, nothing leaks); the entering thread keeps
+the pair, and what it saves later stays in memory with one warning (Note [Hooks left installed after their
+block] in ``tba/runtime/_keep.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import queue
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -52,14 +66,17 @@ class WholeExit:
             is not called on an empty stack.
         job: The name of the instance's method that runs on the control thread with one argument:
             whether the block raised.
+        entered: The name of the instance's one-item list that holds the identity of the thread that
+            entered the block, 0 once it was exited (Note [A block's hooks come off only on its thread]).
     """
 
     def __init__(self, python_exit: Callable[..., Any], pop: Callable[[], Any], top: Callable[[bool], Any],
-                 job: str) -> None:
+                 job: str, entered: str) -> None:
         self.python_exit = python_exit
         self.pop = pop
         self.top = top
         self.job = job
+        self.entered = entered
         functools.update_wrapper(self, python_exit)  # type: ignore[arg-type]
 
     def __get__(self, obj: object, owner: type | None = None) -> Callable[..., Any]:
@@ -69,4 +86,14 @@ class WholeExit:
         if exit_block is None:
             return method
         return functools.partial(exit_block, self.pop, self.top, _control, queue.SimpleQueue(), getattr(obj, self.job),
-                                 method)
+                                 method, getattr(obj, self.entered))
+
+
+def pop_own(entered: list[int], pop: Callable[[], Any], top: Callable[[bool], Any]) -> None:
+    """``pop()`` where the calling thread is ``entered[0]`` and the stack is not empty, once (``pop_own`` in
+    native/tba_shield.c; Note [A block's hooks come off only on its thread])."""
+    if entered[0] == 0 or entered[0] != threading.get_ident():
+        return
+    entered[0] = 0
+    if top(True) is not None:
+        pop()

@@ -240,12 +240,14 @@ def kept_after_block(tensor: torch.Tensor) -> Kept:
     in a recomputed layer), its pair was the one on top, and the offloader's stays installed
     (``tba/_whole_exit.py`` says why the exit cannot pop both). Every tensor saved on this thread
     afterwards comes here: it is kept as without tba, with one warning, instead of raising
-    at every later forward.
+    at every later forward. So does one saved on the thread that entered a block exited on another
+    thread (Note [A block's hooks come off only on its thread] in ``tba/_whole_exit.py``).
     """
     global _warned_orphaned
     if not _warned_orphaned:
         _warned_orphaned = True
         logger.warning("tba: the saved-tensor hooks of an offloader whose with block has ended are still installed "
                        "on this thread (an exception skipped the exit of a context inside that block, such as "
-                       "torch.utils.checkpoint's); tensors saved outside tba stay in memory, as without tba")
+                       "torch.utils.checkpoint's, or the block was exited on another thread than the one that entered "
+                       "it); tensors saved outside tba stay in memory, as without tba")
     return Kept(tensor.detach() if tensor.grad_fn is not None else tensor, tensor._version)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from tba import _control
-from tba._whole_exit import WholeExit
+from tba._whole_exit import WholeExit, pop_own
 from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
@@ -76,6 +76,9 @@ class StepCycle:
     layer_saved_bytes: dict[int | None, int]
     policy_runner: PolicyRunner
     _phase: Phase
+    _entered: list[int]
+    """The identity of the thread that entered the active block, else 0 (Note [A block's hooks come off only on its
+    thread] in tba/_whole_exit.py)."""
     _claim: object | None
     _runner_claim: object | None
     _forked_mid_block: bool
@@ -107,7 +110,7 @@ class StepCycle:
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()
-        entered = False
+        entered = recorded = False
         # One try around all of it, the return included: an exception raised at any line after the
         # entry job (a trace function's, at the line between two separate trys or at the return) left
         # the offloader entering for good, or active with its hooks pushed and no exit to pop them.
@@ -123,9 +126,13 @@ class StepCycle:
             # until a garbage collection. On an H200 a later test's device memory fell by a dropped
             # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+            self._entered[0] = threading.get_ident()
+            recorded = True
             self._phase = Phase.ACTIVE
             return self
         except BaseException:
+            if recorded:  # not a refused second entry's: the block already active keeps its record
+                self._entered[0] = 0
             if entered and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             _control.call_whole(self._abandon_entry_job, claim)
@@ -215,24 +222,20 @@ class StepCycle:
                 if not self.reusable:
                     self._close_job()
 
-    @staticmethod
-    def _pop_hooks() -> None:
-        """Pop the pair on top, unless the stack is empty (``pop_top`` in native/tba_shield.c says why
-        only the top one)."""
-        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-
     def _exit_in_python(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
-        # The hooks come off first; the rest runs whole even when an asynchronous exception arrives
-        # meanwhile (Note [Asynchronous exceptions] in tba/_control.py).
+        # The hooks come off first, on the entering thread only (Note [A block's hooks come off only on its
+        # thread] in tba/_whole_exit.py; ``pop_top`` in native/tba_shield.c says why only the top pair); the
+        # rest runs whole even when an asynchronous exception arrives meanwhile (Note [Asynchronous
+        # exceptions] in tba/_control.py).
         try:
-            self._pop_hooks()
+            pop_own(self._entered, torch._C._autograd._pop_saved_tensors_default_hooks,
+                    torch._C._autograd._top_saved_tensors_default_hooks)
         finally:
             _control.call_whole(self._exit_job, exc_type is not None)
 
     # The same in C where the extension is built: Note [An exit that always runs] in tba/_whole_exit.py.
     __exit__ = WholeExit(_exit_in_python, torch._C._autograd._pop_saved_tensors_default_hooks,
-                         torch._C._autograd._top_saved_tensors_default_hooks, "_exit_job")
+                         torch._C._autograd._top_saved_tensors_default_hooks, "_exit_job", "_entered")
 
     def _not_idle_message(self) -> str:
         """Why an offloader that is not idle cannot be entered, and what to do instead."""

@@ -1,0 +1,141 @@
+"""An offloader's block exited on another thread than the one that entered it leaves that thread's saved-tensor
+hooks alone (Note [A block's hooks come off only on its thread] in tba/_whole_exit.py): another context there
+keeps its pair, the offloader still closes, and training stays exact."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+import tba
+from tba import _whole_exit
+from tba.runtime import _keep
+from tba.runtime._unpack_hooks import Phase
+
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+@pytest.fixture(params=["c", "python"])
+def exit_kind(request, monkeypatch) -> str:
+    if request.param == "c" and _whole_exit.exit_block is None:
+        pytest.skip("the native extension tba._shield is not built")
+    if request.param == "python":
+        monkeypatch.setattr(_whole_exit, "exit_block", None)
+    return request.param
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3)])
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _on_thread(fn) -> list:
+    """Run ``fn`` on a new thread; what it returned or raised."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as err:  # noqa: BLE001 - handed back to the test
+            out.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_an_exit_on_another_thread_leaves_that_threads_context_alone(spill_dir, exit_kind):
+    """The worker's own save_on_cpu pair stays on top of its stack: it was popped before."""
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    off.__enter__()
+
+    def worker() -> tuple:
+        with torch.autograd.graph.save_on_cpu():
+            before = _top(True)
+            off.__exit__(None, None, None)
+            return before, _top(True)
+
+    [result] = _on_thread(worker)
+    assert not isinstance(result, BaseException), result
+    before, after = result
+    assert before is not None and after == before
+    assert _top(True) == (off.pack, off.unpack)  # still on the entering thread, where the worker could not pop it
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    off.close()
+
+
+def test_a_block_exited_on_another_thread_closes_and_training_stays_exact(spill_dir, exit_kind, caplog, monkeypatch):
+    monkeypatch.setattr(_keep, "_warned_orphaned", False)  # one warning per process
+    x = torch.randn(16, 32)
+    reference = _model()
+    reference(x).sum().backward()
+    model = _model()
+    off = tba.offload_activations(directory=spill_dir, backend="threads")
+    off.__enter__()
+    loss = model(x).sum()
+    assert _on_thread(lambda: off.__exit__(None, None, None)) == [None]
+    loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(reference), strict=True))
+    with caplog.at_level("WARNING", logger="tba"):
+        model(x).sum().backward()  # saved on the entering thread, whose pair is left: kept in memory, one warning
+    assert "exited on another thread" in caplog.text
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    assert off._phase is Phase.CLOSED
+
+
+def test_a_second_exit_pops_nothing(spill_dir, exit_kind):
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    with torch.autograd.graph.save_on_cpu():
+        outer = _top(True)
+        with off:
+            pass
+        off.__exit__(None, None, None)
+        assert _top(True) == outer
+    off.close()
+
+
+def test_an_exit_stack_closed_on_another_thread(spill_dir, exit_kind):
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    stack = contextlib.ExitStack()
+    stack.enter_context(off)
+
+    def worker() -> bool:
+        with torch.autograd.graph.save_on_cpu():
+            before = _top(True)
+            stack.close()
+            return _top(True) == before
+
+    assert _on_thread(worker) == [True]
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    off.close()
+
+
+def test_a_generator_resumed_on_another_thread_leaves_its_pair(spill_dir, exit_kind):
+    """A generator suspended in a block and finished on a worker: the worker's pair is not the block's."""
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+
+    def steps():
+        with off:
+            yield
+
+    suspended = steps()
+    next(suspended)
+
+    def worker() -> bool:
+        with torch.autograd.graph.save_on_cpu():
+            before = _top(True)
+            next(suspended, None)
+            return _top(True) == before
+
+    assert _on_thread(worker) == [True]
+    assert _top(True) == (off.pack, off.unpack)
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    off.close()
