@@ -33,6 +33,11 @@ Detection needs ``layers`` (``tba/layers.py``), and uses two signs, checked when
 Either way :meth:`tba.Offloader.__exit__` calls :func:`warn_whole_model_compile`, which logs one
 warning per model naming the per-block alternative. Without ``layers`` nothing is detected;
 gradients are exact either way.
+
+**Compiled autograd** hands backward's graph, tba's unpack hooks in it, to Dynamo: the hook refuses to
+be traced, so Dynamo splits the graph there and runs it eagerly. That is exact under the ``aot_eager`` and
+``eager`` backends; under any other the first unpack raises a :class:`~tba.errors.TbaError` naming the fix
+(Notes [Compiled autograd traces the unpack hook] and [Compiled autograd under a backend not known exact]).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from tba.errors import TbaError
 
 logger = logging.getLogger("tba")
 
@@ -67,15 +74,77 @@ WHOLE_MODEL_COMPILE_WARNING = (
 # data-dependent expression" at the version check in ``tba/runtime/_views.py``, or at the
 # ``nvtx`` import) or ran partly traced between graph breaks, with guards on tba's objects.
 # Traced, ``is_compiling`` is the constant True: the hook (``SavedTensorHooks.unpack``) raises
-# at once, so Dynamo breaks the graph before any of tba's code and runs the hook eagerly (exact,
-# as in eager), and a ``fullgraph=True`` compile fails with this message in its cause. Eager, it
-# costs one call (about 0.1 µs) per unpack.
+# at once, so Dynamo breaks the graph before any of tba's code and runs the hook eagerly (exact
+# under ``aot_eager`` and ``eager``, loud under any other backend: Note [Compiled autograd under a
+# backend not known exact]), and a ``fullgraph=True`` compile fails with this message in its cause.
+# Eager, it costs one call (about 0.1 µs) per unpack.
 COMPILED_AUTOGRAD_MESSAGE = (
     "tba's unpack hook reads saved tensors back from disk and cannot be traced into a compiled graph, "
     "and compiled autograd (torch._dynamo.config.compiled_autograd or compiled_autograd._enable) "
     "compiled backward with it under fullgraph=True. Compile backward without fullgraph=True "
     "(Dynamo then runs tba's hook eagerly, between graphs), or run backward without compiled autograd."
 )
+
+# Note: [Compiled autograd under a backend not known exact]
+# Without ``fullgraph=True``, Dynamo breaks compiled autograd's backward graph at each of tba's unpack hooks
+# (Note [Compiled autograd traces the unpack hook]) and runs the hook eagerly between the pieces, where the step
+# without tba, whose saved tensors are plain inputs of that graph, compiles it whole. Backends that run the
+# pieces' operators as they are (``aot_eager``, ``eager``) give ``torch.equal`` gradients; inductor generates
+# other kernels for the pieces than for the whole graph, and on CPU the gradients differed in the last bits,
+# silently (helper-125's MLP: five of six). So each eager unpack inside compiled autograd's graph
+# (``compiled_autograd.in_compiled_autograd_region``, read from ``sys.modules``: no import, about 0.15 µs an
+# unpack outside it, against 9-30 µs for the hook) asks which backend compiled the graph that called it. The
+# hook runs with Dynamo's callback unset (:func:`never_traced` skips it and all it calls), so it is read off the stack: the
+# ``compile_wrapper`` frame of ``torch/_dynamo/eval_frame.py`` that runs the graph holds it as ``callback``,
+# which unwraps along ``_torchdynamo_orig_backend`` down to ``torch.compile``'s wrapper, whose ``compiler_fn``
+# is the registered backend. Anything but the registered ``aot_eager`` or ``eager`` (inductor, a custom
+# backend, a compiler that is not Dynamo, a torch whose wrapper is named otherwise) raises
+# :class:`~tba.errors.TbaError` naming the fix: loud where not known exact. Gradients of parameters whose last
+# use precedes the first unpack may already have been accumulated by then: the step failed as a whole.
+_COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
+EXACT_COMPILED_AUTOGRAD_BACKENDS = ("aot_eager", "eager")
+_BACKEND_WRAPPERS_UNWRAPPED = 8
+_FRAMES_TO_DYNAMO_WRAPPER = 32
+_DYNAMO_WRAPPER_FILE = "_dynamo/eval_frame.py"
+_loaded_module = sys.modules.get
+
+COMPILED_AUTOGRAD_BACKEND_FIX = (
+    "Compile backward with the aot_eager or eager backend, whose split graphs are exact "
+    "(torch._dynamo.compiled_autograd._enable(torch.compile(backend='aot_eager'))), run backward without compiled "
+    "autograd (torch._dynamo.config.compiled_autograd = False), or run this forward outside tba's context."
+)
+
+
+def _running_backend() -> tuple[object, str]:
+    """The Dynamo backend whose graph called this unpack, and its name ("none" where no such graph is on the stack)."""
+    frame = sys._getframe(2)
+    for _ in range(_FRAMES_TO_DYNAMO_WRAPPER):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename.endswith(_DYNAMO_WRAPPER_FILE):
+            backend = frame.f_locals.get("callback")
+            for _ in range(_BACKEND_WRAPPERS_UNWRAPPED):
+                backend = getattr(backend, "_torchdynamo_orig_backend", None) or backend
+            name = getattr(backend, "compiler_name", None) or type(backend).__name__
+            return getattr(backend, "compiler_fn", backend), str(name)
+        frame = frame.f_back
+    return None, "none (no torch.compile graph called tba's hook)"
+
+
+def check_compiled_autograd_backend() -> None:
+    """Raise :class:`~tba.errors.TbaError` when an eager unpack runs between the pieces of compiled autograd's
+    graph under a backend not known exact (Note [Compiled autograd under a backend not known exact])."""
+    compiled_autograd = _loaded_module(_COMPILED_AUTOGRAD_MODULE)
+    if compiled_autograd is None or not getattr(compiled_autograd, "in_compiled_autograd_region", False):
+        return
+    backend, name = _running_backend()
+    from torch._dynamo.backends.registry import lookup_backend  # imported by then: compiled autograd is running
+    if any(backend is lookup_backend(exact) for exact in EXACT_COMPILED_AUTOGRAD_BACKENDS):
+        return
+    raise TbaError(f"tba cannot promise exact gradients under compiled autograd with the backend {name}: Dynamo breaks "
+                   "backward's graph at each of tba's unpack hooks (they read saved tensors back from disk and cannot be "
+                   "traced), and a backend that generates kernels builds other ones for the pieces than for the whole "
+                   f"graph without tba (inductor's gradients differed in the last bits). {COMPILED_AUTOGRAD_BACKEND_FIX}")
 
 
 def is_optimized_module(module: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import torch
 from tba import _control
 from tba._trace import nvtx_enabled, nvtx_range
 from tba.errors import EngineClosedError, TbaError
-from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE, never_traced
+from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE, check_compiled_autograd_backend, never_traced
 from tba.runtime._entry import StorageEntry
 from tba.runtime._views import Kept, SavedView
 
@@ -70,9 +70,11 @@ class UnpackHooks:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the saved tensor, bit for bit (Note [Dynamo never runs tba's hooks]; Note
-        [Compiled autograd traces the unpack hook] in ``tba/runtime/_compile.py``)."""
+        [Compiled autograd traces the unpack hook] and [Compiled autograd under a backend not known exact] in
+        ``tba/runtime/_compile.py``)."""
         if _is_compiling():
             raise TbaError(COMPILED_AUTOGRAD_MESSAGE)
+        check_compiled_autograd_backend()
         if type(packed) is Kept:
             self._note_unpack(packed, packed.layer)
             if packed.layer is not None:

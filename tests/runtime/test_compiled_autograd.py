@@ -3,20 +3,24 @@
 Compiled autograd records each saved tensor's unpack hook as a node of the backward graph and hands
 the graph to Dynamo (Note [Compiled autograd traces the unpack hook] in ``tba/runtime/_compile.py``).
 Each case compares one step with tba against the same step without it (``torch.equal`` on the loss
-and every gradient). The ``aot_eager`` backend builds the same graphs as inductor without code
-generation, so no C compiler is needed and each case compiles in seconds.
+and every gradient). The ``aot_eager`` and ``eager`` backends run the split graphs' operators as they are,
+so no C compiler is needed and each case compiles in seconds; under inductor, whose kernels for the split
+graphs differ from the step without tba's, the first unpack raises tba's message (Note [Compiled autograd
+under a backend not known exact] in ``tba/runtime/_compile.py``), one compile of about 20 s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import shutil
 
 import pytest
 import torch
 from torch import nn
 
 import tba
-from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE
+from tba.runtime._compile import COMPILED_AUTOGRAD_BACKEND_FIX, COMPILED_AUTOGRAD_MESSAGE
 
 compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd",
                                         reason="this torch has no compiled autograd")
@@ -34,7 +38,8 @@ def batch() -> torch.Tensor:
     return torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
 
 
-def step(model: nn.Module, directory: str | None, *, fullgraph: bool = False, backward_passes: int = 1):
+def step(model: nn.Module, directory: str | None, *, fullgraph: bool = False, backward_passes: int = 1,
+         backend: str = "aot_eager"):
     """Forward (under tba when ``directory`` is given), then backward under compiled autograd."""
     torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
@@ -45,17 +50,18 @@ def step(model: nn.Module, directory: str | None, *, fullgraph: bool = False, ba
         offloader = tba.offload_activations(directory)
         with offloader:
             loss = model(batch()).pow(2).mean()
-    with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=fullgraph)):
+    with compiled_autograd._enable(torch.compile(backend=backend, fullgraph=fullgraph)):
         for index in range(backward_passes):
             loss.backward(retain_graph=index + 1 < backward_passes)
     return loss.detach(), [p.grad.clone() for p in model.parameters()], offloader
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
 @pytest.mark.parametrize("backward_passes", [1, 2], ids=["once", "retain_graph-twice"])
-def test_compiled_autograd_is_exact(spill_dir, backward_passes):
+def test_compiled_autograd_is_exact(spill_dir, backward_passes, backend):
     model = make_mlp()
-    ref_loss, ref_grads, _ = step(model, None, backward_passes=backward_passes)
-    loss, grads, offloader = step(model, spill_dir, backward_passes=backward_passes)
+    ref_loss, ref_grads, _ = step(model, None, backward_passes=backward_passes, backend=backend)
+    loss, grads, offloader = step(model, spill_dir, backward_passes=backward_passes, backend=backend)
     assert torch.equal(ref_loss, loss)
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads, strict=True))
     assert offloader.stats.bytes_written > 0 and offloader.stats.bytes_read > 0, offloader.stats.as_dict()
@@ -71,6 +77,42 @@ def test_compiled_autograd_fullgraph_names_the_fix(spill_dir):
         error = error.__cause__ or error.__context__
     assert any(COMPILED_AUTOGRAD_MESSAGE in message for message in chain), chain
     del raised, error
+    gc.collect()  # the traceback held the graph, whose views close the one-shot offloader
+
+
+def test_compiled_autograd_by_config_is_exact(spill_dir):
+    """``torch._dynamo.config.compiled_autograd`` with backward inside a function compiled under it: compiled
+    autograd's graph goes to that function's backend, found as ``_enable``'s is (Note [Compiled autograd under a
+    backend not known exact] in ``tba/runtime/_compile.py``), and ``aot_eager`` is not refused."""
+
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward()
+
+    model = make_mlp()
+    results = []
+    for directory in (None, spill_dir):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        with tba.offload_activations(directory) if directory else contextlib.nullcontext():
+            loss = model(batch()).pow(2).mean()
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(backend="aot_eager")(backward)(loss)
+        results.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                    reason="torch.compile's inductor backend needs a C compiler (gcc) on CPU")
+def test_compiled_autograd_under_inductor_names_the_fix(spill_dir):
+    """Dynamo broke backward's graph at each of tba's unpack hooks, and inductor's kernels for the pieces gave
+    gradients that differed from the same step without tba in the last bits, silently (helper-125): now the
+    first unpack raises, naming the backends whose pieces are exact, and the one-shot offloader still closes."""
+    model = make_mlp()
+    with pytest.raises(tba.TbaError, match="with the backend inductor:") as raised:
+        step(model, spill_dir, backend="inductor")
+    assert COMPILED_AUTOGRAD_BACKEND_FIX in str(raised.value)
+    del raised
     gc.collect()  # the traceback held the graph, whose views close the one-shot offloader
 
 
