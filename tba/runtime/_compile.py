@@ -94,18 +94,21 @@ COMPILED_AUTOGRAD_MESSAGE = (
 # silently (helper-125's MLP: five of six). So each eager unpack inside compiled autograd's graph
 # (``compiled_autograd.in_compiled_autograd_region``, read from ``sys.modules``: no import, about 0.15 µs an
 # unpack outside it, against 9-30 µs for the hook) asks which backend compiled the graph that called it. The
-# hook runs with Dynamo's callback unset (:func:`never_traced` skips it and all it calls), so it is read off the stack: the
-# ``compile_wrapper`` frame of ``torch/_dynamo/eval_frame.py`` that runs the graph holds it as ``callback``,
-# which unwraps along ``_torchdynamo_orig_backend`` down to ``torch.compile``'s wrapper, whose ``compiler_fn``
-# is the registered backend. Anything but the registered ``aot_eager`` or ``eager`` (inductor, a custom
+# hook runs with Dynamo's callback unset (:func:`never_traced` skips it and all it calls), so it is read off the
+# stack: the ``compile_wrapper`` frame of ``torch/_dynamo/eval_frame.py`` that runs the graph holds it as
+# ``callback``, which unwraps along ``_torchdynamo_orig_backend`` down to ``torch.compile``'s wrapper, whose
+# ``compiler_fn`` is the registered backend. The region flag is one for the process, so only an unpack with
+# compiled autograd's ``runtime_wrapper`` on its own thread's stack is checked: an eager backward on another
+# thread meanwhile is left alone. Anything but the registered ``aot_eager`` or ``eager`` (inductor, a custom
 # backend, a compiler that is not Dynamo, a torch whose wrapper is named otherwise) raises
 # :class:`~tba.errors.TbaError` naming the fix: loud where not known exact. Gradients of parameters whose last
 # use precedes the first unpack may already have been accumulated by then: the step failed as a whole.
 _COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
 EXACT_COMPILED_AUTOGRAD_BACKENDS = ("aot_eager", "eager")
 _BACKEND_WRAPPERS_UNWRAPPED = 8
-_FRAMES_TO_DYNAMO_WRAPPER = 32
+_FRAMES_TO_COMPILED_AUTOGRAD = 64
 _DYNAMO_WRAPPER_FILE = "_dynamo/eval_frame.py"
+_COMPILED_AUTOGRAD_FILE = "_dynamo/compiled_autograd.py"
 _loaded_module = sys.modules.get
 
 COMPILED_AUTOGRAD_BACKEND_FIX = (
@@ -115,20 +118,30 @@ COMPILED_AUTOGRAD_BACKEND_FIX = (
 )
 
 
-def _running_backend() -> tuple[object, str]:
-    """The Dynamo backend whose graph called this unpack, and its name ("none" where no such graph is on the stack)."""
+def _running_backend() -> tuple[bool, object, str]:
+    """Whether compiled autograd's graph called this unpack on this thread, the Dynamo backend that compiled that
+    graph and its name (None and "none ..." where no ``torch.compile`` wrapper runs it)."""
     frame = sys._getframe(2)
-    for _ in range(_FRAMES_TO_DYNAMO_WRAPPER):
+    callback, reached = None, False
+    for _ in range(_FRAMES_TO_COMPILED_AUTOGRAD):
         if frame is None:
             break
-        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename.endswith(_DYNAMO_WRAPPER_FILE):
-            backend = frame.f_locals.get("callback")
-            for _ in range(_BACKEND_WRAPPERS_UNWRAPPED):
-                backend = getattr(backend, "_torchdynamo_orig_backend", None) or backend
-            name = getattr(backend, "compiler_name", None) or type(backend).__name__
-            return getattr(backend, "compiler_fn", backend), str(name)
+        code = frame.f_code
+        if callback is None and code.co_name == "compile_wrapper" and code.co_filename.endswith(_DYNAMO_WRAPPER_FILE):
+            callback = frame.f_locals.get("callback")
+        if code.co_name == "runtime_wrapper" and code.co_filename.endswith(_COMPILED_AUTOGRAD_FILE):
+            reached = True
+            break
         frame = frame.f_back
-    return None, "none (no torch.compile graph called tba's hook)"
+    if not reached:
+        return False, None, ""
+    backend = callback
+    for _ in range(_BACKEND_WRAPPERS_UNWRAPPED):
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or backend
+    if backend is None:
+        return True, None, "none (no torch.compile graph called tba's hook)"
+    name = getattr(backend, "compiler_name", None) or type(backend).__name__
+    return True, getattr(backend, "compiler_fn", backend), str(name)
 
 
 def check_compiled_autograd_backend() -> None:
@@ -137,7 +150,9 @@ def check_compiled_autograd_backend() -> None:
     compiled_autograd = _loaded_module(_COMPILED_AUTOGRAD_MODULE)
     if compiled_autograd is None or not getattr(compiled_autograd, "in_compiled_autograd_region", False):
         return
-    backend, name = _running_backend()
+    called_by_graph, backend, name = _running_backend()
+    if not called_by_graph:
+        return  # another thread's compiled autograd: the region flag is one for the process
     from torch._dynamo.backends.registry import lookup_backend  # imported by then: compiled autograd is running
     if any(backend is lookup_backend(exact) for exact in EXACT_COMPILED_AUTOGRAD_BACKENDS):
         return

@@ -132,3 +132,33 @@ def test_compiled_autograd_under_profiled_steps_is_exact(spill_dir):
         assert torch.equal(ref_loss, loss.detach())
         assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model.parameters(), strict=True))
     offloader.close()
+
+
+def test_compiled_autograd_on_another_thread_leaves_eager_backward_alone(spill_dir, monkeypatch):
+    """``in_compiled_autograd_region`` is one flag for the process: while another thread runs compiled autograd's graph
+    it is set for this thread's eager backward too, whose unpacks were refused as if no backend had compiled them.
+    Only an unpack with compiled autograd's runtime wrapper on its own stack is checked."""
+    model = make_mlp()
+    model(batch()).pow(2).mean().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with tba.offload_activations(spill_dir):
+        loss = model(batch()).pow(2).mean()
+    monkeypatch.setattr(compiled_autograd, "in_compiled_autograd_region", True)
+    loss.backward()
+    monkeypatch.undo()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref_grads, model.parameters(), strict=True))
+
+
+def test_compiled_autograd_without_dynamo_names_the_fix(spill_dir):
+    """A compiler that does not go through torch.compile is not known exact: no backend is found, and the first unpack
+    says so (Note [Compiled autograd under a backend not known exact] in ``tba/runtime/_compile.py``)."""
+    model = make_mlp()
+    with tba.offload_activations(spill_dir):
+        loss = model(batch()).pow(2).mean()
+    torch._dynamo.reset()
+    with pytest.raises(tba.TbaError, match="with the backend none") as raised, compiled_autograd._enable(lambda graph: graph):
+        loss.backward()
+    assert COMPILED_AUTOGRAD_BACKEND_FIX in str(raised.value)
+    del raised, loss
+    gc.collect()  # the traceback held the graph, whose views close the one-shot offloader
