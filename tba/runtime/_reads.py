@@ -67,6 +67,7 @@ class StoreReads(StoreReadWait):
     _prefetch_to: StorageEntry | None
     _host_route: object
     _unpacked: list[StorageEntry]
+    _idle_waiters: list[Outcome]
 
     def resident(self, entry: StorageEntry) -> tuple[torch.Tensor | None, Any]:
         """``entry``'s bytes and event when they are in memory now, else ``(None, None)``.
@@ -150,12 +151,13 @@ class StoreReads(StoreReadWait):
                 self._sweep_written()
             self.stats.unpacks_from_memory += 1
             self.window.note_served_from_memory()
-            self.note_unpacked(entry, view_id)
+            self._unpacked_view(entry, view_id)
             deepest = self._prefetch_to
-            if deepest is None or entry.seq < deepest.seq:
-                self._prefetch_to = entry
             if deepest is None:
+                self._prefetch_to = entry
                 after_batch(self._prefetch_batch)
+            elif entry.seq < deepest.seq:
+                self._prefetch_to = entry
 
     def _prefetch_batch(self) -> None:
         """Move the window once for the unpacks of this batch (Note [One window move per batch of unpacks])."""
@@ -218,7 +220,8 @@ class StoreReads(StoreReadWait):
             self._reading -= 1
             if self._reading == 0:
                 self.window.note_reads_idle()
-            self._transfer_ended()
+            if self._idle_waiters:
+                self._transfer_ended()
             done, entry.read_done = entry.read_done, None
             waited = done is not UNWATCHED
             if entry.state is State.DEAD:
@@ -244,24 +247,30 @@ class StoreReads(StoreReadWait):
         another view of the same storage is used, and that must not drop the bytes early.
         """
         with self.lock:
+            self._unpacked_view(entry, view_id)
+
+    def _unpacked_view(self, entry: StorageEntry, view_id: int) -> None:
+        """:meth:`note_unpacked` under the lock, which :meth:`served_from_memory` holds already: one
+        acquisition per unpack on the control thread, not two (docs/host-cost.md, twenty-sixth pass)."""
+        if entry.live_views > 1:
             views = entry.unpacked_views
-            if entry.live_views > 1:
-                if views is None:
-                    views = entry.unpacked_views = set()
-                    self._unpacked.append(entry)
-                views.add(view_id)
-                if len(views) < entry.live_views:
-                    return
-            if views:
-                views.clear()
-            if not entry.fully_unpacked:
-                entry.fully_unpacked = True
+            if views is None:
+                views = entry.unpacked_views = set()
                 self._unpacked.append(entry)
-            self.window.discount(entry)
-            entry.hold_for_backward = False
-            if entry.state is State.ON_DISK:
-                # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
-                self._release_written(entry)
+            views.add(view_id)
+            if len(views) < entry.live_views:
+                return
+            views.clear()
+        elif entry.unpacked_views:
+            entry.unpacked_views.clear()
+        if not entry.fully_unpacked:
+            entry.fully_unpacked = True
+            self._unpacked.append(entry)
+        self.window.discount(entry)
+        entry.hold_for_backward = False
+        if entry.state is State.ON_DISK:
+            # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
+            self._release_written(entry)
 
     def new_pass(self) -> None:
         """A backward pass begins, or forward ended: what earlier passes unpacked is needed again.
