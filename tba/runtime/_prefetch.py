@@ -130,7 +130,9 @@ class PrefetchWindow:
 
     def forget(self, entry: StorageEntry) -> None:
         """Note that ``entry`` died; compacts the order once half of it is dead."""
-        self.discount(entry)
+        if entry.window_gen == self._gen:  # discount, inline: once per storage in backward (docs/host-cost.md)
+            entry.window_gen = -1
+            self._held -= entry.nbytes
         self._dead += 1
         if self._dead * 2 > len(self._order):
             self._order = [e for e in self._order if e.state is not State.DEAD]
@@ -216,25 +218,29 @@ class PrefetchWindow:
         to_read: list[StorageEntry] = []
         to_hold: list[StorageEntry] = []
         budget = self.budget_bytes
+        floor = None if layer is None else layer - self.depth_layers
         gen = self._gen
+        held = self._held
         index = self._scan
         while index > 0:
             entry = order[index - 1]
-            if entry.state is State.DEAD or entry.fully_unpacked or (entry.state is State.KEPT and not entry.hold_for_backward):
+            state = entry.state
+            if state is State.DEAD or entry.fully_unpacked or (state is State.KEPT and not entry.hold_for_backward):
                 # A held storage whose write was skipped is KEPT but still in memory for backward: it counts.
                 index -= 1
                 continue
-            if layer is not None and entry.layer is not None and entry.layer < layer - self.depth_layers:
+            if floor is not None and entry.layer is not None and entry.layer < floor:
                 break
-            if self._held and self._held + entry.nbytes > budget:
+            if held and held + entry.nbytes > budget:
                 break
             index -= 1
-            self._held += entry.nbytes
+            held += entry.nbytes
             entry.window_gen = gen
-            if entry.data is None and entry.read_done is None and entry.state is State.ON_DISK:
+            if entry.data is None and entry.read_done is None and state is State.ON_DISK:
                 to_read.append(entry)
-            elif entry.state is State.WRITING and not entry.hold_for_backward:
+            elif state is State.WRITING and not entry.hold_for_backward:
                 to_hold.append(entry)
+        self._held = held
         self._scan = index
         return to_read, to_hold
 

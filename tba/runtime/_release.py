@@ -150,7 +150,7 @@ class StoreRelease:
         if entry.data is not None:
             entry.data = None
             entry.ready_event = None
-            self._resident(-entry.nbytes)
+            self.stats.resident_bytes -= entry.nbytes  # a release never raises the peak: no _resident call
             trimmer.note_released(entry.nbytes)
 
     def _resident(self, delta_bytes: int) -> None:
