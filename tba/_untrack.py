@@ -40,9 +40,9 @@ of it (``native/tba_gc.c``). Each is given here because no cycle can pass throug
   from C++, and the token refers to nothing. The prefetch window may read a storage back before
   backward starts, so both kinds of ``entry.data`` are seen between forward and backward;
 * that lease token (``tba/io/_read_pool.py``) has one slot, its weak-reference list; and the
-  :func:`~tba._control.on_death` finalizer that returns the buffer when the token dies, with its
-  arguments tuple, is referred to only by the control thread's table of pending finalizers, as a
-  view's finalizer is: no cycle can come back to either.
+  finalizer that returns the buffer when the token dies (``_Returned``, which refers to the pool and
+  the buffer, neither of which refers to it) is referred to only by the control thread's table of
+  pending finalizers, as a view's finalizer is: no cycle can come back to either.
 
 A finalizer (a weak reference with a callback) may be untracked only if its referent is untracked
 too, as a view and a lease token are. When a collection finds a referent in cyclic garbage, CPython

@@ -18,8 +18,7 @@ from torch import nn
 import tba
 from tba import _control, _untrack
 from tba._control import settle
-from tba._control_loop import CallFinalizer
-from tba.io._read_pool import BufferPool
+from tba.io._read_pool import _Returned
 from tba.runtime import _hooks, _reads
 from tba.runtime._views import Kept, SavedView
 
@@ -119,9 +118,9 @@ def test_bytes_read_back_are_untracked(spill_dir, monkeypatch, no_gc):
             table = list(_control._control.finalizers.values())
             # Note [Objects the cycle collector need not see]: an untracked finalizer's referent is untracked.
             assert not any(not gc.is_tracked(f) and gc.is_tracked(f()) for f in table)
-            calls = [f for f in table if isinstance(f, CallFinalizer) and f.fn == BufferPool.give]
+            calls = [f for f in table if isinstance(f, _Returned)]
             assert calls
-            tracked = [gc.is_tracked(obj) for f in calls for obj in (f, f.args, f())]
+            tracked = [gc.is_tracked(obj) for f in calls for obj in (f, f())]
             read_back.append(gc.is_tracked(data) or any(tracked))
 
     monkeypatch.setattr(_reads.StoreReads, "_on_read_done", recording)

@@ -6,9 +6,10 @@ of one model save storages of the same sizes, so buffers freed by backward throu
 the reads for layer ``i - 2``: this pool keeps freed buffers by exact size and hands them out again.
 
 A buffer goes back to the pool when the last tensor that uses it dies: :meth:`BufferPool.lease`
-wraps it in a storage whose owner is a token; the token's collection returns the buffer through
-:func:`tba._control.on_death`, so no Python code runs in the thread that drops the last tensor
-(Note [Asynchronous exceptions] in ``tba/_control.py``). The pool holds at most
+wraps it in a storage whose owner is a token; the token's collection returns the buffer through a
+finalizer run on the control thread (``_Returned``, made by :func:`tba._control.finalizer`), so no
+Python code runs in the thread that drops the last tensor (Note [Asynchronous exceptions] in
+``tba/_control.py``). The pool holds at most
 ``prefetch_budget_bytes`` of idle buffers (the prefetch budget, read from its one owner, the
 offloader's prefetch window, each time a buffer comes back). A reusable offloader keeps them from one
 step to the next, so steady-state steps touch no fresh memory for reads; they are freed on
@@ -62,7 +63,7 @@ from collections.abc import Callable
 
 import torch
 
-from tba._control import on_death
+from tba._control import Finalizer, finalizer
 from tba._untrack import untrack
 from tba._weak import WeakRegistry
 from tba.defaults import HUGE_PAGE_BYTES
@@ -73,6 +74,19 @@ class _Token:
     """Lives exactly as long as the storage of one lease."""
 
     __slots__ = ("__weakref__",)
+
+
+class _Returned(Finalizer):
+    """Gives a lease's buffer back to its pool once the lease's token died (:meth:`BufferPool.lease`).
+
+    Its own slots instead of :func:`tba._control.on_death`'s arguments tuple, as a view's finalizer
+    (``_ViewDied`` in ``tba/runtime/_hooks.py``): one object and one call fewer per read back.
+    """
+
+    __slots__ = ("pool", "buffer")
+
+    def fire(self) -> None:
+        self.pool.give(self.buffer)
 
 
 class BufferPool:
@@ -121,7 +135,8 @@ class BufferPool:
     def give(self, buffer: torch.Tensor) -> None:
         """Return ``buffer``; kept for reuse while the pool is under capacity."""
         nbytes = buffer.numel()
-        capacity = self.capacity_bytes
+        budget = self.prefetch_budget_bytes  # capacity_bytes, inline: once per buffer that comes back
+        capacity = budget() if callable(budget) else budget
         with self._lock:
             if self.idle_bytes + nbytes <= capacity:
                 self._idle.setdefault(nbytes, []).append(buffer)
@@ -142,10 +157,11 @@ class BufferPool:
     def lease(self, buffer: torch.Tensor, start_bytes: int, nbytes: int) -> torch.Tensor:
         """Like :func:`tba.io._memory.storage_view`, but ``buffer`` returns here when the view's storage dies."""
         token = _Token()
-        returned = on_death(token, BufferPool.give, self, buffer)
+        returned = finalizer(_Returned, token)
+        returned.pool, returned.buffer = self, buffer
         # Note [Objects the cycle collector need not see] in tba/_untrack.py: the token first, so that the
         # finalizer is never untracked while its referent is tracked.
-        untrack(token, returned, returned.args)
+        untrack(token, returned)
         return storage_view(buffer, start_bytes, nbytes, owner=token)
 
 
@@ -161,7 +177,7 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     """Note: [A pool's lock held at a fork]
-    Buffers come back on the control thread (:func:`tba._control.on_death`): a fork while it held a pool's
+    Buffers come back on the control thread (``_Returned``): a fork while it held a pool's
     lock left the child's first read through that pool (a reusable offloader's) waiting for ever. Each
     pool gets a new lock, and lets go of its idle buffers, which a half-finished ``give`` may have left
     miscounted and which are the parent's pages anyway (Note [A lock held at a fork] in ``tba/_fork_lock.py``).
