@@ -125,7 +125,9 @@ class UnpackHooks:
             raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed before backward; "
                            "call close() only after the last backward")
         packed.check_version()
-        self._note_pass()
+        task = _graph_task_id()  # _note_pass, inline: one call fewer per unpack
+        if task != self._backward_task and task != -1:
+            self._new_pass(task)
         data, event = store.resident(entry)
         if data is not None:
             # Served from memory: the bookkeeping (window, stats, release) is deferred.
@@ -140,7 +142,8 @@ class UnpackHooks:
                                "call close() only after the last backward") from None
             self._unpack_waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
         tensor = packed.rebuild(data)
-        entry.route.consume(event, tensor)
+        if entry.route is not store._host_route:  # the host route's consume does nothing (tba/device/_host.py)
+            entry.route.consume(event, tensor)
         return tensor
 
     def _note_pass(self) -> None:
@@ -148,9 +151,12 @@ class UnpackHooks:
         in ``tba/runtime/_reads.py``); unpacks outside backward (a node's ``_saved_self`` read from Python) are none."""
         task = _graph_task_id()
         if task != self._backward_task and task != -1:
-            self._backward_task = task
-            self._kept_layer = None
-            _control.defer(self._store.new_pass)
+            self._new_pass(task)
+
+    def _new_pass(self, task: int) -> None:
+        self._backward_task = task
+        self._kept_layer = None
+        _control.defer(self._store.new_pass)
 
     def _discarded_message(self, entry: StorageEntry) -> str:
         if not self.reusable:
