@@ -108,7 +108,7 @@ class PrefetchWindow:
     def note_served_from_memory(self) -> None:
         """An unpack in backward found its bytes resident (the self-sizing budget may shrink after the pass)."""
         if self._in_backward:
-            self.controller.note_served_prefetched()
+            self.controller.served_prefetched += 1  # note_served_prefetched, inline: once per unpack
 
     @property
     def in_backward(self) -> bool:

@@ -269,8 +269,12 @@ class StoreReads(StoreReadWait):
         self.window.discount(entry)
         entry.hold_for_backward = False
         if entry.state is State.ON_DISK:
-            # A storage held since forward (Note [Release after unpack]) is still the program's own memory.
-            self._release_written(entry)
+            # A storage held since forward (Note [Release after unpack]) is still the program's own memory; bytes
+            # read back (no own_memory) are only dropped, which is all _release_written would do with them.
+            if entry.own_memory:
+                self._release_written(entry)
+            else:
+                self.release(entry)
 
     def new_pass(self) -> None:
         """A backward pass begins, or forward ended: what earlier passes unpacked is needed again.
