@@ -251,7 +251,7 @@ class StoreReads(StoreReadWait):
 
     def _unpacked_view(self, entry: StorageEntry, view_id: int) -> None:
         """:meth:`note_unpacked` under the lock, which :meth:`served_from_memory` holds already: one
-        acquisition per unpack on the control thread, not two (docs/host-cost.md, twenty-sixth pass)."""
+        acquisition per unpack on the control thread, not two (docs/host-cost.md)."""
         if entry.live_views > 1:
             views = entry.unpacked_views
             if views is None:
