@@ -31,7 +31,7 @@ import torch
 
 from tba._control import wait
 from tba._outcome import Outcome
-from tba.device import Routes
+from tba.device import Route, Routes
 from tba.io import BufferPool, Engine, SpillFile
 from tba.runtime._entry import StorageEntry
 from tba.runtime._host_io import HostBatch
@@ -65,6 +65,8 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
         self.routes: Routes | None = None
         self._host_route: object = None
         """``routes.host`` once open (Note [Bytes no one can discard need no lock] in ``tba/runtime/_reads.py``)."""
+        self.route_without_consume: object = None
+        """The host route where its ``consume`` is :class:`~tba.device.Route`'s no-op, else None."""
         self._host: HostBatch | None = None
         self._writing = 0
         self.unwritten_bytes = 0
@@ -101,6 +103,8 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
             self.read_pool.trim()
         host = routes.host
         self._host_route = host
+        # The unpack skips this route's consume (tba/runtime/_unpack_hooks.py): only where it is Route's no-op.
+        self.route_without_consume = host if type(host).consume is Route.consume else None
         self._host = HostBatch(host.engine, host.pool, host.block_size_bytes, host.engine.write_ahead_bytes)
 
     def _budget_bytes(self) -> int:

@@ -142,7 +142,7 @@ class UnpackHooks:
                                "call close() only after the last backward") from None
             self._unpack_waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
         tensor = packed.rebuild(data)
-        if entry.route is not store._host_route:  # the host route's consume does nothing (tba/device/_host.py)
+        if entry.route is not store.route_without_consume:  # the host route's consume does nothing
             entry.route.consume(event, tensor)
         return tensor
 
