@@ -1,11 +1,12 @@
-"""Build hook for the optional native extensions ``tba._uring`` (io_uring), ``tba._shield`` and ``tba._gc``.
+"""Build hook for the optional native extensions ``tba._uring`` (io_uring), ``tba._shield``, ``tba._gc`` and ``tba._record``.
 
 All package metadata lives in ``pyproject.toml``; this file only declares the C extension. The
 extension is optional: when it cannot be compiled (no C compiler, no Python or kernel headers),
 the build prints a warning and installation carries on without it: ``backend="auto"`` then
 uses the portable thread engine, logging why, and without ``tba._shield`` an offloader's exit is
 plain Python (``tba/_whole_exit.py`` says what that leaves open); without ``tba._gc`` the cycle collector
-sees every object tba keeps per saved tensor (``tba/_untrack.py``).
+sees every object tba keeps per saved tensor (``tba/_untrack.py``); without ``tba._record`` the store's
+per-storage record is the Python dataclass (``tba/runtime/_entry.py``).
 """
 
 from setuptools import Extension, setup
@@ -29,6 +30,13 @@ SHIELD_EXTENSION = Extension(
 GC_EXTENSION = Extension(
     "tba._gc",
     sources=["native/tba_gc.c"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    optional=True,
+)
+
+RECORD_EXTENSION = Extension(
+    "tba._record",
+    sources=["native/tba_record.c"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
     optional=True,
 )
@@ -57,4 +65,4 @@ class OptionalBuildExt(build_ext):
         )
 
 
-setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION, GC_EXTENSION], cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION, GC_EXTENSION, RECORD_EXTENSION], cmdclass={"build_ext": OptionalBuildExt})

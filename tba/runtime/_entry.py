@@ -15,6 +15,16 @@ File layout: the storage's bytes sit at ``offset + phase_bytes`` in the spill fi
 ``phase_bytes`` is the storage address modulo :data:`ALIGN_BYTES`. With that shift, every page of
 the storage maps to one aligned block of the file, so the write can go straight from the storage's
 own memory with ``O_DIRECT`` (no bounce copy), and a read lands in a buffer of the same phase.
+
+Note: [One record, two builds]
+:class:`StorageEntry` is made once per saved storage on the control thread, whose Python the forward waits
+for (docs/host-cost.md, twenty-fifth pass). With the optional extension ``tba._record`` built (setup.py), it
+is the C type of ``native/tba_record.c``: the same fields in the same order, the same defaults, the same
+``expired()``, ``extent_bytes`` and ``describe()``, no copies, the storage's weak reference freed by its
+deallocator; it is made by one call into C instead of the dataclass's 25-line ``__init__``. Setting a name that is
+not a field raises there. Without the extension it is :class:`PyStorageEntry`, the dataclass below. The
+dataclass is the one description of the fields: :func:`_configure` hands its names and defaults to the
+extension, which refuses to be used when they differ from its own (a stale build).
 """
 
 from __future__ import annotations
@@ -29,6 +39,11 @@ import torch
 from tba._outcome import Outcome
 from tba.defaults import ALIGN_BYTES
 from tba.io import round_up
+
+try:
+    from tba import _record
+except ImportError:  # the optional extension was not built (setup.py)
+    _record = None
 
 if TYPE_CHECKING:
     from tba.device import Route
@@ -62,7 +77,7 @@ class State(enum.Enum):
 
 
 @dataclasses.dataclass(eq=False)
-class StorageEntry:
+class PyStorageEntry:
     """Book-keeping of one offloaded storage. All mutation happens under the offloader's lock."""
 
     seq: int
@@ -124,10 +139,10 @@ class StorageEntry:
         if cdata is not None:
             _free(cdata)
 
-    def __copy__(self) -> StorageEntry:
+    def __copy__(self) -> PyStorageEntry:
         raise TypeError("a StorageEntry owns its storage's weak reference and cannot be copied")
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> StorageEntry:
+    def __deepcopy__(self, memo: dict[int, Any]) -> PyStorageEntry:
         return self.__copy__()
 
     @property
@@ -138,3 +153,21 @@ class StorageEntry:
     def describe(self) -> str:
         where = f"layer {self.layer}" if self.layer is not None else "no layer"
         return f"storage #{self.seq} ({self.nbytes} bytes, {where})"
+
+
+def _configure(free_weak_ref: Callable[[int], None] = torch.UntypedStorage._free_weak_ref) -> None:
+    """Hand ``tba._record`` the dataclass's fields and defaults (Note [One record, two builds]); ``free_weak_ref``
+    is what its records call as they die (tests count the calls)."""
+    fields = dataclasses.fields(PyStorageEntry)
+    defaults = {field.name: field.default for field in fields if field.default is not dataclasses.MISSING}
+    _record.configure(tuple(field.name for field in fields), defaults, free_weak_ref, _EXPIRED, ALIGN_BYTES)
+
+
+NATIVE = _record is not None
+"""Whether :class:`StorageEntry` is the C record of ``tba._record``."""
+
+if TYPE_CHECKING or _record is None:
+    StorageEntry = PyStorageEntry
+else:
+    _configure()
+    StorageEntry = _record.StorageEntry

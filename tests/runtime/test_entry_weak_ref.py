@@ -14,11 +14,21 @@ import pytest
 import torch
 
 import tba
-from tba.runtime import _writes
-from tba.runtime._entry import StorageEntry
+from tba.runtime import _entry, _writes
+from tba.runtime._entry import PyStorageEntry, StorageEntry
+
+RECORDS = [PyStorageEntry] + ([StorageEntry] if _entry.NATIVE else [])
+"""The Python record, and the C one where tba._record is built (Note [One record, two builds] in tba/runtime/_entry.py)."""
 
 
-def _count_weak_refs(monkeypatch) -> dict[str, int]:
+@pytest.fixture(params=RECORDS, ids=lambda record: record.__module__)
+def record(request, monkeypatch):
+    """Each record in turn, as the one the store makes."""
+    monkeypatch.setattr(_writes, "StorageEntry", request.param)
+    return request.param
+
+
+def _count_weak_refs(monkeypatch, request) -> dict[str, int]:
     counts = {"taken": 0, "freed": 0}
     take, free = torch.UntypedStorage._weak_ref, torch.UntypedStorage._free_weak_ref
 
@@ -32,12 +42,15 @@ def _count_weak_refs(monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(torch.UntypedStorage, "_weak_ref", taken)
     monkeypatch.setattr(torch.UntypedStorage, "_free_weak_ref", staticmethod(freed))
-    monkeypatch.setattr(StorageEntry.__del__, "__defaults__", (freed,))
+    monkeypatch.setattr(PyStorageEntry.__del__, "__defaults__", (freed,))
+    if _entry.NATIVE:
+        _entry._configure(freed)
+        request.addfinalizer(_entry._configure)
     return counts
 
 
-def test_a_save_that_fails_while_its_entry_is_built_leaks_no_weak_reference(tmp_path, monkeypatch):
-    counts = _count_weak_refs(monkeypatch)
+def test_a_save_that_fails_while_its_entry_is_built_leaks_no_weak_reference(tmp_path, monkeypatch, request, record):
+    counts = _count_weak_refs(monkeypatch, request)
     monkeypatch.setattr(_writes, "hands_back_pages", lambda: True)
 
     def fails(data):
@@ -53,8 +66,8 @@ def test_a_save_that_fails_while_its_entry_is_built_leaks_no_weak_reference(tmp_
     assert counts["taken"] == counts["freed"], counts
 
 
-def test_an_entry_frees_its_weak_reference_once(tmp_path, monkeypatch):
-    counts = _count_weak_refs(monkeypatch)
+def test_an_entry_frees_its_weak_reference_once(tmp_path, monkeypatch, request, record):
+    counts = _count_weak_refs(monkeypatch, request)
     x = torch.randn(4096, requires_grad=True)
     with tba.offload_activations(tmp_path, min_offload_bytes=0):
         y = torch.tanh(x) * 2
@@ -64,7 +77,8 @@ def test_an_entry_frees_its_weak_reference_once(tmp_path, monkeypatch):
     assert counts["taken"] == counts["freed"] > 0, counts
 
 
-def test_an_entry_cannot_be_copied_and_a_half_built_one_dies_quietly():
+@pytest.mark.parametrize("StorageEntry", RECORDS, ids=lambda record: record.__module__)
+def test_an_entry_cannot_be_copied_and_a_half_built_one_dies_quietly(StorageEntry):
     storage = torch.UntypedStorage(16)
     entry = StorageEntry(seq=0, layer=None, nbytes=16, phase_bytes=0, version=0, cdata=storage._weak_ref(), data=None)
     with pytest.raises(TypeError, match="cannot be copied"):

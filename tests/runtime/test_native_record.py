@@ -1,0 +1,143 @@
+"""The C record of ``tba._record`` is the Python record, field for field, and training gives the same numbers with either.
+
+Note [One record, two builds] in tba/runtime/_entry.py: the store's per-storage record is a C type when the
+extension is built, the dataclass :class:`~tba.runtime._entry.PyStorageEntry` when not. The tests here compare
+the two where both exist and train through each as the store's record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba.runtime import _entry, _writes
+from tba.runtime._entry import PyStorageEntry, State
+
+needs_extension = pytest.mark.skipif(not _entry.NATIVE, reason="the native extension tba._record is not built")
+
+FIELDS = [field.name for field in dataclasses.fields(PyStorageEntry)]
+
+
+def _make(record, storage: torch.UntypedStorage, **given):
+    return record(seq=3, layer=given.pop("layer", None), nbytes=storage.nbytes(), phase_bytes=given.pop("phase_bytes", 0),
+                  version=0, cdata=storage._weak_ref(), data=None, **given)
+
+
+@needs_extension
+@pytest.mark.parametrize("layer", [None, 2])
+@pytest.mark.parametrize("phase_bytes", [0, 1, 4095])
+def test_the_c_record_has_the_fields_defaults_and_answers_of_the_python_one(layer, phase_bytes):
+    storage = torch.UntypedStorage(5000)
+    native = _make(_entry.StorageEntry, storage, layer=layer, phase_bytes=phase_bytes)
+    python = _make(PyStorageEntry, storage, layer=layer, phase_bytes=phase_bytes)
+    for name in FIELDS:
+        if name == "cdata":
+            continue  # each holds a weak reference of its own
+        native_value, python_value = getattr(native, name), getattr(python, name)
+        assert native_value is python_value or native_value == python_value, name
+    assert native.root() is None and native.state is State.WRITING
+    assert (native.extent_bytes, native.describe(), native.expired()) == \
+        (python.extent_bytes, python.describe(), python.expired())
+    del storage
+    assert native.expired() and python.expired()
+
+
+@needs_extension
+def test_the_c_record_takes_its_fields_positionally_and_refuses_what_the_dataclass_refuses():
+    storage = torch.UntypedStorage(16)
+    values = [1, None, 16, 0, 0, storage._weak_ref(), None, lambda: None, State.ON_DISK, 4096]
+    entry = _entry.StorageEntry(*values)
+    assert [getattr(entry, name) for name in FIELDS[:len(values)]] == values
+    with pytest.raises(TypeError, match="missing required argument 'data'"):
+        _entry.StorageEntry(seq=0, layer=None, nbytes=16, phase_bytes=0, version=0, cdata=0)
+    with pytest.raises(TypeError, match="multiple values for argument 'seq'"):
+        _entry.StorageEntry(0, seq=0, layer=None, nbytes=16, phase_bytes=0, version=0, cdata=0, data=None)
+
+
+@needs_extension
+def test_the_c_record_takes_only_its_fields_and_keeps_its_weak_reference():
+    entry = _make(_entry.StorageEntry, torch.UntypedStorage(16))
+    entry.state, entry.offset, entry.io_error = State.ON_DISK, 8192, None
+    assert (entry.state, entry.offset) == (State.ON_DISK, 8192)
+    with pytest.raises(AttributeError):
+        entry.not_a_field = 1
+    with pytest.raises(AttributeError):
+        entry.cdata = 0
+
+
+@needs_extension
+def test_a_stale_extension_is_refused_and_the_record_in_force_stays():
+    names = tuple(FIELDS)
+    with pytest.raises(RuntimeError, match="rebuild the extension"):
+        _entry._record.configure(names + ("added",), {}, print, print, 4096)
+    with pytest.raises(RuntimeError, match="rebuild the extension"):
+        _entry._record.configure(names[1:] + names[:1], {}, print, print, 4096)
+    with pytest.raises(RuntimeError, match="lacks a default"):
+        _entry._record.configure(names, {}, print, print, 4096)
+    storage = torch.UntypedStorage(16)
+    entry = _make(_entry.StorageEntry, storage)
+    assert entry.extent_bytes == 4096 and not entry.expired()
+
+
+@needs_extension
+def test_a_c_record_in_a_reference_cycle_is_collected_and_frees_its_weak_reference(request):
+    freed: list[int] = []
+    free = torch.UntypedStorage._free_weak_ref
+
+    def counted(cdata: int) -> None:
+        freed.append(cdata)
+        free(cdata)
+
+    _entry._configure(counted)
+    request.addfinalizer(_entry._configure)
+    cdata = _in_a_cycle(_entry.StorageEntry)
+    assert freed == []
+    gc.collect()
+    assert freed == [cdata]
+
+
+def _in_a_cycle(record) -> int:
+    """Makes a record that only a reference cycle holds, and returns its weak reference's number."""
+    entry = _make(record, torch.UntypedStorage(16))
+    assert gc.is_tracked(entry)
+    try:
+        raise OSError("write failed")
+    except OSError as err:
+        entry.io_error = err  # its traceback holds this frame, which holds the entry
+    return entry.cdata
+
+
+def _train(directory) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(32, 64)
+    if directory is None:
+        model(x).square().sum().backward()
+    else:
+        with tba.offload_activations(directory, min_offload_bytes=0):
+            loss = model(x).square().sum()
+        loss.backward()
+    return [parameter.grad for parameter in model.parameters()]
+
+
+@pytest.mark.parametrize("record", [PyStorageEntry, _entry.StorageEntry], ids=["python", "store's"])
+def test_training_through_either_record_gives_the_gradients_without_tba(tmp_path, monkeypatch, record):
+    monkeypatch.setattr(_writes, "StorageEntry", record)
+    made: list[object] = []
+    start_write = _writes.StoreWrites._start_write
+
+    def recording(self, *args, **kwargs):
+        entry = start_write(self, *args, **kwargs)
+        made.append(type(entry))
+        return entry
+
+    monkeypatch.setattr(_writes.StoreWrites, "_start_write", recording)
+    expected = _train(None)
+    got = _train(tmp_path)
+    assert made and set(made) == {record}
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
