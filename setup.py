@@ -1,4 +1,5 @@
-"""Build hook for the optional native extensions ``tba._uring`` (io_uring), ``tba._shield``, ``tba._gc`` and ``tba._record``.
+"""Build hook for the optional native extensions ``tba._uring`` (io_uring), ``tba._shield``, ``tba._gc``, ``tba._record``
+and ``tba._requests``.
 
 All package metadata lives in ``pyproject.toml``; this file only declares the C extension. The
 extension is optional: when it cannot be compiled (no C compiler, no Python or kernel headers),
@@ -6,7 +7,8 @@ the build prints a warning and installation carries on without it: ``backend="au
 uses the portable thread engine, logging why, and without ``tba._shield`` an offloader's exit is
 plain Python (``tba/_whole_exit.py`` says what that leaves open); without ``tba._gc`` the cycle collector
 sees every object tba keeps per saved tensor (``tba/_untrack.py``); without ``tba._record`` the store's
-per-storage record is the Python dataclass (``tba/runtime/_entry.py``).
+per-storage record is the Python dataclass (``tba/runtime/_entry.py``), and without ``tba._requests`` host
+writes become engine requests in Python (``tba/runtime/_host_requests.py``).
 """
 
 from setuptools import Extension, setup
@@ -41,6 +43,13 @@ RECORD_EXTENSION = Extension(
     optional=True,
 )
 
+REQUESTS_EXTENSION = Extension(
+    "tba._requests",
+    sources=["native/tba_requests.c"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    optional=True,
+)
+
 
 class OptionalBuildExt(build_ext):
     """``build_ext`` that turns any failure to compile the extension into a warning."""
@@ -65,4 +74,5 @@ class OptionalBuildExt(build_ext):
         )
 
 
-setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION, GC_EXTENSION, RECORD_EXTENSION], cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION, GC_EXTENSION, RECORD_EXTENSION, REQUESTS_EXTENSION],
+      cmdclass={"build_ext": OptionalBuildExt})

@@ -16,6 +16,13 @@ storage hears its own outcome, as it would have alone: a write cut at a file-siz
 with ``EINVAL`` under ``O_DIRECT`` for the whole request, also for the storages that end below the
 limit, which alone would have been written (Note [A file-size limit is one cause] in
 ``tba/runtime/_release.py``).
+
+Note: [Requests formed in C]
+With the optional extension ``tba._requests`` built (setup.py), :func:`add_requests` is its C loop
+(``native/tba_requests.c``): the same decisions, the same ``Request`` tuples and callbacks, without the
+Python loop's 20 lines per storage on the control thread, whose Python the forward waits for
+(docs/host-cost.md). Without it, :func:`python_add_requests` below. Both read :data:`MAX_PIECES` and
+:data:`JOIN_MAX_BYTES` at each call.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ from typing import NamedTuple
 
 from tba.device import Countdown, WriteNotNeeded
 from tba.io import Op, Request
+
+try:
+    from tba import _requests
+except ImportError:  # the optional extension was not built (setup.py)
+    _requests = None
 
 Callback = Callable[[BaseException | None], None]
 
@@ -61,8 +73,18 @@ def add_requests(requests: list[Request], callbacks: list[Callback], transfers: 
     With ``retry`` (the engine takes vectored requests), consecutive transfers of one file whose
     extents touch (in either order) go as one request of at most :data:`JOIN_MAX_BYTES`, whose
     failure calls ``retry`` with them. One larger than ``block_size_bytes`` goes as several, its
-    callback heard once all are.
+    callback heard once all are. In C where ``tba._requests`` is built (Note [Requests formed in C]).
     """
+    if _requests is None:
+        python_add_requests(requests, callbacks, transfers, block_size_bytes, retry)
+    else:
+        _requests.add_requests(requests, callbacks, transfers, block_size_bytes, retry, MAX_PIECES,
+                               min(block_size_bytes, JOIN_MAX_BYTES))
+
+
+def python_add_requests(requests: list[Request], callbacks: list[Callback], transfers: list[Transfer],
+                        block_size_bytes: int, retry: Retry | None) -> None:
+    """:func:`add_requests` in Python: what runs without ``tba._requests``, and what its C loop does."""
     group: list[Transfer] = []
     low = high = group_bytes = 0
     join_bytes = min(block_size_bytes, JOIN_MAX_BYTES)
@@ -129,3 +151,10 @@ def _add_large(requests: list[Request], callbacks: list[Callback], transfer: Tra
         requests.append(Request(transfer.op, transfer.fd, transfer.address + start, min(block_size_bytes, nbytes - start),
                                 transfer.offset + start, transfer.owner))
         callbacks.append(pieces.done)
+
+
+NATIVE = _requests is not None
+"""Whether :func:`add_requests` is the C loop of ``tba._requests``."""
+
+if _requests is not None:
+    _requests.configure(Request, Transfer, functools.partial, _group_done, _add_large)
