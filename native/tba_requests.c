@@ -150,7 +150,8 @@ static PyObject *add_requests(PyObject *module, PyObject *const *args, Py_ssize_
     long long join_bytes = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred())
         return NULL;
-    PyObject *transfers = PySequence_Fast(args[2], "add_requests: transfers must be a sequence");
+    /* A tuple of its own: Python called from here (_add_large, a finalizer at an allocation) cannot change it. */
+    PyObject *transfers = PySequence_Tuple(args[2]);
     if (transfers == NULL)
         return NULL;
     PyObject *group = PyList_New(0);
@@ -159,9 +160,9 @@ static PyObject *add_requests(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     }
     long long low = 0, high = 0, group_bytes = 0, group_fd = 0;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(transfers);
+    Py_ssize_t count = PyTuple_GET_SIZE(transfers);
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *transfer = PySequence_Fast_GET_ITEM(transfers, i);
+        PyObject *transfer = PyTuple_GET_ITEM(transfers, i);
         if (!PyTuple_Check(transfer) || PyTuple_GET_SIZE(transfer) != TRANSFER_FIELDS) {
             PyErr_Format(PyExc_TypeError, "add_requests: a transfer must be a Transfer, not %R", transfer);
             goto failed;
