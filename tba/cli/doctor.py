@@ -38,6 +38,7 @@ from tba.io import (
     resolve_directory,
     timed_pass,
 )
+from tba.runtime import native_parts
 
 logger = logging.getLogger("tba")
 
@@ -128,6 +129,15 @@ def _malloc_rows() -> list[tuple[str, str]]:
     return [("malloc in this process", serving), ("caching allocators found", listed)]
 
 
+def _native_row() -> str:
+    """Whether the storage record and the request forming run in C (their Python fallbacks cost more per tensor)."""
+    missing = [f"tba._{name}" for name, built in native_parts().items() if not built]
+    if not missing:
+        return "yes (tba._record, tba._requests)"
+    return (f"no: {', '.join(missing)} not built or stale, Python serves (more host time per saved tensor; "
+            "reinstall with a C compiler)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report. Always returns 0."""
     directory = resolve_directory(args.directory)
@@ -139,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         ("threads engine", _status(backends["threads"])),
         ("exit safe from signals", "yes (tba._shield; a with statement, not contextlib.ExitStack)" if exit_block is not None else
                                    "no: the native extension tba._shield was not built (reinstall with a C compiler)"),
+        ("per-storage path in C", _native_row()),
         ("backend 'auto' uses", resolve_backend("auto")),
         (f"O_DIRECT in {directory}", _status(direct_reason)),
         (f"file system of {directory}", _filesystem_row(directory)),

@@ -14,6 +14,7 @@ steps (time and measured activation peak) and apply a placement plan. Bytes reac
 through a device route (:mod:`tba.device`) and an engine (:mod:`tba.io`).
 """
 
+from tba.runtime import _entry, _host_requests
 from tba.runtime._compile import compile_blocks
 from tba.runtime._keep import KeepReason, keep_in_memory
 from tba.runtime._layers import find_layers, resolve_layers
@@ -28,5 +29,11 @@ from tba.runtime._timer import LayerTimer
 __all__ = [
     "KeepReason", "LayerTimer", "OffloadStats", "Offloader", "PolicyRunner", "RecomputeLayers", "StepCounters",
     "StepPlacement", "compile_blocks", "find_layers", "idle_pool_bytes", "keep_in_memory", "offload_activations",
-    "resolve_layers", "shutdown",
+    "native_parts", "resolve_layers", "shutdown",
 ]
+
+
+def native_parts() -> dict[str, bool]:
+    """Which parts of the per-storage path run in C here (optional extensions, setup.py): ``record`` (the storage
+    record, ``tba._record``) and ``requests`` (host transfers into engine requests, ``tba._requests``)."""
+    return {"record": _entry.NATIVE, "requests": _host_requests.NATIVE}

@@ -24,13 +24,15 @@ is the C type of ``native/tba_record.c``: the same fields in the same order, the
 deallocator; it is made by one call into C instead of the dataclass's 25-line ``__init__``. Setting a name that is
 not a field raises there. Without the extension it is :class:`PyStorageEntry`, the dataclass below. The
 dataclass is the one description of the fields: :func:`_configure` hands its names and defaults to the
-extension, which refuses to be used when they differ from its own (a stale build).
+extension, which refuses to be used when they differ from its own (a stale build): the dataclass then
+serves, with one warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from tba.device import Route
 
 _EXPIRED = torch.UntypedStorage._expired
+logger = logging.getLogger("tba")
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -163,11 +166,25 @@ def _configure(free_weak_ref: Callable[[int], None] = torch.UntypedStorage._free
     _record.configure(tuple(field.name for field in fields), defaults, free_weak_ref, _EXPIRED, ALIGN_BYTES)
 
 
-NATIVE = _record is not None
+def _native_record() -> Any:
+    """The C record where ``tba._record`` is built for this dataclass, else None: a build that does not match it (a
+    checkout updated without rebuilding) is not used, with one warning, and the dataclass serves."""
+    if _record is None:
+        return None
+    try:
+        _configure()
+    except RuntimeError as err:
+        logger.warning("tba: %s; tba uses its Python record meanwhile (python setup.py build_ext --inplace, or "
+                       "reinstall tba)", err)
+        return None
+    return _record.StorageEntry
+
+
+_NATIVE_RECORD = None if TYPE_CHECKING else _native_record()
+NATIVE = _NATIVE_RECORD is not None
 """Whether :class:`StorageEntry` is the C record of ``tba._record``."""
 
-if TYPE_CHECKING or _record is None:
+if TYPE_CHECKING or _NATIVE_RECORD is None:
     StorageEntry = PyStorageEntry
 else:
-    _configure()
-    StorageEntry = _record.StorageEntry
+    StorageEntry = _NATIVE_RECORD

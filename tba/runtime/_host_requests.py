@@ -28,6 +28,7 @@ Python loop's 20 lines per storage on the control thread, whose Python the forwa
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -153,8 +154,13 @@ def _add_large(requests: list[Request], callbacks: list[Callback], transfer: Tra
         callbacks.append(pieces.done)
 
 
+if _requests is not None:
+    try:
+        _requests.configure(Request, Transfer, functools.partial, _group_done, _add_large)
+    except RuntimeError as err:  # a build that does not match this tba: the Python loop serves
+        logging.getLogger("tba").warning("tba: %s; tba forms its requests in Python meanwhile (python setup.py "
+                                         "build_ext --inplace, or reinstall tba)", err)
+        _requests = None
+
 NATIVE = _requests is not None
 """Whether :func:`add_requests` is the C loop of ``tba._requests``."""
-
-if _requests is not None:
-    _requests.configure(Request, Transfer, functools.partial, _group_done, _add_large)

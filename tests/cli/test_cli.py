@@ -62,7 +62,8 @@ def test_bench_rejects_unaligned_block(tmp_path):
 def test_doctor_reports_and_never_fails(tmp_path, capsys):
     assert doctor.run(_args(doctor, ["--directory", str(tmp_path), "--quick-size", "4M"])) == 0
     out = capsys.readouterr().out
-    for label in ("io_uring engine", "O_DIRECT in", "kvikio", "CUDA available", "memlock", "bandwidth"):
+    for label in ("io_uring engine", "O_DIRECT in", "kvikio", "CUDA available", "memlock", "bandwidth",
+                  "per-storage path in C"):
         assert label in out
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 
 import pytest
 import torch
+from python_runs import run_python
 from torch import nn
 
 import tba
-from tba.runtime import _entry, _writes
+from tba.runtime import _entry, _host_requests, _writes
 from tba.runtime._entry import PyStorageEntry, State
 
 needs_extension = pytest.mark.skipif(not _entry.NATIVE, reason="the native extension tba._record is not built")
@@ -141,3 +143,39 @@ def test_training_through_either_record_gives_the_gradients_without_tba(tmp_path
     got = _train(tmp_path)
     assert made and set(made) == {record}
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@needs_extension
+@pytest.mark.skipif(not _host_requests.NATIVE, reason="the native extension tba._requests is not built")
+def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path):
+    """A build whose fields differ from this tba's (a checkout updated without rebuilding) is not used: the Python
+    record and request loop serve, training works, and one warning names the rebuild."""
+    script = (
+        "import glob, importlib.util, logging, os, sys, torch\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "def stale(*args):\n"
+        "    raise RuntimeError('tba._x has 9 fields, the Python one 10: rebuild the extension')\n"
+        f"for name in ('_record', '_requests'):  # loaded and made stale before tba's own import configures them\n"
+        f"    [path] = glob.glob(os.path.join({os.path.dirname(tba.__file__)!r}, name + '.*.so'))\n"
+        "    spec = importlib.util.spec_from_file_location('tba.' + name, path)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n"
+        "    module.configure = stale\n"
+        "    sys.modules['tba.' + name] = module\n"
+        "import tba\n"
+        "from tba.runtime import _entry, _host_requests\n"
+        "print('native', _entry.NATIVE, _host_requests.NATIVE)\n"
+        "def step(offload):\n"
+        "    x = torch.linspace(-2, 2, 65536).reshape(256, 256).requires_grad_()\n"
+        f"    with tba.offload_activations(directory={str(tmp_path)!r}, backend='threads', policy='offload') if offload \\\n"
+        "            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):\n"
+        "        y = (x * 2).tanh().sum()\n"
+        "    y.backward()\n"
+        "    return x.grad\n"
+        "print('grad ok', torch.equal(step(True), step(False)))\n"
+    )
+    done = run_python(["-c", script], timeout=120, env=dict(os.environ, PYTHONNOUSERSITE="1"))  # a fresh process
+    assert done.returncode == 0, done.stderr
+    assert "native False False" in done.stdout
+    assert "grad ok True" in done.stdout
+    assert done.stdout.count("rebuild the extension") == 2  # one warning each
