@@ -108,3 +108,18 @@ def test_sigterm_removes_the_worktrees(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=TOOLS.parent, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert worktrees() == before
+
+
+def test_a_side_without_an_extension_loads_none_from_the_installed_checkout(ab, tmp_path):
+    """A side without ``tba._record`` (an older revision) loaded the installed checkout's through the finder an
+    editable install puts in this environment; its Python now starts with ``-S`` (``PYTHON``)."""
+    import json
+    import shutil
+
+    side = tmp_path / "side"
+    shutil.copytree(TOOLS.parent / "tba", side / "tba", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    probe = subprocess.run([*ab.PYTHON, "-c", ab._origin_check()], cwd=side, env=ab._environment(side),
+                           capture_output=True, text=True, check=True)
+    origins = json.loads(probe.stdout.strip().splitlines()[-1])
+    ab.check_origin(side, origins)
+    assert origins["tba._record"] is None

@@ -25,6 +25,7 @@ import os
 import pathlib
 import shutil
 import signal
+import site
 import statistics
 import subprocess
 import sys
@@ -90,14 +91,23 @@ def check_origin(checkout: pathlib.Path, origins: dict[str, str | None]) -> None
 
 
 def _environment(checkout: pathlib.Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(checkout), "PYTHONNOUSERSITE": "1"}
+    """The side's environment: its checkout first, then this interpreter's site-packages, for a Python started
+    with ``-S`` (:data:`PYTHON`)."""
+    paths = [str(checkout), *site.getsitepackages()]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONNOUSERSITE": "1"}
+
+
+PYTHON = (sys.executable, "-S")
+"""How a side's Python starts. ``-S`` runs no ``.pth`` file: an editable install of tba in this environment
+installs a finder that served a side's ``import tba._record`` from the installed checkout when the side had no
+such module (an older revision), so the two sides ran different code than their own."""
 
 
 def run_bench(checkout: pathlib.Path, options: list[str]) -> list[dict]:
     """bench-hooks in ``checkout`` (a fresh process); its JSON rows."""
     with tempfile.TemporaryDirectory(prefix="tba-ab-") as scratch:
         path = pathlib.Path(scratch) / "rows.json"
-        done = subprocess.run([sys.executable, "-m", "tba", "bench-hooks", *options, "--json", str(path)], cwd=checkout,
+        done = subprocess.run([*PYTHON, "-m", "tba", "bench-hooks", *options, "--json", str(path)], cwd=checkout,
                               env=_environment(checkout), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True)
         if done.returncode != 0:
@@ -110,7 +120,7 @@ def prepare(checkout: pathlib.Path) -> None:
     """Build ``checkout``'s extensions in place and check where its modules load from."""
     subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=checkout,
                    env=_environment(checkout), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    probe = subprocess.run([sys.executable, "-c", _origin_check()], cwd=checkout, env=_environment(checkout),
+    probe = subprocess.run([*PYTHON, "-c", _origin_check()], cwd=checkout, env=_environment(checkout),
                            check=True, capture_output=True, text=True)
     check_origin(checkout, json.loads(probe.stdout.strip().splitlines()[-1]))
 
