@@ -13,6 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
+MISSING = object()
+"""What a read of a name not there gives (``Reads.get`` in ``tba/runtime/_search_reads.py``)."""
+
 GENERATOR_TYPES = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
 """What a layer's modules may hold, or its call pass, that ``tba/runtime/_generators.py`` replays."""
 
@@ -34,21 +37,23 @@ def _generator_type(cls: type) -> bool:
     return issubclass(cls, GENERATOR_TYPES)
 
 
-def class_code_named(cls: type) -> list[Any]:
-    """What the code of the ``forward`` of ``cls`` names, each of its definitions along the class's bases."""
+def class_code_named(cls: type, reads: Any) -> list[Any]:
+    """What the code of the ``forward`` of ``cls`` names, each of its definitions along the class's bases; each read
+    through ``reads`` (Note [A generator search is reused while what it read holds] in ``tba/runtime/_search_reads.py``)."""
     methods: set[int] = set()
     found: list[Any] = []
-    for function in class_named(cls, "forward"):
-        if not user_code(function):
+    for function in class_named(cls, "forward", reads):
+        if not reads.equal(user_code, function):
             found.append(function)  # a partial's arguments, torch's forward (whose closure is searched only)
         elif id(function) not in methods:
             methods.add(id(function))
-            found += code_named(function, cls, methods)
+            found += code_named(function, reads, cls, methods)
     return found
 
 
-def code_named(function: Any, cls: type | None = None, _methods: set[int] | None = None) -> list[Any]:
-    """What the code of ``function`` (a method of ``cls``, if given) names (Note [Generators a layer's code names]).
+def code_named(function: Any, reads: Any, cls: type | None = None, _methods: set[int] | None = None) -> list[Any]:
+    """What the code of ``function`` (a method of ``cls``, if given) names (Note [Generators a layer's code names]),
+    each read through ``reads``.
 
     Note: [Generators a layer's code names]
     A layer that draws from a generator made at module level (``torch.rand(shape, generator=NOISE)`` in ``forward``, or
@@ -72,72 +77,77 @@ def code_named(function: Any, cls: type | None = None, _methods: set[int] | None
     ``tba/runtime/_generators.py`` (one reached again with more depth left is searched again: reached first at the end
     of a longer chain, a helper's own helpers were left out), except those of torch, numpy, tba and the standard
     library, which draw only from what they are given. The names of a code object are taken once (:func:`_names`); the
-    values are looked up at every call, so a global rebound before a forward is seen (one rebound between forward and
-    backward: Note [A generator bound after the first call is refused] in ``tba/runtime/_generators.py``).
+    values are looked up at every call, or the lookups replayed (Note [A generator search is reused while what it read
+    holds] in ``tba/runtime/_search_reads.py``), so a global rebound before a forward is seen (one rebound between
+    forward and backward: Note [A generator bound after the first call is refused] in ``tba/runtime/_generators.py``).
     """
-    names = _names(function.__code__)
+    names = reads.equal(_names, reads.attr(function, "__code__"))
     methods = _methods if _methods is not None else {id(function)}
     found: list[Any] = []
-    globals_ = getattr(function, "__globals__", {})
-    pending, expanded = [globals_[name] for name in names if name in globals_], set()
+    globals_ = reads.attr(function, "__globals__")
+    pending = [value for value in (reads.get(globals_, name) for name in names) if value is not MISSING]
+    expanded: set[int] = set()
     while pending:
         value = pending.pop()
         if not isinstance(value, (types.ModuleType, type)):
             found.append(value)
         elif id(value) not in expanded:  # a module, or a class used as a namespace, and those they hold (pkg.sub.G)
             expanded.add(id(value))
-            pending += _held_under(value, names)
+            pending += _held_under(value, names, reads)
     if cls is None:
-        return found + closure_functions(function)
-    for value in [*closure_functions(function), *(value for name in names for value in class_named(cls, name))]:
-        if user_code(value):  # a method of the class, or what its decorator wraps: its names are the class's too
+        return found + closure_functions(function, reads)
+    named = (value for name in names for value in class_named(cls, name, reads))
+    for value in [*closure_functions(function, reads), *named]:
+        if reads.equal(user_code, value):  # a method of the class, or what its decorator wraps: its names are the class's
             if id(value) not in methods:
                 methods.add(id(value))
-                found += code_named(value, cls, methods)
+                found += code_named(value, reads, cls, methods)
         else:
             found.append(value)
     return found
 
 
-def _held_under(holder: types.ModuleType | type, names: tuple[str, ...]) -> list[Any]:
+def _held_under(holder: types.ModuleType | type, names: tuple[str, ...], reads: Any) -> list[Any]:
     """What a module, or a class and its bases, holds under ``names``, unwrapped as :func:`class_named` does: anything
     a user's holds (a dict of generators), only generators and functions a library's (``sys.modules`` is no one's)."""
     if isinstance(holder, types.ModuleType):
-        attributes = vars(holder)
-        held = [attributes[name] for name in names if name in attributes]
-        library = library_module(holder)
+        attributes = reads.attr(holder, "__dict__")
+        held = [value for value in (reads.get(attributes, name) for name in names) if value is not MISSING]
+        library = reads.equal(library_module, holder)
     else:  # and a user's class's forward: a custom autograd function's that ``Noise.apply`` runs, a module's made here
-        held = [item for name in (*names, "forward") for item in class_named(holder, name)]
-        library = not _user_name(vars(holder).get("__module__"))
+        held = [item for name in (*names, "forward") for item in class_named(holder, name, reads)]
+        library = not reads.equal(_user_class, holder)
     return [item for item in held if is_generator(item) or isinstance(item, types.FunctionType)] if library else held
 
 
-def class_named(cls: type, name: str) -> list[Any]:
+def class_named(cls: type, name: str, reads: Any) -> list[Any]:
     """The attribute ``name`` of ``cls`` and of each base but ``nn.Module`` and ``object`` (a mixin after ``nn.Module``
     too), unwrapped to its function(s)."""
     found: list[Any] = []
-    for klass in cls.__mro__:
+    for klass in reads.items(reads.attr(cls, "__mro__")):
         if klass is nn.Module or klass is object:
             continue
-        value = vars(klass).get(name)
-        if value is not None:
-            found += unwrapped(value)
+        value = reads.get(reads.attr(klass, "__dict__"), name)
+        if value is not None and value is not MISSING:
+            found += unwrapped(value, reads)
     return found
 
 
-def unwrapped(value: Any) -> list[Any]:
+def unwrapped(value: Any, reads: Any) -> list[Any]:
     """``value`` and, for a method wrapper or a decorated function, what it wraps (Note [Generators a layer's code
     names])."""
     if isinstance(value, (staticmethod, classmethod)):
-        return unwrapped(value.__func__)
+        return unwrapped(reads.attr(value, "__func__"), reads)
     if isinstance(value, property):
-        return unwrapped(value.fget) if value.fget is not None else []
+        getter = reads.attr(value, "fget")
+        return unwrapped(getter, reads) if getter is not None else []
     if isinstance(value, (functools.partialmethod, functools.partial)):
-        return [*unwrapped(value.func), *value.args, *value.keywords.values()]
+        function, *held = reads.values(partial_parts, value)
+        return [*unwrapped(function, reads), *held]
     found, seen = [value], {id(value)}
     while isinstance(value, types.FunctionType):
-        inner = vars(value).get("__wrapped__")
-        if inner is None or id(inner) in seen:
+        inner = reads.get(reads.attr(value, "__dict__"), "__wrapped__")
+        if inner is MISSING or inner is None or id(inner) in seen:
             break
         seen.add(id(inner))
         found.append(inner)
@@ -145,11 +155,16 @@ def unwrapped(value: Any) -> list[Any]:
     return found
 
 
-def closure_functions(function: Any) -> list[Any]:
+def partial_parts(value: functools.partial | functools.partialmethod) -> list[Any]:
+    """A partial's function, then its arguments."""
+    return [value.func, *value.args, *value.keywords.values()]
+
+
+def closure_functions(function: Any, reads: Any) -> list[Any]:
     """The functions a decorator's wrapper (``function``, user code) closes over: the one it wraps."""
-    if not user_code(function):
+    if not reads.equal(user_code, function):
         return []
-    return [value for value in closure_contents(function) if isinstance(value, types.FunctionType)]
+    return [value for value in reads.values(closure_contents, function) if isinstance(value, types.FunctionType)]
 
 
 def closure_contents(function: types.FunctionType) -> list[Any]:
@@ -190,6 +205,12 @@ def library_module(module: types.ModuleType) -> bool:
     """Whether ``module`` is torch's, numpy's, tba's or the standard library's (its ``__dict__``'s name, no
     ``__getattr__``)."""
     return not _user_name(vars(module).get("__name__"))
+
+
+def _user_class(cls: type) -> bool:
+    """Whether ``cls`` was defined outside torch, numpy, tba and the standard library (by its namespace's
+    ``__module__``)."""
+    return _user_name(vars(cls).get("__module__"))
 
 
 def _user_name(name: Any) -> bool:

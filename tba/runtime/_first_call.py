@@ -39,6 +39,7 @@ from tba.runtime._generators import generator_states
 from tba.runtime._global_settings import settings_now
 from tba.runtime._layer_state import NOT_COPIED, ModuleState, always_copied, held_tensors, snapshot
 from tba.runtime._learned import Learned
+from tba.runtime._search_reads import KeptSearch
 
 _MISSING = object()
 """A parameter slot that a module no longer has."""
@@ -82,9 +83,10 @@ class FirstCall:
         """The process-wide settings the first call ran under (Note [A recomputation runs under the first call's global
         settings] in ``tba/runtime/_global_settings.py``); empty until it starts."""
 
-    def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned) -> None:
-        """Before the first call: take the generators' states, the state it starts from and the parameters' versions."""
-        self.generators = generator_states(layer, args, kwargs)
+    def start(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], learned: Learned, search: KeptSearch) -> None:
+        """Before the first call: take the generators' states (the layer's ``search`` kept), the state it starts from and
+        the parameters' versions."""
+        self.generators = generator_states(layer, args, kwargs, search)
         self.settings = settings_now()
         self.before = snapshot(layer.modules(), learned)
         self.parameters_before = [(f"its parameter {name!r}", p, p._version) for name, p in layer.named_parameters()]

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import operator
 import random
 import types
 from collections.abc import Iterator
@@ -48,23 +46,57 @@ import torch
 from torch import nn
 
 from tba.errors import TbaError
-from tba.runtime._code_named import class_code_named, closure_contents, code_named, is_generator, library_module, user_code
+from tba.runtime._code_named import (
+    class_code_named,
+    closure_contents,
+    code_named,
+    is_generator,
+    library_module,
+    partial_parts,
+    user_code,
+)
 from tba.runtime._layer_state import held_items
-from tba.runtime._state_objects import PLAIN, fields, kind_of, plain_object, slots
+from tba.runtime._plain_containers import only_leaves
+from tba.runtime._search_reads import UNRECORDED, KeptSearch, Reads, Unrecorded
+from tba.runtime._state_objects import fields, plain_object
 
 
-def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None) -> dict[int, tuple[Any, Any]]:
+def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None,
+                     kept: KeptSearch | None = None) -> dict[int, tuple[Any, Any]]:
     """Each generator (:data:`GENERATOR_TYPES`) held by ``layer``'s modules or passed in the call's arguments,
     directly or in dicts, lists, tuples, plain objects and other modules (:data:`SEARCH_DEPTH` deep), with its
     state, and the state of Python's and numpy's global generators (Note [Generators of a recomputed layer]);
-    :func:`set_states` puts them back."""
+    :func:`set_states` puts them back. The search of the layer is ``kept``'s last one where what it read holds (Note
+    [A generator search is reused while what it read holds] in ``tba/runtime/_search_reads.py``)."""
     states: dict[int, tuple[Any, Any]] = {id(random): (random, _state(random)), id(np.random): (np.random, _state(np.random))}
-    own = list(layer.modules())
-    seen = dict.fromkeys(map(id, own), SEARCH_DEPTH + 1)  # walked here, not again through another one's _modules
-    for value in [*(value for module in own for value in vars(module).values()), *args, *(kwargs or {}).values()]:
-        _collect(value, states, SEARCH_DEPTH, seen)
-    _collect_code_named(own, states, seen)
+    generators, seen = (kept.reuse(layer) if kept is not None else None) or _layer_generators(layer, kept)
+    for generator in generators:
+        if id(generator) not in states:
+            states[id(generator)] = (generator, _state(generator))
+    for value in [*args, *(kwargs or {}).values()]:  # a call's own: searched at every call
+        _collect(value, states, SEARCH_DEPTH, seen, UNRECORDED)
     return states
+
+
+def _layer_generators(layer: nn.Module, kept: KeptSearch | None) -> tuple[list[Any], dict[int, int]]:
+    """The generators ``layer``'s modules hold and its code names, and the objects searched and how deep; kept in
+    ``kept`` with the search's reads."""
+    recorded = kept is not None and kept.records()
+    reads = Reads(layer) if recorded else UNRECORDED
+    found: dict[int, tuple[Any, Any]] = {}
+    own = reads.values(_modules_of, layer)
+    seen = dict.fromkeys(map(id, own), SEARCH_DEPTH + 1)  # walked here, not again through another one's _modules
+    for value in [value for module in own for value in reads.items(reads.attr(module, "__dict__"))]:
+        _collect(value, found, SEARCH_DEPTH, seen, reads)
+    _collect_code_named(own, found, seen, reads)
+    generators = [generator for generator, _ in found.values()]
+    if recorded:
+        kept.keep(reads, generators, seen)
+    return generators, seen
+
+
+def _modules_of(layer: nn.Module) -> list[nn.Module]:
+    return list(layer.modules())
 
 
 def held_generator_states(modules: list[nn.Module], known: dict[int, tuple[Any, Any]]) -> dict[int, tuple[Any, Any]]:
@@ -73,13 +105,14 @@ def held_generator_states(modules: list[nn.Module], known: dict[int, tuple[Any, 
     states: dict[int, tuple[Any, Any]] = {}
     seen = dict.fromkeys(map(id, modules), SEARCH_DEPTH + 1)
     for value in [value for module in modules for value in vars(module).values()]:
-        _collect(value, states, SEARCH_DEPTH, seen)
-    _collect_code_named(modules, states, seen)
+        _collect(value, states, SEARCH_DEPTH, seen, UNRECORDED)
+    _collect_code_named(modules, states, seen, UNRECORDED)
     return {key: state for key, state in states.items() if key not in known}
 
 
 @contextlib.contextmanager
-def unknown_draws_refused(layer: nn.Module, args: tuple, kwargs: dict, known: dict[int, tuple[Any, Any]]) -> Iterator[None]:
+def unknown_draws_refused(layer: nn.Module, args: tuple, kwargs: dict, known: dict[int, tuple[Any, Any]],
+                          kept: KeptSearch | None = None) -> Iterator[None]:
     """Around ``layer``'s recomputation: raise :class:`TbaError` when it drew from a generator that its first call's
     search did not find (``known``).
 
@@ -93,7 +126,7 @@ def unknown_draws_refused(layer: nn.Module, args: tuple, kwargs: dict, known: di
     recomputation does not draw from is let be: a forward that binds a new generator at every call (``global NOISE;
     NOISE = torch.Generator().manual_seed(seed)``) finds the first call's at the start and draws from its own.
     """
-    unknown = {key: state for key, state in generator_states(layer, args, kwargs).items() if key not in known}
+    unknown = {key: state for key, state in generator_states(layer, args, kwargs, kept).items() if key not in known}
     try:
         yield
     finally:
@@ -120,99 +153,61 @@ def _same_state(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _collect_code_named(modules: list[nn.Module], states: dict[int, tuple[Any, Any]], seen: dict[int, int]) -> None:
+def _collect_code_named(modules: list[nn.Module], states: dict[int, tuple[Any, Any]], seen: dict[int, int],
+                        reads: Reads | Unrecorded) -> None:
     """The generators the ``forward`` of each class of ``modules`` names (Note [Generators a layer's code names] in
     ``tba/runtime/_code_named.py``); torch's modules draw from what they are given."""
-    for cls in {type(module) for module in modules}:
-        for value in class_code_named(cls):
-            _collect(value, states, SEARCH_DEPTH, seen)
+    for cls in {reads.values(_type_of, module)[0] for module in modules}:
+        for value in class_code_named(cls, reads):
+            _collect(value, states, SEARCH_DEPTH, seen, reads)
 
 
 SEARCH_DEPTH = 3
 """Containers (dict, list, tuple) and plain objects searched for generators, nested in one another up to this deep."""
 
 
-def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: dict[int, int]) -> None:
+def _collect(value: Any, states: dict[int, tuple[Any, Any]], depth: int, seen: dict[int, int],
+             reads: Reads | Unrecorded) -> None:
     """Collect the generators ``value`` is or holds, ``depth`` deep; ``seen`` holds the objects searched and how deep
     (Note [Generators a layer's code names] in ``tba/runtime/_code_named.py``: one reached again with more depth left
-    is searched again)."""
+    is searched again); each read of what a value holds goes through ``reads`` (Note [A generator search is reused
+    while what it read holds] in ``tba/runtime/_search_reads.py``)."""
     if is_generator(value):  # Note [A generator is told by its type] in tba/runtime/_code_named.py
         if id(value) not in states:
             states[id(value)] = (value, _state(value))
     elif depth and isinstance(value, (dict, list, tuple)):
         items = held_items(value)
-        if not _only_leaves(items):  # Note [The generator search skips containers of plain values]
-            for item in items:
-                _collect(item, states, depth - 1, seen)
+        if not only_leaves(items, SEARCH_DEPTH):  # Note [The generator search skips containers of plain values]
+            for item in reads.items(value):  # in tba/runtime/_plain_containers.py
+                _collect(item, states, depth - 1, seen, reads)
+        else:
+            reads.skipped(value, items, SEARCH_DEPTH)
     elif not depth or seen.get(id(value), -1) >= depth:  # a config every block holds is searched once
         return
     elif isinstance(value, types.ModuleType):  # Note [A module held as a value is searched for its generators only]
         seen[id(value)] = depth
-        for item in _module_generators(value):
-            _collect(item, states, depth - 1, seen)
+        for item in reads.values(_module_generators, value):
+            _collect(item, states, depth - 1, seen, reads)
     elif plain_object(value):
         seen[id(value)] = depth
-        for _, item in fields(value):
-            _collect(item, states, depth - 1, seen)
+        for item in reads.values(_field_values, value):
+            _collect(item, states, depth - 1, seen, reads)
     elif isinstance(value, nn.Module):  # a module passed in, or held in a list
         seen[id(value)] = depth
-        for item in [*vars(value).values(), *class_code_named(type(value))]:
-            _collect(item, states, depth - 1, seen)
+        for item in [*reads.items(reads.attr(value, "__dict__")), *class_code_named(reads.values(_type_of, value)[0], reads)]:
+            _collect(item, states, depth - 1, seen, reads)
     elif isinstance(value, _CALLABLES):  # a noise function passed to every block
         seen[id(value)] = depth
-        for item in _held_by_callable(value):
-            _collect(item, states, depth - 1, seen)
+        for item in _held_by_callable(value, reads):
+            _collect(item, states, depth - 1, seen, reads)
 
 
-_LEAVES = (*PLAIN, torch.Tensor, np.ndarray)
-"""What the search never looks into: plain values, tensors and numpy arrays."""
+def _type_of(value: Any) -> list[type]:
+    return [type(value)]
 
 
-def _only_leaves(items: Any) -> bool:
-    """Whether ``items`` (a container's) are :data:`_LEAVES` only, or containers of them (:data:`SEARCH_DEPTH` deep), by
-    type, at C speed.
-
-    Note: [The generator search skips containers of plain values]
-    The search runs at every call of a recomputed layer, and each item it meets costs a Python call with a few
-    ``isinstance`` (about 0.7 us). Since it looks into plain objects (a config the blocks share), a metrics list such an
-    object holds and grows every step (``config.history``, Note [The walk of nested state] in
-    ``tba/runtime/_nested_state.py``), or a vocabulary dict, was walked item by item at every call: 100,000 floats in
-    a config shared by 8 recomputed blocks made a step 665 ms where it took 85 ms before, and growing with the list.
-    A container whose items are of the types the search never looks into is skipped after one pass over their types
-    (as the nested-state walk tells plain values, ``_only_plain`` there), and so is one of containers or plain objects
-    of them, a level of items at a time (a history of ``(step, loss)`` pairs, a vocabulary of lists, rows as dicts or
-    dataclasses: since the search takes what a layer's code names, a module-level table of 100,000 lists made each
-    call 126 ms, of 100,000 dataclass rows 360 ms, helper-121); one holding anything else is walked as before.
-    """
-    for _ in range(SEARCH_DEPTH):
-        every = set(map(type, items))
-        kinds = {kind for kind in every if not issubclass(kind, _LEAVES)}
-        if not kinds:
-            return True
-        if not all(issubclass(kind, (dict, list, tuple)) or _fields_in_dict(kind) for kind in kinds):
-            return False
-        if kinds != every:  # the next level's items, without the leaves
-            items = [item for item in items if type(item) in kinds]
-        if all(issubclass(kind, dict) for kind in kinds):
-            items = list(itertools.chain.from_iterable(map(dict.values, items)))
-        elif all(issubclass(kind, (list, tuple)) for kind in kinds):
-            items = list(itertools.chain.from_iterable(items))
-        elif all(map(_fields_in_dict, kinds)):  # dataclass rows
-            items = list(itertools.chain.from_iterable(map(dict.values, map(_DICT, items))))
-        else:
-            items = [item for held in items for item in (held_items(held) if isinstance(held, (dict, list, tuple))
-                                                         else dict(fields(held)).values())]
-    return False
-
-
-_DICT = operator.attrgetter("__dict__")
-
-
-@functools.lru_cache(maxsize=1024)
-def _fields_in_dict(kind: type) -> bool:
-    """Whether a plain object of ``kind`` holds its fields in its ``__dict__`` only, read as is (no slots, no
-    ``__getattribute__`` of its own: Note [An object's fields are read without its __getattr__])."""
-    return kind_of(kind) == 1 and not slots(kind) and kind.__getattribute__ is object.__getattribute__
+def _field_values(value: Any) -> list[Any]:
+    return [item for _, item in fields(value)]
 
 
 def _module_generators(module: types.ModuleType) -> list[Any]:
@@ -235,18 +230,18 @@ def _module_generators(module: types.ModuleType) -> list[Any]:
 _CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
 
 
-def _held_by_callable(value: Any) -> list[Any]:
+def _held_by_callable(value: Any, reads: Reads | Unrecorded) -> list[Any]:
     """What a function's closure cells, a bound method's object or a ``functools.partial``'s function and arguments
     hold."""
     if isinstance(value, functools.partial):
-        return [value.func, *value.args, *value.keywords.values()]
+        return list(reads.values(partial_parts, value))
     if isinstance(value, types.MethodType):
-        function, owner = value.__func__, value.__self__
-        cls = owner if isinstance(owner, type) else type(owner)  # a classmethod's is the class
-        return [owner, *(code_named(function, cls) if user_code(function) else ())]
-    held = closure_contents(value)
-    if user_code(value):
-        held += code_named(value)
+        function, owner = reads.attr(value, "__func__"), reads.attr(value, "__self__")
+        cls = owner if isinstance(owner, type) else reads.values(_type_of, owner)[0]  # a classmethod's is the class
+        return [owner, *(code_named(function, reads, cls) if reads.equal(user_code, function) else ())]
+    held = list(reads.values(closure_contents, value))
+    if reads.equal(user_code, value):
+        held += code_named(value, reads)
     return held
 
 

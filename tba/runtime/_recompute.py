@@ -99,6 +99,7 @@ from tba.runtime._private_state import (
     put_back_nested,
 )
 from tba.runtime._recompute_inputs import check_inputs_unchanged, inputs_left_alone, saved_as_bases, watched_inputs
+from tba.runtime._search_reads import kept_searches
 from tba.runtime._wrappable import check_wrappable
 
 _functorch_level = torch._C._functorch.maybe_current_level
@@ -148,6 +149,9 @@ class RecomputeLayers:
 
 
 def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bool) -> Any:
+    # Note [A generator search is reused while what it read holds] in tba/runtime/_search_reads.py
+    first_search, again_search = kept_searches(layer)
+
     def first_or_again(calls: list[int], first: FirstCall, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         use = Use("first call" if calls[0] == 1 else "recomputation", layer, watch=calls[0] > 1 and not compiled_within)
@@ -163,7 +167,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
 
     def first_call(first: FirstCall, use: Use, learned: Learned, *args: Any, **kwargs: Any) -> Any:
         refuse_cache(layer, args, kwargs)
-        first.start(layer, args, kwargs, learned)
+        first.start(layer, args, kwargs, learned, first_search)
         inputs, private = call_tensor_versions(args, kwargs, attribute_tensors), private_state(layer)
         check_watchable(layer, private.deep)  # Note [The walk of nested state]
         if compiled_within:
@@ -200,7 +204,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         program = settings_now()
         try:
             switch_to(first.settings)  # inside the try: a switch that raised midway is undone
-            with unknown_draws_refused(layer, args, kwargs, first.generators):
+            with unknown_draws_refused(layer, args, kwargs, first.generators, again_search):
                 return forward(*args, **kwargs)
         finally:
             switch_to(program)

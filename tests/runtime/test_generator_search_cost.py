@@ -1,5 +1,5 @@
 """The generator search of a recomputed layer skips a container of plain values, tensors and arrays after one pass over
-their types, at C speed (Note [The generator search skips containers of plain values] in tba/runtime/_generators.py):
+their types, at C speed (Note [The generator search skips containers of plain values] in tba/runtime/_plain_containers.py):
 a metrics list in a config every block holds was walked item by item at every call, 100,000 floats making a step of
 8 recomputed blocks 8x slower. Counted in calls of the search, not timed."""
 
