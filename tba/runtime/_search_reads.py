@@ -74,7 +74,7 @@ def _by_type(kind: type) -> bool:
     by identity (tba's wrapper set as a recomputed layer's ``forward``, made anew at every step; a logger)."""
     if kind is types.MappingProxyType or (issubclass(kind, LEAVES) and not issubclass(kind, GENERATOR_TYPES)):
         return True
-    return kind_of(kind) == 0 and not issubclass(kind, _LOOKED_INTO)
+    return kind is not object and kind_of(kind) == 0 and not issubclass(kind, _LOOKED_INTO)  # a sentinel by identity
 
 
 class Reads:
