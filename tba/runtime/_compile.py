@@ -103,6 +103,9 @@ COMPILED_AUTOGRAD_MESSAGE = (
 # backend, a compiler that is not Dynamo, a torch whose wrapper is named otherwise) raises
 # :class:`~tba.errors.TbaError` naming the fix: loud where not known exact. Gradients of parameters whose last
 # use precedes the first unpack may already have been accumulated by then: the step failed as a whole.
+# A recomputation asks too (``call`` in ``tba/runtime/_recompute.py``): the checkpoint hooks a plan puts around a
+# recomputed layer break the graph at each tensor saved inside it as tba's unpack does, and a backward whose saves
+# were all inside recomputed layers reached no unpack of tba's, under any backend, silently (helper-132).
 _COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
 EXACT_COMPILED_AUTOGRAD_BACKENDS = ("aot_eager", "eager")
 _BACKEND_WRAPPERS_UNWRAPPED = 8

@@ -77,7 +77,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tba.runtime._call_args import call_tensor_versions, refuse_cache, take_apart
 from tba.runtime._call_objects import attribute_tensors
-from tba.runtime._compile import is_compiled_module
+from tba.runtime._compile import check_compiled_autograd_backend, is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import set_states, states_now, unknown_draws_refused
@@ -245,8 +245,10 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         announce = _backward_announcer(top)
 
         def call(calls: list[int], first: FirstCall, *saved: torch.Tensor) -> Any:
-            if calls[0] and announce is not None:
-                announce()
+            if calls[0]:  # a recomputation: torch's checkpoint hooks break compiled autograd's graph as tba's unpack does
+                check_compiled_autograd_backend()  # Note [Compiled autograd under a backend not known exact]
+                if announce is not None:
+                    announce()
             if originals:
                 call_args, call_kwargs = originals.pop()
                 return first_or_again(calls, first, *call_args, **call_kwargs)
