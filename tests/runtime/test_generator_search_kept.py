@@ -217,3 +217,59 @@ def test_a_generator_rebound_before_a_replayed_recomputation_is_refused(tmp_path
                 loss.backward()
         else:
             loss.backward()
+
+
+SHARED_NOISE = torch.Generator().manual_seed(48)
+"""A module-level generator that only a function's new code names."""
+
+
+def _quiet_maker():
+    def quiet(shape: torch.Size) -> torch.Tensor:
+        return torch.zeros(shape)
+
+    return quiet
+
+
+def _drawing(shape: torch.Size) -> torch.Tensor:
+    return torch.rand(shape, generator=SHARED_NOISE)
+
+
+class TwoHelpers(nn.Module):
+    """A block holding two functions made by one factory: two functions, one code object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.first, self.second = _quiet_maker(), _quiet_maker()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * (1 + self.first(x.shape)) * (1 + self.second(x.shape))
+
+
+def _train_helpers(directory: str | None) -> list[torch.Tensor]:
+    SHARED_NOISE.manual_seed(48)
+    torch.manual_seed(0)
+    model = nn.Sequential(TwoHelpers(), TwoHelpers())
+    result = []
+    for step in range(3):
+        if step == 1:  # the code of one of the two swapped in place (as a reloader does): same function, same id
+            model[1].second.__code__ = _drawing.__code__
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        plan = tba.Plan(("recompute", "recompute"), window_bytes=1 << 20)
+        with tba.offload_activations(directory, layers=list(model), policy=plan) if directory else contextlib.nullcontext():
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        result += [loss.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad()
+    return result
+
+
+def test_a_function_whose_shared_code_is_replaced_is_searched_again(tmp_path):
+    """Two functions of one factory share a code object, whose names the search reads once: the replay compared the
+    code a function holds by its type only, so one of them given new code (naming a generator) replayed the old
+    names, the generator was not found, and the recomputation drew other numbers than the forward, silently
+    (helper-132). A code object is compared by identity."""
+    expected = _train_helpers(None)
+    got = _train_helpers(str(tmp_path))
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
