@@ -63,8 +63,10 @@ def _getter(kind: type) -> Callable[..., Any]:
 
 
 _LOOKED_INTO = (*GENERATOR_TYPES, types.ModuleType, type, nn.Module, types.FunctionType, types.MethodType, functools.partial,
-                functools.partialmethod, staticmethod, classmethod, property, dict, list, tuple)
-"""What the search looks into or at (Note [A generator search is reused while what it read holds])."""
+                functools.partialmethod, staticmethod, classmethod, property, dict, list, tuple, types.CodeType)
+"""What the search looks into or at (Note [A generator search is reused while what it read holds]). A code object
+too: its names are read once per code object, and functions of one factory share it; compared by type, one of them
+given new code in place (``f.__code__ = ...``, as a reloader does) replayed the other's names (helper-132)."""
 
 
 @functools.lru_cache(maxsize=1024)
