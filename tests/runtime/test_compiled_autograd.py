@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import tba
-from tba.runtime._compile import COMPILED_AUTOGRAD_BACKEND_FIX, COMPILED_AUTOGRAD_MESSAGE
+from tba.runtime._compile import COMPILED_AUTOGRAD_BACKEND_FIX, COMPILED_AUTOGRAD_MESSAGE, check_compiled_autograd_backend
 
 compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd",
                                         reason="this torch has no compiled autograd")
@@ -205,3 +205,25 @@ def test_compiled_autograd_over_recomputed_layers_is_exact_under_aot_eager(spill
         return [p.grad for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(None), run(spill_dir), strict=True))
+
+
+
+def test_compiled_autograd_far_below_its_wrapper_names_the_fix(monkeypatch):
+    """Each graph break before the first unpack (a gradient hook that logs or prints, ``torch._dynamo.graph_break()``)
+    nests one more frame between the unpack and compiled autograd's runtime wrapper: 56 such hooks on an MLP's output
+    put it 67 frames below, where the backend check stopped looking, took the unpack for another thread's eager
+    backward's and let a backend not known exact through, silently (helper-132; 90 s to compile, so the stack is made
+    here: compiled autograd's wrapper by name and file, no torch.compile wrapper above the unpack)."""
+    namespace: dict = {}
+    exec(compile("def runtime_wrapper(below):\n    return below()\n", "/torch/_dynamo/compiled_autograd.py", "exec"),
+         namespace)
+    monkeypatch.setattr(compiled_autograd, "in_compiled_autograd_region", True)
+
+    def nested(depth: int) -> None:
+        if depth:
+            return nested(depth - 1)
+        return check_compiled_autograd_backend()
+
+    for depth in (5, 100):
+        with pytest.raises(tba.TbaError, match="with the backend none"):
+            namespace["runtime_wrapper"](lambda depth=depth: nested(depth))
