@@ -99,7 +99,9 @@ COMPILED_AUTOGRAD_MESSAGE = (
 # ``callback``, which unwraps along ``_torchdynamo_orig_backend`` down to ``torch.compile``'s wrapper, whose
 # ``compiler_fn`` is the registered backend. The region flag is one for the process, so only an unpack with
 # compiled autograd's ``runtime_wrapper`` on its own thread's stack is checked: an eager backward on another
-# thread meanwhile is left alone. Anything but the registered ``aot_eager`` or ``eager`` (inductor, a custom
+# thread meanwhile is left alone. The whole stack is looked at (only inside that region): each graph break
+# before an unpack (a gradient hook that logs) nests one more frame above it, and a walk of 64 frames took an unpack
+# below 56 such breaks for another thread's. Anything but the registered ``aot_eager`` or ``eager`` (inductor, a custom
 # backend, a compiler that is not Dynamo, a torch whose wrapper is named otherwise) raises
 # :class:`~tba.errors.TbaError` naming the fix: loud where not known exact. Gradients of parameters whose last
 # use precedes the first unpack may already have been accumulated by then: the step failed as a whole.
@@ -109,7 +111,6 @@ COMPILED_AUTOGRAD_MESSAGE = (
 _COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
 EXACT_COMPILED_AUTOGRAD_BACKENDS = ("aot_eager", "eager")
 _BACKEND_WRAPPERS_UNWRAPPED = 8
-_FRAMES_TO_COMPILED_AUTOGRAD = 64
 _DYNAMO_WRAPPER_FILE = "_dynamo/eval_frame.py"
 _COMPILED_AUTOGRAD_FILE = "_dynamo/compiled_autograd.py"
 _loaded_module = sys.modules.get
@@ -126,9 +127,7 @@ def _running_backend() -> tuple[bool, object, str]:
     graph and its name (None and "none ..." where no ``torch.compile`` wrapper runs it)."""
     frame = sys._getframe(2)
     callback, reached = None, False
-    for _ in range(_FRAMES_TO_COMPILED_AUTOGRAD):
-        if frame is None:
-            break
+    while frame is not None:  # the whole stack: each graph break before this unpack nests a frame more (helper-132)
         code = frame.f_code
         if callback is None and code.co_name == "compile_wrapper" and code.co_filename.endswith(_DYNAMO_WRAPPER_FILE):
             callback = frame.f_locals.get("callback")
