@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import bisect
 
-from tba.io._memory import round_up
-
 
 class ExtentAllocator:
     """First-fit allocator of aligned file ranges.
@@ -48,7 +46,8 @@ class ExtentAllocator:
         """Reserve at least ``nbytes`` (rounded up to the alignment) and return the offset."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
-        size = round_up(nbytes, self.alignment_bytes)
+        alignment_bytes = self.alignment_bytes
+        size = -(-nbytes // alignment_bytes) * alignment_bytes  # round_up, inline: once per storage saved
         for i, offset in enumerate(self._free_offsets):
             hole = self._free_sizes[offset]
             if hole >= size:

@@ -103,8 +103,12 @@ class HostBatch:
               wanted: Callable[[], bool] | None = None) -> None:
         """Queue the write of the storage ``data`` at ``offset + phase_bytes``; ``wanted()`` is asked
         before it goes to the engine (None: always written). After closing it hears ``WRITE_NOT_NEEDED``."""
-        extent_bytes = round_up(phase_bytes + data.numel(), ALIGN_BYTES)
-        write = _Write(data, data.data_ptr() - phase_bytes, extent_bytes, fd, offset, on_done, wanted)
+        extent_bytes = -(-(phase_bytes + data.numel()) // ALIGN_BYTES) * ALIGN_BYTES  # round_up, inline
+        # Note: [Per-storage tuples made without their Python __new__]
+        # A NamedTuple's constructor is a Python function (a lambda ``collections.namedtuple`` compiles): one
+        # Python call per storage for each of ``_Write`` and ``Transfer``. ``tuple.__new__`` makes the same
+        # object, fields in declaration order, in C (docs/host-cost.md, twenty-ninth pass).
+        write = tuple.__new__(_Write, (data, data.data_ptr() - phase_bytes, extent_bytes, fd, offset, on_done, wanted))
         with self._lock:
             closed = self._closed
             if not closed:
@@ -173,9 +177,10 @@ class HostBatch:
                 if write.wanted is not None and not write.wanted():
                     unwanted.append(write)
                     continue
-                transfers.append(Transfer(Op.WRITE, write.fd, write.address, write.extent_bytes, write.offset,
-                                           functools.partial(self._write_done, write.extent_bytes, write.on_done),
-                                           write.data))
+                # Note [Per-storage tuples made without their Python __new__]
+                transfers.append(tuple.__new__(Transfer, (
+                    Op.WRITE, write.fd, write.address, write.extent_bytes, write.offset,
+                    functools.partial(self._write_done, write.extent_bytes, write.on_done), write.data)))
             self._add_requests(requests, callbacks, transfers)
             if not unwanted:
                 break

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba import defaults
-from tba._trace import nvtx_range
+from tba._trace import nvtx_enabled, nvtx_range
 from tba._untrack import untrack
 from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._entry import State, StorageEntry, storage_bytes
 from tba.runtime._trim import hands_back_pages, owns_its_memory
 
 if TYPE_CHECKING:
-    from tba.device import Routes
+    from tba.device import Route, Routes
     from tba.io import SpillFile
     from tba.runtime._host_io import HostBatch
     from tba.runtime._prefetch import PrefetchWindow
@@ -132,7 +132,7 @@ class StoreWrites:
             # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in
             # tba/runtime/_trim.py): under a caching allocator nothing lingers and nothing is discarded.
             # Nor is a small storage (Note [Small storages keep their pages] in tba/runtime/_trim.py).
-            own_memory=hands_back_pages() and nbytes >= defaults.DISCARD_MIN_BYTES and owns_its_memory(data),
+            own_memory=nbytes >= defaults.DISCARD_MIN_BYTES and hands_back_pages() and owns_its_memory(data),
             cdata=storage._weak_ref(),  # last: nothing may raise between taking it and the entry owning it
         )
         self._next_seq += 1
@@ -145,14 +145,27 @@ class StoreWrites:
         self.unwritten_bytes += entry.nbytes
         entry.transfer_in_flight = True
         self.write_clock.start()
-        with nvtx_range("write"):
-            on_done = functools.partial(self._on_write_done, entry)
-            wanted = functools.partial(self._write_wanted, entry)
-            if route is self.routes.host:
-                self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, wanted)
-            else:
-                route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready, wanted)
+        if nvtx_enabled():  # Note [No range without nvtx]
+            with nvtx_range("write"):
+                self._queue_write(entry, route, ready)
+        else:
+            self._queue_write(entry, route, ready)
         return entry
+
+    def _queue_write(self, entry: StorageEntry, route: Route, ready: Any) -> None:
+        """Hand ``entry``'s write to the host batch or to its device route.
+
+        Note: [No range without nvtx]
+        Without the ``nvtx`` package the per-storage paths test :func:`~tba._trace.nvtx_enabled` and call the
+        work itself: the no-op range (``contextlib.nullcontext``) costs three Python calls per storage, its
+        ``__enter__`` and ``__exit__`` and :func:`~tba._trace.nvtx_range` (docs/host-cost.md, twenty-ninth pass).
+        """
+        on_done = functools.partial(self._on_write_done, entry)
+        wanted = functools.partial(self._write_wanted, entry)
+        if route is self.routes.host:
+            self._host.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, wanted)
+        else:
+            route.write(entry.data, entry.phase_bytes, self.spill.fd, entry.offset, on_done, ready, wanted)
 
     def _on_write_done(self, entry: StorageEntry, error: BaseException | None) -> None:
         self.write_clock.stop()

@@ -101,3 +101,23 @@ def test_python_per_storage_does_not_grow_with_the_storages_of_a_step(spill_dir)
         bound = 1.5 * small.get(thread, 0.0) + 20
         assert lines <= bound, (f"{thread} ran {lines:.1f} lines per storage at 800 storages, {small.get(thread, 0.0):.1f} "
                                 f"at 100: {small} / {large}")
+
+
+def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_rounding(spill_dir):
+    """Without nvtx, a storage's save calls no no-op range (Note [No range without nvtx] in tba/runtime/_writes.py),
+    no NamedTuple constructor (Note [Per-storage tuples made without their Python __new__] in tba/runtime/_host_io.py)
+    and no ``round_up``: three Python calls per storage each, on the thread the forward waits for (docs/host-cost.md)."""
+    from tba._trace import nvtx_enabled
+
+    if nvtx_enabled():
+        import pytest
+
+        pytest.skip("nvtx is installed: the write range is real")
+    count = 200
+    leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
+    work = count_step(lambda mark: _step(leaves, spill_dir, mark))
+    calls = dict(work.top_functions("forward", "tba-control", count, top=1000))
+    assert calls.get("tba/runtime/_writes.py:_start_write", 0) >= 0.9, calls  # the count sees the saves
+    for where in ("contextlib.py:__enter__", "contextlib.py:__exit__", "<string>:<lambda>", "tba/io/_memory.py:round_up",
+                  "tba/_trace.py:nvtx_range"):
+        assert calls.get(where, 0) < 0.5, f"{where}: {calls.get(where)} calls per storage saved"
