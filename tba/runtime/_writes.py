@@ -156,9 +156,10 @@ class StoreWrites:
         """Hand ``entry``'s write to the host batch or to its device route.
 
         Note: [No range without nvtx]
-        Without the ``nvtx`` package the per-storage paths test :func:`~tba._trace.nvtx_enabled` and call the
-        work itself: the no-op range (``contextlib.nullcontext``) costs three Python calls per storage, its
-        ``__enter__`` and ``__exit__`` and :func:`~tba._trace.nvtx_range` (docs/host-cost.md, twenty-ninth pass).
+        Without the ``nvtx`` package a save tests :func:`~tba._trace.nvtx_enabled` and calls this method with no
+        range around it: the no-op range cost three Python calls per storage (:func:`~tba._trace.nvtx_range` and
+        ``contextlib.nullcontext``'s ``__enter__`` and ``__exit__``), the test one (docs/host-cost.md, twenty-ninth
+        pass). ``tests/runtime/test_nvtx_ranges.py`` runs the branch taken with ``nvtx`` installed.
         """
         on_done = functools.partial(self._on_write_done, entry)
         wanted = functools.partial(self._write_wanted, entry)
