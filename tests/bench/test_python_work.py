@@ -10,6 +10,7 @@ import torch
 import tba
 from tba import _control
 from tba.bench.python_work import PythonWork, count_step
+from tba.runtime import _entry
 
 
 def _digits(n: int) -> int:
@@ -118,6 +119,8 @@ def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_r
     work = count_step(lambda mark: _step(leaves, spill_dir, mark))
     calls = dict(work.top_functions("forward", "tba-control", count, top=1000))
     assert calls.get("tba/runtime/_writes.py:_start_write", 0) >= 0.9, calls  # the count sees the saves
-    for where in ("contextlib.py:__enter__", "contextlib.py:__exit__", "<string>:<lambda>", "tba/io/_memory.py:round_up",
-                  "tba/_trace.py:nvtx_range"):
+    for where in ("contextlib.py:__enter__", "contextlib.py:__exit__", "<string>:<lambda>", "tba/_trace.py:nvtx_range"):
         assert calls.get(where, 0) < 0.5, f"{where}: {calls.get(where)} calls per storage saved"
+    # The Python record (tba._record not built) rounds its extent_bytes through round_up: one call per storage.
+    rounding = calls.get("tba/io/_memory.py:round_up", 0)
+    assert rounding < (0.5 if _entry.NATIVE else 1.5), f"round_up: {rounding} calls per storage saved"
