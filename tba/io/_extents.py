@@ -9,6 +9,15 @@ hole fits, the file grows at its end. A training step frees what the previous on
 asks for the same sizes again, so after the first step every request lands in an existing hole and
 the file stops growing. All sizes are rounded up to ``alignment_bytes`` so that every extent can
 be read and written with ``O_DIRECT``.
+
+Note: [Extents come and go at the end of the file]
+A step's saves allocate in order and its backward frees in the reverse order, so nearly every
+allocation finds no hole and extends the file, and nearly every free returns the last extent of the
+file. Both are O(1) and a few lines (the free takes the hole before it along, if one ends there); only
+an allocation while holes exist, or a free in the middle, walks the free list. This holds because no
+hole ever ends at ``end_bytes`` (a free there shrinks the file instead) and no two holes touch (a free
+merges its neighbours). The backward of 2000 x 64 KiB ran 13.5 lines per storage in ``free`` and its
+helpers before this path, 5 with it (docs/host-cost.md, twenty-ninth pass).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ class ExtentAllocator:
         if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
             raise ValueError(f"alignment_bytes must be a power of two, got {alignment_bytes}")
         self.alignment_bytes = alignment_bytes
+        self._mask = alignment_bytes - 1
         self.end_bytes = 0
         self._free_offsets: list[int] = []
         self._free_sizes: dict[int, int] = {}
@@ -46,8 +56,18 @@ class ExtentAllocator:
         """Reserve at least ``nbytes`` (rounded up to the alignment) and return the offset."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
-        alignment_bytes = self.alignment_bytes
-        size = -(-nbytes // alignment_bytes) * alignment_bytes  # round_up, inline: once per storage saved
+        size = (nbytes + self._mask) & ~self._mask
+        if self._free_offsets:  # else no hole to look in: Note [Extents come and go at the end of the file]
+            offset = self._first_fit(size)
+            if offset >= 0:
+                return offset
+        offset = self.end_bytes
+        self.end_bytes = offset + size
+        self._used[offset] = size
+        return offset
+
+    def _first_fit(self, size: int) -> int:
+        """The lowest hole of at least ``size`` bytes, now used (its rest stays free); -1 when none fits."""
         for i, offset in enumerate(self._free_offsets):
             hole = self._free_sizes[offset]
             if hole >= size:
@@ -57,16 +77,20 @@ class ExtentAllocator:
                     self._insert_free(offset + size, hole - size)
                 self._used[offset] = size
                 return offset
-        offset = self.end_bytes
-        self.end_bytes += size
-        self._used[offset] = size
-        return offset
+        return -1
 
     def free(self, offset: int) -> None:
         """Return the extent that starts at ``offset``; merges it with free neighbours."""
         size = self._used.pop(offset, None)
         if size is None:
             raise KeyError(f"no extent allocated at offset {offset}")
+        if offset + size == self.end_bytes:  # Note [Extents come and go at the end of the file]
+            holes = self._free_offsets
+            if holes and holes[-1] + self._free_sizes[holes[-1]] == offset:  # the hole before it goes too
+                offset = holes.pop()
+                del self._free_sizes[offset]
+            self.end_bytes = offset  # the file may be truncated to here
+            return
         i = bisect.bisect_left(self._free_offsets, offset)
         if i < len(self._free_offsets) and offset + size == self._free_offsets[i]:
             after = self._free_offsets.pop(i)
@@ -75,20 +99,9 @@ class ExtentAllocator:
             before = self._free_offsets[i - 1]
             if before + self._free_sizes[before] == offset:
                 self._free_sizes[before] += size
-                self._shrink_tail()
                 return
-        self._insert_free(offset, size)
-        self._shrink_tail()
+        self._insert_free(offset, size)  # it ends before the last extent: the file keeps its length
 
     def _insert_free(self, offset: int, size: int) -> None:
         bisect.insort(self._free_offsets, offset)
         self._free_sizes[offset] = size
-
-    def _shrink_tail(self) -> None:
-        """Forget a free hole that ends at the end of the file, so the file may be truncated."""
-        if self._free_offsets:
-            last = self._free_offsets[-1]
-            if last + self._free_sizes[last] == self.end_bytes:
-                self._free_offsets.pop()
-                del self._free_sizes[last]
-                self.end_bytes = last

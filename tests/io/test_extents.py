@@ -86,3 +86,39 @@ def test_a_spill_file_in_use_gives_its_space_back_when_its_last_extent_is_freed(
         assert spill.size_bytes > 0, "a plain release on a file in use gave the space back at a later free"
     finally:
         spill.close()
+
+
+def _first_fit_by_hand(used: dict[int, int], size: int) -> int:
+    """The lowest aligned offset where ``size`` bytes fit between the extents in ``used`` (offset -> size), or after them."""
+    offset = 0
+    for start in sorted(used):
+        if start - offset >= size:
+            return offset
+        offset = start + used[start]
+    return offset
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_steps_match_first_fit_by_hand(seed):
+    """Random allocations and frees, mostly at the end of the file (Note [Extents come and go at the end of the file]
+    in tba/io/_extents.py), some in the middle: every offset is first fit over what is in use, and the file ends at
+    the end of its last extent."""
+    import random
+
+    rng = random.Random(seed)
+    alloc = ExtentAllocator(4096)
+    used: dict[int, int] = {}
+    for _ in range(400):
+        if used and rng.random() < 0.5:
+            offsets = sorted(used)
+            offset = offsets[-1] if rng.random() < 0.6 else rng.choice(offsets)
+            alloc.free(offset)
+            del used[offset]
+        else:
+            nbytes = rng.choice((1, 4096, 5000, 3 * 4096, 1 << 16))
+            size = round_up(nbytes, 4096)
+            expected = _first_fit_by_hand(used, size)
+            assert alloc.allocate(nbytes) == expected
+            used[expected] = size
+        assert alloc.end_bytes == max((start + size for start, size in used.items()), default=0)
+        assert alloc.used_bytes == sum(used.values()) and alloc.in_use == bool(used)
