@@ -95,19 +95,32 @@ class Control:
         """Run every deferred job, then the batch-end callbacks (errors are logged)."""
         deferred = self.deferred
         while deferred:
-            item = deferred.popleft()
             try:
-                if isinstance(item, Finalizer):
-                    self.finalizers.pop(id(item), None)
-                    item.fire()
-                else:
-                    item[0](*item[1])
+                self._drain(deferred)
             except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
                 logger.exception("tba: a deferred job on the control thread failed")
-        # The last job (a save holds its tensor) must not outlive it while the batch's writes go out:
-        # Note [A worker keeps nothing of its last job] in tba/device/_staged_route.py.
-        item = None
         self.run_batch_end()
+
+    def _drain(self, deferred: collections.deque) -> None:
+        """Run deferred jobs in order until none is left, or until one raises (:meth:`run_deferred` logs it and calls
+        again for the rest).
+
+        Note: [One try per batch of deferred jobs]
+        Backward defers three items per storage read back (its unpack's bookkeeping, its view's death, its read
+        buffer's death), and each used to enter a ``try`` and ask ``isinstance`` of its own. The ``try`` is around the
+        loop instead, entered again only after a job raised, and an item is told apart by its exact type: a job is
+        the ``(fn, args)`` tuple :func:`tba._control.defer` appends, anything else a :class:`Finalizer`. The last item
+        is a local of this frame, gone when it returns (Note [A worker keeps nothing of its last job] in
+        ``tba/device/_staged_route.py``: a save's job holds its tensor while the batch's writes go out).
+        """
+        popleft, unregister = deferred.popleft, self.finalizers.pop
+        while deferred:
+            item = popleft()
+            if item.__class__ is tuple:
+                item[0](*item[1])
+            else:
+                unregister(id(item), None)
+                item.fire()
 
     def run_batch_end(self) -> None:
         while self.batch_end:

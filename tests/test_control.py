@@ -45,3 +45,53 @@ def test_a_job_deferred_after_the_drain_loop_still_wakes_the_control_thread():
     finally:
         _control_loop.FINALIZER_POLL_S = poll_s
         _control.settle()  # the control thread waits with the usual poll again
+
+
+def test_a_deferred_job_that_raises_is_logged_and_the_items_after_it_still_run_in_order(caplog):
+    """Note [One try per batch of deferred jobs] in tba/_control_loop.py: a job that raises ends one pass of the drain
+    loop, not the drain; jobs and finalizers after it run, in order, and the last one's arguments are not kept."""
+    import gc
+    import logging
+    import weakref
+
+    class Arg:
+        pass
+
+    class Told(_control.Finalizer):
+        __slots__ = ("ran",)
+
+        def fire(self) -> None:
+            self.ran.append("finalizer")
+
+    def fail() -> None:
+        raise RuntimeError("a deferred job failed on purpose")
+
+    started, release = threading.Event(), threading.Event()
+    busy = threading.Thread(target=_control.call, args=(lambda: (started.set(), release.wait(10)),))
+    busy.start()
+    assert started.wait(5)
+    ran: list[object] = []
+    arg = Arg()
+    gone = weakref.ref(arg)
+    try:
+        with caplog.at_level(logging.ERROR, logger="tba"):
+            _control.defer(ran.append, 1)
+            _control.defer(fail)
+            subject = Arg()
+            told = _control.finalizer(Told, subject)
+            told.ran = ran
+            del told, subject  # fires: the finalizer is queued after the failing job
+            gc.collect()
+            _control.defer(fail)
+            _control.defer(ran.append, 2)
+            _control.defer(len, (arg,))
+            del arg
+            release.set()
+            busy.join()
+            _control.settle()
+    finally:
+        release.set()
+        busy.join()
+    assert ran == [1, "finalizer", 2]
+    assert sum("deferred job on the control thread failed" in record.getMessage() for record in caplog.records) == 2
+    assert gone() is None, "the control thread kept the last deferred job's arguments"
