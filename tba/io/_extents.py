@@ -84,13 +84,20 @@ class ExtentAllocator:
         size = self._used.pop(offset, None)
         if size is None:
             raise KeyError(f"no extent allocated at offset {offset}")
-        if offset + size == self.end_bytes:  # Note [Extents come and go at the end of the file]
-            holes = self._free_offsets
-            if holes and holes[-1] + self._free_sizes[holes[-1]] == offset:  # the hole before it goes too
-                offset = holes.pop()
-                del self._free_sizes[offset]
-            self.end_bytes = offset  # the file may be truncated to here
-            return
+        if offset + size != self.end_bytes:
+            self._free_inside(offset, size)
+        elif not self._free_offsets:  # Note [Extents come and go at the end of the file]
+            self.end_bytes = offset
+        else:
+            last = self._free_offsets[-1]
+            if last + self._free_sizes[last] == offset:  # the hole before it goes too
+                self._free_offsets.pop()
+                del self._free_sizes[last]
+                offset = last
+            self.end_bytes = offset
+
+    def _free_inside(self, offset: int, size: int) -> None:
+        """Free ``size`` bytes at ``offset``, which end before the file's last extent: the file keeps its length."""
         i = bisect.bisect_left(self._free_offsets, offset)
         if i < len(self._free_offsets) and offset + size == self._free_offsets[i]:
             after = self._free_offsets.pop(i)
@@ -100,7 +107,7 @@ class ExtentAllocator:
             if before + self._free_sizes[before] == offset:
                 self._free_sizes[before] += size
                 return
-        self._insert_free(offset, size)  # it ends before the last extent: the file keeps its length
+        self._insert_free(offset, size)
 
     def _insert_free(self, offset: int, size: int) -> None:
         bisect.insort(self._free_offsets, offset)
