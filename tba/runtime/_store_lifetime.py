@@ -72,7 +72,8 @@ class StoreLifetime:
             if self._by_storage.get(entry.cdata) is entry:
                 del self._by_storage[entry.cdata]
             entry.state = State.DEAD
-            self.release(entry)
+            if entry.data is not None:  # a storage read back was released when its last view was unpacked
+                self.release(entry)
             self.window.forget(entry)
             if not entry.transfer_in_flight:
                 self._free_extent(entry)
