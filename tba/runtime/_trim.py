@@ -272,10 +272,8 @@ class HeapTrimmer:
 
     def note_released(self, nbytes: int) -> None:
         """``nbytes`` of memory were just released; trims once enough has accumulated."""
-        if self._trim is None or not hands_back_pages():
-            return
         every_bytes = self._setting
-        if every_bytes <= 0:
+        if every_bytes <= 0 or self._trim is None or not hands_back_pages():  # off first: no call while off
             return
         with self._lock:
             self._pending_bytes += nbytes
