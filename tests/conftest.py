@@ -276,3 +276,20 @@ def sim():
     assert device.problems() == [], "\n".join(device.problems())
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith(("tba", "fake"))]
     assert not left, f"threads left: {left}"
+
+
+@pytest.fixture
+def search_calls(monkeypatch) -> list[int]:
+    """How many values the generator search of recomputed layers (``_collect`` in tba/runtime/_generators.py) has met
+    so far: its cost, counted instead of timed."""
+    from tba.runtime import _generators
+
+    calls = [0]
+    search = _generators._collect
+
+    def counted(*args):
+        calls[0] += 1
+        return search(*args)
+
+    monkeypatch.setattr(_generators, "_collect", counted)
+    return calls

@@ -251,21 +251,12 @@ def test_trainer_keeps_the_policy_its_config_chose(spill_dir, tmp_path):
     trainer.offloader.close()
 
 
-def test_an_unchanged_llama_block_is_not_searched_for_generators_again(spill_dir, monkeypatch):
+def test_an_unchanged_llama_block_is_not_searched_for_generators_again(spill_dir, search_calls):
     """The generator search of each recomputed block met about 400 values per call, first call and recomputation (the
     block's modules, hook dicts, config, the helpers its code names: 0.7 ms a call), at every step. From the second
     step on it replays its reads and meets only the call's arguments (Note [A generator search is reused while what it
     read holds] in tba/runtime/_search_reads.py); counted, not timed."""
-    from tba.runtime import _generators
-
-    calls = [0]
-    search = _generators._collect
-
-    def counted(*args):
-        calls[0] += 1
-        return search(*args)
-
-    monkeypatch.setattr(_generators, "_collect", counted)
+    calls = search_calls
     model, path = llama()
     model.train()
     model.config.use_cache = False

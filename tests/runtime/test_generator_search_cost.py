@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from tba.runtime import _generators
 from tba.runtime._generators import generator_states
 
 
@@ -38,19 +37,6 @@ class Block(nn.Module):
         self.linear = nn.Linear(4, 4)
         self.config = config
 
-
-@pytest.fixture
-def search_calls(monkeypatch) -> list[int]:
-    """How many calls of the generator search (``_collect``, each value it meets) the test has made so far."""
-    calls = [0]
-    search = _generators._collect
-
-    def counted(*args):
-        calls[0] += 1
-        return search(*args)
-
-    monkeypatch.setattr(_generators, "_collect", counted)
-    return calls
 
 
 def test_containers_of_plain_values_are_not_walked_item_by_item(search_calls):

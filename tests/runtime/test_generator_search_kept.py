@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 import tba
-from tba.runtime import _generators
 
 WIDTH = 8
 
@@ -155,19 +154,6 @@ def test_a_generator_reached_after_a_change_between_steps_is_replayed(tmp_path, 
     for index, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
 
-
-@pytest.fixture
-def search_calls(monkeypatch) -> list[int]:
-    """How many values the generator search (``_collect``) has met so far."""
-    calls = [0]
-    search = _generators._collect
-
-    def counted(*args):
-        calls[0] += 1
-        return search(*args)
-
-    monkeypatch.setattr(_generators, "_collect", counted)
-    return calls
 
 
 def test_an_unchanged_layer_is_not_searched_again(tmp_path, search_calls):
