@@ -293,3 +293,16 @@ def search_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(_generators, "_collect", counted)
     return calls
+
+
+@pytest.fixture(params=["c", "python"])
+def exit_kind(request, monkeypatch) -> str:
+    """An offloader's exit in C (``tba._shield``) and in Python (Note [An exit that always runs] in tba/_whole_exit.py):
+    a test taking it runs under both."""
+    from tba import _whole_exit
+
+    if request.param == "c" and _whole_exit.exit_block is None:
+        pytest.skip("the native extension tba._shield is not built")
+    if request.param == "python":
+        monkeypatch.setattr(_whole_exit, "exit_block", None)
+    return request.param

@@ -7,24 +7,14 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import pytest
 import torch
 
 import tba
-from tba import _whole_exit
 from tba.runtime import _keep
 from tba.runtime._unpack_hooks import Phase
 
 _top = torch._C._autograd._top_saved_tensors_default_hooks
 
-
-@pytest.fixture(params=["c", "python"])
-def exit_kind(request, monkeypatch) -> str:
-    if request.param == "c" and _whole_exit.exit_block is None:
-        pytest.skip("the native extension tba._shield is not built")
-    if request.param == "python":
-        monkeypatch.setattr(_whole_exit, "exit_block", None)
-    return request.param
 
 
 def _model() -> torch.nn.Module:

@@ -25,14 +25,6 @@ class Injected(BaseException):
     pass
 
 
-@pytest.fixture(params=["c", "python"])
-def exit_kind(request, monkeypatch) -> str:
-    if request.param == "c" and _whole_exit.exit_block is None:
-        pytest.skip("the native extension tba._shield is not built")
-    if request.param == "python":
-        monkeypatch.setattr(_whole_exit, "exit_block", None)
-    return request.param
-
 
 def test_a_block_finalized_on_the_control_thread_exits_there(spill_dir, exit_kind):
     """A generator suspended in a block, freed by a collection the control thread runs: the exit
