@@ -156,7 +156,7 @@ class PrefetchWindow:
         self.new_pass()
 
     def new_pass(self) -> None:
-        """A backward pass begins (Note [Each backward pass reads ahead] in ``tba/runtime/_reads.py``): the cursor
+        """A backward pass begins (Note [Each backward pass reads ahead] in ``tba/runtime/_unpacked.py``): the cursor
         goes back to the end, wherever the last pass left it, and the walk starts again from there."""
         self._cursor_seq = None
         self._gen += 1

@@ -8,7 +8,7 @@ The store owns every :class:`StorageEntry` of an offloader and moves their bytes
   (``tba/device/_router.py``). When a write completes the entry is ON_DISK and its memory is dropped,
   unless the prefetch window asked to hold it; a failed write turns it KEPT (memory kept, one
   warning). The write side is ``_writes.py`` (:class:`~tba.runtime._writes.StoreWrites`).
-* Reading back, the prefetch window and the release after unpack are in ``_reads.py``
+* Reading back, the prefetch window and the release after unpack are in ``_reads.py`` (with ``_unpacked.py``)
   (:class:`~tba.runtime._reads.StoreReads`); releasing bytes, discarding pages and keeping a storage
   whose write failed in ``_release.py`` (:class:`~tba.runtime._release.StoreRelease`). Host
   storages' transfers go to the engine in batches (``_host_io.py``).
@@ -74,7 +74,7 @@ class StorageStore(StoreWrites, StoreReads, StoreRelease, StoreLifetime):
         self._reading = 0
         self._unpacked: list[StorageEntry] = []
         """Entries with ``fully_unpacked`` or ``unpacked_views`` set in this backward pass (Note [Each backward pass
-        reads ahead] in ``tba/runtime/_reads.py``)."""
+        reads ahead] in ``tba/runtime/_unpacked.py``)."""
         self._prefetch_to: StorageEntry | None = None
         """The deepest storage unpacked from memory since the window last moved (Note [One window move
         per batch of unpacks] in ``tba/runtime/_reads.py``)."""

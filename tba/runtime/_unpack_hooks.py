@@ -4,7 +4,7 @@
 :class:`tba.Offloader` is. ``unpack`` runs once per saved tensor during backward, on the thread autograd runs the
 node on, and returns the tensor bit for bit: from memory when its bytes are resident (the bookkeeping deferred to
 the control thread), else after a read. It also tells the store where backward is: the first unpack of a new
-backward pass (Note [Each backward pass reads ahead] in ``tba/runtime/_reads.py``) and the layer of each kept
+backward pass (Note [Each backward pass reads ahead] in ``tba/runtime/_unpacked.py``) and the layer of each kept
 tensor (Note [Backward through kept layers] in ``tba/runtime/_prefetch.py``).
 """
 
@@ -64,7 +64,7 @@ class UnpackHooks:
     """The layer of the last kept tensor unpacked since this block was entered, or since the backward pass began."""
     _backward_task: int
     """The autograd graph task of the last unpack in backward (Note [Each backward pass reads ahead] in
-    ``tba/runtime/_reads.py``)."""
+    ``tba/runtime/_unpacked.py``)."""
     _note_unpack: Callable[[object, int | None], None]
     """The policy runner's (Note [A saved tensor unpacked twice in one backward] in ``tba/runtime/_profiled_step.py``)."""
 
@@ -148,7 +148,7 @@ class UnpackHooks:
 
     def _note_pass(self) -> None:
         """Tell the store when this unpack is the first of a new backward pass (Note [Each backward pass reads ahead]
-        in ``tba/runtime/_reads.py``); unpacks outside backward (a node's ``_saved_self`` read from Python) are none."""
+        in ``tba/runtime/_unpacked.py``); unpacks outside backward (a node's ``_saved_self`` read from Python) are none."""
         task = _graph_task_id()
         if task != self._backward_task and task != -1:
             self._new_pass(task)
