@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import functools
 import gc
-import random
 
 import pytest
 import torch
@@ -223,68 +222,3 @@ def test_a_joined_write_lets_go_of_its_storages_before_they_hear_their_end():
     del request
     engine.complete(Op.WRITE)
     assert holders == [[], [], []], "a transfer of the joined request still held a storage when it heard its end"
-
-
-def _formed(add, transfers, block_size_bytes, retry):
-    requests, callbacks = [], []
-    if add is C_LOOP:
-        C_LOOP.add_requests(requests, callbacks, list(transfers), block_size_bytes, retry, _host_requests.MAX_PIECES,
-                            min(block_size_bytes, _host_requests.JOIN_MAX_BYTES))
-    else:
-        add(requests, callbacks, list(transfers), block_size_bytes, retry)
-    return requests, [_callback(c) for c in callbacks]
-
-
-def _callback(callback):
-    """What a callback calls, comparable across two formings: a group's function and transfers, a large
-    transfer's countdown's count and callback, else the storage's own callback."""
-    if isinstance(callback, functools.partial):
-        return callback.func, list(callback.args[0]), callback.args[1]
-    countdown = getattr(callback, "__self__", None)
-    if countdown is not None:
-        return countdown._remaining, countdown._on_done
-    return callback
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_the_c_loop_forms_the_requests_and_callbacks_of_the_python_one(forming, seed, monkeypatch):
-    if forming == "python":
-        pytest.skip("the C loop against the Python one: run once")
-    rng = random.Random(seed)
-    monkeypatch.setattr(_host_requests, "MAX_PIECES", rng.choice([3, _host_requests.MAX_PIECES]))
-    transfers, offset = [], rng.randrange(0, 1 << 30, 4096)
-    for _ in range(rng.randrange(1, 300)):
-        extent = rng.choice([0, 4096, 64 * KIB, 256 * KIB, 3 * BLOCK_BYTES])
-        step = rng.random()
-        if step < 0.5:
-            offset += extent  # touching after
-        elif step < 0.8:
-            offset -= extent  # touching before, as reads in reverse
-        else:
-            offset = rng.randrange(0, 1 << 30, 4096)
-        offset = max(offset, 0)
-        transfers.append(_host_requests.Transfer(rng.choice([Op.READ, Op.WRITE]), rng.choice([3, 3, 3, 4]),
-                                                 rng.randrange(1 << 40), extent, offset, object(), object()))
-    retry = rng.choice([None, print])
-    block = rng.choice([64 * KIB, BLOCK_BYTES, 4 * BLOCK_BYTES])
-    c_made = _formed(C_LOOP, transfers, block, retry)
-    python_made = _formed(_host_requests.python_add_requests, transfers, block, retry)
-    assert c_made == python_made
-
-
-def test_the_c_loop_refuses_a_request_type_it_does_not_know(forming):
-    if forming == "python":
-        pytest.skip("the C loop's own check: run once")
-    from typing import NamedTuple
-
-    class Moved(NamedTuple):
-        op: Op
-        fd: int
-        nbytes: int
-        address: int
-        offset: int
-        owner: object = None
-        pieces: tuple | None = None
-
-    with pytest.raises(RuntimeError, match="rebuild the extension"):
-        C_LOOP.configure(Moved, _host_requests.Transfer, functools.partial, print, print)
