@@ -8,8 +8,9 @@
  *   1. ``pop()``: takes the offloader's saved-tensor hooks off the calling thread, unless
  *      ``top(True)`` shows the stack empty (``pop_top`` below), or the calling thread is not the one
  *      that entered the block: ``entered``, a one-item list, holds that thread's identity from the
- *      entry until the first exit, which sets it to 0 (Note [A block's hooks come off only on its
- *      thread] in tba/_whole_exit.py);
+ *      entry until the first exit, which sets it to 0. An exit on any other thread is the Python
+ *      one's (``fallback``), which tells a thread whose block another thread ended from one that
+ *      never entered (Note [A block's hooks come off only on its thread] in tba/_whole_exit.py);
  *   2. ``control._control.jobs.put((reply, job, (failed,)))``: queues ``job(failed)`` for tba's
  *      control thread, where ``failed`` says whether the block raised. ``control`` is the module
  *      ``tba._control``; its attributes are read now, not when the block was entered, since a
@@ -103,9 +104,8 @@ static int pop_top(PyObject *pop, PyObject *top)
     return 0;
 }
 
-/* ``pop_top`` where the calling thread entered the block (``entered[0]``), which then reads 0: the
- * hooks of another thread, or those of a block exited a second time, are left alone. */
-static int pop_own(PyObject *pop, PyObject *top, PyObject *entered)
+/* Whether the calling thread entered the block (``entered[0]``): 1, 0, or -1 with an error set. */
+static int entered_here(PyObject *entered)
 {
     if (!PyList_Check(entered) || PyList_GET_SIZE(entered) != 1) {
         PyErr_SetString(PyExc_TypeError, "exit_block: entered must be a list of one thread identity");
@@ -115,8 +115,17 @@ static int pop_own(PyObject *pop, PyObject *top, PyObject *entered)
     unsigned long thread = PyLong_Check(ident) ? PyLong_AsUnsignedLong(ident) : 0;
     if (thread == (unsigned long)-1 && PyErr_Occurred())
         return -1;
-    if (thread == 0 || thread != PyThread_get_thread_ident())
-        return 0;
+    return thread != 0 && thread == PyThread_get_thread_ident();
+}
+
+/* ``pop_top`` where the calling thread entered the block (``entered[0]``), which then reads 0: the
+ * hooks of another thread, or those of a block exited a second time, are left alone. */
+static int pop_own(PyObject *pop, PyObject *top, PyObject *entered)
+{
+    int own = entered_here(entered);
+    if (own <= 0)
+        return own;
+    PyObject *ident = PyList_GET_ITEM(entered, 0);
     PyObject *zero = PyLong_FromLong(0);
     if (zero == NULL)
         return -1;
@@ -139,8 +148,11 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
     if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) || given != 3)
         return PyObject_Vectorcall(fallback, args + BOUND_ARGS, given, kwnames);
     PyObject *exc_type = args[BOUND_ARGS], *exc = args[BOUND_ARGS + 1];
-    PyObject *state = taking_state(control);
-    if (state == NULL) {
+    int own = entered_here(entered);
+    if (own < 0)
+        return NULL;
+    PyObject *state = own ? taking_state(control) : NULL;
+    if (state == NULL) {  /* the control thread, or an exit on another thread than the block's: Python decides */
         if (PyErr_Occurred())
             return NULL;
         return PyObject_Vectorcall(fallback, args + BOUND_ARGS, given, NULL);

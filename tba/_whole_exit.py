@@ -36,7 +36,10 @@ the offloader keeps, which the exit reads) and only an exit on that thread pops,
 sets it to 0, and a second exit, on any thread, pops nothing either. An exit elsewhere still runs the
 exit job (the offloader is closed or made idle as usual, nothing leaks); the entering thread keeps
 the pair, and what it saves later stays in memory with one warning (Note [Hooks left installed after their
-block] in ``tba/runtime/_keep.py``).
+block] in ``tba/runtime/_keep.py``). Such an exit is always the Python one (the C exit hands it over), which
+notes the entering thread as one whose block was ended elsewhere: that thread's own exit, when it comes, pops
+its pair if it is on top and ends nothing more. It ended the block another thread had entered since on a
+reusable offloader (helper-132: thread A's late exit closed thread C's block).
 """
 
 from __future__ import annotations

@@ -77,6 +77,9 @@ class StepCycle:
     policy_runner: PolicyRunner
     _phase: Phase
     _entered: list[int]
+    _ended_elsewhere: set[int]
+    """Threads whose block an exit on another thread ended: their own exit, later, ends nothing more (Note [A
+    block's hooks come off only on its thread] in tba/_whole_exit.py)."""
     """The identity of the thread that entered the active block, else 0 (Note [A block's hooks come off only on its
     thread] in tba/_whole_exit.py)."""
     _claim: object | None
@@ -127,6 +130,7 @@ class StepCycle:
             # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._entered[0] = threading.get_ident()
+            self._ended_elsewhere.discard(self._entered[0])
             recorded = True
             self._phase = Phase.ACTIVE
             return self
@@ -227,6 +231,15 @@ class StepCycle:
         # thread] in tba/_whole_exit.py; ``pop_top`` in native/tba_shield.c says why only the top pair); the
         # rest runs whole even when an asynchronous exception arrives meanwhile (Note [Asynchronous
         # exceptions] in tba/_control.py).
+        me, entered = threading.get_ident(), self._entered[0]
+        if entered != me and me in self._ended_elsewhere:  # this thread's block was ended on another thread
+            self._ended_elsewhere.discard(me)
+            if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            return
+        self._ended_elsewhere.discard(me)
+        if entered not in (0, me):
+            self._ended_elsewhere.add(entered)
         try:
             pop_own(self._entered, torch._C._autograd._pop_saved_tensors_default_hooks,
                     torch._C._autograd._top_saved_tensors_default_hooks)

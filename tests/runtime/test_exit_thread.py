@@ -129,3 +129,29 @@ def test_a_generator_resumed_on_another_thread_leaves_its_pair(spill_dir, exit_k
     assert _top(True) == (off.pack, off.unpack)
     torch._C._autograd._pop_saved_tensors_default_hooks()
     off.close()
+
+
+def test_a_late_exit_of_a_block_ended_elsewhere_leaves_the_next_block_alone(spill_dir, exit_kind):
+    """Thread A enters a reusable offloader, a worker exits it, thread C enters it again: A's own exit, when it comes,
+    pops A's pair and must not end C's block (helper-132: it closed C's block)."""
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    off.__enter__()  # thread A: this one
+    assert _on_thread(lambda: off.__exit__(None, None, None)) == [None]
+    entered, leave, left = threading.Event(), threading.Event(), []
+
+    def thread_c() -> None:
+        with off:
+            entered.set()
+            leave.wait(30)
+        left.append(_top(True))
+
+    c = threading.Thread(target=thread_c)
+    c.start()
+    assert entered.wait(30)
+    off.__exit__(None, None, None)  # A's late exit
+    assert _top(True) is None  # A's own pair came off
+    assert off._phase is Phase.ACTIVE, "A's late exit ended the block thread C had entered"
+    leave.set()
+    c.join()
+    assert left == [None]
+    off.close()
