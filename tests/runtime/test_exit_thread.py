@@ -16,7 +16,6 @@ from tba.runtime._unpack_hooks import Phase
 _top = torch._C._autograd._top_saved_tensors_default_hooks
 
 
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3)])

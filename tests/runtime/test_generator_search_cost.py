@@ -38,7 +38,6 @@ class Block(nn.Module):
         self.config = config
 
 
-
 def test_containers_of_plain_values_are_not_walked_item_by_item(search_calls):
     config = Config(2_000)
     states = generator_states(Block(config), (torch.zeros(4), list(range(2_000))), {"scale": (1.0,) * 2_000})

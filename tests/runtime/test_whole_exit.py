@@ -25,7 +25,6 @@ class Injected(BaseException):
     pass
 
 
-
 def test_a_block_finalized_on_the_control_thread_exits_there(spill_dir, exit_kind):
     """A generator suspended in a block, freed by a collection the control thread runs: the exit
     job runs inline there instead of waiting for the control thread's own reply."""
