@@ -130,7 +130,12 @@ def _train(change, directory: str | None) -> list[torch.Tensor]:
     NOISE, Block.rng = None, None
     BIND_CELL(None)
     torch.manual_seed(0)
-    model = nn.Sequential(Block(Config()), Block(Config()))
+    return _three_steps(nn.Sequential(Block(Config()), Block(Config())), change, directory)
+
+
+def _three_steps(model: nn.Module, change, directory: str | None) -> list[torch.Tensor]:
+    """Three steps of ``model``'s two blocks, both recomputed under tba when ``directory`` is given; ``change(model)``
+    between the first and the second; the loss, input gradient and parameter gradients of each step."""
     result = []
     for step in range(3):
         if step == 1:
@@ -153,7 +158,6 @@ def test_a_generator_reached_after_a_change_between_steps_is_replayed(tmp_path, 
     assert len(got) == len(expected)
     for index, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
-
 
 
 def test_an_unchanged_layer_is_not_searched_again(tmp_path, search_calls):
@@ -235,19 +239,11 @@ class TwoHelpers(nn.Module):
 def _train_helpers(directory: str | None) -> list[torch.Tensor]:
     SHARED_NOISE.manual_seed(48)
     torch.manual_seed(0)
-    model = nn.Sequential(TwoHelpers(), TwoHelpers())
-    result = []
-    for step in range(3):
-        if step == 1:  # the code of one of the two swapped in place (as a reloader does): same function, same id
-            model[1].second.__code__ = _drawing.__code__
-        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step)).requires_grad_()
-        plan = tba.Plan(("recompute", "recompute"), window_bytes=1 << 20)
-        with tba.offload_activations(directory, layers=list(model), policy=plan) if directory else contextlib.nullcontext():
-            loss = model(x).pow(2).mean()
-        loss.backward()
-        result += [loss.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
-        model.zero_grad()
-    return result
+
+    def new_code(model: nn.Module) -> None:  # the code of one of the two swapped in place (as a reloader does)
+        model[1].second.__code__ = _drawing.__code__
+
+    return _three_steps(nn.Sequential(TwoHelpers(), TwoHelpers()), new_code, directory)
 
 
 def test_a_function_whose_shared_code_is_replaced_is_searched_again(tmp_path):
