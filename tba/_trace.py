@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -29,6 +33,23 @@ _NO_RANGE = contextlib.nullcontext()
 def nvtx_enabled() -> bool:
     """Whether ``nvtx`` is installed: the hooks, called per saved tensor, skip even the no-op range without it."""
     return _annotate() is not None
+
+
+def traced(name: str, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)``, inside the range ``name`` where ``nvtx`` is installed.
+
+    Note: [No range without nvtx]
+    The hooks and the store's queueing of each write and read run once per saved storage. Without
+    ``nvtx``, ``with nvtx_range(...)`` cost three Python calls there (:func:`nvtx_range` and the no-op's
+    ``__enter__`` and ``__exit__``, ``contextlib.nullcontext``'s); this costs one, the same as asking
+    :func:`nvtx_enabled` first (docs/host-cost.md, twenty-ninth pass). ``tests/runtime/test_nvtx_ranges.py``
+    runs the branch taken with ``nvtx`` installed.
+    """
+    annotate = _annotate()
+    if annotate is None:
+        return function(*args)
+    with annotate(name, domain="tba"):
+        return function(*args)
 
 
 def nvtx_range(name: str) -> AbstractContextManager[None]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba import _control
-from tba._trace import nvtx_enabled, nvtx_range
+from tba._trace import traced
 from tba._untrack import untrack
 from tba.device import is_device_tensor
 from tba.errors import TbaError
@@ -79,10 +79,7 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         the graph). So both hooks' code, and every frame they call, is marked for Dynamo to skip
         (:func:`tba.runtime._compile.never_traced`): they run eagerly, at no cost per call.
         """
-        if not nvtx_enabled():
-            return self._pack(tensor)
-        with nvtx_range("pack"):
-            return self._pack(tensor)
+        return traced("pack", self._pack, tensor)  # Note [No range without nvtx] in tba/_trace.py
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not Phase.ACTIVE:

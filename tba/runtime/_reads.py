@@ -23,7 +23,7 @@ import torch
 
 from tba._control import after_batch
 from tba._outcome import Outcome
-from tba._trace import nvtx_enabled, nvtx_range
+from tba._trace import nvtx_range, traced
 from tba._untrack import untrack
 from tba.errors import TbaError
 from tba.runtime._entry import State, StorageEntry, storage_bytes
@@ -209,11 +209,7 @@ class StoreReads(StoreReadWait, StoreUnpacked):
         self._reading += 1
         self.read_clock.start()
         on_done = functools.partial(self._on_read_done, entry)
-        if not nvtx_enabled():  # the no-op range would be three calls more per read
-            self._send_read(entry, on_done)
-            return done if watched else None
-        with nvtx_range("read"):
-            self._send_read(entry, on_done)
+        traced("read", self._send_read, entry, on_done)  # Note [No range without nvtx] in tba/_trace.py
         return done if watched else None
 
     def _send_read(self, entry: StorageEntry, on_done: Callable[..., None]) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba import _control
-from tba._trace import nvtx_enabled, nvtx_range
+from tba._trace import traced
 from tba.errors import EngineClosedError, TbaError
 from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE, check_compiled_autograd_backend, never_traced
 from tba.runtime._entry import StorageEntry
@@ -84,10 +84,7 @@ class UnpackHooks:
             return packed.get()
         if not isinstance(packed, SavedView):
             return packed
-        if not nvtx_enabled():
-            return self._unpack(packed)
-        with nvtx_range("unpack"):
-            return self._unpack(packed)
+        return traced("unpack", self._unpack, packed)  # Note [No range without nvtx] in tba/_trace.py
 
     def _unpack(self, packed: SavedView) -> torch.Tensor:
         if packed.owner != self._serial:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba import defaults
-from tba._trace import nvtx_enabled, nvtx_range
+from tba._trace import traced
 from tba._untrack import untrack
 from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._entry import State, StorageEntry, storage_bytes
@@ -145,22 +145,11 @@ class StoreWrites:
         self.unwritten_bytes += entry.nbytes
         entry.transfer_in_flight = True
         self.write_clock.start()
-        if nvtx_enabled():  # Note [No range without nvtx]
-            with nvtx_range("write"):
-                self._queue_write(entry, route, ready)
-        else:
-            self._queue_write(entry, route, ready)
+        traced("write", self._queue_write, entry, route, ready)  # Note [No range without nvtx] in tba/_trace.py
         return entry
 
     def _queue_write(self, entry: StorageEntry, route: Route, ready: Any) -> None:
-        """Hand ``entry``'s write to the host batch or to its device route.
-
-        Note: [No range without nvtx]
-        Without the ``nvtx`` package a save tests :func:`~tba._trace.nvtx_enabled` and calls this method with no
-        range around it: the no-op range cost three Python calls per storage (:func:`~tba._trace.nvtx_range` and
-        ``contextlib.nullcontext``'s ``__enter__`` and ``__exit__``), the test one (docs/host-cost.md, twenty-ninth
-        pass). ``tests/runtime/test_nvtx_ranges.py`` runs the branch taken with ``nvtx`` installed.
-        """
+        """Hand ``entry``'s write to the host batch or to its device route."""
         on_done = functools.partial(self._on_write_done, entry)
         wanted = functools.partial(self._write_wanted, entry)
         if route is self.routes.host:

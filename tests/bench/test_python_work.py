@@ -105,7 +105,7 @@ def test_python_per_storage_does_not_grow_with_the_storages_of_a_step(spill_dir)
 
 
 def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_rounding(spill_dir):
-    """Without nvtx, a storage's save calls no no-op range (Note [No range without nvtx] in tba/runtime/_writes.py),
+    """Without nvtx, a storage's save calls no no-op range (Note [No range without nvtx] in tba/_trace.py),
     no NamedTuple constructor (Note [Per-storage tuples made without their Python __new__] in tba/runtime/_host_io.py)
     and no ``round_up``: three Python calls per storage each, on the thread the forward waits for (docs/host-cost.md)."""
     from tba._trace import nvtx_enabled

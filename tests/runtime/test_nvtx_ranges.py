@@ -1,4 +1,4 @@
-"""With nvtx installed, the per-storage paths mark their ranges (Note [No range without nvtx] in tba/runtime/_writes.py).
+"""With nvtx installed, the per-storage paths mark their ranges (Note [No range without nvtx] in tba/_trace.py).
 
 Without nvtx, the save skips the range altogether; these tests stand a recording ``annotate`` in for nvtx's, so that
 the branch taken with a profiler's package installed runs too, and gives the same gradients.

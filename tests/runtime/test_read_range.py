@@ -1,4 +1,5 @@
-"""The NVTX ``read`` range around each read's queueing, present only when ``nvtx`` is (tba/runtime/_reads.py)."""
+"""The NVTX ``read`` range around each read's queueing, present only when ``nvtx`` is (tba/runtime/_reads.py; Note [No
+range without nvtx] in tba/_trace.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import torch
 
 import tba
+from tba import _trace
 from tba.runtime import _reads
 
 
@@ -16,7 +18,8 @@ def test_each_read_is_queued_inside_a_read_range_when_nvtx_is_installed(tmp_path
     send = _reads.StoreReads._send_read
 
     @contextlib.contextmanager
-    def record(name: str):
+    def record(name: str, domain: str):
+        assert domain == "tba"
         ranges.append(name)
         yield
         ranges.append(f"/{name}")
@@ -25,8 +28,7 @@ def test_each_read_is_queued_inside_a_read_range_when_nvtx_is_installed(tmp_path
         sent.append(len(ranges))
         return send(self, entry, on_done)
 
-    monkeypatch.setattr(_reads, "nvtx_enabled", lambda: True)
-    monkeypatch.setattr(_reads, "nvtx_range", record)
+    monkeypatch.setattr(_trace, "_annotate", lambda: record)  # as if nvtx were installed
     monkeypatch.setattr(_reads.StoreReads, "_send_read", send_and_count)
     leaves = [torch.randn(16384, requires_grad=True) for _ in range(32)]
     offloader = tba.Offloader(str(tmp_path), prefetch_budget_bytes=1 << 17)
