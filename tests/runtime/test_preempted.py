@@ -37,9 +37,9 @@ def _spin(cpu: int, ready: threading.Barrier, stop: threading.Event) -> None:
         hashlib.sha256(data).digest()  # releases the GIL: both threads want the one CPU
 
 
-@needs_schedstat
-def test_a_compute_thread_sharing_its_cpu_with_tbas_thread_is_seen_waiting_and_tbas_thread_is_not():
-    cpu = min(os.sched_getaffinity(0))
+def _contend(cpu: int) -> tuple[float | None, int, _preempted.Snapshot | None, int]:
+    """A worker and a thread named as tba's spin on ``cpu`` for 0.4 s: the run-queue wait counted, the
+    worker's and tba's thread ids, and the snapshot after."""
     ready, stop = threading.Barrier(3), threading.Event()
     worker = threading.Thread(target=_spin, args=(cpu, ready, stop), name="worker")
     tba_thread = threading.Thread(target=_spin, args=(cpu, ready, stop), name="tba-io-test")
@@ -54,10 +54,20 @@ def test_a_compute_thread_sharing_its_cpu_with_tbas_thread_is_seen_waiting_and_t
         stop.set()
         worker.join()
         tba_thread.join()
-    assert threading.get_native_id() not in after  # the caller's own clocks are its wall and CPU time
-    assert worker.native_id in after and tba_thread.native_id not in after
-    waited = _preempted.waited_s(before, after, wall)
-    assert waited is not None and waited >= 0.1  # about half of the 0.4 s spent waiting for the other
+    return _preempted.waited_s(before, after, wall), worker.native_id, after, tba_thread.native_id
+
+
+@needs_schedstat
+def test_a_compute_thread_sharing_its_cpu_with_tbas_thread_is_seen_waiting_and_tbas_thread_is_not():
+    cpu = min(os.sched_getaffinity(0))
+    for _ in range(5):  # other processes on that CPU (a loaded machine) can starve the worker below the share
+        waited, worker, after, tba_thread = _contend(cpu)
+        assert after is not None and threading.get_native_id() not in after  # the caller's clocks are its own
+        assert worker in after and tba_thread not in after
+        if waited is not None and waited >= 0.1:  # about half of the 0.4 s spent waiting for the other
+            break
+    else:
+        pytest.fail(f"no run-queue wait seen in five tries (last: {waited})")
 
 
 @needs_schedstat
