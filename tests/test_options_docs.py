@@ -18,6 +18,7 @@ import pytest
 import tba
 from tba import TbaConfigError
 from tba.config import env_name, format_default, option_names, options_table_markdown
+from tba.integrations import _megatron_flags
 from tba.integrations import deepspeed as tba_ds
 from tba.integrations import megatron as tba_megatron
 
@@ -73,7 +74,7 @@ def test_megatron_help_gives_each_flag_the_default_it_runs_with():
     parser = tba_megatron.add_tba_arguments(argparse.ArgumentParser())
     helps = {flag: " ".join((action.help or "").split()) for action in parser._actions for flag in action.option_strings}
     for name, field in FIELDS.items():
-        if name in tba_megatron._NOT_FLAGS:
+        if name in _megatron_flags._NOT_FLAGS:
             continue
         flag = tba_megatron.flag_name(name)
         assert flag in helps, f"Megatron has no flag for {name}"
