@@ -11,6 +11,14 @@
  * Python ``_add_large``. The requests are the same ``Request`` tuples, built as ``tuple.__new__`` builds a
  * named tuple (the type's ``tp_alloc``, then the items).
  *
+ * Note: [File offsets, not wrapped sums]
+ * The Python loop adds offsets and extents as Python integers, exactly; here they are ``long long``, where a
+ * sum past ``LLONG_MAX`` is undefined and, as built, wraps: two transfers at the top of the range and at
+ * ``-2**63`` then touched, and were joined into one request of a negative size, where the Python loop sent
+ * each alone. So a transfer with a negative offset or extent, or one that ends past ``LLONG_MAX`` (no file
+ * offset, ``off_t``, reaches it), is refused with a ``ValueError``; within that range every sum below fits
+ * but the group's bytes plus the next extent (each up to ``block_size_bytes``), which is checked for overflow.
+ *
  * ``configure`` takes the Python types and functions it builds with, and checks the fields of ``Request``
  * and ``Transfer`` against the indices used here, so that a change to either is refused, not misread.
  */
@@ -172,6 +180,13 @@ static PyObject *add_requests(PyObject *module, PyObject *const *args, Py_ssize_
         long long fd = as_bytes(transfer, T_FD);
         if (PyErr_Occurred())
             goto failed;
+        if (extent < 0 || offset < 0 || offset > LLONG_MAX - extent) {
+            /* The Python loop's sums are exact; past a file offset's range they would wrap here (Note [File
+             * offsets, not wrapped sums]). */
+            PyErr_Format(PyExc_ValueError, "add_requests: a transfer of %lld bytes at offset %lld is outside a file",
+                         extent, offset);
+            goto failed;
+        }
         if (extent > block_bytes) {
             PyObject *result = PyObject_CallFunctionObjArgs(add_large, requests, callbacks, transfer, block_object, NULL);
             if (result == NULL)
@@ -180,7 +195,9 @@ static PyObject *add_requests(PyObject *module, PyObject *const *args, Py_ssize_
             continue;
         }
         Py_ssize_t length = PyList_GET_SIZE(group);
-        if (length > 0 && (retry == Py_None || fd != group_fd || length >= max_pieces || group_bytes + extent > join_bytes
+        long long joined_bytes;
+        int too_many_bytes = __builtin_add_overflow(group_bytes, extent, &joined_bytes) || joined_bytes > join_bytes;
+        if (length > 0 && (retry == Py_None || fd != group_fd || length >= max_pieces || too_many_bytes
                            || (offset != high && offset + extent != low))) {
             if (add_group(requests, callbacks, group, retry) < 0)
                 goto failed;

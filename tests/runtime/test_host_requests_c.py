@@ -80,3 +80,30 @@ def test_the_c_loop_refuses_a_request_type_it_does_not_know():
 
     with pytest.raises(RuntimeError, match="rebuild the extension"):
         C_LOOP.configure(Moved, _host_requests.Transfer, functools.partial, print, print)
+
+
+TOP = (1 << 63) - 1
+"""The largest file offset (``off_t``), and the largest value the C loop's ``long long`` sums hold."""
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_c_loop_forms_what_the_python_one_does_at_the_top_of_the_offset_range(seed):
+    rng = random.Random(seed)
+    transfers, offset = [], TOP - rng.randrange(0, 64) * 4096
+    for _ in range(rng.randrange(1, 40)):
+        extent = rng.choice([0, 4096, 8192])
+        offset = min(max(offset + rng.choice([extent, -extent, 0]), 0), TOP - extent)
+        transfers.append(_host_requests.Transfer(Op.WRITE, 3, 0, extent, offset, object(), object()))
+    assert _formed(C_LOOP, transfers, BLOCK_BYTES, print) == _formed(_host_requests.python_add_requests, transfers,
+                                                                      BLOCK_BYTES, print)
+
+
+@pytest.mark.parametrize("ends", [((1 << 63) - 4096, 4096), (-(1 << 63), 4096), (0, -4096), (1 << 62, (1 << 62) + 4096)])
+def test_the_c_loop_refuses_a_transfer_outside_a_file_where_its_sums_would_wrap(ends):
+    """Note [File offsets, not wrapped sums] in native/tba_requests.c: the pair at the top and the bottom of the range
+    touched once the sum wrapped, and went as one request of a negative size where the Python loop sent each alone."""
+    first = _host_requests.Transfer(Op.WRITE, 3, 0, 4096, TOP - 4096 * 2 + 1, object(), object())
+    offset, extent = ends
+    transfers = [first, _host_requests.Transfer(Op.WRITE, 3, 0, extent, offset, object(), object())]
+    with pytest.raises(ValueError, match="outside a file"):
+        _formed(C_LOOP, transfers, TOP, print)
