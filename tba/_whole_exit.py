@@ -39,7 +39,10 @@ the pair, and what it saves later stays in memory with one warning (Note [Hooks 
 block] in ``tba/runtime/_keep.py``). Such an exit is always the Python one (the C exit hands it over), which
 notes the entering thread as one whose block was ended elsewhere: that thread's own exit, when it comes, pops
 its pair if it is on top and ends nothing more. It ended the block another thread had entered since on a
-reusable offloader (helper-132: thread A's late exit closed thread C's block).
+reusable offloader (helper-132: thread A's late exit closed thread C's block). That exit elsewhere also sets
+``entered`` to 0, so that the entering thread's own exit is the Python one too, wherever it comes: the C exit,
+which sees no note, popped A's pair and left A noted, and A's later exit of C's block was then taken for A's late
+exit and ended nothing (helper-137).
 """
 
 from __future__ import annotations

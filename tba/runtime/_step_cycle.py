@@ -238,8 +238,9 @@ class StepCycle:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             return
         self._ended_elsewhere.discard(me)
-        if entered not in (0, me):
+        if entered not in (0, me):  # the entering thread's own exit, in C or in Python, then takes the branch above
             self._ended_elsewhere.add(entered)
+            self._entered[0] = 0
         try:
             pop_own(self._entered, torch._C._autograd._pop_saved_tensors_default_hooks,
                     torch._C._autograd._top_saved_tensors_default_hooks)

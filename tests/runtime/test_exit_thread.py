@@ -154,3 +154,33 @@ def test_a_late_exit_of_a_block_ended_elsewhere_leaves_the_next_block_alone(spil
     c.join()
     assert left == [None]
     off.close()
+
+
+def test_an_exit_on_another_thread_ends_the_block_after_the_entering_threads_own_exit(spill_dir, exit_kind):
+    """A enters, a worker ends A's block, A's own exit comes (its pair off), C enters: A ending C's block by hand
+    ends it, under either exit. The C exit of A's own left A noted as a thread whose block was ended elsewhere, and
+    A's later exit of C's block was taken for A's late exit and ended nothing."""
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    off.__enter__()  # thread A: this one
+    assert _on_thread(lambda: off.__exit__(None, None, None)) == [None]
+    off.__exit__(None, None, None)  # A's own exit, after the worker's
+    assert _top(True) is None
+    entered, leave, left = threading.Event(), threading.Event(), []
+
+    def thread_c() -> None:
+        off.__enter__()
+        entered.set()
+        leave.wait(30)
+        left.append(_top(True) is not None)
+
+    c = threading.Thread(target=thread_c)
+    c.start()
+    assert entered.wait(30)
+    try:
+        off.__exit__(None, None, None)  # A ends C's block, as the worker ended A's
+        assert off._phase is Phase.IDLE, "A's exit of C's block ended nothing"
+    finally:
+        leave.set()
+        c.join()
+        off.close()
+    assert left == [True]  # C's pair stays on C's stack (Note [A block's hooks come off only on its thread])
