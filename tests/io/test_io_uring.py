@@ -187,8 +187,8 @@ def _io_uring_descriptors() -> int:
     return len(_io_uring_fds())
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 @pytest.mark.requires_io_uring
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_closes_a_ring_with_queued_vectored_requests():
     """Note [A forked child leaks what the parent's threads were changing] in native/uring_ring.h: the fork
     lands with every slot busy (reads from a pipe nobody writes) and vectored requests waiting in the
@@ -225,6 +225,7 @@ def test_a_forked_child_closes_a_ring_with_queued_vectored_requests():
     assert done == [16] * 6
 
 
+@pytest.mark.requires_io_uring
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_closes_the_rings_it_inherited():
     """Note [A forked child closes the parent's rings]: the completion thread is blocked in reap() at the fork.
@@ -545,6 +546,7 @@ def test_a_completion_callback_that_raises_fails_nothing_else(tmp_path, caplog):
             os.close(descriptor)
 
 
+@pytest.mark.requires_io_uring
 def test_an_interrupt_while_the_completion_thread_starts_leaves_no_ring_or_thread(monkeypatch):
     # Thread.start() waits for the new thread to run, and a Ctrl-C landing in that wait (tba.checkpoint.load builds
     # its engine in the caller's thread) raised out of the constructor with the thread running: it sat in reap() for
@@ -598,6 +600,7 @@ def test_a_ring_the_kernel_refuses_is_a_config_error_and_auto_uses_threads(spill
     assert offloader.resolved_backend == "threads"
 
 
+@pytest.mark.requires_io_uring
 def test_a_completion_thread_that_runs_after_an_interrupted_constructor_ends_quietly(monkeypatch, caplog):
     # The interrupt can land after the thread was created and before it ran (Thread.ident still None): the constructor
     # closed the ring, and the thread, once it ran, reaped the closed ring and logged 'io_uring completion thread failed'
