@@ -163,22 +163,33 @@ static PyObject *cannot_copy(PyObject *self, PyObject *unused)
     return NULL;
 }
 
+/* A new reference to field ``i``, or NULL with AttributeError where it was deleted.
+ *
+ * Note: [A field read holds its value]
+ * Converting one field (``__index__``, ``__str__``, ``__repr__``) can run Python that sets another field of the
+ * record, whose old value the record alone may hold: read through a borrowed reference, that value was freed and
+ * then read (a segmentation fault). So each field a method reads is a new reference, held until it returns. */
 static PyObject *field(Entry *self, int i)
 {
     PyObject *value = self->fields[i];
     if (value == NULL)
         PyErr_Format(PyExc_AttributeError, "'StorageEntry' object has no attribute '%s'", field_names[i]);
-    return value;
+    return Py_XNewRef(value);
 }
 
 static PyObject *entry_describe(Entry *self, PyObject *unused)
 {
-    PyObject *seq = field(self, F_SEQ), *nbytes = field(self, F_NBYTES), *layer = field(self, F_LAYER);
-    if (seq == NULL || nbytes == NULL || layer == NULL)
-        return NULL;
-    if (layer == Py_None)
-        return PyUnicode_FromFormat("storage #%S (%S bytes, no layer)", seq, nbytes);
-    return PyUnicode_FromFormat("storage #%S (%S bytes, layer %S)", seq, nbytes, layer);
+    PyObject *seq = field(self, F_SEQ), *nbytes = field(self, F_NBYTES), *layer = field(self, F_LAYER), *described = NULL;
+    if (seq != NULL && nbytes != NULL && layer != NULL) {
+        if (layer == Py_None)
+            described = PyUnicode_FromFormat("storage #%S (%S bytes, no layer)", seq, nbytes);
+        else
+            described = PyUnicode_FromFormat("storage #%S (%S bytes, layer %S)", seq, nbytes, layer);
+    }
+    Py_XDECREF(seq);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(layer);
+    return described;
 }
 
 static PyObject *entry_repr(Entry *self)
@@ -186,20 +197,35 @@ static PyObject *entry_repr(Entry *self)
     PyObject *described = entry_describe(self, NULL);
     if (described == NULL)
         return NULL;
-    PyObject *repr = PyUnicode_FromFormat("<StorageEntry %U, %R>", described, self->fields[F_STATE] ? self->fields[F_STATE] : Py_None);
+    PyObject *state = Py_NewRef(self->fields[F_STATE] ? self->fields[F_STATE] : Py_None);
+    PyObject *repr = PyUnicode_FromFormat("<StorageEntry %U, %R>", described, state);
+    Py_DECREF(state);
     Py_DECREF(described);
     return repr;
+}
+
+/* ``value`` as a long long, its reference (a field's, Note [A field read holds its value]) given up. */
+static long long as_long_long(PyObject *value)
+{
+    long long result = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return result;
 }
 
 static PyObject *entry_extent_bytes(Entry *self, void *closure)
 {
     PyObject *phase = field(self, F_PHASE_BYTES), *nbytes = field(self, F_NBYTES);
-    if (phase == NULL || nbytes == NULL)
+    if (phase == NULL || nbytes == NULL) {
+        Py_XDECREF(phase);
+        Py_XDECREF(nbytes);
         return NULL;
-    long long phase_value = PyLong_AsLongLong(phase);
-    if (phase_value == -1 && PyErr_Occurred())
+    }
+    long long phase_value = as_long_long(phase);
+    if (phase_value == -1 && PyErr_Occurred()) {
+        Py_DECREF(nbytes);
         return NULL;
-    long long nbytes_value = PyLong_AsLongLong(nbytes);
+    }
+    long long nbytes_value = as_long_long(nbytes);
     if (nbytes_value == -1 && PyErr_Occurred())
         return NULL;
     long long total = phase_value + nbytes_value;

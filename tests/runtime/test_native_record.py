@@ -179,3 +179,58 @@ def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path):
     assert "native False False" in done.stdout
     assert "grad ok True" in done.stdout
     assert done.stdout.count("rebuild the extension") == 2  # one warning each
+
+
+_FIELD_FREED_WHILE_READ = """
+import torch
+from tba.runtime import _entry
+
+entry = _entry.StorageEntry(1, None, 16, 0, 0, torch.UntypedStorage(16)._weak_ref(), None)
+dead, late = set(), []
+
+class Held:
+    # Only the record holds it; what reads it after its death is reading freed memory.
+    def __index__(self):
+        late.append(id(self) in dead)
+        return 4096
+    def __str__(self):
+        late.append(id(self) in dead)
+        return "held"
+    def __repr__(self):
+        late.append(id(self) in dead)
+        return "held"
+    def __del__(self):
+        dead.add(id(self))
+
+class Replacing:
+    # Converting it replaces the record's other field, dropping the record's reference to that field's value.
+    def __init__(self, name):
+        self.name = name
+    def __index__(self):
+        setattr(entry, self.name, 8192)
+        return 0
+    def __str__(self):
+        setattr(entry, self.name, 8192)
+        return "replacing"
+
+entry.phase_bytes, entry.nbytes = Replacing("nbytes"), Held()
+try:
+    entry.extent_bytes
+except TypeError:
+    pass
+entry.seq, entry.nbytes, entry.layer = Replacing("layer"), 16, Held()
+entry.describe()
+entry.seq, entry.layer, entry.state = Replacing("state"), None, Held()
+repr(entry)
+print("late reads:", late.count(True))
+"""
+
+
+@needs_extension
+def test_a_field_replaced_while_the_record_reads_another_is_not_read_after_its_death():
+    """The C record's ``extent_bytes``, ``describe()`` and ``repr()`` held borrowed references to its fields while
+    converting one of them, which can run Python that sets another: that one's value was freed and then read (a
+    segmentation fault at the end of this run)."""
+    done = run_python(["-c", _FIELD_FREED_WHILE_READ], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "late reads: 0" in done.stdout, done.stdout
