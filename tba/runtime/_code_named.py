@@ -80,10 +80,12 @@ def code_named(function: Any, reads: Any, cls: type | None = None, _methods: set
     values are looked up at every call, or the lookups replayed (Note [A generator search is reused while what it read
     holds] in ``tba/runtime/_search_reads.py``), so a global rebound before a forward is seen (one rebound between
     forward and backward: Note [A generator bound after the first call is refused] in ``tba/runtime/_generators.py``).
+    A function's default arguments are what its code uses too (``def forward(self, x, noise=G)``, a helper's
+    ``generator=G``): left out, one bound there drew again in the recomputation, silently (helper-137).
     """
     names = reads.equal(_names, reads.attr(function, "__code__"))
     methods = _methods if _methods is not None else {id(function)}
-    found: list[Any] = []
+    found: list[Any] = list(reads.values(default_values, function))
     globals_ = reads.attr(function, "__globals__")
     pending = [value for value in (reads.get(globals_, name) for name in names) if value is not MISSING]
     expanded: set[int] = set()
@@ -165,6 +167,11 @@ def closure_functions(function: Any, reads: Any) -> list[Any]:
     if not reads.equal(user_code, function):
         return []
     return [value for value in reads.values(closure_contents, function) if isinstance(value, types.FunctionType)]
+
+
+def default_values(function: types.FunctionType) -> list[Any]:
+    """The default values of ``function``'s arguments, positional then keyword-only."""
+    return [*(getattr(function, "__defaults__", None) or ()), *(getattr(function, "__kwdefaults__", None) or {}).values()]
 
 
 def closure_contents(function: types.FunctionType) -> list[Any]:

@@ -255,3 +255,41 @@ def test_a_function_whose_shared_code_is_replaced_is_searched_again(tmp_path):
     got = _train_helpers(str(tmp_path))
     for index, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert torch.equal(a, b), f"tensor {index} differs from training without tba"
+
+
+def _drawn(shape: torch.Size, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A module-level helper the forward calls, its generator a default argument."""
+    return torch.rand(shape, generator=generator) if generator is not None else torch.ones(shape)
+
+
+class DefaultDrawn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, noise: torch.Generator | None = None) -> torch.Tensor:
+        h = torch.tanh(self.linear(x)) * _drawn(x.shape)
+        return h * torch.rand(x.shape, generator=noise) if noise is not None else h
+
+
+def _bind_helper_default(model: nn.Module) -> None:
+    _drawn.__defaults__ = (torch.Generator().manual_seed(48),)
+
+
+def _bind_forward_default(model: nn.Module) -> None:
+    DefaultDrawn.forward.__defaults__ = (torch.Generator().manual_seed(49),)
+
+
+@pytest.mark.parametrize("change", [_bind_helper_default, _bind_forward_default])
+def test_a_generator_that_is_a_default_argument_is_replayed(tmp_path, change):
+    """A generator a function's default argument holds (the forward's own, or a helper's it names), bound between steps:
+    neither the search in full nor its tape read a function's defaults, and the recomputation drew other numbers."""
+    results = []
+    for directory in (None, str(tmp_path)):
+        _drawn.__defaults__, DefaultDrawn.forward.__defaults__ = (None,), (None,)
+        torch.manual_seed(0)
+        results.append(_three_steps(nn.Sequential(DefaultDrawn(), DefaultDrawn()), change, directory))
+    _drawn.__defaults__, DefaultDrawn.forward.__defaults__ = (None,), (None,)
+    expected, got = results
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
