@@ -4,7 +4,8 @@ Note: [Generators of a recomputed layer]
 Checkpoint preserves torch's global RNG states only. A layer that draws from a generator of its
 own (a ``torch.Generator``, ``random.Random``, numpy ``Generator`` or ``RandomState``, held as an
 attribute of one of its modules or passed in its call's arguments, as diffusers-style code passes
-``generator=``, directly or in dicts, lists, tuples and plain objects' attributes up to three deep), or from Python's
+``generator=``, directly or in dicts, lists, tuples and plain objects' attributes (their classes' too) up to three deep),
+or from Python's
 ``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
 draw differently in the recomputation, so its gradients would be those of another forward (a
 review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
@@ -207,7 +208,13 @@ def _type_of(value: Any) -> list[type]:
 
 
 def _field_values(value: Any) -> list[Any]:
-    return [item for _, item in fields(value)]
+    """A plain object's fields, and the generators its class and bases hold (``self.config.rng`` where the config's
+    class sets ``rng``, for every config that sets none of its own): left out, one bound there drew again in the
+    recomputation, silently (helper-137)."""
+    held = [item for _, item in fields(value)]
+    for klass in type(value).__mro__[:-1]:  # object holds none
+        held += [item for item in list(vars(klass).values()) if is_generator(item)]
+    return held
 
 
 def _module_generators(module: types.ModuleType) -> list[Any]:

@@ -293,3 +293,45 @@ def test_a_generator_that_is_a_default_argument_is_replayed(tmp_path, change):
     expected, got = results
     for index, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
+
+
+class SharedDefaults:
+    """A config's base class, whose class attributes serve every config that sets none of its own."""
+
+    rng: torch.Generator | None = None
+
+
+class ClassConfig(SharedDefaults):
+    pass
+
+
+class ClassConfigured(nn.Module):
+    def __init__(self, config: ClassConfig) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        return h * torch.rand(x.shape, generator=self.config.rng) if self.config.rng is not None else h
+
+
+def test_a_generator_that_is_a_class_attribute_of_a_plain_objects_class_is_replayed(tmp_path):
+    """``self.config.rng`` where the config's class (a base of it) holds the generator: a plain object was searched by
+    its own fields only, and the recomputation drew other numbers from one bound there between steps."""
+
+    def bind(model: nn.Module) -> None:
+        SharedDefaults.rng = torch.Generator().manual_seed(50)
+
+    results = []
+    try:
+        for directory in (None, str(tmp_path)):
+            SharedDefaults.rng = None
+            torch.manual_seed(0)
+            config = ClassConfig()
+            results.append(_three_steps(nn.Sequential(ClassConfigured(config), ClassConfigured(config)), bind, directory))
+    finally:
+        SharedDefaults.rng = None
+    expected, got = results
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
