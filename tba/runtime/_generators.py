@@ -5,8 +5,7 @@ Checkpoint preserves torch's global RNG states only. A layer that draws from a g
 own (a ``torch.Generator``, ``random.Random``, numpy ``Generator`` or ``RandomState``, held as an
 attribute of one of its modules or passed in its call's arguments, as diffusers-style code passes
 ``generator=``, directly or in dicts, lists, tuples and plain objects' attributes (their classes' too) up to three deep),
-or from Python's
-``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
+or from Python's ``random`` or numpy's global generator (stochastic depth written with ``random.random()``), would
 draw differently in the recomputation, so its gradients would be those of another forward (a
 review found the adaptive default recomputing such layers: ``SSSK``), and the generator would end
 advanced twice. The wrapper records each such generator's state before the first forward, sets it
