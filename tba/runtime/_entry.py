@@ -173,7 +173,7 @@ def _native_record() -> Any:
         return None
     try:
         _configure()
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:  # its fields differ; its configure takes other arguments
         logger.warning("tba: %s; tba uses its Python record meanwhile (python setup.py build_ext --inplace, or "
                        "reinstall tba)", err)
         return None

@@ -157,7 +157,7 @@ def _add_large(requests: list[Request], callbacks: list[Callback], transfer: Tra
 if _requests is not None:
     try:
         _requests.configure(Request, Transfer, functools.partial, _group_done, _add_large)
-    except RuntimeError as err:  # a build that does not match this tba: the Python loop serves
+    except (RuntimeError, TypeError) as err:  # a build that does not match this tba: the Python loop serves
         logging.getLogger("tba").warning("tba: %s; tba forms its requests in Python meanwhile (python setup.py "
                                          "build_ext --inplace, or reinstall tba)", err)
         _requests = None

@@ -147,14 +147,15 @@ def test_training_through_either_record_gives_the_gradients_without_tba(tmp_path
 
 @needs_extension
 @pytest.mark.skipif(not _host_requests.NATIVE, reason="the native extension tba._requests is not built")
-def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path):
-    """A build whose fields differ from this tba's (a checkout updated without rebuilding) is not used: the Python
+@pytest.mark.parametrize("error", ["RuntimeError", "TypeError"])  # its fields differ; its configure takes other arguments
+def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path, error):
+    """A build that does not match this tba (a checkout updated without rebuilding) is not used: the Python
     record and request loop serve, training works, and one warning names the rebuild."""
     script = (
         "import glob, importlib.util, logging, os, sys, torch\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
         "def stale(*args):\n"
-        "    raise RuntimeError('tba._x has 9 fields, the Python one 10: rebuild the extension')\n"
+        f"    raise {error}('tba._x does not match: rebuild the extension')\n"
         f"for name in ('_record', '_requests'):  # loaded and made stale before tba's own import configures them\n"
         f"    [path] = glob.glob(os.path.join({os.path.dirname(tba.__file__)!r}, name + '.*.so'))\n"
         "    spec = importlib.util.spec_from_file_location('tba.' + name, path)\n"
