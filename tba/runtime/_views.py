@@ -10,6 +10,8 @@ that stays in memory is wrapped in a :class:`Kept`. See Note [Dedup by storage i
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tba._untrack import untrack
@@ -118,10 +120,12 @@ class SavedView:
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
         self.storage_offset = tensor.storage_offset()
-        self.watch = version_watch(tensor)
-        """Shares ``tensor``'s version counter and holds none of its bytes (Note [In-place after saving])."""
+        self.watch = watch = torch.Tensor._make_subclass(torch.Tensor, tensor)
+        """Shares ``tensor``'s version counter and holds none of its bytes (Note [In-place after saving]): made as
+        :func:`version_watch` makes it, inline, a Python call less per saved storage on the training thread."""
+        watch.data = _NO_BYTES
         self.version = tensor._version
-        untrack(self, self.watch)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
+        untrack(self, watch)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
 
     def keep(self, tensor: torch.Tensor) -> None:
         """Hold ``tensor`` itself instead of an entry (detached: Note [Kept tensors are returned detached])."""
@@ -147,12 +151,11 @@ class SavedView:
         holds its traceback, whose frames hold the caller's locals (the loss, so the graph, so this view),
         a cycle through autograd's C++ node that the cycle collector cannot see (helper-62).
         """
-        if 0 in self.size:
-            return None
-        last = self.storage_offset
-        for size, stride in zip(self.size, self.stride):
-            last += (size - 1) * stride
-        if (last + 1) * self.dtype.itemsize <= storage.nbytes():
+        size, stride = self.size, self.stride
+        # The last element's index is the offset plus the sum of (size - 1) * stride, taken here as two sums in C: a
+        # Python loop over the dimensions ran once per saved storage on the control thread (docs/host-cost.md).
+        last = self.storage_offset + sum(map(operator.mul, size, stride)) - sum(stride)
+        if 0 in size or (last + 1) * self.dtype.itemsize <= storage.nbytes():
             return None
         return (f"a tensor saved for backward ({self.dtype} {list(self.size)}) had its storage resized below it "
                 "between its save and tba's write of it; resize it after backward, or clone it before saving")

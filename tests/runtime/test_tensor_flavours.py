@@ -335,6 +335,29 @@ def test_a_storage_already_too_small_when_saved_raises_a_clear_error(spill_dir):
         y.sum().backward()
 
 
+def test_the_save_refuses_exactly_the_storages_too_small_for_the_packed_geometry():
+    """``SavedView.uncovered`` (Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py) takes
+    the last element's index as two sums; random strided views, storages of every size around their last byte: it
+    refuses the storage exactly when the view's last byte lies past its end, as the loop over the dimensions did."""
+    from tba.runtime._views import SavedView
+
+    rng = random.Random(0)
+    for _ in range(300):
+        dtype = rng.choice([torch.uint8, torch.float16, torch.float32, torch.float64])
+        size = tuple(rng.randrange(0, 4) for _ in range(rng.randrange(0, 4)))
+        stride = tuple(rng.randrange(0, 6) for _ in size)
+        offset = rng.randrange(0, 5)
+        view = SavedView(None, torch.empty(size, dtype=dtype))
+        view.storage_offset, view.stride = offset, stride  # the packed geometry, any the view could have had
+        last = offset
+        for n, step in zip(size, stride):
+            last += (n - 1) * step
+        needed = 0 if 0 in size else (last + 1) * dtype.itemsize
+        for nbytes in {0, max(needed - 1, 0), needed, needed + 1}:
+            refused = view.uncovered(torch.UntypedStorage(nbytes)) is not None
+            assert refused == (nbytes < needed), (size, stride, offset, dtype, nbytes)
+
+
 def test_a_view_saved_after_its_storage_grew_is_exact(spill_dir):
     """A storage grown by ``resize_`` (which bumps no version) between two saves of one tensor family, the second a view
     reaching into the grown part: it shared the entry written at the old size, and its unpack met torch's bare 'Trying
