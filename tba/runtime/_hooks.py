@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tba import _control
+from tba import _control, _trace
 from tba._trace import traced
 from tba._untrack import untrack
 from tba.device import is_device_tensor
@@ -79,7 +79,9 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         the graph). So both hooks' code, and every frame they call, is marked for Dynamo to skip
         (:func:`tba.runtime._compile.never_traced`): they run eagerly, at no cost per call.
         """
-        return traced("pack", self._pack, tensor)  # Note [No range without nvtx] in tba/_trace.py
+        if _trace._annotate() is None:  # Note [No range without nvtx] in tba/_trace.py: one Python call less
+            return self._pack(tensor)
+        return traced("pack", self._pack, tensor)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._phase is not Phase.ACTIVE:
@@ -153,18 +155,19 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
     def _save_job(self, view: SavedView, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int,
                   layer: int | None, stack: Any, ready: Any) -> None:
         self._save_jobs_bytes += nbytes
-        view.error = view.uncovered(storage)  # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
-        if view.error is not None:
+        error = view.uncovered(storage)  # Note [A save writes the storage its tensor had at pack] in tba/runtime/_views.py
+        if error is not None:
+            view.error = error
             return
         try:
             entry, fresh = self._store.save(tensor, storage, layer, view.version, ready)
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)
             return
-        if fresh and self._discovery is not None:
-            self._discovery.note_saved(entry, stack)
         if fresh:
-            self.layer_saved_bytes[entry.layer] = self.layer_saved_bytes.get(entry.layer, 0) + entry.nbytes
+            self.layer_saved_bytes[layer] = self.layer_saved_bytes.get(layer, 0) + entry.nbytes  # entry.layer is layer
+            if self._discovery is not None:
+                self._discovery.note_saved(entry, stack)
         view.entry = entry
         died = _control.finalizer(_ViewDied, view)
         died.owner, died.entry, died.view_id = self, entry, id(view)

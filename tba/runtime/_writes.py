@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tba import defaults
+from tba import _trace, defaults
 from tba._trace import traced
 from tba._untrack import untrack
 from tba.device import WRITE_NOT_NEEDED
@@ -101,9 +101,7 @@ class StoreWrites:
             fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
                      or entry.expired() or entry.nbytes != storage.nbytes())
             if fresh:
-                root_ref = weakref.ref(root)
-                untrack(root_ref)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
-                entry = self._start_write(storage, layer, version, ready, root_ref)
+                entry = self._start_write(storage, layer, version, ready, root)
             else:
                 self.stats.bytes_deduplicated += entry.nbytes
             entry.live_views += 1
@@ -111,22 +109,30 @@ class StoreWrites:
         return entry, fresh
 
     def _start_write(self, storage: torch.UntypedStorage, layer: int | None,
-                     version: int, ready: Any, root: weakref.ref) -> StorageEntry:
+                     version: int, ready: Any, root: torch.Tensor) -> StorageEntry:
+        # Note: [The common save inline]
+        # Run once per saved storage on the control thread, whose Python the forward waits for (docs/host-cost.md,
+        # thirty-second pass): the host route's answer of `Routes.for_device` is inline here, and a host storage's
+        # write goes to the host batch directly when there is no NVTX range to mark (`_queue_write` serves the
+        # device routes and the range). Each is a Python call less per storage.
         device = storage.device
-        route = self.routes.for_device(device)
+        routes = self.routes
+        route = routes.host if device.type not in routes.staged_devices else routes.for_device(device)
         data = storage_bytes(storage)
-        untrack(data)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
+        root_ref = weakref.ref(root)
+        untrack(data, root_ref)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
         nbytes = storage.nbytes()
         address = storage.data_ptr()
+        phase_bytes = route.phase_bytes(address)
         entry = StorageEntry(
             seq=self._next_seq,
             layer=layer,
             nbytes=nbytes,
-            phase_bytes=route.phase_bytes(address),
+            phase_bytes=phase_bytes,
             address=address,
             version=version,
             data=data,
-            root=root,
+            root=root_ref,
             device=device,
             route=route,
             # Pages are handed back only under glibc (Note [Only glibc's malloc needs pages handed back] in
@@ -139,13 +145,17 @@ class StoreWrites:
         self.live_entries += 1
         self._by_storage[storage._cdata] = entry
         self.window.add(entry)
-        self._resident(entry.nbytes)
-        entry.offset = self.spill.allocate(entry.extent_bytes)
+        self._resident(nbytes)
+        entry.offset = offset = self.spill.allocate(entry.extent_bytes)
         self._writing += 1
-        self.unwritten_bytes += entry.nbytes
+        self.unwritten_bytes += nbytes
         entry.transfer_in_flight = True
         self.write_clock.start()
-        traced("write", self._queue_write, entry, route, ready)  # Note [No range without nvtx] in tba/_trace.py
+        if route is routes.host and _trace._annotate() is None:  # Note [No range without nvtx] in tba/_trace.py
+            self._host.write(data, phase_bytes, self.spill.fd, offset, functools.partial(self._on_write_done, entry),
+                             functools.partial(self._write_wanted, entry))
+        else:
+            traced("write", self._queue_write, entry, route, ready)
         return entry
 
     def _queue_write(self, entry: StorageEntry, route: Route, ready: Any) -> None:

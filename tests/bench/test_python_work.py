@@ -124,3 +124,27 @@ def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_r
     # The Python record (tba._record not built) rounds its extent_bytes through round_up: one call per storage.
     rounding = calls.get("tba/io/_memory.py:round_up", 0)
     assert rounding < (0.5 if _entry.NATIVE else 1.5), f"round_up: {rounding} calls per storage saved"
+
+
+def test_a_host_save_calls_no_python_for_its_route_its_queueing_its_range_or_its_watch(spill_dir):
+    """Without nvtx, a host storage's save goes from the store to the host batch with no Python call for the route,
+    the queueing or the range, and the pack hook makes its version watch and skips the range inline (Note [The common
+    save inline] in tba/runtime/_writes.py): one Python call per storage each, on the threads the forward waits for
+    (docs/host-cost.md, thirty-second pass)."""
+    from tba._trace import nvtx_enabled
+
+    if nvtx_enabled():
+        import pytest
+
+        pytest.skip("nvtx is installed: the pack and write ranges are real")
+    count = 200
+    leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
+    work = count_step(lambda mark: _step(leaves, spill_dir, mark))
+    control = dict(work.top_functions("forward", "tba-control", count, top=1000))
+    training = dict(work.top_functions("forward", "MainThread", count, top=1000))
+    assert control.get("tba/runtime/_writes.py:_start_write", 0) >= 0.9, control  # the count sees the saves
+    assert training.get("tba/runtime/_hooks.py:_pack", 0) >= 0.9, training  # and the packs
+    for where in ("tba/_trace.py:traced", "tba/runtime/_writes.py:_queue_write", "tba/device/_router.py:for_device"):
+        assert control.get(where, 0) < 0.5, f"{where}: {control.get(where)} calls per storage saved"
+    for where in ("tba/_trace.py:traced", "tba/runtime/_views.py:version_watch"):
+        assert training.get(where, 0) < 0.5, f"{where}: {training.get(where)} calls per storage packed"
