@@ -217,7 +217,8 @@ def finalizer(kind: type[F], obj: object) -> F:
     Its :meth:`~Finalizer.fire` runs on the control thread once ``obj`` has been collected, as
     :func:`on_death`'s ``fn(*args)`` does, and must not refer to ``obj``.
     """
-    _control.ensure_started()
+    if _control.thread is None:  # ensure_started's own test, asked here: made once per saved storage, on the control thread
+        _control.ensure_started()
     ref = kind(obj, _control.defer_append)
     _control.finalizers[id(ref)] = ref
     return ref

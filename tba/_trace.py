@@ -42,8 +42,10 @@ def traced(name: str, function: Callable[..., T], *args: Any) -> T:
     The hooks and the store's queueing of each write and read run once per saved storage. Without
     ``nvtx``, ``with nvtx_range(...)`` cost three Python calls there (:func:`nvtx_range` and the no-op's
     ``__enter__`` and ``__exit__``, ``contextlib.nullcontext``'s); this costs one, the same as asking
-    :func:`nvtx_enabled` first (docs/host-cost.md, twenty-ninth pass). ``tests/runtime/test_nvtx_ranges.py``
-    runs the branch taken with ``nvtx`` installed.
+    :func:`nvtx_enabled` first (docs/host-cost.md, twenty-ninth pass). The pack hook and a host storage's write
+    ask ``_trace._annotate()`` themselves (a C call, the cache's) and call no Python for the range at all without
+    ``nvtx`` (thirty-second pass; read through the module, so that a test's stand-in is seen).
+    ``tests/runtime/test_nvtx_ranges.py`` runs the branch taken with ``nvtx`` installed.
     """
     annotate = _annotate()
     if annotate is None:

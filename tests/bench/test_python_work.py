@@ -128,7 +128,7 @@ def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_r
 
 def test_a_host_save_calls_no_python_for_its_route_its_queueing_its_range_or_its_watch(spill_dir):
     """Without nvtx, a host storage's save goes from the store to the host batch with no Python call for the route,
-    the queueing or the range, and the pack hook makes its version watch and skips the range inline (Note [The common
+    the queueing or the range, its view's finalizer asks no Python whether the control thread runs, and the pack hook makes its version watch and skips the range inline (Note [The common
     save inline] in tba/runtime/_writes.py): one Python call per storage each, on the threads the forward waits for
     (docs/host-cost.md, thirty-second pass)."""
     from tba._trace import nvtx_enabled
@@ -144,7 +144,8 @@ def test_a_host_save_calls_no_python_for_its_route_its_queueing_its_range_or_its
     training = dict(work.top_functions("forward", "MainThread", count, top=1000))
     assert control.get("tba/runtime/_writes.py:_start_write", 0) >= 0.9, control  # the count sees the saves
     assert training.get("tba/runtime/_hooks.py:_pack", 0) >= 0.9, training  # and the packs
-    for where in ("tba/_trace.py:traced", "tba/runtime/_writes.py:_queue_write", "tba/device/_router.py:for_device"):
+    for where in ("tba/_trace.py:traced", "tba/runtime/_writes.py:_queue_write", "tba/device/_router.py:for_device",
+                  "tba/_control_loop.py:ensure_started"):
         assert control.get(where, 0) < 0.5, f"{where}: {control.get(where)} calls per storage saved"
     for where in ("tba/_trace.py:traced", "tba/runtime/_views.py:version_watch"):
         assert training.get(where, 0) < 0.5, f"{where}: {training.get(where)} calls per storage packed"
