@@ -1,5 +1,5 @@
-"""Build hook for the optional native extensions ``tba._uring`` (io_uring), ``tba._shield``, ``tba._gc``, ``tba._record``
-and ``tba._requests``.
+"""Build hook for the optional native extensions ``tba._uring`` (io_uring), ``tba._shield``, ``tba._gc``, ``tba._record``,
+``tba._requests`` and ``tba._save``.
 
 All package metadata lives in ``pyproject.toml``; this file only declares the C extension. The
 extension is optional: when it cannot be compiled (no C compiler, no Python or kernel headers),
@@ -7,8 +7,9 @@ the build prints a warning and installation carries on without it: ``backend="au
 uses the portable thread engine, logging why, and without ``tba._shield`` an offloader's exit is
 plain Python (``tba/_whole_exit.py`` says what that leaves open); without ``tba._gc`` the cycle collector
 sees every object tba keeps per saved tensor (``tba/_untrack.py``); without ``tba._record`` the store's
-per-storage record is the Python dataclass (``tba/runtime/_entry.py``), and without ``tba._requests`` host
-writes become engine requests in Python (``tba/runtime/_host_requests.py``).
+per-storage record is the Python dataclass (``tba/runtime/_entry.py``), without ``tba._requests`` host
+writes become engine requests in Python (``tba/runtime/_host_requests.py``), and without ``tba._save`` a host
+storage's fresh save runs in Python (``tba/runtime/_writes.py``).
 """
 
 from setuptools import Extension, setup
@@ -50,6 +51,13 @@ REQUESTS_EXTENSION = Extension(
     optional=True,
 )
 
+SAVE_EXTENSION = Extension(
+    "tba._save",
+    sources=["native/tba_save.c"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    optional=True,
+)
+
 
 class OptionalBuildExt(build_ext):
     """``build_ext`` that turns any failure to compile the extension into a warning."""
@@ -74,5 +82,6 @@ class OptionalBuildExt(build_ext):
         )
 
 
-setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION, GC_EXTENSION, RECORD_EXTENSION, REQUESTS_EXTENSION],
+setup(ext_modules=[URING_EXTENSION, SHIELD_EXTENSION, GC_EXTENSION, RECORD_EXTENSION, REQUESTS_EXTENSION,
+                         SAVE_EXTENSION],
       cmdclass={"build_ext": OptionalBuildExt})

@@ -130,10 +130,11 @@ def _malloc_rows() -> list[tuple[str, str]]:
 
 
 def _native_row() -> str:
-    """Whether the storage record and the request forming run in C (their Python fallbacks cost more per tensor)."""
+    """Whether the storage record, the request forming and the host save run in C (their Python fallbacks cost more
+    per tensor)."""
     missing = [f"tba._{name}" for name, built in native_parts().items() if not built]
     if not missing:
-        return "yes (tba._record, tba._requests)"
+        return "yes (tba._record, tba._requests, tba._save)"
     return (f"no: {', '.join(missing)} not built or stale, Python serves (more host time per saved tensor; "
             "reinstall with a C compiler)")
 

@@ -14,7 +14,7 @@ steps (time and measured activation peak) and apply a placement plan. Bytes reac
 through a device route (:mod:`tba.device`) and an engine (:mod:`tba.io`).
 """
 
-from tba.runtime import _entry, _host_requests
+from tba.runtime import _entry, _host_requests, _writes
 from tba.runtime._compile import compile_blocks
 from tba.runtime._keep import KeepReason, keep_in_memory
 from tba.runtime._layers import find_layers, resolve_layers
@@ -35,5 +35,6 @@ __all__ = [
 
 def native_parts() -> dict[str, bool]:
     """Which parts of the per-storage path run in C here (optional extensions, setup.py): ``record`` (the storage
-    record, ``tba._record``) and ``requests`` (host transfers into engine requests, ``tba._requests``)."""
-    return {"record": _entry.NATIVE, "requests": _host_requests.NATIVE}
+    record, ``tba._record``), ``requests`` (host transfers into engine requests, ``tba._requests``) and ``save`` (a
+    host storage's fresh save, ``tba._save``)."""
+    return {"record": _entry.NATIVE, "requests": _host_requests.NATIVE, "save": _writes.NATIVE}

@@ -14,6 +14,7 @@ Every state change happens under the store's lock; completion callbacks run on e
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -27,12 +28,19 @@ from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._entry import State, StorageEntry, storage_bytes
 from tba.runtime._trim import hands_back_pages, owns_its_memory
 
+try:
+    from tba import _save
+except ImportError:  # the optional extension was not built (setup.py)
+    _save = None
+
 if TYPE_CHECKING:
     from tba.device import Route, Routes
     from tba.io import SpillFile
     from tba.runtime._host_io import HostBatch
     from tba.runtime._prefetch import PrefetchWindow
     from tba.runtime._stats import BusyClock, OffloadStats
+
+logger = logging.getLogger("tba")
 
 # Note: [Dedup by storage identity]
 # A storage is recognised by its StorageImpl address (`untyped_storage()._cdata`), the same for
@@ -61,6 +69,37 @@ if TYPE_CHECKING:
 # Nor is an entry shared once its storage has another size: `untyped_storage().resize_()` bumps no
 # version, and a view saved after the storage grew reached past the bytes the entry had written
 # (torch's bare "Trying to resize storage that is not resizable" at unpack: helper-95).
+
+# Note: [A host save in C]
+# A CPU storage of less than DISCARD_MIN_BYTES on the host route, with no NVTX range to mark (the common save: tens
+# of thousands per step, each on the control thread that the forward waits for), is started by the optional
+# extension tba._save (native/tba_save.c): `_start_write`'s Python from the storage's bytes to the host batch's
+# `write`, in one C call, the same calls on the same objects in the same order (the record's type passed with each
+# call, the window, `_resident`, the spill file, the write clock and the host batch stay Python), its own_memory
+# False as the expression below gives it for such a storage. Without the extension, or with a build whose ABI or
+# record keywords differ from this file's (one warning), the Python below serves; tests/runtime/test_native_save.py
+# trains through both (docs/host-cost.md, thirty-second pass).
+_SAVE_ABI = 1
+_RECORD_KEYWORDS = ("seq", "layer", "nbytes", "phase_bytes", "address", "version", "data", "root", "device", "route",
+                    "own_memory", "cdata")
+
+
+def _native_save() -> Any:
+    """``tba._save.start_host_write`` where the extension is built and current, else None (Note [A host save in C])."""
+    if _save is None:
+        return None
+    try:
+        _save.configure(_SAVE_ABI, _RECORD_KEYWORDS, torch.ByteTensor, untrack, functools.partial)
+    except RuntimeError as err:
+        logger.warning("tba: %s; tba starts host writes in Python meanwhile (python setup.py build_ext --inplace, or "
+                       "reinstall tba)", err)
+        return None
+    return _save.start_host_write
+
+
+_start_host_write = _native_save()
+NATIVE = _start_host_write is not None
+"""Whether a host storage's fresh save runs in ``tba._save`` (Note [A host save in C])."""
 
 
 class StoreWrites:
@@ -117,11 +156,17 @@ class StoreWrites:
         # device routes and the range). Each is a Python call less per storage.
         device = storage.device
         routes = self.routes
-        route = routes.host if device.type not in routes.staged_devices else routes.for_device(device)
+        nbytes = storage.nbytes()
+        if device.type not in routes.staged_devices:
+            if (device.type == "cpu" and nbytes < defaults.DISCARD_MIN_BYTES and _start_host_write is not None
+                    and _trace._annotate() is None):  # Note [A host save in C]
+                return _start_host_write(self, storage, device, layer, version, root, nbytes, StorageEntry)
+            route = routes.host
+        else:
+            route = routes.for_device(device)
         data = storage_bytes(storage)
         root_ref = weakref.ref(root)
         untrack(data, root_ref)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
-        nbytes = storage.nbytes()
         address = storage.data_ptr()
         phase_bytes = route.phase_bytes(address)
         entry = StorageEntry(

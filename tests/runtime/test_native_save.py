@@ -1,0 +1,118 @@
+"""A host storage's fresh save in C (``tba._save``) does what the Python path does, and training gives the same numbers.
+
+Note [A host save in C] in tba/runtime/_writes.py: with the extension built, a CPU storage below DISCARD_MIN_BYTES on
+the host route starts its write in one C call; without it, or with a stale build, the Python serves. The tests train
+through both and compare the records, the stats and the gradients, with the spill file failing midway too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba.io import SpillFile
+from tba.runtime import _writes
+
+needs_extension = pytest.mark.skipif(not _writes.NATIVE, reason="the native extension tba._save is not built")
+
+PATHS = ["python"] + (["c"] if _writes.NATIVE else [])
+
+
+def _train(directory, monkeypatch, path: str) -> tuple[list[torch.Tensor], list[tuple], dict[str, int]]:
+    """Gradients, each fresh record's facts in save order, and the stats, through ``path``'s save (None: no tba)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(32, 64)
+    if directory is None:
+        model(x).square().sum().backward()
+        return [p.grad for p in model.parameters()], [], {}
+    native = _writes._start_host_write
+    calls = [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return native(*args)
+
+    monkeypatch.setattr(_writes, "_start_host_write", counted if path == "c" else None)
+    made: list = []
+    start_write = _writes.StoreWrites._start_write
+
+    def recording(self, *args):  # under the store's lock (save holds it): nothing else moves these figures meanwhile
+        before = (self._next_seq, self.live_entries, self.stats.resident_bytes, self._writing, self.unwritten_bytes)
+        entry = start_write(self, *args)
+        after = (self._next_seq, self.live_entries, self.stats.resident_bytes, self._writing, self.unwritten_bytes)
+        made.append((entry.seq, entry.layer, entry.nbytes, entry.phase_bytes == entry.address % 4096, entry.version,
+                     entry.offset >= 0, entry.own_memory, entry.route is self.routes.host, entry.device, entry.state,
+                     entry.transfer_in_flight, entry.data.numel(), type(entry), self._by_storage[args[0]._cdata] is entry,
+                     self.window._order[-1] is entry, tuple(b - a for a, b in zip(before, after, strict=True))))
+        return entry
+
+    monkeypatch.setattr(_writes.StoreWrites, "_start_write", recording)
+    with tba.offload_activations(directory, min_offload_bytes=0, policy="offload") as offloader:
+        loss = model(x).square().sum()
+    loss.backward()
+    stats = offloader.stats
+    numbers = {name: getattr(stats, name) for name in ("tensors_offloaded", "bytes_deduplicated")}
+    assert (calls[0] >= len(made) > 0) if path == "c" else calls[0] == 0, (calls, len(made))  # a failed save records none
+    monkeypatch.undo()
+    return [p.grad for p in model.parameters()], made, numbers
+
+
+@needs_extension
+def test_the_c_save_makes_the_records_and_stats_of_the_python_one_and_the_gradients_without_tba(tmp_path, monkeypatch):
+    expected, _, _ = _train(None, monkeypatch, "python")
+    python = _train(tmp_path / "python", monkeypatch, "python")
+    c = _train(tmp_path / "c", monkeypatch, "c")
+    assert c[1] == python[1] and c[2] == python[2]
+    for got in (python, c):
+        assert all(torch.equal(a, b) for a, b in zip(got[0], expected, strict=True))
+
+
+def test_a_spill_file_that_fails_midway_keeps_the_tensor_in_memory_and_the_gradients_exact(tmp_path, monkeypatch, caplog):
+    """The third extent refused: that storage stays in memory with a warning, the others are written, and the C save
+    leaves the records and the stats as the Python one does."""
+    expected, _, _ = _train(None, monkeypatch, "python")
+    allocate = SpillFile.allocate
+    runs = {}
+    for path in PATHS:
+        count = [0]
+
+        def failing(self, nbytes, count=count):
+            count[0] += 1
+            if count[0] == 3:
+                raise OSError(28, "No space left on device (a test)")
+            return allocate(self, nbytes)
+
+        monkeypatch.setattr(SpillFile, "allocate", failing)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tba"):
+            got, facts, numbers = _train(tmp_path / path, monkeypatch, path)
+        monkeypatch.undo()
+        assert count[0] > 3 and "could not start writing a saved tensor" in caplog.text, path
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), path
+        runs[path] = facts, numbers
+    assert runs.get("c", runs["python"]) == runs["python"]
+
+
+@needs_extension
+def test_a_stale_build_is_refused_and_python_serves_with_one_warning(monkeypatch, caplog):
+    from tba import _save
+
+    with pytest.raises(RuntimeError, match="abi"):
+        _save.configure(_writes._SAVE_ABI + 1, _writes._RECORD_KEYWORDS, torch.ByteTensor, print, print)
+    with pytest.raises(RuntimeError, match="keywords"):
+        _save.configure(_writes._SAVE_ABI, _writes._RECORD_KEYWORDS[1:] + ("added",), torch.ByteTensor, print, print)
+
+    def stale(*args):
+        raise RuntimeError("tba._save was built for abi 0")
+
+    monkeypatch.setattr(_save, "configure", stale)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        assert _writes._native_save() is None
+    assert "starts host writes in Python" in caplog.text
+    monkeypatch.undo()
+    assert _writes._native_save() is _save.start_host_write  # configured again as tba's import left it
