@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_BENCH = ["--sizes", "64K", "--counts", "400,2000", "--no-disk", "--no-keep"]
-NATIVE = ("tba._uring", "tba._shield", "tba._gc", "tba._record", "tba._requests")
+NATIVE = ("tba._uring", "tba._shield", "tba._gc", "tba._record", "tba._requests", "tba._save")
 """The optional extensions whose origin is checked on each side."""
 
 Runner = Callable[[pathlib.Path, list[str]], list[dict]]
