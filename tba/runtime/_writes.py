@@ -90,7 +90,7 @@ def _native_save() -> Any:
         return None
     try:
         _save.configure(_SAVE_ABI, _RECORD_KEYWORDS, torch.ByteTensor, untrack, functools.partial)
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:  # its ABI or keywords differ; its configure takes other arguments
         logger.warning("tba: %s; tba starts host writes in Python meanwhile (python setup.py build_ext --inplace, or "
                        "reinstall tba)", err)
         return None

@@ -156,7 +156,7 @@ def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path, error):
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
         "def stale(*args):\n"
         f"    raise {error}('tba._x does not match: rebuild the extension')\n"
-        f"for name in ('_record', '_requests'):  # loaded and made stale before tba's own import configures them\n"
+        f"for name in ('_record', '_requests', '_save'):  # loaded and made stale before tba's own import configures them\n"
         f"    [path] = glob.glob(os.path.join({os.path.dirname(tba.__file__)!r}, name + '.*.so'))\n"
         "    spec = importlib.util.spec_from_file_location('tba.' + name, path)\n"
         "    module = importlib.util.module_from_spec(spec)\n"
@@ -164,8 +164,8 @@ def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path, error):
         "    module.configure = stale\n"
         "    sys.modules['tba.' + name] = module\n"
         "import tba\n"
-        "from tba.runtime import _entry, _host_requests\n"
-        "print('native', _entry.NATIVE, _host_requests.NATIVE)\n"
+        "from tba.runtime import _entry, _host_requests, _writes\n"
+        "print('native', _entry.NATIVE, _host_requests.NATIVE, _writes.NATIVE)\n"
         "def step(offload):\n"
         "    x = torch.linspace(-2, 2, 65536).reshape(256, 256).requires_grad_()\n"
         f"    with tba.offload_activations(directory={str(tmp_path)!r}, backend='threads', policy='offload') if offload \\\n"
@@ -177,9 +177,9 @@ def test_a_stale_build_falls_back_to_python_with_one_warning(tmp_path, error):
     )
     done = run_python(["-c", script], timeout=120, env=dict(os.environ, PYTHONNOUSERSITE="1"))  # a fresh process
     assert done.returncode == 0, done.stderr
-    assert "native False False" in done.stdout
+    assert "native False False False" in done.stdout
     assert "grad ok True" in done.stdout
-    assert done.stdout.count("rebuild the extension") == 2  # one warning each
+    assert done.stdout.count("rebuild the extension") == 3  # one warning each
 
 
 _FIELD_FREED_WHILE_READ = """
