@@ -100,15 +100,15 @@ def _require(name: str, ok: bool, value: Any, expected: str) -> None:
 
 def check_ranges(config: Any) -> None:
     """Raise :class:`TbaConfigError` for a value out of its range, or for two goals; make the two budget names agree."""
-    for name in ("min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes", "memory_budget",
-                 "memory_budget_bytes", "overhead_bound"):
+    for name in ("memory_budget", "memory_budget_bytes"):
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise TbaConfigError(f"{name} must be > 0 (bytes of activation memory; no model needs none), got {value}; "
+                                 "give a budget such as '2G', or leave it out for the default goal")
+    for name in ("min_offload_bytes", "prefetch_depth_layers", "prefetch_budget_bytes", "overhead_bound"):
         value = getattr(config, name)
         if value is not None and value < 0:
             raise TbaConfigError(f"{name} must be >= 0, got {value}")
-    for name in ("memory_budget", "memory_budget_bytes"):
-        if getattr(config, name) == 0:
-            raise TbaConfigError(f"{name} must be > 0 (bytes of activation memory; no model needs none), got 0; "
-                                 "give a budget such as '2G', or leave it out for the default goal")
     if not 1 <= config.queue_depth <= defaults.MAX_QUEUE_DEPTH:
         raise TbaConfigError(f"queue_depth must be in 1..{defaults.MAX_QUEUE_DEPTH}, got {config.queue_depth}")
     if config.profile_steps < 1:

@@ -25,6 +25,9 @@ from tba.io import available_backends
         ({"block_size_bytes": 1000}, "block_size_bytes must be a positive multiple of 4096"),
         ({"memory_budget": 0}, "memory_budget must be > 0 .*leave it out for the default goal"),
         ({"memory_budget_bytes": "0M"}, "memory_budget_bytes must be > 0"),
+        # A negative budget said "must be >= 0", and 0 is refused too.
+        ({"memory_budget": -5}, "memory_budget must be > 0 .*got -5;"),
+        ({"memory_budget_bytes": -1}, "memory_budget_bytes must be > 0 .*got -1;"),
     ],
 )
 def test_bad_options_raise_before_forward(spill_dir, options, match):

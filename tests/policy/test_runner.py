@@ -439,7 +439,7 @@ def test_policy_config_errors(model, spill_dir):
         tba.Offloader(spill_dir, layers=model, policy=tba.OffloadAll(), overhead_bound=0.2)
     with pytest.raises(tba.TbaConfigError, match="the plan has 2 layers but the model has 4"):
         tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep", "keep"), 0))
-    with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be >= 0"):
+    with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be > 0"):
         tba.Offloader(spill_dir, layers=model, policy="adaptive", memory_budget_bytes=-5)
 
 
