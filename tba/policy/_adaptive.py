@@ -127,10 +127,11 @@ class Adaptive(Policy):
         if not fitting:
             least = self._least_memory(profile, costs, order, low)
             slack = profile.memory_slack_bytes
+            measured = (f", {slack / MIB:.1f} MiB of it transient buffers measured while profiling (the process's peak: "
+                        "what other threads allocated meanwhile counts too)") if slack else ""
             raise TbaConfigError(
                 f"memory_budget={budget / MIB:.1f} MiB cannot be met: this model needs at least "
-                f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}"
-                f"{f', {slack / MIB:.1f} MiB of it transient buffers measured while profiling' if slack else ''}); "
+                f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}{measured}); "
                 "raise memory_budget, or lower the batch size or sequence length")
         best: Best | None = None
         for bound, index, shape, window in sorted(fitting, key=lambda fit: fit[:2]):

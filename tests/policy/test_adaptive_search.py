@@ -73,10 +73,11 @@ def reference_plan(profile, *, memory_budget_bytes=None, overhead_bound=None):
 
         def refuse(least):
             slack = profile.memory_slack_bytes
+            measured = (f", {slack / MIB:.1f} MiB of it transient buffers measured while profiling (the process's peak: "
+                        "what other threads allocated meanwhile counts too)") if slack else ""
             raise TbaConfigError(
                 f"memory_budget={budget / MIB:.1f} MiB cannot be met: this model needs at least "
-                f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}"
-                f"{f', {slack / MIB:.1f} MiB of it transient buffers measured while profiling' if slack else ''}); "
+                f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}{measured}); "
                 "raise memory_budget, or lower the batch size or sequence length")
 
         chosen = search(profile, f"memory_budget_bytes={budget}", rank, refuse)

@@ -90,6 +90,15 @@ def test_unreachable_budget_raises_naming_the_least_memory():
         plan(slack, memory_budget_bytes=120 * MIB)
 
 
+def test_a_refusal_says_the_measured_buffers_are_the_process_peak():
+    """The transient buffers are the process's peak over the profiled step: a thread allocating 256 MiB at a time
+    beside a model that met 16 MiB alone had it refused as needing 50 MiB, told to lower its batch size (helper-138)."""
+    slack = dataclasses.replace(SLOW, memory_slack_bytes=30 * MIB)
+    with pytest.raises(tba.TbaConfigError, match=r"30.0 MiB of it transient buffers measured while profiling "
+                                                 r"\(the process's peak: what other threads allocated meanwhile counts too\)"):
+        plan(slack, memory_budget_bytes=120 * MIB)
+
+
 def test_default_goal_is_least_memory_within_five_percent_of_the_fastest():
     assert plan(SLOW) == plan(SLOW, overhead_bound=0.05)
     assert plan(SLOW).goal == "overhead_bound=0.05"
