@@ -77,11 +77,15 @@ class StepCycle:
     policy_runner: PolicyRunner
     _phase: Phase
     _entered: list[int]
-    _ended_elsewhere: set[int]
-    """Threads whose block an exit on another thread ended: their own exit, later, ends nothing more (Note [A
-    block's hooks come off only on its thread] in tba/_whole_exit.py)."""
     """The identity of the thread that entered the active block, else 0 (Note [A block's hooks come off only on its
     thread] in tba/_whole_exit.py)."""
+    _entering_thread: threading.Thread | None
+    """The thread that entered the active block (its identity is ``_entered[0]``)."""
+    _ended_elsewhere: dict[int, threading.Thread]
+    """Threads whose block an exit on another thread ended, by identity: their own exit, later, ends nothing more
+    (Note [A block's hooks come off only on its thread] in tba/_whole_exit.py). The thread itself is kept with its
+    identity, which the system hands to a new thread once it has ended: that one's exits are its own. Threads that
+    ended are dropped as another is added."""
     _claim: object | None
     _runner_claim: object | None
     _forked_mid_block: bool
@@ -130,7 +134,8 @@ class StepCycle:
             # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._entered[0] = threading.get_ident()
-            self._ended_elsewhere.discard(self._entered[0])
+            self._entering_thread = threading.current_thread()
+            self._ended_elsewhere.pop(self._entered[0], None)
             recorded = True
             self._phase = Phase.ACTIVE
             return self
@@ -232,14 +237,15 @@ class StepCycle:
         # rest runs whole even when an asynchronous exception arrives meanwhile (Note [Asynchronous
         # exceptions] in tba/_control.py).
         me, entered = threading.get_ident(), self._entered[0]
-        if entered != me and me in self._ended_elsewhere:  # this thread's block was ended on another thread
-            self._ended_elsewhere.discard(me)
+        ended = self._ended_elsewhere.pop(me, None)
+        if entered != me and ended is threading.current_thread():  # this thread's block was ended on another thread
             if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             return
-        self._ended_elsewhere.discard(me)
         if entered not in (0, me):  # the entering thread's own exit, in C or in Python, then takes the branch above
-            self._ended_elsewhere.add(entered)
+            self._ended_elsewhere = {ident: thread for ident, thread in self._ended_elsewhere.items() if thread.is_alive()}
+            if self._entering_thread is not None:
+                self._ended_elsewhere[entered] = self._entering_thread
             self._entered[0] = 0
         try:
             pop_own(self._entered, torch._C._autograd._pop_saved_tensors_default_hooks,

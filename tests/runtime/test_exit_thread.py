@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import pytest
 import torch
 
 import tba
@@ -184,3 +185,27 @@ def test_an_exit_on_another_thread_ends_the_block_after_the_entering_threads_own
         c.join()
         off.close()
     assert left == [True]  # C's pair stays on C's stack (Note [A block's hooks come off only on its thread])
+
+
+def test_a_new_thread_given_a_dead_entering_threads_id_ends_a_block_by_hand(spill_dir, exit_kind):
+    """T enters, this thread ends T's block, T ends without its own exit; this thread enters again, and a new thread
+    the system gave T's id ends that block by hand: the block ends, as for any other thread (helper-137: it was taken
+    for T's late exit and ended nothing, the block left active)."""
+    off = tba.Offloader(spill_dir, backend="threads", layers=[])
+    entering = threading.Thread(target=off.__enter__)
+    entering.start()
+    entering.join()
+    off.__exit__(None, None, None)  # T's block, ended here
+    off.__enter__()
+    try:
+        for _ in range(50):  # the system hands a finished thread's id to a new one, most often at once
+            tried = _on_thread(lambda: threading.get_ident() == entering.ident and off.__exit__(None, None, None) is None)
+            if tried == [True]:
+                break
+        else:
+            pytest.skip("no new thread was given the finished thread's id")
+        assert off._phase is Phase.IDLE, "the exit was taken for the dead thread's late exit and ended nothing"
+    finally:
+        if _top(True) == (off.pack, off.unpack):  # this thread's pair: hooks come off only on the entering thread
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        off.close()
