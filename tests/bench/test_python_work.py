@@ -104,20 +104,28 @@ def test_python_per_storage_does_not_grow_with_the_storages_of_a_step(spill_dir)
                                 f"at 100: {small} / {large}")
 
 
-def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_rounding(spill_dir):
-    """Without nvtx, a storage's save calls no no-op range (Note [No range without nvtx] in tba/_trace.py),
-    no NamedTuple constructor (Note [Per-storage tuples made without their Python __new__] in tba/runtime/_host_io.py)
-    and no ``round_up``: three Python calls per storage each, on the thread the forward waits for (docs/host-cost.md)."""
+SAVES_COUNTED = 200
+"""Storages of 64 KiB in the step whose forward the call-count tests count."""
+
+
+def _counted_forward_without_nvtx(spill_dir: str, why: str):
+    """The Python work of a step of ``SAVES_COUNTED`` storages; the test skips where nvtx is installed (``why``)."""
     from tba._trace import nvtx_enabled
 
     if nvtx_enabled():
         import pytest
 
-        pytest.skip("nvtx is installed: the write range is real")
-    count = 200
-    leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
-    work = count_step(lambda mark: _step(leaves, spill_dir, mark))
-    calls = dict(work.top_functions("forward", "tba-control", count, top=1000))
+        pytest.skip(f"nvtx is installed: {why}")
+    leaves = [torch.randn(16384, requires_grad=True) for _ in range(SAVES_COUNTED)]
+    return count_step(lambda mark: _step(leaves, spill_dir, mark))
+
+
+def test_a_save_on_the_control_thread_calls_no_python_for_a_range_a_tuple_or_a_rounding(spill_dir):
+    """Without nvtx, a storage's save calls no no-op range (Note [No range without nvtx] in tba/_trace.py),
+    no NamedTuple constructor (Note [Per-storage tuples made without their Python __new__] in tba/runtime/_host_io.py)
+    and no ``round_up``: three Python calls per storage each, on the thread the forward waits for (docs/host-cost.md)."""
+    work = _counted_forward_without_nvtx(spill_dir, "the write range is real")
+    calls = dict(work.top_functions("forward", "tba-control", SAVES_COUNTED, top=1000))
     assert calls.get("tba/runtime/_writes.py:_start_write", 0) >= 0.9, calls  # the count sees the saves
     for where in ("contextlib.py:__enter__", "contextlib.py:__exit__", "<string>:<lambda>", "tba/_trace.py:nvtx_range"):
         assert calls.get(where, 0) < 0.5, f"{where}: {calls.get(where)} calls per storage saved"
@@ -132,17 +140,9 @@ def test_a_host_save_calls_no_python_for_its_route_its_queueing_its_range_or_its
     tba/runtime/_writes.py), its view's finalizer asks no Python whether the control thread runs, and the pack hook
     makes its version watch and skips the range inline (Note [The common save inline] in tba/runtime/_writes.py):
     one Python call per storage each, on the threads the forward waits for (docs/host-cost.md, thirty-second pass)."""
-    from tba._trace import nvtx_enabled
-
-    if nvtx_enabled():
-        import pytest
-
-        pytest.skip("nvtx is installed: the pack and write ranges are real")
-    count = 200
-    leaves = [torch.randn(16384, requires_grad=True) for _ in range(count)]
-    work = count_step(lambda mark: _step(leaves, spill_dir, mark))
-    control = dict(work.top_functions("forward", "tba-control", count, top=1000))
-    training = dict(work.top_functions("forward", "MainThread", count, top=1000))
+    work = _counted_forward_without_nvtx(spill_dir, "the pack and write ranges are real")
+    control = dict(work.top_functions("forward", "tba-control", SAVES_COUNTED, top=1000))
+    training = dict(work.top_functions("forward", "MainThread", SAVES_COUNTED, top=1000))
     assert control.get("tba/runtime/_writes.py:_start_write", 0) >= 0.9, control  # the count sees the saves
     assert training.get("tba/runtime/_hooks.py:_pack", 0) >= 0.9, training  # and the packs
     for where in ("tba/_trace.py:traced", "tba/runtime/_writes.py:_queue_write", "tba/device/_router.py:for_device",
