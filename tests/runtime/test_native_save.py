@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import tba
+from tba import defaults
 from tba.io import SpillFile
 from tba.runtime import _writes
 
@@ -116,3 +117,51 @@ def test_a_stale_build_is_refused_and_python_serves_with_one_warning(monkeypatch
     assert "starts host writes in Python" in caplog.text
     monkeypatch.undo()
     assert _writes._native_save() is _save.start_host_write  # configured again as tba's import left it
+
+
+class _SavesBytes(torch.autograd.Function):
+    """Saves the byte tensors it is given (plain tensors, not leaves that require grad: each is offloaded); the
+    gradient is the weight times the sum of their bytes, so a wrong byte read back changes it."""
+
+    @staticmethod
+    def forward(ctx, weight, *saved):
+        ctx.save_for_backward(*saved)
+        return weight * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = sum(int(saved.sum()) for saved in ctx.saved_tensors)
+        return (grad * total, *(None for _ in ctx.saved_tensors))
+
+
+@needs_extension
+def test_the_c_save_takes_storages_below_discard_min_bytes_and_the_python_one_from_there(tmp_path, monkeypatch):
+    """Note [A host save in C]: a storage of DISCARD_MIN_BYTES may hand its pages back (own_memory, under glibc),
+    which the C save never says; it is the Python's, and one byte less is the C's."""
+    limit = defaults.DISCARD_MIN_BYTES
+    native = _writes._start_host_write
+    seen: list[int] = []
+
+    def counted(store, storage, *args):
+        seen.append(storage.nbytes())
+        return native(store, storage, *args)
+
+    made: list[tuple[int, bool]] = []
+    start_write = _writes.StoreWrites._start_write
+
+    def recording(self, storage, *args):
+        entry = start_write(self, storage, *args)
+        made.append((entry.nbytes, entry.own_memory))
+        return entry
+
+    monkeypatch.setattr(_writes, "_start_host_write", counted)
+    monkeypatch.setattr(_writes.StoreWrites, "_start_write", recording)
+    monkeypatch.setattr(_writes, "hands_back_pages", lambda: True)  # own_memory as glibc's malloc gives it
+    weight = torch.ones(4, requires_grad=True)
+    saved = [torch.full((nbytes,), 3, dtype=torch.uint8) for nbytes in (limit - 1, limit)]
+    with tba.offload_activations(tmp_path, min_offload_bytes=0, policy="offload"):
+        loss = _SavesBytes.apply(weight, *saved).sum()
+    loss.backward()
+    assert seen == [limit - 1]
+    assert sorted(made) == [(limit - 1, False), (limit, True)]
+    assert torch.equal(weight.grad, torch.full((4,), 3.0 * (2 * limit - 1)))
