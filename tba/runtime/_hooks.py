@@ -33,6 +33,7 @@ from tba.runtime._keep import KeepDecision, KeepReason, kept_after_block
 from tba.runtime._trim import note_host_offload
 from tba.runtime._unpack_hooks import Phase, UnpackHooks
 from tba.runtime._views import Kept, SavedView
+from tba.runtime._writes import EmptyStorage
 
 if TYPE_CHECKING:
 
@@ -161,6 +162,9 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
             return
         try:
             entry, fresh = self._store.save(tensor, storage, layer, view.version, ready)
+        except EmptyStorage:  # Note [An empty storage is not saved] in tba/runtime/_writes.py
+            view.keep(tensor)
+            return
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)
             return

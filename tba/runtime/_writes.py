@@ -102,6 +102,23 @@ NATIVE = _start_host_write is not None
 """Whether a host storage's fresh save runs in ``tba._save`` (Note [A host save in C])."""
 
 
+class EmptyStorage(Exception):
+    """Raised by :meth:`StoreWrites.save` for a storage of no bytes, before it counts anything.
+
+    Note: [An empty storage is not saved]
+    A saved view of no elements passes the save's geometry check (``SavedView.uncovered`` in
+    ``tba/runtime/_views.py``) whatever its storage holds, and the program may free that storage
+    (``untyped_storage().resize_(0)``) between pack and save. There was nothing to write: the spill file
+    refused an extent of 0 bytes, after the entry had been counted live and booked in the store, and no view
+    ever pointed at it, so it never died, and a warning said the tensor could not be written. The offloader
+    never saw its last entry go: a one-shot offloader never closed (its spill file and engine stayed open), and
+    a reusable one counted the entry live for good and went on looking for it with full collections as it was
+    entered again (Note [Collecting dropped graphs costs a full collection] in ``tba/runtime/_store_owner.py``).
+    The save job keeps such a tensor instead (``_save_job`` in ``tba/runtime/_hooks.py``), without a warning:
+    it holds no bytes, and backward gets the empty tensor it would get without tba.
+    """
+
+
 class StoreWrites:
     """The write half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
     and provides the methods it calls (``_resident``, ``_sweep_written``, ``_release_written``, ``_free_extent``,
@@ -157,6 +174,8 @@ class StoreWrites:
         device = storage.device
         routes = self.routes
         nbytes = storage.nbytes()
+        if not nbytes:  # before anything is counted: Note [An empty storage is not saved]
+            raise EmptyStorage
         if device.type not in routes.staged_devices:
             if (device.type == "cpu" and nbytes < defaults.DISCARD_MIN_BYTES and _start_host_write is not None
                     and _trace._annotate() is None):  # Note [A host save in C]

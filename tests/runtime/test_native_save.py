@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import tba
-from tba import defaults
+from tba import _control, defaults
 from tba.io import SpillFile
 from tba.runtime import _writes
 
@@ -165,3 +165,26 @@ def test_the_c_save_takes_storages_below_discard_min_bytes_and_the_python_one_fr
     assert seen == [limit - 1]
     assert sorted(made) == [(limit - 1, False), (limit, True)]
     assert torch.equal(weight.grad, torch.full((4,), 3.0 * (2 * limit - 1)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_empty_view_whose_storage_is_freed_before_its_save_stays_in_memory_and_its_offloader_closes(
+        spill_dir, monkeypatch, caplog, path):
+    """A view of no elements passes the save's geometry check whatever its storage holds; freed (``resize_(0)``)
+    between pack and save, that storage had nothing to write: the spill file refused its extent of 0 bytes after
+    the entry was counted live, and that entry outlived every view, so the one-shot offloader never closed (its
+    spill file and engine stayed open) and warned that a tensor could not be written."""
+    if path == "python":
+        monkeypatch.setattr(_writes, "_start_host_write", None)
+    weight = torch.ones(4, requires_grad=True)
+    hidden = torch.full((1024,), 3, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        with tba.offload_activations(spill_dir, min_offload_bytes=0, policy="offload") as offloader:
+            loss = _SavesBytes.apply(weight, hidden[1024:], torch.full((64,), 5, dtype=torch.uint8)).sum()
+            hidden.untyped_storage().resize_(0)
+        loss.backward()
+    del loss
+    _control.settle()  # the views' deaths, which the control thread hears
+    assert torch.equal(weight.grad, torch.full((4,), 320.0))
+    assert offloader._runtime is None and offloader.stats.tensors_offloaded == 1  # closed: its file given back
+    assert "could not start writing" not in caplog.text
