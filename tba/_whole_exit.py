@@ -42,7 +42,8 @@ its pair if it is on top and ends nothing more. It ended the block another threa
 reusable offloader (helper-132: thread A's late exit closed thread C's block). That exit elsewhere also sets
 ``entered`` to 0, so that the entering thread's own exit is the Python one too, wherever it comes: the C exit,
 which sees no note, popped A's pair and left A noted, and A's later exit of C's block was then taken for A's late
-exit and ended nothing (helper-137).
+exit and ended nothing (helper-137). The note holds the entering thread itself, not its identity alone, which the
+system hands to a new thread once it has ended (:func:`is_calling_thread`).
 """
 
 from __future__ import annotations
@@ -103,3 +104,17 @@ def pop_own(entered: list[int], pop: Callable[[], Any], top: Callable[[bool], An
     entered[0] = 0
     if top(True) is not None:
         pop()
+
+
+def is_calling_thread(thread: threading.Thread | None) -> bool:
+    """Whether ``thread`` (one noted by an exit elsewhere) is the calling thread itself, not a new one given its identity.
+
+    A thread ``threading`` made is its own object for good. A thread it did not make (a C library's,
+    ``_thread.start_new_thread``'s) is a ``_DummyThread``, which Python 3.11 keeps under its identity after it ends and
+    hands to the next thread given that identity, alive by ``is_alive``: its native id, the kernel's, tells the two
+    apart (helper-141: a new such thread ending a block by hand was taken for the dead one's late exit and ended
+    nothing). The kernel hands a native id out again only after cycling through every other.
+    """
+    if thread is not threading.current_thread():
+        return False
+    return not isinstance(thread, threading._DummyThread) or thread.native_id == threading.get_native_id()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from tba import _control
-from tba._whole_exit import WholeExit, pop_own
+from tba._whole_exit import WholeExit, is_calling_thread, pop_own
 from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
@@ -238,7 +238,7 @@ class StepCycle:
         # exceptions] in tba/_control.py).
         me, entered = threading.get_ident(), self._entered[0]
         ended = self._ended_elsewhere.pop(me, None)
-        if entered != me and ended is threading.current_thread():  # this thread's block was ended on another thread
+        if entered != me and is_calling_thread(ended):  # this thread's block was ended on another thread
             if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             return
