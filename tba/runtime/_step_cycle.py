@@ -117,7 +117,7 @@ class StepCycle:
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
         # are per thread, are pushed here. `claim` tells this entry's setup from another thread's.
         claim = object()
-        entered = recorded = False
+        entered = False
         # One try around all of it, the return included: an exception raised at any line after the
         # entry job (a trace function's, at the line between two separate trys or at the return) left
         # the offloader entering for good, or active with its hooks pushed and no exit to pop them.
@@ -136,12 +136,11 @@ class StepCycle:
             self._entered[0] = threading.get_ident()
             self._entering_thread = threading.current_thread()
             self._ended_elsewhere.pop(self._entered[0], None)
-            recorded = True
             self._phase = Phase.ACTIVE
             return self
         except BaseException:
-            if recorded:  # not a refused second entry's: the block already active keeps its record
-                self._entered[0] = 0
+            if entered:  # not a refused second entry's: the block already active keeps its record
+                self._entered[0] = 0  # this entry's, set or not (an exception at the line after it left it set)
             if entered and torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             _control.call_whole(self._abandon_entry_job, claim)

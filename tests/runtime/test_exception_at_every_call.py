@@ -286,6 +286,7 @@ def test_an_exception_at_any_line_of_the_entry_leaves_no_hooks_and_no_entry(spil
             assert top == user, f"line {k} of the entry left the offloader's hooks on the thread"
         _control.settle()
         assert ctx._phase not in (Phase.ENTERING, Phase.ACTIVE), f"line {k} of the entry left it {ctx._phase.value}"
+        assert ctx._entered == [0], f"line {k} of the entry left this thread recorded as the one that entered"
         ctx.close()
         if seen[0] < k:
             line = k
