@@ -58,7 +58,7 @@ from tba.runtime._code_named import (
 from tba.runtime._layer_state import held_items
 from tba.runtime._plain_containers import only_leaves
 from tba.runtime._search_reads import UNRECORDED, KeptSearch, Reads, Unrecorded
-from tba.runtime._state_objects import fields, plain_object
+from tba.runtime._state_objects import fields, kind_of, plain_object
 
 
 def generator_states(layer: nn.Module, args: tuple = (), kwargs: dict | None = None,
@@ -207,13 +207,21 @@ def _type_of(value: Any) -> list[type]:
 
 
 def _field_values(value: Any) -> list[Any]:
-    """A plain object's fields, and the generators its class and bases hold (``self.config.rng`` where the config's
-    class sets ``rng``, for every config that sets none of its own): left out, one bound there drew again in the
-    recomputation, silently (helper-137)."""
+    """A plain object's fields, and the generators, containers and plain objects its class and bases hold
+    (``self.config.rng`` where the config's class sets ``rng``, for every config that sets none of its own): left out,
+    one bound there drew again in the recomputation, silently (helper-137; in a class's dict, helper-141)."""
     held = [item for _, item in fields(value)]
     for klass in type(value).__mro__[:-1]:  # object holds none
-        held += [item for item in list(vars(klass).values()) if is_generator(item)]
+        held += [item for name, item in list(vars(klass).items())
+                 if is_generator(item) or (not name.startswith("__") and _class_value(type(item)))]
     return held
+
+
+@functools.lru_cache(maxsize=4096)
+def _class_value(kind: type) -> bool:
+    """Whether a class attribute of type ``kind`` is a value the search enters: a container or a plain object, not a
+    descriptor (a function, property or classmethod is the class's code, read where the code is named, never called)."""
+    return kind_of(kind) != 0 and not any("__get__" in vars(base) for base in kind.__mro__)
 
 
 def _module_generators(module: types.ModuleType) -> list[Any]:

@@ -335,3 +335,118 @@ def test_a_generator_that_is_a_class_attribute_of_a_plain_objects_class_is_repla
     expected, got = results
     for index, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert torch.equal(a, b), f"tensor {index} differs from training without tba"
+
+
+class SharedHeld:
+    """A config's base class holding its generators in a container, for every config that sets none of its own."""
+
+    rngs: dict = {"drop": None}
+
+
+class HeldConfig(SharedHeld):
+    pass
+
+
+class HeldConfigured(nn.Module):
+    def __init__(self, config: HeldConfig) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        drop = self.config.rngs["drop"]
+        return h * torch.rand(x.shape, generator=drop) if drop is not None else h
+
+
+def _bind_held_class_container(model: nn.Module) -> None:
+    SharedHeld.rngs = {"drop": torch.Generator().manual_seed(51)}
+
+
+def _set_in_held_class_container(model: nn.Module) -> None:
+    SharedHeld.rngs["drop"] = torch.Generator().manual_seed(52)
+
+
+@pytest.mark.parametrize("change", [_bind_held_class_container, _set_in_held_class_container])
+def test_a_generator_in_a_container_that_is_a_class_attribute_of_a_plain_objects_class_is_replayed(tmp_path, change):
+    """``self.config.rngs["drop"]`` where the config's class holds the dict: the class was searched for generators it
+    holds directly only, and the recomputation drew other numbers from one bound in its container between steps."""
+    results = []
+    try:
+        for directory in (None, str(tmp_path)):
+            SharedHeld.rngs = {"drop": None}
+            torch.manual_seed(0)
+            config = HeldConfig()
+            results.append(_three_steps(nn.Sequential(HeldConfigured(config), HeldConfigured(config)), change, directory))
+    finally:
+        SharedHeld.rngs = {"drop": None}
+    expected, got = results
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
+
+
+class HeldNoise:
+    def __init__(self, rng: torch.Generator | None) -> None:
+        self.rng = rng
+
+
+class SharedNoise:
+    """A config's base class holding a plain object that holds the generator."""
+
+    noise = HeldNoise(None)
+
+
+class NoiseConfig(SharedNoise):
+    pass
+
+
+class NoiseConfigured(HeldConfigured):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        rng = self.config.noise.rng
+        return h * torch.rand(x.shape, generator=rng) if rng is not None else h
+
+
+def test_a_generator_held_by_a_plain_object_that_is_a_class_attribute_is_replayed(tmp_path):
+    def bind(model: nn.Module) -> None:
+        SharedNoise.noise = HeldNoise(torch.Generator().manual_seed(53))
+
+    results = []
+    try:
+        for directory in (None, str(tmp_path)):
+            SharedNoise.noise = HeldNoise(None)
+            torch.manual_seed(0)
+            config = NoiseConfig()
+            results.append(_three_steps(nn.Sequential(NoiseConfigured(config), NoiseConfigured(config)), bind, directory))
+    finally:
+        SharedNoise.noise = HeldNoise(None)
+    expected, got = results
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
+
+
+class Guarded(SharedNoise):
+    """A config whose class has a property and a ``__getattr__`` that raise: the search reads neither."""
+
+    @property
+    def boom(self) -> None:
+        raise AssertionError("the generator search called a property's getter")
+
+    def __getattr__(self, name: str) -> None:
+        raise AssertionError(f"the generator search asked __getattr__ for {name}")
+
+
+def test_the_search_of_a_class_calls_no_property_and_no_getattr(tmp_path):
+    results = []
+    try:
+        for directory in (None, str(tmp_path)):
+            SharedNoise.noise = HeldNoise(torch.Generator().manual_seed(54))
+            torch.manual_seed(0)
+            config = Guarded()
+            results.append(_three_steps(nn.Sequential(NoiseConfigured(config), NoiseConfigured(config)), lambda _: None,
+                                        directory))
+    finally:
+        SharedNoise.noise = HeldNoise(None)
+    expected, got = results
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
