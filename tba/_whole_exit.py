@@ -52,6 +52,7 @@ import functools
 import queue
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -118,3 +119,9 @@ def is_calling_thread(thread: threading.Thread | None) -> bool:
     if thread is not threading.current_thread():
         return False
     return not isinstance(thread, threading._DummyThread) or thread.native_id == threading.get_native_id()
+
+
+def still_runs(thread: weakref.ref[threading.Thread]) -> bool:
+    """Whether the thread a weak reference names still runs (an entering thread noted by an exit elsewhere)."""
+    held = thread()
+    return held is not None and held.is_alive()

@@ -38,6 +38,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,8 +167,8 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._backward_task = -1
         self._phase = Phase.IDLE
         self._entered = [0]
-        self._entering_thread: threading.Thread | None = None
-        self._ended_elsewhere: dict[int, threading.Thread] = {}
+        self._entering_thread: weakref.ref[threading.Thread] | None = None
+        self._ended_elsewhere: dict[int, weakref.ref[threading.Thread]] = {}
         self._claim: object | None = None
         self._runner_claim: object | None = None
         """The claim of the entry whose ``policy_runner.enter`` has run (what an undone entry undoes)."""

@@ -14,12 +14,13 @@ the discarding of what the block saved. An entry that fails before the body is u
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from tba import _control
-from tba._whole_exit import WholeExit, is_calling_thread, pop_own
+from tba._whole_exit import WholeExit, is_calling_thread, pop_own, still_runs
 from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
 from tba.runtime._compile import warn_whole_model_compile
@@ -79,13 +80,14 @@ class StepCycle:
     _entered: list[int]
     """The identity of the thread that entered the active block, else 0 (Note [A block's hooks come off only on its
     thread] in tba/_whole_exit.py)."""
-    _entering_thread: threading.Thread | None
-    """The thread that entered the active block (its identity is ``_entered[0]``)."""
-    _ended_elsewhere: dict[int, threading.Thread]
+    _entering_thread: weakref.ref[threading.Thread] | None
+    """The thread that entered the active block (its identity is ``_entered[0]``), weakly: a thread holding its offloader
+    made a cycle, which outlived both's last reference until a collection (Note [Dropping an offloader frees it])."""
+    _ended_elsewhere: dict[int, weakref.ref[threading.Thread]]
     """Threads whose block an exit on another thread ended, by identity: their own exit, later, ends nothing more
     (Note [A block's hooks come off only on its thread] in tba/_whole_exit.py). The thread itself is kept with its
-    identity, which the system hands to a new thread once it has ended: that one's exits are its own. Threads that
-    ended are dropped as another is added."""
+    identity (weakly, as above), which the system hands to a new thread once it has ended: that one's exits are its
+    own. Threads that ended are dropped as another is added."""
     _claim: object | None
     _runner_claim: object | None
     _forked_mid_block: bool
@@ -134,7 +136,7 @@ class StepCycle:
             # offloader's 790 KiB whenever one ran. Exit pops what was pushed (``WholeExit``).
             torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
             self._entered[0] = threading.get_ident()
-            self._entering_thread = threading.current_thread()
+            self._entering_thread = weakref.ref(threading.current_thread())
             self._ended_elsewhere.pop(self._entered[0], None)
             self._phase = Phase.ACTIVE
             return self
@@ -237,12 +239,12 @@ class StepCycle:
         # exceptions] in tba/_control.py).
         me, entered = threading.get_ident(), self._entered[0]
         ended = self._ended_elsewhere.pop(me, None)
-        if entered != me and is_calling_thread(ended):  # this thread's block was ended on another thread
+        if entered != me and ended is not None and is_calling_thread(ended()):  # this thread's block was ended elsewhere
             if torch._C._autograd._top_saved_tensors_default_hooks(True) == (self.pack, self.unpack):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             return
         if entered not in (0, me):  # the entering thread's own exit, in C or in Python, then takes the branch above
-            self._ended_elsewhere = {ident: thread for ident, thread in self._ended_elsewhere.items() if thread.is_alive()}
+            self._ended_elsewhere = {ident: ref for ident, ref in self._ended_elsewhere.items() if still_runs(ref)}
             if self._entering_thread is not None:
                 self._ended_elsewhere[entered] = self._entering_thread
             self._entered[0] = 0

@@ -263,3 +263,35 @@ def test_the_first_offloader_of_a_process_is_freed_without_the_garbage_collector
     done = subprocess.run([sys.executable, "-c", _FIRST_OFFLOADER, str(tmp_path), how], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_an_offloader_its_entering_thread_holds_is_freed_without_the_garbage_collector(tmp_path):
+    """A thread object that holds the offloader it enters (``self.offloader`` of a ``threading.Thread`` subclass): the
+    offloader held the last thread that entered it, a cycle, and both outlived their last reference until a collection
+    (Note [Dropping an offloader frees it] in tba/runtime/_step_cycle.py)."""
+    import weakref
+
+    class Worker(threading.Thread):
+        def __init__(self) -> None:
+            super().__init__()
+            self.offloader = tba.Offloader(tmp_path, layers=[], min_offload_bytes=0)
+
+        def run(self) -> None:
+            x = torch.randn(8, 8, requires_grad=True)
+            with self.offloader:
+                loss = torch.tanh(x).sum()
+            loss.backward()
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        worker = Worker()
+        worker.start()
+        worker.join()
+        dropped = weakref.ref(worker.offloader)
+        del worker
+        _control.settle()
+        assert dropped() is None, "the offloader outlived its last reference"
+    finally:
+        if enabled:
+            gc.enable()
