@@ -190,18 +190,23 @@ entry = _entry.StorageEntry(1, None, 16, 0, 0, torch.UntypedStorage(16)._weak_re
 dead, late = set(), []
 
 class Held:
-    # Only the record holds it; what reads it after its death is reading freed memory.
+    # Only the record holds it; what reads it after its death is reading freed memory. Each is told apart by a
+    # number of its own, not its id: a later Held may be made at a dead one's address.
+    made = 0
+    def __init__(self):
+        Held.made += 1
+        self.number = Held.made
     def __index__(self):
-        late.append(id(self) in dead)
+        late.append(self.number in dead)
         return 4096
     def __str__(self):
-        late.append(id(self) in dead)
+        late.append(self.number in dead)
         return "held"
     def __repr__(self):
-        late.append(id(self) in dead)
+        late.append(self.number in dead)
         return "held"
     def __del__(self):
-        dead.add(id(self))
+        dead.add(self.number)
 
 class Replacing:
     # Converting it replaces the record's other field, dropping the record's reference to that field's value.
