@@ -196,20 +196,7 @@ def test_a_new_thread_given_a_dead_entering_threads_id_ends_a_block_by_hand(spil
     entering = threading.Thread(target=off.__enter__)
     entering.start()
     entering.join()
-    off.__exit__(None, None, None)  # T's block, ended here
-    off.__enter__()
-    try:
-        for _ in range(50):  # the system hands a finished thread's id to a new one, most often at once
-            tried = _on_thread(lambda: threading.get_ident() == entering.ident and off.__exit__(None, None, None) is None)
-            if tried == [True]:
-                break
-        else:
-            pytest.skip("no new thread was given the finished thread's id")
-        assert off._phase is Phase.IDLE, "the exit was taken for the dead thread's late exit and ended nothing"
-    finally:
-        if _top(True) == (off.pack, off.unpack):  # this thread's pair: hooks come off only on the entering thread
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-        off.close()
+    _end_by_hand_on_a_thread_given(entering.ident, off, _on_thread)
 
 
 def _on_bare_thread(fn) -> list:
@@ -237,11 +224,17 @@ def test_a_new_bare_thread_given_a_dead_bare_entering_threads_id_ends_a_block_by
     thread given T's id is handed T's ``_DummyThread``, so it was taken for T's late exit and ended nothing."""
     off = tba.Offloader(spill_dir, backend="threads", layers=[])
     [entering] = _on_bare_thread(lambda: off.__enter__() and threading.get_ident())
+    _end_by_hand_on_a_thread_given(entering, off, _on_bare_thread)
+
+
+def _end_by_hand_on_a_thread_given(ident: int, off: tba.Offloader, on_thread) -> None:
+    """T (``ident``) entered ``off``, this thread ended T's block, T ended: this thread enters again, and a new thread
+    (run by ``on_thread``) that the system gave T's id ends that block by hand. It must end, as for any other thread."""
     off.__exit__(None, None, None)  # T's block, ended here
     off.__enter__()
     try:
         for _ in range(50):  # the system hands a finished thread's id to a new one, most often at once
-            tried = _on_bare_thread(lambda: threading.get_ident() == entering and off.__exit__(None, None, None) is None)
+            tried = on_thread(lambda: threading.get_ident() == ident and off.__exit__(None, None, None) is None)
             if tried == [True]:
                 break
         else:
