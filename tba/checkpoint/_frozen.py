@@ -69,8 +69,15 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
             # but another process's write to it bumps no version here (helper-91): it is copied too, and so is an
             # inference tensor, which has no version counter for a change under inference_mode to bump.
             return value.clone()
-        watched.append((key, value, value._version))
-        return value
+        # Note: [A saved tensor's storage is pinned at the save]
+        # The save kept the caller's tensor object, and read it in the save thread. A Parameter given itself
+        # (state_dict(keep_vars=True), {"w": model.weight}) whose .data was assigned after the call (nn.Module.to(),
+        # .half(), p.data = x) changed storage, dtype and shape under the save, bumping no version, and the new data
+        # was published under the save's name, silently (helper-142). The save keeps a detach()ed alias instead: it
+        # holds the storage of the save call and shares the version counter, so an in-place change still fails the save.
+        alias = value.detach()
+        watched.append((key, alias, alias._version))
+        return alias
     if isinstance(value, dict):
         return {k: _freeze(v, f"{key}.{k}" if key else str(k), watched) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):

@@ -144,3 +144,22 @@ def test_an_inference_tensor_changed_after_save_is_saved_as_it_was_at_the_save(t
         gate.set()
         handle.wait(timeout_s=60)
     assert torch.equal(load_state(path, {"ema": torch.empty(1024)}, TbaStorageReader(path))["ema"], torch.full((1024,), 2.0))
+
+
+@pytest.mark.parametrize("swap", [
+    lambda model: setattr(model.weight, "data", torch.full_like(model.weight, 7.0)),
+    lambda model: model.to(torch.bfloat16),  # nn.Module._apply assigns param.data
+], ids=["data-assigned", "module-to-dtype"])
+def test_a_parameter_given_itself_whose_data_is_swapped_after_save_is_saved_as_it_was(tmp_path, gate, swap):
+    """Note [A saved tensor's storage is pinned at the save]: a Parameter in the state (keep_vars=True, or
+    {"w": model.weight}) whose .data was assigned after save() was saved with the new data, silently (helper-142)."""
+    model = torch.nn.Linear(8, 8)
+    at_save = clone_state({"model": model.state_dict()})
+    path = str(tmp_path / "c")
+    with LazyCheckpointer() as checkpointer:
+        handle = checkpointer.save({"model": model.state_dict(keep_vars=True)}, path)
+        with torch.no_grad():
+            swap(model)
+        gate.set()
+        handle.wait(timeout_s=60)
+    assert_state_equal(load_state(path, at_save, TbaStorageReader(path)), at_save)
