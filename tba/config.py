@@ -30,6 +30,7 @@ from typing import Any
 from tba import defaults
 from tba._option_values import COUNT, FLAG, FLOAT, NAME, PATH, SIZE, TRISTATE, check_ranges, coerce, from_text
 from tba.errors import TbaConfigError, did_you_mean
+from tba.io import check_backend_name
 
 ENV_PREFIX = "TBA_"
 """Environment variables are ``TBA_`` plus the field name in capitals; ``TBA_DIR`` for ``directory``."""
@@ -120,7 +121,10 @@ class OffloadConfig:
                 values[field.name] = from_text(field, variable, environ[variable])
                 from_environ[field.name] = variable
         try:
-            return cls(**values)
+            config = cls(**values)
+            if "backend" in from_environ:  # else an unknown name fails at the engine, naming no variable
+                check_backend_name(config.backend)
+            return config
         except TbaConfigError as err:
             # A range error names the option; name the variable the user set too (the same error, re-raised).
             named = [f"${variable}" for name, variable in from_environ.items() if re.search(rf"\b{name}\b", str(err))]

@@ -144,6 +144,14 @@ def test_out_of_range_environment_value_names_the_variable(variable, value, opti
     assert "from $" not in str(raised.value)
 
 
+def test_an_unknown_backend_from_the_environment_names_the_variable():
+    """TBA_BACKEND=bogus raised "unknown backend 'bogus'" only when the offloader opened its engine, naming no variable,
+    unlike every other TBA_* value (helper-143)."""
+    with pytest.raises(TbaConfigError, match=r"unknown backend 'bogus'.*\(from \$TBA_BACKEND\)$"):
+        tba.OffloadConfig.from_env({"TBA_BACKEND": "bogus"})
+    assert tba.OffloadConfig.from_env({"TBA_BACKEND": "threads"}).backend == "threads"
+
+
 @pytest.mark.parametrize("variable, value, expected", [
     ("TBA_DIRECT_IO", "auto", "write 1, 0 or none (true/false/none)"),
     ("TBA_VERIFY", "maybe", "write 1 or 0 (true/false)"),

@@ -82,7 +82,7 @@ def _validate(args: argparse.Namespace) -> str | None:
     try:
         args.size_bytes = parse_size(args.size)
     except argparse.ArgumentTypeError as err:
-        return str(err)
+        return f"argument --size: {err}"
     if args.size_bytes < MIN_SIZE_BYTES:
         return f"--size must be at least {MIN_SIZE_BYTES >> 20}M"
     if args.rounds < 1:

@@ -104,6 +104,19 @@ def _log_auto_fallback(reason: str) -> None:
     logger.info("tba: backend 'auto' uses threads: %s", reason)
 
 
+def _unknown_backend(backend: str) -> TbaConfigError:
+    return TbaConfigError(f"unknown backend {backend!r}; {did_you_mean(backend, backend_names())}"
+                          f"choose one of {', '.join(backend_names())}, "
+                          "pass an Engine instance, or register one with tba.io.register_engine")
+
+
+def check_backend_name(backend: object) -> None:
+    """Raise :class:`TbaConfigError` for a name that is none of :func:`backend_names` (an option read from
+    ``$TBA_BACKEND`` is checked when the config is made, so that the error can name the variable)."""
+    if isinstance(backend, str) and backend not in backend_names():
+        raise _unknown_backend(backend)
+
+
 def resolve_backend(backend: str) -> str:
     """Map an engine backend name to the concrete engine that will run, raising a clear error if unusable."""
     if not isinstance(backend, str):
@@ -116,9 +129,7 @@ def resolve_backend(backend: str) -> str:
         _log_auto_fallback(reason)
         return "threads"
     if backend not in _ENGINES:
-        raise TbaConfigError(f"unknown backend {backend!r}; {did_you_mean(backend, backend_names())}"
-                             f"choose one of {', '.join(backend_names())}, "
-                             "pass an Engine instance, or register one with tba.io.register_engine")
+        raise _unknown_backend(backend)
     reason = _ENGINES[backend].unavailable_reason()
     if reason is not None:
         raise TbaConfigError(f"backend {backend!r} is not available: {reason}; use backend='auto'")
@@ -171,6 +182,7 @@ __all__ = [
     "aligned_empty",
     "available_backends",
     "backend_names",
+    "check_backend_name",
     "checksum",
     "create_preallocated",
     "dangling_link",

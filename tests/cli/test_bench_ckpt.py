@@ -14,7 +14,7 @@ from tba.cli.bench_ckpt import gpt_config
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--size", "12X"], "not a size"),
+    (["--size", "12X"], "argument --size: not a size"),  # named the flag (helper-143)
     (["--size", "1M"], "at least 16M"),
     (["--rounds", "0"], "--rounds"),
     (["--directory", "{file}/dir"], "--directory {file}/dir does not exist; create it"),
