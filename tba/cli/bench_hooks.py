@@ -113,8 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after each row, one more step with and one without tba, counting the Python lines, calls "
                              "and C calls each thread runs per storage (tba/bench/python_work.py): counts, not times, "
                              "so a change to the per-storage path shows through this machine's timing noise")
-    parser.add_argument("--warmups", type=int, default=2, help="unmeasured steps per row (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="measured steps per row; the best counts (default 3)")
+    parser.add_argument("--warmups", type=cli_checks.int_at_least(0), default=2,
+                        help="unmeasured steps per row (default 2)")
+    parser.add_argument("--repeats", type=cli_checks.int_at_least(1), default=3,
+                        help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
                         help="also time backward over --many-count storages of 64 KiB on the disk directory")
     parser.add_argument("--many-count", type=cli_checks.int_at_least(1), default=DEFAULT_MANY_COUNT,

@@ -119,7 +119,9 @@ def _validate(args: argparse.Namespace) -> str | None:
     if args.block_size <= 0 or args.block_size % ALIGN_BYTES:
         return f"--block-size must be a positive multiple of {ALIGN_BYTES}"
     if args.size < args.block_size or args.size % args.block_size:
-        return "--size must be a positive multiple of --block-size"
+        return (f"--size {args.size} bytes is not a positive multiple of --block-size {args.block_size} bytes "
+                f"({args.block_size / MIB:g} MiB); pass a --size that is, e.g. "
+                f"--size {max(args.size // args.block_size, 1) * args.block_size}")
     if args.queue_depth < 1:
         return "--queue-depth must be >= 1"
     if args.repeat < 1:

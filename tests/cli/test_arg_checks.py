@@ -81,6 +81,9 @@ def test_gpu_report_out_is_checked_up_front(out, match, tmp_path, capsys):
     (["--json", "{tmp}"], "is a directory; pass a file path"),
     (["--json", "{tmp}/nodir/x.json"], "no directory"),
     (["--json", "/proc/x.json"], "/proc is not writable"),
+    # said "--warmups must be >= 0 and --repeats >= 1", naming neither the one given nor its value (helper-143)
+    (["--warmups", "-1"], "argument --warmups: -1 is too small; pass a whole number >= 0"),
+    (["--repeats", "0"], "argument --repeats: 0 is too small; pass a whole number >= 1"),
 ])
 def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, capsys):
     (tmp_path / "afile").write_text("")
@@ -95,6 +98,9 @@ def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, 
 @pytest.mark.parametrize("argv, match", [
     (["--size", "99999999T"], "GiB free in"),
     (["--size", "4M", "--repeat", "0"], "--repeat must be >= 1, got 0"),
+    # said "--size must be a positive multiple of --block-size", the default block size shown nowhere (helper-143)
+    (["--size", "1K"], "--size 1024 bytes is not a positive multiple of --block-size 1048576 bytes (1 MiB)"),
+    (["--size", "3M", "--block-size", "2M"], "--size 3145728 bytes is not a positive multiple of --block-size 2097152"),
     # these two printed the run's header, then "cannot open an O_DIRECT file in ...: [Errno 20] Not a directory", exit 1
     (["--size", "4M", "--directory", "{tmp}/nope"], "does not exist; create it or pass an existing directory"),
     (["--size", "4M", "--directory", pytest.__file__], "is not a directory; pass a directory"),
