@@ -150,6 +150,22 @@ def _three_steps(model: nn.Module, change, directory: str | None) -> list[torch.
     return result
 
 
+def _same_with_and_without_tba(tmp_path, make_model, change, reset, prepare=None, what: str = "") -> None:
+    """Three steps of ``make_model()`` without tba and then under it (``_three_steps``), each after ``prepare()`` (else
+    ``reset()``) and a reseed, ``reset()`` at the end whatever happens: every tensor equal."""
+    results = []
+    try:
+        for directory in (None, str(tmp_path)):
+            (prepare or reset)()
+            torch.manual_seed(0)
+            results.append(_three_steps(make_model(), change, directory))
+    finally:
+        reset()
+    expected, got = results
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"{what}tensor {index} differs from training without tba"
+
+
 @pytest.mark.parametrize("change", [_bind_config, _bind_global, _bind_cell, _bind_class, _append, _set_class,
                                     _set_attribute])
 def test_a_generator_reached_after_a_change_between_steps_is_replayed(tmp_path, change):
@@ -284,15 +300,11 @@ def _bind_forward_default(model: nn.Module) -> None:
 def test_a_generator_that_is_a_default_argument_is_replayed(tmp_path, change):
     """A generator a function's default argument holds (the forward's own, or a helper's it names), bound between steps:
     neither the search in full nor its tape read a function's defaults, and the recomputation drew other numbers."""
-    results = []
-    for directory in (None, str(tmp_path)):
+    def reset() -> None:
         _drawn.__defaults__, DefaultDrawn.forward.__defaults__ = (None,), (None,)
-        torch.manual_seed(0)
-        results.append(_three_steps(nn.Sequential(DefaultDrawn(), DefaultDrawn()), change, directory))
-    _drawn.__defaults__, DefaultDrawn.forward.__defaults__ = (None,), (None,)
-    expected, got = results
-    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
+
+    _same_with_and_without_tba(tmp_path, lambda: nn.Sequential(DefaultDrawn(), DefaultDrawn()), change, reset,
+                               what=f"{change.__name__}: ")
 
 
 class SharedDefaults:
@@ -305,12 +317,20 @@ class ClassConfig(SharedDefaults):
     pass
 
 
-class ClassConfigured(nn.Module):
-    def __init__(self, config: ClassConfig) -> None:
+class Configured(nn.Module):
+    """A block holding a config, its forward (each subclass's) drawing from a generator the config leads to."""
+
+    def __init__(self, config: object) -> None:
         super().__init__()
         self.linear = nn.Linear(WIDTH, WIDTH)
         self.config = config
 
+
+def _two(block: type[Configured], config: object) -> nn.Sequential:
+    return nn.Sequential(block(config), block(config))
+
+
+class ClassConfigured(Configured):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.linear(x))
         return h * torch.rand(x.shape, generator=self.config.rng) if self.config.rng is not None else h
@@ -323,18 +343,8 @@ def test_a_generator_that_is_a_class_attribute_of_a_plain_objects_class_is_repla
     def bind(model: nn.Module) -> None:
         SharedDefaults.rng = torch.Generator().manual_seed(50)
 
-    results = []
-    try:
-        for directory in (None, str(tmp_path)):
-            SharedDefaults.rng = None
-            torch.manual_seed(0)
-            config = ClassConfig()
-            results.append(_three_steps(nn.Sequential(ClassConfigured(config), ClassConfigured(config)), bind, directory))
-    finally:
-        SharedDefaults.rng = None
-    expected, got = results
-    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
+    _same_with_and_without_tba(tmp_path, lambda: _two(ClassConfigured, ClassConfig()), bind,
+                               lambda: setattr(SharedDefaults, "rng", None))
 
 
 class SharedHeld:
@@ -347,12 +357,7 @@ class HeldConfig(SharedHeld):
     pass
 
 
-class HeldConfigured(nn.Module):
-    def __init__(self, config: HeldConfig) -> None:
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-        self.config = config
-
+class HeldConfigured(Configured):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.linear(x))
         drop = self.config.rngs["drop"]
@@ -371,18 +376,8 @@ def _set_in_held_class_container(model: nn.Module) -> None:
 def test_a_generator_in_a_container_that_is_a_class_attribute_of_a_plain_objects_class_is_replayed(tmp_path, change):
     """``self.config.rngs["drop"]`` where the config's class holds the dict: the class was searched for generators it
     holds directly only, and the recomputation drew other numbers from one bound in its container between steps."""
-    results = []
-    try:
-        for directory in (None, str(tmp_path)):
-            SharedHeld.rngs = {"drop": None}
-            torch.manual_seed(0)
-            config = HeldConfig()
-            results.append(_three_steps(nn.Sequential(HeldConfigured(config), HeldConfigured(config)), change, directory))
-    finally:
-        SharedHeld.rngs = {"drop": None}
-    expected, got = results
-    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"{change.__name__}: tensor {index} differs from training without tba"
+    _same_with_and_without_tba(tmp_path, lambda: _two(HeldConfigured, HeldConfig()), change,
+                               lambda: setattr(SharedHeld, "rngs", {"drop": None}), what=f"{change.__name__}: ")
 
 
 class HeldNoise:
@@ -400,7 +395,11 @@ class NoiseConfig(SharedNoise):
     pass
 
 
-class NoiseConfigured(HeldConfigured):
+def _no_noise() -> None:
+    SharedNoise.noise = HeldNoise(None)
+
+
+class NoiseConfigured(Configured):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.linear(x))
         rng = self.config.noise.rng
@@ -411,18 +410,7 @@ def test_a_generator_held_by_a_plain_object_that_is_a_class_attribute_is_replaye
     def bind(model: nn.Module) -> None:
         SharedNoise.noise = HeldNoise(torch.Generator().manual_seed(53))
 
-    results = []
-    try:
-        for directory in (None, str(tmp_path)):
-            SharedNoise.noise = HeldNoise(None)
-            torch.manual_seed(0)
-            config = NoiseConfig()
-            results.append(_three_steps(nn.Sequential(NoiseConfigured(config), NoiseConfigured(config)), bind, directory))
-    finally:
-        SharedNoise.noise = HeldNoise(None)
-    expected, got = results
-    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
+    _same_with_and_without_tba(tmp_path, lambda: _two(NoiseConfigured, NoiseConfig()), bind, _no_noise)
 
 
 class Guarded(SharedNoise):
@@ -437,16 +425,5 @@ class Guarded(SharedNoise):
 
 
 def test_the_search_of_a_class_calls_no_property_and_no_getattr(tmp_path):
-    results = []
-    try:
-        for directory in (None, str(tmp_path)):
-            SharedNoise.noise = HeldNoise(torch.Generator().manual_seed(54))
-            torch.manual_seed(0)
-            config = Guarded()
-            results.append(_three_steps(nn.Sequential(NoiseConfigured(config), NoiseConfigured(config)), lambda _: None,
-                                        directory))
-    finally:
-        SharedNoise.noise = HeldNoise(None)
-    expected, got = results
-    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(a, b), f"tensor {index} differs from training without tba"
+    _same_with_and_without_tba(tmp_path, lambda: _two(NoiseConfigured, Guarded()), lambda _: None, _no_noise,
+                               prepare=lambda: setattr(SharedNoise, "noise", HeldNoise(torch.Generator().manual_seed(54))))
