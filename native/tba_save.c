@@ -8,8 +8,10 @@
  * save in C] in tba/runtime/_writes.py): the same calls on the same objects (the record's type, the window's
  * ``add``, the store's ``_resident``, the spill file's ``allocate``, the write clock's ``start``, the host
  * batch's ``write``), so that what any of them does, raises or is replaced by in a test stays what the store
- * sees; the record's type comes with each call (a test may replace it). An error on the way leaves the store
- * as the Python path leaves it at the same step, and goes up.
+ * sees; the record's type comes with each call (a test may replace it). It counts the steps that took effect as
+ * the Python does, and an error after the first goes to the store's ``_write_not_queued`` with that count, which
+ * keeps the record in memory (returned, as a saved one) or undoes every step (the error goes up): Note [A save
+ * that fails after its entry is registered] in tba/runtime/_store_lifetime.py. An error before it goes up.
  *
  * ``configure`` takes the Python objects it calls and the record's keyword names, and refuses an ``abi``
  * other than this file's (a build older than the Python that calls it).
@@ -17,7 +19,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define TBA_SAVE_ABI 1
+#define TBA_SAVE_ABI 2
+
+/* The steps counted as they take effect, as tba/runtime/_store_lifetime.py numbers them (COUNTED, ...). */
+enum { NONE_DONE, COUNTED, MAPPED, IN_WINDOW, REGISTERED, WRITING, CLOCKED };
 
 enum { K_SEQ, K_LAYER, K_NBYTES, K_PHASE_BYTES, K_ADDRESS, K_VERSION, K_DATA, K_ROOT, K_DEVICE, K_ROUTE,
        K_OWN_MEMORY, K_CDATA, RECORD_KEYWORDS };
@@ -35,7 +40,7 @@ static PyObject *one;
 static PyObject *s_routes, *s_host, *s_data_ptr, *s_phase_bytes, *s_next_seq, *s_live_entries,
     *s_by_storage, *s_cdata, *s_window, *s_add, *s_resident, *s_spill, *s_allocate, *s_extent_bytes, *s_offset,
     *s_writing, *s_unwritten_bytes, *s_transfer_in_flight, *s_write_clock, *s_start, *s_host_batch, *s_write,
-    *s_fd, *s_on_write_done, *s_write_wanted, *s_weak_ref;
+    *s_fd, *s_on_write_done, *s_write_wanted, *s_weak_ref, *s_write_not_queued;
 
 static PyObject *configure(PyObject *module, PyObject *args)
 {
@@ -81,6 +86,44 @@ static int add_to(PyObject *obj, PyObject *name, PyObject *delta)
     return failed;
 }
 
+/* The store's ``_write_not_queued(entry, error, steps)`` for the error set now: the entry (a new reference) when it
+ * is kept, else NULL with the error set again (or the undo's own, the first as its context). */
+static PyObject *not_queued(PyObject *store, PyObject *entry, int steps)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != NULL)
+        PyException_SetTraceback(value, traceback);
+    PyObject *count = PyLong_FromLong(steps);
+    PyObject *kept = NULL;
+    if (count != NULL) {
+        PyObject *call_args[4] = {store, entry, value, count};
+        kept = PyObject_VectorcallMethod(s_write_not_queued, call_args, 4, NULL);
+        Py_DECREF(count);
+    }
+    if (kept == NULL) {  /* the undo failed: its error goes up, the save's as its context */
+        PyObject *type2, *value2, *traceback2;
+        PyErr_Fetch(&type2, &value2, &traceback2);
+        PyErr_NormalizeException(&type2, &value2, &traceback2);
+        if (value2 != NULL && value2 != value)
+            PyException_SetContext(value2, value);  /* steals value */
+        else
+            Py_XDECREF(value);
+        Py_XDECREF(type); Py_XDECREF(traceback);
+        PyErr_Restore(type2, value2, traceback2);
+        return NULL;
+    }
+    int is_kept = kept == Py_True;
+    Py_DECREF(kept);
+    if (is_kept) {
+        Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(traceback);
+        return Py_NewRef(entry);
+    }
+    PyErr_Restore(type, value, traceback);
+    return NULL;
+}
+
 /* ``method(arg)`` on ``getattr(obj, holder)``, its result dropped. */
 static int call_on(PyObject *obj, PyObject *holder, PyObject *method, PyObject *arg)
 {
@@ -109,6 +152,7 @@ static PyObject *start_host_write(PyObject *module, PyObject *const *args, Py_ss
     PyObject *phase = NULL, *seq = NULL, *cdata = NULL, *entry = NULL, *by_storage = NULL, *key = NULL;
     PyObject *spill = NULL, *extent = NULL, *offset = NULL, *host = NULL, *fd = NULL, *on_done = NULL, *wanted = NULL;
     PyObject *bound = NULL, *result = NULL;
+    int steps = NONE_DONE;  /* the steps that took effect: Note [A save that fails after its entry is registered] */
 
     if ((routes = PyObject_GetAttr(store, s_routes)) == NULL || (route = PyObject_GetAttr(routes, s_host)) == NULL)
         goto error;
@@ -129,21 +173,28 @@ static PyObject *start_host_write(PyObject *module, PyObject *const *args, Py_ss
         goto error;
     if (add_to(store, s_next_seq, one) < 0 || add_to(store, s_live_entries, one) < 0)
         goto error;
+    steps = COUNTED;
     if ((by_storage = PyObject_GetAttr(store, s_by_storage)) == NULL || (key = PyObject_GetAttr(storage, s_cdata)) == NULL
         || PyObject_SetItem(by_storage, key, entry) < 0)
         goto error;
+    steps = MAPPED;
     if (call_on(store, s_window, s_add, entry) < 0)
         goto error;
+    steps = IN_WINDOW;
     if ((result = PyObject_CallMethodOneArg(store, s_resident, nbytes)) == NULL)
         goto error;
     Py_CLEAR(result);
+    steps = REGISTERED;
     if ((spill = PyObject_GetAttr(store, s_spill)) == NULL || (extent = PyObject_GetAttr(entry, s_extent_bytes)) == NULL
         || (offset = PyObject_CallMethodOneArg(spill, s_allocate, extent)) == NULL
         || PyObject_SetAttr(entry, s_offset, offset) < 0)
         goto error;
-    if (add_to(store, s_writing, one) < 0 || add_to(store, s_unwritten_bytes, nbytes) < 0
-        || PyObject_SetAttr(entry, s_transfer_in_flight, Py_True) < 0 || call_on(store, s_write_clock, s_start, NULL) < 0)
+    if (add_to(store, s_writing, one) < 0 || add_to(store, s_unwritten_bytes, nbytes) < 0)
         goto error;
+    steps = WRITING;
+    if (PyObject_SetAttr(entry, s_transfer_in_flight, Py_True) < 0 || call_on(store, s_write_clock, s_start, NULL) < 0)
+        goto error;
+    steps = CLOCKED;
     if ((host = PyObject_GetAttr(store, s_host_batch)) == NULL || (fd = PyObject_GetAttr(spill, s_fd)) == NULL)
         goto error;
     if ((bound = PyObject_GetAttr(store, s_on_write_done)) == NULL)
@@ -163,7 +214,10 @@ static PyObject *start_host_write(PyObject *module, PyObject *const *args, Py_ss
     Py_CLEAR(result);
     goto done;
 error:
-    Py_CLEAR(entry);
+    if (steps == NONE_DONE)
+        Py_CLEAR(entry);
+    else
+        Py_SETREF(entry, not_queued(store, entry, steps));
 done:
     Py_XDECREF(routes); Py_XDECREF(route); Py_XDECREF(data); Py_XDECREF(root); Py_XDECREF(done);
     Py_XDECREF(address); Py_XDECREF(phase); Py_XDECREF(seq);
@@ -193,6 +247,7 @@ PyMODINIT_FUNC PyInit__save(void)
         {&s_transfer_in_flight, "transfer_in_flight"}, {&s_write_clock, "write_clock"}, {&s_start, "start"},
         {&s_host_batch, "_host"}, {&s_write, "write"}, {&s_fd, "fd"}, {&s_on_write_done, "_on_write_done"},
         {&s_write_wanted, "_write_wanted"}, {&s_weak_ref, "_weak_ref"},
+        {&s_write_not_queued, "_write_not_queued"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL)

@@ -7,7 +7,9 @@ The lifetime half of :class:`tba.runtime._store.StorageStore`, which sets every 
   no transfer uses it;
 * :meth:`StoreLifetime.close` ends the store's I/O and closes what it owns;
 * :meth:`StoreLifetime.detach` stops using a shared spill file, engine and read pool without closing them;
-* :meth:`StoreLifetime.forget_after_fork` drops, in a forked child, everything that is the parent's.
+* :meth:`StoreLifetime.forget_after_fork` drops, in a forked child, everything that is the parent's;
+* :meth:`StoreLifetime._write_not_queued` settles an entry whose save failed between its registration and its
+  write being queued (Note [A save that fails after its entry is registered]).
 """
 
 from __future__ import annotations
@@ -29,6 +31,29 @@ if TYPE_CHECKING:
     from tba.runtime._host_io import HostBatch
     from tba.runtime._prefetch import PrefetchWindow
     from tba.runtime._stats import BusyClock
+
+# Note: [A save that fails after its entry is registered]
+# A fresh save (``StoreWrites._start_write``, and its C twin ``start_host_write`` in native/tba_save.c) counts its
+# entry live, maps it by storage, adds it to the window, counts it resident, allocates its extent, counts it as being
+# written, starts the write clock and queues the write. An error between the first step and the last (a MemoryError
+# from the host batch's append, a spill file that refuses an extent, a route's write that raises) left the entry
+# registered, and from the allocation on counted in ``_writing``, with no write to ever end it: a reusable
+# offloader's ``flush`` waited for ever, and the entry counted live for good (and with it the offloader's spill file
+# and engine, for a one-shot one). Each path counts the steps that took effect (``done``; ``steps`` in C: the numbers
+# below, which both builds use; a step that raises took none) and hands the error to ``_write_not_queued``:
+# * an ``Exception`` once the entry is registered whole (REGISTERED) keeps the storage in memory as a failed write
+#   does (``_keep_after_write_error``: KEPT, its extent freed, ``stats.tensors_kept_on_error``, one warning per
+#   directory and cause), and the save goes on with that entry: training stays exact;
+# * anything else (an ``Exception`` inside the registration, or a ``BaseException`` such as KeyboardInterrupt) has
+#   every step undone, the entry dead, and goes up: the save job keeps the tensor in memory with a warning for an
+#   ``Exception`` (``_keep_unsaved`` in tba/runtime/_hooks.py), and for the others backward raises a TbaError naming
+#   the failed save. A write that raised is taken as not queued: the host batch's ``write`` queues it in one append,
+#   after which only its scheduling of the flush (``after_batch``, a list append) could fail, which is not handled;
+#   a queued write's own completion settles its entry.
+COUNTED, MAPPED, IN_WINDOW, REGISTERED, WRITING, CLOCKED = range(1, 7)
+"""The steps of a fresh save, counted as they take effect: ``live_entries`` counted, ``_by_storage`` mapped, the
+window's ``add``, ``_resident`` (the entry is registered), the extent allocated with ``_writing`` and
+``unwritten_bytes`` counted, ``transfer_in_flight`` set with the write clock started."""
 
 
 class StoreLifetime:
@@ -55,6 +80,7 @@ class StoreLifetime:
     _unpacked: list[StorageEntry]
     _idle_waiters: list[Outcome]
     _sweep_written: Callable[..., None]
+    _keep_after_write_error: Callable[[StorageEntry], None]
     release: Callable[[StorageEntry], None]
     _free_extent: Callable[[StorageEntry], None]
     _wait_until: Callable[[Callable[[], bool]], None]
@@ -90,6 +116,34 @@ class StoreLifetime:
             self._lingering.clear()
             self._unpacked.clear()
             return True
+
+    def _write_not_queued(self, entry: StorageEntry, error: BaseException, done: int) -> bool:
+        """Settle ``entry``, whose save raised ``error`` after ``done`` of its steps took effect; True when it is kept
+        in memory and the save goes on with it, False when every step was undone and ``error`` goes up (Note [A save
+        that fails after its entry is registered])."""
+        if done >= CLOCKED:
+            self.write_clock.stop()
+        if done >= WRITING:
+            self._writing -= 1
+            self.unwritten_bytes -= entry.nbytes
+        entry.transfer_in_flight = False
+        if done >= REGISTERED and isinstance(error, Exception):
+            entry.io_error = error
+            self._keep_after_write_error(entry)
+            return True
+        self._free_extent(entry)
+        entry.state = State.DEAD
+        if done >= REGISTERED:
+            self.release(entry)
+        else:
+            entry.data = None
+        if done >= IN_WINDOW:
+            self.window.forget(entry)
+        if done >= MAPPED and self._by_storage.get(entry.cdata) is entry:
+            del self._by_storage[entry.cdata]
+        if done >= COUNTED:
+            self.live_entries -= 1
+        return False
 
     def close(self, engine_owned: bool) -> None:
         """Finish in-flight I/O, close routes, engine (when ``engine_owned``) and file; drop all bytes."""

@@ -26,6 +26,7 @@ from tba._trace import traced
 from tba._untrack import untrack
 from tba.device import WRITE_NOT_NEEDED
 from tba.runtime._entry import State, StorageEntry, storage_bytes
+from tba.runtime._store_lifetime import CLOCKED, COUNTED, IN_WINDOW, MAPPED, REGISTERED, WRITING
 from tba.runtime._trim import hands_back_pages, owns_its_memory
 
 try:
@@ -79,7 +80,7 @@ logger = logging.getLogger("tba")
 # False as the expression below gives it for such a storage. Without the extension, or with a build whose ABI or
 # record keywords differ from this file's (one warning), the Python below serves; tests/runtime/test_native_save.py
 # trains through both (docs/host-cost.md, thirty-second pass).
-_SAVE_ABI = 1
+_SAVE_ABI = 2
 _RECORD_KEYWORDS = ("seq", "layer", "nbytes", "phase_bytes", "address", "version", "data", "root", "device", "route",
                     "own_memory", "cdata")
 
@@ -123,7 +124,7 @@ class StoreWrites:
     """The write half of :class:`~tba.runtime._store.StorageStore`, which sets every attribute used here
     and provides the methods it calls (``_resident``, ``_sweep_written``, ``_release_written``, ``_free_extent``,
     ``_keep_after_write_error``, ``_moved_under_write``, ``_keep_moved``, ``_skip_unwritten``, ``_warn_write_failed``,
-    ``_checksum_written``, ``_transfer_ended``)."""
+    ``_checksum_written``, ``_transfer_ended``, ``_write_not_queued``)."""
 
     lock: threading.RLock
     stats: OffloadStats
@@ -139,6 +140,7 @@ class StoreWrites:
     _next_seq: int
     _by_storage: dict[int, StorageEntry]
     _lingering: Any
+    _write_not_queued: Any
 
     def save(self, tensor: torch.Tensor, storage: torch.UntypedStorage, layer: int | None, version: int,
              ready: Any = None) -> tuple[StorageEntry, bool]:
@@ -206,20 +208,31 @@ class StoreWrites:
             cdata=storage._weak_ref(),  # last: nothing may raise between taking it and the entry owning it
         )
         self._next_seq += 1
-        self.live_entries += 1
-        self._by_storage[storage._cdata] = entry
-        self.window.add(entry)
-        self._resident(nbytes)
-        entry.offset = offset = self.spill.allocate(entry.extent_bytes)
-        self._writing += 1
-        self.unwritten_bytes += nbytes
-        entry.transfer_in_flight = True
-        self.write_clock.start()
-        if route is routes.host and _trace._annotate() is None:  # Note [No range without nvtx] in tba/_trace.py
-            self._host.write(data, phase_bytes, self.spill.fd, offset, functools.partial(self._on_write_done, entry),
-                             functools.partial(self._write_wanted, entry))
-        else:
-            traced("write", self._queue_write, entry, route, ready)
+        done = 0  # the steps that took effect: Note [A save that fails after its entry is registered]
+        try:
+            self.live_entries += 1
+            done = COUNTED
+            self._by_storage[storage._cdata] = entry
+            done = MAPPED
+            self.window.add(entry)
+            done = IN_WINDOW
+            self._resident(nbytes)
+            done = REGISTERED
+            entry.offset = offset = self.spill.allocate(entry.extent_bytes)
+            self._writing += 1
+            self.unwritten_bytes += nbytes
+            done = WRITING
+            entry.transfer_in_flight = True
+            self.write_clock.start()
+            done = CLOCKED
+            if route is routes.host and _trace._annotate() is None:  # Note [No range without nvtx] in tba/_trace.py
+                self._host.write(data, phase_bytes, self.spill.fd, offset,
+                                 functools.partial(self._on_write_done, entry), functools.partial(self._write_wanted, entry))
+            else:
+                traced("write", self._queue_write, entry, route, ready)
+        except BaseException as err:
+            if not self._write_not_queued(entry, err, done):
+                raise
         return entry
 
     def _queue_write(self, entry: StorageEntry, route: Route, ready: Any) -> None:

@@ -57,8 +57,8 @@ def _train(directory, monkeypatch, path: str) -> tuple[list[torch.Tensor], list[
         loss = model(x).square().sum()
     loss.backward()
     stats = offloader.stats
-    numbers = {name: getattr(stats, name) for name in ("tensors_offloaded", "bytes_deduplicated")}
-    assert (calls[0] >= len(made) > 0) if path == "c" else calls[0] == 0, (calls, len(made))  # a failed save records none
+    numbers = {name: getattr(stats, name) for name in ("tensors_offloaded", "bytes_deduplicated", "tensors_kept_on_error")}
+    assert (calls[0] >= len(made) > 0) if path == "c" else calls[0] == 0, (calls, len(made))
     monkeypatch.undo()
     return [p.grad for p in model.parameters()], made, numbers
 
@@ -74,8 +74,9 @@ def test_the_c_save_makes_the_records_and_stats_of_the_python_one_and_the_gradie
 
 
 def test_a_spill_file_that_fails_midway_keeps_the_tensor_in_memory_and_the_gradients_exact(tmp_path, monkeypatch, caplog):
-    """The third extent refused: that storage stays in memory with a warning, the others are written, and the C save
-    leaves the records and the stats as the Python one does."""
+    """The third extent refused: that storage stays in memory as a failed write does, with its warning (Note [A save
+    that fails after its entry is registered] in tba/runtime/_store_lifetime.py), the others are written, and the C
+    save leaves the records and the stats as the Python one does."""
     expected, _, _ = _train(None, monkeypatch, "python")
     allocate = SpillFile.allocate
     runs = {}
@@ -93,7 +94,7 @@ def test_a_spill_file_that_fails_midway_keeps_the_tensor_in_memory_and_the_gradi
         with caplog.at_level(logging.WARNING, logger="tba"):
             got, facts, numbers = _train(tmp_path / path, monkeypatch, path)
         monkeypatch.undo()
-        assert count[0] > 3 and "could not start writing a saved tensor" in caplog.text, path
+        assert count[0] > 3 and "writing activations to" in caplog.text and "No space left" in caplog.text, path
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), path
         runs[path] = facts, numbers
     assert runs.get("c", runs["python"]) == runs["python"]

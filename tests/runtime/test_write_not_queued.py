@@ -1,0 +1,158 @@
+"""A save that fails after its entry is registered leaves the store consistent and training exact or loud.
+
+Note [A save that fails after its entry is registered] in tba/runtime/_store_lifetime.py: an error between the
+entry's registration and its write being queued (the host batch's ``write``, the spill file's ``allocate``, the
+window's ``add``) left the entry registered and, past the allocation, counted as being written: a reusable
+offloader's ``flush`` waited for ever and the entry stayed live for good. Each point is failed through both the C
+save (``tba._save``) and the Python one, with an ``Exception`` (the storage stays in memory, training is exact) and
+a ``KeyboardInterrupt`` (everything registered is undone; backward says the save failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba import _control
+from tba.errors import TbaError
+from tba.io import SpillFile
+from tba.runtime import _release, _writes
+from tba.runtime._host_io import HostBatch
+from tba.runtime._prefetch import PrefetchWindow
+
+PATHS = ["python"] + (["c"] if _writes.NATIVE else [])
+
+POINTS = {"window": (PrefetchWindow, "add"), "allocate": (SpillFile, "allocate"), "write": (HostBatch, "write")}
+"""Where a save fails: after the entry is counted live and mapped (the window), after it is resident (the
+extent), and after it is counted as being written (the host batch)."""
+
+FAILING_CALLS = (1, 3)
+"""The call of the failing method that raises (earlier and later ones run as usual): the first saves the input, saved
+by no other op; the third a Tanh's output, which the next Linear saves again and shares the entry of."""
+
+JOIN_S = 30.0
+"""Generous: a flush that waits for a write never queued never returns."""
+
+
+def _model_and_input() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    return model, torch.randn(32, 64)
+
+
+def _gradients_without_tba() -> list[torch.Tensor]:
+    model, x = _model_and_input()
+    model(x).square().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _fail_at(monkeypatch, point: str, error: type[BaseException], failing_call: int) -> list[int]:
+    owner, name = POINTS[point]
+    original = getattr(owner, name)
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == failing_call:
+            raise error(f"a test fails {point}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
+def _flush_returns(offloader: tba.Offloader) -> None:
+    thread = threading.Thread(target=offloader.flush, daemon=True)
+    thread.start()
+    thread.join(JOIN_S)
+    assert not thread.is_alive(), "flush() waits for a write that was never queued"
+
+
+class _Lines(logging.Handler):
+    """tba's log as text, formatted at once: no record is kept (pytest's handlers keep each one, and with it the
+    traceback of a failed job, whose frames hold the saved tensor and, through its grad_fn, the graph)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def _train_failing(spill_dir, monkeypatch, path: str, point: str, error: type[BaseException], failing_call: int):
+    """One step of a reusable offloader with ``point`` failing once, then one more; the gradients of the first (None
+    when backward raised the TbaError), the stats and the log of its saves."""
+    if path == "python":
+        monkeypatch.setattr(_writes, "_start_host_write", None)
+    monkeypatch.setattr(_release, "_WARNED_WRITE_ERRORS", set())  # this test's warning, whatever warned before
+    model, x = _model_and_input()
+    lines = _Lines()
+    offloader = tba.Offloader(spill_dir, min_offload_bytes=0, policy="offload")
+    try:
+        calls = _fail_at(monkeypatch, point, error, failing_call)
+        logger = logging.getLogger("tba")
+        monkeypatch.setattr(logger, "propagate", False)
+        logger.addHandler(lines)
+        try:
+            with offloader:
+                loss = model(x).square().sum()
+            _control.settle()  # the deferred saves, the failing one among them
+        finally:
+            logger.removeHandler(lines)
+        monkeypatch.undo()
+        _flush_returns(offloader)
+        grads = None
+        if error is KeyboardInterrupt:
+            with pytest.raises(TbaError, match="the save failed"):
+                loss.backward()
+        else:
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+        del loss
+        _control.settle()  # the views' deaths
+        assert offloader._store.live_entries == 0 and offloader._store._writing == 0
+        assert offloader._store.unwritten_bytes == 0 and not offloader._store._by_storage
+        with offloader:  # the next step's saves and flush are the usual ones
+            model(x).sum().backward()
+        _flush_returns(offloader)
+        stats = offloader.stats
+    finally:
+        monkeypatch.undo()
+        offloader.close()
+    assert calls[0] > failing_call, calls
+    return grads, stats, "\n".join(lines.lines)
+
+
+@pytest.mark.parametrize("failing_call", FAILING_CALLS)
+@pytest.mark.parametrize("point", sorted(POINTS))
+@pytest.mark.parametrize("path", PATHS)
+def test_an_error_after_registration_keeps_the_storage_in_memory_and_training_exact(
+        spill_dir, monkeypatch, open_fds, path, point, failing_call):
+    fds = open_fds()
+    threads = set(threading.enumerate())
+    grads, stats, log = _train_failing(spill_dir, monkeypatch, path, point, MemoryError, failing_call)
+    assert all(torch.equal(a, b) for a, b in zip(grads, _gradients_without_tba(), strict=True))
+    assert f"a test fails {point}" in log and "memory" in log
+    if point != "window":  # registered whole: kept as a failed write is, and counted so
+        assert stats.tensors_kept_on_error == 1, stats
+    assert open_fds() == fds
+    assert not {t for t in threading.enumerate() if t not in threads and t.name != "tba-control"}
+
+
+@pytest.mark.parametrize("failing_call", FAILING_CALLS)
+@pytest.mark.parametrize("point", sorted(POINTS))
+@pytest.mark.parametrize("path", PATHS)
+def test_an_interrupt_after_registration_is_undone_and_backward_says_the_save_failed(
+        spill_dir, monkeypatch, open_fds, path, point, failing_call):
+    fds = open_fds()
+    _, stats, log = _train_failing(spill_dir, monkeypatch, path, point, KeyboardInterrupt, failing_call)
+    assert "KeyboardInterrupt: a test fails" in log  # the control thread's log: it went up
+    assert stats.tensors_kept_on_error == 0
+    assert open_fds() == fds
