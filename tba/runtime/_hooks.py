@@ -164,6 +164,8 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
             entry, fresh = self._store.save(tensor, storage, layer, view.version, ready)
         except EmptyStorage:  # Note [An empty storage is not saved] in tba/runtime/_writes.py
             view.keep(tensor)
+            with self._store.lock:
+                self._stats.count_kept(KeepReason.EMPTY_STORAGE, 0)
             return
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)

@@ -88,6 +88,9 @@ class KeepReason(str, enum.Enum):
     ATTRIBUTES = "tensor with attributes"
     """A tensor that requires no grad and carries Python attributes (``extra.scale = 3.0``): a rebuilt one would
     come back without them (Note [A tensor with attributes stays in memory])."""
+    EMPTY_STORAGE = "empty storage"
+    """A view of no elements whose storage the program freed (``untyped_storage().resize_(0)``) before its deferred
+    save: there are no bytes to write (Note [An empty storage is not saved] in ``tba/runtime/_writes.py``)."""
 
     def __str__(self) -> str:
         return self.value

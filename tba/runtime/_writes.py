@@ -116,7 +116,9 @@ class EmptyStorage(Exception):
     a reusable one counted the entry live for good and went on looking for it with full collections as it was
     entered again (Note [Collecting dropped graphs costs a full collection] in ``tba/runtime/_store_owner.py``).
     The save job keeps such a tensor instead (``_save_job`` in ``tba/runtime/_hooks.py``), without a warning:
-    it holds no bytes, and backward gets the empty tensor it would get without tba.
+    it holds no bytes, and backward gets the empty tensor it would get without tba. It is counted as kept
+    (``stats.kept_by_reason["empty storage"]``, ``KeepReason.EMPTY_STORAGE``), as every tensor tba keeps in
+    memory is: counted nowhere, it made ``tensors_offloaded + tensors_kept`` fall short of the tensors saved.
     """
 
 

@@ -175,7 +175,8 @@ def test_an_empty_view_whose_storage_is_freed_before_its_save_stays_in_memory_an
     """A view of no elements passes the save's geometry check whatever its storage holds; freed (``resize_(0)``)
     between pack and save, that storage had nothing to write: the spill file refused its extent of 0 bytes after
     the entry was counted live, and that entry outlived every view, so the one-shot offloader never closed (its
-    spill file and engine stayed open) and warned that a tensor could not be written."""
+    spill file and engine stayed open) and warned that a tensor could not be written. Kept, it was then counted
+    neither offloaded nor kept."""
     if path == "python":
         monkeypatch.setattr(_writes, "_start_host_write", None)
     weight = torch.ones(4, requires_grad=True)
@@ -190,3 +191,5 @@ def test_an_empty_view_whose_storage_is_freed_before_its_save_stays_in_memory_an
     assert torch.equal(weight.grad, torch.full((4,), 320.0))
     assert offloader._runtime is None and offloader.stats.tensors_offloaded == 1  # closed: its file given back
     assert "could not start writing" not in caplog.text
+    stats = offloader.stats  # the empty one is counted as kept, as every tensor tba keeps in memory is
+    assert (stats.tensors_kept, stats.bytes_kept, stats.kept_by_reason) == (1, 0, {str(tba.KeepReason.EMPTY_STORAGE): 1})
