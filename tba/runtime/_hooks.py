@@ -179,9 +179,12 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         died.owner, died.entry, died.view_id = self, entry, id(view)
         untrack(died)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
 
-    @staticmethod
-    def _keep_unsaved(view: SavedView, tensor: torch.Tensor, error: Exception) -> None:
+    def _keep_unsaved(self, view: SavedView, tensor: torch.Tensor, error: Exception) -> None:
+        """Keep ``tensor`` in memory because its save could not start (its route, or the store, raised ``error``),
+        counted as kept (``stats.kept_by_reason["save failed"]``) and said once per call."""
         view.keep(tensor)
+        with self._store.lock:
+            self._stats.count_kept(KeepReason.SAVE_FAILED, tensor.numel() * tensor.element_size())
         logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error)
 
     def _not_active_message(self) -> str:

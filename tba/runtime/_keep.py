@@ -88,6 +88,9 @@ class KeepReason(str, enum.Enum):
     ATTRIBUTES = "tensor with attributes"
     """A tensor that requires no grad and carries Python attributes (``extra.scale = 3.0``): a rebuilt one would
     come back without them (Note [A tensor with attributes stays in memory])."""
+    SAVE_FAILED = "save failed"
+    """A tensor whose save could not start (its device route could not be built, or the store raised while
+    registering it): kept with a warning naming the error, so training stays exact."""
     EMPTY_STORAGE = "empty storage"
     """A view of no elements whose storage the program freed (``untyped_storage().resize_(0)``) before its deferred
     save: there are no bytes to write (Note [An empty storage is not saved] in ``tba/runtime/_writes.py``)."""

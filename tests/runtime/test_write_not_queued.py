@@ -142,6 +142,8 @@ def test_an_error_after_registration_keeps_the_storage_in_memory_and_training_ex
     assert f"a test fails {point}" in log and "memory" in log
     if point != "window":  # registered whole: kept as a failed write is, and counted so
         assert stats.tensors_kept_on_error == 1, stats
+    else:  # undone, then kept by the save job: counted as kept, as every tensor tba keeps in memory is
+        assert stats.kept_by_reason.get(str(tba.KeepReason.SAVE_FAILED)) == 1, stats
     assert open_fds() == fds
     assert not {t for t in threading.enumerate() if t not in threads and t.name != "tba-control"}
 
