@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from tba.errors import did_you_mean
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.cli.demo", "train a small built-in GPT with and without tba and compare"),
     "bench-io": ("tba.cli.bench_io", "measure O_DIRECT write/read bandwidth of each I/O engine vs fio"),
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = command_in(argv)
     parser = build_parser(full=[command] if command else [])
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         # Bare `python -m tba`: the help a user is looking for, and the usage-error status.
         parser.print_help()
@@ -151,6 +153,27 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
         if stop is None or stop is err:
             raise
         raise stop from None
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Note: [A mistyped word gets a suggestion]
+    argparse hands the words a command's parser does not know back to the top-level parser, which said
+    "python -m tba: error: unrecognized arguments: --countz 4", naming no command, suggesting nothing (Python
+    3.11's argparse has no ``suggest_on_error``). Such words are refused here by the command's own parser,
+    with the closest of its options (:func:`tba.errors.did_you_mean`) and where to read them; a mistyped
+    command gets the closest command the same way.
+    """
+    word = next((word for word in argv if not word.startswith("-")), None)
+    if word is not None and word not in COMMANDS:
+        parser.error(f"unknown command {word!r}; {did_you_mean(word, COMMANDS)}choose one of {', '.join(COMMANDS)}")
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = parser._subparsers._group_actions[0].choices[args.command] if args.command else parser
+        options = [option for action in command._actions for option in action.option_strings]
+        unknown = next((extra.partition("=")[0] for extra in extras if extra.startswith("-")), "")
+        command.error(f"unrecognized arguments: {' '.join(extras)}; {did_you_mean(unknown, options)}"
+                      f"run '{command.prog} --help' for its options")
+    return args
 
 
 def _check_environment(parser: argparse.ArgumentParser, command: str) -> None:

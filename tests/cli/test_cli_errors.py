@@ -159,3 +159,21 @@ def test_a_tba_variable_tba_cannot_read_is_refused_before_any_work(argv, tmp_pat
         main([*argv, "--out", str(tmp_path / "out")] if argv[0] == "rok" else argv)
     assert stop.value.code == 2
     assert "TBA_QUEUE_DEPTH='abc': write a whole number; fix the variable or unset it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench-hooks", "--countz", "4"], "python -m tba bench-hooks: error: unrecognized arguments: --countz 4; "
+                                       "did you mean '--counts'? run 'python -m tba bench-hooks --help'"),
+    (["doctor", "--no-bandwith"], "python -m tba doctor: error: unrecognized arguments: --no-bandwith; "
+                                  "did you mean '--no-bandwidth'?"),
+    (["doctor", "--quick-sise=1M"], "did you mean '--quick-size'?"),
+    (["doctor", "extra"], "python -m tba doctor: error: unrecognized arguments: extra; run 'python -m tba doctor --help'"),
+    (["bench-hok"], "python -m tba: error: unknown command 'bench-hok'; did you mean 'bench-hooks'? choose one of demo"),
+    (["bogus"], "python -m tba: error: unknown command 'bogus'; choose one of demo"),
+])
+def test_a_mistyped_word_names_the_command_and_the_closest_match(argv, match, capsys):
+    """Note [A mistyped word gets a suggestion] in tba/cli/__init__.py."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and match in lines[0], lines
