@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="1G", help="state dict bytes, e.g. 256M or 1G (default 1G)")
     parser.add_argument("--directory", default=None,
                         help="where checkpoints go, an existing directory (default $TBA_DIR or the system temp dir)")
-    parser.add_argument("--rounds", type=int, default=2, help="measured checkpoints per method (default 2)")
+    parser.add_argument("--rounds", type=cli_checks.int_at_least(1), default=2,
+                        help="measured checkpoints per method (default 2)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
 
@@ -237,8 +238,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the table (and write JSON). Returns exit status."""
     problem = _validate(args)
     if problem:
-        logger.error("bench-ckpt: %s", problem)
-        return 2
+        cli_checks.usage_error("bench-ckpt", problem)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     config = gpt_config(args.size_bytes)

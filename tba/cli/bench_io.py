@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight (default 32)")
     parser.add_argument("--directory", default=None,
                         help="where the test file goes (default $TBA_DIR or the system temp dir)")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=cli_checks.int_at_least(1), default=1,
                         help="runs per measurement; each column reports the best (default 1)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
     parser.add_argument("--no-hugepages", action="store_true",
@@ -142,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
     args.directory = resolve_directory(args.directory)
     problem = _validate(args)
     if problem:
-        logger.error("bench-io: %s", problem)
-        return 2
+        cli_checks.usage_error("bench-io", problem)
     backends = available_backends()
     fio = None if args.no_fio else shutil.which("fio")
     buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)

@@ -97,7 +97,8 @@ def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, 
 
 @pytest.mark.parametrize("argv, match", [
     (["--size", "99999999T"], "GiB free in"),
-    (["--size", "4M", "--repeat", "0"], "--repeat must be >= 1, got 0"),
+    (["--size", "4M", "--repeat", "0"], "argument --repeat: 0 is too small; pass a whole number >= 1"),
+    (["--size", "4M", "--repeat", "x"], "argument --repeat: 'x' is not a whole number"),
     # said "--size must be a positive multiple of --block-size", the default block size shown nowhere (helper-143)
     (["--size", "1K"], "--size 1024 bytes is not a positive multiple of --block-size 1048576 bytes (1 MiB)"),
     (["--size", "3M", "--block-size", "2M"], "--size 3145728 bytes is not a positive multiple of --block-size 2097152"),
@@ -105,9 +106,8 @@ def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, 
     (["--size", "4M", "--directory", "{tmp}/nope"], "does not exist; create it or pass an existing directory"),
     (["--size", "4M", "--directory", pytest.__file__], "is not a directory; pass a directory"),
 ])
-def test_bench_io_refuses_bad_values_before_measuring(argv, match, tmp_path, caplog):
+def test_bench_io_refuses_bad_values_before_measuring(argv, match, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    assert main(["bench-io", "--no-fio", "--directory", str(tmp_path), *argv]) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and match in errors[0] and "queue-depth" not in errors[0], errors
+    error = refused(["bench-io", "--no-fio", "--directory", str(tmp_path), *argv], capsys)
+    assert error.startswith("python -m tba bench-io: error: ") and match in error and "queue-depth" not in error
     assert list(tmp_path.iterdir()) == []

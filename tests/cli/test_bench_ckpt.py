@@ -16,7 +16,8 @@ from tba.cli.bench_ckpt import gpt_config
 @pytest.mark.parametrize("argv, message", [
     (["--size", "12X"], "argument --size: not a size"),  # named the flag (helper-143)
     (["--size", "1M"], "at least 16M"),
-    (["--rounds", "0"], "--rounds"),
+    (["--rounds", "0"], "argument --rounds: 0 is too small; pass a whole number >= 1"),
+    (["--rounds", ""], "argument --rounds: '' is not a whole number"),
     (["--directory", "{file}/dir"], "--directory {file}/dir does not exist; create it"),
     (["--directory", "{file}"], "is not a directory"),
     (["--directory", "/proc"], "--directory /proc is not writable"),
@@ -24,14 +25,17 @@ from tba.cli.bench_ckpt import gpt_config
     (["--json", "{tmp}/nodir/x.json"], "no directory"),
     (["--json", "/proc/x.json"], "/proc is not writable"),
 ])
-def test_bad_arguments_exit_2_with_one_line(argv, message, caplog, tmp_path):
+def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    """An error in the argparse form (``python -m tba bench-ckpt: error: ...``, status 2), not a log record."""
     json_path = tmp_path / "out.json"
     (tmp_path / "file").write_text("")
     argv = [a.replace("{file}", str(tmp_path / "file")).replace("{tmp}", str(tmp_path)) for a in argv]
     message = message.replace("{file}", str(tmp_path / "file"))
-    assert main(["bench-ckpt", "--json", str(json_path), *argv]) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and message in errors[0] and "\n" not in errors[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench-ckpt", "--json", str(json_path), *argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("python -m tba bench-ckpt: error: ") and message in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert not json_path.exists()
 
