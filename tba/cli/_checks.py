@@ -59,6 +59,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def nonempty_path(text: str) -> str:
+    """A type for a file or directory path that is not empty: ``--directory ''`` (an unset shell variable)
+    meant the current directory to ``os.path.abspath``, and ``--json ''`` meant no JSON at all."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty (an unset shell variable?); pass a path")
+    return text
+
+
 def why_unwritable(directory: str) -> str | None:
     """Why a file cannot be created in ``directory`` (a real try, removed at once: root passes os.access
     on /proc), or None when it can."""

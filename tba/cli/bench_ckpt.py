@@ -61,11 +61,12 @@ METHODS = ("torch_save", "dcp_save", "dcp_async", "tba_async", "tba_lazy")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--size", default="1G", help="state dict bytes, e.g. 256M or 1G (default 1G)")
-    parser.add_argument("--directory", default=None,
+    parser.add_argument("--directory", type=cli_checks.nonempty_path, default=None,
                         help="where checkpoints go, an existing directory (default $TBA_DIR or the system temp dir)")
     parser.add_argument("--rounds", type=cli_checks.int_at_least(1), default=2,
                         help="measured checkpoints per method (default 2)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    parser.add_argument("--json", type=cli_checks.nonempty_path,
+                        metavar="PATH", default=None, help="also write the results as JSON to PATH")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")
 
 

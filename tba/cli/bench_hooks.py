@@ -91,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"storages per step, comma separated (default {DEFAULT_COUNTS})")
     parser.add_argument("--max-bytes", type=cli_checks.positive_size, default=DEFAULT_MAX_BYTES,
                         help="cap on count x size per row; a row's count is lowered to fit (default 1G)")
-    parser.add_argument("--disk-dir", default=None,
+    parser.add_argument("--disk-dir", type=cli_checks.nonempty_path, default=None,
                         help=f"the disk directory (default a fresh one under {DEFAULT_DISK_DIR})")
-    parser.add_argument("--ram-dir", default=None,
+    parser.add_argument("--ram-dir", type=cli_checks.nonempty_path, default=None,
                         help=f"the RAM-backed directory (default a fresh one under {DEFAULT_RAM_DIR}); "
                              "'none' skips those rows")
     parser.add_argument("--no-disk", action="store_true", help="skip the disk rows")
@@ -140,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc to measure under, both loops alike (re-executes the command once): auto = best "
                              "caching one found (default), system = the C library's")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH as JSON")
+    parser.add_argument("--json", type=cli_checks.nonempty_path,
+                        metavar="PATH", default=None, help="write every figure to PATH as JSON")
 
 
 def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[HookCase]:

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per request, a multiple of 4096 (default 1M)")
     parser.add_argument("--queue-depth", type=cli_checks.queue_depth, default=BENCH_QUEUE_DEPTH,
                         help="requests in flight (default 32)")
-    parser.add_argument("--directory", default=None,
+    parser.add_argument("--directory", type=cli_checks.nonempty_path, default=None,
                         help="where the test file goes (default $TBA_DIR or the system temp dir)")
     parser.add_argument("--repeat", type=cli_checks.int_at_least(1), default=1,
                         help="runs per measurement; each column reports the best (default 1)")

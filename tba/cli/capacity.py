@@ -69,14 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every run: auto = best caching allocator found (default), "
                              "system = the C library's (glibc)")
-    parser.add_argument("--json", default="capacity.json", help="JSON results, rewritten after every measurement "
+    parser.add_argument("--json", type=cli_checks.nonempty_path,
+                        default="capacity.json", help="JSON results, rewritten after every measurement "
                                                                 "(default: capacity.json)")
-    parser.add_argument("--png", default=None, help="bar chart of the results (needs matplotlib)")
+    parser.add_argument("--png", type=cli_checks.nonempty_path, default=None, help="bar chart of the results (needs matplotlib)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps per run (default: 1)")
     parser.add_argument("--warmup", type=int, default=0,
                         help="unmeasured steps first, peak counted (default: 0; each run is primed with a 1-sample step)")
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"largest batch tried (default: {MAX_BATCH})")
-    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--directory", type=cli_checks.nonempty_path,
+                        default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: torch's; 1 is steadier on a busy machine)")

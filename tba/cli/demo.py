@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=4, help="measured steps per mode (default: 4)")
     parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=3,
                         help="unmeasured steps first (default: 3, the adaptive context's layer-finding and profiled steps)")
-    parser.add_argument("--directory", default=None,
+    parser.add_argument("--directory", type=cli_checks.nonempty_path, default=None,
                         help="spill directory, an existing one (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
     parser.add_argument("--no-turns", dest="turns", action="store_false",

@@ -22,7 +22,7 @@ import torch
 
 from tba._whole_exit import exit_block
 from tba.allocator import CACHING, detect, find_library, jemalloc_dirty_decay_ms
-from tba.cli._checks import positive_size
+from tba.cli._checks import nonempty_path, positive_size
 from tba.defaults import MIB
 from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.io import (
@@ -49,7 +49,7 @@ QUICK_BUFFER_BYTES = 32 * MIB
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the doctor's options to ``parser``."""
-    parser.add_argument("--directory", default=None,
+    parser.add_argument("--directory", type=nonempty_path, default=None,
                         help="offload directory to check (default $TBA_DIR or the system temp dir)")
     parser.add_argument("--quick-size", type=positive_size, default=DEFAULT_QUICK_SIZE_BYTES,
                         help="bytes for the bandwidth reading, rounded down to a multiple of 1M, at least 1M (default 256M)")

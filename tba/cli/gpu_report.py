@@ -54,12 +54,14 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="directory for gpu-report.md and gpu-report.json")
+    parser.add_argument("--out", type=cli_checks.nonempty_path,
+                        required=True, help="directory for gpu-report.md and gpu-report.json")
     parser.add_argument("--simulate", action="store_true",
                         help="run on the simulated CUDA device (CPU machines; small sizes)")
     parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=None,
                         help="measured steps per row (default: 3, 1 simulated)")
-    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--directory", type=cli_checks.nonempty_path,
+                        default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--skip-rok", action="store_true", help="leave out the ROK curve")
 
 

@@ -172,7 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive budgets as fractions of keep-all's peak (default: %(default)s)")
     budgets.add_argument("--budgets-mib", type=cli_checks.positive_list("--budgets-mib"), default=None,
                         help="adaptive budgets in MiB instead, comma-separated")
-    parser.add_argument("--directory", default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+    parser.add_argument("--directory", type=cli_checks.nonempty_path,
+                        default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--device", type=cli_checks.device_name, default="auto",
                         help="cpu, cuda, or auto (default: cuda when torch sees a GPU, else cpu)")
@@ -181,7 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every configuration: auto = best caching allocator found (default), "
                              "system = the C library's (glibc)")
-    parser.add_argument("--out", default=".", help="directory for rok.csv, rok.json, rok.png (default: .)")
+    parser.add_argument("--out", type=cli_checks.nonempty_path,
+                        default=".", help="directory for rok.csv, rok.json, rok.png (default: .)")
     parser.add_argument("--no-plot", action="store_true", help="do not write rok.png")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 

@@ -111,3 +111,14 @@ def test_bench_io_refuses_bad_values_before_measuring(argv, match, tmp_path, cap
     error = refused(["bench-io", "--no-fio", "--directory", str(tmp_path), *argv], capsys)
     assert error.startswith("python -m tba bench-io: error: ") and match in error and "queue-depth" not in error
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench-io", "--directory", ""], ["bench-ckpt", "--directory", " "], ["bench-ckpt", "--json", ""],
+    ["bench-hooks", "--json", ""], ["bench-hooks", "--disk-dir", ""], ["doctor", "--directory", ""],
+    ["demo", "--directory", ""], ["rok", "--out", ""], ["capacity", "--budget", "1G", "--png", ""],
+    ["gpu-report", "--simulate", "--out", ""],
+])
+def test_an_empty_path_is_refused(argv, capsys):
+    """``--directory ''`` ran bench-io and bench-ckpt in the current directory; ``--json ''`` wrote no JSON, silently."""
+    assert f"argument {argv[-2]}: the path is empty (an unset shell variable?); pass a path" in refused(argv, capsys)
