@@ -183,19 +183,13 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         _make_quick(args)
     if args.warmups < 0 or args.repeats < 1:
-        print("bench-hooks: error: --warmups must be >= 0 and --repeats >= 1", file=sys.stderr)
-        return 2
+        cli_checks.usage_error("bench-hooks", "--warmups must be >= 0 and --repeats >= 1")
     if args.device == "cuda" and args.many:
-        print("bench-hooks: error: --many runs on the CPU only; drop --many or --device cuda", file=sys.stderr)
-        return 2
+        cli_checks.usage_error("bench-hooks", "--many runs on the CPU only; drop --many or --device cuda")
     if args.device == "cuda" and args.alone_steps:
-        print("bench-hooks: error: --alone-steps runs on the CPU only; drop --alone-steps or --device cuda",
-              file=sys.stderr)
-        return 2
+        cli_checks.usage_error("bench-hooks", "--alone-steps runs on the CPU only; drop --alone-steps or --device cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench-hooks: error: --device cuda needs a CUDA build of torch and a GPU; use --device cpu",
-              file=sys.stderr)
-        return 2
+        cli_checks.usage_error("bench-hooks", "--device cuda needs a CUDA build of torch and a GPU; use --device cpu")
     try:
         for option, given in (("--disk-dir", args.disk_dir), ("--ram-dir", args.ram_dir)):
             if given is not None and given != "none":
@@ -208,8 +202,7 @@ def run(args: argparse.Namespace) -> int:
             # header names, and never replaces the calling process.
             run_script_under(args.allocator)
     except (ValueError, TbaConfigError) as err:
-        print(f"bench-hooks: error: {err}", file=sys.stderr)
-        return 2
+        cli_checks.usage_error("bench-hooks", str(err))
     malloc = detect()
     with contextlib.ExitStack() as stack:
         def fresh(given: str | None, default: str) -> str:

@@ -239,9 +239,8 @@ def _write(report: dict[str, Any], out: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.simulate and not torch.cuda.is_available():
-        print("gpu-report: no CUDA GPU here (torch.cuda.is_available() is False); "
-              "--simulate runs the report on a simulated device")
-        return 2
+        cli_checks.usage_error("gpu-report", "no CUDA GPU here (torch.cuda.is_available() is False); "
+                               "--simulate runs the report on a simulated device")
     try:
         cli_checks.output_directory("--out", args.out)
         directory = cli_checks.spill_directory(args.directory)

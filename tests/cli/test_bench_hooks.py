@@ -79,11 +79,13 @@ def test_rows_are_capped_by_max_bytes():
 def test_device_reaches_every_case_and_cuda_needs_a_gpu(capsys):
     args = _args(["--device", "cuda", "--counts", "4"])
     assert {c.device for c in bench_hooks._cases(args, "/d", "/r")} == {"cuda"}
-    assert bench_hooks.run(_args(["--device", "cuda", "--many"])) == 2
-    assert "--many runs on the CPU only" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        bench_hooks.run(_args(["--device", "cuda", "--many"]))
+    assert "python -m tba bench-hooks: error: --many runs on the CPU only" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert bench_hooks.run(args) == 2
-        assert "needs a CUDA build" in capsys.readouterr().err
+        with pytest.raises(SystemExit, match="2"):
+            bench_hooks.run(args)
+        assert "python -m tba bench-hooks: error: --device cuda needs a CUDA build" in capsys.readouterr().err
 
 
 def test_registered_with_help():
@@ -244,8 +246,9 @@ def test_alone_steps_take_the_table_settings_and_cap(monkeypatch, tmp_path, caps
 
 
 def test_alone_steps_refuse_cuda(capsys):
-    assert bench_hooks.run(_args(["--device", "cuda", "--alone-steps", "1"])) == 2
-    assert "--alone-steps runs on the CPU only" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        bench_hooks.run(_args(["--device", "cuda", "--alone-steps", "1"]))
+    assert "python -m tba bench-hooks: error: --alone-steps runs on the CPU only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("count", ["0", "-5"])

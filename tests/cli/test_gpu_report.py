@@ -13,9 +13,12 @@ from tba.cli import main
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_says_so_in_one_line(tmp_path, capsys):
-    assert main(["gpu-report", "--out", str(tmp_path)]) == 2
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "no CUDA GPU" in out[0] and "--simulate" in out[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gpu-report", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert exit_info.value.code == 2 and not captured.out, captured.out
+    assert len(err) == 1 and err[0].startswith("python -m tba gpu-report: error: no CUDA GPU") and "--simulate" in err[0]
     assert not (tmp_path / "gpu-report.md").exists()
 
 
