@@ -11,7 +11,7 @@ import torch
 
 import tba
 from tba import OffloadConfig, TbaConfigError, TbaError
-from tba.io import available_backends
+from tba.io import SpillFile, available_backends
 
 
 @pytest.mark.parametrize(
@@ -215,3 +215,17 @@ def test_bad_arguments_of_public_helpers_are_config_errors(make, match):
 
 def test_adaptive_takes_a_size_string_as_every_budget_does():
     assert tba.Adaptive(memory_budget_bytes="1G").memory_budget_bytes == 1 << 30
+
+
+@pytest.mark.parametrize("directory, match", [
+    ("/proc", r"creating a file in /proc failed \(No such file or directory\): it is on proc, a kernel pseudo file "
+              r"system that holds no files; pass directory="),
+    ("/proc/tba", r"cannot create the offload directory /proc/tba: creating a directory in /proc failed \(No such file "
+                  r"or directory\): it is on proc, a kernel pseudo file system"),
+])
+def test_a_pseudo_file_system_is_named_not_a_missing_file(directory, match):
+    """/proc said only "No such file or directory" of a directory that exists."""
+    if os.geteuid() != 0 and directory == "/proc":
+        pytest.skip("as a user, /proc is refused earlier as not writable")
+    with pytest.raises(TbaConfigError, match=match):
+        SpillFile(directory)

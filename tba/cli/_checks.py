@@ -19,7 +19,7 @@ from typing import NoReturn
 from tba._units import parse_size
 from tba.defaults import MAX_QUEUE_DEPTH
 from tba.errors import did_you_mean
-from tba.io import backend_names
+from tba.io import backend_names, file_creation_failure
 
 
 def queue_depth(text: str) -> int:
@@ -73,7 +73,7 @@ def why_unwritable(directory: str) -> str | None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".tba-probe-", dir=directory)
     except OSError as err:
-        return f"{directory} is not writable ({err.strerror})"
+        return file_creation_failure(directory, err)
     os.close(fd)
     os.unlink(probe)
     return None
@@ -103,7 +103,7 @@ def existing_directory(option: str, path: str) -> str:
         raise ValueError(f"{option} {path} is not a directory; pass a directory")
     problem = why_unwritable(path)
     if problem:
-        raise ValueError(f"{option} {problem}; pass a writable directory")
+        raise ValueError(f"{option} {path}: {problem}; choose a writable directory on a local disk (or tmpfs)")
     return path
 
 
@@ -126,10 +126,11 @@ def output_directory(option: str, path: str) -> str:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"cannot create {option} {path}: {err.strerror}; pass a writable directory") from None
+        why = file_creation_failure(os.path.dirname(os.path.abspath(path)), err, "a directory")
+        raise ValueError(f"cannot create {option} {path}: {why}; pass a writable directory") from None
     problem = why_unwritable(path)
     if problem:
-        raise ValueError(f"{option} {problem}; pass a writable directory")
+        raise ValueError(f"{option} {path}: {problem}; pass a writable directory")
     return path
 
 

@@ -33,7 +33,7 @@ from tba.io._directory import (
     resolve_directory,
 )
 from tba.io._engine import Engine, Op, Request
-from tba.io._fs import filesystem_type, memory_backed
+from tba.io._fs import file_creation_failure, filesystem_type, memory_backed
 from tba.io._memory import aligned_empty, host_buffer, memory_view, round_up, storage_view
 from tba.io._read_pool import BufferPool
 from tba.io._spill import SpillFile, create_preallocated, release_idle_space
@@ -188,6 +188,7 @@ __all__ = [
     "dangling_link",
     "engine_names",
     "filled_buffer",
+    "file_creation_failure",
     "filesystem_type",
     "host_buffer",
     "load_crc32c",

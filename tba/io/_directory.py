@@ -31,7 +31,7 @@ import uuid
 from tba._fork_lock import ForkSafeLock
 from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaConfigError, TbaError
-from tba.io._fs import memory_backed
+from tba.io._fs import file_creation_failure, memory_backed
 from tba.io._memory import aligned_empty, memory_view
 
 logger = logging.getLogger("tba")
@@ -195,7 +195,8 @@ def prepare_directory(directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
         link = dangling_link(directory)
-        reason, fix = err.strerror, "pass directory= (or set TBA_DIR) to a writable directory on a fast local disk"
+        reason = file_creation_failure(os.path.dirname(os.path.abspath(directory)), err, "a directory")
+        fix = "pass directory= (or set TBA_DIR) to a writable directory on a fast local disk"
         if link is not None:
             reason = f"{link} is a symbolic link to {os.path.realpath(link)}, which does not exist"
             fix = f"create that (is its disk mounted?) or {fix}"

@@ -38,7 +38,7 @@ from tba.io._directory import (
     warn_if_memory_backed,
 )
 from tba.io._extents import ExtentAllocator
-from tba.io._fs import memory_backed
+from tba.io._fs import file_creation_failure, memory_backed
 
 logger = logging.getLogger("tba")
 
@@ -171,8 +171,8 @@ class SpillFile:
                 raise out_of_descriptors("a spill file", err) from err
             if err.errno not in FULL_DISK_ERRNOS:
                 raise TbaConfigError(
-                    f"cannot create a file in the offload directory {self.directory}: {err.strerror}; "
-                    "pass directory= (or set TBA_DIR) to a writable directory"
+                    f"offload directory: {file_creation_failure(self.directory, err)}; "
+                    "pass directory= (or set TBA_DIR) to a writable directory on a local disk"
                 ) from err
             self.fd, self.direct, self.in_memory = memory_file(self.directory, err), False, True
         self._allocator = ExtentAllocator(ALIGN_BYTES)

@@ -44,7 +44,8 @@ def test_demo_directory_must_be_a_writable_directory(tmp_path, capsys):
     assert f"--directory {afile} is not a directory" in refused(["demo", "--directory", str(afile)], capsys)
     missing = tmp_path / "missing"
     assert "does not exist; create it" in refused(["demo", "--directory", str(missing)], capsys)
-    assert "/proc is not writable" in refused(["demo", "--directory", "/proc"], capsys)
+    proc = "creating a file in /proc failed (No such file or directory): it is on proc, a kernel pseudo file system"
+    assert proc in refused(["demo", "--directory", "/proc"], capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
@@ -52,14 +53,14 @@ def test_demo_directory_must_be_a_writable_directory(tmp_path, capsys):
 def test_capacity_output_in_an_unwritable_folder_is_refused_up_front(option, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = refused(["capacity", "--preset", "tiny", "--budget", "1M", option, "/proc/x.out"], capsys)
-    assert f"{option} /proc/x.out: /proc is not writable" in line
+    assert f"{option} /proc/x.out: creating a file in /proc failed" in line
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("out, match", [
     ("{file}", "is a file; pass a directory"),
-    ("/proc/x", "cannot create --out /proc/x"),
-    ("/proc", "--out /proc is not writable"),
+    ("/proc/x", "cannot create --out /proc/x: creating a directory in /proc failed (No such file or directory): it is on proc"),
+    ("/proc", "--out /proc: creating a file in /proc failed (No such file or directory): it is on proc"),
 ])
 def test_gpu_report_out_is_checked_up_front(out, match, tmp_path, capsys):
     (tmp_path / "afile").write_text("")
@@ -76,11 +77,11 @@ def test_gpu_report_out_is_checked_up_front(out, match, tmp_path, capsys):
     (["--max-bytes", "0"], "argument --max-bytes: '0' is not positive"),
     (["--disk-dir", "/nonexistent"], "--disk-dir /nonexistent does not exist; create it"),
     (["--disk-dir", "{file}"], "is not a directory"),
-    (["--disk-dir", "/proc"], "--disk-dir /proc is not writable"),
+    (["--disk-dir", "/proc"], "--disk-dir /proc: creating a file in /proc failed"),
     (["--ram-dir", "{file}"], "--ram-dir {file} is not a directory"),
     (["--json", "{tmp}"], "is a directory; pass a file path"),
     (["--json", "{tmp}/nodir/x.json"], "no directory"),
-    (["--json", "/proc/x.json"], "/proc is not writable"),
+    (["--json", "/proc/x.json"], "creating a file in /proc failed (No such file or directory): it is on proc"),
     # said "--warmups must be >= 0 and --repeats >= 1", naming neither the one given nor its value (helper-143)
     (["--warmups", "-1"], "argument --warmups: -1 is too small; pass a whole number >= 0"),
     (["--repeats", "0"], "argument --repeats: 0 is too small; pass a whole number >= 1"),

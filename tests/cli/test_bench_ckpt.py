@@ -20,10 +20,11 @@ from tba.cli.bench_ckpt import gpt_config
     (["--rounds", ""], "argument --rounds: '' is not a whole number"),
     (["--directory", "{file}/dir"], "--directory {file}/dir does not exist; create it"),
     (["--directory", "{file}"], "is not a directory"),
-    (["--directory", "/proc"], "--directory /proc is not writable"),
+    (["--directory", "/proc"], "--directory /proc: creating a file in /proc failed (No such file or directory): it is on "
+                               "proc, a kernel pseudo file system that holds no files; choose a writable directory on a local"),
     (["--json", "{tmp}"], "is a directory; pass a file path"),
     (["--json", "{tmp}/nodir/x.json"], "no directory"),
-    (["--json", "/proc/x.json"], "/proc is not writable"),
+    (["--json", "/proc/x.json"], "creating a file in /proc failed (No such file or directory): it is on proc"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
     """An error in the argparse form (``python -m tba bench-ckpt: error: ...``, status 2), not a log record."""
