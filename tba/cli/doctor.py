@@ -95,10 +95,19 @@ def quick_bandwidth(directory: str, size: int, direct: bool) -> dict[str, float]
         os.close(fd)
 
 
-def _missing_reason(directory: str) -> str:
+def directory_source(given: str | None) -> str:
+    """Where the checked directory came from, as the offloader picks it (:func:`tba.io.resolve_directory`)."""
+    if given is not None:
+        return "--directory"
+    return "$TBA_DIR" if os.environ.get("TBA_DIR") else "the default, the system temp dir"
+
+
+def _missing_reason(directory: str, source: str) -> str:
+    fix = {"--directory": "pass another --directory",
+           "$TBA_DIR": "set TBA_DIR to an existing directory, or pass --directory"}.get(source, "pass --directory")
     if os.path.exists(directory):
-        return f"{directory} is not a directory"
-    return f"{directory} does not exist; create it or pass --directory"
+        return f"{directory} (from {source}) is not a directory; {fix}"
+    return f"{directory} (from {source}) does not exist; create it or {fix}"
 
 
 def _filesystem_row(directory: str) -> str:
@@ -141,9 +150,9 @@ def _native_row() -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report. Always returns 0."""
-    directory = resolve_directory(args.directory)
+    directory, source = resolve_directory(args.directory), directory_source(args.directory)
     backends = available_backends()
-    direct_reason = probe_direct_io(directory) if os.path.isdir(directory) else _missing_reason(directory)
+    direct_reason = probe_direct_io(directory) if os.path.isdir(directory) else _missing_reason(directory, source)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     rows = [
         ("io_uring engine", _status(backends["io_uring"])),
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
                                    "no: the native extension tba._shield was not built (reinstall with a C compiler)"),
         ("per-storage path in C", _native_row()),
         ("backend 'auto' uses", resolve_backend("auto")),
+        ("offload directory", f"{directory} (from {source})"),
         (f"O_DIRECT in {directory}", _status(direct_reason)),
         (f"file system of {directory}", _filesystem_row(directory)),
         ("CUDA available", _status(_cuda_reason())),
@@ -163,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         *_malloc_rows(),
     ]
     if not args.no_bandwidth and not os.path.isdir(directory):
-        rows.append(("bandwidth", f"not measured ({_missing_reason(directory)})"))
+        rows.append(("bandwidth", f"not measured ({_missing_reason(directory, source)})"))
     elif not args.no_bandwidth:
         size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)
         try:

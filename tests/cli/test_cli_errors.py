@@ -50,11 +50,26 @@ def test_a_bad_argument_in_a_fresh_process_prints_no_traceback():
 def test_doctor_on_missing_directory(tmp_path):
     missing = tmp_path / "nope"
     done = tba_cli("doctor", "--directory", str(missing), "--no-bandwidth")
-    assert f"{missing} does not exist" in done.stdout + done.stderr
+    assert f"{missing} (from --directory) does not exist" in done.stdout + done.stderr
     assert not missing.exists()
     measured = tba_cli("doctor", "--directory", str(missing), "--quick-size", "1M")
     assert measured.returncode == 0 and "FileNotFoundError" not in measured.stdout, measured.stdout
-    assert f"not measured ({missing} does not exist; create it or pass --directory)" in measured.stdout
+    assert f"not measured ({missing} (from --directory) does not exist; create it or pass another --directory)" \
+        in measured.stdout
+
+
+@pytest.mark.parametrize("given, source, fix", [
+    (None, "$TBA_DIR", "create it or set TBA_DIR to an existing directory, or pass --directory"),
+    ("flag", "--directory", "create it or pass another --directory"),
+])
+def test_doctor_names_where_the_directory_came_from(given, source, fix, tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "nope"
+    monkeypatch.setenv("TBA_DIR", str(missing))
+    assert main(["doctor", "--no-bandwidth", *(["--directory", str(missing)] if given else [])]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("offload directory "))
+    assert row.split(maxsplit=2)[2] == f"{missing} (from {source})", row
+    assert f"no ({missing} (from {source}) does not exist; {fix})" in out, out
 
 
 def test_bare_command_prints_help():
