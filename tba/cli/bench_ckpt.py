@@ -46,7 +46,6 @@ from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.checkpoint import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, LazyCheckpointer, TbaStorageReader, TbaStorageWriter
 from tba.cli import _checks as cli_checks
 from tba.cli.bench_io import bench_fio
-from tba.io import resolve_directory
 
 logger = logging.getLogger("tba")
 
@@ -89,9 +88,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"--size must be at least {MIN_SIZE_BYTES >> 20}M"
     if args.rounds < 1:
         return "--rounds must be >= 1"
-    args.directory = resolve_directory(args.directory)
     try:  # a missing directory is refused, as bench-io and bench-hooks do: nothing is left behind
-        cli_checks.existing_directory("--directory", args.directory)
+        args.directory = os.path.abspath(cli_checks.spill_directory(args.directory))
         if getattr(args, "json", None):
             cli_checks.output_file("--json", args.json)
     except ValueError as err:

@@ -26,7 +26,7 @@ import torch
 from tba._units import parse_size
 from tba.cli import _checks as cli_checks
 from tba.defaults import ALIGN_BYTES, GIB, MIB
-from tba.io import Op, available_backends, filled_buffer, make_engine, open_scratch, resolve_directory, timed_pass
+from tba.io import Op, available_backends, filled_buffer, make_engine, open_scratch, timed_pass
 
 logger = logging.getLogger("tba")
 
@@ -127,7 +127,7 @@ def _validate(args: argparse.Namespace) -> str | None:
     if args.repeat < 1:
         return f"--repeat must be >= 1, got {args.repeat}"
     try:
-        cli_checks.existing_directory("--directory", args.directory)
+        args.directory = os.path.abspath(cli_checks.spill_directory(args.directory))
     except ValueError as err:
         return str(err)
     free = shutil.disk_usage(args.directory).free if os.path.isdir(args.directory) else MAX_SIZE_BYTES
@@ -139,7 +139,6 @@ def _validate(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the table (and JSON). Returns exit status."""
-    args.directory = resolve_directory(args.directory)
     problem = _validate(args)
     if problem:
         cli_checks.usage_error("bench-io", problem)

@@ -123,3 +123,11 @@ def test_bench_io_refuses_bad_values_before_measuring(argv, match, tmp_path, cap
 def test_an_empty_path_is_refused(argv, capsys):
     """``--directory ''`` ran bench-io and bench-ckpt in the current directory; ``--json ''`` wrote no JSON, silently."""
     assert f"argument {argv[-2]}: the path is empty (an unset shell variable?); pass a path" in refused(argv, capsys)
+
+
+@pytest.mark.parametrize("command", [["bench-io", "--no-fio", "--size", "4M"], ["bench-ckpt", "--no-fio", "--size", "16M"]])
+def test_a_missing_tba_dir_is_named_as_such(command, tmp_path, monkeypatch, capsys):
+    """bench-io and bench-ckpt blamed --directory, which was not given, for a bad $TBA_DIR."""
+    monkeypatch.setenv("TBA_DIR", str(tmp_path / "nope"))
+    assert f"error: $TBA_DIR (used where --directory is not given) {tmp_path / 'nope'} does not exist" in refused(
+        command, capsys)
