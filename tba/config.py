@@ -50,7 +50,8 @@ class OffloadConfig:
     """Options of :class:`tba.Offloader` and :func:`tba.offload_activations` (see the module docstring)."""
 
     directory: str | None = _option(None, PATH, "Where the spill file lives, ideally on a local NVMe drive. "
-                                    "None: $TBA_DIR, else the system temp directory. Created if missing.",
+                                    "None: $TBA_DIR, else the system temp directory. Created with its parents if "
+                                    "missing (logged at DEBUG); python -m tba's --directory must exist.",
                                     optional=True, env="TBA_DIR")
     backend: Any = _option("auto", NAME, "I/O engine: auto (io_uring where the kernel allows it, else threads), "
                            "io_uring, threads, kvikio (CUDA tensors through kvikio.CuFile), a registered engine "

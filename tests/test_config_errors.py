@@ -72,12 +72,20 @@ def test_directory_that_cannot_be_written(tmp_path):
             pytest.fail("the block must not run")
 
 
-def test_directory_created_when_missing_and_default_from_env(tmp_path, monkeypatch):
+def test_directory_created_when_missing_and_default_from_env(tmp_path, monkeypatch, caplog):
+    """Created with its parents and said at DEBUG (Note [The command line refuses a missing directory])."""
     target = tmp_path / "made" / "here"
     monkeypatch.setenv("TBA_DIR", str(target))
-    with tba.offload_activations() as off:
-        torch.randn(10, requires_grad=True).exp()
+    with caplog.at_level(logging.DEBUG, logger="tba"):
+        with tba.offload_activations() as off:
+            torch.randn(10, requires_grad=True).exp()
     assert off.spill.directory == str(target) and target.is_dir()
+    created = [r.getMessage() for r in caplog.records if "created the offload directory" in r.getMessage()]
+    assert created == [f"tba: created the offload directory {target}, which did not exist"]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tba"), tba.offload_activations():
+        pass
+    assert not [r for r in caplog.records if "created the offload directory" in r.getMessage()]
 
 
 def test_file_system_without_o_direct(spill_dir, monkeypatch, caplog):

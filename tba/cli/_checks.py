@@ -94,9 +94,22 @@ def output_file(option: str, path: str) -> str:
     return path
 
 
+MISSING_REFUSED = "an existing one: a missing one is refused, not created as Python's directory= does"
+"""The end of every spill directory's ``--help``: Note [The command line refuses a missing directory]."""
+
+
 def existing_directory(option: str, path: str) -> str:
     """Check, before any work, that ``path`` is an existing directory a file can be created in; raises
-    ValueError naming the fix (a missing one is refused, not created: nothing is left behind)."""
+    ValueError naming the fix.
+
+    Note: [The command line refuses a missing directory]
+    ``tba.offload_activations(directory=...)`` (and ``$TBA_DIR`` there) creates a missing directory with its
+    parents (logged at DEBUG, ``tba/io/_directory.py``): a training script names its own scratch place. A
+    command given a missing ``--directory`` or ``$TBA_DIR`` refuses it instead, before any work, naming the
+    fix: a mistyped path on the command line (``/mnt/nmve``) would otherwise become a new directory on
+    whatever disk holds its parent, and a benchmark would measure that disk and leave the directory behind.
+    Every command that takes a spill directory says so in its ``--help`` (:data:`MISSING_REFUSED`).
+    """
     if not os.path.exists(path):
         raise ValueError(f"{option} {path} does not exist; create it or pass an existing directory")
     if not os.path.isdir(path):

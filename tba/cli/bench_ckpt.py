@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--size", default="1G", help="state dict bytes, e.g. 256M or 1G (default 1G)")
     parser.add_argument("--directory", type=cli_checks.nonempty_path, default=None,
-                        help="where checkpoints go, an existing directory (default $TBA_DIR or the system temp dir)")
+                        help="where checkpoints go (default $TBA_DIR or the system temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--rounds", type=cli_checks.int_at_least(1), default=2,
                         help="measured checkpoints per method (default 2)")
     parser.add_argument("--json", type=cli_checks.nonempty_path,

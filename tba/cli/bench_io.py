@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-depth", type=cli_checks.queue_depth, default=BENCH_QUEUE_DEPTH,
                         help="requests in flight (default 32)")
     parser.add_argument("--directory", type=cli_checks.nonempty_path, default=None,
-                        help="where the test file goes (default $TBA_DIR or the system temp dir)")
+                        help="where the test file goes (default $TBA_DIR or the system temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--repeat", type=cli_checks.int_at_least(1), default=1,
                         help="runs per measurement; each column reports the best (default 1)")
     parser.add_argument("--no-fio", action="store_true", help="skip the fio reference run")

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="unmeasured steps first, peak counted (default: 0; each run is primed with a 1-sample step)")
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"largest batch tried (default: {MAX_BATCH})")
     parser.add_argument("--directory", type=cli_checks.nonempty_path,
-                        default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+                        default=None, help="spill directory (default: $TBA_DIR or the temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: torch's; 1 is steadier on a busy machine)")

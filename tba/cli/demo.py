@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=3,
                         help="unmeasured steps first (default: 3, the adaptive context's layer-finding and profiled steps)")
     parser.add_argument("--directory", type=cli_checks.nonempty_path, default=None,
-                        help="spill directory, an existing one (default: $TBA_DIR or the temp dir)")
+                        help="spill directory (default: $TBA_DIR or the temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="I/O backend (default: auto)")
     parser.add_argument("--no-turns", dest="turns", action="store_false",
                         help="skip the run in which both modes take a step in turn in one process")

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=None,
                         help="measured steps per row (default: 3, 1 simulated)")
     parser.add_argument("--directory", type=cli_checks.nonempty_path,
-                        default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+                        default=None, help="spill directory (default: $TBA_DIR or the temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--skip-rok", action="store_true", help="leave out the ROK curve")
 
 

@@ -173,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budgets.add_argument("--budgets-mib", type=cli_checks.positive_list("--budgets-mib"), default=None,
                         help="adaptive budgets in MiB instead, comma-separated")
     parser.add_argument("--directory", type=cli_checks.nonempty_path,
-                        default=None, help="spill directory (default: $TBA_DIR or the temp dir)")
+                        default=None, help="spill directory (default: $TBA_DIR or the temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
     parser.add_argument("--device", type=cli_checks.device_name, default="auto",
                         help="cpu, cuda, or auto (default: cuda when torch sees a GPU, else cpu)")

@@ -185,12 +185,15 @@ def check_writable(directory: str) -> None:
 
 
 def prepare_directory(directory: str) -> None:
-    """Create ``directory`` if it is missing; raise :class:`TbaConfigError` when that fails or it is a file."""
+    """Create ``directory`` (and its parents) if it is missing, saying so at DEBUG; raise :class:`TbaConfigError`
+    when that fails or it is a file. The command line refuses a missing one instead (Note [The command line
+    refuses a missing directory] in ``tba/cli/_checks.py``)."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise TbaConfigError(
             f"offload directory {directory} exists but is not a directory; pass directory= "
             "(or set TBA_DIR) to a directory"
         )
+    missing = not os.path.exists(directory)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
@@ -201,6 +204,8 @@ def prepare_directory(directory: str) -> None:
             reason = f"{link} is a symbolic link to {os.path.realpath(link)}, which does not exist"
             fix = f"create that (is its disk mounted?) or {fix}"
         raise TbaConfigError(f"cannot create the offload directory {directory}: {reason}; {fix}") from err
+    if missing:
+        logger.debug("tba: created the offload directory %s, which did not exist", directory)
 
 
 def dangling_link(directory: str) -> str | None:

@@ -28,7 +28,7 @@ def offload_activations(directory: str | os.PathLike | None = None, *,
 
     Args:
         directory: Where the spill file lives. None (default): ``$TBA_DIR``, else the system temp
-            directory. Created if missing.
+            directory. Created with its parents if missing (logged at DEBUG); the command line refuses a missing one.
         layers: The model's repeated blocks (a list of modules), or a module to search for them.
             None (default): found during the first forward. Used to tag storages for prefetch and
             for placement policies; their parameters and buffers are never written.

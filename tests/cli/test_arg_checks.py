@@ -131,3 +131,12 @@ def test_a_missing_tba_dir_is_named_as_such(command, tmp_path, monkeypatch, caps
     monkeypatch.setenv("TBA_DIR", str(tmp_path / "nope"))
     assert f"error: $TBA_DIR (used where --directory is not given) {tmp_path / 'nope'} does not exist" in refused(
         command, capsys)
+
+
+@pytest.mark.parametrize("command", ["bench-io", "bench-ckpt", "demo", "rok", "capacity", "gpu-report"])
+def test_help_says_a_missing_directory_is_refused(command, capsys):
+    """Note [The command line refuses a missing directory]: the help said nothing while directory= creates it."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a missing one is refused, not created as Python's directory= does" in help_text
