@@ -63,24 +63,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="deep", help="built-in GPT (default: deep)")
     parser.add_argument("--budget", type=parse_size, required=True,
                         help="activation memory budget, e.g. 512M or 2GiB (binary), 500MB (decimal)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    parser.add_argument("--seq", type=cli_checks.int_at_least(1), default=None, help="sequence length (default: the preset's)")
     parser.add_argument("--device", type=cli_checks.device_name, default="auto",
                         help="cpu, cuda, or auto (default: cuda when torch sees a GPU, else cpu)")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                         help="malloc preloaded into every run: auto = best caching allocator found (default), "
                              "system = the C library's (glibc)")
-    parser.add_argument("--json", type=cli_checks.nonempty_path,
-                        default="capacity.json", help="JSON results, rewritten after every measurement "
-                                                                "(default: capacity.json)")
+    parser.add_argument("--json", type=cli_checks.nonempty_path, default="capacity.json",
+                        help="JSON results, rewritten after every measurement (default: capacity.json)")
     parser.add_argument("--png", type=cli_checks.nonempty_path, default=None, help="bar chart of the results (needs matplotlib)")
-    parser.add_argument("--steps", type=int, default=1, help="measured steps per run (default: 1)")
-    parser.add_argument("--warmup", type=int, default=0,
+    parser.add_argument("--steps", type=cli_checks.int_at_least(1), default=1, help="measured steps per run (default: 1)")
+    parser.add_argument("--warmup", type=cli_checks.int_at_least(0), default=0,
                         help="unmeasured steps first, peak counted (default: 0; each run is primed with a 1-sample step)")
-    parser.add_argument("--max-batch", type=int, default=MAX_BATCH, help=f"largest batch tried (default: {MAX_BATCH})")
+    parser.add_argument("--max-batch", type=cli_checks.int_at_least(1), default=MAX_BATCH,
+                        help=f"largest batch tried (default: {MAX_BATCH})")
     parser.add_argument("--directory", type=cli_checks.nonempty_path,
                         default=None, help="spill directory (default: $TBA_DIR or the temp dir); " + cli_checks.MISSING_REFUSED)
     parser.add_argument("--backend", type=cli_checks.backend_name, default="auto", help="tba I/O backend (default: auto)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=cli_checks.int_at_least(1), default=None,
                         help="torch threads per run (default: torch's; 1 is steadier on a busy machine)")
     parser.add_argument("--strategies", type=_strategy_list, default=",".join(name for name, _, _ in STRATEGIES),
                         help="comma-separated subset to measure (default: %(default)s)")
@@ -91,10 +91,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.budget <= 0:
             raise ValueError(f"--budget must be positive, got {args.budget} bytes; pass a size such as 512M")
-        for option, value, least in (("--seq", args.seq, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                                     ("--max-batch", args.max_batch, 1), ("--threads", args.threads, 1)):
-            if value is not None and value < least:
-                raise ValueError(f"{option} must be at least {least}, got {value}")
         launch_env(args.allocator)
         check_setup(None, args.device)
         args.directory = cli_checks.spill_directory(args.directory)

@@ -40,7 +40,9 @@ def test_tiny_run_writes_the_json_and_exits_0(tmp_path, spill_dir):
     (["--budget", "12 apples"], "not a size: '12 apples'"),
     (["--budget", "0"], "--budget must be positive"),
     (["--budget", "1M", "--strategies", "keep,fast"], "unknown strategy 'fast'"),
-    (["--budget", "1M", "--seq", "0"], "--seq must be at least 1"),
+    (["--budget", "1M", "--seq", "0"], "argument --seq: 0 is too small; pass a whole number >= 1"),
+    (["--budget", "1M", "--seq", "x"], "argument --seq: 'x' is not a whole number; pass one >= 1"),
+    (["--budget", "1M", "--max-batch", ""], "argument --max-batch: '' is not a whole number; pass one >= 1"),
     (["--budget", "1M", "--directory", "/proc/self/status"], "--directory /proc/self/status is not a directory"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, match, capsys, tmp_path):
