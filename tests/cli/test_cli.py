@@ -54,9 +54,11 @@ def test_bench_small_json(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_rejects_unaligned_block(tmp_path):
+def test_bench_rejects_unaligned_block(tmp_path, capsys):
     args = _args(bench_io, ["--size", "8M", "--block-size", "1000", "--directory", str(tmp_path)])
-    assert bench_io.run(args) == 2
+    with pytest.raises(SystemExit, match="2"):
+        bench_io.run(args)
+    assert "python -m tba bench-io: error: --block-size must be a positive multiple of 4096" in capsys.readouterr().err
 
 
 def test_doctor_reports_and_never_fails(tmp_path, capsys):
