@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
-from tba.cli._capacity_report import format_table
+from tba.cli._capacity_report import StrategyResult, format_table
 from tba.cli._capacity_run import STRATEGIES, Settings, measure_capacity
 from tba.cli._capacity_search import MAX_BATCH
 from tba.cli.rok import check_setup
@@ -46,8 +48,16 @@ REQUIRED = ("keep", "recompute", "offload")
 """Strategies that exist in every version of tba: the exit status is 1 when one of them failed."""
 
 
-def _times(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"
+def best_line(results: Sequence[StrategyResult], ratios: Mapping[str, Any]) -> str | None:
+    """The closing summary: the best tba strategy's largest batch, and its ratio to each of full recompute
+    and keep-all that was measured (a subset of ``--strategies`` leaves the others out)."""
+    best = next((r for r in results if r.name == ratios["best_tba_strategy"]), None)
+    if best is None:
+        return None
+    against = [f"{ratio:.2f}x {label}'s" for other, label in (("recompute", "full recompute"), ("keep", "keep-all"))
+               if (ratio := ratios[f"best_tba_max_batch_over_{other}"]) is not None]
+    return (f"best tba strategy: {best.label}, largest batch {best.max_batch}"
+            + (f" ({', '.join(against)})" if against else ""))
 
 
 def _strategy_list(text: str) -> tuple[str, ...]:
@@ -107,11 +117,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"capacity within {args.budget / MIB:.1f} MiB of activations: preset {args.preset} ({config.layers} layers, "
           f"width {config.width}, sequence {seq_len}), {args.device}, malloc {doc['allocator']}")
     print(format_table(results, seq_len, doc["keep_max_batch"]))
-    best = doc["best_tba_strategy"]
-    if best:
-        over_recompute, over_keep = (doc[f"best_tba_max_batch_over_{other}"] for other in ("recompute", "keep"))
-        print(f"\nbest tba strategy: {doc['strategies'][best]['label']}, largest batch "
-              f"{_times(over_recompute)} full recompute's, {_times(over_keep)} keep-all's")
+    line = best_line(results, doc)
+    if line:
+        print(f"\n{line}")
     speed = doc["offload_over_recompute_tokens_per_s_at_keep_max"]
     if speed is not None:
         print(f"offload-all tokens/s at keep-all's largest batch: {speed:.2f}x full recompute's")

@@ -221,3 +221,19 @@ def test_json_rewrites_do_not_collide_or_leave_partial_files(tmp_path, monkeypat
         _capacity_run._write_json(path, {"run": "killed"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json"]
     assert json.loads(open(path).read()) == {"run": "this"}
+
+
+@pytest.mark.parametrize("measured, expected", [
+    (("keep", "recompute", "offload"), "best tba strategy: offload-all, largest batch 20 (2.50x full recompute's, "
+                                       "10.00x keep-all's)"),
+    (("keep", "offload"), "best tba strategy: offload-all, largest batch 20 (10.00x keep-all's)"),
+    (("offload",), "best tba strategy: offload-all, largest batch 20"),
+])
+def test_the_closing_line_names_only_the_strategies_measured(measured, expected):
+    from tba.cli.capacity import best_line
+
+    every = {"keep": _result("keep", "keep-all", [Point(2, 90, 1.0)], 2, keep_max=2),
+             "recompute": _result("recompute", "full recompute", [Point(8, 90, 8.0)], 8),
+             "offload": _result("offload", "offload-all", [Point(20, 95, 12.0)], 20)}
+    results = [every[name] for name in measured]
+    assert best_line(results, summary(results, seq_len=10)) == expected
