@@ -191,9 +191,16 @@ def signature_with_options(function: Any, *, before: tuple[inspect.Parameter, ..
     kept = [p for p in signature.parameters.values()
             if p.kind is not inspect.Parameter.VAR_KEYWORD and not p.name.startswith("_")]
     names = {p.name for p in kept}
-    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=_accepted(f))
               for f in dataclasses.fields(OffloadConfig) if f.name not in names]
     return signature.replace(parameters=[*kept, *before, *fields])
+
+
+def _accepted(field: dataclasses.Field) -> Any:
+    """What an option takes as an argument: a size also as a string (``"2GiB"``), which the field holds as bytes."""
+    if field.metadata["kind"] != SIZE:
+        return field.type
+    return "int | str | None" if field.metadata["optional"] else "int | str"
 
 
 def options_doc(indent: int = 4) -> str:

@@ -35,6 +35,17 @@ def test_signatures_show_every_option_with_the_schema_default(function):
     assert not [p for p in parameters if p.startswith("_")], "test seams are not shown to users"
 
 
+@pytest.mark.parametrize("function", [tba.offload_activations, tba.Offloader])
+def test_signatures_show_that_sizes_take_strings(function):
+    """``help()`` shows ``memory_budget: int | str | None``: the README passes ``memory_budget="2GiB"``."""
+    parameters = inspect.signature(function).parameters
+    sizes = [name for name, field in FIELDS.items() if field.metadata["kind"] == "size"]
+    assert "memory_budget" in sizes and "block_size_bytes" in sizes
+    for name in sizes:
+        shown = str(parameters[name].annotation)
+        assert "int | str" in shown and ("None" in shown) == FIELDS[name].metadata["optional"], (name, shown)
+
+
 @pytest.mark.parametrize("name", sorted(FIELDS))
 def test_docstrings_give_the_schema_default(name):
     line = f"{name} (default {format_default(FIELDS[name])})"
