@@ -101,13 +101,16 @@ class Plan:
         return "".join(SHORT[d] for d in self.decisions)
 
     def to_json(self) -> str:
+        """This plan as JSON, which :meth:`from_json` reads back."""
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """The plan that :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
     def save(self, path: str) -> None:
+        """Write this plan to ``path`` as JSON, for :meth:`load` (``policy=tba.Plan.load(path)`` pins it)."""
         with open(path, "w") as f:
             f.write(self.to_json() + "\n")
 
@@ -191,6 +194,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def plan(self, profile: Profile) -> Plan:
         """The placement for ``profile``."""
+
+    def __repr__(self) -> str:
+        """The class and its public attributes (a goal), which also decide whether one-shot contexts share it."""
+        public = {name: value for name, value in getattr(self, "__dict__", {}).items() if not name.startswith("_")}
+        return f"{type(self).__name__}({', '.join(f'{name}={value!r}' for name, value in public.items())})"
 
 
 class KeepAll(Policy):

@@ -157,17 +157,21 @@ class Profile:
         return dataclasses.replace(self, write_bytes_per_s=self.drain_bytes_per_s)
 
     def to_dict(self) -> dict[str, Any]:
+        """This profile as plain values (its layers as dicts), which :meth:`from_dict` reads back."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """The profile that :meth:`to_dict` gave."""
         fields = dict(data)
         fields["layers"] = tuple(LayerProfile(**layer) for layer in fields["layers"])
         return cls(**fields)
 
     def to_json(self) -> str:
+        """This profile as JSON, which :meth:`from_json` reads back."""
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
+        """The profile that :meth:`to_json` wrote."""
         return cls.from_dict(json.loads(text))

@@ -345,3 +345,17 @@ def test_a_plan_with_a_bad_field_is_a_config_error_naming_it(fields, message):
     with pytest.raises(TbaConfigError, match=message):
         Plan(**{"decisions": ("keep",), "window_bytes": 0, **fields})
     assert Plan(("keep", "offload"), 0, write_caps_bytes=("1M", 4096)).write_caps_bytes == (MIB, 4096)
+
+
+def test_a_policy_object_shows_its_class_and_goal():
+    class Mine(tba.Policy):
+        def __init__(self) -> None:
+            self.depth, self._cache = 3, {}
+
+        def plan(self, profile):
+            return tba.OffloadAll().plan(profile)
+
+    assert repr(tba.Adaptive(memory_budget_bytes="2G")) == "Adaptive(memory_budget_bytes=2147483648, overhead_bound=None)"
+    assert repr(tba.Adaptive()) == "Adaptive(memory_budget_bytes=None, overhead_bound=0.05)"
+    assert repr(tba.OffloadAll()) == "OffloadAll()" and repr(tba.KeepAll()) == "KeepAll()"
+    assert repr(Mine()) == "Mine(depth=3)"
