@@ -151,3 +151,52 @@ def test_every_link_anchor_names_a_heading():
             if anchor not in _anchors((page.parent / target if target else page).read_text()):
                 broken.append(f"{page.relative_to(REPO)} -> {target}#{anchor}")
     assert not broken, f"links to headings that do not exist: {broken}"
+
+
+_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
+
+
+def _quoted_runs(pattern: str) -> list[tuple[str, str, str]]:
+    """(page, command, the rest of its line) for each ``pattern`` match in the README and docs/."""
+    return [(page.name, match.group(1), match.group(2))
+            for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+            for match in re.finditer(pattern, page.read_text())]
+
+
+def test_every_command_and_flag_the_docs_quote_exists():
+    """``python -m tba capacity --budgets 1G`` in a doc fails for whoever copies it: each command quoted
+    exists, and each flag after it is one of its options (``run``: up to the script it runs)."""
+    import argparse
+
+    from tba.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    runs = _quoted_runs(r"python -m tba ([a-z][\w-]*)([^`\n]*)")
+    assert len(runs) > 50, "the pattern has gone stale"
+    wrong = []
+    for page, command, rest in runs:
+        if command not in commands:
+            wrong.append(f"{page}: python -m tba {command}")
+            continue
+        if command == "run":
+            rest = re.split(r"\S+\.py\b| -m ", rest)[0]
+        wrong += [f"{page}: python -m tba {command} {flag}" for flag in _FLAG.findall(rest)
+                  if flag not in commands[command]._option_string_actions]
+    assert not wrong, f"the docs quote commands or flags that do not exist: {wrong}"
+
+
+def test_every_flag_of_a_script_the_docs_quote_exists():
+    from python_runs import run_python
+
+    runs = _quoted_runs(r"python ((?:tools|examples)/[\w/]+\.py)([^`\n]*)")
+    assert len(runs) > 5, "the pattern has gone stale"
+    helps: dict[str, str] = {}
+    wrong = []
+    for page, script, rest in runs:
+        if script not in helps:
+            done = run_python([str(REPO / script), "--help"], cwd=REPO, timeout=120)
+            assert done.returncode == 0, f"{script} --help: {done.stderr}"
+            helps[script] = done.stdout
+        wrong += [f"{page}: python {script} {flag}" for flag in _FLAG.findall(rest.split(" -- ")[0])
+                  if flag.startswith("--") and not re.search(rf"{flag}\b", helps[script])]
+    assert not wrong, f"the docs quote flags that these scripts do not have: {wrong}"
