@@ -112,6 +112,8 @@ def _table(report: dict) -> str:
         lines.append(f"{name:<10} {row['write_gbps']:>10.2f} {row['read_gbps']:>10.2f} " + " ".join(ratios))
     if fio:
         lines.append(f"{'fio':<10} {fio['write_gbps']:>10.2f} {fio['read_gbps']:>10.2f}")
+    else:
+        lines.append(f"fio not run: {report['fio_not_run']}")
     return "\n".join(lines)
 
 
@@ -144,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("bench-io", problem)
     backends = available_backends()
     fio = None if args.no_fio else shutil.which("fio")
+    fio_not_run = "--no-fio" if args.no_fio else None if fio else "fio is not installed (apt-get install fio)"
     buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)
     logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d, %s",
                 args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat,
@@ -168,13 +171,14 @@ def run(args: argparse.Namespace) -> int:
             except (subprocess.CalledProcessError, ValueError, KeyError) as err:
                 detail = getattr(err, "stderr", "") or err
                 logger.warning("bench-io: fio failed, reporting without it: %s", str(detail).strip()[-300:])
-                fio = None
+                fio, fio_not_run = None, "fio failed (its error is above)"
     report = {
         "size_bytes": args.size, "block_size_bytes": args.block_size,
         "queue_depth": args.queue_depth, "repeat": args.repeat, "hugepages": not args.no_hugepages,
         "backends": {name: _best(runs[name]) if reason is None else {"error": reason}
                      for name, reason in backends.items()},
         "fio": _best(fio_runs) if fio_runs else None,
+        "fio_not_run": fio_not_run,
     }
     table = _table(report)
     if args.json:

@@ -248,3 +248,13 @@ def test_a_broken_pipe_of_the_command_own_is_an_error(tmp_path):
               "sys.exit(main(['doctor'], command_line=True))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "BrokenPipeError: [Errno 32] a child is gone" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("flags, why", [(["--no-fio"], "--no-fio"), ([], "fio is not installed")])
+def test_bench_io_says_why_the_fio_columns_are_empty(tmp_path, capsys, monkeypatch, flags, why):
+    monkeypatch.setattr(bench_io.shutil, "which", lambda name: None)
+    args = _args(bench_io, ["--size", "8M", "--block-size", "1M", "--queue-depth", "4", "--directory", str(tmp_path),
+                            *flags])
+    assert bench_io.run(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("fio not run: ") and why in last, last
