@@ -58,6 +58,13 @@ Best = tuple[Any, int, tuple[str, ...], int]
 """``(sort key, index in shapes order, decisions, window bytes)``: the best placement costed so far."""
 
 
+def budget_text(budget: int) -> str:
+    """A budget in a refusal: MiB to one decimal, or bytes where that would read 0.0 MiB (``memory_budget="1K"``)."""
+    if round(budget / MIB, 1) > 0:
+        return f"{budget / MIB:.1f} MiB"
+    return f"{budget} byte{'' if budget == 1 else 's'}"
+
+
 def _better(best: Best | None, key: Any, index: int, decisions: tuple[str, ...], window: int) -> Best:
     """The lower of ``best`` and the new candidate; on equal keys the earlier shape, as when every shape is costed in order."""
     return (key, index, decisions, window) if best is None or (key, index) < best[:2] else best
@@ -130,7 +137,7 @@ class Adaptive(Policy):
             measured = (f", {slack / MIB:.1f} MiB of it transient buffers measured while profiling (the process's peak: "
                         "what other threads allocated meanwhile counts too)") if slack else ""
             raise TbaConfigError(
-                f"memory_budget={budget / MIB:.1f} MiB cannot be met: this model needs at least "
+                f"memory_budget={budget_text(budget)} cannot be met: this model needs at least "
                 f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}{measured}); "
                 "raise memory_budget, or lower the batch size or sequence length")
         best: Best | None = None

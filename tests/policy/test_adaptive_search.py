@@ -18,6 +18,7 @@ import pytest
 from tba.defaults import MIB
 from tba.errors import TbaConfigError
 from tba.policy import LayerProfile, Profile, plan
+from tba.policy._adaptive import budget_text
 from tba.policy._model import estimate, forward_write_caps
 from tba.policy._placement import OFFLOAD, RECOMPUTE, RECOMPUTED
 from tba.policy._plan import _io_bytes, _plan_of, min_window_bytes, shapes
@@ -76,7 +77,7 @@ def reference_plan(profile, *, memory_budget_bytes=None, overhead_bound=None):
             measured = (f", {slack / MIB:.1f} MiB of it transient buffers measured while profiling (the process's peak: "
                         "what other threads allocated meanwhile counts too)") if slack else ""
             raise TbaConfigError(
-                f"memory_budget={budget / MIB:.1f} MiB cannot be met: this model needs at least "
+                f"memory_budget={budget_text(budget)} cannot be met: this model needs at least "
                 f"{least.predicted_memory_bytes / MIB:.1f} MiB of activations (plan {least.code}{measured}); "
                 "raise memory_budget, or lower the batch size or sequence length")
 

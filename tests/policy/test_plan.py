@@ -359,3 +359,13 @@ def test_a_policy_object_shows_its_class_and_goal():
     assert repr(tba.Adaptive()) == "Adaptive(memory_budget_bytes=None, overhead_bound=0.05)"
     assert repr(tba.OffloadAll()) == "OffloadAll()" and repr(tba.KeepAll()) == "KeepAll()"
     assert repr(Mine()) == "Mine(depth=3)"
+
+
+@pytest.mark.parametrize("budget, shown", [(1, "1 byte"), (1024, "1024 bytes"), (100 << 10, "0.1 MiB"),
+                                           (45 * MIB + MIB // 5, "45.2 MiB")])
+def test_a_refused_budget_is_shown_as_given_not_as_0_0_mib(budget, shown):
+    layer = tba.LayerProfile(forward_s=1.0, saved_bytes=100 * MIB, input_bytes=10 * MIB, backward_s=2.0)
+    profile = tba.Profile(layers=(layer,) * 4, write_bytes_per_s=50 * MIB, read_bytes_per_s=100 * MIB,
+                          max_storage_bytes=10 * MIB)
+    with pytest.raises(tba.TbaConfigError, match=rf"^memory_budget={shown} cannot be met: this model needs at least"):
+        tba.plan(profile, memory_budget_bytes=budget)
