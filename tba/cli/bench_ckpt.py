@@ -201,6 +201,13 @@ def _check_restore(trainer: _Trainer, lazy: LazyCheckpointer, root: str) -> bool
     return exact
 
 
+def _fio_not_run(args: argparse.Namespace) -> str | None:
+    """Why fio will not run (None: it will)."""
+    if args.no_fio:
+        return "--no-fio"
+    return "fio is not installed (apt-get install fio)" if shutil.which("fio") is None else None
+
+
 def _fio(args: argparse.Namespace) -> float | None:
     fio = shutil.which("fio")
     if args.no_fio or fio is None:
@@ -226,7 +233,8 @@ def _table(report: dict[str, Any]) -> str:
     fio = report["fio_write_gbps"]
     lines.append(f"tba lazy write {report['tba_write_gbps']:.2f} GB/s, tba async write "
                  f"{report['tba_async_write_gbps']:.2f} GB/s, fio write "
-                 + (f"{fio:.2f} GB/s ({report['tba_write_gbps'] / fio:.0%} of fio)" if fio else "not run"))
+                 + (f"{fio:.2f} GB/s ({report['tba_write_gbps'] / fio:.0%} of fio)" if fio
+                    else f"not run ({report['fio_not_run']})"))
     lines.append(f"lazy stall / dcp.async_save stall: {report['tba_lazy_stall_s'] / report['dcp_async_stall_s']:.3f}; "
                  f"restore exact: {report['restore_exact']}; step {report['step_s']:.3f} s; "
                  f"state {report['state_bytes'] / 1e9:.2f} GB")
@@ -256,9 +264,12 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
     report["tba_write_gbps"] = report.pop("tba_lazy_write_gbps")
     report["step_s"] = sorted(trainer.step_s)[len(trainer.step_s) // 2]
-    if not args.no_fio:
+    report["fio_not_run"] = _fio_not_run(args)
+    if report["fio_not_run"] is None:
         logger.info("bench-ckpt: fio write, %d MiB", args.size_bytes >> 20)
     report["fio_write_gbps"] = _fio(args)
+    if report["fio_write_gbps"] is None and report["fio_not_run"] is None:
+        report["fio_not_run"] = "fio failed (its error is above)"
     print(_table(report))
     if args.json:
         with open(args.json, "w") as stream:

@@ -93,3 +93,12 @@ def test_a_restore_that_is_not_exact_fails_the_command(tmp_path, monkeypatch, ca
     argv = ["bench-ckpt", "--size", "16M", "--rounds", "1", "--directory", str(tmp_path), "--no-fio"]
     assert main(argv) == 1
     assert "differs from the state saved" in caplog.text
+
+
+@pytest.mark.parametrize("no_fio, why", [(True, "--no-fio"), (False, "fio is not installed (apt-get install fio)")])
+def test_the_table_says_why_fio_was_not_run(monkeypatch, no_fio, why):
+    monkeypatch.setattr(bench_ckpt.shutil, "which", lambda name: None)
+    report = {f"{method}_stall_s": 0.5 for method in bench_ckpt.METHODS}
+    report.update(tba_write_gbps=1.0, tba_async_write_gbps=1.0, restore_exact=True, step_s=0.1, state_bytes=10**8,
+                  fio_write_gbps=None, fio_not_run=bench_ckpt._fio_not_run(argparse.Namespace(no_fio=no_fio)))
+    assert f"fio write not run ({why})" in bench_ckpt._table(report)
