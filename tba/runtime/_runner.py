@@ -89,7 +89,8 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
         if (self.name == "keep" or self.pinned is not None) and not layers:
             raise TbaConfigError(f"policy {self.name} needs the model's layers: pass layers=model or a list of blocks")
         if self.pinned is not None and len(self.pinned.decisions) != len(layers):
-            raise TbaConfigError(f"the plan has {len(self.pinned.decisions)} layers but the model has {len(layers)}")
+            raise TbaConfigError(f"the plan has {len(self.pinned.decisions)} decisions but layers= has {len(layers)} layers; "
+                                 f"give the plan one decision per layer ({len(layers)}), or pass the layers it was made for")
         if profile_steps < 1:
             raise TbaConfigError(f"profile_steps must be >= 1, got {profile_steps}")
         self.profile_steps = profile_steps

@@ -437,7 +437,8 @@ def test_policy_config_errors(model, spill_dir):
         tba.offload_activations(spill_dir, layers=model, policy=tba.KeepAll(), memory_budget="1K")
     with pytest.raises(tba.TbaConfigError, match="need policy='adaptive', not a OffloadAll"):
         tba.Offloader(spill_dir, layers=model, policy=tba.OffloadAll(), overhead_bound=0.2)
-    with pytest.raises(tba.TbaConfigError, match="the plan has 2 layers but the model has 4"):
+    with pytest.raises(tba.TbaConfigError, match=r"the plan has 2 decisions but layers= has 4 layers; give the plan one "
+                                                 r"decision per layer \(4\), or pass the layers it was made for"):
         tba.Offloader(spill_dir, layers=model, policy=tba.Plan(("keep", "keep"), 0))
     with pytest.raises(tba.TbaConfigError, match="memory_budget_bytes must be > 0"):
         tba.Offloader(spill_dir, layers=model, policy="adaptive", memory_budget_bytes=-5)
