@@ -91,6 +91,12 @@ class Plan:
             raise TbaConfigError(f"write_caps_bytes has {len(self.write_caps_bytes)} entries for {len(decisions)} layers")
         object.__setattr__(self, "window_bytes", _plan_bytes(self.window_bytes))
 
+    def __repr__(self) -> str:
+        """Every field, the decisions by name, so that the text builds the same plan: ``Plan(decisions=('keep', ...), ...)``."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        values["decisions"] = tuple(Placement(d).value for d in self.decisions)
+        return f"Plan({', '.join(f'{name}={value!r}' for name, value in values.items())})"
+
     def layers(self, decision: str) -> list[int]:
         """Indices of the layers with ``decision``."""
         return [i for i, d in enumerate(self.decisions) if d == decision]

@@ -369,3 +369,10 @@ def test_a_refused_budget_is_shown_as_given_not_as_0_0_mib(budget, shown):
                           max_storage_bytes=10 * MIB)
     with pytest.raises(tba.TbaConfigError, match=rf"^memory_budget={shown} cannot be met: this model needs at least"):
         tba.plan(profile, memory_budget_bytes=budget)
+
+
+def test_a_plan_repr_names_its_placements_and_builds_the_plan_again():
+    plan = tba.Plan(("keep", tba.Placement.OFFLOADED_RECOMPUTE), "8M", goal="overhead_bound=0.05", write_caps_bytes=(1, 2))
+    text = repr(plan)
+    assert text.startswith("Plan(decisions=('keep', 'offloaded_recompute'), window_bytes=8388608, goal='overhead_bound=0.05'")
+    assert "<Placement" not in text and eval(text, {"Plan": tba.Plan}) == plan
