@@ -52,7 +52,7 @@ def test_every_command_has_a_line_in_the_tools_page():
     assert not missing, f"docs/tools.md has no '- `python -m tba NAME ...`' line for {missing}"
 
 
-SNIPPET_PAGES = {"README.md": 1, "docs/api.md": 1, "docs/checkpoints.md": 1}
+SNIPPET_PAGES = {"README.md": 1, "docs/api.md": 1, "docs/checkpoints.md": 1, "docs/policies.md": 4}
 """Pages whose Python blocks run as written, given a model, a batch, a loader and an optimizer, and how many
 blocks each has (a new block is then run here too, or this test says so)."""
 
