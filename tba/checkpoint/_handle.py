@@ -37,6 +37,15 @@ class LazyCheckpoint:
         self._start = time.perf_counter()
         self._pid = os.getpid()
 
+    def __repr__(self) -> str:
+        if not self._done.is_set():
+            state = "writing" if self._snapshot.is_set() else "copying"
+        elif self.error is not None:
+            state = f"failed: {type(self.error).__name__}: {self.error}"
+        else:
+            state = f"published: {self.bytes_written} bytes in {self.total_s:.3f} s"
+        return f"LazyCheckpoint({self.path!r}, {state})"
+
     def snapshot_taken(self) -> bool:
         """True once the saved tensors may be modified again."""
         return self._snapshot.is_set()

@@ -58,6 +58,19 @@ def test_on_done_callback_and_durable_result(tmp_path):
     assert_state_equal(load_state(handle.path, state, FileSystemReader(handle.path)), state)
 
 
+def test_a_handle_shows_its_path_and_state(tmp_path):
+    from tba.checkpoint import LazyCheckpoint
+
+    pending = LazyCheckpoint(str(tmp_path / "p"), None)
+    assert repr(pending) == f"LazyCheckpoint({str(tmp_path / 'p')!r}, copying)"
+    pending._mark_snapshot()
+    assert repr(pending).endswith(", writing)")
+    model, optimizer = make_model(seed=4)
+    handle = save_lazy(full_state(model, optimizer), tmp_path / "c", on_done=None)
+    handle.wait(timeout_s=60)
+    assert repr(handle).startswith(f"LazyCheckpoint({handle.path!r}, published: {handle.bytes_written} bytes in ")
+
+
 def test_back_to_back_saves_reuse_the_buffer(tmp_path):
     model, optimizer = make_model(seed=6)
     with LazyCheckpointer(reserve_bytes=1 << 20) as checkpointer:
