@@ -51,6 +51,7 @@ from tba.cli._hooks_report import (
 from tba.cli._progress import Progress
 from tba.defaults import GIB, KIB
 from tba.errors import TbaConfigError
+from tba.io import memory_backed
 
 logger = logging.getLogger("tba")
 
@@ -92,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=cli_checks.positive_size, default=DEFAULT_MAX_BYTES,
                         help="cap on count x size per row; a row's count is lowered to fit (default 1G)")
     parser.add_argument("--disk-dir", type=cli_checks.nonempty_path, default=None,
-                        help=f"the disk directory (default a fresh one under {DEFAULT_DISK_DIR})")
+                        help=f"the disk directory (default a fresh one under $TBA_DIR when set, else under "
+                             f"{DEFAULT_DISK_DIR})")
     parser.add_argument("--ram-dir", type=cli_checks.nonempty_path, default=None,
                         help=f"the RAM-backed directory (default a fresh one under {DEFAULT_RAM_DIR}); "
                              "'none' skips those rows")
@@ -165,6 +167,14 @@ def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[
     return cases
 
 
+def _disk_parent() -> str | None:
+    """Where the disk rows' fresh directory goes when ``--disk-dir`` is not given: ``$TBA_DIR``, the offload
+    directory a user has set for tba (checked as ``--disk-dir`` is), else None (:data:`DEFAULT_DISK_DIR`)."""
+    if not os.environ.get("TBA_DIR"):
+        return None
+    return cli_checks.existing_directory("$TBA_DIR (used where --disk-dir is not given)", os.environ["TBA_DIR"])
+
+
 QUICK = {"counts": [3, 6], "sizes": [64 * KIB], "warmups": 1, "repeats": 1, "many_count": 50}
 """--quick's values, each for an option left at its default."""
 
@@ -194,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         for option, given in (("--disk-dir", args.disk_dir), ("--ram-dir", args.ram_dir)):
             if given is not None and given != "none":
                 cli_checks.existing_directory(option, given)
+        disk_parent = args.disk_dir or _disk_parent()
         if args.json:
             cli_checks.output_file("--json", args.json)
         if getattr(args, "command_line", False):
@@ -209,7 +220,10 @@ def run(args: argparse.Namespace) -> int:
             parent = given or (default if os.path.isdir(default) else tempfile.gettempdir())
             return stack.enter_context(tempfile.TemporaryDirectory(prefix="tba-bench-hooks-", dir=parent))
 
-        disk_dir = None if args.no_disk and not args.many else fresh(args.disk_dir, DEFAULT_DISK_DIR)
+        disk_dir = None if args.no_disk and not args.many else fresh(disk_parent, DEFAULT_DISK_DIR)
+        if disk_dir is not None and memory_backed(disk_dir):
+            print(f"bench-hooks: the disk rows' directory {disk_parent} is on {memory_backed(disk_dir)}, which keeps "
+                  "its files in RAM: those rows measure no disk; pass --disk-dir a directory on a disk", file=sys.stderr)
         ram_dir = None if args.ram_dir == "none" else fresh(args.ram_dir, DEFAULT_RAM_DIR)
         cases = _cases(args, None if args.no_disk else disk_dir, ram_dir)
         progress = Progress(len(cases) + (2 if args.many else 0) + (1 if args.alone_steps else 0))
@@ -228,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             # The largest count a 64 KiB row of the table may hold (--max-bytes caps it there too).
             alone_count = max(1, min(max(args.counts), args.max_bytes // MANY_SIZE_BYTES))
             progress.update(f"{alone_count} x 64 KiB alone, with and without tba")
-            alone_dir = ram_dir or disk_dir or fresh(args.disk_dir, DEFAULT_DISK_DIR)
+            alone_dir = ram_dir or disk_dir or fresh(disk_parent, DEFAULT_DISK_DIR)
             try:
                 alone = measure_alone(alone_count, MANY_SIZE_BYTES, alone_dir, args.alone_steps,
                                       hold_outputs=args.hold_outputs, intra_op_threads=args.intra_op_threads,

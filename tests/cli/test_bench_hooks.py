@@ -290,3 +290,22 @@ def test_quick_keeps_the_options_given(tmp_path, monkeypatch):
             bench_hooks.run(_args(["--quick", "--no-disk", "--ram-dir", str(tmp_path), *argv]))
         assert seen.pop() == want
     assert os.listdir(tmp_path) == []
+
+
+def test_the_disk_rows_go_under_tba_dir_when_it_is_set(tmp_path, capsys, monkeypatch):
+    """$TBA_DIR names the user's offload disk: the disk rows' fresh directory goes there (it went to /var/tmp)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    monkeypatch.setenv("TBA_DIR", str(nvme))
+    args = _args(["--quick", "--ram-dir", "none", "--no-keep"])
+    assert bench_hooks.run(args) == 0
+    assert f"{nvme} (disk)" in capsys.readouterr().out
+    assert list(nvme.iterdir()) == []  # the fresh directory was removed
+
+
+def test_a_missing_tba_dir_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TBA_DIR", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit) as stop:
+        bench_hooks.run(_args(["--quick", "--ram-dir", "none", "--no-keep"]))
+    assert stop.value.code == 2
+    assert "$TBA_DIR (used where --disk-dir is not given)" in capsys.readouterr().err
