@@ -232,6 +232,12 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
             # exist only inside it (functorch's "escaped" error, as under plain checkpoint). And under
             # forward-mode AD: Note [Under forward-mode AD a recomputed layer runs as it is].
             return forward(*args, **kwargs)
+        if torch.is_inference_mode_enabled():
+            # Note: [Under inference mode a recomputed layer runs as it is]
+            # Nothing computed under inference_mode is saved for backward, so nothing is recomputed; the first-call
+            # bookkeeping read each parameter's version, which fast weights made in that mode (inference tensors) lack:
+            # an evaluation through functional_call failed ('Inference tensors do not track version counter').
+            return forward(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top is not None and is_checkpoint_pair(top):
             return forward(*args, **kwargs)  # Note [Inside a user's checkpoint a recomputed layer runs as it is]

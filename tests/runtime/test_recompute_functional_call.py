@@ -54,3 +54,26 @@ def test_the_layers_own_parameters_are_back_after_the_recomputation(spill_dir):
     loss.backward()
     assert all(p is own[name] for name, p in model.named_parameters())
     assert all(own[name].grad is not None for name in own)
+
+
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
+def test_an_evaluation_under_inference_mode_with_fast_weights_runs(spill_dir, mode):
+    """A forward without grad of a layer planned to recompute, with fast weights made in that mode (inference
+    tensors under ``inference_mode``, whose version torch does not track): it runs as without tba, and the
+    training step after it is exact. Found by the fuzzer (an evaluation forward mixed into a step):
+    'Inference tensors do not track version counter' from tba's first-call bookkeeping."""
+    def run(directory: str | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block())
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+        options = {"layers": list(model), "policy": tba.Plan(("recompute",) * 2, 1 << 20)}
+        with tba.offload_activations(directory, **options) if directory else torch.enable_grad():
+            with mode():
+                evaluated = functional_call(model, {name: p * 0.5 for name, p in model.named_parameters()}, (x,))
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        return evaluated.clone(), loss.detach(), [p.grad for p in model.parameters()]
+
+    want, got = run(None), run(spill_dir)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
