@@ -155,7 +155,10 @@ class LayerTimer(LayerSpans):
             self.ran_with_grad = self.ran_with_grad or torch.is_grad_enabled()
             self.input_bytes[index] = tensor_bytes(args)
             # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
-            self._input_versions[index] = _versions(args, kwargs) + [(p, p._version) for p in module.parameters()]
+            # Not an inference tensor's, which has none (the fast weights of a functional_call under inference_mode:
+            # Note [Under inference mode a recomputed layer runs as it is] in tba/runtime/_recompute.py).
+            parameters = [(p, p._version) for p in module.parameters() if not p.is_inference()]
+            self._input_versions[index] = _versions(args, kwargs) + parameters
             self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
             if updated_cache(args, kwargs) is not None:  # Note [A layer given a key/value cache is not recomputed]
                 self.changes_input[index] = True

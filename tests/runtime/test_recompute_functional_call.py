@@ -77,3 +77,25 @@ def test_an_evaluation_under_inference_mode_with_fast_weights_runs(spill_dir, mo
     want, got = run(None), run(spill_dir)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
+
+
+def test_an_evaluation_under_inference_mode_with_fast_weights_runs_while_profiled(spill_dir):
+    """The same evaluation in the steps the adaptive policy profiles: its layer timer read each parameter's version
+    as the layer was called, and an inference tensor's raised 'Inference tensors do not track version counter'."""
+    def run(directory: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block(), Block())
+        results = []
+        for step in range(4):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+            with tba.offload_activations(directory, layers=list(model)) if directory else torch.enable_grad():
+                loss = model(x).pow(2).mean()
+                with torch.inference_mode():
+                    results.append(functional_call(model, {n: p * 0.5 for n, p in model.named_parameters()}, (x,)))
+            loss.backward()
+            results += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+            model.zero_grad()
+        return results
+
+    want, got = run(None), run(spill_dir)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
