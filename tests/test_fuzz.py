@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 from utils import call_skipped_writes_written
 
 from tba.bench.fuzz import draw_case, reproducer, run_case
@@ -227,3 +228,17 @@ def test_the_fuzzer_sees_a_saved_tensors_attributes_lost(monkeypatch):
                         lambda self, tensor: None if original(self, tensor) is KeepReason.ATTRIBUTES else original(self, tensor))
     assert "tensor_attribute" in draw_case(53).functions
     assert run_case(draw_case(53))
+
+
+def test_a_nan_in_the_same_place_is_no_difference():
+    """A case whose training diverges has NaN losses and gradients in both runs, and ``torch.equal`` calls NaN unequal
+    to itself: the fuzzer reported a difference tba had no part in (case 8000088, NaN from its fourth step). NaNs must
+    match in place, and every other value exactly."""
+    from tba.bench.fuzz import _equal
+
+    nan = float("nan")
+    assert _equal(torch.tensor([1.0, nan]), torch.tensor([1.0, nan]))
+    assert _equal([torch.tensor([nan], dtype=torch.float16)], [torch.tensor([nan], dtype=torch.float16)])
+    assert not _equal(torch.tensor([1.0, nan]), torch.tensor([nan, 1.0]))
+    assert not _equal(torch.tensor([2.0, nan]), torch.tensor([1.0, nan]))
+    assert not _equal(torch.tensor([1.0, nan]), torch.tensor([1.0, nan], dtype=torch.float64))

@@ -166,12 +166,27 @@ def _owner_values(owner: Any) -> torch.Tensor:
 
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return a.dtype == b.dtype and a.shape == b.shape and (torch.equal(a, b) or _equal_with_nan(a, b))
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     return a == b
+
+
+def _equal_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have NaN in the same places and are equal everywhere else.
+
+    Note: [A case that diverges]
+    A case's training may diverge (float16 overflowing, a product of an activation with itself in every
+    block): its losses and gradients are NaN in both runs, and ``torch.equal`` calls NaN unequal to itself,
+    so the fuzzer reported a difference that training without tba had with itself. The places of the NaNs
+    must match, and every other value exactly (a NaN's payload is not compared).
+    """
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
 
 
 def _open_fds() -> int:
