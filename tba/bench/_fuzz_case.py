@@ -8,8 +8,8 @@ a scale drawn from Python's and numpy's global generators, as stochastic depth i
 a dtype, an input source, a placement, a backend, a minimum offload size, the batch size per step,
 the retained steps, the events per step, the late writes (``_fuzz_io.py``), the Python-side state
 each block's forward changes and reads (``_fuzz_state.py``) and a BatchNorm all blocks call outside their
-``modules()``, the parts of ``_fuzz_parts.py``, and a noise mask every block draws from a generator held by the
-plain object they share. New fields are drawn
+``modules()``, the parts of ``_fuzz_parts.py``, a noise mask every block draws from a generator held by the
+plain object they share, the ops and calls of ``_fuzz_ops.py`` and the step modes of ``_fuzz_steps.py``. New fields are drawn
 last, so every older field stays what it was for every seed (a printed reproducer keeps working).
 :func:`build` makes the case's model (:class:`Block` per entry) and :func:`case_input` a step's
 input, both from the seed alone, so the runs with and without tba see identical models and inputs.
@@ -25,7 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from tba.bench import _fuzz_ops as fuzz_ops
 from tba.bench import _fuzz_parts as fuzz_parts
+from tba.bench import _fuzz_steps as fuzz_steps
 from tba.bench._fuzz_io import LateWrites, draw_late_writes
 from tba.bench._fuzz_state import Shared, apply_state, draw_states, init_state
 
@@ -79,6 +81,13 @@ class Case:
     shared_noise: bool = False
     """Every block scales its activation by a mask drawn from a ``torch.Generator`` held by the plain object the blocks
     share (Note [Generators of a recomputed layer] in ``tba/runtime/_generators.py``)."""
+    ops: tuple[str, ...] = ()
+    """Per block, an op real models run (conv, pooling, embedding, attention, ...; ``_fuzz_ops.py``); empty: none."""
+    calls: tuple[str, ...] = ()
+    """Per block, "functional" when it is called through ``functional_call`` with fast weights (``_fuzz_ops.py``)."""
+    modes: tuple[str, ...] = ()
+    """Per step, how the step trains besides its event (accumulation, an extra forward without grad, double
+    backward, ``zero_grad(set_to_none=False)``: ``_fuzz_steps.py``); empty: plainly every step."""
 
 
 def draw_case(seed: int) -> Case:
@@ -104,11 +113,13 @@ def draw_case(seed: int) -> Case:
     late_writes = draw_late_writes(rng)
     states = draw_states(rng, count)
     outside_norm = rng.random() < 0.3
-    return dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
+    case = dataclasses.replace(case, events=events, batches=batches, plans_in_turn=plans, retained=retained,
                                late_writes=late_writes, states=states, outside_norm=outside_norm,
                                functions=fuzz_parts.draw_functions(rng, count), hooks=fuzz_parts.draw_hooks(rng, count),
                                extra=fuzz_parts.draw_extra(rng), checkpoints=fuzz_parts.draw_checkpoints(rng, count),
                                autocast=fuzz_parts.draw_autocast(rng), shared_noise=rng.random() < 0.25)
+    case = dataclasses.replace(case, ops=fuzz_ops.draw_ops(rng, count), calls=fuzz_ops.draw_calls(rng, count))
+    return dataclasses.replace(case, modes=fuzz_steps.draw_modes(rng, case))
 
 
 class Block(nn.Module):
@@ -161,6 +172,7 @@ class Block(nn.Module):
                 with torch.no_grad():
                     self.center.mul_(0.5).add_(h.detach().float().mean(0).to(self.center.dtype), alpha=0.5)
                 h = (h - self.center) / self.calls
+        h = fuzz_ops.apply_op(self, h)
         if self.shared_noise:
             h = h * (torch.rand(h.shape, generator=self.shared.generator) > 0.1).to(h.dtype)
         if self.outside_norm:
@@ -186,6 +198,10 @@ def build(case: Case) -> fuzz_parts.Stack:
         fuzz_parts.register_hook(block, hook)
     for block, kind in zip(model, case.checkpoints):
         block.checkpoint = kind
+    for block, op in zip(model, case.ops):
+        fuzz_ops.attach(block, op, case.width)
+    for block, how in zip(model, case.calls):
+        block.call = how
     for block in model:
         block.autocast = case.autocast == "linear"
         block.shared_noise = case.shared_noise

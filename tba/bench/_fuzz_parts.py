@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tba.bench import _fuzz_ops as fuzz_ops
+
 FUNCTIONS = ("saves", "attribute", "tensor_attribute", "detached", "data")
 HOOKS = ("scale", "pre", "append")
 EXTRAS = ("mask", "numpy", "float")
@@ -136,11 +138,12 @@ def apply_extra(h: torch.Tensor, extra: Any) -> torch.Tensor:
 
 
 class Stack(nn.Sequential):
-    """The fuzzer's model: its blocks in turn, each given the step's extra argument when there is one."""
+    """The fuzzer's model: its blocks in turn, each given the step's extra argument when there is one (and called
+    through ``functional_call`` when drawn: ``_fuzz_ops.py``)."""
 
     def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
         for block in self:
-            x = block(x) if extra is None else block(x, extra)
+            x = fuzz_ops.call(block, x, extra)
         return x
 
 

@@ -18,8 +18,13 @@ fuzzer] in ``tba/bench/_fuzz_io.py``), and per block the Python-side state its f
 call, a cached property, a tensor in a plain object, a private counter: ``tba/bench/_fuzz_state.py``),
 and parts real models write (``tba/bench/_fuzz_parts.py``: custom autograd Functions, hooks the program registers on a
 block's linear layer, an argument besides the input passed to every block, a checkpoint of the
-model's own inside a block, CPU bfloat16 autocast around the forward or each block's linear), and a noise mask every
-block draws from a generator held by the plain object the blocks share.
+model's own inside a block, CPU bfloat16 autocast around the forward or each block's linear), a noise mask every
+block draws from a generator held by the plain object the blocks share, per block an op real models run
+(``tba/bench/_fuzz_ops.py``: convolutions, max-pooling, an embedding lookup, attention, a GRU cell, complex
+views, overlapping and stride-0 views, views sharing one storage, an in-place op on a slice) and a call through
+``functional_call`` with fast weights, and per step a mode (``tba/bench/_fuzz_steps.py``: gradient accumulation,
+a forward under ``no_grad`` or ``inference_mode`` mixed in, a gradient penalty through double backward,
+``zero_grad(set_to_none=False)``).
 :func:`run_case` runs the same steps twice from the same seed, once without tba and once with it, and
 compares losses, gradients, buffers, that Python-side state, SGD-with-momentum state and the input
 tensors with ``torch.equal``; a run with tba may instead raise a :class:`~tba.errors.TbaError` that
@@ -46,6 +51,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tba.bench import _fuzz_steps as fuzz_steps
 from tba.bench._fuzz_case import BLOCKS, DTYPES, EVENTS, PLACEMENTS, Block, Case, build, case_input, draw_case
 from tba.bench._fuzz_io import late_engine
 from tba.bench._fuzz_parts import autocast, step_extra
@@ -103,13 +109,21 @@ def _steps(case: Case, model: nn.Sequential, optimizer: Any, directory: str | No
         else:
             context = tba.offload_activations(directory, backend=engine or case.backend, min_offload_bytes=case.min_offload_bytes,
                                               **bare)
+        mode, batch = case.modes[step] if case.modes else "", x.shape[0]
+
+        def forward(inputs: torch.Tensor, step: int = step) -> torch.Tensor:
+            with autocast(case.autocast == "model"):
+                out = model(inputs, step_extra(case.extra, case.seed, step, inputs.shape[0], case.width))
+            return out.float().pow(2).mean()
+
         try:
             with context:
-                with autocast(case.autocast == "model"):
-                    out = model(x, step_extra(case.extra, case.seed, step, x.shape[0], case.width))
-                loss = out.float().pow(2).mean()
-                del out
+                fuzz_steps.without_grad(mode, forward, case, step, batch, after=False)
+                loss = forward(x)
                 del x  # as in a training loop: only autograd (and tba) hold the input now
+                if mode == "accumulate":
+                    loss = loss + forward(fuzz_steps.second_input(case, step, batch))
+                fuzz_steps.without_grad(mode, forward, case, step, batch, after=True)
                 if event == "raise":
                     raise _Raised
                 if event == "flush" and directory is not None:
@@ -121,10 +135,8 @@ def _steps(case: Case, model: nn.Sequential, optimizer: Any, directory: str | No
         if event == "drop":
             del loss
             continue
-        optimizer.zero_grad()
-        if step in case.retained:
-            loss.backward(retain_graph=True)
-        loss.backward()
+        optimizer.zero_grad(set_to_none=mode != "keep_grads")
+        fuzz_steps.backward(loss, model, mode, step in case.retained)
         optimizer.step()
         losses.append(loss.detach())
         inputs.append((before, owner))
