@@ -22,6 +22,10 @@ and giving one of the same shape. Each saves something the linear-and-pointwise 
 through ``torch.func.functional_call`` with fast weights (each parameter scaled by 0.5: Note [A recomputation
 runs with the parameters its first call ran with] in ``tba/runtime/_first_call.py``).
 
+Each keeps the activation's scale (``tanh`` where it multiplies ``h`` by itself): a product of ``h`` with
+itself in every block made many cases diverge to NaN within a few steps (Note [A case that diverges] in
+``tba/bench/fuzz.py``), where a difference is no longer seen.
+
 Note: [No cat]
 The ops join pieces with ``F.pad`` and a sum, not ``torch.cat``: under CPU bfloat16 autocast (drawn by
 ``_fuzz_parts.py``) ``torch.cat`` of float16 tensors raises in torch itself ('Unexpected floating ScalarType
@@ -97,15 +101,15 @@ def _applied(block: nn.Module, op: str, h: torch.Tensor) -> torch.Tensor:
         flat = h.contiguous()
         windows = flat.as_strided((batch, width - 1, 2), (width, 1, 1))  # overlapping
         mixed = (windows * torch.tensor([0.75, 0.25], dtype=h.dtype)).sum(-1)
-        return F.pad(mixed, (0, 1)) + h.mean(1, keepdim=True).expand(batch, width) * h
+        return F.pad(mixed, (0, 1)) + torch.tanh(h.mean(1, keepdim=True)).expand(batch, width) * h
     if op == "split":
         a, b = h.chunk(2, 1)
-        second = b * h.select(1, 0).unsqueeze(1) + h.narrow(1, 1, width // 2)
+        second = b * torch.tanh(h.select(1, 0)).unsqueeze(1) + h.narrow(1, 1, width // 2)
         return F.pad(a * b.sigmoid(), (0, width // 2)) + F.pad(second, (width // 2, 0))  # torch.cat: Note [No cat]
     if op == "inplace_view":
         base = h * 1.5
         base[:, : width // 2].sigmoid_()
-        return base * h
+        return base * torch.tanh(h)
     return h
 
 
