@@ -242,3 +242,12 @@ def test_a_nan_in_the_same_place_is_no_difference():
     assert not _equal(torch.tensor([1.0, nan]), torch.tensor([nan, 1.0]))
     assert not _equal(torch.tensor([2.0, nan]), torch.tensor([1.0, nan]))
     assert not _equal(torch.tensor([1.0, nan]), torch.tensor([1.0, nan], dtype=torch.float64))
+
+
+def test_a_nan_float_in_python_state_is_no_difference():
+    """The same for the Python floats of a block's state: a forward hook's log of its output's sums held NaN in both
+    runs of cases 9008293 and 9009527 (float16 overflowing), and ``[nan] == [float("nan")]`` is False."""
+    from tba.bench.fuzz import _equal
+
+    assert _equal({"hook_log": [1.5, float("nan")]}, {"hook_log": [1.5, float("nan")]})
+    assert not _equal([float("nan"), 1.5], [1.5, float("nan")])
