@@ -274,7 +274,7 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         # child's io_uring engine refuses all work), and the warning said to check the disk.
         return "engine closed", ("The engine passed as backend= is closed, or was made before this process was "
                                  "forked (each process needs its own): pass a backend name, or a new engine.")
-    if number is None and "CUDA error" in str(error):
+    if number is None and "CUDA error" in _text(error):
         # The device's copy to or from the staging block failed, not the file (after an illegal access, every
         # later CUDA call fails): freeing disk space would not help.
         return None, "The GPU failed, not the disk: the CUDA error above is the cause; fix it, the directory is fine."
@@ -290,3 +290,18 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         return number, ("The file system became read-only (a disk error makes ext4 remount so: see dmesg); fix the disk "
                         "or pass another directory.")
     return number, "Check the disk (dmesg) or pass another directory."
+
+
+def _text(error: BaseException | None) -> str:
+    """``str(error)``, or "" for an error whose text cannot be made.
+
+    Note: [A failed write's warning never raises]
+    The warning runs where a write's failure is settled: ``_finish_write`` (an engine's thread, before
+    ``_transfer_ended`` wakes ``flush``) and ``_write_not_queued`` (after the entry is kept, before the save goes on
+    with it). An error whose ``__str__`` raised went up from there: the entry stayed kept but registered, and the
+    save job kept the tensor a second time, the entry live for good (a one-shot offloader never closed its file).
+    """
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - no text: no cause read from it
+        return ""

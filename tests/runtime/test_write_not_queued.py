@@ -24,6 +24,7 @@ from tba.io import SpillFile
 from tba.runtime import _release, _writes
 from tba.runtime._host_io import HostBatch
 from tba.runtime._prefetch import PrefetchWindow
+from tba.runtime._unpack_hooks import Phase
 
 PATHS = ["python"] + (["c"] if _writes.NATIVE else [])
 
@@ -158,3 +159,38 @@ def test_an_interrupt_after_registration_is_undone_and_backward_says_the_save_fa
     assert "KeyboardInterrupt: a test fails" in log  # the control thread's log: it went up
     assert stats.tensors_kept_on_error == 0
     assert open_fds() == fds
+
+
+class _Unprintable(Exception):
+    """An error whose text cannot be made: the warning that keeps its storage in memory must still be said."""
+
+    def __str__(self) -> str:
+        raise ValueError("this error has no text")
+
+
+@pytest.mark.parametrize("point", ["allocate", "write"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_error_without_text_still_keeps_the_storage_and_lets_a_one_shot_offloader_close(
+        spill_dir, monkeypatch, path, point):
+    """The undo's warning read ``str(error)`` (write_error_cause), which raised: the entry was left kept but
+    registered, the save job kept the tensor a second time, and the entry stayed live for good, with a one-shot
+    offloader's spill file open."""
+    if path == "python":
+        monkeypatch.setattr(_writes, "_start_host_write", None)
+    model, x = _model_and_input()
+    calls = _fail_at(monkeypatch, point, _Unprintable, 1)
+    logger = logging.getLogger("tba")
+    monkeypatch.setattr(logger, "propagate", False)
+    with tba.offload_activations(spill_dir, min_offload_bytes=0, policy="offload") as offloader:
+        loss = model(x).square().sum()
+    _control.settle()
+    monkeypatch.undo()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    del loss
+    _control.settle()
+    assert calls[0] > 1
+    assert all(torch.equal(a, b) for a, b in zip(grads, _gradients_without_tba(), strict=True))
+    assert offloader._store.live_entries == 0
+    assert offloader.stats.tensors_kept_on_error == 1 and "save failed" not in offloader.stats.kept_by_reason
+    assert offloader._phase is Phase.CLOSED  # its last view died: the one-shot offloader closed its file
