@@ -161,11 +161,14 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     "python -m tba: error: unrecognized arguments: --countz 4", naming no command, suggesting nothing (Python
     3.11's argparse has no ``suggest_on_error``). Such words are refused here by the command's own parser,
     with the closest of its options (:func:`tba.errors.did_you_mean`) and where to read them; a mistyped
-    command gets the closest command the same way.
+    command gets the closest command the same way, in argparse's own refusal of it: ``--version`` or ``--help``
+    before the mistyped word are answered first, as argparse answers them.
     """
     word = next((word for word in argv if not word.startswith("-")), None)
     if word is not None and word not in COMMANDS:
-        parser.error(f"unknown command {word!r}; {did_you_mean(word, COMMANDS)}choose one of {', '.join(COMMANDS)}")
+        refuse = parser.error
+        unknown = f"unknown command {word!r}; {did_you_mean(word, COMMANDS)}choose one of {', '.join(COMMANDS)}"
+        parser.error = lambda message: refuse(unknown if "invalid choice" in message else message)  # type: ignore[method-assign]
     args, extras = parser.parse_known_args(argv)
     if extras:
         command = parser._subparsers._group_actions[0].choices[args.command] if args.command else parser

@@ -192,3 +192,12 @@ def test_a_mistyped_word_names_the_command_and_the_closest_match(argv, match, ca
         main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and match in lines[0], lines
+
+
+@pytest.mark.parametrize("argv, out", [(["--version", "bogus"], "tba "), (["-h", "bogus"], "usage: python -m tba")])
+def test_help_or_the_version_asked_before_a_mistyped_command_is_given(argv, out, capsys):
+    """argparse answers --version and --help where it meets them, before the command after them: Note [A mistyped
+    word gets a suggestion] refused the command first ('unknown command', status 2) where tba had printed the answer."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(out)
