@@ -17,11 +17,13 @@ recomputation of an ``offloaded_recompute`` layer given ``extra`` as an argument
 tensor came back as a new one, without its attributes: gradients differed, silently, under
 ``offload`` and ``offloaded_recompute`` (helper-93 found it). Such a tensor is kept
 (:attr:`KeepReason.ATTRIBUTES`; ``Kept`` returns the object itself, which has no grad_fn to detach).
-The test comes last, run only for a tensor that would be written: its ``__dict__`` (made on first
-access under Python 3.11, an empty dict of 64 bytes that lives as long as the tensor), then, only
-when that holds something, ``requires_grad``, read second because it costs twice as much (measured
-alone: 0.09-0.16 us per tensor for the two, against 0.17-0.22 us the other way round; a review measured
-about 0.5 us, a fresh tensor each time, whose ``__dict__`` is made then). One that
+The test comes last, run only for a tensor that would be written: ``requires_grad`` first, then,
+only for a tensor that requires no grad, its ``__dict__``. Reading ``__dict__`` makes it on first
+access under Python 3.11: an empty dict that lives as long as the tensor and counts toward the cycle
+collector's young generation (``gc.get_count()`` rose by 0.99 per fresh tensor read), which is what
+starts its collections (docs/host-cost.md, thirty-fourth pass); most saved activations require grad,
+so the common save makes none (0.07 us for ``requires_grad`` alone against 0.10 for a first
+``__dict__``, measured on fresh tensors; the order was the other way round until stop 73). One that
 requires grad stays on the disk path: autograd wraps what any unpack hook returns for it in a new
 tensor object (torch's own checkpoint and ``save_on_cpu`` lose its attributes too), so keeping it
 would not bring them back.
@@ -215,7 +217,7 @@ class KeepDecision:
         layer = self._tracker.current
         if layer in self.keep_layers and (self._keep_caps is None or self._within_keep_cap(layer, storage._cdata, nbytes)):
             return KeepReason.LAYER_KEPT
-        if tensor.__dict__ and not tensor.requires_grad:  # Note [A tensor with attributes stays in memory]
+        if not tensor.requires_grad and tensor.__dict__:  # Note [A tensor with attributes stays in memory]
             return KeepReason.ATTRIBUTES
         return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -219,6 +220,17 @@ def test_keep_rules(spill_dir, make, reason):
     module = Parameterised()
     off = offloader(spill_dir, layers=[module], min_offload_bytes=1024)
     assert off.keep_reason(make(module)) == reason
+
+
+def test_the_attribute_rule_makes_no_dict_on_a_tensor_that_requires_grad(spill_dir):
+    """Reading ``__dict__`` makes one (Python 3.11): a dict per saved activation, counted toward the cycle collector's
+    young generation (Note [A tensor with attributes stays in memory]). Most saved activations require grad, and their
+    rule is settled by ``requires_grad`` first."""
+    module = Parameterised()
+    off = offloader(spill_dir, layers=[module], min_offload_bytes=1024)
+    activation = module.weight * 2
+    assert off.keep_reason(activation) is None
+    assert not any(isinstance(referent, dict) for referent in gc.get_referents(activation))
 
 
 class SubTensor(torch.Tensor):
