@@ -77,6 +77,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tba.runtime._call_args import call_tensor_versions, refuse_cache, take_apart
 from tba.runtime._call_objects import attribute_tensors
+from tba.runtime._checkpoint_errors import named_errors
 from tba.runtime._compile import check_compiled_autograd_backend, is_compiled_module
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
@@ -257,7 +258,8 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
                     announce()
             if originals:
                 call_args, call_kwargs = originals.pop()
-                return first_or_again(calls, first, *call_args, **call_kwargs)
+                with named_errors(type(layer), index):  # Note [Torch's checkpoint errors name the recomputed layer]
+                    return first_or_again(calls, first, *call_args, **call_kwargs)
             with template.as_called():  # Note [An object passed to a recomputed layer is called as it was]
                 inputs = views_again(saved)
                 call_args, call_kwargs = template.call(inputs)
