@@ -224,6 +224,12 @@ def finalizer(kind: type[F], obj: object) -> F:
     return ref
 
 
+def unregister(ref: Finalizer) -> None:
+    """``ref``, made by :func:`finalizer` and whose object is alive, never fires: out of the table, the weak
+    reference dies with its last holder, before its object, and calls nothing back."""
+    _control.finalizers.pop(id(ref), None)
+
+
 def run_pending() -> None:
     """On the control thread: run what is queued now (finalizers fired by a ``gc.collect()``)."""
     run_queued(_control)

@@ -170,14 +170,52 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)
             return
+        layer_bytes, died = self.layer_saved_bytes.get(layer), None
+        try:  # Note [A save job that fails after the store saved]
+            if fresh:
+                self.layer_saved_bytes[layer] = (layer_bytes or 0) + entry.nbytes  # entry.layer is layer
+                if self._discovery is not None:
+                    self._discovery.note_saved(entry, stack)
+            view.entry = entry
+            died = _control.finalizer(_ViewDied, view)
+            died.owner, died.entry, died.view_id = self, entry, id(view)
+            untrack(died)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
+        except BaseException as err:
+            self._save_undone(view, tensor, entry, fresh, layer_bytes, died, err)
+            if not isinstance(err, Exception):
+                raise
+
+    def _save_undone(self, view: SavedView, tensor: torch.Tensor, entry: StorageEntry, fresh: bool,
+                     layer_bytes: int | None, died: _ViewDied | None, error: BaseException) -> None:
+        """Take ``view`` off ``entry``, whose save returned, after the job's bookkeeping raised ``error``.
+
+        Note: [A save job that fails after the store saved]
+        The store's ``save`` counts the entry's new view (``live_views``, ``tensors_offloaded``); the job then
+        books the layer's bytes, tells the discovery, points the view at the entry and makes the finalizer
+        that drops the view when autograd frees it. An error there (a MemoryError, a bug in the discovery)
+        left the entry with a live view that no finalizer would ever drop: counted live for good, a
+        one-shot offloader never closed its spill file and engine, and a view left without its entry
+        raised 'save never ran' at unpack. So what the store counted is undone (the view dropped as its
+        death drops it, its finalizer, if made, unregistered so that it does not drop it again), and,
+        for an Exception, the tensor stays in memory, counted as kept (``KeepReason.SAVE_FAILED``) like
+        a save that could not start; anything else goes up, and the view's unpack says the save failed.
+        The discovery keeps what it noted: the storage was saved there, and its bytes were written.
+        """
+        if died is not None:
+            _control.unregister(died)
+        view.entry = None
         if fresh:
-            self.layer_saved_bytes[layer] = self.layer_saved_bytes.get(layer, 0) + entry.nbytes  # entry.layer is layer
-            if self._discovery is not None:
-                self._discovery.note_saved(entry, stack)
-        view.entry = entry
-        died = _control.finalizer(_ViewDied, view)
-        died.owner, died.entry, died.view_id = self, entry, id(view)
-        untrack(died)  # Note [Objects the cycle collector need not see] in tba/_untrack.py
+            if layer_bytes is None:
+                self.layer_saved_bytes.pop(entry.layer, None)
+            else:
+                self.layer_saved_bytes[entry.layer] = layer_bytes
+        with self._store.lock:
+            self._stats.tensors_offloaded -= 1
+            if not fresh:
+                self._stats.bytes_deduplicated -= entry.nbytes
+        if isinstance(error, Exception):
+            self._keep_unsaved(view, tensor, error)
+        self.drop_view(entry, id(view))
 
     def _keep_unsaved(self, view: SavedView, tensor: torch.Tensor, error: Exception) -> None:
         """Keep ``tensor`` in memory because its save could not start (its route, or the store, raised ``error``),
