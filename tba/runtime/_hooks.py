@@ -213,9 +213,11 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
             self._stats.tensors_offloaded -= 1
             if not fresh:
                 self._stats.bytes_deduplicated -= entry.nbytes
-        if isinstance(error, Exception):
-            self._keep_unsaved(view, tensor, error)
-        self.drop_view(entry, id(view))
+        try:
+            if isinstance(error, Exception):
+                self._keep_unsaved(view, tensor, error)
+        finally:  # dropped whatever the warning does
+            self.drop_view(entry, id(view))
 
     def _keep_unsaved(self, view: SavedView, tensor: torch.Tensor, error: Exception) -> None:
         """Keep ``tensor`` in memory because its save could not start (its route, or the store, raised ``error``),
