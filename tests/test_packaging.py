@@ -81,3 +81,16 @@ def test_an_attribute_error_while_a_home_module_imports_is_an_import_error(monke
         from tba import BrokenName  # noqa: F401
     with pytest.raises(ImportError, match="no_such_torch_attribute"):
         hasattr(tba, "_broken_home")
+
+
+def test_the_built_package_carries_the_py_typed_marker(tmp_path):
+    # Without tba/py.typed in what is installed, a user's mypy or pyright skips tba's annotations ("missing library
+    # stubs or py.typed marker"); build_py lays out the package files a wheel holds, without compiling the extensions.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "tba" / "__init__.py").is_file()
+    assert (tmp_path / "tba" / "py.typed").is_file(), sorted(p.name for p in (tmp_path / "tba").iterdir())
