@@ -16,6 +16,19 @@ way (both as arguments, or both in the environment) are a :class:`~tba.errors.Tb
 ``TBA_DIR`` names the directory. Sizes are bytes, given as an int or as a string that
 :func:`tba.parse_size` reads (``"64K"``, ``"512MiB"``, ``"2GB"``); a float such as
 ``overhead_bound`` takes a number or its decimal string (from the environment).
+
+Note: [A field that takes more than it holds]
+A size option is given as ``2 << 30`` or ``"2GiB"`` and held, once validated, as bytes; ``directory`` is given
+as a str or an ``os.PathLike`` and held as a str. Annotated ``int`` or ``int | None``, a user's type checker
+refused ``OffloadConfig(memory_budget="2GiB")``, the README's own example; annotated ``int | str``, it would
+make everyone who reads ``config.memory_budget`` handle a str that is never there. So such a field is
+annotated ``Accepts[Held, Given]`` (``tba/_accepts.py``), a descriptor type: mypy and pyright take a dataclass
+field whose type has ``__set__`` as a descriptor, so the generated ``__init__`` takes ``Given`` and reading
+the field gives ``Held``. Nothing changes at run time: annotations are never evaluated here, and the field is
+a plain attribute. mypy reads a field as a descriptor only when it has a default (every option has one), so
+:class:`tba.Plan`, whose ``decisions`` and ``window_bytes`` are required, declares the constructor it takes
+under ``TYPE_CHECKING`` instead (``tba/policy/_plan.py``). ``help()`` shows the accepted types
+(:func:`_accepted`), never the ``Accepts`` spelling.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tba import defaults
+from tba._accepts import Accepts
 from tba._option_values import COUNT, FLAG, FLOAT, NAME, PATH, SIZE, TRISTATE, check_ranges, coerce, from_text
 from tba.errors import TbaConfigError, did_you_mean
 from tba.io import check_backend_name
@@ -49,10 +63,10 @@ def _option(default: Any, kind: str, doc: str, *, optional: bool = False, env: s
 class OffloadConfig:
     """Options of :class:`tba.Offloader` and :func:`tba.offload_activations` (see the module docstring)."""
 
-    directory: str | None = _option(None, PATH, "Where the spill file lives, ideally on a local NVMe drive. "
-                                    "None: $TBA_DIR, else the system temp directory. Created with its parents if "
-                                    "missing (logged at DEBUG); python -m tba's --directory must exist.",
-                                    optional=True, env="TBA_DIR")
+    directory: Accepts[str | None, str | os.PathLike[str] | None] = _option(
+        None, PATH, "Where the spill file lives, ideally on a local NVMe drive. None: $TBA_DIR, else the system temp "
+        "directory. Created with its parents if missing (logged at DEBUG); python -m tba's --directory must exist.",
+        optional=True, env="TBA_DIR")
     backend: Any = _option("auto", NAME, "I/O engine: auto (io_uring where the kernel allows it, else threads), "
                            "io_uring, threads, kvikio (CUDA tensors through kvikio.CuFile), a registered engine "
                            "name, or an Engine instance.")
@@ -62,30 +76,30 @@ class OffloadConfig:
                           "pin, or a tba.Policy object whose plan(profile) chooses after profiling (one-shot "
                           "contexts share its plans: the same object, or one of its class with the same attributes). "
                           "keep and plans need layers=.")
-    memory_budget: int | None = _option(None, SIZE, "Adaptive goal: at most this many activation bytes (an int "
-                                        "or a size such as 512M or 1.5GiB), fastest placement first; planning "
-                                        "fails with TbaConfigError when the model cannot fit.", optional=True)
-    memory_budget_bytes: int | None = _option(None, SIZE, "The same as memory_budget (its older name).",
-                                              optional=True)
+    memory_budget: Accepts[int | None, int | str | None] = _option(
+        None, SIZE, "Adaptive goal: at most this many activation bytes (an int or a size such as 512M or 1.5GiB), "
+        "fastest placement first; planning fails with TbaConfigError when the model cannot fit.", optional=True)
+    memory_budget_bytes: Accepts[int | None, int | str | None] = _option(
+        None, SIZE, "The same as memory_budget (its older name).", optional=True)
     overhead_bound: float | None = _option(None, FLOAT, "Adaptive goal: least memory whose step time stays within "
                                            "(1 + overhead_bound) x the fastest placement's. Without any goal: "
                                            f"{defaults.ADAPTIVE_OVERHEAD_BOUND:g}.", optional=True)
     profile_steps: int = _option(defaults.PROFILE_STEPS, COUNT, "Steps profiled (offloading everything) before "
                                  "the adaptive plan applies.")
-    min_offload_bytes: int = _option(defaults.MIN_OFFLOAD_BYTES, SIZE, "Storages smaller than this stay in memory.")
+    min_offload_bytes: Accepts[int, int | str] = _option(defaults.MIN_OFFLOAD_BYTES, SIZE,
+                                                         "Storages smaller than this stay in memory.")
     prefetch_depth_layers: int = _option(defaults.PREFETCH_DEPTH_LAYERS, COUNT, "Layers below the current one "
                                          "read ahead during backward.")
-    prefetch_budget_bytes: int | None = _option(defaults.PREFETCH_BUDGET_BYTES, SIZE, "Bound on bytes read ahead "
-                                                "or held for backward. None: the window sizes itself, from "
-                                                f"{defaults.PREFETCH_WINDOW_MIN_BYTES >> 20} MiB up to "
-                                                f"{defaults.PREFETCH_WINDOW_MAX_FRACTION:g} of the bytes a forward "
-                                                "writes.", optional=True)
-    block_size_bytes: int = _option(defaults.BLOCK_SIZE_BYTES, SIZE, "Largest I/O request, a multiple of "
-                                    f"{defaults.ALIGN_BYTES}.")
+    prefetch_budget_bytes: Accepts[int | None, int | str | None] = _option(
+        defaults.PREFETCH_BUDGET_BYTES, SIZE, "Bound on bytes read ahead or held for backward. None: the window sizes "
+        f"itself, from {defaults.PREFETCH_WINDOW_MIN_BYTES >> 20} MiB up to "
+        f"{defaults.PREFETCH_WINDOW_MAX_FRACTION:g} of the bytes a forward writes.", optional=True)
+    block_size_bytes: Accepts[int, int | str] = _option(defaults.BLOCK_SIZE_BYTES, SIZE, "Largest I/O request, a "
+                                                        f"multiple of {defaults.ALIGN_BYTES}.")
     queue_depth: int = _option(defaults.QUEUE_DEPTH, COUNT, f"Requests in flight at once, 1..{defaults.MAX_QUEUE_DEPTH}.")
     direct_io: bool | None = _option(None, TRISTATE, "True requires O_DIRECT, False disables it, None uses it "
                                      "where the file system takes it and warns once otherwise.", optional=True)
-    staging_bytes: int = _option(defaults.STAGING_BYTES, SIZE, "Pinned host staging pool of CUDA storages "
+    staging_bytes: Accepts[int, int | str] = _option(defaults.STAGING_BYTES, SIZE, "Pinned host staging pool of CUDA storages "
                                  "(at least one block).")
     verify: bool = _option(False, FLAG, "Checksum (CRC-32C) each host storage when written and check it when read "
                            "back; a mismatch raises TbaReadError. Needs the verify extra.")
@@ -197,7 +211,10 @@ def signature_with_options(function: Any, *, before: tuple[inspect.Parameter, ..
 
 
 def _accepted(field: dataclasses.Field) -> Any:
-    """What an option takes as an argument: a size also as a string (``"2GiB"``), which the field holds as bytes."""
+    """What an option takes as an argument: a size also as a string (``"2GiB"``), which the field holds as bytes,
+    a directory also as an ``os.PathLike`` (Note [A field that takes more than it holds])."""
+    if field.metadata["kind"] == PATH:
+        return "str | os.PathLike | None"
     if field.metadata["kind"] != SIZE:
         return field.type
     return "int | str | None" if field.metadata["optional"] else "int | str"
@@ -229,5 +246,6 @@ def parse_text(name: str, text: str) -> Any:
 
 
 OffloadConfig.__signature__ = inspect.signature(OffloadConfig.__init__).replace(  # type: ignore[attr-defined]
-    parameters=list(inspect.signature(OffloadConfig.__init__).parameters.values())[1:])  # __init__'s, not __new__'s
+    parameters=[p.replace(annotation=_accepted(f)) for p, f in  # __init__'s, not __new__'s
+                zip(list(inspect.signature(OffloadConfig.__init__).parameters.values())[1:], dataclasses.fields(OffloadConfig))])
 OffloadConfig.__doc__ = (OffloadConfig.__doc__ or "") + "\n\nFields (environment variable TBA_<NAME>):\n" + options_doc()

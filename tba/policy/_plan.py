@@ -18,6 +18,7 @@ import json
 import logging
 import numbers
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from tba._units import SizeError, parse_size
 from tba.defaults import MIB
@@ -81,6 +82,11 @@ class Plan:
     predicted_keep_step_s: float = 0.0
     predicted_memory_bytes: int = 0
     write_caps_bytes: tuple[int, ...] = ()
+
+    if TYPE_CHECKING:  # what the constructor takes, for type checkers (Note [A field that takes more than it holds])
+        def __init__(self, decisions: Sequence[str], window_bytes: int | str, goal: str = "", fits: bool = True,
+                     predicted_step_s: float = 0.0, predicted_keep_step_s: float = 0.0, predicted_memory_bytes: int = 0,
+                     write_caps_bytes: Sequence[int | str] = ()) -> None: ...
 
     def __post_init__(self) -> None:
         decisions = _sequence(self.decisions, "decisions", "placements", "('keep', 'offload')")

@@ -376,3 +376,24 @@ def test_a_plan_repr_names_its_placements_and_builds_the_plan_again():
     text = repr(plan)
     assert text.startswith("Plan(decisions=('keep', 'offloaded_recompute'), window_bytes=8388608, goal='overhead_bound=0.05'")
     assert "<Placement" not in text and eval(text, {"Plan": tba.Plan}) == plan
+
+
+def test_the_constructor_type_checkers_see_is_the_dataclass_one():
+    # Note [A field that takes more than it holds] in tba/config.py: Plan's __init__ for type checkers (sizes as
+    # strings, any sequence) is declared by hand under TYPE_CHECKING; it must name the fields, in order, with
+    # their defaults.
+    import ast
+    import inspect
+
+    from tba.policy import _plan
+
+    tree = ast.parse(inspect.getsource(_plan))
+    plan_class = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Plan")
+    declared = next(node for block in plan_class.body if isinstance(block, ast.If)
+                    for node in block.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    names = [arg.arg for arg in declared.args.args[1:]]
+    defaults = [ast.literal_eval(value) for value in declared.args.defaults]
+    fields = dataclasses.fields(tba.Plan)
+    assert names == [field.name for field in fields]
+    assert defaults == [field.default for field in fields if field.default is not dataclasses.MISSING]
+    assert len(defaults) == len(names) - 2  # decisions and window_bytes are required
