@@ -90,7 +90,7 @@ def main(directory: str) -> None:
     plan.save(plan_path)
     pinned: tba.Plan = tba.Plan.load(plan_path)
     print(f"plan {pinned.code}, window {pinned.window_bytes} B")
-    policies: list[tba.Policy | tba.Plan] = [pinned, tba.OffloadedRecomputeAll(), tba.KeepAll()]
+    policies: list[tba.Policy | tba.Plan] = [pinned, tba.OffloadedRecomputeAll(), tba.Adaptive(memory_budget_bytes="2GiB")]
     for policy in policies:
         pinned_offloader = tba.Offloader(directory, layers=layers, policy=policy)
         step(model, optimizer, pinned_offloader)

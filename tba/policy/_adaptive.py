@@ -87,7 +87,7 @@ class Adaptive(Policy):
 
     name = "adaptive"
 
-    def __init__(self, *, memory_budget_bytes: int | None = None, overhead_bound: float | None = None) -> None:
+    def __init__(self, *, memory_budget_bytes: int | str | None = None, overhead_bound: float | None = None) -> None:
         if memory_budget_bytes is not None and overhead_bound is not None:
             raise TbaConfigError("give one goal: memory_budget_bytes=N or overhead_bound=x, not both")
         if memory_budget_bytes is None and overhead_bound is None:
@@ -256,12 +256,12 @@ def _smallest_window(step_s: Callable[[int], float], offloads: bool, limit_s: fl
     return min(lo * MIB, high)
 
 
-def plan(profile: Profile, *, memory_budget_bytes: int | None = None, overhead_bound: float | None = None) -> Plan:
+def plan(profile: Profile, *, memory_budget_bytes: int | str | None = None, overhead_bound: float | None = None) -> Plan:
     """The adaptive placement for ``profile`` (pure). See the module docstring for the model.
 
     Args:
         profile: Measured (:class:`~tba.policy._runner.PolicyRunner` builds one) or synthetic.
-        memory_budget_bytes: Fastest placement using at most this many activation bytes.
+        memory_budget_bytes: Fastest placement using at most this many activation bytes (or a size such as "2G").
         overhead_bound: Least-memory placement within ``(1 + overhead_bound)`` x the fastest
             placement's time. Neither: the default goal (module docstring).
 
