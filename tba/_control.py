@@ -225,8 +225,8 @@ def finalizer(kind: type[F], obj: object) -> F:
 
 
 def unregister(ref: Finalizer) -> None:
-    """``ref``, made by :func:`finalizer` and whose object is alive, never fires: out of the table, the weak
-    reference dies with its last holder, before its object, and calls nothing back."""
+    """``ref``, made by :func:`finalizer` and whose object is alive, never fires: out of the table, it is not
+    fired even if it outlives its object (Note [An unregistered finalizer never fires] in ``tba/_control_loop.py``)."""
     _control.finalizers.pop(id(ref), None)
 
 

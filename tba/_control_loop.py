@@ -112,14 +112,21 @@ class Control:
         the ``(fn, args)`` tuple :func:`tba._control.defer` appends, anything else a :class:`Finalizer`. The last item
         is a local of this frame, gone when it returns (Note [A worker keeps nothing of its last job] in
         ``tba/device/_staged_route.py``: a save's job holds its tensor while the batch's writes go out).
+
+        Note: [An unregistered finalizer never fires]
+        A finalizer fires only if it is still in the table: :func:`tba._control.unregister` takes it out, and its
+        weak reference may still outlive its object. A save job that failed after making a view's finalizer
+        unregisters it and drops the view itself (Note [A save job that fails after the store saved] in
+        ``tba/runtime/_hooks.py``); its frame, kept by the warning's record (pytest's caplog, a ``MemoryHandler``),
+        freed the view first and the finalizer second, so the finalizer fired and dropped the view again
+        (``live_entries`` -1, an extent freed twice).
         """
         popleft, unregister = deferred.popleft, self.finalizers.pop
         while deferred:
             item = popleft()
             if item.__class__ is tuple:
                 item[0](*item[1])
-            else:
-                unregister(id(item), None)
+            elif unregister(id(item), None) is item:  # Note [An unregistered finalizer never fires]
                 item.fire()
 
     def run_batch_end(self) -> None:

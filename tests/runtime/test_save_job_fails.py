@@ -160,3 +160,42 @@ def test_an_interrupt_is_undone_and_backward_says_the_save_failed(spill_dir, mon
             offloader.close()
         tba.shutdown()
     assert open_fds() == fds
+
+
+class _Records(logging.Handler):
+    """Keeps tba's records, as pytest's caplog or a ``MemoryHandler`` does: the warning's error, its traceback and
+    the failed job's frame, which holds the view and its unregistered finalizer, live as long as the record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("failing_call", FAILING_CALLS)
+def test_a_record_that_outlives_the_view_drops_it_once(spill_dir, monkeypatch, failing_call):
+    """The failed job's frame, kept by a log record, frees the view before the unregistered finalizer that it also
+    holds: that finalizer fired then, and dropped the view a second time (live_entries -1)."""
+    records, logger = _Records(), logging.getLogger("tba")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(records)
+    offloader = tba.Offloader(spill_dir, min_offload_bytes=0, policy="offload")
+    try:
+        with monkeypatch.context() as patched:
+            _fail_at(patched, "untrack", MemoryError, failing_call)
+            model, x = _model_and_input()
+            with offloader:
+                loss = model(x).square().sum()
+            _control.settle()
+        loss.backward()
+        assert all(torch.equal(p.grad, want) for p, want in zip(model.parameters(), _gradients_without_tba(),
+                                                                strict=True))
+        del loss
+        records.records.clear()  # the frame goes: the view, then its finalizer
+        _control.settle()
+        assert offloader._store.live_entries == 0 and not offloader._store._by_storage
+    finally:
+        logger.removeHandler(records)
+        offloader.close()
