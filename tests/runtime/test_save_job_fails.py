@@ -11,11 +11,10 @@ import threading
 
 import pytest
 import torch
-from torch import nn
+from save_failures import LogLines, backward_after_failed_save, gradients_without_tba, model_and_input
 
 import tba
 from tba import _control
-from tba.errors import TbaError
 from tba.runtime import _hooks
 from tba.runtime._discover import LayerDiscovery
 from tba.runtime._unpack_hooks import Phase
@@ -25,29 +24,7 @@ FAILING_CALLS = (1, 3)
 it, a second view of an entry (a Tanh's output, which the next Linear saves again: deduplicated)."""
 
 
-def _model_and_input() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
-    return model, torch.randn(32, 64)
 
-
-def _gradients_without_tba() -> list[torch.Tensor]:
-    model, x = _model_and_input()
-    model(x).square().sum().backward()
-    return [p.grad for p in model.parameters()]
-
-
-class _Lines(logging.Handler):
-    """tba's log as text, formatted at once: no record keeps the traceback of a failed job (whose frames hold the
-    saved tensor and, through its grad_fn, the graph)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
 
 
 def _fail_at(monkeypatch, point: str, error: type[BaseException], failing_call: int) -> list[int]:
@@ -76,8 +53,8 @@ def _step(spill_dir, monkeypatch, offloader: tba.Offloader | None, point: str, e
           failing_call: int):
     """One step with ``point`` failing once: the offloader that ran it, the gradients (None when backward raised
     the TbaError), the stats and tba's log."""
-    model, x = _model_and_input()
-    lines = _Lines()
+    model, x = model_and_input()
+    lines = LogLines()
     logger = logging.getLogger("tba")
     monkeypatch.setattr(logger, "propagate", False)
     logger.addHandler(lines)
@@ -91,13 +68,7 @@ def _step(spill_dir, monkeypatch, offloader: tba.Offloader | None, point: str, e
         logger.removeHandler(lines)
         monkeypatch.undo()
     assert calls[0] >= failing_call, calls
-    grads = None
-    if error is KeyboardInterrupt:
-        with pytest.raises(TbaError, match="the save failed"):
-            loss.backward()
-    else:
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
+    grads = backward_after_failed_save(loss, model, error)
     del loss
     _control.settle()  # the views' deaths
     return entered, grads, entered.stats, "\n".join(lines.lines)
@@ -106,7 +77,7 @@ def _step(spill_dir, monkeypatch, offloader: tba.Offloader | None, point: str, e
 def _saved_tensors() -> int:
     """How many tensors the step saves (what ``tensors_offloaded + tensors_kept`` must come to)."""
     saved = []
-    model, x = _model_and_input()
+    model, x = model_and_input()
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(1) or tensor, lambda tensor: tensor):
         model(x).square().sum()
     return len(saved)
@@ -124,7 +95,7 @@ def test_an_error_keeps_the_tensor_in_memory_and_training_exact(spill_dir, monke
     offloader = tba.Offloader(spill_dir, min_offload_bytes=0, policy="offload") if reusable else None
     try:
         entered, grads, stats, log = _step(spill_dir, monkeypatch, offloader, point, MemoryError, failing_call)
-        assert all(torch.equal(a, b) for a, b in zip(grads, _gradients_without_tba(), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(grads, gradients_without_tba(), strict=True))
         assert entered._store.live_entries == 0 and not entered._store._by_storage
         assert reusable or entered._phase is Phase.CLOSED  # its last view died: the one-shot offloader closed its file
         assert f"a test fails {point}" in log, log
@@ -132,7 +103,7 @@ def test_an_error_keeps_the_tensor_in_memory_and_training_exact(spill_dir, monke
         assert stats.tensors_offloaded + stats.tensors_kept == _saved_tensors(), stats
         if reusable:
             with offloader:  # the next step is the usual one
-                model, x = _model_and_input()
+                model, x = model_and_input()
                 model(x).sum().backward()
             _control.settle()
             assert offloader._store.live_entries == 0
@@ -185,12 +156,12 @@ def test_a_record_that_outlives_the_view_drops_it_once(spill_dir, monkeypatch, f
     try:
         with monkeypatch.context() as patched:
             _fail_at(patched, "untrack", MemoryError, failing_call)
-            model, x = _model_and_input()
+            model, x = model_and_input()
             with offloader:
                 loss = model(x).square().sum()
             _control.settle()
         loss.backward()
-        assert all(torch.equal(p.grad, want) for p, want in zip(model.parameters(), _gradients_without_tba(),
+        assert all(torch.equal(p.grad, want) for p, want in zip(model.parameters(), gradients_without_tba(),
                                                                 strict=True))
         del loss
         records.records.clear()  # the frame goes: the view, then its finalizer

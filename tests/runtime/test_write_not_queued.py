@@ -15,11 +15,10 @@ import threading
 
 import pytest
 import torch
-from torch import nn
+from save_failures import LogLines, backward_after_failed_save, gradients_without_tba, model_and_input
 
 import tba
 from tba import _control
-from tba.errors import TbaError
 from tba.io import SpillFile
 from tba.runtime import _release, _writes
 from tba.runtime._host_io import HostBatch
@@ -40,16 +39,6 @@ JOIN_S = 30.0
 """Generous: a flush that waits for a write never queued never returns."""
 
 
-def _model_and_input() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
-    return model, torch.randn(32, 64)
-
-
-def _gradients_without_tba() -> list[torch.Tensor]:
-    model, x = _model_and_input()
-    model(x).square().sum().backward()
-    return [p.grad for p in model.parameters()]
 
 
 def _fail_at(monkeypatch, point: str, error: type[BaseException], failing_call: int) -> list[int]:
@@ -74,18 +63,6 @@ def _flush_returns(offloader: tba.Offloader) -> None:
     assert not thread.is_alive(), "flush() waits for a write that was never queued"
 
 
-class _Lines(logging.Handler):
-    """tba's log as text, formatted at once: no record is kept (pytest's handlers keep each one, and with it the
-    traceback of a failed job, whose frames hold the saved tensor and, through its grad_fn, the graph)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
 
 def _train_failing(spill_dir, monkeypatch, path: str, point: str, error: type[BaseException], failing_call: int):
     """One step of a reusable offloader with ``point`` failing once, then one more; the gradients of the first (None
@@ -93,8 +70,8 @@ def _train_failing(spill_dir, monkeypatch, path: str, point: str, error: type[Ba
     if path == "python":
         monkeypatch.setattr(_writes, "_start_host_write", None)
     monkeypatch.setattr(_release, "_WARNED_WRITE_ERRORS", set())  # this test's warning, whatever warned before
-    model, x = _model_and_input()
-    lines = _Lines()
+    model, x = model_and_input()
+    lines = LogLines()
     offloader = tba.Offloader(spill_dir, min_offload_bytes=0, policy="offload")
     try:
         calls = _fail_at(monkeypatch, point, error, failing_call)
@@ -109,13 +86,7 @@ def _train_failing(spill_dir, monkeypatch, path: str, point: str, error: type[Ba
             logger.removeHandler(lines)
         monkeypatch.undo()
         _flush_returns(offloader)
-        grads = None
-        if error is KeyboardInterrupt:
-            with pytest.raises(TbaError, match="the save failed"):
-                loss.backward()
-        else:
-            loss.backward()
-            grads = [p.grad.clone() for p in model.parameters()]
+        grads = backward_after_failed_save(loss, model, error)
         del loss
         _control.settle()  # the views' deaths
         assert offloader._store.live_entries == 0 and offloader._store._writing == 0
@@ -139,7 +110,7 @@ def test_an_error_after_registration_keeps_the_storage_in_memory_and_training_ex
     fds = open_fds()
     threads = set(threading.enumerate())
     grads, stats, log = _train_failing(spill_dir, monkeypatch, path, point, MemoryError, failing_call)
-    assert all(torch.equal(a, b) for a, b in zip(grads, _gradients_without_tba(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads, gradients_without_tba(), strict=True))
     assert f"a test fails {point}" in log and "memory" in log
     if point != "window":  # registered whole: kept as a failed write is, and counted so
         assert stats.tensors_kept_on_error == 1, stats
@@ -177,7 +148,7 @@ def test_an_error_without_text_still_keeps_the_storage_and_lets_a_one_shot_offlo
     offloader's spill file open."""
     if path == "python":
         monkeypatch.setattr(_writes, "_start_host_write", None)
-    model, x = _model_and_input()
+    model, x = model_and_input()
     calls = _fail_at(monkeypatch, point, _Unprintable, 1)
     logger = logging.getLogger("tba")
     monkeypatch.setattr(logger, "propagate", False)
@@ -190,7 +161,7 @@ def test_an_error_without_text_still_keeps_the_storage_and_lets_a_one_shot_offlo
     del loss
     _control.settle()
     assert calls[0] > 1
-    assert all(torch.equal(a, b) for a, b in zip(grads, _gradients_without_tba(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads, gradients_without_tba(), strict=True))
     assert offloader._store.live_entries == 0
     assert offloader.stats.tensors_kept_on_error == 1 and "save failed" not in offloader.stats.kept_by_reason
     assert offloader._phase is Phase.CLOSED  # its last view died: the one-shot offloader closed its file
