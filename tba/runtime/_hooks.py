@@ -170,6 +170,9 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         except Exception as err:  # noqa: BLE001 - kept in memory instead, with a warning
             self._keep_unsaved(view, tensor, err)
             return
+        except BaseException as err:  # undone by the store (Note [A save that fails after its entry is registered])
+            view.save_failed(err)
+            raise
         layer_bytes, died = self.layer_saved_bytes.get(layer), None
         try:  # Note [A save job that fails after the store saved]
             if fresh:
@@ -198,7 +201,8 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         raised 'save never ran' at unpack. So what the store counted is undone (the view dropped as its
         death drops it, its finalizer, if made, unregistered so that it does not drop it again), and,
         for an Exception, the tensor stays in memory, counted as kept (``KeepReason.SAVE_FAILED``) like
-        a save that could not start; anything else goes up, and the view's unpack says the save failed.
+        a save that could not start; anything else goes up, and the view's unpack says that this tensor's save
+        failed, naming the error's type and text (``SavedView.save_failed``), not a fork that did not happen.
         The discovery keeps what it noted: the storage was saved there, and its bytes were written.
         """
         if died is not None:
@@ -216,6 +220,8 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         try:
             if isinstance(error, Exception):
                 self._keep_unsaved(view, tensor, error)
+            else:
+                view.save_failed(error)
         finally:  # dropped whatever the warning does
             self.drop_view(entry, id(view))
 

@@ -115,7 +115,8 @@ class SavedView:
         self.kept: torch.Tensor | None = None
         """The tensor itself, when its save could not start and it stays in memory."""
         self.error: str | None = None
-        """The message of the TbaError unpack raises: the deferred save found the storage too small (:meth:`uncovered`)."""
+        """The message of the TbaError unpack raises: the deferred save found the storage too small (:meth:`uncovered`),
+        or it failed and went up (:meth:`save_failed`)."""
         self.dtype = tensor.dtype
         self.size = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
@@ -159,6 +160,15 @@ class SavedView:
             return None
         return (f"a tensor saved for backward ({self.dtype} {list(self.size)}) had its storage resized below it "
                 "between its save and tba's write of it; resize it after backward, or clone it before saving")
+
+    def save_failed(self, error: BaseException) -> None:
+        """Make unpack say that this tensor's save failed with ``error``, which goes up (a KeyboardInterrupt: Note [A save
+        job that fails after the store saved] in ``tba/runtime/_hooks.py``). Its type and text, not the error itself,
+        whose traceback's frames would hold the graph (Note [A save writes the storage its tensor had at pack])."""
+        text = str(error)
+        cause = f"{type(error).__name__}: {text}" if text else type(error).__name__
+        self.error = (f"cannot unpack a saved tensor ({self.dtype} {list(self.size)}): the save of this tensor failed "
+                      f"({cause}); run forward again")
 
     def check_version(self) -> None:
         """Raise torch's in-place error when the saved tensor was modified in place after pack."""
