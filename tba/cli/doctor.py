@@ -111,7 +111,13 @@ def _missing_reason(directory: str, source: str) -> str:
 
 
 def _filesystem_row(directory: str) -> str:
-    fs_type = filesystem_type(directory) or "unknown"
+    """The file system of ``directory``, or of its nearest existing parent (named) when it does not exist yet."""
+    wanted = read = os.path.abspath(directory)
+    while not os.path.exists(read) and os.path.dirname(read) != read:
+        read = os.path.dirname(read)
+    fs_type = filesystem_type(read) or "unknown"
+    if read != wanted:
+        fs_type += f" (of {read}, the nearest existing parent)"
     if memory_backed(directory):
         return (f"{fs_type}: IN MEMORY, offloading here saves nothing; pass --directory (and tba's directory= "
                 "or TBA_DIR) on a disk")

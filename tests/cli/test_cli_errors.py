@@ -72,6 +72,15 @@ def test_doctor_names_where_the_directory_came_from(given, source, fix, tmp_path
     assert f"no ({missing} (from {source}) does not exist; {fix})" in out, out
 
 
+def test_doctor_names_the_directory_whose_file_system_it_read(tmp_path, capsys):
+    """A missing directory has no file system of its own: the row names the nearest existing parent it read."""
+    missing = tmp_path / "nope" / "deeper"
+    for directory, read in ((missing, f" (of {tmp_path}, the nearest existing parent)"), (tmp_path, "")):
+        assert main(["doctor", "--no-bandwidth", "--directory", str(directory)]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("file system of "))
+        assert row.endswith(read) and row.count("(of ") == (1 if read else 0), row
+
+
 def test_bare_command_prints_help():
     done = tba_cli()
     assert done.returncode == 2
