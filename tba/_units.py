@@ -1,4 +1,5 @@
-"""Byte sizes written by people: one parser for every command-line option and config string.
+"""Byte sizes written by people: one parser for every command-line option and config string, and
+:func:`readable_size`, which writes a size for people to read in a message.
 
 A bare suffix and the ``iB`` suffixes are binary, ``B`` suffixes are decimal (SI), as in fio and
 ``numfmt``: ``512K`` = ``512KiB`` = 512 * 2**10, ``2G`` = ``2GiB`` = 2 * 2**30, but ``2GB`` =
@@ -37,3 +38,17 @@ def parse_size(text: str) -> int:
     if "." not in number:  # exact: float() would round sizes above 2**53
         return int(number) * base ** _POWERS[prefix]
     return int(float(number) * base ** _POWERS[prefix])
+
+
+_READABLE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+
+
+def readable_size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit it reaches, to one decimal (``74.7 GiB``; ``512 B`` below a KiB): a size
+    in GiB alone was a 17-digit number for ``--size 99999999999999T``."""
+    power = 0
+    while power + 1 < len(_READABLE_UNITS) and nbytes >= 1024 ** (power + 1):
+        power += 1
+    if power == 0:
+        return f"{nbytes} B"
+    return f"{nbytes / 1024 ** power:.1f} {_READABLE_UNITS[power]}"

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from tba._units import parse_size
+from tba._units import parse_size, readable_size
 from tba.cli import _checks as cli_checks
 from tba.defaults import ALIGN_BYTES, GIB, MIB
 from tba.io import Op, available_backends, filled_buffer, make_engine, open_scratch, timed_pass
@@ -134,7 +134,7 @@ def _validate(args: argparse.Namespace) -> str | None:
         return str(err)
     free = shutil.disk_usage(args.directory).free if os.path.isdir(args.directory) else MAX_SIZE_BYTES
     if args.size > min(free, MAX_SIZE_BYTES):
-        return (f"--size {args.size / GIB:.1f} GiB is more than the {min(free, MAX_SIZE_BYTES) / GIB:.1f} GiB free in "
+        return (f"--size {readable_size(args.size)} is more than the {readable_size(min(free, MAX_SIZE_BYTES))} free in "
                 f"{args.directory}; pass a smaller --size or another --directory")
     return None
 

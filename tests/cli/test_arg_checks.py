@@ -97,7 +97,9 @@ def test_bench_hooks_refuses_bad_values_before_measuring(argv, match, tmp_path, 
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--size", "99999999T"], "GiB free in"),
+    # printed "--size 102399999999998976.0 GiB": a size in the unit that it reaches, read at a glance
+    (["--size", "99999999T"], "--size 95.4 EiB is more than the "),
+    (["--size", "99999999999999T"], "--size 90.9 YiB is more than the "),
     (["--size", "4M", "--repeat", "0"], "argument --repeat: 0 is too small; pass a whole number >= 1"),
     (["--size", "4M", "--repeat", "x"], "argument --repeat: 'x' is not a whole number"),
     # said "--size must be a positive multiple of --block-size", the default block size shown nowhere (helper-143)
