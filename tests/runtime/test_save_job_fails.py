@@ -18,6 +18,7 @@ from tba import _control
 from tba.runtime import _hooks
 from tba.runtime._discover import LayerDiscovery
 from tba.runtime._unpack_hooks import Phase
+from tba.runtime._views import SavedView
 
 FAILING_CALLS = (1, 3)
 """The failing call: the first saves the input, saved by no other op; the third, for the finalizer and what follows
@@ -170,3 +171,16 @@ def test_a_record_that_outlives_the_view_drops_it_once(spill_dir, monkeypatch, f
     finally:
         logger.removeHandler(records)
         offloader.close()
+
+
+class _UnprintableInterrupt(KeyboardInterrupt):
+    def __str__(self) -> str:
+        raise ValueError("this interrupt has no text")
+
+
+def test_a_save_failed_without_text_is_named_by_its_type_and_the_interrupt_is_not_replaced():
+    """The view keeps the failed save's type and text for its unpack; an error whose text cannot be made (Note [A
+    failed write's warning never raises]) raised a ValueError there instead, which replaced the interrupt going up."""
+    view = SavedView(None, torch.ones(4))
+    view.save_failed(_UnprintableInterrupt())
+    assert view.error.endswith("the save of this tensor failed (_UnprintableInterrupt); run forward again")
