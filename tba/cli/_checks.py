@@ -126,9 +126,15 @@ def spill_directory(given: str | None) -> str:
     where ``$TBA_DIR`` was set, though their help said otherwise; a bad ``$TBA_DIR`` failed every tba run, one by one."""
     if given is not None:
         return existing_directory("--directory", given)
-    if os.environ.get("TBA_DIR"):
-        return existing_directory("$TBA_DIR (used where --directory is not given)", os.environ["TBA_DIR"])
-    return tempfile.gettempdir()
+    return env_directory("--directory") or tempfile.gettempdir()
+
+
+def env_directory(option: str) -> str | None:
+    """``$TBA_DIR``, the offload directory a user has set for tba, checked as ``option`` would be when it is not given
+    (:func:`existing_directory`); None when it is not set."""
+    if not os.environ.get("TBA_DIR"):
+        return None
+    return existing_directory(f"$TBA_DIR (used where {option} is not given)", os.environ["TBA_DIR"])
 
 
 def output_directory(option: str, path: str) -> str:

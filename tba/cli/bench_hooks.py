@@ -167,14 +167,6 @@ def _cases(args: argparse.Namespace, disk: str | None, ram: str | None) -> list[
     return cases
 
 
-def _disk_parent() -> str | None:
-    """Where the disk rows' fresh directory goes when ``--disk-dir`` is not given: ``$TBA_DIR``, the offload
-    directory a user has set for tba (checked as ``--disk-dir`` is), else None (:data:`DEFAULT_DISK_DIR`)."""
-    if not os.environ.get("TBA_DIR"):
-        return None
-    return cli_checks.existing_directory("$TBA_DIR (used where --disk-dir is not given)", os.environ["TBA_DIR"])
-
-
 QUICK = {"counts": [3, 6], "sizes": [64 * KIB], "warmups": 1, "repeats": 1, "many_count": 50}
 """--quick's values, each for an option left at its default."""
 
@@ -204,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         for option, given in (("--disk-dir", args.disk_dir), ("--ram-dir", args.ram_dir)):
             if given is not None and given != "none":
                 cli_checks.existing_directory(option, given)
-        disk_parent = args.disk_dir or _disk_parent()
+        disk_parent = args.disk_dir or cli_checks.env_directory("--disk-dir")  # else DEFAULT_DISK_DIR
         if args.json:
             cli_checks.output_file("--json", args.json)
         if getattr(args, "command_line", False):
