@@ -45,7 +45,7 @@ from tba._units import parse_size
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.checkpoint import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, LazyCheckpointer, TbaStorageReader, TbaStorageWriter
 from tba.cli import _checks as cli_checks
-from tba.cli.bench_io import bench_fio
+from tba.cli.bench_io import FIO_FAILED, bench_fio, fio_skipped
 
 logger = logging.getLogger("tba")
 
@@ -201,13 +201,6 @@ def _check_restore(trainer: _Trainer, lazy: LazyCheckpointer, root: str) -> bool
     return exact
 
 
-def _fio_not_run(args: argparse.Namespace) -> str | None:
-    """Why fio will not run (None: it will)."""
-    if args.no_fio:
-        return "--no-fio"
-    return "fio is not installed (apt-get install fio)" if shutil.which("fio") is None else None
-
-
 def _fio(args: argparse.Namespace) -> float | None:
     fio = shutil.which("fio")
     if args.no_fio or fio is None:
@@ -264,12 +257,12 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
     report["tba_write_gbps"] = report.pop("tba_lazy_write_gbps")
     report["step_s"] = sorted(trainer.step_s)[len(trainer.step_s) // 2]
-    report["fio_not_run"] = _fio_not_run(args)
+    report["fio_not_run"] = fio_skipped(args.no_fio)
     if report["fio_not_run"] is None:
         logger.info("bench-ckpt: fio write, %d MiB", args.size_bytes >> 20)
     report["fio_write_gbps"] = _fio(args)
     if report["fio_write_gbps"] is None and report["fio_not_run"] is None:
-        report["fio_not_run"] = "fio failed (its error is above)"
+        report["fio_not_run"] = FIO_FAILED
     print(_table(report))
     if args.json:
         with open(args.json, "w") as stream:

@@ -139,6 +139,17 @@ def _validate(args: argparse.Namespace) -> str | None:
     return None
 
 
+FIO_FAILED = "fio failed (its error is above)"
+"""Why the fio columns are empty when fio ran and failed."""
+
+
+def fio_skipped(no_fio: bool) -> str | None:
+    """Why fio will not run (``--no-fio``, or not installed), or None when it will; bench-ckpt says it the same way."""
+    if no_fio:
+        return "--no-fio"
+    return None if shutil.which("fio") else "fio is not installed (apt-get install fio)"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the table (and JSON). Returns exit status."""
     problem = _validate(args)
@@ -146,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("bench-io", problem)
     backends = available_backends()
     fio = None if args.no_fio else shutil.which("fio")
-    fio_not_run = "--no-fio" if args.no_fio else None if fio else "fio is not installed (apt-get install fio)"
+    fio_not_run = fio_skipped(args.no_fio)
     buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)
     logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d, %s",
                 args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat,
@@ -171,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             except (subprocess.CalledProcessError, ValueError, KeyError) as err:
                 detail = getattr(err, "stderr", "") or err
                 logger.warning("bench-io: fio failed, reporting without it: %s", str(detail).strip()[-300:])
-                fio, fio_not_run = None, "fio failed (its error is above)"
+                fio, fio_not_run = None, FIO_FAILED
     report = {
         "size_bytes": args.size, "block_size_bytes": args.block_size,
         "queue_depth": args.queue_depth, "repeat": args.repeat, "hugepages": not args.no_hugepages,

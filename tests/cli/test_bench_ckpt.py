@@ -100,5 +100,5 @@ def test_the_table_says_why_fio_was_not_run(monkeypatch, no_fio, why):
     monkeypatch.setattr(bench_ckpt.shutil, "which", lambda name: None)
     report = {f"{method}_stall_s": 0.5 for method in bench_ckpt.METHODS}
     report.update(tba_write_gbps=1.0, tba_async_write_gbps=1.0, restore_exact=True, step_s=0.1, state_bytes=10**8,
-                  fio_write_gbps=None, fio_not_run=bench_ckpt._fio_not_run(argparse.Namespace(no_fio=no_fio)))
+                  fio_write_gbps=None, fio_not_run=bench_ckpt.fio_skipped(no_fio))
     assert f"fio write not run ({why})" in bench_ckpt._table(report)
