@@ -56,3 +56,13 @@ def did_you_mean(given: object, choices: Iterable[str]) -> str:
     by_lower = {choice.lower(): choice for choice in choices}
     close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
     return f"did you mean {by_lower[close[0]]!r}? " if close else ""
+
+
+def error_text(error: BaseException | None) -> str:
+    """``str(error)``, or "" for an error whose text cannot be made (its ``__str__`` raised): where tba settles a
+    failure and then says so, the saying must not raise instead (Note [A failed write's warning never raises] in
+    ``tba/runtime/_release.py``)."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - no text: the caller names the error by its type, or reads no cause from it
+        return ""

@@ -26,7 +26,7 @@ import torch
 
 from tba import defaults
 from tba._fork_lock import ForkSafeLock
-from tba.errors import EngineClosedError
+from tba.errors import EngineClosedError, error_text
 from tba.io import checksum
 from tba.runtime._entry import State, StorageEntry
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
@@ -274,7 +274,7 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         # child's io_uring engine refuses all work), and the warning said to check the disk.
         return "engine closed", ("The engine passed as backend= is closed, or was made before this process was "
                                  "forked (each process needs its own): pass a backend name, or a new engine.")
-    if number is None and "CUDA error" in _text(error):
+    if number is None and "CUDA error" in error_text(error):
         # The device's copy to or from the staging block failed, not the file (after an illegal access, every
         # later CUDA call fails): freeing disk space would not help.
         return None, "The GPU failed, not the disk: the CUDA error above is the cause; fix it, the directory is fine."
@@ -292,16 +292,9 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
     return number, "Check the disk (dmesg) or pass another directory."
 
 
-def _text(error: BaseException | None) -> str:
-    """``str(error)``, or "" for an error whose text cannot be made.
-
-    Note: [A failed write's warning never raises]
-    The warning runs where a write's failure is settled: ``_finish_write`` (an engine's thread, before
-    ``_transfer_ended`` wakes ``flush``) and ``_write_not_queued`` (after the entry is kept, before the save goes on
-    with it). An error whose ``__str__`` raised went up from there: the entry stayed kept but registered, and the
-    save job kept the tensor a second time, the entry live for good (a one-shot offloader never closed its file).
-    """
-    try:
-        return str(error)
-    except Exception:  # noqa: BLE001 - no text: no cause read from it
-        return ""
+# Note: [A failed write's warning never raises]
+# The warning runs where a write's failure is settled: ``_finish_write`` (an engine's thread, before
+# ``_transfer_ended`` wakes ``flush``) and ``_write_not_queued`` (after the entry is kept, before the save goes on
+# with it). An error whose ``__str__`` raised went up from there: the entry stayed kept but registered, and the
+# save job kept the tensor a second time, the entry live for good (a one-shot offloader never closed its file).
+# So its text is read by :func:`tba.errors.error_text`, which gives "" instead of raising.

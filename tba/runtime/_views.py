@@ -15,7 +15,7 @@ import operator
 import torch
 
 from tba._untrack import untrack
-from tba.errors import TbaError
+from tba.errors import TbaError, error_text
 from tba.runtime._entry import StorageEntry
 
 _CPU = torch.device("cpu")
@@ -165,10 +165,7 @@ class SavedView:
         """Make unpack say that this tensor's save failed with ``error``, which goes up (a KeyboardInterrupt: Note [A save
         job that fails after the store saved] in ``tba/runtime/_hooks.py``). Its type and text, not the error itself,
         whose traceback's frames would hold the graph (Note [A save writes the storage its tensor had at pack])."""
-        try:
-            text = str(error)
-        except Exception:  # noqa: BLE001 - an error without text is named by its type (Note [A failed write's warning never raises])
-            text = ""
+        text = error_text(error)  # an error without text is named by its type
         cause = f"{type(error).__name__}: {text}" if text else type(error).__name__
         self.error = (f"cannot unpack a saved tensor ({self.dtype} {list(self.size)}): the save of this tensor failed "
                       f"({cause}); run forward again")
