@@ -28,15 +28,13 @@ from tba.device import gds_unavailable_reason, kvikio_unavailable_reason
 from tba.io import (
     Op,
     available_backends,
+    directory_bandwidth,
     filesystem_type,
-    filled_buffer,
     make_engine,
     memory_backed,
-    open_scratch,
     probe_direct_io,
     resolve_backend,
     resolve_directory,
-    timed_pass,
 )
 from tba.runtime import native_parts
 
@@ -44,7 +42,6 @@ logger = logging.getLogger("tba")
 
 DEFAULT_QUICK_SIZE_BYTES = 256 * MIB
 QUICK_BLOCK_SIZE_BYTES = MIB
-QUICK_BUFFER_BYTES = 32 * MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,16 +80,9 @@ def _cuda_reason() -> str | None:
 
 def quick_bandwidth(directory: str, size: int, direct: bool) -> dict[str, float]:
     """Write then read ``size`` bytes in 1 MiB blocks with the auto engine; GB/s per direction."""
-    buffer = filled_buffer(min(size, QUICK_BUFFER_BYTES))
-    fd = open_scratch(directory, size, direct=direct)
-    try:
-        with make_engine("auto") as engine:
-            return {
-                op.value: size / timed_pass(engine, op, fd, buffer, size, QUICK_BLOCK_SIZE_BYTES) / 1e9
-                for op in (Op.WRITE, Op.READ)
-            }
-    finally:
-        os.close(fd)
+    with make_engine("auto") as engine:
+        write, read = directory_bandwidth(engine, directory, size, block_size_bytes=QUICK_BLOCK_SIZE_BYTES, direct=direct)
+    return {Op.WRITE.value: write / 1e9, Op.READ.value: read / 1e9}
 
 
 def directory_source(given: str | None) -> str:

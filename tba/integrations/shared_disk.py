@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from tba.defaults import MIB, QUEUE_DEPTH
-from tba.io import Op, filled_buffer, make_engine, open_scratch, resolve_directory, timed_pass
+from tba.io import directory_bandwidth, make_engine, resolve_directory
 
 PROBE_BYTES = 64 * MIB
 """Bytes written and read back by :func:`measure_bandwidth` (64 MiB: ~0.1 s at 1 GB/s)."""
@@ -74,15 +74,8 @@ def measure_bandwidth(directory: str, *, backend: str = "auto", block_size_bytes
 
     The probe file has no name (see ``tba/io/_directory.py``): nothing is left in the directory.
     """
-    size = max(block_size_bytes, probe_bytes - probe_bytes % block_size_bytes)
-    buffer = filled_buffer(block_size_bytes * max(1, min(queue_depth, size // block_size_bytes)))
-    fd = open_scratch(resolve_directory(directory), size)
-    try:
-        with make_engine(backend, queue_depth=queue_depth) as engine:
-            return tuple(size / timed_pass(engine, op, fd, buffer, size, block_size_bytes)
-                         for op in (Op.WRITE, Op.READ))
-    finally:
-        os.close(fd)
+    with make_engine(backend, queue_depth=queue_depth) as engine:
+        return directory_bandwidth(engine, resolve_directory(directory), probe_bytes, block_size_bytes=block_size_bytes)
 
 
 def check_shared_disk(*, tba_bytes_per_step: int, deepspeed_bytes_per_step: int, step_s: float,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
 from tba.errors import TbaConfigError, did_you_mean
-from tba.io._bandwidth import filled_buffer, open_scratch, timed_pass
+from tba.io._bandwidth import directory_bandwidth, filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
 from tba.io._directory import (
     OutOfDescriptorsError,
@@ -187,6 +187,7 @@ __all__ = [
     "create_preallocated",
     "dangling_link",
     "engine_names",
+    "directory_bandwidth",
     "filled_buffer",
     "file_creation_failure",
     "filesystem_type",

@@ -1,6 +1,7 @@
 """Timed sequential passes over a scratch file: the disk-bandwidth probe shared by tools and integrations.
 
-``python -m tba bench-io`` and ``doctor`` measure with these, and so does the shared-disk check of
+``python -m tba bench-io`` measures with these passes, and :func:`directory_bandwidth` (one write and the
+best of some reads) serves ``doctor``, ``bench-hooks --many``'s disk floor and the shared-disk check of
 the DeepSpeed integration (``tba/integrations/shared_disk.py``), which must not depend on a
 command-line tool. A pass submits every request of a file at once and waits for the last one, so
 the engine keeps its queue full; the scratch file has no name and disappears with its descriptor.
@@ -14,10 +15,14 @@ import time
 
 import torch
 
+from tba.defaults import MIB
 from tba.io._directory import open_anonymous
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import host_buffer
 from tba.io._spill import NO_RESERVATION_ERRNOS, reserve
+
+PROBE_BUFFER_BLOCKS = 32
+"""Blocks of :func:`directory_bandwidth`'s buffer (its requests cycle through them)."""
 
 
 def filled_buffer(nbytes: int, *, hugepages: bool = True) -> torch.Tensor:
@@ -61,3 +66,18 @@ def timed_pass(engine: Engine, op: Op, fd: int, buffer: torch.Tensor, size: int,
     for future in futures:
         future.result()
     return elapsed
+
+
+def directory_bandwidth(engine: Engine, directory: str, size_bytes: int, *, block_size_bytes: int = MIB,
+                        direct: bool = True, reads: int = 1) -> tuple[float, float]:
+    """``(write, read)`` in bytes per second: ``size_bytes`` (whole blocks, at least one) written through ``engine``
+    to a nameless file in ``directory``, then read back, the read the best of ``reads`` passes."""
+    size = max(block_size_bytes, size_bytes - size_bytes % block_size_bytes)
+    buffer = filled_buffer(block_size_bytes * min(PROBE_BUFFER_BLOCKS, size // block_size_bytes))
+    fd = open_scratch(directory, size, direct=direct)
+    try:
+        write_s = timed_pass(engine, Op.WRITE, fd, buffer, size, block_size_bytes)
+        read_s = min(timed_pass(engine, Op.READ, fd, buffer, size, block_size_bytes) for _ in range(max(1, reads)))
+    finally:
+        os.close(fd)
+    return size / write_s, size / read_s

@@ -18,6 +18,7 @@ from tba import TbaConfigError
 from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.integrations import deepspeed as tba_ds
 from tba.integrations import shared_disk
+from tba.io import _bandwidth
 
 
 class FakeEngine:
@@ -262,7 +263,7 @@ def test_shared_disk_check_that_cannot_measure_does_not_end_training(tmp_path, m
     def failing_open(directory, size, **options):
         raise error
 
-    monkeypatch.setattr(shared_disk, "open_scratch", failing_open)
+    monkeypatch.setattr(_bandwidth, "open_scratch", failing_open)
     engine = FakeEngine(nvme_config(str(nvme), backend="threads", min_offload_bytes=0))
     offload = tba_ds.TbaDeepSpeed(engine)
     with caplog.at_level(logging.WARNING, logger="tba"):
