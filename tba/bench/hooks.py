@@ -19,10 +19,7 @@ step ends with one, so that no step's kernels run into the next one's clock.
 The *keep* path runs the same loop inside ``tba.keep_in_memory()`` under the offload context:
 every tensor goes through the pack hook and stays in memory.
 
-The *many* case (:func:`measure_many`) is the large-count check: ``count`` storages written to
-the disk directory, backward time with and without tba. To hold ``count`` x 64 KiB without three
-copies of it in memory, its leaves are ``LEAVES_IN_MANY`` tensors reused in turn and each output is
-reduced by ``sum()`` (so only the saved outputs, which tba moves to the file, hold memory).
+The *many* case, the large-count check, is ``tba/bench/hooks_many.py``'s.
 """
 
 from __future__ import annotations
@@ -42,9 +39,6 @@ from tba.bench.python_work import KINDS, PythonWork, count_step
 from tba.bench.sampler import StackSampler
 from tba.bench.thread_cpu import by_name as cpu_by_name
 from tba.bench.thread_cpu import snapshot as thread_cpu_snapshot
-
-LEAVES_IN_MANY = 64
-"""Distinct leaf tensors the many-storage loop cycles through."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +194,7 @@ def measure(case: HookCase, warmups: int = 2, repeats: int = 3, thread_cpu: bool
     if python_work:
         work, top = _python_work(leaves, grad, case)
     return HookResult(case, best["base"][0], best["base"][1], best["tba"][0], best["tba"][1],
-                      _per_storage_us(spent["tba"][1], case.count), _per_storage_us(spent["base"][1], case.count),
+                      per_storage_us(spent["tba"][1], case.count), per_storage_us(spent["base"][1], case.count),
                       profile, {name: (sums[0] / repeats, sums[1] / repeats) for name, sums in total.items()},
                       {name: sums[2] / repeats for name, sums in total.items()},
                       {name: sums[3] for name, sums in total.items()}, work, top)
@@ -225,66 +219,6 @@ def _python_work(leaves: list[torch.Tensor], grad: torch.Tensor, case: HookCase)
     return work, top
 
 
-def _per_storage_us(ns_by_thread: dict[str, int], count: int) -> dict[str, float]:
+def per_storage_us(ns_by_thread: dict[str, int], count: int) -> dict[str, float]:
+    """Nanoseconds by thread as microseconds per storage, the busiest thread first."""
     return {thread: ns / 1e3 / count for thread, ns in sorted(ns_by_thread.items(), key=lambda item: -item[1])}
-
-
-@dataclasses.dataclass
-class ManyResult:
-    """Backward seconds of the many-storage loop with and without tba (best of ``repeats``)."""
-
-    count: int
-    size_bytes: int
-    directory: str
-    base_backward_s: float
-    tba_backward_s: float
-    base_forward_s: float
-    tba_forward_s: float
-    thread_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
-    """CPU microseconds per storage of each thread over the steps with tba, forward and backward, a mean of
-    ``repeats`` (``thread_cpu``; the loop without tba is not split)."""
-
-    @property
-    def backward_ratio(self) -> float:
-        return self.tba_backward_s / self.base_backward_s
-
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "backward_ratio": self.backward_ratio}
-
-
-def _many_step(leaves: list[torch.Tensor], count: int, directory: str | None) -> tuple[float, float]:
-    for leaf in leaves:
-        leaf.grad = None
-    start = time.perf_counter()
-    context = contextlib.nullcontext() if directory is None else tba.offload_activations(directory=directory)
-    with context:
-        sums = [torch.tanh(leaves[i % len(leaves)]).sum() for i in range(count)]
-    middle = time.perf_counter()
-    torch.autograd.backward(sums)
-    del sums
-    _control.settle()
-    return middle - start, time.perf_counter() - middle
-
-
-def measure_many(count: int, size_bytes: int, directory: str, repeats: int = 1,
-                 progress: Callable[[str], None] | None = None, thread_cpu: bool = False) -> ManyResult:
-    """Backward over ``count`` storages of ``size_bytes`` written to ``directory``, with and without tba."""
-    leaves = [torch.randn(size_bytes // 4, requires_grad=True) for _ in range(LEAVES_IN_MANY)]
-    best = {"base": [float("inf"), float("inf")], "tba": [float("inf"), float("inf")]}
-    spent: dict[str, int] = {}
-    gc.collect()
-    for rep in range(repeats):
-        for name, where in (("base", None), ("tba", directory)):
-            if progress is not None:
-                progress(f"many: {name} {rep + 1}/{repeats}")
-            before = thread_cpu_snapshot() if thread_cpu and where is not None else None
-            forward_s, backward_s = _many_step(leaves, count, where)
-            if before is not None:
-                for thread, ns in cpu_by_name(before, thread_cpu_snapshot()).items():
-                    spent[thread] = spent.get(thread, 0) + ns
-            best[name][0] = min(best[name][0], forward_s)
-            best[name][1] = min(best[name][1], backward_s)
-            gc.collect()
-    per_storage = _per_storage_us({thread: ns // repeats for thread, ns in spent.items()}, count)
-    return ManyResult(count, size_bytes, directory, best["base"][1], best["tba"][1], best["base"][0], best["tba"][0],
-                      per_storage)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 from tba.bench.collector import AloneResult
-from tba.bench.hooks import HookResult, ManyResult
+from tba.bench.hooks import HookResult
+from tba.bench.hooks_many import FLOOR_PROBE_READS, ManyResult
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.defaults import KIB, MIB
 
@@ -90,6 +91,13 @@ def format_many(result: ManyResult) -> str:
     text = (f"{result.count} x {size_text(result.size_bytes)} in {result.directory}: backward "
             f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
             f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
+    if result.floor_s is not None:
+        text += (f"\n  the disk alone: {result.bytes_read / 1e9:.2f} GB read back at {result.disk_read_gbps:.2f} GB/s "
+                 f"(the same directory, 1 MiB {'O_DIRECT' if result.disk_direct else 'buffered'} reads, the best of "
+                 f"{FLOOR_PROBE_READS}, this run) take {result.floor_s:.2f} s, "
+                 f"{result.floor_ratio:.2f}x the backward without tba: no backward reading them goes below that")
+    elif result.disk_error:
+        text += f"\n  the disk's read rate was not measured ({result.disk_error}): no floor for the ratio"
     if result.thread_cpu_us:
         text += "\n  CPU us per storage by thread, with tba: " + ", ".join(
             f"{name} {us:.1f}" for name, us in result.thread_cpu_us.items() if us >= 0.5)

@@ -11,7 +11,9 @@ Rows: each size (``--sizes``) and count (``--counts``, capped so that a row hold
 most ``--max-bytes``) on a disk directory and a RAM-backed one, plus the keep path (the same loop
 inside ``tba.keep_in_memory()``, so every tensor goes through the pack hook and stays in memory).
 ``--many`` adds the large-count check: ``--many-count`` storages of 64 KiB on the disk directory,
-backward time with tba against without. Progress goes to stderr, the table to stdout, ``--json
+backward time with tba against without, and the floor of that ratio: how long the same directory, measured in the
+same run, takes to read the bytes tba read back (Note [The disk's floor under the many-storage ratio] in
+``tba/bench/hooks_many.py``). Progress goes to stderr, the table to stdout, ``--json
 PATH`` writes every figure. ``--allocator`` (default ``auto``: the best caching malloc found, as
 ``python -m tba run`` picks it; ``system``: the C library's) re-executes the command once with that
 malloc preloaded, so that both loops, with and without tba, run under it; the header names the
@@ -36,7 +38,8 @@ from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import detect, run_script_under
 from tba.bench.collector import AloneRunError, measure_alone
-from tba.bench.hooks import HookCase, measure, measure_many
+from tba.bench.hooks import HookCase, measure
+from tba.bench.hooks_many import measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli import _checks as cli_checks
 from tba.cli._hooks_report import (
@@ -120,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=cli_checks.int_at_least(1), default=3,
                         help="measured steps per row; the best counts (default 3)")
     parser.add_argument("--many", action="store_true",
-                        help="also time backward over --many-count storages of 64 KiB on the disk directory")
+                        help="also time backward over --many-count storages of 64 KiB on the disk directory, and the "
+                             "time the disk alone needs to read them (up to 1 GiB written and read twice)")
     parser.add_argument("--many-count", type=cli_checks.int_at_least(1), default=DEFAULT_MANY_COUNT,
                         help=f"storages in the --many case (default {DEFAULT_MANY_COUNT})")
     parser.add_argument("--quick", action="store_true",
@@ -218,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
                   "its files in RAM: those rows measure no disk; pass --disk-dir a directory on a disk", file=sys.stderr)
         ram_dir = None if args.ram_dir == "none" else fresh(args.ram_dir, DEFAULT_RAM_DIR)
         cases = _cases(args, None if args.no_disk else disk_dir, ram_dir)
-        progress = Progress(len(cases) + (2 if args.many else 0) + (1 if args.alone_steps else 0))
+        progress = Progress(len(cases) + (3 if args.many else 0) + (1 if args.alone_steps else 0))
         if args.gc_freeze:
             gc.collect()
             gc.freeze()

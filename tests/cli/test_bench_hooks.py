@@ -41,7 +41,14 @@ def test_quick_run_writes_every_row_and_cleans_up(tmp_path, capsys):
         assert row["mean_s"]["tba"] == [row["tba_forward_s"], row["tba_backward_s"]]
         assert 0 <= row["collector_s"]["tba"] <= row["tba_forward_s"] + row["tba_backward_s"]
         assert set(row["full_collections"]) == {"base", "tba"}
-    assert report["many"]["count"] == 50 and report["many"]["backward_ratio"] > 0
+    many = report["many"]
+    assert many["count"] == 50 and many["backward_ratio"] > 0
+    # Note [The disk's floor under the many-storage ratio]: the bytes tba read back, at the rate the same directory
+    # gave a probe in this run.
+    assert 0 < many["bytes_read"] <= 50 * 64 << 10 and many["disk_read_gbps"] > 0 and not many["disk_error"]
+    assert many["floor_s"] == many["bytes_read"] / (many["disk_read_gbps"] * 1e9)
+    assert many["floor_ratio"] == many["floor_s"] / many["base_backward_s"]
+    assert f"{many['floor_ratio']:.2f}x the backward without tba" in captured.out
     assert "keep_in_memory()" in captured.out and "backward" in captured.out
     assert "mean of the 1 measured steps" in captured.out and "6 x 64 KiB ram:" in captured.out
     assert "6 x 64 KiB" in captured.err
@@ -309,3 +316,36 @@ def test_a_missing_tba_dir_is_refused_naming_it(tmp_path, capsys, monkeypatch):
         bench_hooks.run(_args(["--quick", "--ram-dir", "none", "--no-keep"]))
     assert stop.value.code == 2
     assert "$TBA_DIR (used where --disk-dir is not given)" in capsys.readouterr().err
+
+
+def test_many_measures_a_directory_without_o_direct_through_the_page_cache(tmp_path, monkeypatch):
+    """Note [The disk's floor under the many-storage ratio] where the file system has no O_DIRECT (tmpfs before
+    Linux 6.6, some FUSE and network file systems): the probe's O_DIRECT open would fail and leave the ratio without
+    its floor; it reads buffered instead, and the line says so."""
+    from tba.bench import hooks_many
+    from tba.cli._hooks_report import format_many
+
+    opened = []
+    real = hooks_many.directory_bandwidth
+    monkeypatch.setattr(hooks_many, "probe_direct_io", lambda directory: "O_DIRECT is refused (EINVAL)")
+    monkeypatch.setattr(hooks_many, "directory_bandwidth",
+                        lambda *args, direct, **kw: opened.append(direct) or real(*args, direct=direct, **kw))
+    result = hooks_many.measure_many(20, 64 << 10, str(tmp_path))
+    assert opened == [False] and os.listdir(tmp_path) == []
+    assert not result.disk_direct and result.disk_read_gbps > 0 and result.floor_ratio is not None
+    assert "1 MiB buffered reads, the best of 2, this run" in format_many(result)
+
+
+def test_many_says_why_the_ratio_has_no_floor(tmp_path, monkeypatch):
+    from tba.bench import hooks_many
+    from tba.cli._hooks_report import format_many
+
+    def full(directory, size_bytes, direct=True):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hooks_many, "disk_read_gbps", full)
+    result = hooks_many.measure_many(10, 64 << 10, str(tmp_path))
+    assert result.floor_s is None and result.floor_ratio is None and result.as_dict()["floor_ratio"] is None
+    text = format_many(result)
+    assert "the disk's read rate was not measured (OSError: [Errno 28] No space left on device)" in text
+    assert "the disk alone" not in text
