@@ -10,7 +10,7 @@ Backward must read back every byte forward wrote (a few hundred MiB of the last 
 prefetch window holds), so no host path, however cheap, takes it below the time the disk alone needs for those
 bytes. On this project's VM the virtual disk reads 1 MiB ``O_DIRECT`` requests at 1.0-1.8 GB/s from one minute
 to the next, and 100,000 x 64 KiB are 6.55 GB: 3.6-6.5 s, against a backward without tba of 2.4-3.1 s, so the
-floor of the ratio moves between about 1.3x and 2.6x by itself. The check therefore measures the disk in the
+floor of the ratio moves between about 1.2x and 2.7x by itself. The check therefore measures the disk in the
 same run: a nameless file of :data:`FLOOR_PROBE_BYTES` (or the bytes written, if fewer) in the same directory,
 written once and read twice through the engine tba picks (:func:`tba.io.directory_bandwidth`, 1 MiB requests),
 the faster read taken, and reports how long that rate needs for the bytes tba read back: the floor, as a ratio
