@@ -116,8 +116,27 @@ class HostBatch:
         if closed:
             on_done(WRITE_NOT_NEEDED)
         elif not self._flush_scheduled:
-            self._flush_scheduled = True
+            self._schedule_flush(write)
+
+    def _schedule_flush(self, write: _Write) -> None:
+        """Flush once the deferred saves queued so far have run; ``write`` just joined the queue.
+
+        Note: [A flush that could not be scheduled]
+        Scheduling appends to the control thread's list of batch-end callbacks, and that append can fail (a
+        MemoryError). The flag was set first: no later write scheduled a flush, and the queue waited for ever (a
+        reusable offloader's ``flush()`` never returned). And the write the caller was told had failed stayed in the
+        queue, to be sent for an entry its save had already undone or kept in memory (Note [A save that fails after
+        its entry is registered] in ``tba/runtime/_store_lifetime.py``). So the flag is set once the flush is
+        scheduled, and a failure takes ``write`` back out of the queue before it goes up: the save was not queued.
+        """
+        try:
             _control.after_batch(self.flush)
+        except BaseException:
+            with self._lock:
+                if self._waiting and self._waiting[-1] is write:
+                    self._waiting.pop()
+            raise
+        self._flush_scheduled = True
 
     def read(self, nbytes: int, phase_bytes: int, fd: int, offset: int,
              on_done: Callable[[BaseException | None, Any, Any], None]) -> None:

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 #   every step undone, the entry dead, and goes up: the save job keeps the tensor in memory with a warning for an
 #   ``Exception`` (``_keep_unsaved`` in tba/runtime/_hooks.py), and for the others backward raises a TbaError naming
 #   the failed save. A write that raised is taken as not queued: the host batch's ``write`` queues it in one append,
-#   after which only its scheduling of the flush (``after_batch``, a list append) could fail, which is not handled;
-#   a queued write's own completion settles its entry.
+#   and takes it back out when the scheduling of the flush after it fails (Note [A flush that could not be
+#   scheduled] in tba/runtime/_host_io.py); a queued write's own completion settles its entry.
 COUNTED, MAPPED, IN_WINDOW, REGISTERED, WRITING, CLOCKED = range(1, 7)
 """The steps of a fresh save, counted as they take effect: ``live_entries`` counted, ``_by_storage`` mapped, the
 window's ``add``, ``_resident`` (the entry is registered), the extent allocated with ``_writing`` and
