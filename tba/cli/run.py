@@ -1,7 +1,7 @@
 """Run a Python script or module under a caching malloc (jemalloc, tcmalloc or mimalloc), preloaded.
 
 ``python -m tba run [--allocator auto|jemalloc|tcmalloc|mimalloc|system] script.py args...``
-(or ``... run -m package.module args...``) replaces itself with ``python script.py args...``
+(or ``... run -m package.module args...``, or ``... run -c "code" args...``) replaces itself with ``python script.py args...``
 whose environment has the allocator's library first in ``LD_PRELOAD`` (plus
 :data:`tba.allocator.SETTINGS` where unset: ``MALLOC_CONF=dirty_decay_ms:-1`` for jemalloc). One
 line on stderr names the allocator, its library and the allocator variables set (``MALLOC_CONF``,
@@ -28,18 +28,25 @@ from tba.errors import TbaConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.usage = "python -m tba run [--allocator NAME] (script.py | -m module) [args ...]"
+    parser.usage = "python -m tba run [--allocator NAME] (script.py | -m module | -c code) [args ...]"
     parser.add_argument("--allocator", choices=CHOICES, default="auto",
                         help="malloc to preload: auto = first found of tcmalloc, jemalloc, mimalloc (default); "
                              "system = the C library's, no preload")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ...",
                         help="run a module as python -m does; everything after it is the module's")
+    parser.add_argument("-c", dest="code", nargs=argparse.REMAINDER, metavar="CODE ...",
+                        help="run code as python -c does; everything after the code is its sys.argv[1:]")
     parser.add_argument("script", nargs=argparse.REMAINDER, metavar="script.py args",
                         help="the script and its arguments")
 
 
 def command_line(args: argparse.Namespace) -> list[str]:
-    """The Python command the launcher execs: ``[python, script, args...]`` or ``[python, -m, module, args...]``."""
+    """The Python command the launcher execs: ``[python, script, args...]``, ``[python, -m, module, args...]`` or
+    ``[python, -c, code, args...]``."""
+    if args.code is not None:
+        if not args.code:
+            raise TbaConfigError('-c needs the code to run: python -m tba run -c "import torch; ..." [args ...]')
+        return [sys.executable, "-c", *args.code]
     if args.module is not None:
         if not args.module:
             raise TbaConfigError("-m needs a module name: python -m tba run -m package.module [args ...]")

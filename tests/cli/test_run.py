@@ -76,6 +76,16 @@ def test_a_module_runs_with_its_arguments(tmp_path):
     assert json.loads(proc.stdout)["argv"] == ["3", "--flag"]
 
 
+def test_code_runs_with_its_arguments_under_the_allocator(tmp_path):
+    """``run -c`` was refused ('unrecognized arguments: -c'): a one-liner needed a script file."""
+    code = "import json, os, sys; print(json.dumps([sys.argv[1:], os.environ.get('LD_PRELOAD', '')])); sys.exit(4)"
+    proc = subprocess.run([sys.executable, "-m", "tba", "run", "--allocator", "system", "-c", code, "a", "-m", "b"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 4, proc.stderr
+    assert json.loads(proc.stdout)[0] == ["a", "-m", "b"]
+    assert "tba run: malloc system" in proc.stderr
+
+
 def test_an_allocator_that_is_not_installed_is_one_line_and_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(allocator, "find_library", lambda name: None)
     assert main(["run", "--allocator", "tcmalloc", "script.py"]) == 2
@@ -84,7 +94,7 @@ def test_an_allocator_that_is_not_installed_is_one_line_and_exit_2(monkeypatch, 
     assert "allocator 'tcmalloc' not found" in err[0] and "libtcmalloc-minimal4" in err[0]
 
 
-@pytest.mark.parametrize("argv", [["run"], ["run", "-m"], ["run", "--allocator", "system"]])
+@pytest.mark.parametrize("argv", [["run"], ["run", "-m"], ["run", "-c"], ["run", "--allocator", "system"]])
 def test_nothing_to_run_is_one_line_and_exit_2(argv, capsys):
     assert main(argv) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
