@@ -66,3 +66,16 @@ def error_text(error: BaseException | None) -> str:
         return str(error)
     except Exception:  # noqa: BLE001 - no text: the caller names the error by its type, or reads no cause from it
         return ""
+
+
+def error_summary(error: BaseException) -> str:
+    """``error``'s text, or its type's name when it has none, for a log line about a failure tba settled.
+
+    Note: [A log record holds no failed save's frames]
+    A log record keeps its arguments until it is formatted, and handlers that keep records (``MemoryHandler``,
+    pytest's ``caplog``, a queue to a listener thread) keep them for long after. Passed the error itself, a failed
+    save's record kept the error's traceback, whose frames held the saved tensor and, through its ``grad_fn``, the
+    step's graph: memory the program had freed, alive for as long as the handler kept the record. A record gets this
+    string instead.
+    """
+    return error_text(error) or type(error).__name__

@@ -26,7 +26,7 @@ from tba import _control, _trace
 from tba._trace import traced
 from tba._untrack import untrack
 from tba.device import is_device_tensor
-from tba.errors import TbaError
+from tba.errors import TbaError, error_summary
 from tba.runtime._compile import never_traced
 from tba.runtime._entry import StorageEntry
 from tba.runtime._keep import KeepDecision, KeepReason, kept_after_block
@@ -231,7 +231,8 @@ class SavedTensorHooks(UnpackHooks, KeepDecision):
         view.keep(tensor)
         with self._store.lock:
             self._stats.count_kept(KeepReason.SAVE_FAILED, tensor.numel() * tensor.element_size())
-        logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error)
+        # Note [A log record holds no failed save's frames] in tba/errors.py
+        logger.warning("tba: could not start writing a saved tensor (%s); it stays in memory", error_summary(error))
 
     def _not_active_message(self) -> str:
         if self._phase is Phase.CLOSED:

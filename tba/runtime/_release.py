@@ -26,7 +26,7 @@ import torch
 
 from tba import defaults
 from tba._fork_lock import ForkSafeLock
-from tba.errors import EngineClosedError, error_text
+from tba.errors import EngineClosedError, error_summary, error_text
 from tba.io import checksum
 from tba.runtime._entry import State, StorageEntry
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
@@ -215,16 +215,17 @@ class StoreRelease:
         """Log a failed write: a warning the first time per directory and cause, else at debug level. ``kept``: its
         storage stays in memory (False: it had died, and nothing is kept or counted)."""
         cause, fix = write_error_cause(error, end_bytes)
+        text = error_summary(error)  # Note [A log record holds no failed save's frames] in tba/errors.py
         key = (self.spill.directory, cause)
         with _WARNED_LOCK:
             first = key not in _WARNED_WRITE_ERRORS
             _WARNED_WRITE_ERRORS.add(key)
         outcome = "kept in memory" if kept else "its storage had died, nothing kept"
         if not first:
-            logger.debug("tba: write to %s failed again (%s); %s", self.spill.directory, error, outcome)
+            logger.debug("tba: write to %s failed again (%s); %s", self.spill.directory, text, outcome)
         else:
             logger.warning("tba: writing activations to %s failed (%s); keeping them in memory instead and training "
-                           "goes on (stats.bytes_kept_on_error counts them%s). %s", self.spill.directory, error,
+                           "goes on (stats.bytes_kept_on_error counts them%s). %s", self.spill.directory, text,
                            "" if kept else "; this one's storage had died, so nothing was kept", fix)
 
     def _checksum_written(self, entry: StorageEntry) -> None:

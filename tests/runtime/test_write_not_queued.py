@@ -170,3 +170,33 @@ def test_an_error_without_text_still_keeps_the_storage_and_lets_a_one_shot_offlo
     assert offloader._store.live_entries == 0
     assert offloader.stats.tensors_kept_on_error == 1 and "save failed" not in offloader.stats.kept_by_reason
     assert offloader._phase is Phase.CLOSED  # its last view died: the one-shot offloader closed its file
+
+
+@pytest.mark.parametrize("point", ["window", "write"])
+def test_a_kept_log_record_holds_no_failed_save(spill_dir, monkeypatch, point):
+    """Note [A log record holds no failed save's frames] in tba/errors.py: the warning's record was given the error
+    itself, so a handler that keeps records (here a MemoryHandler) kept its traceback's frames, and with them the
+    saved tensor and the step's graph. The record holds text: the error's, or its type's name."""
+    import logging.handlers
+
+    monkeypatch.setattr(_release, "_WARNED_WRITE_ERRORS", set())
+    model, x = model_and_input()
+    kept = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1)
+    logger = logging.getLogger("tba")
+    logger.addHandler(kept)
+    try:
+        offloader = tba.Offloader(spill_dir, min_offload_bytes=0, policy="offload")
+        try:
+            _fail_at(monkeypatch, point, MemoryError, 1)
+            with offloader:
+                loss = model(x).square().sum()
+            _control.settle()
+            monkeypatch.undo()
+            loss.backward()
+        finally:
+            offloader.close()
+    finally:
+        logger.removeHandler(kept)
+    records = [r for r in kept.buffer if "a test fails" in r.getMessage()]
+    assert records, [r.getMessage() for r in kept.buffer]
+    assert not [arg for r in records for arg in (r.args or ()) if isinstance(arg, BaseException)]
