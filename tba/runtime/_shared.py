@@ -159,6 +159,11 @@ def close_idle() -> int:
     return len(idle)
 
 
+REAPER_JOIN_S = 5.0
+"""Most seconds :func:`shutdown` waits for the reaper it cancelled to end (Note [Shutdown waits for the reaper it
+cancels]); it ends at once unless the machine is starved."""
+
+
 def _due_s(runtime: Runtime) -> float:
     """When the reaper next has work on idle ``runtime``: give its space back, or close it."""
     wait_s = defaults.RUNTIME_IDLE_CLOSE_S
@@ -251,6 +256,12 @@ def _shutdown_job() -> None:
         reaper, _reaper = _reaper, None
     if reaper is not None:
         reaper.cancel()
+        # Note: [Shutdown waits for the reaper it cancels]
+        # A cancelled Timer's thread ends on its own a moment later, and under load that moment outlasted shutdown():
+        # a thread of tba's left after it. The reaper never waits for the control thread: past its cancel it only
+        # takes ``_lock`` (free here) to find that it is no longer the reaper, and returns.
+        if reaper is not threading.current_thread():
+            reaper.join(REAPER_JOIN_S)
     for runtime in stale:
         runtime.close()
 

@@ -44,8 +44,8 @@ def test_quick_run_writes_every_row_and_cleans_up(tmp_path, capsys):
     many = report["many"]
     assert many["count"] == 50 and many["backward_ratio"] > 0
     # Note [The disk's floor under the many-storage ratio]: the bytes tba read back, at the rate the same directory
-    # gave a probe in this run.
-    assert 0 < many["bytes_read"] <= 50 * 64 << 10 and many["disk_read_gbps"] > 0 and not many["disk_error"]
+    # gave a probe in this run (none at all when every write was still waiting as backward began: CI under load).
+    assert 0 <= many["bytes_read"] <= 50 * 64 << 10 and many["disk_read_gbps"] > 0 and not many["disk_error"]
     assert many["floor_s"] == many["bytes_read"] / (many["disk_read_gbps"] * 1e9)
     assert many["floor_ratio"] == many["floor_s"] / many["base_backward_s"]
     assert f"{many['floor_ratio']:.2f}x the backward without tba" in captured.out

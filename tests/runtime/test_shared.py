@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -144,6 +145,29 @@ def test_shutdown_while_a_context_runs_closes_its_runtime_when_it_ends(spill_dir
     tba.shutdown()
     loss.backward()
     assert _shared.idle_runtimes() == 0 and open_fds() == before
+
+
+def test_shutdown_leaves_no_reaper_thread(spill_dir, monkeypatch):
+    """Note [Shutdown waits for the reaper it cancels]: a cancelled Timer's thread ends on its own, a moment later.
+    Under load that moment outlasted shutdown(), and a test that counted threads after it found the reaper (CI, 1 of
+    2,326). A Timer slow to end after its cancel makes the moment long."""
+
+    class SlowToEnd(threading.Timer):
+        def run(self):
+            super().run()
+            time.sleep(0.5)
+
+    monkeypatch.setattr(_shared.threading, "Timer", SlowToEnd)
+    tba.shutdown()
+    threads = set(threading.enumerate())
+    x = torch.randn(64, 1024, requires_grad=True)
+    with tba.offload_activations(spill_dir, backend="threads", min_offload_bytes=0):
+        loss = (x * 2).sin().sum()
+    loss.backward()
+    settle()
+    assert any(isinstance(t, SlowToEnd) for t in threading.enumerate())  # the idle runtime's reaper waits
+    tba.shutdown()
+    assert not [t for t in threading.enumerate() if t not in threads and t.name != "tba-control"]
 
 
 def test_idle_runtimes_close_after_the_idle_time(spill_dir, open_fds, monkeypatch):
