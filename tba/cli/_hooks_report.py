@@ -91,7 +91,9 @@ def format_many(result: ManyResult) -> str:
     text = (f"{result.count} x {size_text(result.size_bytes)} in {result.directory}: backward "
             f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
             f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
-    if result.floor_s is not None:
+    if result.floor_s is not None and not result.bytes_read:
+        text += "\n  tba read nothing back (backward took every storage from memory): the disk sets no floor"
+    elif result.floor_s is not None:
         text += (f"\n  the disk alone: {result.bytes_read / 1e9:.2f} GB read back at {result.disk_read_gbps:.2f} GB/s "
                  f"(the same directory, 1 MiB {'O_DIRECT' if result.disk_direct else 'buffered'} reads, the best of "
                  f"{FLOOR_PROBE_READS}, this run) take {result.floor_s:.2f} s, "

@@ -48,7 +48,8 @@ def test_quick_run_writes_every_row_and_cleans_up(tmp_path, capsys):
     assert 0 <= many["bytes_read"] <= 50 * 64 << 10 and many["disk_read_gbps"] > 0 and not many["disk_error"]
     assert many["floor_s"] == many["bytes_read"] / (many["disk_read_gbps"] * 1e9)
     assert many["floor_ratio"] == many["floor_s"] / many["base_backward_s"]
-    assert f"{many['floor_ratio']:.2f}x the backward without tba" in captured.out
+    assert (f"{many['floor_ratio']:.2f}x the backward without tba" if many["bytes_read"] else
+            "tba read nothing back") in captured.out
     assert "keep_in_memory()" in captured.out and "backward" in captured.out
     assert "mean of the 1 measured steps" in captured.out and "6 x 64 KiB ram:" in captured.out
     assert "6 x 64 KiB" in captured.err
@@ -334,6 +335,15 @@ def test_many_measures_a_directory_without_o_direct_through_the_page_cache(tmp_p
     assert opened == [False] and os.listdir(tmp_path) == []
     assert not result.disk_direct and result.disk_read_gbps > 0 and result.floor_ratio is not None
     assert "1 MiB buffered reads, the best of 2, this run" in format_many(result)
+
+
+def test_many_that_read_nothing_back_names_no_floor():
+    from tba.bench.hooks_many import ManyResult
+    from tba.cli._hooks_report import format_many
+
+    text = format_many(ManyResult(50, 64 << 10, "/d", 1.0, 1.5, 1.0, 1.2, bytes_read=0, disk_read_gbps=1.0))
+    assert "tba read nothing back (backward took every storage from memory): the disk sets no floor" in text
+    assert "the disk alone" not in text
 
 
 def test_many_says_why_the_ratio_has_no_floor(tmp_path, monkeypatch):
