@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -334,7 +335,8 @@ def test_many_measures_a_directory_without_o_direct_through_the_page_cache(tmp_p
     result = hooks_many.measure_many(20, 64 << 10, str(tmp_path))
     assert opened == [False] and os.listdir(tmp_path) == []
     assert not result.disk_direct and result.disk_read_gbps > 0 and result.floor_ratio is not None
-    assert "1 MiB buffered reads, the best of 2, this run" in format_many(result)
+    # 20 storages may all be taken from memory: the line is read as it is for a step that read some back.
+    assert "1 MiB buffered reads, the best of 2, this run" in format_many(dataclasses.replace(result, bytes_read=1 << 20))
 
 
 def test_many_that_read_nothing_back_names_no_floor():
