@@ -217,20 +217,40 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def _canonical(path: str) -> str:
+    """``path`` with every link above its last name resolved: the name a save publishes at.
+
+    Note: [One checkpoint, many spellings of its path]
+    Saves were registered, and loads waited, under ``os.path.abspath`` of the path they were given: a
+    load through a linked parent (``/scratch`` -> ``/mnt/nvme``) or a ``latest`` link to the checkpoint
+    of a lazy save still running read the checkpoint before it, silently, and two checkpointers given
+    two spellings published in any order (helper-153). A save is registered under its parent's
+    real path and its own last name (a save to a link replaces the link, never what it names); a load
+    waits for the saves of both that name and the one its path resolves to.
+    """
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(os.path.realpath(parent), name)
+
+
 def begin_save(path: str, done: threading.Event) -> None:
-    """Register a lazy save to ``path`` (absolute) that sets ``done`` once published or failed."""
+    """Register a lazy save to ``path`` that sets ``done`` once published or failed."""
     with _saves_lock:
-        _saves.setdefault(path, []).append(done)
+        _saves.setdefault(_canonical(path), []).append(done)
+
+
+def _pending_with(done: threading.Event) -> tuple[str | None, list[threading.Event]]:
+    """The key and list of the saves registered with ``done``; call with ``_saves_lock`` held."""
+    return next(((key, pending) for key, pending in _saves.items() if done in pending), (None, []))
 
 
 def end_save(path: str, done: threading.Event) -> None:
-    """The save registered with ``done`` has ended."""
+    """The save registered with ``done`` has ended (found by ``done``: the path's links may have changed since)."""
     with _saves_lock:
-        pending = _saves.get(path, [])
-        if done in pending:
+        key, pending = _pending_with(done)
+        if key is not None:
             pending.remove(done)
-        if not pending:
-            _saves.pop(path, None)
+            if not pending:
+                _saves.pop(key, None)
 
 
 def wait_for_earlier_saves(path: str, done: threading.Event) -> None:
@@ -243,7 +263,7 @@ def wait_for_earlier_saves(path: str, done: threading.Event) -> None:
     registered before it have ended, so the path ends with the state of the last ``save`` call.
     """
     with _saves_lock:
-        pending = _saves.get(path, [])
+        _, pending = _pending_with(done)
         earlier = pending[: pending.index(done)] if done in pending else []
     for event in earlier:
         event.wait()
@@ -251,9 +271,10 @@ def wait_for_earlier_saves(path: str, done: threading.Event) -> None:
 
 def wait_for_saves(path: str) -> None:
     """Wait until every lazy save of this process to ``path`` has ended (Note [A load waits for the saves to its
-    path])."""
+    path], Note [One checkpoint, many spellings of its path])."""
+    names = {_canonical(path), _canonical(os.path.realpath(path))}
     with _saves_lock:
-        pending = list(_saves.get(os.path.abspath(path), []))
+        pending = [done for name in names for done in _saves.get(name, [])]
     if pending:
         logger.info("tba: reading %s waits for the lazy save to it to finish", path)
     for done in pending:
