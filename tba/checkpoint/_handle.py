@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from tba import _sched
 from tba.checkpoint._io import TbaCheckpointError
-from tba.checkpoint._publish import end_save
+from tba.checkpoint._pending import end_save
 
 logger = logging.getLogger("tba")
 
@@ -100,7 +100,7 @@ class LazyCheckpoint:
         self.total_s = time.perf_counter() - self._start
         self._mark_snapshot()
         self._done.set()
-        end_save(self.path, self._done)
+        end_save(self._done)
         if self._on_done is not None:
             try:
                 with _sched.ordinary():  # what the user's callback starts must not inherit SCHED_BATCH

@@ -40,7 +40,8 @@ from tba import _sched
 from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
 from tba.checkpoint._handle import LazyCheckpoint
 from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError, interrupt_in, size_bytes
-from tba.checkpoint._publish import begin_save, hold_staging, release_staging, wait_for_earlier_saves
+from tba.checkpoint._pending import begin_save, wait_for_earlier_saves
+from tba.checkpoint._publish import hold_staging, release_staging
 from tba.checkpoint._stale import remove_dead_warm_ups, warm_up_prefix
 from tba.checkpoint._writer import TbaStorageWriter
 
@@ -182,7 +183,7 @@ class LazyCheckpointer:
                 watch = StepWatch(watched, self._guards)
                 self._writer.check_snapshot = lambda: check_unchanged(watched, path, watch)
                 # Note [Lazy saves to one path publish in call order]
-                self._writer.before_publish = lambda: wait_for_earlier_saves(path, handle._done)
+                self._writer.before_publish = lambda: wait_for_earlier_saves(handle._done)
                 self._latest = handle
                 # Note: [A checkpoint started is finished at exit]
                 # The save thread is not a daemon: the interpreter joins it before it exits, so a script

@@ -38,7 +38,8 @@ from tba.checkpoint._io import (
     host_buffer,
     make_engine,
 )
-from tba.checkpoint._publish import METADATA_NAME, wait_for_saves
+from tba.checkpoint._pending import wait_for_saves
+from tba.checkpoint._publish import METADATA_NAME
 from tba.checkpoint._stale import remove_stale_partials
 
 _TRIES = 3

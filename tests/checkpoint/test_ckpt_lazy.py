@@ -265,7 +265,7 @@ def test_state_dcp_cannot_save_is_refused_by_the_save_call(tmp_path, state, matc
 def test_an_interrupt_inside_save_leaves_no_save_that_loads_and_later_saves_wait_for(tmp_path, monkeypatch):
     """Ctrl-C after the save was registered and before its thread started left it registered for ever: a later load or
     save of the path (in a notebook, after the interrupt) waited for ever (helper-91)."""
-    from tba.checkpoint import _lazy, _publish
+    from tba.checkpoint import _lazy, _pending
 
     path = str(tmp_path / "c")
     with LazyCheckpointer() as checkpointer:
@@ -278,7 +278,7 @@ def test_an_interrupt_inside_save_leaves_no_save_that_loads_and_later_saves_wait
         with pytest.raises(KeyboardInterrupt):
             checkpointer.save({"w": torch.ones(3)}, path)
         monkeypatch.undo()
-        assert path not in _publish._saves
+        assert path not in _pending._saves
         handle = checkpointer.save({"w": torch.full((3,), 2.0)}, path)
         handle.wait(timeout_s=30)
     assert torch.equal(load_state(path, {"w": torch.empty(3)}, TbaStorageReader(path))["w"], torch.full((3,), 2.0))
