@@ -139,6 +139,30 @@ def _exchange(a: str, b: str) -> None:
         raise OSError(code, os.strerror(code), a)
 
 
+def _foreign(path: str) -> list[str]:
+    """What at ``path`` a save must not replace: names in the directory that are not a checkpoint's, or the file."""
+    if os.path.islink(path) or not os.path.lexists(path):
+        return []  # a link (a ``latest`` pointer) is replaced, never what it names
+    if not os.path.isdir(path):
+        return [os.path.basename(path)]
+    return sorted(n for n in os.listdir(path) if n != METADATA_NAME and not n.endswith(DATA_SUFFIX))
+
+
+def _refuse(target: str, names: list[str]) -> TbaCheckpointError:
+    """Note: [Files added to the path while a save runs]
+    ``prepare_local_plan`` refuses a path holding anything but a checkpoint's files, but a lazy save
+    publishes seconds after ``save()`` returned: a ``config.json`` written into the path meanwhile (as
+    beside ``save_pretrained``'s weights) was in the directory the publication replaced, and was
+    deleted with it (helper-153). :func:`swap_into_place` looks again before it publishes, and once
+    more at what it moved aside (a file written between the look and the swap): the old directory is
+    put back and the save fails, its files kept.
+    """
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return TbaCheckpointError(f"{target} held {shown} when the save was about to publish, written there after it "
+                              "started; tba never replaces other files, so this checkpoint was not published and "
+                              "the directory is as it was; write such files after handle.wait(), or elsewhere")
+
+
 def swap_into_place(staging: str, target: str) -> str | None:
     """Publish the directory ``staging`` as ``target`` atomically.
 
@@ -146,12 +170,15 @@ def swap_into_place(staging: str, target: str) -> str | None:
     exchanged with ``renameat2(RENAME_EXCHANGE)``, so that at every instant ``target`` names either
     the old checkpoint or the new one; the old one is then found at ``staging`` and the caller
     removes it. Where the file system has no exchange, the old one is first renamed aside (a
-    window in which ``target`` is missing, logged once).
+    window in which ``target`` is missing, logged once). A ``target`` holding other files is never
+    replaced (Note [Files added to the path while a save runs]).
 
     Returns:
         The path now holding the replaced checkpoint, or None when there was none.
     """
     parent = os.path.dirname(target)
+    if names := _foreign(target):
+        raise _refuse(target, names)
     if not os.path.lexists(target):
         os.rename(staging, target)
         fsync_path(parent)
@@ -167,11 +194,17 @@ def swap_into_place(staging: str, target: str) -> str | None:
         aside = staging + ".old"
         os.rename(target, aside)
         try:
+            if names := _foreign(aside):
+                raise _refuse(target, names)
             os.rename(staging, target)
         except BaseException:
             with contextlib.suppress(OSError):  # the old checkpoint goes back: the save failed, nothing changed
                 os.rename(aside, target)
             raise
+    else:
+        if names := _foreign(aside):
+            _exchange(staging, target)  # the old directory goes back; the new checkpoint is at staging again
+            raise _refuse(target, names)
     fsync_path(parent)
     return aside
 

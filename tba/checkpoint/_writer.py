@@ -46,6 +46,7 @@ from tba.checkpoint._io import (
     Engine,
     ImagePool,
     StorageInfo,
+    TbaCheckpointError,
     TbaConfigError,
     align_up,
     check_engine_settings,
@@ -280,8 +281,10 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             if self.before_publish is not None:
                 self.before_publish()
             replaced = swap_into_place(staging, self.path)
-        except OSError as err:
+        except (OSError, TbaCheckpointError) as err:
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(err, TbaCheckpointError):  # Note [Files added to the path while a save runs]
+                raise
             raise checkpoint_error(err, "publishing the checkpoint", parent) from err
         finally:
             ACTIVE_STAGING.discard(staging)

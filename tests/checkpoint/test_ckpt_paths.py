@@ -13,10 +13,12 @@ from tba.checkpoint import _layout
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
 
 
-def _slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+def _slow_writes(monkeypatch: pytest.MonkeyPatch, meanwhile=lambda: None) -> None:
+    """Each save's writes start 0.5 s late, after ``meanwhile()`` (the user's next lines) has run."""
     write_image = _layout.write_image
 
     def slow_write_image(*args, **kwargs):
+        meanwhile()
         time.sleep(0.5)
         return write_image(*args, **kwargs)
 
@@ -47,3 +49,64 @@ def test_a_load_by_another_spelling_of_the_path_waits_for_the_lazy_save(tmp_path
         tc.load(load_path, fresh)
         assert handle.done()
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_file_written_into_the_path_while_a_lazy_save_runs_is_never_deleted(tmp_path, monkeypatch):
+    """Note [Files added to the path while a save runs]: config.json written beside a lazy save's checkpoint after
+    save() returned was deleted with the replaced directory when the save published (helper-153)."""
+    path = tmp_path / "step100"
+    model = torch.nn.Linear(256, 256)
+    with tc.LazyCheckpointer() as checkpointer:
+        def write_config() -> None:  # save() has returned: the save thread plans, then writes
+            path.mkdir()
+            (path / "config.json").write_text('{"width": 256}')
+
+        _slow_writes(monkeypatch, write_config)
+        handle = checkpointer.save(tc.state_dict(model), path)
+        with pytest.raises(tc.TbaCheckpointError, match="config.json"):
+            handle.wait()
+    assert (path / "config.json").read_text() == '{"width": 256}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step100"]  # no staging directory left
+
+
+def test_a_file_added_to_an_earlier_checkpoint_while_a_save_runs_is_never_deleted(tmp_path, monkeypatch):
+    """The same, where a checkpoint was at the path already: the files beside it went with it (helper-153)."""
+    path = tmp_path / "latest"
+    model = torch.nn.Linear(256, 256)
+    with tc.LazyCheckpointer() as checkpointer:
+        checkpointer.save(tc.state_dict(model), path).wait()
+        _slow_writes(monkeypatch, lambda: (path / "notes.txt").write_text("keep me"))
+        handle = checkpointer.save(tc.state_dict(model), path)
+        with pytest.raises(tc.TbaCheckpointError, match="notes.txt"):
+            handle.wait()
+    assert (path / "notes.txt").read_text() == "keep me"
+    fresh = torch.nn.Linear(256, 256)
+    tc.load(path, fresh)  # the earlier checkpoint is still there, whole
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_file_written_between_the_last_look_and_the_exchange_is_put_back_with_its_directory(tmp_path, monkeypatch):
+    """Note [Files added to the path while a save runs]: what the exchange moved aside is looked at too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tba.checkpoint import TbaStorageWriter, _publish
+
+    path = tmp_path / "step"
+    dcp.save({"w": torch.zeros(3)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    exchange = _publish._exchange
+
+    def late_file_then_exchange(a, b):
+        if not (path / "late.txt").exists():
+            (path / "late.txt").write_text("late")
+        exchange(a, b)
+
+    monkeypatch.setattr(_publish, "_exchange", late_file_then_exchange)
+    with pytest.raises(CheckpointException, match="late.txt"):  # dcp.save wraps tba's TbaCheckpointError
+        dcp.save({"w": torch.ones(3)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    monkeypatch.undo()
+    assert (path / "late.txt").read_text() == "late"
+    loaded = {"w": torch.empty(3)}
+    dcp.load(loaded, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(loaded["w"], torch.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step"]
