@@ -180,9 +180,13 @@ def swap_into_place(staging: str, target: str) -> str | None:
     if names := _foreign(target):
         raise _refuse(target, names)
     if not os.path.lexists(target):
-        os.rename(staging, target)
-        fsync_path(parent)
-        return None
+        try:
+            os.rename(staging, target)
+            fsync_path(parent)
+            return None
+        except OSError as err:  # another process published there since the look: exchange with it
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
     try:
         _exchange(staging, target)
         aside = staging

@@ -85,6 +85,34 @@ def test_a_file_added_to_an_earlier_checkpoint_while_a_save_runs_is_never_delete
     assert torch.equal(fresh.weight, model.weight)
 
 
+def test_a_save_racing_another_process_to_publish_a_new_name_publishes_after_it(tmp_path, monkeypatch):
+    """Two processes saving one new name: the second to rename found the name taken between its look and its rename,
+    and its save failed ("Directory not empty"), though an exchange publishes over a checkpoint (helper-153)."""
+    import shutil
+    import types
+
+    import torch.distributed.checkpoint as dcp
+
+    from tba.checkpoint import TbaStorageWriter, _publish
+
+    other, path = tmp_path / "other", tmp_path / "step"
+    dcp.save({"w": torch.zeros(3)}, storage_writer=TbaStorageWriter(other), no_dist=True)
+    real_os = _publish.os
+
+    def rename(source, target):  # the other process publishes first, just before this one's rename
+        if target == str(path) and not path.exists():
+            shutil.copytree(other, path)
+        return real_os.rename(source, target)
+
+    monkeypatch.setattr(_publish, "os", types.SimpleNamespace(**{**vars(real_os), "rename": rename}))
+    dcp.save({"w": torch.ones(3)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+    monkeypatch.undo()
+    loaded = {"w": torch.empty(3)}
+    dcp.load(loaded, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(loaded["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "step"]
+
+
 def test_a_file_written_between_the_last_look_and_the_exchange_is_put_back_with_its_directory(tmp_path, monkeypatch):
     """Note [Files added to the path while a save runs]: what the exchange moved aside is looked at too."""
     import torch.distributed.checkpoint as dcp
