@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tba import _sched
 from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
 from tba.checkpoint._handle import LazyCheckpoint
-from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaCheckpointError, TbaConfigError, interrupt_in, size_bytes
+from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaConfigError, TbaError, interrupt_in, size_bytes
 from tba.checkpoint._pending import begin_save, wait_for_earlier_saves
 from tba.checkpoint._publish import hold_staging, release_staging
 from tba.checkpoint._stale import remove_dead_warm_ups, warm_up_prefix
@@ -49,9 +49,10 @@ logger = logging.getLogger("tba")
 
 
 def _unwrap(err: BaseException) -> BaseException:
-    """tba's own error from inside DCP's ``CheckpointException`` (which wraps each rank's), else ``err``."""
+    """tba's own error from inside DCP's ``CheckpointException`` (which wraps each rank's), else ``err``: a
+    ``TbaConfigError`` from the save thread too, whose message ``wait()`` then gives alone, not DCP's report."""
     failures = err.failures.values() if isinstance(err, CheckpointException) else ()
-    return next((failure[0] for failure in failures if isinstance(failure[0], TbaCheckpointError)), err)
+    return next((failure[0] for failure in failures if isinstance(failure[0], TbaError)), err)
 
 
 _warmed_up = False

@@ -138,3 +138,27 @@ def test_a_file_written_between_the_last_look_and_the_exchange_is_put_back_with_
     dcp.load(loaded, checkpoint_id=str(path), no_dist=True)
     assert torch.equal(loaded["w"], torch.zeros(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step"]
+
+
+def test_a_config_error_in_the_save_thread_reaches_wait_as_its_own_message(tmp_path, monkeypatch):
+    """A TbaConfigError raised in the lazy save's thread (the path taken by other files after save() returned) came
+    out of wait() as DCP's report: 'failed: CheckpointException ranks:...' and a traceback, the fix on its last line
+    (helper-153)."""
+    from tba.checkpoint import TbaStorageWriter
+
+    path = tmp_path / "step"
+    set_up = TbaStorageWriter.set_up_storage_writer
+
+    def taken_meanwhile(self, *args, **kwargs):
+        path.mkdir(exist_ok=True)
+        (path / "notes.txt").write_text("keep me")
+        return set_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(TbaStorageWriter, "set_up_storage_writer", taken_meanwhile)
+    with tc.LazyCheckpointer() as checkpointer:
+        handle = checkpointer.save({"w": torch.ones(3)}, path)
+        with pytest.raises(tc.TbaCheckpointError) as raised:
+            handle.wait()
+    message = str(raised.value)
+    assert "not a checkpoint directory" in message and "Traceback" not in message, message
+    assert (path / "notes.txt").read_text() == "keep me"
