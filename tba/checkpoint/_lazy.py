@@ -206,6 +206,13 @@ class LazyCheckpointer:
                     stop_watch(watch)
                 handle._finish(err)
                 raise
+        if not threading.main_thread().is_alive():
+            # Note: [A save started at exit is waited for]
+            # The interpreter joins non-daemon threads before it runs atexit handlers: a save started by one
+            # (atexit.register(lambda: save_lazy(...))) was never joined, the interpreter finalized under it,
+            # and nothing was published, or the process aborted ("terminate called without an active
+            # exception"; helper-153). Once the main thread has ended, save() returns when the save has ended.
+            handle._done.wait()
         return handle
 
     def _guards(self, optimizer: torch.optim.Optimizer) -> bool:

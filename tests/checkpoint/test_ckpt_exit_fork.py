@@ -162,3 +162,24 @@ def test_a_forked_child_waiting_on_the_parents_handle_is_told_it_cannot(tmp_path
     """Note [A forked child cannot wait for its parent's save] in tba/checkpoint/_handle.py: it waited for ever."""
     result = _run(FORK_WAIT, str(tmp_path), timeout=90)
     assert result.returncode == 0, f"child status {result.returncode} (-14: hung until SIGALRM)\n{result.stderr[-2000:]}"
+
+
+AT_EXIT = textwrap.dedent("""
+    import atexit, sys, torch
+    from torch import nn
+    import tba.checkpoint as ck
+    model = nn.Linear(1024, 1024)
+    atexit.register(lambda: ck.save_lazy(ck.state_dict(model), sys.argv[1]))
+""")
+
+
+def test_save_lazy_in_an_atexit_handler_publishes_and_exits_cleanly(tmp_path):
+    """Note [A save started at exit is waited for]: the interpreter had joined its threads already, so it
+    finalized under the save thread ("terminate called without an active exception"), and nothing was published
+    (helper-153)."""
+    target = tmp_path / "final"
+    result = _run(AT_EXIT, str(target))
+    assert "terminate called" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (target / ".metadata").exists(), "published nothing"
+    assert not [p for p in os.listdir(tmp_path) if "tba-partial" in p]
