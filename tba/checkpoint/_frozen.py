@@ -48,6 +48,9 @@ Watched = list[tuple[str, torch.Tensor, int]]
 
 def _freeze(value: Any, key: str, watched: Watched) -> Any:
     if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.nn.parameter.UninitializedTensorMixin):  # torch's ValueError came from tba's code
+            raise TbaConfigError(f"state_dict[{key}] is an uninitialised parameter or buffer of a lazy module "
+                                 "(nn.LazyLinear, ...), which holds no data yet; run one forward pass first, or drop it")
         if value.is_meta:  # no data to save; .to_dense() (the other fix) keeps it on meta
             raise TbaConfigError(f"state_dict[{key}] is a tensor on the meta device, which holds no data; "
                                  "materialise it first (module.to_empty(device=...) then initialise or load "

@@ -1,0 +1,22 @@
+"""State a checkpoint cannot hold, or a model it cannot load into, is refused with a tba error naming the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tba.checkpoint as tc
+from tba.errors import TbaConfigError
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
+
+
+@pytest.mark.parametrize("given", ["module", "state_dict"])
+def test_a_lazy_modules_uninitialised_parameters_are_refused_naming_a_forward(tmp_path, given):
+    """nn.LazyLinear before its first forward: save raised torch's ValueError from inside tba (helper-153)."""
+    model = nn.Sequential(nn.LazyLinear(4))
+    with pytest.raises(TbaConfigError, match="forward"):
+        tc.save_lazy({"model": model} if given == "module" else tc.state_dict(model), tmp_path / "c")
+    model(torch.ones(2, 3))  # initialised: saved as any other
+    tc.save_lazy(tc.state_dict(model), tmp_path / "c").wait()
