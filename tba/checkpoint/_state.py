@@ -235,6 +235,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Optimizer | None 
         raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
     _check_targets("load(path, model, optimizer)", model, optimizer)
     _check_extras("load", extra)
+    if meta := next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None):
+        raise TbaConfigError(f"the model's {meta} is on the meta device, with no storage to load into (DCP then asked "
+                             "for a process group); call model.to_empty(device='cpu') first, then load")
     # the target is initialised (a fresh optimizer has state to load into); its state is replaced below
     model_state, optimizer_state = get_state_dict(model, optimizer if optimizer is not None else [])
     state = _assemble(model_state, optimizer, optimizer_state, extra)

@@ -20,3 +20,17 @@ def test_a_lazy_modules_uninitialised_parameters_are_refused_naming_a_forward(tm
         tc.save_lazy({"model": model} if given == "module" else tc.state_dict(model), tmp_path / "c")
     model(torch.ones(2, 3))  # initialised: saved as any other
     tc.save_lazy(tc.state_dict(model), tmp_path / "c").wait()
+
+
+def test_load_into_a_model_on_the_meta_device_names_to_empty(tmp_path):
+    """A model built under torch.device("meta") (as for a large model): load said 'Default process group has not
+    been initialized', which no single-process user can act on (helper-153)."""
+    model = nn.Linear(4, 4)
+    tc.save_lazy(tc.state_dict(model), tmp_path / "c").wait()
+    with torch.device("meta"):
+        empty = nn.Linear(4, 4)
+    with pytest.raises(TbaConfigError, match="to_empty"):
+        tc.load(tmp_path / "c", empty)
+    empty.to_empty(device="cpu")
+    tc.load(tmp_path / "c", empty)
+    assert torch.equal(empty.weight, model.weight)
