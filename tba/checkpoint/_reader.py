@@ -48,6 +48,9 @@ _TRIES = 3
 DEFAULT_BATCH_BYTES = 256 << 20
 """Most bytes read into memory before they are handed to the planner (bytes)."""
 
+EAGER_FILES = 64
+"""Data files a load opens before it reads a byte (Note [A checkpoint of many files is opened file by file])."""
+
 
 
 class CheckpointReplaced(TbaCheckpointError):
@@ -144,25 +147,39 @@ class TbaStorageReader(StorageReader):
                 raise TbaCheckpointError(f"{self.path} uses stream transforms "
                                          f"{info.transform_descriptors}; load it with FileSystemReader")
             per_file.setdefault(info.relative_path, []).append(item)
-        files = self._open_files(list(per_file))
+        directory = self._open_directory()
         try:
-            engine = make_engine(self._backend, queue_depth=self._queue_depth)
+            # Note [A checkpoint of many files is opened file by file]
+            files = self._open_files(directory, list(per_file)) if len(per_file) <= EAGER_FILES else {}
             try:
-                for relative_path, items in per_file.items():
-                    items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-                    self._read_file(engine, os.path.join(self.path, relative_path), files[relative_path],
-                                    items, planner)
+                engine = make_engine(self._backend, queue_depth=self._queue_depth)
+                try:
+                    for relative_path, items in per_file.items():
+                        items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+                        late = {} if relative_path in files else self._open_files(directory, [relative_path], True)
+                        try:
+                            self._read_file(engine, os.path.join(self.path, relative_path),
+                                            files.get(relative_path) or late[relative_path], items, planner)
+                        finally:
+                            _close_all(late)
+                finally:
+                    if engine is not self._backend:  # an Engine passed in is the caller's, as the writer's is
+                        engine.close()
             finally:
-                if engine is not self._backend:  # an Engine passed in is the caller's, as the writer's is
-                    engine.close()
+                _close_all(files)
         finally:
-            _close_all(files)
+            os.close(directory)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _open_files(self, names: list[str]) -> dict[str, tuple[int, int]]:
-        """Open the data files of the checkpoint whose metadata was read, ``(buffered fd, O_DIRECT fd or -1)`` each.
+    def _replaced(self, loading: bool = False) -> CheckpointReplaced:
+        done = ("some of its tensors may be loaded already" if loading else "nothing was loaded")
+        return CheckpointReplaced(f"the checkpoint at {self.path} was replaced by another save while this load read "
+                                  f"it, and {done}; load again (tba.checkpoint.load does, a few times)")
+
+    def _open_directory(self) -> int:
+        """Open the checkpoint's directory and check that its ``.metadata`` is the one ``read_metadata`` parsed.
 
         Note: [A load racing another process's save]
         ``read_metadata`` and ``read_data`` each named files by the checkpoint's path; a save of
@@ -174,18 +191,35 @@ class TbaStorageReader(StorageReader):
         checkpoint is deleted. A mismatch, or a file already deleted, raises
         :class:`CheckpointReplaced` before anything is loaded; :func:`tba.checkpoint.load` retries.
         """
-        opened: dict[str, tuple[int, int]] = {}
-        replaced = CheckpointReplaced(f"the checkpoint at {self.path} was replaced by another save while this "
-                                      "load read it, and nothing was loaded; load again (tba.checkpoint.load "
-                                      "does, a few times)")
         try:
             directory = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError as err:
-            raise replaced from err
+            raise self._replaced() from err
         try:
             with open(METADATA_NAME, "rb", opener=lambda name, flags: os.open(name, flags, dir_fd=directory)) as stream:
                 if self._metadata_bytes is not None and stream.read() != self._metadata_bytes:
-                    raise replaced
+                    raise self._replaced()
+        except BaseException as err:
+            os.close(directory)
+            if isinstance(err, FileNotFoundError):
+                raise self._replaced() from err
+            raise
+        return directory
+
+    def _open_files(self, directory: int, names: list[str], loading: bool = False) -> dict[str, tuple[int, int]]:
+        """Open data files through ``directory``, ``(buffered fd, O_DIRECT fd or -1)`` each.
+
+        Note: [A checkpoint of many files is opened file by file]
+        Every data file was opened, two descriptors each, before a byte was read (Note [A load racing
+        another process's save]): a ``FileSystemWriter(single_file_per_rank=False)`` checkpoint, a
+        file per tensor, failed with "Too many open files" from some 500 tensors under the usual limit
+        of 1024 (helper-153). Up to :data:`EAGER_FILES` files are opened first, as before; more are
+        opened one at a time, as each is read, through the same directory. A save replacing such a
+        checkpoint midway then raises :class:`CheckpointReplaced` with part of it loaded (``FileSystemWriter``
+        writes in place, never whole, anyway); ``tba.checkpoint.load`` loads everything again.
+        """
+        opened: dict[str, tuple[int, int]] = {}
+        try:
             for name in names:
                 fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=directory)
                 opened[name] = (fd, -1)
@@ -196,10 +230,8 @@ class TbaStorageReader(StorageReader):
         except BaseException as err:
             _close_all(opened)
             if isinstance(err, FileNotFoundError):
-                raise replaced from err
+                raise self._replaced(loading) from err
             raise
-        finally:
-            os.close(directory)
         return opened
 
     def _batches(self, items: list[ReadItem]) -> list[list[ReadItem]]:

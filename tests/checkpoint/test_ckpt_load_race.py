@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -52,3 +54,50 @@ def test_tba_load_retries_and_reads_the_newest_whole_checkpoint(tmp_path, monkey
     replace_between_metadata_and_data(monkeypatch, path, [tc.state_dict(models[3 - i % 2]) for i in range(3)])
     with pytest.raises(TbaCheckpointError, match="replaced by another save"):
         tc.load(path, fresh)
+
+
+def test_a_checkpoint_of_more_files_than_descriptors_loads(tmp_path):
+    """Note [A checkpoint of many files is opened file by file]: FileSystemWriter(single_file_per_rank=False) writes a
+    file per tensor, and the reader opened all of them (two descriptors each) before reading: 'Too many open files'
+    under the usual limit of 1024 for 600 tensors, which DCP's FileSystemReader loads (helper-153)."""
+    import resource
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = str(tmp_path / "c")
+    state = {f"t{i}": torch.full((8,), float(i)) for i in range(300)}
+    dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=False), no_dist=True)
+    target = {key: torch.zeros(8) for key in state}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        dcp.load(target, storage_reader=TbaStorageReader(path), no_dist=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert all(torch.equal(target[key], state[key]) for key in state)
+
+
+def test_a_checkpoint_of_many_files_replaced_midway_raises_saying_part_was_loaded(tmp_path, monkeypatch):
+    """Note [A checkpoint of many files is opened file by file]: files opened late, as each is read."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from tba.checkpoint import _reader
+
+    path = str(tmp_path / "c")
+    state = {f"t{i}": torch.full((8,), float(i)) for i in range(3)}
+    dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=False), no_dist=True)
+    monkeypatch.setattr(_reader, "EAGER_FILES", 0)
+    read_file = TbaStorageReader._read_file
+
+    def replaced_after_the_first(self, *args):
+        read_file(self, *args)
+        if os.path.exists(os.path.join(path, ".metadata")):
+            shutil.rmtree(path)
+            dcp.save({"t0": torch.ones(8)}, storage_writer=TbaStorageWriter(path), no_dist=True)
+
+    monkeypatch.setattr(TbaStorageReader, "_read_file", replaced_after_the_first)
+    target = {key: torch.zeros(8) for key in state}
+    with pytest.raises(CheckpointException, match="may be loaded already"):
+        dcp.load(target, storage_reader=TbaStorageReader(path), no_dist=True)
