@@ -70,6 +70,8 @@ def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointEr
         fix = f"this process may write files of at most {limit} bytes (ulimit -f): raise the limit (ulimit -f unlimited)"
     elif err.errno == errno.EFBIG:  # no ulimit -f: the file system's own largest file (FAT32's is 4 GiB)
         fix = "the file system there takes no file this large (FAT32's largest is 4 GiB): save to another file system"
+    elif err.errno == errno.ENAMETOOLONG:  # the checkpoint's own name fits; its staging directory's is ~40 longer
+        fix = "the staging directory tba makes beside the checkpoint adds about 40 characters to its name: choose a shorter name"
     elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         fix = "save to a writable directory"
     else:

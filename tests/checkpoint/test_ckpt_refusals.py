@@ -34,3 +34,11 @@ def test_load_into_a_model_on_the_meta_device_names_to_empty(tmp_path):
     empty.to_empty(device="cpu")
     tc.load(tmp_path / "c", empty)
     assert torch.equal(empty.weight, model.weight)
+
+
+def test_a_name_too_long_for_the_staging_directory_says_so(tmp_path):
+    """A 240-character name is valid, but the staging directory beside it adds some 40: the save failed with 'File
+    name too long; check the directory and the disk' (helper-153)."""
+    with pytest.raises(tc.TbaCheckpointError, match="shorter name"):
+        tc.save_lazy({"w": torch.ones(2)}, tmp_path / ("n" * 240)).wait()
+    assert list(tmp_path.iterdir()) == []
