@@ -99,6 +99,9 @@ def _check_extras(call: str, extra: dict[str, Any]) -> None:
     list (``step=[0]`` stayed ``[0]``; of ``[tensor, 5]`` only the tensor came back). Both refuse
     them: :func:`state_dict` too, so that no checkpoint is made that :func:`load` would refuse at resume.
     """
+    if OPTIMIZER_KEY in extra:  # the optimizer's state took its place, saved and loaded nowhere, silently (helper-153)
+        raise TbaConfigError(f"{call}(..., {OPTIMIZER_KEY}=...): that name holds the optimizer's state in the "
+                             "checkpoint; give the extra entry another name, in both state_dict and load")
     for key, value in extra.items():
         if not isinstance(value, (torch.Tensor, dict)):
             raise TbaConfigError(f"{call}(..., {key}={value!r} ({type(value).__name__})): load fills extra entries "

@@ -42,3 +42,15 @@ def test_a_name_too_long_for_the_staging_directory_says_so(tmp_path):
     with pytest.raises(tc.TbaCheckpointError, match="shorter name"):
         tc.save_lazy({"w": torch.ones(2)}, tmp_path / ("n" * 240)).wait()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_extra_entry_named_like_the_optimizers_state_is_refused(tmp_path):
+    """state_dict(model, optimizer, optim={...}): the optimizer's state replaced the extra entry, which was saved
+    nowhere, and load(..., optim=meta) left meta as it was, silently (helper-153)."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TbaConfigError, match="optim"):
+        tc.state_dict(model, optimizer, optim={"step": torch.tensor(5)})
+    tc.save_lazy(tc.state_dict(model, optimizer), tmp_path / "c").wait()
+    with pytest.raises(TbaConfigError, match="optim"):
+        tc.load(tmp_path / "c", model, optimizer, optim={"step": torch.tensor(0)})
