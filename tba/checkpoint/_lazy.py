@@ -165,6 +165,8 @@ class LazyCheckpointer:
         frozen, watched = freeze({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()})
         if not isinstance(path, (str, os.PathLike)):
             raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
+        if on_done is not None and not callable(on_done):  # else its TypeError reached the log only, at the end
+            raise TbaConfigError(f"on_done must be a function taking the handle, or None, got {on_done!r}")
         path = os.path.abspath(os.fspath(path))
         with self._lock:
             previous = self._latest

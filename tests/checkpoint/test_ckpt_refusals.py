@@ -54,3 +54,11 @@ def test_an_extra_entry_named_like_the_optimizers_state_is_refused(tmp_path):
     tc.save_lazy(tc.state_dict(model, optimizer), tmp_path / "c").wait()
     with pytest.raises(TbaConfigError, match="optim"):
         tc.load(tmp_path / "c", model, optimizer, optim={"step": torch.tensor(0)})
+
+
+def test_an_on_done_that_cannot_be_called_is_refused_by_save(tmp_path):
+    """save(..., on_done=print()) (None is fine) or a path by mistake: the save ran, and the TypeError of calling it
+    went to the log only, at the end (helper-153)."""
+    with pytest.raises(TbaConfigError, match="on_done"):
+        tc.save_lazy({"w": torch.ones(2)}, tmp_path / "c", on_done=str(tmp_path / "done"))
+    assert list(tmp_path.iterdir()) == []
