@@ -165,7 +165,7 @@ def _refuse(target: str, names: list[str]) -> TbaCheckpointError:
                               "the directory is as it was; write such files after handle.wait(), or elsewhere")
 
 
-def swap_into_place(staging: str, target: str) -> str | None:
+def swap_into_place(staging: str, target: str, overwrite: bool = True) -> str | None:
     """Publish the directory ``staging`` as ``target`` atomically.
 
     When ``target`` does not exist this is one ``rename``. When it does, the two directories are
@@ -173,7 +173,8 @@ def swap_into_place(staging: str, target: str) -> str | None:
     the old checkpoint or the new one; the old one is then found at ``staging`` and the caller
     removes it. Where the file system has no exchange, the old one is first renamed aside (a
     window in which ``target`` is missing, logged once). A ``target`` holding other files is never
-    replaced (Note [Files added to the path while a save runs]).
+    replaced (Note [Files added to the path while a save runs]), nor, with ``overwrite`` False, a checkpoint
+    another process published there since the save began.
 
     Returns:
         The path now holding the replaced checkpoint, or None when there was none.
@@ -189,6 +190,9 @@ def swap_into_place(staging: str, target: str) -> str | None:
         except OSError as err:  # another process published there since the look: exchange with it
             if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
+    if not overwrite:
+        raise TbaCheckpointError(f"a checkpoint was published at {target} by another save since this one began, and "
+                                 "overwrite=False keeps it; this checkpoint was not published")
     try:
         _exchange(staging, target)
         aside = staging

@@ -280,7 +280,7 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             fsync_path(staging)
             if self.before_publish is not None:
                 self.before_publish()
-            replaced = swap_into_place(staging, self.path)
+            replaced = swap_into_place(staging, self.path, self.overwrite)
         except (OSError, TbaCheckpointError) as err:
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(err, TbaCheckpointError):  # Note [Files added to the path while a save runs]

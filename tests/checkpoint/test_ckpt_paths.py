@@ -162,3 +162,33 @@ def test_a_config_error_in_the_save_thread_reaches_wait_as_its_own_message(tmp_p
     message = str(raised.value)
     assert "not a checkpoint directory" in message and "Traceback" not in message, message
     assert (path / "notes.txt").read_text() == "keep me"
+
+
+def test_overwrite_false_never_replaces_a_checkpoint_another_process_published_meanwhile(tmp_path, monkeypatch):
+    """TbaStorageWriter(overwrite=False) looked only when the save began: a checkpoint published at the path by another
+    process meanwhile was replaced, and deleted (helper-153)."""
+    import shutil
+    import types
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tba.checkpoint import TbaStorageWriter, _publish
+
+    other, path = tmp_path / "other", tmp_path / "step"
+    dcp.save({"w": torch.zeros(3)}, storage_writer=TbaStorageWriter(other), no_dist=True)
+    real_os = _publish.os
+
+    def rename(source, target):
+        if target == str(path) and not path.exists():
+            shutil.copytree(other, path)
+        return real_os.rename(source, target)
+
+    monkeypatch.setattr(_publish, "os", types.SimpleNamespace(**{**vars(real_os), "rename": rename}))
+    with pytest.raises(CheckpointException, match="overwrite"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=TbaStorageWriter(path, overwrite=False), no_dist=True)
+    monkeypatch.undo()
+    loaded = {"w": torch.empty(3)}
+    dcp.load(loaded, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(loaded["w"], torch.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "step"]
