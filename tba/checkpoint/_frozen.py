@@ -11,7 +11,7 @@ records each tensor's ``_version`` at the save call; once the last tensor has be
 before the snapshot is announced, :func:`check_unchanged` compares them: a tensor changed since
 the save call fails the save with a :class:`TbaCheckpointError` naming the fix, and the earlier
 checkpoint at the path stays. The check reads one integer per tensor. It cannot see a change made
-through ``.data`` (which has its own version counter), to an inference tensor (which has none), by
+through ``.data`` (which has its own version counter) or an array from ``t.numpy()``, to an inference tensor (which has none), by
 another process, or by a kernel that does not bump it (memory torch does not own, shared memory and
 inference tensors are copied at the save instead: Note [Memory torch does not own is copied at the
 save]): ``batch_norm`` updates ``running_mean`` and ``running_var`` so, but the ``num_batches_tracked``
