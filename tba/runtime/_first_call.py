@@ -101,17 +101,28 @@ class FirstCall:
         self.parameters_before += parameters
         self.slots += slots
 
-    def put_parameters(self) -> list[tuple[nn.Module, str, Any]]:
+    def put_parameters(self, displaced: list[tuple[nn.Module, str, Any]]) -> None:
         """Before a recomputation: put back into each parameter slot the tensor the first call ran with, where the slot
-        holds another one now (Note [A recomputation runs with the parameters its first call ran with]); returns what
-        they held, for :meth:`take_back`."""
-        displaced: list[tuple[nn.Module, str, Any]] = []
+        holds another one now (Note [A recomputation runs with the parameters its first call ran with]); appends what
+        they held to ``displaced``, for :meth:`take_back`, each before its slot changes.
+
+        Note: [A recomputation interrupted while it sets up leaves the state it found]
+        Without tba an interrupted backward (a signal handler's ``KeyboardInterrupt``) changes no buffer and draws
+        nothing: the next step trains from the state forward left. A recomputation loads the state its first call
+        started from (running statistics, generators, nested contents, parameters, settings) and puts the present
+        state back in a ``finally``. Those loads ran before the ``try``: an exception among them, or inside one
+        (``restore`` loops over tensors, where a signal handler can run), left BatchNorm's running statistics at the
+        previous step's values and the generators at the first call's, and training went on from there, silently
+        (helper-155's signal loop found it; ``tests/runtime/test_recompute_interrupted.py`` raises at each line). So
+        every load runs inside the ``try``, whose ``finally`` puts back all it snapshotted whatever was loaded, and
+        what this method displaces is recorded before each slot changes. Still open: an exception inside the
+        ``finally`` itself, or inside :func:`put_back_nested` midway through its contents.
+        """
         for module, name, tensor in self.slots:
             now = module._parameters.get(name, _MISSING)
             if now is not tensor:
                 displaced.append((module, name, now))
                 module._parameters[name] = tensor
-        return displaced
 
     @staticmethod
     def take_back(displaced: list[tuple[nn.Module, str, Any]]) -> None:

@@ -189,12 +189,6 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         check_private_unchanged(layer, first.private, first.outside_groups)
         after = snapshot(modules, learned)
         after_generators = states_now(first.generators)
-        # Note [Nested state a recomputation is given back]; taken after the snapshot and put
-        # back last, so a list held both in a public attribute and nested in another ends as it is now.
-        nested = put_back_nested(layer, first.nested)
-        restore(after, first.before + first.outside)
-        set_states(first.generators)
-        displaced = first.put_parameters()  # Note [A recomputation runs with the parameters its first call ran with]
         # Note: [A recomputation runs under the first call's default dtype]
         # torch.set_default_dtype is process-wide: a program that changed it between forward and
         # backward had the recomputation create its tensors (torch.linspace, torch.tensor(0.1)) in
@@ -202,8 +196,14 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
         # tba, silently. The first call's is put back around the recomputation, then the program's,
         # with the other process-wide settings the forward ran under (Note [A recomputation runs
         # under the first call's global settings] in tba/runtime/_global_settings.py).
-        program = settings_now()
-        try:
+        program, displaced, nested = settings_now(), [], None
+        try:  # Note [A recomputation interrupted while it sets up leaves the state it found] in tba/runtime/_first_call.py
+            # Note [Nested state a recomputation is given back]; taken after the snapshot and put
+            # back last, so a list held both in a public attribute and nested in another ends as it is now.
+            nested = put_back_nested(layer, first.nested)
+            restore(after, first.before + first.outside)
+            set_states(first.generators)
+            first.put_parameters(displaced)  # Note [A recomputation runs with the parameters its first call ran with]
             switch_to(first.settings)  # inside the try: a switch that raised midway is undone
             with unknown_draws_refused(layer, args, kwargs, first.generators, again_search):
                 return forward(*args, **kwargs)
@@ -212,7 +212,8 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
             first.take_back(displaced)
             restore(after, after)
             set_states(after_generators)
-            nested()
+            if nested is not None:
+                nested()
             first.recomputed()
 
     compiled_itself = is_compiled_module(layer)
