@@ -133,22 +133,29 @@ class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function be
     constant True and the region traces nothing: it does nothing there, as it could do nothing anyway (a
     compiled graph saves its tensors when it returns, outside the region). Around a compiled call in eager
     code it keeps what the call saves. An exit undoes only what its own entry did.
+
+    Note: [A region object entered twice at once]
+    One object may be entered again before it exits: ``KEEP = tba.keep_in_memory()`` used as ``with KEEP:`` in a
+    module called inside itself, or by two threads. A single flag recorded its entry, and the inner (or the other
+    thread's) exit cleared it: the outer exit then undid nothing, and the thread stayed inside the region for good,
+    every tensor it saved afterwards kept in memory without a word. Each entry pushes what it did and each exit pops
+    one (the depth it changes is the exiting thread's own; entries differ only under tracing, where none counts).
     """
 
     def __init__(self) -> None:
-        self._entered = False
+        self._entered: list[bool] = []
 
     def _recreate_cm(self) -> keep_in_memory:
         return type(self)()  # each call of a decorated function enters a region of its own
 
     def __enter__(self) -> None:
-        self._entered = not torch.compiler.is_compiling()
-        if self._entered:
+        counted = not torch.compiler.is_compiling()
+        self._entered.append(counted)
+        if counted:
             _region.depth += 1
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._entered:
-            self._entered = False
+        if self._entered and self._entered.pop():
             _region.depth -= 1
 
 
