@@ -135,6 +135,7 @@ class OffloadConfig:
             if field.name not in values and environ.get(variable, "") != "":
                 values[field.name] = from_text(field, variable, environ[variable])
                 from_environ[field.name] = variable
+        _check_goal_variables(from_environ, values, environ)
         try:
             config = cls(**values)
             if "backend" in from_environ:  # else an unknown name fails at the engine, naming no variable
@@ -160,6 +161,31 @@ class OffloadConfig:
     def offloader_options(self) -> dict[str, Any]:
         """Every option but ``directory``, as keywords."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "directory"}
+
+
+def _check_goal_variables(from_environ: Mapping[str, str], values: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+    """Refuse a goal variable beside a policy that plans nothing, naming the variable (Note [A goal variable
+    beside a policy that plans nothing]).
+
+    Note: [A goal variable beside a policy that plans nothing]
+    A goal (``TBA_MEMORY_BUDGET``, ``TBA_MEMORY_BUDGET_BYTES``, ``TBA_OVERHEAD_BOUND``) set in the environment
+    beside ``policy="offload"``, ``"keep"`` or a pinned plan was refused only when the runner was built, as
+    "memory_budget and overhead_bound need policy='adaptive', not 'offload'", naming neither the variable nor
+    where the policy came from. Every integration passes ``policy="offload"`` unless told to plan, so a goal
+    exported in the shell failed ``TbaDeepSpeed`` with that text prefixed by 'DeepSpeed config "tba" block:'
+    (a block that held no goal), and ``TbaTrainer`` at its first training step. The variable wins over no
+    argument here: ignoring it would drop a budget the user asked for, so it is refused, naming it.
+    """
+    variables = [(name, variable) for name, variable in from_environ.items() if name in GOALS]
+    policy = values.get("policy", "adaptive")
+    if not variables or (isinstance(policy, str) and policy not in ("offload", "keep")):
+        return  # "adaptive" (an unknown name is refused by the schema, naming it)
+    named = repr(policy) if isinstance(policy, str) else f"a {type(policy).__name__}"
+    if "policy" in from_environ:
+        named += f" (from ${from_environ['policy']})"
+    variable = variables[0][1]
+    raise TbaConfigError(f"${variable}={environ[variable]} is a goal of "
+                         f"policy='adaptive', but policy is {named}: unset {variable}, or pass policy='adaptive'")
 
 
 def option_names() -> tuple[str, ...]:

@@ -197,6 +197,37 @@ def test_a_goal_argument_wins_over_every_goal_variable(variable, value):
     assert (bound.memory_budget, bound.overhead_bound) == (None, 0.1)
 
 
+@pytest.mark.parametrize("variable, value", [("TBA_MEMORY_BUDGET_BYTES", "1G"), ("TBA_MEMORY_BUDGET", "1G"),
+                                             ("TBA_OVERHEAD_BOUND", "0.3")])
+@pytest.mark.parametrize("policy, named", [("offload", "'offload'"), ("keep", "'keep'"),
+                                           (tba.Plan(("keep",), 0), "a Plan")])
+def test_a_goal_variable_beside_a_policy_that_plans_none_names_the_variable(variable, value, policy, named):
+    """A goal set in the environment with policy="offload" (every integration's default) was refused when the
+    offloader was built, as "memory_budget and overhead_bound need policy='adaptive', not 'offload'", naming no
+    variable: under DeepSpeed it blamed the "tba" block, which held no goal (helper-154)."""
+    with pytest.raises(TbaConfigError, match=rf"^\${variable}={value} is a goal of policy='adaptive', but policy is "
+                                             rf"{named}: unset {variable}, or pass policy='adaptive'$"):
+        OffloadConfig.from_env({variable: value}, policy=policy)
+    with pytest.raises(TbaConfigError, match=r"but policy is 'keep' \(from \$TBA_POLICY\)"):
+        OffloadConfig.from_env({variable: value, "TBA_POLICY": "keep"})
+
+
+def test_a_goal_variable_under_the_deepspeed_integration_is_named(monkeypatch, spill_dir):
+    from torch import nn
+
+    from tba.integrations.deepspeed import TbaDeepSpeed
+
+    class Engine:
+        module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        global_steps = 0
+        config = {"tba": {"directory": spill_dir}}
+
+    monkeypatch.setenv("TBA_MEMORY_BUDGET", "2G")
+    with pytest.raises(TbaConfigError, match=r"\$TBA_MEMORY_BUDGET=2G is a goal of policy='adaptive', but policy is "
+                                             r"'offload': unset TBA_MEMORY_BUDGET"):
+        TbaDeepSpeed(Engine())
+
+
 def test_a_goal_keyword_replaces_the_configs_goal():
     config = OffloadConfig(memory_budget="1G").replace(overhead_bound=0.2)
     assert (config.memory_budget, config.memory_budget_bytes, config.overhead_bound) == (None, None, 0.2)

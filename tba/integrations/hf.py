@@ -59,8 +59,8 @@ class TbaTrainerMixin:
             resolve_layers(tba_options.get("layers"))
             config = tba_options.get("config")
             rest = {name: value for name, value in tba_options.items() if name not in ("layers", "config")}
-            if config is None:
-                OffloadConfig(**rest)
+            if config is None:  # the variables too (Note [A goal variable beside a policy that plans nothing])
+                OffloadConfig.from_env(**{**rest, "policy": integration_policy(tba_options)})
             elif not isinstance(config, OffloadConfig):  # refused at the first step's forward before (helper-125)
                 raise TbaConfigError(f"tba_options' config must be a tba.OffloadConfig, got {type(config).__name__}")
             else:

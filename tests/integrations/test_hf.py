@@ -220,6 +220,20 @@ def test_trainer_refuses_bad_tba_options_where_it_is_built(tmp_path, options, ma
         TbaTrainer(model=gpt2()[0], args=training_args, tba_options=options)
 
 
+def test_trainer_refuses_a_goal_variable_where_it_is_built(tmp_path, monkeypatch):
+    """TBA_MEMORY_BUDGET set beside the mixin's policy="offload" was refused only inside train(), at the first
+    step's forward, naming no variable (Note [A goal variable beside a policy that plans nothing])."""
+    from tba.integrations.hf import TbaTrainer
+
+    monkeypatch.setenv("TBA_MEMORY_BUDGET", "2G")
+    training_args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True,
+                                                   save_strategy="no", disable_tqdm=True)
+    with pytest.raises(tba.TbaConfigError, match=r"\$TBA_MEMORY_BUDGET=2G is a goal of policy='adaptive', but policy "
+                                                 r"is 'offload': unset TBA_MEMORY_BUDGET"):
+        TbaTrainer(model=gpt2()[0], args=training_args, tba_options={})
+    TbaTrainer(model=gpt2()[0], args=training_args, tba_options={"policy": "adaptive"})  # the goal plans
+
+
 def test_generate_under_a_recompute_plan_is_not_refused(spill_dir):
     """generate() runs without grad, where a recomputed layer is never run again: its key/value cache was refused all
     the same (TbaError "given a key/value cache") under an offloader whose plan recomputes the blocks."""
