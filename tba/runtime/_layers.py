@@ -5,7 +5,7 @@ every storage saved during forward with the index of the layer that was running,
 through layer ``i`` can prefetch the storages of layers ``i-1 .. i-depth``.
 
 Layers come from the user (``layers=[...]``) or are found in a module by :func:`find_layers`: the
-largest ``nn.ModuleList`` / ``nn.Sequential`` whose children share one class. Tagging uses forward
+largest ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children share one class. Tagging uses forward
 pre-hooks, removed when the offload context exits.
 """
 
@@ -26,6 +26,8 @@ from tba.runtime._layer_hooks import LayerHook
 def find_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the container of >= 2 same-class children holding most parameters.
 
+    A container is an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``; children that are lists or
+    dicts themselves (never called) stand for the blocks inside them (Note [Containers that are never called]).
     Returns an empty list when the model has no such container.
 
     Raises:
@@ -36,15 +38,51 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
     best: list[nn.Module] = []
     best_params = -1
     for module in model.modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(module, (*_NEVER_CALLED, nn.Sequential)):
             continue
-        children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
+        blocks = _repeated_blocks(list(module.children()))
+        if len(blocks) < 2:
             continue
         params = sum(p.numel() for p in module.parameters())
         if params > best_params:
-            best, best_params = children, params
+            best, best_params = blocks, params
     return best
+
+
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+"""Containers without a forward of their own: the blocks are the modules inside them."""
+
+
+def _leaves(module: nn.Module) -> list[nn.Module]:
+    """``module``, or, for a container never called, the modules inside it (at any depth), in order."""
+    if isinstance(module, _NEVER_CALLED):
+        return [leaf for child in module.children() for leaf in _leaves(child)]
+    return [module]
+
+
+def _repeated_blocks(children: list[nn.Module]) -> list[nn.Module]:
+    """The blocks a container's ``children`` are: the children when they share one class; the modules inside
+    them when every child is a container never called and they hold one class, or each holds the same
+    sequence of classes (an attention and a feed-forward per block); else none.
+
+    Note: [Containers that are never called]
+    find_layers took only the ``nn.ModuleList`` or ``nn.Sequential`` whose children share one class. A model
+    keeping its blocks in an ``nn.ModuleDict`` (torchtitan's ``layers["0"]``...) had none, so ``layers=model``
+    gave no layers: a pinned plan was refused ("policy Plan needs the model's layers") and the adaptive default
+    offloaded every step without ever planning, silently. A ``ModuleList`` of ``ModuleList([attention,
+    feed_forward])`` pairs gave the inner lists, which are never called: their forward pre-hooks never ran, so
+    nothing was tagged or planned, and the warning that followed told the user to pass ``layers=model``, what
+    they had done (helper-154). Neither container has a forward, so the layers are the modules inside them,
+    as the bare context's discovery (which sees the modules that run) finds them.
+    """
+    if len({type(child) for child in children}) != 1:
+        return []
+    if not isinstance(children[0], _NEVER_CALLED):
+        return children
+    inner = [_leaves(child) for child in children]
+    flat = [leaf for leaves in inner for leaf in leaves]
+    kinds = {tuple(type(leaf) for leaf in leaves) for leaves in inner}
+    return flat if len({type(leaf) for leaf in flat}) == 1 or len(kinds) == 1 else []
 
 
 def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
@@ -56,7 +94,7 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         raise TbaConfigError(f"layers must be a module or a list of modules, got {type(layers).__name__} {layers!r}; "
                              "pass layers=model, layers=list_of_blocks, or leave it out to find them during forward")
-    found = list(layers)
+    found = [leaf for layer in layers for leaf in _leaves(layer)] if isinstance(layers, nn.ModuleList) else list(layers)
     seen: dict[int, int] = {}
     for index, layer in enumerate(found):
         if not isinstance(layer, nn.Module):

@@ -1,0 +1,115 @@
+"""``layers=model`` (``tba.find_layers``) on models whose blocks sit in a ``ModuleDict`` or in lists of lists.
+
+torchtitan keeps its blocks in ``nn.ModuleDict`` (``layers["0"]``, ...), and many models keep a
+``nn.ModuleList`` of ``nn.ModuleList([attention, feed_forward])`` pairs. Neither container is ever called, so
+the blocks are the modules inside them (Note [Containers that are never called] in ``tba/runtime/_layers.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+WIDTH = 32
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x))
+
+
+class Net(nn.Module):
+    """Embedding, ``layers`` called in order (their leaves, whatever containers hold them), head."""
+
+    def __init__(self, layers: nn.Module) -> None:
+        super().__init__()
+        self.embed, self.layers, self.head = nn.Embedding(50, WIDTH), layers, nn.Linear(WIDTH, 50)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in leaves(self.layers):
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+
+
+def leaves(module: nn.Module) -> list[nn.Module]:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [leaf for child in module.children() for leaf in leaves(child)]
+    return [module]
+
+
+def titan() -> nn.ModuleDict:
+    return nn.ModuleDict({str(i): Block() for i in range(4)})
+
+
+def pairs() -> nn.ModuleList:
+    return nn.ModuleList([nn.ModuleList([Attention(), Block()]) for _ in range(3)])
+
+
+def stacks() -> nn.ModuleDict:
+    return nn.ModuleDict({"encoder": nn.ModuleDict({"blocks": nn.ModuleList([Block() for _ in range(2)])}),
+                          "decoder": nn.ModuleDict({"blocks": nn.ModuleList([Block() for _ in range(3)])})})
+
+
+@pytest.mark.parametrize("build", [titan, pairs, stacks])
+def test_find_layers_returns_the_blocks_inside_containers_never_called(build):
+    model = Net(build())
+    assert tba.find_layers(model) == leaves(model.layers)
+    assert tba.find_layers(model.layers) == leaves(model.layers)
+
+
+def test_a_list_of_lists_given_as_layers_is_its_blocks():
+    model = Net(pairs())
+    offloader = tba.Offloader(layers=model.layers, policy="offload")
+    assert offloader.layers == leaves(model.layers)
+    offloader.close()
+
+
+def test_lists_of_callable_blocks_are_found_as_before():
+    sequential = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert tba.find_layers(sequential) == []
+    listed = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+    assert tba.find_layers(nn.Sequential(nn.Linear(4, 4), listed[0])) == []
+    assert tba.find_layers(Net(listed)) == list(listed)
+    mixed = nn.ModuleDict({"a": nn.ModuleList([Block(), Block()]), "b": Block()})  # a list beside a block: not one kind
+    assert tba.find_layers(Net(mixed)) == list(mixed["a"])
+
+
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+@pytest.mark.parametrize("build", [titan, pairs, stacks])
+def test_layers_model_places_blocks_inside_containers_never_called(spill_dir, build, policy):
+    """Before: find_layers gave [] for a ModuleDict of blocks (a pinned plan refused: 'policy Plan needs the model's
+    layers'; the adaptive default never planned) and the inner ModuleLists of a list of lists, whose hooks never ran
+    (a plan per block refused: 'the plan has 6 decisions but layers= has 3 layers'; nothing tagged)."""
+    tokens = torch.randint(50, (4, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = Net(build())
+    model(tokens).backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    blocks = len(leaves(model.layers))
+    plan = tba.Plan((policy,) * blocks, window_bytes=1 << 20)
+    offloader = tba.Offloader(spill_dir, layers=model, policy=plan, min_offload_bytes=0, backend="threads")
+    with offloader:
+        loss = model(tokens)
+    loss.backward()
+    offloader.close()
+    assert all(torch.equal(want[name], p.grad) for name, p in model.named_parameters())
+    if policy == "offload":  # every block ran as a layer and tagged what it saved
+        assert sorted(key for key in offloader.layer_saved_bytes if key is not None) == list(range(blocks))
