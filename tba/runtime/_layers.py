@@ -19,6 +19,7 @@ from torch import nn
 
 from tba import _control
 from tba.errors import TbaConfigError
+from tba.policy import Plan
 from tba.runtime._compile import is_compiled_module, is_optimized_module, saved_by_compiled_graph
 from tba.runtime._layer_hooks import LayerHook
 
@@ -105,6 +106,31 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
                                  "a layer has one placement and one index; pass each block once")
         seen[id(layer)] = index
     return found
+
+
+def searched_in_vain(given: object, found: list[nn.Module], policy: object) -> bool:
+    """Whether ``layers=`` was a module searched by :func:`find_layers` in vain, so that the layers are found
+    during forward, as without ``layers=``.
+
+    Note: [A module searched in vain for layers]
+    ``layers=model`` on a model whose repeated blocks sit in no container (attributes ``self.b0``,
+    ``self.b1``... called in a loop) gave no layers and, ``layers=`` being given, no discovery either: the
+    adaptive default never profiled nor planned and offloaded every step for good, silently, where the bare
+    context found the blocks; a pinned plan or ``"keep"`` was refused as "needs the model's layers: pass
+    layers=model", what the user had done (helper-154; every integration passes ``layers=model``). Such a
+    module now leaves the layers to the discovery of the modules that run; a plan, which needs them
+    before the first forward, is refused naming the fix.
+
+    Raises:
+        TbaConfigError: a pinned plan or ``"keep"`` for such a module.
+    """
+    if found or not isinstance(given, nn.Module) or isinstance(given, (nn.ModuleList, nn.Sequential)):
+        return False
+    if (isinstance(policy, str) and policy == "keep") or isinstance(policy, Plan):
+        raise TbaConfigError(
+            f"layers={type(given).__name__} holds no repeated blocks tba.find_layers finds (a ModuleList, "
+            f"Sequential or ModuleDict of modules of one class); pass its blocks as a list: layers=[...]")
+    return True
 
 
 class StateKeys:

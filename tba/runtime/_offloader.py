@@ -54,7 +54,7 @@ from tba.io import Engine, load_crc32c, resolve_backend
 from tba.runtime import _shared
 from tba.runtime._discover import LayerDiscovery
 from tba.runtime._hooks import SavedTensorHooks
-from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers
+from tba.runtime._layers import LayerTracker, StateKeys, resolve_layers, searched_in_vain
 from tba.runtime._prefetch import PrefetchWindow
 from tba.runtime._shared_runners import shared_runner
 from tba.runtime._stats import OffloadStats
@@ -115,7 +115,7 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self.prefetch_budget_bytes = config.prefetch_budget_bytes
         self.reusable = _reusable
         self.layers = resolve_layers(layers)
-        self._finder = LayerDiscovery() if layers is None else None
+        self._finder = LayerDiscovery() if layers is None or searched_in_vain(layers, self.layers, config.policy) else None
         self._discovery = self._finder
         """The finder while it runs in this step (it stops once the placement policy has learned the layers)."""
         self._shared_key = (None if _reusable or isinstance(self.backend, Engine) or _device_ops is not None else

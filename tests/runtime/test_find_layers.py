@@ -113,3 +113,43 @@ def test_layers_model_places_blocks_inside_containers_never_called(spill_dir, bu
     assert all(torch.equal(want[name], p.grad) for name, p in model.named_parameters())
     if policy == "offload":  # every block ran as a layer and tagged what it saved
         assert sorted(key for key in offloader.layer_saved_bytes if key is not None) == list(range(blocks))
+
+
+class Attributes(nn.Module):
+    """Repeated blocks held as attributes, called in a loop: no container for find_layers to find."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, WIDTH), nn.Linear(WIDTH, 50)
+        self.b0, self.b1, self.b2 = Block(), Block(), Block()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in (self.b0, self.b1, self.b2):
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+
+
+def test_a_module_without_repeated_blocks_given_as_layers_finds_them_during_forward(spill_dir):
+    """layers=model where find_layers finds nothing gave no layers and no finder: the adaptive default profiled
+    nothing and offloaded every step for good, silently (a bare context found the blocks)."""
+    model = Attributes()
+    assert tba.find_layers(model) == []
+    tokens = torch.randint(50, (4, 16), generator=torch.Generator().manual_seed(1))
+    offloader = tba.Offloader(spill_dir, layers=model, min_offload_bytes=0, backend="threads")
+    for _ in range(5):
+        with offloader:
+            loss = model(tokens)
+        loss.backward()
+    offloader.close()
+    assert offloader.discovered_layers == [model.b0, model.b1, model.b2]
+    assert offloader.plan is not None and len(offloader.plan.decisions) == 3
+
+
+@pytest.mark.parametrize("policy", ["keep", tba.Plan(("keep",) * 3, window_bytes=0)])
+def test_a_plan_for_a_module_without_repeated_blocks_names_the_fix(spill_dir, policy):
+    """Refused as "policy Plan needs the model's layers: pass layers=model", which the user had done."""
+    with pytest.raises(tba.TbaConfigError, match=r"layers=Attributes holds no repeated blocks tba.find_layers finds "
+                                                 r"\(a ModuleList, Sequential or ModuleDict of modules of one class\); "
+                                                 r"pass its blocks as a list: layers=\[\.\.\.\]"):
+        tba.Offloader(spill_dir, layers=Attributes(), policy=policy)
