@@ -61,8 +61,14 @@ def test_no_block_means_no_tba():
     ({"directory": 3}, ["directory", "a path"]),
     ({"direct_io": "on"}, ["direct_io"]),
     ("on", ["must be an object"]),
+    ({"memory_budget": "1G"}, ["\"memory_budget\" is a goal of \"policy\": \"adaptive\", and this block's policy is "
+                               "\"offload\" (the default here)", "add \"policy\": \"adaptive\", or drop \"memory_budget\""]),
+    ({"policy": "keep", "overhead_bound": 0.1}, ["\"overhead_bound\" is a goal of \"policy\": \"adaptive\", and this "
+                                                 "block's policy is \"keep\"", "or drop \"overhead_bound\""]),
 ])
 def test_bad_block_is_refused_with_the_fix(block, words):
+    """A goal without "policy": "adaptive" was refused only by the offloader, as "need policy='adaptive', not 'offload'"
+    for a block that never said "offload"; beside "keep" it was accepted and tba silently stayed off (helper-154)."""
     with pytest.raises(TbaConfigError) as err:
         tba_ds.parse_config({"tba": block})
     for word in words:
