@@ -60,10 +60,13 @@ class TbaTrainerMixin:
             config = tba_options.get("config")
             rest = {name: value for name, value in tba_options.items() if name not in ("layers", "config")}
             if config is None:  # the variables too (Note [A goal variable beside a policy that plans nothing])
-                OffloadConfig.from_env(**{**rest, "policy": integration_policy(tba_options)})
+                policy = integration_policy(tba_options)
+                _check_goal(rest, policy, "policy" in tba_options)
+                OffloadConfig.from_env(**{**rest, "policy": policy})
             elif not isinstance(config, OffloadConfig):  # refused at the first step's forward before (helper-125)
                 raise TbaConfigError(f"tba_options' config must be a tba.OffloadConfig, got {type(config).__name__}")
             else:
+                _check_goal(rest, integration_policy(tba_options), "policy" in tba_options)
                 config.replace(**rest)
         super().__init__(*args, **kwargs)
         self.tba_options = tba_options
@@ -87,6 +90,18 @@ class TbaTrainerMixin:
                 self.offloader.close()
                 self.tba_stats = self.offloader.stats
                 self.offloader = None
+
+
+def _check_goal(options: Mapping[str, Any], policy: Any, policy_given: bool) -> None:
+    """A goal in ``tba_options`` beside a policy that plans nothing, refused where the trainer is built: the runner
+    refused it inside ``train()``, as "need policy='adaptive', not 'offload'", a policy the user never gave."""
+    goals = [name for name in ("memory_budget", "memory_budget_bytes", "overhead_bound") if options.get(name) is not None]
+    if not goals or (isinstance(policy, str) and policy == "adaptive"):
+        return
+    given = repr(policy) if isinstance(policy, str) else f"a {type(policy).__name__}"
+    default = "" if policy_given else " (the integration's default)"
+    raise TbaConfigError(f"tba_options' {goals[0]} is a goal of policy='adaptive', and policy is {given}{default}: "
+                         f"add \"policy\": \"adaptive\" to tba_options, or drop {goals[0]}")
 
 
 def _trainer_class() -> type:

@@ -208,7 +208,14 @@ def test_offloaded_recompute_of_llama_blocks_is_exact(spill_dir):
                                             ({"queue_depth": 0}, "queue_depth must be in"),
                                             ({"layers": "transformer.h"}, "layers must be a module"),
                                             ({"config": {"queue_depth": 4}}, "config must be a tba.OffloadConfig"),
-                                            ({"config": tba.OffloadConfig(), "queu_depth": 4}, "did you mean 'queue_depth'")])
+                                            ({"config": tba.OffloadConfig(), "queu_depth": 4}, "did you mean 'queue_depth'"),
+                                            ({"memory_budget": "1G"}, "tba_options' memory_budget is a goal of policy="
+                                             "'adaptive', and policy is 'offload' \\(the integration's default\\): add "
+                                             "\"policy\": \"adaptive\" to tba_options, or drop memory_budget"),
+                                            ({"policy": "keep", "overhead_bound": 0.1}, "overhead_bound is a goal of "
+                                             "policy='adaptive', and policy is 'keep': add"),
+                                            ({"config": tba.OffloadConfig(), "memory_budget": "1G"}, "memory_budget is a "
+                                             "goal of policy='adaptive', and policy is 'offload' \\(the integration")])
 def test_trainer_refuses_bad_tba_options_where_it_is_built(tmp_path, options, match):
     """A str raised TypeError "'str' object is not a mapping" from tba/integrations/hf.py inside train(); a bad option
     raised TbaConfigError only inside train(), at the first step's forward, not at the line that passed it."""
