@@ -93,13 +93,13 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
         return find_layers(layers)
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
-        raise TbaConfigError(f"layers must be a module or a list of modules, got {type(layers).__name__} {layers!r}; "
+        raise TbaConfigError(f"layers must be a module or a list of modules, got {type(layers).__name__} {_short(layers)}; "
                              "pass layers=model, layers=list_of_blocks, or leave it out to find them during forward")
     found = [leaf for layer in layers for leaf in _leaves(layer)] if isinstance(layers, nn.ModuleList) else list(layers)
     seen: dict[int, int] = {}
     for index, layer in enumerate(found):
         if not isinstance(layer, nn.Module):
-            raise TbaConfigError(f"layers must contain nn.Module objects, got {type(layer).__name__} {layer!r}; "
+            raise TbaConfigError(f"layers must contain nn.Module objects, got {type(layer).__name__} {_short(layer)}; "
                                  "pass layers=model or a list of the model's blocks")
         if id(layer) in seen:
             raise TbaConfigError(f"layers lists the same {type(layer).__name__} twice (at {seen[id(layer)]} and {index}): "
@@ -131,6 +131,12 @@ def searched_in_vain(given: object, found: list[nn.Module], policy: object) -> b
             f"layers={type(given).__name__} holds no repeated blocks tba.find_layers finds (a ModuleList, "
             f"Sequential or ModuleDict of modules of one class); pass its blocks as a list: layers=[...]")
     return True
+
+
+def _short(value: object) -> str:
+    """``value``'s repr on one line, cut at 80 characters (a tensor's repr is its values, lines of them)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class StateKeys:

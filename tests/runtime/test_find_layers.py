@@ -153,3 +153,14 @@ def test_a_plan_for_a_module_without_repeated_blocks_names_the_fix(spill_dir, po
                                                  r"\(a ModuleList, Sequential or ModuleDict of modules of one class\); "
                                                  r"pass its blocks as a list: layers=\[\.\.\.\]"):
         tba.Offloader(spill_dir, layers=Attributes(), policy=policy)
+
+
+@pytest.mark.parametrize("layers", [lambda m: list(m.parameters()), lambda m: torch.zeros(100, 100)])
+def test_layers_of_tensors_are_refused_in_one_short_line(layers):
+    """layers=list(model.parameters()) printed every parameter's values, lines of them, into the message."""
+    model = Net(titan())
+    with pytest.raises(tba.TbaConfigError) as raised:
+        tba.Offloader(layers=layers(model))
+    message = str(raised.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert message.startswith("layers must contain nn.Module objects, got ") and "layers=model" in message
