@@ -23,6 +23,7 @@ its :class:`ProfiledStep` measures it, in four calls:
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,11 @@ from tba.runtime._layer_hooks import LayerHook
 from tba.runtime._peak import StepPeak
 from tba.runtime._profiling import StepCounters
 from tba.runtime._timer import LayerTimer
+
+COMPILING_STEPS_DROPPED = 1
+"""At most this many steps that compiled are dropped, the cold compile: a ``block.compile()`` block compiles again at
+every profiled step (its graph guards on the timer's hooks on the layer), and a program may compile something new at
+every step; dropping those too would delay or forbid the plan."""
 
 
 class ProfiledStep:
@@ -47,6 +53,8 @@ class ProfiledStep:
         self._unpacks: dict[int, int] = {}
         """Saved tensors unpacked in this step's backward: the identity of what pack returned -> the graph task
         (Note [A saved tensor unpacked twice in one backward])."""
+        self._compiling_dropped = 0
+        """Profiled steps dropped because torch.compile compiled in them (Note [A step that compiles is no sample])."""
         self._output_hook: Any = None
         """The first layer's forward hook that puts the peak's stop on its output (Note [The peak stops where backward
         ends]), until it runs."""
@@ -66,7 +74,7 @@ class ProfiledStep:
         # The step's own counters: a one-shot context's next step counts in a new offloader.
         self.pending = {"start": start, "shape": shape, "counters": counters,
                         "entered_at": (time.perf_counter(), thread_cpu_s(thread), thread),
-                        "first": first}
+                        "first": first, "compiled": compilations()}
         self.peak.start(start.pool_idle_bytes, cuda=cuda, release=release)
 
     def note_unpack(self, packed: object, layer: int | None) -> None:
@@ -185,6 +193,9 @@ class ProfiledStep:
             # running): a micro-batch whose backward comes after the next entry (accumulation, 1F1B) is still a
             # sample, as before.
             return None
+        if pending.pop("compiled") != compilations() and self._compiling_dropped < COMPILING_STEPS_DROPPED:
+            self._compiling_dropped += 1
+            return None  # Note [A step that compiles is no sample]
         pending["changes_input"] = list(self.timer.changes_input)  # as backward found them too
         pending["backward_s"] = self.timer.backward_s()
         pending["backward_cpu_s"] = self.timer.backward_s(cpu=True)
@@ -197,6 +208,28 @@ class ProfiledStep:
         pending["period_cpu_s"] = now - cpu if now is not None and cpu is not None else None
         pending["peak_bytes"] = self.peak.peak_bytes
         return pending
+
+
+def compilations() -> int:
+    """How many frames and graphs ``torch.compile`` has compiled in this process so far (0 before it is imported).
+
+    Note: [A step that compiles is no sample]
+    A step in which ``torch.compile`` compiled (a compiled block's first step, its backward's first run, a new
+    input shape) measured the compiler, not the model: on CPU, Dynamo's tracing and inductor took some 30 MiB of
+    the process's memory, which the profile took for transient buffers, so a per-block compiled GPT whose eager
+    steps fit in 8 MiB was refused ``memory_budget="24MiB"`` as "needs at least 40.2 MiB" (helper-154). Like a
+    step without grad (Note [A forward without grad is no sample]) it is dropped, and the next step is profiled
+    instead, only the first such step (:data:`COMPILING_STEPS_DROPPED`). Dynamo's frames and AOTAutograd's and inductor's graphs
+    (a backward is compiled at its first run) are counted, cache hits too. tba's own hooks must not make Dynamo
+    compile again at every profiled step (Note [One global hook key across profiled steps] in
+    ``tba/runtime/_outside.py``), or no step would be a sample.
+    """
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0
+    counters = sys.modules["torch._dynamo.utils"].counters
+    inductor = counters.get("inductor", {})
+    return (counters.get("frames", {}).get("total", 0) + counters.get("aot_autograd", {}).get("total", 0)
+            + inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_hit", 0))
 
 
 def stream_sync(device: torch.device | None) -> Callable[[], None] | None:

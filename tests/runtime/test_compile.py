@@ -154,9 +154,10 @@ def test_a_block_compiled_in_place_is_not_recomputed(spill_dir):
     model = make_gpt(CONFIG)
     for block in model.blocks:
         block.compile()
-    # A loose bound recomputes eager blocks of this model; assert_exact runs one step, so profile first.
+    # A loose bound recomputes eager blocks of this model; assert_exact runs one step, so profile first (the first
+    # step, which compiles, is no sample: Note [A step that compiles is no sample]).
     offloader = tba.Offloader(spill_dir, layers=model, overhead_bound=10.0, min_offload_bytes=0, backend="threads")
-    for _ in range(3):
+    for _ in range(4):
         with offloader:
             loss = forward(model)
         loss.backward()
@@ -252,3 +253,28 @@ def test_keep_in_memory_inside_a_compiled_block(spill_dir, graph_break):
     x = torch.randn(4, 64)
     assert_exact(model, lambda m: m(x).square().mean(), spill_dir, layers=list(model))
     assert not in_keep_region()
+
+
+def test_a_step_that_compiles_is_no_profiled_sample(spill_dir):
+    """The first step of per-block compiled blocks compiles them (Dynamo's tracing and inductor take tens of MiB of the
+    process's memory on CPU) and was a profiled sample: a memory budget far above what eager needs was refused as "this
+    model needs at least 40.2 MiB of activations (plan KKKK, 35.0 MiB of it transient buffers ...)"; and each profiled
+    step compiled the blocks again, for tba's global hook under a new key (helper-154). Notes [A step that compiles is
+    no sample] in tba/runtime/_profiled_step.py, [One global hook key across profiled steps] in tba/runtime/_outside.py."""
+    from torch._dynamo.utils import counters
+
+    config = dataclasses.replace(CONFIG, layers=4, width=64, seq_len=32, batch_size=8)
+    tokens, targets = make_batch(config)
+    torch.manual_seed(0)
+    model = compile_each_block(make_gpt(config))
+    offloader = tba.Offloader(spill_dir, layers=model, memory_budget="24MiB", backend="threads")
+    frames = []
+    for _ in range(5):
+        before = counters["frames"]["total"]
+        with offloader:
+            loss = model(tokens, targets)
+        loss.backward()
+        frames.append(counters["frames"]["total"] - before)
+    offloader.close()
+    assert offloader.plan is not None and offloader.plan.fits, offloader.plan
+    assert frames[1] == 0, frames  # the second profiled step runs what the first compiled
