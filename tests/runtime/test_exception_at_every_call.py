@@ -26,16 +26,13 @@ from typing import Any
 
 import pytest
 import torch
+from injection import Injected, raise_at_line
 from torch.nn.modules import module as module_hooks
 
 import tba
 from tba import _control, _whole_exit
 from tba.runtime import _overlap, _shared
 from tba.runtime._unpack_hooks import Phase
-
-
-class Injected(BaseException):
-    """Raised by the trace function; a ``BaseException`` like ``KeyboardInterrupt``."""
 
 
 def _raise_at_call(k: int) -> tuple:
@@ -258,17 +255,7 @@ def test_an_exception_at_any_line_of_the_entry_leaves_no_hooks_and_no_entry(spil
 
     line = 0
     for k in range(1, 100):
-        seen = [0]
-
-        def trace(frame, event, arg, k=k, seen=seen):
-            if frame.f_code.co_qualname != "StepCycle.__enter__":
-                return None
-            if event == "line":
-                seen[0] += 1
-                if seen[0] == k:
-                    raise Injected
-            return trace
-
+        trace, seen = raise_at_line(k, lambda code: code.co_qualname == "StepCycle.__enter__")
         ctx = (tba.Offloader if reusable else tba.offload_activations)(spill_dir, backend="threads")
         with torch.autograd.graph.saved_tensors_hooks(user_pack, user_pack):
             user = torch._C._autograd._top_saved_tensors_default_hooks(True)

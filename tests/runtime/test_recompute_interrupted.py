@@ -12,14 +12,11 @@ from __future__ import annotations
 import sys
 
 import torch
+from injection import Injected, raise_at_line
 from torch import nn
 
 import tba
 from tba.runtime import _recompute
-
-
-class Injected(BaseException):
-    """Raised by the trace function, as a signal handler's ``KeyboardInterrupt`` would be."""
 
 
 def _model() -> nn.Module:
@@ -30,18 +27,7 @@ def _model() -> nn.Module:
 
 def _raise_at_line(k: int):
     """A trace function that raises :class:`Injected` at the k-th line run by a recomputation's ``again``."""
-    seen = [0]
-
-    def trace(frame, event, arg):
-        if frame.f_code.co_name != "again" or frame.f_code.co_filename != _recompute.__file__:
-            return None
-        if event == "line":
-            seen[0] += 1
-            if seen[0] == k:
-                raise Injected
-        return trace
-
-    return trace, seen
+    return raise_at_line(k, lambda code: code.co_name == "again" and code.co_filename == _recompute.__file__)
 
 
 def test_an_exception_at_any_line_of_a_recomputations_set_up_leaves_the_state_forward_left(spill_dir):
