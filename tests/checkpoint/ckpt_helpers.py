@@ -1,10 +1,11 @@
-"""Helpers for the checkpoint tests: small models, state-dict comparison, scratch mounts."""
+"""Helpers for the checkpoint tests: small models, state-dict comparison, scratch mounts, slowed saves."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,3 +100,37 @@ def small_mount(directory: str, size_bytes: int, *, read_only: bool = False) -> 
         yield directory
     finally:
         subprocess.run(["umount", "-l", directory], check=False)
+
+
+def slow_writes(monkeypatch: pytest.MonkeyPatch, meanwhile: Any = lambda: None) -> None:
+    """Each lazy save's writes start 0.5 s late, after ``meanwhile()`` (the user's next lines) has run."""
+    from tba.checkpoint import _layout
+
+    write_image = _layout.write_image
+
+    def slow_write_image(*args: Any, **kwargs: Any) -> Any:
+        meanwhile()
+        time.sleep(0.5)
+        return write_image(*args, **kwargs)
+
+    monkeypatch.setattr(_layout, "write_image", slow_write_image)
+
+
+def load_during_a_save(monkeypatch: pytest.MonkeyPatch, path: str, load_path: str, width: int) -> None:
+    """Save a Linear of ones to ``path``, then one of twos with its writes slowed (:func:`slow_writes`), and load
+    ``load_path`` while that save runs: the load must wait for it and see the twos."""
+    import tba.checkpoint as tc
+
+    model = nn.Linear(width, width)
+    with tc.LazyCheckpointer() as checkpointer:
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        checkpointer.save(tc.state_dict(model), path).wait()
+        with torch.no_grad():
+            model.weight.fill_(2.0)
+        slow_writes(monkeypatch)
+        handle = checkpointer.save(tc.state_dict(model), path)
+        fresh = nn.Linear(width, width)
+        tc.load(load_path, fresh)
+        assert handle.done()
+    assert torch.equal(fresh.weight, model.weight)

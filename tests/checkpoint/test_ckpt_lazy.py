@@ -8,7 +8,15 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from ckpt_helpers import assert_state_equal, clone_state, full_state, load_state, make_model, train_step
+from ckpt_helpers import (
+    assert_state_equal,
+    clone_state,
+    full_state,
+    load_during_a_save,
+    load_state,
+    make_model,
+    train_step,
+)
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -140,31 +148,7 @@ def test_modules_and_optimizers_are_taken_as_state_dicts(tmp_path):
 def test_a_load_waits_for_a_lazy_save_to_its_path(tmp_path, monkeypatch):
     """Note [A load waits for the saves to its path]: it read the checkpoint before the save, silently (helper-36).
     The save's writes are slowed down, so that the load starts while it runs."""
-    import time
-
-    import tba.checkpoint as tc
-    from tba.checkpoint import _layout
-
-    write_image = _layout.write_image
-
-    def slow_write_image(*args, **kwargs):
-        time.sleep(0.5)
-        return write_image(*args, **kwargs)
-
-    monkeypatch.setattr(_layout, "write_image", slow_write_image)
-    path = str(tmp_path / "latest")
-    model = torch.nn.Linear(2048, 2048)
-    with tc.LazyCheckpointer() as checkpointer:
-        with torch.no_grad():
-            model.weight.fill_(1.0)
-        checkpointer.save(tc.state_dict(model), path).wait()
-        with torch.no_grad():
-            model.weight.fill_(2.0)
-        handle = checkpointer.save(tc.state_dict(model), path)
-        fresh = torch.nn.Linear(2048, 2048)
-        tc.load(path, fresh)
-        assert handle.done()
-    assert torch.equal(fresh.weight, model.weight)
+    load_during_a_save(monkeypatch, str(tmp_path / "latest"), str(tmp_path / "latest"), 2048)
 
 
 def test_a_save_refused_at_once_does_not_make_loads_of_its_path_wait(tmp_path):

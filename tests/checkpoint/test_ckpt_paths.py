@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from ckpt_helpers import load_during_a_save, slow_writes
 
 import tba.checkpoint as tc
-from tba.checkpoint import _layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
-
-
-def _slow_writes(monkeypatch: pytest.MonkeyPatch, meanwhile=lambda: None) -> None:
-    """Each save's writes start 0.5 s late, after ``meanwhile()`` (the user's next lines) has run."""
-    write_image = _layout.write_image
-
-    def slow_write_image(*args, **kwargs):
-        meanwhile()
-        time.sleep(0.5)
-        return write_image(*args, **kwargs)
-
-    monkeypatch.setattr(_layout, "write_image", slow_write_image)
 
 
 @pytest.mark.parametrize("spelling", ["linked_parent", "link_to_checkpoint"])
@@ -36,19 +22,7 @@ def test_a_load_by_another_spelling_of_the_path_waits_for_the_lazy_save(tmp_path
     load_path = str(tmp_path / "link" / "step") if spelling == "linked_parent" else str(tmp_path / "latest")
     if spelling == "link_to_checkpoint":
         (tmp_path / "latest").symlink_to(real / "step")
-    model = torch.nn.Linear(512, 512)
-    with tc.LazyCheckpointer() as checkpointer:
-        with torch.no_grad():
-            model.weight.fill_(1.0)
-        checkpointer.save(tc.state_dict(model), path).wait()
-        with torch.no_grad():
-            model.weight.fill_(2.0)
-        _slow_writes(monkeypatch)
-        handle = checkpointer.save(tc.state_dict(model), path)
-        fresh = torch.nn.Linear(512, 512)
-        tc.load(load_path, fresh)
-        assert handle.done()
-    assert torch.equal(fresh.weight, model.weight)
+    load_during_a_save(monkeypatch, path, load_path, 512)
 
 
 def test_a_file_written_into_the_path_while_a_lazy_save_runs_is_never_deleted(tmp_path, monkeypatch):
@@ -61,7 +35,7 @@ def test_a_file_written_into_the_path_while_a_lazy_save_runs_is_never_deleted(tm
             path.mkdir()
             (path / "config.json").write_text('{"width": 256}')
 
-        _slow_writes(monkeypatch, write_config)
+        slow_writes(monkeypatch, write_config)
         handle = checkpointer.save(tc.state_dict(model), path)
         with pytest.raises(tc.TbaCheckpointError, match="config.json"):
             handle.wait()
@@ -75,7 +49,7 @@ def test_a_file_added_to_an_earlier_checkpoint_while_a_save_runs_is_never_delete
     model = torch.nn.Linear(256, 256)
     with tc.LazyCheckpointer() as checkpointer:
         checkpointer.save(tc.state_dict(model), path).wait()
-        _slow_writes(monkeypatch, lambda: (path / "notes.txt").write_text("keep me"))
+        slow_writes(monkeypatch, lambda: (path / "notes.txt").write_text("keep me"))
         handle = checkpointer.save(tc.state_dict(model), path)
         with pytest.raises(tc.TbaCheckpointError, match="notes.txt"):
             handle.wait()
