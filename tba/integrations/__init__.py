@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tba.config import OffloadConfig
+from tba.errors import TbaConfigError
 
 _GOALS = ("memory_budget", "memory_budget_bytes", "overhead_bound")
 
@@ -37,3 +38,19 @@ def integration_policy(options: Mapping[str, Any]) -> Any:
             config.policy != "adaptive" or any(getattr(config, goal) is not None for goal in _GOALS)):
         return config.policy
     return "offload"
+
+
+def check_goal(options: Mapping[str, Any], policy: Any, *, policy_given: bool, owner: str, fix: str) -> None:
+    """Refuse a goal in ``options`` beside a ``policy`` that plans nothing, where the integration is built.
+
+    ``owner`` names where the goal was given (``"tba_options'"``), ``fix`` how to ask for planning (``"add
+    \"policy\": \"adaptive\" to tba_options"``). Left to the runner, the goal was refused at the first step as
+    "need policy='adaptive', not 'offload'", a policy the user never gave: the integration's default.
+    """
+    goals = [name for name in _GOALS if options.get(name) is not None]
+    if not goals or (isinstance(policy, str) and policy == "adaptive"):
+        return
+    given = repr(policy) if isinstance(policy, str) else f"a {type(policy).__name__}"
+    default = "" if policy_given else " (the integration's default)"
+    raise TbaConfigError(f"{owner} {goals[0]} is a goal of policy='adaptive', and policy is {given}{default}: "
+                         f"{fix}, or drop {goals[0]}")

@@ -30,7 +30,7 @@ import torch
 
 from tba.config import OffloadConfig
 from tba.errors import TbaConfigError
-from tba.integrations import integration_policy
+from tba.integrations import check_goal, integration_policy
 from tba.runtime import Offloader, OffloadStats, resolve_layers
 
 HF_EXTRA_HINT = "pip install 'tba-offload[hf]'"
@@ -61,12 +61,12 @@ class TbaTrainerMixin:
             rest = {name: value for name, value in tba_options.items() if name not in ("layers", "config")}
             if config is None:  # the variables too (Note [A goal variable beside a policy that plans nothing])
                 policy = integration_policy(tba_options)
-                _check_goal(rest, policy, "policy" in tba_options)
+                _trainer_goal(rest, policy, "policy" in tba_options)
                 OffloadConfig.from_env(**{**rest, "policy": policy})
             elif not isinstance(config, OffloadConfig):  # refused at the first step's forward before (helper-125)
                 raise TbaConfigError(f"tba_options' config must be a tba.OffloadConfig, got {type(config).__name__}")
             else:
-                _check_goal(rest, integration_policy(tba_options), "policy" in tba_options)
+                _trainer_goal(rest, integration_policy(tba_options), "policy" in tba_options)
                 config.replace(**rest)
         super().__init__(*args, **kwargs)
         self.tba_options = tba_options
@@ -92,16 +92,10 @@ class TbaTrainerMixin:
                 self.offloader = None
 
 
-def _check_goal(options: Mapping[str, Any], policy: Any, policy_given: bool) -> None:
-    """A goal in ``tba_options`` beside a policy that plans nothing, refused where the trainer is built: the runner
-    refused it inside ``train()``, as "need policy='adaptive', not 'offload'", a policy the user never gave."""
-    goals = [name for name in ("memory_budget", "memory_budget_bytes", "overhead_bound") if options.get(name) is not None]
-    if not goals or (isinstance(policy, str) and policy == "adaptive"):
-        return
-    given = repr(policy) if isinstance(policy, str) else f"a {type(policy).__name__}"
-    default = "" if policy_given else " (the integration's default)"
-    raise TbaConfigError(f"tba_options' {goals[0]} is a goal of policy='adaptive', and policy is {given}{default}: "
-                         f"add \"policy\": \"adaptive\" to tba_options, or drop {goals[0]}")
+def _trainer_goal(options: Mapping[str, Any], policy: Any, policy_given: bool) -> None:
+    """A goal in ``tba_options`` beside a policy that plans nothing, refused where the trainer is built."""
+    check_goal(options, policy, policy_given=policy_given, owner="tba_options'",
+               fix='add "policy": "adaptive" to tba_options')
 
 
 def _trainer_class() -> type:

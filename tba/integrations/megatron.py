@@ -39,7 +39,7 @@ from torch import nn
 
 from tba.defaults import PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError
-from tba.integrations import integration_policy
+from tba.integrations import check_goal, integration_policy
 from tba.integrations._megatron_flags import FLAG_HELP, FLAG_NAMES, add_tba_arguments, flag_name, options_from_args
 from tba.runtime import KeepReason, Offloader
 
@@ -137,7 +137,10 @@ class MegatronOffloader(Offloader):
         blocks = transformer_blocks(model)
         # Integrations offload unless told to plan (docs/policies.md): Offloader's own default, "adaptive",
         # would also slip past the recompute check below. Note [An integration's offload default and a given config]
+        policy_given = "policy" in options
         options["policy"] = integration_policy(options)
+        check_goal(options, options["policy"], policy_given=policy_given, owner="MegatronOffloader's",
+                   fix="pass policy='adaptive' too")
         for block in blocks:
             check_recompute_config(block.config)
             if options["policy"] not in ("offload", "keep") and block.config.recompute_granularity:

@@ -249,6 +249,18 @@ def test_offloader_built_directly_offloads_by_default(world, spill_dir, monkeypa
         MegatronOffloader(model, spill_dir, backend="threads", policy="adaptive")
 
 
+def test_a_goal_without_the_adaptive_policy_names_the_integrations_default(world, spill_dir):
+    """MegatronOffloader(model, memory_budget=...) said "need policy='adaptive', not 'offload'", a policy the user
+    never gave (helper-154): it names the integration's default and the fix."""
+    model = pretrain_gpt.build_gpt(parse(), torch.device("cpu"))
+    with pytest.raises(TbaConfigError, match=r"^MegatronOffloader's memory_budget is a goal of policy='adaptive', and "
+                                             r"policy is 'offload' \(the integration's default\): pass "
+                                             r"policy='adaptive' too, or drop memory_budget$"):
+        MegatronOffloader(model, spill_dir, backend="threads", memory_budget="1GiB")
+    with pytest.raises(TbaConfigError, match=r"and policy is 'keep': pass"):
+        MegatronOffloader(model, spill_dir, backend="threads", policy="keep", overhead_bound=0.1)
+
+
 def test_bad_models_and_settings_are_refused():
     with pytest.raises(TbaConfigError, match="no megatron-core TransformerBlock"):
         MegatronOffloader(nn.Linear(4, 4))
