@@ -74,6 +74,11 @@ static int by_offset(const void *a, const void *b)
     return x->index < y->index ? -1 : (x->index > y->index);  /* stable, as list.sort */
 }
 
+/* Note: [One conversion at a time]
+ * ``PyLong_AsLongLong`` calls a non-int's ``__index__``, which may be Python: called while the last conversion's
+ * error is still set, that Python ran with an exception pending, and CPython turned its result into a SystemError
+ * ("returned a result with an exception set") in place of the TypeError the Python loop raises (an assertion in a
+ * debug build). So each conversion is checked before the next is made. */
 static long long as_bytes(PyObject *transfer, int field)
 {
     return PyLong_AsLongLong(PyTuple_GET_ITEM(transfer, field));
@@ -98,12 +103,13 @@ static int add_group(PyObject *requests, PyObject *callbacks, PyObject *group, P
     }
     long long total_bytes = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        keys[i].offset = as_bytes(PyList_GET_ITEM(group, i), T_OFFSET);
+        long long extent;
         keys[i].index = i;
-        total_bytes += as_bytes(PyList_GET_ITEM(group, i), T_EXTENT_BYTES);
+        if (((keys[i].offset = as_bytes(PyList_GET_ITEM(group, i), T_OFFSET)) == -1 && PyErr_Occurred())
+            || ((extent = as_bytes(PyList_GET_ITEM(group, i), T_EXTENT_BYTES)) == -1 && PyErr_Occurred()))
+            goto done;
+        total_bytes += extent;
     }
-    if (PyErr_Occurred())
-        goto done;
     qsort(keys, n, sizeof(Key), by_offset);
     if ((sorted = PyList_New(n)) == NULL || (owners = PyTuple_New(n)) == NULL || (pieces = PyTuple_New(n)) == NULL)
         goto done;
@@ -153,10 +159,11 @@ static PyObject *add_requests(PyObject *module, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "add_requests: requests and callbacks must be lists");
         return NULL;
     }
-    long long block_bytes = PyLong_AsLongLong(block_object);
-    long long max_pieces = PyLong_AsLongLong(args[5]);
-    long long join_bytes = PyLong_AsLongLong(args[6]);
-    if (PyErr_Occurred())
+    /* Each conversion checked before the next (Note [One conversion at a time]). */
+    long long block_bytes, max_pieces, join_bytes;
+    if (((block_bytes = PyLong_AsLongLong(block_object)) == -1 && PyErr_Occurred())
+        || ((max_pieces = PyLong_AsLongLong(args[5])) == -1 && PyErr_Occurred())
+        || ((join_bytes = PyLong_AsLongLong(args[6])) == -1 && PyErr_Occurred()))
         return NULL;
     /* A tuple of its own: Python called from here (_add_large, a finalizer at an allocation) cannot change it. */
     PyObject *transfers = PySequence_Tuple(args[2]);
@@ -175,10 +182,10 @@ static PyObject *add_requests(PyObject *module, PyObject *const *args, Py_ssize_
             PyErr_Format(PyExc_TypeError, "add_requests: a transfer must be a Transfer, not %R", transfer);
             goto failed;
         }
-        long long extent = as_bytes(transfer, T_EXTENT_BYTES);
-        long long offset = as_bytes(transfer, T_OFFSET);
-        long long fd = as_bytes(transfer, T_FD);
-        if (PyErr_Occurred())
+        long long extent, offset, fd;
+        if (((extent = as_bytes(transfer, T_EXTENT_BYTES)) == -1 && PyErr_Occurred())
+            || ((offset = as_bytes(transfer, T_OFFSET)) == -1 && PyErr_Occurred())
+            || ((fd = as_bytes(transfer, T_FD)) == -1 && PyErr_Occurred()))
             goto failed;
         if (extent < 0 || offset < 0 || offset > LLONG_MAX - extent) {
             /* The Python loop's sums are exact; past a file offset's range they would wrap here (Note [File

@@ -107,3 +107,25 @@ def test_the_c_loop_refuses_a_transfer_outside_a_file_where_its_sums_would_wrap(
     transfers = [first, _host_requests.Transfer(Op.WRITE, 3, 0, extent, offset, object(), object())]
     with pytest.raises(ValueError, match="outside a file"):
         _formed(C_LOOP, transfers, TOP, print)
+
+
+class _Index:
+    """A number whose ``__index__`` is Python: it runs wherever the C loop converts it."""
+
+    def __index__(self) -> int:
+        return 4096
+
+
+@pytest.mark.parametrize("fields", [("x", _Index(), 3), (4096, "x", _Index())])
+def test_a_field_that_is_no_number_raises_a_type_error_not_a_system_error(fields):
+    """Note [One conversion at a time] in native/tba_requests.c: the next field's ``__index__`` ran with the first
+    one's TypeError pending, and CPython raised a SystemError in its place."""
+    extent, offset, fd = fields
+    transfer = _host_requests.Transfer(Op.WRITE, fd, 0, extent, offset, object(), object())
+    with pytest.raises(TypeError):
+        _formed(C_LOOP, [transfer], BLOCK_BYTES, print)
+
+
+def test_a_size_argument_that_is_no_number_raises_a_type_error_not_a_system_error():
+    with pytest.raises(TypeError):
+        C_LOOP.add_requests([], [], [], "x", None, _Index(), _Index())
