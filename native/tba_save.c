@@ -86,6 +86,21 @@ static int add_to(PyObject *obj, PyObject *name, PyObject *delta)
     return failed;
 }
 
+/* The error set now goes up, the save's (``type``, ``value``, ``traceback``: references given up) as its context,
+ * as ``raise`` inside the Python path's ``except`` block chains it. */
+static void raise_over(PyObject *type, PyObject *value, PyObject *traceback)
+{
+    PyObject *type2, *value2, *traceback2;
+    PyErr_Fetch(&type2, &value2, &traceback2);
+    PyErr_NormalizeException(&type2, &value2, &traceback2);
+    if (value2 != NULL && value2 != value)
+        PyException_SetContext(value2, value);  /* steals value */
+    else
+        Py_XDECREF(value);
+    Py_XDECREF(type); Py_XDECREF(traceback);
+    PyErr_Restore(type2, value2, traceback2);
+}
+
 /* The store's ``_write_not_queued(entry, error, steps)`` for the error set now: the entry (a new reference) when it
  * is kept, else NULL with the error set again (or the undo's own, the first as its context). */
 static PyObject *not_queued(PyObject *store, PyObject *entry, int steps)
@@ -103,19 +118,16 @@ static PyObject *not_queued(PyObject *store, PyObject *entry, int steps)
         Py_DECREF(count);
     }
     if (kept == NULL) {  /* the undo failed: its error goes up, the save's as its context */
-        PyObject *type2, *value2, *traceback2;
-        PyErr_Fetch(&type2, &value2, &traceback2);
-        PyErr_NormalizeException(&type2, &value2, &traceback2);
-        if (value2 != NULL && value2 != value)
-            PyException_SetContext(value2, value);  /* steals value */
-        else
-            Py_XDECREF(value);
-        Py_XDECREF(type); Py_XDECREF(traceback);
-        PyErr_Restore(type2, value2, traceback2);
+        raise_over(type, value, traceback);
         return NULL;
     }
-    int is_kept = kept == Py_True;
+    /* Its truth, as the Python path's ``not`` takes it: an error of its ``__bool__`` goes up as the undo's would. */
+    int is_kept = PyObject_IsTrue(kept);
     Py_DECREF(kept);
+    if (is_kept < 0) {
+        raise_over(type, value, traceback);
+        return NULL;
+    }
     if (is_kept) {
         Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(traceback);
         return Py_NewRef(entry);

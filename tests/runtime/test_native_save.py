@@ -193,3 +193,70 @@ def test_an_empty_view_whose_storage_is_freed_before_its_save_stays_in_memory_an
     assert "could not start writing" not in caplog.text
     stats = offloader.stats  # the empty one is counted as kept, as every tensor tba keeps in memory is
     assert (stats.tensors_kept, stats.bytes_kept, stats.kept_by_reason) == (1, 0, {str(tba.KeepReason.EMPTY_STORAGE): 1})
+
+
+class _Answer:
+    """What a replaced ``_write_not_queued`` returns: a truth value that is not a bool, or one that raises."""
+
+    def __init__(self, truth):
+        self.truth = truth
+
+    def __bool__(self):
+        if isinstance(self.truth, BaseException):
+            raise self.truth
+        return self.truth
+
+
+class _Store(_writes.StoreWrites):
+    """The attributes and methods a host save uses, its ``_resident`` failing and its ``_write_not_queued`` answering
+    ``answer`` (Note [A save that fails after its entry is registered])."""
+
+    def __init__(self, answer):
+        class Route:
+            def phase_bytes(self, address):
+                return address % 4096
+
+        class Routes:
+            staged_devices = ()
+            host = Route()
+
+        class Window:
+            def add(self, entry):
+                pass
+
+        self.routes = Routes()
+        self.window = Window()
+        self._next_seq = self.live_entries = 0
+        self._by_storage = {}
+        self.answer = answer
+        self.told = []
+
+    def _resident(self, nbytes):
+        raise ValueError("a test fails _resident")
+
+    def _write_not_queued(self, entry, error, done):
+        self.told.append((error, done))
+        return self.answer
+
+
+@needs_extension
+@pytest.mark.parametrize("answer", [1, 0, "kept", _Answer(True), _Answer(False), _Answer(LookupError("bool"))],
+                         ids=repr)
+def test_the_c_save_takes_the_answer_of_write_not_queued_as_the_python_one_does(monkeypatch, answer):
+    """The Python save asks ``not self._write_not_queued(...)``, any truth value (a replaced one's too); the C save
+    took only True as kept, and raised where the Python kept the entry, or hid the error of the answer's ``__bool__``."""
+    tensor = torch.ones(16)
+    native = _writes._start_host_write
+    outcomes = {}
+    for path in ("python", "c"):
+        monkeypatch.setattr(_writes, "_start_host_write", None if path == "python" else native)
+        store = _Store(answer)
+        try:
+            entry = store._start_write(tensor.untyped_storage(), 0, 0, None, tensor)
+        except Exception as error:  # noqa: BLE001 - compared below
+            outcomes[path] = type(error), str(error), repr(error.__context__)
+        else:
+            outcomes[path] = type(entry).__name__, entry.seq
+        assert [(str(error), done) for error, done in store.told] == [("a test fails _resident", 3)], path
+    monkeypatch.undo()
+    assert outcomes["c"] == outcomes["python"]
