@@ -194,6 +194,15 @@ static PyObject *exit_block(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_RuntimeError, "tba: the control thread's reply is not (error, result)");
         return NULL;
     }
+    if (error != NULL && !PyExceptionInstance_Check(error)) {
+        /* What ``raise error`` says of it: taken as an exception, its type and traceback were read out of an object
+         * that has neither (a segmentation fault). */
+        drop_kept(&popping);
+        Py_DECREF(error);
+        PyErr_SetString(PyExc_TypeError, "tba: the control thread's reply holds an error that is no exception "
+                                         "(exceptions must derive from BaseException)");
+        return NULL;
+    }
     if (error != NULL) {
         drop_kept(&popping);
         PyObject *context = PyException_GetContext(error);

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from python_runs import run_python
 
 import tba
 from tba import _control, _whole_exit
@@ -218,3 +219,27 @@ def test_hooks_left_installed_after_their_block_keep_later_saves_in_memory(spill
         while _top() is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         off.close()
+
+
+@needs_extension
+def test_a_reply_whose_error_is_no_exception_raises_a_type_error_not_a_crash():
+    """The C exit raised the reply's error as it stood: a reply whose error was no exception (a job's reply put by
+    hand, not by the control thread's ``except``) gave ``PyException_GetTraceback`` a non-exception, a segmentation
+    fault; the Python exit's ``raise error`` is a TypeError."""
+    script = (
+        "import queue, threading, types\n"
+        "from tba._shield import exit_block\n"
+        "class Jobs:\n"
+        "    def put(self, item):\n"
+        "        reply, job, args = item\n"
+        "        reply.put(job(*args))\n"
+        "state = types.SimpleNamespace(stopped=False, thread_ident=threading.get_ident() + 1, jobs=Jobs())\n"
+        "control = types.SimpleNamespace(_control=state)\n"
+        "try:\n"
+        "    exit_block(print, lambda top: None, control, queue.SimpleQueue(), lambda failed: ('no exception', None),\n"
+        "               print, [threading.get_ident()], None, None, None)\n"
+        "except TypeError as error:\n"
+        "    print('TypeError', error)\n"
+    )
+    done = run_python(["-c", script], timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("TypeError"), (done.returncode, done.stdout, done.stderr)
