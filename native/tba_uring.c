@@ -294,22 +294,31 @@ static PyObject *Ring_reap(RingObject *self, PyObject *Py_UNUSED(ignored))
     Py_BEGIN_ALLOW_THREADS
     err = tba_ring_reap(&self->ring, self->done_buf, self->ring.nslots, &n, &woke);
     Py_END_ALLOW_THREADS
-    self->users--;
-    self->reaping = 0;
-    if (err && n == 0 && !woke)
-        return raise_errno(-err);
+    PyObject *result = NULL;
+    if (err && n == 0 && !woke) {
+        raise_errno(-err);
+        goto done;
+    }
+    /* Note: [A reaper reads its results in use]
+     * Each object made below may start a collection, whose finalizers are Python, and a thread they let run: the
+     * ring stays in use (``close`` refuses) and reaped (a second reaper is refused) until the results are read,
+     * for a finalizer that closed it freed done_buf under this loop (a segmentation fault). */
     list = PyList_New(n);
     if (!list)
-        return NULL;
+        goto done;
     for (unsigned i = 0; i < n; i++) {
         PyObject *item = finished_tuple(&self->done_buf[i]);
         if (!item) {
             Py_DECREF(list);
-            return NULL;
+            goto done;
         }
         PyList_SET_ITEM(list, i, item);
     }
-    return Py_BuildValue("NO", list, woke ? Py_True : Py_False);
+    result = Py_BuildValue("NO", list, woke ? Py_True : Py_False);
+done:
+    self->users--;
+    self->reaping = 0;
+    return result;
 }
 
 static PyObject *Ring_wake(RingObject *self, PyObject *Py_UNUSED(ignored))

@@ -622,3 +622,49 @@ def test_a_completion_thread_that_runs_after_an_interrupted_constructor_ends_qui
         late[0].join(timeout=10)
     assert not late[0].is_alive()
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR], caplog.text
+
+
+_CLOSED_IN_REAP = """
+import gc, os, sys, time
+import numpy as np
+from tba import _uring
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+buf = np.zeros(4096, dtype=np.uint8)
+for k in range(8):  # the collection lands at the k-th object reap makes (its list, a tuple per request, its result)
+    ring = _uring.Ring(8)
+    ring.submit([(1, fd, buf.ctypes.data, 4096, 0, tag) for tag in range(4)])
+
+    class Closes:
+        def __del__(self, ring=ring):
+            try:
+                ring.close()
+            except RuntimeError:
+                print("refused", flush=True)
+
+    time.sleep(0.2)  # the writes done: one reap takes them all
+    finished = []
+    gc.collect()
+    gc.disable()
+    cycle = Closes()
+    cycle.cycle = cycle
+    del cycle
+    gc.enable()
+    gc.set_threshold(gc.get_count()[0] + k)
+    while len(finished) < 4 and not ring.closed:
+        finished += ring.reap()[0]
+    gc.set_threshold(700)
+    gc.collect()
+    ring.close()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.requires_io_uring
+def test_a_ring_closed_by_a_finalizer_while_reap_builds_its_result_is_refused_not_freed_under_it(tmp_path):
+    """``reap`` built its result (objects that may start a collection, whose finalizers are Python) after it had
+    marked the ring free: a finalizer that closed the ring then freed the scratch results ``reap`` was reading, a
+    segmentation fault; and a thread the finalizer let run could reap into them. The ring stays in use until
+    ``reap`` returns: that ``close`` is refused (Note [A reaper reads its results in use] in native/tba_uring.c)."""
+    done = run_python(["-c", _CLOSED_IN_REAP, str(tmp_path / "f")], timeout=120)
+    assert done.returncode == 0 and done.stdout.endswith("done\n") and "refused" in done.stdout, (
+        done.returncode, done.stdout, done.stderr)
