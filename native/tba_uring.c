@@ -123,10 +123,27 @@ static int as_u64(PyObject *obj, unsigned long long max, const char *what, unsig
     return 0;
 }
 
+/* Note: [Entries read from a snapshot]
+ * Reading an entry can run Python (an ``__index__``), which may change the list it came from: ``submit`` read the
+ * list's items by an index counted before, and its entries' fields through borrowed references, so a list cleared
+ * under it was read past its end and its freed items read (a segmentation fault). The requests and each request's
+ * pieces and each piece's two fields are read from a tuple of their own (the caller's tuple itself, else a copy; not
+ * ``PyArg_Parse``'s "(OO)", whose items of a sequence that is no tuple are borrowed from nothing once it returns):
+ * ``submit`` takes the entries as they were when it was called. */
+static PyObject *snapshot(PyObject *obj, const char *message)
+{
+    PyObject *fast = PySequence_Fast(obj, message);
+    if (fast == NULL || PyTuple_Check(fast))
+        return fast;
+    PyObject *copy = PyList_AsTuple(fast);
+    Py_DECREF(fast);
+    return copy;
+}
+
 /* A vectored request's pieces: a sequence of (address, nbytes) pairs whose sizes add up to ``len``. */
 static int parse_pieces(PyObject *pieces, unsigned long long len, struct tba_req *req)
 {
-    PyObject *seq = PySequence_Fast(pieces, "address must be an int or a sequence of (address, nbytes) pairs");
+    PyObject *seq = snapshot(pieces, "address must be an int or a sequence of (address, nbytes) pairs");
     if (!seq)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -145,11 +162,15 @@ static int parse_pieces(PyObject *pieces, unsigned long long len, struct tba_req
     unsigned long long total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long addr, size;
-        PyObject *piece_addr, *piece_size;
-        if (!PyArg_Parse(PySequence_Fast_GET_ITEM(seq, i), "(OO);a piece must be (address, nbytes)", &piece_addr,
-                         &piece_size)
-            || as_u64(piece_addr, UINT64_MAX, "a piece's address", &addr)
-            || as_u64(piece_size, UINT64_MAX, "a piece's nbytes", &size))
+        PyObject *piece = snapshot(PySequence_Fast_GET_ITEM(seq, i), "a piece must be (address, nbytes)");
+        if (piece != NULL && PyTuple_GET_SIZE(piece) != 2) {
+            PyErr_SetString(PyExc_TypeError, "a piece must be (address, nbytes)");
+            Py_CLEAR(piece);
+        }
+        int converted = piece != NULL && !as_u64(PyTuple_GET_ITEM(piece, 0), UINT64_MAX, "a piece's address", &addr)
+                        && !as_u64(PyTuple_GET_ITEM(piece, 1), UINT64_MAX, "a piece's nbytes", &size);
+        Py_XDECREF(piece);
+        if (!converted)
             goto fail;
         if (size == 0) {
             PyErr_SetString(PyExc_ValueError, "piece of 0 bytes");
@@ -224,7 +245,7 @@ static PyObject *Ring_submit(RingObject *self, PyObject *arg)
 
     if (check_open(self))
         return NULL;
-    seq = PySequence_Fast(arg, "submit() takes a list of request tuples");
+    seq = snapshot(arg, "submit() takes a list of request tuples");  /* Note [Entries read from a snapshot] */
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);

@@ -668,3 +668,48 @@ def test_a_ring_closed_by_a_finalizer_while_reap_builds_its_result_is_refused_no
     done = run_python(["-c", _CLOSED_IN_REAP, str(tmp_path / "f")], timeout=120)
     assert done.returncode == 0 and done.stdout.endswith("done\n") and "refused" in done.stdout, (
         done.returncode, done.stdout, done.stderr)
+
+
+_CLEARED_IN_SUBMIT = """
+import gc, os, sys
+import numpy as np
+from tba import _uring
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+buf = np.zeros(4096, dtype=np.uint8)
+address = buf.ctypes.data
+ring = _uring.Ring(4)
+cleared = []
+
+class Clears:
+    def __index__(self):
+        cleared[0].clear()
+        gc.collect()
+        return cleared[1]
+
+if sys.argv[2] == "requests":
+    entries = [(1, fd, address, 16, Clears(), 1)] + [(1, fd, address, 16, 0, tag) for tag in range(2, 2000)]
+    cleared[:] = entries, 0
+    ring.submit(entries)
+    expected = 1999
+else:
+    pieces = [(Clears(), 8)] + [(address + 8 * i, 8) for i in range(1, 500)]
+    cleared[:] = pieces, address
+    ring.submit([(1, fd, pieces, 8 * 500, 0, 1)])
+    expected = 1
+reaped = []
+while len(reaped) < expected:
+    reaped += ring.reap()[0]
+ring.close()
+print("done", sorted(set(result for _, result, _ in reaped)), flush=True)
+"""
+
+
+@pytest.mark.requires_io_uring
+@pytest.mark.parametrize("cleared", ["requests", "pieces"])
+def test_a_list_cleared_while_submit_reads_it_is_read_as_it_was(tmp_path, cleared):
+    """Note [Entries read from a snapshot] in native/tba_uring.c: an entry's ``__index__`` that cleared the list of
+    requests (or of a request's pieces) made ``submit`` read past the list's end and its freed items, a segmentation
+    fault. The entries are read as they were when ``submit`` was called."""
+    done = run_python(["-c", _CLEARED_IN_SUBMIT, str(tmp_path / "f"), cleared], timeout=120)
+    result = "[16]" if cleared == "requests" else "[4000]"
+    assert done.returncode == 0 and done.stdout == f"done {result}\n", (done.returncode, done.stdout, done.stderr)
