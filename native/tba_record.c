@@ -134,9 +134,15 @@ static int entry_clear(Entry *self)
     return 0;
 }
 
+/* Note: [A chain of records is freed without recursion]
+ * A record's field may hold another record (through any object), and freeing the first then frees the next from
+ * inside its deallocator: a chain of a few hundred thousand overflowed the C stack (a segmentation fault) where the
+ * dataclass, whose instances CPython frees through its trashcan, freed it whole. The deallocator goes through the
+ * trashcan too: past a depth, a record is set aside and freed once the stack has unwound. */
 static void entry_dealloc(Entry *self)
 {
     PyObject_GC_UnTrack(self);
+    Py_TRASHCAN_BEGIN(self, entry_dealloc)
     PyObject *cdata = self->fields[F_CDATA];
     if (cdata != NULL) {
         PyObject *type, *value, *traceback;
@@ -150,6 +156,7 @@ static void entry_dealloc(Entry *self)
     for (Py_ssize_t i = 0; i < N_FIELDS; i++)
         Py_CLEAR(self->fields[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
+    Py_TRASHCAN_END
 }
 
 static PyObject *entry_expired(Entry *self, PyObject *unused)

@@ -240,3 +240,31 @@ def test_a_field_replaced_while_the_record_reads_another_is_not_read_after_its_d
     done = run_python(["-c", _FIELD_FREED_WHILE_READ], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "late reads: 0" in done.stdout, done.stdout
+
+
+_A_LONG_CHAIN = """
+import sys
+import torch
+from tba.runtime import _entry
+
+storage = torch.UntypedStorage(4)
+record = _entry.StorageEntry if sys.argv[1] == "c" else _entry.PyStorageEntry
+head = None
+for seq in range(300_000):
+    entry = record(seq, None, 4, 0, 0, storage._weak_ref(), None)
+    entry.route = head  # each record holds the one made before it
+    head = entry
+del entry
+head = None
+print("freed", flush=True)
+"""
+
+
+@needs_extension
+@pytest.mark.parametrize("record", ["python", "c"])
+def test_a_long_chain_of_records_is_freed_as_the_dataclass_frees_it(record):
+    """Note [A chain of records is freed without recursion] in native/tba_record.c: each C record freed the next from
+    inside its deallocator, and a chain of 300,000 overflowed the C stack (a segmentation fault); the dataclass's
+    instances go through CPython's trashcan."""
+    done = run_python(["-c", _A_LONG_CHAIN, record], timeout=120)
+    assert done.returncode == 0 and done.stdout == "freed\n", (done.returncode, done.stdout, done.stderr[-2000:])
