@@ -206,6 +206,10 @@ class _Answer:
             raise self.truth
         return self.truth
 
+    def __repr__(self):
+        # A stable test id: pytest-xdist's workers must collect the same names (an address differed between them).
+        return f"_Answer({self.truth!r})"
+
 
 class _Store(_writes.StoreWrites):
     """The attributes and methods a host save uses, its ``_resident`` failing and its ``_write_not_queued`` answering
