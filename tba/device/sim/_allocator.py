@@ -78,6 +78,9 @@ class CachingAllocator:
         """Blocks whose storage died, not yet given back (Note [A device tensor's death takes no lock])."""
         self.allocations_by_stream: dict[str, int] = {}
         self.reserved_by_stream: dict[str, int] = {}
+        self._watched: dict[int, tuple[Any, int, int]] = {}
+        """Storages outside the arena that a copy touched, by storage: (weak reference, address, bytes)
+        (Note [A freed model tensor is the next kernel's])."""
         self.record_stream_calls = 0
         self._allocated_bytes = 0
         self.peak_allocated_bytes = 0
@@ -151,8 +154,49 @@ class CachingAllocator:
         block.freed_for = (block.stream, *block.uses)
         self._dead.put(block)
 
+    def watch(self, ref: Any, address: int, nbytes: int) -> None:
+        """Check the death of a storage outside the arena that a copy touches (Note [A freed model tensor is the
+        next kernel's])."""
+        with self._lock:
+            old = self._watched.get(ref.cdata)
+            if old is not None and old[0].expired():
+                self._free_watched(*old)  # a new storage at the same place: the old one's death first
+            self._watched[ref.cdata] = (ref, address, nbytes)
+
+    def _free_watched(self, ref: Any, address: int, nbytes: int) -> None:
+        """Note: [A freed model tensor is the next kernel's]
+        The model's tensors are not the arena's: on a GPU their blocks come from the caching allocator
+        too, and the next kernel on the producer's stream may overwrite one as soon as its last
+        reference dies. A copy on another stream not ordered before that death (the host synchronized
+        with it, or the stream waited for it) races with that kernel, even if in wall-clock time it
+        already ran; the simulator reported it only when the copy had not run yet (a use after free),
+        so whether a test saw the race depended on the scheduler's delays. Each storage outside the
+        arena that a copy touched is watched; its death, seen at the next simulated call (Note [A
+        device tensor's death takes no lock]), is a free to the stream that last wrote its bytes (the
+        host, for memory page-locked by ``pin``), ordered after what the host has seen: every copy
+        or kvikio transfer of another participant must be ordered before it, as before an arena block's poison (the
+        model's own accesses are the model's business, and the last writer is only a guess at the
+        stream the block would go back to). The bytes then count as fresh: here the host's
+        allocator, not the stream's, hands them out next, to any stream
+        (tests/device/test_sim_model_tensor_free.py)."""
+        streams = {stream.name for stream in self.sim.scheduler._streams} | {self.sim.default_stream.name}
+        host = self.sim.pinned.holds(address)
+        who = "host" if host else self.sim.checker.last_writer(address, nbytes, streams) or "host"
+        if who != "host":
+            self.sim.checker.launch(who)
+        self.sim.checker.free(who, address, nbytes, "the free of a storage a copy touched", of=("copy on ", "kvikio "))
+
+    def _poll_watched(self) -> None:
+        if not self._watched or self.sim.broken is not None:
+            return
+        with self._lock:
+            dead = [key for key, (ref, _, _) in self._watched.items() if ref.expired()]
+            for key in dead:
+                self._free_watched(*self._watched.pop(key))
+
     def release_dead(self) -> None:
         """Give back the blocks whose storage died (Note [A device tensor's death takes no lock])."""
+        self._poll_watched()
         if self._dead.empty():
             return
         with self._lock:
@@ -207,6 +251,11 @@ class PinnedHost:
         rounded = 1 << max(nbytes - 1, 0).bit_length()
         self._add(rounded)
         return aligned_empty(rounded)[:nbytes]
+
+    def holds(self, address: int) -> bool:
+        """Whether ``address`` is in host memory page-locked by :meth:`pin` now."""
+        with self._lock:
+            return any(start <= address < start + nbytes for start, nbytes in self._registered.items())
 
     def pin(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()

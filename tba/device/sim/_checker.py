@@ -119,6 +119,38 @@ class HappensBefore:
             self._free_names.append(name)
             return self._clocks.pop(name, {})
 
+    def last_writer(self, start: int, nbytes: int, among: set[str]) -> str | None:
+        """The participant in ``among`` whose write of bytes in ``[start, start + nbytes)`` is the latest recorded."""
+        with self._lock:
+            low = bisect.bisect_left(self._starts, start - self._longest)
+            high = bisect.bisect_left(self._starts, start + nbytes)
+            writes = [old for old in self._records[low:high] if old.end > start and old.write and old.who in among]
+            return max(writes, key=lambda old: old.stamp).who if writes else None
+
+    def free(self, who: str, start: int, nbytes: int, what: str, of: tuple[str, ...]) -> None:
+        """``[start, start + nbytes)`` is freed to ``who`` (the next kernel there may overwrite it): every access
+        whose description starts with one of ``of`` by another participant must be ordered before; the bytes are then
+        fresh (their records go)."""
+        end = start + nbytes
+        with self._lock:
+            clock = self._clock(who)
+            low = bisect.bisect_left(self._starts, start - self._longest)
+            high = bisect.bisect_left(self._starts, end)
+            gone = []
+            for index in range(low, high):
+                old = self._records[index]
+                if old.end <= start:
+                    continue
+                if (old.who != who and old.what.startswith(of) and old.stamp > clock.get(old.who, 0)
+                        and len(self.races) < self._max_races):
+                    self.races.append(f"{what} (of [{start:#x}, {end:#x}) to {who}) is not ordered after {old.what} "
+                                      f"({'write' if old.write else 'read'} of [{old.start:#x}, {old.end:#x}) on {old.who})")
+                if start <= old.start and old.end <= end:
+                    gone.append(index)
+            for index in reversed(gone):
+                del self._starts[index]
+                del self._records[index]
+
     def access(self, who: str, start: int, nbytes: int, write: bool, what: str) -> None:
         """Record an access of ``[start, start + nbytes)`` by ``who``; notes a race with any unordered one."""
         if nbytes <= 0:

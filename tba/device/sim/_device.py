@@ -226,6 +226,9 @@ class SimulatedCuda(FaultInjection):
         storages = (dst.untyped_storage(), src.untyped_storage())
         refs = tuple(StorageWeakRef(storage) for storage in storages)
         blocks = tuple(self.allocator.block_at(storage.data_ptr()) for storage in storages)
+        for storage, ref, block in zip(storages, refs, blocks):
+            if block is None:  # Note [A freed model tensor is the next kernel's] in tba/device/sim/_allocator.py
+                self.allocator.watch(ref, storage.data_ptr(), storage.nbytes())
         del storages
         self.allocator.release_dead()  # Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py
         self.checker.launch(stream.name)

@@ -114,7 +114,11 @@ class FakeKvikio:
         who = self.sim.checker.spawn("kvikio")
         address = buf.data_ptr()
         self.sim.checker.access(who, address, size, not write, f"kvikio {'pwrite' if write else 'pread'}")
-        ref = StorageWeakRef(buf.untyped_storage())
+        storage = buf.untyped_storage()
+        ref = StorageWeakRef(storage)
+        if self.sim.allocator.block_at(storage.data_ptr()) is None:  # Note [A freed model tensor is the next kernel's]
+            self.sim.allocator.watch(ref, storage.data_ptr(), storage.nbytes())
+        del storage
         task = int(self.settings["task_size"])
         pool = self._executor()
         futures = [pool.submit(self._task, fd, ref, address + start, min(task, size - start), offset + start, write)
