@@ -49,3 +49,33 @@ def test_a_model_tensor_freed_after_its_copy_ran_but_unordered_is_reported():
 
 def test_a_model_tensor_freed_after_the_host_synchronized_with_its_copy_is_no_race():
     assert copy_then_free(synchronize=True) == []
+
+
+def unpin_during_copy(synchronize: bool) -> list[str]:
+    with simulate(seed=0, lag_probability=0.0) as sim:
+        side = sim.Stream()
+        slab = torch.zeros(NBYTES, dtype=torch.uint8)
+        sim.pin(slab)
+        src = sim.empty(NBYTES)
+        ready = sim.Event()
+        ready.record(sim.current_stream())
+        side.wait_event(ready)
+        with sim.stream(side):
+            sim.copy_(slab, src)
+            done = sim.Event()
+            done.record(side)
+        if synchronize:
+            done.synchronize()
+        sim.unpin(slab)
+        sim.synchronize()
+        return sim.problems()
+
+
+def test_unpinning_host_memory_a_copy_still_uses_is_reported():
+    """``cudaHostUnregister`` is not documented to wait for the DMA into the range: a copy must be ordered before."""
+    problems = unpin_during_copy(synchronize=False)
+    assert any("unpinning" in p for p in problems), problems
+
+
+def test_unpinning_after_the_copy_was_synchronized_is_no_race():
+    assert unpin_during_copy(synchronize=True) == []

@@ -226,8 +226,8 @@ class SimulatedCuda(FaultInjection):
         storages = (dst.untyped_storage(), src.untyped_storage())
         refs = tuple(StorageWeakRef(storage) for storage in storages)
         blocks = tuple(self.allocator.block_at(storage.data_ptr()) for storage in storages)
-        for storage, ref, block in zip(storages, refs, blocks):
-            if block is None:  # Note [A freed model tensor is the next kernel's] in tba/device/sim/_allocator.py
+        for storage, ref, block in zip(storages, refs, blocks):  # Note [A freed model tensor is the next kernel's]
+            if block is None:
                 self.allocator.watch(ref, storage.data_ptr(), storage.nbytes())
         del storages
         self.allocator.release_dead()  # Note [A device tensor's death takes no lock] in tba/device/sim/_allocator.py
@@ -266,8 +266,14 @@ class SimulatedCuda(FaultInjection):
         self.pinned.pin(tensor)
 
     def unpin(self, tensor: torch.Tensor) -> None:
+        """Note: [Unpinning waits for nothing]
+        ``cudaHostUnregister`` is not documented to wait for the DMA still moving bytes of the range, which turns
+        pageable: every copy of it must be ordered before (tests/device/test_sim_model_tensor_free.py)."""
         self.check_alive()
+        self.allocator.release_dead()
         self.pinned.unpin(tensor)
+        self.checker.free(HOST, tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                          "the unpinning of page-locked memory", of=("copy on ",))
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         return {"allocated_bytes": self.allocator.allocated_bytes,
