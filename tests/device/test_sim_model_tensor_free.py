@@ -18,7 +18,7 @@ from tba.device.sim import simulate
 NBYTES = 4096
 
 
-def copy_then_free(synchronize: bool) -> list[str]:
+def copy_then_free(synchronize: bool, record: bool = False) -> list[str]:
     with simulate(seed=0, lag_probability=0.0) as sim:
         side = sim.Stream()
         src = torch.full((NBYTES,), 7, dtype=torch.uint8)  # a model tensor, written on the compute stream
@@ -36,6 +36,8 @@ def copy_then_free(synchronize: bool) -> list[str]:
         time.sleep(0.01)
         if synchronize:
             done.synchronize()
+        if record:
+            sim.record_stream(src, side)
         del src
         problems = sim.problems()
         sim.synchronize()
@@ -49,6 +51,11 @@ def test_a_model_tensor_freed_after_its_copy_ran_but_unordered_is_reported():
 
 def test_a_model_tensor_freed_after_the_host_synchronized_with_its_copy_is_no_race():
     assert copy_then_free(synchronize=True) == []
+
+
+def test_a_model_tensor_marked_with_record_stream_may_be_freed_before_its_copy_is_synchronized():
+    """CUDA's allocator holds a block marked with ``record_stream`` until that stream passed the free."""
+    assert copy_then_free(synchronize=False, record=True) == []
 
 
 def unpin_during_copy(synchronize: bool) -> list[str]:

@@ -81,6 +81,8 @@ class CachingAllocator:
         self._watched: dict[int, tuple[Any, int, int]] = {}
         """Storages outside the arena that a copy touched, by storage: (weak reference, address, bytes)
         (Note [A freed model tensor is the next kernel's])."""
+        self._used_on: dict[int, set[Any]] = {}
+        """Streams marked with ``record_stream`` on a watched storage, by address."""
         self.record_stream_calls = 0
         self._allocated_bytes = 0
         self.peak_allocated_bytes = 0
@@ -122,9 +124,12 @@ class CachingAllocator:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         with self._lock:
             self.record_stream_calls += 1
-            block = self._by_address.get(tensor.untyped_storage().data_ptr())
+            address = tensor.untyped_storage().data_ptr()
+            block = self._by_address.get(address)
             if block is not None and stream is not block.stream:
                 block.uses.add(stream)
+            if block is None and any(watched[1] == address for watched in self._watched.values()):
+                self._used_on.setdefault(address, set()).add(stream)  # Note [A freed model tensor is the next kernel's]
 
     def block_at(self, address: int) -> _Block | None:
         """The live block whose storage starts at ``address`` (None: not the arena's)."""
@@ -174,16 +179,19 @@ class CachingAllocator:
         arena that a copy touched is watched; its death, seen at the next simulated call (Note [A
         device tensor's death takes no lock]), is a free to the stream that last wrote its bytes (the
         host, for memory page-locked by ``pin``), ordered after what the host has seen: every copy
-        or kvikio transfer of another participant must be ordered before it, as before an arena block's poison (the
-        model's own accesses are the model's business, and the last writer is only a guess at the
-        stream the block would go back to). The bytes then count as fresh: here the host's
-        allocator, not the stream's, hands them out next, to any stream
-        (tests/device/test_sim_model_tensor_free.py)."""
+        or kvikio transfer of another participant must be ordered before it, as before an arena
+        block's poison (the model's own accesses are the model's business, and the last writer is
+        only a guess at the stream the block would go back to); what a ``record_stream`` stream had
+        queued at the death is ordered before it, as CUDA's allocator holds the block for that. The
+        bytes then count as fresh: here the host's allocator, not the stream's, hands them out next,
+        to any stream (tests/device/test_sim_model_tensor_free.py)."""
         streams = {stream.name for stream in self.sim.scheduler._streams} | {self.sim.default_stream.name}
         host = self.sim.pinned.holds(address)
         who = "host" if host else self.sim.checker.last_writer(address, nbytes, streams) or "host"
         if who != "host":
             self.sim.checker.launch(who)
+        for stream in self._used_on.pop(address, ()):  # held until what is queued there now ran
+            self.sim.checker.merge(who, self.sim.checker.snapshot(stream.name))
         self.sim.checker.free(who, address, nbytes, "the free of a storage a copy touched", of=("copy on ", "kvikio "))
 
     def _poll_watched(self) -> None:
