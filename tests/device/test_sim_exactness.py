@@ -66,8 +66,10 @@ def run_randomized(sim, tmp_path, backend):
     for offloader in offloaders.values():
         written += offloader.stats.bytes_written
         assert offloader.stats.resident_bytes == 0
-        assert offloader.stats.staging_blocks_in_use == 0
+        # After close: a read's block goes back on the waiter thread once its copy's event is seen, which may
+        # come after backward ended; close waits for that, and a block never given back still counts.
         offloader.close()
+        assert offloader.stats.staging_blocks_in_use == 0
     assert written > 0
     assert sim.pinned.peak_pinned_bytes <= STAGING_BYTES * len(offloaders)
     assert sim.pinned.pinned_bytes == 0, "pinned memory left after close"
