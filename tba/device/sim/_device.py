@@ -7,11 +7,8 @@ free (reported, and the copy does not touch it), as a kernel reading memory the 
 already handed to someone else. Every access is checked for ordering (``_checker.py``); the model's
 own operators are seen by a dispatch mode as accesses on the current stream (``_compute.py``).
 
-:meth:`SimulatedCuda.graph_capture` is CUDA-graph capture of the current stream: events recorded
-in it are captured (synchronising on them is an error), streams that wait on them join the
-capture, and the capture fails if one of them never rejoins, as on a GPU.
-
-Injected faults and a broken context: ``_faults.py`` (Notes [Injected CUDA faults], [A broken context]).
+CUDA-graph capture: ``_capture.py``. Injected faults and a broken context: ``_faults.py`` (Notes [Injected CUDA
+faults], [A broken context]).
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tba.device._cuda import use_cuda_api
 from tba.device.sim._allocator import CachingAllocator, PinnedHost, kept_for
+from tba.device.sim._capture import GraphCapture
 from tba.device.sim._checker import HOST, HappensBefore
 from tba.device.sim._compute import ComputeAccesses
 from tba.device.sim._config import SimConfig
@@ -37,7 +35,7 @@ INTERNAL_THREADS = ("tba", "fake")
 """Names of the threads of tba, of the simulator and of the fake kvikio, which run no model operators."""
 
 
-class SimulatedCuda(FaultInjection):
+class SimulatedCuda(FaultInjection, GraphCapture):
     """The CUDA calls of :class:`tba.device.CudaApi` on a simulated device; see the module docstring."""
 
     device_type = "cpu"
@@ -108,12 +106,6 @@ class SimulatedCuda(FaultInjection):
         else:
             self.scheduler.launch(stream, op)
 
-    def _captured(self, stream: SimStream) -> bool:
-        if stream.joined_capture or (self._capture is not None and stream is self._capture):
-            self.captured_operations += 1
-            return True
-        return False
-
     def record(self, stream: SimStream) -> Token:
         """A token that fires when ``stream`` reaches this point."""
         self.allocator.release_dead()  # before the token's clock: it covers the poison queued ahead of it
@@ -147,9 +139,6 @@ class SimulatedCuda(FaultInjection):
             self.wait_token(token, f"{stream.name} waiting for an event")
         else:
             self.scheduler.launch(stream, token)
-
-    def _joined(self) -> list[SimStream]:
-        return [s for s in self.scheduler._streams if s.joined_capture]
 
     def launch_write(self, stream: SimStream, address: int, nbytes: int, what: str, op: Callable[[], None]) -> None:
         """Device work on ``stream`` that writes ``nbytes`` at ``address`` (the allocator's poison)."""
@@ -202,9 +191,6 @@ class SimulatedCuda(FaultInjection):
 
     def device(self, device: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def is_current_stream_capturing(self) -> bool:
-        return self._capture is not None and self.current_stream() is self._capture
 
     def synchronize(self, device: Any = None) -> None:
         self.check_alive()
@@ -283,25 +269,6 @@ class SimulatedCuda(FaultInjection):
     def host_access(self, address: int, nbytes: int, write: bool, what: str) -> None:
         """A host thread (the file engine) reads or writes device-visible memory."""
         self.checker.access(HOST, address, nbytes, write, what)
-
-    # ------------------------------------------------------------- graph capture
-    @contextlib.contextmanager
-    def graph_capture(self) -> Iterator[None]:
-        """Capture the current stream (``torch.cuda.graph``); fails at the end if a joined stream never rejoined."""
-        if self._capture is not None:
-            raise RuntimeError("a capture is already under way")
-        self._capture = self.current_stream()
-        try:
-            yield
-        finally:
-            self._capture = None
-            unjoined = self._joined()
-            for stream in unjoined:
-                stream.joined_capture = False
-            self._captured_events = []
-        if unjoined:
-            raise RuntimeError(f"CUDA error: capturing stream has unjoined work (cudaErrorStreamCaptureUnjoined): "
-                               f"{', '.join(s.name for s in unjoined)} waited on the capture and never rejoined it")
 
     def stall(self, held: bool = True) -> None:
         """Hold every asynchronous stream (``held=False`` lets them run again): side streams lagging without end."""
