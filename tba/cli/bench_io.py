@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     fio = None if args.no_fio else shutil.which("fio")
     fio_not_run = fio_skipped(args.no_fio)
     buffer_bytes = min(args.size, BUFFER_BLOCKS_PER_SLOT * args.queue_depth * args.block_size)
-    logger.info("bench-io: %.2f GiB in %d KiB blocks at queue depth %d in %s, best of %d, %s",
-                args.size / GIB, args.block_size >> 10, args.queue_depth, args.directory, args.repeat,
+    logger.info("bench-io: %s in %d KiB blocks at queue depth %d in %s, best of %d, %s",
+                readable_size(args.size), args.block_size >> 10, args.queue_depth, args.directory, args.repeat,
                 "huge pages asked for" if not args.no_hugepages else "no huge pages")
     buffer = filled_buffer(buffer_bytes, hugepages=not args.no_hugepages)
     runs: dict[str, list[dict]] = {name: [] for name, reason in backends.items() if reason is None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -258,3 +259,14 @@ def test_bench_io_says_why_the_fio_columns_are_empty(tmp_path, capsys, monkeypat
     assert bench_io.run(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("fio not run: ") and why in last, last
+
+
+def test_bench_io_header_names_a_small_size_readably(tmp_path, caplog, monkeypatch):
+    """The first progress line said '0.01 GiB' for --size 8M (and '0.00 GiB' for 4M): every size under 5 MiB read as
+    nothing. It now names the size as the table's other size messages do (tba._units.readable_size)."""
+    monkeypatch.setattr(bench_io.shutil, "which", lambda name: None)
+    args = _args(bench_io, ["--size", "8M", "--block-size", "1M", "--queue-depth", "4", "--directory", str(tmp_path)])
+    with caplog.at_level(logging.INFO, logger="tba"):
+        assert bench_io.run(args) == 0
+    header = next(record.getMessage() for record in caplog.records if " blocks at queue depth " in record.getMessage())
+    assert header.startswith("bench-io: 8.0 MiB in 1024 KiB blocks"), header
