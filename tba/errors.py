@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import errno
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class TbaError(RuntimeError):
@@ -79,3 +79,22 @@ def error_summary(error: BaseException) -> str:
     string instead.
     """
     return error_text(error) or type(error).__name__
+
+
+def linked_errors(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and every error linked to it, each once: causes, contexts, and the per-rank ``failures`` (an
+    error and its stack) in which DCP's ``CheckpointException`` raises again what a save raised."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [failure[0] for failure in failures.values()
+                     if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException)]
+        todo += [linked for linked in (current.__cause__, current.__context__) if linked is not None]
+

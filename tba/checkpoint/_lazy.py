@@ -231,8 +231,8 @@ class LazyCheckpointer:
             handle.bytes_written = self._writer.last_write_bytes
             handle.write_s = self._writer.last_write_s
         except BaseException as err:  # noqa: BLE001 - reported through the handle
-            error = _unwrap(err)
-            logger.error("tba: checkpoint %s failed: %s", handle.path, err)
+            error = _unwrap(err)  # logged unwrapped: DCP's CheckpointException prints each rank's whole traceback
+            logger.error("tba: checkpoint %s failed: %s", handle.path, error)
         stop_watch(watch)
         handle._finish(error)
 

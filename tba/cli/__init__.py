@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from tba.errors import did_you_mean
+from tba.errors import did_you_mean, linked_errors
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.cli.demo", "train a small built-in GPT with and without tba and compare"),
@@ -223,21 +223,7 @@ def _stop_inside(err: BaseException) -> SystemExit | KeyboardInterrupt | None:
     A ``SystemExit`` or ``KeyboardInterrupt`` found in an error's causes, its context or such failures
     is raised in its place, as if nothing had wrapped it.
     """
-    seen: set[int] = set()
-    todo: list[BaseException] = [err]
-    while todo:
-        current = todo.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, (SystemExit, KeyboardInterrupt)):
-            return current
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            todo += [failure[0] for failure in failures.values()
-                     if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException)]
-        todo += [linked for linked in (current.__cause__, current.__context__) if linked is not None]
-    return None
+    return next((linked for linked in linked_errors(err) if isinstance(linked, (SystemExit, KeyboardInterrupt))), None)
 
 
 def _exit_on_sigterm() -> None:

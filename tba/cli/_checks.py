@@ -8,6 +8,7 @@ Each function is an ``argparse`` ``type=``: it returns the parsed value or raise
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import math
 import os
@@ -18,7 +19,7 @@ from typing import NoReturn
 
 from tba._units import parse_size
 from tba.defaults import MAX_QUEUE_DEPTH
-from tba.errors import did_you_mean
+from tba.errors import did_you_mean, linked_errors
 from tba.io import backend_names, file_creation_failure
 
 
@@ -227,3 +228,16 @@ def usage_error(command: str, message: str) -> NoReturn:
     """Exit like an argparse error: one line ``python -m tba COMMAND: error: MESSAGE`` on stderr, status 2."""
     sys.stderr.write(f"python -m tba {command}: error: {message}\n")
     raise SystemExit(2)
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""No space left, a quota reached, a file past its size limit (``ulimit -f``): the disk, not the command, failed."""
+
+
+def disk_full_in(err: BaseException) -> OSError | None:
+    """The full-disk ``OSError`` behind ``err`` (torch.save raises its own RuntimeError with it as the context), if any;
+    None for a signal's exception, whatever it wraps, which ends the command as the signal would."""
+    if any(isinstance(linked, (SystemExit, KeyboardInterrupt)) for linked in linked_errors(err)):
+        return None
+    return next((linked for linked in linked_errors(err)
+                 if isinstance(linked, OSError) and linked.errno in DISK_FULL_ERRNOS), None)

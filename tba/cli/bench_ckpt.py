@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -214,15 +215,18 @@ def _fio(args: argparse.Namespace) -> float | None:
         return None
 
 
+LABELS = {"torch_save": "torch.save + fsync", "dcp_save": "dcp.save FileSystemWriter",
+          "dcp_async": "dcp.async_save FileSystemWriter", "tba_async": "dcp.async_save TbaStorageWriter",
+          "tba_lazy": "tba lazy (save_lazy)"}
+"""Each method's name in the table and in errors."""
+
+
 def _table(report: dict[str, Any]) -> str:
     torch_stall = report["torch_save_stall_s"]
     lines = [f"{'method':<34} {'stall s':>9} {'x torch.save':>13}"]
-    labels = {"torch_save": "torch.save + fsync", "dcp_save": "dcp.save FileSystemWriter",
-              "dcp_async": "dcp.async_save FileSystemWriter", "tba_async": "dcp.async_save TbaStorageWriter",
-              "tba_lazy": "tba lazy (save_lazy)"}
     for method in METHODS:
         stall = report[f"{method}_stall_s"]
-        lines.append(f"{labels[method]:<34} {stall:>9.4f} {stall / torch_stall:>13.4f}")
+        lines.append(f"{LABELS[method]:<34} {stall:>9.4f} {stall / torch_stall:>13.4f}")
     fio = report["fio_write_gbps"]
     lines.append(f"tba lazy write {report['tba_write_gbps']:.2f} GB/s, tba async write "
                  f"{report['tba_async_write_gbps']:.2f} GB/s, fio write "
@@ -250,7 +254,16 @@ def run(args: argparse.Namespace) -> int:
     root = tempfile.mkdtemp(prefix="tba-bench-ckpt-", dir=args.directory)
     try:
         for method in METHODS:
-            report.update(_run_method(method, trainer, root, args.rounds))
+            try:
+                report.update(_run_method(method, trainer, root, args.rounds))
+            except BaseException as err:  # DCP's CheckpointException is a BaseException
+                full = cli_checks.disk_full_in(err)
+                if full is None:
+                    raise
+                sys.stderr.write(f"python -m tba bench-ckpt: error: writing a checkpoint with {LABELS[method]} in "
+                                 f"{args.directory} failed: {os.strerror(full.errno)}; free space there, or pass a "
+                                 "smaller --size or another --directory\n")
+                return 1
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root, exist_ok=True)
     finally:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -102,3 +105,28 @@ def test_the_table_says_why_fio_was_not_run(monkeypatch, no_fio, why):
     report.update(tba_write_gbps=1.0, tba_async_write_gbps=1.0, restore_exact=True, step_s=0.1, state_bytes=10**8,
                   fio_write_gbps=None, fio_not_run=bench_ckpt.fio_skipped(no_fio))
     assert f"fio write not run ({why})" in bench_ckpt._table(report)
+
+
+@pytest.mark.parametrize("method", ["torch_save", "dcp_save", "tba_async", "tba_lazy"])
+def test_a_full_disk_ends_in_one_line_naming_the_fix(tmp_path, method):
+    """A checkpoint that cannot be written (here a file-size limit: EFBIG, as ENOSPC on a full disk) ended bench-ckpt
+    in a traceback: torch.save's RuntimeError 'unexpected pos', DCP's CheckpointException of a whole traceback per
+    rank (tba_lazy's log line of its failed save too). It ends in one line naming the method, the directory, the OS
+    error and the fix, status 1, nothing left."""
+    script = ("import sys\n"
+              "from tba.cli import bench_ckpt, main\n"
+              f"bench_ckpt.METHODS = ({method!r},)\n"
+              "sys.exit(main(sys.argv[1:], command_line=True))\n")
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))  # noqa: E731
+    done = subprocess.run([sys.executable, "-c", script, "bench-ckpt", "--size", "16M", "--rounds", "1", "--no-fio",
+                           "--directory", str(directory)], capture_output=True, text=True, timeout=240,
+                          preexec_fn=limit)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr  # tba_lazy's own log line too (it printed DCP's report)
+    label = bench_ckpt.LABELS[method]
+    assert done.stderr.splitlines()[-1:] == [f"python -m tba bench-ckpt: error: writing a checkpoint with {label} in "
+                     f"{directory} failed: File too large; free space there, or pass a smaller --size or another "
+                     "--directory"], done.stderr
+    assert list(directory.iterdir()) == []
