@@ -137,17 +137,19 @@ def _finite(point: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_points(points: Sequence[RokPoint]) -> str:
-    """The points as an aligned table."""
-    header = (f"{'label':<18} {'budget MiB':>10} {'met':>7} {'step s':>7} {'x keep':>6} {'act peak MiB':>12} "
-              f"{'x keep':>6} {'same loss':>9} {'pareto':>6} {'plan':>10} {'window MiB':>10}")
+    """The points as an aligned table (the label and plan columns as wide as their longest entry)."""
+    label_width = max([18, *(len(point.label) for point in points)])
+    plan_width = max([10, *(len(point.row()["plan"]) for point in points)])
+    header = (f"{'label':<{label_width}} {'budget MiB':>10} {'met':>7} {'step s':>7} {'x keep':>6} {'act peak MiB':>12} "
+              f"{'x keep':>6} {'same loss':>9} {'pareto':>6} {'plan':>{plan_width}} {'window MiB':>10}")
     lines = [header, "-" * len(header)]
     for point in points:
         row = point.row()
-        start = f"{point.label:<18} {str(row['budget_mib']):>10} {point.budget_met:>7}"
+        start = f"{point.label:<{label_width}} {str(row['budget_mib']):>10} {point.budget_met:>7}"
         if point.refused:
             lines.append(f"{start} {point.refused}")
             continue
         lines.append(f"{start} {point.step_s:>7.3f} {point.step_ratio:>6.2f} {row['activation_peak_mib']:>12.1f} "
                      f"{point.peak_ratio:>6.2f} {'yes' if point.losses_equal else 'NO':>9} "
-                     f"{'*' if point.pareto else '':>6} {row['plan']:>10} {str(row['window_mib']):>10}")
+                     f"{'*' if point.pareto else '':>6} {row['plan']:>{plan_width}} {str(row['window_mib']):>10}")
     return "\n".join(lines)

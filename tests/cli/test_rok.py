@@ -186,3 +186,18 @@ def test_rok_json_is_json_when_a_budget_is_refused(tmp_path):
     assert files[1] == str(tmp_path / "rok.json")
     assert data["points"][1]["step_s"] is None and data["points"][1]["budget_met"] == "refused"
     assert data["points"][0]["step_ratio"] == 1.0
+
+
+def test_the_table_stays_aligned_with_long_labels_and_plans():
+    """'offloaded_recompute' (19 characters) overflowed the 18-character label column, and a plan of more than 10
+    layers its plan column: those rows' figures stood one or more characters right of their headers."""
+    plan = {"code": "S" * 24, "window_bytes": 8 << 20, "predicted_step_s": 1.0, "predicted_memory_bytes": 1 << 20}
+    results = [(strategy, strategy, None, SimpleNamespace(median_step_s=1.0, median_peak_bytes=100 << 20, losses=[1.0],
+                                                          plan=plan if strategy == "offloaded_recompute" else None))
+               for strategy in ("keep", "recompute", "offloaded_recompute")]
+    results.append(("adaptive", "adaptive 50%", 50 << 20, SimpleNamespace(median_step_s=1.0, median_peak_bytes=50 << 20,
+                                                                          losses=[1.0], plan=plan)))
+    lines = rok.format_points(summarise(results, "glibc").points).splitlines()
+    assert {len(line) for line in lines} == {len(lines[0])}, "\n".join(lines)
+    for line in lines[2:]:  # each row's peak ends where its header does
+        assert line[:lines[0].index("act peak MiB") + 12].endswith(("100.0", "50.0")), "\n".join(lines)
