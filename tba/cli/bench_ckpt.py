@@ -42,7 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from tba._units import parse_size
+from tba._units import parse_size, readable_size
 from tba.bench.models import GPTConfig, make_batch, make_gpt
 from tba.checkpoint import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, LazyCheckpointer, TbaStorageReader, TbaStorageWriter
 from tba.cli import _checks as cli_checks
@@ -89,6 +89,7 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"--size must be at least {MIN_SIZE_BYTES >> 20}M"
     if args.rounds < 1:
         return "--rounds must be >= 1"
+    where = "--directory" if args.directory is not None else "$TBA_DIR" if os.environ.get("TBA_DIR") else "the temp dir"
     try:  # a missing directory is refused, as bench-io and bench-hooks do: nothing is left behind
         args.directory = os.path.abspath(cli_checks.spill_directory(args.directory))
         if getattr(args, "json", None):
@@ -97,10 +98,12 @@ def _validate(args: argparse.Namespace) -> str | None:
         return str(err)
     free = shutil.disk_usage(args.directory).free
     if free < 3 * args.size_bytes:
-        return f"--directory {args.directory} has {free >> 20} MiB free; needs 3x --size"
+        return (f"{where} {args.directory} has {readable_size(free)} free; --size {readable_size(args.size_bytes)} needs "
+                f"3x that ({readable_size(3 * args.size_bytes)}) there: pass a smaller --size or another --directory")
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if available < 6 * args.size_bytes:
-        return f"{available >> 20} MiB of free memory; --size needs about 6x its bytes"
+        return (f"{readable_size(available)} of free memory; --size {readable_size(args.size_bytes)} needs about 6x that "
+                f"({readable_size(6 * args.size_bytes)}): pass a smaller --size")
     return None
 
 

@@ -130,3 +130,23 @@ def test_a_full_disk_ends_in_one_line_naming_the_fix(tmp_path, method):
                      f"{directory} failed: File too large; free space there, or pass a smaller --size or another "
                      "--directory"], done.stderr
     assert list(directory.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["--directory", "$TBA_DIR"])
+def test_too_little_space_or_memory_names_the_source_the_sizes_and_the_fix(tmp_path, monkeypatch, capsys, given):
+    """'--directory D has 19 MiB free; needs 3x --size' named --directory when $TBA_DIR gave D, and neither it nor the
+    memory refusal ('N MiB of free memory; --size needs about 6x its bytes') said how much was needed or the fix."""
+    monkeypatch.setattr(bench_ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=20 << 20))
+    monkeypatch.setenv("TBA_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        main(["bench-ckpt", "--size", "16M", *(["--directory", str(tmp_path)] if given else [])])
+    where = "--directory" if given else "$TBA_DIR"
+    assert capsys.readouterr().err == (f"python -m tba bench-ckpt: error: {where} {tmp_path} has 20.0 MiB free; --size "
+                                       "16.0 MiB needs 3x that (48.0 MiB) there: pass a smaller --size or another "
+                                       "--directory\n")
+    monkeypatch.setattr(bench_ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 40))
+    monkeypatch.setattr(bench_ckpt.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 5120)
+    with pytest.raises(SystemExit):
+        main(["bench-ckpt", "--size", "16M"])
+    assert capsys.readouterr().err == ("python -m tba bench-ckpt: error: 20.0 MiB of free memory; --size 16.0 MiB needs "
+                                       "about 6x that (96.0 MiB): pass a smaller --size\n")
