@@ -190,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
         _make_quick(args)
     if args.warmups < 0 or args.repeats < 1:
         cli_checks.usage_error("bench-hooks", "--warmups must be >= 0 and --repeats >= 1")
+    if args.no_disk and args.no_keep and args.ram_dir == "none" and not (args.many or args.alone_steps):
+        cli_checks.usage_error("bench-hooks", "--no-disk, --no-keep and --ram-dir none leave no row to measure; drop one "
+                                              "of them, or add --many or --alone-steps N")
     if args.device == "cuda" and args.many:
         cli_checks.usage_error("bench-hooks", "--many runs on the CPU only; drop --many or --device cuda")
     if args.device == "cuda" and args.alone_steps:

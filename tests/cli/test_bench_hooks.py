@@ -361,3 +361,15 @@ def test_many_says_why_the_ratio_has_no_floor(tmp_path, monkeypatch):
     text = format_many(result)
     assert "the disk's read rate was not measured (OSError: [Errno 28] No space left on device)" in text
     assert "the disk alone" not in text
+
+
+def test_options_that_leave_nothing_to_measure_are_refused(tmp_path, capsys, monkeypatch):
+    """--no-disk --no-keep --ram-dir none ran, printed an empty table under its header and exited 0."""
+    monkeypatch.setattr(bench_hooks, "DEFAULT_DISK_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        bench_hooks.run(_args(["--quick", "--no-disk", "--no-keep", "--ram-dir", "none"]))
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and captured.out == "", captured.out
+    assert captured.err == ("python -m tba bench-hooks: error: --no-disk, --no-keep and --ram-dir none leave no row to "
+                            "measure; drop one of them, or add --many or --alone-steps N\n")
+    assert list(tmp_path.iterdir()) == []
