@@ -26,13 +26,16 @@ def row_name(result: HookResult) -> str:
 
 
 def format_table(results: list[HookResult]) -> str:
-    header = (f"{'storages x size':<18} {'directory':<26} {'base fwd ms':>11} {'tba fwd ms':>10} {'extra fwd us':>12} "
+    """The rows as an aligned table (the directory column as wide as its longest entry)."""
+    wheres = ["keep_in_memory()" if r.case.path == "keep" else f"{os.path.dirname(r.case.directory)} ({r.case.label})"
+              for r in results]
+    width = max([26, *map(len, wheres)])
+    header = (f"{'storages x size':<18} {'directory':<{width}} {'base fwd ms':>11} {'tba fwd ms':>10} {'extra fwd us':>12} "
               f"{'base bwd ms':>11} {'tba bwd ms':>10} {'extra bwd us':>12}")
     lines = [header, "-" * len(header)]
-    for r in results:
-        where = "keep_in_memory()" if r.case.path == "keep" else f"{os.path.dirname(r.case.directory)} ({r.case.label})"
+    for r, where in zip(results, wheres):
         shape = f"{r.case.count} x {size_text(r.case.size_bytes)}"
-        lines.append(f"{shape:<18} {where:<26} "
+        lines.append(f"{shape:<18} {where:<{width}} "
                      f"{r.base_forward_s * 1e3:>11.1f} {r.tba_forward_s * 1e3:>10.1f} {r.extra_forward_us:>12.1f} "
                      f"{r.base_backward_s * 1e3:>11.1f} {r.tba_backward_s * 1e3:>10.1f} {r.extra_backward_us:>12.1f}")
     return "\n".join(lines)

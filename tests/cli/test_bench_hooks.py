@@ -373,3 +373,15 @@ def test_options_that_leave_nothing_to_measure_are_refused(tmp_path, capsys, mon
     assert captured.err == ("python -m tba bench-hooks: error: --no-disk, --no-keep and --ram-dir none leave no row to "
                             "measure; drop one of them, or add --many or --alone-steps N\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_table_stays_aligned_with_a_long_directory():
+    """A --disk-dir longer than the 26-character directory column pushed that row's figures right of their headers."""
+    from tba.bench.hooks import HookCase, HookResult
+    from tba.cli._hooks_report import format_table
+
+    cases = [HookCase(64 << 10, 3, "/tmp/a much longer directory name é/deeper/tba-bench-hooks-x", "disk"),
+             HookCase(64 << 10, 3, "/dev/shm/tba-bench-hooks-y", "ram"),
+             HookCase(64 << 10, 3, "/dev/shm/tba-bench-hooks-y", "keep", path="keep")]
+    lines = format_table([HookResult(case, 0.001, 0.002, 0.003, 0.004) for case in cases]).splitlines()
+    assert {len(line) for line in lines} == {len(lines[0])}, "\n".join(lines)
