@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from tba._units import readable_size
 from tba.cli._capacity_search import Point, Search
 from tba.defaults import MIB
 
@@ -81,6 +82,12 @@ class StrategyResult:
                  "tokens_per_s": self.tokens_per_s(p, seq_len), "fits": p.fits(search.budget_bytes), "error": p.error}
                 for p in search.points],
         }
+
+
+def budget_text(nbytes: int) -> str:
+    """A budget as the user wrote it where it is whole MiB (``512 MiB``), else readably (``476.8 MiB``, ``1 B``):
+    ``--budget 1B`` or ``300K`` was 'adaptive 0 MiB'."""
+    return f"{nbytes // MIB} MiB" if nbytes % MIB == 0 else readable_size(nbytes)
 
 
 def best_tba(results: Sequence[StrategyResult]) -> StrategyResult | None:

@@ -24,7 +24,7 @@ from tba.allocator import launch_env
 from tba.bench.interleaved import run_interleaved_isolated
 from tba.bench.isolated import ForkServer, IsolatedRunError, fork_server, run_isolated
 from tba.bench.models import PRESETS
-from tba.cli._capacity_report import StrategyResult, plot_png, summary
+from tba.cli._capacity_report import StrategyResult, budget_text, plot_png, summary
 from tba.cli._capacity_search import MAX_BATCH, MeasureError, Point, Search, find_max_batch
 from tba.cli._rok_points import same_losses
 from tba.defaults import MIB
@@ -90,7 +90,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
     """Run the search for every strategy; returns the results and the JSON document (also written to ``json_path``)."""
     _, malloc = launch_env(settings.allocator)
     lines = _Lines(progress)
-    results = [StrategyResult(name, label if name != "adaptive" else f"adaptive {settings.budget_bytes / MIB:.0f} MiB",
+    results = [StrategyResult(name, label if name != "adaptive" else f"adaptive {budget_text(settings.budget_bytes)}",
                               mode) for name, label, mode in STRATEGIES if name in settings.strategies]
 
     def save() -> dict[str, Any]:
@@ -104,7 +104,7 @@ def measure_capacity(settings: Settings, *, json_path: str | None = None, png_pa
         _search_all(settings, results, lines, server, save)
     doc = save()
     if png_path is not None:
-        title = f"capacity within {settings.budget_bytes / MIB:.0f} MiB: {settings.preset}, seq {settings.seq_len}, " \
+        title = f"capacity within {budget_text(settings.budget_bytes)}: {settings.preset}, seq {settings.seq_len}, " \
                 f"{settings.device}, {malloc.split(' (')[0]}"
         if not plot_png(results, png_path, seq_len=settings.seq_len, title=title):
             logger.warning("tba: matplotlib is not installed, so no %s; pip install 'tba-offload[plot]' to get it",

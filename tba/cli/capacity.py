@@ -35,11 +35,10 @@ from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import launch_env
 from tba.bench.models import PRESETS
 from tba.cli import _checks as cli_checks
-from tba.cli._capacity_report import StrategyResult, format_table
+from tba.cli._capacity_report import StrategyResult, budget_text, format_table
 from tba.cli._capacity_run import STRATEGIES, Settings, measure_capacity
 from tba.cli._capacity_search import MAX_BATCH
 from tba.cli.rok import check_setup
-from tba.defaults import MIB
 from tba.errors import TbaConfigError
 
 logger = logging.getLogger("tba")
@@ -114,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                         threads=args.threads, max_batch=args.max_batch, strategies=args.strategies)
     results, doc = measure_capacity(settings, json_path=json_path, png_path=png_path, progress=not args.quiet)
     config = PRESETS[args.preset]
-    print(f"capacity within {args.budget / MIB:.1f} MiB of activations: preset {args.preset} ({config.layers} layers, "
+    print(f"capacity within {budget_text(args.budget)} of activations: preset {args.preset} ({config.layers} layers, "
           f"width {config.width}, sequence {seq_len}), {args.device}, malloc {doc['allocator']}")
     print(format_table(results, seq_len, doc["keep_max_batch"]))
     line = best_line(results, doc)

@@ -237,3 +237,21 @@ def test_the_closing_line_names_only_the_strategies_measured(measured, expected)
              "offload": _result("offload", "offload-all", [Point(20, 95, 12.0)], 20)}
     results = [every[name] for name in measured]
     assert best_line(results, summary(results, seq_len=10)) == expected
+
+
+@pytest.mark.parametrize("budget, text", [(1, "1 B"), (300 << 10, "300.0 KiB"), (500_000_000, "476.8 MiB"),
+                                          (512 * MIB, "512 MiB")])
+def test_the_budget_is_named_as_given_whatever_its_size(monkeypatch, budget, text):
+    """--budget 1B (or 300K) labelled the adaptive row 'adaptive 0 MiB' and the chart 'capacity within 0 MiB'."""
+    import contextlib
+
+    from tba.cli import _capacity_run as capacity
+
+    monkeypatch.setattr(capacity, "fork_server", lambda **_: contextlib.nullcontext())
+    monkeypatch.setattr(capacity, "_search_all", lambda *args: None)
+    titles = []
+    monkeypatch.setattr(capacity, "plot_png", lambda results, path, *, seq_len, title: titles.append(title) or True)
+    settings = capacity.Settings(preset="tiny", budget_bytes=budget, seq_len=8, strategies=("keep", "adaptive"))
+    results, _ = capacity.measure_capacity(settings, png_path="unused.png", progress=False)
+    assert [r.label for r in results][-1] == f"adaptive {text}"
+    assert titles[0].startswith(f"capacity within {text}: tiny"), titles
