@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
     )
     if args.command in OFFLOADING:
         _check_environment(parser, args.command)
-    args.command_line = command_line
+    args.command_line, args.argv = command_line, argv  # argv: what gpu-report's report says ran it
     if command_line:
         _exit_on_sigterm()
     try:

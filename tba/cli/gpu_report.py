@@ -27,6 +27,7 @@ import os
 import pathlib
 import platform
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("gpu-report", str(err))
     started = time.perf_counter()
     steps = args.steps or (1 if args.simulate else 3)
-    report: dict[str, Any] = {"command": " ".join(["python -m tba gpu-report", *sys.argv[2:]])}
+    report: dict[str, Any] = {"command": "python -m tba " + shlex.join(getattr(args, "argv", ["gpu-report"]))}
     with contextlib.ExitStack() as stack:
         fake = None
         if args.simulate:

@@ -64,3 +64,15 @@ def test_the_megatron_part_runs_the_example_script(monkeypatch):
     script = ran[0][1]
     assert pathlib.Path(script).is_file(), script
     assert "--cpu" not in ran[0] and "--tba-offload-activations" in ran[0]
+
+
+def test_the_report_names_the_command_that_ran_it(tmp_path, spill_dir, monkeypatch):
+    """The report's command was 'python -m tba gpu-report' + sys.argv[2:]: `python -m tba -v gpu-report ...` read
+    'gpu-report gpu-report ...', a call of main() from a program named that program's arguments, and an --out with a
+    space could not be pasted back into a shell."""
+    out = tmp_path / "the report"
+    monkeypatch.setattr("sys.argv", ["some-program", "--its-own", "arguments"])
+    assert main(["-v", "gpu-report", "--simulate", "--out", str(out), "--skip-rok", "--directory", spill_dir]) == 0
+    command = f"python -m tba -v gpu-report --simulate --out '{out}' --skip-rok --directory {spill_dir}"
+    assert json.loads((out / "gpu-report.json").read_text())["command"] == command
+    assert f"Command: `{command}`" in (out / "gpu-report.md").read_text()
