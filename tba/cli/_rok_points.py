@@ -38,7 +38,8 @@ class RokPoint:
     activation_peak_bytes: int
     step_ratio: float
     peak_ratio: float
-    losses_equal: bool
+    losses_equal: bool | None
+    """Whether the losses matched keep-all's step for step; None for a refused budget, which ran no step."""
     budget_bytes: int | None = None
     plan: dict[str, Any] | None = None
     pareto: bool = False
@@ -62,10 +63,12 @@ class RokPoint:
             "budget_met": self.budget_met,
             "step_s": round(self.step_s, 4), "activation_peak_mib": round(self.activation_peak_bytes / MIB, 1),
             "step_ratio": round(self.step_ratio, 3), "peak_ratio": round(self.peak_ratio, 3),
-            "losses_equal": self.losses_equal, "pareto": self.pareto, "plan": plan.get("code", ""),
+            "losses_equal": "" if self.losses_equal is None else self.losses_equal,
+            "pareto": self.pareto, "plan": plan.get("code", ""),
             "window_mib": round(plan["window_bytes"] / MIB, 1) if plan else "",
-            "predicted_step_s": round(plan["predicted_step_s"], 4) if plan else "",
-            "predicted_memory_mib": round(plan["predicted_memory_bytes"] / MIB, 1) if plan else "",
+            # A pinned plan (offloaded_recompute's) predicts nothing: its zeros are no prediction.
+            "predicted_step_s": round(plan["predicted_step_s"], 4) if plan.get("predicted_step_s") else "",
+            "predicted_memory_mib": round(plan["predicted_memory_bytes"] / MIB, 1) if plan.get("predicted_step_s") else "",
         }
 
 
@@ -94,7 +97,7 @@ def summarise(results: list[tuple[str, str, int | None, ModeResult]], malloc: st
 
 def point_of(strategy: str, label: str, budget: int | None, result: ModeResult | str, keep: ModeResult) -> RokPoint:
     if isinstance(result, str):  # the planner refused the budget
-        return RokPoint(strategy, label, float("nan"), 0, float("nan"), float("nan"), True, budget, refused=result)
+        return RokPoint(strategy, label, float("nan"), 0, float("nan"), float("nan"), None, budget, refused=result)
     return RokPoint(
         strategy=strategy, label=label, step_s=result.median_step_s,
         activation_peak_bytes=result.median_peak_bytes,

@@ -225,4 +225,4 @@ def run(args: argparse.Namespace) -> int:
     print(f"budgets met (peak <= {BUDGET_MET_FACTOR:g} x budget): {sum(p.budget_met == 'yes' for p in budgets)} of "
           f"{len(budgets)}; refused at planning (cannot be met): {sum(bool(p.refused) for p in budgets)}")
     print("wrote " + ", ".join(result.files))
-    return 0 if all(p.losses_equal for p in result.points) else 1
+    return 0 if all(p.losses_equal is not False for p in result.points) else 1  # a refused budget compared none

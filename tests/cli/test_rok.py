@@ -58,7 +58,7 @@ def test_sweep_writes_csv_json_png_and_each_budget_is_met_or_refused(tmp_path, s
                    warmup=0, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
     assert [p.label for p in result.points] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive 90%",
                                                  "adaptive 0%"]
-    assert all(p.losses_equal for p in result.points)
+    assert all(p.losses_equal is not False for p in result.points)  # None: the refused budget ran no step
     keep, adaptive, refused = result.points[0], result.points[4], result.points[5]
     assert keep.activation_peak_bytes >= rok.MIN_KEEP_PEAK_BYTES
     assert adaptive.budget_bytes == int(0.9 * keep.activation_peak_bytes)
@@ -201,3 +201,20 @@ def test_the_table_stays_aligned_with_long_labels_and_plans():
     assert {len(line) for line in lines} == {len(lines[0])}, "\n".join(lines)
     for line in lines[2:]:  # each row's peak ends where its header does
         assert line[:lines[0].index("act peak MiB") + 12].endswith(("100.0", "50.0")), "\n".join(lines)
+
+
+def test_a_refused_budget_has_no_loss_comparison_and_a_pinned_plan_no_prediction(tmp_path):
+    """A refused budget ran no step, yet rok.json and rok.csv said losses_equal True; a pinned plan
+    (offloaded_recompute's) predicts nothing, yet the CSV said predicted_step_s 0.0 and predicted_memory_mib 0.0."""
+    keep = SimpleNamespace(median_step_s=1.0, median_peak_bytes=100 << 20, losses=[1.0], plan=None)
+    pinned = {"code": "SS", "window_bytes": 8 << 20, "goal": "", "predicted_step_s": 0.0, "predicted_memory_bytes": 0}
+    offloaded = SimpleNamespace(median_step_s=2.0, median_peak_bytes=30 << 20, losses=[1.0], plan=pinned)
+    results = [("keep", "keep", None, keep), ("offloaded_recompute", "offloaded_recompute", None, offloaded),
+               ("adaptive", "adaptive 1%", 1 << 20, "cannot be met: this model needs at least 5 MiB")]
+    write(summarise(results, "glibc"), str(tmp_path), False, title="t", device="cpu")
+    points = json.loads((tmp_path / "rok.json").read_text())["points"]
+    assert [p["losses_equal"] for p in points] == [True, True, None]
+    with open(tmp_path / "rok.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["losses_equal"] for row in rows] == ["True", "True", ""]
+    assert [(row["predicted_step_s"], row["predicted_memory_mib"]) for row in rows] == [("", "")] * 3
