@@ -62,6 +62,12 @@ class BaselineTooSmall(ValueError):
     """Keep-all's activation peak is too small to measure the others against."""
 
 
+def _decimal(number: float) -> str:
+    """``number`` to two decimals without trailing zeros (``12.5``, ``0.1``, ``64``): a budget's label rounded to whole
+    percent or MiB made 0.001 and 0.002 of keep-all both 'adaptive 0%'."""
+    return f"{number:.2f}".rstrip("0").rstrip(".")
+
+
 def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callable[[], Any] | str | None = None, *,
           preset: str | None = None, budget_fractions: Sequence[float] = DEFAULT_BUDGET_FRACTIONS,
           budgets_bytes: Sequence[int] | None = None, steps: int = 5, warmup: int = 1, directory: str | None = None,
@@ -124,9 +130,9 @@ def sweep(make_model: Callable[[], Any] | str | None = None, make_batch: Callabl
             out = measure(strategy, strategy, None, mode, offload_options=options)
         keep = results[0][3]
         if budgets_bytes is None:
-            budgets = [(f"adaptive {f:.0%}", int(f * keep.median_peak_bytes)) for f in budget_fractions]
+            budgets = [(f"adaptive {_decimal(f * 100)}%", int(f * keep.median_peak_bytes)) for f in budget_fractions]
         else:
-            budgets = [(f"adaptive {b / MIB:.0f} MiB", int(b)) for b in budgets_bytes]
+            budgets = [(f"adaptive {_decimal(b / MIB)} MiB", int(b)) for b in budgets_bytes]
         for label, budget in budgets:
             bar.update(f"{label} (budget {budget / MIB:.1f} MiB)")
             out = measure("adaptive", label, budget, "adaptive", offload_options={"memory_budget_bytes": budget})

@@ -57,7 +57,7 @@ def test_sweep_writes_csv_json_png_and_each_budget_is_met_or_refused(tmp_path, s
     result = sweep(f"{FACTORIES}:make_model", f"{FACTORIES}:make_big_batch", budget_fractions=[0.9, 0.001], steps=1,
                    warmup=0, directory=spill_dir, backend="threads", out_dir=str(tmp_path), progress=False)
     assert [p.label for p in result.points] == ["keep", "recompute", "offload", "offloaded_recompute", "adaptive 90%",
-                                                 "adaptive 0%"]
+                                                 "adaptive 0.1%"]
     assert all(p.losses_equal is not False for p in result.points)  # None: the refused budget ran no step
     keep, adaptive, refused = result.points[0], result.points[4], result.points[5]
     assert keep.activation_peak_bytes >= rok.MIN_KEEP_PEAK_BYTES
@@ -218,3 +218,15 @@ def test_a_refused_budget_has_no_loss_comparison_and_a_pinned_plan_no_prediction
         rows = list(csv.DictReader(f))
     assert [row["losses_equal"] for row in rows] == ["True", "True", ""]
     assert [(row["predicted_step_s"], row["predicted_memory_mib"]) for row in rows] == [("", "")] * 3
+
+
+@pytest.mark.parametrize("budgets, labels", [
+    ({"budget_fractions": [0.001, 0.002, 0.125, 0.5]}, ["0.1%", "0.2%", "12.5%", "50%"]),
+    ({"budgets_bytes": [300 << 10, 3 << 19, 1234 << 20]}, ["0.29 MiB", "1.5 MiB", "1234 MiB"]),
+])
+def test_each_budget_is_labelled_as_given(monkeypatch, budgets, labels):
+    """Labels rounded to whole percent or MiB: budgets 0.001 and 0.002 were both 'adaptive 0%', 12.5% 'adaptive 12%',
+    --budgets-mib 0.29 'adaptive 0 MiB'."""
+    monkeypatch.setattr(rok, "run_isolated", lambda mode, preset, **kwargs: ModeResult(mode, [1.0], [100 << 20], [0.5]))
+    result = sweep(preset="tiny", out_dir=None, progress=False, **budgets)
+    assert [p.label for p in result.points[4:]] == [f"adaptive {label}" for label in labels]
