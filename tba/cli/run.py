@@ -52,7 +52,7 @@ def command_line(args: argparse.Namespace) -> list[str]:
             raise TbaConfigError("-m needs a module name: python -m tba run -m package.module [args ...]")
         return [sys.executable, "-m", *args.module]
     if not args.script:
-        raise TbaConfigError("nothing to run: python -m tba run [--allocator NAME] script.py [args ...]")
+        raise TbaConfigError("nothing to run: python -m tba run [--allocator NAME] (script.py | -m module | -c code) [args ...]")
     return [sys.executable, *args.script]
 
 

@@ -126,3 +126,10 @@ def test_auto_without_any_caching_allocator_says_so_whatever_else_is_preloaded(m
     assert "no caching allocator found" in err
     if preload is not None:
         assert calls[0]["LD_PRELOAD"] == preload and "no preload" not in err and preload in err
+
+
+def test_nothing_to_run_names_every_form_the_usage_line_does(capsys):
+    """'nothing to run' gave only 'script.py [args ...]', though run takes -m module and -c code as its usage line says."""
+    assert main(["run", "--allocator", "system"]) == 2
+    assert capsys.readouterr().err == ("python -m tba run: error: nothing to run: python -m tba run [--allocator NAME] "
+                                       "(script.py | -m module | -c code) [args ...]\n")
