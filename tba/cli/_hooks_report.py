@@ -91,7 +91,7 @@ def format_alone(results: list[AloneResult]) -> str:
 
 
 def format_many(result: ManyResult) -> str:
-    text = (f"{result.count} x {size_text(result.size_bytes)} in {result.directory}: backward "
+    text = (f"{result.count} x {size_text(result.size_bytes)} in {os.path.dirname(result.directory)} (disk): backward "
             f"{result.tba_backward_s:.2f} s with tba, {result.base_backward_s:.2f} s without "
             f"({result.backward_ratio:.2f}x); forward {result.tba_forward_s:.2f} s / {result.base_forward_s:.2f} s")
     if result.floor_s is not None and not result.bytes_read:

@@ -385,3 +385,13 @@ def test_the_table_stays_aligned_with_a_long_directory():
              HookCase(64 << 10, 3, "/dev/shm/tba-bench-hooks-y", "keep", path="keep")]
     lines = format_table([HookResult(case, 0.001, 0.002, 0.003, 0.004) for case in cases]).splitlines()
     assert {len(line) for line in lines} == {len(lines[0])}, "\n".join(lines)
+
+
+def test_many_names_the_disk_directory_not_its_removed_scratch_directory():
+    """The --many line named the run's scratch directory (/var/tmp/tba-bench-hooks-k5dvo3qg), removed when the command
+    ends, where the table's rows name the directory given (/var/tmp (disk))."""
+    from tba.bench.hooks_many import ManyResult
+    from tba.cli._hooks_report import format_many
+
+    text = format_many(ManyResult(50, 64 << 10, "/var/tmp/tba-bench-hooks-k5dvo3qg", 1.0, 1.5, 1.0, 1.2))
+    assert text.startswith("50 x 64 KiB in /var/tmp (disk): backward"), text
