@@ -221,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
         disk_dir = None if args.no_disk and not args.many else fresh(disk_parent, DEFAULT_DISK_DIR)
         if disk_dir is not None and memory_backed(disk_dir):
-            print(f"bench-hooks: the disk rows' directory {disk_parent} is on {memory_backed(disk_dir)}, which keeps "
-                  "its files in RAM: those rows measure no disk; pass --disk-dir a directory on a disk", file=sys.stderr)
+            print(f"bench-hooks: the disk rows' directory {os.path.dirname(disk_dir)} is on {memory_backed(disk_dir)}, "
+                  "which keeps its files in RAM: those rows measure no disk; pass --disk-dir a directory on a disk",
+                  file=sys.stderr)
         ram_dir = None if args.ram_dir == "none" else fresh(args.ram_dir, DEFAULT_RAM_DIR)
         cases = _cases(args, None if args.no_disk else disk_dir, ram_dir)
         progress = Progress(len(cases) + (3 if args.many else 0) + (1 if args.alone_steps else 0))

@@ -395,3 +395,13 @@ def test_many_names_the_disk_directory_not_its_removed_scratch_directory():
 
     text = format_many(ManyResult(50, 64 << 10, "/var/tmp/tba-bench-hooks-k5dvo3qg", 1.0, 1.5, 1.0, 1.2))
     assert text.startswith("50 x 64 KiB in /var/tmp (disk): backward"), text
+
+
+def test_a_default_disk_directory_in_memory_is_named(tmp_path, capsys, monkeypatch):
+    """With no --disk-dir and no $TBA_DIR, a /var/tmp on tmpfs was reported as 'the disk rows' directory None is on
+    tmpfs'."""
+    monkeypatch.delenv("TBA_DIR", raising=False)
+    monkeypatch.setattr(bench_hooks, "DEFAULT_DISK_DIR", str(tmp_path))
+    monkeypatch.setattr(bench_hooks, "memory_backed", lambda path: "tmpfs")
+    assert bench_hooks.run(_args(["--quick", "--ram-dir", "none", "--no-keep"])) == 0
+    assert f"the disk rows' directory {tmp_path} is on tmpfs" in capsys.readouterr().err
