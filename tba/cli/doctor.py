@@ -17,9 +17,11 @@ import argparse
 import logging
 import os
 import resource
+import shutil
 
 import torch
 
+from tba._units import readable_size
 from tba._whole_exit import exit_block
 from tba.allocator import CACHING, detect, find_library, jemalloc_dirty_decay_ms
 from tba.cli._checks import nonempty_path, positive_size
@@ -168,10 +170,14 @@ def run(args: argparse.Namespace) -> int:
                                       + (" (root: not applied to io_uring buffer registration)" if os.geteuid() == 0 else "")),
         *_malloc_rows(),
     ]
+    size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)
     if not args.no_bandwidth and not os.path.isdir(directory):
         rows.append(("bandwidth", f"not measured ({_missing_reason(directory, source)})"))
+    elif not args.no_bandwidth and size > shutil.disk_usage(directory).free:  # the probe failed with a bare ENOSPC
+        rows.append(("bandwidth", f"not measured (--quick-size {readable_size(size)} is more than the "
+                                  f"{readable_size(shutil.disk_usage(directory).free)} free in {directory}; "
+                                  "pass a smaller --quick-size)"))
     elif not args.no_bandwidth:
-        size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)
         try:
             gbps = quick_bandwidth(directory, size, direct=direct_reason is None)
             mode = "O_DIRECT" if direct_reason is None else "buffered"

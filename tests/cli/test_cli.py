@@ -270,3 +270,14 @@ def test_bench_io_header_names_a_small_size_readably(tmp_path, caplog, monkeypat
         assert bench_io.run(args) == 0
     header = next(record.getMessage() for record in caplog.records if " blocks at queue depth " in record.getMessage())
     assert header.startswith("bench-io: 8.0 MiB in 1024 KiB blocks"), header
+
+
+def test_doctor_says_when_the_quick_size_is_more_than_the_free_space(tmp_path, capsys, monkeypatch):
+    """--quick-size beyond the directory's free space read 'not measured (OSError: [Errno 28] No space left on device)'
+    (or errno 27 past the file-size limit), naming neither cause nor fix."""
+    monkeypatch.setattr("shutil.disk_usage", lambda path: argparse.Namespace(free=3 << 20))
+    assert doctor.run(_args(doctor, ["--directory", str(tmp_path), "--quick-size", "8M"])) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("bandwidth"))
+    assert row.endswith(f"not measured (--quick-size 8.0 MiB is more than the 3.0 MiB free in {tmp_path}; pass a "
+                        "smaller --quick-size)"), row
+    assert list(tmp_path.iterdir()) == []
