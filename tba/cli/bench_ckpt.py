@@ -26,6 +26,7 @@ tensor with a copy taken at save time (``torch.equal``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -138,41 +139,52 @@ def _run_method(name: str, trainer: _Trainer, root: str, rounds: int) -> dict[st
     writers = {"dcp_async": FileSystemWriter, "tba_async": TbaStorageWriter}
     writer = writers[name](root) if name in writers else None
     write_gbps: list[float] = []
-    for index in range(rounds + 1):
-        path = os.path.join(root, f"{name}-{index % 2}")
-        trainer.step()
-        start = time.perf_counter()
+    try:
+        for index in range(rounds + 1):
+            path = os.path.join(root, f"{name}-{index % 2}")
+            trainer.step()
+            start = time.perf_counter()
+            while pending:
+                pending.pop()()
+            waiter: Callable[[], float] = lambda: 0.0
+            if name == "torch_save":
+                with open(path, "wb") as stream:
+                    torch.save(trainer.state(), stream)
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            elif name == "dcp_save":
+                dcp.save(trainer.state(), storage_writer=FileSystemWriter(path), no_dist=True)
+            elif writer is not None:
+                future = dcp.async_save(trainer.state(), checkpoint_id=path, storage_writer=writer, no_dist=True)
+                pending.append(future.result)
+                if isinstance(writer, TbaStorageWriter) and index > 0:
+                    future.add_done_callback(lambda _: write_gbps.append(
+                        writer.last_write_bytes / writer.last_write_s / 1e9))
+            else:
+                handle = lazy.save(trainer.state(), path, on_done=(lambda h: write_gbps.append(
+                    h.bytes_written / h.write_s / 1e9)) if index > 0 else None)
+                waiter = handle.wait_snapshot
+                pending.append(handle.wait)
+            stall = time.perf_counter() - start
+            for _ in range(STEPS_PER_CHECKPOINT):
+                stall += trainer.step(waiter)
+                waiter = lambda: 0.0
+            if index > 0:
+                stalls.append(stall)
+            logger.info("bench-ckpt: %-10s checkpoint %d/%d stall %.3f s%s", name, index, rounds, stall,
+                        " (warm-up)" if index == 0 else "")
         while pending:
             pending.pop()()
-        waiter: Callable[[], float] = lambda: 0.0
-        if name == "torch_save":
-            with open(path, "wb") as stream:
-                torch.save(trainer.state(), stream)
-                stream.flush()
-                os.fsync(stream.fileno())
-        elif name == "dcp_save":
-            dcp.save(trainer.state(), storage_writer=FileSystemWriter(path), no_dist=True)
-        elif writer is not None:
-            future = dcp.async_save(trainer.state(), checkpoint_id=path, storage_writer=writer, no_dist=True)
-            pending.append(future.result)
-            if isinstance(writer, TbaStorageWriter) and index > 0:
-                future.add_done_callback(lambda _: write_gbps.append(
-                    writer.last_write_bytes / writer.last_write_s / 1e9))
-        else:
-            handle = lazy.save(trainer.state(), path, on_done=(lambda h: write_gbps.append(
-                h.bytes_written / h.write_s / 1e9)) if index > 0 else None)
-            waiter = handle.wait_snapshot
-            pending.append(handle.wait)
-        stall = time.perf_counter() - start
-        for _ in range(STEPS_PER_CHECKPOINT):
-            stall += trainer.step(waiter)
-            waiter = lambda: 0.0
-        if index > 0:
-            stalls.append(stall)
-        logger.info("bench-ckpt: %-10s checkpoint %d/%d stall %.3f s%s", name, index, rounds, stall,
-                    " (warm-up)" if index == 0 else "")
-    while pending:
-        pending.pop()()
+    except BaseException:
+        # Note: [A save in the background is waited for before its directory goes]
+        # A signal (or any error) in the step after dcp.async_save or a lazy save started left the save's thread
+        # writing into the scratch directory run() then removed, which its writes created again
+        # (tba-bench-ckpt-*/tba_async-0/ left behind after `timeout -s TERM 7`). Every save started is waited for
+        # first, whatever it raises; a second signal during that wait ends the command as the first would have.
+        for wait in pending:
+            with contextlib.suppress(BaseException):
+                wait()
+        raise
     result = {f"{name}_stall_s": sum(stalls) / len(stalls)}
     if write_gbps:
         result[f"{name}_write_gbps"] = max(write_gbps)

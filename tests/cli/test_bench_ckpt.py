@@ -150,3 +150,51 @@ def test_too_little_space_or_memory_names_the_source_the_sizes_and_the_fix(tmp_p
         main(["bench-ckpt", "--size", "16M"])
     assert capsys.readouterr().err == ("python -m tba bench-ckpt: error: 20.0 MiB of free memory; --size 16.0 MiB needs "
                                        "about 6x that (96.0 MiB): pass a smaller --size\n")
+
+
+@pytest.mark.parametrize("method", ["dcp_async", "tba_async", "tba_lazy"])
+def test_a_stop_while_a_save_runs_in_the_background_leaves_nothing(tmp_path, monkeypatch, method):
+    """SIGTERM (or Ctrl-C) in the training step right after a background save started: run() removed its scratch
+    directory while the save's thread still wrote there, which then left tba-bench-ckpt-*/tba_async-0/ behind (seen
+    with `timeout -s TERM 7`). The save is now waited for before the directory is removed."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from tba.checkpoint import TbaStorageWriter
+
+    release, finished = threading.Event(), threading.Event()
+    writer_class = FileSystemWriter if method == "dcp_async" else TbaStorageWriter
+    write_data, finish = writer_class.write_data, writer_class.finish
+
+    def held_write_data(self, *args, **kwargs):
+        if threading.current_thread() is threading.main_thread():  # tba_lazy's warm-up, in the caller
+            return write_data(self, *args, **kwargs)
+        release.wait(5)  # until the command has ended (before the fix) or 5 s (after it: the command waits for this)
+        return write_data(self, *args, **kwargs)
+
+    def finish_and_say(self, *args, **kwargs):
+        try:
+            return finish(self, *args, **kwargs)
+        finally:
+            if threading.current_thread() is not threading.main_thread():
+                finished.set()
+
+    monkeypatch.setattr(writer_class, "write_data", held_write_data)
+    monkeypatch.setattr(writer_class, "finish", finish_and_say)
+    monkeypatch.setattr(bench_ckpt, "METHODS", (method,))
+    steps = []
+    step = bench_ckpt._Trainer.step
+
+    def interrupted_step(self, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:  # the step right after the first checkpoint started
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench_ckpt._Trainer, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench-ckpt", "--size", "16M", "--rounds", "1", "--no-fio", "--directory", str(tmp_path)])
+    release.set()
+    assert finished.wait(60)  # the save's last write (its metadata) is over
+    assert list(tmp_path.iterdir()) == []
