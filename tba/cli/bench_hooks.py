@@ -128,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--many-count", type=cli_checks.int_at_least(1), default=DEFAULT_MANY_COUNT,
                         help=f"storages in the --many case (default {DEFAULT_MANY_COUNT})")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny counts, 64 KiB storages, one warm-up and one repeat, where those options are not given "
-                             "(a smoke test; its figures mean nothing)")
+                        help="--counts 3,6 --sizes 64K --warmups 1 --repeats 1 --many-count 50, each where that option is "
+                             "not given (a smoke test; its figures mean nothing)")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() before measuring, as a training script can once its model is built: the "
                              "cycle collector's full collections then skip every object alive before (a tuned mode; "

@@ -405,3 +405,15 @@ def test_a_default_disk_directory_in_memory_is_named(tmp_path, capsys, monkeypat
     monkeypatch.setattr(bench_hooks, "memory_backed", lambda path: "tmpfs")
     assert bench_hooks.run(_args(["--quick", "--ram-dir", "none", "--no-keep"])) == 0
     assert f"the disk rows' directory {tmp_path} is on tmpfs" in capsys.readouterr().err
+
+
+def test_quick_help_names_every_value_it_sets():
+    """--quick also sets --many-count (to 50), which its help did not say: `--quick --many` timed 50 storages, not the
+    100,000 that --many's help promises."""
+    parser = argparse.ArgumentParser()
+    bench_hooks.add_arguments(parser)
+    quick = next(action.help for action in parser._actions if "--quick" in action.option_strings)
+    counts = ",".join(map(str, bench_hooks.QUICK["counts"]))
+    for said in (f"--counts {counts}", "--sizes 64K", "--warmups 1", "--repeats 1",
+                 f"--many-count {bench_hooks.QUICK['many_count']}"):
+        assert said in quick, (said, quick)
