@@ -119,12 +119,28 @@ class HappensBefore:
             self._free_names.append(name)
             return self._clocks.pop(name, {})
 
+    def _overlapping(self, start: int, end: int) -> list[tuple[int, _Access]]:
+        """Index and record of each recorded access that overlaps ``[start, end)``, in order (the lock held)."""
+        low = bisect.bisect_left(self._starts, start - self._longest)
+        high = bisect.bisect_left(self._starts, end)
+        return [(index, old) for index, old in enumerate(self._records[low:high], low) if old.end > start]
+
+    def _race(self, head: str, old: _Access) -> None:
+        """Note that ``head`` (what happens now, and where) is not ordered after ``old`` (the lock held)."""
+        if len(self.races) < self._max_races:
+            self.races.append(f"{head} is not ordered after {old.what} ({'write' if old.write else 'read'} of "
+                              f"[{old.start:#x}, {old.end:#x}) on {old.who})")
+
+    def _drop(self, indices: list[int]) -> None:
+        """Forget the records at ``indices`` (ascending; the lock held)."""
+        for index in reversed(indices):
+            del self._starts[index]
+            del self._records[index]
+
     def last_writer(self, start: int, nbytes: int, among: set[str]) -> str | None:
         """The participant in ``among`` whose write of bytes in ``[start, start + nbytes)`` is the latest recorded."""
         with self._lock:
-            low = bisect.bisect_left(self._starts, start - self._longest)
-            high = bisect.bisect_left(self._starts, start + nbytes)
-            writes = [old for old in self._records[low:high] if old.end > start and old.write and old.who in among]
+            writes = [old for _, old in self._overlapping(start, start + nbytes) if old.write and old.who in among]
             return max(writes, key=lambda old: old.stamp).who if writes else None
 
     def free(self, who: str, start: int, nbytes: int, what: str, of: tuple[str, ...]) -> None:
@@ -134,22 +150,13 @@ class HappensBefore:
         end = start + nbytes
         with self._lock:
             clock = self._clock(who)
-            low = bisect.bisect_left(self._starts, start - self._longest)
-            high = bisect.bisect_left(self._starts, end)
             gone = []
-            for index in range(low, high):
-                old = self._records[index]
-                if old.end <= start:
-                    continue
-                if (old.who != who and old.what.startswith(of) and old.stamp > clock.get(old.who, 0)
-                        and len(self.races) < self._max_races):
-                    self.races.append(f"{what} (of [{start:#x}, {end:#x}) to {who}) is not ordered after {old.what} "
-                                      f"({'write' if old.write else 'read'} of [{old.start:#x}, {old.end:#x}) on {old.who})")
+            for index, old in self._overlapping(start, end):
+                if old.who != who and old.what.startswith(of) and old.stamp > clock.get(old.who, 0):
+                    self._race(f"{what} (of [{start:#x}, {end:#x}) to {who})", old)
                 if start <= old.start and old.end <= end:
                     gone.append(index)
-            for index in reversed(gone):
-                del self._starts[index]
-                del self._records[index]
+            self._drop(gone)
 
     def access(self, who: str, start: int, nbytes: int, write: bool, what: str) -> None:
         """Record an access of ``[start, start + nbytes)`` by ``who``; notes a race with any unordered one."""
@@ -160,27 +167,15 @@ class HappensBefore:
             self.accesses += 1
             clock = self._clock(who)
             stamp = clock[who] = clock.get(who, 0) + 1
-            low = bisect.bisect_left(self._starts, start - self._longest)
-            high = bisect.bisect_left(self._starts, end)
-            keep_from = []
-            for index in range(low, high):
-                old = self._records[index]
-                if old.end <= start:
-                    continue
-                if (old.who != who and (write or old.write) and old.stamp > clock.get(old.who, 0)
-                        and len(self.races) < self._max_races):
-                    kind = "write" if write else "read"
-                    self.races.append(
-                        f"{what} ({kind} of [{start:#x}, {end:#x}) on {who}) is not ordered after {old.what} "
-                        f"({'write' if old.write else 'read'} of [{old.start:#x}, {old.end:#x}) on {old.who})")
+            superseded = []
+            for index, old in self._overlapping(start, end):
+                if old.who != who and (write or old.write) and old.stamp > clock.get(old.who, 0):
+                    self._race(f"{what} ({'write' if write else 'read'} of [{start:#x}, {end:#x}) on {who})", old)
                 # Note [Superseded records]: a read never supersedes a write (Note [A read keeps the write it follows])
-                superseded = (write and start <= old.start and old.end <= end) or (
-                    old.who == who and not old.write and old.start == start and old.end == end)
-                if superseded:
-                    keep_from.append(index)
-            for index in reversed(keep_from):
-                del self._starts[index]
-                del self._records[index]
+                if (write and start <= old.start and old.end <= end) or (
+                        old.who == who and not old.write and old.start == start and old.end == end):
+                    superseded.append(index)
+            self._drop(superseded)
             at = bisect.bisect_right(self._starts, start)
             self._starts.insert(at, start)
             self._records.insert(at, _Access(start, end, write, who, stamp, what))
