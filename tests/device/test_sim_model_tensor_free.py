@@ -18,18 +18,24 @@ from tba.device.sim import simulate
 NBYTES = 4096
 
 
+def copy_on(sim, side, dst, src):
+    """Copy ``src`` into ``dst`` on ``side``, after what the compute stream queued so far; the event after the copy."""
+    ready = sim.Event()
+    ready.record(sim.current_stream())
+    side.wait_event(ready)
+    with sim.stream(side):
+        sim.copy_(dst, src)
+        done = sim.Event()
+        done.record(side)
+    return done
+
+
 def copy_then_free(synchronize: bool, record: bool = False) -> list[str]:
     with simulate(seed=0, lag_probability=0.0) as sim:
         side = sim.Stream()
         src = torch.full((NBYTES,), 7, dtype=torch.uint8)  # a model tensor, written on the compute stream
         out = sim.host_empty(NBYTES)
-        ready = sim.Event()
-        ready.record(sim.current_stream())
-        side.wait_event(ready)
-        with sim.stream(side):
-            sim.copy_(out, src)
-            done = sim.Event()
-            done.record(side)
+        done = copy_on(sim, side, out, src)
         deadline = time.monotonic() + 10
         while not sim.scheduler.idle() and time.monotonic() < deadline:
             time.sleep(0.001)  # the copy ran: only the host's ordering with it is missing
@@ -64,13 +70,7 @@ def unpin_during_copy(synchronize: bool) -> list[str]:
         slab = torch.zeros(NBYTES, dtype=torch.uint8)
         sim.pin(slab)
         src = sim.empty(NBYTES)
-        ready = sim.Event()
-        ready.record(sim.current_stream())
-        side.wait_event(ready)
-        with sim.stream(side):
-            sim.copy_(slab, src)
-            done = sim.Event()
-            done.record(side)
+        done = copy_on(sim, side, slab, src)
         if synchronize:
             done.synchronize()
         sim.unpin(slab)
