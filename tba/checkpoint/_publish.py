@@ -23,6 +23,7 @@ import shutil
 import socket
 
 from tba.checkpoint._io import TbaCheckpointError, dangling_link
+from tba.io import FULL_DISK_ERRNOS
 
 logger = logging.getLogger("tba")
 
@@ -63,7 +64,7 @@ def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointEr
     if link is not None:  # a disk not mounted: makedirs said "File exists" (at the link) or "No such file" (below)
         return TbaCheckpointError(f"{what} in {directory} failed: {link} is a symbolic link to {os.path.realpath(link)}, "
                                   "which does not exist; create that (is its disk mounted?) or save to another directory")
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+    if err.errno in FULL_DISK_ERRNOS:
         fix = "free space there or save to another directory"
     elif err.errno == errno.EFBIG and (limit := resource.getrlimit(resource.RLIMIT_FSIZE)[0]) != resource.RLIM_INFINITY:
         # Note [A file-size limit is one cause] in tba/runtime/_release.py

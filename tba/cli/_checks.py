@@ -20,7 +20,7 @@ from typing import NoReturn
 from tba._units import parse_size
 from tba.defaults import MAX_QUEUE_DEPTH
 from tba.errors import did_you_mean, linked_errors
-from tba.io import backend_names, file_creation_failure
+from tba.io import FULL_DISK_ERRNOS, backend_names, file_creation_failure
 
 
 def queue_depth(text: str) -> int:
@@ -230,7 +230,7 @@ def usage_error(command: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_ERRNOS = (*FULL_DISK_ERRNOS, errno.EFBIG)
 """No space left, a quota reached, a file past its size limit (``ulimit -f``): the disk, not the command, failed."""
 
 

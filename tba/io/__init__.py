@@ -25,6 +25,7 @@ from tba.errors import TbaConfigError, did_you_mean
 from tba.io._bandwidth import directory_bandwidth, filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
 from tba.io._directory import (
+    FULL_DISK_ERRNOS,
     OutOfDescriptorsError,
     dangling_link,
     lacks_descriptors,
@@ -171,6 +172,7 @@ register_engine("io_uring", _io_uring_engine, io_uring_unavailable_reason)
 register_engine("threads", lambda queue_depth: ThreadEngine(workers=min(queue_depth, MAX_ENGINE_THREADS)))
 
 __all__ = [
+    "FULL_DISK_ERRNOS",
     "BufferPool",
     "Engine",
     "EngineFactory",

@@ -27,7 +27,7 @@ import torch
 from tba import defaults
 from tba._fork_lock import ForkSafeLock
 from tba.errors import EngineClosedError, error_summary, error_text
-from tba.io import checksum
+from tba.io import FULL_DISK_ERRNOS, checksum
 from tba.runtime._entry import State, StorageEntry
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
 
@@ -285,7 +285,7 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
                                       "threads or memory?); fix that, or pass backend= another engine.")
     # Only a full disk is fixed by freeing space: one remounted read-only after an error (ext4's errors=remount-ro)
     # or failing with EIO was told to free space there.
-    if number in (errno.ENOSPC, errno.EDQUOT):
+    if number in FULL_DISK_ERRNOS:
         return number, "Free space there or pass another directory."
     if number == errno.EROFS:
         return number, ("The file system became read-only (a disk error makes ext4 remount so: see dmesg); fix the disk "
