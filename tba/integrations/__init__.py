@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tba.config import OffloadConfig
+from tba.config import GOALS, OffloadConfig
 from tba.errors import TbaConfigError
-
-_GOALS = ("memory_budget", "memory_budget_bytes", "overhead_bound")
 
 
 def integration_policy(options: Mapping[str, Any]) -> Any:
@@ -35,7 +33,7 @@ def integration_policy(options: Mapping[str, Any]) -> Any:
         return options["policy"]
     config = options.get("config")
     if isinstance(config, OffloadConfig) and (
-            config.policy != "adaptive" or any(getattr(config, goal) is not None for goal in _GOALS)):
+            config.policy != "adaptive" or any(getattr(config, goal) is not None for goal in GOALS)):
         return config.policy
     return "offload"
 
@@ -47,7 +45,7 @@ def check_goal(options: Mapping[str, Any], policy: Any, *, policy_given: bool, o
     \"policy\": \"adaptive\" to tba_options"``). Left to the runner, the goal was refused at the first step as
     "need policy='adaptive', not 'offload'", a policy the user never gave: the integration's default.
     """
-    goals = [name for name in _GOALS if options.get(name) is not None]
+    goals = [name for name in GOALS if options.get(name) is not None]
     if not goals or (isinstance(policy, str) and policy == "adaptive"):
         return
     given = repr(policy) if isinstance(policy, str) else f"a {type(policy).__name__}"

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tba.config import OffloadConfig, option_names
+from tba.config import GOALS, OffloadConfig, option_names
 from tba.errors import TbaConfigError, did_you_mean
 
 CONFIG_KEY = "tba"
@@ -151,7 +151,7 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     if nvme_path is not None:
         _take_aio(options, _section(config, "aio", "aio"))
     policy = block.get("policy", "offload")
-    goals = [key for key in ("memory_budget", "memory_budget_bytes", "overhead_bound") if block.get(key) is not None]
+    goals = [key for key in GOALS if block.get(key) is not None]
     if goals and policy != "adaptive":  # the offloader refused it naming 'offload' (not in the block); "keep" hid it
         raise block_error(f"\"{goals[0]}\" is a goal of \"policy\": \"adaptive\", and this block's policy is "
                           f"\"{policy}\"{' (the default here)' if 'policy' not in block else ''}: add \"policy\": "
