@@ -83,8 +83,12 @@ def checkpoint_error(err: OSError, what: str, directory: str) -> TbaCheckpointEr
 
 def is_checkpoint_dir(path: str) -> bool:
     """Whether ``path`` holds nothing but a checkpoint's files (so a save may replace it)."""
-    names = os.listdir(path)
-    return all(n == METADATA_NAME or n.endswith(DATA_SUFFIX) for n in names)
+    return not _foreign_names(os.listdir(path))
+
+
+def _foreign_names(names: list[str]) -> list[str]:
+    """The ``names`` that are not a checkpoint's files (its metadata and data files), sorted."""
+    return sorted(n for n in names if n != METADATA_NAME and not n.endswith(DATA_SUFFIX))
 
 
 def hold_staging(staging: str) -> int:
@@ -148,7 +152,7 @@ def _foreign(path: str) -> list[str]:
         return []  # a link (a ``latest`` pointer) is replaced, never what it names
     if not os.path.isdir(path):
         return [os.path.basename(path)]
-    return sorted(n for n in os.listdir(path) if n != METADATA_NAME and not n.endswith(DATA_SUFFIX))
+    return _foreign_names(os.listdir(path))
 
 
 def _refuse(target: str, names: list[str]) -> TbaCheckpointError:
