@@ -18,12 +18,11 @@ import re
 import select
 import signal
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterable
-from typing import Any, NoReturn
+from collections.abc import Iterable
+from typing import NoReturn
 
-from tba.errors import did_you_mean, linked_errors
+from tba.cli._signals import end_on_signals, stop_inside
+from tba.errors import did_you_mean
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tba.cli.demo", "train a small built-in GPT with and without tba and compare"),
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
         _check_environment(parser, args.command)
     args.command_line, args.argv = command_line, argv  # argv: what gpu-report's report says ran it
     if command_line:
-        _exit_on_sigterm()
+        end_on_signals(args.command)
     try:
         status = int(args._run(args) or 0)
         if command_line:
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None, *, command_line: bool = False) -> int:
         _silence_output()
         return 128 + signal.SIGPIPE
     except BaseException as err:  # DCP's CheckpointException is a BaseException
-        stop = _stop_inside(err)
+        stop = stop_inside(err)
         if stop is None or stop is err:
             raise
         raise stop from None
@@ -213,81 +212,6 @@ def _silence_output() -> None:
     for fd in (1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
-
-
-def _stop_inside(err: BaseException) -> SystemExit | KeyboardInterrupt | None:
-    """Note: [A signal wrapped by a library still ends the command]
-    A SIGTERM (``SystemExit(143)``, Note [A terminated command cleans up]) or a Ctrl-C that lands inside
-    ``dcp.save`` is caught there and raised again inside DCP's ``CheckpointException`` (its ``failures``
-    per rank), so ``bench-ckpt`` ended with status 1 and a long traceback instead of 143 (helper-101).
-    A ``SystemExit`` or ``KeyboardInterrupt`` found in an error's causes, its context or such failures
-    is raised in its place, as if nothing had wrapped it.
-    """
-    return next((linked for linked in linked_errors(err) if isinstance(linked, (SystemExit, KeyboardInterrupt))), None)
-
-
-def _exit_on_sigterm() -> None:
-    """Note: [A terminated command cleans up]
-    Python's default for SIGTERM ends the process at once: a benchmark killed by ``timeout`` or a job
-    scheduler left its scratch directories behind (``bench-hooks`` under /dev/shm and /var/tmp, seen in a
-    review). As ``python -m tba``, SIGTERM raises ``SystemExit(143)`` instead, so every ``with`` unwinds;
-    a program that calls :func:`main` keeps its own handler.
-    """
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
-    sys.unraisablehook = _send_again_after(sys.unraisablehook)
-
-
-def _terminated(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _send_again_after(previous: Callable[[Any], object]) -> Callable[[Any], None]:
-    """Note: [A signal a finalizer swallowed is sent again]
-    Python runs a signal's handler between any two bytecodes, a finalizer's (``__del__``, a weakref
-    callback) among them, and an exception raised there is printed ("Exception ignored in ...") and
-    dropped: ``bench-ckpt`` ran to its end after a SIGTERM that landed in a weakref callback, and
-    Ctrl-C's KeyboardInterrupt is lost the same way. This hook, for a ``SystemExit`` from
-    :func:`_terminated` or a ``KeyboardInterrupt``, says nothing and sends the signal again from a
-    thread a moment later, when the main thread has left the finalizer (were it in another one, this
-    hook sends it once more). Any other exception goes to the hook there was before. The thread waits
-    for the hook to end before its moment starts: sent while the hook still waited for the thread to
-    start (a loaded machine), the signal's exception was raised in the hook itself, where it is dropped
-    too ("Exception ignored in sys.unraisablehook", and the command ran on: a CI run).
-    """
-
-    def hook(unraisable: Any) -> None:
-        value = unraisable.exc_value
-        if isinstance(value, KeyboardInterrupt):
-            signum = signal.SIGINT
-        elif isinstance(value, SystemExit) and _raised_by(unraisable.exc_traceback, _terminated):
-            signum = signal.SIGTERM
-        else:
-            previous(unraisable)
-            return
-        hook_over = threading.Event()
-        try:
-            threading.Thread(target=_kill_soon, args=(signum, hook_over), name="tba-signal-again", daemon=True).start()
-        finally:
-            hook_over.set()
-
-    return hook
-
-
-def _raised_by(traceback: Any, function: Callable[..., object]) -> bool:
-    while traceback is not None and traceback.tb_next is not None:
-        traceback = traceback.tb_next
-    return traceback is not None and traceback.tb_frame.f_code is function.__code__
-
-
-def _kill_soon(signum: int, hook_over: threading.Event) -> None:
-    hook_over.wait()
-    time.sleep(SIGNAL_AGAIN_AFTER_S)
-    os.kill(os.getpid(), signum)
-
-
-SIGNAL_AGAIN_AFTER_S = 0.01
-"""How long after the hook that heard a swallowed signal ends the signal is sent again (the finalizer has returned by then)."""
 
 
 if __name__ == "__main__":

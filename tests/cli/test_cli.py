@@ -143,7 +143,7 @@ def test_doctor_says_when_jemalloc_hands_freed_pages_back(tmp_path, conf):
 
 
 def test_a_terminated_command_removes_its_scratch_directories(tmp_path):
-    """Note [A terminated command cleans up] in tba/cli/__init__.py: SIGTERM unwinds every ``with``."""
+    """Note [A terminated command cleans up] in tba/cli/_signals.py: SIGTERM unwinds every ``with``."""
     import signal
     import time
 
@@ -171,7 +171,7 @@ def test_a_terminated_command_removes_its_scratch_directories(tmp_path):
 @pytest.mark.parametrize("slow_hook", [False, True], ids=["", "slow-to-leave-the-hook"])
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(signame, slow_hook):
-    """Note [A signal a finalizer swallowed is sent again] in tba/cli/__init__.py: bench-ckpt ran to its end, table
+    """Note [A signal a finalizer swallowed is sent again] in tba/cli/_signals.py: bench-ckpt ran to its end, table
     printed, after a SIGTERM whose SystemExit was raised inside a weakref callback ("Exception ignored in ...")."""
     script = (
         "import os, signal, sys, time\n"
@@ -208,7 +208,7 @@ def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(signame, slow
 @pytest.mark.parametrize("stop", [SystemExit(143), KeyboardInterrupt()], ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_that_a_library_wrapped_still_ends_the_command(monkeypatch, stop):
     """DCP raises a signal's exception again inside its CheckpointException (Note [A signal wrapped by a library still ends
-    the command] in tba/cli/__init__.py): the command ends as the signal would have ended it."""
+    the command] in tba/cli/_signals.py): the command ends as the signal would have ended it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     def run(args):
@@ -281,3 +281,39 @@ def test_doctor_says_when_the_quick_size_is_more_than_the_free_space(tmp_path, c
     assert row.endswith(f"not measured (--quick-size 8.0 MiB is more than the 3.0 MiB free in {tmp_path}; pass a "
                         "smaller --quick-size)"), row
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_ends_the_command_in_one_line():
+    """Note [Ctrl-C ends the command in one line] in tba/cli/_signals.py: a Ctrl-C printed Python's traceback from
+    wherever the main thread was; Python still ends the process by SIGINT after its exit handlers."""
+    script = (
+        "import atexit, sys\n"
+        "from tba import cli\n"
+        "atexit.register(lambda: print('exit handlers ran'))\n"
+        "def command(args):\n"
+        "    raise KeyboardInterrupt\n"
+        "cli.COMMANDS['doctor'] = ('tba.cli.doctor', 'x')\n"
+        "import tba.cli.doctor as module\n"
+        "module.run = command\n"
+        "sys.exit(cli.main(['doctor'], command_line=True))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert done.stderr == "python -m tba doctor: interrupted\n"
+    assert done.stdout == "exit handlers ran\n"
+
+
+def test_an_error_still_prints_its_traceback():
+    """The hook of Note [Ctrl-C ends the command in one line] leaves every other error to the hook before it."""
+    script = (
+        "import sys\n"
+        "from tba import cli\n"
+        "def command(args):\n"
+        "    raise RuntimeError('a failure to report')\n"
+        "import tba.cli.doctor as module\n"
+        "module.run = command\n"
+        "sys.exit(cli.main(['doctor'], command_line=True))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "RuntimeError: a failure to report" in done.stderr
