@@ -88,8 +88,6 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"argument --size: {err}"
     if args.size_bytes < MIN_SIZE_BYTES:
         return f"--size must be at least {MIN_SIZE_BYTES >> 20}M"
-    if args.rounds < 1:
-        return "--rounds must be >= 1"
     where = "--directory" if args.directory is not None else "$TBA_DIR" if os.environ.get("TBA_DIR") else "the temp dir"
     try:  # a missing directory is refused, as bench-io and bench-hooks do: nothing is left behind
         args.directory = os.path.abspath(cli_checks.spill_directory(args.directory))
