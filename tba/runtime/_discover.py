@@ -3,8 +3,8 @@
 Prefetch goes layer by layer only when storages carry a layer index. Without ``layers=``,
 :class:`LayerDiscovery` learns the layers from the forward itself:
 
-1. While the context is active, global module forward hooks
-   (:func:`torch.nn.modules.module.register_module_forward_pre_hook` and its post-hook twin) keep
+1. While the context is active, global module forward hooks (``tba/runtime/_global_hooks.py``: torch's
+   :func:`~torch.nn.modules.module.register_module_forward_pre_hook` and its post-hook twin, one key each) keep
    the stack of modules whose forward is running in the context's thread. Every saved storage is
    recorded with that stack (a tuple of modules, outermost first).
 2. When forward ends, every module on a recorded stack is a candidate *instance* of the group
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from tba import defaults
 from tba.runtime._entry import StorageEntry
+from tba.runtime._global_hooks import add_forward_hook, add_forward_pre_hook
 
 logger = logging.getLogger("tba")
 
@@ -66,8 +66,8 @@ class LayerDiscovery:
         self._stack = ()
         self._saved = []
         self._thread = threading.get_ident() if thread is None else thread
-        self._handles = [module_hooks.register_module_forward_pre_hook(self._enter),
-                         module_hooks.register_module_forward_hook(self._leave, always_call=True)]
+        # Note [One key per process for tba's global module hooks] in tba/runtime/_global_hooks.py
+        self._handles = [add_forward_pre_hook(self._enter), add_forward_hook(self._leave)]
 
     def detach(self) -> None:
         """Remove the global hooks (the recorded stacks stay until :meth:`finish`)."""

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
-from torch.utils.hooks import RemovableHandle
 
+from tba.runtime._global_hooks import GlobalHook, add_forward_pre_hook
 from tba.runtime._nested_state import Entry, contents, entry, first_differing
 from tba.runtime._private_state import MODULE_INTERNALS
 
@@ -123,27 +123,30 @@ class OutsideCalls:
         called, by id, with their state before (None: the module holds a hook)."""
         self._thread: int | None = None
         """The thread whose layers are open: calls on any other are not theirs."""
-        hooks = module_hooks._global_forward_pre_hooks
-        self._key = RemovableHandle(hooks).id
-        self._hook = self._called
-        """One key and one callable for every profiled step.
+        self._hook: GlobalHook | None = None
+        """The global pre-hook's callback while attached.
 
         Note: [One global hook key across profiled steps]
         :meth:`attach` registered the global pre-hook anew at every profiled step, under a new key. Dynamo guards a
         compiled block's frame on the keys of the global hooks, so every profiled step compiled each compiled block
         again (helper-154, ``TORCH_LOGS=recompiles``: ``..._global_forward_pre_hooks))[0] == 8``): seconds of tracing
         a step, counted in the profile, and with Note [A step that compiles is no sample] no step would have been a
-        sample. The key and the callable are made once, so the steps after the first find the graph they compiled.
+        sample. The callback now goes to tba's one pre-hook, whose key is the process's (Note [One key per process for
+        tba's global module hooks] in ``tba/runtime/_global_hooks.py``), so the steps after the first find the graph
+        they compiled, whichever context or runner attached it.
         """
 
     def attach(self, layers: Sequence[nn.Module | None]) -> None:
         self._layers = [weakref.ref(layer) if layer is not None else None for layer in layers]
         self._own = [frozenset(map(id, layer.modules())) if layer is not None else frozenset() for layer in layers]
         self._open = []
-        module_hooks._global_forward_pre_hooks[self._key] = self._hook
+        if self._hook is None:
+            self._hook = add_forward_pre_hook(self._called)
 
     def detach(self) -> None:
-        module_hooks._global_forward_pre_hooks.pop(self._key, None)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self._open, self._layers, self._own = [], [], []
 
     def enter(self, index: int) -> None:

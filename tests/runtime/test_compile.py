@@ -278,3 +278,55 @@ def test_a_step_that_compiles_is_no_profiled_sample(spill_dir):
     offloader.close()
     assert offloader.plan is not None and offloader.plan.fits, offloader.plan
     assert frames[1] == 0, frames  # the second profiled step runs what the first compiled
+
+
+def _train_in_place_compiled(contexts, steps: int = 10) -> tuple[list, list, int]:
+    """``steps`` SGD steps of the tiny GPT whose blocks are compiled in place as torchtitan compiles them
+    (``block.compile(fullgraph=True)``), each forward inside ``contexts()`` (a fresh context per step, or one
+    reusable offloader); its losses, final parameters and how many graphs Dynamo compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = make_gpt(CONFIG)
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        with contexts(model):
+            loss = forward(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("how", ["bare", "memory_budget"])
+def test_blocks_compiled_in_place_with_fullgraph_train_without_recompiling(spill_dir, how):
+    """torchtitan compiles each block in place with ``fullgraph=True``. tba's global module hooks took a new key at each
+    context (layer discovery) or profiled step, Dynamo guards the block's frame on those keys, so every step compiled
+    every block again until its recompile limit ended training at the eighth: ``FailOnRecompileLimitHit`` (Note [One
+    key per process for tba's global module hooks] in tba/runtime/_global_hooks.py)."""
+    import contextlib
+
+    reference, final, graphs = _train_in_place_compiled(lambda model: contextlib.nullcontext())
+    if how == "bare":
+        losses, params, tba_graphs = _train_in_place_compiled(lambda model: tba.offload_activations(spill_dir))
+    else:
+        made = {}
+
+        def reusable(model):
+            options = {"layers": model} if how == "layers" else {}
+            if "offloader" not in made:
+                made["offloader"] = tba.Offloader(spill_dir, memory_budget="64MiB", **options)
+            return made["offloader"]
+
+        losses, params, tba_graphs = _train_in_place_compiled(reusable)
+        made["offloader"].close()
+    assert tba_graphs <= graphs + 1, (graphs, tba_graphs)
+    assert all(torch.equal(a, b) for a, b in zip(reference, losses))
+    assert all(torch.equal(a, b) for a, b in zip(final, params))

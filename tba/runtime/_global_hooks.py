@@ -1,0 +1,97 @@
+"""tba's global module hooks: one forward pre-hook and one forward hook, each under a key made once per process.
+
+Note: [One key per process for tba's global module hooks]
+Dynamo guards a compiled module's frame on the keys of torch's global module hook dicts
+(``list(dict.keys(_global_forward_hooks))[0] == 27``): a block compiled in place (``block.compile()``, as torchtitan
+compiles each of its blocks, with ``fullgraph=True``) traces its own ``_call_impl``, and with it the global hooks.
+Each of tba's users of a global hook (layer discovery, the profiled step's watch of the modules outside a layer, a
+recomputation's watch of the modules its first call runs, the check that two threads' recomputations do not overlap)
+registered its own, under a key new for each context or step. So every step compiled every such block again, and at
+the eighth Dynamo's recompile limit ended training (``FailOnRecompileLimitHit`` under ``fullgraph=True``) or ran the
+block uncompiled from then on, silently. tba now holds one pre-hook and one hook, each under a key made once per
+process, in torch's dicts while any of its users is attached and out of them otherwise: a compiled block meets two
+sets of keys at most, and compiles twice at most. Each hook calls the callbacks attached, in the order they were
+attached. Traced by Dynamo it does nothing, as every callback did nothing there (``torch.compiler.is_compiling()``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GlobalHook", "add_forward_hook", "add_forward_pre_hook", "forward_pre_callbacks"]
+
+_PRE_KEY = RemovableHandle(module_hooks._global_forward_pre_hooks).id
+_POST_KEY = RemovableHandle(module_hooks._global_forward_hooks).id
+_pre: dict[int, Callable[[nn.Module, Any], None]] = {}
+_post: dict[int, Callable[[nn.Module, Any, Any], None]] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+
+
+def _forward_pre_hook(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for callback in tuple(_pre.values()):
+        callback(module, args)
+
+
+def _forward_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for callback in tuple(_post.values()):
+        callback(module, args, output)
+
+
+class GlobalHook:
+    """One callback attached to tba's global pre-hook or hook; :meth:`remove` detaches it (again: nothing)."""
+
+    __slots__ = ("_callbacks", "_id", "__weakref__")
+
+    def __init__(self, callbacks: dict[int, Any], callback: Callable[..., None]) -> None:
+        self._callbacks = callbacks
+        self._id = next(_ids)
+        with _lock:
+            callbacks[self._id] = callback
+            _install()
+
+    def remove(self) -> None:
+        with _lock:
+            self._callbacks.pop(self._id, None)
+            _install()
+
+
+def _install() -> None:
+    """Put each hook in torch's dict while it has callbacks, and take it out when it has none (under ``_lock``)."""
+    if _pre:
+        module_hooks._global_forward_pre_hooks[_PRE_KEY] = _forward_pre_hook
+    else:
+        module_hooks._global_forward_pre_hooks.pop(_PRE_KEY, None)
+    if _post:
+        module_hooks._global_forward_hooks[_POST_KEY] = _forward_hook
+        module_hooks._global_forward_hooks_always_called[_POST_KEY] = True
+    else:
+        module_hooks._global_forward_hooks.pop(_POST_KEY, None)
+        module_hooks._global_forward_hooks_always_called.pop(_POST_KEY, None)
+
+
+def add_forward_pre_hook(callback: Callable[[nn.Module, Any], None]) -> GlobalHook:
+    """Call ``callback(module, args)`` before every module's forward, eagerly, until the handle is removed."""
+    return GlobalHook(_pre, callback)
+
+
+def add_forward_hook(callback: Callable[[nn.Module, Any, Any], None]) -> GlobalHook:
+    """Call ``callback(module, args, output)`` after every module's forward, eagerly, also when it raised."""
+    return GlobalHook(_post, callback)
+
+
+def forward_pre_callbacks() -> list[Callable[[nn.Module, Any], None]]:
+    """The callbacks attached to the pre-hook now, in order."""
+    return list(_pre.values())
