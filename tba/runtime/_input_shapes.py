@@ -21,6 +21,7 @@ from torch import nn
 
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
+from tba.runtime._compiled_call import add_layer_hook
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
@@ -200,7 +201,7 @@ class InputShapes:
             self._shape_hook.remove()
         first = self.layers[0]  # Note [Hooks traced into a whole-model graph do nothing] in tba/runtime/_layer_hooks.py
         hook = measuring_hook(first, self._check_shape)
-        self._shape_hook = first.register_forward_pre_hook(hook, with_kwargs=True)
+        self._shape_hook = add_layer_hook(first, hook, pre=True, with_kwargs=True)
 
     def _check_shape(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """First layer's forward pre-hook: note the step's input shape; on another one than expected, follow

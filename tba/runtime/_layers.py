@@ -21,6 +21,7 @@ from tba import _control
 from tba.errors import TbaConfigError
 from tba.policy import Plan
 from tba.runtime._compile import is_compiled_module, is_optimized_module, saved_by_compiled_graph
+from tba.runtime._compiled_call import add_layer_hook
 from tba.runtime._layer_hooks import LayerHook
 
 
@@ -210,7 +211,7 @@ class LayerTracker:
         self.traced_in_enclosing_graph = False
         self.compiled_save_outside_layers = False
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(LayerHook(self._entering(index, is_compiled_module(layer)))))
+            self._handles.append(add_layer_hook(layer, LayerHook(self._entering(index, is_compiled_module(layer))), pre=True))
 
     def detach(self) -> None:
         for handle in self._handles:

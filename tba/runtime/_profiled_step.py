@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tba.runtime._compiled_call import add_layer_hook
 from tba.runtime._layer_hooks import LayerHook
 from tba.runtime._peak import StepPeak
 from tba.runtime._profiling import StepCounters
@@ -127,7 +128,7 @@ class ProfiledStep:
                 tensor.register_hook(self.peak.stop_after_backward)
 
         self._drop_output_hook()
-        self._output_hook = layer.register_forward_hook(LayerHook(on_output))
+        self._output_hook = add_layer_hook(layer, LayerHook(on_output), pre=False)
 
     def _drop_output_hook(self) -> None:
         """Take :meth:`note_shape`'s hook off the first layer (it ran, or forward ended or failed without it)."""

@@ -45,6 +45,7 @@ from tba._control import waited_s
 from tba.runtime import _preempted
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
+from tba.runtime._compiled_call import add_layer_hook
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._nested_state import unwatchable
 from tba.runtime._outside import OutsideCalls, hooks_run_again
@@ -136,9 +137,8 @@ class LayerTimer(LayerSpans):
             if layer is None:
                 continue
             # Note [Hooks traced into a whole-model graph do nothing] in tba/runtime/_layer_hooks.py
-            self._handles.append(layer.register_forward_pre_hook(measuring_hook(layer, self._pre(index)),
-                                                                 with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(measuring_hook(layer, self._post(index))))
+            self._handles.append(add_layer_hook(layer, measuring_hook(layer, self._pre(index)), pre=True, with_kwargs=True))
+            self._handles.append(add_layer_hook(layer, measuring_hook(layer, self._post(index)), pre=False))
         self._outside.attach([ref() for ref in self._layer_refs])
 
     def detach(self) -> None:

@@ -305,7 +305,7 @@ def _train_in_place_compiled(contexts, steps: int = 10) -> tuple[list, list, int
     return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("how", ["bare", "memory_budget"])
+@pytest.mark.parametrize("how", ["bare", "memory_budget", "layers"])
 def test_blocks_compiled_in_place_with_fullgraph_train_without_recompiling(spill_dir, how):
     """torchtitan compiles each block in place with ``fullgraph=True``. tba's global module hooks took a new key at each
     context (layer discovery) or profiled step, Dynamo guards the block's frame on those keys, so every step compiled

@@ -1,0 +1,116 @@
+"""tba's forward hooks on a layer: in the layer's hook dicts, or around the compiled call of a layer compiled in place.
+
+Note: [Hooks on a block compiled in place run around its graph]
+``block.compile()`` (torchtitan compiles each block so, with ``fullgraph=True``) sets ``_compiled_call_impl`` on the
+instance: ``torch.compile`` of the block's own ``_call_impl``, so the block's forward hooks run inside the compiled
+frame, and Dynamo traces them. tba's hooks on a layer (the layer tracker's, the profiling timer's, the runner's input
+shape check and its output hook) read clocks, thread idents and storages, which Dynamo cannot trace: under
+``fullgraph=True`` the first profiled step failed (``Unsupported: ... method nbytes of class UntypedStorage``);
+without it the block's graph broke at tba's hooks, and the tracker's index was set by Dynamo's replay of the hook's
+side effects after the graph had run, when the block's saved tensors had been packed. On such a layer tba's hooks are
+not put in its hook dicts: :class:`CompiledCall` takes the place of its compiled call while tba has hooks on it and
+runs them eagerly around the graph, as torch runs hooks around a block it did not compile (pre-hooks first, then the
+graph, then the hooks, each with torch's rules for what a hook returns); the last hook removed puts the compiled call
+back. A ``torch.compile(block)`` wrapper needs none of this: its own ``_call_impl``, which runs its hooks, is not
+compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from tba.runtime._compile import is_optimized_module
+
+__all__ = ["CompiledCall", "add_layer_hook", "compiled_in_place"]
+
+_ids = itertools.count()
+
+
+def compiled_in_place(layer: nn.Module) -> bool:
+    """Whether ``layer`` was compiled with ``layer.compile()`` (not a ``torch.compile(layer)`` wrapper)."""
+    return vars(layer).get("_compiled_call_impl") is not None and not is_optimized_module(layer)
+
+
+class CompiledCall:
+    """What a layer compiled in place calls while tba has hooks on it: the hooks, eagerly, around its compiled call."""
+
+    __slots__ = ("_layer", "compiled", "pre", "post", "__weakref__")
+
+    def __init__(self, layer: nn.Module, compiled: Callable[..., Any]) -> None:
+        self._layer = weakref.ref(layer)
+        self.compiled = compiled
+        """The layer's own compiled call, which :meth:`__call__` calls and the last hook's removal puts back."""
+        self.pre: dict[int, tuple[Callable[..., Any], bool]] = {}
+        """The forward pre-hooks, each with whether it takes the keyword arguments too."""
+        self.post: dict[int, Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer = self._layer()
+        for hook, with_kwargs in tuple(self.pre.values()):
+            if with_kwargs:
+                result = hook(layer, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(layer, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        output = self.compiled(*args, **kwargs)
+        for post in tuple(self.post.values()):
+            result = post(layer, args, output)
+            if result is not None:
+                output = result
+        return output
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """A copy of the layer gets its own compiled call, not tba's (Note [A copy of a hooked layer holds none of
+        tba's] in tba/runtime/_layer_hooks.py; torch's ``__getstate__`` drops the attribute before pickling anyway)."""
+        return _compiled_of, (self.compiled,)
+
+
+def _compiled_of(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    return compiled
+
+
+class _Handle:
+    """Removes one hook from a :class:`CompiledCall`; the last one removed puts the layer's compiled call back."""
+
+    __slots__ = ("_call", "_key", "_layer")
+
+    def __init__(self, call: CompiledCall, key: int, layer: nn.Module) -> None:
+        self._call, self._key, self._layer = call, key, weakref.ref(layer)
+
+    def remove(self) -> None:
+        call = self._call
+        call.pre.pop(self._key, None)
+        call.post.pop(self._key, None)
+        layer = self._layer()
+        if not call.pre and not call.post and layer is not None and vars(layer).get("_compiled_call_impl") is call:
+            layer._compiled_call_impl = call.compiled
+
+
+def add_layer_hook(layer: nn.Module, hook: Callable[..., Any], *, pre: bool, with_kwargs: bool = False) -> Any:
+    """Register ``hook`` as a forward pre-hook (``pre``) or forward hook of ``layer``; a handle with ``remove()``.
+
+    On a layer compiled in place the hook runs around its compiled call (Note [Hooks on a block compiled in place run
+    around its graph]); on any other it goes in the layer's hook dicts, as ``register_forward_pre_hook`` puts it.
+    """
+    if not compiled_in_place(layer):
+        if pre:
+            return layer.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        return layer.register_forward_hook(hook)
+    call = vars(layer)["_compiled_call_impl"]
+    if not isinstance(call, CompiledCall):
+        call = CompiledCall(layer, call)
+        layer._compiled_call_impl = call
+    key = next(_ids)
+    if pre:
+        call.pre[key] = (hook, with_kwargs)
+    else:
+        call.post[key] = hook
+    return _Handle(call, key, layer)
