@@ -2,8 +2,10 @@
 
 tba works through saved-tensor hooks. How they meet ``torch.compile`` depends on what is compiled:
 
-* **Per-block compile** (``model.layers[i] = torch.compile(block)``, as torchtitan does, or
-  ``block.compile()``). Each block becomes one AOTAutograd ``CompiledFunction``, an
+* **Per-block compile** (``model.layers[i] = torch.compile(block)``, or ``block.compile()`` as torchtitan does,
+  with ``fullgraph=True``; tba's hooks stay out of the block's graph: Notes [One key per process for tba's global
+  module hooks] and [Hooks on a block compiled in place run around its graph]). Each block becomes one AOTAutograd
+  ``CompiledFunction``, an
   ``autograd.Function`` that saves its activations with ``save_for_backward`` when the block's
   forward returns. Outer saved-tensor hooks see those tensors as they see any other, so tba packs
   them block by block during forward and unpacks them block by block during backward: the peak

@@ -63,8 +63,10 @@ class MeasuringHook(LayerHook):
     default's loss and gradients differed from the same compiled model without tba (helper-125; ``aot_eager``
     fuses nothing, which hid it). Traced, ``is_compiling()`` is the constant True and such a hook traces nothing:
     the graph stays whole, and the layers go unmeasured as where the model was compiled before tba hooked them.
-    A layer compiled itself (``block.compile()``) gets the plain hook: its graph breaks at its own ends, which
-    splits no kernel, and its times are measured between graphs. The profiled step's gradient hooks (the
+    A layer compiled itself gets the plain hook, which runs outside its graph: a ``torch.compile(block)`` wrapper
+    runs its hooks in its own uncompiled call, and a block compiled in place (``block.compile()``) runs tba's around
+    its compiled call (Note [Hooks on a block compiled in place run around its graph] in
+    ``tba/runtime/_compiled_call.py``); its times are measured between graphs. The profiled step's gradient hooks (the
     timer's stamps, the peak's stop) do nothing when compiled autograd traces them: the peak's ``queue_callback``
     failed the first profiled backward with torch's AssertionError (helper-125), even under ``aot_eager``.
     """
