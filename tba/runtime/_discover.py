@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from tba import defaults
+from tba.runtime._compile import is_compiled_module
+from tba.runtime._compiled_call import add_layer_hook, compiled_in_place
 from tba.runtime._entry import StorageEntry
 from tba.runtime._global_hooks import add_forward_hook, add_forward_pre_hook
 
@@ -56,6 +58,10 @@ class LayerDiscovery:
         self.tagged_bytes: dict[int | None, int] = {}
         """Bytes of the storages the last :meth:`finish` tagged, by layer index (None: outside every layer)."""
         self._handles: list[Any] = []
+        self._around: dict[int, _Around] = {}
+        """The hooks around each block compiled in place met so far, by id (Note [Discovery sees blocks compiled in place])."""
+        self._scanned: set[int] = set()
+        """The modules whose children were looked at for blocks compiled in place since :meth:`attach`, by id."""
         self._thread = 0
 
     def attach(self, thread: int | None = None) -> None:
@@ -70,16 +76,36 @@ class LayerDiscovery:
         self._handles = [add_forward_pre_hook(self._enter), add_forward_hook(self._leave)]
 
     def detach(self) -> None:
-        """Remove the global hooks (the recorded stacks stay until :meth:`finish`)."""
-        for handle in self._handles:
+        """Remove the global hooks and those around compiled blocks (the recorded stacks stay until :meth:`finish`)."""
+        for handle in [*self._handles, *self._around.values()]:
             handle.remove()
-        self._handles = []
+        self._handles, self._around, self._scanned = [], {}, set()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
         if threading.get_ident() == self._thread:
             self._stack = (*self._stack, module)
+            if id(module) not in self._scanned:
+                self._scanned.add(id(module))
+                if not is_compiled_module(module):
+                    self._hook_compiled_children(module)
+
+    def _hook_compiled_children(self, module: nn.Module) -> None:
+        """Note: [Discovery sees blocks compiled in place]
+        A block compiled in place (``block.compile()``, torchtitan's per-block compile) runs the global hooks only
+        inside its graph, where they do nothing (they cannot be traced), so it never stood on a stack: the bare context
+        found no repeated blocks in such a model and planned nothing. Before a module's children run, each child
+        compiled in place gets the discovery's hooks around its compiled call (Note [Hooks on a block compiled in place
+        run around its graph] in ``tba/runtime/_compiled_call.py``) until :meth:`detach`; so do those in a
+        ``ModuleList`` or ``ModuleDict`` child, which is never called itself (torchtitan's ``model.layers``).
+        """
+        for child in module._modules.values():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                self._hook_compiled_children(child)
+            elif child is not None and id(child) not in self._around and compiled_in_place(child):
+                self._around[id(child)] = _Around(add_layer_hook(child, self._enter, pre=True),
+                                                  add_layer_hook(child, self._leave, pre=False))
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or threading.get_ident() != self._thread or module not in self._stack:
@@ -144,6 +170,19 @@ class LayerDiscovery:
                 layer_saved_bytes[layer] = layer_saved_bytes.get(layer, 0) + nbytes
         if layer_saved_bytes.get(None) == 0:
             del layer_saved_bytes[None]
+
+
+class _Around:
+    """The two hooks the discovery put around one block compiled in place."""
+
+    __slots__ = ("_hooks",)
+
+    def __init__(self, *hooks: Any) -> None:
+        self._hooks = hooks
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _instances_on(stack: tuple[nn.Module, ...]) -> list[tuple[tuple[int, type], nn.Module]]:

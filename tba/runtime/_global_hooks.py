@@ -4,14 +4,17 @@ Note: [One key per process for tba's global module hooks]
 Dynamo guards a compiled module's frame on the keys of torch's global module hook dicts
 (``list(dict.keys(_global_forward_hooks))[0] == 27``): a block compiled in place (``block.compile()``, as torchtitan
 compiles each of its blocks, with ``fullgraph=True``) traces its own ``_call_impl``, and with it the global hooks.
-Each of tba's users of a global hook (layer discovery, the profiled step's watch of the modules outside a layer, a
-recomputation's watch of the modules its first call runs, the check that two threads' recomputations do not overlap)
-registered its own, under a key new for each context or step. So every step compiled every such block again, and at
-the eighth Dynamo's recompile limit ended training (``FailOnRecompileLimitHit`` under ``fullgraph=True``) or ran the
-block uncompiled from then on, silently. tba now holds one pre-hook and one hook, each under a key made once per
-process, in torch's dicts while any of its users is attached and out of them otherwise: a compiled block meets two
-sets of keys at most, and compiles twice at most. Each hook calls the callbacks attached, in the order they were
-attached. Traced by Dynamo it does nothing, as every callback did nothing there (``torch.compiler.is_compiling()``).
+Layer discovery and the profiled step's watch of the modules outside a layer each registered its own global hook, under
+a key new for each context or step. So every step compiled every such block again, and at the eighth Dynamo's
+recompile limit ended training (``FailOnRecompileLimitHit`` under ``fullgraph=True``) or ran the block uncompiled from
+then on, silently. Those two now attach callbacks to tba's one pre-hook and one hook, whose keys are made once per
+process; both hooks are in torch's dicts while any callback is attached and out of them otherwise, so a compiled
+block meets two sets of keys at most and compiles twice at most. Each hook calls the callbacks attached, in the order
+they were attached; traced by Dynamo it does nothing, as each callback did nothing there
+(``torch.compiler.is_compiling()``). A recomputation's two global pre-hooks (``tba/runtime/_outside_state.py``,
+``tba/runtime/_overlap.py``) keep a key of their own: each must come off in a ``finally`` through one C call that no
+signal handler can interrupt halfway, and they exist only while a recomputed layer runs, which a block compiled in
+place never is (Note [A block compiled in place is not recomputed]).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GlobalHook", "add_forward_hook", "add_forward_pre_hook", "forward_pre_callbacks"]
+__all__ = ["GlobalHook", "add_forward_hook", "add_forward_pre_hook"]
 
 _PRE_KEY = RemovableHandle(module_hooks._global_forward_pre_hooks).id
 _POST_KEY = RemovableHandle(module_hooks._global_forward_hooks).id
@@ -69,15 +72,14 @@ class GlobalHook:
 
 
 def _install() -> None:
-    """Put each hook in torch's dict while it has callbacks, and take it out when it has none (under ``_lock``)."""
-    if _pre:
+    """Put both hooks in torch's dicts while either has callbacks, and take them out when neither has (under
+    ``_lock``): a compiled block meets one set of tba's keys or none, not three."""
+    if _pre or _post:
         module_hooks._global_forward_pre_hooks[_PRE_KEY] = _forward_pre_hook
-    else:
-        module_hooks._global_forward_pre_hooks.pop(_PRE_KEY, None)
-    if _post:
         module_hooks._global_forward_hooks[_POST_KEY] = _forward_hook
         module_hooks._global_forward_hooks_always_called[_POST_KEY] = True
     else:
+        module_hooks._global_forward_pre_hooks.pop(_PRE_KEY, None)
         module_hooks._global_forward_hooks.pop(_POST_KEY, None)
         module_hooks._global_forward_hooks_always_called.pop(_POST_KEY, None)
 
@@ -91,7 +93,3 @@ def add_forward_hook(callback: Callable[[nn.Module, Any, Any], None]) -> GlobalH
     """Call ``callback(module, args, output)`` after every module's forward, eagerly, also when it raised."""
     return GlobalHook(_post, callback)
 
-
-def forward_pre_callbacks() -> list[Callable[[nn.Module, Any], None]]:
-    """The callbacks attached to the pre-hook now, in order."""
-    return list(_pre.values())
