@@ -19,13 +19,13 @@ _SAID_NOT_RUN = WeakRegistry()
 
 
 def say_no_repeated_blocks() -> None:
-    """A forward saved tensors in a model without repeated blocks, or whose blocks are each compiled or checkpointed
-    by the model itself (their saves carry no module stack, ``tba/runtime/_discover.py``; helper-56 saw the
+    """A forward saved tensors in a model without repeated blocks, or compiled as a whole, or whose blocks are
+    checkpointed by the model itself (their saves carry no module stack, ``tba/runtime/_discover.py``; helper-56 saw the
     message name only compiling for GPT-2 under Hugging Face's gradient checkpointing): nothing to plan for,
     so every step offloads all until one saves tensors in repeated blocks (helper-124: a fine-tuning run whose first
     steps train only the last block found them at its second step, after a warning that said every step)."""
-    logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or each "
-                   "compiled on its own or run under the model's own activation checkpointing, or frozen "
+    logger.warning("tba: the adaptive policy found no repeated blocks in this forward (none, or the model "
+                   "compiled as a whole, or its blocks run under its own activation checkpointing, or frozen "
                    "so that only one saved tensors), so steps offload every saved tensor until a forward saves "
                    "tensors in repeated blocks; pass layers=[...] (the model's blocks) to have a placement "
                    "planned per block")

@@ -277,9 +277,9 @@ class LayerTimer(LayerSpans):
 
 def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
     """The tensors of a layer's call with their versions, as the recompute check sees them
-    (:func:`~tba.runtime._call_args.call_tensor_versions`); none while a compiled graph is traced (a layer
-    compiled on its own runs its hooks inside its graph: it is not watched here, and its recomputation
-    still raises at once)."""
+    (:func:`~tba.runtime._call_args.call_tensor_versions`); none while a compiled graph is traced (a layer inside
+    a whole-model graph: it is not watched here, and its recomputation still raises at once). A layer compiled on its
+    own runs tba's hooks outside its graph (Note [Hooks traced into a whole-model graph do nothing])."""
     if torch.compiler.is_compiling():
         return []
     return [(tensor, version) for _, tensor, version in call_tensor_versions(args, kwargs, attribute_tensors)]
