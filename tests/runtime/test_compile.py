@@ -280,17 +280,18 @@ def test_a_step_that_compiles_is_no_profiled_sample(spill_dir):
     assert frames[1] == 0, frames  # the second profiled step runs what the first compiled
 
 
-def _train_in_place_compiled(contexts, steps: int = 10) -> tuple[list, list, int]:
+def _train_in_place_compiled(contexts, steps: int = 10, whole: bool = False) -> tuple[list, list, int]:
     """``steps`` SGD steps of the tiny GPT whose blocks are compiled in place as torchtitan compiles them
-    (``block.compile(fullgraph=True)``), each forward inside ``contexts()`` (a fresh context per step, or one
-    reusable offloader); its losses, final parameters and how many graphs Dynamo compiled."""
+    (``block.compile(fullgraph=True)``; with ``whole``, the model itself), each forward inside ``contexts()`` (a
+    fresh context per step, or one reusable offloader); its losses, final parameters and how many graphs Dynamo
+    compiled."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = make_gpt(CONFIG)
-    for block in model.blocks:
+    for block in [model] if whole else model.blocks:
         block.compile(backend="aot_eager", fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
@@ -305,7 +306,7 @@ def _train_in_place_compiled(contexts, steps: int = 10) -> tuple[list, list, int
     return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("how", ["bare", "memory_budget", "layers"])
+@pytest.mark.parametrize("how", ["bare", "memory_budget", "layers", "whole-model"])
 def test_blocks_compiled_in_place_with_fullgraph_train_without_recompiling(spill_dir, how):
     """torchtitan compiles each block in place with ``fullgraph=True``. tba's global module hooks took a new key at each
     context (layer discovery) or profiled step, Dynamo guards the block's frame on those keys, so every step compiled
@@ -313,9 +314,11 @@ def test_blocks_compiled_in_place_with_fullgraph_train_without_recompiling(spill
     key per process for tba's global module hooks] in tba/runtime/_global_hooks.py)."""
     import contextlib
 
-    reference, final, graphs = _train_in_place_compiled(lambda model: contextlib.nullcontext())
-    if how == "bare":
-        losses, params, tba_graphs = _train_in_place_compiled(lambda model: tba.offload_activations(spill_dir))
+    whole = how == "whole-model"  # model.compile(fullgraph=True): the global hooks' keys are traced there too
+    reference, final, graphs = _train_in_place_compiled(lambda model: contextlib.nullcontext(), whole=whole)
+    if how in ("bare", "whole-model"):
+        losses, params, tba_graphs = _train_in_place_compiled(lambda model: tba.offload_activations(spill_dir),
+                                                              whole=whole)
     else:
         made = {}
 
