@@ -26,7 +26,7 @@ import torch
 from tba._units import parse_size, readable_size
 from tba.cli import _checks as cli_checks
 from tba.defaults import ALIGN_BYTES, GIB, MIB
-from tba.io import Op, available_backends, filled_buffer, make_engine, open_scratch, timed_pass
+from tba.io import FULL_DISK_ERRNOS, Op, available_backends, filled_buffer, make_engine, open_scratch, timed_pass
 
 logger = logging.getLogger("tba")
 
@@ -170,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 fd = open_scratch(args.directory, args.size)
             except OSError as err:
-                logger.error("bench-io: cannot open an O_DIRECT file in %s: %s", args.directory, err)
+                logger.error("bench-io: cannot make a %s O_DIRECT scratch file in %s (opened, then reserved): %s%s",
+                             readable_size(args.size), args.directory, err,
+                             "; pass a smaller --size or another --directory" if err.errno in FULL_DISK_ERRNOS else "")
                 return 1
             try:
                 runs[name].append(bench_engine(name, fd, buffer, args))

@@ -317,3 +317,21 @@ def test_an_error_still_prints_its_traceback():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "RuntimeError: a failure to report" in done.stderr
+
+
+def test_bench_io_names_a_full_disk_when_it_cannot_reserve_its_file(tmp_path, caplog, monkeypatch):
+    """A scratch file whose reservation failed (the disk filled meanwhile) read "cannot open an O_DIRECT file in ...:
+    No space left on device", naming the open it did not fail at and no fix (helper-156)."""
+    import errno
+
+    def full(directory, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(bench_io, "open_scratch", full)
+    monkeypatch.setattr(bench_io.shutil, "which", lambda name: None)
+    args = _args(bench_io, ["--size", "8M", "--block-size", "1M", "--queue-depth", "4", "--directory", str(tmp_path)])
+    with caplog.at_level(logging.INFO, logger="tba"):
+        assert bench_io.run(args) == 1
+    error = next(record.getMessage() for record in caplog.records if record.levelno == logging.ERROR)
+    assert error == (f"bench-io: cannot make a 8.0 MiB O_DIRECT scratch file in {tmp_path} (opened, then reserved): "
+                     "[Errno 28] No space left on device; pass a smaller --size or another --directory")
