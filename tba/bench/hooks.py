@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -113,6 +114,31 @@ class HookResult:
                 "base_thread_cpu_us": self.base_thread_cpu_us, "sample_profile": self.sample_profile,
                 "mean_s": self.mean_s, "collector_s": self.collector_s, "full_collections": self.full_collections,
                 "python_work": self.python_work, "python_work_top": self.python_work_top}
+
+
+SETUP_NOTICES = frozenset({"memory-backed", "no repeated blocks"})
+"""tba's warnings (their records' ``tba_notice``) about what the benchmark chose on purpose: a directory in RAM for
+the rows without disk cost, and a loop of leaf tensors in no module, which no block holds."""
+
+
+def _drop_setup_notice(record: logging.LogRecord) -> bool:
+    return getattr(record, "tba_notice", None) not in SETUP_NOTICES
+
+
+@contextlib.contextmanager
+def setup_notices_dropped() -> Iterator[None]:
+    """Note: [A benchmark is not warned about its own set-up]
+    ``bench-hooks`` printed tba's warnings meant for a user's training among its progress lines: that its RAM rows'
+    directory is on tmpfs, which keeps files in RAM (the point of those rows), and that the adaptive policy found no
+    repeated blocks (its loop has none). While this context is open the ``tba`` logger drops those records
+    (:data:`SETUP_NOTICES`); the command says itself when a directory it was given for the disk rows is in RAM.
+    """
+    logger = logging.getLogger("tba")
+    logger.addFilter(_drop_setup_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_setup_notice)
 
 
 def _context(case: HookCase | None) -> contextlib.AbstractContextManager:

@@ -38,7 +38,7 @@ from tba._units import parse_size
 from tba.allocator import CHOICES as ALLOCATORS
 from tba.allocator import detect, run_script_under
 from tba.bench.collector import AloneRunError, measure_alone
-from tba.bench.hooks import HookCase, measure
+from tba.bench.hooks import HookCase, measure, setup_notices_dropped
 from tba.bench.hooks_many import measure_many
 from tba.bench.thread_cpu import CLOCK as THREAD_CLOCK
 from tba.cli import _checks as cli_checks
@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         cli_checks.usage_error("bench-hooks", str(err))
     malloc = detect()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(setup_notices_dropped())  # Note [A benchmark is not warned about its own set-up]
         def fresh(given: str | None, default: str) -> str:
             parent = given or (default if os.path.isdir(default) else tempfile.gettempdir())
             return stack.enter_context(tempfile.TemporaryDirectory(prefix="tba-bench-hooks-", dir=parent))

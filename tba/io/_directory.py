@@ -224,13 +224,14 @@ _warned_lock = ForkSafeLock()
 
 
 def _warn_once(kind: str, directory: str, message: str, *args: object) -> None:
-    """Log ``message`` at WARNING once per process, directory and ``kind`` (not once per context)."""
+    """Log ``message`` at WARNING once per process, directory and ``kind`` (not once per context); the record's
+    ``tba_notice`` attribute is ``kind``, which a handler or filter may select on."""
     key = (os.getpid(), directory, kind)
     with _warned_lock:
         if key in _warned:
             return
         _warned.add(key)
-    logger.warning(message, *args)
+    logger.warning(message, *args, extra={"tba_notice": kind})
 
 
 def warn_buffered_once(directory: str, reason: str) -> None:
@@ -241,6 +242,6 @@ def warn_if_memory_backed(directory: str) -> None:
     """Warn once when ``directory`` is on a file system held in RAM: offloading there saves nothing."""
     fs_type = memory_backed(directory)
     if fs_type is not None:
-        _warn_once("memory", directory, "tba: the offload directory %s is on %s, which keeps its files in RAM, so "
+        _warn_once("memory-backed", directory, "tba: the offload directory %s is on %s, which keeps its files in RAM, so "
                    "offloading saves no memory; pass directory= (or set TBA_DIR) to a directory on a disk", directory,
                    fs_type)

@@ -28,7 +28,7 @@ def say_no_repeated_blocks() -> None:
                    "compiled as a whole, or its blocks run under its own activation checkpointing, or frozen "
                    "so that only one saved tensors), so steps offload every saved tensor until a forward saves "
                    "tensors in repeated blocks; pass layers=[...] (the model's blocks) to have a placement "
-                   "planned per block")
+                   "planned per block", extra={"tba_notice": "no repeated blocks"})
 
 
 def say_layers_not_run(first: nn.Module | None, count: int, effect: str,

@@ -417,3 +417,19 @@ def test_quick_help_names_every_value_it_sets():
     for said in (f"--counts {counts}", "--sizes 64K", "--warmups 1", "--repeats 1",
                  f"--many-count {bench_hooks.QUICK['many_count']}"):
         assert said in quick, (said, quick)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (tmpfs) for the RAM rows")
+def test_the_benchmark_is_not_warned_about_its_own_set_up(caplog, capsys):
+    """Note [A benchmark is not warned about its own set-up] in tba/bench/hooks.py: its RAM rows printed tba's "the
+    offload directory ... is on tmpfs" and its loop of leaf tensors "found no repeated blocks", warnings meant for a
+    user's training; the filter is gone once the command ends."""
+    import logging
+
+    args = _args(["--quick", "--no-disk", "--no-keep", "--ram-dir", "/dev/shm"])
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        assert bench_hooks.run(args) == 0
+        notices = [record.getMessage() for record in caplog.records if getattr(record, "tba_notice", None)]
+        assert notices == []
+        logging.getLogger("tba").warning("after", extra={"tba_notice": "memory-backed"})
+    assert caplog.records[-1].getMessage() == "after"
