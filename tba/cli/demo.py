@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if any(group[1].plan for group in results):
         print("(plan: what tba chose for each layer after profiling, K keep, O offload, R recompute, S offloaded "
               "recompute; docs/policies.md)")
+    print(f"(written / read MiB: what tba moved over all {args.warmup + args.steps} steps, the warm-up and profiled "
+          "ones too; GB/s: the mean rate of its writes and reads)")
     if len(results) > 1:
         print("(glibc's malloc does not reuse freed activations' memory; run training under "
               "`python -m tba run script.py`, see docs/cpu-memory.md)")
