@@ -59,6 +59,7 @@ def named_errors(cls: type, index: int) -> contextlib.AbstractContextManager:
         except CheckpointError as error:
             raise TbaError(_message(cls, index, error)) from error
 
+    unpack_named.tba_layer = f"layer {index} ({cls.__name__})"  # Note [A layer that enters a tba block is not recomputed]
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack_named)
 
 

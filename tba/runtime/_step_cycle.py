@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -23,9 +23,10 @@ from tba import _control
 from tba._whole_exit import WholeExit, is_calling_thread, pop_own, still_runs
 from tba.defaults import DEFER_WAKE_BYTES, DEFER_WAKE_UNPACK_BYTES
 from tba.errors import TbaError
+from tba.runtime._block_entries import note_entered
 from tba.runtime._compile import warn_whole_model_compile
 from tba.runtime._layers import LayerTracker, StateKeys
-from tba.runtime._pairs import is_checkpoint_pair, is_mutation_pair
+from tba.runtime._pairs import context_below
 from tba.runtime._trim import trimmer
 from tba.runtime._unpack_hooks import Phase
 
@@ -36,36 +37,6 @@ if TYPE_CHECKING:
     from tba.runtime._store import StorageStore
 
 _Self = TypeVar("_Self", bound="StepCycle")
-
-
-def _context_below(top: tuple[Any, Any] | None) -> str | None:
-    """Why the block cannot be entered above the saved-tensor pair ``top`` (the one on top now), else None.
-
-    Note: [A block inside a user's non-reentrant checkpoint]
-    Autograd uses only the saved-tensor pair on top. Entered inside the function of
-    torch.utils.checkpoint(use_reentrant=False), the block's pair went above the checkpoint's:
-    every tensor the function saved went to tba, the checkpoint held none, and backward
-    recomputed nothing. Gradients were exact, but the recomputation's side effects were gone
-    (a BatchNorm's running statistics updated once, where training without tba updates them
-    twice) and a kept layer's activations stayed in memory, the checkpoint's saving silently lost.
-    Inside ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` the same happened to its pair,
-    which clones a saved tensor before an in-place change: the change, legal there, raised torch's
-    in-place error through tba's version check. Either is refused, naming the fix. A reentrant
-    checkpoint's forward saves nothing (it runs without grad) and its recomputation enters the
-    block in backward with no pair of the checkpoint's on top: it works as it is. A pair that only
-    stores tensors elsewhere (``save_on_cpu``) loses nothing but memory: tba stores them instead.
-    """
-    if top is None:
-        return None
-    if is_checkpoint_pair(top):
-        return ("tba's with block was entered inside the function of torch.utils.checkpoint(use_reentrant=False): "
-                "tba would take every tensor it saves and the checkpoint would recompute nothing; enter the offload "
-                "context around the checkpoint call instead (tba.Plan's 'recompute' placement recomputes layers under tba)")
-    if is_mutation_pair(top):
-        return ("tba's with block was entered inside torch.autograd.graph.allow_mutation_on_saved_tensors(): tba "
-                "would take every tensor saved, and an in-place change of one would raise instead of being allowed; "
-                "enter the offload context around allow_mutation_on_saved_tensors() instead")
-    return None
 
 
 class StepCycle:
@@ -113,7 +84,7 @@ class StepCycle:
             reason = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
             raise TbaError(f"tba cannot offload here: this region disables saved-tensor hooks ({reason!r}, "
                            "torch.autograd.graph.disable_saved_tensors_hooks); enter the offload context outside it")
-        refused = _context_below(torch._C._autograd._top_saved_tensors_default_hooks(True))
+        refused = context_below(torch._C._autograd._top_saved_tensors_default_hooks(True))
         if refused is not None:
             raise TbaError(refused)
         # The claim, opening and setup run on the control thread; only the saved-tensor hooks, which
@@ -139,6 +110,7 @@ class StepCycle:
             self._entering_thread = weakref.ref(threading.current_thread())
             self._ended_elsewhere.pop(self._entered[0], None)
             self._phase = Phase.ACTIVE
+            note_entered()  # Note [A layer that enters a tba block is not recomputed] in tba/runtime/_block_entries.py
             return self
         except BaseException:
             if entered:  # not a refused second entry's: the block already active keeps its record

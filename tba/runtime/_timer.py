@@ -43,6 +43,7 @@ from torch import nn
 
 from tba._control import waited_s
 from tba.runtime import _preempted
+from tba.runtime._block_entries import entered
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compiled_call import add_layer_hook
@@ -111,6 +112,9 @@ class LayerTimer(LayerSpans):
         self._private: list[Signature] = [[] for _ in range(count)]
         """Per layer: its modules' private state when its forward started (Note [Private state of a recomputed layer])."""
         self._started = [(0.0, 0.0, 0.0)] * count
+        self._entries = [0] * count
+        """Per layer: this thread's count of tba blocks entered when its forward started (Note [A layer that enters a
+        tba block is not recomputed] in ``tba/runtime/_block_entries.py``)."""
         self._ended = [(0.0, 0.0, 0.0)] * count
         self._grad_at_output: list[tuple[float, float, float] | None] = [None] * count
         self._grad_at_input: list[tuple[float, float, float] | None] = [None] * count
@@ -174,6 +178,7 @@ class LayerTimer(LayerSpans):
             self._outside.enter(index)
             if index == 0:
                 self._mark("forward_start")
+            self._entries[index] = entered()
             self._started[index] = self._stamp_now()
 
         return hook
@@ -187,7 +192,7 @@ class LayerTimer(LayerSpans):
             self.forward_s[index] = own_s(start, now)
             versions, self._input_versions[index] = self._input_versions[index], []
             private, self._private[index] = self._private[index], []
-            if self._outside.leave(index):
+            if self._outside.leave(index) or entered() != self._entries[index]:
                 self.changes_input[index] = True
             after = private_state(module) if private else private
             if any(tensor._version != version for tensor, version in versions) or (

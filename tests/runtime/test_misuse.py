@@ -80,7 +80,7 @@ def test_unpack_of_another_offloaders_view(spill_dir):
 
 @pytest.mark.parametrize("reusable", [False, True])
 def test_entry_inside_a_non_reentrant_checkpoint_raises(spill_dir, reusable):
-    """Note [A block inside a user's non-reentrant checkpoint] in tba/runtime/_step_cycle.py: the block took every
+    """Note [A block inside a user's non-reentrant checkpoint] in tba/runtime/_pairs.py: the block took every
     tensor the checkpointed function saved, the checkpoint recomputed nothing, and a BatchNorm's statistics were
     updated once where training without tba updates them twice; now a TbaError naming the fix. A reentrant
     checkpoint's recomputation enters the block in backward, exactly as without tba."""
@@ -111,7 +111,7 @@ def test_entry_inside_a_non_reentrant_checkpoint_raises(spill_dir, reusable):
 
 
 def test_entry_inside_allow_mutation_on_saved_tensors_raises(spill_dir):
-    """Note [A block inside a user's non-reentrant checkpoint] in tba/runtime/_step_cycle.py: above that context's pair,
+    """Note [A block inside a user's non-reentrant checkpoint] in tba/runtime/_pairs.py: above that context's pair,
     tba took the saved tensors, and an in-place change the context allows raised torch's in-place error; now a
     TbaError naming the fix. The context inside the block is exact (its pair on top keeps what is saved in it)."""
 
@@ -131,3 +131,63 @@ def test_entry_inside_allow_mutation_on_saved_tensors_raises(spill_dir):
                                        r"offload context around allow_mutation_on_saved_tensors\(\)"):
         grad("outside")
     assert torch.equal(grad("inside"), grad(None))
+
+
+class EntersABlock(nn.Module):
+    """A block whose forward runs its first half under a tba block of its own (in ``inner``), nested in the step's."""
+
+    def __init__(self, inner: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.first = nn.Linear(128, 128)
+        self.second = nn.Linear(128, 128)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with tba.offload_activations(self.inner, policy="offload", min_offload_bytes=0):
+            a = torch.tanh(self.first(h))
+        return h + torch.tanh(self.second(a))
+
+
+def _model(inner: str) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList([EntersABlock(inner), nn.Sequential(nn.Linear(128, 128), nn.Tanh())])
+
+
+def _steps(model: nn.ModuleList, block: contextlib.AbstractContextManager, count: int = 3) -> list[torch.Tensor]:
+    out = []
+    for step in range(count):
+        model.zero_grad()
+        with block:
+            x = torch.randn(64, 128, generator=torch.Generator().manual_seed(step))
+            loss = model[1](model[0](x)).pow(2).sum()
+        loss.backward()
+        out += [p.grad.clone() for p in model.parameters()]
+    return out
+
+
+def test_a_layer_that_enters_a_block_is_never_planned_for_recomputation(spill_dir, tmp_path):
+    """Note [A layer that enters a tba block is not recomputed] in tba/runtime/_block_entries.py: the adaptive default planned
+    to recompute such a layer, and its first planned step raised (a tba block entered inside a checkpoint's function).
+    The profiled steps mark it not recomputable; the steps after them are exact."""
+    from utils import RecomputeWherePossible
+
+    want = _steps(_model(str(tmp_path)), contextlib.nullcontext())
+    model, policy = _model(str(tmp_path)), RecomputeWherePossible()
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=policy, profile_steps=1, min_offload_bytes=0)
+    got = _steps(model, offloader)
+    offloader.close()
+    assert policy.recomputable == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_plan_that_recomputes_a_layer_entering_a_block_names_the_layer(spill_dir, tmp_path, decision):
+    """A pinned plan recomputing such a layer raises at the inner entry, naming the layer and the fix; the message
+    said the program had entered the block inside a checkpoint call of its own, which it never made."""
+    model = _model(str(tmp_path))
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=tba.Plan((decision, "keep"), 1 << 20))
+    with pytest.raises(TbaError, match=r"inside the forward of layer 0 \(EntersABlock\), which the plan recomputes.*"
+                                       "keep or offload that layer"):
+        _steps(model, offloader, count=1)
+    offloader.close()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
