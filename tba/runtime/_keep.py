@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
+from tba.errors import TbaError
 from tba.runtime._views import Kept
 
 QUANTIZED_DTYPES = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))
@@ -142,7 +143,10 @@ class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function be
     one (the depth it changes is the exiting thread's own; entries differ only under tracing, where none counts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *given: object) -> None:
+        if given:  # ``@tba.keep_in_memory`` without its parentheses passes the function here
+            raise TbaError("tba.keep_in_memory takes no arguments: write @tba.keep_in_memory() (with the parentheses) "
+                           "to decorate a function, or with tba.keep_in_memory(): around the region")
         self._entered: list[bool] = []
 
     def _recreate_cm(self) -> keep_in_memory:

@@ -42,3 +42,25 @@ def test_one_region_object_shared_by_two_threads_ends_on_each(spill_dir):
         loss = x.sin().sum()
     loss.backward()
     assert ctx.stats.kept_by_reason.get("inside tba.keep_in_memory()", 0) == 0
+
+
+def test_the_decorator_without_parentheses_names_the_fix():
+    """``@tba.keep_in_memory`` (no parentheses) raised ``TypeError: keep_in_memory.__init__() takes 1 positional argument
+    but 2 were given`` at the decorated function, naming neither tba's API nor the fix."""
+    import pytest
+
+    from tba import TbaError
+
+    with pytest.raises(TbaError, match=r"@tba\.keep_in_memory\(\)"):
+        @tba.keep_in_memory
+        def head(h: torch.Tensor) -> torch.Tensor:
+            return h.sin()
+    with pytest.raises(TbaError, match=r"takes no arguments.*with tba\.keep_in_memory\(\):"):
+        tba.keep_in_memory(True)
+    assert not in_keep_region()
+
+    @tba.keep_in_memory()
+    def inside() -> bool:
+        return in_keep_region()
+
+    assert inside() and not in_keep_region()
