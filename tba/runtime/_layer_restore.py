@@ -24,6 +24,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from tba.errors import TbaError
 from tba.runtime._layer_state import NOT_COPIED, ModuleState, TensorCopy
+from tba.runtime._state_objects import refill
 
 
 def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
@@ -50,13 +51,9 @@ def restore(current: list[ModuleState], target: list[ModuleState]) -> None:
             for name, (container, contents) in then.containers.items():
                 if getattr(module, name, None) is not container:
                     setattr(module, name, container)
-                container.clear()
-                if isinstance(container, dict):
-                    container.update((key, fresh.get(id(item), item)) for key, item in contents.items())
-                elif isinstance(container, set):
-                    container.update(fresh.get(id(item), item) for item in contents)
-                else:
-                    container.extend(fresh.get(id(item), item) for item in contents)
+                # Note [A container refilled in place] in tba/runtime/_state_objects.py
+                refill(container, [(key, fresh.get(id(item), item)) for key, item in contents.items()]
+                       if isinstance(container, dict) else [fresh.get(id(item), item) for item in contents])
             for (_, name, _), copied in then.items:
                 if id(copied.tensor) not in fresh:
                     _put_bytes(copied, f"tensor {name} of {type(module).__name__}")

@@ -9,8 +9,9 @@ recomputation that nothing it did not keep has moved), and :mod:`tba.runtime._ge
 generators it draws from.
 
 The state of a module, for this purpose, is its buffers, its public attributes that hold a tensor,
-a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set or deque of
-any kind (``defaultdict`` too; copied one level deep: the container, which objects it holds, and
+a numpy array, a plain value (number, string, bytes, tuple, None) or a list, dict, set, deque, bytearray or
+``array.array`` of any kind (``defaultdict`` and ``Counter`` too: Note [A container refilled in place] in
+``tba/runtime/_state_objects.py``; copied one level deep: the container, which objects it holds, and
 the bytes of the tensors and writeable numpy arrays among them, and among a tuple's items), and the
 generators it holds. A container nested in a
 container or a tuple, or a plain object's attributes, is not copied here: its items are put back by identity
@@ -56,6 +57,7 @@ would make their unpack raise the in-place error on a program torch runs.
 
 from __future__ import annotations
 
+import array
 import collections
 import copy
 import dataclasses
@@ -70,7 +72,7 @@ from tba import defaults
 from tba.runtime._learned import Key, Learned
 
 _PLAIN_TYPES = (int, float, bool, str, bytes, tuple, type(None))
-_CONTAINER_TYPES = (list, dict, set, collections.deque)
+_CONTAINER_TYPES = (list, dict, set, collections.deque, bytearray, array.array)  # Note [A container refilled in place]
 
 @dataclasses.dataclass
 class TensorCopy:

@@ -1,8 +1,8 @@
 """The objects nested in a recomputed layer's public attributes: a bounded walk, their signatures, and putting them back.
 
 Note: [The walk of nested state]
-:func:`walk` finds, below each public attribute, the containers (list, dict, set, deque; a tuple is
-walked through, it cannot change) and plain objects (``vars()``, or the slots of a ``__slots__``
+:func:`walk` finds, below each public attribute, the containers (list, dict, set, deque, bytearray,
+``array.array``; a tuple is walked through, it cannot change) and plain objects (``vars()``, or the slots of a ``__slots__``
 class) that tba does not copy: a plain object held directly, and everything below a public
 container or plain object, level by level (``self.config.history``, ``self.deep["a"]["b"]``). Each
 is recorded once, by identity (a cycle or an object reached twice, as a config every attention

@@ -3,6 +3,7 @@ items, read and written back (the walk and its signatures: ``tba/runtime/_nested
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import logging
@@ -14,7 +15,9 @@ import torch
 from torch import nn
 
 PLAIN = (int, float, complex, bool, str, bytes, type(None))
-CONTAINERS = (list, tuple, dict, set, collections.deque)
+CONTAINERS = (list, tuple, dict, set, collections.deque, bytearray, array.array)
+"""What the walk takes items of; a ``bytearray`` and an ``array.array`` hold plain values a forward may update in place
+(Note [A container refilled in place])."""
 
 
 @functools.cache
@@ -107,14 +110,8 @@ def items_of(value: Any) -> list:
 def set_items(value: Any, items: list) -> None:
     """Make ``value`` hold ``items`` (from :func:`items_of`), in place; a plain object's straight into its ``__dict__``
     and slots (no ``__setattr__``: frozen dataclasses too)."""
-    if isinstance(value, list):
-        value[:] = items
-    elif isinstance(value, (set, collections.deque)):
-        value.clear()
-        value.update(items) if isinstance(value, set) else value.extend(items)
-    elif isinstance(value, dict):
-        value.clear()
-        value.update(items)
+    if isinstance(value, CONTAINERS):
+        refill(value, items)
     else:
         declared = set(slots(type(value)))
         target = stored(value, "__dict__")
@@ -127,3 +124,28 @@ def set_items(value: Any, items: list) -> None:
                 object.__setattr__(value, name, held[name])
             elif stored(value, name) is not UNSET:
                 object.__delattr__(value, name)
+
+
+def refill(container: Any, items: Any) -> None:
+    """Make ``container`` (a list, dict, set, deque, bytearray or ``array.array``) hold ``items``, in place: (key, item)
+    pairs for a dict, else the items.
+
+    Note: [A container refilled in place]
+    A recomputation puts back what a forward's state held when the first call began, in the same objects (the program's
+    own, which it may hold elsewhere too). ``Counter.update`` adds counts, and counts each (key, count) pair as one
+    element: a count a forward kept in a ``collections.Counter`` came back as ``Counter({('calls', 1): 1})``, so the
+    recomputation read 0 calls and computed another forward (gradients differed silently), and the Counter the program
+    kept was left so. It is refilled as a dict. A ``bytearray`` or ``array.array`` that a forward updated in place (a
+    count, a flag) was not seen at all, neither copied nor walked, and was recomputed from its changed value; both are
+    containers now, refilled through a slice (an ``array.array`` has no ``clear`` and takes only an array there).
+    """
+    if isinstance(container, dict):
+        container.clear()
+        (dict.update if isinstance(container, collections.Counter) else type(container).update)(container, items)
+    elif isinstance(container, array.array):
+        container[:] = array.array(container.typecode, items)
+    elif isinstance(container, (list, bytearray)):
+        container[:] = items
+    else:
+        container.clear()
+        container.update(items) if isinstance(container, set) else container.extend(items)

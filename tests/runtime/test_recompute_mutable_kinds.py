@@ -1,0 +1,71 @@
+"""State of kinds beyond list, dict, set and deque that a recomputed layer's forward updates and reads: a
+``collections.Counter``, a ``bytearray`` and an ``array.array``, held in a public attribute or nested one level deeper
+(Note [Side effects of a recomputed forward] in tba/runtime/_layer_state.py, Note [The walk of nested state] in
+tba/runtime/_nested_state.py). Each must be recomputed from the state the first call started from, and end as after
+training without tba."""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+
+KINDS = {
+    "counter": lambda: collections.Counter(),
+    "bytearray": lambda: bytearray(1),
+    "array": lambda: array.array("q", [0]),
+}
+
+
+def _bump(held) -> int:
+    """Count one call in ``held`` and return the count."""
+    if isinstance(held, collections.Counter):
+        held["calls"] += 1
+        return held["calls"]
+    held[0] += 1
+    return held[0]
+
+
+class Counts(nn.Module):
+    """Counts its calls in ``held`` (a public attribute, or nested in a public dict) and scales by the count."""
+
+    def __init__(self, kind: str, nested: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.nested = nested
+        self.held = {"inner": KINDS[kind]()} if nested else KINDS[kind]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = _bump(self.held["inner"] if self.nested else self.held)
+        return x + torch.tanh(self.linear(x)) * count
+
+
+def _train(kind: str, nested: bool, spill_dir: str | None, decision: str | None) -> tuple[list[torch.Tensor], list]:
+    torch.manual_seed(0)
+    model = nn.ModuleList(Counts(kind, nested) for _ in range(2))
+    out = []
+    for step in range(3):
+        model.zero_grad()
+        block = (tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision, "keep"), 1 << 20),
+                                         min_offload_bytes=0) if decision else contextlib.nullcontext())
+        with block:
+            loss = model[1](model[0](torch.randn(8, 32, generator=torch.Generator().manual_seed(step)))).pow(2).sum()
+        loss.backward()
+        out += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+    return out, [layer.held for layer in model]
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["attribute", "nested"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_count_kept_in_a_counter_bytearray_or_array_is_recomputed_exactly(spill_dir, decision, kind, nested):
+    want, want_held = _train(kind, nested, None, None)
+    got, got_held = _train(kind, nested, spill_dir, decision)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), "recomputed from another count"
+    assert got_held == want_held, "the program's own object does not end as after training without tba"
