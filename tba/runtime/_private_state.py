@@ -5,13 +5,14 @@ tba copies and puts back a recomputed layer's buffers and public attributes (Not
 a recomputed forward] in ``tba/runtime/_layer_state.py``) but leaves private ones (``_name``) alone:
 frameworks keep their own bookkeeping there, and putting it back in the middle of backward could
 break them. A forward that changes private state it reads would recompute from the changed state,
-silently: a tensor updated in place (``self._ema.mul_(0.9)``), one rebound (``self._ema =
-self._ema * 0.9``), a counter (``self._n += 1``), or the same in a private dict, list or tuple (one
-level; Transformer Engine keeps FP8 state so), or a numpy array updated in place (``self._hist +=
-1``; it has no version counter, so its bytes stand for one). So :func:`private_state` takes a
-signature of that state (each value's identity, a tensor's version counter, a numpy array's bytes,
-a plain value itself) before the first call and :func:`first_change` compares it after: a recomputed layer then raises
-:class:`~tba.errors.TbaError` right after its forward, and the profiled steps mark such a layer not
+silently: a tensor updated in place (``self._ema.mul_(0.9)``), one rebound (``self._ema = self._ema * 0.9``), a
+counter (``self._n += 1``), or the same in a private dict, list or tuple (one level; Transformer Engine keeps FP8
+state so) or set, deque, ``bytearray`` or ``array.array`` (their contents were not compared, and a count kept in one
+recomputed silently, under the adaptive default too), or a numpy array updated in place (``self._hist += 1``; it has
+no version counter, so its bytes stand for one). So :func:`private_state` takes a signature of that state (each
+value's identity, a tensor's version counter, a numpy array's bytes, a plain value itself) before the first call and
+:func:`first_change` compares it after: a recomputed layer then raises :class:`~tba.errors.TbaError` right after its
+forward, and the profiled steps mark such a layer not
 recomputable, so the adaptive default never recomputes it (reviews found ``OOSS`` and ``OSSS``
 planned for such layers, silently wrong). torch's own attributes of every module are left out. A
 change of a private value two levels deep (a list in a private dict), or inside a plain object held
@@ -90,6 +91,7 @@ from tba.runtime._nested_state import (
     put_back_nested,
     walk,
 )
+from tba.runtime._state_objects import CONTAINERS
 
 __all__ = ["MODULE_INTERNALS", "DeepLabel", "Signature", "check_private_unchanged", "check_restorable", "check_watchable",
            "first_change", "modules_state", "private_state", "put_back_nested"]
@@ -145,7 +147,7 @@ def modules_state(modules: Iterable[nn.Module], nested: bool = True) -> Signatur
                     walk(found.deep, f"{prefix}.{name}", value, budget)
                 continue
             found.append(entry(f"{prefix}.{name}", value))
-            if isinstance(value, (dict, list, tuple)):
+            if isinstance(value, CONTAINERS):  # a set, deque, bytearray or array.array too: their contents were unseen
                 found += contents(value, f"{prefix}.{name}")
     return found
 

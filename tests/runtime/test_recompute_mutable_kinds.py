@@ -69,3 +69,59 @@ def test_a_count_kept_in_a_counter_bytearray_or_array_is_recomputed_exactly(spil
     got, got_held = _train(kind, nested, spill_dir, decision)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), "recomputed from another count"
     assert got_held == want_held, "the program's own object does not end as after training without tba"
+
+
+PRIVATE = {
+    "set": lambda: {0},
+    "deque": lambda: collections.deque([0]),
+    "bytearray": lambda: bytearray(1),
+    "array": lambda: array.array("q", [0]),
+}
+
+
+class CountsPrivately(nn.Module):
+    """Counts its calls in a private container, updated in place, and scales by the count."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self._held = PRIVATE[kind]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = self._held
+        if isinstance(held, set):
+            held.add(len(held))
+            count = len(held)
+        elif isinstance(held, collections.deque):
+            held.append(held[-1] + 1)
+            count = held[-1]
+        else:
+            held[0] += 1
+            count = held[0]
+        return x + torch.tanh(self.linear(x)) * count
+
+
+@pytest.mark.parametrize("kind", list(PRIVATE))
+@pytest.mark.parametrize("decision", ["recompute", "offloaded_recompute"])
+def test_a_private_set_deque_bytearray_or_array_changed_in_forward_raises(spill_dir, decision, kind):
+    """Note [Private state of a recomputed layer] in tba/runtime/_private_state.py: the contents of a private dict, list
+    or tuple were compared, not those of a private set, deque, bytearray or array.array, which were recomputed from
+    their changed contents, silently (under the adaptive default too)."""
+    model = nn.ModuleList([CountsPrivately(kind) for _ in range(2)])
+    with pytest.raises(tba.TbaError, match=r"changed private state of its modules \(CountsPrivately\._held\["):
+        with tba.offload_activations(spill_dir, layers=list(model), policy=tba.Plan((decision,) * 2, 1 << 20)):
+            model[1](model[0](torch.randn(8, 32)))
+
+
+@pytest.mark.parametrize("kind", list(PRIVATE))
+def test_the_adaptive_default_never_recomputes_such_a_layer(spill_dir, kind):
+    from utils import RecomputeWherePossible
+
+    model, policy = nn.ModuleList([CountsPrivately(kind) for _ in range(2)]), RecomputeWherePossible()
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=policy, profile_steps=1, min_offload_bytes=0)
+    for step in range(2):
+        with offloader:
+            loss = model[1](model[0](torch.randn(8, 32, generator=torch.Generator().manual_seed(step)))).sum()
+        loss.backward()
+    offloader.close()
+    assert policy.recomputable == [False, False]
