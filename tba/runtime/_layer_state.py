@@ -61,7 +61,7 @@ import array
 import collections
 import copy
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -185,6 +185,28 @@ def held_tensors(module: nn.Module) -> set[int]:
             if isinstance(value, (*_CONTAINER_TYPES, tuple)):
                 held.update(id(item) for item in held_items(value))
     return held
+
+
+def held_iterator(layer: nn.Module) -> str | None:
+    """The label of an iterator that a module of ``layer`` holds (in an attribute, public or private, or in a list, tuple
+    or dict one level down), else None.
+
+    Note: [An iterator a layer holds is not put back]
+    A forward that draws from an iterator it holds (``next(self.step)`` of an ``itertools.count``, a generator, an
+    ``iter()`` over a schedule) changes state that tba can neither copy nor compare: a generator cannot be copied, and an
+    iterator's position is not readable in general. Its recomputation drew the next value, another forward than the first
+    call's, and the adaptive default planned such layers for recomputation (``SSK``, ``RRK``: every planned step's
+    gradients wrong, silently). So the profiled steps mark a layer whose modules hold an iterator not recomputable
+    (``tba/runtime/_timer.py``), whether or not its forward draws from it; a plan that pins its recomputation
+    recomputes it from the iterator as it is then, as plain checkpoint does (docs/api.md says so).
+    """
+    for module in layer.modules():
+        for name, value in vars(module).items():
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+                    value, (list, tuple)) else ((None, value),):
+                if isinstance(item, Iterator):
+                    return f"{type(module).__name__}.{name}{'' if key is None else f'[{key!r}]'}"
+    return None
 
 
 def held_items(container: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import collections
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -125,3 +126,41 @@ def test_the_adaptive_default_never_recomputes_such_a_layer(spill_dir, kind):
         loss.backward()
     offloader.close()
     assert policy.recomputable == [False, False]
+
+
+ITERATORS = {
+    "count": lambda: itertools.count(1),
+    "generator": lambda: (step for step in itertools.count(1)),
+    "iter": lambda: iter(range(1, 1000)),
+    "in a list": lambda: [itertools.count(1)],
+}
+
+
+class Draws(nn.Module):
+    """Scales by the next value of an iterator it holds (a schedule)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.schedule = ITERATORS[kind]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = next(self.schedule[0] if isinstance(self.schedule, list) else self.schedule)
+        return x + torch.tanh(self.linear(x)) * step
+
+
+@pytest.mark.parametrize("kind", list(ITERATORS))
+def test_the_adaptive_default_never_recomputes_a_layer_holding_an_iterator(spill_dir, kind):
+    """Note [An iterator a layer holds is not put back] in tba/runtime/_layer_state.py: a recomputation drew the next
+    value, and the adaptive default planned such layers for recomputation (every planned step's gradients wrong)."""
+    from utils import RecomputeWherePossible
+
+    torch.manual_seed(0)
+    model, policy = nn.ModuleList([Draws(kind), nn.Sequential(nn.Linear(32, 32), nn.Tanh())]), RecomputeWherePossible()
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=policy, profile_steps=1, min_offload_bytes=0)
+    for step in range(2):
+        with offloader:
+            loss = model[1](model[0](torch.randn(8, 32, generator=torch.Generator().manual_seed(step)))).sum()
+        loss.backward()
+    offloader.close()
+    assert policy.recomputable == [False, True]
