@@ -196,16 +196,30 @@ def held_iterator(layer: nn.Module) -> str | None:
     ``iter()`` over a schedule) changes state that tba can neither copy nor compare: a generator cannot be copied, and an
     iterator's position is not readable in general. Its recomputation drew the next value, another forward than the first
     call's, and the adaptive default planned such layers for recomputation (``SSK``, ``RRK``: every planned step's
-    gradients wrong, silently). So the profiled steps mark a layer whose modules hold an iterator not recomputable
+    gradients wrong, silently); so it was with an iterator passed to the call. So the profiled steps mark a layer whose
+    modules hold an iterator, or that is passed one, not recomputable
     (``tba/runtime/_timer.py``), whether or not its forward draws from it; a plan that pins its recomputation
     recomputes it from the iterator as it is then, as plain checkpoint does (docs/api.md says so).
     """
     for module in layer.modules():
-        for name, value in vars(module).items():
-            for key, item in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
-                    value, (list, tuple)) else ((None, value),):
-                if isinstance(item, Iterator):
-                    return f"{type(module).__name__}.{name}{'' if key is None else f'[{key!r}]'}"
+        label = _iterator_in(vars(module).items())
+        if label is not None:
+            return f"{type(module).__name__}.{label}"
+    return None
+
+
+def passed_iterator(args: tuple, kwargs: dict) -> str | None:
+    """The label of an iterator passed to a layer's call (an argument, or in a list, tuple or dict one level down), else
+    None (Note [An iterator a layer holds is not put back]: one passed is drawn from again by the recomputation too)."""
+    return _iterator_in([*enumerate(args), *kwargs.items()])
+
+
+def _iterator_in(named: Iterable[tuple[Any, Any]]) -> str | None:
+    for name, value in named:
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+                value, (list, tuple)) else ((None, value),):
+            if isinstance(item, Iterator):
+                return f"{name}{'' if key is None else f'[{key!r}]'}"
     return None
 
 

@@ -48,7 +48,7 @@ from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compiled_call import add_layer_hook
 from tba.runtime._layer_hooks import measuring_hook
-from tba.runtime._layer_state import held_iterator
+from tba.runtime._layer_state import held_iterator, passed_iterator
 from tba.runtime._nested_state import unwatchable
 from tba.runtime._outside import OutsideCalls, hooks_run_again
 from tba.runtime._private_state import Signature, first_change, private_state
@@ -173,7 +173,7 @@ class LayerTimer(LayerSpans):
                 self.changes_input[index] = True
             # Note [Under forward-mode AD a recomputed layer runs as it is] in tba/runtime/_recompute.py, Note [An
             # iterator a layer holds is not put back] in tba/runtime/_layer_state.py
-            if in_dual_level() or held_iterator(module) is not None:
+            if in_dual_level() or held_iterator(module) is not None or passed_iterator(args, kwargs) is not None:
                 self.changes_input[index] = True
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if first is not None and first.requires_grad:

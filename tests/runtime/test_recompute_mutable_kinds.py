@@ -164,3 +164,30 @@ def test_the_adaptive_default_never_recomputes_a_layer_holding_an_iterator(spill
         loss.backward()
     offloader.close()
     assert policy.recomputable == [False, True]
+
+
+class DrawsFromItsArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, schedule) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x)) * next(schedule)
+
+
+@pytest.mark.parametrize("how", ["argument", "keyword"])
+def test_the_adaptive_default_never_recomputes_a_layer_passed_an_iterator(spill_dir, how):
+    from utils import RecomputeWherePossible
+
+    torch.manual_seed(0)
+    model, policy = nn.ModuleList([DrawsFromItsArgument(), DrawsFromItsArgument()]), RecomputeWherePossible()
+    offloader = tba.Offloader(spill_dir, layers=list(model), policy=policy, profile_steps=1, min_offload_bytes=0)
+    schedule = itertools.count(1)
+    for step in range(2):
+        with offloader:
+            h = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+            h = model[0](h, schedule) if how == "argument" else model[0](h, schedule=schedule)
+            loss = model[1](h, iter([2.0])).sum()
+        loss.backward()
+    offloader.close()
+    assert policy.recomputable == [False, False]
