@@ -70,6 +70,7 @@ from torch import nn
 
 from tba import defaults
 from tba.runtime._learned import Key, Learned
+from tba.runtime._state_objects import fields, plain_object
 
 _PLAIN_TYPES = (int, float, bool, str, bytes, tuple, type(None))
 _CONTAINER_TYPES = (list, dict, set, collections.deque, bytearray, array.array)  # Note [A container refilled in place]
@@ -196,8 +197,9 @@ def held_iterator(layer: nn.Module) -> str | None:
     ``iter()`` over a schedule) changes state that tba can neither copy nor compare: a generator cannot be copied, and an
     iterator's position is not readable in general. Its recomputation drew the next value, another forward than the first
     call's, and the adaptive default planned such layers for recomputation (``SSK``, ``RRK``: every planned step's
-    gradients wrong, silently); so it was with an iterator passed to the call. So the profiled steps mark a layer whose
-    modules hold an iterator, or that is passed one, not recomputable
+    gradients wrong, silently); so it was with an iterator passed to the call, or held by a config object. So the
+    profiled steps mark a layer whose modules hold an iterator (one level down, a plain object's fields too), or that is
+    passed one, not recomputable
     (``tba/runtime/_timer.py``), whether or not its forward draws from it; a plan that pins its recomputation
     recomputes it from the iterator as it is then, as plain checkpoint does (docs/api.md says so).
     """
@@ -215,7 +217,14 @@ def passed_iterator(args: tuple, kwargs: dict) -> str | None:
 
 
 def _iterator_in(named: Iterable[tuple[Any, Any]]) -> str | None:
+    """The label of an iterator among ``named``'s values, in a list, tuple or dict among them or among a plain object's
+    fields (a config object holding a schedule), one level down."""
     for name, value in named:
+        if plain_object(value):
+            inner = next((key for key, item in fields(value) if isinstance(item, Iterator)), None)
+            if inner is not None:
+                return f"{name}.{inner}"
+            continue
         for key, item in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
                 value, (list, tuple)) else ((None, value),):
             if isinstance(item, Iterator):

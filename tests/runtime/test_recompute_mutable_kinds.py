@@ -10,6 +10,7 @@ import array
 import collections
 import contextlib
 import itertools
+import types
 
 import pytest
 import torch
@@ -133,6 +134,7 @@ ITERATORS = {
     "generator": lambda: (step for step in itertools.count(1)),
     "iter": lambda: iter(range(1, 1000)),
     "in a list": lambda: [itertools.count(1)],
+    "in a config": lambda: types.SimpleNamespace(steps=itertools.count(1)),
 }
 
 
@@ -145,7 +147,8 @@ class Draws(nn.Module):
         self.schedule = ITERATORS[kind]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = next(self.schedule[0] if isinstance(self.schedule, list) else self.schedule)
+        held = self.schedule
+        step = next(held[0] if isinstance(held, list) else held.steps if isinstance(held, types.SimpleNamespace) else held)
         return x + torch.tanh(self.linear(x)) * step
 
 
