@@ -115,6 +115,19 @@ def reserve(fd: int, offset: int, length: int) -> None:
             raise OSError(err, os.strerror(err))
 
 
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged writer may still take on ``fd``'s file system (unbounded where it reports no sizes).
+
+    Note: [No reservation past the free space]
+    ext4's fallocate takes free blocks until none is left before it fails: a reservation step larger than the free
+    space held every free block until Note [A failed reservation keeps nothing]'s truncation, and meanwhile every
+    other writer of the disk (another rank's spill file, a checkpoint) failed with ENOSPC, at each step's first
+    reservation. So a step that cannot fit is not tried: the file grows with its writes, as after a refusal.
+    """
+    stat = os.fstatvfs(fd)
+    return stat.f_bavail * stat.f_frsize if stat.f_blocks else 1 << 62  # FUSE and others may report no sizes
+
+
 _open_spills = WeakRegistry()
 _open_spills_lock = threading.Lock()
 
@@ -210,6 +223,8 @@ class SpillFile:
         # updates the size under the inode lock, one write at a time. Space reserved by fallocate
         # (unwritten extents, no bytes written) turns every later write into a plain overwrite.
         try:
+            if nbytes - self.reserved_bytes > _free_bytes(self.fd):  # Note [No reservation past the free space]
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (less free than the reservation)")
             reserve(self.fd, self.reserved_bytes, nbytes - self.reserved_bytes)
         except OSError as err:
             # Note: [A failed reservation keeps nothing]

@@ -217,3 +217,29 @@ def test_checkpoint_and_scratch_files_write_no_zeros_where_the_file_system_has_n
     fd, _ = _spill.create_preallocated(str(tmp_path / "checkpoint.bin"), 1 << 20)
     os.close(fd)
     os.close(_bandwidth.open_scratch(str(tmp_path), 1 << 20, direct=False))
+
+
+def test_a_reservation_past_the_free_space_never_takes_the_disk_for_a_moment(small_ext4, monkeypatch):
+    """ext4's fallocate allocates block after block until the disk is full and only then fails: between that and the
+    truncation that gives them back, every other writer of the disk (another rank's spill file, a checkpoint, a
+    logger) found it full and failed with ENOSPC, once per step (a 256 MiB step tried on a disk with less free)."""
+    real = _spill.reserve
+    seen: list[int] = []
+
+    def watched(fd, offset, length):
+        try:
+            real(fd, offset, length)
+        finally:
+            seen.append(_free_bytes(small_ext4))  # what another writer finds while the call's blocks are held
+
+    monkeypatch.setattr(_spill, "reserve", watched)
+    before = _free_bytes(small_ext4)
+    spill = SpillFile(small_ext4)
+    try:
+        for _ in range(2):  # the idle file reserves again in the next step
+            spill.free(spill.allocate(1 << 20))
+            assert spill.release_space() or spill.reserved_bytes == 0
+        assert all(free >= before - (4 << 20) for free in seen), (before, seen)
+        assert spill.allocate(1 << 20) >= 0 and not spill._reserve  # the file grows with its writes
+    finally:
+        spill.close()
