@@ -119,7 +119,8 @@ def memory_file(directory: str, err: OSError) -> int:
     system out of inodes (or XFS or btrfs out of metadata space) the spill file itself cannot be made, and entering
     the offloader raised a TbaConfigError: training stopped on a full disk where it otherwise goes on. The file is
     made in memory then (``memfd_create``), with one warning: training goes on exact, and saves no memory, for as
-    long as this file lives (an offloader, or a shared runtime).
+    long as this file lives: a reusable offloader's, until it is closed; a one-shot context's, until it ends (Note [A
+    spill file in memory is not kept idle] in ``tba/runtime/_shared.py``).
     """
     fd = os.memfd_create("tba-spill", os.MFD_CLOEXEC)
     with _WARNED_FULL_LOCK:
@@ -127,7 +128,7 @@ def memory_file(directory: str, err: OSError) -> int:
         _WARNED_FULL.add(directory)
     (logger.warning if first else logger.debug)(
         "tba: cannot create the spill file in %s (%s): offloaded activations go to a file in memory instead, which "
-        "saves no memory, for as long as this offloader (or its shared runtime) lives; free space there or pass "
+        "saves no memory, until this context ends (a reusable Offloader: until it is closed); free space there or pass "
         "directory= (or set TBA_DIR) to another disk", directory, err.strerror)
     return fd
 

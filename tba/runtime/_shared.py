@@ -131,7 +131,12 @@ def checkin(runtime: Runtime) -> None:
         idle = _idle.setdefault(runtime.key, [])
         extra = None
         oldest = None
-        if len(idle) >= defaults.RUNTIME_IDLE_PER_KEY or runtime.spill.closed or runtime.generation != _generation:
+        # Note: [A spill file in memory is not kept idle]
+        # A spill file made in memory (Note [A disk too full for the spill file spills into memory] in
+        # tba/io/_directory.py) kept idle served every later step, after the disk had room again: offloading saved
+        # no memory for the rest of the training. It is closed instead; the next context tries the disk again.
+        if (len(idle) >= defaults.RUNTIME_IDLE_PER_KEY or runtime.spill.closed or runtime.spill.in_memory
+                or runtime.generation != _generation):
             extra = runtime
         else:
             if sum(len(runtimes) for runtimes in _idle.values()) >= defaults.RUNTIME_IDLE_MAX:

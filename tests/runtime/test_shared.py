@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -358,3 +359,30 @@ def test_a_fresh_directory_per_step_neither_piles_up_runtimes_nor_runs_out_of_de
     assert proc.returncode == 0, proc.stderr[-3000:]
     idle = int(proc.stdout.split()[1])
     assert idle <= tba.defaults.RUNTIME_IDLE_MAX
+
+
+def test_a_spill_file_made_in_memory_is_not_kept_for_the_next_step(spill_dir, monkeypatch):
+    """Note [A spill file in memory is not kept idle]: a disk with no room for the spill file (no inode left) at one
+    step put the shared runtime's file in memory, and every later step used that file after the disk had room again:
+    offloading saved no memory for the rest of the training."""
+    from tba.io import _directory, _spill
+
+    def full(directory, *, direct):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    x = torch.randn(64, 1024)
+    want, _ = step(x, spill_dir, "threads")
+    tba.shutdown()
+    monkeypatch.setattr(_directory, "open_anonymous", full)
+    monkeypatch.setattr(_spill, "open_anonymous", full)
+    grad, off = step(x, spill_dir, "threads")
+    settle()
+    assert torch.equal(grad, want) and off.stats.tensors_offloaded > 0
+    monkeypatch.undo()  # the disk has room again
+    for _ in range(2):
+        grad, off = step(x, spill_dir, "threads")
+        settle()
+        assert torch.equal(grad, want)
+        idle = _shared._idle.get(off._shared_key, [])
+        assert idle and not any(runtime.spill.in_memory for runtime in idle), "the next steps kept the file in memory"
+    tba.shutdown()
