@@ -92,7 +92,13 @@ def open_anonymous(directory: str, *, direct: bool) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         raise
-    os.unlink(path)
+    try:
+        os.unlink(path)
+    except BaseException:  # EBUSY (CIFS may refuse to remove an open file): neither the descriptor nor the name stays
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     return fd
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -146,3 +147,33 @@ def test_checkpoints_where_o_direct_is_refused_warn_once_naming_the_directory(ra
                      no_dist=True)
     warned = [r.getMessage() for r in caplog.records if "buffered I/O" in r.getMessage()]
     assert len(warned) == 1 and ramfs_dir in warned[0], warned
+
+
+def test_a_name_that_cannot_be_removed_leaves_no_descriptor_and_no_file(tmp_path, monkeypatch, open_fds):
+    """Where O_TMPFILE is refused (FUSE, CIFS, NFS) the spill file is named, then unlinked at once. An unlink that
+    failed (EBUSY: CIFS may refuse to remove an open file) left the open descriptor and the named file behind, at
+    each try (the O_DIRECT probe's and the spill file's)."""
+    from tba.io import _directory
+
+    real_open, real_unlink = os.open, os.unlink
+    refused: list[str] = []
+
+    def no_tmpfile(path, flags, *args, **kwargs):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def busy_once(path, *args, **kwargs):
+        if not refused and os.path.basename(path).startswith(".tba-"):
+            refused.append(path)
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    monkeypatch.setattr(os, "unlink", busy_once)
+    before = open_fds()
+    with pytest.raises(OSError) as info:
+        _directory.open_anonymous(str(tmp_path), direct=False)
+    assert refused and info.value.errno == errno.EBUSY
+    assert open_fds() == before, "the descriptor of the file that kept its name was left open"
+    assert os.listdir(tmp_path) == [], "the named file was left in the directory"
