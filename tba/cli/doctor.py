@@ -2,8 +2,8 @@
 
 Each check only reports; none of them makes the command fail. The checks are: the io_uring
 engine (extension built, kernel allows it, see :func:`tba.io._io_uring_probe.probe`), whether the offloader's
-exit is the native one that no signal handler can skip (``tba/_whole_exit.py``), ``O_DIRECT``
-in the offload directory (:func:`tba.io._directory.probe_direct_io`), whether CUDA is available, whether
+exit is the native one that no signal handler can skip (``tba/_whole_exit.py``), whether the offloader may write the
+offload directory and ``O_DIRECT`` there (:func:`tba.io._directory.probe_direct_io`), whether CUDA is available, whether
 kvikio and GPUDirect Storage are, which route CUDA storages take with ``backend="auto"`` (kvikio
 with GDS, else staged through pinned host blocks), the locked-memory limit that bounds registered
 (fixed) buffers, the malloc serving this process and the caching allocators ``python -m tba run``
@@ -102,6 +102,14 @@ def _missing_reason(directory: str, source: str) -> str:
     return f"{directory} (from {source}) does not exist; create it or {fix}"
 
 
+def _unwritable_reason(directory: str) -> str | None:
+    """Why the offloader refuses the existing ``directory`` as not writable (read-only mount, permissions), else None:
+    the O_DIRECT probe's failure there ("Read-only file system") read as "tba falls back to buffered I/O"."""
+    if not os.path.isdir(directory) or os.access(directory, os.W_OK | os.X_OK):
+        return None
+    return f"{directory} is not writable, so tba refuses it; pass another --directory (and tba's directory= or TBA_DIR)"
+
+
 def _filesystem_row(directory: str) -> str:
     """The file system of ``directory``, or of its nearest existing parent (named) when it does not exist yet."""
     wanted = read = os.path.abspath(directory)
@@ -150,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
     """Print the report. Always returns 0."""
     directory, source = resolve_directory(args.directory), directory_source(args.directory)
     backends = available_backends()
-    direct_reason = probe_direct_io(directory) if os.path.isdir(directory) else _missing_reason(directory, source)
+    unwritable = _unwritable_reason(directory)
+    direct_reason = (probe_direct_io(directory) if os.path.isdir(directory) and unwritable is None
+                     else unwritable or _missing_reason(directory, source))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     rows = [
         ("io_uring engine", _status(backends["io_uring"])),
@@ -173,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     size = max(QUICK_BLOCK_SIZE_BYTES, args.quick_size - args.quick_size % QUICK_BLOCK_SIZE_BYTES)
     if not args.no_bandwidth and not os.path.isdir(directory):
         rows.append(("bandwidth", f"not measured ({_missing_reason(directory, source)})"))
+    elif not args.no_bandwidth and unwritable is not None:
+        rows.append(("bandwidth", f"not measured ({unwritable})"))
     elif not args.no_bandwidth and size > shutil.disk_usage(directory).free:  # the probe failed with a bare ENOSPC
         rows.append(("bandwidth", f"not measured (--quick-size {readable_size(size)} is more than the "
                                   f"{readable_size(shutil.disk_usage(directory).free)} free in {directory}; "

@@ -335,3 +335,23 @@ def test_bench_io_names_a_full_disk_when_it_cannot_reserve_its_file(tmp_path, ca
     error = next(record.getMessage() for record in caplog.records if record.levelno == logging.ERROR)
     assert error == (f"bench-io: cannot make a 8.0 MiB O_DIRECT scratch file in {tmp_path} (opened, then reserved): "
                      "[Errno 28] No space left on device; pass a smaller --size or another --directory")
+
+
+def test_doctor_says_a_directory_tba_cannot_write_is_refused(tmp_path, capsys):
+    """A read-only directory was reported as lacking O_DIRECT ('opening a file with O_DIRECT ... failed: Read-only file
+    system'), which reads as "tba falls back to buffered I/O there", and its bandwidth as not measured for want of space;
+    offloading there is refused (TbaConfigError: not writable)."""
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=4m", "tmpfs", str(directory)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs: {done.stderr.decode().strip()}")
+    try:
+        assert doctor.run(_args(doctor, ["--directory", str(directory), "--quick-size", "1M"])) == 0
+    finally:
+        subprocess.run(["umount", str(directory)], check=False)
+    rows = capsys.readouterr().out.splitlines()
+    direct = next(line for line in rows if line.startswith("O_DIRECT in"))
+    bandwidth = next(line for line in rows if line.startswith("bandwidth"))
+    for row in (direct, bandwidth):
+        assert f"{directory} is not writable" in row and "--directory" in row, row
