@@ -10,6 +10,7 @@ the engine keeps its queue full; the scratch file has no name and disappears wit
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import time
 
@@ -19,7 +20,7 @@ from tba.defaults import MIB
 from tba.io._directory import open_anonymous
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import host_buffer
-from tba.io._spill import NO_RESERVATION_ERRNOS, reserve
+from tba.io._spill import NO_RESERVATION_ERRNOS, free_bytes, reserve
 
 PROBE_BUFFER_BLOCKS = 32
 """Blocks of :func:`directory_bandwidth`'s buffer (its requests cycle through them)."""
@@ -44,6 +45,8 @@ def open_scratch(directory: str, size: int, *, direct: bool = True) -> int:
     """A nameless file in ``directory`` (O_DIRECT by default) with ``size`` bytes preallocated, as fio does."""
     fd = open_anonymous(directory, direct=direct)
     try:
+        if size > free_bytes(fd):  # Note [No reservation past the free space] in tba/io/_spill.py
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({size} bytes wanted, less free in {directory})")
         reserve(fd, 0, size)  # Note [No reservation written as zeros] in tba/io/_spill.py
     except OSError as err:
         if err.errno not in NO_RESERVATION_ERRNOS:

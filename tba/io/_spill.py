@@ -115,7 +115,7 @@ def reserve(fd: int, offset: int, length: int) -> None:
             raise OSError(err, os.strerror(err))
 
 
-def _free_bytes(fd: int) -> int:
+def free_bytes(fd: int) -> int:
     """Bytes an unprivileged writer may still take on ``fd``'s file system (unbounded where it reports no sizes).
 
     Note: [No reservation past the free space]
@@ -223,7 +223,7 @@ class SpillFile:
         # updates the size under the inode lock, one write at a time. Space reserved by fallocate
         # (unwritten extents, no bytes written) turns every later write into a plain overwrite.
         try:
-            if nbytes - self.reserved_bytes > _free_bytes(self.fd):  # Note [No reservation past the free space]
+            if nbytes - self.reserved_bytes > free_bytes(self.fd):  # Note [No reservation past the free space]
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (less free than the reservation)")
             reserve(self.fd, self.reserved_bytes, nbytes - self.reserved_bytes)
         except OSError as err:
@@ -256,8 +256,8 @@ class SpillFile:
                 return False
             held_bytes = max(self.size_bytes, self.reserved_bytes)
             stat = os.fstatvfs(self.fd)
-        free_bytes = stat.f_bavail * stat.f_frsize
-        return free_bytes < max(2 * held_bytes, IDLE_SPACE_MIN_FREE_FRACTION * stat.f_blocks * stat.f_frsize)
+        free = stat.f_bavail * stat.f_frsize
+        return free < max(2 * held_bytes, IDLE_SPACE_MIN_FREE_FRACTION * stat.f_blocks * stat.f_frsize)
 
     def release_space(self, *, when_idle: bool = False) -> bool:
         """Give the file's disk space back when no extent is in use (an idle file); True if it did.

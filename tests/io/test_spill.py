@@ -243,3 +243,27 @@ def test_a_reservation_past_the_free_space_never_takes_the_disk_for_a_moment(sma
         assert spill.allocate(1 << 20) >= 0 and not spill._reserve  # the file grows with its writes
     finally:
         spill.close()
+
+
+def test_a_bandwidth_probe_larger_than_the_free_space_never_takes_the_disk_for_a_moment(small_ext4, monkeypatch):
+    """Note [No reservation past the free space], for the probe file of the DeepSpeed integration's shared-disk check
+    (64 MiB on DeepSpeed's swap disk, between two steps): on a nearly full disk its fallocate held every free block
+    until it failed, and a swap write of DeepSpeed's in that moment failed with ENOSPC."""
+    from tba.io import _bandwidth
+
+    real = _spill.reserve
+    seen: list[int] = []
+
+    def watched(fd, offset, length):
+        try:
+            real(fd, offset, length)
+        finally:
+            seen.append(_free_bytes(small_ext4))
+
+    monkeypatch.setattr(_bandwidth, "reserve", watched)
+    before = _free_bytes(small_ext4)
+    with pytest.raises(OSError) as info:
+        _bandwidth.open_scratch(small_ext4, 64 << 20)
+    assert info.value.errno == errno.ENOSPC
+    assert all(free >= before for free in seen), (before, seen)
+    assert _free_bytes(small_ext4) >= before and os.listdir(small_ext4) == ["lost+found"]
