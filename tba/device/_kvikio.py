@@ -84,20 +84,6 @@ def gds_unavailable_reason() -> str | None:
     return None
 
 
-FAILED_TRANSFER_BUFFERS: list[torch.Tensor] = []
-"""Buffers of kvikio transfers that failed, never freed (Note [A failed transfer's buffer is never freed])."""
-_failed_lock = threading.Lock()
-
-
-def keep_failed_buffers(buffers: list[torch.Tensor]) -> None:
-    """Keep ``buffers`` for the life of the process, with a warning naming how much that holds."""
-    with _failed_lock:
-        FAILED_TRANSFER_BUFFERS.extend(buffers)
-        held_bytes = sum(buffer.nbytes for buffer in FAILED_TRANSFER_BUFFERS)
-    logger.warning("tba: a kvikio transfer failed; its buffer stays allocated for good, since kvikio may still "
-                   "be moving its other pieces (%d bytes held so)", held_bytes)
-
-
 class KvikioRoute(Route):
     """CUDA storages straight to the file with ``kvikio.CuFile`` (GDS, or kvikio's compatibility mode).
 
@@ -130,6 +116,8 @@ class KvikioRoute(Route):
             settings["task_size"] = KVIKIO_TASK_BYTES
         if settings:
             kvikio.defaults.set(settings)
+        self._task_bytes = max(1, int(kvikio.defaults.get("task_size")))
+        """The pieces a transfer is cut into, each one kvikio task (Note [A transfer waits for every piece it started])."""
         self.ops = ops
         self._write_limit = KVIKIO_WRITE_BYTES_IN_FLIGHT
         self._writing_bytes = 0
@@ -179,12 +167,12 @@ class KvikioRoute(Route):
                     wrote(WRITE_NOT_NEEDED)  # Note [A write nobody needs is not started] in tba/device/_protocol.py
                     return
                 ready.synchronize()
-                future = self._file(fd).pwrite(held[0], nbytes, offset + phase_bytes)
+                futures = self._pieces(self._file(fd).pwrite, held[0], nbytes, offset + phase_bytes)
             except BaseException as error:
                 held.clear()
                 wrote(error)
                 return
-            self._done.put(functools.partial(self._finish_write, future, held, wrote))
+            self._done.put(functools.partial(self._finish_write, futures, held, wrote))
 
         self._writes.put(start)
 
@@ -206,15 +194,40 @@ class KvikioRoute(Route):
         def start() -> None:
             try:
                 dst = self.ops.empty_for_host(nbytes, device)
-                future = self._file(fd).pread(dst, nbytes, offset + phase_bytes)
+                futures = self._pieces(self._file(fd).pread, dst, nbytes, offset + phase_bytes)
             except BaseException as error:
                 on_done(error, None, None)
                 return
-            self._done.put(functools.partial(self._finish_read, future, [dst], on_done))
+            self._done.put(functools.partial(self._finish_read, futures, [dst], on_done))
 
         self._reads.put(start)
 
-    def _finish_write(self, future: Any, held: list[torch.Tensor], wrote: Callback) -> None:
+    def _pieces(self, transfer: Callable[..., Any], buffer: torch.Tensor, nbytes: int, file_offset: int) -> list[Any]:
+        """Start ``transfer`` (a ``CuFile``'s ``pwrite`` or ``pread``) of ``buffer``'s ``nbytes`` at ``file_offset``, one
+        kvikio future per task-size piece; what :func:`_failure` waits for.
+
+        Note: [A transfer waits for every piece it started]
+        kvikio cuts a transfer into task-size pieces on its threads, and its future's ``get()`` raises the first
+        piece's error while the other pieces may still be moving bytes, with no way to wait for them: a failed
+        transfer's buffer was therefore kept for the life of the process. On a full disk training goes on (its
+        tensors kept in memory), so every step's failed writes kept their activations' storages for good, with a
+        warning each (helper-161: 46 warnings and 12 MiB held after three steps where the ground rule allows one
+        warning). tba now cuts the transfer itself, each piece its own call whose ``task_size`` is the piece's size:
+        kvikio runs such a call as one task (its single-task guard, ``task_size >= size``), so that call's future
+        ends only when its bytes stopped moving. :func:`_failure` waits for every piece's future, and the buffer is
+        let go once none moves. A piece that cannot be started waits for those started before it.
+        """
+        futures: list[Any] = []
+        try:
+            for start in range(0, nbytes, self._task_bytes):
+                size = min(self._task_bytes, nbytes - start)
+                futures.append(transfer(buffer[start:start + size], size, file_offset + start, size))
+        except BaseException:
+            _wait_all(futures)
+            raise
+        return futures
+
+    def _finish_write(self, futures: list[Any], held: list[torch.Tensor], wrote: Callback) -> None:
         """Wait for kvikio's write, let go of its source (``held``), then report.
 
         Note: [A finished write lets go of its source]
@@ -225,39 +238,19 @@ class KvikioRoute(Route):
         thread keeps its job until it returns, so a source passed to either directly could still be
         held when ``flush()`` saw the write finished (found while looking into an H200 failure of
         ``test_no_leak_over_twenty_steps[kvikio]``, which this did not explain: docs/gpu.md).
-
-        Note: [A failed transfer's buffer is never freed]
-        kvikio splits a transfer into task-size pieces on its threads, and ``future.get()`` raises
-        the first piece's error while other pieces may still be moving bytes; kvikio offers no way
-        to wait for them. Freeing the buffer would let the allocator hand memory that kvikio still
-        writes (a read) or reads (a write) to the next tensor, and nothing tells when that is safe
-        (the simulated device flags a buffer freed even at :meth:`stop`). So a failed transfer's
-        buffer is kept for the life of the process (:data:`FAILED_TRANSFER_BUFFERS`), with a
-        warning: an I/O error already fails the step loudly, and a few leaked buffers are the price
-        of never corrupting memory.
         """
-        error = self._failure(future, held)
+        error = _failure(futures)
         held.clear()
         wrote(error)
 
-    def _finish_read(self, future: Any, held: list[torch.Tensor], on_done: ReadCallback) -> None:
+    def _finish_read(self, futures: list[Any], held: list[torch.Tensor], on_done: ReadCallback) -> None:
         """Wait for kvikio's read, then hand its buffer to ``on_done`` (or the error)."""
-        error = self._failure(future, held)
+        error = _failure(futures)
         if error is not None:
+            held.clear()
             on_done(error, None, None)
         else:
             on_done(None, held.pop(), None)
-
-    def _failure(self, future: Any, held: list[torch.Tensor]) -> OSError | None:
-        """None once kvikio's transfer succeeded; else its error (the buffer is then kept for good)."""
-        try:
-            future.get()
-        except BaseException as error:
-            keep_failed_buffers(held)  # Note [A failed transfer's buffer is never freed]
-            held.clear()
-            # kvikio raises RuntimeError for I/O failures; the store turns OSError into TbaReadError.
-            return error if isinstance(error, OSError) else OSError(errno.EIO, f"kvikio: {error}")
-        return None
 
     @staticmethod
     def _loop(jobs: queue.SimpleQueue) -> None:
@@ -292,3 +285,24 @@ class KvikioRoute(Route):
 
     def close(self) -> None:
         self.ops.close()
+
+
+def _wait_all(futures: list[Any]) -> BaseException | None:
+    """Wait for every one of kvikio's ``futures``; the first error any raised (Note [A transfer waits for every piece it
+    started])."""
+    first = None
+    for future in futures:
+        try:
+            future.get()
+        except BaseException as error:  # noqa: BLE001 - every piece is waited for before any error is reported
+            first = first or error
+    return first
+
+
+def _failure(futures: list[Any]) -> OSError | None:
+    """None once every piece of a transfer succeeded; else the first error, once no piece moves any more."""
+    error = _wait_all(futures)
+    if error is None:
+        return None
+    # kvikio raises RuntimeError for I/O failures; the store turns OSError into TbaReadError.
+    return error if isinstance(error, OSError) else OSError(errno.EIO, f"kvikio: {error}")

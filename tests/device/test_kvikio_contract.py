@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import operator
 
 import pytest
@@ -30,9 +31,15 @@ def test_installed_kvikio_has_every_attribute_tba_calls():
         except AttributeError:
             missing.append(dotted)
     assert not missing, f"kvikio {getattr(kvikio, '__version__', '?')} lacks {missing}"
+    for name in ("pwrite", "pread"):  # Note [A transfer waits for every piece it started] passes task_size
+        assert list(inspect.signature(getattr(kvikio.CuFile, name)).parameters)[1:5] == [
+            "buf", "size", "file_offset", "task_size"], name
 
 
 def test_the_fake_kvikio_has_the_same_attributes(sim):
     with fake_kvikio(sim) as fake:
         for dotted in KVIKIO_API:
             _resolve(fake.module, dotted)
+        for name in ("pwrite", "pread"):
+            assert list(inspect.signature(getattr(fake.module.CuFile, name)).parameters)[1:5] == [
+                "buf", "size", "file_offset", "task_size"], name

@@ -1,4 +1,4 @@
-"""The kvikio route's own threads survive failing callbacks, and a failed transfer's buffer is never freed.
+"""The kvikio route's own threads survive failing callbacks, and a failed transfer's buffer is let go once no piece moves.
 
 Built on the simulated device (``tba/device/sim``) with kvikio's file handle replaced by a stub, so
 each case controls exactly what kvikio reports. Found by a review of the route's in-flight bound.
@@ -41,8 +41,8 @@ def route(sim):
     with fake_kvikio(sim, gds=True):
         made = KvikioRoute(CudaOps(torch.device("cpu")))
         made.futures = []  # what the stub's transfers return, in order; _Finished() when empty
-        made._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset: _next(made),
-                                                      pread=lambda buf, size, offset: _next(made))
+        made._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset, task_size: _next(made),
+                                                      pread=lambda buf, size, offset, task_size: _next(made))
         yield made
         made.stop()
         made.close()
@@ -83,13 +83,26 @@ def test_a_failing_completion_callback_does_not_stop_later_writes(route, caplog)
     assert "kvikio transfer's job failed" in caplog.text
 
 
-@pytest.mark.parametrize("kind", ["write", "read"])
-def test_a_failed_transfers_buffer_is_never_freed(route, kind, monkeypatch, caplog):
-    """Note [A failed transfer's buffer is never freed]: kvikio may still be moving other pieces."""
-    from tba.device import _kvikio
+class _Held:
+    """A kvikio future whose piece moves until ``release`` is set."""
 
-    monkeypatch.setattr(_kvikio, "FAILED_TRANSFER_BUFFERS", [])
-    route.futures.append(_Finished(RuntimeError("one piece failed")))
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def get(self) -> int:
+        assert self.release.wait(5), "the held piece was never released"
+        return 0
+
+
+@pytest.mark.parametrize("kind", ["write", "read"])
+def test_a_failed_transfers_buffer_goes_once_no_piece_moves(route, kind):
+    """Note [A transfer waits for every piece it started]: a failed transfer's buffer was kept for the process's life
+    (kvikio's future raises at the first failed piece while others may still move), so on a full disk each step's failed
+    writes held their storages for good (helper-161). The route cuts the transfer into one-task calls and reports the
+    error, letting the buffer go, only once every piece ended."""
+    route._task_bytes = 40  # 100 bytes: three pieces
+    held = _Held()
+    route.futures += [_Finished(RuntimeError("one piece failed")), held, _Finished()]
     done, seen = threading.Event(), []
     if kind == "write":
         src = torch.zeros(100, dtype=torch.uint8)
@@ -98,9 +111,24 @@ def test_a_failed_transfers_buffer_is_never_freed(route, kind, monkeypatch, capl
         del src
     else:
         route.read(torch.device("cpu"), 100, 0, -1, 0, lambda error, data, event: (seen.append(error), done.set()))
-    assert done.wait(5) and isinstance(seen[0], OSError)
-    route.stop()
-    assert len(_kvikio.FAILED_TRANSFER_BUFFERS) == 1, "the failed transfer's buffer was let go"
-    assert "stays allocated for good" in caplog.text
+    assert not done.wait(0.2), "the failure was reported while a piece still moved"
     if kind == "write":
-        assert not watched.expired()
+        assert not watched.expired(), "the source was let go while a piece still moved"
+    held.release.set()
+    assert done.wait(5) and isinstance(seen[0], OSError) and "one piece failed" in str(seen[0])
+    route.stop()
+    assert route.futures == []
+    if kind == "write":
+        assert watched.expired(), "the failed write's source was kept"
+
+
+def test_each_piece_is_one_kvikio_task(route):
+    """A piece's ``task_size`` is its own size, which kvikio runs as one task: its future ends when its bytes do."""
+    calls = []
+    route._file = lambda fd: types.SimpleNamespace(
+        pwrite=lambda buf, size, offset, task_size: (calls.append((buf.numel(), size, offset, task_size)), _Finished())[1])
+    route._task_bytes = 40
+    done = threading.Event()
+    route.write(torch.zeros(100, dtype=torch.uint8), 0, -1, 1000, lambda error: done.set(), _NoWait())
+    assert done.wait(5)
+    assert calls == [(40, 40, 1000, 40), (40, 40, 1040, 40), (20, 20, 1080, 20)]

@@ -141,7 +141,7 @@ def test_a_kvikio_write_holds_its_source_no_longer_than_its_completion(sim):
     with fake_kvikio(sim, gds=True):
         route = KvikioRoute(CudaOps(torch.device("cpu")))
         gate = threading.Event()
-        route._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset: _Gated(gate))
+        route._file = lambda fd: types.SimpleNamespace(pwrite=lambda buf, size, offset, task_size: _Gated(gate))
         try:
             for _ in range(20):  # the write thread may still be inside its job when a completion is reported
                 gate.clear()

@@ -1,10 +1,11 @@
 """A fake ``kvikio`` package for the simulated device: ``CuFile`` futures with delays and no stream order.
 
 Like the real one, a ``pread``/``pwrite`` returns at once with a future; the transfer is cut into
-``task_size`` pieces run by ``num_threads`` threads (defaults 1 thread and 4 MiB, as kvikio's),
-touches device memory by address whenever its thread gets to it, and knows nothing of streams:
-ordering against device work is the caller's job. Each transfer is its own participant of the race
-checker, starting where the host is when it is submitted; ``get()`` merges it back into the host.
+``task_size`` pieces (the call's, else the setting's; one piece when it is at least the size) run by
+``num_threads`` threads (defaults 1 thread and 4 MiB, as kvikio's), touches device memory by address
+whenever its thread gets to it, and knows nothing of streams: ordering against device work is the
+caller's job. Each transfer is its own participant of the race checker, starting where the host is
+when it is submitted; ``get()`` merges it back into the host.
 A transfer whose buffer died before it ran is reported as a use after free.
 
 Only the attributes tba calls exist (:data:`tba.device.KVIKIO_API`); the contract test checks the
@@ -98,18 +99,21 @@ class FakeKvikio:
                     os.close(self._fd)
                     self._fd = -1
 
-            def pwrite(self, buf: torch.Tensor, size: int, file_offset: int = 0) -> FakeIOFuture:
-                return fake._submit(self._fd, buf, size, file_offset, write=True)
+            def pwrite(self, buf: torch.Tensor, size: int, file_offset: int = 0,
+                       task_size: int | None = None) -> FakeIOFuture:
+                return fake._submit(self._fd, buf, size, file_offset, task_size, write=True)
 
-            def pread(self, buf: torch.Tensor, size: int, file_offset: int = 0) -> FakeIOFuture:
-                return fake._submit(self._fd, buf, size, file_offset, write=False)
+            def pread(self, buf: torch.Tensor, size: int, file_offset: int = 0,
+                      task_size: int | None = None) -> FakeIOFuture:
+                return fake._submit(self._fd, buf, size, file_offset, task_size, write=False)
 
         module.CuFile = CuFile
         module.defaults = defaults
         module.cufile_driver = driver
         return module
 
-    def _submit(self, fd: int, buf: torch.Tensor, size: int, offset: int, write: bool) -> FakeIOFuture:
+    def _submit(self, fd: int, buf: torch.Tensor, size: int, offset: int, task_size: int | None,
+                write: bool) -> FakeIOFuture:
         self.sim.check_alive()  # Note [A broken context] in tba/device/sim/_faults.py
         who = self.sim.checker.spawn("kvikio")
         address = buf.data_ptr()
@@ -119,7 +123,9 @@ class FakeKvikio:
         if self.sim.allocator.block_at(storage.data_ptr()) is None:  # Note [A freed model tensor is the next kernel's]
             self.sim.allocator.watch(ref, storage.data_ptr(), storage.nbytes())
         del storage
-        task = int(self.settings["task_size"])
+        task = int(task_size or self.settings["task_size"])  # task_size >= size: one task, as kvikio's single-task guard
+        if task <= 0:
+            raise ValueError("`task_size` must be positive")
         pool = self._executor()
         futures = [pool.submit(self._task, fd, ref, address + start, min(task, size - start), offset + start, write)
                    for start in range(0, size, task)] or [pool.submit(lambda: None)]
