@@ -302,7 +302,14 @@ def _wait_all(futures: list[Any]) -> BaseException | None:
 def _failure(futures: list[Any]) -> OSError | None:
     """None once every piece of a transfer succeeded; else the first error, once no piece moves any more."""
     error = _wait_all(futures)
-    if error is None:
-        return None
-    # kvikio raises RuntimeError for I/O failures; the store turns OSError into TbaReadError.
-    return error if isinstance(error, OSError) else OSError(errno.EIO, f"kvikio: {error}")
+    if error is None or isinstance(error, OSError):
+        return error
+    # kvikio raises RuntimeError for I/O failures ("POSIX error on pwrite: No space left on device"); the store turns
+    # OSError into TbaReadError, and a write's errno into its warning's cause and fix (one warning per cause).
+    text = str(error)
+    number = next((number for number in _NAMED_ERRNOS if os.strerror(number) in text), errno.EIO)
+    return OSError(number, f"kvikio: {text}")
+
+
+_NAMED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+"""The errnos whose text a kvikio error message is read for: those a failed write's warning names a fix for."""

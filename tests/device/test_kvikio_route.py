@@ -132,3 +132,16 @@ def test_each_piece_is_one_kvikio_task(route):
     route.write(torch.zeros(100, dtype=torch.uint8), 0, -1, 1000, lambda error: done.set(), _NoWait())
     assert done.wait(5)
     assert calls == [(40, 40, 1000, 40), (40, 40, 1040, 40), (20, 20, 1080, 20)]
+
+
+@pytest.mark.parametrize(("message", "number"), [
+    ("POSIX error on pwrite: No space left on device", 28), ("POSIX error on pwrite: Disk quota exceeded", 122),
+    ("cuFile error: something else", 5)], ids=["ENOSPC", "EDQUOT", "other"])
+def test_kvikio_errors_keep_their_cause(route, message, number):
+    """kvikio raises RuntimeError for I/O failures, all reported as EIO: on a full disk the write warning said "Check the
+    disk (dmesg)", and a second warning came for the same disk's ENOSPC (one per cause, where the rule allows one)."""
+    route.futures.append(_Finished(RuntimeError(message)))
+    done, seen = threading.Event(), []
+    route.write(torch.zeros(100, dtype=torch.uint8), 0, -1, 0, lambda error: (seen.append(error), done.set()), _NoWait())
+    assert done.wait(5)
+    assert isinstance(seen[0], OSError) and seen[0].errno == number and message in str(seen[0])

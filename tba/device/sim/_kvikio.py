@@ -41,8 +41,15 @@ class FakeIOFuture:
         self._who = who
 
     def get(self) -> int:
-        for future in self._futures:
-            future.result()
+        """As kvikio's: the first failed piece's error, raised without waiting for the other pieces. A transfer of one
+        piece has then ended, and the host is ordered after it; one of several may still be moving bytes, and is not."""
+        try:
+            for future in self._futures:
+                future.result()
+        except BaseException:
+            if len(self._futures) == 1:
+                self._sim.checker.merge("host", self._sim.checker.retire(self._who))
+            raise
         self._sim.checker.merge("host", self._sim.checker.retire(self._who))
         return self._nbytes
 
@@ -142,12 +149,16 @@ class FakeKvikio:
             self.sim.fail(f"use after free: a kvikio {'pwrite' if write else 'pread'} ran after its buffer was freed")
             return
         view = memory_view(address, nbytes)
-        if write:
-            done = os.pwrite(fd, view, offset)
-        else:
-            done = os.preadv(fd, [view], offset)
-        if done != nbytes:
-            raise RuntimeError(f"kvikio: short {'write' if write else 'read'} ({done} of {nbytes} bytes)")
+        name = "pwrite" if write else "pread"
+        done = 0
+        while done < nbytes:  # as kvikio's POSIX path: a short transfer goes on; an error is a RuntimeError
+            try:
+                moved = os.pwrite(fd, view[done:], offset + done) if write else os.preadv(fd, [view[done:]], offset + done)
+            except OSError as error:
+                raise RuntimeError(f"POSIX error on {name}: {os.strerror(error.errno)}") from None
+            if moved == 0:
+                raise RuntimeError(f"POSIX error on {name}: EOF")
+            done += moved
         del alive
 
     def close(self) -> None:
