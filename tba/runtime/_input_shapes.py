@@ -11,9 +11,10 @@ and, when it differs, switches the rest of the step to that shape's plan, or to 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,10 +51,39 @@ def _entry(tensor: torch.Tensor) -> tuple:
     return (len(sizes), *(max(dims) for dims in zip(*sizes))), ("nested", tensor.dtype)
 
 
+CONTAINER_DEPTH = 4
+"""How deep :func:`signature` looks into the tuples, lists, dicts and dataclasses a layer is given."""
+
+
+def _tensors(value: Any, depth: int) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: itself, or those in the tuples, lists, dicts and dataclasses it holds (``depth`` deep)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth <= 0:
+        return
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item, depth - 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item, depth - 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name, None), depth - 1)
+
+
 def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape."""
+    """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape.
+
+    Note: [An input shape is read inside containers]
+    Only the top-level tensor arguments were read, so blocks chained by ``nn.Sequential`` with a
+    ``(hidden, mask)`` tuple, or given a list, a dict or a dataclass of tensors, had the shape ``()`` at
+    every batch size: the plan made for the profiled batch ran as its own at any larger one, keeping
+    everything it kept there, past a memory budget planned for the smaller batch. The tensors in such
+    containers (:data:`CONTAINER_DEPTH` deep) count too, in their order.
+    """
     values = [*args, *(kwargs[name] for name in sorted(kwargs))]
-    return tuple(_entry(v) for v in values if isinstance(v, torch.Tensor))
+    return tuple(_entry(tensor) for value in values for tensor in _tensors(value, CONTAINER_DEPTH))
 
 
 def covers(big: tuple, small: tuple) -> bool:

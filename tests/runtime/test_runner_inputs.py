@@ -97,3 +97,47 @@ def test_what_is_kept_per_input_shape_stays_bounded_over_many_shapes(spill_dir, 
     runner = off.policy_runner
     assert len(runner._samples.by_shape) <= 8, len(runner._samples.by_shape)
     assert len(runner._next_shape) <= 8 and len(runner._plans) <= 8, (len(runner._next_shape), len(runner._plans))
+
+
+
+class _ChainedBlock(nn.Module):
+    """A block that takes and returns its ``hidden`` and ``mask`` tensors in one container (a tuple, a list or
+    a dict), as blocks chained by ``nn.Sequential`` do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, state):
+        hidden, mask = (state["hidden"], state["mask"]) if isinstance(state, dict) else state
+        hidden = torch.relu(self.linear(hidden)) * mask
+        return {"hidden": hidden, "mask": mask} if isinstance(state, dict) else type(state)((hidden, mask))
+
+
+class _KeepEveryLayer(tba.Policy):
+    name = "keep-every-layer"
+
+    def plan(self, profile):
+        return tba.Plan(("keep",) * len(profile.layers), "1M")
+
+
+@pytest.mark.parametrize("wrap", ["tuple", "list", "dict"])
+def test_an_input_shape_given_in_a_container_is_told_from_another(spill_dir, wrap):
+    """The input shape was read from the first layer's top-level tensor arguments only: blocks chained with
+    ``(hidden, mask)`` tuples (or a list, or a dict of tensors) had the shape ``()`` at every batch size, so the
+    plan made at 8 rows ran at 64 rows as its own, keeping all that a memory budget was planned for at 8 rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_ChainedBlock() for _ in range(3)))
+    pack = {"tuple": tuple, "list": list, "dict": lambda state: dict(zip(("hidden", "mask"), state))}[wrap]
+    off = tba.Offloader(spill_dir, layers=list(model), policy=_KeepEveryLayer(), min_offload_bytes=0)
+    kept = []
+    for rows in [8] * 4 + [64]:
+        before = off.stats.bytes_kept_by_reason.get("layer kept by policy", 0)
+        with off:
+            out = model(pack((torch.randn(rows, 64, requires_grad=True), torch.ones(rows, 64))))
+            loss = (out["hidden"] if wrap == "dict" else out[0]).sum()
+        loss.backward()
+        kept.append(off.stats.bytes_kept_by_reason.get("layer kept by policy", 0) - before)
+    off.close()
+    assert kept[3] > 0, kept  # the plan for 8 rows keeps every layer
+    assert kept[4] == 0, f"a step of 64 rows kept {kept[4]} bytes under the plan made for 8 rows"
