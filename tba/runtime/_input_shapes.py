@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tba")
 
-__all__ = ["InputShapes", "covers"]
+__all__ = ["InputShapes", "covers", "tensors_in"]
 
 RECURRING_SIGHTINGS = 2
 """Sightings after which an input shape is profiled and planned on its own instead of following a covering plan."""
@@ -55,7 +55,7 @@ CONTAINER_DEPTH = 4
 """How deep :func:`signature` looks into the tuples, lists, dicts and dataclasses a layer is given."""
 
 
-def _tensors(value: Any, depth: int) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any, depth: int = CONTAINER_DEPTH) -> Iterator[torch.Tensor]:
     """The tensors in ``value``: itself, or those in the tuples, lists, dicts and dataclasses it holds (``depth`` deep)."""
     if isinstance(value, torch.Tensor):
         yield value
@@ -63,13 +63,13 @@ def _tensors(value: Any, depth: int) -> Iterator[torch.Tensor]:
         return
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item, depth - 1)
+            yield from tensors_in(item, depth - 1)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item, depth - 1)
+            yield from tensors_in(item, depth - 1)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
-            yield from _tensors(getattr(value, field.name, None), depth - 1)
+            yield from tensors_in(getattr(value, field.name, None), depth - 1)
 
 
 def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -83,7 +83,7 @@ def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
     containers (:data:`CONTAINER_DEPTH` deep) count too, in their order.
     """
     values = [*args, *(kwargs[name] for name in sorted(kwargs))]
-    return tuple(_entry(tensor) for value in values for tensor in _tensors(value, CONTAINER_DEPTH))
+    return tuple(_entry(tensor) for value in values for tensor in tensors_in(value))
 
 
 def covers(big: tuple, small: tuple) -> bool:

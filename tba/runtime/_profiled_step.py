@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tba.runtime._compiled_call import add_layer_hook
+from tba.runtime._input_shapes import tensors_in
 from tba.runtime._layer_hooks import LayerHook
 from tba.runtime._peak import StepPeak
 from tba.runtime._profiling import StepCounters
@@ -123,7 +124,7 @@ class ProfiledStep:
 
         def on_output(module: nn.Module, inputs: tuple, output: Any) -> None:
             self._drop_output_hook()
-            tensor = _needing_grad(output if isinstance(output, (tuple, list)) else (output,))
+            tensor = _needing_grad(output)
             if tensor is not None and self.pending is not None:
                 tensor.register_hook(self.peak.stop_after_backward)
 
@@ -258,5 +259,6 @@ def thread_cpu_s(thread: int | None) -> float | None:
 
 
 def _needing_grad(values: Any) -> torch.Tensor | None:
-    """The first tensor among ``values`` that requires grad, else None."""
-    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)
+    """The first tensor in ``values`` (in the tuples, lists, dicts and dataclasses it holds too: Note [An input
+    shape is read inside containers] in ``tba/runtime/_input_shapes.py``) that requires grad, else None."""
+    return next((v for v in tensors_in(values) if v.requires_grad), None)

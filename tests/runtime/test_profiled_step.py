@@ -58,3 +58,35 @@ def test_a_first_layer_without_grad_anywhere_still_stops_at_the_next_entry():
     layer(torch.randn(2, 8))
     assert not layer._forward_hooks and step.peak.peak_bytes is None
     step.end_forward(False, lambda: False, lambda: 0, 0, None)  # the step's exit: its timer's global hook comes off
+
+
+class _DictLayer(nn.Module):
+    """A first layer given its tensors in a dict, returning a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 1024)
+
+    def forward(self, state):
+        return {"hidden": self.linear(state["hidden"]), "mask": state["mask"]}
+
+
+@pytest.mark.parametrize("input_needs_grad", [True, False])
+@pytest.mark.parametrize("container", ["tuple", "dict"])
+def test_the_peak_is_read_when_backward_ends_for_tensors_in_a_container(container, input_needs_grad):
+    """Only the first layer's top-level arguments (and a tuple or list output) were searched for a tensor that
+    requires grad: a layer given ``(hidden, mask)`` or a dict, or returning a dict, had the peak read at the
+    next step's entry, after whatever ran between (Note [The peak stops where backward ends])."""
+    layer, head = _DictLayer(), nn.Linear(1024, 1)
+    x = torch.randn(1024, 256, requires_grad=input_needs_grad)
+    state = {"hidden": x, "mask": torch.ones(1024, 1)}
+    args = ((x, state["mask"]),) if container == "tuple" else (state,)
+    step = ProfiledStep()
+    _started(step)
+    step.note_shape(("shape",), layer, args, {})
+    loss = head(torch.relu(layer(state)["hidden"])).sum()
+    assert step.peak.peak_bytes is None
+    loss.backward()
+    assert step.peak.peak_bytes is not None
+    step.end_forward(False, lambda: False, lambda: 0, 0, None)
+    assert not layer._forward_hooks
