@@ -47,6 +47,7 @@ from tba.runtime._block_entries import entered
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compiled_call import add_layer_hook
+from tba.runtime._input_shapes import tensors_in
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._layer_state import held_iterator, passed_iterator
 from tba.runtime._nested_state import unwatchable
@@ -158,7 +159,8 @@ class LayerTimer(LayerSpans):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.check_inputs_after_forward()
             self.ran_with_grad = self.ran_with_grad or torch.is_grad_enabled()
-            self.input_bytes[index] = tensor_bytes(args)
+            # Inside containers too: Note [An input shape is read inside containers] in tba/runtime/_input_shapes.py.
+            self.input_bytes[index] = tensor_bytes(list(tensors_in(args)))
             # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
             # Not an inference tensor's, which has none (the fast weights of a functional_call under inference_mode:
             # Note [Under inference mode a recomputed layer runs as it is] in tba/runtime/_recompute.py).
@@ -175,7 +177,7 @@ class LayerTimer(LayerSpans):
             # iterator a layer holds is not put back] in tba/runtime/_layer_state.py
             if in_dual_level() or held_iterator(module) is not None or passed_iterator(args, kwargs) is not None:
                 self.changes_input[index] = True
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            first = next(tensors_in(args), None)
             if first is not None and first.requires_grad:
                 first.register_hook(self._stamp(self._grad_at_input, index))
             self._outside.enter(index)
@@ -207,9 +209,7 @@ class LayerTimer(LayerSpans):
             self._last_inputs = [(index, t, t._version) for tensor, _ in versions
                                  if id(tensor) not in parameters for t in (tensor, tensor._base) if t is not None]
             self.forward_cpu_s[index] = now[1] - start[1]
-            first = output if isinstance(output, torch.Tensor) else None
-            if isinstance(output, (tuple, list)):
-                first = next((o for o in output if isinstance(o, torch.Tensor)), None)
+            first = next(tensors_in(output), None)
             if first is not None and first.requires_grad:
                 stamp = self._stamp(self._grad_at_output, index)
                 first.register_hook(stamp)

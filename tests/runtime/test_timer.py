@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -103,3 +104,33 @@ def test_waited_s_counts_only_the_calling_thread():
     thread.join()
     # Most of the 50 ms (the timer was started after the first reading; clocks differ by microseconds).
     assert other[0] >= 0.04 and waited_s() == before
+
+
+class Chained(nn.Module):
+    """A block given its ``hidden`` and ``mask`` tensors in one container, returning the same kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, state):
+        hidden, mask = (state["hidden"], state["mask"]) if isinstance(state, dict) else state
+        hidden = torch.tanh(self.linear(hidden)) * mask
+        return {"hidden": hidden, "mask": mask} if isinstance(state, dict) else (hidden, mask)
+
+
+@pytest.mark.parametrize("container", ["tuple", "dict"])
+def test_input_bytes_and_backward_times_of_layers_given_their_tensors_in_a_container(container):
+    """Only a layer's top-level tensor arguments were counted as its input, and its first top-level tensor argument
+    (or tuple or list output) timed its backward: blocks chained with ``(hidden, mask)`` or a dict had input 0
+    bytes, so the planner took recomputing them for free of memory (a recomputed layer holds its input), past a
+    memory budget, and their backward times were unmeasured (Note [An input shape is read inside containers])."""
+    layers = nn.Sequential(Chained(), Chained())
+    timer = LayerTimer(list(layers))
+    timer.attach()
+    hidden, mask = torch.randn(32, 64, requires_grad=True), torch.ones(32, 64)
+    out = layers({"hidden": hidden, "mask": mask} if container == "dict" else (hidden, mask))
+    (out["hidden"] if container == "dict" else out[0]).sum().backward()
+    timer.detach()
+    assert timer.input_bytes == [2 * 32 * 64 * 4] * 2  # hidden and mask
+    assert all(b is not None for b in timer.backward_s())
