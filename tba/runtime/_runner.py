@@ -59,7 +59,7 @@ from tba.runtime._profiling import Samples, StepCounters
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._runner_policy import RunnerPolicy
 from tba.runtime._step_placement import StepPlacement, placement_of
-from tba.runtime._wrappable import can_recompute
+from tba.runtime._wrappable import plannable_for_recomputation
 
 logger = logging.getLogger("tba")
 
@@ -193,7 +193,7 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
         the expected one last, so that :attr:`profile` is its."""
         ready = [shape for shape in self._samples.by_shape
                  if shape not in self._plans and self._samples.plannable(shape, self.profile_steps)]
-        wrappable = [can_recompute(layer) for layer in self.layers] if ready else []
+        wrappable = plannable_for_recomputation(self.layers) if ready else []
         for shape in sorted(ready, key=lambda shape: shape == self._shape):
             self.profile = self._samples.profile(shape, len(self._layer_refs), self._prefetch_depth_layers,
                                                  self._max_window_bytes, wrappable)

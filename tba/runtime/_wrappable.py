@@ -4,7 +4,7 @@
 instance. That fails, or would be wrong, for a layer inside another recomputed one, a layer another
 tba context already wraps (nested, or in another thread: the wrapper is on the shared layer object),
 a ``torch.compile`` wrapper or a block compiled in place, and a layer whose ``forward`` someone else
-set on the instance. The adaptive planner asks :func:`can_recompute` first and never plans those.
+set on the instance. The adaptive planner asks :func:`plannable_for_recomputation` first and never plans those.
 """
 
 from __future__ import annotations
@@ -32,6 +32,23 @@ def can_recompute(layer: nn.Module) -> bool:
     inductor's RNG set to eager's). So such a block is kept or offloaded, never recomputed.
     """
     return not set_on_instance(layer) and not is_compiled_module(layer)
+
+
+def plannable_for_recomputation(layers: Sequence[nn.Module]) -> list[bool]:
+    """Per layer, whether a plan may recompute it: :func:`can_recompute` says so, and it is not a submodule of
+    another of ``layers``.
+
+    Note: [A layer inside another is not planned for recomputation]
+    ``layers=`` may nest (a block and one of its submodules, ``list(model.modules())``). Each layer was
+    profiled as recomputable, so the adaptive search, which recomputes a run of neighbouring layers, could
+    plan a block and its submodule both recomputed, and :func:`check_wrappable` refused that plan at the
+    step it was made for and at every later one, naming a placement the user never chose. The runner
+    profiles a layer inside another as not recomputable (the outer one's recomputation covers it), as it
+    does one that :func:`can_recompute` refuses.
+    """
+    ids = {id(layer) for layer in layers}
+    inner = {id(module) for layer in layers for module in layer.modules() if module is not layer and id(module) in ids}
+    return [can_recompute(layer) and id(layer) not in inner for layer in layers]
 
 
 def check_wrappable(layers: Sequence[nn.Module], indices: Sequence[int], thread: int | None = None) -> None:

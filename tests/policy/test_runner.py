@@ -513,3 +513,29 @@ def test_an_entry_that_fails_after_its_profiled_step_started_leaves_no_hook(mode
         assert offloader.policy_runner.plan is not None
     finally:
         offloader.close()
+
+
+class RecomputeWhatMayBe(tba.Policy):
+    """Recomputes every layer the profile marks recomputable, as the adaptive search may (its shapes recompute
+    a run of neighbouring layers)."""
+
+    def plan(self, profile):
+        return tba.Plan(tuple("recompute" if layer.recomputable else "offload" for layer in profile.layers), "1M")
+
+
+def test_a_layer_inside_another_given_layer_is_never_planned_for_recomputation(model, spill_dir):
+    """``layers=`` whose blocks nest (a block and one of its submodules, or ``list(model.modules())``) were each
+    profiled as recomputable, so the adaptive search could plan both recomputed (``RRRK`` over a block and its
+    first submodule), which the step it planned for refused: 'layers 0 (Block) and 1 (Linear) are both
+    recomputed, and layer 1 is inside layer 0', at every entry from then on. A layer inside another of the layers
+    is profiled as not recomputable; the outer one's recomputation covers it."""
+    reference = train(model, steps=5)
+    inner = next(module for module in model.blocks[0].modules() if isinstance(module, torch.nn.Linear))
+    layers = [model.blocks[0], inner, *model.blocks[1:]]
+    offloader = tba.Offloader(spill_dir, backend="threads", min_offload_bytes=0, layers=layers,
+                              policy=RecomputeWhatMayBe())
+    result = train(model, lambda: offloader, steps=5)
+    plan = offloader.plan
+    offloader.close()
+    assert_same(reference, result)
+    assert plan is not None and plan.code == "RORRR", plan
