@@ -11,18 +11,17 @@ and, when it differs, switches the rest of the step to that shape's plan, or to 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from tba import defaults
 from tba.policy import RECOMPUTED, Placement, Plan
 from tba.runtime._compiled_call import add_layer_hook
+from tba.runtime._input_signature import covers, signature, tensors_in
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._recompute import RecomputeLayers
 from tba.runtime._step_placement import StepPlacement, placement_of
@@ -35,63 +34,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tba")
 
-__all__ = ["InputShapes", "covers", "tensors_in"]
+__all__ = ["InputShapes", "covers", "signature", "tensors_in"]
 
 RECURRING_SIGHTINGS = 2
 """Sightings after which an input shape is profiled and planned on its own instead of following a covering plan."""
-
-
-def _entry(tensor: torch.Tensor) -> tuple:
-    """A tensor's shape and dtype. A nested tensor has no ``shape`` (an encoder's fast path in eval hands one to its
-    layers): its entry is its number of pieces and their largest size in each dimension, with a dtype entry that
-    tells it from a plain tensor's, so that :func:`covers` never compares the two."""
-    if not tensor.is_nested:
-        return tuple(tensor.shape), tensor.dtype
-    sizes = [tuple(piece.shape) for piece in tensor.unbind()]
-    return (len(sizes), *(max(dims) for dims in zip(*sizes))), ("nested", tensor.dtype)
-
-
-CONTAINER_DEPTH = 4
-"""How deep :func:`signature` looks into the tuples, lists, dicts and dataclasses a layer is given."""
-
-
-def tensors_in(value: Any, depth: int = CONTAINER_DEPTH) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``: itself, or those in the tuples, lists, dicts and dataclasses it holds (``depth`` deep)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth <= 0:
-        return
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from tensors_in(item, depth - 1)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item, depth - 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from tensors_in(getattr(value, field.name, None), depth - 1)
-
-
-def signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """The shapes and dtypes of the tensors among a layer's arguments, in order: the step's input shape.
-
-    Note: [An input shape is read inside containers]
-    Only the top-level tensor arguments were read, so blocks chained by ``nn.Sequential`` with a
-    ``(hidden, mask)`` tuple, or given a list, a dict or a dataclass of tensors, had the shape ``()`` at
-    every batch size: the plan made for the profiled batch ran as its own at any larger one, keeping
-    everything it kept there, past a memory budget planned for the smaller batch. The tensors in such
-    containers (:data:`CONTAINER_DEPTH` deep) count too, in their order.
-    """
-    values = [*args, *(kwargs[name] for name in sorted(kwargs))]
-    return tuple(_entry(tensor) for value in values for tensor in tensors_in(value))
-
-
-def covers(big: tuple, small: tuple) -> bool:
-    """Whether input shape ``big`` is at least ``small`` in every dimension of every tensor (the same
-    tensors, dtypes and ranks)."""
-    return len(big) == len(small) and all(
-        big_dtype == small_dtype and len(big_size) == len(small_size) and all(b >= s for b, s in zip(big_size, small_size))
-        for (big_size, big_dtype), (small_size, small_dtype) in zip(big, small))
 
 
 def _elements(shape: tuple) -> int:
@@ -163,18 +109,20 @@ class InputShapes:
         return min(covering, key=lambda item: _elements(item[0]))[::-1] if covering else (None, None)
 
     def _keep_caps(self, shape: tuple, planned: tuple | None) -> tuple[int, ...] | None:
-        """What each layer may keep in a step of ``shape`` that follows the plan of ``planned``: no limit under
-        the shape's own plan, else what the covering shape saved per layer when its plan was made.
+        """What each layer may keep in a step of ``shape`` that follows the plan of ``planned``: what ``planned``
+        saved per layer when its plan was made (no limit under a pinned plan, made from no profile).
 
         Note: [A covered step keeps no more than the plan was made for]
         A smaller input saves no more in most models, but not in all: a block that computes dense scores
         for short sequences only (attention implementations that switch on length) saved 44% more in a
         covered step, which kept it all under the covering plan, past what that plan (and a memory budget)
         was made for. Such a step's kept layers keep at most what the covering shape's profiled step
-        saved in them; the rest of their tensors are offloaded, which is exact under any plan.
+        saved in them; the rest of their tensors are offloaded, which is exact under any plan. A step of the
+        plan's own shape too: that shape is read at the first layer only, and a later one's inputs grow
+        under it (a decoder's target length under a fixed source length: 16 times what the plan kept).
         """
         if planned == shape:
-            return None
+            return self._saved_by_plan.get(shape)
         return self._saved_by_plan.get(planned, (0,) * len(self.layers))  # unknown: keep nothing
 
     def _note_seen(self, shape: tuple | None) -> None:

@@ -233,8 +233,8 @@ class KeepDecision:
         return None
 
     def _within_keep_cap(self, layer: int | None, key: int, nbytes: int) -> bool:
-        """Whether a kept layer may keep one more storage this step, when caps are set: a step following the plan of a larger
-        input shape keeps at most what that shape saved in each layer (Note [A covered step keeps no more
+        """Whether a kept layer may keep one more storage this step, when caps are set: a step following a plan keeps at
+        most what the plan's input shape saved in each layer when it was profiled (Note [A covered step keeps no more
         than the plan was made for] in ``tba/runtime/_input_shapes.py``); past it, the layer offloads."""
         caps = self._keep_caps
         if layer is None or not 0 <= layer < len(caps) or key in self._kept_storages:

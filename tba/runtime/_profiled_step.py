@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tba.runtime._compiled_call import add_layer_hook
-from tba.runtime._input_shapes import tensors_in
+from tba.runtime._input_signature import tensors_in
 from tba.runtime._layer_hooks import LayerHook
 from tba.runtime._peak import StepPeak
 from tba.runtime._profiling import StepCounters
@@ -260,5 +260,5 @@ def thread_cpu_s(thread: int | None) -> float | None:
 
 def _needing_grad(values: Any) -> torch.Tensor | None:
     """The first tensor in ``values`` (in the tuples, lists, dicts and dataclasses it holds too: Note [An input
-    shape is read inside containers] in ``tba/runtime/_input_shapes.py``) that requires grad, else None."""
+    shape is read inside containers] in ``tba/runtime/_input_signature.py``) that requires grad, else None."""
     return next((v for v in tensors_in(values) if v.requires_grad), None)

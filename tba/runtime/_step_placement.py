@@ -29,9 +29,9 @@ class StepPlacement:
     """Free the read buffers kept idle since the last backward before forward starts (Note [Idle read
     buffers and kept layers] in ``tba/policy/_memory.py``)."""
     keep_caps: tuple[int, ...] | None = None
-    """Per layer, the most bytes a kept layer keeps in the step; past it, the layer offloads (a step following
-    the plan of a larger input shape: Note [A covered step keeps no more than the plan was made for] in
-    ``tba/runtime/_input_shapes.py``); None: no limit."""
+    """Per layer, the most bytes a kept layer keeps in the step; past it, the layer offloads (what the layer saved
+    in the profiled step its plan was made from: Note [A covered step keeps no more than the plan was made for] in
+    ``tba/runtime/_input_shapes.py``); None: no limit (a pinned plan)."""
 
 
 def placement_of(plan: Plan, layers: list[nn.Module] | None = None,

@@ -47,7 +47,7 @@ from tba.runtime._block_entries import entered
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compiled_call import add_layer_hook
-from tba.runtime._input_shapes import tensors_in
+from tba.runtime._input_signature import tensors_in
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._layer_state import held_iterator, passed_iterator
 from tba.runtime._nested_state import unwatchable
@@ -159,7 +159,7 @@ class LayerTimer(LayerSpans):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.check_inputs_after_forward()
             self.ran_with_grad = self.ran_with_grad or torch.is_grad_enabled()
-            # Inside containers too: Note [An input shape is read inside containers] in tba/runtime/_input_shapes.py.
+            # Inside containers too: Note [An input shape is read inside containers] in tba/runtime/_input_signature.py.
             self.input_bytes[index] = tensor_bytes(list(tensors_in(args)))
             # Its parameters too: Note [A recomputed layer that changes its own parameters] in tba/runtime/_first_call.py.
             # Not an inference tensor's, which has none (the fast weights of a functional_call under inference_mode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -141,3 +142,48 @@ def test_an_input_shape_given_in_a_container_is_told_from_another(spill_dir, wra
     off.close()
     assert kept[3] > 0, kept  # the plan for 8 rows keeps every layer
     assert kept[4] == 0, f"a step of 64 rows kept {kept[4]} bytes under the plan made for 8 rows"
+
+
+class _EncoderDecoder(nn.Module):
+    """Two blocks over a source of fixed length, then two over a target whose length varies: the first layer's
+    input shape is the same at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2))
+        self.decoder = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2))
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:
+            source = block(source)
+        target = target + source.mean(0)
+        for block in self.decoder:
+            target = block(target)
+        return target
+
+
+def test_a_layer_that_saves_more_than_its_shapes_plan_was_made_for_keeps_no_more(spill_dir):
+    """The input shape is read at the first layer, so a later layer's inputs may grow under the same shape (a
+    decoder's target length under a fixed source length) or vary with the data (tokens routed to an expert): a
+    plan's kept layers then kept all they saved, 16 times what the plan (and a memory budget) was made for. They
+    keep at most what they saved in the profiled step the plan was made from; the rest is offloaded, exactly
+    (Note [A covered step keeps no more than the plan was made for] in tba/runtime/_input_shapes.py)."""
+    torch.manual_seed(0)
+    model = _EncoderDecoder()
+    off = tba.Offloader(spill_dir, layers=[*model.encoder, *model.decoder], policy=_KeepEveryLayer(),
+                        min_offload_bytes=0)
+    kept, grads = [], []
+    for rows in [16] * 4 + [256]:
+        source, target = torch.randn(32, 64), torch.randn(rows, 64)
+        before = off.stats.bytes_kept_by_reason.get("layer kept by policy", 0)
+        for context in (off, None):
+            model.zero_grad(set_to_none=True)
+            with off if context else contextlib.nullcontext():
+                loss = model(source, target).logsumexp(-1).mean()
+            loss.backward()
+            grads.append([p.grad for p in model.parameters()])
+        kept.append(off.stats.bytes_kept_by_reason.get("layer kept by policy", 0) - before)
+    off.close()
+    assert all(torch.equal(a, b) for with_tba, without in zip(grads[::2], grads[1::2]) for a, b in zip(with_tba, without))
+    assert kept[3] > 0, kept  # the plan keeps every layer
+    assert kept[4] <= kept[3], f"a step of 256 target rows kept {kept[4]} bytes, its plan was made keeping {kept[3]}"
