@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from tba import defaults
-from tba.policy import RECOMPUTED, Placement, Plan
+from tba.policy import RECOMPUTED, LayerProfile, Placement, Plan
 from tba.runtime._compiled_call import add_layer_hook
 from tba.runtime._input_signature import covers, signature, tensors_in
 from tba.runtime._layer_hooks import measuring_hook
@@ -66,12 +66,16 @@ class InputShapes:
         per input shape is bounded])."""
         self._saved_by_plan: dict[tuple | None, tuple[int, ...]] = {}
         """Per planned input shape, the bytes each layer saved in the profiled step its plan was made from."""
+        self._inputs_by_plan: dict[tuple | None, tuple[int, ...]] = {}
+        """Per planned input shape, each layer's input bytes in that step."""
         self._step_plan: Plan | None = None
         self._shape_hook: Any = None
         self._reapply: Callable[[StepPlacement], None] | None = None
 
     def _forget_shapes(self) -> None:
         self._shape = self._seen = None
+        self._saved_by_plan.clear()
+        self._inputs_by_plan.clear()
         self._next_shape.clear()
         self._sightings.clear()
 
@@ -120,10 +124,20 @@ class InputShapes:
         saved in them; the rest of their tensors are offloaded, which is exact under any plan. A step of the
         plan's own shape too: that shape is read at the first layer only, and a later one's inputs grow
         under it (a decoder's target length under a fixed source length: 16 times what the plan kept).
+        It keeps its input's bytes beyond: a layer's input saved by the layer before it (a block ending in
+        tanh) counted in that layer's bytes when profiled, but a recomputed layer's saves never reach tba,
+        so the kept layer after it saves it first, and it wrote what its plan keeps at every step.
         """
+        if planned == shape and shape in self._saved_by_plan:
+            return tuple(map(sum, zip(self._saved_by_plan[shape], self._inputs_by_plan[shape])))
         if planned == shape:
-            return self._saved_by_plan.get(shape)
+            return None  # a pinned plan
         return self._saved_by_plan.get(planned, (0,) * len(self.layers))  # unknown: keep nothing
+
+    def _remember_bytes(self, shape: tuple | None, layers: Sequence[LayerProfile]) -> None:
+        """What each layer saved, and its input, in the profiled step the plan of ``shape`` is made from."""
+        self._saved_by_plan[shape] = tuple(layer.saved_bytes for layer in layers)
+        self._inputs_by_plan[shape] = tuple(layer.input_bytes for layer in layers)
 
     def _note_seen(self, shape: tuple | None) -> None:
         """Count a sighting of ``shape``; forget the least recently seen shapes past :data:`~tba.defaults.INPUT_SHAPES_KEPT`.
@@ -141,6 +155,7 @@ class InputShapes:
             del self._sightings[old]
             self._plans.pop(old, None)
             self._saved_by_plan.pop(old, None)
+            self._inputs_by_plan.pop(old, None)
             self._samples.by_shape.pop(old, None)
             self._next_shape.pop(old, None)
 

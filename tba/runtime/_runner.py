@@ -116,7 +116,6 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
         self._learner = None
         self._step.set_layers(layers)
         self._plans.clear()
-        self._saved_by_plan.clear()
         self._samples.clear()
         self._forget_shapes()
 
@@ -203,7 +202,7 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
                 # Refused (a budget it cannot meet): forget its samples, or every later entry is refused, whatever its shape.
                 del self._samples.by_shape[shape]
                 raise
-            self._saved_by_plan[shape] = tuple(layer.saved_bytes for layer in self.profile.layers)
+            self._remember_bytes(shape, self.profile.layers)
             logger.info("tba: %s", self._plans[shape])
 
     def _placement(self, counters: Callable[[], StepCounters], thread: int | None,

@@ -187,3 +187,32 @@ def test_a_layer_that_saves_more_than_its_shapes_plan_was_made_for_keeps_no_more
     assert all(torch.equal(a, b) for with_tba, without in zip(grads[::2], grads[1::2]) for a, b in zip(with_tba, without))
     assert kept[3] > 0, kept  # the plan keeps every layer
     assert kept[4] <= kept[3], f"a step of 256 target rows kept {kept[4]} bytes, its plan was made keeping {kept[3]}"
+
+
+class _RecomputeThenKeep(tba.Policy):
+    name = "recompute-then-keep"
+
+    def plan(self, profile):
+        half = len(profile.layers) // 2
+        return tba.Plan(("recompute",) * half + ("keep",) * (len(profile.layers) - half), "1M")
+
+
+def test_a_kept_layer_after_a_recomputed_one_keeps_its_input(spill_dir):
+    """A block ending in tanh saves its output, which the next block's linear saves again: profiled (offloading
+    every layer), that storage counted in the first block's bytes, but under ``RRKK`` the recomputed block's saves
+    never reach tba, and the kept one saves it first. Held to what it saved when profiled, the kept layer wrote its
+    input to disk at every step, which its plan keeps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(4)))
+    off = tba.Offloader(spill_dir, layers=list(model), policy=_RecomputeThenKeep(), min_offload_bytes=0)
+    written = []
+    for _ in range(5):
+        before = off.stats.bytes_written
+        with off:
+            loss = model(torch.randn(64, 128)).sum()
+        loss.backward()
+        written.append(off.stats.bytes_written - before)
+    plan = off.plan
+    off.close()
+    assert plan is not None and plan.code == "RRKK", plan
+    assert written[3:] == [0, 0], written
