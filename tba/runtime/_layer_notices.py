@@ -12,7 +12,10 @@ from tba._weak import WeakRegistry
 
 logger = logging.getLogger("tba")
 
-__all__ = ["say_layers_not_run", "say_no_repeated_blocks"]
+__all__ = ["forget_layers", "say_layers_not_run", "say_no_repeated_blocks"]
+
+FORGOTTEN_BEFORE_WARNING = 3
+"""Times a runner forgets the layers it learned before it says that it cannot plan (Note [One offloader, two models])."""
 
 _SAID_NOT_RUN = WeakRegistry()
 """First layers of ``layers=`` lists whose forward-less steps were reported (Note [Layers the forward never runs])."""
@@ -52,3 +55,22 @@ def say_layers_not_run(first: nn.Module | None, count: int, effect: str,
     logger.warning("tba: this forward saved tensors but ran none of the %d layers given as layers= (the first "
                    "is a %s): %s; pass the blocks of the model this context runs (layers=model finds them), "
                    "not those of another model or of a copy", count, type(first).__name__, effect)
+
+
+def forget_layers(times: int) -> int:
+    """A learning runner forgets its layers, for the ``times + 1``-th time: said at INFO, and once, at the
+    :data:`FORGOTTEN_BEFORE_WARNING`-th, as a warning. Returns ``times + 1``.
+
+    Note: [One offloader, two models]
+    A runner that learned one model's layers forgets them at a step that runs none of them and learns those
+    of the model that step runs. Entered for two models in turn (a generator and a discriminator), an adaptive
+    Offloader forgot and learned at every step, so it never profiled nor planned and offloaded every layer
+    of both for good, said only at INFO. One step of another model costs two (the model's layers are
+    learned again after it), so the third time is said as a warning.
+    """
+    logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
+    if times + 1 == FORGOTTEN_BEFORE_WARNING:
+        logger.warning("tba: this adaptive context has run forwards of different models in turn (each step ran "
+                       "none of the layers the one before it found), so it finds layers at every step and never "
+                       "profiles nor plans: every saved tensor is offloaded; use one tba.Offloader per model")
+    return times + 1

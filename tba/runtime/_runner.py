@@ -52,7 +52,7 @@ from tba.defaults import POLICY_MAX_WINDOW_BYTES, PREFETCH_DEPTH_LAYERS, PROFILE
 from tba.errors import TbaConfigError, TbaError
 from tba.policy import Plan, Policy, Profile
 from tba.runtime._input_shapes import InputShapes
-from tba.runtime._layer_notices import say_layers_not_run, say_no_repeated_blocks
+from tba.runtime._layer_notices import forget_layers, say_layers_not_run, say_no_repeated_blocks
 from tba.runtime._one_step import OneStepAtATime
 from tba.runtime._profiled_step import ProfiledStep, stream_sync
 from tba.runtime._profiling import Samples, StepCounters
@@ -96,7 +96,7 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
         self.profile_steps = profile_steps
         self.learns = self.policy is not None and not layers
         """Whether the layers come from the offloader's discovery (adaptive without ``layers=``)."""
-        self._said_none_found = False
+        self._said_none_found, self._forgotten = False, 0
         self.profile: Profile | None = None
         """The profile of the last plan made."""
         self._plans: dict[tuple | None, Plan] = {}
@@ -282,7 +282,7 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
             self._said_none_found = True
             say_no_repeated_blocks()
         elif self._layer_refs and not ran_a_layer:
-            logger.info("tba: the forward ran none of the layers planned for; finding the layers again")
+            self._forgotten = forget_layers(self._forgotten)
             self._step.pending = None
             self._set_layers([])
 

@@ -216,3 +216,35 @@ def test_a_kept_layer_after_a_recomputed_one_keeps_its_input(spill_dir):
     off.close()
     assert plan is not None and plan.code == "RRKK", plan
     assert written[3:] == [0, 0], written
+
+
+def test_an_offloader_alternating_between_two_models_says_it_never_plans(spill_dir, caplog):
+    """An adaptive Offloader that learned one model's layers forgets them at a step that runs none of them (a
+    step of another model) and finds that model's layers instead: entered for a generator and a discriminator in
+    turn, it never profiled nor planned, offloading every layer of both at every step, and only logged at INFO."""
+    torch.manual_seed(0)
+    first, second = make_model(), make_model()
+    caplog.set_level(logging.WARNING, logger="tba")
+    off = tba.Offloader(spill_dir, min_offload_bytes=0)
+    for step in range(8):
+        with off:
+            loss = (first if step % 2 == 0 else second)(torch.randn(64, 256)).logsumexp(-1).mean()
+        loss.backward()
+    plan = off.plan
+    off.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "tba" and "Offloader per model" in r.getMessage()]
+    assert plan is None
+    assert len(said) == 1, said
+
+
+def test_an_offloader_around_another_model_once_says_nothing(spill_dir, caplog):
+    torch.manual_seed(0)
+    model, other = make_model(), make_model()
+    caplog.set_level(logging.WARNING, logger="tba")
+    off = tba.Offloader(spill_dir, min_offload_bytes=0)
+    for step in range(8):
+        with off:
+            loss = (other if step == 4 else model)(torch.randn(64, 256)).logsumexp(-1).mean()
+        loss.backward()
+    off.close()
+    assert not [r.getMessage() for r in caplog.records if r.name == "tba" and "Offloader per model" in r.getMessage()]
