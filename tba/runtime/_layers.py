@@ -12,7 +12,8 @@ pre-hooks, removed when the offload context exits.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import nn
@@ -96,6 +97,10 @@ def resolve_layers(layers: nn.Module | Sequence[nn.Module] | None) -> list[nn.Mo
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         raise TbaConfigError(f"layers must be a module or a list of modules, got {type(layers).__name__} {_short(layers)}; "
                              "pass layers=model, layers=list_of_blocks, or leave it out to find them during forward")
+    if isinstance(layers, (AbstractSet, Mapping)):  # a plan's decisions and the prefetch go by forward order
+        kind = "set" if isinstance(layers, AbstractSet) else "dict"
+        raise TbaConfigError(f"layers is a {kind}, whose order is not the order the blocks run in; pass a list of the "
+                             f"blocks in forward order{' (list(layers.values()) if its values are)' if kind == 'dict' else ''}")
     found = [leaf for layer in layers for leaf in _leaves(layer)] if isinstance(layers, nn.ModuleList) else list(layers)
     seen: dict[int, int] = {}
     for index, layer in enumerate(found):

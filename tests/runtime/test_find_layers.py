@@ -164,3 +164,14 @@ def test_layers_of_tensors_are_refused_in_one_short_line(layers):
     message = str(raised.value)
     assert "\n" not in message and len(message) < 300, message
     assert message.startswith("layers must contain nn.Module objects, got ") and "layers=model" in message
+
+
+@pytest.mark.parametrize("unordered", ["set", "dict"])
+def test_layers_given_in_no_forward_order_are_refused_naming_the_fix(unordered):
+    """A set of blocks was taken in its iteration order, by object address: a pinned plan's decisions went to
+    other blocks than the user's, differently in every run; a dict gave its keys, refused as 'got str'."""
+    blocks = [torch.nn.Linear(4, 4) for _ in range(3)]
+    layers = set(blocks) if unordered == "set" else {f"block{i}": block for i, block in enumerate(blocks)}
+    with pytest.raises(tba.TbaConfigError, match=rf"layers is a {unordered}, .* pass a list of the blocks in forward "
+                                                 r"order"):
+        tba.Offloader(layers=layers)
