@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -126,10 +127,12 @@ class InputShapes:
         under it (a decoder's target length under a fixed source length: 16 times what the plan kept).
         It keeps its input's bytes beyond: a layer's input saved by the layer before it (a block ending in
         tanh) counted in that layer's bytes when profiled, but a recomputed layer's saves never reach tba,
-        so the kept layer after it saves it first, and it wrote what its plan keeps at every step.
+        so the kept layer after it saves it first, and it wrote what its plan keeps at every step. A layer
+        that did not run in that profiled step (LayerDrop) has no measure, and is not held to one.
         """
         if planned == shape and shape in self._saved_by_plan:
-            return tuple(map(sum, zip(self._saved_by_plan[shape], self._inputs_by_plan[shape])))
+            return tuple(saved + held if saved or held else sys.maxsize
+                         for saved, held in zip(self._saved_by_plan[shape], self._inputs_by_plan[shape]))
         if planned == shape:
             return None  # a pinned plan
         return self._saved_by_plan.get(planned, (0,) * len(self.layers))  # unknown: keep nothing

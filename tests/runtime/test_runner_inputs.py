@@ -248,3 +248,39 @@ def test_an_offloader_around_another_model_once_says_nothing(spill_dir, caplog):
         loss.backward()
     off.close()
     assert not [r.getMessage() for r in caplog.records if r.name == "tba" and "Offloader per model" in r.getMessage()]
+
+
+class _SkipsALayer(nn.Module):
+    """Four blocks, the third skipped at odd steps (LayerDrop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            if index != 2 or self.step % 2 == 0:
+                x = block(x)
+        return x
+
+
+def test_a_kept_layer_that_did_not_run_in_the_profiled_step_is_not_capped(spill_dir):
+    """A step under its shape's own plan keeps at most what each layer saved when profiled (Note [A covered step
+    keeps no more than the plan was made for]); a layer that did not run in that step (LayerDrop) saved nothing
+    there, and held to nothing, it wrote every tensor its plan keeps whenever it ran."""
+    torch.manual_seed(0)
+    model = _SkipsALayer()
+    off = tba.Offloader(spill_dir, layers=list(model.blocks), policy=_KeepEveryLayer(), min_offload_bytes=0)
+    written = []
+    for step in range(6):
+        model.step = step
+        before = off.stats.bytes_written
+        with off:
+            loss = model(torch.randn(64, 64)).sum()
+        loss.backward()
+        written.append(off.stats.bytes_written - before)
+    plan = off.plan
+    off.close()
+    assert plan is not None and plan.code == "KKKK", plan
+    assert written[2:] == [0] * 4, written
