@@ -42,9 +42,12 @@ class RunnerPolicy:
                 self.policy = Adaptive(memory_budget_bytes=memory_budget_bytes, overhead_bound=overhead_bound)
             except ValueError as err:
                 raise TbaConfigError(f"policy='adaptive': {err}") from None
+        elif isinstance(policy, type) and issubclass(policy, Policy):
+            raise TbaConfigError(f"policy is the class {policy.__name__}, not an object of it: pass "
+                                 f"policy={policy.__name__}() (with the arguments it takes)")
         elif policy not in POLICIES:
             raise TbaConfigError(f"unknown policy {policy!r}; {did_you_mean(policy, POLICIES)}"
-                                 f"use one of {', '.join(POLICIES)} or a tba.Plan")
+                                 f"use one of {', '.join(POLICIES)}, a tba.Plan or a tba.Policy")
         elif memory_budget_bytes is not None or overhead_bound is not None:
             raise TbaConfigError(f"memory_budget and overhead_bound need policy='adaptive', not {policy!r}")
         self.name = policy if isinstance(policy, str) else type(policy).__name__

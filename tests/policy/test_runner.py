@@ -539,3 +539,18 @@ def test_a_layer_inside_another_given_layer_is_never_planned_for_recomputation(m
     offloader.close()
     assert_same(reference, result)
     assert plan is not None and plan.code == "RORRR", plan
+
+
+@pytest.mark.parametrize("policy", [tba.KeepAll, tba.policy.Adaptive, KeepAllFrozen], ids=lambda p: p.__name__)
+def test_a_policy_class_given_for_its_object_names_the_fix(model, spill_dir, policy):
+    """``policy=tba.KeepAll`` (the class, not an object of it) was 'unknown policy <class ...>; use one of adaptive,
+    offload, keep or a tba.Plan', naming neither a tba.Policy object nor the parentheses left out."""
+    with pytest.raises(tba.TbaConfigError, match=rf"policy is the class {policy.__name__}, not an object of it: pass "
+                                                 rf"policy={policy.__name__}\(\)"):
+        tba.Offloader(spill_dir, layers=model, policy=policy)
+
+
+def test_an_unknown_policy_object_names_every_kind_of_policy(model, spill_dir):
+    with pytest.raises(tba.TbaConfigError, match="unknown policy None; use one of adaptive, offload, keep, a tba.Plan "
+                                                 "or a tba.Policy"):
+        tba.Offloader(spill_dir, layers=model, policy=None)
