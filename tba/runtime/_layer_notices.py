@@ -72,5 +72,6 @@ def forget_layers(times: int) -> int:
     if times + 1 == FORGOTTEN_BEFORE_WARNING:
         logger.warning("tba: this adaptive context has run forwards of different models in turn (each step ran "
                        "none of the layers the one before it found), so it finds layers at every step and never "
-                       "profiles nor plans: every saved tensor is offloaded; use one tba.Offloader per model")
+                       "profiles nor plans: every saved tensor is offloaded; use one tba.Offloader per model, or "
+                       "pass each context its model's layers (layers=model)")
     return times + 1
