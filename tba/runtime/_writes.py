@@ -69,7 +69,12 @@ logger = logging.getLogger("tba")
 # made after it was saved at the same version number shared the dead root's entry and its bytes.
 # Nor is an entry shared once its storage has another size: `untyped_storage().resize_()` bumps no
 # version, and a view saved after the storage grew reached past the bytes the entry had written
-# (torch's bare "Trying to resize storage that is not resizable" at unpack: helper-95).
+# (torch's bare "Trying to resize storage that is not resizable" at unpack: helper-95). Nor once it
+# has other memory: freed with `resize_(0)` and grown back to its size (FSDP's pattern), it is new
+# memory, which the program refills through a tensor with a counter of its own; a tensor saved after
+# the refill shared the entry written before it, and backward got the old bytes with no error
+# (helper-159). An allocator may hand the same address back: that case is left, as in Note [A storage
+# the program still holds is not read back] in tba/runtime/_reads.py.
 
 # Note: [A host save in C]
 # A CPU storage of less than DISCARD_MIN_BYTES on the host route, with no NVTX range to mark (the common save: tens
@@ -159,7 +164,7 @@ class StoreWrites:
                 self._sweep_written()
             entry = self._by_storage.get(storage._cdata)
             fresh = (entry is None or entry.version != version or entry.root() is not root or entry.state is State.DEAD
-                     or entry.expired() or entry.nbytes != storage.nbytes())
+                     or entry.expired() or entry.nbytes != storage.nbytes() or entry.address != storage.data_ptr())
             if fresh:
                 entry = self._start_write(storage, layer, version, ready, root)
             else:

@@ -384,6 +384,44 @@ def test_a_view_saved_after_its_storage_grew_is_exact(spill_dir):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("hold", [False, True], ids=["dropped", "held"])
+def test_a_tensor_saved_again_after_its_storage_was_freed_and_refilled_is_exact(spill_dir, hold):
+    """FSDP's pattern on a saved tensor: its storage freed (``resize_(0)``), grown back to the same size (new memory)
+    and refilled through a tensor with a counter of its own, then the tensor saved again. No version moved and the size
+    is the same: the second save shared the entry written before the refill, and its backward got the old bytes
+    (x.grad 1024 for 2048, no error; helper-159). Only the second node runs backward: without tba it reads the
+    storage as refilled."""
+    def step(offloader):
+        x = torch.ones(4, requires_grad=True)
+        h = torch.ones(N)
+        with offloader if offloader is not None else contextlib.nullcontext():
+            first = SaveSum.apply(x, h)  # saved, and written, with its first bytes; its node stays alive
+            if offloader is not None:
+                offloader.flush()
+            storage = h.untyped_storage()
+            address = storage.data_ptr()
+            storage.resize_(0)
+            blocker = torch.empty(N)  # takes the freed memory if the allocator hands it out again
+            storage.resize_(N * 4)
+            assert storage.data_ptr() != address, "the storage came back at its old address"
+            torch.empty(0).set_(storage, 0, (N,), (1,)).fill_(2.0)  # refilled through a counter of its own
+            y = SaveSum.apply(x, h)
+        if not hold:
+            del h, storage, blocker
+        y.sum().backward()
+        del first
+        return x.grad
+
+    offloader = tba.Offloader(spill_dir, policy="offload", min_offload_bytes=0, prefetch_budget_bytes=0)
+    try:
+        got = step(offloader)
+    finally:
+        offloader.close()
+    want = step(None)
+    assert torch.equal(want, torch.full((4,), 2.0 * N))
+    assert torch.equal(got, want), f"x.grad {got.tolist()}, without tba {want.tolist()}"
+
+
 class Saved(torch.autograd.Function):
     """Saves its second argument for backward and keeps what backward got in ``Saved.got``."""
 
