@@ -39,13 +39,13 @@ import contextlib
 import enum
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 from torch import nn
 
 from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
-from tba.errors import TbaError
+from tba.errors import TbaConfigError
 from tba.runtime._views import Kept
 
 QUANTIZED_DTYPES = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))
@@ -54,6 +54,8 @@ rebuilt one has no quantizer, and using it crashed the process (segmentation fau
 assert in Quantizer.cpp)."""
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tba.runtime._layers import LayerTracker, StateKeys
 
 logger = logging.getLogger("tba")
@@ -115,6 +117,7 @@ class _Region(threading.local):
 
 
 _region = _Region()
+_F = TypeVar("_F", bound="Callable[..., Any]")
 
 
 class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function before, and called as one
@@ -126,6 +129,9 @@ class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function be
             hidden = blocks(x)
             with tba.keep_in_memory():
                 logits = head(hidden)     # saved in memory, as without tba
+
+    As a decorator (``@tba.keep_in_memory`` or ``@tba.keep_in_memory()``) each call of the function runs in a region
+    of its own.
 
     Note: [keep_in_memory inside a compiled graph]
     Dynamo traced the region's entry and exit into the graph of a compiled block or model that used it, and its
@@ -143,10 +149,22 @@ class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function be
     one (the depth it changes is the exiting thread's own; entries differ only under tracing, where none counts).
     """
 
-    def __init__(self, *given: object) -> None:
-        if given:  # ``@tba.keep_in_memory`` without its parentheses passes the function here
-            raise TbaError("tba.keep_in_memory takes no arguments: write @tba.keep_in_memory() (with the parentheses) "
-                           "to decorate a function, or with tba.keep_in_memory(): around the region")
+    @overload
+    def __new__(cls) -> keep_in_memory: ...
+    @overload
+    def __new__(cls, func: _F) -> _F: ...
+
+    def __new__(cls, func: Callable[..., Any] | None = None) -> Any:
+        """``@tba.keep_in_memory`` without parentheses decorates ``func`` as ``@tba.keep_in_memory()`` does (as
+        ``@torch.no_grad`` is written); it raised a bare TypeError at the decorated function's definition."""
+        if func is None:
+            return super().__new__(cls)
+        if not callable(func):
+            raise TbaConfigError(f"tba.keep_in_memory takes no arguments: use 'with tba.keep_in_memory():', or decorate "
+                                 f"a function with @tba.keep_in_memory (got {type(func).__name__} {func!r})")
+        return cls()(func)
+
+    def __init__(self) -> None:
         self._entered: list[bool] = []
 
     def _recreate_cm(self) -> keep_in_memory:

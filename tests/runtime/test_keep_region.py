@@ -1,13 +1,16 @@
 """One :func:`tba.keep_in_memory` object entered more than once at a time (nested, or by two threads) ends its
-region when the last entry exits: Note [A region object entered twice at once] in tba/runtime/_keep.py."""
+region when the last entry exits: Note [A region object entered twice at once] in tba/runtime/_keep.py. A function
+decorated with it, with or without parentheses, runs inside a region of its own."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import tba
+from tba.errors import TbaConfigError
 from tba.runtime._keep import in_keep_region
 
 
@@ -44,23 +47,36 @@ def test_one_region_object_shared_by_two_threads_ends_on_each(spill_dir):
     assert ctx.stats.kept_by_reason.get("inside tba.keep_in_memory()", 0) == 0
 
 
-def test_the_decorator_without_parentheses_names_the_fix():
-    """``@tba.keep_in_memory`` (no parentheses) raised ``TypeError: keep_in_memory.__init__() takes 1 positional argument
-    but 2 were given`` at the decorated function, naming neither tba's API nor the fix."""
-    import pytest
+class SaveSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h):
+        ctx.save_for_backward(h)
+        return x.clone()
 
-    from tba import TbaError
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return grad * h.sum(), None
 
-    with pytest.raises(TbaError, match=r"@tba\.keep_in_memory\(\)"):
-        @tba.keep_in_memory
-        def head(h: torch.Tensor) -> torch.Tensor:
-            return h.sin()
-    with pytest.raises(TbaError, match=r"takes no arguments.*with tba\.keep_in_memory\(\):"):
-        tba.keep_in_memory(True)
-    assert not in_keep_region()
 
-    @tba.keep_in_memory()
-    def inside() -> bool:
-        return in_keep_region()
+@pytest.mark.parametrize("parentheses", [False, True], ids=["bare", "called"])
+def test_a_function_decorated_with_the_region_keeps_what_it_saves(spill_dir, parentheses):
+    """``@tba.keep_in_memory`` without parentheses, as ``@torch.no_grad`` is written: it raised 'keep_in_memory.__init__()
+    takes 1 positional argument but 2 were given' at the decorated function's definition (helper-159)."""
+    def head(x, h):
+        assert in_keep_region()
+        return SaveSum.apply(x, h)
 
-    assert inside() and not in_keep_region()
+    head = tba.keep_in_memory(head) if not parentheses else tba.keep_in_memory()(head)
+    x, h = torch.ones(4, requires_grad=True), torch.ones(1 << 14)
+    with tba.offload_activations(spill_dir, policy="offload", min_offload_bytes=0) as ctx:
+        y = head(x, h)
+        assert not in_keep_region()
+    y.sum().backward()
+    assert ctx.stats.kept_by_reason == {"inside tba.keep_in_memory()": 1}
+    assert torch.equal(x.grad, torch.full((4,), float(1 << 14)))
+
+
+def test_anything_but_a_function_given_to_the_region_names_the_fix():
+    with pytest.raises(TbaConfigError, match=r"with tba\.keep_in_memory\(\):.*@tba\.keep_in_memory.*got int"):
+        tba.keep_in_memory(3)
