@@ -73,8 +73,10 @@ logger = logging.getLogger("tba")
 # has other memory: freed with `resize_(0)` and grown back to its size (FSDP's pattern), it is new
 # memory, which the program refills through a tensor with a counter of its own; a tensor saved after
 # the refill shared the entry written before it, and backward got the old bytes with no error
-# (helper-159). An allocator may hand the same address back: that case is left, as in Note [A storage
-# the program still holds is not read back] in tba/runtime/_reads.py.
+# (helper-159). An allocator may hand the same address back (tcmalloc does for the same size): nothing
+# tba can see tells that memory from the old, so such a save still shares the entry, and gets the new
+# bytes only while the program holds the storage (Note [A storage the program still holds is not read
+# back] in tba/runtime/_reads.py); read back, the old ones.
 
 # Note: [A host save in C]
 # A CPU storage of less than DISCARD_MIN_BYTES on the host route, with no NVTX range to mark (the common save: tens
