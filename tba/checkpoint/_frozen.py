@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,21 @@ from tba.checkpoint._io import TbaCheckpointError, TbaConfigError, flatten_state
 
 Watched = list[tuple[str, torch.Tensor, int]]
 """(key, tensor, version at the save call) of every tensor a lazy save holds by reference."""
+
+
+REFUSALS_TO_PICKLE = (pickle.PicklingError, copy.Error, TypeError, AttributeError, ValueError, NotImplementedError,
+                      RuntimeError)
+"""What ``deepcopy`` and the pickler raise for a value they cannot copy or pickle.
+
+Note: [Only a refusal to pickle is the state dict's fault]
+The check of a non-tensor value turned every ``Exception`` raised while it copied and pickled the value into a
+:class:`TbaConfigError` blaming the state dict: a user's signal handler's exception landing there (a time limit's
+``TimeoutError``, the ``Exception`` subclass the randomised signal test raises), or a ``MemoryError``, came out of
+``save`` as "cannot be saved by DCP: ; keep only tensors and picklable values" (the empty reason being the
+exception's own text), and the caller's ``except`` for its own exception never saw it. Only the errors that mean
+"this value cannot be copied or pickled" (a lambda, a lock, a generator, a local class) are the state dict's fault;
+any other goes on as itself, and the save has not started.
+"""
 
 
 def _freeze(value: Any, key: str, watched: Watched) -> Any:
@@ -89,9 +105,10 @@ def _freeze(value: Any, key: str, watched: Watched) -> Any:
     try:
         copied = copy.deepcopy(value)
         torch.save(copied, io.BytesIO())
-    except Exception as err:
+    except REFUSALS_TO_PICKLE as err:  # Note [Only a refusal to pickle is the state dict's fault]
         raise TbaConfigError(f"state_dict[{key}] ({type(value).__name__}) cannot be saved by DCP: "
-                             f"{err}; keep only tensors and picklable values in the state dict") from err
+                             f"{err or type(err).__name__}; keep only tensors and picklable values in the state dict"
+                             ) from err
     return copied
 
 

@@ -330,3 +330,29 @@ def test_a_warm_up_left_by_a_killed_process_is_removed_by_the_next(tmp_path, mon
     finally:
         os.close(lock)
     assert sorted(os.listdir(tmp_path)) == sorted(name for key, name in left.items() if key != "killed")
+
+
+class _Interrupted(Exception):
+    """What a user's signal handler raises (a time limit's alarm), derived from Exception."""
+
+
+class _InterruptedWhileCopied:
+    """A picklable value during whose copy the user's signal handler raises (or the copy runs out of memory)."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+
+    def __deepcopy__(self, memo: dict) -> _InterruptedWhileCopied:
+        raise self.error()
+
+
+@pytest.mark.parametrize("error", [_Interrupted, TimeoutError, MemoryError], ids=["user", "timeout", "memory"])
+def test_an_error_that_is_no_refusal_to_pickle_surfaces_as_itself(tmp_path, error):
+    """Note [Only a refusal to pickle is the state dict's fault]: a signal handler's exception landing in the check of
+    a non-tensor value was raised as TbaConfigError, "cannot be saved by DCP: ; keep only tensors and picklable values",
+    which blamed a state dict that was fine and escaped the caller's own except clause for it."""
+    with pytest.raises(error):
+        save_lazy({"w": torch.ones(3), "extra": {"meta": _InterruptedWhileCopied(error)}}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    save_lazy({"w": torch.ones(3), "extra": {"meta": 1}}, tmp_path / "c").wait(timeout_s=60)
+    assert (tmp_path / "c" / ".metadata").exists()
