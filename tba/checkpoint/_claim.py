@@ -51,3 +51,18 @@ class SaveClaim:
 
     def end(self) -> None:
         self.running = None
+
+    def end_if_mine(self) -> None:
+        """End the calling thread's claim, if it still holds it: its save has ended, however it failed.
+
+        Note: [A failed lazy save lets go of its writer]
+        ``write_data`` and ``finish`` end the claim, but a save that failed before them (its staging directory could not
+        be made: a full or failing disk, a planner's error) left it held by its thread, which went on to mark the save
+        done and run its ``on_done`` callback. The checkpointer's next save, which waits only for that mark, then found
+        the writer claimed by a live thread and failed, "still saving ... in thread tba-ckpt" (helper-160): a user's
+        retry after ``wait()`` raised, or a save made by the callback itself. The lazy save's thread ends its claim
+        as soon as ``dcp.save`` returns or raises, before the save is marked done.
+        """
+        with self.lock:
+            if self.running is threading.current_thread():
+                self.running = None

@@ -233,6 +233,8 @@ class LazyCheckpointer:
         except BaseException as err:  # noqa: BLE001 - reported through the handle
             error = _unwrap(err)  # logged unwrapped: DCP's CheckpointException prints each rank's whole traceback
             logger.error("tba: checkpoint %s failed: %s", handle.path, error)
+        finally:
+            self._writer._claim.end_if_mine()  # Note [A failed lazy save lets go of its writer] in tba/checkpoint/_claim.py
         stop_watch(watch)
         handle._finish(error)
 

@@ -356,3 +356,35 @@ def test_an_error_that_is_no_refusal_to_pickle_surfaces_as_itself(tmp_path, erro
     assert not (tmp_path / "c").exists()
     save_lazy({"w": torch.ones(3), "extra": {"meta": 1}}, tmp_path / "c").wait(timeout_s=60)
     assert (tmp_path / "c" / ".metadata").exists()
+
+
+def test_a_save_right_after_one_that_failed_before_writing_is_not_refused(tmp_path, monkeypatch):
+    """Note [A failed lazy save lets go of its writer]: a save that failed before its data was written (its staging
+    directory could not be made) left the writer claimed by its thread, and the next save of the checkpointer, started
+    once the first was done but while its thread still ran (its on_done callback), failed: "this TbaStorageWriter is
+    still saving ... in thread tba-ckpt"."""
+    import errno
+
+    from tba.checkpoint import _writer
+
+    real_hold = _writer.hold_staging
+
+    def hold(staging: str) -> int:
+        if os.path.basename(staging).startswith(".first.tba-partial-"):
+            raise OSError(errno.EIO, "the staging directory's disk failed")
+        return real_hold(staging)
+
+    monkeypatch.setattr(_writer, "hold_staging", hold)
+    callback_may_end = threading.Event()
+    with LazyCheckpointer() as checkpointer:
+        first = checkpointer.save({"w": torch.ones(3)}, tmp_path / "first", on_done=lambda h: callback_may_end.wait(60))
+        try:
+            with pytest.raises(TbaCheckpointError, match="staging directory"):
+                first.wait(timeout_s=60)
+            second = checkpointer.save({"w": torch.full((3,), 2.0)}, tmp_path / "second")
+            second.wait(timeout_s=60)
+        finally:
+            callback_may_end.set()
+    loaded = load_state(second.path, {"w": torch.empty(3)}, FileSystemReader(second.path))
+    assert torch.equal(loaded["w"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["second"]
