@@ -57,11 +57,14 @@ class SaveClaim:
 
         Note: [A failed lazy save lets go of its writer]
         ``write_data`` and ``finish`` end the claim, but a save that failed before them (its staging directory could not
-        be made: a full or failing disk, a planner's error) left it held by its thread, which went on to mark the save
-        done and run its ``on_done`` callback. The checkpointer's next save, which waits only for that mark, then found
-        the writer claimed by a live thread and failed, "still saving ... in thread tba-ckpt" (helper-160): a user's
-        retry after ``wait()`` raised, or a save made by the callback itself. The lazy save's thread ends its claim
-        as soon as ``dcp.save`` returns or raises, before the save is marked done.
+        be made: a full or failing disk, a planner's error) left it held by its thread. A lazy save's thread went on to
+        mark the save done and run its ``on_done`` callback, and the checkpointer's next save, which waits only for that
+        mark, found the writer claimed by a live thread and failed, "still saving ... in thread tba-ckpt" (helper-160): a
+        user's retry after ``wait()`` raised, or a save made by the callback itself. A ``dcp.save`` of the main thread
+        that failed so left the writer claimed by that thread for good: every later ``dcp.async_save`` with it was
+        refused. A failure to make the staging directory now ends the claim with the staging lock, and the lazy save's
+        thread ends its claim as soon as ``dcp.save`` returns or raises, before the save is marked done (a failure in
+        DCP's own steps, which the writer never hears of, still leaves a plain DCP save's claim until its thread ends).
         """
         with self.lock:
             if self.running is threading.current_thread():

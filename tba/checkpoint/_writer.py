@@ -251,7 +251,6 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
             shutil.rmtree(file_plan.staging, ignore_errors=True)
             ACTIVE_STAGING.discard(file_plan.staging)
             self._release_staging()
-            self._claim.end()
             if isinstance(err, OSError):
                 raise checkpoint_error(err, "writing the checkpoint", os.path.dirname(file_plan.staging)) from err
             raise
@@ -289,13 +288,14 @@ class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
         finally:
             ACTIVE_STAGING.discard(staging)
             self._release_staging()
-            self._claim.end()
         if replaced is not None:
             remove_replaced(replaced)
         logger.debug("tba: checkpoint %s published", self.path)
 
     def _release_staging(self) -> None:
-        """Drop the staging directory's lock (Note [Whose partial directory is dead]) once the save has ended."""
+        """Drop the staging directory's lock (Note [Whose partial directory is dead]) and the writer's claim (Note [A
+        failed lazy save lets go of its writer] in ``tba/checkpoint/_claim.py``) once the save has ended, however."""
+        self._claim.end()
         ACTIVE_STAGING.discard(self._staging)
         fd, self._staging_fd = self._staging_fd, -1
         if fd >= 0:

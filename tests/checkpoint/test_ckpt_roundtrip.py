@@ -120,6 +120,32 @@ def test_a_second_async_save_on_a_writer_still_saving_is_refused_and_the_first_i
     assert_state_equal(load_state(a, first, TbaStorageReader(a)), first)
 
 
+
+def test_a_writer_whose_save_could_not_make_its_staging_directory_saves_again_from_another_thread(tmp_path, monkeypatch):
+    """Note [A failed lazy save lets go of its writer] in tba/checkpoint/_claim.py: a dcp.save whose staging directory
+    could not be made (a failing disk) left the writer claimed by the main thread for good, and every later
+    dcp.async_save with it was refused, "still saving ... in thread MainThread" (helper-160)."""
+    import errno
+
+    from tba.checkpoint import _writer
+
+    real_hold = _writer.hold_staging
+
+    def hold(staging: str) -> int:
+        if os.path.basename(staging).startswith(".first.tba-partial-"):
+            raise OSError(errno.EIO, "the staging directory's disk failed")
+        return real_hold(staging)
+
+    monkeypatch.setattr(_writer, "hold_staging", hold)
+    writer = TbaStorageWriter()
+    with pytest.raises(CheckpointException, match="staging directory"):
+        dcp.save({"x": torch.ones(3)}, storage_writer=writer, checkpoint_id=str(tmp_path / "first"), no_dist=True)
+    state = {"x": torch.arange(3.0)}
+    dcp.async_save(state, storage_writer=writer, checkpoint_id=str(tmp_path / "second"), no_dist=True).result(timeout=60)
+    writer.close()
+    assert sorted(os.listdir(tmp_path)) == ["second"]
+    assert_state_equal(load_state(str(tmp_path / "second"), state, TbaStorageReader(str(tmp_path / "second"))), state)
+
 def test_reads_checkpoints_written_by_filesystemwriter(tmp_path):
     model, optimizer = make_model(seed=5)
     state = full_state(model, optimizer)
