@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from utils import SaveSum
 
 import tba
 from tba.errors import TbaConfigError
@@ -45,18 +46,6 @@ def test_one_region_object_shared_by_two_threads_ends_on_each(spill_dir):
         loss = x.sin().sum()
     loss.backward()
     assert ctx.stats.kept_by_reason.get("inside tba.keep_in_memory()", 0) == 0
-
-
-class SaveSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, h):
-        ctx.save_for_backward(h)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (h,) = ctx.saved_tensors
-        return grad * h.sum(), None
 
 
 @pytest.mark.parametrize("parentheses", [False, True], ids=["bare", "called"])

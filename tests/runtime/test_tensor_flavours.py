@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
+from utils import SaveSum
 
 import tba
 from tba.errors import TbaError
@@ -215,18 +216,6 @@ def test_each_dtype_is_drawn(dtype):
         drawn.add(random.Random(master.randrange(1 << 30)).choice(DTYPES))
         master.random()
     assert dtype in drawn
-
-
-class SaveSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, h):
-        ctx.save_for_backward(h)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (h,) = ctx.saved_tensors
-        return grad * h.sum(), None
 
 
 @pytest.mark.parametrize("written", [False, True], ids=["queued", "written"])
