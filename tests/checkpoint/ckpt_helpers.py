@@ -134,3 +134,20 @@ def load_during_a_save(monkeypatch: pytest.MonkeyPatch, path: str, load_path: st
         tc.load(load_path, fresh)
         assert handle.done()
     assert torch.equal(fresh.weight, model.weight)
+
+
+def first_staging_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making the staging directory of a save to a path named ``first`` fails (EIO), as on a failing disk; any other
+    save's is made."""
+    import errno
+
+    from tba.checkpoint import _writer
+
+    real_hold = _writer.hold_staging
+
+    def hold(staging: str) -> int:
+        if os.path.basename(staging).startswith(".first.tba-partial-"):
+            raise OSError(errno.EIO, "the staging directory's disk failed")
+        return real_hold(staging)
+
+    monkeypatch.setattr(_writer, "hold_staging", hold)

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from ckpt_helpers import (
     assert_state_equal,
     clone_state,
+    first_staging_fails,
     full_state,
     load_during_a_save,
     load_state,
@@ -363,18 +364,7 @@ def test_a_save_right_after_one_that_failed_before_writing_is_not_refused(tmp_pa
     directory could not be made) left the writer claimed by its thread, and the next save of the checkpointer, started
     once the first was done but while its thread still ran (its on_done callback), failed: "this TbaStorageWriter is
     still saving ... in thread tba-ckpt"."""
-    import errno
-
-    from tba.checkpoint import _writer
-
-    real_hold = _writer.hold_staging
-
-    def hold(staging: str) -> int:
-        if os.path.basename(staging).startswith(".first.tba-partial-"):
-            raise OSError(errno.EIO, "the staging directory's disk failed")
-        return real_hold(staging)
-
-    monkeypatch.setattr(_writer, "hold_staging", hold)
+    first_staging_fails(monkeypatch)
     callback_may_end = threading.Event()
     with LazyCheckpointer() as checkpointer:
         first = checkpointer.save({"w": torch.ones(3)}, tmp_path / "first", on_done=lambda h: callback_may_end.wait(60))

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from ckpt_helpers import assert_state_equal, full_state, load_state, make_model
+from ckpt_helpers import assert_state_equal, first_staging_fails, full_state, load_state, make_model
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -125,18 +125,7 @@ def test_a_writer_whose_save_could_not_make_its_staging_directory_saves_again_fr
     """Note [A failed lazy save lets go of its writer] in tba/checkpoint/_claim.py: a dcp.save whose staging directory
     could not be made (a failing disk) left the writer claimed by the main thread for good, and every later
     dcp.async_save with it was refused, "still saving ... in thread MainThread" (helper-160)."""
-    import errno
-
-    from tba.checkpoint import _writer
-
-    real_hold = _writer.hold_staging
-
-    def hold(staging: str) -> int:
-        if os.path.basename(staging).startswith(".first.tba-partial-"):
-            raise OSError(errno.EIO, "the staging directory's disk failed")
-        return real_hold(staging)
-
-    monkeypatch.setattr(_writer, "hold_staging", hold)
+    first_staging_fails(monkeypatch)
     writer = TbaStorageWriter()
     with pytest.raises(CheckpointException, match="staging directory"):
         dcp.save({"x": torch.ones(3)}, storage_writer=writer, checkpoint_id=str(tmp_path / "first"), no_dist=True)
