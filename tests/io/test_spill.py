@@ -100,6 +100,22 @@ def _free_bytes(directory: str) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
+def _free_space_while_reserving(monkeypatch, module, directory: str) -> list[int]:
+    """``module.reserve`` (the spill file's, or the bandwidth probe's) records the free space of ``directory`` at each
+    call's end, before its caller can give blocks back: what another writer of the disk finds then."""
+    real = _spill.reserve
+    seen: list[int] = []
+
+    def watched(fd, offset, length):
+        try:
+            real(fd, offset, length)
+        finally:
+            seen.append(_free_bytes(directory))
+
+    monkeypatch.setattr(module, "reserve", watched)
+    return seen
+
+
 def test_a_reservation_the_disk_cannot_hold_takes_none_of_its_space(small_ext4):
     """ext4's fallocate, failing with ENOSPC, keeps the blocks it got: a 1 MiB extent held the whole disk."""
     spill = SpillFile(small_ext4)
@@ -223,16 +239,7 @@ def test_a_reservation_past_the_free_space_never_takes_the_disk_for_a_moment(sma
     """ext4's fallocate allocates block after block until the disk is full and only then fails: between that and the
     truncation that gives them back, every other writer of the disk (another rank's spill file, a checkpoint, a
     logger) found it full and failed with ENOSPC, once per step (a 256 MiB step tried on a disk with less free)."""
-    real = _spill.reserve
-    seen: list[int] = []
-
-    def watched(fd, offset, length):
-        try:
-            real(fd, offset, length)
-        finally:
-            seen.append(_free_bytes(small_ext4))  # what another writer finds while the call's blocks are held
-
-    monkeypatch.setattr(_spill, "reserve", watched)
+    seen = _free_space_while_reserving(monkeypatch, _spill, small_ext4)
     before = _free_bytes(small_ext4)
     spill = SpillFile(small_ext4)
     try:
@@ -251,16 +258,7 @@ def test_a_bandwidth_probe_larger_than_the_free_space_never_takes_the_disk_for_a
     until it failed, and a swap write of DeepSpeed's in that moment failed with ENOSPC."""
     from tba.io import _bandwidth
 
-    real = _spill.reserve
-    seen: list[int] = []
-
-    def watched(fd, offset, length):
-        try:
-            real(fd, offset, length)
-        finally:
-            seen.append(_free_bytes(small_ext4))
-
-    monkeypatch.setattr(_bandwidth, "reserve", watched)
+    seen = _free_space_while_reserving(monkeypatch, _bandwidth, small_ext4)
     before = _free_bytes(small_ext4)
     with pytest.raises(OSError) as info:
         _bandwidth.open_scratch(small_ext4, 64 << 20)
