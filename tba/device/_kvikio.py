@@ -207,15 +207,12 @@ class KvikioRoute(Route):
         kvikio future per task-size piece; what :func:`_failure` waits for.
 
         Note: [A transfer waits for every piece it started]
-        kvikio cuts a transfer into task-size pieces on its threads, and its future's ``get()`` raises the first
-        piece's error while the other pieces may still be moving bytes, with no way to wait for them: a failed
-        transfer's buffer was therefore kept for the life of the process. On a full disk training goes on (its
-        tensors kept in memory), so every step's failed writes kept their activations' storages for good, with a
-        warning each (helper-161: 46 warnings and 12 MiB held after three steps where the ground rule allows one
-        warning). tba now cuts the transfer itself, each piece its own call whose ``task_size`` is the piece's size:
-        kvikio runs such a call as one task (its single-task guard, ``task_size >= size``), so that call's future
-        ends only when its bytes stopped moving. :func:`_failure` waits for every piece's future, and the buffer is
-        let go once none moves. A piece that cannot be started waits for those started before it.
+        kvikio cuts a transfer into task-size pieces, and its future's ``get()`` raises the first piece's error while
+        others may still move bytes, with no way to wait for them: a failed transfer's buffer was kept for good. On a
+        full disk, where training goes on, every step's failed writes so kept their storages, a warning each
+        (helper-161: 46 warnings, 12 MiB after three steps). tba cuts the transfer itself, each piece one call whose
+        ``task_size`` is its size, which kvikio runs as one task (its single-task guard): the call's future ends when
+        its bytes stop moving. :func:`_failure` waits for every piece, and only then is the buffer let go.
         """
         futures: list[Any] = []
         try:
