@@ -176,10 +176,24 @@ def probe_direct_io(directory: str) -> str | None:
             logger.debug("tba: the O_DIRECT probe in %s found the disk full (%s); assuming O_DIRECT works", directory,
                          err.strerror)
             return None
+        if err.errno in (errno.EFBIG, errno.EINVAL) and _file_size_limit_below(2 * ALIGN_BYTES):
+            # Note: [A file-size limit says nothing about O_DIRECT]
+            # Under ``ulimit -f`` below one block the probe's aligned write is cut at the limit and O_DIRECT refuses
+            # the unaligned rest (EINVAL; EFBIG at a limit of 0): tba warned that the file system lacked O_DIRECT, and
+            # with direct_io=True raised a TbaConfigError telling to move to ext4 or xfs (helper-161). The limit is
+            # the cause, in any directory: the spill file's own writes fail on it, and their warning names it.
+            logger.debug("tba: the O_DIRECT probe in %s met the process's file-size limit (%s); assuming O_DIRECT "
+                         "works", directory, err.strerror)
+            return None
         return f"O_DIRECT I/O in {directory} failed: {err.strerror or err}"
     finally:
         os.close(fd)
     return None
+
+
+def _file_size_limit_below(nbytes: int) -> bool:
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return soft != resource.RLIM_INFINITY and soft < nbytes
 
 
 def check_writable(directory: str) -> None:

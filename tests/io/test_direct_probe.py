@@ -53,3 +53,29 @@ def test_no_descriptor_for_the_probe_says_nothing_about_o_direct(spill_dir, monk
 
     monkeypatch.setattr(_directory, "open_anonymous", no_descriptor)
     assert _directory.probe_direct_io(spill_dir) is None
+
+
+def test_a_file_size_limit_below_the_probe_says_nothing_about_o_direct(spill_dir):
+    """Note [A file-size limit says nothing about O_DIRECT]: under ``ulimit -f`` below one block the probe's aligned write
+    was cut at the limit, O_DIRECT refused the unaligned rest (EINVAL), and tba warned that the file system lacked
+    O_DIRECT (with direct_io=True: a TbaConfigError telling to move to ext4 or xfs); the limit is the cause, which the
+    spill file's own failed writes name (helper-161)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, resource, sys, torch, tba\n"
+        "from tba.io import _directory\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(message)s')\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "print('probe:', _directory.probe_direct_io(sys.argv[1]))\n"
+        "x = torch.randn(256, 1024, requires_grad=True)\n"
+        "with tba.offload_activations(sys.argv[1], policy='offload', direct_io=True) as off:\n"
+        "    loss = x.exp().sin().sum()\n"
+        "loss.backward()\n"
+        "print('exact:', torch.equal(x.grad, x.detach().exp().cos() * x.detach().exp()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, spill_dir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "probe: None" in done.stdout and "exact: True" in done.stdout, done.stdout + done.stderr
+    assert "O_DIRECT" not in done.stderr and "ulimit -f" in done.stderr, done.stderr
