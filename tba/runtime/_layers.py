@@ -46,10 +46,23 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
         blocks = _repeated_blocks(list(module.children()))
         if len(blocks) < 2:
             continue
-        params = sum(p.numel() for p in module.parameters())
+        params = sum(_full_numel(p) for p in module.parameters())
         if params > best_params:
             best, best_params = blocks, params
     return best
+
+
+def _full_numel(parameter: nn.Parameter) -> int:
+    """The parameter's size, partitioned away or not.
+
+    Note: [Parameters partitioned away]
+    DeepSpeed ZeRO-3 keeps each rank's shard elsewhere and leaves the parameter an empty tensor between the gathers of
+    its module's forward, with its full size in ``ds_numel``. Counted by ``numel()``, every container held 0
+    parameters, and find_layers took the first container of repeated blocks met (two embeddings before the
+    blocks), so ``TbaDeepSpeed(engine)`` under ZeRO-3 tagged, prefetched and planned the wrong modules (helper-165).
+    FSDP2's DTensor parameters already give their global size.
+    """
+    return int(getattr(parameter, "ds_numel", None) or parameter.numel())
 
 
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)

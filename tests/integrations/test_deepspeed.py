@@ -133,3 +133,17 @@ def test_train_script_prints_identical_losses_with_and_without_tba(spill_dir):
     for key in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
         env.pop(key, None)
     assert run_script(env=env) == run_script("--tba", env=env)
+
+
+def test_zero3_finds_the_blocks_of_the_engines_module(spill_dir):
+    """ZeRO-3 leaves every parameter empty between gathers: TbaDeepSpeed(engine) took the model's first container of
+    repeated modules, two embeddings, as its layers (Note [Parameters partitioned away] in tba/runtime/_layers.py)."""
+    gpt = make_gpt(CONFIG, seed=0)
+    model = torch.nn.ModuleDict({"embeddings": torch.nn.ModuleList([torch.nn.Embedding(8, 4) for _ in range(2)]),
+                                 "gpt": gpt})  # met before the blocks
+    config = {**ds_config(3, 1, spill_dir, "threads"), "zero_optimization": {"stage": 3}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert all(p.numel() == 0 for p in engine.module.parameters()), "ZeRO-3 did not partition: the test proves nothing"
+    offload = TbaDeepSpeed(engine)
+    assert offload.offloader.layers == list(gpt.blocks)
+    offload.close()

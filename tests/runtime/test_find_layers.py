@@ -175,3 +175,15 @@ def test_layers_given_in_no_forward_order_are_refused_naming_the_fix(unordered):
     with pytest.raises(tba.TbaConfigError, match=rf"layers is a {unordered}, .* pass a list of the blocks in forward "
                                                  r"order"):
         tba.Offloader(layers=layers)
+
+
+def test_parameters_partitioned_by_zero3_are_counted_at_their_full_size():
+    """DeepSpeed ZeRO-3 leaves each parameter an empty tensor between gathers, its size in ``ds_numel``: every container
+    held 0 parameters, so find_layers took the first one met, here two embeddings before the blocks, and
+    ``TbaDeepSpeed(engine)`` under ZeRO-3 tagged and planned the embeddings (Note [Parameters partitioned away])."""
+    model = Net(nn.ModuleList([Block() for _ in range(3)]))
+    model.embed = nn.ModuleList([nn.Embedding(50, WIDTH), nn.Embedding(16, WIDTH)])
+    for parameter in model.parameters():  # as deepspeed.zero.Init partitions them, world size 1
+        parameter.ds_numel = parameter.numel()
+        parameter.data = torch.empty(0)
+    assert tba.find_layers(model) == list(model.layers)
