@@ -8,10 +8,12 @@ a DeepSpeed config and wraps a ``DeepSpeedEngine``'s forward.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from tba.config import GOALS, OffloadConfig
+from tba.config import GOALS, OffloadConfig, env_name
+from tba.config import options as config_options
 from tba.errors import TbaConfigError
 
 
@@ -52,3 +54,26 @@ def check_goal(options: Mapping[str, Any], policy: Any, *, policy_given: bool, o
     default = "" if policy_given else " (the integration's default)"
     raise TbaConfigError(f"{owner} {goals[0]} is a goal of policy='adaptive', and policy is {given}{default}: "
                          f"{fix}, or drop {goals[0]}")
+
+
+def option_chosen(options: Mapping[str, Any], name: str) -> bool:
+    """Whether option ``name`` was chosen, so that an integration's own default for it must not replace it: given
+    in ``options``, set by the ``config=`` among them to other than the schema's default, or, without a
+    ``config=``, by its ``TBA_<NAME>`` variable.
+
+    Note: [An integration's default yields to a chosen option]
+    An integration that sets an option to its own default passes it as an option, and an option wins over the
+    ``config=`` beside it and over the environment. MegatronOffloader set ``prefetch_depth_layers`` (1, or
+    ``recompute_num_layers`` under full uniform recompute) so, and ``config=OffloadConfig(prefetch_depth_layers=3)``
+    or ``TBA_PREFETCH_DEPTH_LAYERS=4`` (which ``--tba-prefetch-depth-layers``' help says a flag not given leaves
+    the option to) ran at depth 1, silently (helper-165). As for the policy (Note [An integration's offload
+    default and a given config]), a config's value equal to the schema's default cannot be told from one left
+    unset, and takes the integration's default.
+    """
+    if name in options:
+        return True
+    config = options.get("config")
+    if isinstance(config, OffloadConfig):
+        default = next(field.default for field in config_options() if field.name == name)
+        return getattr(config, name) != default
+    return os.environ.get(env_name(name), "") != ""

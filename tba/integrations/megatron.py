@@ -39,7 +39,7 @@ from torch import nn
 
 from tba.defaults import PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError
-from tba.integrations import check_goal, integration_policy
+from tba.integrations import check_goal, integration_policy, option_chosen
 from tba.integrations._megatron_flags import FLAG_HELP, FLAG_NAMES, add_tba_arguments, flag_name, options_from_args
 from tba.runtime import KeepReason, Offloader
 
@@ -122,8 +122,9 @@ class MegatronOffloader(Offloader):
             or a list of model chunks.
         directory: Where the spill file lives (default ``$TBA_DIR``, else the system temp dir).
         **options: Further :class:`tba.Offloader` options. ``policy`` defaults to ``"offload"`` (as in
-            every integration; ``TBA_POLICY`` is not read), ``prefetch_depth_layers`` to
-            ``recompute_num_layers`` under full uniform recompute, else 1.
+            every integration; ``TBA_POLICY`` is not read), ``prefetch_depth_layers`` (where neither
+            ``config=`` nor ``TBA_PREFETCH_DEPTH_LAYERS`` sets it) to ``recompute_num_layers`` under full uniform
+            recompute, else 1.
 
     Raises:
         TbaConfigError: no TransformerBlock in ``model``, a Megatron setting tba cannot combine
@@ -148,7 +149,8 @@ class MegatronOffloader(Offloader):
                     f"tba's adaptive policy chooses which layers to recompute itself; Megatron's "
                     f"recompute_granularity={block.config.recompute_granularity!r} would recompute "
                     "them twice: drop Megatron's recompute flags or use --tba-policy offload")
-        options.setdefault("prefetch_depth_layers", recompute_prefetch_depth(blocks))
+        if not option_chosen(options, "prefetch_depth_layers"):  # Note [An integration's default yields to a chosen option]
+            options["prefetch_depth_layers"] = recompute_prefetch_depth(blocks)
         super().__init__(directory, layers=[layer for block in blocks for layer in block.layers], **options)
 
     @property

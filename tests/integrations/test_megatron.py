@@ -312,3 +312,23 @@ def test_wrap_forward_step_refuses_args_without_the_flags_where_it_is_called():
         with pytest.raises(TbaConfigError, match="extra_args_provider=add_tba_arguments"):
             wrap_forward_step(lambda data, model: None, args)
     wrap_forward_step(lambda data, model: None, lambda: None)  # a getter is read at the first call
+
+
+def test_a_prefetch_depth_from_the_config_or_its_variable_is_kept(world, spill_dir, monkeypatch):
+    """MegatronOffloader set prefetch_depth_layers itself (1, or recompute_num_layers), an option, which won over the
+    config= beside it and over TBA_PREFETCH_DEPTH_LAYERS, silently (Note [An integration's default yields to a chosen
+    option] in tba/integrations/__init__.py)."""
+    model = pretrain_gpt.build_gpt(parse("--recompute-granularity", "full", "--recompute-num-layers", "2"),
+                                   torch.device("cpu"))
+    depths = {}
+    for name, options in (("config", {"config": tba.OffloadConfig(prefetch_depth_layers=3)}), ("default", {}),
+                          ("option", {"prefetch_depth_layers": 5})):
+        offloader = MegatronOffloader(model, spill_dir, backend="threads", **options)
+        depths[name] = offloader.config.prefetch_depth_layers
+        offloader.close()
+    monkeypatch.setenv("TBA_PREFETCH_DEPTH_LAYERS", "4")
+    offloader = offloader_from_args(parse("--recompute-granularity", "full", "--recompute-num-layers", "2",
+                                          "--tba-offload-activations", "--tba-dir", spill_dir), model)
+    depths["variable"] = offloader.config.prefetch_depth_layers
+    offloader.close()
+    assert depths == {"config": 3, "default": 2, "option": 5, "variable": 4}
