@@ -65,10 +65,11 @@ def option_chosen(options: Mapping[str, Any], name: str) -> bool:
     An integration that sets an option to its own default passes it as an option, and an option wins over the
     ``config=`` beside it and over the environment. MegatronOffloader set ``prefetch_depth_layers`` (1, or
     ``recompute_num_layers`` under full uniform recompute) so, and ``config=OffloadConfig(prefetch_depth_layers=3)``
-    or ``TBA_PREFETCH_DEPTH_LAYERS=4`` (which ``--tba-prefetch-depth-layers``' help says a flag not given leaves
-    the option to) ran at depth 1, silently (helper-165). As for the policy (Note [An integration's offload
-    default and a given config]), a config's value equal to the schema's default cannot be told from one left
-    unset, and takes the integration's default.
+    or ``TBA_PREFETCH_DEPTH_LAYERS=4`` (which add_tba_arguments says a flag not given leaves the option to) ran
+    at depth 1, silently; TbaDeepSpeed put ``<nvme_path>/tba`` and DeepSpeed's ``aio`` request size and depth over
+    ``TBA_DIR``, ``TBA_BLOCK_SIZE_BYTES`` and ``TBA_QUEUE_DEPTH`` (helper-165). As for the policy (Note [An
+    integration's offload default and a given config]), a config's value equal to the schema's default cannot be
+    told from one left unset, and takes the integration's default.
     """
     if name in options:
         return True

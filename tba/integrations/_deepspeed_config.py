@@ -13,6 +13,7 @@ from typing import Any
 
 from tba.config import GOALS, OffloadConfig, option_names
 from tba.errors import TbaConfigError, did_you_mean
+from tba.integrations import option_chosen
 
 CONFIG_KEY = "tba"
 DEEPSPEED_AIO_BLOCK_SIZE_BYTES = 1 << 20
@@ -110,7 +111,7 @@ def _take_aio(options: dict[str, Any], aio: Mapping[str, Any]) -> None:
     """The options the block leaves out that default to DeepSpeed's ``aio`` settings; one tba cannot take is
     refused naming ``aio`` (it was blamed on the block, which never set it)."""
     for option, (aio_key, default) in _AIO_KEYS.items():
-        if option in options:
+        if option_chosen(options, option):  # Note [An integration's default yields to a chosen option]
             continue
         options[option] = aio.get(aio_key, default)
         try:
@@ -127,7 +128,8 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     Keys (all optional): ``enabled`` (default true), ``check_bandwidth`` (default true), and every
     :class:`tba.OffloadConfig` option under its own name, with the schema's default, except that
     ``directory`` defaults to ``<nvme_path>/tba`` with NVMe offload and ``block_size_bytes`` /
-    ``queue_depth`` to DeepSpeed's ``aio`` settings then. Sizes may be strings (``"64K"``).
+    ``queue_depth`` to DeepSpeed's ``aio`` settings then, where their ``TBA_<NAME>`` variables do not set them.
+    Sizes may be strings (``"64K"``).
 
     Raises:
         TbaConfigError: an unknown key or a value of the wrong type, naming the fix.
@@ -159,7 +161,7 @@ def parse_config(config: str | os.PathLike | Mapping[str, Any]) -> TbaSettings |
     if policy != "offload":
         options["policy"] = policy
     directory = block.get("directory")
-    if directory is None and nvme_path is not None:
+    if directory is None and nvme_path is not None and not option_chosen(block, "directory"):  # else $TBA_DIR's
         directory = os.path.join(nvme_path, NVME_SUBDIRECTORY)
     return TbaSettings(
         enabled=block.get("enabled", True),

@@ -21,7 +21,8 @@ block of the DeepSpeed config (DeepSpeed ignores unknown top-level keys), builds
 Shared disk: when ``zero_optimization.offload_param.device`` (else ``offload_optimizer.device``)
 is ``"nvme"``, tba's directory defaults to ``<nvme_path>/tba``, beside DeepSpeed's swap folders,
 and tba's I/O request size and queue depth default to DeepSpeed's ``aio`` block (``block_size``,
-``queue_depth``; DeepSpeed's defaults 1 MiB and 8 when the block is absent). After the first
+``queue_depth``; DeepSpeed's defaults 1 MiB and 8 when the block is absent), where ``TBA_DIR``,
+``TBA_BLOCK_SIZE_BYTES`` and ``TBA_QUEUE_DEPTH`` do not set them. After the first
 optimizer step, if both are on one device, :mod:`tba.integrations.shared_disk` compares the
 planned traffic with a short bandwidth measurement and logs a warning when the disk cannot keep up.
 
@@ -113,8 +114,9 @@ class TbaDeepSpeed:
                                        **{"policy": settings.policy, **settings.offloader_options})
         except TbaConfigError as err:
             raise block_error(str(err)) from err
-        self._check_pending = bool(settings.check_bandwidth and settings.nvme_path is not None
-                                   and shared_disk.same_device(settings.directory, settings.nvme_path))
+        directory = self.offloader.config.directory  # the block's, <nvme_path>/tba, or $TBA_DIR's
+        self._check_pending = bool(settings.check_bandwidth and settings.nvme_path is not None and directory is not None
+                                   and shared_disk.same_device(directory, settings.nvme_path))
         logger.info("tba: offloading activations of the DeepSpeed engine to %s (%s)",
                     settings.directory or "$TBA_DIR or the temp dir",
                     ", ".join(f"{key}={value}" for key, value in settings.offloader_options.items()) or "defaults")

@@ -36,7 +36,7 @@ PARAM_SWAP_PASSES = 3
 
 def existing_ancestor(path: str) -> str:
     """``path`` itself, or its nearest ancestor that exists (a directory may not be created yet)."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(os.path.expanduser(path))  # as the offloader reads it
     while not os.path.exists(path):
         parent = os.path.dirname(path)
         if parent == path:

@@ -302,3 +302,22 @@ def test_a_deepspeed_section_of_the_wrong_type_is_refused_naming_it(config, word
     """tba read these sections' keys with ``.get``: AttributeError or TypeError from inside tba (helper-125)."""
     with pytest.raises(TbaConfigError, match=words):
         tba_ds.TbaDeepSpeed(FakeEngine({**config, "tba": {}}))
+
+
+def test_tba_variables_win_over_the_defaults_taken_from_nvme_offload(tmp_path, monkeypatch):
+    """With NVMe offload the directory and the request size and depth default to DeepSpeed's nvme_path and aio block,
+    passed to the offloader as arguments, which win over TBA_DIR and the other variables: TBA_DIR, set to put tba on
+    another disk (as the shared-disk warning advises), was ignored silently (Note [An integration's default yields to a
+    chosen option] in tba/integrations/__init__.py). The block's own keys still win over the variables."""
+    nvme, elsewhere = tmp_path / "nvme", tmp_path / "elsewhere"
+    nvme.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setenv("TBA_DIR", str(elsewhere))
+    monkeypatch.setenv("TBA_QUEUE_DEPTH", "32")
+    offload = tba_ds.TbaDeepSpeed(FakeEngine(nvme_config(str(nvme), backend="threads")))
+    config = offload.offloader.config
+    assert (config.directory, config.queue_depth, config.block_size_bytes) == (str(elsewhere), 32, 1 << 20)
+    assert offload._check_pending, "the shared-disk check is of the directory tba writes to, on nvme_path's disk here"
+    offload.close()
+    given = tba_ds.parse_config(nvme_config(str(nvme), directory=str(nvme / "mine"), queue_depth=2))
+    assert given.directory == str(nvme / "mine") and given.offloader_options["queue_depth"] == 2
