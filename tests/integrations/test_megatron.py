@@ -332,3 +332,22 @@ def test_a_prefetch_depth_from_the_config_or_its_variable_is_kept(world, spill_d
     depths["variable"] = offloader.config.prefetch_depth_layers
     offloader.close()
     assert depths == {"config": 3, "default": 2, "option": 5, "variable": 4}
+
+
+def test_flags_checked_against_each_other_parse_in_either_order(capsys):
+    """Each flag was range-checked alone, beside the schema's defaults of the others: --tba-staging-bytes 1M was refused
+    at parse ("must hold at least one block of block_size_bytes (4194304); ... lower block_size_bytes") beside the
+    --tba-block-size-bytes 512K that does so. A pair that does not fit is refused where the offloader is built."""
+    parser = add_tba_arguments(argparse.ArgumentParser())
+    for flags in (["--tba-staging-bytes", "1M", "--tba-block-size-bytes", "512K"],
+                  ["--tba-block-size-bytes", "512K", "--tba-staging-bytes", "1M"]):
+        options = tba.integrations.megatron.options_from_args(parser.parse_args(flags))
+        assert (options["staging_bytes"], options["block_size_bytes"]) == (1 << 20, 512 << 10)
+        assert tba.OffloadConfig(**options).staging_bytes == 1 << 20
+    for flag, value, reason in (("--tba-staging-bytes", "-1", "staging_bytes"), ("--tba-block-size-bytes", "1000", "4096")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, value])
+        err = capsys.readouterr().err
+        assert flag in err and reason in err, err
+    with pytest.raises(TbaConfigError, match="must hold at least one block"):
+        tba.OffloadConfig(**tba.integrations.megatron.options_from_args(parser.parse_args(["--tba-staging-bytes", "1M"])))
