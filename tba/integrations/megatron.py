@@ -176,6 +176,19 @@ def _check_flags(args: Any) -> None:
                              "(Megatron-LM: pretrain(..., extra_args_provider=add_tba_arguments))")
 
 
+def _paired_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The options the flags give, ``policy`` defaulting to ``"offload"``; refused where ``--tba-policy adaptive``
+    comes without its goal or the other way round."""
+    flags = options_from_args(args)
+    flags.setdefault("policy", "offload")  # under Megatron tba offloads unless told to plan (its recompute may be on)
+    adaptive = flags.get("policy") == "adaptive"
+    if adaptive != ("memory_budget" in flags or "overhead_bound" in flags):
+        raise TbaConfigError(
+            "--tba-policy adaptive and its goal (--tba-memory-budget or --tba-overhead-bound) go together "
+            "(use --tba-policy offload without a goal to write every activation)")
+    return flags
+
+
 def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn.Module],
                         **options: Any) -> MegatronOffloader | None:
     """The offloader the ``--tba-*`` flags ask for, or None when activations stay in memory.
@@ -197,13 +210,7 @@ def offloader_from_args(args: argparse.Namespace, model: nn.Module | Sequence[nn
             logger.warning("tba: %s given without --tba-offload-activations, so tba is off and activations stay in "
                            "memory; add --tba-offload-activations to offload", " ".join(given))
         return None
-    flags = options_from_args(args)
-    flags.setdefault("policy", "offload")  # under Megatron tba offloads unless told to plan (its recompute may be on)
-    adaptive = flags.get("policy") == "adaptive"
-    if adaptive != ("memory_budget" in flags or "overhead_bound" in flags):
-        raise TbaConfigError(
-            "--tba-policy adaptive and its goal (--tba-memory-budget or --tba-overhead-bound) go together "
-            "(use --tba-policy offload without a goal to write every activation)")
+    flags = _paired_flags(args)
     if flags.get("policy") == "keep":
         logger.info("tba: --tba-policy keep: activations stay in memory")
         return None
@@ -223,6 +230,8 @@ def wrap_forward_step(forward_step_func: Callable[..., Any],
     """
     if not callable(args):  # refused here, not at the first training step's forward (helper-125)
         _check_flags(args)
+        if args.tba_offload_activations:
+            _paired_flags(args)
     built: list[MegatronOffloader | None] = []
 
     @functools.wraps(forward_step_func)

@@ -351,3 +351,12 @@ def test_flags_checked_against_each_other_parse_in_either_order(capsys):
         assert flag in err and reason in err, err
     with pytest.raises(TbaConfigError, match="must hold at least one block"):
         tba.OffloadConfig(**tba.integrations.megatron.options_from_args(parser.parse_args(["--tba-staging-bytes", "1M"])))
+
+
+def test_wrap_forward_step_refuses_flags_that_do_not_go_together_where_it_is_called():
+    """--tba-policy adaptive without its goal (or a goal without it) passed wrap_forward_step and was refused only at
+    the first training step's forward, after Megatron-LM had built the model and the optimizer."""
+    for flags in (["--tba-policy", "adaptive"], ["--tba-memory-budget", "1GiB"]):
+        with pytest.raises(TbaConfigError, match="go together"):
+            wrap_forward_step(lambda data, model: None, parse("--tba-offload-activations", *flags))
+        wrap_forward_step(lambda data, model: None, parse(*flags))  # tba off: offloader_from_args warns at the first call
