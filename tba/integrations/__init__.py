@@ -14,6 +14,7 @@ from typing import Any
 
 from tba.config import GOALS, OffloadConfig, env_name
 from tba.config import options as config_options
+from tba.defaults import ALIGN_BYTES
 from tba.errors import TbaConfigError
 
 
@@ -78,3 +79,28 @@ def option_chosen(options: Mapping[str, Any], name: str) -> bool:
         default = next(field.default for field in config_options() if field.name == name)
         return getattr(config, name) != default
     return os.environ.get(env_name(name), "") != ""
+
+
+_CHECKED_AGAINST = {"staging_bytes": lambda value: {"block_size_bytes": ALIGN_BYTES},
+                    "block_size_bytes": lambda value: {"staging_bytes": value}}
+"""Options the schema checks against another one, and that one set to fit the first's value."""
+
+
+def check_alone(options: Mapping[str, Any]) -> OffloadConfig:
+    """``OffloadConfig(**options)``, where an option checked against another that ``options`` leave out sets that one to
+    fit: where the other comes from elsewhere, the pair is checked when the offloader is built.
+
+    Note: [Options checked against one that comes later]
+    ``staging_bytes`` must hold one block of ``block_size_bytes``. Options checked before the offloader's build, to
+    name where they came from, were checked beside the schema's 4 MiB block: ``--tba-staging-bytes 1M
+    --tba-block-size-bytes 512K`` was refused at the first flag (argparse reads them one at a time), and a DeepSpeed
+    block's ``"staging_bytes": "2M"`` though its block size is DeepSpeed's ``aio.block_size``, 1 MiB by default
+    (helper-165). Its partner, when not among the options, is set so that the pair fits; the offloader's config,
+    which has every value (``TBA_*`` variables too), checks the pair.
+    """
+    partners: dict[str, Any] = {}
+    for name, value in options.items():
+        fit = _CHECKED_AGAINST.get(name)
+        if fit is not None and value is not None:
+            partners.update({key: fitting for key, fitting in fit(value).items() if key not in options})
+    return OffloadConfig(**{**partners, **options})

@@ -11,9 +11,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tba.config import GOALS, OffloadConfig, option_names
+from tba.config import GOALS, option_names
 from tba.errors import TbaConfigError, did_you_mean
-from tba.integrations import option_chosen
+from tba.integrations import check_alone, option_chosen
 
 CONFIG_KEY = "tba"
 DEEPSPEED_AIO_BLOCK_SIZE_BYTES = 1 << 20
@@ -74,8 +74,8 @@ def _check_options(options: dict[str, Any]) -> None:
     for key in BLOCK_KEYS:
         if key in options and not isinstance(options[key], bool):
             raise block_error(f"\"{key}\" must be true or false, got {options[key]!r}")
-    try:
-        OffloadConfig(**{key: value for key, value in options.items() if key not in BLOCK_KEYS})
+    try:  # the block size may be DeepSpeed's aio.block_size: Note [Options checked against one that comes later]
+        check_alone({key: value for key, value in options.items() if key not in BLOCK_KEYS})
     except TbaConfigError as err:
         raise block_error(str(err)) from None
 
@@ -114,8 +114,8 @@ def _take_aio(options: dict[str, Any], aio: Mapping[str, Any]) -> None:
         if option_chosen(options, option):  # Note [An integration's default yields to a chosen option]
             continue
         options[option] = aio.get(aio_key, default)
-        try:
-            OffloadConfig(**{option: options[option]})
+        try:  # beside the block's options (a staging pool): Note [Options checked against one that comes later]
+            check_alone({**options, option: options[option]})
         except TbaConfigError as err:
             raise TbaConfigError(f"DeepSpeed config aio.{aio_key} {options[option]!r}, which tba's {option} defaults to with "
                                  f"NVMe offload, does not suit tba ({err}); set \"{option}\" in the \"{CONFIG_KEY}\" "

@@ -13,10 +13,11 @@ import argparse
 import functools
 from typing import Any
 
-from tba.config import OffloadConfig, format_default, parse_text
+from tba.config import format_default, parse_text
 from tba.config import options as config_options
-from tba.defaults import ALIGN_BYTES, POLICIES
+from tba.defaults import POLICIES
 from tba.errors import TbaConfigError, did_you_mean
+from tba.integrations import check_alone
 from tba.io import backend_names
 
 FLAG_HELP = {
@@ -75,20 +76,13 @@ _NOT_FLAGS = ("profile_steps", "memory_budget_bytes")
 is ``memory_budget`` (``memory_budget_bytes`` is its older name)."""
 
 
-_CHECKED_AGAINST = {"staging_bytes": lambda value: {"block_size_bytes": ALIGN_BYTES},
-                    "block_size_bytes": lambda value: {"staging_bytes": value}}
-"""Options checked against another one: each flag's own check sets that one so that the pair fits, since argparse
-reads the flags one at a time and the other may come later (``--tba-staging-bytes 1M --tba-block-size-bytes 512K``
-was refused at the first, beside the default 4 MiB block). The offloader's build checks the pair."""
-
-
 def _flag_value(name: str, text: str) -> Any:
-    """The option's value, range-checked now (``OffloadConfig`` with it alone, and the options it is checked against
-    set to fit), so that argparse names the flag at parse, not the offloader's build after the model is made."""
+    """The option's value, range-checked now (alone: Note [Options checked against one that comes later] in
+    tba/integrations/__init__.py), so that argparse names the flag at parse, not the offloader's build after the model
+    is made."""
     try:
         value = parse_text(name, text)
-        partner = _CHECKED_AGAINST.get(name)
-        OffloadConfig(**{**(partner(value) if partner and value is not None else {}), name: value})
+        check_alone({name: value})
         return value
     except TbaConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None

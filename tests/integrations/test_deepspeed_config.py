@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tba import TbaConfigError
+from tba import OffloadConfig, TbaConfigError
 from tba.bench.models import PRESETS, make_batch, make_gpt
 from tba.integrations import deepspeed as tba_ds
 from tba.integrations import shared_disk
@@ -321,3 +321,18 @@ def test_tba_variables_win_over_the_defaults_taken_from_nvme_offload(tmp_path, m
     offload.close()
     given = tba_ds.parse_config(nvme_config(str(nvme), directory=str(nvme / "mine"), queue_depth=2))
     assert given.directory == str(nvme / "mine") and given.offloader_options["queue_depth"] == 2
+
+
+def test_a_staging_pool_that_holds_the_aio_block_is_taken(tmp_path):
+    """The block was checked alone, beside the schema's 4 MiB block size: "staging_bytes": "2M" was refused ("must hold
+    at least one block of block_size_bytes (4194304)") though with NVMe offload the block size is DeepSpeed's
+    aio.block_size, 1 MiB by default; and an aio.block_size of 512 MiB was blamed on aio beside a block's 1 GiB pool."""
+    nvme = str(tmp_path / "nvme")
+    for aio, staging, block_size in (({}, "2M", 1 << 20), ({"block_size": 512 << 20}, "1G", 512 << 20)):
+        offload = tba_ds.TbaDeepSpeed(FakeEngine(nvme_config(nvme, aio=aio, backend="threads", staging_bytes=staging,
+                                                             check_bandwidth=False)))
+        assert (offload.offloader.config.block_size_bytes, offload.offloader.config.staging_bytes) == \
+            (block_size, OffloadConfig(staging_bytes=staging, block_size_bytes=4096).staging_bytes)
+        offload.close()
+    with pytest.raises(TbaConfigError, match=r"^DeepSpeed config \"tba\" block: staging_bytes \(2097152\) must hold"):
+        tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"staging_bytes": "2M"}}))  # no NVMe offload: the schema's 4 MiB block
