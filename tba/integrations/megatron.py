@@ -41,6 +41,7 @@ from tba.defaults import PREFETCH_DEPTH_LAYERS
 from tba.errors import TbaConfigError
 from tba.integrations import check_goal, integration_policy, option_chosen
 from tba.integrations._megatron_flags import FLAG_HELP, FLAG_NAMES, add_tba_arguments, flag_name, options_from_args
+from tba.policy import Plan
 from tba.runtime import KeepReason, Offloader
 
 __all__ = ["FLAG_HELP", "FLAG_NAMES", "MegatronOffloader", "add_tba_arguments", "check_recompute_config", "flag_name",
@@ -144,11 +145,8 @@ class MegatronOffloader(Offloader):
                    fix="pass policy='adaptive' too")
         for block in blocks:
             check_recompute_config(block.config)
-            if options["policy"] not in ("offload", "keep") and block.config.recompute_granularity:
-                raise TbaConfigError(
-                    f"tba's adaptive policy chooses which layers to recompute itself; Megatron's "
-                    f"recompute_granularity={block.config.recompute_granularity!r} would recompute "
-                    "them twice: drop Megatron's recompute flags or use --tba-policy offload")
+            if block.config.recompute_granularity:
+                _check_recomputes_nothing(options["policy"], block.config.recompute_granularity)
         if not option_chosen(options, "prefetch_depth_layers"):  # Note [An integration's default yields to a chosen option]
             options["prefetch_depth_layers"] = recompute_prefetch_depth(blocks)
         super().__init__(directory, layers=[layer for block in blocks for layer in block.layers], **options)
@@ -168,6 +166,24 @@ class MegatronOffloader(Offloader):
         if self._is_checkpointing():
             return KeepReason.RECOMPUTED_ELSEWHERE
         return super().keep_reason(tensor)
+
+
+def _check_recomputes_nothing(policy: Any, granularity: str) -> None:
+    """Refuse a policy that may recompute a layer beside Megatron's recompute: "adaptive", a policy object, or a
+    ``tba.Plan`` that recomputes one (a plan that only keeps and offloads runs)."""
+    if isinstance(policy, str) and policy in ("offload", "keep"):
+        return
+    if isinstance(policy, Plan):
+        recomputed = [index for index, decision in enumerate(policy.decisions) if "recompute" in decision]
+        if recomputed:
+            raise TbaConfigError(f"the plan recomputes layer {recomputed[0]} itself; Megatron's recompute_granularity="
+                                 f"{granularity!r} would recompute it twice: drop Megatron's recompute flags, or "
+                                 "keep or offload that layer in the plan")
+        return
+    raise TbaConfigError(
+        f"tba's {policy if isinstance(policy, str) else type(policy).__name__} policy chooses which layers to recompute "
+        f"itself; Megatron's recompute_granularity={granularity!r} would recompute them twice: drop Megatron's "
+        "recompute flags or use --tba-policy offload")
 
 
 def _check_flags(args: Any) -> None:

@@ -360,3 +360,17 @@ def test_wrap_forward_step_refuses_flags_that_do_not_go_together_where_it_is_cal
         with pytest.raises(TbaConfigError, match="go together"):
             wrap_forward_step(lambda data, model: None, parse("--tba-offload-activations", *flags))
         wrap_forward_step(lambda data, model: None, parse(*flags))  # tba off: offloader_from_args warns at the first call
+
+
+def test_a_plan_that_only_keeps_and_offloads_runs_beside_megatrons_recompute(world, spill_dir):
+    """Beside Megatron's recompute every policy but "offload" and "keep" was refused as "tba's adaptive policy chooses
+    which layers to recompute itself", a pinned tba.Plan that recomputes nothing too, with a fix (--tba-policy offload)
+    that drops the plan. A plan that recomputes a layer is refused naming the plan."""
+    model = pretrain_gpt.build_gpt(parse(*RECOMPUTE_FLAGS["full"]), torch.device("cpu"))
+    plan = tba.Plan(("keep", "offload"), 1 << 20)
+    offloader = MegatronOffloader(model, spill_dir, backend="threads", policy=plan)
+    assert offloader.config.policy == plan
+    offloader.close()
+    with pytest.raises(TbaConfigError, match=r"the plan recomputes layer 0 itself; Megatron's recompute_granularity='full' "
+                                             r"would recompute it twice: .*keep or offload"):
+        MegatronOffloader(model, spill_dir, backend="threads", policy=tba.Plan(("offloaded_recompute", "keep"), 1 << 20))
