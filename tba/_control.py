@@ -76,7 +76,17 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     _control.jobs.put((reply, fn, args))
     error, result = reply.get()
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            # Note: [A raised error is no local of the frame it leaves]
+            # Raising adds this frame to the error's traceback, and the frame's local holds the error: a cycle
+            # that kept every frame of the traceback, the caller's included (its model outputs, a step's graph
+            # and the offloader holding its spill file, fd and I/O thread) until the cycle collector ran. An
+            # adaptive context refused at planning (memory_budget) left them so (tests/test_control.py). call_whole
+            # drops its own, and the control thread's job frame the result that carried one (call_whole's
+            # _capture): the error's frames keep that frame alive as their caller (f_back).
+            del error
     return result
 
 
@@ -189,11 +199,14 @@ def call_whole(fn: Callable[..., Any], *args: Any) -> Any:
         except BaseException as err:  # noqa: BLE001 - re-raised below, once the job has run
             if interrupted is None:
                 interrupted = err
-    if interrupted is not None:
-        raise interrupted
-    if error is not None:
-        raise error
-    return result
+    try:  # Note [A raised error is no local of the frame it leaves]
+        if interrupted is not None:
+            raise interrupted
+        if error is not None:
+            raise error
+        return result
+    finally:
+        del interrupted, error
 
 
 def on_death(obj: object, fn: Callable[..., Any], *args: Any) -> CallFinalizer:

@@ -156,6 +156,7 @@ class Control:
             else:
                 if reply is not None:
                     reply.put((None, result))
+                result = None  # Note [A raised error is no local of the frame it leaves] in tba/_control.py
         except BaseException:  # noqa: BLE001 - the control thread must outlive any one job
             logger.exception("tba: a job on the control thread failed")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tba import _control, _control_loop
 
 
@@ -95,3 +97,39 @@ def test_a_deferred_job_that_raises_is_logged_and_the_items_after_it_still_run_i
     assert ran == [1, "finalizer", 2]
     assert sum("deferred job on the control thread failed" in record.getMessage() for record in caplog.records) == 2
     assert gone() is None, "the control thread kept the last deferred job's arguments"
+
+
+@pytest.mark.parametrize("route", ["call", "call_whole"])
+def test_an_error_a_job_raises_holds_no_frame_of_its_caller_once_handled(route):
+    """Note [A raised error is no local of the frame it leaves]: once the caller has handled the error, nothing keeps
+    it or the caller's frame (here an object of that frame) alive, even with the cycle collector off."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    class Failed(RuntimeError):  # weakly referable, as a builtin exception is not
+        pass
+
+    def fail() -> None:
+        raise Failed("a job failed on purpose")
+
+    def caller() -> tuple[weakref.ref, weakref.ref]:
+        held = Held()
+        try:
+            getattr(_control, route)(fail)
+        except Failed as err:
+            error = weakref.ref(err)
+        return error, weakref.ref(held)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        error, held = caller()
+        _control.call(len, ())  # the control thread is past the failed job, whose frame held its result until it returned
+        assert error() is None, f"{route} left the error in a reference cycle"
+        assert held() is None, f"{route}'s error kept its caller's frame"
+    finally:
+        if enabled:
+            gc.enable()

@@ -214,6 +214,34 @@ def test_budget_below_the_least_the_model_needs_raises_when_planning(model, spil
     offloader.close()
 
 
+def test_a_budget_refused_at_planning_keeps_nothing_of_the_step_once_handled(model, spill_dir):
+    """Note [A raised error is no local of the frame it leaves] in tba/_control.py: the refusal, made on the control
+    thread, kept the failed step's frames (the graph a training loop held there) until the cycle collector ran."""
+    tokens, targets = make_batch(CONFIG, seed=4)
+    offloader = tba.Offloader(spill_dir, backend="threads", layers=model, min_offload_bytes=0,
+                              memory_budget=1000, profile_steps=1)
+    with offloader:
+        model(tokens, targets).backward()
+
+    def step() -> tuple[weakref.ref, weakref.ref]:
+        held = model(tokens, targets)  # a graph of the loop's, alive in this frame when the refusal is raised
+        try:
+            with offloader:
+                pass
+        except tba.TbaConfigError as err:
+            return weakref.ref(err), weakref.ref(held)
+        raise AssertionError("the budget was not refused")
+
+    gc.disable()
+    try:
+        error, held = step()
+        _control.call(len, ())  # the control thread is past the refused job
+        assert error() is None and held() is None, "the refusal's error and its caller's graph are in a cycle"
+    finally:
+        gc.enable()
+        offloader.close()
+
+
 class _RefusesLargeShapes(tba.Policy):
     """Keeps everything, but refuses (as a budget would) a profile saving over twice the first one's bytes."""
 
