@@ -93,13 +93,13 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
 def wait(outcome: Outcome) -> Any:
     """``outcome.wait()``, adding the time blocked to :func:`waited_s` (Note [Waiting without a Python
     lock] in ``tba/_outcome.py`` says why tba's waits are not on a ``Future``)."""
-    if outcome.done():
-        return outcome.wait()
-    started = time.perf_counter()
+    started = None if outcome.done() else time.perf_counter()
     try:
         return outcome.wait()
     finally:
-        _waits.seconds = getattr(_waits, "seconds", 0.0) + time.perf_counter() - started
+        del outcome  # Note [A failed outcome is no local of the frames it is raised through] in tba/_outcome.py
+        if started is not None:
+            _waits.seconds = getattr(_waits, "seconds", 0.0) + time.perf_counter() - started
 
 
 _waits = threading.local()

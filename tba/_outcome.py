@@ -69,6 +69,20 @@ class Outcome:
             self._waiters.append(arrived)
             if not self._done:
                 arrived.get()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        error = self._error
+        if error is None:
+            return self._value
+        # Note: [A failed outcome is no local of the frames it is raised through]
+        # The outcome keeps its error, and raising the error adds to its traceback every frame it passes, which
+        # keep their callers (f_back) up to backward's and the training loop's: a frame there that still held the
+        # outcome made a cycle, and a read that failed (an I/O error, or running out of memory for its buffer)
+        # kept the step's graph, its offloader and spill file after the loop caught the error and dropped the
+        # loss, until the cycle collector ran (tests/runtime/test_faults.py). So this frame, tba._control.wait's,
+        # StoreReadWait.wait_read's and the unpack's let go of the outcome before the error leaves them (no entry
+        # holds a finished read's outcome). Note [A raised error is no local of the frame it leaves] in
+        # tba/_control.py is the same for a job of the control thread.
+        del self
+        try:
+            raise error
+        finally:
+            del error

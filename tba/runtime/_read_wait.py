@@ -71,9 +71,12 @@ class StoreReadWait:
             with nvtx_range("wait_read"):
                 result = wait(done)
         except (TbaError, torch.OutOfMemoryError, MemoryError):
+            del done  # Note [A failed outcome is no local of the frames it is raised through] in tba/_outcome.py
             raise
         except Exception as err:  # Note [A device error reading back is a read error]
-            if not done.failed_with(err):
+            # Note [A failed outcome is no local of the frames it is raised through] in tba/_outcome.py
+            failed, done = done.failed_with(err), None
+            if not failed:
                 raise
             raise TbaReadError(
                 f"cannot read back {entry.describe()}: spill file in {self.spill.directory}, "

@@ -137,6 +137,8 @@ class UnpackHooks:
             except EngineClosedError:
                 raise TbaError(f"cannot unpack {entry.describe()}: the offloader was closed during backward; "
                                "call close() only after the last backward") from None
+            finally:
+                reading = None  # Note [A failed outcome is no local of the frames it is raised through] in tba/_outcome.py
             self._unpack_waker.note(_control.defer(store.note_unpacked, entry, id(packed)), entry.nbytes)
         tensor = packed.rebuild(data)
         if entry.route is not store.route_without_consume:  # the host route's consume does nothing

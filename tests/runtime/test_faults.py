@@ -58,6 +58,46 @@ def test_failed_read_raises_naming_tensor_file_and_offset(spill_dir, fault):
     engine.close()
 
 
+class _OutOfMemoryReads(FaultyEngine):
+    """Every read fails as running out of memory does (a read buffer that could not be allocated)."""
+
+    def _failure(self, request):
+        return MemoryError("no memory for the read buffer") if request.op.name == "READ" else None
+
+
+@pytest.mark.parametrize("engine_type", [FaultyEngine, _OutOfMemoryReads], ids=["eio", "memory"])
+def test_a_failed_read_caught_by_the_loop_keeps_nothing_of_its_step(spill_dir, engine_type):
+    """Note [A raised error is no local of the frame it leaves] in tba/_control.py: the read's error, kept by its
+    Outcome, held the frames that waited for it, and through them (f_back) backward's frames and the loss: the step's
+    graph and offloader lived on, after a loop caught the error and dropped the loss, until the cycle collector ran."""
+    import gc
+    import weakref
+
+    model, forward = tiny_gpt()
+    engine = engine_type(read_errno=errno.EIO)
+
+    def step() -> tuple[weakref.ref, weakref.ref, BaseException]:
+        offloader = tba.offload_activations(spill_dir, backend=engine, min_offload_bytes=0, layers=model)
+        with offloader:
+            loss = forward(model)
+            offloader.flush()
+        try:
+            loss.backward()
+        except (TbaReadError, MemoryError) as err:
+            return weakref.ref(loss), weakref.ref(offloader), type(err)
+        raise AssertionError("the read did not fail")
+
+    gc.disable()
+    try:
+        loss, offloader, raised = step()
+        tba._control.call(len, ())  # the control thread is past the failed read
+        assert raised is (TbaReadError if engine_type is FaultyEngine else MemoryError)
+        assert loss() is None and offloader() is None, "the failed read's error kept the step's graph and offloader"
+    finally:
+        gc.enable()
+        engine.close()
+
+
 def test_failed_read_never_returns_data(spill_dir):
     engine = FaultyEngine(read_errno=errno.EIO)
     with tba.Offloader(spill_dir, backend=engine, min_offload_bytes=0) as off:
