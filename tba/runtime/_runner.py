@@ -280,9 +280,9 @@ class PolicyRunner(InputShapes, RunnerPolicy, OneStepAtATime):
             # compiled (their saves carry no module stack, tba/runtime/_discover.py): nothing to plan
             # for, so every step offloads all.
             self._said_none_found = True
-            say_no_repeated_blocks()
+            say_no_repeated_blocks(self.policy)  # Note [A budget no plan is made for is said to be unchecked]
         elif self._layer_refs and not ran_a_layer:
-            self._forgotten = forget_layers(self._forgotten)
+            self._forgotten = forget_layers(self._forgotten, self.policy)
             self._step.pending = None
             self._set_layers([])
 

@@ -473,6 +473,24 @@ def test_a_model_without_repeated_blocks_warns_once_and_offloads_every_step(spil
     assert caplog.text.count("found no repeated blocks") == 1
 
 
+def test_a_model_without_repeated_blocks_says_its_budget_is_not_checked(spill_dir, caplog):
+    """Note [A budget no plan is made for is said to be unchecked] in tba/runtime/_layer_notices.py."""
+    class Single(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(32, 64), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x)).square().mean()
+
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(step)),) for step in range(3)]
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        _, contexts = train(Single(), batches, bare(spill_dir, memory_budget=1000))
+    assert all(context.step_plan is None for context in contexts)
+    said = [r.getMessage() for r in caplog.records if "found no repeated blocks" in r.getMessage()]
+    assert len(said) == 1 and "memory_budget=1000 B is not checked, since no plan is made" in said[0], said
+
+
 class _ChangedAfter(torch.nn.Module):
     """Blocks that save nothing sharing their input's version counter (dropout first), whose input the model's
     loop changes in place after blocks 1 and 3 (the last): legal without tba, not under recomputation."""

@@ -237,6 +237,22 @@ def test_an_offloader_alternating_between_two_models_says_it_never_plans(spill_d
     assert len(said) == 1, said
 
 
+def test_an_offloader_alternating_between_two_models_says_its_budget_is_not_checked(spill_dir, caplog):
+    """Note [A budget no plan is made for is said to be unchecked] in tba/runtime/_layer_notices.py: a budget no
+    placement could meet trained on, never refused, and the warning did not name it."""
+    torch.manual_seed(0)
+    first, second = make_model(), make_model()
+    caplog.set_level(logging.WARNING, logger="tba")
+    off = tba.Offloader(spill_dir, min_offload_bytes=0, memory_budget="1K")
+    for step in range(6):
+        with off:
+            loss = (first if step % 2 == 0 else second)(torch.randn(64, 256)).logsumexp(-1).mean()
+        loss.backward()
+    off.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "tba" and "Offloader per model" in r.getMessage()]
+    assert len(said) == 1 and "memory_budget=1.0 KiB is not checked, since no plan is made" in said[0], said
+
+
 def test_an_offloader_around_another_model_once_says_nothing(spill_dir, caplog):
     torch.manual_seed(0)
     model, other = make_model(), make_model()
