@@ -296,10 +296,10 @@ def _wait_all(futures: list[Any]) -> BaseException | None:
     return first
 
 
-def _failure(futures: list[Any]) -> OSError | None:
+def _failure(futures: list[Any]) -> BaseException | None:
     """None once every piece of a transfer succeeded; else the first error, once no piece moves any more."""
     error = _wait_all(futures)
-    if error is None or isinstance(error, OSError):
+    if error is None or isinstance(error, OSError) or "CUDA error" in str(error):  # a CUDA error: the GPU's, not the disk's
         return error
     # kvikio raises RuntimeError for I/O failures ("POSIX error on pwrite: No space left on device"); the store turns
     # OSError into TbaReadError, and a write's errno into its warning's cause and fix (one warning per cause).

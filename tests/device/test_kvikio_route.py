@@ -145,3 +145,23 @@ def test_kvikio_errors_keep_their_cause(route, message, number):
     route.write(torch.zeros(100, dtype=torch.uint8), 0, -1, 0, lambda error: (seen.append(error), done.set()), _NoWait())
     assert done.wait(5)
     assert isinstance(seen[0], OSError) and seen[0].errno == number and message in str(seen[0])
+
+
+@pytest.mark.parametrize("kind", ["write", "read"])
+def test_a_cuda_error_of_kvikio_is_not_blamed_on_the_disk(route, kind):
+    """kvikio raises RuntimeError for a CUDA failure too (its compatibility mode copies through the device; a kernel's
+    illegal access breaks the context). Every RuntimeError became OSError(EIO), so a failed write's warning told the user
+    to check the disk (dmesg) for a GPU fault. A message naming no errno and a CUDA error stays the error it was."""
+    from tba.runtime._release import write_error_cause
+
+    message = "CUDA error at: kvikio/posix_io.hpp: CUDA_ERROR_ILLEGAL_ADDRESS an illegal memory access was encountered"
+    route.futures.append(_Finished(RuntimeError(message)))
+    done, seen = threading.Event(), []
+    if kind == "write":
+        route.write(torch.zeros(100, dtype=torch.uint8), 0, -1, 0, lambda error: (seen.append(error), done.set()),
+                    _NoWait())
+    else:
+        route.read(torch.device("cpu"), 100, 0, -1, 0, lambda error, data, event: (seen.append(error), done.set()))
+    assert done.wait(5)
+    assert not isinstance(seen[0], OSError) and message in str(seen[0])
+    assert write_error_cause(seen[0], 100)[1].startswith("The GPU failed, not the disk")
