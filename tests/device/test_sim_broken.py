@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
 import pytest
 import torch
@@ -201,3 +202,21 @@ def test_a_context_broken_at_a_random_point_of_a_step(tmp_path, seed):
     assert sim.problems() == [], "\n".join(sim.problems())
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith(("tba", "fake"))]
     assert not left, f"threads left: {left}"
+
+
+@pytest.mark.parametrize("gds", [True, False], ids=["gds", "compat"])
+def test_kvikio_writes_under_way_when_the_context_breaks_fail_as_the_gpus(sim, tmp_path, caplog, gds):
+    """kvikio transfers already handed over when the context broke ran on as if nothing happened: the fake moved their
+    bytes, where kvikio's compatibility mode copies through the device (a CUDA call, which fails) and cuFile's DMA of a
+    broken context fails too. They fail with the context's error now, and the writes' warning names the GPU, not the
+    disk (Note [A broken context] in tba/device/sim/_faults.py)."""
+    with fake_kvikio(sim, gds=gds) as kvikio:
+        offloader = tba.Offloader(tmp_path, backend="kvikio", **SMALL)
+        kvikio.write_gate = types.SimpleNamespace(wait=sim.break_context)  # breaks it under the write's task
+        with offloader:
+            saved = offloader.pack(torch.randn(4096) * 2)
+            offloader.flush()
+        assert offloader.stats.bytes_kept_on_error > 0, "a write handed over before the context broke moved its bytes"
+        assert "The GPU failed, not the disk" in caplog.text and "Check the disk" not in caplog.text, caplog.text
+        del saved
+        _closed_clean(offloader, None, tmp_path)

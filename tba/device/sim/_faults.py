@@ -20,10 +20,12 @@ there never complete. :meth:`SimulatedCuda.break_context` (or a fault injected w
 call of :class:`tba.device.CudaApi` raises the error (creating streams and events, records, waits,
 queries and synchronizes, copies, allocations, page-locking and unlocking), a host thread already
 waiting for an event raises it instead of waiting for ever, and so do the model's own operators
-and the fake kvikio's transfers. As nothing on the device runs again, every later access of the
-host is ordered after all device work (``HappensBefore.quiesce``): reusing a staging block whose
-copy never ran is no race. What tba must still do then is end: raise, close its file, stop
-its threads and leave no waiter hanging. :meth:`clear_faults` does not mend a broken context.
+and the fake kvikio's transfers, those already under way included (kvikio's compatibility mode
+copies through the device, and cuFile's DMA fails with the context). As nothing on the device
+runs again, every later access of the host is ordered after all device work
+(``HappensBefore.quiesce``): reusing a staging block whose copy never ran is no race. What tba
+must still do then is end: raise, close its file, stop its threads and leave no waiter hanging.
+:meth:`clear_faults` does not mend a broken context.
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ class FakeKvikio:
         time.sleep(self._rng.random() * self._max_delay_s)
         if write and self.write_gate is not None:
             self.write_gate.wait()
+        self.sim.check_alive()  # Note [A broken context] in tba/device/sim/_faults.py: a transfer under way fails too
         if not write and self.fail_reads is not None:
             raise self.fail_reads
         alive = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
