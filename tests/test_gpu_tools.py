@@ -18,6 +18,21 @@ def test_the_gpu_check_script_parses():
     assert subprocess.run(["bash", "-n", str(TOOLS / "gpu_check.sh")]).returncode == 0
 
 
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["-h"], 0), (["--steps", "2"], 2)])
+def test_the_gpu_check_script_answers_help_and_refuses_arguments_before_any_work(argv, code, tmp_path):
+    """``--help`` ran every check (building the extensions, writing under $OUT and /var/tmp/tba), as did an argument
+    it does not take: it prints its header, or refuses in one line, and leaves nothing."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(TOOLS / "gpu_check.sh"), *argv], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, cwd=tmp_path)
+    assert done.returncode == code, done.stdout + done.stderr
+    assert not out.exists()
+    if code == 0:
+        assert "device checks" in done.stdout and "BUDGET_S" in done.stdout and "set -u" not in done.stdout
+    else:
+        assert done.stderr.strip().splitlines() == ["gpu_check.sh: takes no arguments (got '--steps'); --help says what it runs"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_checkpoint_repro_refuses_without_cuda():
     done = run_python([str(TOOLS / "checkpoint_early_stop.py"), "history"], timeout=120)

@@ -13,6 +13,11 @@
 # 15-minute lease for a shorter second call.
 # Everything lands in $OUT; the last lines printed are the report's summary.
 set -u
+case "${1:-}" in
+    -h|--help) sed -n '2,/^set -u$/{/^set -u$/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    "") ;;
+    *) echo "gpu_check.sh: takes no arguments (got '$1'); --help says what it runs" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tba-gpu-check}
 mkdir -p "$OUT"
