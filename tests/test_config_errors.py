@@ -268,3 +268,18 @@ def test_a_pseudo_file_system_is_named_not_a_missing_file(directory, match):
         pytest.skip("as a user, /proc is refused earlier as not writable")
     with pytest.raises(TbaConfigError, match=match):
         SpillFile(directory)
+
+
+@pytest.mark.parametrize("make", [tba.offload_activations, tba.Offloader])
+def test_policy_keep_from_the_environment_without_layers_names_the_variable(make, monkeypatch, spill_dir):
+    """``TBA_POLICY=keep`` exported for a baseline run made a bare context fail as "policy keep needs the model's
+    layers: pass layers=model", naming neither the variable nor that unsetting it is a fix: the program passed no
+    policy at all (helper-168). An argument is not blamed on the environment."""
+    monkeypatch.setenv("TBA_POLICY", "keep")
+    with pytest.raises(TbaConfigError, match=r"^policy keep needs the model's layers: pass layers=model or a list of "
+                                             r"blocks \(policy from \$TBA_POLICY=keep: or unset TBA_POLICY\)$"):
+        make(spill_dir)
+    with pytest.raises(TbaConfigError) as raised:
+        make(spill_dir, policy="keep")
+    assert "TBA_POLICY" not in str(raised.value)
+    make(spill_dir, layers=[torch.nn.Linear(2, 2)]).close()  # with layers the variable's keep runs

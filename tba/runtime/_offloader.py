@@ -46,7 +46,7 @@ from torch import nn
 
 from tba import _control
 from tba.allocator import detect as detect_allocator
-from tba.config import OffloadConfig, signature_with_options
+from tba.config import OffloadConfig, env_name, signature_with_options
 from tba.defaults import DEFER_WAKE_UNPACK_BYTES, DEFER_WAKE_UNPACK_JOBS
 from tba.device import DeviceOps, cuda_api, host_engine_backend
 from tba.errors import TbaConfigError
@@ -96,6 +96,8 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
             raise TbaConfigError(f"config must be a tba.OffloadConfig, got {type(config).__name__}")
         if directory is not None:
             options["directory"] = directory
+        policy_variable = (env_name("policy") if config is None and "policy" not in options
+                           and os.environ.get(env_name("policy"), "") != "" else None)
         config = OffloadConfig.from_env(**options) if config is None else config.replace(**options)
         self.config = config
         """The options in force (:class:`tba.OffloadConfig`), validated."""
@@ -149,11 +151,17 @@ class Offloader(StepCycle, SavedTensorHooks, StoreOwner):
         self._stats_base: OffloadStats | None = None
         self._tracker = LayerTracker(self.layers, given=layers)
         self._state_keys = StateKeys(self.layers)
-        self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable, directory=self.directory,
-                                           memory_budget_bytes=config.memory_budget_bytes,
-                                           overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
-                                           prefetch_depth_layers=config.prefetch_depth_layers,
-                                           prefetch_budget_bytes=config.prefetch_budget_bytes)
+        try:
+            self.policy_runner = shared_runner(self.layers, config.policy, shared=not _reusable, directory=self.directory,
+                                               memory_budget_bytes=config.memory_budget_bytes,
+                                               overhead_bound=config.overhead_bound, profile_steps=config.profile_steps,
+                                               prefetch_depth_layers=config.prefetch_depth_layers,
+                                               prefetch_budget_bytes=config.prefetch_budget_bytes)
+        except TbaConfigError as err:
+            if policy_variable is not None:  # the program passed no policy: name the variable it came from
+                err.args = (f"{err} (policy from ${policy_variable}={os.environ[policy_variable]}: or unset "
+                            f"{policy_variable})", *err.args[1:])
+            raise
         self._policy = self.policy_runner.policy
         """The runner's policy object, which a shared runner holds weakly (Note [A policy object in one-shot contexts])."""
         self._note_unpack = self.policy_runner.note_unpack
