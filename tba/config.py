@@ -125,6 +125,8 @@ class OffloadConfig:
         """
         check_names(options)
         environ = os.environ if environ is None else environ
+        if options.get("directory") is None and environ.get("TBA_DIRECTORY", "") != "":  # TBA_<NAME> but for directory
+            raise TbaConfigError("$TBA_DIRECTORY is not read: the directory's variable is TBA_DIR; rename it to TBA_DIR")
         values = dict(options)
         from_environ: dict[str, str] = {}
         goal_given = any(options.get(name) is not None for name in GOALS)
@@ -274,4 +276,5 @@ def parse_text(name: str, text: str) -> Any:
 OffloadConfig.__signature__ = inspect.signature(OffloadConfig.__init__).replace(  # type: ignore[attr-defined]
     parameters=[p.replace(annotation=_accepted(f)) for p, f in  # __init__'s, not __new__'s
                 zip(list(inspect.signature(OffloadConfig.__init__).parameters.values())[1:], dataclasses.fields(OffloadConfig))])
-OffloadConfig.__doc__ = (OffloadConfig.__doc__ or "") + "\n\nFields (environment variable TBA_<NAME>):\n" + options_doc()
+OffloadConfig.__doc__ = ((OffloadConfig.__doc__ or "") + "\n\nFields (environment variable TBA_<NAME>, TBA_DIR for "
+                         "directory):\n" + options_doc())

@@ -283,3 +283,20 @@ def test_policy_keep_from_the_environment_without_layers_names_the_variable(make
         make(spill_dir, policy="keep")
     assert "TBA_POLICY" not in str(raised.value)
     make(spill_dir, layers=[torch.nn.Linear(2, 2)]).close()  # with layers the variable's keep runs
+
+
+def test_tba_directory_is_refused_naming_tba_dir(monkeypatch, spill_dir, tmp_path):
+    """Every option's variable is TBA_<NAME> (help(tba.OffloadConfig), the README) but the directory's, TBA_DIR:
+    ``TBA_DIRECTORY=/nvme/tba`` was ignored in silence and the spill file went to the system temp directory, maybe a
+    RAM-backed one (helper-168). It is refused naming TBA_DIR, also beside TBA_DIR (two places for one option)."""
+    monkeypatch.setenv("TBA_DIRECTORY", str(tmp_path))
+    with pytest.raises(TbaConfigError, match=r"^\$TBA_DIRECTORY is not read: the directory's variable is TBA_DIR; "
+                                             r"rename it to TBA_DIR$"):
+        tba.offload_activations()
+    monkeypatch.setenv("TBA_DIR", spill_dir)
+    with pytest.raises(TbaConfigError, match=r"^\$TBA_DIRECTORY is not read"):
+        tba.OffloadConfig.from_env()
+    assert tba.OffloadConfig.from_env(directory=spill_dir).directory == spill_dir  # an argument needs no variable
+    assert tba.OffloadConfig(directory=spill_dir).directory == spill_dir  # the plain constructor reads none
+    monkeypatch.delenv("TBA_DIRECTORY")
+    assert tba.OffloadConfig.from_env().directory == spill_dir

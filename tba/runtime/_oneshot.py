@@ -33,7 +33,7 @@ def offload_activations(directory: str | os.PathLike | None = None, *,
             None (default): found during the first forward. Used to tag storages for prefetch and
             for placement policies; their parameters and buffers are never written.
         config: A :class:`tba.OffloadConfig`; keywords given here override its fields.
-        **options: Any field of :class:`tba.OffloadConfig` (each also read from ``TBA_<NAME>``):
+        **options: Any field of :class:`tba.OffloadConfig` (each also read from ``TBA_<NAME>``, ``TBA_DIR`` for ``directory``):
 {options}
 
     The returned offloader is one-shot: it closes its file once backward has released every
