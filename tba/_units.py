@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import re
 
+from tba.errors import TbaConfigError
+
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?B)?|B)?\s*", flags=re.IGNORECASE)
 
 
-class SizeError(ValueError, argparse.ArgumentTypeError):
-    """A string that is not a byte size; argparse shows its message as the option's error."""
+class SizeError(TbaConfigError, argparse.ArgumentTypeError):
+    """A string that is not a byte size; argparse shows its message as the option's error. A
+    :class:`~tba.errors.TbaConfigError` (so a ``ValueError``): :func:`tba.parse_size` is public."""
 
 
 def parse_size(text: str) -> int:

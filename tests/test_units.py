@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+import tba
 from tba import parse_size
 from tba._units import readable_size
 
@@ -15,3 +18,11 @@ def test_whole_sizes_are_exact_above_two_to_the_53():
 def test_a_readable_size_is_in_the_largest_unit_it_reaches():
     assert [readable_size(n) for n in (0, 1023, 1024, 1536 * 2**20, 2**62, 99999999999999 * 2**40)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 GiB", "4.0 EiB", "90.9 YiB"]
+
+
+@pytest.mark.parametrize("text", ["1e3", "-1", "0.5", "lots"])
+def test_a_bad_size_given_to_the_public_parser_is_a_tba_config_error(text):
+    """``tba.parse_size`` is public, and a user's bad size raised a bare ValueError subclass that ``except
+    tba.TbaError`` did not catch, unlike the same size given as an option (helper-168)."""
+    with pytest.raises(tba.TbaConfigError, match="for example"):
+        parse_size(text)
