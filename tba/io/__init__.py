@@ -62,7 +62,10 @@ def register_engine(name: str, factory: EngineFactory, unavailable_reason: Calla
     The one list of engine backends: ``backend_names()``, ``available_backends()``, ``doctor`` and the
     parametrized engine tests all read it. ``"auto"`` and ``"kvikio"`` (a device route) are not engines.
     """
-    if not name or name in ("auto", "kvikio"):
+    if not isinstance(name, str) or not name:  # an int name broke every later unknown-backend message
+        raise TbaConfigError(f"register_engine takes the engine's name as a non-empty str, such as 'spdk'; got "
+                             f"{type(name).__name__} {name!r}")
+    if name in ("auto", "kvikio"):
         raise TbaConfigError(f"cannot register an engine named {name!r}")
     if not callable(factory) or not callable(unavailable_reason):
         raise TbaConfigError(f"register_engine({name!r}, ...) takes a factory called as factory(queue_depth) and "

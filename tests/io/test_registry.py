@@ -62,3 +62,15 @@ def test_an_engine_that_is_not_a_factory_is_refused_when_registered():
     with pytest.raises(TbaConfigError, match=r"factory called as factory\(queue_depth\).*got int 5"):
         register_engine("five", 5)
     assert "five" not in engine_names()
+
+
+@pytest.mark.parametrize("name", [5, None, b"mine", ("a",)], ids=["int", "None", "bytes", "tuple"])
+def test_a_name_that_is_not_a_string_is_refused_when_registered(name, monkeypatch):
+    """``register_engine(5, factory)`` was accepted, and every later unknown-backend error then failed to be written
+    (``AttributeError: 'int' object has no attribute 'lower'``) instead of naming the backends (helper-168)."""
+    monkeypatch.setattr("tba.io._ENGINES", dict(__import__("tba.io", fromlist=["_ENGINES"])._ENGINES))
+    with pytest.raises(TbaConfigError, match=r"register_engine takes the engine's name as a non-empty str"):
+        register_engine(name, lambda depth: ThreadEngine())
+    assert engine_names()[:2] == ("io_uring", "threads") and all(isinstance(n, str) for n in engine_names())
+    with pytest.raises(TbaConfigError, match="unknown backend 'spdk'"):
+        make_engine("spdk")
