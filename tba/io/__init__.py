@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 from collections.abc import Callable
 
-from tba.defaults import MAX_ENGINE_THREADS, QUEUE_DEPTH
+from tba.defaults import MAX_ENGINE_THREADS, MAX_QUEUE_DEPTH, QUEUE_DEPTH
 from tba.errors import TbaConfigError, did_you_mean
 from tba.io._bandwidth import directory_bandwidth, filled_buffer, open_scratch, timed_pass
 from tba.io._checksum import checksum, load_crc32c
@@ -149,12 +150,17 @@ def make_engine(backend: str | Engine = "auto", *, queue_depth: int = QUEUE_DEPT
             capped at :data:`tba.defaults.MAX_ENGINE_THREADS`). Default :data:`tba.defaults.QUEUE_DEPTH`.
 
     Raises:
-        TbaConfigError: an unknown name, an engine that cannot run here, or a queue depth below 1.
+        TbaConfigError: an unknown name, an engine that cannot run here, or a queue depth that is not a whole
+            number in 1..4096 (:data:`tba.defaults.MAX_QUEUE_DEPTH`).
     """
     if isinstance(backend, Engine):
         return backend
-    if queue_depth < 1:
-        raise TbaConfigError(f"queue_depth must be >= 1, got {queue_depth}")
+    if isinstance(queue_depth, bool) or not isinstance(queue_depth, numbers.Integral):
+        raise TbaConfigError(f"queue_depth must be a whole number in 1..{MAX_QUEUE_DEPTH}, got "
+                             f"{type(queue_depth).__name__} {queue_depth!r}")
+    if not 1 <= queue_depth <= MAX_QUEUE_DEPTH:  # the options' range; the ring's own check raised a bare ValueError
+        raise TbaConfigError(f"queue_depth must be in 1..{MAX_QUEUE_DEPTH}, got {queue_depth}")
+    queue_depth = int(queue_depth)
     name = resolve_backend(backend)
     try:
         return _ENGINES[name].factory(queue_depth)

@@ -74,3 +74,20 @@ def test_a_name_that_is_not_a_string_is_refused_when_registered(name, monkeypatc
     assert engine_names()[:2] == ("io_uring", "threads") and all(isinstance(n, str) for n in engine_names())
     with pytest.raises(TbaConfigError, match="unknown backend 'spdk'"):
         make_engine("spdk")
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+@pytest.mark.parametrize("depth, match", [(5000, r"queue_depth must be in 1\.\.4096, got 5000"),
+                                          (0, r"queue_depth must be in 1\.\.4096, got 0"),
+                                          (2.5, r"queue_depth must be a whole number in 1\.\.4096, got float 2\.5"),
+                                          ("8", r"queue_depth must be a whole number in 1\.\.4096, got str '8'"),
+                                          (True, r"queue_depth must be a whole number in 1\.\.4096, got bool True")],
+                         ids=["above", "zero", "float", "str", "bool"])
+def test_make_engine_refuses_a_queue_depth_the_options_refuse(backend, depth, match):
+    """``tba.make_engine("io_uring", queue_depth=5000)`` raised the ring's bare ValueError, ``queue_depth="8"`` a
+    TypeError and ``queue_depth=True`` built a ring of one, where ``queue_depth=`` as an option is a TbaConfigError
+    (its docstring promises one too; helper-168)."""
+    if backend not in tba.available_backends() or tba.available_backends()[backend] is not None:
+        pytest.skip(f"{backend} is not usable here")
+    with pytest.raises(TbaConfigError, match=match):
+        make_engine(backend, queue_depth=depth)
