@@ -48,7 +48,8 @@ DEFAULT_CHUNK_BYTES = BLOCK_SIZE_BYTES
 
 
 __all__ = [
-    "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "ImagePool", "Op", "Request",
+    "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "EngineSettingsRepr", "ImagePool",
+    "Op", "Request",
     "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "check_engine_settings", "create_preallocated",
     "dangling_link", "flatten_state_dict", "interrupt_in", "size_bytes",
     "host_buffer", "make_engine", "resolve_directory",
@@ -57,6 +58,17 @@ __all__ = [
 
 class TbaCheckpointError(TbaError):
     """A checkpoint could not be written or read; any earlier checkpoint is left untouched."""
+
+
+class EngineSettingsRepr:
+    """``repr`` of a DCP storage class of tba: its path, backend and queue depth (``self.path``, ``self._backend``,
+    ``self._queue_depth``), not ``<... object at 0x...>``."""
+
+    def __repr__(self) -> str:
+        backend = getattr(self, "_backend", None)
+        name = backend.name if isinstance(backend, Engine) else backend
+        return (f"{type(self).__name__}({getattr(self, 'path', None)!r}, backend={name!r}, "
+                f"queue_depth={getattr(self, '_queue_depth', None)})")
 
 
 def check_engine_settings(backend: str | Engine, queue_depth: int) -> None:

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from tba import _sched
 from tba.checkpoint._frozen import StepWatch, check_unchanged, forget_watches_in_child, freeze, start_watch, stop_watch
 from tba.checkpoint._handle import LazyCheckpoint
-from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, ImagePool, TbaConfigError, TbaError, interrupt_in, size_bytes
+from tba.checkpoint._io import DEFAULT_QUEUE_DEPTH, Engine, ImagePool, TbaConfigError, TbaError, interrupt_in, size_bytes
 from tba.checkpoint._pending import begin_save, wait_for_earlier_saves
 from tba.checkpoint._publish import hold_staging, release_staging
 from tba.checkpoint._stale import remove_dead_warm_ups, warm_up_prefix
@@ -264,6 +264,11 @@ class LazyCheckpointer:
             latest._done.wait()
         self._writer.close()
         self._pool.release()
+
+    def __repr__(self) -> str:
+        backend, queue_depth = self._settings
+        name = backend.name if isinstance(backend, Engine) else backend
+        return f"LazyCheckpointer(backend={name!r}, queue_depth={queue_depth}, latest={self._latest!r})"
 
     def __enter__(self) -> LazyCheckpointer:
         return self

@@ -29,6 +29,7 @@ from tba.checkpoint._io import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_QUEUE_DEPTH,
     Engine,
+    EngineSettingsRepr,
     Op,
     Request,
     TbaCheckpointError,
@@ -71,7 +72,7 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
-class TbaStorageReader(StorageReader):
+class TbaStorageReader(EngineSettingsRepr, StorageReader):
     """DCP storage reader for ``dcp.load(sd, storage_reader=TbaStorageReader(path))``.
 
     Args:

@@ -44,6 +44,7 @@ from tba.checkpoint._io import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_QUEUE_DEPTH,
     Engine,
+    EngineSettingsRepr,
     ImagePool,
     StorageInfo,
     TbaCheckpointError,
@@ -76,7 +77,7 @@ class _FilePlan:
     staging: str
 
 
-class TbaStorageWriter(StorageWriter, BlockingAsyncStager):
+class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
     """DCP storage writer: O_DIRECT writes through tba's engine, atomic publication.
 
     Use it wherever DCP takes a ``storage_writer``: ``dcp.save(sd, storage_writer=w)`` or

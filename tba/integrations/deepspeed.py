@@ -57,7 +57,7 @@ from tba.integrations._deepspeed_config import (
     load_config,
     parse_config,
 )
-from tba.runtime import Offloader, resolve_layers
+from tba.runtime import Offloader, OffloadStats, resolve_layers
 
 __all__ = ["BLOCK_KEYS", "CONFIG_KEY", "DEEPSPEED_AIO_BLOCK_SIZE_BYTES", "DEEPSPEED_AIO_QUEUE_DEPTH", "NVME_SUBDIRECTORY",
            "TbaDeepSpeed", "TbaSettings", "block_keys", "load_config", "parse_config"]
@@ -122,9 +122,17 @@ class TbaDeepSpeed:
                     ", ".join(f"{key}={value}" for key, value in settings.offloader_options.items()) or "defaults")
 
     @property
-    def stats(self):
+    def stats(self) -> OffloadStats | None:
         """The offloader's :class:`tba.OffloadStats`, or None when tba is off."""
         return None if self.offloader is None else self.offloader.stats
+
+    def __repr__(self) -> str:
+        if self.offloader is not None:
+            return f"TbaDeepSpeed({self.offloader!r})"
+        settings = self.settings
+        why = ('no "tba" block' if settings is None else '"enabled": false' if not settings.enabled else
+               f'"policy": "{settings.policy}"')
+        return f"TbaDeepSpeed(off: {why})"
 
     def __enter__(self) -> TbaDeepSpeed:
         if self.offloader is not None:

@@ -62,3 +62,18 @@ def test_an_on_done_that_cannot_be_called_is_refused_by_save(tmp_path):
     with pytest.raises(TbaConfigError, match="on_done"):
         tc.save_lazy({"w": torch.ones(2)}, tmp_path / "c", on_done=str(tmp_path / "done"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkpoint_objects_say_what_they_are(tmp_path):
+    """``repr(LazyCheckpointer())``, ``TbaStorageWriter`` and ``TbaStorageReader`` were ``<... object at 0x...>``,
+    where every other public object of tba (``Offloader``, ``Plan``, ``LazyCheckpoint``, the engines) says its
+    settings (helper-168)."""
+    writer = tc.TbaStorageWriter(tmp_path / "w", backend="threads", queue_depth=4)
+    assert repr(writer) == f"TbaStorageWriter({str(tmp_path / 'w')!r}, backend='threads', queue_depth=4)"
+    assert repr(tc.TbaStorageReader(None)) == "TbaStorageReader(None, backend='auto', queue_depth=8)"
+    with tc.LazyCheckpointer(backend="threads", queue_depth=2) as checkpointer:
+        assert repr(checkpointer) == "LazyCheckpointer(backend='threads', queue_depth=2, latest=None)"
+        handle = checkpointer.save({"w": torch.ones(4)}, tmp_path / "c")
+        handle.wait()
+        assert repr(checkpointer) == f"LazyCheckpointer(backend='threads', queue_depth=2, latest={handle!r})"
+    assert "published" in repr(handle)

@@ -95,6 +95,17 @@ def test_offloader_errors_name_the_block(spill_dir):
         tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir, "backend": "uring"}}))
 
 
+def test_the_integration_says_what_it_runs(spill_dir):
+    """``repr(TbaDeepSpeed(engine))`` was ``<... object at 0x...>``, saying neither whether tba is on nor with what
+    (helper-168)."""
+    assert repr(tba_ds.TbaDeepSpeed(FakeEngine({}))) == "TbaDeepSpeed(off: no \"tba\" block)"
+    assert repr(tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"enabled": False}}))) == "TbaDeepSpeed(off: \"enabled\": false)"
+    assert repr(tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"policy": "keep"}}))) == "TbaDeepSpeed(off: \"policy\": \"keep\")"
+    on = tba_ds.TbaDeepSpeed(FakeEngine({"tba": {"directory": spill_dir}}))
+    assert repr(on) == f"TbaDeepSpeed({on.offloader!r})" and spill_dir in repr(on) and "policy=offload" in repr(on)
+    on.close()
+
+
 def test_config_file_is_read(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"tba": {"directory": "/x", "queue_depth": 4}}))
