@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tba
+
 REPO = Path(__file__).resolve().parents[1]
 FIRST_SCREEN_LINES = 80
 
@@ -136,6 +138,20 @@ def test_every_tba_name_the_docs_quote_resolves():
         except AttributeError:
             missing.append(name)
     assert not missing, f"the docs name what tba does not have: {missing}"
+
+
+def test_every_offloader_and_stats_attribute_the_docs_quote_exists(spill_dir):
+    """``offloader.prefetch_window_bytes``, ``stats.writes_skipped``: the attributes the docs tell a user to read are the
+    offloader's and its stats' (the names above are checked only when spelt ``tba.``)."""
+    quoted = set(re.findall(r"`(offloader(?:\.stats)?|stats)\.([A-Za-z_]\w*)", _doc_texts()))
+    assert len(quoted) > 15, "the pattern has gone stale"
+    offloader = tba.Offloader(spill_dir, layers=[])
+    try:
+        owners = {"offloader": offloader, "offloader.stats": offloader.stats, "stats": offloader.stats}
+        missing = sorted(f"{owner}.{name}" for owner, name in quoted if not hasattr(owners[owner], name))
+    finally:
+        offloader.close()
+    assert not missing, f"the docs name attributes tba does not have: {missing}"
 
 
 def _anchors(text: str) -> set[str]:
