@@ -156,16 +156,25 @@ class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function be
 
     def __new__(cls, func: Callable[..., Any] | None = None) -> Any:
         """``@tba.keep_in_memory`` without parentheses decorates ``func`` as ``@tba.keep_in_memory()`` does (as
-        ``@torch.no_grad`` is written); it raised a bare TypeError at the decorated function's definition."""
+        ``@torch.no_grad`` is written); it raised a bare TypeError at the decorated function's definition.
+
+        Note: [The region's constructor is its __new__]
+        mypy types a call of a class that defines both ``__init__`` and ``__new__`` by ``__init__``: with an
+        ``__init__(self)`` here, ``@tba.keep_in_memory`` failed a user's type check ("Too many arguments"), and each
+        call of the decorated function after it. So the class has no ``__init__`` of its own: ``__new__``'s
+        overloads (an instance, or the decorated function) are what checkers read, and it sets the instance up.
+        """
         if func is None:
-            return super().__new__(cls)
+            region = super().__new__(cls)
+            region._entered = []
+            return region
         if not callable(func):
             raise TbaConfigError(f"tba.keep_in_memory takes no arguments: use 'with tba.keep_in_memory():', or decorate "
                                  f"a function with @tba.keep_in_memory (got {type(func).__name__} {func!r})")
         return cls()(func)
 
-    def __init__(self) -> None:
-        self._entered: list[bool] = []
+    _entered: list[bool]
+    """What each entry not yet exited did: True where it counted in this thread's depth."""
 
     def _recreate_cm(self) -> keep_in_memory:
         return type(self)()  # each call of a decorated function enters a region of its own

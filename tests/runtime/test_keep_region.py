@@ -4,6 +4,8 @@ decorated with it, with or without parentheses, runs inside a region of its own.
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import threading
 
 import pytest
@@ -69,3 +71,40 @@ def test_a_function_decorated_with_the_region_keeps_what_it_saves(spill_dir, par
 def test_anything_but_a_function_given_to_the_region_names_the_fix():
     with pytest.raises(TbaConfigError, match=r"with tba\.keep_in_memory\(\):.*@tba\.keep_in_memory.*got int"):
         tba.keep_in_memory(3)
+
+
+_DECORATED = '''
+import torch
+import tba
+
+
+@tba.keep_in_memory
+def head(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@tba.keep_in_memory()
+def tail(x: torch.Tensor) -> torch.Tensor:
+    return x.cos()
+
+
+y: torch.Tensor = head(torch.ones(2)) + tail(torch.ones(2))
+with tba.keep_in_memory():
+    pass
+'''
+
+
+def test_a_type_checker_takes_the_decorator_without_parentheses(tmp_path, monkeypatch):
+    """``@tba.keep_in_memory`` (documented, without parentheses) failed mypy in a user's program: "Too many arguments
+    for keep_in_memory", then every call of the function "Value of type variable _F of __call__ of ContextDecorator
+    cannot be Tensor" (helper-168). mypy types a class call by ``__init__`` where the class defines both it and
+    ``__new__``, and ``__init__`` took no function; the overloads of ``__new__`` say what the call returns, so the
+    class defines no ``__init__`` of its own (Note [The region's constructor is its __new__] in tba/runtime/_keep.py)."""
+    assert "__init__" not in vars(tba.keep_in_memory) and "__new__" in vars(tba.keep_in_memory)
+    api = pytest.importorskip("mypy.api")
+    program = tmp_path / "user.py"
+    program.write_text(_DECORATED)
+    monkeypatch.setenv("MYPYPATH", str(pathlib.Path(tba.__file__).resolve().parents[1]))  # this checkout's tba
+    out, err, status = api.run(["--follow-imports=silent", "--python-executable", sys.executable,
+                                "--cache-dir", str(tmp_path / "cache"), str(program)])
+    assert status == 0, out + err
