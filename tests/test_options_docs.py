@@ -145,3 +145,24 @@ def test_every_environment_variable_the_docs_name_is_read():
                       if p.suffix in (".py", ".sh") and p.name != "test_options_docs.py")
     unknown = sorted(v for v in named - {env_name(name) for name in option_names()} if v not in source)
     assert not unknown, f"the docs name variables nothing reads: {unknown}"
+
+
+_SET_FROM_TEXT = {"size": ("1M", 1 << 20), "count": ("3", 3), "float": ("0.2", 0.2), "flag": ("1", True),
+                  "tristate": ("0", False)}
+"""Per kind, a text a variable may hold and the value it is read as, unlike every such option's default."""
+_NAMES_FROM_TEXT = {"backend": "threads", "policy": "offload"}
+_BY_NAME = {"staging_bytes": ("8M", 8 << 20)}  # a staging pool holds at least one 4 MiB block
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_every_option_is_read_from_the_variable_the_table_names(name, tmp_path):
+    """The README's table names one variable per option; test_environment_variables_fill_options_and_arguments_win
+    sets three of them. Each one sets its option, and an argument still wins over it."""
+    field = FIELDS[name]
+    kind = field.metadata["kind"]
+    text, value = ((_NAMES_FROM_TEXT[name],) * 2 if kind == "name" else (str(tmp_path),) * 2 if kind == "path"
+                   else _BY_NAME.get(name, _SET_FROM_TEXT[kind]))
+    assert value != field.default, name
+    config = tba.OffloadConfig.from_env({env_name(name): text})
+    assert getattr(config, name) == value, f"${env_name(name)}={text} left {name} at {getattr(config, name)!r}"
+    assert getattr(tba.OffloadConfig.from_env({env_name(name): text}, **{name: field.default}), name) == field.default
