@@ -20,7 +20,7 @@ from concurrent.futures import thread as _futures_thread
 from tba import _sched
 from tba._weak import WeakRegistry
 from tba.defaults import QUEUE_DEPTH
-from tba.errors import EngineClosedError, ShortTransferError
+from tba.errors import EngineClosedError, ShortTransferError, TbaConfigError
 from tba.io._engine import Engine, Op, Request
 from tba.io._memory import memory_view
 
@@ -112,8 +112,9 @@ class ThreadEngine(Engine):
     # futures after interpreter shutdown". Then each request runs on the calling thread instead.
 
     def __init__(self, workers: int = QUEUE_DEPTH) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:  # public: tba.ThreadEngine
+            raise TbaConfigError(f"workers must be a whole number >= 1, got {type(workers).__name__} {workers!r}; "
+                                 f"pass workers=N threads, such as {QUEUE_DEPTH}")
         self.workers = workers
         self._pool = self._new_pool()
         self._lock = threading.Lock()

@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import MIB, aligned_empty, direct_io_unsupported, open_fd_count, random_bytes
 
 from tba.defaults import ALIGN_BYTES
-from tba.errors import ShortTransferError
+from tba.errors import ShortTransferError, TbaConfigError
 from tba.io import ThreadEngine
 from tba.io._engine import Op, Request
 
@@ -241,3 +241,14 @@ def test_a_thread_engine_inherited_by_a_forked_child_moves_its_requests(tmp_path
     finally:
         engine.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("workers, match", [(0, r"workers must be a whole number >= 1, got int 0"),
+                                            (-1, r"got int -1"), ("2", r"got str '2'"), (2.0, r"got float 2\.0"),
+                                            (True, r"got bool True")], ids=["zero", "negative", "str", "float", "bool"])
+def test_a_thread_engine_with_bad_workers_is_a_config_error(workers, match):
+    """``tba.ThreadEngine`` is public (``backend=tba.ThreadEngine(...)``), and ``workers=0`` raised a bare ValueError,
+    ``workers="2"`` a TypeError from a comparison, ``workers=True`` built one thread: bad input is a TbaConfigError
+    naming the fix (helper-168)."""
+    with pytest.raises(TbaConfigError, match=match):
+        ThreadEngine(workers=workers)
