@@ -16,6 +16,7 @@ adds the sizes of checkpoint host buffers; staging directories and atomic public
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -51,7 +52,7 @@ __all__ = [
     "ALIGN_BYTES", "DCP_VERSION", "DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Engine", "EngineSettingsRepr", "ImagePool",
     "Op", "Request",
     "StorageInfo", "TbaCheckpointError", "TbaConfigError", "TbaError", "align_up", "check_engine_settings", "create_preallocated",
-    "dangling_link", "flatten_state_dict", "interrupt_in", "size_bytes",
+    "dangling_link", "flatten_state_dict", "interrupt_in", "is_working_directory", "size_bytes",
     "host_buffer", "make_engine", "resolve_directory",
 ]
 
@@ -112,6 +113,14 @@ def size_bytes(name: str, value: int | str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TbaConfigError(f"{name} must be bytes >= 0 (an int, or a size such as '2G'), got {value!r}")
     return value
+
+
+def is_working_directory(path: str) -> bool:
+    """Whether ``path`` is the process's working directory (not through a symlink), which a save must not replace."""
+    try:
+        return not os.path.islink(path) and os.path.isdir(path) and os.path.samefile(path, os.getcwd())
+    except OSError:
+        return False
 
 
 def align_up(nbytes: int) -> int:

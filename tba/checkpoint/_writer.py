@@ -52,7 +52,9 @@ from tba.checkpoint._io import (
     align_up,
     check_engine_settings,
     create_preallocated,
+    is_working_directory,
     make_engine,
+    size_bytes,
 )
 from tba.checkpoint._publish import (
     ACTIVE_STAGING,
@@ -89,7 +91,7 @@ class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
         path: Checkpoint directory; may also be given later as ``checkpoint_id``.
         backend: Engine backend (``"auto"``, ``"io_uring"``, ``"threads"``) or an Engine.
         queue_depth: Write requests in flight. Default 8.
-        chunk_bytes: Bytes per write request, a multiple of 4096. Default 4 MiB.
+        chunk_bytes: Bytes per write request (or a size such as "1M"), a multiple of 4096. Default 4 MiB.
         overwrite: Replace an existing checkpoint at ``path`` (atomically). Default True.
         image_pool: Host buffer to reuse across saves; a private one by default.
         cache_staged_state_dict: Passed to DCP's ``BlockingAsyncStager`` for ``async_save``.
@@ -103,7 +105,7 @@ class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
         *,
         backend: str | Engine = "auto",
         queue_depth: int = DEFAULT_QUEUE_DEPTH,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
         overwrite: bool = True,
         image_pool: ImagePool | None = None,
         cache_staged_state_dict: bool = False,
@@ -112,7 +114,7 @@ class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        if chunk_bytes <= 0 or chunk_bytes % _layout.ALIGN_BYTES:
+        if (chunk_bytes := size_bytes("chunk_bytes", chunk_bytes)) <= 0 or chunk_bytes % _layout.ALIGN_BYTES:
             raise TbaConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
         check_engine_settings(backend, queue_depth)  # Note [Engine settings are checked at construction]
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
@@ -171,7 +173,7 @@ class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
         if not os.access(parent, os.W_OK):
             raise TbaConfigError(f"cannot write checkpoints in {parent}: it is read-only or not "
                                  "writable by this user; save to a writable directory")
-        if _is_working_directory(self.path):  # publishing exchanges the directory and deletes the old one
+        if is_working_directory(self.path):  # publishing exchanges the directory and deletes the old one
             raise TbaConfigError(f"{self.path} is this process's working directory, which a save would replace and "
                                  "delete; pass a directory inside it, such as 'ckpt/step100'")
         if os.path.lexists(self.path):
@@ -305,10 +307,3 @@ class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
     def close(self) -> None:
         """Release the staging copy kept for ``async_save`` (engines are closed by each save itself)."""
         BlockingAsyncStager.close(self)
-
-
-def _is_working_directory(path: str) -> bool:
-    try:
-        return not os.path.islink(path) and os.path.isdir(path) and os.path.samefile(path, os.getcwd())
-    except OSError:
-        return False

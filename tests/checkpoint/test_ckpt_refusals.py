@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import tba
 import tba.checkpoint as tc
 from tba.errors import TbaConfigError
 
@@ -77,3 +78,24 @@ def test_the_checkpoint_objects_say_what_they_are(tmp_path):
         handle.wait()
         assert repr(checkpointer) == f"LazyCheckpointer(backend='threads', queue_depth=2, latest={handle!r})"
     assert "published" in repr(handle)
+
+
+@pytest.mark.parametrize("chunk, match", [("4K", None), ("1M", None), (4096.0, r"chunk_bytes must be bytes >= 0 .*got 4096\.0"),
+                                          ("lots", r"chunk_bytes: not a size: 'lots'"),
+                                          ("5000", r"chunk_bytes must be a positive multiple of 4096, got 5000")],
+                         ids=["4K", "1M", "float", "word", "unaligned"])
+def test_the_writer_takes_its_chunk_as_a_size_and_refuses_others(chunk, match, tmp_path):
+    """``TbaStorageWriter(chunk_bytes="4M")`` raised a TypeError from a comparison, and ``chunk_bytes=4096.0`` was
+    taken (helper-168); LazyCheckpointer's ``reserve_bytes`` and every offloader size take a size string."""
+    if match is None:
+        writer = tc.TbaStorageWriter(tmp_path / "c", chunk_bytes=chunk)
+        assert writer.chunk_bytes == tba.parse_size(chunk)
+        torch_state = {"w": torch.arange(3000.0)}
+        import torch.distributed.checkpoint as dcp
+        dcp.save(torch_state, storage_writer=writer, no_dist=True)
+        back = {"w": torch.zeros(3000)}
+        dcp.load(back, storage_reader=tc.TbaStorageReader(tmp_path / "c"), no_dist=True)
+        assert torch.equal(back["w"], torch_state["w"])
+        return
+    with pytest.raises(TbaConfigError, match=match):
+        tc.TbaStorageWriter(tmp_path / "c", chunk_bytes=chunk)
