@@ -26,12 +26,13 @@ import math
 from typing import Any
 
 from tba.defaults import POLICY_MAX_WINDOW_BYTES
+from tba.errors import TbaConfigError
 
 BACKWARD_ESTIMATE_FACTOR = 2.0
 
 
 def _require_finite(name: str, value: float, unit: str) -> None:
-    """Raise ValueError unless ``value`` is a finite number >= 0.
+    """Raise TbaConfigError (a ValueError) unless ``value`` is a finite number >= 0.
 
     Note: [A profile the model cannot price]
     The planner is pure and trusts its profile, which may be synthetic (``tba.policy.plan`` on a
@@ -44,7 +45,7 @@ def _require_finite(name: str, value: float, unit: str) -> None:
     (both are one tensor), a backward of about -0.2 ms, which ``tba/runtime/_profiling.py`` clamps.
     """
     if not 0 <= value < math.inf:
-        raise ValueError(f"{name} must be a finite number >= 0 ({unit}), got {value!r}")
+        raise TbaConfigError(f"{name} must be a finite number >= 0 ({unit}), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,23 +128,23 @@ class Profile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
-            raise ValueError("a profile needs at least one layer")
+            raise TbaConfigError("a profile needs at least one layer")
         # ``not x > 0`` rather than ``x <= 0``: NaN passes the latter (Note [A profile the model cannot price]).
         if not self.write_bytes_per_s > 0 or not self.read_bytes_per_s > 0:
-            raise ValueError(f"write_bytes_per_s and read_bytes_per_s must be > 0 (inf: no transfer was timed), got "
+            raise TbaConfigError(f"write_bytes_per_s and read_bytes_per_s must be > 0 (inf: no transfer was timed), got "
                              f"{self.write_bytes_per_s} and {self.read_bytes_per_s}")
         if self.memory_slack_bytes < 0 or self.io_overhead_s_per_byte < 0:
-            raise ValueError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
+            raise TbaConfigError(f"memory_slack_bytes and io_overhead_s_per_byte must be >= 0 (measured minus predicted, "
                              f"never below zero), got {self.memory_slack_bytes} and {self.io_overhead_s_per_byte}")
         if not self.memory_headroom_per_io_byte >= 0:
-            raise ValueError(f"memory_headroom_per_io_byte must be >= 0, got {self.memory_headroom_per_io_byte}")
+            raise TbaConfigError(f"memory_headroom_per_io_byte must be >= 0, got {self.memory_headroom_per_io_byte}")
         if self.read_stall_credit_s_per_byte < 0:
-            raise ValueError(f"read_stall_credit_s_per_byte must be >= 0 (modelled minus measured, never below "
+            raise TbaConfigError(f"read_stall_credit_s_per_byte must be >= 0 (modelled minus measured, never below "
                              f"zero), got {self.read_stall_credit_s_per_byte}")
         if self.drain_bytes_per_s is not None and not self.drain_bytes_per_s > 0:
-            raise ValueError(f"drain_bytes_per_s must be > 0 or None, got {self.drain_bytes_per_s}")
+            raise TbaConfigError(f"drain_bytes_per_s must be > 0 or None, got {self.drain_bytes_per_s}")
         if self.outside_s < 0:
-            raise ValueError(f"outside_s must be >= 0 (seconds of a step outside the layers), got {self.outside_s}")
+            raise TbaConfigError(f"outside_s must be >= 0 (seconds of a step outside the layers), got {self.outside_s}")
         for name in ("memory_slack_bytes", "memory_headroom_per_io_byte", "io_overhead_s_per_byte",
                      "read_stall_credit_s_per_byte", "outside_s"):
             _require_finite(name, getattr(self, name), "a calibration")

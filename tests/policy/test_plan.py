@@ -175,6 +175,17 @@ def test_a_module_listed_twice_in_layers_is_a_config_error(tmp_path):
         tba.Offloader(str(tmp_path), layers=[block, nn.Linear(8, 8), block], policy="offload")
 
 
+@pytest.mark.parametrize("make", [lambda: tba.Profile((), MIB, MIB), lambda: tba.Profile(FAST.layers, 0, 0),
+                                  lambda: tba.LayerProfile(-1.0, 5), lambda: tba.LayerProfile(0.1, -5),
+                                  lambda: dataclasses.replace(FAST, outside_s=-0.1)],
+                         ids=["no-layers", "no-bandwidth", "negative-time", "negative-bytes", "negative-outside"])
+def test_a_bad_profile_is_a_config_error(make):
+    """``tba.Profile`` and ``tba.LayerProfile`` are public (a user's ``tba.plan(profile)`` or policy builds them), and
+    bad values raised bare ValueErrors that ``except tba.TbaError`` missed (helper-168)."""
+    with pytest.raises(TbaConfigError):
+        make()
+
+
 def test_bad_profiles():
     with pytest.raises(ValueError, match="at least one layer"):
         tba.Profile((), MIB, MIB)
