@@ -122,9 +122,17 @@ class Plan:
         return cls(**json.loads(text))
 
     def save(self, path: str) -> None:
-        """Write this plan to ``path`` as JSON, for :meth:`load` (``policy=tba.Plan.load(path)`` pins it)."""
-        with open(path, "w") as f:
-            f.write(self.to_json() + "\n")
+        """Write this plan to ``path`` as JSON, for :meth:`load` (``policy=tba.Plan.load(path)`` pins it).
+
+        Raises:
+            TbaConfigError: the file cannot be written.
+        """
+        try:
+            with open(path, "w") as f:
+                f.write(self.to_json() + "\n")
+        except OSError as err:
+            raise TbaConfigError(f"cannot save the plan to {path!s}: {type(err).__name__}: {err}; pass a path in an "
+                                 "existing, writable directory") from None
 
     @classmethod
     def load(cls, path: str) -> Plan:

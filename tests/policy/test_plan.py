@@ -408,3 +408,15 @@ def test_the_constructor_type_checkers_see_is_the_dataclass_one():
     assert names == [field.name for field in fields]
     assert defaults == [field.default for field in fields if field.default is not dataclasses.MISSING]
     assert len(defaults) == len(names) - 2  # decisions and window_bytes are required
+
+
+def test_a_plan_that_cannot_be_saved_is_a_config_error_naming_the_path(tmp_path):
+    """``plan.save("/missing/plan.json")`` raised a bare FileNotFoundError where ``Plan.load`` of the same path is a
+    TbaConfigError naming it (helper-168)."""
+    plan = Plan(("keep", "offload"), 0)
+    target = tmp_path / "missing" / "plan.json"
+    with pytest.raises(TbaConfigError, match=rf"cannot save the plan to {target}: FileNotFoundError: .*; pass a path "
+                                             r"in an existing, writable directory"):
+        plan.save(str(target))
+    plan.save(str(tmp_path / "plan.json"))
+    assert Plan.load(str(tmp_path / "plan.json")) == plan
