@@ -115,6 +115,13 @@ def size_bytes(name: str, value: int | str) -> int:
     return value
 
 
+def checkpoint_path(path: object) -> str | None:
+    """``path`` as a str (None stays None); anything but a str or ``os.PathLike`` is a :class:`TbaConfigError`."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TbaConfigError(f"path must be the checkpoint's directory (a str or os.PathLike), got {path!r}")
+    return None if path is None else os.fspath(path)
+
+
 def is_working_directory(path: str) -> bool:
     """Whether ``path`` is the process's working directory (not through a symlink), which a save must not replace."""
     try:

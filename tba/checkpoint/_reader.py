@@ -36,6 +36,7 @@ from tba.checkpoint._io import (
     TbaConfigError,
     align_up,
     check_engine_settings,
+    checkpoint_path,
     host_buffer,
     make_engine,
 )
@@ -94,7 +95,7 @@ class TbaStorageReader(EngineSettingsRepr, StorageReader):
         check_engine_settings(backend, queue_depth)  # Note [Engine settings are checked at construction]
         if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
             raise TbaConfigError(f"batch_bytes must be a whole number of bytes >= 1, got {batch_bytes!r}")
-        self.path = os.fspath(path) if path is not None else None
+        self.path = checkpoint_path(path)
         self.storage_data: dict[Any, Any] = {}
         self._backend = backend
         self._queue_depth = queue_depth

@@ -51,6 +51,7 @@ from tba.checkpoint._io import (
     TbaConfigError,
     align_up,
     check_engine_settings,
+    checkpoint_path,
     create_preallocated,
     is_working_directory,
     make_engine,
@@ -117,7 +118,7 @@ class TbaStorageWriter(EngineSettingsRepr, StorageWriter, BlockingAsyncStager):
         if (chunk_bytes := size_bytes("chunk_bytes", chunk_bytes)) <= 0 or chunk_bytes % _layout.ALIGN_BYTES:
             raise TbaConfigError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
         check_engine_settings(backend, queue_depth)  # Note [Engine settings are checked at construction]
-        self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.path = os.path.abspath(checkpoint_path(path)) if path is not None else None
         self.overwrite = overwrite
         self.chunk_bytes = chunk_bytes
         self.on_snapshot = on_snapshot

@@ -99,3 +99,12 @@ def test_the_writer_takes_its_chunk_as_a_size_and_refuses_others(chunk, match, t
         return
     with pytest.raises(TbaConfigError, match=match):
         tc.TbaStorageWriter(tmp_path / "c", chunk_bytes=chunk)
+
+
+@pytest.mark.parametrize("make", [tc.TbaStorageWriter, tc.TbaStorageReader], ids=["writer", "reader"])
+def test_a_storage_class_given_a_path_that_is_not_one_names_the_fix(make):
+    """``TbaStorageWriter(5)`` raised os.fspath's TypeError, where ``save_lazy`` and ``load`` given the same path
+    refuse it with a TbaConfigError (helper-168)."""
+    with pytest.raises(TbaConfigError, match=r"path must be the checkpoint's directory \(a str or os.PathLike\), got 5"):
+        make(5)
+    assert make(None).path is None
