@@ -13,6 +13,16 @@ runs them eagerly around the graph, as torch runs hooks around a block it did no
 graph, then the hooks, each with torch's rules for what a hook returns); the last hook removed puts the compiled call
 back. A ``torch.compile(block)`` wrapper needs none of this: its own ``_call_impl``, which runs its hooks, is not
 compiled.
+
+Note: [A graph that encloses a block compiled in place traces none of tba's hooks]
+A graph that encloses such a block (``model.compile()`` over blocks compiled in place, or a block compiled in place
+inside another) traces the block's call, and so :class:`CompiledCall` and tba's hooks in it: the profiling timer's
+plain hooks (the plain ones, as for a layer compiled itself) failed the first profiled step under ``fullgraph=True``
+(``Unsupported: ... method nbytes of class UntypedStorage``), and without it broke the graph at each of them and
+compiled tba's own frames until Dynamo's recompile limit. Traced, a :class:`CompiledCall` calls the layer's compiled
+call alone, as Dynamo runs a ``torch.compile(block)`` wrapper inside an enclosing graph without the wrapper's hooks:
+the layers go unmeasured and untracked there, and the step is told it ran in a whole-model graph (Note [Hooks traced
+into a whole-model graph do nothing] in ``tba/runtime/_layer_hooks.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from tba.runtime._compile import is_optimized_module
@@ -50,6 +61,8 @@ class CompiledCall:
         self.post: dict[int, Callable[..., Any]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # Note [A graph that encloses a block compiled in place traces none of tba's hooks]
+            return self.compiled(*args, **kwargs)
         layer = self._layer()
         for hook, with_kwargs in tuple(self.pre.values()):
             if with_kwargs:
