@@ -32,10 +32,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from tba.runtime._compile import is_optimized_module
+from tba.runtime._compiling import compiling
 
 __all__ = ["CompiledCall", "add_layer_hook", "compiled_in_place"]
 
@@ -61,7 +61,7 @@ class CompiledCall:
         self.post: dict[int, Callable[..., Any]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # Note [A graph that encloses a block compiled in place traces none of tba's hooks]
+        if compiling():  # Note [A graph that encloses a block compiled in place traces none of tba's hooks]
             return self.compiled(*args, **kwargs)
         layer = self._layer()
         for hook, with_kwargs in tuple(self.pre.values()):

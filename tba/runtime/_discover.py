@@ -24,7 +24,7 @@ Prefetch goes layer by layer only when storages carry a layer index. Without ``l
 
 Tags are therefore known from the end of forward on, which is all prefetch needs: backward is the
 first to read them. Hooks of other threads are ignored, so concurrent contexts do not mix. Inside
-a compiled graph the hooks do nothing (``torch.compiler.is_compiling()``): the graph's saves carry
+a compiled graph the hooks do nothing (:func:`~tba.runtime._compiling.compiling`): the graph's saves carry
 no module stack, as with explicit layers there (``tba/runtime/_compile.py``).
 """
 
@@ -35,12 +35,12 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
 from tba import defaults
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._compiled_call import add_layer_hook, compiled_in_place
+from tba.runtime._compiling import compiling
 from tba.runtime._entry import StorageEntry
 from tba.runtime._global_hooks import add_forward_hook, add_forward_pre_hook
 
@@ -82,7 +82,7 @@ class LayerDiscovery:
         self._handles, self._around, self._scanned = [], {}, set()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
+        if compiling():
             return
         if threading.get_ident() == self._thread:
             self._stack = (*self._stack, module)
@@ -108,7 +108,7 @@ class LayerDiscovery:
                                                   add_layer_hook(child, self._leave, pre=False))
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or module not in self._stack:
+        if compiling() or threading.get_ident() != self._thread or module not in self._stack:
             return
         stack = self._stack
         index = len(stack) - 1

@@ -11,10 +11,11 @@ then on, silently. Those two now attach callbacks to tba's one pre-hook and one 
 process; both hooks are in torch's dicts while any callback is attached and out of them otherwise, so a compiled
 block meets two sets of keys at most and compiles twice at most. Each hook calls the callbacks attached, in the order
 they were attached; traced by Dynamo it does nothing, as each callback did nothing there
-(``torch.compiler.is_compiling()``). A recomputation's two global pre-hooks (``tba/runtime/_outside_state.py``,
-``tba/runtime/_overlap.py``) keep a key of their own: each must come off in a ``finally`` through one C call that no
-signal handler can interrupt halfway, and they exist only while a recomputed layer runs, which a block compiled in
-place never is (Note [A block compiled in place is not recomputed]).
+(:func:`~tba.runtime._compiling.compiling`, Note [Another thread's compile is not this thread's]). A recomputation's
+two global pre-hooks (``tba/runtime/_outside_state.py``, ``tba/runtime/_overlap.py``) keep a key of their own: each
+must come off in a ``finally`` through one C call that no signal handler can interrupt halfway, and they exist only
+while a recomputed layer runs, which a block compiled in place never is (Note [A block compiled in place is not
+recomputed]).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
+
+from tba.runtime._compiling import compiling
 
 __all__ = ["GlobalHook", "add_forward_hook", "add_forward_pre_hook"]
 
@@ -40,14 +42,14 @@ _lock = threading.Lock()
 
 
 def _forward_pre_hook(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     for callback in tuple(_pre.values()):
         callback(module, args)
 
 
 def _forward_hook(module: nn.Module, args: Any, output: Any) -> None:
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     for callback in tuple(_post.values()):
         callback(module, args, output)

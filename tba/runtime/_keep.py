@@ -46,6 +46,7 @@ from torch import nn
 
 from tba.device import DEVICE_TYPES, cuda_api, is_device_tensor
 from tba.errors import TbaConfigError
+from tba.runtime._compiling import compiling
 from tba.runtime._views import Kept
 
 QUANTIZED_DTYPES = frozenset((torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4))
@@ -180,7 +181,7 @@ class keep_in_memory(contextlib.ContextDecorator):  # noqa: N801 - a function be
         return type(self)()  # each call of a decorated function enters a region of its own
 
     def __enter__(self) -> None:
-        counted = not torch.compiler.is_compiling()
+        counted = not compiling()
         self._entered.append(counted)
         if counted:
             _region.depth += 1

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from tba.runtime._compile import is_compiled_module
+from tba.runtime._compiling import compiling
 
 
 def no_op(*args: Any, **kwargs: Any) -> None:
@@ -74,7 +74,7 @@ class MeasuringHook(LayerHook):
     __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if compiling():
             return None
         return self.function(*args, **kwargs)
 

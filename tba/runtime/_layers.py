@@ -23,6 +23,7 @@ from tba.errors import TbaConfigError
 from tba.policy import Plan
 from tba.runtime._compile import is_compiled_module, is_optimized_module, saved_by_compiled_graph
 from tba.runtime._compiled_call import add_layer_hook
+from tba.runtime._compiling import compiling
 from tba.runtime._layer_hooks import LayerHook
 
 
@@ -257,7 +258,7 @@ class LayerTracker:
     def _entering(self, index: int, compiled_itself: bool):
         def hook(module: nn.Module, args: object) -> None:
             self.current = index
-            if not compiled_itself and torch.compiler.is_compiling():
+            if not compiled_itself and compiling():
                 self.traced_in_enclosing_graph = True
 
         return hook

@@ -41,10 +41,10 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from tba.runtime._compiling import compiling
 from tba.runtime._global_hooks import GlobalHook, add_forward_pre_hook
 from tba.runtime._nested_state import Entry, contents, entry, first_differing
 from tba.runtime._private_state import MODULE_INTERNALS
@@ -173,7 +173,7 @@ class OutsideCalls:
         return False
 
     def _called(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or not self._open or threading.get_ident() != self._thread:
+        if compiling() or not self._open or threading.get_ident() != self._thread:
             return
         index, watched = self._open[-1]
         if id(module) in self._own[index] or id(module) in watched:

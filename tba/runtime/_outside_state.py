@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from tba.runtime._compiling import compiling
 from tba.runtime._generators import held_generator_states
 from tba.runtime._layer_state import ModuleState, snapshot
 from tba.runtime._learned import Learned
@@ -101,7 +102,7 @@ class OutsideModules:
 
     def _called(self, module: nn.Module, args: object) -> None:
         """The global pre-hook: ``module`` is about to run."""
-        if threading.get_ident() != self._thread or torch.compiler.is_compiling():
+        if threading.get_ident() != self._thread or compiling():
             return
         if id(module) in self._own or id(module) in self._seen:
             return

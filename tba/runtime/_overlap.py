@@ -55,12 +55,12 @@ import os
 import threading
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
 from tba.errors import TbaError
+from tba.runtime._compiling import compiling
 
 _uses: set[Use] = set()
 """The first calls running, and the recomputations of layers holding a compiled module, on every thread."""
@@ -114,7 +114,7 @@ class Use:
 
     def _called(self, module: nn.Module, args: object) -> None:
         """The global pre-hook of a watched recomputation: ``module`` is about to run, on some thread."""
-        if torch.compiler.is_compiling() or threading.get_ident() == self.thread or id(module) not in self.modules:
+        if compiling() or threading.get_ident() == self.thread or id(module) not in self.modules:
             return
         message = (f"a call of {type(module).__name__} in one thread overlapped the recomputation of a recomputed "
                    f"layer ({self.layer}) in another, which has put back the state of that module its forward started "

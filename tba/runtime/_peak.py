@@ -31,6 +31,7 @@ import torch
 
 from tba._free_memory import release_free_memory
 from tba._proc_status import STATUS, status_kib
+from tba.runtime._compiling import compiling
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _RESET_PEAK = "5"
@@ -96,6 +97,6 @@ class StepPeak:
         does nothing (Note [Hooks traced into a whole-model graph do nothing] in ``tba/runtime/_layer_hooks.py``:
         traced, ``queue_callback`` failed the first profiled backward with torch's AssertionError), and the peak
         stops at the next entry."""
-        if torch.compiler.is_compiling():
+        if compiling():
             return
         torch.autograd.Variable._execution_engine.queue_callback(self.stop)

@@ -79,6 +79,7 @@ from tba.runtime._call_args import call_tensor_versions, refuse_cache, take_apar
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._checkpoint_errors import named_errors
 from tba.runtime._compile import check_compiled_autograd_backend, is_compiled_module
+from tba.runtime._compiling import compiling
 from tba.runtime._early_stop import checkpoint_keywords
 from tba.runtime._first_call import FirstCall
 from tba.runtime._generators import set_states, states_now, unknown_draws_refused
@@ -220,7 +221,7 @@ def _checkpointed(layer: nn.Module, index: int, forward: Any, offload_inputs: bo
     compiled_within = any(map(is_compiled_module, layer.modules()))  # no outside watch there: tba/runtime/_outside_state.py
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if (not compiled_itself and torch.compiler.is_compiling()) or _functorch_level() is not None or in_dual_level():
+        if (not compiled_itself and compiling()) or _functorch_level() is not None or in_dual_level():
             # Note: [Inside an enclosing compiled graph a recomputed layer runs as it is]
             # Under a whole-model torch.compile, Dynamo traces this wrapper as part of the model's
             # graph. The checkpoint below is not traceable: the graph broke here, the layer ran

@@ -47,6 +47,7 @@ from tba.runtime._block_entries import entered
 from tba.runtime._call_args import call_tensor_versions, updated_cache
 from tba.runtime._call_objects import attribute_tensors
 from tba.runtime._compiled_call import add_layer_hook
+from tba.runtime._compiling import compiling
 from tba.runtime._input_signature import tensors_in
 from tba.runtime._layer_hooks import measuring_hook
 from tba.runtime._layer_state import held_iterator, passed_iterator
@@ -166,7 +167,7 @@ class LayerTimer(LayerSpans):
             # Note [Under inference mode a recomputed layer runs as it is] in tba/runtime/_recompute.py).
             parameters = [(p, p._version) for p in module.parameters() if not p.is_inference()]
             self._input_versions[index] = _versions(args, kwargs) + parameters
-            self._private[index] = [] if torch.compiler.is_compiling() else private_state(module)
+            self._private[index] = [] if compiling() else private_state(module)
             if updated_cache(args, kwargs) is not None:  # Note [A layer given a key/value cache is not recomputed]
                 self.changes_input[index] = True
             if unwatchable(getattr(self._private[index], "deep", {})) is not None:  # a recomputation would refuse it
@@ -222,7 +223,7 @@ class LayerTimer(LayerSpans):
         end = slots is self._grad_at_input and index == 0
 
         def hook(grad: torch.Tensor) -> None:
-            if torch.compiler.is_compiling():  # compiled autograd: Note [Hooks traced into a whole-model graph do nothing]
+            if compiling():  # compiled autograd: Note [Hooks traced into a whole-model graph do nothing]
                 return
             if slots is self._grad_at_output:
                 self.check_inputs_after_forward()
@@ -288,6 +289,6 @@ def _versions(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
     (:func:`~tba.runtime._call_args.call_tensor_versions`); none while a compiled graph is traced (a layer inside
     a whole-model graph: it is not watched here, and its recomputation still raises at once). A layer compiled on its
     own runs tba's hooks outside its graph (Note [Hooks traced into a whole-model graph do nothing])."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return []
     return [(tensor, version) for _, tensor, version in call_tensor_versions(args, kwargs, attribute_tensors)]

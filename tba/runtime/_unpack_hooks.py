@@ -19,6 +19,7 @@ from tba import _control
 from tba._trace import traced
 from tba.errors import EngineClosedError, TbaError
 from tba.runtime._compile import COMPILED_AUTOGRAD_MESSAGE, check_compiled_autograd_backend, never_traced
+from tba.runtime._compiling import compiling
 from tba.runtime._entry import StorageEntry
 from tba.runtime._views import Kept, SavedView
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from tba.runtime._layers import LayerTracker
     from tba.runtime._store import StorageStore
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = compiling
 _graph_task_id = torch._C._current_graph_task_id
 
 
