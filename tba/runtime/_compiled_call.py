@@ -37,7 +37,7 @@ from torch import nn
 from tba.runtime._compile import is_optimized_module
 from tba.runtime._compiling import compiling
 
-__all__ = ["CompiledCall", "add_layer_hook", "compiled_in_place"]
+__all__ = ["CompiledCall", "add_layer_hook", "compiled_in_place", "remove_layer_hooks"]
 
 _ids = itertools.count()
 
@@ -127,3 +127,20 @@ def add_layer_hook(layer: nn.Module, hook: Callable[..., Any], *, pre: bool, wit
     else:
         call.post[key] = hook
     return _Handle(call, key, layer)
+
+
+def remove_layer_hooks(layer: nn.Module, hooks: tuple[Callable[..., Any], ...]) -> None:
+    """Take every one of ``hooks`` (compared with ``==``: bound methods of one object) off the compiled call of
+    ``layer``, handle or not, and put its own compiled call back once none is left (Note [Discovery takes off whatever
+    it put on a block] in ``tba/runtime/_discover.py``)."""
+    call = vars(layer).get("_compiled_call_impl")
+    if not isinstance(call, CompiledCall):
+        return
+    for key, (hook, _) in list(call.pre.items()):
+        if hook in hooks:
+            call.pre.pop(key, None)
+    for key, hook in list(call.post.items()):
+        if hook in hooks:
+            call.post.pop(key, None)
+    if not call.pre and not call.post:
+        layer._compiled_call_impl = call.compiled

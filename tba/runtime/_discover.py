@@ -39,7 +39,7 @@ from torch import nn
 
 from tba import defaults
 from tba.runtime._compile import is_compiled_module
-from tba.runtime._compiled_call import add_layer_hook, compiled_in_place
+from tba.runtime._compiled_call import add_layer_hook, compiled_in_place, remove_layer_hooks
 from tba.runtime._compiling import compiling
 from tba.runtime._entry import StorageEntry
 from tba.runtime._global_hooks import add_forward_hook, add_forward_pre_hook
@@ -58,8 +58,9 @@ class LayerDiscovery:
         self.tagged_bytes: dict[int | None, int] = {}
         """Bytes of the storages the last :meth:`finish` tagged, by layer index (None: outside every layer)."""
         self._handles: list[Any] = []
-        self._around: dict[int, _Around] = {}
-        """The hooks around each block compiled in place met so far, by id (Note [Discovery sees blocks compiled in place])."""
+        self._around: dict[int, nn.Module] = {}
+        """The blocks compiled in place met so far, by id, whose compiled call the discovery hooks (Note [Discovery sees
+        blocks compiled in place])."""
         self._scanned: set[int] = set()
         """The modules whose children were looked at for blocks compiled in place since :meth:`attach`, by id."""
         self._thread = 0
@@ -77,8 +78,10 @@ class LayerDiscovery:
 
     def detach(self) -> None:
         """Remove the global hooks and those around compiled blocks (the recorded stacks stay until :meth:`finish`)."""
-        for handle in [*self._handles, *self._around.values()]:
+        for handle in self._handles:
             handle.remove()
+        for block in self._around.values():  # Note [Discovery takes off whatever it put on a block]
+            remove_layer_hooks(block, (self._enter, self._leave))
         self._handles, self._around, self._scanned = [], {}, set()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
@@ -99,13 +102,22 @@ class LayerDiscovery:
         compiled in place gets the discovery's hooks around its compiled call (Note [Hooks on a block compiled in place
         run around its graph] in ``tba/runtime/_compiled_call.py``) until :meth:`detach`; so do those in a
         ``ModuleList`` or ``ModuleDict`` child, which is never called itself (torchtitan's ``model.layers``).
+
+        Note: [Discovery takes off whatever it put on a block]
+        This runs in the training thread, inside the global pre-hook, where a signal handler's exception can land.
+        Kept as handles, one landing between the block's two hooks, or inside :func:`add_layer_hook` after it had put
+        the CompiledCall in place, left the block a CompiledCall holding the discovery's pre-hook for good after the
+        context ended (found raising at every line here). The block is noted before its hooks go on, and
+        :meth:`detach` takes the discovery's own hooks off it by value (:func:`remove_layer_hooks`), whatever of them
+        is there.
         """
         for child in module._modules.values():
             if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 self._hook_compiled_children(child)
             elif child is not None and id(child) not in self._around and compiled_in_place(child):
-                self._around[id(child)] = _Around(add_layer_hook(child, self._enter, pre=True),
-                                                  add_layer_hook(child, self._leave, pre=False))
+                self._around[id(child)] = child
+                add_layer_hook(child, self._enter, pre=True)
+                add_layer_hook(child, self._leave, pre=False)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if compiling() or threading.get_ident() != self._thread or module not in self._stack:
@@ -170,19 +182,6 @@ class LayerDiscovery:
                 layer_saved_bytes[layer] = layer_saved_bytes.get(layer, 0) + nbytes
         if layer_saved_bytes.get(None) == 0:
             del layer_saved_bytes[None]
-
-
-class _Around:
-    """The two hooks the discovery put around one block compiled in place."""
-
-    __slots__ = ("_hooks",)
-
-    def __init__(self, *hooks: Any) -> None:
-        self._hooks = hooks
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 def _instances_on(stack: tuple[nn.Module, ...]) -> list[tuple[tuple[int, type], nn.Module]]:

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.nn.modules import module as module_hooks
 
 import tba
 
@@ -86,3 +88,46 @@ def test_blocks_compiled_in_place_inside_a_whole_model_compile_train_exactly(spi
     assert tba_graphs == graphs, (graphs, tba_graphs)
     assert all(torch.equal(a, b) for a, b in zip(reference, losses))
     assert all(torch.equal(a, b) for a, b in zip(final, params))
+
+
+def test_an_exception_at_any_line_of_discovery_leaves_each_block_its_own_compiled_call(spill_dir):
+    """Note [Discovery takes off whatever it put on a block] in tba/runtime/_discover.py: discovery hooks each block
+    compiled in place from its global pre-hook, in the training thread, where a signal handler's exception can land. One
+    landing between the block's two hooks (or inside :func:`add_layer_hook`, after it put the CompiledCall in place)
+    left the block a CompiledCall holding the discovery's pre-hook for good, after the context had ended."""
+    from injection import Injected, raise_at_line
+
+    from tba import _control
+
+    torch.manual_seed(0)
+    model = Model()
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    own = [vars(block)["_compiled_call_impl"] for block in model.blocks]
+    x = torch.randn(256, WIDTH)
+    model(x).backward()  # compiled before any trace function is set
+    hooked = ("tba/runtime/_discover.py", "tba/runtime/_compiled_call.py")
+    k = 0
+    while True:
+        k += 1
+        trace, seen = raise_at_line(k, lambda code: code.co_filename.endswith(hooked))
+        loss = None
+        try:
+            sys.settrace(trace)
+            with tba.offload_activations(spill_dir):
+                loss = model(x)
+        except Injected:
+            pass
+        finally:
+            sys.settrace(None)
+        if loss is not None:
+            loss.backward()
+        loss = None
+        _control.settle()
+        left = [type(vars(block)["_compiled_call_impl"]).__name__ for block, mine in zip(model.blocks, own)
+                if vars(block)["_compiled_call_impl"] is not mine]
+        assert left == [], f"line {k}: {left}"
+        assert not module_hooks._global_forward_pre_hooks and not module_hooks._global_forward_hooks, f"line {k}"
+        if seen[0] < k:
+            break
+    assert k > 20  # the trace reached the discovery's lines
