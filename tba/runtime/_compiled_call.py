@@ -104,7 +104,7 @@ class _Handle:
         call.post.pop(self._key, None)
         layer = self._layer()
         if not call.pre and not call.post and layer is not None and vars(layer).get("_compiled_call_impl") is call:
-            layer._compiled_call_impl = call.compiled
+            vars(layer)["_compiled_call_impl"] = call.compiled
 
 
 def add_layer_hook(layer: nn.Module, hook: Callable[..., Any], *, pre: bool, with_kwargs: bool = False) -> Any:
@@ -112,6 +112,13 @@ def add_layer_hook(layer: nn.Module, hook: Callable[..., Any], *, pre: bool, wit
 
     On a layer compiled in place the hook runs around its compiled call (Note [Hooks on a block compiled in place run
     around its graph]); on any other it goes in the layer's hook dicts, as ``register_forward_pre_hook`` puts it.
+
+    Note: [A hook goes on with its handle]
+    The profiled step hooks its first layer from a hook, in the training thread, where a signal handler's exception
+    can land. The hook and the CompiledCall went in place before the handle was made, and an exception landing in
+    between left them on the layer for good, with no handle to take them off (found raising at every line here).
+    The handle is made first, and an exception before the handle is returned takes the hook off through it. The
+    compiled call is set in the instance's dict, one step, not through ``Module.__setattr__``, a Python call.
     """
     if not compiled_in_place(layer):
         if pre:
@@ -120,13 +127,18 @@ def add_layer_hook(layer: nn.Module, hook: Callable[..., Any], *, pre: bool, wit
     call = vars(layer)["_compiled_call_impl"]
     if not isinstance(call, CompiledCall):
         call = CompiledCall(layer, call)
-        layer._compiled_call_impl = call
     key = next(_ids)
-    if pre:
-        call.pre[key] = (hook, with_kwargs)
-    else:
-        call.post[key] = hook
-    return _Handle(call, key, layer)
+    handle = _Handle(call, key, layer)
+    try:  # Note [A hook goes on with its handle]
+        if pre:
+            call.pre[key] = (hook, with_kwargs)
+        else:
+            call.post[key] = hook
+        vars(layer)["_compiled_call_impl"] = call
+        return handle
+    except BaseException:
+        handle.remove()
+        raise
 
 
 def remove_layer_hooks(layer: nn.Module, hooks: tuple[Callable[..., Any], ...]) -> None:
@@ -143,4 +155,4 @@ def remove_layer_hooks(layer: nn.Module, hooks: tuple[Callable[..., Any], ...]) 
         if hook in hooks:
             call.post.pop(key, None)
     if not call.pre and not call.post:
-        layer._compiled_call_impl = call.compiled
+        vars(layer)["_compiled_call_impl"] = call.compiled

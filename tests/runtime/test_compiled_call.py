@@ -131,3 +131,42 @@ def test_an_exception_at_any_line_of_discovery_leaves_each_block_its_own_compile
         if seen[0] < k:
             break
     assert k > 20  # the trace reached the discovery's lines
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["first-hook", "second-hook"])
+def test_a_hook_interrupted_at_any_line_is_on_with_its_handle_or_not_on(second):
+    """Note [A hook goes on with its handle] in tba/runtime/_compiled_call.py: the profiled step hooks its first layer
+    from a hook in the training thread; an exception landing in :func:`add_layer_hook` after it had put the hook (and the
+    CompiledCall) in place, before the handle was made, left the hook on the block for good."""
+    from injection import Injected, raise_at_line
+
+    from tba.runtime._compiled_call import add_layer_hook
+
+    block = Block()
+    block.compile(backend="aot_eager")
+    own = vars(block)["_compiled_call_impl"]
+    first = add_layer_hook(block, lambda module, args: None, pre=True) if second else None
+    k = 0
+    while True:
+        k += 1
+        trace, seen = raise_at_line(k, lambda code: code.co_filename.endswith("tba/runtime/_compiled_call.py"))
+        handle = None
+        try:
+            sys.settrace(trace)
+            handle = add_layer_hook(block, lambda module, args, output: None, pre=False)
+        except Injected:
+            pass
+        finally:
+            sys.settrace(None)
+        if handle is not None:
+            handle.remove()
+        call = vars(block)["_compiled_call_impl"]
+        if second:
+            assert not call.post and len(call.pre) == 1, f"line {k}: {call.post}"
+        else:
+            assert call is own, f"line {k}: {type(call).__name__} left"
+        if seen[0] < k:
+            break
+    if first is not None:
+        first.remove()
+    assert vars(block)["_compiled_call_impl"] is own and k > 5
