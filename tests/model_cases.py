@@ -59,3 +59,18 @@ class SharedStorage(nn.Module):
         for chunk in chunks:
             out = out + (chunk * self.w1[:32]).sin().repeat(1, 2)
         return (out * buf[:, 32:96]).sum()
+
+
+WIDTH = 128
+"""The width of :class:`Block`."""
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block with a residual, the unit of the compile tests' models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))

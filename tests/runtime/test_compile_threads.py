@@ -5,21 +5,11 @@ from __future__ import annotations
 import threading
 
 import torch
+from model_cases import WIDTH, Block
 from torch import nn
 
 import tba
 from tba.errors import TbaError
-
-WIDTH = 128
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
 def _step(model: nn.Module, context) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -8,22 +8,12 @@ import sys
 
 import pytest
 import torch
+from model_cases import WIDTH, Block
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.modules import module as module_hooks
 
 import tba
-
-WIDTH = 128
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
 class Model(nn.Module):
