@@ -80,6 +80,12 @@ class CompiledCall:
                 output = result
         return output
 
+    def put_back_if_idle(self, layer: nn.Module) -> None:
+        """Give ``layer`` its own compiled call again once no hook of tba's is left on this one (and this one is still
+        the layer's: a ``layer.compile()`` since then set another)."""
+        if not self.pre and not self.post and vars(layer).get("_compiled_call_impl") is self:
+            vars(layer)["_compiled_call_impl"] = self.compiled
+
     def __reduce__(self) -> tuple[Any, tuple]:
         """A copy of the layer gets its own compiled call, not tba's (Note [A copy of a hooked layer holds none of
         tba's] in tba/runtime/_layer_hooks.py; torch's ``__getstate__`` drops the attribute before pickling anyway)."""
@@ -103,8 +109,8 @@ class _Handle:
         call.pre.pop(self._key, None)
         call.post.pop(self._key, None)
         layer = self._layer()
-        if not call.pre and not call.post and layer is not None and vars(layer).get("_compiled_call_impl") is call:
-            vars(layer)["_compiled_call_impl"] = call.compiled
+        if layer is not None:
+            call.put_back_if_idle(layer)
 
 
 def add_layer_hook(layer: nn.Module, hook: Callable[..., Any], *, pre: bool, with_kwargs: bool = False) -> Any:
@@ -154,5 +160,4 @@ def remove_layer_hooks(layer: nn.Module, hooks: tuple[Callable[..., Any], ...]) 
     for key, hook in list(call.post.items()):
         if hook in hooks:
             call.post.pop(key, None)
-    if not call.pre and not call.post:
-        vars(layer)["_compiled_call_impl"] = call.compiled
+    call.put_back_if_idle(layer)
