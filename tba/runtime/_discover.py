@@ -40,7 +40,6 @@ from torch import nn
 from tba import defaults
 from tba.runtime._compile import is_compiled_module
 from tba.runtime._compiled_call import add_layer_hook, compiled_in_place, remove_layer_hooks
-from tba.runtime._compiling import compiling
 from tba.runtime._entry import StorageEntry
 from tba.runtime._global_hooks import add_forward_hook, add_forward_pre_hook
 
@@ -85,8 +84,8 @@ class LayerDiscovery:
         self._handles, self._around, self._scanned = [], {}, set()
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        if compiling():
-            return
+        """tba's global pre-hook, or a :class:`~tba.runtime._compiled_call.CompiledCall`, calls this only outside a
+        trace (Note [One key per process for tba's global module hooks]): it need not ask."""
         if threading.get_ident() == self._thread:
             self._stack = (*self._stack, module)
             if id(module) not in self._scanned:
@@ -120,7 +119,7 @@ class LayerDiscovery:
                 add_layer_hook(child, self._leave, pre=False)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if compiling() or threading.get_ident() != self._thread or module not in self._stack:
+        if threading.get_ident() != self._thread or module not in self._stack:  # called outside a trace, as _enter
             return
         stack = self._stack
         index = len(stack) - 1

@@ -10,8 +10,8 @@ recompile limit ended training (``FailOnRecompileLimitHit`` under ``fullgraph=Tr
 then on, silently. Those two now attach callbacks to tba's one pre-hook and one hook, whose keys are made once per
 process; both hooks are in torch's dicts while any callback is attached and out of them otherwise, so a compiled
 block meets two sets of keys at most and compiles twice at most. Each hook calls the callbacks attached, in the order
-they were attached; traced by Dynamo it does nothing, as each callback did nothing there
-(:func:`~tba.runtime._compiling.compiling`, Note [Another thread's compile is not this thread's]). A recomputation's
+they were attached; traced by Dynamo it does nothing (:func:`~tba.runtime._compiling.compiling`, Note [Another
+thread's compile is not this thread's]), so the callbacks, called only outside a trace, do not ask again. A recomputation's
 two global pre-hooks (``tba/runtime/_outside_state.py``, ``tba/runtime/_overlap.py``) keep a key of their own: each
 must come off in a ``finally`` through one C call that no signal handler can interrupt halfway, and they exist only
 while a recomputed layer runs, which a block compiled in place never is (Note [A block compiled in place is not

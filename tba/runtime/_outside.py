@@ -44,7 +44,6 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from tba.runtime._compiling import compiling
 from tba.runtime._global_hooks import GlobalHook, add_forward_pre_hook
 from tba.runtime._nested_state import Entry, contents, entry, first_differing
 from tba.runtime._private_state import MODULE_INTERNALS
@@ -173,7 +172,9 @@ class OutsideCalls:
         return False
 
     def _called(self, module: nn.Module, args: Any) -> None:
-        if compiling() or not self._open or threading.get_ident() != self._thread:
+        """tba's global pre-hook calls this only outside a trace (Note [One key per process for tba's global module
+        hooks] in ``tba/runtime/_global_hooks.py``): it need not ask."""
+        if not self._open or threading.get_ident() != self._thread:
             return
         index, watched = self._open[-1]
         if id(module) in self._own[index] or id(module) in watched:
