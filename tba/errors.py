@@ -68,6 +68,11 @@ def error_text(error: BaseException | None) -> str:
         return ""
 
 
+def names_cuda_error(error: BaseException | None) -> bool:
+    """Whether ``error``'s text is a CUDA error's (torch's and kvikio's say "CUDA error"): the GPU failed, not a disk."""
+    return "CUDA error" in error_text(error)
+
+
 def error_summary(error: BaseException) -> str:
     """``error``'s text, or its type's name when it has none, for a log line about a failure tba settled.
 

@@ -27,6 +27,8 @@ from tba.defaults import ALIGN_BYTES
 from tba.device._cuda import cuda_api
 from tba.device._cuda_ops import CudaOps
 from tba.device._protocol import WRITE_NOT_NEEDED, Callback, ReadCallback, Route
+from tba.errors import error_text, names_cuda_error
+from tba.io import FULL_DISK_ERRNOS
 
 logger = logging.getLogger("tba")
 
@@ -299,14 +301,14 @@ def _wait_all(futures: list[Any]) -> BaseException | None:
 def _failure(futures: list[Any]) -> BaseException | None:
     """None once every piece of a transfer succeeded; else the first error, once no piece moves any more."""
     error = _wait_all(futures)
-    if error is None or isinstance(error, OSError) or "CUDA error" in str(error):  # a CUDA error: the GPU's, not the disk's
+    if error is None or isinstance(error, OSError) or names_cuda_error(error):  # a CUDA error: the GPU's, not the disk's
         return error
     # kvikio raises RuntimeError for I/O failures ("POSIX error on pwrite: No space left on device"); the store turns
     # OSError into TbaReadError, and a write's errno into its warning's cause and fix (one warning per cause).
-    text = str(error)
+    text = error_text(error)
     number = next((number for number in _NAMED_ERRNOS if os.strerror(number) in text), errno.EIO)
     return OSError(number, f"kvikio: {text}")
 
 
-_NAMED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+_NAMED_ERRNOS = (*FULL_DISK_ERRNOS, errno.EFBIG, errno.EROFS, errno.EIO)
 """The errnos whose text a kvikio error message is read for: those a failed write's warning names a fix for."""

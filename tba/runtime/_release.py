@@ -26,7 +26,7 @@ import torch
 
 from tba import defaults
 from tba._fork_lock import ForkSafeLock
-from tba.errors import EngineClosedError, error_summary, error_text
+from tba.errors import EngineClosedError, error_summary, names_cuda_error
 from tba.io import FULL_DISK_ERRNOS, checksum
 from tba.runtime._entry import State, StorageEntry
 from tba.runtime._trim import discard_pages, sole_owner, trimmer
@@ -275,7 +275,7 @@ def write_error_cause(error: BaseException | None, end_bytes: int) -> tuple[int 
         # child's io_uring engine refuses all work), and the warning said to check the disk.
         return "engine closed", ("The engine passed as backend= is closed, or was made before this process was "
                                  "forked (each process needs its own): pass a backend name, or a new engine.")
-    if number is None and "CUDA error" in error_text(error):
+    if number is None and names_cuda_error(error):
         # The device's copy to or from the staging block failed, not the file (after an illegal access, every
         # later CUDA call fails): freeing disk space would not help.
         return None, "The GPU failed, not the disk: the CUDA error above is the cause; fix it, the directory is fine."
