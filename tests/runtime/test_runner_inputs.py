@@ -189,6 +189,22 @@ def test_a_layer_that_saves_more_than_its_shapes_plan_was_made_for_keeps_no_more
     assert kept[4] <= kept[3], f"a step of 256 target rows kept {kept[4]} bytes, its plan was made keeping {kept[3]}"
 
 
+def _written_each_step(off: tba.Offloader, step_loss, steps: int) -> tuple[list[int], tba.Plan | None]:
+    """The bytes ``off`` wrote in each of ``steps`` steps of ``step_loss(step)`` and backward, each step's writes
+    flushed inside its ``with`` (counted in that step, not in a later one's when they end late); then its plan, closed."""
+    written = []
+    for step in range(steps):
+        before = off.stats.bytes_written
+        with off:
+            loss = step_loss(step)
+            off.flush()
+        loss.backward()
+        written.append(off.stats.bytes_written - before)
+    plan = off.plan
+    off.close()
+    return written, plan
+
+
 class _RecomputeThenKeep(tba.Policy):
     name = "recompute-then-keep"
 
@@ -205,16 +221,7 @@ def test_a_kept_layer_after_a_recomputed_one_keeps_its_input(spill_dir):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(4)))
     off = tba.Offloader(spill_dir, layers=list(model), policy=_RecomputeThenKeep(), min_offload_bytes=0)
-    written = []
-    for _ in range(5):
-        before = off.stats.bytes_written
-        with off:
-            loss = model(torch.randn(64, 128)).sum()
-            off.flush()  # this step's writes are counted in this step, not in a later one's when they end late
-        loss.backward()
-        written.append(off.stats.bytes_written - before)
-    plan = off.plan
-    off.close()
+    written, plan = _written_each_step(off, lambda step: model(torch.randn(64, 128)).sum(), 5)
     assert plan is not None and plan.code == "RRKK", plan
     assert written[3:] == [0, 0], written
 
@@ -289,16 +296,11 @@ def test_a_kept_layer_that_did_not_run_in_the_profiled_step_is_not_capped(spill_
     torch.manual_seed(0)
     model = _SkipsALayer()
     off = tba.Offloader(spill_dir, layers=list(model.blocks), policy=_KeepEveryLayer(), min_offload_bytes=0)
-    written = []
-    for step in range(6):
+
+    def step_loss(step: int) -> torch.Tensor:
         model.step = step
-        before = off.stats.bytes_written
-        with off:
-            loss = model(torch.randn(64, 64)).sum()
-            off.flush()  # this step's writes are counted in this step, not in the next one's when they end late
-        loss.backward()
-        written.append(off.stats.bytes_written - before)
-    plan = off.plan
-    off.close()
+        return model(torch.randn(64, 64)).sum()
+
+    written, plan = _written_each_step(off, step_loss, 6)
     assert plan is not None and plan.code == "KKKK", plan
     assert written[2:] == [0] * 4, written
