@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -353,3 +354,21 @@ class SaveSum(torch.autograd.Function):
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
         return grad * h.sum(), None
+
+
+def train_counting_graphs(model: nn.Module, step_loss: Callable[[nn.Module, int], torch.Tensor],
+                          contexts: Callable[[nn.Module], Any], steps: int) -> tuple[list, list, int]:
+    """``steps`` SGD steps (lr 0.1) of ``model``, each forward ``step_loss(model, step)`` inside ``contexts(model)``: the
+    losses, the final parameters and how many graphs Dynamo compiled (its counters as the caller left them)."""
+    from torch._dynamo.utils import counters
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        with contexts(model):
+            loss = step_loss(model, step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from utils import assert_exact, run_step
+from utils import assert_exact, run_step, train_counting_graphs
 
 import tba
 from tba.bench.models import PRESETS, make_batch, make_gpt
@@ -293,17 +293,12 @@ def _train_in_place_compiled(contexts, steps: int = 10, whole: bool = False) -> 
     model = make_gpt(CONFIG)
     for block in [model] if whole else model.blocks:
         block.compile(backend="aot_eager", fullgraph=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
+
+    def step_loss(model, step):
         torch.manual_seed(step)
-        with contexts(model):
-            loss = forward(model)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+        return forward(model)
+
+    return train_counting_graphs(model, step_loss, contexts, steps)
 
 
 @pytest.mark.parametrize("how", ["bare", "memory_budget", "layers", "whole-model"])

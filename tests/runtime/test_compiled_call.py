@@ -12,6 +12,7 @@ from model_cases import WIDTH, Block
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.modules import module as module_hooks
+from utils import train_counting_graphs
 
 import tba
 
@@ -44,17 +45,9 @@ def _train(contexts, steps: int) -> tuple[list, list, int]:
     for block in model.blocks:
         block.compile(backend="aot_eager", fullgraph=True)
     model.compile(backend="aot_eager", fullgraph=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        x = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(step))
-        with contexts(model):
-            loss = model(x)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return losses, [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+    return train_counting_graphs(
+        model, lambda model, step: model(torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(step))),
+        contexts, steps)
 
 
 @pytest.mark.parametrize("how", ["layers", "memory_budget"])
